@@ -1,0 +1,31 @@
+"""shardcheck: prove that a sharded JAX / Flax NNX training step computes the update you meant."""
+
+from shardcheck.baseline import fsdp_step as fsdp_step
+from shardcheck.baseline import sgd_step as sgd_step
+from shardcheck.losses import mse_loss as mse_loss
+from shardcheck.losses import weighted_squared_error as weighted_squared_error
+from shardcheck.models import MLP as MLP
+from shardcheck.models import make_model as make_model
+from shardcheck.optimizers import make_tx as make_tx
+from shardcheck.reductions import tree_mean as tree_mean
+from shardcheck.reductions import tree_sum as tree_sum
+from shardcheck.simulation import ReducedStep as ReducedStep
+from shardcheck.simulation import reduced_sgd_step as reduced_sgd_step
+from shardcheck.simulation import simulated_data_parallel_step as simulated_data_parallel_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLP",
+    "ReducedStep",
+    "fsdp_step",
+    "make_model",
+    "make_tx",
+    "mse_loss",
+    "reduced_sgd_step",
+    "sgd_step",
+    "simulated_data_parallel_step",
+    "tree_mean",
+    "tree_sum",
+    "weighted_squared_error",
+]

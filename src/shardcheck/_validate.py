@@ -1,0 +1,191 @@
+"""Input checks shared by every step. Each raises before any model or optimizer state is touched.
+
+Messages start with the public function's name, name the argument and the value received, state the rule and the
+fix, in the habit of ``jnp.sum: where must be ...``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def _as_array(fn: str, name: str, a) -> jax.Array | np.ndarray:
+    if isinstance(a, jax.Array | np.ndarray):
+        return a
+    try:
+        arr = np.asarray(a)
+    except Exception as err:  # ragged lists, objects numpy cannot hold
+        raise TypeError(f"{fn}: {name} must be an array of numbers, got {type(a).__name__}") from err
+    return arr
+
+
+def _all_finite(a) -> bool:
+    if isinstance(a, np.ndarray):
+        return bool(np.isfinite(a).all())
+    return bool(jnp.isfinite(a).all())
+
+
+def check_batch(fn: str, x, y) -> tuple[jax.Array, jax.Array]:
+    """Validate a ``(x, y)`` batch and return it as JAX arrays.
+
+    Rules: numeric (integer or floating, not bool or complex) dtypes, integers converted to float32; both 2-D;
+    the same non-zero batch size; no NaN or inf.
+
+    Raises:
+        TypeError: non-numeric dtype.
+        ValueError: wrong rank, mismatched or empty batch, non-finite values.
+    """
+    x = _as_array(fn, "x", x)
+    y = _as_array(fn, "y", y)
+    arrays = {}
+    for name, a in (("x", x), ("y", y)):
+        dtype = np.dtype(a.dtype)
+        if dtype.kind in "iu":
+            a = a.astype(np.float32) if isinstance(a, np.ndarray) else a.astype(jnp.float32)
+        elif dtype.kind != "f" and dtype != jnp.bfloat16:
+            raise TypeError(
+                f"{fn}: {name} has dtype {dtype}, which is not numeric; pass float (or integer) data, "
+                f"e.g. {name}.astype(np.float32)"
+            )
+        if a.ndim != 2:
+            fix = "(B, D)" if name == "x" else "(B, K); reshape a 1-D target with y[:, None]"
+            raise ValueError(f"{fn}: {name} must be 2-D {fix}, got shape {tuple(a.shape)}")
+        arrays[name] = a
+    x, y = arrays["x"], arrays["y"]
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"{fn}: x and y must have the same batch size, got x.shape[0]={x.shape[0]} and y.shape[0]={y.shape[0]}"
+        )
+    if x.shape[0] == 0:
+        raise ValueError(f"{fn}: the batch is empty (x.shape={tuple(x.shape)}); pass at least one example")
+    for name, a in (("x", x), ("y", y)):
+        if not _all_finite(a):
+            raise ValueError(f"{fn}: {name} contains NaN or inf; clean or impute the data before stepping")
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+def check_num_shards(fn: str, num_shards) -> int:
+    """``num_shards`` must be a positive int (not bool, float or None). Returns it as ``int``."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, numbers.Integral):
+        raise TypeError(
+            f"{fn}: num_shards must be a positive int, got {num_shards!r} ({type(num_shards).__name__}); "
+            "pass e.g. num_shards=2"
+        )
+    if num_shards < 1:
+        raise ValueError(f"{fn}: num_shards must be a positive int, got {num_shards}; pass e.g. num_shards=2")
+    return int(num_shards)
+
+
+def valid_shard_counts(batch: int) -> list[int]:
+    """The shard counts that split ``batch`` examples into equal shards (the divisors of ``batch``)."""
+    return [s for s in range(1, batch + 1) if batch % s == 0]
+
+
+def check_equal_shards(fn: str, batch: int, num_shards: int, *, hint: str = "use weights= for uneven shards"):
+    """``batch`` must split into ``num_shards`` equal, non-empty shards (``../shared/cases`` C4, C6)."""
+    if num_shards > batch:
+        raise ValueError(
+            f"{fn}: num_shards={num_shards} is more shards than examples (batch size {batch}); "
+            f"every shard needs at least one example: use num_shards <= {batch}"
+        )
+    if batch % num_shards:
+        valid = ", ".join(map(str, valid_shard_counts(batch)))
+        raise ValueError(
+            f"{fn}: batch size {batch} is not divisible by num_shards={num_shards}; equal shards are required "
+            f"(valid num_shards for this batch: {valid}; {hint})"
+        )
+
+
+def check_lr(fn: str, lr) -> float:
+    """``lr`` must be a finite positive real number. Returns it as ``float``."""
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"{fn}: lr must be a finite positive number, got {lr!r} ({type(lr).__name__}); pass e.g. lr=0.1")
+    if not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"{fn}: lr must be a finite positive number, got {lr!r}; pass e.g. lr=0.1")
+    return float(lr)
+
+
+def check_seed(fn: str, seed) -> int:
+    """``seed`` must be an int in ``[0, 2**31)`` (it travels into the jitted step as an int32)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{fn}: seed must be an int, got {seed!r} ({type(seed).__name__}); pass e.g. seed=0")
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"{fn}: seed must be in [0, 2**31), got {seed}; pass e.g. seed=0")
+    return int(seed)
+
+
+def check_params(fn: str, params, in_features: int, out_features: int) -> dict[str, jax.Array] | None:
+    """``params`` is None or a mapping with exactly ``kernel`` (D, K) and ``bias`` (K,), finite and numeric."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"{fn}: params must be a mapping {{'kernel': (D, K), 'bias': (K,)}}, got {type(params).__name__}"
+        )
+    if set(params) != {"kernel", "bias"}:
+        raise ValueError(
+            f"{fn}: params must have exactly the keys 'kernel' and 'bias', got {sorted(map(str, params))}"
+        )
+    want = {"kernel": (in_features, out_features), "bias": (out_features,)}
+    out = {}
+    for key in ("kernel", "bias"):
+        a = _as_array(fn, f"params[{key!r}]", params[key])
+        if np.dtype(a.dtype).kind not in "iuf" and a.dtype != jnp.bfloat16:
+            raise TypeError(f"{fn}: params[{key!r}] has dtype {a.dtype}, which is not numeric")
+        if tuple(a.shape) != want[key]:
+            raise ValueError(
+                f"{fn}: params[{key!r}] must have shape {want[key]} for x of width D={in_features} and y of "
+                f"width K={out_features}, got {tuple(a.shape)}"
+            )
+        if not _all_finite(a):
+            raise ValueError(f"{fn}: params[{key!r}] contains NaN or inf")
+        out[key] = jnp.asarray(a, dtype=jnp.float32)
+    return out
+
+
+def check_model(fn: str, model) -> None:
+    """Refuse models for which sharded and full-batch steps are not equivalent (``../shared/cases`` C7).
+
+    Seed ``000_f7b4ea9cf28c5420.txt``: the equivalence holds for models with no batch-dependent state or
+    randomness in the forward pass. A module holding ``nnx.BatchStat`` variables (BatchNorm) computes statistics
+    over the shard it sees, and one holding RNG streams (Dropout) draws the same mask on every shard.
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
+    reasons = []
+    if jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
+        reasons.append(
+            "it holds nnx.BatchStat variables (e.g. BatchNorm): each shard would normalise with its own batch "
+            "statistics, not the full batch's"
+        )
+    if jax.tree.leaves(nnx.state(model, nnx.RngState)):
+        reasons.append(
+            "it holds RNG streams (e.g. Dropout): every shard would draw the same random mask from the same key"
+        )
+    if reasons:
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} is refused because "
+            + "; and ".join(reasons)
+            + ". A sharded step equals the full-batch step only for models without batch-dependent state or "
+            "randomness (seed 000); use a model without them, or evaluate it in a deterministic mode"
+        )
+
+
+def check_optimizer(fn: str, optimizer, model) -> None:
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"{fn}: optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}; build it with "
+            "nnx.Optimizer(model, tx, wrt=nnx.Param)"
+        )
+    if optimizer.wrt is not nnx.Param and optimizer.wrt != nnx.Param:
+        raise ValueError(
+            f"{fn}: optimizer was built with wrt={optimizer.wrt!r}; shardcheck steps differentiate nnx.Param, so "
+            "build it with nnx.Optimizer(model, tx, wrt=nnx.Param)"
+        )

@@ -1,0 +1,37 @@
+"""The ``shardcheck`` command line: the only place that parses arguments or prints.
+
+Each subcommand lives in a module of this package exposing ``add_parser(subparsers)`` (which registers the
+subcommand and sets ``func``) and is listed in ``SUBCOMMANDS``. Options that must act before JAX initializes
+(``--devices``) are applied by :func:`configure_devices` before any computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("run",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardcheck",
+        description="Prove that a sharded JAX / Flax NNX training step computes the update you meant.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"shardcheck.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shardcheck`` console script; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Helpers shared by the subcommands: device setup, JSON output, the rich console."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+
+def configure_devices(num_devices: int | None) -> None:
+    """Ask for ``num_devices`` fake CPU devices; must run before JAX initializes its backend.
+
+    On a machine with an accelerator JAX uses the devices that exist and this only affects the CPU backend.
+    In a process started by ``shardcheck launch`` the launcher has already configured the devices.
+    """
+    if num_devices is None:
+        return
+    import jax
+
+    if os.environ.get("SHARDCHECK_DEVICES_PER_PROCESS"):
+        return
+    jax.config.update("jax_num_cpu_devices", int(num_devices))
+
+
+def console_for(args) -> Console:
+    """A console on stdout, or on stderr when ``--json -`` owns stdout."""
+    if getattr(args, "json", None) == "-":
+        return Console(file=sys.stderr)
+    return Console()
+
+
+def _clean(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_json(obj, path: str | None) -> None:
+    """Write one JSON object to ``path``, or to stdout alone when ``path == "-"``; atomic for files."""
+    if path is None:
+        return
+    text = json.dumps(_clean(obj), indent=2, sort_keys=False)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
+    write_atomic(Path(path), text.encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder and a rename: never a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

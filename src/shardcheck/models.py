@@ -1,0 +1,53 @@
+"""The models shardcheck steps: the seeds' ``nnx.Linear`` and a two-layer MLP."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+MODEL_KINDS = ("linear", "mlp")
+
+
+class MLP(nnx.Module):
+    """Two ``nnx.Linear`` layers with a ReLU between: ``(B, D) -> (B, H) -> (B, K)``.
+
+    Args:
+        in_features: D.
+        hidden: H.
+        out_features: K.
+        rngs: the ``nnx.Rngs`` for the initializers (``lecun_normal`` kernels, zero biases).
+    """
+
+    def __init__(self, in_features: int, hidden: int, out_features: int, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(in_features, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, out_features, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def make_model(kind: str, in_features: int, out_features: int, *, hidden: int = 32, seed: int = 0) -> nnx.Module:
+    """A fresh model of the given kind, initialised from ``nnx.Rngs(seed)``.
+
+    Args:
+        kind: ``"linear"`` (``nnx.Linear(D, K)``) or ``"mlp"`` (:class:`MLP` with ``hidden`` units).
+        in_features: D >= 1.
+        out_features: K >= 1.
+        hidden: H >= 1, used by ``"mlp"`` only.
+        seed: integer seed of ``nnx.Rngs``.
+
+    Returns:
+        The module; its parameters are float32.
+
+    Raises:
+        ValueError: if ``kind`` is unknown or a width is < 1.
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"make_model: kind={kind!r} is unknown; use one of {', '.join(MODEL_KINDS)}")
+    for name, value in (("in_features", in_features), ("out_features", out_features), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_model: {name}={value!r} must be a positive int")
+    rngs = nnx.Rngs(seed)
+    if kind == "linear":
+        return nnx.Linear(in_features, out_features, rngs=rngs)
+    return MLP(in_features, hidden, out_features, rngs=rngs)
