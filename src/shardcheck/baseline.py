@@ -29,7 +29,7 @@ def apply_sgd_update(model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, 
     return loss
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(jax.jit, static_argnums=0)
 def _sgd_step_jit(graphdef, state, x, y):
     model, optimizer = nnx.merge(graphdef, state)
     loss = apply_sgd_update(model, optimizer, x, y)

@@ -123,7 +123,7 @@ def apply_reduced_update(
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=1)
+@functools.partial(jax.jit, static_argnums=(0, 5))
 def _reduced_step_jit(graphdef, state, xs, ys, ws, keep_shard_grads):
     model, optimizer = nnx.merge(graphdef, state)
     result = apply_reduced_update(model, optimizer, xs, ys, ws, keep_shard_grads)

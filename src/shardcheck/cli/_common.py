@@ -29,9 +29,10 @@ def configure_devices(num_devices: int | None) -> None:
 
 def console_for(args) -> Console:
     """A console on stdout, or on stderr when ``--json -`` owns stdout."""
-    if getattr(args, "json", None) == "-":
-        return Console(file=sys.stderr)
-    return Console()
+    stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
+    # Off a terminal rich assumes 80 columns; tables of numbers read better wider.
+    width = None if stream.isatty() else 140
+    return Console(file=stream, width=width)
 
 
 def _clean(obj):

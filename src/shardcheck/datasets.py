@@ -1,0 +1,169 @@
+"""Real data for the main job: scikit-learn's bundled regression sets (no download), CSV and NPZ files."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+BUNDLED = ("diabetes", "linnerud")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A regression data set, as float32 NumPy arrays.
+
+    Attributes:
+        name: ``"diabetes"``, ``"linnerud"`` or the file's name.
+        x: ``(N, D)`` float32 features.
+        y: ``(N, K)`` float32 targets.
+        feature_names: D column names.
+        target_names: K column names.
+    """
+
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    feature_names: tuple[str, ...]
+    target_names: tuple[str, ...]
+
+
+def standardize(a: np.ndarray) -> np.ndarray:
+    """Zero mean, unit variance per column (float64 arithmetic, float32 result); constant columns stay zero."""
+    a = np.asarray(a, dtype=np.float64)
+    std = a.std(axis=0)
+    return ((a - a.mean(axis=0)) / np.where(std > 0, std, 1.0)).astype(np.float32)
+
+
+def _targets(fn: str, target, columns: Sequence[str]) -> list[str]:
+    if target is None:
+        return [columns[-1]]
+    names = [t.strip() for t in target.split(",")] if isinstance(target, str) else list(target)
+    if not names or any(not n for n in names):
+        raise ValueError(f"{fn}: target={target!r} names no column; pass e.g. target='y' or 'y1,y2'")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{fn}: target column(s) {dup} listed twice; name each target once")
+    unknown = [n for n in names if n not in columns]
+    if unknown:
+        raise ValueError(f"{fn}: unknown target column(s) {unknown}; the file has columns {list(columns)}")
+    if len(names) == len(columns):
+        raise ValueError(f"{fn}: every column is a target; leave at least one feature column")
+    return names
+
+
+def _load_csv(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    rows = [r for r in rows if any(c.strip() for c in r)]
+    if len(rows) < 2:
+        raise ValueError(f"{fn}: {path.name} needs a header row and at least one data row, got {len(rows)} row(s)")
+    header = [c.strip() for c in rows[0]]
+    if len(set(header)) != len(header):
+        raise ValueError(f"{fn}: {path.name} has duplicate column names in its header {header}")
+    values = np.empty((len(rows) - 1, len(header)), dtype=np.float64)
+    for i, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise ValueError(f"{fn}: {path.name} line {i} has {len(row)} fields, the header has {len(header)}")
+        for j, cell in enumerate(row):
+            try:
+                values[i - 2, j] = float(cell)
+            except ValueError:
+                raise ValueError(
+                    f"{fn}: {path.name} line {i}, column {header[j]!r}: {cell!r} is not a number; every column must "
+                    "be numeric"
+                ) from None
+    targets = _targets(fn, target, header)
+    features = [c for c in header if c not in targets]
+    x = values[:, [header.index(c) for c in features]]
+    y = values[:, [header.index(c) for c in targets]]
+    return x, y, features, targets
+
+
+def _load_npz(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    if target is not None:
+        raise ValueError(f"{fn}: target= applies to CSV files; an NPZ file holds its targets in the array 'y'")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [k for k in ("x", "y") if k not in data.files]
+            if missing:
+                raise ValueError(f"{fn}: {path.name} lacks array(s) {missing}; it must hold arrays 'x' and 'y'")
+            x, y = data["x"], data["y"]
+    except ValueError as err:
+        if str(err).startswith(fn):
+            raise
+        raise ValueError(f"{fn}: {path.name} is not a readable NPZ of numeric arrays ({err})") from None
+    except OSError as err:
+        raise ValueError(f"{fn}: {path.name} is not a readable NPZ file ({err})") from None
+    for name, a in (("x", x), ("y", y)):
+        if a.dtype.kind not in "iuf":
+            raise ValueError(f"{fn}: {path.name} array {name!r} has dtype {a.dtype}; it must be numeric")
+    y = y[:, None] if y.ndim == 1 else y
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"{fn}: {path.name} must hold x of shape (N, D) and y of shape (N, K) or (N,), got {x.shape} and "
+            f"{y.shape}"
+        )
+    return x, y, [f"x{i}" for i in range(x.shape[1])], [f"y{i}" for i in range(y.shape[1])]
+
+
+def load_dataset(source: str = "diabetes", *, target=None, standardize_data: bool = True) -> Dataset:
+    """Load a regression data set as float32 arrays, standardized per column by default.
+
+    Sources: ``"diabetes"`` (scikit-learn's bundled diabetes data, 442 x 10 -> 1), ``"linnerud"`` (20 x 3 -> 3),
+    a ``.csv`` file (a header row, numeric columns; ``target`` names the target columns, comma-separated, default
+    the last column) or a ``.npz`` file (arrays ``x (N, D)`` and ``y (N, K)`` or ``(N,)``, read with
+    ``allow_pickle=False``). Nothing is downloaded.
+
+    Args:
+        source: a bundled name or a file path.
+        target: CSV target column name(s): a comma-separated string or a sequence.
+        standardize_data: standardize features and targets to zero mean and unit variance.
+
+    Returns:
+        A :class:`Dataset`.
+
+    Raises:
+        ValueError: unknown name, missing file, unknown or duplicated target column, non-numeric value, NaN or
+            inf, wrong array shapes, too few rows.
+    """
+    fn = "load_dataset"
+    if source in BUNDLED:
+        if target is not None:
+            raise ValueError(f"{fn}: target= applies to CSV files, not to the bundled {source!r} data")
+        from sklearn import datasets as skd
+
+        bunch = skd.load_diabetes() if source == "diabetes" else skd.load_linnerud()
+        x, y = bunch.data, bunch.target
+        y = y[:, None] if y.ndim == 1 else y
+        features = list(bunch.feature_names)
+        targets = list(getattr(bunch, "target_names", ["target"]) or ["target"])
+        if len(targets) != y.shape[1]:
+            targets = ["target"]
+        name = source
+    else:
+        path = Path(source)
+        if path.suffix.lower() not in (".csv", ".npz"):
+            raise ValueError(
+                f"{fn}: source={source!r} is neither a bundled data set ({', '.join(BUNDLED)}) nor a .csv / .npz "
+                "file"
+            )
+        if not path.is_file():
+            raise ValueError(f"{fn}: file {source!r} does not exist")
+        loader = _load_csv if path.suffix.lower() == ".csv" else _load_npz
+        x, y, features, targets = loader(fn, path, target)
+        name = path.name
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    for label, a in (("features", x), ("targets", y)):
+        if not np.isfinite(a).all():
+            bad = np.argwhere(~np.isfinite(a))[0]
+            raise ValueError(f"{fn}: {name} {label} hold NaN or inf (first at row {bad[0]}); clean the data first")
+    if x.shape[0] < 1:
+        raise ValueError(f"{fn}: {name} has no rows")
+    if standardize_data:
+        x, y = standardize(x), standardize(y)
+    return Dataset(name, x.astype(np.float32), y.astype(np.float32), tuple(features), tuple(targets))
