@@ -1,0 +1,532 @@
+"""Memory per device under each sharding strategy: estimated from shapes, and measured from the compiled step.
+
+The estimate counts the persistent training state leaf by leaf (parameters, the optimizer state that optax
+really allocates, NNX's step counter) plus one gradient per parameter, and places every leaf with the same
+rule the FSDP step uses (:func:`shardcheck.partitioning.fsdp_partition_spec`). The strategies are the ZeRO
+stages of Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (2020):
+
+============  ==========  =========  ==================
+strategy      parameters  gradients  optimizer state
+============  ==========  =========  ==================
+replicated    full        full       full (one device)
+dp            full        full       full (S devices)
+zero1         full        full       1/S
+zero2         full        1/S        1/S
+fsdp          1/S         1/S        1/S (ZeRO-3)
+============  ==========  =========  ==================
+
+"1/S" means: split by :func:`~shardcheck.partitioning.fsdp_partition_spec`; a leaf none of whose dimensions
+divides by S (a bias of width 3 on 4 devices, a scalar counter) stays whole on every device.
+
+Seed ``001_a85d1499a1a85057.txt`` gives the parameter-storage figure of a biased Linear, ``(D + 1) * K / S``
+values times bytes per value, and warns that it is neither a peak-memory formula nor proof that a model fits:
+it omits gradients, activations, optimizer buffers, gathered parameters and communication buffers. The
+estimate reports that "even split" beside the real per-device layout; :func:`measure_memory` compiles the real
+step and reads XLA's own per-device figures, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from shardcheck import _validate
+from shardcheck.optimizers import OPTIMIZERS, make_tx
+from shardcheck.partitioning import STRATEGIES, fsdp_partition_spec
+
+PyTree = Any
+
+CATEGORIES = ("params", "grads", "optimizer", "step")
+"""The categories of :class:`LeafMemory`: parameters, gradients, optax state, NNX's optimizer step counter."""
+
+SHARDED_CATEGORIES = {
+    "replicated": frozenset(),
+    "dp": frozenset(),
+    "zero1": frozenset({"optimizer", "step"}),
+    "zero2": frozenset({"optimizer", "step", "grads"}),
+    "fsdp": frozenset({"optimizer", "step", "grads", "params"}),
+}
+"""Which categories each strategy splits over the mesh axis (ZeRO stages 1, 2, 3; Rajbhandari et al. 2020)."""
+
+DTYPES = ("float32", "bfloat16")
+"""The parameter dtypes the CLI offers; :func:`estimate_memory` takes any floating dtype."""
+
+STEP_COUNTER = jax.ShapeDtypeStruct((), jnp.uint32)
+"""``nnx.Optimizer.step``: one uint32 scalar (4 bytes), replicated under every strategy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMemory:
+    """Where one leaf of the training state lives, and what it costs on each device.
+
+    Attributes:
+        path: ``"/"``-joined path inside its category, e.g. ``"kernel"``, ``"layers/0/bias"``,
+            ``"0/mu/kernel"``.
+        category: one of :data:`CATEGORIES`.
+        shape: global shape.
+        dtype: dtype name, e.g. ``"float32"``.
+        spec: the ``PartitionSpec`` as text, ``"P()"`` when whole on every device.
+        shard_shape: shape of the block one device holds (the global shape when replicated).
+        sharded: whether the leaf is split over the devices.
+        replicated_reason: why it is whole on every device (``""`` when sharded): the strategy replicates its
+            category, or no dimension divides by S, or it is a scalar.
+        global_bytes: bytes of the whole leaf.
+        per_device_bytes: ``prod(shard_shape) * itemsize``, bytes on each device.
+        padded_bytes: padding bytes per device; always 0, because the placement rule replicates a leaf that
+            does not divide rather than padding it (kept so padded layouts such as PyTorch FSDP's flat
+            parameters can be compared).
+    """
+
+    path: str
+    category: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    shard_shape: tuple[int, ...]
+    sharded: bool
+    replicated_reason: str
+    global_bytes: int
+    per_device_bytes: int
+    padded_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of the training state under one strategy, by category, from shapes alone.
+
+    Attributes:
+        strategy: one of :data:`shardcheck.partitioning.STRATEGIES`.
+        num_shards: S, the mesh axis size asked for.
+        num_devices: devices the strategy uses: 1 for ``"replicated"``, else S.
+        param_count: number of parameter values (all leaves).
+        params_bytes: parameter bytes per device.
+        grads_bytes: gradient bytes per device (one gradient per parameter, same shape and dtype; transient
+            during a step, counted because it is live at the update).
+        optimizer_bytes: optax state bytes per device (momentum traces, Adam moments and counts, the
+            ``optax.MultiSteps`` accumulator: whatever ``tx.init`` really returns).
+        step_bytes: NNX's optimizer step counter, bytes per device (4: one uint32, replicated).
+        persistent_bytes: ``params_bytes + optimizer_bytes + step_bytes``: the state that outlives a step,
+            which :func:`measure_memory` reads back from the live arrays.
+        total_bytes: ``persistent_bytes + grads_bytes``. Not a peak: activations, gathered parameters,
+            communication buffers and dtype-conversion copies are not counted (seed 001).
+        unsharded_total_bytes: ``total_bytes`` of the same state on one device.
+        even_split_params_bytes: seed 001's figure: all parameter bytes divided evenly over S,
+            ``(D + 1) * K / S`` values times bytes per value for a Linear (may be fractional).
+        even_split_formula: that figure written out, e.g. ``"(512 + 1) * 512 / 4 * 4 B"``.
+        even_split_note: how ``params_bytes`` differs from the even split, and why.
+        leaves: every leaf of every category, in the order params, grads, optimizer, step.
+    """
+
+    strategy: str
+    num_shards: int
+    num_devices: int
+    param_count: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    step_bytes: int
+    persistent_bytes: int
+    total_bytes: int
+    unsharded_total_bytes: int
+    even_split_params_bytes: float
+    even_split_formula: str
+    even_split_note: str
+    leaves: tuple[LeafMemory, ...]
+
+    def bytes_by_category(self) -> dict[str, int]:
+        """``{"params": ..., "grads": ..., "optimizer": ..., "step": ...}``, bytes per device."""
+        return {
+            "params": self.params_bytes,
+            "grads": self.grads_bytes,
+            "optimizer": self.optimizer_bytes,
+            "step": self.step_bytes,
+        }
+
+
+class DeepMLP(nnx.Module):
+    """``layers`` ``nnx.Linear`` layers with ReLU between: ``(B, D) -> (B, H) -> ... -> (B, H) -> (B, K)``.
+
+    The shared :class:`shardcheck.models.MLP` has two layers; this one has any depth, for sizing deep models.
+
+    Args:
+        in_features: D.
+        hidden: H, the width of every hidden layer.
+        out_features: K.
+        layers: L >= 2 Linear layers: one ``(D, H)``, ``L - 2`` of ``(H, H)``, one ``(H, K)``, all biased.
+        param_dtype: dtype of every kernel and bias.
+        rngs: the ``nnx.Rngs`` for the initializers.
+    """
+
+    def __init__(
+        self, in_features: int, hidden: int, out_features: int, *, layers: int, param_dtype, rngs: nnx.Rngs
+    ):
+        widths = [in_features] + [hidden] * (layers - 1) + [out_features]
+        self.layers = nnx.List(
+            [
+                nnx.Linear(a, b, param_dtype=param_dtype, rngs=rngs)
+                for a, b in zip(widths[:-1], widths[1:], strict=True)
+            ]
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = jax.nn.relu(x)
+        return x
+
+
+def make_memory_model(
+    in_features: int,
+    out_features: int,
+    *,
+    hidden: int | None = None,
+    layers: int | None = None,
+    param_dtype="float32",
+    seed: int = 0,
+    abstract: bool = False,
+) -> nnx.Module:
+    """The model ``shardcheck memory`` sizes: a Linear, or a :class:`DeepMLP` when ``hidden`` is given.
+
+    Args:
+        in_features: D >= 1.
+        out_features: K >= 1.
+        hidden: H >= 1, or None for a single ``nnx.Linear(D, K)``.
+        layers: L >= 1 Linear layers; default 1 without ``hidden`` and 2 with it. L >= 2 needs ``hidden``;
+            L = 1 is the plain Linear (then ``hidden`` must be None).
+        param_dtype: a floating dtype for every parameter (``"float32"``, ``"bfloat16"``).
+        seed: integer seed of ``nnx.Rngs``.
+        abstract: build it under ``nnx.eval_shape``: every parameter is a ``jax.ShapeDtypeStruct`` and nothing
+            is allocated, so a model far larger than the machine can be estimated.
+
+    Returns:
+        The module.
+
+    Raises:
+        ValueError: a width or ``layers`` < 1 (or not an int), ``layers >= 2`` without ``hidden`` or
+            ``layers == 1`` with it, ``param_dtype`` not floating.
+    """
+    fn = "make_memory_model"
+    for name, value in (("in_features", in_features), ("out_features", out_features), ("hidden", hidden)):
+        if value is None and name == "hidden":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"{fn}: {name}={value!r} must be a positive int (a layer width), e.g. {name}=512"
+            )
+    if layers is None:
+        layers = 1 if hidden is None else 2
+    if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 1:
+        raise ValueError(f"{fn}: layers={layers!r} must be a positive int (the number of Linear layers)")
+    if layers >= 2 and hidden is None:
+        raise ValueError(f"{fn}: layers={layers} needs a hidden width; pass hidden=H (e.g. --hidden 4096)")
+    if layers == 1 and hidden is not None:
+        raise ValueError(
+            f"{fn}: layers=1 is a single Linear(D, K) and has no hidden width, got hidden={hidden}; "
+            "drop hidden, or use layers >= 2"
+        )
+    dtype = check_param_dtype(fn, param_dtype)
+
+    def build():
+        rngs = nnx.Rngs(seed)
+        if layers == 1:
+            return nnx.Linear(int(in_features), int(out_features), param_dtype=dtype, rngs=rngs)
+        return DeepMLP(
+            int(in_features), int(hidden), int(out_features), layers=int(layers), param_dtype=dtype, rngs=rngs
+        )
+
+    return nnx.eval_shape(build) if abstract else build()
+
+
+def _path_str(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _is_array_like(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _abstract(fn: str, tree: PyTree) -> PyTree:
+    """``tree`` with every leaf a ``jax.ShapeDtypeStruct``; refuses non-array leaves."""
+
+    def one(path, leaf):
+        if isinstance(leaf, nnx.Variable):
+            leaf = leaf.get_value()
+        if not _is_array_like(leaf):
+            raise TypeError(
+                f"{fn}: model_or_abstract_state leaf {_path_str(path) or '<root>'} is {type(leaf).__name__}, "
+                "not an array; pass an nnx.Module, or a pytree of arrays / jax.ShapeDtypeStruct"
+            )
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def abstract_params(fn: str, model_or_abstract_state, param_dtype=None) -> dict:
+    """The parameters as a pure pytree of ``jax.ShapeDtypeStruct``; floating leaves cast to ``param_dtype``.
+
+    Raises:
+        TypeError: an unsupported container or a non-array leaf.
+        ValueError: no parameters; ``param_dtype`` not floating.
+    """
+    src = model_or_abstract_state
+    if isinstance(src, nnx.Module):
+        tree = nnx.state(src, nnx.Param).to_pure_dict()
+    elif isinstance(src, nnx.State):
+        tree = src.to_pure_dict()
+    elif isinstance(src, Mapping | list | tuple) or _is_array_like(src):
+        tree = src
+    else:
+        raise TypeError(
+            f"{fn}: model_or_abstract_state must be an nnx.Module (real or from nnx.eval_shape), an "
+            f"nnx.State, or a pytree of arrays / jax.ShapeDtypeStruct, got {type(src).__name__}"
+        )
+    tree = _abstract(fn, tree)
+    if not jax.tree.leaves(tree):
+        raise ValueError(
+            f"{fn}: model_or_abstract_state has no parameters; pass a model with at least one nnx.Param"
+        )
+    if param_dtype is not None:
+        dtype = check_param_dtype(fn, param_dtype)
+        tree = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s,
+            tree,
+        )
+    return tree
+
+
+def check_param_dtype(fn: str, param_dtype) -> np.dtype:
+    """``param_dtype`` must name a floating dtype (``"float32"``, ``"bfloat16"``, ``jnp.float16``, ...)."""
+    try:
+        dtype = jnp.dtype(param_dtype)
+    except TypeError as err:
+        raise ValueError(
+            f"{fn}: param_dtype={param_dtype!r} is not a dtype; use a floating dtype such as "
+            f"{' or '.join(repr(d) for d in DTYPES)}"
+        ) from err
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{fn}: param_dtype={param_dtype!r} is not a floating dtype; parameters are trained in floating "
+            f"point: use {' or '.join(repr(d) for d in DTYPES)}"
+        )
+    return dtype
+
+
+def check_strategy(fn: str, strategy) -> str:
+    """``strategy`` must be one of :data:`shardcheck.partitioning.STRATEGIES`."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
+    return strategy
+
+
+def optimizer_transform(fn: str, optimizer) -> optax.GradientTransformation:
+    """The optax transformation behind ``optimizer``: a name, a transformation, or an ``nnx.Optimizer``."""
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"{fn}: optimizer={optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}, or pass an "
+                "optax GradientTransformation"
+            )
+        return make_tx(optimizer)
+    if isinstance(optimizer, nnx.Optimizer):
+        return optimizer.tx
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer.gradient_transformation()
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return optimizer
+    raise TypeError(
+        f"{fn}: optimizer must be a name ({', '.join(OPTIMIZERS)}), an optax GradientTransformation or an "
+        f"nnx.Optimizer, got {type(optimizer).__name__}"
+    )
+
+
+def _leaf(category: str, path: str, s: jax.ShapeDtypeStruct, num_devices: int, strategy: str) -> LeafMemory:
+    shape = tuple(int(d) for d in s.shape)
+    itemsize = jnp.dtype(s.dtype).itemsize
+    global_bytes = math.prod(shape) * itemsize
+    wants_split = category in SHARDED_CATEGORIES[strategy] and num_devices > 1
+    spec = fsdp_partition_spec(shape, num_devices) if wants_split else jax.sharding.PartitionSpec()
+    axes = tuple(spec) + (None,) * (len(shape) - len(spec))
+    shard_shape = tuple(d if axis is None else d // num_devices for d, axis in zip(shape, axes, strict=True))
+    sharded = any(axis is not None for axis in spec)
+    if sharded:
+        reason = ""
+    elif num_devices == 1:
+        reason = "one device"
+    elif not wants_split:
+        reason = f"{strategy} replicates {category}"
+    elif shape == ():
+        reason = "scalar"
+    else:
+        reason = f"no dimension of {shape} divides by S={num_devices}"
+    return LeafMemory(
+        path=path,
+        category=category,
+        shape=shape,
+        dtype=jnp.dtype(s.dtype).name,
+        spec=repr(spec),
+        shard_shape=shard_shape,
+        sharded=sharded,
+        replicated_reason=reason,
+        global_bytes=global_bytes,
+        per_device_bytes=math.prod(shard_shape) * itemsize,
+    )
+
+
+def _leaves(category: str, tree: PyTree, num_devices: int, strategy: str) -> list[LeafMemory]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [_leaf(category, _path_str(path), s, num_devices, strategy) for path, s in flat]
+
+
+def _linear_dims(params: PyTree) -> tuple[int, int] | None:
+    """``(D, K)`` when ``params`` is exactly one biased Linear's ``{"kernel": (D, K), "bias": (K,)}``."""
+    if not isinstance(params, Mapping) or set(params) != {"kernel", "bias"}:
+        return None
+    kernel, bias = params["kernel"], params["bias"]
+    if len(kernel.shape) == 2 and tuple(bias.shape) == (kernel.shape[1],):
+        return int(kernel.shape[0]), int(kernel.shape[1])
+    return None
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n:,.0f} B" if float(n).is_integer() else f"{n:,.2f} B"
+
+
+def _even_split(params: PyTree, param_leaves: list[LeafMemory], strategy: str, num_devices: int):
+    """Seed 001's even-split figure, its formula, and how the real parameter bytes per device differ."""
+    count = sum(math.prod(leaf.shape) for leaf in param_leaves)
+    itemsizes = {jnp.dtype(leaf.dtype).itemsize for leaf in param_leaves}
+    global_bytes = sum(leaf.global_bytes for leaf in param_leaves)
+    even = global_bytes / num_devices
+    size = f"{itemsizes.pop()} B" if len(itemsizes) == 1 else "bytes per value"
+    dims = _linear_dims(params)
+    if dims is not None:
+        formula = f"({dims[0]} + 1) * {dims[1]} / {num_devices} * {size}"
+    else:
+        formula = f"{count} / {num_devices} * {size}"
+    real = sum(leaf.per_device_bytes for leaf in param_leaves)
+    if num_devices == 1:
+        note = "one device: the even split is the whole model"
+    elif "params" not in SHARDED_CATEGORIES[strategy]:
+        note = (
+            f"{strategy} keeps every parameter on every device by design: {_fmt_bytes(real)} per device, "
+            f"{num_devices}x the even split"
+        )
+    elif real == even:
+        note = f"equal to the even split: every parameter leaf divides by S={num_devices}"
+    else:
+        whole = [leaf for leaf in param_leaves if not leaf.sharded]
+        parts = [
+            f"{leaf.path} {leaf.shape} replicated ({leaf.replicated_reason}): "
+            f"+{_fmt_bytes(leaf.global_bytes - leaf.global_bytes / num_devices)}"
+            for leaf in whole
+        ]
+        note = f"{_fmt_bytes(real - even)} per device above the even split: " + "; ".join(parts)
+    return count, even, formula, note
+
+
+def estimate_memory(
+    model_or_abstract_state,
+    optimizer,
+    *,
+    num_shards: int,
+    strategy: str,
+    param_dtype=None,
+) -> MemoryEstimate:
+    """Bytes per device of parameters, gradients, optimizer state and step counter under one strategy.
+
+    Works from shapes alone: pass ``nnx.eval_shape(lambda: make_model(...))`` and nothing is allocated,
+    however large the model. The optimizer state is what optax really allocates, read from
+    ``jax.eval_shape(tx.init, params)``: none for ``optax.sgd(lr)``, one parameter-sized trace for momentum,
+    two moments and an int32 count for Adam, a float32 accumulator for ``optax.MultiSteps``
+    (``../shared/cases`` C9). NNX's ``nnx.Optimizer.step`` adds one uint32 (4 bytes). Gradients have the
+    parameters' shapes and dtypes.
+
+    Each leaf is placed with :func:`~shardcheck.partitioning.fsdp_partition_spec` when its category is split
+    under ``strategy`` (see the module docstring's table, after ZeRO, Rajbhandari et al. 2020), and its
+    per-device bytes are ``prod(shard_shape) * itemsize``. Seed ``001_a85d1499a1a85057.txt``'s "even split",
+    ``(D + 1) * K / S * bytes`` for a Linear, is reported beside the real parameter bytes with the reason for
+    any difference (a bias whose width does not divide by S stays whole on every device).
+
+    This is storage, not peak: activations, gathered parameters, communication buffers and dtype-conversion
+    copies are not counted (seed 001); :func:`measure_memory` reads the compiled step's real figures.
+
+    Args:
+        model_or_abstract_state: an ``nnx.Module`` (real or abstract; its ``nnx.Param`` leaves are counted),
+            an ``nnx.State``, or a pytree of arrays / ``jax.ShapeDtypeStruct`` holding the parameters.
+        optimizer: ``"sgd"``, ``"momentum"`` or ``"adam"`` (:func:`shardcheck.optimizers.make_tx`), an optax
+            ``GradientTransformation`` (``optax.MultiSteps`` too), or an ``nnx.Optimizer`` (its ``tx``).
+        num_shards: S >= 1, the size of the mesh axis (ignored by ``"replicated"``, which uses one device).
+        strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+        param_dtype: if given, a floating dtype (``"float32"``, ``"bfloat16"``, ...) to which every floating
+            parameter is cast before counting; the optimizer state follows whatever ``tx.init`` makes of it.
+
+    Returns:
+        A :class:`MemoryEstimate`, all figures in bytes per device.
+
+    Raises:
+        TypeError: ``num_shards`` not an int; ``optimizer`` or ``model_or_abstract_state`` of the wrong type.
+        ValueError: unknown ``strategy`` or optimizer name, ``num_shards < 1``, ``param_dtype`` not a floating
+            dtype, no parameters.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> from shardcheck.models import make_model
+        >>> model = nnx.eval_shape(lambda: make_model("linear", 512, 512))
+        >>> est = estimate_memory(model, "adam", num_shards=4, strategy="fsdp")
+        >>> est.params_bytes, est.optimizer_bytes  # (512 + 1) * 512 / 4 * 4 B; mu and nu; the int32 count
+        (262656, 525316)
+    """
+    fn = "estimate_memory"
+    check_strategy(fn, strategy)
+    num_shards = _validate.check_num_shards(fn, num_shards)
+    tx = optimizer_transform(fn, optimizer)
+    params = abstract_params(fn, model_or_abstract_state, param_dtype)
+    opt_state = jax.eval_shape(tx.init, params)
+    num_devices = 1 if strategy == "replicated" else num_shards
+
+    by_category = {
+        "params": _leaves("params", params, num_devices, strategy),
+        "grads": _leaves("grads", params, num_devices, strategy),
+        "optimizer": _leaves("optimizer", opt_state, num_devices, strategy),
+        "step": _leaves("step", {"step": STEP_COUNTER}, num_devices, strategy),
+    }
+    sums = {c: sum(leaf.per_device_bytes for leaf in leaves) for c, leaves in by_category.items()}
+    unsharded = sum(leaf.global_bytes for leaves in by_category.values() for leaf in leaves)
+    count, even, formula, note = _even_split(params, by_category["params"], strategy, num_devices)
+    persistent = sums["params"] + sums["optimizer"] + sums["step"]
+    return MemoryEstimate(
+        strategy=strategy,
+        num_shards=num_shards,
+        num_devices=num_devices,
+        param_count=count,
+        params_bytes=sums["params"],
+        grads_bytes=sums["grads"],
+        optimizer_bytes=sums["optimizer"],
+        step_bytes=sums["step"],
+        persistent_bytes=persistent,
+        total_bytes=persistent + sums["grads"],
+        unsharded_total_bytes=unsharded,
+        even_split_params_bytes=even,
+        even_split_formula=formula,
+        even_split_note=note,
+        leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
+    )
