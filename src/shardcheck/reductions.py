@@ -31,13 +31,14 @@ def _check_same_structure(fn: str, trees: Sequence[PyTree]) -> None:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         paths = [jax.tree_util.keystr(p) for p, _ in leaves]
         if treedef != ref_def:
-            first = next(
-                (f"{a} vs {b}" for a, b in zip(ref_paths, paths, strict=False) if a != b),
-                f"{ref_paths[len(paths)] if len(ref_paths) > len(paths) else paths[len(ref_paths)]} (present in "
-                "one tree only)" if len(ref_paths) != len(paths) else "(node types differ)",
-            )
+            only_ref = [p for p in ref_paths if p not in paths]
+            only_this = [p for p in paths if p not in ref_paths]
+            if only_ref or only_this:
+                where = f"{(only_ref or only_this)[0]} (present in tree {0 if only_ref else i} only)"
+            else:
+                where = f"{next((a for a, b in zip(ref_paths, paths, strict=True) if a != b), '<root>')} (node types differ)"
             raise ValueError(
-                f"{fn}: tree {i} differs in structure from tree 0 at path {first}; every shard's gradient tree "
+                f"{fn}: tree {i} differs in structure from tree 0 at path {where}; every shard's gradient tree "
                 "must have the same leaves (kernel with kernel, bias with bias)"
             )
         for path, (_, a), (_, b) in zip(ref_paths, ref, leaves, strict=True):

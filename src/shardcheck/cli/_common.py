@@ -24,7 +24,16 @@ def configure_devices(num_devices: int | None) -> None:
 
     if os.environ.get("SHARDCHECK_DEVICES_PER_PROCESS"):
         return
-    jax.config.update("jax_num_cpu_devices", int(num_devices))
+    try:
+        jax.config.update("jax_num_cpu_devices", int(num_devices))
+    except RuntimeError:
+        # JAX already initialized in this process (shardcheck called as a library, as the tests do):
+        # fine when enough devices exist already.
+        if len(jax.devices()) < num_devices:
+            raise ValueError(
+                f"--devices {num_devices}: JAX is already initialized with {len(jax.devices())} devices in this "
+                "process; set jax_num_cpu_devices before JAX initializes"
+            ) from None
 
 
 def console_for(args) -> Console:
