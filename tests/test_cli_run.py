@@ -1,0 +1,141 @@
+"""``shardcheck run``, through the installed entry point and in-process."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardcheck.cli import main
+
+
+def entry_point() -> str:
+    exe = Path(sys.executable).with_name("shardcheck")
+    return str(exe) if exe.exists() else shutil.which("shardcheck")
+
+
+def run_cli(*args, timeout=240):
+    return subprocess.run([entry_point(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_through_entry_point():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    assert "run" in out.stdout
+    out = run_cli("run", "--help")
+    assert out.returncode == 0
+    for flag in ("--dataset", "--shards", "--lr", "--seed", "--json", "--strategy", "--devices", "--target"):
+        assert flag in out.stdout
+
+
+def test_default_run_on_diabetes_through_entry_point():
+    """The main job with no arguments: diabetes, S=2, every computation agrees with the baseline."""
+    out = run_cli("run")
+    assert out.returncode == 0, out.stderr
+    for word in ("diabetes", "baseline", "simulation", "dp", "fsdp", "(10+1)*1/2 x 4 = 22 B"):
+        assert word in out.stdout
+    out = run_cli("run", "--json", "-")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)  # stdout carries the JSON alone
+    assert report["dataset"] == "diabetes" and report["num_shards"] == 2 and report["lr"] == 0.1
+    assert report["num_examples"] == 442 and report["param_storage_per_shard_bytes"] == 22.0
+    results = report["results"]
+    assert set(results) == {"baseline", "simulation", "dp", "fsdp"}
+    base = results["baseline"]["loss"]
+    for name, r in results.items():
+        assert r["loss"] == pytest.approx(base, rel=1e-6), name
+        assert r["max_abs_param_diff_vs_baseline"] < 1e-6, name
+    sim = results["simulation"]
+    assert np.mean(sim["shard_losses"]) == pytest.approx(base, rel=1e-6)
+    assert max(sim["max_abs_grad_diff_vs_full_batch"].values()) < 1e-5
+
+
+def test_json_values_in_process(capsys):
+    assert main(["run", "--strategy", "simulation", "--shards", "13", "--lr", "0.5", "--seed", "3", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_shards"] == 13 and report["lr"] == 0.5 and report["seed"] == 3
+    assert len(report["results"]["simulation"]["shard_losses"]) == 13
+    assert report["results"]["simulation"]["max_abs_param_diff_vs_baseline"] < 1e-6
+
+
+def test_json_to_file_and_table_on_stdout(tmp_path, capsys):
+    path = tmp_path / "out" / "run.json"
+    assert main(["run", "--strategy", "simulation", "--json", str(path)]) == 0
+    assert "simulation" in capsys.readouterr().out
+    assert json.loads(path.read_text())["results"]["simulation"]["loss"] > 0
+
+
+def test_csv_dataset_with_targets(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3))
+    y = x @ np.array([[1.0, 0.5], [-2.0, 0.0], [0.5, 1.0]])
+    path = tmp_path / "data.csv"
+    rows = ["a,b,c,t1,t2"] + [",".join(f"{v:.6f}" for v in row) for row in np.hstack([x, y])]
+    path.write_text("\n".join(rows) + "\n")
+    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--target", "t1,t2", "--shards", "4",
+                 "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dataset"] == "data.csv" and report["in_features"] == 3 and report["out_features"] == 2
+    assert report["results"]["simulation"]["loss"] == pytest.approx(report["results"]["baseline"]["loss"], rel=1e-6)
+
+
+def test_npz_dataset(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    path = tmp_path / "data.npz"
+    np.savez(path, x=rng.normal(size=(8, 4)), y=rng.normal(size=(8,)))
+    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "4", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["num_examples"], report["in_features"], report["out_features"]) == (8, 4, 1)
+
+
+@pytest.mark.parametrize(
+    "content,suffix,msg",
+    [
+        ("a,b\n1,x\n2,3\n", ".csv", "line 2, column 'b': 'x' is not a number"),
+        ("a,b\n1,2,3\n", ".csv", "line 2 has 3 fields"),
+        ("a,b\n1,nan\n2,3\n", ".csv", "NaN or inf"),
+        ("a,b\n", ".csv", "header row and at least one data row"),
+        ("not a zip", ".npz", "not a readable NPZ"),
+    ],
+)
+def test_malformed_files(tmp_path, capsys, content, suffix, msg):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(content)
+    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "1"]) == 2
+    assert msg in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_npz_without_y_and_with_objects(tmp_path, capsys):
+    path = tmp_path / "nox.npz"
+    np.savez(path, x=np.ones((4, 2)))
+    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "1"]) == 2
+    assert "lacks array(s) ['y']" in capsys.readouterr().err
+    path = tmp_path / "obj.npz"
+    np.savez(path, x=np.array([[1, None]], dtype=object), y=np.ones(1))
+    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "1"]) == 2
+    assert "not a readable NPZ" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--dataset", "nope.csv"], "file 'nope.csv' does not exist"),
+        (["--dataset", "iris"], "neither a bundled data set"),
+        (["--target", "y"], "target= applies to CSV files"),
+        (["--shards", "0"], "--shards must be a positive int"),
+    ],
+)
+def test_bad_arguments(capsys, args, msg):
+    assert main(["run", "--strategy", "simulation", *args]) == 2
+    assert msg in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_non_divisible_shard_count_lists_valid_counts():
+    out = run_cli("run", "--shards", "3")
+    assert out.returncode != 0
+    err = " ".join(out.stderr.split())
+    assert "batch size 442 is not divisible by num_shards=3" in err
+    assert "1, 2, 13, 17, 26, 34, 221, 442" in err
