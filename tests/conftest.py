@@ -14,4 +14,6 @@ def require_devices(n: int):
     """A pytest skip marker for tests needing ``n`` devices."""
     import pytest
 
-    return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices, {len(jax.devices())} available")
+    return pytest.mark.skipif(
+        len(jax.devices()) < n, reason=f"needs {n} devices, {len(jax.devices())} available"
+    )

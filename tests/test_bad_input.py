@@ -101,8 +101,11 @@ def test_reduced_step_num_shards_validated_unchanged(num_shards, err, msg):
 
 def test_non_divisible_and_too_many_shards():
     x, y = np.ones((10, 2)), np.ones((10, 1))
-    with pytest.raises(ValueError, match="batch size 10 is not divisible by num_shards=3; equal shards are required "
-                       r"\(valid num_shards for this batch: 1, 2, 5, 10"):
+    with pytest.raises(
+        ValueError,
+        match="batch size 10 is not divisible by num_shards=3; equal shards are required "
+        r"\(valid num_shards for this batch: 1, 2, 5, 10",
+    ):
         shardcheck.simulated_data_parallel_step(x, y, 3)
     with pytest.raises(ValueError, match="num_shards=11 is more shards than examples"):
         shardcheck.simulated_data_parallel_step(x, y, 11)
@@ -140,8 +143,16 @@ def test_lr_validated(lr, err, msg, entry):
         ({"kernel": np.zeros((2, 1))}, ValueError, r"exactly the keys 'kernel' and 'bias', got \['kernel'\]"),
         ({"kernel": np.zeros((2, 1)), "bias": np.zeros(1), "extra": 1}, ValueError, "exactly the keys"),
         ({"w": np.zeros((2, 1)), "b": np.zeros(1)}, ValueError, "exactly the keys"),
-        ({"kernel": np.zeros((1, 2)), "bias": np.zeros(1)}, ValueError, r"params\['kernel'\] must have shape \(2, 1\)"),
-        ({"kernel": np.zeros((2, 1)), "bias": np.zeros(2)}, ValueError, r"params\['bias'\] must have shape \(1,\)"),
+        (
+            {"kernel": np.zeros((1, 2)), "bias": np.zeros(1)},
+            ValueError,
+            r"params\['kernel'\] must have shape \(2, 1\)",
+        ),
+        (
+            {"kernel": np.zeros((2, 1)), "bias": np.zeros(2)},
+            ValueError,
+            r"params\['bias'\] must have shape \(1,\)",
+        ),
         ({"kernel": np.full((2, 1), np.nan), "bias": np.zeros(1)}, ValueError, "NaN or inf"),
         ({"kernel": np.array([["a"], ["b"]]), "bias": np.zeros(1)}, TypeError, "not numeric"),
         ([np.zeros((2, 1)), np.zeros(1)], TypeError, "params must be a mapping"),
@@ -153,7 +164,9 @@ def test_params_validated(params, err, msg, entry):
         getattr(shardcheck, entry)(X, Y, 1, params=params)
 
 
-@pytest.mark.parametrize("seed,err", [(-1, ValueError), (2**31, ValueError), (1.5, TypeError), (None, TypeError)])
+@pytest.mark.parametrize(
+    "seed,err", [(-1, ValueError), (2**31, ValueError), (1.5, TypeError), (None, TypeError)]
+)
 def test_seed_validated(seed, err):
     with pytest.raises(err, match="^fsdp_step: seed must"):
         shardcheck.fsdp_step(X, Y, 1, seed=seed)
@@ -198,7 +211,9 @@ def test_wrong_model_and_optimizer_types():
     model, optimizer = linear()
     with pytest.raises(TypeError, match="^sgd_step: model must be an nnx.Module, got dict"):
         shardcheck.sgd_step({}, optimizer, X, Y)
-    with pytest.raises(TypeError, match=r"^sgd_step: optimizer must be an nnx.Optimizer.*nnx.Optimizer\(model, tx"):
+    with pytest.raises(
+        TypeError, match=r"^sgd_step: optimizer must be an nnx.Optimizer.*nnx.Optimizer\(model, tx"
+    ):
         shardcheck.sgd_step(model, optax.sgd(0.1), X, Y)
 
 
@@ -207,8 +222,16 @@ def test_wrong_model_and_optimizer_types():
     [
         ([], ValueError, "trees is empty"),
         ({"a": 1}, TypeError, "must be a sequence"),
-        ([{"kernel": jnp.ones(2)}, {"bias": jnp.ones(2)}], ValueError, r"tree 1 differs in structure .*\['kernel'\] \(present in tree 0 only\)"),
-        ([{"kernel": jnp.ones(2)}, {"kernel": jnp.ones(3)}], ValueError, r"leaf \['kernel'\] of tree 1 has shape \(3,\)"),
+        (
+            [{"kernel": jnp.ones(2)}, {"bias": jnp.ones(2)}],
+            ValueError,
+            r"tree 1 differs in structure .*\['kernel'\] \(present in tree 0 only\)",
+        ),
+        (
+            [{"kernel": jnp.ones(2)}, {"kernel": jnp.ones(3)}],
+            ValueError,
+            r"leaf \['kernel'\] of tree 1 has shape \(3,\)",
+        ),
         (
             [{"kernel": jnp.ones(2), "bias": jnp.ones(1)}, {"kernel": jnp.ones(2)}],
             ValueError,
@@ -233,6 +256,8 @@ def test_weighted_mode_bad_weights():
     ):
         with pytest.raises(ValueError, match=f"^reduced_sgd_step: .*{msg}"):
             shardcheck.reduced_sgd_step(model, optimizer, X, Y, 2, weights=weights)
-    with pytest.raises(ValueError, match="shard_sizes=.*must be 2 positive sizes summing to the batch size 4"):
+    with pytest.raises(
+        ValueError, match="shard_sizes=.*must be 2 positive sizes summing to the batch size 4"
+    ):
         shardcheck.reduced_sgd_step(model, optimizer, X, Y, 2, weights=np.ones(4), shard_sizes=(1, 2))
     assert_unchanged(before, model, optimizer)

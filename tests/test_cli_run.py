@@ -54,7 +54,12 @@ def test_default_run_on_diabetes_through_entry_point():
 
 
 def test_json_values_in_process(capsys):
-    assert main(["run", "--strategy", "simulation", "--shards", "13", "--lr", "0.5", "--seed", "3", "--json", "-"]) == 0
+    assert (
+        main(
+            ["run", "--strategy", "simulation", "--shards", "13", "--lr", "0.5", "--seed", "3", "--json", "-"]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["num_shards"] == 13 and report["lr"] == 0.5 and report["seed"] == 3
     assert len(report["results"]["simulation"]["shard_losses"]) == 13
@@ -75,18 +80,38 @@ def test_csv_dataset_with_targets(tmp_path, capsys):
     path = tmp_path / "data.csv"
     rows = ["a,b,c,t1,t2"] + [",".join(f"{v:.6f}" for v in row) for row in np.hstack([x, y])]
     path.write_text("\n".join(rows) + "\n")
-    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--target", "t1,t2", "--shards", "4",
-                 "--json", "-"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--strategy",
+                "simulation",
+                "--dataset",
+                str(path),
+                "--target",
+                "t1,t2",
+                "--shards",
+                "4",
+                "--json",
+                "-",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["dataset"] == "data.csv" and report["in_features"] == 3 and report["out_features"] == 2
-    assert report["results"]["simulation"]["loss"] == pytest.approx(report["results"]["baseline"]["loss"], rel=1e-6)
+    assert report["results"]["simulation"]["loss"] == pytest.approx(
+        report["results"]["baseline"]["loss"], rel=1e-6
+    )
 
 
 def test_npz_dataset(tmp_path, capsys):
     rng = np.random.default_rng(1)
     path = tmp_path / "data.npz"
     np.savez(path, x=rng.normal(size=(8, 4)), y=rng.normal(size=(8,)))
-    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "4", "--json", "-"]) == 0
+    assert (
+        main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "4", "--json", "-"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert (report["num_examples"], report["in_features"], report["out_features"]) == (8, 4, 1)
 

@@ -48,7 +48,9 @@ def test_against_float64_oracle(b, d, k, s, lr):
     loss, k1, b1 = sgd_oracle(x, y, kernel, bias, lr)
     params = {"kernel": kernel, "bias": bias}
     np.testing.assert_allclose(shardcheck.fsdp_step(x, y, s, lr, params=params), loss, rtol=1e-6)
-    np.testing.assert_allclose(shardcheck.simulated_data_parallel_step(x, y, s, lr, params=params), loss, rtol=1e-6)
+    np.testing.assert_allclose(
+        shardcheck.simulated_data_parallel_step(x, y, s, lr, params=params), loss, rtol=1e-6
+    )
     for step in ("sgd", "reduced"):
         model, optimizer = linear_with(kernel, bias, lr)
         if step == "sgd":
@@ -165,7 +167,9 @@ def test_c1_sum_reduction_would_be_s_times_the_baseline(s):
     """C1: the sum gives kernel [[1.2],[0.5]] at S=2 and [[2.4],[1.0]] at S=4; the mean gives the baseline."""
     model, optimizer = zero_linear()
     r = shardcheck.reduced_sgd_step(model, optimizer, XL, YL, s)
-    summed = shardcheck.tree_sum([{k: v[i] for k, v in nnx.to_pure_dict(r.shard_grads).items()} for i in range(s)])
+    summed = shardcheck.tree_sum(
+        [{k: v[i] for k, v in nnx.to_pure_dict(r.shard_grads).items()} for i in range(s)]
+    )
     np.testing.assert_allclose(-0.1 * summed["kernel"], 0.6 * s * np.array([[1.0], [0.25 / 0.6]]), rtol=1e-6)
     np.testing.assert_allclose(-0.1 * summed["bias"], [0.5 * s], rtol=1e-6)
     ratio_kernel = np.asarray(model.kernel[...]) / np.array([[0.6], [0.25]])

@@ -33,7 +33,9 @@ def test_seed_001_worked_example_verbatim():
 
 def test_seed_001_entrypoint_returns_pre_update_loss():
     params = {"kernel": jnp.array([[1.0]]), "bias": jnp.array([0.0])}
-    loss = shardcheck.fsdp_step(jnp.array([[1.0], [2.0]]), jnp.zeros((2, 1)), num_shards=2, lr=0.1, params=params)
+    loss = shardcheck.fsdp_step(
+        jnp.array([[1.0], [2.0]]), jnp.zeros((2, 1)), num_shards=2, lr=0.1, params=params
+    )
     assert loss.shape == () and loss.dtype == jnp.float32
     np.testing.assert_allclose(loss, 2.5)
 
@@ -49,7 +51,9 @@ def test_seed_000_reduction_example_verbatim():
     np.testing.assert_allclose(average["kernel"], [[4.0, 6.0]])
     np.testing.assert_allclose(average["bias"], [3.0, 5.0])
     # The seed's own expression gives the same tree.
-    ref = jax.tree_util.tree_map(lambda array: array / 2, jax.tree_util.tree_map(lambda *p: sum(p), *gradients))
+    ref = jax.tree_util.tree_map(
+        lambda array: array / 2, jax.tree_util.tree_map(lambda *p: sum(p), *gradients)
+    )
     jax.tree.map(np.testing.assert_array_equal, average, ref)
 
 

@@ -106,7 +106,9 @@ def check_equal_shards(fn: str, batch: int, num_shards: int, *, hint: str = "use
 def check_lr(fn: str, lr) -> float:
     """``lr`` must be a finite positive real number. Returns it as ``float``."""
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
-        raise TypeError(f"{fn}: lr must be a finite positive number, got {lr!r} ({type(lr).__name__}); pass e.g. lr=0.1")
+        raise TypeError(
+            f"{fn}: lr must be a finite positive number, got {lr!r} ({type(lr).__name__}); pass e.g. lr=0.1"
+        )
     if not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"{fn}: lr must be a finite positive number, got {lr!r}; pass e.g. lr=0.1")
     return float(lr)

@@ -95,7 +95,9 @@ def _fsdp_step_jit(seed, lr, x, y, params):
     return apply_sgd_update(model, optimizer, x, y)
 
 
-def fsdp_step(x, y, num_shards: int, lr: float = 0.1, *, seed: int = 0, params: Mapping | None = None) -> jax.Array:
+def fsdp_step(
+    x, y, num_shards: int, lr: float = 0.1, *, seed: int = 0, params: Mapping | None = None
+) -> jax.Array:
     """Seed ``001_a85d1499a1a85057.txt``: one ordinary SGD step of a fresh ``nnx.Linear``; the pre-update loss.
 
     Builds ``nnx.Linear(D, K, rngs=nnx.Rngs(seed))`` (``params``, when given, overwrite its kernel and bias, as in

@@ -60,14 +60,18 @@ def _load_csv(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list
         rows = list(csv.reader(f))
     rows = [r for r in rows if any(c.strip() for c in r)]
     if len(rows) < 2:
-        raise ValueError(f"{fn}: {path.name} needs a header row and at least one data row, got {len(rows)} row(s)")
+        raise ValueError(
+            f"{fn}: {path.name} needs a header row and at least one data row, got {len(rows)} row(s)"
+        )
     header = [c.strip() for c in rows[0]]
     if len(set(header)) != len(header):
         raise ValueError(f"{fn}: {path.name} has duplicate column names in its header {header}")
     values = np.empty((len(rows) - 1, len(header)), dtype=np.float64)
     for i, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):
-            raise ValueError(f"{fn}: {path.name} line {i} has {len(row)} fields, the header has {len(header)}")
+            raise ValueError(
+                f"{fn}: {path.name} line {i} has {len(row)} fields, the header has {len(header)}"
+            )
         for j, cell in enumerate(row):
             try:
                 values[i - 2, j] = float(cell)
@@ -85,12 +89,16 @@ def _load_csv(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list
 
 def _load_npz(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
     if target is not None:
-        raise ValueError(f"{fn}: target= applies to CSV files; an NPZ file holds its targets in the array 'y'")
+        raise ValueError(
+            f"{fn}: target= applies to CSV files; an NPZ file holds its targets in the array 'y'"
+        )
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = [k for k in ("x", "y") if k not in data.files]
             if missing:
-                raise ValueError(f"{fn}: {path.name} lacks array(s) {missing}; it must hold arrays 'x' and 'y'")
+                raise ValueError(
+                    f"{fn}: {path.name} lacks array(s) {missing}; it must hold arrays 'x' and 'y'"
+                )
             x, y = data["x"], data["y"]
     except ValueError as err:
         if str(err).startswith(fn):
@@ -161,7 +169,9 @@ def load_dataset(source: str = "diabetes", *, target=None, standardize_data: boo
     for label, a in (("features", x), ("targets", y)):
         if not np.isfinite(a).all():
             bad = np.argwhere(~np.isfinite(a))[0]
-            raise ValueError(f"{fn}: {name} {label} hold NaN or inf (first at row {bad[0]}); clean the data first")
+            raise ValueError(
+                f"{fn}: {name} {label} hold NaN or inf (first at row {bad[0]}); clean the data first"
+            )
     if x.shape[0] < 1:
         raise ValueError(f"{fn}: {name} has no rows")
     if standardize_data:

@@ -26,7 +26,9 @@ class MLP(nnx.Module):
         return self.out(jax.nn.relu(self.hidden(x)))
 
 
-def make_model(kind: str, in_features: int, out_features: int, *, hidden: int = 32, seed: int = 0) -> nnx.Module:
+def make_model(
+    kind: str, in_features: int, out_features: int, *, hidden: int = 32, seed: int = 0
+) -> nnx.Module:
     """A fresh model of the given kind, initialised from ``nnx.Rngs(seed)``.
 
     Args:

@@ -22,7 +22,9 @@ PyTree = Any
 
 def _check_same_structure(fn: str, trees: Sequence[PyTree]) -> None:
     if isinstance(trees, dict) or not isinstance(trees, Sequence) or isinstance(trees, str):
-        raise TypeError(f"{fn}: trees must be a sequence (list or tuple) of pytrees, got {type(trees).__name__}")
+        raise TypeError(
+            f"{fn}: trees must be a sequence (list or tuple) of pytrees, got {type(trees).__name__}"
+        )
     if len(trees) == 0:
         raise ValueError(f"{fn}: trees is empty; pass at least one gradient tree")
     ref, ref_def = jax.tree_util.tree_flatten_with_path(trees[0])

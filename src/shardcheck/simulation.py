@@ -138,7 +138,12 @@ jax.tree_util.register_dataclass(
 
 
 def split_shards(
-    fn: str, x: jax.Array, y: jax.Array, num_shards: int, weights=None, shard_sizes: Sequence[int] | None = None
+    fn: str,
+    x: jax.Array,
+    y: jax.Array,
+    num_shards: int,
+    weights=None,
+    shard_sizes: Sequence[int] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Cut a validated batch into ``num_shards`` contiguous shards of equal length.
 

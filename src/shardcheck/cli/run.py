@@ -24,7 +24,9 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--dataset", default="diabetes", help="diabetes | linnerud | PATH.csv | PATH.npz")
-    p.add_argument("--target", default=None, help="CSV target column(s), comma-separated (default: last column)")
+    p.add_argument(
+        "--target", default=None, help="CSV target column(s), comma-separated (default: last column)"
+    )
     p.add_argument("--strategy", default="all", choices=STRATEGY_CHOICES, help="which computation(s) to run")
     p.add_argument(
         "--shards", type=int, default=None, help="number of shards S (default: --devices if given, else 2)"
@@ -37,7 +39,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
-    p.add_argument("--json", default=None, metavar="PATH|-", help="also write the results as JSON ('-': stdout)")
+    p.add_argument(
+        "--json", default=None, metavar="PATH|-", help="also write the results as JSON ('-': stdout)"
+    )
     p.set_defaults(func=main)
 
 
@@ -85,7 +89,13 @@ def main(args) -> int:
             )
             mesh = make_mesh(args.shards)
         report = runner.run_strategies(
-            data.x, data.y, num_shards=args.shards, lr=args.lr, seed=args.seed, strategies=strategies, mesh=mesh
+            data.x,
+            data.y,
+            num_shards=args.shards,
+            lr=args.lr,
+            seed=args.seed,
+            strategies=strategies,
+            mesh=mesh,
         )
     except (ValueError, TypeError) as e:
         return _fail(err, str(e))
