@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("run",)
+SUBCOMMANDS = ("run", "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardcheck`` console script; returns the process exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "launch":  # join a multi-process run when SHARDCHECK_COORDINATOR etc. describe one
+        from shardcheck import distributed
+
+        try:
+            distributed.initialize_from_env()
+        except (ValueError, distributed.CoordinatorBindError) as err:
+            print(f"shardcheck {args.command}: {err}", file=sys.stderr)
+            return getattr(err, "exit_status", 2)
     return int(args.func(args) or 0)
 
 

@@ -1,0 +1,59 @@
+"""``shardcheck launch``: run another subcommand as several local JAX processes forming one mesh."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardcheck import launcher
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch",
+        help="run a subcommand as P local processes x N CPU devices over JAX's distributed runtime",
+        description=(
+            "Start P processes on this machine, each with N fake CPU devices, joined by jax.distributed "
+            "(coordinator on 127.0.0.1 and a free port, gloo CPU collectives) into one mesh of P*N devices, "
+            "and run the shardcheck subcommand after '--' in every one; process 0 prints the result. If a "
+            "process fails or the timeout passes, all are stopped. On a cluster, set SHARDCHECK_COORDINATOR, "
+            "SHARDCHECK_NUM_PROCESSES and SHARDCHECK_PROCESS_ID instead (docs/distributed.md). Exit status: 0 "
+            "only if every process exits 0; 124 on timeout."
+        ),
+        epilog="example: shardcheck launch --processes 2 --devices-per-process 2 -- run --strategy all",
+    )
+    p.add_argument("--processes", type=int, required=True, metavar="P", help="number of processes (>= 1)")
+    p.add_argument(
+        "--devices-per-process", type=int, required=True, metavar="N", help="fake CPU devices per process"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="stop every process and fail if the run takes longer (default 120)",
+    )
+    p.add_argument(
+        "--port", type=int, default=None, help="coordinator port to try first (default: a free port)"
+    )
+    p.add_argument(
+        "argv", nargs=argparse.REMAINDER, metavar="-- SUBCOMMAND ...", help="the subcommand to run"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("shardcheck launch: no subcommand given; for example: -- run --strategy dp", file=sys.stderr)
+        return 2
+    if argv[0] == "launch":
+        print("shardcheck launch: cannot launch 'launch' itself; give the subcommand to run", file=sys.stderr)
+        return 2
+    try:
+        return launcher.launch(argv, args.processes, args.devices_per_process, args.timeout, port=args.port)
+    except ValueError as err:
+        print(f"shardcheck {err}", file=sys.stderr)
+        return 2

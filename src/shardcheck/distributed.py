@@ -1,0 +1,403 @@
+"""Many processes, one mesh: JAX's distributed runtime under the same SPMD steps.
+
+A multi-process run is P processes, each owning N devices, that together form one global mesh of P * N
+devices. Every process runs the same program. JAX's distributed runtime (a coordinator service in process 0, a
+client in every process) lets them agree on the global device list; XLA's CPU collectives (gloo over TCP, the
+default ``jax_cpu_collectives_implementation``) carry the all-reduces and all-gathers between them. The steps
+do not change: only the batch is built from process-local rows (:func:`global_batch`), and results that no
+process holds whole are gathered (:func:`gather_to_host`) before process 0 (:func:`is_main_process`) prints.
+
+Every ``shardcheck`` subcommand calls :func:`initialize_from_env` before it computes anything, so one command
+line runs on one process or many; the environment decides:
+
+==================================  ==========================================================================
+``SHARDCHECK_COORDINATOR``          ``HOST:PORT`` of the coordinator (process 0's host); unset: one process.
+``SHARDCHECK_NUM_PROCESSES``        P, the number of processes (required with the coordinator).
+``SHARDCHECK_PROCESS_ID``           this process's rank in ``[0, P)``; rank 0 runs the coordinator service.
+``SHARDCHECK_DEVICES_PER_PROCESS``  N fake CPU devices for this process (``jax_num_cpu_devices``); optional.
+``SHARDCHECK_COORDINATOR_BIND``     ``HOST:PORT`` the coordinator listens on. Default: the coordinator
+                                    address when its host is a loopback address, else JAX's default (all
+                                    interfaces, which a multi-host cluster needs).
+``SHARDCHECK_INIT_TIMEOUT_S``       seconds to wait for every process to join (default 300, JAX's).
+``SHARDCHECK_FAULT_INJECT``         testing hook: ``hang:R`` makes process R stall forever right after it
+                                    joins, so that a test can kill it mid-run. Never set it in real runs.
+==================================  ==========================================================================
+
+:func:`shardcheck.launcher.launch` (``shardcheck launch``) sets these for P processes on this machine; on a
+cluster the scheduler (``srun``, ``mpirun``, a Kubernetes job) starts one process per host and the job script
+sets them (``docs/distributed.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import ipaddress
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+ENV_COORDINATOR = "SHARDCHECK_COORDINATOR"
+ENV_NUM_PROCESSES = "SHARDCHECK_NUM_PROCESSES"
+ENV_PROCESS_ID = "SHARDCHECK_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "SHARDCHECK_DEVICES_PER_PROCESS"
+ENV_COORDINATOR_BIND = "SHARDCHECK_COORDINATOR_BIND"
+ENV_INIT_TIMEOUT = "SHARDCHECK_INIT_TIMEOUT_S"
+ENV_FAULT_INJECT = "SHARDCHECK_FAULT_INJECT"
+
+#: Exit status of process 0 when its coordinator service could not bind its port (``EX_TEMPFAIL``); the
+#: launcher answers it by retrying on another free port.
+EXIT_COORDINATOR_BIND_FAILED = 75
+
+PyTree = Any
+
+
+class CoordinatorBindError(RuntimeError):
+    """Process 0 could not start the coordinator service on its address (most often: the port is in use)."""
+
+    exit_status = EXIT_COORDINATOR_BIND_FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process run; read from the environment by :func:`config_from_env`.
+
+    Attributes:
+        coordinator_address: ``HOST:PORT`` every process connects to.
+        num_processes: P >= 1.
+        process_id: this process's rank in ``[0, P)``.
+        devices_per_process: N fake CPU devices of this process, or None to keep JAX's default.
+        coordinator_bind_address: ``HOST:PORT`` process 0's service listens on; None for JAX's default
+            (``[::]:PORT``, all interfaces).
+        initialization_timeout_s: seconds to wait for every process to join.
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    devices_per_process: int | None = None
+    coordinator_bind_address: str | None = None
+    initialization_timeout_s: int = 300
+
+
+def _env_int(fn: str, env: Mapping[str, str], name: str, low: int, rule: str) -> int | None:
+    text = env.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{fn}: {name}={text!r} is not an integer; {rule}") from None
+    if value < low:
+        raise ValueError(f"{fn}: {name}={value} must be >= {low}; {rule}")
+    return value
+
+
+def _check_address(fn: str, name: str, address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{fn}: {name}={address!r} is not HOST:PORT; set it like 127.0.0.1:8476 or node0:8476"
+        )
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> DistributedConfig | None:
+    """The :class:`DistributedConfig` the ``SHARDCHECK_*`` variables describe, or None for a single process.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        None when ``SHARDCHECK_COORDINATOR`` is unset or empty, else the config.
+
+    Raises:
+        ValueError: the coordinator is set but ``SHARDCHECK_NUM_PROCESSES`` or ``SHARDCHECK_PROCESS_ID`` is
+            missing, not an integer or out of range; an address is not ``HOST:PORT``; a timeout or device
+            count is not a positive integer; the process count or id is set without a coordinator.
+    """
+    fn = "config_from_env"
+    env = os.environ if environ is None else environ
+    coordinator = env.get(ENV_COORDINATOR, "").strip()
+    num_processes = _env_int(fn, env, ENV_NUM_PROCESSES, 1, "set it to the number of processes P")
+    process_id = _env_int(fn, env, ENV_PROCESS_ID, 0, "set it to this process's rank, 0 <= rank < P")
+    devices = _env_int(fn, env, ENV_DEVICES_PER_PROCESS, 1, "set it to the devices each process owns")
+    timeout_s = _env_int(fn, env, ENV_INIT_TIMEOUT, 1, "set it to a number of seconds")
+    if not coordinator:
+        if num_processes is not None or process_id is not None:
+            raise ValueError(
+                f"{fn}: {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID} are set but {ENV_COORDINATOR} is not; set "
+                f"{ENV_COORDINATOR}=HOST:PORT of process 0, or unset them for a single-process run"
+            )
+        return None
+    host = _check_address(fn, ENV_COORDINATOR, coordinator)
+    bind = env.get(ENV_COORDINATOR_BIND) or None
+    if bind is not None:
+        _check_address(fn, ENV_COORDINATOR_BIND, bind)
+    elif _is_loopback(host):
+        bind = coordinator  # a loopback coordinator needs no other interface
+    if num_processes is None or process_id is None:
+        missing = ENV_NUM_PROCESSES if num_processes is None else ENV_PROCESS_ID
+        raise ValueError(f"{fn}: {ENV_COORDINATOR}={coordinator} is set but {missing} is not; set both")
+    if process_id >= num_processes:
+        raise ValueError(
+            f"{fn}: {ENV_PROCESS_ID}={process_id} is not below {ENV_NUM_PROCESSES}={num_processes}; "
+            f"ranks are 0 .. {num_processes - 1}"
+        )
+    return DistributedConfig(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        devices_per_process=devices,
+        coordinator_bind_address=bind,
+        initialization_timeout_s=300 if timeout_s is None else timeout_s,
+    )
+
+
+def initialize(config: DistributedConfig) -> None:
+    """Join the multi-process run ``config`` describes: the CPU device count, then ``jax.distributed``.
+
+    Must run before JAX initializes a backend (before the first ``jax.devices()`` or array). Sets
+    ``jax_num_cpu_devices`` when ``config.devices_per_process`` is given, then calls
+    ``jax.distributed.initialize`` with the config's addresses; CPU collectives are gloo, JAX's default.
+    Afterwards native writes to file descriptor 1 (gloo announces its connections there) go to stderr while
+    ``sys.stdout`` keeps the original stdout, so that a ``--json -`` document stays parseable.
+
+    Args:
+        config: from :func:`config_from_env`.
+
+    Raises:
+        CoordinatorBindError: in process 0, the coordinator service could not listen on
+            ``config.coordinator_bind_address`` (usually: the port is in use; choose another).
+        ValueError: ``SHARDCHECK_FAULT_INJECT`` is set to something other than ``hang:RANK``.
+        RuntimeError: JAX's own errors, e.g. the other processes did not join within
+            ``config.initialization_timeout_s`` seconds, or a backend was already initialized.
+    """
+    import jax
+
+    if config.devices_per_process is not None:
+        jax.config.update("jax_num_cpu_devices", config.devices_per_process)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            initialization_timeout=config.initialization_timeout_s,
+            coordinator_bind_address=config.coordinator_bind_address,
+        )
+    except jax.errors.JaxRuntimeError as err:
+        if config.process_id == 0 and "Failed to start RPC server" in str(err):
+            where = config.coordinator_bind_address or config.coordinator_address
+            raise CoordinatorBindError(
+                f"initialize: the coordinator service could not listen on {where} (is the port in use?); "
+                f"choose another port in {ENV_COORDINATOR}"
+            ) from err
+        raise
+    _route_native_stdout_to_stderr()
+    _maybe_inject_fault(config.process_id)
+
+
+def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Join a multi-process run if the ``SHARDCHECK_*`` variables describe one (see the module docstring).
+
+    Does nothing when JAX's distributed runtime is already initialized. With only
+    ``SHARDCHECK_DEVICES_PER_PROCESS`` set, sets ``jax_num_cpu_devices`` and stays single-process.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        True when this process is part of a multi-process run, False for a single process.
+
+    Raises:
+        ValueError: from :func:`config_from_env` and :func:`initialize`.
+        CoordinatorBindError: from :func:`initialize`.
+    """
+    import jax
+
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ if environ is None else environ
+    config = config_from_env(env)
+    if config is None:
+        rule = "set it to the devices each process owns"
+        devices = _env_int("initialize_from_env", env, ENV_DEVICES_PER_PROCESS, 1, rule)
+        if devices is not None:
+            jax.config.update("jax_num_cpu_devices", devices)
+        return False
+    initialize(config)
+    return True
+
+
+def _route_native_stdout_to_stderr() -> None:
+    """Point file descriptor 1 at stderr and keep ``sys.stdout`` writing to the original stdout."""
+    try:
+        stdout_fd, stderr_fd = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return  # a captured or replaced stream (pytest): nothing native writes to it
+    sys.stdout.flush()
+    python_fd = os.dup(stdout_fd)
+    os.dup2(stderr_fd, stdout_fd)
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(python_fd, "w"), encoding=encoding, errors=errors, line_buffering=True
+    )
+
+
+def _maybe_inject_fault(process_id: int) -> None:
+    spec = os.environ.get(ENV_FAULT_INJECT, "")
+    if not spec:
+        return
+    kind, _, rank = spec.partition(":")
+    if kind != "hang" or not rank.isdigit():
+        raise ValueError(
+            f"initialize: {ENV_FAULT_INJECT}={spec!r} is not hang:RANK (a testing hook); unset it"
+        )
+    if int(rank) == process_id:
+        print(f"shardcheck: {ENV_FAULT_INJECT}={spec}: process {process_id} hangs now", file=sys.stderr)
+        sys.stderr.flush()
+        while True:
+            time.sleep(3600)
+
+
+def is_multiprocess() -> bool:
+    """True once this process has joined JAX's distributed runtime; never initializes a backend."""
+    import jax
+
+    return jax.distributed.is_initialized()
+
+
+def is_main_process() -> bool:
+    """True in process 0 (the one that prints and writes files), and in every single-process run."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _batch_sharding(fn: str, mesh, axis_name: str):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"{fn}: axis_name={axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    missing = sorted(set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat})
+    if missing:
+        raise ValueError(
+            f"{fn}: the mesh has no device of process(es) {missing}; in a multi-process run every process "
+            f"must own part of the mesh: use all {jax.device_count()} devices (spmd.make_mesh())"
+        )
+    return NamedSharding(mesh, PartitionSpec(axis_name))
+
+
+def process_batch_indices(global_batch_size: int, mesh, axis_name: str = "data") -> np.ndarray:
+    """The rows of a global batch this process must load: those its devices hold when the batch is split.
+
+    With :func:`shardcheck.spmd.make_mesh` the devices of one process are contiguous, so process p of P gets
+    the rows ``[p * B / P, (p + 1) * B / P)``; other meshes may give several ranges, returned in global order,
+    which is the order ``jax.make_array_from_process_local_data`` expects. In a single process: all B rows.
+
+    Args:
+        global_batch_size: B, a positive multiple of the size of ``axis_name``.
+        mesh: the ``jax.sharding.Mesh`` of the step, spanning every process.
+        axis_name: the mesh axis the batch is split over.
+
+    Returns:
+        ``(B_local,)`` int64 row indices, increasing.
+
+    Raises:
+        ValueError: ``axis_name`` is not a mesh axis; the mesh leaves out a process; B is not a positive
+            multiple of the axis size.
+    """
+    fn = "process_batch_indices"
+    sharding = _batch_sharding(fn, mesh, axis_name)
+    size = int(mesh.shape[axis_name])
+    if global_batch_size < 1 or global_batch_size % size:
+        raise ValueError(
+            f"{fn}: batch size {global_batch_size} is not a positive multiple of the {size} devices of mesh "
+            f"axis {axis_name!r}; equal shards are required"
+        )
+    index_map = sharding.addressable_devices_indices_map((global_batch_size,))
+    ranges = sorted({index[0].indices(global_batch_size)[:2] for index in index_map.values()})
+    return np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in ranges])
+
+
+def global_batch(x_local, y_local, mesh, axis_name: str = "data"):
+    """Global ``(x, y)`` arrays split along ``axis_name`` over every process, built from each process's rows.
+
+    Every process calls this with the rows :func:`process_batch_indices` names for it, and gets one global
+    array per input (``jax.make_array_from_process_local_data``), not fully addressable when there are several
+    processes. In a single process the local rows are the whole batch.
+
+    Args:
+        x_local: ``(B_local, D)`` this process's inputs (NumPy or JAX; the dtype is kept).
+        y_local: ``(B_local, K)`` this process's targets, as many rows.
+        mesh: the ``jax.sharding.Mesh`` of the step, spanning every process.
+        axis_name: the mesh axis the batch is split over.
+
+    Returns:
+        ``(x, y)``: ``(B, D)`` and ``(B, K)`` ``jax.Array`` with sharding ``NamedSharding(mesh, P(axis_name))``,
+        where B is the sum of the processes' ``B_local``.
+
+    Raises:
+        ValueError: ``axis_name`` is not a mesh axis; the mesh leaves out a process; ``x_local`` and
+            ``y_local`` differ in rows; the processes passed different numbers of rows (a cross-process check).
+    """
+    import jax
+
+    fn = "global_batch"
+    x_local, y_local = np.asarray(x_local), np.asarray(y_local)
+    if x_local.shape[:1] != y_local.shape[:1]:
+        raise ValueError(f"{fn}: x_local has {x_local.shape[0]} rows but y_local has {y_local.shape[0]}")
+    sharding = _batch_sharding(fn, mesh, axis_name)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        rows = multihost_utils.process_allgather(np.array([x_local.shape[0]], np.int64), tiled=True)
+        if len(set(rows.tolist())) != 1:
+            raise ValueError(
+                f"{fn}: the processes passed different numbers of rows {rows.tolist()}; each must pass the "
+                "rows process_batch_indices(B, mesh) names for it"
+            )
+    x = jax.make_array_from_process_local_data(sharding, x_local)
+    y = jax.make_array_from_process_local_data(sharding, y_local)
+    return x, y
+
+
+def gather_to_host(tree: PyTree) -> PyTree:
+    """Every array leaf of ``tree`` as one whole NumPy array, in every process (all processes must call it).
+
+    Leaves that are not fully addressable (split or replicated across processes) are gathered with
+    ``jax.experimental.multihost_utils.process_allgather(..., tiled=True)``, a collective: every process must
+    pass the same tree structure. Fully addressable arrays are copied to host; other leaves are returned as is.
+
+    Args:
+        tree: a pytree (an ``nnx.State``, a dict of arrays, a registered dataclass).
+
+    Returns:
+        The same structure, with ``np.ndarray`` leaves of the arrays' global shapes and dtypes.
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    def to_host(leaf):
+        if isinstance(leaf, jax.Array):
+            if leaf.is_fully_addressable:
+                return np.asarray(leaf)
+            return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+        return leaf
+
+    return jax.tree.map(to_host, tree)
