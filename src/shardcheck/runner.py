@@ -12,6 +12,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.baseline import sgd_step
+from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
 from shardcheck.losses import mse_loss
 from shardcheck.simulation import reduced_sgd_step
 
@@ -66,9 +67,13 @@ class RunReport:
 
 
 def to_host(tree) -> dict[str, np.ndarray]:
-    """Flatten a state tree to ``{"kernel": np.ndarray, ...}`` keyed by its path, on the host."""
+    """Flatten a state tree to ``{"kernel": np.ndarray, ...}`` keyed by its path, on the host.
+
+    Arrays split or replicated across processes are gathered first (a collective: every process calls this).
+    """
     if isinstance(tree, nnx.State):
         tree = nnx.to_pure_dict(tree)
+    tree = gather_to_host(tree)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {".".join(str(getattr(k, "key", k)) for k in path): np.asarray(leaf) for path, leaf in flat}
 
@@ -123,6 +128,11 @@ def run_strategies(
 
         mesh = make_mesh(num_shards)
     d, k = x.shape[1], y.shape[1]
+    x_mesh, y_mesh = x, y
+    if mesh is not None and jax.process_count() > 1:
+        # Many processes (docs/distributed.md): each feeds the mesh steps only the rows its devices hold.
+        rows = process_batch_indices(x.shape[0], mesh)
+        x_mesh, y_mesh = global_batch(np.asarray(x)[rows], np.asarray(y)[rows], mesh)
     initial = nnx.Linear(d, k, rngs=nnx.Rngs(seed))
 
     def fresh():
@@ -153,7 +163,7 @@ def run_strategies(
             from shardcheck import spmd
 
             step = spmd.data_parallel_sgd_step if name == "dp" else spmd.fsdp_sgd_step
-            loss = step(model, optimizer, x, y, mesh)
+            loss = step(model, optimizer, x_mesh, y_mesh, mesh)
             if name == "fsdp":
                 extra = dict(placement=spmd.placement_summary(model, optimizer))
         params = to_host(nnx.state(model, nnx.Param))

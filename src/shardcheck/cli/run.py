@@ -58,6 +58,12 @@ def main(args) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             return _fail(err, f"shardcheck run: --{flag} must be a positive int, got {value}")
+    from shardcheck import distributed
+
+    if args.shards is None and distributed.is_multiprocess():
+        import jax
+
+        args.shards = jax.device_count()  # shardcheck launch / a cluster: the mesh spans every process
     if args.shards is None:
         args.shards = args.devices if args.devices is not None else 2
     strategies = ("baseline", "simulation", "dp", "fsdp") if args.strategy == "all" else (args.strategy,)
@@ -100,6 +106,8 @@ def main(args) -> int:
     except (ValueError, TypeError) as e:
         return _fail(err, str(e))
 
+    if not distributed.is_main_process():
+        return 0  # every process computed the same report; process 0 alone prints it
     console = console_for(args)
     console.print(render_table(report, data))
     write_json(report_json(report, data), args.json)
