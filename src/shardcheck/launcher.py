@@ -25,7 +25,7 @@ from shardcheck import distributed
 #: Exit status of :func:`launch` when the run outlived its timeout (as ``timeout(1)``).
 EXIT_TIMEOUT = 124
 #: Seconds between SIGTERM and SIGKILL when the launcher stops a worker's process group.
-KILL_GRACE_S = 3.0
+KILL_GRACE_S = 1.0
 #: Output lines of a failed worker repeated in the launcher's error message.
 TAIL_LINES = 20
 
