@@ -57,3 +57,6 @@ def run(args) -> int:
     except ValueError as err:
         print(f"shardcheck {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the workers were stopped on the way out
+        print("shardcheck launch: interrupted; every worker was stopped", file=sys.stderr)
+        return 130
