@@ -12,12 +12,15 @@ from shardcheck.reductions import tree_sum as tree_sum
 from shardcheck.simulation import ReducedStep as ReducedStep
 from shardcheck.simulation import reduced_sgd_step as reduced_sgd_step
 from shardcheck.simulation import simulated_data_parallel_step as simulated_data_parallel_step
+from shardcheck.train import TrainReport as TrainReport
+from shardcheck.train import train as train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MLP",
     "ReducedStep",
+    "TrainReport",
     "fsdp_step",
     "make_model",
     "make_tx",
@@ -25,6 +28,7 @@ __all__ = [
     "reduced_sgd_step",
     "sgd_step",
     "simulated_data_parallel_step",
+    "train",
     "tree_mean",
     "tree_sum",
     "weighted_squared_error",

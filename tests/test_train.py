@@ -1,0 +1,273 @@
+"""The lock-step training loop (shardcheck.train) and its figure (shardcheck.plots)."""
+
+import importlib
+import math
+import os
+
+import matplotlib.image
+import numpy as np
+import pytest
+from conftest import require_devices
+
+from shardcheck import baseline, datasets
+from shardcheck.plots import plot_training
+from shardcheck.train import TrainReport, minibatch_indices, select_features, split_and_standardize, train
+
+# The module itself: ``shardcheck.train`` as an attribute of the package is the re-exported function.
+train_lib = importlib.import_module("shardcheck.train")
+
+
+@pytest.fixture(scope="module")
+def diabetes():
+    return datasets.load_dataset("diabetes", standardize_data=False)
+
+
+def write_csv(path, x, y, names):
+    rows = [",".join(names)] + [",".join(f"{v:.6f}" for v in row) for row in np.hstack([x, y])]
+    path.write_text("\n".join(rows) + "\n")
+
+
+def assert_lockstep_agrees(report: TrainReport):
+    """Both loss curves agree within the step's tolerance at every step; the drift never exceeds its own."""
+    for s in report.steps:
+        assert abs(s.loss_sharded - s.loss_baseline) <= s.loss_tolerance, s
+        assert s.max_abs_param_diff <= s.drift_tolerance, s
+    assert report.loss_curves_agree and report.first_exceeded_step is None
+    # epoch-end evaluations: both runs on the same splits
+    for r in report.epoch_records:
+        assert r.train_loss_sharded == pytest.approx(r.train_loss_baseline, rel=1e-5)
+        assert r.test_loss_sharded == pytest.approx(r.test_loss_baseline, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "strategy,optimizer,num_shards",
+    [
+        ("simulation", "sgd", 2),
+        pytest.param("dp", "momentum", 4, marks=require_devices(4)),
+        pytest.param("fsdp", "adam", 4, marks=require_devices(4)),
+    ],
+)
+def test_diabetes_lockstep_agrees_and_learns(diabetes, strategy, optimizer, num_shards):
+    report = train(
+        diabetes.x,
+        diabetes.y,
+        strategy=strategy,
+        num_shards=num_shards,
+        optimizer=optimizer,
+        epochs=4,
+        batch_size=64,
+        name="diabetes",
+    )
+    # 442 rows, test_fraction 0.2: ceil(88.4) = 89 test rows, 353 train; 353 // 64 = 5 steps, 33 rows dropped
+    assert (report.num_train, report.num_test) == (353, 89)
+    assert (report.steps_per_epoch, report.dropped_per_epoch, report.num_steps) == (5, 33, 20)
+    assert [s.step for s in report.steps] == list(range(1, 21))
+    assert [s.epoch for s in report.steps] == [e for e in range(1, 5) for _ in range(5)]
+    assert [r.epoch for r in report.epoch_records] == [0, 1, 2, 3, 4]
+    assert [r.step for r in report.epoch_records] == [0, 5, 10, 15, 20]
+    # identical initial state: bitwise-equal losses at initialization and on the first batch
+    init = report.initial
+    assert init.train_loss_sharded == init.train_loss_baseline
+    assert init.test_loss_sharded == init.test_loss_baseline
+    assert report.steps[0].loss_sharded == pytest.approx(report.steps[0].loss_baseline, rel=1e-6)
+    assert_lockstep_agrees(report)
+    assert report.max_abs_param_diff < 1e-5
+    # training helps on held-out data
+    assert report.final.test_loss_baseline < 0.5 * init.test_loss_baseline
+    assert report.final.test_loss_sharded < 0.5 * init.test_loss_sharded
+
+
+def test_csv_mlp_two_targets_learns(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 3))
+    y = np.stack([np.sin(x[:, 0]) + x[:, 1], x[:, 2] ** 2 - x[:, 0]], axis=1) + 0.05 * rng.normal(
+        size=(120, 2)
+    )
+    path = tmp_path / "made.csv"
+    write_csv(path, x, y, ["a", "b", "c", "t1", "t2"])
+    data = datasets.load_dataset(str(path), target="t1,t2", standardize_data=False)
+    report = train(
+        data.x,
+        data.y,
+        strategy="simulation",
+        num_shards=4,
+        model="mlp",
+        hidden=16,
+        optimizer="adam",
+        lr=0.03,
+        epochs=15,
+        batch_size=16,
+        test_fraction=0.25,
+        seed=1,
+        name=data.name,
+    )
+    assert (report.in_features, report.out_features, report.num_train, report.num_test) == (3, 2, 90, 30)
+    assert report.num_steps == 15 * (90 // 16)
+    assert_lockstep_agrees(report)
+    assert report.final.test_loss_baseline < 0.5 * report.initial.test_loss_baseline
+
+
+def test_minibatches_reshuffled_each_epoch_and_last_partial_dropped():
+    batches = list(minibatch_indices(10, 4, 3, seed=5))
+    assert [e for e, _ in batches] == [1, 1, 2, 2, 3, 3]
+    assert all(idx.shape == (4,) for _, idx in batches)
+    for epoch in (1, 2, 3):
+        rows = np.concatenate([idx for e, idx in batches if e == epoch])
+        assert len(set(rows.tolist())) == 8  # no row twice in an epoch; 10 % 4 = 2 rows dropped
+    orders = [np.concatenate([idx for e, idx in batches if e == epoch]) for epoch in (1, 2, 3)]
+    assert not np.array_equal(orders[0], orders[1])
+    # reproducible: the same seed draws the same permutations (np.random.default_rng)
+    rng = np.random.default_rng(5)
+    np.testing.assert_array_equal(orders[0], rng.permutation(10)[:8])
+    again = list(minibatch_indices(10, 4, 3, seed=5))
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(batches, again, strict=True))
+
+
+def test_split_standardizes_with_training_statistics():
+    rng = np.random.default_rng(2)
+    x = rng.normal(3.0, 5.0, size=(50, 2))
+    y = rng.normal(-1.0, 0.1, size=(50, 1))
+    x_tr, y_tr, x_te, y_te = split_and_standardize(x, y, 0.3, seed=0)
+    assert (x_tr.shape, x_te.shape, y_tr.shape, y_te.shape) == ((35, 2), (15, 2), (35, 1), (15, 1))
+    assert x_tr.dtype == np.float32
+    np.testing.assert_allclose(x_tr.mean(axis=0), 0.0, atol=1e-6)
+    np.testing.assert_allclose(x_tr.std(axis=0), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(y_tr.mean(axis=0), 0.0, atol=1e-5)
+    # the test split is scaled with the training statistics, so it is not exactly centred
+    assert np.abs(x_te.mean(axis=0)).max() > 1e-3
+
+
+@require_devices(4)
+def test_steps_compile_once_per_run(diabetes):
+    """All batches share one shape (the last partial one is dropped): 33 steps, at most one trace of each step.
+
+    (Each run builds a fresh optax transformation, which is part of the optimizer's static structure, so a new
+    run may trace once more; the steps of one run never do.)
+    """
+    from shardcheck import spmd
+
+    traces = spmd.TRACE_COUNTS["fsdp"]
+    sizes = (baseline._sgd_step_jit._cache_size(), train_lib._eval_losses._cache_size())
+    report = train(diabetes.x, diabetes.y, strategy="fsdp", num_shards=4, epochs=3, batch_size=32)
+    assert report.num_steps == 33 and report.dropped_per_epoch == 1
+    assert spmd.TRACE_COUNTS["fsdp"] - traces <= 1
+    assert baseline._sgd_step_jit._cache_size() - sizes[0] <= 1
+    assert train_lib._eval_losses._cache_size() - sizes[1] <= 1
+
+
+def test_drift_that_starts_late_is_caught(diabetes, monkeypatch):
+    """A sharded step that goes wrong at its 4th update: drift exceeds the tolerance first at step 4."""
+
+    def faulty_factory(fn, strategy, num_shards, mesh):
+        calls = {"n": 0}
+
+        def step(model, optimizer, x, y):
+            loss = baseline.sgd_step(model, optimizer, x, y)
+            calls["n"] += 1
+            if calls["n"] == 4:  # e.g. a step counter off by one in a schedule: one update 1e-3 off
+                model.bias[...] = model.bias[...] + 1e-3
+            return loss
+
+        return step, None
+
+    monkeypatch.setattr(train_lib, "_sharded_step", faulty_factory)
+    report = train(diabetes.x, diabetes.y, strategy="simulation", optimizer="sgd", epochs=2, batch_size=64)
+    assert report.first_exceeded_step == 4
+    assert [s.drift_exceeded for s in report.steps[:4]] == [False, False, False, True]
+    assert report.max_abs_param_diff == pytest.approx(1e-3, rel=0.2)
+    assert all(s.loss_agrees for s in report.steps[:4])  # step 4's loss is measured before its update
+    assert not report.loss_curves_agree  # later batches see the shifted bias
+
+
+def test_tolerance_rule_values():
+    eps = float(np.finfo(np.float32).eps)
+    tol = train_lib.step_tolerance(64, 1, 1)
+    assert tol.atol == pytest.approx(eps * 8) and tol.rtol == pytest.approx(16 * eps * 8)
+    assert train_lib.step_tolerance(64, 1, 4).atol == pytest.approx(2 * tol.atol)  # grows like sqrt(t)
+    assert train_lib.step_tolerance(16, 4, 1).atol == pytest.approx(tol.atol)  # depends on B*K
+
+
+def test_callback_sees_every_step_and_epoch_end(diabetes):
+    events = []
+    report = train(
+        diabetes.x, diabetes.y, strategy="simulation", epochs=2, batch_size=128, callback=events.append
+    )
+    assert [e.step.step for e in events] == [1, 2, 3, 4]
+    assert {e.total_steps for e in events} == {4} and {e.epochs for e in events} == {2}
+    assert [e.epoch_end.epoch if e.epoch_end else None for e in events] == [None, 1, None, 2]
+    assert events[-1].epoch_end == report.final
+
+
+def test_plot_is_a_png_of_the_expected_size(diabetes, tmp_path):
+    report = train(diabetes.x, diabetes.y, strategy="simulation", epochs=2, batch_size=64, name="diabetes")
+    path = plot_training(report, tmp_path / "figs" / "loss.png")
+    image = matplotlib.image.imread(path)
+    assert image.shape == (500, 1300, 4)  # 13 x 5 inches at 100 dpi, RGBA
+    assert image[..., :3].std() > 0.05  # not blank
+    assert sorted(p.name for p in path.parent.iterdir()) == ["loss.png"]  # no temp file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would create it, not mkstemp's 0600
+    with pytest.raises(ValueError, match=r"plot_training: path .*loss\.jpg.* must end in \.png"):
+        plot_training(report, tmp_path / "loss.jpg")
+    assert not (tmp_path / "loss.jpg").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (
+            dict(batch_size=30, num_shards=4),
+            r"train: batch_size=30 is not divisible by the shard count S=4.*28, 32",
+        ),
+        (dict(batch_size=400), r"train: the training split has 353 rows .* fewer than batch_size=400"),
+        (dict(test_fraction=1.0), r"train: test_fraction=1.0 must be a number in \(0, 1\)"),
+        (dict(strategy="zero"), r"train: strategy='zero' is unknown; use one of simulation, dp, fsdp"),
+        (dict(optimizer="lion"), r"train: optimizer='lion' is unknown; use one of sgd, momentum, adam"),
+        (dict(epochs=0), r"train: epochs=0 must be an int >= 1"),
+        (dict(lr=-1.0), r"train: lr=-1.0 must be a finite positive number"),
+        (dict(strategy="dp", num_shards=64), r"train: strategy='dp' with S=64 needs 64 devices"),
+    ],
+)
+def test_bad_arguments_raise_before_any_step(diabetes, kwargs, msg):
+    calls = []
+    with pytest.raises(ValueError, match=msg):
+        train(diabetes.x, diabetes.y, **{"strategy": "simulation", **kwargs}, callback=calls.append)
+    assert calls == []
+
+
+def test_bad_data_raises():
+    x = np.ones((20, 2))
+    x[3, 1] = np.nan
+    with pytest.raises(ValueError, match="train: x holds NaN or inf"):
+        train(x, np.ones(20), strategy="simulation", batch_size=4)
+    with pytest.raises(ValueError, match=r"train: x must be \(N, D\)"):
+        train(np.ones((20, 2)), np.ones(19), strategy="simulation", batch_size=4)
+
+
+def test_select_features(tmp_path):
+    path = tmp_path / "d.csv"
+    write_csv(path, np.arange(12.0).reshape(4, 3), np.ones((4, 1)), ["a", "b", "c", "y"])
+    data = datasets.load_dataset(str(path), target="y", standardize_data=False)
+    chosen = select_features(data, "c,a")
+    assert chosen.feature_names == ("c", "a")
+    np.testing.assert_array_equal(chosen.x, data.x[:, [2, 0]])
+    assert select_features(data, None) is data
+    with pytest.raises(
+        ValueError, match=r"train: column\(s\) \['y'\] are listed as features but are also target"
+    ):
+        select_features(data, "a,y")
+    with pytest.raises(ValueError, match=r"unknown feature column\(s\) \['z'\].*\['a', 'b', 'c'\]"):
+        select_features(data, "a,z")
+    with pytest.raises(ValueError, match=r"feature column\(s\) \['a'\] listed twice"):
+        select_features(data, ["a", "a"])
+    with pytest.raises(ValueError, match="names no column"):
+        select_features(data, "")
+
+
+def test_report_fields_are_frozen(diabetes):
+    report = train(diabetes.x, diabetes.y, strategy="simulation", epochs=1, batch_size=64)
+    with pytest.raises(AttributeError):
+        report.lr = 1.0  # type: ignore[misc]
+    assert math.isclose(report.lr, train_lib.DEFAULT_LR["adam"]) and report.strategy == "simulation"
+    assert report.num_shards == train_lib.DEFAULT_NUM_SHARDS["simulation"] == 2
