@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("run", "launch")
+SUBCOMMANDS = ("run", "launch", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

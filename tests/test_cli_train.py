@@ -1,0 +1,245 @@
+"""``shardcheck train``: in-process through ``shardcheck.cli.main``, once through the installed entry point."""
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+from conftest import require_devices
+
+from shardcheck.cli import main
+from shardcheck.train import step_tolerance
+
+FINAL_KEYS = {
+    "train_loss_baseline",
+    "train_loss_sharded",
+    "test_loss_baseline",
+    "test_loss_sharded",
+    "max_abs_param_diff",
+}
+
+
+def entry_point() -> str:
+    exe = Path(sys.executable).with_name("shardcheck")
+    return str(exe) if exe.exists() else shutil.which("shardcheck")
+
+
+def read_log(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_log_agrees(rows: list[dict], batch_size: int, out_features: int = 1):
+    """Every step's two losses agree within that step's tolerance (shardcheck.train.step_tolerance)."""
+    for row in rows:
+        tol = step_tolerance(batch_size, out_features, int(row["step"]))
+        base, sharded = float(row["loss_baseline"]), float(row["loss_sharded"])
+        assert abs(sharded - base) <= tol.atol + tol.rtol * abs(base), row
+
+
+def write_csv(path: Path, x, y, names):
+    rows = [",".join(names)] + [",".join(f"{v:.6f}" for v in row) for row in np.hstack([x, y])]
+    path.write_text("\n".join(rows) + "\n")
+
+
+@require_devices(4)
+def test_fsdp_adam_on_diabetes_writes_plot_log_and_json(tmp_path, capsys):
+    """The done-when command, shortened to 6 epochs."""
+    plot, log, out = tmp_path / "loss.png", tmp_path / "steps.csv", tmp_path / "out" / "train.json"
+    argv = ["train", "--strategy", "fsdp", "--devices", "4", "--optimizer", "adam", "--epochs", "6"]
+    argv += ["--batch-size", "64", "--plot", str(plot), "--log", str(log), "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for word in (
+        "baseline (1 device)",
+        "fsdp (S=4)",
+        "test loss (final)",
+        "max drift",
+        "first exceeded",
+        "never",
+    ):
+        assert word in text
+    report = json.loads(out.read_text())
+    assert FINAL_KEYS <= set(report["final"])
+    assert (report["strategy"], report["num_shards"], report["optimizer"], report["lr"]) == (
+        "fsdp",
+        4,
+        "adam",
+        0.01,
+    )
+    assert (
+        report["num_steps"] == 6 * 5 and report["first_exceeded_step"] is None and report["loss_curves_agree"]
+    )
+    final, initial = report["final"], report["initial"]
+    assert final["test_loss_sharded"] < initial["test_loss_sharded"]
+    assert final["test_loss_baseline"] < initial["test_loss_baseline"]
+    assert final["test_loss_sharded"] == pytest.approx(final["test_loss_baseline"], rel=1e-5)
+    assert final["max_abs_param_diff"] < 1e-5
+    assert len(report["history"]) == 7 and report["history"][0]["step"] == 0
+
+    rows = read_log(log)
+    assert len(rows) == report["num_steps"]  # one row per step
+    assert list(rows[0]) == ["step", "epoch", "loss_baseline", "loss_sharded", "max_abs_param_diff"]
+    assert [int(r["step"]) for r in rows] == list(range(1, 31))
+    assert max(float(r["max_abs_param_diff"]) for r in rows) == pytest.approx(final["max_abs_param_diff"])
+    assert_log_agrees(rows, 64)
+
+    assert matplotlib.image.imread(plot).shape == (500, 1300, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "out", "steps.csv"]  # no temp files
+
+
+def test_csv_made_here_mlp_simulation_json_on_stdout(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(100, 4))
+    y = (x @ np.array([[1.0], [-0.5], [0.0], [2.0]])) ** 2 / 4 + 0.1 * rng.normal(size=(100, 1))
+    path = tmp_path / "made.csv"
+    write_csv(path, x, y, ["a", "b", "c", "d", "y"])
+    log = tmp_path / "log.csv"
+    argv = ["train", "--dataset", str(path), "--target", "y", "--features", "a,b,d", "--model", "mlp"]
+    argv += [
+        "--hidden",
+        "16",
+        "--strategy",
+        "simulation",
+        "--devices",
+        "4",
+        "--epochs",
+        "20",
+        "--batch-size",
+        "16",
+    ]
+    argv += ["--lr", "0.03", "--seed", "2", "--log", str(log), "--json", "-"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout carries the JSON alone; the table went to stderr
+    assert "simulation (S=4)" in captured.err
+    assert (report["dataset"], report["in_features"], report["model"], report["num_shards"]) == (
+        "made.csv",
+        3,
+        "mlp",
+        4,
+    )
+    assert report["num_steps"] == 20 * (80 // 16) == len(read_log(log))
+    assert report["final"]["test_loss_sharded"] < report["initial"]["test_loss_sharded"]
+    assert_log_agrees(read_log(log), 16)
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--dataset", "--target", "--features", "--model", "--hidden", "--strategy", "--devices", "--optimizer",
+        "--lr", "--epochs", "--batch-size", "--test-fraction", "--seed", "--plot", "--log", "--json",
+    ):  # fmt: skip
+        assert flag in text
+
+
+BAD_FILES = {
+    "nonnumeric.csv": ("a,b,y\n1,x,3\n2,3,4\n", "line 2, column 'b': 'x' is not a number"),
+    "nan.csv": ("a,b,y\n1,nan,3\n2,3,4\n", "features hold NaN or inf"),
+}
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--dataset", "missing.csv"], "file 'missing.csv' does not exist"),
+        (["--dataset", "{good}", "--target", "nope"], "unknown target column(s) ['nope']"),
+        (["--dataset", "{good}", "--features", "a,zz"], "unknown feature column(s) ['zz']"),
+        (
+            ["--dataset", "{good}", "--target", "y", "--features", "a,y"],
+            "['y'] are listed as features but are also",
+        ),
+        (["--dataset", "{nonnumeric.csv}"], "'x' is not a number"),
+        (["--dataset", "{nan.csv}"], "NaN or inf"),
+        (
+            ["--dataset", "{good}", "--batch-size", "64"],
+            "the training split has 32 rows (40 rows, test_fraction=0.2)",
+        ),
+        (
+            ["--batch-size", "30", "--strategy", "simulation", "--devices", "4"],
+            "batch_size=30 is not divisible by",
+        ),
+        (["--epochs", "0"], "--epochs must be an int >= 1, got 0"),
+        (["--test-fraction", "1.5"], "--test-fraction must be in (0, 1)"),
+    ],
+)
+def test_data_and_argument_errors_exit_2_and_write_nothing(tmp_path, capsys, args, msg):
+    rng = np.random.default_rng(0)
+    write_csv(tmp_path / "good.csv", rng.normal(size=(40, 2)), rng.normal(size=(40, 1)), ["a", "b", "y"])
+    for name, (content, _) in BAD_FILES.items():
+        (tmp_path / name).write_text(content)
+    args = [
+        str(tmp_path / a.strip("{}").replace("good", "good.csv")) if a.startswith("{") else a for a in args
+    ]
+    outputs = tmp_path / "out"
+    argv = ["train", "--strategy", "simulation", "--epochs", "2", *args]
+    argv += [
+        "--plot",
+        str(outputs / "p.png"),
+        "--log",
+        str(outputs / "l.csv"),
+        "--json",
+        str(outputs / "r.json"),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err.replace("\n", " ")
+    assert not outputs.exists()  # nothing written, not even partially
+
+
+def test_bad_output_suffix_is_refused_before_training(tmp_path, capsys):
+    assert main(["train", "--strategy", "simulation", "--plot", str(tmp_path / "loss.jpg")]) == 2
+    assert "--plot" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_through_the_entry_point(tmp_path):
+    out = subprocess.run(
+        [entry_point(), "train", "--strategy", "dp", "--devices", "2", "--optimizer", "sgd", "--epochs", "3"]
+        + ["--batch-size", "32", "--log", str(tmp_path / "log.csv"), "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert FINAL_KEYS <= set(report["final"]) and report["num_shards"] == 2 and report["lr"] == 0.1
+    rows = read_log(tmp_path / "log.csv")
+    assert len(rows) == report["num_steps"] == 3 * 11
+    assert_log_agrees(rows, 32)
+    assert "dp (S=2)" in out.stderr  # the table, beside the progress bar, on stderr when --json -
+
+
+@pytest.mark.multiprocess
+@require_devices(4)
+def test_under_launch_process_0_alone_reports_the_single_process_result(tmp_path, capsys):
+    """2 processes x 2 devices: one JSON document on stdout, one plot, the numbers of the 4-device run."""
+    args = ["train", "--strategy", "dp", "--epochs", "2", "--batch-size", "64", "--dataset", "diabetes"]
+    assert main([*args, "--devices", "4", "--json", "-"]) == 0
+    single = json.loads(capsys.readouterr().out)
+    plot = tmp_path / "loss.png"
+    out = subprocess.run(
+        [entry_point(), "launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "120", "--"]
+        + [*args, "--plot", str(plot), "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    launched = json.loads(out.stdout)  # exactly one JSON document: process 1 printed nothing
+    assert launched["num_shards"] == single["num_shards"] == 4
+    assert launched["num_steps"] == single["num_steps"] == 10
+    for key, value in single["final"].items():
+        assert launched["final"][key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    assert launched["loss_curves_agree"] and launched["first_exceeded_step"] is None
+    p1 = [line for line in out.stderr.splitlines() if line.startswith("[p1]")]
+    assert not [line for line in p1 if "baseline" in line or "epoch" in line]  # process 1: no table, no bar
+    assert "dp (S=4)" in out.stderr  # process 0's table
+    assert matplotlib.image.imread(plot).shape == (500, 1300, 4)
