@@ -7,24 +7,36 @@ from shardcheck.losses import weighted_squared_error as weighted_squared_error
 from shardcheck.models import MLP as MLP
 from shardcheck.models import make_model as make_model
 from shardcheck.optimizers import make_tx as make_tx
+from shardcheck.placement import LeafPlacement as LeafPlacement
+from shardcheck.placement import placement_report as placement_report
+from shardcheck.placement import placement_summary as placement_summary
 from shardcheck.reductions import tree_mean as tree_mean
 from shardcheck.reductions import tree_sum as tree_sum
 from shardcheck.simulation import ReducedStep as ReducedStep
 from shardcheck.simulation import reduced_sgd_step as reduced_sgd_step
 from shardcheck.simulation import simulated_data_parallel_step as simulated_data_parallel_step
+from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
+from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
+from shardcheck.spmd import make_mesh as make_mesh
 from shardcheck.train import TrainReport as TrainReport
 from shardcheck.train import train as train
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LeafPlacement",
     "MLP",
     "ReducedStep",
     "TrainReport",
+    "data_parallel_sgd_step",
+    "fsdp_sgd_step",
     "fsdp_step",
+    "make_mesh",
     "make_model",
     "make_tx",
     "mse_loss",
+    "placement_report",
+    "placement_summary",
     "reduced_sgd_step",
     "sgd_step",
     "simulated_data_parallel_step",

@@ -1,0 +1,498 @@
+"""Data-parallel and FSDP SGD steps on a JAX device mesh, each equal to the single-device :func:`sgd_step`.
+
+Both steps are one ``jax.shard_map`` inside one ``jax.jit``, compiled once per (model structure, optimizer,
+shapes, mesh) and cached; repeated calls do not re-trace. They update ``model`` and ``optimizer`` in place, as
+``optimizer.update(model, grads)`` does, and return the pre-update loss (the mean of the shard losses, seed
+``000_f7b4ea9cf28c5420.txt``).
+
+Data parallel (DP): the batch is split over the mesh axis, parameters and optimizer state are replicated. Each
+device differentiates its shard's loss and the gradients are averaged with exactly one ``lax.pmean`` per leaf.
+
+Fully sharded (FSDP): every parameter and optimizer-state leaf is split over the mesh axis along the dimension
+chosen by :func:`~shardcheck.partitioning.fsdp_partition_spec` (leaves with no divisible dimension stay
+replicated). Inside the map each sharded parameter is ``all_gather``-ed (tiled) for the forward and backward
+pass, its gradient is ``psum_scatter``-ed (tiled) and divided by S, so every device receives the mean gradient of
+its own shard only, and the optimizer update runs on the local shards. This is the ZeRO-3 / FSDP pattern
+(Rajbhandari et al., "ZeRO", 2020; Zhao et al., "PyTorch FSDP", 2023), written with explicit collectives rather
+than left to GSPMD, which may lower the same computation to an all-reduce followed by a slice.
+
+The trap of ``../shared/cases`` C2: under ``jax.shard_map`` with replication checking on (``check_vma=True``,
+the default), a replicated (device-invariant) input is implicitly broadcast to every device, and the transpose of
+that broadcast is a ``psum``. The gradient of a local loss with respect to a replicated parameter therefore
+comes back *already summed* over the axis, and a further ``pmean`` leaves an update S times too large, with no
+error. Here the parameters are first cast to device-varying (``lax.pcast(..., to="varying")``, a no-op at run
+time), so the gradient is the local one, and exactly one ``pmean`` (DP) or ``psum_scatter / S`` (FSDP) reduces
+it. This formulation is also right with ``check_vma=False``, where no implicit ``psum`` exists.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from shardcheck import _validate
+from shardcheck.losses import mse_loss
+from shardcheck.partitioning import fsdp_partition_spec
+from shardcheck.placement import LeafPlacement as LeafPlacement
+from shardcheck.placement import placement_report as placement_report
+from shardcheck.placement import placement_summary as placement_summary
+
+STRATEGIES = ("dp", "fsdp")
+
+# How many times each step body was traced (by strategy): lets tests prove that a repeated call reuses the
+# compiled step.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+# Verdicts of the elementwise probe of check_fsdp_optimizer, by (optimizer graphdef, parameter tree structure).
+_ELEMENTWISE_VERDICTS: dict = {}
+
+
+def make_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
+    """A 1-D mesh over the first ``num_devices`` devices of ``jax.devices()``, with an ``Auto`` axis.
+
+    ``jax.make_mesh`` makes ``Explicit`` axes by default in current JAX. Under Explicit axes every jitted
+    operation must have an unambiguous output sharding, so plain jit code fed ``NamedSharding`` inputs can fail:
+    ``x @ w.T`` with a batch-sharded ``x`` and an FSDP-sharded ``w`` raises ``ShardingTypeError`` ("illegally
+    sharded result"), and so does a reshape of a sharded array, unless every such op is given ``out_sharding=``.
+    ``AxisType.Auto`` leaves those decisions to the compiler (GSPMD / Shardy propagation), so both code paths
+    work: ``jax.shard_map`` (which makes the axis Manual inside the map either way) and jit over
+    ``NamedSharding``-placed arrays (the GSPMD baseline the memory measurements compare with).
+
+    Args:
+        num_devices: N >= 1, at most ``len(jax.devices())``; None takes all devices. In a multi-process run
+            ``jax.devices()`` lists every process's devices, so the mesh is global.
+        axis_name: the name of the mesh axis; the steps' ``axis_name`` must match it.
+
+    Returns:
+        A ``jax.sharding.Mesh`` of shape ``(N,)`` with axis ``axis_name`` of type ``AxisType.Auto``.
+
+    Raises:
+        TypeError: ``num_devices`` not an int (or None); ``axis_name`` not a non-empty str.
+        ValueError: ``num_devices < 1`` or more than the available devices.
+
+    Example::
+
+        >>> mesh = make_mesh(1)
+        >>> mesh.shape
+        OrderedDict([('data', 1)])
+    """
+    fn = "make_mesh"
+    devices = jax.devices()
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(
+            f"{fn}: axis_name must be a non-empty str, got {axis_name!r}; pass e.g. axis_name='data'"
+        )
+    if num_devices is None:
+        num_devices = len(devices)
+    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral):
+        raise TypeError(
+            f"{fn}: num_devices must be a positive int or None, got {num_devices!r} "
+            f"({type(num_devices).__name__}); pass e.g. num_devices={len(devices)}"
+        )
+    if not 1 <= num_devices <= len(devices):
+        raise ValueError(
+            f"{fn}: num_devices={num_devices} is not available: {len(devices)} device(s) exist; pass 1 <= "
+            f"num_devices <= {len(devices)} (on CPU, more devices can be faked with "
+            "jax.config.update('jax_num_cpu_devices', N) before JAX initializes)"
+        )
+    return jax.make_mesh(
+        (int(num_devices),), (axis_name,), axis_types=(AxisType.Auto,), devices=devices[: int(num_devices)]
+    )
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def check_mesh(fn: str, mesh, axis_name) -> int:
+    """``mesh`` must be a ``Mesh`` with an axis ``axis_name``; returns that axis's size S."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
+            "shardcheck.make_mesh(num_devices)"
+        )
+    if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"{fn}: mesh has axes {tuple(mesh.axis_names)}, not axis_name={axis_name!r}; build the mesh with "
+            f"make_mesh(N, axis_name={axis_name!r}) or pass axis_name= one of {tuple(mesh.axis_names)}"
+        )
+    return int(mesh.shape[axis_name])
+
+
+def check_batch_divisible(fn: str, batch: int, num_shards: int, axis_name: str) -> None:
+    """Every device needs an equal, non-empty shard of the batch (``../shared/cases`` C4, C6)."""
+    if batch % num_shards:
+        valid = ", ".join(map(str, _validate.valid_shard_counts(batch)))
+        raise ValueError(
+            f"{fn}: batch size {batch} is not divisible by the {num_shards} devices of mesh axis {axis_name!r}; "
+            f"every device needs an equal shard, and padding or dropping examples would change the loss "
+            f"(device counts that divide this batch: {valid}; or pass a batch whose size is a multiple of "
+            f"{num_shards})"
+        )
+
+
+def check_params_only(fn: str, model) -> None:
+    """Refuse any non-``nnx.Param`` variable: the steps neither shard nor synchronise other state."""
+    others = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    if others:
+        listed = ", ".join(f"{'.'.join(map(str, path))} ({type(var).__name__})" for path, var in others)
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} holds non-Param state the step cannot shard or keep in sync "
+            f"across devices: {listed}. The sharded steps differentiate and distribute nnx.Param variables only; "
+            "make these nnx.Param (if trainable), or constants outside the module"
+        )
+
+
+def check_min_size(fn: str, min_size) -> int:
+    """``min_size`` (FSDP's replication threshold, in elements) must be an int >= 0."""
+    if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral):
+        raise TypeError(
+            f"{fn}: min_size must be an int >= 0, got {min_size!r} ({type(min_size).__name__}); pass e.g. "
+            "min_size=0 (shard every divisible leaf)"
+        )
+    if min_size < 0:
+        raise ValueError(f"{fn}: min_size must be an int >= 0, got {min_size}; pass e.g. min_size=0")
+    return int(min_size)
+
+
+def check_fsdp_optimizer(fn: str, model, optimizer) -> None:
+    """The FSDP update runs on local shards, which is exact only for elementwise, parameter-shaped optimizers.
+
+    sgd, momentum, Adam, AdamW, RMSProp, Lion... update each element from that element's gradient, parameter
+    and state alone. Global-norm clipping, LARS/LAMB trust ratios or factored second moments (Adafactor) need
+    statistics over whole leaves or the whole tree, which a shard does not hold (they would need a ``psum``):
+    they are refused. Checks: every non-scalar optimizer-state leaf has the shape of some parameter, and a
+    probe on a tiny tree of the same structure shows that perturbing one element changes no other element's
+    update.
+    """
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    shapes = {tuple(a.shape) for a in jax.tree.leaves(params)}
+    for path, var in nnx.to_flat_state(nnx.state(optimizer)):
+        shape = tuple(np.shape(var[...]))
+        if shape and shape not in shapes:
+            raise ValueError(
+                f"{fn}: optimizer state leaf {'.'.join(map(str, path))} has shape {shape}, the shape of no "
+                "parameter; FSDP shards optimizer state exactly like the parameters, which needs "
+                "parameter-shaped state (sgd, momentum, adam); use data_parallel_sgd_step for this optimizer"
+            )
+    key = (nnx.graphdef(optimizer), jax.tree.structure(params))
+    if key not in _ELEMENTWISE_VERDICTS:  # the probe runs once per optimizer structure, not every step
+        _ELEMENTWISE_VERDICTS[key] = _is_elementwise(optimizer.tx, params)
+    if not _ELEMENTWISE_VERDICTS[key]:
+        raise ValueError(
+            f"{fn}: the optimizer's transformation is not elementwise (e.g. clip_by_global_norm, a trust ratio, "
+            "factored moments): the update of one element depends on others, which a device holding one shard "
+            "cannot compute without an extra reduction; use an elementwise optimizer (sgd, momentum, adam, "
+            "adamw) or data_parallel_sgd_step"
+        )
+
+
+def _is_elementwise(tx, params) -> bool:
+    """Probe ``tx`` on a tiny tree mirroring ``params``: perturbing the last element must not move the others."""
+    small = jax.tree.map(
+        lambda a: jnp.linspace(0.5, 1.5, 2**a.ndim, dtype=a.dtype).reshape((2,) * a.ndim), params
+    )
+    big = jax.tree.map(lambda g: g.reshape(-1).at[-1].set(1e6).reshape(g.shape), small)
+    try:
+        updates = []
+        for grads in (small, big):
+            state = tx.init(small)
+            steps = []
+            for _ in range(2):
+                u, state = tx.update(grads, state, small)
+                steps.append(u)
+            updates.append(steps)
+    except Exception:  # a transformation the probe cannot drive: leave the verdict to the real trace
+        return True
+    for u_small, u_big in zip(*updates, strict=True):
+        for a, b in zip(jax.tree.leaves(u_small), jax.tree.leaves(u_big), strict=True):
+            if a.size > 1 and not np.array_equal(
+                np.asarray(a).reshape(-1)[:-1], np.asarray(b).reshape(-1)[:-1]
+            ):
+                return False
+    return True
+
+
+# ------------------------------------------------------------------------------------- traceable step bodies
+
+
+def _split_dim(spec: PartitionSpec, axis_name: str) -> int | None:
+    """The dimension ``spec`` splits over ``axis_name``, or None if the leaf is replicated over it."""
+    for i, entry in enumerate(spec):
+        if entry == axis_name or (isinstance(entry, tuple) and axis_name in entry):
+            return i
+    return None
+
+
+def data_parallel_value_and_grad(model: nnx.Module, x: jax.Array, y: jax.Array, axis_name: str):
+    """Inside ``shard_map``: the mean loss and mean gradients over ``axis_name``, one ``pmean`` per leaf.
+
+    Args:
+        model: the replicated model (device-invariant ``nnx.Param`` leaves).
+        x: this device's ``(B/S, D)`` shard of the inputs.
+        y: this device's ``(B/S, K)`` shard of the targets.
+        axis_name: the mapped mesh axis.
+
+    Returns:
+        ``(loss, grads)``: the 0-d mean of the shard losses and an ``nnx.State`` of gradients shaped like the
+        parameters, equal to the full-batch gradients of :func:`~shardcheck.mse_loss` and identical (invariant)
+        on every device.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # C2: differentiate with respect to a device-varying copy, so the gradient is this shard's own, not the
+    # implicit psum that the transpose of a replicated input's broadcast would produce.
+    params = jax.lax.pcast(params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(lambda p: mse_loss(nnx.merge(graphdef, p, rest), x, y))(params)
+    return jax.lax.pmean(loss, axis_name), jax.lax.pmean(grads, axis_name)
+
+
+def fsdp_value_and_grad(
+    model: nnx.Module,
+    x: jax.Array,
+    y: jax.Array,
+    axis_name: str,
+    param_specs: tuple[PartitionSpec, ...],
+    num_shards: int,
+):
+    """Inside ``shard_map``: gather the parameters, differentiate the local loss, reduce-scatter the gradients.
+
+    Args:
+        model: the model holding this device's shards (``param_specs`` give the split of each ``nnx.Param``
+            leaf, in ``jax.tree.leaves(nnx.state(model, nnx.Param))`` order).
+        x: this device's ``(B/S, D)`` shard of the inputs.
+        y: this device's ``(B/S, K)`` shard of the targets.
+        axis_name: the mapped mesh axis, of size ``num_shards``.
+        param_specs: one ``PartitionSpec`` per parameter leaf.
+        num_shards: S.
+
+    Returns:
+        ``(loss, grads)``: the 0-d mean of the shard losses and an ``nnx.State`` of gradient *shards*: for a
+        sharded leaf this device's slice of the full-batch gradient (``psum_scatter(g, tiled=True) / S``), for
+        a replicated leaf the whole mean gradient (``pmean``).
+    """
+    graphdef, local, rest = nnx.split(model, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(local)
+    dims = [_split_dim(spec, axis_name) for spec in param_specs]
+    full = [
+        jax.lax.pcast(a, axis_name, to="varying")
+        if d is None
+        else jax.lax.all_gather(
+            a, axis_name, axis=d, tiled=True
+        )  # output is device-varying: no implicit psum
+        for a, d in zip(leaves, dims, strict=True)
+    ]
+
+    def local_loss(full_leaves):
+        return mse_loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full_leaves), rest), x, y)
+
+    loss, grads = jax.value_and_grad(local_loss)(full)
+    grads = [
+        jax.lax.pmean(g, axis_name)
+        if d is None
+        else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / num_shards
+        for g, d in zip(grads, dims, strict=True)
+    ]
+    return jax.lax.pmean(loss, axis_name), jax.tree.unflatten(treedef, grads)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_step(strategy, graphdef, treedef, specs, param_specs, mesh, axis_name):
+    """The jitted shard_map step for one (strategy, structure, placement, mesh); jit caches shapes itself."""
+    num_shards = int(mesh.shape[axis_name])
+
+    def body(leaves, x, y):
+        TRACE_COUNTS[strategy] += 1
+        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        if strategy == "dp":
+            loss, grads = data_parallel_value_and_grad(model, x, y, axis_name)
+        else:
+            loss, grads = fsdp_value_and_grad(model, x, y, axis_name, param_specs, num_shards)
+        optimizer.update(model, grads)  # on the replicated tree (DP) or on this device's shards (FSDP)
+        return loss, jax.tree.leaves(nnx.state((model, optimizer)))
+
+    batch = PartitionSpec(axis_name)
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(list(specs), batch, batch), out_specs=(PartitionSpec(), list(specs))
+    )
+    return jax.jit(mapped, donate_argnums=0)
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+
+
+def _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size):
+    """Validate everything, then return the compiled step and its placed arguments (nothing is changed)."""
+    x, y = _validate.check_batch(fn, x, y)
+    _validate.check_model(fn, model)
+    check_params_only(fn, model)
+    _validate.check_optimizer(fn, optimizer, model)
+    num_shards = check_mesh(fn, mesh, axis_name)
+    check_batch_divisible(fn, x.shape[0], num_shards, axis_name)
+    min_size = check_min_size(fn, min_size)
+
+    graphdef, state = nnx.split((model, optimizer))
+    leaves, treedef = jax.tree.flatten(state)
+    if strategy == "dp":
+        specs = (PartitionSpec(),) * len(leaves)
+        param_specs = None
+    else:
+        check_fsdp_optimizer(fn, model, optimizer)
+        spec = functools.partial(
+            fsdp_partition_spec, num_shards=num_shards, axis_name=axis_name, min_size=min_size
+        )
+        specs = tuple(spec(np.shape(a)) for a in leaves)
+        param_specs = tuple(spec(np.shape(a)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    step = _compiled_step(strategy, graphdef, treedef, specs, param_specs, mesh, axis_name)
+
+    # The step donates its state buffers. Arrays not yet in the step's placement (a model's first step) are
+    # copied first, so the caller's arrays survive even when a clone shares them (``nnx.clone`` does
+    # not copy arrays) or the mesh is the array's own single device. Arrays already placed (the outputs of the
+    # previous step) are passed through and donated; a buffer shared by two leaves is copied once.
+    placed, seen = [], set()
+    for a, spec in zip(leaves, specs, strict=True):
+        target = NamedSharding(mesh, spec)
+        placed_already = isinstance(a.sharding, NamedSharding) and a.sharding.is_equivalent_to(target, a.ndim)
+        shared = id(a) in seen
+        seen.add(id(a))
+        if not placed_already or shared:
+            a = jnp.copy(a)  # device_put alone may alias the input buffer into a replicated output's shard
+        placed.append(jax.device_put(a, target))
+    batch = NamedSharding(mesh, PartitionSpec(axis_name))
+    return step, (placed, jax.device_put(x, batch), jax.device_put(y, batch)), treedef
+
+
+def trace_sgd_step(
+    strategy: str,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    x,
+    y,
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    min_size: int = 0,
+) -> jax.stages.Traced:
+    """The traced (not executed) step of ``strategy``, for inspection; model and optimizer are not changed.
+
+    ``.jaxpr`` shows the collectives, ``.lower().compile()`` gives the compiled HLO (``as_text()``) and its
+    ``memory_analysis()``. The validation is that of the step itself.
+
+    Args:
+        strategy: ``"dp"`` or ``"fsdp"``.
+        model, optimizer, x, y, mesh, axis_name, min_size: as in :func:`data_parallel_sgd_step` /
+            :func:`fsdp_sgd_step`.
+
+    Returns:
+        A ``jax.stages.Traced``.
+
+    Raises:
+        ValueError: unknown ``strategy``, and the errors of the step.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"trace_sgd_step: strategy={strategy!r} is unknown; use one of {', '.join(STRATEGIES)}"
+        )
+    fn = "data_parallel_sgd_step" if strategy == "dp" else "fsdp_sgd_step"
+    step, args, _ = _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size)
+    return step.trace(*args)
+
+
+def _run(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size) -> jax.Array:
+    step, args, treedef = _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size)
+    loss, leaves = step(*args)
+    nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
+    return loss
+
+
+def data_parallel_sgd_step(
+    model: nnx.Module, optimizer: nnx.Optimizer, x, y, mesh: Mesh, *, axis_name: str = "data"
+) -> jax.Array:
+    """One data-parallel optimizer step on a device mesh, in place; equal to :func:`~shardcheck.sgd_step`.
+
+    The batch is placed with ``NamedSharding(mesh, P(axis_name))`` (S equal shards of ``B/S`` rows); parameters
+    and optimizer state are replicated on every device of the mesh (and stay so between steps). Inside one
+    ``jax.shard_map`` each device computes its shard's loss ``jnp.mean((model(x_s) - y_s) ** 2)`` and gradients,
+    the gradients are averaged with exactly one ``lax.pmean`` per leaf (sum over devices, divided by S: the
+    reduction of seed ``000_f7b4ea9cf28c5420.txt``), and every replica applies the same
+    ``optimizer.update(model, grads)``. With equal shards the mean of the shard gradients is the full-batch
+    gradient, so any optax transformation gives the baseline update. See the module docstring for the
+    ``../shared/cases`` C2 trap and how it is avoided.
+
+    Compiled once per (model structure, optimizer, shapes, mesh). Buffer donation: a model's first mesh step
+    copies its arrays into the mesh placement (the caller's arrays, and those of any ``nnx.clone`` sharing them,
+    stay valid); from then on the placed state buffers are donated to each step, so an array read from the model
+    or optimizer after a mesh step is deleted by the next one (copy it with ``np.asarray`` or ``jnp.copy``).
+
+    Args:
+        model: an ``nnx.Module`` holding only ``nnx.Param`` variables; updated in place.
+        optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``; state and step counter updated in place.
+        x: ``(B, D)`` float inputs: NumPy, or any ``jax.Array`` (already placed, or a global array);
+            integers are converted to float32.
+        y: ``(B, K)`` float targets.
+        mesh: a ``Mesh`` with an axis ``axis_name`` of size S dividing B (see :func:`make_mesh`).
+        axis_name: the mesh axis the batch is split over.
+
+    Returns:
+        The pre-update loss, the mean of the S shard losses: a 0-d float32 array replicated on the mesh.
+
+    Raises:
+        TypeError: non-numeric ``x``/``y``; ``model``, ``optimizer`` or ``mesh`` of the wrong type.
+        ValueError: ``x``/``y`` not 2-D, batch sizes differ or are zero, NaN/inf in the data; ``B`` not
+            divisible by S (the message lists the device counts that divide B); ``mesh`` without
+            ``axis_name``; a model holding batch statistics, RNG streams or any other non-Param variable.
+            Nothing is changed when an error is raised.
+    """
+    return _run("data_parallel_sgd_step", "dp", model, optimizer, x, y, mesh, axis_name, 0)
+
+
+def fsdp_sgd_step(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    x,
+    y,
+    mesh: Mesh,
+    *,
+    axis_name: str = "data",
+    min_size: int = 0,
+) -> jax.Array:
+    """One fully sharded (FSDP / ZeRO-3) optimizer step on a device mesh, in place; equal to ``sgd_step``.
+
+    Placement: each parameter and optimizer-state leaf is split over ``axis_name`` by
+    :func:`~shardcheck.partitioning.fsdp_partition_spec` (its first dimension that S divides; a leaf without one,
+    e.g. a bias of length 3 on 4 devices, and scalars such as the step counters stay replicated; so do leaves
+    with fewer than ``min_size`` elements). A state leaf of a parameter's shape gets that parameter's spec. The
+    arrays stay in this placement between steps, so a second step does not re-shard.
+
+    Step (one ``jax.shard_map``): each sharded parameter is ``all_gather``-ed (tiled) for the forward and
+    backward pass on the local ``(B/S, D)`` batch shard; its gradient is ``psum_scatter``-ed (tiled) and divided
+    by S, so each device receives the mean gradient of its own parameter shard only; replicated leaves are
+    ``pmean``-ed. ``optimizer.update`` then runs on the local shards. That is exact only for elementwise
+    transformations (sgd with or without momentum, adam, adamw...); global-norm clipping, trust ratios and
+    factored moments are refused (see :func:`check_fsdp_optimizer`).
+
+    Compiled once per (model structure, optimizer, shapes, mesh, placement); the state buffers are donated, as
+    in :func:`data_parallel_sgd_step`.
+
+    Args:
+        model: an ``nnx.Module`` holding only ``nnx.Param`` variables; updated in place, its arrays left sharded.
+        optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` with an elementwise ``tx``; updated in place.
+        x: ``(B, D)`` float inputs: NumPy, or any ``jax.Array`` (already placed, or a global array).
+        y: ``(B, K)`` float targets.
+        mesh: a ``Mesh`` with an axis ``axis_name`` of size S dividing B (see :func:`make_mesh`).
+        axis_name: the mesh axis the batch and the state are split over.
+        min_size: leaves with fewer elements stay replicated; 0 (default) shards every divisible leaf.
+
+    Returns:
+        The pre-update loss, the mean of the S shard losses: a 0-d float32 array replicated on the mesh.
+
+    Raises:
+        TypeError: as :func:`data_parallel_sgd_step`; ``min_size`` not an int.
+        ValueError: as :func:`data_parallel_sgd_step`; ``min_size < 0``; an optimizer that is not
+            elementwise or whose state is not parameter-shaped. Nothing is changed when an error is raised.
+    """
+    return _run("fsdp_sgd_step", "fsdp", model, optimizer, x, y, mesh, axis_name, min_size)
