@@ -5,9 +5,16 @@ initial parameters and its loss and gradients are saved; the saved gradient tree
 summed leaf is divided by the shard count; exactly one optimizer update follows. No mesh, no collectives: this is
 the arithmetic a data-parallel all-reduce (``lax.pmean``) must reproduce.
 
-The shards are mapped with ``jax.vmap`` (every shard's gradients kept, as the seed describes) or ``lax.scan``
-(streaming: a running sum, memory flat in the shard count) inside one jitted function, so compile time does not
-grow with ``num_shards``.
+The shards are visited by one ``lax.scan`` inside one jitted function, so the traced program does not grow with
+``num_shards``. The scan carries the running leafwise sum, a left fold ``((0 + g_0) + g_1) + ...`` in shard order,
+exactly the seed's ``sum(parts)``; with ``keep_shard_grads=True`` it also emits every shard's gradient tree as a
+stacked output (as the seed describes), otherwise nothing of size S but the losses (memory flat in S).
+
+Why a scan and not ``jax.vmap`` (see ``benchmarks/README.md``): on XLA:CPU the vmapped form took 1.43x the
+full-batch step at B=8192, D=K=512, S=8, the scan 1.02x (keeping the shard gradients) and 0.95x (streaming). The
+scan works on one ``(B/S, D)`` block at a time, which stays in cache; and the vmapped form's
+``jnp.sum(stacked, axis=0)`` lowers to a reduction over a short leading axis that XLA:CPU runs far slower than a
+fold (about 25 ms for ``(8, 512, 512)`` float32, against under 1 ms for the fold).
 """
 
 from __future__ import annotations
@@ -85,17 +92,13 @@ def apply_reduced_update(
     params, value_and_grad = _shard_value_and_grad(model, weighted)
     ws = jnp.ones(xs.shape[:2], xs.dtype) if ws is None else ws
 
-    if keep_shard_grads:
-        (values, counts), shard_grads = jax.vmap(value_and_grad, in_axes=(None, 0, 0, 0))(params, xs, ys, ws)
-        summed = jax.tree.map(lambda g: jnp.sum(g, axis=0), shard_grads)
-    else:
+    def body(summed, shard):
+        # Every shard is evaluated at the same (initial) parameters: the update comes after the loop.
+        (value, count), grads = value_and_grad(params, *shard)
+        summed = jax.tree.map(jnp.add, summed, grads)  # kernel with kernel, bias with bias
+        return summed, (value, count, grads if keep_shard_grads else None)
 
-        def body(acc, shard):
-            (v, c), g = value_and_grad(params, *shard)
-            return jax.tree.map(jnp.add, acc, g), (v, c)
-
-        summed, (values, counts) = jax.lax.scan(body, optax.tree.zeros_like(params), (xs, ys, ws))
-        shard_grads = None
+    summed, (values, counts, shard_grads) = jax.lax.scan(body, optax.tree.zeros_like(params), (xs, ys, ws))
 
     if not weighted:
         grads = jax.tree.map(lambda g: g / num_shards, summed)
@@ -226,8 +229,9 @@ def reduced_sgd_step(
         num_shards: S, a positive int; ``B % S == 0`` unless ``weights`` is given.
         weights: optional ``(B,)`` non-negative per-example weights (a 0/1 mask, or ones for count weighting).
         shard_sizes: optional S positive sizes summing to B (weighted mode only).
-        keep_shard_grads: True keeps every shard's gradient tree (``jax.vmap``); False streams a running sum
-            (``lax.scan``), so memory does not grow with S; the result is the same.
+        keep_shard_grads: True keeps every shard's gradient tree (stacked, ``(S, *shape)`` a leaf); False
+            keeps only the running sum, so memory does not grow with S. Both run the same ``lax.scan`` and
+            return the same ``grads``, bit for bit.
 
     Returns:
         A :class:`ReducedStep` (``loss``, ``shard_losses (S,)``, ``shard_grads`` stacked ``(S, ...)``, ``grads``).
