@@ -288,9 +288,9 @@ def abstract_params(fn: str, model_or_abstract_state, param_dtype=None) -> dict:
     """
     src = model_or_abstract_state
     if isinstance(src, nnx.Module):
-        tree = nnx.state(src, nnx.Param).to_pure_dict()
+        tree = nnx.to_pure_dict(nnx.state(src, nnx.Param))
     elif isinstance(src, nnx.State):
-        tree = src.to_pure_dict()
+        tree = nnx.to_pure_dict(src)
     elif isinstance(src, Mapping | list | tuple) or _is_array_like(src):
         tree = src
     else:
@@ -530,3 +530,312 @@ def estimate_memory(
         even_split_note=note,
         leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryMeasurement:
+    """What one compiled step of a strategy really uses per device, beside the estimate.
+
+    XLA's figures come from ``jax.stages.Compiled.memory_analysis()`` (``CompiledMemoryStats``) of the
+    SPMD-partitioned executable, so they are per device. The live-state figures add up
+    ``shard.data.nbytes`` over ``array.addressable_shards`` of every model and optimizer array after one real
+    step.
+
+    Attributes:
+        strategy: one of :data:`shardcheck.partitioning.STRATEGIES`.
+        num_devices: devices of the mesh the step ran on (1 for ``"replicated"``).
+        argument_bytes: XLA ``argument_size_in_bytes``: every input buffer of one device (state and data).
+        output_bytes: XLA ``output_size_in_bytes`` (new state, the loss, and XLA's tuple index tables).
+        alias_bytes: XLA ``alias_size_in_bytes``: outputs written into donated inputs (0 without donation).
+        temp_bytes: XLA ``temp_size_in_bytes``: scratch buffers (gradients, activations, gathered parameters).
+        generated_code_bytes: XLA ``generated_code_size_in_bytes``.
+        peak_bytes: ``argument_bytes + output_bytes - alias_bytes + temp_bytes``, an upper bound of the live
+            bytes of one device during the step (XLA's own ``peak_memory_in_bytes`` omits temp on CPU).
+        reported_peak_bytes: XLA's ``peak_memory_in_bytes`` as reported, or -1 where not available.
+        data_argument_bytes: bytes of this device's blocks of ``x`` and ``y`` among the arguments.
+        state_argument_bytes: ``argument_bytes - data_argument_bytes``: the model and optimizer state
+            passed in.
+        state_bytes_per_device: live state bytes on each device of the mesh, in mesh order, after one step.
+        state_bytes: the largest of ``state_bytes_per_device``.
+        estimated_persistent_bytes: :attr:`MemoryEstimate.persistent_bytes` for the same strategy and S.
+        accuracy_ratio: ``estimated_persistent_bytes / state_bytes`` (1.0: the estimate is exact).
+    """
+
+    strategy: str
+    num_devices: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    peak_bytes: int
+    reported_peak_bytes: int
+    data_argument_bytes: int
+    state_argument_bytes: int
+    state_bytes_per_device: tuple[int, ...]
+    state_bytes: int
+    estimated_persistent_bytes: int
+    accuracy_ratio: float
+
+    def to_json(self) -> dict:
+        """The fields as a JSON-ready dict (tuples as lists)."""
+        out = dataclasses.asdict(self)
+        out["state_bytes_per_device"] = list(self.state_bytes_per_device)
+        return out
+
+
+def _category_of(path) -> str:
+    """Category of a leaf of ``nnx.state((model, optimizer))``: key 0 is the model, 1 the optimizer."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+    if keys[0] == 0:
+        return "params"
+    return "step" if keys[1] == "step" else "optimizer"
+
+
+def strategy_shardings(state: nnx.State, mesh: jax.sharding.Mesh, strategy: str, axis_name: str = "data"):
+    """A ``NamedSharding`` for every leaf of ``nnx.state((model, optimizer))`` under ``strategy``.
+
+    The categories :data:`SHARDED_CATEGORIES` lists for the strategy are split with
+    :func:`~shardcheck.partitioning.fsdp_partition_spec` over ``axis_name``; everything else is replicated.
+    Returns a pytree of shardings with the structure of ``state``.
+    """
+    size = mesh.shape[axis_name]
+    split = SHARDED_CATEGORIES[strategy]
+
+    def one(path, leaf):
+        if _category_of(path) in split:
+            return jax.sharding.NamedSharding(mesh, fsdp_partition_spec(leaf.shape, size, axis_name))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def _gspmd_step(graphdef, state_shardings, grad_shardings, data_sharding, mesh):
+    """The jitted step of zero1 / zero2, partitioned by GSPMD.
+
+    The state enters and leaves with ``state_shardings``; the gradients are constrained to ``grad_shardings``
+    when given (zero2: each device keeps its slice of the reduced gradient); the batch is split on its first
+    dimension; the state is donated, as in the ``shard_map`` steps of :mod:`shardcheck.spmd`.
+    """
+    from shardcheck.losses import mse_loss
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, data_sharding, data_sharding),
+        out_shardings=(replicated, state_shardings),
+        donate_argnums=0,
+    )
+
+
+def _device_bytes(tree, devices) -> tuple[int, ...]:
+    """Bytes of every array's addressable shards, summed per device, in the order of ``devices``."""
+    acc = {d: 0 for d in devices}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            acc[shard.device] = acc.get(shard.device, 0) + shard.data.nbytes
+    return tuple(acc[d] for d in devices)
+
+
+def _memory_stats(compiled) -> dict[str, int]:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        raise ValueError("measure_memory: this backend returns no memory_analysis() for compiled executables")
+    stats = {
+        "argument_bytes": int(ma.argument_size_in_bytes),
+        "output_bytes": int(ma.output_size_in_bytes),
+        "alias_bytes": int(ma.alias_size_in_bytes),
+        "temp_bytes": int(ma.temp_size_in_bytes),
+        "generated_code_bytes": int(ma.generated_code_size_in_bytes),
+        "reported_peak_bytes": int(getattr(ma, "peak_memory_in_bytes", -1)),
+    }
+    stats["peak_bytes"] = (
+        stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"] + stats["temp_bytes"]
+    )
+    return stats
+
+
+def _deep_copy(model: nnx.Module, optimizer: nnx.Optimizer):
+    """A model and optimizer with fresh buffers: the steps donate their state, the caller's must survive."""
+    graphdef, state = nnx.split((model, optimizer))
+    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+
+
+def _compile_and_run(strategy, model, optimizer, x, y, mesh):
+    """Compile the step of ``strategy`` and run it once, in place on ``model`` and ``optimizer`` (copies).
+
+    Returns the compiled executable and the per-device bytes of this device's blocks of ``x`` and ``y``.
+    """
+    from shardcheck import spmd
+    from shardcheck.baseline import _sgd_step_jit, sgd_step
+
+    if strategy == "replicated":  # the baseline's own jitted step on one device
+        x, y = jax.device_put((x, y), mesh.devices.flat[0])
+        graphdef, state = nnx.split((model, optimizer))
+        compiled = _sgd_step_jit.lower(graphdef, state, x, y).compile()
+        sgd_step(model, optimizer, x, y)
+    elif strategy in spmd.STRATEGIES:  # dp, fsdp: the shard_map steps of shardcheck.spmd
+        compiled = spmd.trace_sgd_step(strategy, model, optimizer, x, y, mesh).lower().compile()
+        (spmd.data_parallel_sgd_step if strategy == "dp" else spmd.fsdp_sgd_step)(
+            model, optimizer, x, y, mesh
+        )
+    else:  # zero1, zero2: jit over the strategy's NamedShardings, partitioned by GSPMD
+        graphdef, state = nnx.split((model, optimizer))
+        shardings = strategy_shardings(state, mesh, strategy)
+        # zero2 splits the gradients as fsdp splits the parameters (key 0 of the state: the model)
+        split_grads = "grads" in SHARDED_CATEGORIES[strategy]
+        grad_shardings = strategy_shardings(state, mesh, "fsdp")[0] if split_grads else None
+        data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        state = jax.device_put(state, shardings)
+        x, y = jax.device_put((x, y), data_sharding)
+        compiled = (
+            _gspmd_step(graphdef, shardings, grad_shardings, data_sharding, mesh).lower(state, x, y).compile()
+        )
+        _, new_state = compiled(state, x, y)
+        nnx.update((model, optimizer), new_state)
+    num_shards = 1 if strategy == "replicated" else int(mesh.shape["data"])
+    data_bytes = sum(math.prod(a.shape) // num_shards * a.dtype.itemsize for a in (x, y))
+    return compiled, data_bytes
+
+
+def measure_memory(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    x,
+    y,
+    *,
+    strategy: str,
+    mesh: jax.sharding.Mesh | None = None,
+) -> MemoryMeasurement:
+    """Compile the real step of ``strategy`` on ``mesh``, run it once on a copy, and read its memory.
+
+    The steps: ``"replicated"`` is the baseline's jitted step (:func:`shardcheck.baseline.sgd_step`) on the
+    mesh's first device; ``"dp"`` and ``"fsdp"`` are the ``jax.shard_map`` steps of :mod:`shardcheck.spmd`
+    (lowered through :func:`shardcheck.spmd.trace_sgd_step`); ``"zero1"`` and ``"zero2"``, which have no
+    hand-written step, are ``jax.jit`` over the strategy's ``NamedSharding`` placement
+    (:func:`strategy_shardings`) partitioned by GSPMD, the gradients constrained to the FSDP layout for
+    ``"zero2"``.
+
+    XLA's ``memory_analysis()`` of the partitioned executable gives argument, output, alias and temp bytes of
+    one device (``CompiledMemoryStats``, see the JAX docs of ``jax.stages.Compiled.memory_analysis``). The
+    step is then run once on a deep copy of the model and optimizer, and the ``shard.data.nbytes`` of every
+    addressable shard of every state array is added up per device. ``model`` and ``optimizer`` are left as
+    they were.
+
+    Args:
+        model: an ``nnx.Module`` holding only ``nnx.Param`` variables (real arrays, not abstract).
+        optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``; ``"fsdp"`` needs an elementwise ``tx``.
+        x: ``(B, D)`` float inputs; B must divide by the mesh size.
+        y: ``(B, K)`` float targets.
+        strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+        mesh: a mesh with a ``"data"`` axis (:func:`shardcheck.spmd.make_mesh`); default: all devices. Ignored
+            by ``"replicated"`` except for its first device.
+
+    Returns:
+        A :class:`MemoryMeasurement` in bytes per device, with the estimate of the persistent state beside it
+        and ``accuracy_ratio = estimate / measured``.
+
+    Raises:
+        TypeError: ``model``, ``optimizer``, ``mesh`` or the data of the wrong type.
+        ValueError: unknown ``strategy``; a model with non-Param state; bad data; a batch that does not split
+            evenly over the mesh; a mesh without a ``"data"`` axis; an optimizer ``"fsdp"`` cannot shard.
+            Nothing is changed when an error is raised.
+    """
+    from shardcheck import spmd
+
+    fn = "measure_memory"
+    check_strategy(fn, strategy)
+    x, y = _validate.check_batch(fn, x, y)
+    _validate.check_model(fn, model)
+    spmd.check_params_only(fn, model)
+    _validate.check_optimizer(fn, optimizer, model)
+    if mesh is None:
+        mesh = spmd.make_mesh()
+    num_shards = spmd.check_mesh(fn, mesh, "data")
+    if strategy != "replicated":
+        spmd.check_batch_divisible(fn, x.shape[0], num_shards, "data")
+    estimate = estimate_memory(model, optimizer, num_shards=num_shards, strategy=strategy)
+
+    model, optimizer = _deep_copy(model, optimizer)
+    compiled, data_bytes = _compile_and_run(strategy, model, optimizer, x, y, mesh)
+    stats = _memory_stats(compiled)
+    devices = (mesh.devices.flat[0],) if strategy == "replicated" else tuple(mesh.devices.flat)
+    per_device = _device_bytes(nnx.state((model, optimizer)), devices)
+    measured = max(per_device)
+    return MemoryMeasurement(
+        strategy=strategy,
+        num_devices=len(devices),
+        data_argument_bytes=data_bytes,
+        state_argument_bytes=stats["argument_bytes"] - data_bytes,
+        state_bytes_per_device=per_device,
+        state_bytes=measured,
+        estimated_persistent_bytes=estimate.persistent_bytes,
+        accuracy_ratio=estimate.persistent_bytes / measured,
+        **stats,
+    )
+
+
+def measure_strategies(
+    in_features: int,
+    out_features: int,
+    *,
+    hidden: int | None = None,
+    layers: int | None = None,
+    param_dtype="float32",
+    optimizer: str = "sgd",
+    num_shards: int,
+    batch_size: int,
+    strategies=STRATEGIES,
+    seed: int = 0,
+) -> dict[str, MemoryMeasurement]:
+    """:func:`measure_memory` of one fresh model for each strategy: what ``shardcheck memory --measure`` runs.
+
+    The model is :func:`make_memory_model` (seed ``seed``) with ``nnx.Optimizer(model, make_tx(optimizer),
+    wrt=nnx.Param)``, the batch standard-normal float32 ``x: (batch_size, D)``, ``y: (batch_size, K)`` from
+    ``jax.random.key(seed)``, the mesh :func:`shardcheck.spmd.make_mesh` of the first ``num_shards`` devices.
+
+    Returns:
+        ``{strategy: MemoryMeasurement}`` in the order of ``strategies``.
+
+    Raises:
+        TypeError: ``num_shards`` not an int.
+        ValueError: bad widths or dtype (:func:`make_memory_model`), unknown optimizer or strategy, fewer
+            devices than ``num_shards``, ``batch_size`` < 1 or not divisible by ``num_shards``, and the
+            errors of :func:`measure_memory`.
+    """
+    fn = "measure_strategies"
+    num_shards = _validate.check_num_shards(fn, num_shards)
+    for s in strategies:
+        check_strategy(fn, s)
+    tx = optimizer_transform(fn, optimizer)
+    if len(jax.devices()) < num_shards:
+        raise ValueError(
+            f"{fn}: num_shards={num_shards} needs {num_shards} devices, but {len(jax.devices())} exist; use "
+            "fewer shards, or fake CPU devices with jax.config.update('jax_num_cpu_devices', S) at startup"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"{fn}: batch_size={batch_size!r} must be a positive int, e.g. 8 * num_shards")
+    if any(s != "replicated" for s in strategies):
+        from shardcheck.spmd import check_batch_divisible
+
+        check_batch_divisible(fn, batch_size, num_shards, "data")
+    model = make_memory_model(
+        in_features, out_features, hidden=hidden, layers=layers, param_dtype=param_dtype, seed=seed
+    )
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    kx, ky = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (batch_size, in_features), jnp.float32)
+    y = jax.random.normal(ky, (batch_size, out_features), jnp.float32)
+    from shardcheck.spmd import make_mesh
+
+    mesh = make_mesh(num_shards)
+    return {s: measure_memory(model, opt, x, y, strategy=s, mesh=mesh) for s in strategies}
