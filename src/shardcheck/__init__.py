@@ -4,6 +4,11 @@ from shardcheck.baseline import fsdp_step as fsdp_step
 from shardcheck.baseline import sgd_step as sgd_step
 from shardcheck.losses import mse_loss as mse_loss
 from shardcheck.losses import weighted_squared_error as weighted_squared_error
+from shardcheck.memory import LeafMemory as LeafMemory
+from shardcheck.memory import MemoryEstimate as MemoryEstimate
+from shardcheck.memory import MemoryMeasurement as MemoryMeasurement
+from shardcheck.memory import estimate_memory as estimate_memory
+from shardcheck.memory import measure_memory as measure_memory
 from shardcheck.models import MLP as MLP
 from shardcheck.models import make_model as make_model
 from shardcheck.optimizers import make_tx as make_tx
@@ -24,16 +29,21 @@ from shardcheck.train import train as train
 __version__ = "0.1.0"
 
 __all__ = [
+    "LeafMemory",
     "LeafPlacement",
     "MLP",
+    "MemoryEstimate",
+    "MemoryMeasurement",
     "ReducedStep",
     "TrainReport",
     "data_parallel_sgd_step",
+    "estimate_memory",
     "fsdp_sgd_step",
     "fsdp_step",
     "make_mesh",
     "make_model",
     "make_tx",
+    "measure_memory",
     "mse_loss",
     "placement_report",
     "placement_summary",

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("run", "launch", "train")
+SUBCOMMANDS = ("run", "launch", "train", "memory")
 
 
 def build_parser() -> argparse.ArgumentParser:

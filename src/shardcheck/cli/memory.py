@@ -1,0 +1,349 @@
+"""``shardcheck memory``: bytes per device under each strategy, estimated (and with ``--measure``, measured).
+
+One row per strategy in the spirit of DeepSpeed's ``estimate_zero*_model_states_mem_needs`` and Accelerate's
+``accelerate estimate-memory``: parameters, gradients, optimizer state and total per device, in human
+units. Without ``--measure`` nothing is allocated (abstract shapes only), so models far larger than this
+machine can be sized; ``--measure`` compiles the real step of each strategy on a mesh and reads XLA's
+per-device figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardcheck.cli._common import configure_devices, console_for, write_atomic, write_json
+
+STRATEGY_CHOICES = ("all", "replicated", "dp", "zero1", "zero2", "fsdp")
+OPTIMIZER_CHOICES = ("sgd", "momentum", "adam")
+DTYPE_CHOICES = ("float32", "bfloat16")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="bytes per device of params, grads and optimizer state under each strategy (estimate, measured)",
+        description=(
+            "Estimate the memory per device of a Linear (or, with --hidden, an MLP of --layers Linear "
+            "layers) under each strategy: replicated (one device), dp (everything replicated), zero1 "
+            "(optimizer state sharded), zero2 (optimizer state and gradients sharded), fsdp (parameters "
+            "too). Leaves are placed with the FSDP step's own rule; a leaf with no dimension divisible by S "
+            "stays whole on every device. The estimate is storage, not peak (seed 001). With --measure, each "
+            "strategy's step is compiled on a device mesh and XLA's per-device memory analysis and the live "
+            "state arrays are shown beside the estimate."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--in", dest="in_features", type=int, required=True, metavar="D", help="input width D")
+    p.add_argument("--out", dest="out_features", type=int, required=True, metavar="K", help="output width K")
+    p.add_argument(
+        "--hidden", type=int, default=None, metavar="H", help="hidden width H: an MLP instead of one Linear"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="L",
+        help="number of Linear layers (default: 2 with --hidden, 1 without)",
+    )
+    p.add_argument(
+        "--shards", type=int, default=None, metavar="S", help="shards S (default: --devices if given, else 8)"
+    )
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES, help="optax optimizer")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="parameter dtype")
+    p.add_argument("--strategy", default="all", choices=STRATEGY_CHOICES, help="which strategy (or all)")
+    p.add_argument("--measure", action="store_true", help="also compile each step on a mesh and measure it")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        metavar="B",
+        help="batch size of the measured step (default: 8 per shard)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices to create when no accelerator is present (default with --measure: S)",
+    )
+    p.add_argument(
+        "--json", default=None, metavar="PATH|-", help="also write the results as JSON ('-': stdout)"
+    )
+    p.add_argument(
+        "--plot", default=None, metavar="PATH.png", help="also draw a stacked bar chart per strategy"
+    )
+    p.set_defaults(func=main)
+
+
+def _fail(message: str) -> int:
+    from rich.console import Console
+
+    Console(file=sys.stderr).print(f"[bold red]error:[/] {message}", highlight=False)
+    return 2
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``"512 B"``, ``"1.00 KiB"``, ``"3.01 MiB"``, ``"2.00 GiB"``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def main(args) -> int:
+    name = "shardcheck memory"
+    for flag, dest in (
+        ("in", "in_features"),
+        ("out", "out_features"),
+        ("hidden", "hidden"),
+        ("layers", "layers"),
+        ("shards", "shards"),
+        ("devices", "devices"),
+        ("batch", "batch"),
+    ):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            return _fail(f"{name}: --{flag} must be a positive int, got {value}")
+    if args.shards is None:
+        args.shards = args.devices if args.devices is not None else 8
+    strategies = STRATEGY_CHOICES[1:] if args.strategy == "all" else (args.strategy,)
+    try:  # before anything touches a JAX backend; in-process (tests), enough existing devices are fine
+        configure_devices(args.devices if args.devices is not None or not args.measure else args.shards)
+    except ValueError as e:
+        return _fail(f"{name}: {e}")
+
+    from shardcheck import memory
+
+    try:
+        model = memory.make_memory_model(
+            args.in_features,
+            args.out_features,
+            hidden=args.hidden,
+            layers=args.layers,
+            param_dtype=args.dtype,
+            abstract=True,
+        )
+        estimates = {
+            s: memory.estimate_memory(
+                model, args.optimizer, num_shards=args.shards, strategy=s, param_dtype=args.dtype
+            )
+            for s in strategies
+        }
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
+
+    measured = {}
+    if args.measure:
+        import jax
+
+        needed = max(estimates[s].num_devices for s in strategies)
+        if len(jax.devices()) < needed:
+            return _fail(
+                f"{name}: --measure with --shards {args.shards} needs {needed} devices, but "
+                f"{len(jax.devices())} exist; pass --devices {needed} or fewer shards"
+            )
+        batch = args.batch if args.batch is not None else 8 * args.shards
+        try:
+            measured = memory.measure_strategies(
+                args.in_features,
+                args.out_features,
+                hidden=args.hidden,
+                layers=args.layers,
+                param_dtype=args.dtype,
+                optimizer=args.optimizer,
+                num_shards=args.shards,
+                batch_size=batch,
+                strategies=strategies,
+            )
+        except (ValueError, TypeError) as e:
+            return _fail(str(e))
+
+    console = console_for(args)
+    console.print(render_table(args, estimates))
+    if measured:
+        console.print(render_measured(estimates, measured))
+    for s in ("fsdp",):
+        if s in estimates:
+            est = estimates[s]
+            console.print(
+                f"[bold]even split[/] (seed 001, parameters only): {est.even_split_formula} = "
+                f"{est.even_split_params_bytes:,.2f} B; fsdp holds {est.params_bytes:,} B: "
+                f"{est.even_split_note}",
+                highlight=False,
+            )
+    console.print(
+        "Storage of the training state, not peak memory: activations, gathered parameters and communication "
+        "buffers are not in the estimate (seed 001)."
+        + (" XLA peak = argument + output - alias + temp." if measured else ""),
+        style="dim",
+        highlight=False,
+    )
+    write_json(report_json(args, estimates, measured), args.json)
+    if args.plot:
+        memory_plot(estimates, measured, args.plot, title=_title(args))
+    return 0
+
+
+def _title(args) -> str:
+    if args.hidden is None:
+        model = f"Linear({args.in_features}, {args.out_features})"
+    else:
+        layers = args.layers if args.layers is not None else 2
+        model = (
+            f"MLP {args.in_features} -> {args.hidden} x{layers - 1} -> {args.out_features} ({layers} layers)"
+        )
+    return f"{model}, {args.optimizer}, {args.dtype}, S={args.shards}"
+
+
+def render_table(args, estimates):
+    from rich.table import Table
+
+    table = Table(title=f"shardcheck memory (estimate per device): {_title(args)}")
+    table.add_column("strategy")
+    table.add_column("devices", justify="right")
+    table.add_column("params", justify="right")
+    table.add_column("grads", justify="right")
+    table.add_column("optimizer", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("total", justify="right")
+    table.add_column("persistent", justify="right")
+    table.add_column("vs one device", justify="right")
+    for name, est in estimates.items():
+        table.add_row(
+            name,
+            str(est.num_devices),
+            human_bytes(est.params_bytes),
+            human_bytes(est.grads_bytes),
+            human_bytes(est.optimizer_bytes),
+            human_bytes(est.step_bytes),
+            human_bytes(est.total_bytes),
+            human_bytes(est.persistent_bytes),
+            f"{est.total_bytes / est.unsharded_total_bytes:.3f}x",
+        )
+    return table
+
+
+def render_measured(estimates, measured):
+    from rich.table import Table
+
+    table = Table(title="measured per device (compiled step, XLA memory_analysis and live arrays)")
+    table.add_column("strategy")
+    table.add_column("est. persistent", justify="right")
+    table.add_column("live state", justify="right")
+    table.add_column("est / measured", justify="right")
+    table.add_column("XLA args", justify="right")
+    table.add_column("data args", justify="right")
+    table.add_column("output", justify="right")
+    table.add_column("alias", justify="right")
+    table.add_column("temp", justify="right")
+    table.add_column("peak", justify="right")
+    for name, m in measured.items():
+        est = estimates[name]
+        table.add_row(
+            name,
+            human_bytes(est.persistent_bytes),
+            human_bytes(m.state_bytes),
+            f"{m.accuracy_ratio:.4f}",
+            human_bytes(m.argument_bytes),
+            human_bytes(m.data_argument_bytes),
+            human_bytes(m.output_bytes),
+            human_bytes(m.alias_bytes),
+            human_bytes(m.temp_bytes),
+            human_bytes(m.peak_bytes),
+        )
+    return table
+
+
+def report_json(args, estimates, measured) -> dict:
+    """The ``--json`` object: exact bytes per device, by strategy."""
+    import dataclasses
+
+    out = {}
+    for name, est in estimates.items():
+        entry = {
+            "num_devices": est.num_devices,
+            "params_bytes": est.params_bytes,
+            "grads_bytes": est.grads_bytes,
+            "optimizer_bytes": est.optimizer_bytes,
+            "step_bytes": est.step_bytes,
+            "persistent_bytes": est.persistent_bytes,
+            "total_bytes": est.total_bytes,
+            "unsharded_total_bytes": est.unsharded_total_bytes,
+            "even_split_params_bytes": est.even_split_params_bytes,
+            "even_split_formula": est.even_split_formula,
+            "even_split_note": est.even_split_note,
+            "leaves": [dataclasses.asdict(leaf) for leaf in est.leaves],
+        }
+        if name in measured:
+            entry["measured"] = measured[name].to_json()
+        out[name] = entry
+    first = next(iter(estimates.values()))
+    return {
+        "model": {
+            "kind": "linear" if args.hidden is None else "mlp",
+            "in_features": args.in_features,
+            "out_features": args.out_features,
+            "hidden": args.hidden,
+            "layers": args.layers if args.layers is not None else (1 if args.hidden is None else 2),
+            "param_dtype": args.dtype,
+            "param_count": first.param_count,
+        },
+        "optimizer": args.optimizer,
+        "num_shards": args.shards,
+        "strategies": out,
+    }
+
+
+def memory_plot(estimates, measured, path, *, title: str = "") -> None:
+    """A stacked bar per strategy (params, optimizer incl. step counter, grads) in MiB, written to ``path``.
+
+    With measurements, a marker shows the measured live state per device and a bar outline XLA's peak
+    (argument + output - alias + temp).
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(estimates)
+    mib = 1024.0**2
+    parts = {  # persistent state first, so the measured-state marker sits on the top of its segment
+        "params": [estimates[n].params_bytes / mib for n in names],
+        "optimizer + step": [(estimates[n].optimizer_bytes + estimates[n].step_bytes) / mib for n in names],
+        "grads": [estimates[n].grads_bytes / mib for n in names],
+    }
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    bottom = [0.0] * len(names)
+    for label, values in parts.items():
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    if measured:
+        xs = [i for i, n in enumerate(names) if n in measured]
+        ax.scatter(
+            xs,
+            [measured[names[i]].state_bytes / mib for i in xs],
+            marker="x",
+            color="black",
+            zorder=3,
+            label="measured live state",
+        )
+        ax.bar(
+            [names[i] for i in xs],
+            [measured[names[i]].peak_bytes / mib for i in xs],
+            fill=False,
+            edgecolor="black",
+            linestyle="--",
+            label="XLA peak (measured)",
+        )
+    ax.set_ylabel("MiB per device")
+    ax.set_title(title or "memory per device", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())

@@ -1,0 +1,209 @@
+"""``shardcheck memory``: in-process through ``shardcheck.cli.main``, and once through the installed entry point."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import require_devices
+
+from shardcheck.cli import main
+
+# Linear(4096, 4096), Adam, float32, S=8, by hand: (4096 + 1) * 4096 = 16,781,312 parameters = 67,125,248 B;
+# an eighth is 8,390,656 B. Adam: an int32 count + two moments. The NNX step counter: 4 B.
+WHOLE = 67_125_248
+EIGHTH = 8_390_656
+LINEAR_4096_ADAM_S8 = {
+    "replicated": (WHOLE, WHOLE, 4 + 2 * WHOLE),
+    "dp": (WHOLE, WHOLE, 4 + 2 * WHOLE),
+    "zero1": (WHOLE, WHOLE, 4 + 2 * EIGHTH),
+    "zero2": (WHOLE, EIGHTH, 4 + 2 * EIGHTH),
+    "fsdp": (EIGHTH, EIGHTH, 4 + 2 * EIGHTH),
+}
+
+
+def entry_point() -> str:
+    exe = Path(sys.executable).with_name("shardcheck")
+    return str(exe) if exe.exists() else shutil.which("shardcheck")
+
+
+def run_json(capsys, *args) -> dict:
+    assert main(["memory", *args, "--json", "-"]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out)  # stdout carries the JSON alone; the table went to stderr
+
+
+def test_table_for_4096_adam(capsys):
+    assert main(["memory", "--in", "4096", "--out", "4096", "--shards", "8", "--optimizer", "adam"]) == 0
+    out = capsys.readouterr().out
+    for word in (
+        "replicated",
+        "dp",
+        "zero1",
+        "zero2",
+        "fsdp",
+        "64.02 MiB",
+        "8.00 MiB",
+        "0.125x",
+        "even split",
+    ):
+        assert word in out, word
+    assert "(4096 + 1) * 4096 / 8 * 4 B" in out
+
+
+def test_json_exact_bytes_for_4096_adam(capsys):
+    report = run_json(capsys, "--in", "4096", "--out", "4096", "--shards", "8", "--optimizer", "adam")
+    assert report["model"] == {
+        "kind": "linear",
+        "in_features": 4096,
+        "out_features": 4096,
+        "hidden": None,
+        "layers": 1,
+        "param_dtype": "float32",
+        "param_count": 16_781_312,
+    }
+    assert report["optimizer"] == "adam" and report["num_shards"] == 8
+    assert list(report["strategies"]) == ["replicated", "dp", "zero1", "zero2", "fsdp"]
+    for name, (params, grads, opt) in LINEAR_4096_ADAM_S8.items():
+        s = report["strategies"][name]
+        assert (s["params_bytes"], s["grads_bytes"], s["optimizer_bytes"], s["step_bytes"]) == (
+            params,
+            grads,
+            opt,
+            4,
+        )
+        assert s["total_bytes"] == params + grads + opt + 4
+        assert "measured" not in s
+    assert report["strategies"]["fsdp"]["total_bytes"] == 33_562_632
+    assert report["strategies"]["fsdp"]["even_split_params_bytes"] == EIGHTH
+
+
+def test_mlp_bfloat16_one_strategy_to_file_and_plot(tmp_path, capsys):
+    path, png = tmp_path / "out" / "memory.json", tmp_path / "memory.png"
+    args = ["memory", "--in", "4", "--out", "3", "--hidden", "8", "--shards", "4", "--optimizer", "momentum"]
+    args += ["--dtype", "bfloat16", "--strategy", "fsdp", "--json", str(path), "--plot", str(png)]
+    assert main(args) == 0
+    assert "fsdp" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert report["model"]["kind"] == "mlp" and report["model"]["layers"] == 2
+    s = report["strategies"]["fsdp"]
+    # MLP 4 -> 8 -> 3 in bf16, S=4: 16 + 4 + 12 + 6 (out bias (3,) whole) = 38 B; one momentum trace; step.
+    assert (s["params_bytes"], s["grads_bytes"], s["optimizer_bytes"], s["total_bytes"]) == (38, 38, 38, 118)
+    assert list(report["strategies"]) == ["fsdp"]
+    leaves = {(leaf["category"], leaf["path"]): leaf for leaf in s["leaves"]}
+    assert leaves["params", "layers/1/bias"]["replicated_reason"] == "no dimension of (3,) divides by S=4"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_deep_mlp_layers(capsys):
+    report = run_json(
+        capsys, "--in", "4096", "--out", "4096", "--hidden", "4096", "--layers", "8", "--strategy", "fsdp"
+    )
+    s = report["strategies"]["fsdp"]
+    assert report["model"]["param_count"] == 8 * 16_781_312
+    assert (
+        s["params_bytes"] == 8 * 16_781_312 * 4 // 8 and s["optimizer_bytes"] == 0
+    )  # default optimizer: sgd
+
+
+@require_devices(4)
+def test_measure_in_process_agrees(tmp_path, capsys):
+    png = tmp_path / "m.png"
+    args = ["--in", "16", "--out", "6", "--shards", "4", "--devices", "4", "--optimizer", "adam", "--measure"]
+    report = run_json(capsys, *args, "--strategy", "zero2", "--plot", str(png))
+    m = report["strategies"]["zero2"]["measured"]
+    # Persistent per device: params 408 B whole; Adam 4 + 2 * (96 + 24); step 4 (see tests/test_memory.py).
+    assert m["state_bytes_per_device"] == [656] * 4 and m["estimated_persistent_bytes"] == 656
+    assert m["argument_bytes"] - m["data_argument_bytes"] == 656 and m["accuracy_ratio"] == 1.0
+    assert (
+        m["data_argument_bytes"] == (8 * 16 + 8 * 6) * 4
+    )  # default batch 8 per shard: (32, 16) and (32, 6) / 4
+    assert png.exists()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--in", "0", "--out", "3"], "shardcheck memory: --in must be a positive int, got 0"),
+        (["--in", "4", "--out", "-1"], "--out must be a positive int, got -1"),
+        (["--in", "4", "--out", "3", "--hidden", "0"], "--hidden must be a positive int, got 0"),
+        (["--in", "4", "--out", "3", "--layers", "0"], "--layers must be a positive int, got 0"),
+        (["--in", "4", "--out", "3", "--shards", "0"], "--shards must be a positive int, got 0"),
+        (["--in", "4", "--out", "3", "--layers", "3"], "layers=3 needs a hidden width"),
+        # In-process JAX already runs with the 8 devices of conftest.py; a fresh process would fake 64.
+        (
+            ["--in", "4", "--out", "3", "--measure", "--shards", "64"],
+            "--devices 64: JAX is already initialized",
+        ),
+        (
+            ["--in", "4", "--out", "3", "--measure", "--shards", "4", "--batch", "6"],
+            "batch size 6 is not divisible",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(args, match, capsys):
+    assert main(["memory", *args]) == 2
+    err = capsys.readouterr().err
+    assert match in " ".join(err.split()), err
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--strategy", "zero3"), ("--optimizer", "lamb"), ("--dtype", "float16")]
+)
+def test_unknown_choices_are_refused_by_the_parser(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--in", "4", "--out", "3", flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: invalid choice: '{value}'" in capsys.readouterr().err
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--in", "--out", "--hidden", "--layers", "--shards", "--optimizer", "--dtype", "--strategy"):
+        assert flag in out
+    for flag in ("--measure", "--devices", "--batch", "--json", "--plot"):
+        assert flag in out
+
+
+def test_measure_through_entry_point():
+    """The installed console script, in a fresh process: --devices fakes 4 CPU devices before JAX starts."""
+    cmd = [
+        entry_point(),
+        "memory",
+        "--in",
+        "512",
+        "--out",
+        "512",
+        "--shards",
+        "4",
+        "--measure",
+        "--devices",
+        "4",
+    ]
+    out = subprocess.run(
+        [*cmd, "--optimizer", "adam", "--json", "-"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "measured per device" in out.stderr  # --json -: the tables on stderr, the JSON alone on stdout
+    report = json.loads(out.stdout)
+    # (512 + 1) * 512 = 262,656 parameters = 1,050,624 B; a quarter 262,656 B. Adam: 4 + 2 x params; step: 4.
+    persistent = {
+        "replicated": 3_151_880,
+        "dp": 3_151_880,
+        "zero1": 1_575_944,
+        "zero2": 1_575_944,
+        "fsdp": 787_976,
+    }
+    for name, expected in persistent.items():
+        s = report["strategies"][name]
+        assert s["total_bytes"] - s["grads_bytes"] == expected
+        m = s["measured"]
+        n = 1 if name == "replicated" else 4
+        assert m["state_bytes_per_device"] == [expected] * n, name
+        assert m["argument_bytes"] - m["data_argument_bytes"] == expected, name
+        assert m["accuracy_ratio"] == 1.0
