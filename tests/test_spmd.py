@@ -325,7 +325,7 @@ def test_c1_fixture_l_numbers(strategy, num_shards):
 # ------------------------------------------------------------------------ C2: gradient already summed in map
 
 
-def per_device_grads(strategy, model, x, y, mesh):
+def per_device_grads(strategy, model, x, y, mesh, check_vma=True):
     """The reduced gradients each device holds inside the step (global arrays; one shard per device)."""
     num_shards = mesh.shape["data"]
     graphdef, state = nnx.split(model)
@@ -340,7 +340,11 @@ def per_device_grads(strategy, model, x, y, mesh):
             _, grads = spmd.fsdp_value_and_grad(m, x, y, "data", tuple(specs), num_shards)
         return jax.tree.leaves(grads)
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs))
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=specs, check_vma=check_vma
+        )
+    )
     grads = fn(jax.device_put(leaves, [NamedSharding(mesh, s) for s in specs]), x, y)
     return dict(zip(["bias", "kernel"], grads, strict=True))  # nnx path order
 
@@ -363,6 +367,16 @@ def test_c2_every_device_holds_the_baseline_gradient(strategy, num_shards):
     for name, want in (("kernel", [[0.6], [0.25]]), ("bias", [0.5])):
         for shard in getattr(model, name)[...].addressable_shards:
             np.testing.assert_allclose(shard.data, np.asarray(want)[shard.index], rtol=1e-6)
+
+
+@require_devices(2)
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_c2_formulation_is_right_without_replication_checking_too(strategy):
+    """With check_vma=False there is no implicit psum; pcast + one reduction still gives the mean."""
+    model, _ = zero_linear()
+    grads = per_device_grads(strategy, model, XL, YL, make_mesh(2), check_vma=False)
+    np.testing.assert_allclose(grads["kernel"], GRAD_KERNEL_L, rtol=1e-6)
+    np.testing.assert_allclose(grads["bias"], GRAD_BIAS_L, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -278,12 +278,12 @@ def fsdp_value_and_grad(
     graphdef, local, rest = nnx.split(model, nnx.Param, ...)
     leaves, treedef = jax.tree.flatten(local)
     dims = [_split_dim(spec, axis_name) for spec in param_specs]
+    # Both branches give device-varying values, so differentiating with respect to them inserts no implicit psum
+    # (C2): the gradient of each gathered leaf is this shard's own, reduced once below.
     full = [
         jax.lax.pcast(a, axis_name, to="varying")
         if d is None
-        else jax.lax.all_gather(
-            a, axis_name, axis=d, tiled=True
-        )  # output is device-varying: no implicit psum
+        else jax.lax.all_gather(a, axis_name, axis=d, tiled=True)
         for a, d in zip(leaves, dims, strict=True)
     ]
 
@@ -317,7 +317,11 @@ def _compiled_step(strategy, graphdef, treedef, specs, param_specs, mesh, axis_n
 
     batch = PartitionSpec(axis_name)
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(list(specs), batch, batch), out_specs=(PartitionSpec(), list(specs))
+        body,
+        mesh=mesh,
+        in_specs=(list(specs), batch, batch),
+        out_specs=(PartitionSpec(), list(specs)),
+        check_vma=True,  # the default, stated: the C2 formulation above is right with it on or off
     )
     return jax.jit(mapped, donate_argnums=0)
 
