@@ -30,10 +30,13 @@ sets them (``docs/distributed.md``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import io
 import ipaddress
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -191,6 +194,8 @@ def initialize(config: DistributedConfig) -> None:
 
     if config.devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", config.devices_per_process)
+    if config.process_id == 0:
+        _check_port_free(config.coordinator_bind_address or config.coordinator_address)
     try:
         jax.distributed.initialize(
             coordinator_address=config.coordinator_address,
@@ -209,6 +214,36 @@ def initialize(config: DistributedConfig) -> None:
         raise
     _route_native_stdout_to_stderr()
     _maybe_inject_fault(config.process_id)
+
+
+def _check_port_free(address: str) -> None:
+    """Raise :class:`CoordinatorBindError` if something already listens on ``address``.
+
+    gRPC's own failure to bind is a log line, then sometimes a crash (SIGSEGV) rather than an exception; a
+    probe socket (with ``SO_REUSEADDR``, as gRPC sets it) turns the common case into a clean error.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            None if host in ("", "::", "0.0.0.0") else host,
+            int(port),
+            type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
+        )[0]
+    except (OSError, ValueError):
+        return  # let JAX report an address it cannot resolve
+    with contextlib.closing(socket.socket(family, kind, proto)) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return
+            raise CoordinatorBindError(
+                f"initialize: the coordinator cannot listen on {address}: the port is in use; choose another "
+                f"port in {ENV_COORDINATOR}"
+            ) from None
 
 
 def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:

@@ -234,6 +234,16 @@ def _launch_once(argv, processes, devices_per_process, timeout_s, address, out, 
                 thread.join(timeout=5.0)
 
 
+def _could_not_bind(status: int, worker: _Worker) -> bool:
+    """Process 0 failed because its coordinator could not bind: its exit status, or gRPC's log line (gRPC
+    sometimes crashes after a failed bind instead of raising)."""
+    if status == distributed.EXIT_COORDINATOR_BIND_FAILED:
+        return True
+    for thread in worker.threads:
+        thread.join(timeout=5.0)
+    return any("Failed to add port to server" in line for line in worker.tail)
+
+
 def _supervise(workers: list[_Worker], timeout_s: float, start: float, address: str, err, lock) -> int:
     deadline = start + timeout_s
     while True:
@@ -241,8 +251,8 @@ def _supervise(workers: list[_Worker], timeout_s: float, start: float, address: 
         failed = next((w for w, s in zip(workers, statuses, strict=True) if s not in (None, 0)), None)
         if failed is not None:
             status = statuses[failed.rank]
-            if failed.rank == 0 and status == distributed.EXIT_COORDINATOR_BIND_FAILED:
-                return status
+            if failed.rank == 0 and _could_not_bind(status, failed):
+                return distributed.EXIT_COORDINATOR_BIND_FAILED
             running = sum(s is None for s in statuses)
             _stop(workers)
             message = (
