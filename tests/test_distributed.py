@@ -1,0 +1,449 @@
+"""Many processes: the environment contract, the batch helpers, and ``shardcheck launch`` end to end.
+
+The ``multiprocess`` tests start real JAX processes joined over loopback (gloo CPU collectives); each is bounded
+by a subprocess timeout and cleans up every process it started, found by a marker in their environment.
+"""
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import require_devices
+from jax.sharding import Mesh
+
+from shardcheck import distributed, launcher
+from shardcheck.cli import main
+
+# ------------------------------------------------------------------------------------ the environment contract
+
+
+def env(**kw):
+    return {f"SHARDCHECK_{k.upper()}": str(v) for k, v in kw.items()}
+
+
+def test_no_coordinator_means_single_process():
+    assert distributed.config_from_env({}) is None
+    assert distributed.config_from_env(env(devices_per_process=2)) is None
+    assert distributed.initialize_from_env({}) is False
+
+
+def test_config_from_env_reads_every_variable():
+    config = distributed.config_from_env(
+        env(
+            coordinator="10.0.0.1:8476",
+            num_processes=4,
+            process_id=3,
+            devices_per_process=8,
+            init_timeout_s=60,
+        )
+    )
+    assert config == distributed.DistributedConfig("10.0.0.1:8476", 4, 3, 8, None, 60)
+
+
+@pytest.mark.parametrize(
+    ("address", "bind"),
+    [
+        ("127.0.0.1:1234", "127.0.0.1:1234"),  # loopback: bind to it, never to all interfaces
+        ("localhost:1234", "localhost:1234"),
+        ("[::1]:1234", "[::1]:1234"),
+        ("node0:1234", None),  # a cluster host: JAX's default, reachable from the other hosts
+    ],
+)
+def test_bind_address_defaults_to_a_loopback_coordinator(address, bind):
+    config = distributed.config_from_env(env(coordinator=address, num_processes=2, process_id=0))
+    assert config.coordinator_bind_address == bind
+    explicit = env(coordinator=address, num_processes=2, process_id=0, coordinator_bind="10.0.0.1:1234")
+    assert distributed.config_from_env(explicit).coordinator_bind_address == "10.0.0.1:1234"
+
+
+@pytest.mark.parametrize(
+    ("variables", "match"),
+    [
+        (env(coordinator="127.0.0.1:1234", num_processes=2), "SHARDCHECK_PROCESS_ID is not; set both"),
+        (env(coordinator="127.0.0.1:1234", process_id=0), "SHARDCHECK_NUM_PROCESSES is not"),
+        (env(coordinator="127.0.0.1:1234", num_processes=2, process_id=2), "ranks are 0 .. 1"),
+        (env(coordinator="127.0.0.1:1234", num_processes="two", process_id=0), "'two' is not an integer"),
+        (env(coordinator="127.0.0.1:1234", num_processes=0, process_id=0), "NUM_PROCESSES=0 must be >= 1"),
+        (env(coordinator="127.0.0.1", num_processes=2, process_id=0), "is not HOST:PORT"),
+        (env(coordinator="h:1", num_processes=2, process_id=0, coordinator_bind="h"), "COORDINATOR_BIND='h'"),
+        (env(num_processes=2, process_id=0), "SHARDCHECK_COORDINATOR is not"),
+        (env(devices_per_process=0), "DEVICES_PER_PROCESS=0 must be >= 1"),
+    ],
+)
+def test_config_from_env_errors_name_the_variable_and_the_fix(variables, match):
+    with pytest.raises(ValueError, match=re.escape(match)) as info:
+        distributed.config_from_env(variables)
+    assert str(info.value).startswith("config_from_env: ")
+
+
+def test_cli_reports_a_bad_environment_before_running(monkeypatch, capsys):
+    monkeypatch.setenv("SHARDCHECK_COORDINATOR", "127.0.0.1:1234")
+    monkeypatch.setenv("SHARDCHECK_NUM_PROCESSES", "2")
+    assert main(["run", "--strategy", "baseline"]) == 2
+    assert "SHARDCHECK_PROCESS_ID is not" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- batch helpers in one process
+
+
+@require_devices(4)
+def test_batch_helpers_in_one_process_cover_the_whole_batch():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    np.testing.assert_array_equal(distributed.process_batch_indices(8, mesh), np.arange(8))
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    y = np.arange(8, dtype=np.float32).reshape(8, 1)
+    xg, yg = distributed.global_batch(x, y, mesh)
+    assert xg.shape == (8, 2) and len(xg.addressable_shards) == 4 and xg.sharding.spec == jax.P("data")
+    host = distributed.gather_to_host({"x": xg, "y": yg, "n": 3})
+    np.testing.assert_array_equal(host["x"], x)
+    np.testing.assert_array_equal(host["y"], y)
+    assert host["n"] == 3
+    assert distributed.is_main_process() and not distributed.is_multiprocess()
+
+
+@require_devices(4)
+def test_batch_helpers_errors():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    with pytest.raises(
+        ValueError, match=r"process_batch_indices: batch size 10 is not a positive multiple of the 4"
+    ):
+        distributed.process_batch_indices(10, mesh)
+    with pytest.raises(ValueError, match=r"process_batch_indices: axis_name='model' is not an axis"):
+        distributed.process_batch_indices(8, mesh, "model")
+    with pytest.raises(ValueError, match=r"global_batch: x_local has 4 rows but y_local has 3"):
+        distributed.global_batch(np.zeros((4, 2)), np.zeros((3, 1)), mesh)
+
+
+# ------------------------------------------------------------------------------------- launcher, no processes
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["run", "--json", "-"], True),
+        (["run", "--json=-"], True),
+        (["run", "--json", "out.json"], False),
+        (["run", "--json"], False),
+        (["run"], False),
+    ],
+)
+def test_json_mode_detection(argv, expected):
+    assert launcher.writes_json_to_stdout(argv) is expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(argv=[]), "launch: argv is empty"),
+        (dict(processes=0), "launch: processes=0 must be a positive int"),
+        (dict(devices_per_process=True), "launch: devices_per_process=True must be a positive int"),
+        (dict(timeout_s=0), "launch: timeout_s=0 must be a positive number of seconds"),
+        (dict(port=70000), "launch: port=70000 must be an int in [1, 65535]"),
+        (dict(max_attempts=0), "launch: max_attempts=0 must be a positive int"),
+    ],
+)
+def test_launch_rejects_bad_arguments_before_starting_anything(kwargs, match):
+    args = dict(argv=["run"], processes=2, devices_per_process=2) | kwargs
+    with pytest.raises(ValueError, match=re.escape(match)):
+        launcher.launch(args.pop("argv"), args.pop("processes"), args.pop("devices_per_process"), **args)
+
+
+def test_a_port_in_use_is_a_clean_error_in_process_0(monkeypatch):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        config = distributed.DistributedConfig(address, 2, 0, None, address, 5)
+        monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("must not be reached"))
+        with pytest.raises(
+            distributed.CoordinatorBindError, match=r"cannot listen on .*: the port is in use"
+        ):
+            distributed.initialize(config)
+
+
+@pytest.mark.parametrize(
+    ("status", "lines", "expected"),
+    [
+        (75, [], True),
+        (-11, ["E1130 add_port.cc:83] Failed to add port to server: No address added"], True),  # gRPC crashed
+        (1, ["Traceback ...", "ValueError: something else"], False),
+    ],
+)
+def test_launcher_recognises_a_coordinator_that_could_not_bind(status, lines, expected):
+    import collections
+
+    worker = launcher._Worker(0, None, collections.deque(lines), [])
+    assert launcher._could_not_bind(status, worker) is expected
+
+
+def test_free_port_is_bindable_on_loopback():
+    import socket
+
+    port = launcher.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+# ------------------------------------------------------------------------------- real processes over loopback
+
+
+def entry_point() -> list[str]:
+    exe = Path(sys.executable).with_name("shardcheck")
+    found = str(exe) if exe.exists() else shutil.which("shardcheck")
+    return (
+        [found]
+        if found
+        else [sys.executable, "-c", "import sys; from shardcheck.cli import main; sys.exit(main())"]
+    )
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Pids of live processes whose environment holds ``marker`` (every process a test started carries it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                status = (entry / "status").read_text()
+                if "\nState:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def listening_addresses(port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of TCP sockets in LISTEN state on ``port``, from ``/proc/net/tcp`` and ``tcp6``."""
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            host, port_hex = fields[1].split(":")
+            if fields[3] != "0A" or int(port_hex, 16) != port:  # 0A: TCP_LISTEN
+                continue
+            raw = bytes.fromhex(host)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # per-word little endian
+            addresses.append(ipaddress.ip_address(raw))
+    return addresses
+
+
+class Launched:
+    """One ``shardcheck launch`` (or any command) in the background, its stderr lines read as they come."""
+
+    def __init__(self, args, marker: str, extra_env=None):
+        self.marker = marker
+        environment = dict(os.environ, SHARDCHECK_TEST_MARKER=marker, **(extra_env or {}))
+        self.proc = subprocess.Popen(
+            [*entry_point(), *args],
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.err_lines: list[str] = []
+        self.out_lines: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.proc.stderr, self.err_lines), (self.proc.stdout, self.out_lines))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.append(line)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.err_lines):
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None and not self._readers[0].is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no stderr line matched {pattern!r}; stderr:\n{self.err}")
+
+    def finish(self, timeout_s: float) -> int:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        finally:
+            self.cleanup()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return self.proc.returncode
+
+    @property
+    def out(self) -> str:
+        return "".join(self.out_lines)
+
+    @property
+    def err(self) -> str:
+        return "".join(self.err_lines)
+
+    def cleanup(self):
+        for pid in [self.proc.pid, *marked_processes(self.marker)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+RUN_ARGS = ["run", "--strategy", "all", "--dataset", "linnerud", "--json", "-"]
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    """``launch --processes 2 --devices-per-process 2 -- run --strategy all`` with a first port already taken,
+    watching the coordinator's socket while it runs; and the single-process run on 4 devices."""
+    import socket
+
+    marker = f"shardcheck-test-{uuid.uuid4()}"
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    single = subprocess.run(
+        [*entry_point(), *RUN_ARGS, "--devices", "4"], capture_output=True, text=True, timeout=120
+    )
+    assert single.returncode == 0, single.stderr
+    args = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "90"]
+    run = Launched([*args, "--port", str(taken_port), "--", *RUN_ARGS], marker)
+    try:
+        run.wait_for(r"retrying on another free port", 60)
+        port = int(run.wait_for(rf"coordinator 127\.0\.0\.1:(?!{taken_port}\b)(\d+), pids", 10).group(1))
+        seen = set()
+        while run.proc.poll() is None:
+            seen.update(listening_addresses(port))
+            time.sleep(0.01)
+        status = run.finish(30)
+    finally:
+        taken.close()
+        run.cleanup()
+    yield dict(
+        single=json.loads(single.stdout),
+        status=status,
+        out=run.out,
+        err=run.err,
+        port=port,
+        taken_port=taken_port,
+        seen=seen,
+        marker=marker,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_two_processes_match_the_single_process_baseline(two_by_two, strategy):
+    """2 processes x 2 devices: the loss and the updated parameters are the single-process baseline's."""
+    assert two_by_two["status"] == 0, two_by_two["err"]
+    launched = json.loads(two_by_two["out"])  # stdout is exactly one JSON document
+    single = two_by_two["single"]
+    assert launched["num_shards"] == single["num_shards"] == 4
+    assert {k: v for k, v in launched.items() if k != "results"} == {
+        k: v for k, v in single.items() if k != "results"
+    }
+    baseline = single["results"]["baseline"]
+    result = launched["results"][strategy]
+    assert result["loss"] == pytest.approx(baseline["loss"], abs=1e-6)
+    assert result["loss"] == pytest.approx(single["results"][strategy]["loss"], abs=1e-6)
+    for leaf in ("kernel", "bias"):
+        np.testing.assert_allclose(result["params"][leaf], baseline["params"][leaf], rtol=0, atol=1e-6)
+    assert result["max_abs_param_diff_vs_baseline"] < 1e-6
+    assert (
+        abs(
+            result["max_abs_param_diff_vs_baseline"]
+            - single["results"][strategy]["max_abs_param_diff_vs_baseline"]
+        )
+        < 1e-6
+    )
+
+
+@pytest.mark.multiprocess
+def test_two_processes_agree_on_every_row_and_print_once(two_by_two):
+    launched, single = json.loads(two_by_two["out"]), two_by_two["single"]
+    assert set(launched["results"]) == set(single["results"]) == {"baseline", "simulation", "dp", "fsdp"}
+    for name, result in launched["results"].items():
+        assert result["loss"] == pytest.approx(single["results"][name]["loss"], abs=1e-6), name
+    assert two_by_two["out"].count('"results"') == 1
+    assert '"results"' not in two_by_two["err"]  # process 1 printed nothing: no second table, no second JSON
+    titles = [line for line in two_by_two["err"].splitlines() if "shardcheck run: linnerud" in line]
+    assert len(titles) == 1 and titles[0].startswith("[p0] ")  # the table, on stderr beside --json -, once
+
+
+@pytest.mark.multiprocess
+@needs_proc
+def test_coordinator_listens_on_loopback_only_and_a_taken_port_is_retried(two_by_two):
+    assert f"coordinator 127.0.0.1:{two_by_two['taken_port']}, pids" in two_by_two["err"]
+    assert "retrying on another free port (attempt 2 of 3)" in two_by_two["err"]
+    seen = two_by_two["seen"]
+    assert seen, f"nothing listened on the coordinator port {two_by_two['port']}"
+    for address in seen:
+        v4 = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else address
+        assert v4 == ipaddress.IPv4Address("127.0.0.1"), f"coordinator listens on {address}"
+    assert marked_processes(two_by_two["marker"]) == []
+
+
+@pytest.mark.multiprocess
+@needs_proc
+def test_a_killed_worker_stops_the_run_and_leaves_no_process():
+    marker = f"shardcheck-test-{uuid.uuid4()}"
+    args = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "60", "--", *RUN_ARGS]
+    run = Launched(args, marker, {"SHARDCHECK_FAULT_INJECT": "hang:1"})
+    try:
+        pids = [int(p) for p in run.wait_for(r"pids (\d+) (\d+)", 30).groups()]
+        run.wait_for(r"\[p1\] shardcheck: SHARDCHECK_FAULT_INJECT=hang:1: process 1 hangs now", 40)
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        status = run.finish(30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        run.cleanup()
+    assert status == 128 + signal.SIGKILL, run.err
+    assert elapsed < 15, f"the launcher took {elapsed:.1f} s to notice"
+    assert f"launch: process 1 (pid {pids[1]}) was killed by signal SIGKILL" in run.err
+    assert "stopped the other 1 running process(es)" in run.err
+    assert "Last output of process 1:" in run.err and "  [p1] shardcheck: SHARDCHECK_FAULT_INJECT" in run.err
+    assert run.out == ""
+    assert marked_processes(marker) == []
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+@pytest.mark.multiprocess
+@needs_proc
+def test_a_hung_run_times_out_and_leaves_no_process():
+    marker = f"shardcheck-test-{uuid.uuid4()}"
+    args = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "8", "--", *RUN_ARGS]
+    run = Launched(args, marker, {"SHARDCHECK_FAULT_INJECT": "hang:1"})
+    start = time.monotonic()
+    try:
+        status = run.finish(60)
+    finally:
+        run.cleanup()
+    elapsed = time.monotonic() - start
+    assert status == launcher.EXIT_TIMEOUT, run.err
+    assert 8 <= elapsed < 8 + launcher.KILL_GRACE_S + 10
+    assert "launch: timed out after 8 s" in run.err
+    assert marked_processes(marker) == []
