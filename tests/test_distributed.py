@@ -214,6 +214,8 @@ def entry_point() -> list[str]:
 def marked_processes(marker: str) -> list[int]:
     """Pids of live processes whose environment holds ``marker`` (every process a test started carries it)."""
     found = []
+    if not Path("/proc/self/environ").exists():
+        return found
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -251,6 +253,7 @@ class Launched:
 
     def __init__(self, args, marker: str, extra_env=None):
         self.marker = marker
+        self.leftovers: list[int] | None = None
         environment = dict(os.environ, SHARDCHECK_TEST_MARKER=marker, **(extra_env or {}))
         self.proc = subprocess.Popen(
             [*entry_point(), *args],
@@ -286,8 +289,10 @@ class Launched:
         raise AssertionError(f"no stderr line matched {pattern!r}; stderr:\n{self.err}")
 
     def finish(self, timeout_s: float) -> int:
+        """Wait for the command; record the marked processes it left behind (``leftovers``), then kill them."""
         try:
             self.proc.wait(timeout=timeout_s)
+            self.leftovers = marked_processes(self.marker)
         finally:
             self.cleanup()
         for reader in self._readers:
@@ -303,7 +308,8 @@ class Launched:
         return "".join(self.err_lines)
 
     def cleanup(self):
-        for pid in [self.proc.pid, *marked_processes(self.marker)]:
+        live = [self.proc.pid] if self.proc.poll() is None else []  # a reaped pid may already be reused
+        for pid in [*live, *marked_processes(self.marker)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -311,6 +317,21 @@ class Launched:
 
 
 needs_proc = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+
+
+@needs_proc
+def test_the_leftover_scan_sees_a_marked_process():
+    """Guards the no-leftover assertions below against a scan that finds nothing."""
+    marker = f"shardcheck-test-{uuid.uuid4()}"
+    sleeper = subprocess.Popen(["sleep", "30"], env=dict(os.environ, SHARDCHECK_TEST_MARKER=marker))
+    try:
+        assert marked_processes(marker) == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=10)
+    assert marked_processes(marker) == []
+
+
 RUN_ARGS = ["run", "--strategy", "all", "--dataset", "linnerud", "--json", "-"]
 
 
@@ -350,7 +371,7 @@ def two_by_two():
         port=port,
         taken_port=taken_port,
         seen=seen,
-        marker=marker,
+        leftovers=run.leftovers,
     )
 
 
@@ -372,13 +393,8 @@ def test_two_processes_match_the_single_process_baseline(two_by_two, strategy):
     for leaf in ("kernel", "bias"):
         np.testing.assert_allclose(result["params"][leaf], baseline["params"][leaf], rtol=0, atol=1e-6)
     assert result["max_abs_param_diff_vs_baseline"] < 1e-6
-    assert (
-        abs(
-            result["max_abs_param_diff_vs_baseline"]
-            - single["results"][strategy]["max_abs_param_diff_vs_baseline"]
-        )
-        < 1e-6
-    )
+    single_diff = single["results"][strategy]["max_abs_param_diff_vs_baseline"]
+    assert result["max_abs_param_diff_vs_baseline"] == pytest.approx(single_diff, abs=1e-6)
 
 
 @pytest.mark.multiprocess
@@ -403,7 +419,7 @@ def test_coordinator_listens_on_loopback_only_and_a_taken_port_is_retried(two_by
     for address in seen:
         v4 = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else address
         assert v4 == ipaddress.IPv4Address("127.0.0.1"), f"coordinator listens on {address}"
-    assert marked_processes(two_by_two["marker"]) == []
+    assert two_by_two["leftovers"] == []  # no worker outlived the launcher
 
 
 @pytest.mark.multiprocess
@@ -427,7 +443,7 @@ def test_a_killed_worker_stops_the_run_and_leaves_no_process():
     assert "stopped the other 1 running process(es)" in run.err
     assert "Last output of process 1:" in run.err and "  [p1] shardcheck: SHARDCHECK_FAULT_INJECT" in run.err
     assert run.out == ""
-    assert marked_processes(marker) == []
+    assert run.leftovers == []
     assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
 
 
@@ -446,4 +462,4 @@ def test_a_hung_run_times_out_and_leaves_no_process():
     assert status == launcher.EXIT_TIMEOUT, run.err
     assert 8 <= elapsed < 8 + launcher.KILL_GRACE_S + 10
     assert "launch: timed out after 8 s" in run.err
-    assert marked_processes(marker) == []
+    assert run.leftovers == []
