@@ -1,5 +1,8 @@
 """shardcheck: prove that a sharded JAX / Flax NNX training step computes the update you meant."""
 
+from shardcheck.accumulation import accumulated_sgd_step as accumulated_sgd_step
+from shardcheck.accumulation import accumulation_candidate as accumulation_candidate
+from shardcheck.accumulation import make_accumulation_optimizer as make_accumulation_optimizer
 from shardcheck.baseline import fsdp_step as fsdp_step
 from shardcheck.baseline import sgd_step as sgd_step
 from shardcheck.losses import mse_loss as mse_loss
@@ -12,6 +15,17 @@ from shardcheck.memory import measure_memory as measure_memory
 from shardcheck.models import MLP as MLP
 from shardcheck.models import make_model as make_model
 from shardcheck.optimizers import make_tx as make_tx
+from shardcheck.parity import Candidate as Candidate
+from shardcheck.parity import Diagnosis as Diagnosis
+from shardcheck.parity import LeafError as LeafError
+from shardcheck.parity import ParityError as ParityError
+from shardcheck.parity import ParityReport as ParityReport
+from shardcheck.parity import StepRecord as StepRecord
+from shardcheck.parity import Tolerance as Tolerance
+from shardcheck.parity import assert_step_parity as assert_step_parity
+from shardcheck.parity import check_parity as check_parity
+from shardcheck.parity import derive_tolerance as derive_tolerance
+from shardcheck.parity import strategy_candidate as strategy_candidate
 from shardcheck.placement import LeafPlacement as LeafPlacement
 from shardcheck.placement import placement_report as placement_report
 from shardcheck.placement import placement_summary as placement_summary
@@ -25,21 +39,36 @@ from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
 from shardcheck.spmd import make_mesh as make_mesh
 from shardcheck.train import TrainReport as TrainReport
 from shardcheck.train import train as train
+from shardcheck.weighted import weighted_data_parallel_sgd_step as weighted_data_parallel_sgd_step
+from shardcheck.weighted import weighted_sgd_step as weighted_sgd_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Candidate",
+    "Diagnosis",
+    "LeafError",
     "LeafMemory",
     "LeafPlacement",
     "MLP",
     "MemoryEstimate",
     "MemoryMeasurement",
+    "ParityError",
+    "ParityReport",
     "ReducedStep",
+    "StepRecord",
+    "Tolerance",
     "TrainReport",
+    "accumulated_sgd_step",
+    "accumulation_candidate",
+    "assert_step_parity",
+    "check_parity",
     "data_parallel_sgd_step",
+    "derive_tolerance",
     "estimate_memory",
     "fsdp_sgd_step",
     "fsdp_step",
+    "make_accumulation_optimizer",
     "make_mesh",
     "make_model",
     "make_tx",
@@ -50,8 +79,11 @@ __all__ = [
     "reduced_sgd_step",
     "sgd_step",
     "simulated_data_parallel_step",
+    "strategy_candidate",
     "train",
     "tree_mean",
     "tree_sum",
+    "weighted_data_parallel_sgd_step",
+    "weighted_sgd_step",
     "weighted_squared_error",
 ]

@@ -1,0 +1,1312 @@
+"""Parity: prove a sharded step against the single-device baseline, leaf by leaf, over many steps.
+
+Seed ``001_a85d1499a1a85057.txt``: "with equivalent initial parameters, loss normalization and optimizer settings,
+a correctly synchronized sharded step should reproduce the intended baseline update within numerical tolerance.
+Matching a single loss value alone does not verify that update". :func:`check_parity` runs a reference step
+(default :func:`~shardcheck.sgd_step`) and a candidate step from copies of one model and optimizer over the same
+batches, and records for every step the error of the loss, of every gradient leaf (where the candidate exposes
+them), of every updated parameter leaf, of every optimizer-state leaf and of the step counters. When parity fails
+it says why (:class:`Diagnosis`): a sum where a mean was meant, a mean taken twice, replicas that disagree, an
+optimizer stepped once per shard, an update that is not one reduced step, a loss that matches alone.
+
+Tolerance rule (see :func:`derive_tolerance` and ``docs/parity.md``)::
+
+    rtol_t = 16 * eps(dtype) * sqrt(n) * sqrt(t + 1)      atol_t = eps(dtype) * sqrt(n) * sqrt(t + 1)
+    leaf passes at step t  <=>  max|cand - ref| <= atol_t + rtol_t * max|ref|      (optimizer moments: x2)
+
+with ``n = B * K`` the length of the batch reduction of the loss (the one reduction a sharded step reorders).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardcheck import _validate
+from shardcheck.baseline import sgd_step
+from shardcheck.losses import mse_loss, weighted_squared_error
+
+PyTree = Any
+StepFn = Callable[..., Any]
+
+KINDS = ("loss", "grad", "param", "opt_state", "counter")
+STRATEGIES = ("simulation", "dp", "fsdp", "accumulation", "multiprocess")
+SAFETY_FACTOR = 16.0
+MOMENT_FACTOR = 2.0
+RATIO_RTOL = 0.02
+
+
+# --------------------------------------------------------------------------------------------------- records
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafError:
+    """The error of one leaf at one step.
+
+    Attributes:
+        step: the 0-based step index t.
+        kind: ``"loss"``, ``"grad"``, ``"param"``, ``"opt_state"`` or ``"counter"`` (exact integer leaves: the
+            NNX step counter, Adam's ``count``).
+        path: the leaf's dotted path, e.g. ``"hidden.kernel"`` or ``"0.mu.bias"`` (``"loss"``, ``"step"``).
+        max_abs_err: ``max |candidate - reference|`` over the leaf's elements (float64 arithmetic).
+        max_rel_err: ``max_abs_err / max |reference|`` (normwise over the leaf: robust to elements that cancel
+            to ~0); ``0`` when both are zero, ``inf`` when only the reference is.
+        tolerance: the allowed ``max_abs_err``: ``atol + rtol * max |reference|`` (``0`` for counters).
+        ok: ``max_abs_err <= tolerance`` (NaN fails).
+        ratio: the median elementwise ratio candidate / reference of the leaf's change in this step (``param``
+            and ``opt_state``: after minus before; ``grad`` and ``loss``: the values), over elements where the
+            reference change is at least 1% of its largest; ``None`` when undefined (counters, no change).
+        reference_change: ``param``/``opt_state``: ``max |reference after - reference before|``, the size of the
+            reference's update of this leaf in this step; else ``None``.
+    """
+
+    step: int
+    kind: str
+    path: str
+    max_abs_err: float
+    max_rel_err: float
+    tolerance: float
+    ok: bool
+    ratio: float | None = None
+    reference_change: float | None = None
+
+    @property
+    def name(self) -> str:
+        """``"<kind> <path>"``, e.g. ``"param hidden.kernel"``; ``"loss"`` for the loss."""
+        return self.kind if self.kind == "loss" else f"{self.kind} {self.path}"
+
+    @property
+    def badness(self) -> float:
+        """``max_abs_err / tolerance``: above 1 fails; used to rank leaves."""
+        if math.isnan(self.max_abs_err):
+            return math.inf
+        if self.tolerance > 0:
+            return self.max_abs_err / self.tolerance
+        return 0.0 if self.max_abs_err == 0 else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Everything compared at one step.
+
+    Attributes:
+        step: the 0-based step index t.
+        rtol: the relative tolerance used at this step.
+        atol: the absolute tolerance used at this step.
+        loss: the reference's pre-update loss (float).
+        candidate_loss: the candidate's returned loss, or ``None`` when it returned none.
+        leaves: one :class:`LeafError` per compared leaf.
+        step_count: the reference optimizer's step counter after the step.
+        candidate_step_count: the candidate optimizer's update counter after the step (for gradient accumulation:
+            the number of applied updates, ``MultiSteps.gradient_step``).
+        replica_mismatches: paths of candidate leaves whose replicas hold different bytes on different devices.
+        equal_weight_loss: weighted mode: the naive equal-weight mean of per-shard mean losses the candidate
+            reported, else ``None``.
+        equal_weight_loss_abs_err: ``|equal_weight_loss - reference loss|``, else ``None``.
+        equal_weight_grad_abs_err: weighted mode: max over leaves of ``|naive equal-weight gradient - reference
+            gradient|``, else ``None``.
+    """
+
+    step: int
+    rtol: float
+    atol: float
+    loss: float
+    candidate_loss: float | None
+    leaves: tuple[LeafError, ...]
+    step_count: int
+    candidate_step_count: int
+    replica_mismatches: tuple[str, ...] = ()
+    equal_weight_loss: float | None = None
+    equal_weight_loss_abs_err: float | None = None
+    equal_weight_grad_abs_err: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every leaf within tolerance and every replica consistent."""
+        return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """One finding of the harness.
+
+    Attributes:
+        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``scaled``, ``replicas_differ``,
+            ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``, ``grads_differ``,
+            ``update_differs``, ``drift``, ``weak_check`` or ``equal_weight``.
+        message: the sentence shown to the user.
+        leaf: the leaf the finding names, if any (``LeafError.name``).
+    """
+
+    code: str
+    message: str
+    leaf: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityReport:
+    """The result of :func:`check_parity`.
+
+    Attributes:
+        strategy: the candidate's name.
+        ok: parity holds: every leaf of every step within tolerance, replicas consistent.
+        steps: one :class:`StepRecord` per step.
+        diagnoses: the findings, most important first (``parity`` alone when ``ok`` and nothing to note).
+        num_shards: S, when known (used to recognise ratios S and 1/S).
+        tolerance_rule: how the tolerances were chosen (derived, or the user's ``rtol``/``atol``).
+    """
+
+    strategy: str
+    ok: bool
+    steps: tuple[StepRecord, ...]
+    diagnoses: tuple[Diagnosis, ...]
+    num_shards: int | None = None
+    tolerance_rule: str = ""
+
+    @property
+    def worst(self) -> LeafError | None:
+        """The leaf error with the largest ``max_abs_err / tolerance`` over all steps (the first, on ties)."""
+        leaves = [leaf for record in self.steps for leaf in record.leaves]
+        return max(leaves, key=lambda leaf: leaf.badness, default=None)
+
+    @property
+    def worst_leaf(self) -> str | None:
+        """:attr:`worst`'s name, e.g. ``"param hidden.kernel"``."""
+        return None if self.worst is None else self.worst.name
+
+    @property
+    def max_abs_err(self) -> float:
+        """:attr:`worst`'s ``max_abs_err`` (errors of different leaves have different units: not a max of all)."""
+        return 0.0 if self.worst is None else self.worst.max_abs_err
+
+    @property
+    def max_rel_err(self) -> float:
+        """:attr:`worst`'s ``max_rel_err``."""
+        return 0.0 if self.worst is None else self.worst.max_rel_err
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        """The :attr:`Diagnosis.code` of every finding, in order."""
+        return tuple(d.code for d in self.diagnoses)
+
+    @property
+    def diagnosis(self) -> str:
+        """All findings' messages, joined into one paragraph."""
+        return " ".join(d.message for d in self.diagnoses)
+
+    def worst_by_kind(self) -> dict[str, LeafError]:
+        """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps."""
+        out: dict[str, LeafError] = {}
+        for record in self.steps:
+            for leaf in record.leaves:
+                if leaf.kind not in out or leaf.badness > out[leaf.kind].badness:
+                    out[leaf.kind] = leaf
+        return {k: out[k] for k in KINDS if k in out}
+
+    def to_dict(self) -> dict:
+        """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
+        ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, weighted-mode errors.
+        """
+        worst = self.worst
+        record_last = self.steps[-1] if self.steps else None
+        ew_loss = [r.equal_weight_loss_abs_err for r in self.steps if r.equal_weight_loss_abs_err is not None]
+        ew_grad = [r.equal_weight_grad_abs_err for r in self.steps if r.equal_weight_grad_abs_err is not None]
+        return {
+            "ok": self.ok,
+            "worst_leaf": self.worst_leaf,
+            "worst_step": None if worst is None else worst.step,
+            "max_abs_err": self.max_abs_err,
+            "max_rel_err": self.max_rel_err,
+            "tolerance": None if worst is None else worst.tolerance,
+            "diagnosis": self.diagnosis,
+            "codes": list(self.codes),
+            "steps": len(self.steps),
+            "num_shards": self.num_shards,
+            "tolerance_rule": self.tolerance_rule,
+            "step_count": None if record_last is None else record_last.step_count,
+            "candidate_step_count": None if record_last is None else record_last.candidate_step_count,
+            "replica_mismatches": sorted({p for r in self.steps for p in r.replica_mismatches}),
+            "equal_weight_loss_max_abs_err": max(ew_loss) if ew_loss else None,
+            "equal_weight_grad_max_abs_err": max(ew_grad) if ew_grad else None,
+            "worst_by_kind": {
+                kind: {
+                    "leaf": e.name,
+                    "step": e.step,
+                    "max_abs_err": e.max_abs_err,
+                    "max_rel_err": e.max_rel_err,
+                    "tolerance": e.tolerance,
+                    "ok": e.ok,
+                }
+                for kind, e in self.worst_by_kind().items()
+            },
+            "per_step": [
+                {
+                    "step": r.step,
+                    "ok": r.ok,
+                    "loss": r.loss,
+                    "candidate_loss": r.candidate_loss,
+                    "rtol": r.rtol,
+                    "atol": r.atol,
+                    "worst_leaf": max(r.leaves, key=lambda e: e.badness).name if r.leaves else None,
+                    "max_abs_err": max(r.leaves, key=lambda e: e.badness).max_abs_err if r.leaves else 0.0,
+                }
+                for r in self.steps
+            ],
+        }
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.ok else "FAIL"
+        lines = [f"parity {verdict} for strategy {self.strategy!r} over {len(self.steps)} step(s)"]
+        worst = self.worst
+        if worst is not None:
+            lines.append(
+                f"  worst leaf: {worst.name} at step {worst.step}: max abs err {worst.max_abs_err:.3g}, "
+                f"rel {worst.max_rel_err:.3g}, tolerance {worst.tolerance:.3g}"
+            )
+        for kind, e in self.worst_by_kind().items():
+            lines.append(
+                f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {e.max_rel_err:<10.3g} "
+                f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}"
+            )
+        for d in self.diagnoses:
+            lines.append(f"  [{d.code}] {d.message}")
+        if self.tolerance_rule:
+            lines.append(f"  tolerance: {self.tolerance_rule}")
+        return "\n".join(lines)
+
+
+class ParityError(AssertionError):
+    """Raised by :func:`assert_step_parity`; ``report`` holds the :class:`ParityReport`."""
+
+    def __init__(self, report: ParityReport):
+        super().__init__(str(report))
+        self.report = report
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A step to verify, with what the harness needs to know about it.
+
+    Attributes:
+        name: shown in reports (``simulation``, ``dp``, ..., ``candidate``).
+        step: ``(model, optimizer, x, y, **kw) -> loss | result``, updating both in place. A result object
+            with ``.loss`` (and optionally ``.grads``, ``.equal_weight_loss``, ``.equal_weight_grads``) exposes
+            more to compare. ``kw`` holds ``weights=`` in weighted mode and ``mesh=`` when ``pass_mesh``.
+        num_shards: S, to recognise update ratios S and 1/S (``None``: recognised from any integer ratio).
+        make_optimizer: builds the candidate's optimizer from its model copy and a copy of the reference's
+            optimizer (gradient accumulation wraps the transformation in ``optax.MultiSteps``).
+        view_optimizer: ``optimizer -> (opt_state tree matching the reference's, update count)``; default:
+            ``(nnx.state(optimizer)["opt_state"], optimizer.step)``.
+        extra_checks: ``(optimizer, completed_steps) -> [(path, value, expected)]``: exact checks of the
+            candidate's own counters and buffers, reported as ``counter``/``opt_state`` leaves.
+        pass_mesh: pass ``mesh=`` to ``step``.
+        accepts_weights: ``step`` takes ``weights=`` (weighted mode).
+    """
+
+    name: str
+    step: StepFn
+    num_shards: int | None = None
+    make_optimizer: Callable[[nnx.Module, nnx.Optimizer], nnx.Optimizer] | None = None
+    view_optimizer: Callable[[nnx.Optimizer], tuple[PyTree, Any]] | None = None
+    extra_checks: Callable[[nnx.Optimizer, int], list[tuple[str, Any, Any]]] | None = None
+    pass_mesh: bool = False
+    accepts_weights: bool = False
+
+
+# ------------------------------------------------------------------------------------------------ tolerances
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Tolerances of one step: a leaf passes when ``max|cand - ref| <= atol + rtol * max|ref|``.
+
+    Attributes:
+        rtol: relative (normwise) tolerance.
+        atol: absolute floor, for leaves whose reference is ~0.
+        rule: one line saying how they were obtained.
+    """
+
+    rtol: float
+    atol: float
+    rule: str
+
+
+def derive_tolerance(dtype="float32", *, batch_size: int, out_features: int = 1, step: int = 0) -> Tolerance:
+    """The default tolerance of step ``step`` (0-based) for a batch of ``batch_size`` examples and K outputs.
+
+    Reasoning (``docs/parity.md``): a correct sharded step computes every per-example value exactly as the
+    full-batch step does and differs only in the order of the one reduction over the batch (``n = B * K``
+    squared errors in the loss, B per-example terms in each gradient element). Reordering a floating-point sum of
+    n terms changes it by at most ``(n - 1) * eps * sum|terms|`` and typically by ``~sqrt(n) * eps`` relative
+    (random-walk rounding model; N. J. Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed. 2002,
+    ch. 4); the factor 16 covers the forward/backward matmuls whose blocking XLA may change with the shard shape
+    and the optimizer's own arithmetic. Rounding errors of successive steps are independent and propagate through
+    the parameters, so they grow like ``sqrt(t + 1)``. The absolute floor is the same sum's noise at unit scale
+    without the safety factor: shardcheck data are standardized, so a leaf that cancels to ~0 carries about that
+    much noise. Measured: float32, diabetes, B=64, S in {2, 4, 8}, 20 steps of sgd/momentum/Adam: worst normwise
+    errors 1e-7 to 1e-6, at least 10x under this rule; a mean divided by S twice at S=2 is off by 50%.
+
+    Args:
+        dtype: the leaf dtype; ``eps`` is ``jnp.finfo(dtype).eps`` (float32: 1.19e-7, bfloat16: 7.8e-3).
+        batch_size: B >= 1, examples in the step's batch.
+        out_features: K >= 1, outputs averaged in the loss.
+        step: t >= 0.
+
+    Returns:
+        A :class:`Tolerance`. Optimizer-state leaves are compared at twice these values (second moments square
+        the gradient, doubling its relative error).
+
+    Raises:
+        ValueError: ``batch_size``, ``out_features`` < 1 or ``step`` < 0; ``dtype`` not a floating dtype.
+
+    Example::
+
+        >>> tol = derive_tolerance("float32", batch_size=64)
+        >>> round(tol.rtol, 8), round(tol.atol, 9)
+        (1.526e-05, 9.54e-07)
+    """
+    fn = "derive_tolerance"
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("out_features", out_features, 1),
+        ("step", step, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            raise ValueError(f"{fn}: {name} must be an int >= {low}, got {value!r}")
+    try:
+        eps = float(jnp.finfo(dtype).eps)
+    except ValueError as err:
+        raise ValueError(f"{fn}: dtype {dtype!r} is not a floating dtype; pass e.g. 'float32'") from err
+    n = batch_size * out_features
+    noise = eps * math.sqrt(n) * math.sqrt(step + 1)
+    rule = (
+        f"derived: rtol = {SAFETY_FACTOR:g} * eps * sqrt(B*K) * sqrt(t+1), atol = eps * sqrt(B*K) * sqrt(t+1) "
+        f"(eps={eps:.3g}, B*K={n}); optimizer moments x{MOMENT_FACTOR:g}"
+    )
+    return Tolerance(rtol=SAFETY_FACTOR * noise, atol=noise, rule=rule)
+
+
+# ------------------------------------------------------------------------------------------- tree utilities
+
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name != "value":
+                parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def flatten_state(tree: PyTree) -> dict[str, Any]:
+    """``{dotted path: leaf}`` of a pytree (``nnx.State`` included), e.g. ``{"hidden.kernel": Array}``."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_str(p): leaf for p, leaf in leaves}
+
+
+def to_host(a) -> np.ndarray:
+    """A leaf as a NumPy array; arrays spread over several processes are gathered first."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        a = multihost_utils.process_allgather(a, tiled=True)
+    return np.asarray(a)
+
+
+def replica_mismatch(a) -> bool:
+    """True when two of this process's devices hold different bytes for the same slice of ``a``.
+
+    A replicated (or partially replicated) ``jax.Array`` keeps one buffer per device; JAX trusts that they are
+    equal (``shard_map`` with ``check_vma=False`` and ``out_specs=P()`` does not check). Compared bitwise.
+    """
+    if not isinstance(a, jax.Array):
+        return False
+    shards = a.addressable_shards
+    if len(shards) < 2:
+        return False
+    seen: dict[tuple, bytes] = {}
+    for shard in shards:
+        key = tuple((s.start, s.stop, s.step) for s in shard.index)
+        data = np.asarray(shard.data).tobytes()
+        if key in seen and seen[key] != data:
+            return True
+        seen.setdefault(key, data)
+    return False
+
+
+def _copy_state(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module, nnx.Optimizer]:
+    """Independent copies of a model and its optimizer: new graph and new buffers (a step may donate them)."""
+    graphdef, state = nnx.split((model, optimizer))
+    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
+    return nnx.merge(graphdef, state)
+
+
+def _opt_state(optimizer: nnx.Optimizer) -> PyTree:
+    """The optimizer's ``opt_state`` sub-state (``{}`` for a stateless transformation such as ``optax.sgd``)."""
+    state = nnx.state(optimizer)
+    return state["opt_state"] if "opt_state" in state else {}
+
+
+def _default_view(optimizer: nnx.Optimizer) -> tuple[PyTree, Any]:
+    return _opt_state(optimizer), optimizer.step[...]
+
+
+def _is_scalar_like(out) -> bool:
+    return isinstance(out, jax.Array | np.ndarray | np.generic | float | int) and np.ndim(out) == 0
+
+
+def _unpack(out) -> tuple[Any, Any, Any, Any]:
+    """``(loss, grads, equal_weight_loss, equal_weight_grads)`` from a step's return value."""
+    if out is None:
+        return None, None, None, None
+    if _is_scalar_like(out):
+        return out, None, None, None
+    if isinstance(out, Mapping):
+        get = out.get
+    else:
+
+        def get(name, default=None):
+            return getattr(out, name, default)
+
+    return get("loss"), get("grads"), get("equal_weight_loss"), get("equal_weight_grads")
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+
+
+def _leaf_error(step, kind, path, ref, cand, rtol, atol, before_ref=None, before_cand=None) -> LeafError:
+    r = np.asarray(ref, dtype=np.float64)
+    c = np.asarray(cand, dtype=np.float64)
+    if r.shape != c.shape:
+        return LeafError(
+            step, kind, path, math.inf, math.inf, atol + rtol * float(np.max(np.abs(r), initial=0)), False
+        )
+    diff = np.abs(c - r)
+    max_abs = float(np.max(diff, initial=0.0)) if not np.isnan(diff).any() else math.nan
+    scale = float(np.max(np.abs(r), initial=0.0))
+    rel = (max_abs / scale) if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    tol = atol + rtol * scale
+    ratio = change = None
+    if before_ref is not None:
+        dr = r - np.asarray(before_ref, np.float64)
+        dc = c - np.asarray(before_cand, np.float64)
+    else:
+        dr, dc = r, c
+    big = np.abs(dr)
+    top = float(np.max(big, initial=0.0))
+    if before_ref is not None:
+        change = top
+    if top > 0:
+        mask = big >= 0.01 * top
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = float(np.median(dc[mask] / dr[mask]))
+    return LeafError(step, kind, path, max_abs, rel, tol, bool(max_abs <= tol), ratio, change)
+
+
+def _counter_error(step, path, ref, cand) -> LeafError:
+    r, c = int(np.asarray(ref)), int(np.asarray(cand))
+    err = float(abs(c - r))
+    rel = (err / abs(r)) if r else (0.0 if err == 0 else math.inf)
+    return LeafError(step, "counter", path, err, rel, 0.0, c == r, (c / r) if r else None)
+
+
+def _is_int(a) -> bool:
+    return np.dtype(np.asarray(a).dtype).kind in "iub"
+
+
+# --------------------------------------------------------------------------------------------- the reference
+
+
+def weighted_mean_loss(model: nnx.Module, x, y, weights) -> jax.Array:
+    """The full-batch weighted MSE ``sum_i w_i * mean_k err_ik**2 / sum_i w_i`` (all weights 1: :func:`mse_loss`)."""
+    total, count = weighted_squared_error(model, x, y, weights)
+    return total / count
+
+
+@jax.jit
+def _grads_jit(graphdef, state, x, y):
+    model = nnx.merge(graphdef, state)
+    return nnx.grad(mse_loss)(model, x, y)
+
+
+@jax.jit
+def _weighted_grads_jit(graphdef, state, x, y, w):
+    model = nnx.merge(graphdef, state)
+    return nnx.grad(weighted_mean_loss)(model, x, y, w)
+
+
+def _reference_grads(model, x, y, w):
+    graphdef, state = nnx.split(model)
+    if w is None:
+        return _grads_jit(graphdef, state, x, y)
+    return _weighted_grads_jit(graphdef, state, x, y, w)
+
+
+# ------------------------------------------------------------------------------------------- the candidates
+
+
+def _accepts(fn: Callable, name: str, position: int) -> bool:
+    """Whether ``fn`` takes keyword ``name`` or a positional argument at ``position`` (0-based)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params) or name in sig.parameters:
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) > position or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def strategy_candidate(
+    name: str, *, num_shards: int, mesh=None, shard_sizes: Sequence[int] | None = None
+) -> Candidate:
+    """One of shardcheck's own strategies as a :class:`Candidate`.
+
+    Args:
+        name: ``"simulation"`` (:func:`~shardcheck.reduced_sgd_step`, S shards, exposes gradients),
+            ``"dp"`` / ``"fsdp"`` (the mesh steps of ``shardcheck.spmd`` on ``mesh``; weighted mode uses
+            :func:`~shardcheck.weighted_data_parallel_sgd_step`), ``"accumulation"`` (``optax.MultiSteps`` over
+            S micro-batches, :mod:`shardcheck.accumulation`) or ``"multiprocess"`` (the data-parallel step on a
+            mesh spanning every process of a ``shardcheck launch`` run).
+        num_shards: S >= 1.
+        mesh: the mesh of ``dp`` / ``fsdp`` / ``multiprocess`` (built from the first S devices when ``None``).
+        shard_sizes: weighted mode, ``simulation`` only: uneven shard sizes.
+
+    Returns:
+        The :class:`Candidate`.
+
+    Raises:
+        ValueError: unknown ``name``, bad ``num_shards``, fewer devices than S for a mesh strategy, a mesh of
+            another size, ``"multiprocess"`` in a single-process run.
+    """
+    fn = "strategy_candidate"
+    num_shards = _validate.check_num_shards(fn, num_shards)
+    if name == "simulation":
+        from shardcheck.simulation import reduced_sgd_step
+
+        def simulation(model, optimizer, x, y, weights=None):
+            if weights is None:
+                return reduced_sgd_step(model, optimizer, x, y, num_shards)
+            return reduced_sgd_step(
+                model, optimizer, x, y, num_shards, weights=weights, shard_sizes=shard_sizes
+            )
+
+        return Candidate("simulation", simulation, num_shards, accepts_weights=True)
+    if name == "accumulation":
+        from shardcheck.accumulation import accumulation_candidate
+
+        return accumulation_candidate(num_shards)
+    if name in ("dp", "fsdp", "multiprocess"):
+        from shardcheck import spmd
+
+        if name == "multiprocess" and jax.process_count() == 1:
+            raise ValueError(
+                f"{fn}: strategy 'multiprocess' needs several JAX processes; run under `shardcheck launch "
+                "--processes P --devices-per-process N -- verify ...` (there, dp and fsdp span every process too)"
+            )
+        if mesh is None:
+            if len(jax.devices()) < num_shards:
+                raise ValueError(
+                    f"{fn}: strategy {name!r} with num_shards={num_shards} needs {num_shards} devices, but "
+                    f"{len(jax.devices())} exist; use fewer shards or more devices (jax_num_cpu_devices on CPU)"
+                )
+            mesh = spmd.make_mesh(num_shards)
+        mesh_size = int(np.prod(list(mesh.shape.values())))
+        if mesh_size != num_shards:
+            raise ValueError(
+                f"{fn}: mesh has {mesh_size} devices but num_shards={num_shards}; they must agree"
+            )
+        if name == "fsdp":
+
+            def fsdp(model, optimizer, x, y):
+                return spmd.fsdp_sgd_step(model, optimizer, x, y, mesh)
+
+            return Candidate("fsdp", fsdp, num_shards)
+        from shardcheck.weighted import weighted_data_parallel_sgd_step
+
+        def dp(model, optimizer, x, y, weights=None):
+            if weights is None:
+                return spmd.data_parallel_sgd_step(model, optimizer, x, y, mesh)
+            return weighted_data_parallel_sgd_step(model, optimizer, x, y, mesh, weights=weights)
+
+        return Candidate(name, dp, num_shards, accepts_weights=True)
+    raise ValueError(f"{fn}: strategy {name!r} is unknown; use one of {', '.join(STRATEGIES)}")
+
+
+def _as_candidate(fn, candidate, num_shards, mesh, name) -> Candidate:
+    if isinstance(candidate, Candidate):
+        if num_shards is not None and candidate.num_shards is None:
+            candidate = dataclasses.replace(candidate, num_shards=num_shards)
+        return dataclasses.replace(candidate, name=name) if name else candidate
+    if isinstance(candidate, str):
+        if num_shards is None:
+            raise ValueError(f"{fn}: strategy {candidate!r} needs num_shards=S; pass e.g. num_shards=2")
+        c = strategy_candidate(candidate, num_shards=num_shards, mesh=mesh)
+        return dataclasses.replace(c, name=name) if name else c
+    if not callable(candidate):
+        raise TypeError(
+            f"{fn}: candidate must be a strategy name ({', '.join(STRATEGIES)}), a Candidate or a callable "
+            f"(model, optimizer, x, y) -> loss, got {type(candidate).__name__}"
+        )
+    pass_mesh = mesh is not None and _accepts(candidate, "mesh", 4)
+    return Candidate(
+        name or getattr(candidate, "__name__", "candidate"),
+        candidate,
+        num_shards,
+        pass_mesh=pass_mesh,
+        accepts_weights=_accepts(candidate, "weights", 99),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- batches
+
+
+def minibatches(x, y, batch_size: int, steps: int, *, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` successive mini-batches of ``batch_size`` rows, reshuffled every epoch.
+
+    Epoch e visits the rows in the order ``np.random.default_rng(seed)``'s e-th permutation (one generator for
+    the whole run); the last ``N % batch_size`` rows of an epoch are skipped, so every batch has exactly
+    ``batch_size`` rows (equal shards need ``batch_size % S == 0``).
+
+    Args:
+        x: ``(N, D)`` inputs.
+        y: ``(N, K)`` targets.
+        batch_size: 1 <= B <= N.
+        steps: number of batches, >= 1.
+        seed: the shuffling seed.
+
+    Returns:
+        A list of ``steps`` pairs ``(x_b (B, D), y_b (B, K))`` of NumPy arrays.
+
+    Raises:
+        ValueError: ``batch_size`` out of range, ``steps < 1``, ``x`` and ``y`` of different lengths.
+    """
+    fn = "minibatches"
+    x, y = np.asarray(x), np.asarray(y)
+    n = x.shape[0]
+    if y.shape[0] != n:
+        raise ValueError(f"{fn}: x has {n} rows but y has {y.shape[0]}; they must match")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n:
+        raise ValueError(
+            f"{fn}: batch_size must be an int in [1, {n}] (the data has {n} rows), got {batch_size!r}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{fn}: steps must be an int >= 1, got {steps!r}")
+    rng = np.random.default_rng(seed)
+    per_epoch = n // batch_size
+    out = []
+    order = None
+    for i in range(steps):
+        j = i % per_epoch
+        if j == 0:
+            order = rng.permutation(n)
+        idx = order[j * batch_size : (j + 1) * batch_size]
+        out.append((x[idx], y[idx]))
+    return out
+
+
+def _normalize_batches(fn: str, batches, steps: int | None) -> list[tuple]:
+    if isinstance(batches, tuple) and len(batches) in (2, 3) and all(hasattr(b, "shape") for b in batches):
+        batches = [batches] * (1 if steps is None else steps)
+    elif not isinstance(batches, Iterable):
+        raise TypeError(
+            f"{fn}: batches must be an iterable of (x, y) or (x, y, weights), got {type(batches).__name__}"
+        )
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{fn}: steps must be an int >= 1, got {steps!r}")
+        out = []
+        for b in batches:
+            if len(out) == steps:
+                break
+            out.append(b)
+        if len(out) < steps:
+            raise ValueError(f"{fn}: steps={steps} but batches holds only {len(out)}; pass more batches")
+    else:
+        out = list(batches)
+    if not out:
+        raise ValueError(f"{fn}: batches is empty; pass at least one (x, y) batch")
+    clean = []
+    for i, b in enumerate(out):
+        if not isinstance(b, tuple | list) or len(b) not in (2, 3):
+            raise ValueError(f"{fn}: batch {i} must be a pair (x, y) or a triple (x, y, weights)")
+        x, y = _validate.check_batch(fn, b[0], b[1])
+        w = None
+        if len(b) == 3 and b[2] is not None:
+            w = np.asarray(b[2], dtype=np.float32)
+            if w.shape != (x.shape[0],) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+                raise ValueError(
+                    f"{fn}: batch {i} weights must be finite, >= 0, not all zero, of shape ({x.shape[0]},); "
+                    f"got shape {w.shape}"
+                )
+            w = jnp.asarray(w)
+        clean.append((x, y, w))
+    return clean
+
+
+# ------------------------------------------------------------------------------------------------ the harness
+
+
+def check_parity(
+    candidate: StepFn | str | Candidate,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    batches,
+    *,
+    steps: int | None = None,
+    num_shards: int | None = None,
+    mesh=None,
+    reference: StepFn | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    name: str | None = None,
+) -> ParityReport:
+    """Run a reference and a candidate step side by side from one initial state and compare every leaf.
+
+    Both start from independent copies of ``model`` and ``optimizer`` (which are left unchanged) and see the same
+    batches. After each step the harness compares, per leaf: the pre-update loss; the gradients, when the
+    candidate returns an object with ``.grads`` (reference: ``nnx.grad`` of the full-batch loss at the same
+    pre-step parameters); every ``nnx.Param``; every optimizer-state leaf (momentum trace, Adam ``mu``/``nu``);
+    and exactly, the integer counters (the NNX ``step``, Adam's ``count``). Replicated candidate leaves are checked
+    bitwise across this process's devices. Then :class:`Diagnosis` findings explain a failure.
+
+    Weighted mode: batches given as ``(x, y, weights)`` (``weights (B,)``: example counts or a 0/1 mask) make the
+    reference the full-batch weighted step (:func:`~shardcheck.weighted_sgd_step`) and pass ``weights=`` to the
+    candidate; a candidate reporting ``equal_weight_loss``/``equal_weight_grads`` (the simulation does) gets the
+    naive equal-weight mean's error recorded beside its own (``../shared/cases`` C4-C6).
+
+    Args:
+        candidate: a strategy name (``simulation``, ``dp``, ``fsdp``, ``accumulation``, ``multiprocess``; needs
+            ``num_shards``), a :class:`Candidate`, or any in-place step ``(model, optimizer, x, y) -> loss``
+            (``(model, optimizer, x, y, mesh)`` when it accepts ``mesh`` and ``mesh`` is given). It may return
+            the loss, ``None``, or an object/mapping with ``loss`` and optionally ``grads``.
+        model: an ``nnx.Module`` without ``BatchStat`` variables or RNG streams (``../shared/cases`` C7).
+        optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+        batches: an iterable of ``(x (B, D), y (B, K))`` or ``(x, y, weights (B,))``; or one such tuple,
+            repeated ``steps`` times.
+        steps: how many batches to use (default: all).
+        num_shards: S: selects the shard count of a named strategy and lets the diagnosis recognise ratios S
+            and 1/S.
+        mesh: passed to mesh strategies and to candidates accepting ``mesh``.
+        reference: an in-place step to compare against (default :func:`~shardcheck.sgd_step`, or
+            :func:`~shardcheck.weighted_sgd_step` in weighted mode). Gradients are compared only against the
+            default reference or a reference returning ``.grads``.
+        rtol: fixed relative tolerance for every step (default: :func:`derive_tolerance`).
+        atol: fixed absolute tolerance for every step (default: :func:`derive_tolerance`).
+        name: the candidate's name in the report.
+
+    Returns:
+        A :class:`ParityReport`.
+
+    Raises:
+        TypeError: ``candidate`` not a name, :class:`Candidate` or callable; bad batch dtypes; wrong model or
+            optimizer types; a weighted batch for a candidate without ``weights=``.
+        ValueError: a model with batch statistics or RNG streams (C7); empty or malformed batches; ``steps``
+            larger than the batches; a named strategy with ``B % S != 0`` and no weights (equal shards are
+            required: pass ``(x, y, weights)`` for weighted mode, C4/C6); negative ``rtol``/``atol``.
+            Checked before any step runs.
+    """
+    fn = "check_parity"
+    _validate.check_model(fn, model)
+    _validate.check_optimizer(fn, optimizer, model)
+    for label, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+        ):
+            raise ValueError(f"{fn}: {label} must be a number >= 0, got {value!r}")
+    if num_shards is not None:
+        num_shards = _validate.check_num_shards(fn, num_shards)
+    named = isinstance(candidate, str)
+    cand = _as_candidate(fn, candidate, num_shards, mesh, name)
+    num_shards = cand.num_shards
+    data = _normalize_batches(fn, batches, steps)
+    for i, (x, _, w) in enumerate(data):
+        if w is not None and not cand.accepts_weights:
+            raise TypeError(
+                f"{fn}: batch {i} carries weights but candidate {cand.name!r} takes no weights= argument; "
+                "add a weights=None keyword to it, or pass (x, y) batches"
+            )
+        if w is None and num_shards is not None and (named or cand.name in STRATEGIES):
+            _validate.check_equal_shards(
+                fn,
+                x.shape[0],
+                num_shards,
+                hint="pass (x, y, weights) batches for uneven shards (weighted mode)",
+            )
+    ref_model, ref_opt = _copy_state(model, optimizer)
+    cand_model, cand_opt = _copy_state(model, optimizer)
+    if cand.make_optimizer is not None:
+        cand_opt = cand.make_optimizer(cand_model, cand_opt)
+    run = _Run(
+        ref_model, ref_opt, reference, cand, cand_model, cand_opt, {"mesh": mesh} if cand.pass_mesh else {}
+    )
+
+    records = []
+    for t, (x, y, w) in enumerate(data):
+        if rtol is None or atol is None:
+            derived = derive_tolerance(
+                "float32", batch_size=int(x.shape[0]), out_features=int(y.shape[1]), step=t
+            )
+        r_tol = derived.rtol if rtol is None else float(rtol)
+        a_tol = derived.atol if atol is None else float(atol)
+        records.append(_compare_step(run, t, x, y, w, r_tol, a_tol))
+    if rtol is None and atol is None:
+        rule = derived.rule
+    else:
+        rule = f"rtol={r_tol:g}, atol={a_tol:g} (user-set where given, else derived; fixed for every step)"
+    return ParityReport(
+        strategy=cand.name,
+        ok=all(r.ok for r in records),
+        steps=tuple(records),
+        diagnoses=tuple(diagnose(records, num_shards)),
+        num_shards=num_shards,
+        tolerance_rule=rule,
+    )
+
+
+@dataclasses.dataclass
+class _Run:
+    """The two sides of one :func:`check_parity` run (internal, mutable: the models change in place)."""
+
+    ref_model: nnx.Module
+    ref_opt: nnx.Optimizer
+    reference: StepFn | None
+    cand: Candidate
+    cand_model: nnx.Module
+    cand_opt: nnx.Optimizer
+    kwargs: dict
+
+
+def _compare_step(run: _Run, t: int, x, y, w, rtol: float, atol: float) -> StepRecord:
+    """Snapshot both sides, step both on one batch, compare every leaf."""
+    from shardcheck.weighted import weighted_sgd_step
+
+    ref_model, ref_opt, cand, cand_model, cand_opt = (
+        run.ref_model,
+        run.ref_opt,
+        run.cand,
+        run.cand_model,
+        run.cand_opt,
+    )
+    view = cand.view_optimizer or _default_view
+
+    ref_params0 = {k: to_host(v) for k, v in flatten_state(nnx.state(ref_model, nnx.Param)).items()}
+    cand_params0 = {k: to_host(v) for k, v in flatten_state(nnx.state(cand_model, nnx.Param)).items()}
+    ref_opt0 = {k: to_host(v) for k, v in flatten_state(_opt_state(ref_opt)).items()}
+    cand_opt0 = {k: to_host(v) for k, v in flatten_state(view(cand_opt)[0]).items()}
+
+    ref_grads = None
+    if run.reference is None:
+        ref_grads = _reference_grads(ref_model, x, y, w)
+        ref_out = (
+            sgd_step(ref_model, ref_opt, x, y)
+            if w is None
+            else weighted_sgd_step(ref_model, ref_opt, x, y, w)
+        )
+    else:
+        ref_out = run.reference(ref_model, ref_opt, x, y, **({} if w is None else {"weights": w}))
+    ref_loss, exposed, _, _ = _unpack(ref_out)
+    ref_grads = exposed if exposed is not None else ref_grads
+
+    kw = dict(run.kwargs)
+    if w is not None:
+        kw["weights"] = w
+    cand_out = cand.step(cand_model, cand_opt, x, y, **kw)
+    cand_loss, cand_grads, ew_loss, ew_grads = _unpack(cand_out)
+
+    leaves: list[LeafError] = []
+    ref_loss_f = float(np.asarray(ref_loss)) if ref_loss is not None else math.nan
+    cand_loss_f = None if cand_loss is None else float(to_host(cand_loss))
+    if ref_loss is not None and cand_loss is not None:
+        leaves.append(_leaf_error(t, "loss", "loss", ref_loss_f, cand_loss_f, rtol, atol))
+
+    if ref_grads is not None and cand_grads is not None:
+        rg, cg = flatten_state(ref_grads), flatten_state(cand_grads)
+        for path, ref_leaf in rg.items():
+            if path in cg:
+                leaves.append(_leaf_error(t, "grad", path, to_host(ref_leaf), to_host(cg[path]), rtol, atol))
+            else:
+                leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
+
+    mismatches = []
+    ref_params = flatten_state(nnx.state(ref_model, nnx.Param))
+    cand_params = flatten_state(nnx.state(cand_model, nnx.Param))
+    for path, ref_leaf in ref_params.items():
+        if path not in cand_params:
+            leaves.append(LeafError(t, "param", path, math.inf, math.inf, 0.0, False))
+            continue
+        if replica_mismatch(cand_params[path]):
+            mismatches.append(f"param {path}")
+        leaves.append(
+            _leaf_error(
+                t,
+                "param",
+                path,
+                to_host(ref_leaf),
+                to_host(cand_params[path]),
+                rtol,
+                atol,
+                ref_params0[path],
+                cand_params0[path],
+            )
+        )
+
+    ref_state = flatten_state(_opt_state(ref_opt))
+    cand_view, cand_count = view(cand_opt)
+    cand_state = flatten_state(cand_view)
+    for path, ref_leaf in ref_state.items():
+        if path not in cand_state:
+            leaves.append(LeafError(t, "opt_state", path, math.inf, math.inf, 0.0, False))
+            continue
+        if replica_mismatch(cand_state[path]):
+            mismatches.append(f"opt_state {path}")
+        r, c = to_host(ref_leaf), to_host(cand_state[path])
+        if _is_int(r):
+            leaves.append(_counter_error(t, path, r, c))
+        else:
+            leaves.append(
+                _leaf_error(
+                    t,
+                    "opt_state",
+                    path,
+                    r,
+                    c,
+                    MOMENT_FACTOR * rtol,
+                    MOMENT_FACTOR * atol,
+                    ref_opt0[path],
+                    cand_opt0.get(path, np.zeros_like(r)),
+                )
+            )
+    ref_count = int(np.asarray(ref_opt.step[...]))
+    leaves.append(_counter_error(t, "step", ref_count, cand_count))
+    if cand.extra_checks is not None:
+        for path, value, expected in cand.extra_checks(cand_opt, t + 1):
+            if _is_int(value):
+                leaves.append(_counter_error(t, path, expected, value))
+            else:
+                leaves.append(
+                    _leaf_error(t, "opt_state", path, to_host(expected), to_host(value), rtol, atol)
+                )
+
+    ew_loss_f = ew_loss_err = ew_grad_err = None
+    if ew_loss is not None:
+        ew_loss_f = float(to_host(ew_loss))
+        ew_loss_err = abs(ew_loss_f - ref_loss_f)
+    if ew_grads is not None and ref_grads is not None:
+        rg, eg = flatten_state(ref_grads), flatten_state(ew_grads)
+        ew_grad_err = max(
+            float(np.max(np.abs(to_host(eg[p]).astype(np.float64) - to_host(rg[p])), initial=0.0))
+            for p in rg
+            if p in eg
+        )
+    return StepRecord(
+        step=t,
+        rtol=rtol,
+        atol=atol,
+        loss=ref_loss_f,
+        candidate_loss=cand_loss_f,
+        leaves=tuple(leaves),
+        step_count=ref_count,
+        candidate_step_count=int(np.asarray(cand_count)),
+        replica_mismatches=tuple(mismatches),
+        equal_weight_loss=ew_loss_f,
+        equal_weight_loss_abs_err=ew_loss_err,
+        equal_weight_grad_abs_err=ew_grad_err,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- diagnosis
+
+
+def _close(a: float, b: float, rel: float = RATIO_RTOL) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def _consensus(ratios: list[float]) -> float | None:
+    """The common value of ``ratios`` when they agree to 2%, else ``None``."""
+    ratios = [r for r in ratios if r is not None and math.isfinite(r)]
+    if not ratios:
+        return None
+    mid = float(np.median(ratios))
+    if mid == 0 or not all(_close(r, mid) for r in ratios):
+        return None
+    return mid
+
+
+def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
+    """The factor by which the candidate's gradient differs from the reference's at this step, and the evidence.
+
+    Evidence in order of directness: exposed gradients; first moments / momentum traces (proportional to the
+    gradient); second moments (``nu``: proportional to its square, so the square root is taken); parameter
+    updates (proportional to the gradient for SGD and momentum, nearly scale-invariant for Adam).
+    """
+    grads = [e.ratio for e in record.leaves if e.kind == "grad"]
+    f = _consensus(grads)
+    if f is not None:
+        return f, "gradients"
+    first = [e.ratio for e in record.leaves if e.kind == "opt_state" and ".nu." not in f".{e.path}."]
+    second = [e.ratio for e in record.leaves if e.kind == "opt_state" and ".nu." in f".{e.path}."]
+    second = [math.sqrt(r) for r in second if r is not None and r > 0]
+    moments = [r for r in first if r is not None] + second
+    if moments:
+        f = _consensus(moments)
+        if f is not None:
+            return f, "optimizer moments" if second else "momentum trace"
+        return None, ""
+    f = _consensus([e.ratio for e in record.leaves if e.kind == "param"])
+    return (f, "parameter updates") if f is not None else (None, "")
+
+
+def _name_factor(f: float, num_shards: int | None) -> tuple[str, str] | None:
+    """``(code, phrase)`` for a gradient factor that is a power of S (or of an integer when S is unknown)."""
+    candidates = [num_shards] if num_shards and num_shards > 1 else list(range(2, 65))
+    for s in candidates:
+        if _close(f, s):
+            return (
+                "summed",
+                f"the gradient reduction summed instead of averaged (x{s}: a sum over {s} shards)",
+            )
+        if _close(f, 1 / s):
+            return (
+                "averaged_twice",
+                f"the gradient was averaged twice (or divided by S={s} twice): x1/{s}",
+            )
+        if _close(f, s * s):
+            return "summed", f"the gradient was sum-reduced twice (x{s * s} = {s}^2; ../shared/cases C3)"
+        if _close(f, 1 / (s * s)):
+            return "averaged_twice", f"the gradient was divided by S={s} three times (x1/{s * s})"
+    return None
+
+
+def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> list[Diagnosis]:
+    """Explain a comparison: the findings of :class:`ParityReport`, most important first.
+
+    Rules: replicas that differ across devices (named leaf); an update counter that is not the step count
+    (``never_stepped``; ``step_counter`` with the multiple, e.g. stepped S times per step); a gradient factor of
+    S or 1/S, read from the gradients, moments or updates at the first failing step (``summed``,
+    ``averaged_twice``; another constant factor is ``scaled``); a loss that matches while the update does not
+    (``loss_only``: not parity, seed 001); only the loss differing (``loss_differs``); only the exposed gradients
+    differing (``grads_differ``); otherwise ``update_differs`` (not one reduced step) at the first failing step,
+    or ``drift`` when the first steps agree and errors grow past tolerance later. ``weak_check`` warns when a
+    reference update is below tolerance (the comparison cannot see it); ``equal_weight`` reports the naive
+    equal-weight mean's error in weighted mode.
+    """
+    out: list[Diagnosis] = []
+    if not records:
+        return out
+    all_leaves = [e for r in records for e in r.leaves]
+    failing = [r for r in records if not r.ok]
+
+    for r in records:
+        if r.replica_mismatches:
+            leaf = r.replica_mismatches[0]
+            out.append(
+                Diagnosis(
+                    "replicas_differ",
+                    f"Replicas differ across devices: {leaf} holds different values on different devices after "
+                    f"step {r.step} ({len(r.replica_mismatches)} leaf/leaves), though its sharding says replicated; "
+                    "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
+                    "check_vma=False and out_specs=P()).",
+                    leaf,
+                )
+            )
+            break
+
+    counter_fail = next(
+        (e for e in all_leaves if e.kind == "counter" and e.path == "step" and not e.ok), None
+    )
+    if counter_fail is not None:
+        rec = records[counter_fail.step]
+        expected, got = rec.step_count, rec.candidate_step_count
+        if got == 0:
+            out.append(
+                Diagnosis(
+                    "never_stepped",
+                    f"The optimizer was never stepped: its counter is 0 after {counter_fail.step + 1} step(s) "
+                    "(an update that was skipped or swallowed, e.g. the old one-argument optimizer.update(grads); "
+                    "../shared/cases C8).",
+                    counter_fail.name,
+                )
+            )
+        elif expected and got % expected == 0:
+            k = got // expected
+            out.append(
+                Diagnosis(
+                    "step_counter",
+                    f"The optimizer was stepped {k} times per step: its counter is {got} after {expected} step(s) "
+                    f"(optimizer.update called once per shard{' (S=' + str(num_shards) + ')' if k == num_shards else ''}"
+                    " instead of once after the reduction).",
+                    counter_fail.name,
+                )
+            )
+        else:
+            out.append(
+                Diagnosis(
+                    "step_counter",
+                    f"The optimizer step counter is {got} after {expected} step(s); it must equal the number of "
+                    "steps.",
+                    counter_fail.name,
+                )
+            )
+
+    if failing:
+        first = failing[0]
+        bad = [e for e in first.leaves if not e.ok]
+        bad_kinds = {e.kind for e in bad}
+        update_kinds = bad_kinds - {"loss", "counter"}
+        worst = max(bad, key=lambda e: e.badness) if bad else None
+        worst_name = worst.name if worst else None
+        factor_named = False
+        if update_kinds:
+            f, evidence = _gradient_factor(first)
+            if f is not None and not _close(f, 1.0):
+                named = _name_factor(f, num_shards)
+                code, phrase = named or (
+                    "scaled",
+                    "a constant factor that is not a shard count (a wrong loss normalization or learning rate?)",
+                )
+                out.append(
+                    Diagnosis(
+                        code,
+                        f"At step {first.step}, {evidence} are {f:.4g} x the reference's: {phrase}.",
+                        worst_name,
+                    )
+                )
+                factor_named = True
+        loss_leaf = next((e for e in first.leaves if e.kind == "loss"), None)
+        if bad_kinds == {"loss"}:
+            out.append(
+                Diagnosis(
+                    "loss_differs",
+                    f"Only the returned loss differs (step {first.step}: {first.candidate_loss:.7g} vs reference "
+                    f"{first.loss:.7g}); the update matches. The candidate does not return the full-batch "
+                    "pre-update loss (a post-update loss, one shard's loss, or an unweighted mean?).",
+                    "loss",
+                )
+            )
+        elif bad_kinds == {"grad"}:
+            out.append(
+                Diagnosis(
+                    "grads_differ",
+                    f"The exposed gradients differ ({worst_name}, step {first.step}) while the update matches: "
+                    "the reported gradients are not the ones applied.",
+                    worst_name,
+                )
+            )
+        elif update_kinds and not factor_named and counter_fail is None:
+            detail = (
+                f"{worst_name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}"
+                + ("" if worst.ratio is None else f", update ratio {worst.ratio:.4g}")
+            )
+            if first.step > 0:
+                out.append(
+                    Diagnosis(
+                        "drift",
+                        f"The first {first.step} step(s) agree; step {first.step} does not ({detail}): state not "
+                        "carried between steps correctly (optimizer state reset or shared?) or errors accumulating "
+                        "past rounding.",
+                        worst_name,
+                    )
+                )
+            elif loss_leaf is not None and loss_leaf.ok:
+                out.append(
+                    Diagnosis(
+                        "loss_only",
+                        f"Only the loss matches: the pre-update loss agrees at step 0 but the update does not "
+                        f"({detail}). A matching loss does not verify the update, the optimizer state or the "
+                        "communication (seed 001): this is not parity.",
+                        worst_name,
+                    )
+                )
+            else:
+                out.append(
+                    Diagnosis(
+                        "update_differs",
+                        f"The update differs from the reference at step 0 ({detail}): not a single reduced step "
+                        "(shards applied one after another, gradients taken at different parameters, or a wrong "
+                        "loss).",
+                        worst_name,
+                    )
+                )
+
+    weak = [
+        e
+        for e in records[0].leaves
+        if e.kind == "param" and e.ok and e.reference_change is not None and e.reference_change <= e.tolerance
+    ]
+    if weak:
+        out.append(
+            Diagnosis(
+                "weak_check",
+                f"The reference's first update of {weak[0].name} is not larger than the tolerance: a wrong update of "
+                "that leaf could pass unseen. Raise the learning rate or lower rtol/atol.",
+                weak[0].name,
+            )
+        )
+
+    ew = [r for r in records if r.equal_weight_loss_abs_err is not None]
+    if ew:
+        worst_ew = max(ew, key=lambda r: r.equal_weight_loss_abs_err)
+        grad = (
+            ""
+            if worst_ew.equal_weight_grad_abs_err is None
+            else (f" and gradients off by up to {worst_ew.equal_weight_grad_abs_err:.4g}")
+        )
+        out.append(
+            Diagnosis(
+                "equal_weight",
+                f"Weighted mode: the naive equal-weight mean of per-shard means would give loss "
+                f"{worst_ew.equal_weight_loss:.6g} at step {worst_ew.step} instead of {worst_ew.loss:.6g} (off by "
+                f"{worst_ew.equal_weight_loss_abs_err:.4g}){grad}; the weighted reduction (psum of weighted sums / "
+                "psum of counts) is the one checked.",
+            )
+        )
+    if not failing:
+        n = len({(e.kind, e.path) for e in all_leaves})
+        out.insert(
+            0, Diagnosis("parity", f"Parity holds: {n} leaves over {len(records)} step(s) within tolerance.")
+        )
+    return out
+
+
+def assert_step_parity(
+    candidate: StepFn | str | Candidate, model: nnx.Module, optimizer: nnx.Optimizer, batches, **kwargs
+) -> ParityReport:
+    """:func:`check_parity`, raising when parity fails: for a user's own pytest suite.
+
+    Args:
+        candidate: as :func:`check_parity`.
+        model: as :func:`check_parity`.
+        optimizer: as :func:`check_parity`.
+        batches: as :func:`check_parity`.
+        **kwargs: ``steps``, ``num_shards``, ``mesh``, ``reference``, ``rtol``, ``atol``, ``name``.
+
+    Returns:
+        The passing :class:`ParityReport`.
+
+    Raises:
+        ParityError: an ``AssertionError`` whose message is the report (worst leaf, errors, tolerance,
+            diagnosis) and whose ``report`` attribute is the :class:`ParityReport`.
+        TypeError, ValueError: as :func:`check_parity`.
+    """
+    report = check_parity(candidate, model, optimizer, batches, **kwargs)
+    if not report.ok:
+        raise ParityError(report)
+    return report

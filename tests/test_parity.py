@@ -1,0 +1,624 @@
+"""The parity harness: every strategy passes, every planted bug fails with its own diagnosis, weighted mode.
+
+Bugs are planted as the user-written steps engineers actually ship (sum instead of mean, a mean taken twice,
+shards applied one after another, the optimizer stepped per shard, a loss that matches alone, replicas left
+unsynchronised, the shard_map C2 trap); each must fail and be named. Weighted mode must reproduce the worked
+values of ``../shared/cases`` C4, C5 and C6 exactly.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import shardcheck
+from shardcheck import make_model, make_tx, mse_loss, parity
+from shardcheck.parity import (
+    ParityError,
+    assert_step_parity,
+    check_parity,
+    derive_tolerance,
+    minibatches,
+    strategy_candidate,
+)
+from shardcheck.weighted import weighted_data_parallel_sgd_step, weighted_sgd_step
+
+LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
+# One optax transformation object per optimizer: the jitted steps cache on the optimizer's static structure,
+# so sharing it lets every test reuse the compiled reference step.
+TX = {name: make_tx(name, lr) for name, lr in LR.items()}
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(160, 3)).astype(np.float32)
+Y = (X @ RNG.normal(size=(3, 2)) + 0.3 * RNG.normal(size=(160, 2))).astype(np.float32)
+BATCHES = [(X[i * 16 : (i + 1) * 16], Y[i * 16 : (i + 1) * 16]) for i in range(10)]
+
+
+def fresh(kind="mlp", opt="sgd"):
+    model = make_model(kind, 3, 2, hidden=8, seed=1)
+    return model, nnx.Optimizer(model, TX[opt], wrt=nnx.Param)
+
+
+def sizes(*values):
+    return [pytest.param(s, marks=require_devices(s), id=f"S{s}") for s in values]
+
+
+# ------------------------------------------------------------------------------------- every strategy passes
+
+
+@pytest.mark.parametrize("num_shards", sizes(2, 4, 8))
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("strategy", ["simulation", "dp", "fsdp", "accumulation"])
+def test_every_strategy_passes_parity(strategy, kind, opt, num_shards):
+    model, optimizer = fresh(kind, opt)
+    report = check_parity(strategy, model, optimizer, BATCHES, num_shards=num_shards)
+    assert report.ok, str(report)
+    assert report.codes == ("parity",)
+    assert len(report.steps) == 10 and report.steps[-1].step_count == 10
+    assert report.steps[-1].candidate_step_count == 10
+    # Rounding only: at least 8x under the tolerance, and an update ratio of 1 on every parameter leaf.
+    assert report.worst.badness < 0.125, str(report)
+    ratios = [e.ratio for e in report.steps[0].leaves if e.kind == "param"]
+    assert ratios and all(abs(r - 1) < 1e-4 for r in ratios)
+    kinds = {e.kind for e in report.steps[0].leaves}
+    assert {"loss", "param", "counter"} <= kinds
+    if strategy == "simulation":
+        assert "grad" in kinds  # ReducedStep exposes its reduced gradients
+    if opt != "sgd":
+        assert "opt_state" in kinds
+
+
+def test_the_user_state_is_left_unchanged():
+    model, optimizer = fresh("mlp", "adam")
+    before = jax.tree.map(np.array, nnx.state((model, optimizer)))
+    check_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2)
+    after = nnx.state((model, optimizer))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    )
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    d=st.integers(1, 4),
+    k=st.integers(1, 3),
+    num_shards=st.sampled_from([1, 2, 3, 4]),
+    rows=st.integers(1, 4),
+    opt=st.sampled_from(["sgd", "adam"]),
+    seed=st.integers(0, 2**16),
+)
+def test_simulation_passes_parity_for_random_shapes(d, k, num_shards, rows, opt, seed):
+    rng = np.random.default_rng(seed)
+    b = num_shards * rows
+    batches = [(rng.normal(size=(b, d)).astype(np.float32), rng.normal(size=(b, k)).astype(np.float32))] * 2
+    model = nnx.Linear(d, k, rngs=nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, TX[opt], wrt=nnx.Param)
+    report = check_parity("simulation", model, optimizer, batches, num_shards=num_shards)
+    assert report.ok, str(report)
+
+
+# ------------------------------------------------------------------------------------- planted bugs, diagnosed
+
+
+def shard_losses_and_grads(model, x, y, num_shards):
+    """Each shard's loss and gradients at the model's current parameters (eager, as a user loop would)."""
+    xs, ys = np.split(np.asarray(x), num_shards), np.split(np.asarray(y), num_shards)
+    return [nnx.value_and_grad(mse_loss)(model, a, b) for a, b in zip(xs, ys, strict=True)]
+
+
+def tree_sum(trees):
+    return jax.tree.map(lambda *leaves: sum(leaves), *trees)
+
+
+def planted(bug, num_shards, lr):
+    """A wrong user step ``(model, optimizer, x, y) -> loss`` of the named kind."""
+    s = num_shards
+
+    def summed(model, optimizer, x, y):  # C1: a sum-reduction where a mean was meant
+        pairs = shard_losses_and_grads(model, x, y, s)
+        optimizer.update(model, tree_sum([g for _, g in pairs]))
+        return np.mean([loss for loss, _ in pairs])
+
+    def mean_twice(model, optimizer, x, y):  # divided by S twice
+        pairs = shard_losses_and_grads(model, x, y, s)
+        optimizer.update(model, jax.tree.map(lambda g: g / s / s, tree_sum([g for _, g in pairs])))
+        return np.mean([loss for loss, _ in pairs])
+
+    def per_shard_optimizer(model, optimizer, x, y):  # right gradients, but optimizer.update once per shard
+        pairs = shard_losses_and_grads(model, x, y, s)
+        for _, g in pairs:
+            optimizer.update(model, jax.tree.map(lambda a: a / s, g))
+        return np.mean([loss for loss, _ in pairs])
+
+    def sequential(model, optimizer, x, y):  # each shard's gradient taken after the previous shard's update
+        xs, ys = np.split(np.asarray(x), s), np.split(np.asarray(y), s)
+        losses = []
+        for i, (a, b) in enumerate(zip(xs, ys, strict=True)):
+            loss, g = nnx.value_and_grad(mse_loss)(model, a, b)
+            losses.append(loss)
+            if i < s - 1:
+                params = nnx.state(model, nnx.Param)
+                nnx.update(model, jax.tree.map(lambda p, gg: p - lr * gg / s, params, g))
+            else:
+                optimizer.update(model, jax.tree.map(lambda a: a / s, g))
+        return np.mean(losses)
+
+    def loss_only(model, optimizer, x, y):  # the right loss; the update uses shard 0 only
+        pairs = shard_losses_and_grads(model, x, y, s)
+        optimizer.update(model, pairs[0][1])
+        return np.mean([loss for loss, _ in pairs])
+
+    def swallowed(model, optimizer, x, y):  # C8: the old one-argument update, its error swallowed
+        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        try:
+            optimizer.update(grads)
+        except TypeError:
+            pass
+        return loss
+
+    return locals()[bug]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize(
+    ("bug", "num_shards", "code", "phrase"),
+    [
+        ("summed", 2, "summed", "summed instead of averaged (x2"),
+        ("summed", 4, "summed", "summed instead of averaged (x4"),
+        ("mean_twice", 2, "averaged_twice", "averaged twice (or divided by S=2 twice)"),
+        ("mean_twice", 4, "averaged_twice", "averaged twice (or divided by S=4 twice)"),
+        ("per_shard_optimizer", 4, "step_counter", "stepped 4 times per step"),
+        ("sequential", 4, "update_differs", "not a single reduced step"),
+        ("loss_only", 2, "loss_only", "this is not parity"),
+        ("swallowed", 2, "never_stepped", "never stepped"),
+    ],
+)
+def test_planted_bug_fails_with_its_diagnosis(bug, num_shards, code, phrase, opt):
+    model, optimizer = fresh("mlp", opt)
+    report = check_parity(
+        planted(bug, num_shards, LR[opt]), model, optimizer, BATCHES[:3], num_shards=num_shards
+    )
+    assert not report.ok
+    assert report.codes[0] == code, report.diagnosis
+    assert phrase in report.diagnosis
+    assert report.diagnoses[0].leaf is not None
+    # the specific finding is not drowned in generic ones
+    assert not {"update_differs", "loss_only"} & set(report.codes[1:]), report.codes
+
+
+def test_adam_sum_is_seen_in_the_moments_not_the_update():
+    """Adam's update is nearly invariant to the gradient's scale; its moments are not (mu x S, nu x S^2)."""
+    model, optimizer = fresh("mlp", "adam")
+    report = check_parity(planted("summed", 4, LR["adam"]), model, optimizer, BATCHES[:1], num_shards=4)
+    first = report.steps[0]
+    params = [e.ratio for e in first.leaves if e.kind == "param"]
+    mu = [e.ratio for e in first.leaves if e.kind == "opt_state" and ".mu." in f".{e.path}."]
+    nu = [e.ratio for e in first.leaves if e.kind == "opt_state" and ".nu." in f".{e.path}."]
+    assert all(abs(r - 1) < 0.05 for r in params)
+    np.testing.assert_allclose(mu, 4.0, rtol=1e-5)
+    np.testing.assert_allclose(nu, 16.0, rtol=1e-5)
+    assert "optimizer moments are 4 x" in report.diagnosis
+
+
+def test_without_num_shards_an_integer_ratio_is_still_named():
+    model, optimizer = fresh("linear", "sgd")
+    report = check_parity(planted("summed", 4, 0.1), model, optimizer, BATCHES[:1])
+    assert report.codes[0] == "summed" and "x4" in report.diagnosis
+
+
+def test_a_constant_factor_that_is_no_shard_count_is_reported_as_scaled():
+    def half_lr(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        optimizer.update(model, jax.tree.map(lambda g: 0.7 * g, grads))
+        return loss
+
+    model, optimizer = fresh("linear", "sgd")
+    report = check_parity(half_lr, model, optimizer, BATCHES[:1], num_shards=2)
+    assert report.codes[0] == "scaled" and "0.7 x" in report.diagnosis
+
+
+def _unsynced_step(mesh):
+    """shard_map with check_vma=False and out_specs=P(): each device applies its own shard's gradient."""
+    cache = {}
+
+    def step(model, optimizer, x, y):
+        graphdef, state = nnx.split((model, optimizer))
+        leaves, treedef = jax.tree.flatten(state)
+        if graphdef not in cache:
+
+            def body(leaves, x, y):
+                m, o = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+                loss, grads = nnx.value_and_grad(mse_loss)(m, x, y)
+                o.update(m, grads)  # no pmean: a missing all-reduce
+                return jax.lax.pmean(loss, "data"), jax.tree.leaves(nnx.state((m, o)))
+
+            specs = dict(in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()), check_vma=False)
+            cache[graphdef] = jax.jit(jax.shard_map(body, mesh=mesh, **specs))
+        loss, leaves = cache[graphdef](leaves, x, y)
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
+        return loss
+
+    return step
+
+
+@require_devices(4)
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_replicas_that_differ_are_named(opt):
+    from shardcheck.spmd import make_mesh
+
+    model, optimizer = fresh("mlp", opt)
+    report = check_parity(_unsynced_step(make_mesh(4)), model, optimizer, BATCHES[:2], num_shards=4)
+    assert not report.ok
+    assert report.codes[0] == "replicas_differ"
+    assert report.diagnoses[0].leaf.startswith("param ")
+    assert "holds different values on different devices" in report.diagnosis
+    assert report.steps[0].replica_mismatches
+
+
+def _c2_trap_step(mesh):
+    """The ../shared/cases C2 trap: grad of a local loss w.r.t. replicated params under check_vma=True is already
+    summed over the axis; a further pmean leaves it S times too large."""
+
+    def body(leaves, x, y, graphdef, treedef):
+        m, o = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        loss, grads = nnx.value_and_grad(mse_loss)(m, x, y)
+        o.update(m, jax.lax.pmean(grads, "data"))
+        return jax.lax.pmean(loss, "data"), jax.tree.leaves(nnx.state((m, o)))
+
+    def step(model, optimizer, x, y):
+        graphdef, state = nnx.split((model, optimizer))
+        leaves, treedef = jax.tree.flatten(state)
+        f = jax.shard_map(
+            lambda lv, a, b: body(lv, a, b, graphdef, treedef),
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=(P(), P()),
+        )
+        loss, leaves = jax.jit(f)(leaves, x, y)
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
+        return loss
+
+    return step
+
+
+@require_devices(4)
+def test_shard_map_c2_trap_is_diagnosed_as_a_sum():
+    from shardcheck.spmd import make_mesh
+
+    model, optimizer = fresh("linear", "momentum")
+    report = check_parity(_c2_trap_step(make_mesh(4)), model, optimizer, BATCHES[:2], num_shards=4)
+    assert report.codes[0] == "summed" and "x4" in report.diagnosis
+
+
+def test_only_a_wrong_loss_is_reported_as_such():
+    def post_update_loss(model, optimizer, x, y):
+        shardcheck.sgd_step(model, optimizer, x, y)
+        return mse_loss(model, x, y)
+
+    model, optimizer = fresh("linear", "sgd")
+    report = check_parity(post_update_loss, model, optimizer, BATCHES[:2])
+    assert report.codes == ("loss_differs",)
+    assert report.worst_leaf == "loss"
+
+
+def test_exposed_gradients_that_were_not_applied_are_reported():
+    def wrong_grads(model, optimizer, x, y):
+        result = shardcheck.reduced_sgd_step(model, optimizer, x, y, 2)
+        return {"loss": result.loss, "grads": jax.tree.map(lambda g: 2 * g, result.grads)}
+
+    model, optimizer = fresh("linear", "sgd")
+    report = check_parity(wrong_grads, model, optimizer, BATCHES[:1], num_shards=2)
+    assert "grads_differ" in report.codes
+
+
+def test_state_not_carried_between_steps_is_drift():
+    def reset_momentum(model, optimizer, x, y):  # right first step; the trace is zeroed before every step
+        optimizer.opt_state = jax.tree.map(jnp.zeros_like, optimizer.opt_state)
+        return shardcheck.sgd_step(model, optimizer, x, y)
+
+    model, optimizer = fresh("linear", "momentum")
+    report = check_parity(reset_momentum, model, optimizer, BATCHES[:3])
+    assert report.steps[0].ok and not report.steps[1].ok
+    assert report.codes == ("drift",)
+
+
+def test_assert_step_parity_raises_with_the_report():
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(ParityError) as info:
+        assert_step_parity(planted("summed", 2, 0.1), model, optimizer, BATCHES[:2], num_shards=2)
+    assert isinstance(info.value, AssertionError)
+    assert info.value.report.codes[0] == "summed"
+    assert "parity FAIL" in str(info.value) and "summed instead of averaged" in str(info.value)
+    report = assert_step_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2)
+    assert report.ok
+
+
+# ---------------------------------------------------- a user's own shard_map step (the docs/parity.md example)
+
+
+def make_user_dp_step(mesh):
+    """A correct hand-written data-parallel step: local gradient of a device-varying copy, one pmean per leaf."""
+
+    def step(model, optimizer, x, y):
+        graphdef, state = nnx.split((model, optimizer))
+        leaves, treedef = jax.tree.flatten(state)
+
+        def body(leaves, x, y):
+            model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            gdef, params, rest = nnx.split(model, nnx.Param, ...)
+            params = jax.lax.pcast(params, "data", to="varying")  # local gradients: no implicit psum (C2)
+            loss, grads = jax.value_and_grad(lambda p: mse_loss(nnx.merge(gdef, p, rest), x, y))(params)
+            optimizer.update(model, jax.lax.pmean(grads, "data"))
+            return jax.lax.pmean(loss, "data"), jax.tree.leaves(nnx.state((model, optimizer)))
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P()))
+        loss, leaves = jax.jit(mapped)(leaves, x, y)
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
+        return loss
+
+    return step
+
+
+@require_devices(4)
+def test_users_own_shard_map_step_passes():
+    from shardcheck.spmd import make_mesh
+
+    mesh = make_mesh(4)
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    report = assert_step_parity(make_user_dp_step(mesh), model, optimizer, BATCHES[:5], num_shards=4)
+    assert report.ok and report.steps[-1].candidate_step_count == 5
+
+
+@require_devices(4)
+def test_mesh_is_passed_to_a_candidate_that_takes_it():
+    from shardcheck.spmd import make_mesh
+
+    mesh = make_mesh(4)
+    seen = []
+
+    def step(model, optimizer, x, y, mesh):
+        seen.append(mesh)
+        return shardcheck.spmd.data_parallel_sgd_step(model, optimizer, x, y, mesh)
+
+    model, optimizer = fresh("linear", "sgd")
+    assert check_parity(step, model, optimizer, BATCHES[:2], mesh=mesh).ok
+    assert seen == [mesh, mesh]
+
+
+# ------------------------------------------------------------------------------------------------ tolerances
+
+
+def test_derived_tolerance_values_and_growth():
+    eps = float(np.finfo(np.float32).eps)
+    tol = derive_tolerance("float32", batch_size=64)
+    assert tol.rtol == pytest.approx(16 * eps * 8) and tol.atol == pytest.approx(eps * 8)
+    later = derive_tolerance("float32", batch_size=64, step=3)
+    assert later.rtol == pytest.approx(2 * tol.rtol)  # sqrt(t + 1) growth
+    wide = derive_tolerance("float32", batch_size=16, out_features=4)
+    assert wide.rtol == pytest.approx(tol.rtol)  # n = B * K
+    assert (
+        derive_tolerance("bfloat16", batch_size=64).rtol
+        > 1e4 * derive_tolerance("float64", batch_size=64).rtol
+    )
+    # never loose enough for a 1/S error at S=2 (a 50% error) even after 100 steps of a large batch
+    assert derive_tolerance("float32", batch_size=4096, step=99).rtol < 0.01
+    with pytest.raises(ValueError, match="derive_tolerance: batch_size"):
+        derive_tolerance(batch_size=0)
+    with pytest.raises(ValueError, match="not a floating dtype"):
+        derive_tolerance("int32", batch_size=4)
+
+
+def test_user_tolerances_override_the_derived_ones():
+    model, optimizer = fresh("linear", "sgd")
+    loose = check_parity(planted("mean_twice", 2, 0.1), model, optimizer, BATCHES[:1], rtol=1.0, atol=1.0)
+    assert loose.ok and "rtol=1" in loose.tolerance_rule
+    assert loose.steps[0].rtol == 1.0 and loose.steps[0].atol == 1.0
+    with pytest.raises(ValueError, match="check_parity: rtol must be a number >= 0"):
+        check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, rtol=-1.0)
+
+
+def test_a_too_small_update_is_flagged_as_a_weak_check():
+    model = make_model("linear", 3, 2, seed=1)
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-9), wrt=nnx.Param)
+    report = check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2)
+    assert report.ok and "weak_check" in report.codes
+
+
+# ------------------------------------------------------------------------------------- the report, validation
+
+
+def test_report_fields_and_json():
+    model, optimizer = fresh("mlp", "adam")
+    report = check_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2, name="mine")
+    d = report.to_dict()
+    json.dumps(d)  # JSON-ready
+    assert d["ok"] is True and d["steps"] == 2 and d["num_shards"] == 2
+    assert d["worst_leaf"] == report.worst_leaf and d["max_abs_err"] == report.max_abs_err
+    assert set(d["worst_by_kind"]) == {"loss", "grad", "param", "opt_state", "counter"}
+    assert report.strategy == "mine" and str(report).startswith("parity PASS for strategy 'mine'")
+    paths = {e.path for e in report.steps[0].leaves}
+    assert {"hidden.kernel", "out.bias", "0.mu.hidden.kernel", "0.nu.out.bias", "0.count", "step"} <= paths
+    for e in report.steps[0].leaves:
+        assert e.ok and e.max_abs_err <= e.tolerance and math.isfinite(e.max_rel_err)
+
+
+def test_bad_arguments_raise_before_any_step():
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(ValueError, match="steps=5 but batches holds only 2"):
+        check_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2, steps=5)
+    with pytest.raises(TypeError, match="check_parity: candidate must be"):
+        check_parity(42, model, optimizer, BATCHES[:1])
+    with pytest.raises(ValueError, match="needs num_shards"):
+        check_parity("dp", model, optimizer, BATCHES[:1])
+    with pytest.raises(ValueError, match="strategy 'zero' is unknown"):
+        check_parity("zero", model, optimizer, BATCHES[:1], num_shards=2)
+    with pytest.raises(TypeError, match="takes no weights= argument"):
+        check_parity(lambda m, o, x, y: None, model, optimizer, [(X[:4], Y[:4], np.ones(4))])
+    with pytest.raises(ValueError, match="'multiprocess' needs several JAX processes"):
+        check_parity("multiprocess", model, optimizer, BATCHES[:1], num_shards=2)
+    with pytest.raises(ValueError, match="batches is empty"):
+        check_parity("simulation", model, optimizer, [], num_shards=2)
+
+
+def test_one_batch_repeated_for_steps():
+    model, optimizer = fresh("linear", "momentum")
+    report = check_parity("simulation", model, optimizer, BATCHES[0], steps=3, num_shards=4)
+    assert report.ok and len(report.steps) == 3 and report.steps[-1].step_count == 3
+
+
+def test_minibatches_reshuffle_every_epoch():
+    x = np.arange(10, dtype=np.float32)[:, None]
+    batches = minibatches(x, x, 4, 5, seed=3)
+    assert [b[0].shape for b in batches] == [(4, 1)] * 5
+    first_epoch = np.concatenate([b[0][:, 0] for b in batches[:2]])
+    assert len(set(first_epoch.tolist())) == 8  # no row twice within an epoch; 2 rows skipped
+    assert not np.array_equal(batches[0][0], batches[2][0])  # a new permutation in epoch 2
+    assert all(
+        np.array_equal(a[0], b[0]) for a, b in zip(batches, minibatches(x, x, 4, 5, seed=3), strict=True)
+    )
+    with pytest.raises(ValueError, match="batch_size must be an int in \\[1, 10\\]"):
+        minibatches(x, x, 11, 1)
+
+
+# --------------------------------------------------------------------- batch-dependent models (C7) are refused
+
+
+class BatchNormNet(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+class DropoutNet(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.drop(self.lin(x))
+
+
+@pytest.mark.parametrize(
+    ("net", "reason"),
+    [(BatchNormNet, "BatchStat"), (DropoutNet, "RNG streams")],
+    ids=["batchnorm", "dropout"],
+)
+def test_batch_dependent_models_are_refused(net, reason):
+    model = net()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=f"check_parity: model {net.__name__} is refused because") as info:
+        check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2)
+    assert reason in str(info.value) and "seed 000" in str(info.value)
+
+
+# --------------------------------------------------------------------------------- weighted mode (C4, C5, C6)
+
+
+def zero_linear():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.zeros((2, 1))
+    model.bias[...] = jnp.zeros((1,))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+def fixture_z(b):
+    return np.ones((b, 2), np.float32), np.arange(1, b + 1, dtype=np.float32)[:, None]
+
+
+C4_C6 = [
+    # (case, B, S, shard_sizes, weights, right loss, right bias grad, naive loss, naive bias grad)
+    ("C4-3|5", 8, 2, (3, 5), None, 25.5, -9.0, 21.0 + 1 / 3, -8.0),
+    ("C4-3|3|2", 8, 3, (3, 3, 2), None, 25.5, -9.0, 28.944444, -9.666667),
+    ("C5-mask", 8, 2, None, [1, 0, 0, 0, 1, 1, 1, 0], 27.75, -9.5, 18.833333, -7.0),
+    ("C6-10/4", 10, 4, None, None, 38.5, -11.0, None, None),
+]
+
+
+@pytest.mark.parametrize("step", ["simulation", pytest.param("dp", marks=require_devices(4))])
+@pytest.mark.parametrize(
+    ("case", "b", "s", "shard_sizes", "weights", "loss", "bias", "naive", "naive_bias"), C4_C6
+)
+def test_weighted_mode_reproduces_the_full_batch_values(
+    step, case, b, s, shard_sizes, weights, loss, bias, naive, naive_bias
+):
+    from shardcheck.spmd import make_mesh
+
+    x, y = fixture_z(b)
+    w = np.ones(b) if weights is None else np.asarray(weights, np.float32)
+    model, optimizer = zero_linear()
+    if step == "simulation":
+        result = shardcheck.reduced_sgd_step(model, optimizer, x, y, s, weights=w, shard_sizes=shard_sizes)
+    else:
+        result = weighted_data_parallel_sgd_step(
+            model, optimizer, x, y, make_mesh(s), weights=w, shard_sizes=shard_sizes
+        )
+    np.testing.assert_allclose(result.loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(result.grads["bias"][...], [bias], rtol=1e-6)
+    np.testing.assert_allclose(model.bias[...], [-0.1 * bias], rtol=1e-6)  # exactly one SGD step
+    if naive is not None:
+        np.testing.assert_allclose(result.equal_weight_loss, naive, rtol=1e-6)
+        np.testing.assert_allclose(result.equal_weight_grads["bias"][...], [naive_bias], rtol=1e-6)
+    # the full-batch weighted reference gives the same numbers
+    ref_model, ref_opt = zero_linear()
+    np.testing.assert_allclose(weighted_sgd_step(ref_model, ref_opt, x, y, w), loss, rtol=1e-6)
+    np.testing.assert_allclose(ref_model.bias[...], model.bias[...], rtol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["simulation", pytest.param("dp", marks=require_devices(4))])
+def test_weighted_parity_reports_the_naive_mean(strategy):
+    x, y = fixture_z(10)
+    model, optimizer = zero_linear()
+    report = check_parity(strategy, model, optimizer, [(x, y, np.ones(10))] * 3, num_shards=4)
+    assert report.ok, str(report)
+    assert report.codes == ("parity", "equal_weight")
+    first = report.steps[0]
+    np.testing.assert_allclose(first.loss, 38.5, rtol=1e-6)
+    np.testing.assert_allclose(
+        first.equal_weight_loss, 133 / 3, rtol=1e-6
+    )  # 3|3|2|2: (14/3+77/3+113/2+181/2)/4
+    np.testing.assert_allclose(first.equal_weight_loss_abs_err, 133 / 3 - 38.5, rtol=1e-5)
+    assert "naive equal-weight mean" in report.diagnosis and "off by 5.833" in report.diagnosis
+
+
+@pytest.mark.parametrize("strategy", ["simulation", "dp", "fsdp"])
+def test_equal_weight_mode_with_uneven_shards_is_refused(strategy):
+    x, y = fixture_z(10)
+    model, optimizer = zero_linear()
+    with pytest.raises(ValueError, match="batch size 10 is not divisible by num_shards=4.*weighted mode"):
+        check_parity(strategy, model, optimizer, [(x, y)], num_shards=4)
+
+
+def test_weighted_steps_refuse_bad_weights():
+    x, y = fixture_z(4)
+    model, optimizer = zero_linear()
+    with pytest.raises(ValueError, match="weighted_sgd_step: weights must have shape"):
+        weighted_sgd_step(model, optimizer, x, y, np.ones(3))
+    with pytest.raises(ValueError, match="not all zero"):
+        weighted_sgd_step(model, optimizer, x, y, np.zeros(4))
+    assert float(model.bias[...][0]) == 0.0  # nothing changed
+
+
+def test_public_names_are_exported():
+    for name in (
+        "check_parity",
+        "assert_step_parity",
+        "ParityReport",
+        "LeafError",
+        "StepRecord",
+        "derive_tolerance",
+    ):
+        assert getattr(shardcheck, name) is getattr(parity, name)
+    assert shardcheck.strategy_candidate is strategy_candidate
