@@ -336,7 +336,21 @@ RUN_ARGS = ["run", "--strategy", "all", "--dataset", "linnerud", "--json", "-"]
 
 
 @pytest.fixture(scope="module")
-def two_by_two():
+def splittable_npz(tmp_path_factory) -> Path:
+    """32 examples, D=8, K=4: on 4 devices FSDP splits the kernel (8, 4) and the bias (4,) across processes.
+
+    (linnerud's 3 x 3 kernel has no dimension 4 divides, so its FSDP step on 4 devices splits nothing.)
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8))
+    y = x @ rng.normal(size=(8, 4)) + 0.1 * rng.normal(size=(32, 4))
+    path = tmp_path_factory.mktemp("data") / "splittable.npz"
+    np.savez(path, x=x, y=y)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_by_two(splittable_npz):
     """``launch --processes 2 --devices-per-process 2 -- run --strategy all`` with a first port already taken,
     watching the coordinator's socket while it runs; and the single-process run on 4 devices."""
     import socket
@@ -346,12 +360,13 @@ def two_by_two():
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     taken_port = taken.getsockname()[1]
+    run_args = ["run", "--strategy", "all", "--dataset", str(splittable_npz), "--json", "-"]
     single = subprocess.run(
-        [*entry_point(), *RUN_ARGS, "--devices", "4"], capture_output=True, text=True, timeout=120
+        [*entry_point(), *run_args, "--devices", "4"], capture_output=True, text=True, timeout=120
     )
     assert single.returncode == 0, single.stderr
     args = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "90"]
-    run = Launched([*args, "--port", str(taken_port), "--", *RUN_ARGS], marker)
+    run = Launched([*args, "--port", str(taken_port), "--", *run_args], marker)
     try:
         run.wait_for(r"retrying on another free port", 60)
         port = int(run.wait_for(rf"coordinator 127\.0\.0\.1:(?!{taken_port}\b)(\d+), pids", 10).group(1))
@@ -395,6 +410,9 @@ def test_two_processes_match_the_single_process_baseline(two_by_two, strategy):
     assert result["max_abs_param_diff_vs_baseline"] < 1e-6
     single_diff = single["results"][strategy]["max_abs_param_diff_vs_baseline"]
     assert result["max_abs_param_diff_vs_baseline"] == pytest.approx(single_diff, abs=1e-6)
+    if strategy == "fsdp":  # the parameters really were split across the two processes
+        placement = result["placement"]
+        assert placement["params_bytes"] == (8 * 4 + 4) * 4 // 4 < placement["params_total_bytes"]
 
 
 @pytest.mark.multiprocess
@@ -405,7 +423,7 @@ def test_two_processes_agree_on_every_row_and_print_once(two_by_two):
         assert result["loss"] == pytest.approx(single["results"][name]["loss"], abs=1e-6), name
     assert two_by_two["out"].count('"results"') == 1
     assert '"results"' not in two_by_two["err"]  # process 1 printed nothing: no second table, no second JSON
-    titles = [line for line in two_by_two["err"].splitlines() if "shardcheck run: linnerud" in line]
+    titles = [line for line in two_by_two["err"].splitlines() if "shardcheck run: splittable.npz" in line]
     assert len(titles) == 1 and titles[0].startswith("[p0] ")  # the table, on stderr beside --json -, once
 
 
