@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("run", "launch", "train", "memory")
+SUBCOMMANDS = ("run", "launch", "train", "memory", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,170 @@
+"""``shardcheck verify``: exit codes, JSON, user candidates (a planted wrong step fails with its diagnosis)."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import require_devices
+
+from shardcheck.cli import main
+
+WRONG_STEP = textwrap.dedent(
+    """
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from shardcheck import mse_loss
+
+
+    def summed_step(model, optimizer, x, y):
+        # a sum over 4 shards where a mean was meant
+        xs, ys = np.split(np.asarray(x), 4), np.split(np.asarray(y), 4)
+        pairs = [nnx.value_and_grad(mse_loss)(model, a, b) for a, b in zip(xs, ys)]
+        optimizer.update(model, jax.tree.map(lambda *g: sum(g), *[g for _, g in pairs]))
+        return np.mean([loss for loss, _ in pairs])
+
+
+    def mesh_step(model, optimizer, x, y, mesh):
+        from shardcheck.spmd import data_parallel_sgd_step
+
+        return data_parallel_sgd_step(model, optimizer, x, y, mesh)
+
+
+    def three_args(model, optimizer, x):
+        return None
+    """
+)
+
+
+def entry_point() -> str:
+    exe = Path(sys.executable).with_name("shardcheck")
+    return str(exe) if exe.exists() else shutil.which("shardcheck")
+
+
+@pytest.fixture
+def steps_file(tmp_path):
+    path = tmp_path / "my_steps.py"
+    path.write_text(WRONG_STEP)
+    return path
+
+
+@require_devices(8)
+def test_done_when_adam_20_steps_on_diabetes_passes_every_strategy(tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    args = ["verify", "--devices", "8", "--optimizer", "adam", "--steps", "20", "--batch-size", "64"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["num_shards"] == 8 and report["steps"] == 20
+    assert report["dataset"] == "diabetes" and report["optimizer"] == "adam" and report["lr"] == 0.01
+    assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "accumulation"}
+    for name, r in report["strategies"].items():
+        assert r["ok"] is True, name
+        assert r["worst_leaf"] and r["max_abs_err"] < r["tolerance"] / 8, name
+        assert r["diagnosis"].startswith("Parity holds"), name
+        assert r["step_count"] == 20 and r["candidate_step_count"] == 20, name
+    table = capsys.readouterr().out
+    for word in (
+        "shardcheck verify simulation: PASS",
+        "shardcheck verify: summary",
+        "worst leaf",
+        "tolerance",
+    ):
+        assert word in table
+
+
+@require_devices(4)
+def test_planted_wrong_candidate_fails_with_its_diagnosis(steps_file, tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    args = ["verify", "--devices", "4", "--strategies", "simulation", "--steps", "3", "--batch-size", "16"]
+    code = main([*args, "--candidate", f"{steps_file}:summed_step", "--json", str(out)])
+    assert code == 1
+    report = json.loads(out.read_text())
+    assert report["ok"] is False
+    assert report["strategies"]["simulation"]["ok"] is True
+    bad = report["strategies"]["candidate"]
+    assert bad["ok"] is False and bad["codes"][0] == "summed"
+    assert "summed instead of averaged (x4" in bad["diagnosis"]
+    assert bad["worst_leaf"] and bad["max_abs_err"] > bad["tolerance"]
+    assert bad["worst_by_kind"]["param"]["ok"] is False and bad["worst_by_kind"]["loss"]["step"] > 0
+    assert "shardcheck verify candidate: FAIL" in capsys.readouterr().out
+
+
+@require_devices(2)
+def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, capsys):
+    monkeypatch.chdir(steps_file.parent)
+    args = ["verify", "--devices", "2", "--strategies", "none", "--steps", "2", "--batch-size", "8"]
+    assert main([*args, "--candidate", "my_steps:mesh_step", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)  # --json - : stdout carries the JSON alone
+    assert list(report["strategies"]) == ["candidate"] and report["strategies"]["candidate"]["ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "msg"),
+    [
+        (["--batch-size", "10", "--devices", "4"], "batch size 10 is not divisible by num_shards=4"),
+        (["--strategies", "simulation,zero"], "unknown ['zero']"),
+        (["--strategies", "none"], "--strategies none needs --candidate"),
+        (["--steps", "0"], "--steps must be a positive int"),
+        (["--batch-size", "1000"], "--batch-size 1000 is larger than diabetes's 442 rows"),
+        (["--candidate", "nocolon"], "must be MODULE:FUNC or PATH.py:FUNC"),
+        (["--candidate", "missing_file.py:step"], "file 'missing_file.py' does not exist"),
+        (["--candidate", "no_such_module_xyz:step"], "importing module 'no_such_module_xyz' failed"),
+        (["--dataset", "nope"], "neither a bundled data set"),
+        (["--lr", "-1"], "lr must be a finite positive number"),
+    ],
+)
+def test_bad_arguments_exit_2(args, msg, capsys):
+    assert main(["verify", "--steps", "1", "--batch-size", "8", *args]) == 2
+    assert msg in " ".join(capsys.readouterr().err.split())
+
+
+def test_candidate_with_a_wrong_signature_exits_2(steps_file, capsys):
+    assert main(["verify", "--steps", "1", "--candidate", f"{steps_file}:three_args"]) == 2
+    assert "it must take (model, optimizer, x, y)" in " ".join(capsys.readouterr().err.split())
+
+
+def test_mlp_momentum_linnerud_passes(capsys):
+    args = ["verify", "--model", "mlp", "--hidden", "4", "--optimizer", "momentum", "--dataset", "linnerud"]
+    assert main([*args, "--steps", "4", "--batch-size", "4", "--strategies", "simulation,accumulation"]) == 0
+    assert "shardcheck verify accumulation: PASS" in capsys.readouterr().out
+
+
+def test_help_and_json_through_the_entry_point():
+    out = subprocess.run([entry_point(), "verify", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in (
+        "--model",
+        "--dataset",
+        "--strategies",
+        "--optimizer",
+        "--steps",
+        "--batch-size",
+        "--devices",
+    ):
+        assert flag in out.stdout
+    assert "--candidate" in out.stdout and "--json" in out.stdout
+    args = ["verify", "--devices", "4", "--steps", "2", "--batch-size", "16", "--strategies", "fsdp"]
+    out = subprocess.run([entry_point(), *args, "--json", "-"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["num_shards"] == 4 and report["process_count"] == 1
+    assert {k: v["ok"] for k, v in report["strategies"].items()} == {"fsdp": True}
+    assert "shardcheck verify fsdp: PASS" in out.stderr  # the tables go to stderr when stdout holds the JSON
+
+
+@pytest.mark.multiprocess
+def test_verify_under_launch_two_processes(tmp_path):
+    """dp and fsdp on a mesh spanning 2 processes x 2 devices; process 0 writes the JSON."""
+    out = tmp_path / "mp.json"
+    argv = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "200", "--"]
+    argv += ["verify", "--strategies", "dp,fsdp", "--steps", "2", "--batch-size", "16", "--json", str(out)]
+    done = subprocess.run([entry_point(), *argv], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["process_count"] == 2 and report["num_shards"] == 4
+    assert all(r["ok"] for r in report["strategies"].values())
