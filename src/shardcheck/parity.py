@@ -32,7 +32,8 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.baseline import sgd_step
-from shardcheck.losses import mse_loss, weighted_squared_error
+from shardcheck.losses import mse_loss
+from shardcheck.weighted import weighted_mean_loss, weighted_sgd_step
 
 PyTree = Any
 StepFn = Callable[..., Any]
@@ -533,12 +534,6 @@ def _is_int(a) -> bool:
 # --------------------------------------------------------------------------------------------- the reference
 
 
-def weighted_mean_loss(model: nnx.Module, x, y, weights) -> jax.Array:
-    """The full-batch weighted MSE ``sum_i w_i * mean_k err_ik**2 / sum_i w_i`` (all weights 1: :func:`mse_loss`)."""
-    total, count = weighted_squared_error(model, x, y, weights)
-    return total / count
-
-
 @jax.jit
 def _grads_jit(graphdef, state, x, y):
     model = nnx.merge(graphdef, state)
@@ -896,8 +891,6 @@ class _Run:
 
 def _compare_step(run: _Run, t: int, x, y, w, rtol: float, atol: float) -> StepRecord:
     """Snapshot both sides, step both on one batch, compare every leaf."""
-    from shardcheck.weighted import weighted_sgd_step
-
     ref_model, ref_opt, cand, cand_model, cand_opt = (
         run.ref_model,
         run.ref_opt,

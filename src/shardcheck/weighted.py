@@ -24,8 +24,9 @@ from shardcheck.losses import weighted_squared_error
 from shardcheck.simulation import ReducedStep, split_shards
 
 
-def _weighted_loss(model: nnx.Module, x, y, w) -> jax.Array:
-    total, count = weighted_squared_error(model, x, y, w)
+def weighted_mean_loss(model: nnx.Module, x, y, weights) -> jax.Array:
+    """The full-batch weighted MSE ``sum_i w_i * mean_k err_ik**2 / sum_i w_i`` (all weights 1: ``mse_loss``)."""
+    total, count = weighted_squared_error(model, x, y, weights)
     return total / count
 
 
@@ -43,7 +44,7 @@ def _check_weights(fn: str, weights, batch: int) -> jax.Array:
 @jax.jit
 def _weighted_step_jit(graphdef, state, x, y, w):
     model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(_weighted_loss)(model, x, y, w)
+    loss, grads = nnx.value_and_grad(weighted_mean_loss)(model, x, y, w)
     optimizer.update(model, grads)
     return loss, nnx.state((model, optimizer))
 
