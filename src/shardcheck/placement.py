@@ -160,7 +160,7 @@ def placement_summary(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, 
         totals[kind] += int(array.nbytes)
         for shard in array.addressable_shards:
             per_device[kind][shard.device] += int(shard.data.nbytes)
-            devices.add(shard.device)
+        devices.update(array.sharding.device_set)  # every process's devices, not only this one's
     return {
         "params_bytes": max(per_device["param"].values(), default=0),
         "optimizer_bytes": max(per_device["opt_state"].values(), default=0),
