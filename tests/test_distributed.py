@@ -413,6 +413,7 @@ def test_two_processes_match_the_single_process_baseline(two_by_two, strategy):
     if strategy == "fsdp":  # the parameters really were split across the two processes
         placement = result["placement"]
         assert placement["params_bytes"] == (8 * 4 + 4) * 4 // 4 < placement["params_total_bytes"]
+        assert placement == single["results"]["fsdp"]["placement"]  # num_devices counts all 4, not 2
 
 
 @pytest.mark.multiprocess
