@@ -434,6 +434,15 @@ def test_a_too_small_update_is_flagged_as_a_weak_check():
     assert report.ok and "weak_check" in report.codes
 
 
+def test_low_precision_parameters_widen_the_tolerance_and_say_so():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    report = check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=4)
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    assert report.steps[0].rtol == pytest.approx(16 * eps * math.sqrt(32))
+    assert "weak_check" in report.codes and "too loose to tell a x2" in report.diagnosis
+
+
 # ------------------------------------------------------------------------------------- the report, validation
 
 

@@ -43,6 +43,8 @@ STRATEGIES = ("simulation", "dp", "fsdp", "accumulation", "multiprocess")
 SAFETY_FACTOR = 16.0
 MOMENT_FACTOR = 2.0
 RATIO_RTOL = 0.02
+# Above this rtol, a factor-2 error (a mean taken twice at S=2 is off by 50%) may hide in the tolerance.
+LOOSE_RTOL = 0.1
 
 
 # --------------------------------------------------------------------------------------------------- records
@@ -803,7 +805,8 @@ def check_parity(
         reference: an in-place step to compare against (default :func:`~shardcheck.sgd_step`, or
             :func:`~shardcheck.weighted_sgd_step` in weighted mode). Gradients are compared only against the
             default reference or a reference returning ``.grads``.
-        rtol: fixed relative tolerance for every step (default: :func:`derive_tolerance`).
+        rtol: fixed relative tolerance for every step (default: :func:`derive_tolerance` with the parameters'
+            least precise floating dtype).
         atol: fixed absolute tolerance for every step (default: :func:`derive_tolerance`).
         name: the candidate's name in the report.
 
@@ -854,10 +857,14 @@ def check_parity(
     )
 
     records = []
+    # the least precise floating dtype among the parameters sets eps (float32 for shardcheck's models)
+    dtypes = {jnp.dtype(a.dtype) for a in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)] or [jnp.dtype(jnp.float32)]
+    dtype = max(floats, key=lambda d: float(jnp.finfo(d).eps))
     for t, (x, y, w) in enumerate(data):
         if rtol is None or atol is None:
             derived = derive_tolerance(
-                "float32", batch_size=int(x.shape[0]), out_features=int(y.shape[1]), step=t
+                dtype, batch_size=int(x.shape[0]), out_features=int(y.shape[1]), step=t
             )
         r_tol = derived.rtol if rtol is None else float(rtol)
         a_tol = derived.atol if atol is None else float(atol)
@@ -1244,6 +1251,14 @@ def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> li
         for e in records[0].leaves
         if e.kind == "param" and e.ok and e.reference_change is not None and e.reference_change <= e.tolerance
     ]
+    if records[0].rtol > LOOSE_RTOL:
+        out.append(
+            Diagnosis(
+                "weak_check",
+                f"The tolerance rtol={records[0].rtol:.3g} is too loose to tell a x2 or x1/2 error from rounding (a "
+                "low-precision dtype or a huge batch); pass rtol=, or check the step in float32.",
+            )
+        )
     if weak:
         out.append(
             Diagnosis(
