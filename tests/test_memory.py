@@ -261,18 +261,18 @@ def test_estimate_bad_input(kwargs, error, match):
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
-        ((0, 3), {}, r"make_memory_model: in_features=0 must be a positive int"),
-        ((4, -1), {}, r"out_features=-1 must be a positive int"),
-        ((4, 3), dict(hidden=0), r"hidden=0 must be a positive int"),
-        ((4, 3), dict(hidden=8, layers=0), r"layers=0 must be a positive int"),
+        ((0, 3), {}, r"make_memory_model: in_features must be a positive int, got 0"),
+        ((4, -1), {}, r"out_features must be a positive int, got -1"),
+        ((4, 3), dict(hidden=0), r"hidden must be a positive int, got 0"),
+        ((4, 3), dict(hidden=8, layers=0), r"layers must be a positive int, got 0"),
         ((4, 3), dict(layers=3), r"layers=3 needs a hidden width"),
         ((4, 3), dict(hidden=8, layers=1), r"layers=1 is a single Linear"),
         ((4, 3), dict(param_dtype="int8"), r"param_dtype='int8' is not a floating dtype"),
-        ((4.0, 3), {}, r"in_features=4.0 must be a positive int"),
+        ((4.0, 3), {}, r"in_features must be a positive int, got 4.0"),
     ],
 )
 def test_model_bad_input(args, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         make_memory_model(*args, abstract=True, **kwargs)
 
 

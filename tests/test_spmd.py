@@ -106,7 +106,7 @@ def test_make_mesh_defaults_to_all_devices():
 @pytest.mark.parametrize(
     "kwargs,err,match",
     [
-        (dict(num_devices=0), ValueError, r"make_mesh: num_devices=0 is not available: \d+ device"),
+        (dict(num_devices=0), ValueError, "make_mesh: num_devices must be a positive int, got 0"),
         (dict(num_devices=10**6), ValueError, r"make_mesh: num_devices=1000000 is not available"),
         (dict(num_devices=True), TypeError, "make_mesh: num_devices must be a positive int"),
         (dict(num_devices=2.0), TypeError, "make_mesh: num_devices must be a positive int"),

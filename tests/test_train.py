@@ -224,8 +224,8 @@ def test_plot_is_a_png_of_the_expected_size(diabetes, tmp_path):
         (dict(test_fraction=1.0), r"train: test_fraction=1.0 must be a number in \(0, 1\)"),
         (dict(strategy="zero"), r"train: strategy='zero' is unknown; use one of simulation, dp, fsdp"),
         (dict(optimizer="lion"), r"train: optimizer='lion' is unknown; use one of sgd, momentum, adam"),
-        (dict(epochs=0), r"train: epochs=0 must be an int >= 1"),
-        (dict(lr=-1.0), r"train: lr=-1.0 must be a finite positive number"),
+        (dict(epochs=0), r"train: epochs must be a positive int, got 0"),
+        (dict(lr=-1.0), r"train: lr must be a finite positive number, got -1.0"),
         (dict(strategy="dp", num_shards=64), r"train: strategy='dp' with S=64 needs 64 devices"),
     ],
 )

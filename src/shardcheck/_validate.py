@@ -71,16 +71,25 @@ def check_batch(fn: str, x, y) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(x), jnp.asarray(y)
 
 
+def check_int(fn: str, name: str, value, *, minimum: int = 1, example: str | None = None) -> int:
+    """``value`` must be an int (not bool, float, str or None) >= ``minimum``. Returns it as ``int``.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below ``minimum``.
+    """
+    rule = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    fix = f"; pass e.g. {example}" if example else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}: {name} must be {rule}, got {value!r} ({type(value).__name__}){fix}")
+    if value < minimum:
+        raise ValueError(f"{fn}: {name} must be {rule}, got {value}{fix}")
+    return int(value)
+
+
 def check_num_shards(fn: str, num_shards) -> int:
     """``num_shards`` must be a positive int (not bool, float or None). Returns it as ``int``."""
-    if isinstance(num_shards, bool) or not isinstance(num_shards, numbers.Integral):
-        raise TypeError(
-            f"{fn}: num_shards must be a positive int, got {num_shards!r} ({type(num_shards).__name__}); "
-            "pass e.g. num_shards=2"
-        )
-    if num_shards < 1:
-        raise ValueError(f"{fn}: num_shards must be a positive int, got {num_shards}; pass e.g. num_shards=2")
-    return int(num_shards)
+    return check_int(fn, "num_shards", num_shards, example="num_shards=2")
 
 
 def valid_shard_counts(batch: int) -> list[int]:
@@ -116,8 +125,7 @@ def check_lr(fn: str, lr) -> float:
 
 def check_seed(fn: str, seed) -> int:
     """``seed`` must be an int in ``[0, 2**31)`` (it travels into the jitted step as an int32)."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"{fn}: seed must be an int, got {seed!r} ({type(seed).__name__}); pass e.g. seed=0")
+    check_int(fn, "seed", seed, minimum=0, example="seed=0")
     if not 0 <= seed < 2**31:
         raise ValueError(f"{fn}: seed must be in [0, 2**31), got {seed}; pass e.g. seed=0")
     return int(seed)

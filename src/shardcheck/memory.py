@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -219,14 +218,10 @@ def make_memory_model(
     for name, value in (("in_features", in_features), ("out_features", out_features), ("hidden", hidden)):
         if value is None and name == "hidden":
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(
-                f"{fn}: {name}={value!r} must be a positive int (a layer width), e.g. {name}=512"
-            )
+        _validate.check_int(fn, name, value, example=f"{name}=512 (a layer width)")
     if layers is None:
         layers = 1 if hidden is None else 2
-    if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 1:
-        raise ValueError(f"{fn}: layers={layers!r} must be a positive int (the number of Linear layers)")
+    _validate.check_int(fn, "layers", layers, example="layers=2 (the number of Linear layers)")
     if layers >= 2 and hidden is None:
         raise ValueError(f"{fn}: layers={layers} needs a hidden width; pass hidden=H (e.g. --hidden 4096)")
     if layers == 1 and hidden is not None:
@@ -822,8 +817,7 @@ def measure_strategies(
             f"{fn}: num_shards={num_shards} needs {num_shards} devices, but {len(jax.devices())} exist; use "
             "fewer shards, or fake CPU devices with jax.config.update('jax_num_cpu_devices', S) at startup"
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"{fn}: batch_size={batch_size!r} must be a positive int, e.g. 8 * num_shards")
+    _validate.check_int(fn, "batch_size", batch_size, example="batch_size=8 * num_shards")
     if any(s != "replicated" for s in strategies):
         from shardcheck.spmd import check_batch_divisible
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from shardcheck import _validate
+
 MODEL_KINDS = ("linear", "mlp")
 
 
@@ -47,8 +49,7 @@ def make_model(
     if kind not in MODEL_KINDS:
         raise ValueError(f"make_model: kind={kind!r} is unknown; use one of {', '.join(MODEL_KINDS)}")
     for name, value in (("in_features", in_features), ("out_features", out_features), ("hidden", hidden)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"make_model: {name}={value!r} must be a positive int")
+        _validate.check_int("make_model", name, value)
     rngs = nnx.Rngs(seed)
     if kind == "linear":
         return nnx.Linear(in_features, out_features, rngs=rngs)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -90,11 +89,7 @@ def make_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
         )
     if num_devices is None:
         num_devices = len(devices)
-    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral):
-        raise TypeError(
-            f"{fn}: num_devices must be a positive int or None, got {num_devices!r} "
-            f"({type(num_devices).__name__}); pass e.g. num_devices={len(devices)}"
-        )
+    _validate.check_int(fn, "num_devices", num_devices, example=f"num_devices={len(devices)} or None")
     if not 1 <= num_devices <= len(devices):
         raise ValueError(
             f"{fn}: num_devices={num_devices} is not available: {len(devices)} device(s) exist; pass 1 <= "
@@ -150,14 +145,9 @@ def check_params_only(fn: str, model) -> None:
 
 def check_min_size(fn: str, min_size) -> int:
     """``min_size`` (FSDP's replication threshold, in elements) must be an int >= 0."""
-    if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral):
-        raise TypeError(
-            f"{fn}: min_size must be an int >= 0, got {min_size!r} ({type(min_size).__name__}); pass e.g. "
-            "min_size=0 (shard every divisible leaf)"
-        )
-    if min_size < 0:
-        raise ValueError(f"{fn}: min_size must be an int >= 0, got {min_size}; pass e.g. min_size=0")
-    return int(min_size)
+    return _validate.check_int(
+        fn, "min_size", min_size, minimum=0, example="min_size=0 (shard every divisible leaf)"
+    )
 
 
 def check_fsdp_optimizer(fn: str, model, optimizer) -> None:

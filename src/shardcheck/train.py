@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck import _validate
 from shardcheck.baseline import sgd_step
 from shardcheck.datasets import Dataset
 from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
@@ -352,12 +353,6 @@ def minibatch_indices(num_rows: int, batch_size: int, epochs: int, seed: int):
 # ------------------------------------------------------------------------------------------------ the loop
 
 
-def _check_int(fn: str, name: str, value, low: int, flag: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{fn}: {name}={value!r} must be an int >= {low}; pass e.g. {flag}")
-    return int(value)
-
-
 def _divisible_batch_sizes(num_shards: int, num_train: int, around: int) -> str:
     """A few multiples of S near ``around`` that fit the training split."""
     sizes = [m for m in range(num_shards, num_train + 1, num_shards)]
@@ -473,14 +468,13 @@ def train(
         num_shards = int(mesh.shape["data"]) if "data" in mesh.axis_names else None
     if num_shards is None:
         num_shards = DEFAULT_NUM_SHARDS[strategy]
-    num_shards = _check_int(fn, "num_shards", num_shards, 1, "num_shards=4")
-    hidden = _check_int(fn, "hidden", hidden, 1, "hidden=32")
-    epochs = _check_int(fn, "epochs", epochs, 1, "epochs=10")
-    batch_size = _check_int(fn, "batch_size", batch_size, 1, "batch_size=64")
-    seed = _check_int(fn, "seed", seed, 0, "seed=0")
+    num_shards = _validate.check_int(fn, "num_shards", num_shards, minimum=1, example="num_shards=4")
+    hidden = _validate.check_int(fn, "hidden", hidden, minimum=1, example="hidden=32")
+    epochs = _validate.check_int(fn, "epochs", epochs, minimum=1, example="epochs=10")
+    batch_size = _validate.check_int(fn, "batch_size", batch_size, minimum=1, example="batch_size=64")
+    seed = _validate.check_int(fn, "seed", seed, minimum=0, example="seed=0")
     lr = DEFAULT_LR[optimizer] if lr is None else lr
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"{fn}: lr={lr!r} must be a finite positive number; pass e.g. lr=0.01")
+    lr = _validate.check_lr(fn, lr)
     if (
         isinstance(test_fraction, bool)
         or not isinstance(test_fraction, numbers.Real)
