@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from shardcheck._io import write_atomic
 
 # Drift values are drawn no lower than this on the log axis: an exact 0 (bitwise-equal parameters) has no
 # logarithm. float32 parameters of order 1 cannot differ by less than ~1e-8 unless they are equal.
@@ -108,21 +108,5 @@ def plot_training(report, path, *, dpi: int = DPI) -> Path:
     )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    _write_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
     return path
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write through a temp file in the same folder and a rename, with the permissions ``open()`` would give."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

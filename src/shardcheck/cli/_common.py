@@ -6,10 +6,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
+
+from shardcheck._io import write_atomic as write_atomic
 
 
 def configure_devices(num_devices: int | None) -> None:
@@ -64,21 +65,3 @@ def write_json(obj, path: str | None) -> None:
         sys.stdout.flush()
         return
     write_atomic(Path(path), text.encode())
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same folder and a rename: never a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        # mkstemp creates 0600; give the file the mode a plain open() would (0666 less the umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
