@@ -72,7 +72,7 @@ def test_done_when_adam_20_steps_on_diabetes_passes_every_strategy(tmp_path, cap
         "shardcheck verify simulation: PASS",
         "shardcheck verify: summary",
         "worst leaf",
-        "tolerance",
+        "allowed abs err",
     ):
         assert word in table
 
@@ -130,7 +130,7 @@ def test_candidate_with_a_wrong_signature_exits_2(steps_file, capsys):
 
 def test_mlp_momentum_linnerud_passes(capsys):
     args = ["verify", "--model", "mlp", "--hidden", "4", "--optimizer", "momentum", "--dataset", "linnerud"]
-    assert main([*args, "--steps", "4", "--batch-size", "4", "--strategies", "simulation,accumulation"]) == 0
+    assert main([*args, "--steps", "3", "--batch-size", "4", "--strategies", "accumulation"]) == 0
     assert "shardcheck verify accumulation: PASS" in capsys.readouterr().out
 
 

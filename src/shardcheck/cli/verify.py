@@ -269,7 +269,7 @@ def render_report(report, setup: str):
     table.add_column("step", justify="right")
     table.add_column("max abs err", justify="right")
     table.add_column("max rel err", justify="right")
-    table.add_column("tolerance", justify="right")
+    table.add_column("allowed abs err", justify="right")
     table.add_column("verdict")
     for kind, e in report.worst_by_kind().items():
         table.add_row(
@@ -294,7 +294,7 @@ def render_summary(reports, setup: str):
     table.add_column("worst leaf")
     table.add_column("max abs err", justify="right")
     table.add_column("max rel err", justify="right")
-    table.add_column("tolerance", justify="right")
+    table.add_column("allowed abs err", justify="right")
     table.add_column("diagnosis")
     for name, r in reports.items():
         worst = r.worst
