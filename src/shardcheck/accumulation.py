@@ -18,7 +18,6 @@ memory accounting must count) is emptied after each full step.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +30,7 @@ from shardcheck.losses import mse_loss
 
 
 def _check_k(fn: str, k) -> int:
-    """``num_micro_batches`` must be a positive int (not bool, float or None)."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(
-            f"{fn}: num_micro_batches must be a positive int, got {k!r} ({type(k).__name__}); pass e.g. "
-            "num_micro_batches=2"
-        )
-    if k < 1:
-        raise ValueError(
-            f"{fn}: num_micro_batches must be a positive int, got {k}; pass e.g. num_micro_batches=2"
-        )
-    return int(k)
+    return _validate.check_int(fn, "num_micro_batches", k, example="num_micro_batches=2")
 
 
 def make_accumulation_optimizer(model: nnx.Module, tx: optax.GradientTransformation, num_micro_batches: int):

@@ -368,6 +368,7 @@ def derive_tolerance(dtype="float32", *, batch_size: int, out_features: int = 1,
         the gradient, doubling its relative error).
 
     Raises:
+        TypeError: ``batch_size``, ``out_features`` or ``step`` not an int.
         ValueError: ``batch_size``, ``out_features`` < 1 or ``step`` < 0; ``dtype`` not a floating dtype.
 
     Example::
@@ -377,13 +378,9 @@ def derive_tolerance(dtype="float32", *, batch_size: int, out_features: int = 1,
         (1.526e-05, 9.54e-07)
     """
     fn = "derive_tolerance"
-    for name, value, low in (
-        ("batch_size", batch_size, 1),
-        ("out_features", out_features, 1),
-        ("step", step, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-            raise ValueError(f"{fn}: {name} must be an int >= {low}, got {value!r}")
+    batch_size = _validate.check_int(fn, "batch_size", batch_size)
+    out_features = _validate.check_int(fn, "out_features", out_features)
+    step = _validate.check_int(fn, "step", step, minimum=0)
     try:
         eps = float(jnp.finfo(dtype).eps)
     except ValueError as err:
@@ -704,8 +701,7 @@ def minibatches(x, y, batch_size: int, steps: int, *, seed: int = 0) -> list[tup
         raise ValueError(
             f"{fn}: batch_size must be an int in [1, {n}] (the data has {n} rows), got {batch_size!r}"
         )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"{fn}: steps must be an int >= 1, got {steps!r}")
+    steps = _validate.check_int(fn, "steps", steps)
     rng = np.random.default_rng(seed)
     per_epoch = n // batch_size
     out = []
@@ -727,8 +723,7 @@ def _normalize_batches(fn: str, batches, steps: int | None) -> list[tuple]:
             f"{fn}: batches must be an iterable of (x, y) or (x, y, weights), got {type(batches).__name__}"
         )
     if steps is not None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"{fn}: steps must be an int >= 1, got {steps!r}")
+        steps = _validate.check_int(fn, "steps", steps)
         out = []
         for b in batches:
             if len(out) == steps:
