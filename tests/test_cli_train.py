@@ -13,7 +13,7 @@ import pytest
 from conftest import require_devices
 
 from shardcheck.cli import main
-from shardcheck.train import step_tolerance
+from shardcheck.training import step_tolerance
 
 FINAL_KEYS = {
     "train_loss_baseline",
@@ -35,7 +35,7 @@ def read_log(path: Path) -> list[dict]:
 
 
 def assert_log_agrees(rows: list[dict], batch_size: int, out_features: int = 1):
-    """Every step's two losses agree within that step's tolerance (shardcheck.train.step_tolerance)."""
+    """Every step's two losses agree within that step's tolerance (shardcheck.training.step_tolerance)."""
     for row in rows:
         tol = step_tolerance(batch_size, out_features, int(row["step"]))
         base, sharded = float(row["loss_baseline"]), float(row["loss_sharded"])

@@ -1,6 +1,5 @@
-"""The lock-step training loop (shardcheck.train) and its figure (shardcheck.plots)."""
+"""The lock-step training loop (shardcheck.training) and its figure (shardcheck.plots)."""
 
-import importlib
 import math
 import os
 
@@ -10,11 +9,9 @@ import pytest
 from conftest import require_devices
 
 from shardcheck import baseline, datasets
+from shardcheck import training as train_lib
 from shardcheck.plots import plot_training
-from shardcheck.train import TrainReport, minibatch_indices, select_features, split_and_standardize, train
-
-# The module itself: ``shardcheck.train`` as an attribute of the package is the re-exported function.
-train_lib = importlib.import_module("shardcheck.train")
+from shardcheck.training import TrainReport, minibatch_indices, select_features, split_and_standardize, train
 
 
 @pytest.fixture(scope="module")

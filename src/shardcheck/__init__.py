@@ -37,8 +37,8 @@ from shardcheck.simulation import simulated_data_parallel_step as simulated_data
 from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
 from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
 from shardcheck.spmd import make_mesh as make_mesh
-from shardcheck.train import TrainReport as TrainReport
-from shardcheck.train import train as train
+from shardcheck.training import TrainReport as TrainReport
+from shardcheck.training import train as train
 from shardcheck.weighted import weighted_data_parallel_sgd_step as weighted_data_parallel_sgd_step
 from shardcheck.weighted import weighted_sgd_step as weighted_sgd_step
 

@@ -128,10 +128,9 @@ def main(args) -> int:
     except ValueError as err:
         return _fail(f"shardcheck train: {err}")
 
-    # ``shardcheck.train`` is also the name of the re-exported function: import from the module itself.
     from shardcheck import datasets
     from shardcheck.distributed import is_main_process
-    from shardcheck.train import select_features, train
+    from shardcheck.training import select_features, train
 
     main_process = is_main_process()
     try:
@@ -201,7 +200,7 @@ def _progress(console):
 
 
 def _updater(progress):
-    """The :func:`shardcheck.train.train` callback that advances ``progress``."""
+    """The :func:`shardcheck.training.train` callback that advances ``progress``."""
     task = None
 
     def update(event) -> None:
