@@ -31,6 +31,7 @@ alias, temp bytes). Compile time is trace + lower + XLA compile of a fresh ``jax
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -132,6 +133,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 import shardcheck  # noqa: E402
 from shardcheck import baseline, simulation, spmd  # noqa: E402
 from shardcheck.losses import mse_loss  # noqa: E402
+from shardcheck.memory import measure_memory  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------- helpers
 
@@ -427,17 +429,22 @@ def run(args) -> dict:
     results["compile"] = compile_rows
 
     clock.lap("compile")
-    # FSDP against DP memory per device on a wide layer.
+    # FSDP against DP memory per device on a wide layer: shardcheck.memory.measure_memory compiles each real
+    # step (spmd.trace_sgd_step), reads XLA's memory_analysis and the live state bytes after one step.
     fb, fd, fn_ = args.fsdp_batch, args.fsdp_dim, args.fsdp_devices
     fmesh = spmd.make_mesh(fn_)
-    fx = np.zeros((fb, fd), np.float32)
-    fy = np.zeros((fb, fd), np.float32)
+    fx = np.asarray(jax.random.normal(kx, (fb, fd), jnp.float32))
+    fy = np.asarray(jax.random.normal(ky, (fb, fd), jnp.float32))
     fsdp_mem = {"batch": fb, "features": fd, "outputs": fd, "devices": fn_}
     for strategy in ("dp", "fsdp"):
         m, o = linear(fd, fd)
-        compiled = spmd.trace_sgd_step(strategy, m, o, fx, fy, fmesh).lower().compile()
-        fsdp_mem[strategy] = {**memory_of(compiled), **kernel_profile(compiled)}
-        del m, o, compiled
+        measured = measure_memory(m, o, fx, fy, strategy=strategy, mesh=fmesh)
+        fsdp_mem[strategy] = {
+            k: v
+            for k, v in dataclasses.asdict(measured).items()
+            if k.endswith("_bytes") and isinstance(v, int)
+        }
+        del m, o, measured
     results["fsdp_vs_dp_memory"] = fsdp_mem
 
     clock.lap("fsdp_memory")
