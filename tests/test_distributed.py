@@ -114,6 +114,14 @@ def test_batch_helpers_in_one_process_cover_the_whole_batch():
 
 
 @require_devices(4)
+def test_global_batch_with_an_explicit_global_size():
+    mesh = Mesh(np.array(jax.devices()[:3]), ("data",))
+    x, y = np.ones((6, 2), np.float32), np.zeros((6, 1), np.float32)
+    xg, yg = distributed.global_batch(x, y, mesh, global_batch_size=6)
+    assert xg.shape == (6, 2) and yg.shape == (6, 1) and len(xg.addressable_shards) == 3
+
+
+@require_devices(4)
 def test_batch_helpers_errors():
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     with pytest.raises(

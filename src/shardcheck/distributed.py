@@ -370,7 +370,7 @@ def process_batch_indices(global_batch_size: int, mesh, axis_name: str = "data")
     return np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in ranges])
 
 
-def global_batch(x_local, y_local, mesh, axis_name: str = "data"):
+def global_batch(x_local, y_local, mesh, axis_name: str = "data", *, global_batch_size: int | None = None):
     """Global ``(x, y)`` arrays split along ``axis_name`` over every process, built from each process's rows.
 
     Every process calls this with the rows :func:`process_batch_indices` names for it, and gets one global
@@ -382,14 +382,16 @@ def global_batch(x_local, y_local, mesh, axis_name: str = "data"):
         y_local: ``(B_local, K)`` this process's targets, as many rows.
         mesh: the ``jax.sharding.Mesh`` of the step, spanning every process.
         axis_name: the mesh axis the batch is split over.
+        global_batch_size: B. Needed when the processes own different numbers of the mesh's devices (a mesh
+            over 3 of 2 x 2 devices); otherwise None lets JAX infer it from ``B_local``.
 
     Returns:
-        ``(x, y)``: ``(B, D)`` and ``(B, K)`` ``jax.Array`` with sharding ``NamedSharding(mesh, P(axis_name))``,
-        where B is the sum of the processes' ``B_local``.
+        ``(x, y)``: ``(B, D)`` and ``(B, K)`` ``jax.Array`` with sharding ``NamedSharding(mesh, P(axis_name))``.
 
     Raises:
         ValueError: ``axis_name`` is not a mesh axis; the mesh leaves out a process; ``x_local`` and
-            ``y_local`` differ in rows; the processes passed different numbers of rows (a cross-process check).
+            ``y_local`` differ in rows; the processes' rows imply different global batch sizes (checked
+            across processes, so every process raises).
     """
     import jax
 
@@ -398,17 +400,20 @@ def global_batch(x_local, y_local, mesh, axis_name: str = "data"):
     if x_local.shape[:1] != y_local.shape[:1]:
         raise ValueError(f"{fn}: x_local has {x_local.shape[0]} rows but y_local has {y_local.shape[0]}")
     sharding = _batch_sharding(fn, mesh, axis_name)
+    shapes = (None, None)
+    if global_batch_size is not None:
+        shapes = ((global_batch_size, *x_local.shape[1:]), (global_batch_size, *y_local.shape[1:]))
+    x = jax.make_array_from_process_local_data(sharding, x_local, shapes[0])  # local: no communication
+    y = jax.make_array_from_process_local_data(sharding, y_local, shapes[1])
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        rows = multihost_utils.process_allgather(np.array([x_local.shape[0]], np.int64), tiled=True)
-        if len(set(rows.tolist())) != 1:
+        sizes = multihost_utils.process_allgather(np.array([x.shape[0]], np.int64), tiled=True)
+        if len(set(sizes.tolist())) != 1:
             raise ValueError(
-                f"{fn}: the processes passed different numbers of rows {rows.tolist()}; each must pass the "
-                "rows process_batch_indices(B, mesh) names for it"
+                f"{fn}: the processes' rows imply different global batch sizes {sizes.tolist()}; each process "
+                "must pass the rows process_batch_indices(B, mesh) names for it"
             )
-    x = jax.make_array_from_process_local_data(sharding, x_local)
-    y = jax.make_array_from_process_local_data(sharding, y_local)
     return x, y
 
 

@@ -132,7 +132,9 @@ def run_strategies(
     if mesh is not None and jax.process_count() > 1:
         # Many processes (docs/distributed.md): each feeds the mesh steps only the rows its devices hold.
         rows = process_batch_indices(x.shape[0], mesh)
-        x_mesh, y_mesh = global_batch(np.asarray(x)[rows], np.asarray(y)[rows], mesh)
+        x_mesh, y_mesh = global_batch(
+            np.asarray(x)[rows], np.asarray(y)[rows], mesh, global_batch_size=x.shape[0]
+        )
     initial = nnx.Linear(d, k, rngs=nnx.Rngs(seed))
 
     def fresh():
