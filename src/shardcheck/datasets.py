@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +177,35 @@ def load_dataset(source: str = "diabetes", *, target=None, standardize_data: boo
     if standardize_data:
         x, y = standardize(x), standardize(y)
     return Dataset(name, x.astype(np.float32), y.astype(np.float32), tuple(features), tuple(targets))
+
+
+def minibatch_indices(num_rows: int, batch_size: int, *, seed: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+    """Endless ``(epoch, indices)`` of full mini-batches: a fresh permutation each epoch, the last partial dropped.
+
+    One ``np.random.default_rng(seed)`` draws every epoch's permutation, so the order is reproducible and the same
+    in every process of a multi-process run. ``shardcheck train`` and ``shardcheck verify`` both draw their
+    batches here; take as many as needed with ``itertools.islice``.
+
+    Args:
+        num_rows: N >= ``batch_size``.
+        batch_size: B >= 1.
+        seed: the generator's seed.
+
+    Yields:
+        ``(epoch, idx)``: the 1-based epoch and ``(B,)`` int64 row indices.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or larger than ``num_rows`` (raised on the first ``next``).
+    """
+    if not 1 <= batch_size <= num_rows:
+        raise ValueError(
+            f"minibatch_indices: batch_size must be in [1, {num_rows}] (the data has {num_rows} rows), "
+            f"got {batch_size}"
+        )
+    rng = np.random.default_rng(seed)
+    epoch = 0
+    while True:
+        epoch += 1
+        perm = rng.permutation(num_rows)
+        for i in range(num_rows // batch_size):
+            yield epoch, perm[i * batch_size : (i + 1) * batch_size]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import optax
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+# The learning rate of ``shardcheck train`` and ``shardcheck verify`` when none is given, per optimizer: a step
+# size that moves every leaf well above the parity tolerance and converges in 30 epochs on standardized diabetes.
+DEFAULT_LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 
 
 def make_tx(name: str, lr: float = 0.1, *, momentum: float = 0.9) -> optax.GradientTransformation:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.baseline import sgd_step
+from shardcheck.datasets import minibatch_indices
 from shardcheck.losses import mse_loss
 from shardcheck.weighted import weighted_mean_loss, weighted_sgd_step
 
@@ -702,17 +704,8 @@ def minibatches(x, y, batch_size: int, steps: int, *, seed: int = 0) -> list[tup
             f"{fn}: batch_size must be an int in [1, {n}] (the data has {n} rows), got {batch_size!r}"
         )
     steps = _validate.check_int(fn, "steps", steps)
-    rng = np.random.default_rng(seed)
-    per_epoch = n // batch_size
-    out = []
-    order = None
-    for i in range(steps):
-        j = i % per_epoch
-        if j == 0:
-            order = rng.permutation(n)
-        idx = order[j * batch_size : (j + 1) * batch_size]
-        out.append((x[idx], y[idx]))
-    return out
+    drawn = itertools.islice(minibatch_indices(n, batch_size, seed=seed), steps)
+    return [(x[idx], y[idx]) for _, idx in drawn]
 
 
 def _normalize_batches(fn: str, batches, steps: int | None) -> list[tuple]:

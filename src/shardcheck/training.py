@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import numbers
 import time
@@ -30,19 +31,16 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.baseline import sgd_step
-from shardcheck.datasets import Dataset
+from shardcheck.datasets import Dataset, minibatch_indices
 from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
 from shardcheck.losses import mse_loss
 from shardcheck.models import MODEL_KINDS, make_model
-from shardcheck.optimizers import OPTIMIZERS, make_tx
+from shardcheck.optimizers import DEFAULT_LR, OPTIMIZERS, make_tx
+from shardcheck.parity import Tolerance, derive_tolerance
 
 STRATEGIES = ("simulation", "dp", "fsdp")
 # The shard count S when none is given: 4 devices for the mesh strategies, 2 simulated shards.
 DEFAULT_NUM_SHARDS = {"simulation": 2, "dp": 4, "fsdp": 4}
-# The learning rate when none is given, per optimizer (chosen so 30 epochs on standardized diabetes converge).
-DEFAULT_LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
-# Tolerance constants (see :func:`step_tolerance`).
-SAFETY_FACTOR = 16.0
 
 
 # --------------------------------------------------------------------------------------------------- records
@@ -204,37 +202,11 @@ class TrainProgress:
 # ------------------------------------------------------------------------------------------------ tolerance
 
 
-@dataclasses.dataclass(frozen=True)
-class StepTolerance:
-    """A value passes when ``|sharded - baseline| <= atol + rtol * |baseline|`` (max over elements)."""
+def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32") -> Tolerance:
+    """The parity harness's tolerance (:func:`~shardcheck.parity.derive_tolerance`) after ``step`` steps (1-based).
 
-    rtol: float
-    atol: float
-
-
-def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32") -> StepTolerance:
-    """The tolerance of step ``step`` (1-based) for a mini-batch of B examples and K outputs.
-
-    A correct sharded step computes every per-example term exactly as the baseline does and differs only in the
-    order of the one reduction over the batch (``B * K`` squared errors in the loss, B terms in each gradient
-    element). Reordering a floating-point sum of n terms typically changes it by ``~sqrt(n) * eps`` relative
-    (random-walk rounding model; N. J. Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed. 2002,
-    ch. 4); independent errors of successive steps add up like ``sqrt(t)``. Hence
-
-        ``atol = eps * sqrt(B*K) * sqrt(t)``, ``rtol = 16 * atol``
-
-    with the factor 16 for matmul blocking that may change with the shard shape and the optimizer's own
-    arithmetic. It is the rule of ``derive_tolerance`` in the parity harness (issue 5), with ``t`` counting
-    completed steps. The scale of a parameter drift is ``max|params_baseline|`` over the whole model.
-
-    Args:
-        batch_size: B >= 1.
-        out_features: K >= 1.
-        step: t >= 1, steps completed.
-        dtype: floating dtype of the parameters; ``eps = jnp.finfo(dtype).eps`` (float32: 1.19e-7).
-
-    Returns:
-        A :class:`StepTolerance`.
+    A value passes when ``|sharded - baseline| <= atol + rtol * |baseline|`` (max over elements); for the
+    parameter drift the scale is ``max|params_baseline|`` over the whole model.
 
     Example::
 
@@ -242,9 +214,7 @@ def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32
         >>> round(tol.rtol, 8), round(tol.atol, 9)
         (1.526e-05, 9.54e-07)
     """
-    eps = float(jnp.finfo(dtype).eps)
-    atol = eps * math.sqrt(batch_size * out_features) * math.sqrt(step)
-    return StepTolerance(rtol=SAFETY_FACTOR * atol, atol=atol)
+    return derive_tolerance(dtype, batch_size=batch_size, out_features=out_features, step=step - 1)
 
 
 TOLERANCE_RULE = (
@@ -328,28 +298,6 @@ def split_and_standardize(x, y, test_fraction: float, seed: int):
     return x_tr, y_tr, x_te, y_te
 
 
-def minibatch_indices(num_rows: int, batch_size: int, epochs: int, seed: int):
-    """Yield ``(epoch, indices)`` for every full mini-batch: a fresh permutation each epoch, last partial dropped.
-
-    One ``np.random.default_rng(seed)`` draws all permutations, so the order is reproducible and identical in
-    every process of a multi-process run.
-
-    Args:
-        num_rows: rows in the training split, >= ``batch_size``.
-        batch_size: B.
-        epochs: E.
-        seed: the generator's seed.
-
-    Yields:
-        ``(epoch, idx)``: the 1-based epoch and ``(B,)`` int64 row indices.
-    """
-    rng = np.random.default_rng(seed)
-    for epoch in range(1, epochs + 1):
-        perm = rng.permutation(num_rows)
-        for i in range(num_rows // batch_size):
-            yield epoch, perm[i * batch_size : (i + 1) * batch_size]
-
-
 # ------------------------------------------------------------------------------------------------ the loop
 
 
@@ -415,7 +363,7 @@ def train(
 
     Both runs start from the same parameters (two models built by :func:`~shardcheck.make_model` from ``seed``)
     and the same optimizer (:func:`~shardcheck.make_tx`), and take the same shuffled mini-batches
-    (:func:`minibatch_indices`: reshuffled each epoch, the last incomplete batch dropped). The baseline is
+    (:func:`~shardcheck.datasets.minibatch_indices`: reshuffled each epoch, the last incomplete batch dropped). The baseline is
     :func:`~shardcheck.sgd_step`; the sharded run is :func:`~shardcheck.reduced_sgd_step` with S shards
     (``"simulation"``), or ``data_parallel_sgd_step`` / ``fsdp_sgd_step`` of :mod:`shardcheck.spmd` on a
     1-D mesh of S devices (``"dp"``, ``"fsdp"``). Every step is compiled once (all batches share one shape);
@@ -540,7 +488,9 @@ def train(
     steps: list[TrainStep] = []
     steps_per_epoch = num_train // batch_size
     total = steps_per_epoch * epochs
-    for epoch, idx in minibatch_indices(num_train, batch_size, epochs, seed):
+    for epoch, idx in itertools.islice(
+        minibatch_indices(num_train, batch_size, seed=seed), epochs * (num_train // batch_size)
+    ):
         xb, yb = x_tr[idx], y_tr[idx]
         loss_b = sgd_step(model_b, opt_b, xb, yb)
         loss_s = step_sharded(model_s, opt_s, xb, yb)

@@ -160,6 +160,10 @@ def main(args) -> int:
         except (ValueError, TypeError) as e:
             return _fail(str(e))
 
+    from shardcheck import distributed
+
+    if not distributed.is_main_process():
+        return 0  # under `shardcheck launch` every process computed the same figures; process 0 alone reports
     console = console_for(args)
     console.print(render_table(args, estimates))
     if measured:

@@ -11,13 +11,11 @@ import sys
 from pathlib import Path
 
 from shardcheck.cli._common import configure_devices, console_for, write_json
+from shardcheck.optimizers import DEFAULT_LR
 
 STRATEGY_NAMES = ("simulation", "dp", "fsdp", "accumulation")
 DEFAULT_STRATEGIES = "simulation,dp,fsdp,accumulation"
 MESH_STRATEGIES = ("dp", "fsdp")
-# The learning rates of ``shardcheck train`` (one step size per optimizer that moves every leaf well above the
-# parity tolerance on standardized data).
-DEFAULT_LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 
 
 def add_parser(sub) -> None:
