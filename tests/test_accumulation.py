@@ -1,4 +1,4 @@
-"""Gradient accumulation with optax.MultiSteps (``../shared/cases`` C9) against the full-batch step."""
+"""Gradient accumulation with optax.MultiSteps (``docs/reduction_cases.md`` C9) against the full-batch step."""
 
 import dataclasses
 

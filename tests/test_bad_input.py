@@ -261,3 +261,25 @@ def test_weighted_mode_bad_weights():
     ):
         shardcheck.reduced_sgd_step(model, optimizer, X, Y, 2, weights=np.ones(4), shard_sizes=(1, 2))
     assert_unchanged(before, model, optimizer)
+
+
+@pytest.mark.parametrize("y_width", [1, 3])
+@pytest.mark.parametrize("step", ["sgd_step", "reduced_sgd_step"])
+def test_target_width_must_match_the_model(y_width, step):
+    """A y of another width would broadcast in (model(x) - y) ** 2: refused, nothing changed."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    before = snapshot(model, optimizer)
+    args = (2,) if step == "reduced_sgd_step" else ()
+    with pytest.raises(
+        ValueError, match=rf"^{step}: y has shape \(8, {y_width}\) but model Linear maps x to shape \(8, 2\)"
+    ):
+        getattr(shardcheck, step)(model, optimizer, np.ones((8, 3)), np.ones((8, y_width)), *args)
+    with pytest.raises(ValueError, match=rf"^{step}: model Linear cannot take x of shape \(8, 2\)"):
+        getattr(shardcheck, step)(model, optimizer, np.ones((8, 2)), np.ones((8, 2)), *args)
+    assert_unchanged(before, model, optimizer)
+
+
+def test_lr_that_overflows_float32_is_refused():
+    with pytest.raises(ValueError, match="^fsdp_step: lr=1e.40 overflows float32"):
+        shardcheck.fsdp_step(X, Y, 1, 1e40)

@@ -164,3 +164,48 @@ def test_non_divisible_shard_count_lists_valid_counts():
     err = " ".join(out.stderr.split())
     assert "batch size 442 is not divisible by num_shards=3" in err
     assert "1, 2, 13, 17, 26, 34, 221, 442" in err
+
+
+@pytest.mark.parametrize(
+    "path,msg",
+    [
+        ("/proc/shardcheck.json", "cannot be written"),
+        (".", "is a folder; pass a file path"),
+    ],
+)
+def test_unwritable_output_refused_before_any_work(capsys, path, msg):
+    assert main(["run", "--strategy", "simulation", "--json", path]) == 2
+    assert msg in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_output_under_a_file_refused(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["run", "--strategy", "simulation", "--json", str(tmp_path / "afile" / "out.json")]) == 2
+    assert "which is a file, not a folder" in capsys.readouterr().err.replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    "name,content,msg",
+    [
+        ("onecol.csv", b"t\n1\n2\n", "0 feature and 1 target column(s)"),
+        ("binary.csv", b"a,b\n\xff\xfe,1\n", "is not UTF-8 text"),
+        ("broken.npz", b"PK\x03\x04 this is not a zip archive", "is not a readable NPZ file"),
+        ("huge.csv", b"a,t\n1.7e308,1\n-1.7e308,2\n", "too large to standardize"),
+    ],
+)
+def test_more_malformed_data(tmp_path, capsys, name, content, msg):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert main(["run", "--strategy", "simulation", "--dataset", str(path), "--shards", "1"]) == 2
+    assert msg in capsys.readouterr().err.replace("\n", " ")
+
+
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999"])
+def test_bad_seed(capsys, seed):
+    assert main(["run", "--strategy", "simulation", "--seed", seed]) == 2
+    assert "seed must be" in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_baseline_alone_needs_no_equal_shards(capsys):
+    assert main(["run", "--strategy", "baseline", "--shards", "3", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"]["baseline"]["loss"] > 0

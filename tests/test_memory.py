@@ -170,7 +170,7 @@ def test_bfloat16():
 
 
 def test_multisteps_accumulator_is_counted():
-    """../shared/cases C9: optax.MultiSteps keeps a parameter-sized float32 accumulator, even for bf16."""
+    """docs/reduction_cases.md C9: optax.MultiSteps keeps a parameter-sized float32 accumulator, even for bf16."""
     tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
     model = abstract("linear", 8, 6)
     # mini_step + gradient_step (int32) + acc_grads (216 B whole, 72 B sharded).

@@ -11,7 +11,7 @@ from oracle import linear_mse, sgd_oracle
 
 import shardcheck
 
-# ../shared/cases Fixture L
+# docs/reduction_cases.md Fixture L
 XL = np.array([[1, 0], [0, 1], [1, 1], [2, 0]], np.float32)
 YL = np.array([[1], [2], [3], [4]], np.float32)
 

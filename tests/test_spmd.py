@@ -1,6 +1,6 @@
 """Data-parallel and FSDP steps on a mesh of fake CPU devices against the single-device baseline.
 
-Every equivalence is asserted as values: the seeds' and ``../shared/cases`` numbers, the baseline's updated state,
+Every equivalence is asserted as values: the seeds' and ``docs/reduction_cases.md`` numbers, the baseline's updated state,
 and the ratio (sharded update / baseline update) == 1 per leaf, so an S-times or 1/S error cannot pass.
 """
 
@@ -26,7 +26,7 @@ P = PartitionSpec
 STEPS = {"dp": data_parallel_sgd_step, "fsdp": fsdp_sgd_step}
 SIZES = [pytest.param(s, marks=require_devices(s), id=f"S{s}") for s in (1, 2, 4, 8)]
 
-# ../shared/cases Fixture L: full-batch loss 7.5, grads kernel [[-6], [-2.5]], bias [-5]; SGD lr 0.1 from zero.
+# docs/reduction_cases.md Fixture L: full-batch loss 7.5, grads kernel [[-6], [-2.5]], bias [-5]; SGD lr 0.1 from zero.
 XL = np.array([[1, 0], [0, 1], [1, 1], [2, 0]], np.float32)
 YL = np.array([[1], [2], [3], [4]], np.float32)
 GRAD_KERNEL_L = np.array([[-6.0], [-2.5]])

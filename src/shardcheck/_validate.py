@@ -6,6 +6,7 @@ fix, in the habit of ``jnp.sum: where must be ...``.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -98,7 +99,7 @@ def valid_shard_counts(batch: int) -> list[int]:
 
 
 def check_equal_shards(fn: str, batch: int, num_shards: int, *, hint: str = "use weights= for uneven shards"):
-    """``batch`` must split into ``num_shards`` equal, non-empty shards (``../shared/cases`` C4, C6)."""
+    """``batch`` must split into ``num_shards`` equal, non-empty shards (``docs/reduction_cases.md`` C4, C6)."""
     if num_shards > batch:
         raise ValueError(
             f"{fn}: num_shards={num_shards} is more shards than examples (batch size {batch}); "
@@ -120,6 +121,11 @@ def check_lr(fn: str, lr) -> float:
         )
     if not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"{fn}: lr must be a finite positive number, got {lr!r}; pass e.g. lr=0.1")
+    if lr > float(np.finfo(np.float32).max):
+        raise ValueError(
+            f"{fn}: lr={lr!r} overflows float32 (largest {float(np.finfo(np.float32).max):.3g}), where the update "
+            "is computed; pass e.g. lr=0.1"
+        )
     return float(lr)
 
 
@@ -160,8 +166,12 @@ def check_params(fn: str, params, in_features: int, out_features: int) -> dict[s
     return out
 
 
-def check_model(fn: str, model) -> None:
-    """Refuse models for which sharded and full-batch steps are not equivalent (``../shared/cases`` C7).
+def check_model(fn: str, model, x=None, y=None) -> None:
+    """Refuse models for which sharded and full-batch steps are not equivalent (reduction case C7).
+
+    With ``x`` and ``y`` given, also check that the model accepts ``x`` and maps it to ``y``'s shape: a target of
+    another width would otherwise broadcast in ``(model(x) - y) ** 2`` and give a wrong loss and update, silently
+    (see :func:`check_model_io`).
 
     Seed ``000_f7b4ea9cf28c5420.txt``: the equivalence holds for models with no batch-dependent state or
     randomness in the forward pass. A module holding ``nnx.BatchStat`` variables (BatchNorm) computes statistics
@@ -185,6 +195,41 @@ def check_model(fn: str, model) -> None:
             + "; and ".join(reasons)
             + ". A sharded step equals the full-batch step only for models without batch-dependent state or "
             "randomness (seed 000); use a model without them, or evaluate it in a deterministic mode"
+        )
+    if x is not None and y is not None:
+        check_model_io(fn, model, x, y)
+
+
+@functools.lru_cache(maxsize=256)
+def _output_struct(graphdef, treedef, leaf_structs, x_struct) -> jax.ShapeDtypeStruct:
+    state = jax.tree.unflatten(treedef, list(leaf_structs))
+    return jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x_struct)
+
+
+def check_model_io(fn: str, model, x, y) -> None:
+    """``model(x)`` must be defined and have exactly ``y``'s shape ``(B, K)``.
+
+    Evaluated on abstract shapes (``jax.eval_shape``, cached per model structure and batch shape): nothing runs.
+
+    Raises:
+        ValueError: ``x``'s width does not fit the model, or the model's output shape differs from ``y.shape``.
+    """
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    structs = tuple(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in leaves)
+    try:
+        out = _output_struct(graphdef, treedef, structs, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    except (TypeError, ValueError) as err:
+        first = str(err).splitlines()[0]
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} cannot take x of shape {tuple(x.shape)} ({first}); pass x with "
+            "the model's input width"
+        ) from None
+    if tuple(out.shape) != tuple(y.shape):
+        raise ValueError(
+            f"{fn}: y has shape {tuple(y.shape)} but model {type(model).__name__} maps x to shape "
+            f"{tuple(out.shape)}; y must have the model's output shape, or (model(x) - y) would broadcast "
+            "into a wrong loss"
         )
 
 

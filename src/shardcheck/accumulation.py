@@ -1,6 +1,6 @@
 """Gradient accumulation over micro-batches with ``optax.MultiSteps``: the same update as one full-batch step.
 
-``../shared/cases`` C9. A batch of B rows is cut into k equal micro-batches; each micro-step computes that
+``docs/reduction_cases.md`` C9. A batch of B rows is cut into k equal micro-batches; each micro-step computes that
 micro-batch's mean loss and gradients at the current parameters and calls ``optimizer.update`` once, with an
 optimizer built on ``optax.MultiSteps(tx, every_k_schedule=k)``. The first k-1 micro-steps only accumulate (the
 parameters do not move: ``MultiSteps`` returns zero updates); the k-th applies the inner ``tx`` to the mean of the
@@ -116,7 +116,7 @@ def accumulated_sgd_step(
             optimizer that does not wrap ``optax.MultiSteps``, accumulates a different k, or is mid-cycle.
             Nothing is changed when an error is raised.
 
-    Example (``../shared/cases`` C9, Fixture L)::
+    Example (``docs/reduction_cases.md`` C9, Fixture L)::
 
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
@@ -132,7 +132,7 @@ def accumulated_sgd_step(
     fn = "accumulated_sgd_step"
     x, y = _validate.check_batch(fn, x, y)
     k = _check_k(fn, num_micro_batches)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     _validate.check_optimizer(fn, optimizer, model)
     if x.shape[0] % k:
         valid = ", ".join(map(str, _validate.valid_shard_counts(x.shape[0])))

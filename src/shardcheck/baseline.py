@@ -61,7 +61,7 @@ def sgd_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y) -> jax.Array:
     """
     fn = "sgd_step"
     x, y = _validate.check_batch(fn, x, y)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     _validate.check_optimizer(fn, optimizer, model)
     graphdef, state = nnx.split((model, optimizer))
     loss, state = _sgd_step_jit(graphdef, state, x, y)

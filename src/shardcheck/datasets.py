@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -56,8 +57,13 @@ def _targets(fn: str, target, columns: Sequence[str]) -> list[str]:
 
 
 def _load_csv(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
-    with path.open(newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{fn}: {path.name} is not UTF-8 text (byte {err.start}: {err.reason}); save it as a UTF-8 CSV"
+        ) from None
     rows = [r for r in rows if any(c.strip() for c in r)]
     if len(rows) < 2:
         raise ValueError(
@@ -103,8 +109,11 @@ def _load_npz(fn: str, path: Path, target) -> tuple[np.ndarray, np.ndarray, list
     except ValueError as err:
         if str(err).startswith(fn):
             raise
-        raise ValueError(f"{fn}: {path.name} is not a readable NPZ of numeric arrays ({err})") from None
-    except OSError as err:
+        raise ValueError(
+            f"{fn}: {path.name} is not a readable NPZ of numeric arrays (it is not an .npz archive, or holds "
+            "object arrays, which are never unpickled); save it with np.savez(path, x=..., y=...)"
+        ) from None
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
         raise ValueError(f"{fn}: {path.name} is not a readable NPZ file ({err})") from None
     for name, a in (("x", x), ("y", y)):
         if a.dtype.kind not in "iuf":
@@ -174,7 +183,19 @@ def load_dataset(source: str = "diabetes", *, target=None, standardize_data: boo
             )
     if x.shape[0] < 1:
         raise ValueError(f"{fn}: {name} has no rows")
+    if x.shape[1] < 1 or y.shape[1] < 1:
+        raise ValueError(
+            f"{fn}: {name} has {x.shape[1]} feature and {y.shape[1]} target column(s); at least one of each is "
+            "needed"
+        )
     if standardize_data:
+        with np.errstate(over="ignore", invalid="ignore"):
+            stats_finite = all(np.isfinite([a.mean(axis=0), a.std(axis=0)]).all() for a in (x, y))
+        if not stats_finite:
+            raise ValueError(
+                f"{fn}: {name} holds values too large to standardize in float64 (a column's mean or variance "
+                "overflows); rescale the data"
+            )
         x, y = standardize(x), standardize(y)
     return Dataset(name, x.astype(np.float32), y.astype(np.float32), tuple(features), tuple(targets))
 

@@ -34,7 +34,7 @@ def weighted_squared_error(
     """Numerator and denominator of a weighted MSE: ``(sum_i w_i * mean_k err_ik**2, sum_i w_i)``.
 
     Reducing a loss over uneven or masked shards must add these two numbers across shards and divide once
-    (``../shared/cases`` C4-C6: "psum the weighted sums and psum the counts, then divide"). With all weights 1
+    (``docs/reduction_cases.md`` C4-C6: "psum the weighted sums and psum the counts, then divide"). With all weights 1
     the ratio is exactly :func:`mse_loss`.
 
     Args:

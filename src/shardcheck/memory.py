@@ -451,7 +451,7 @@ def estimate_memory(
     however large the model. The optimizer state is what optax really allocates, read from
     ``jax.eval_shape(tx.init, params)``: none for ``optax.sgd(lr)``, one parameter-sized trace for momentum,
     two moments and an int32 count for Adam, a float32 accumulator for ``optax.MultiSteps``
-    (``../shared/cases`` C9). NNX's ``nnx.Optimizer.step`` adds one uint32 (4 bytes). Gradients have the
+    (``docs/reduction_cases.md`` C9). NNX's ``nnx.Optimizer.step`` adds one uint32 (4 bytes). Gradients have the
     parameters' shapes and dtypes.
 
     Each leaf is placed with :func:`~shardcheck.partitioning.fsdp_partition_spec` when its category is split
@@ -750,7 +750,7 @@ def measure_memory(
     fn = "measure_memory"
     check_strategy(fn, strategy)
     x, y = _validate.check_batch(fn, x, y)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     spmd.check_params_only(fn, model)
     _validate.check_optimizer(fn, optimizer, model)
     if mesh is None:

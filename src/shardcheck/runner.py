@@ -121,8 +121,10 @@ def run_strategies(
         raise ValueError(f"{fn}: unknown strategies {unknown}; choose from {', '.join(RUN_STRATEGIES)}")
     x, y = _validate.check_batch(fn, x, y)
     num_shards = _validate.check_num_shards(fn, num_shards)
-    _validate.check_equal_shards(fn, x.shape[0], num_shards, hint="choose --shards from this list")
+    if any(s != "baseline" for s in strategies):  # the baseline alone does not shard
+        _validate.check_equal_shards(fn, x.shape[0], num_shards, hint="choose --shards from this list")
     lr = _validate.check_lr(fn, lr)
+    seed = _validate.check_seed(fn, seed)
     if any(s in SHARDED_ON_MESH for s in strategies) and mesh is None:
         from shardcheck.spmd import make_mesh
 

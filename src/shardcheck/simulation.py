@@ -161,7 +161,7 @@ def split_shards(
     if shard_sizes is not None and weights is None:
         raise ValueError(
             f"{fn}: shard_sizes={tuple(shard_sizes)} without weights= would average per-shard means with equal "
-            "weight, which is wrong for uneven shards (../shared/cases C4); pass weights=np.ones(B) to weight "
+            "weight, which is wrong for uneven shards (docs/reduction_cases.md C4); pass weights=np.ones(B) to weight "
             "every example equally"
         )
     if weights is None:
@@ -215,7 +215,7 @@ def reduced_sgd_step(
     ``optimizer.update(model, grads)`` runs exactly once. For equal shards this equals the full-batch
     :func:`~shardcheck.sgd_step` up to floating-point rounding.
 
-    Weighted mode (``weights`` given; ``../shared/cases`` C4-C6): uneven shards (``shard_sizes``, default
+    Weighted mode (``weights`` given; ``docs/reduction_cases.md`` C4-C6): uneven shards (``shard_sizes``, default
     ``np.array_split`` sizes) and masked examples are allowed; each shard contributes its weighted sum of squared
     errors and its total weight, and the reduction divides the summed sums by the summed weights once, which
     reproduces the full-batch weighted loss and gradients exactly. The naive equal-weight mean of the per-shard
@@ -245,7 +245,7 @@ def reduced_sgd_step(
     fn = "reduced_sgd_step"
     x, y = _validate.check_batch(fn, x, y)
     num_shards = _validate.check_num_shards(fn, num_shards)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     _validate.check_optimizer(fn, optimizer, model)
     xs, ys, ws = split_shards(fn, x, y, num_shards, weights, shard_sizes)
     graphdef, state = nnx.split((model, optimizer))

@@ -16,7 +16,7 @@ its own shard only, and the optimizer update runs on the local shards. This is t
 (Rajbhandari et al., "ZeRO", 2020; Zhao et al., "PyTorch FSDP", 2023), written with explicit collectives rather
 than left to GSPMD, which may lower the same computation to an all-reduce followed by a slice.
 
-The trap of ``../shared/cases`` C2: under ``jax.shard_map`` with replication checking on (``check_vma=True``,
+The trap of ``docs/reduction_cases.md`` C2: under ``jax.shard_map`` with replication checking on (``check_vma=True``,
 the default), a replicated (device-invariant) input is implicitly broadcast to every device, and the transpose of
 that broadcast is a ``psum``. The gradient of a local loss with respect to a replicated parameter therefore
 comes back *already summed* over the axis, and a further ``pmean`` leaves an update S times too large, with no
@@ -120,7 +120,7 @@ def check_mesh(fn: str, mesh, axis_name) -> int:
 
 
 def check_batch_divisible(fn: str, batch: int, num_shards: int, axis_name: str) -> None:
-    """Every device needs an equal, non-empty shard of the batch (``../shared/cases`` C4, C6)."""
+    """Every device needs an equal, non-empty shard of the batch (``docs/reduction_cases.md`` C4, C6)."""
     if batch % num_shards:
         valid = ", ".join(map(str, _validate.valid_shard_counts(batch)))
         raise ValueError(
@@ -322,7 +322,7 @@ def _compiled_step(strategy, graphdef, treedef, specs, param_specs, mesh, axis_n
 def _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size):
     """Validate everything, then return the compiled step and its placed arguments (nothing is changed)."""
     x, y = _validate.check_batch(fn, x, y)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     check_params_only(fn, model)
     _validate.check_optimizer(fn, optimizer, model)
     num_shards = check_mesh(fn, mesh, axis_name)
@@ -415,7 +415,7 @@ def data_parallel_sgd_step(
     reduction of seed ``000_f7b4ea9cf28c5420.txt``), and every replica applies the same
     ``optimizer.update(model, grads)``. With equal shards the mean of the shard gradients is the full-batch
     gradient, so any optax transformation gives the baseline update. See the module docstring for the
-    ``../shared/cases`` C2 trap and how it is avoided.
+    ``docs/reduction_cases.md`` C2 trap and how it is avoided.
 
     Compiled once per (model structure, optimizer, shapes, mesh). Buffer donation: a model's first mesh step
     copies its arrays into the mesh placement (the caller's arrays, and those of any ``nnx.clone`` sharing them,

@@ -1,6 +1,6 @@
 """Weighted mode: uneven shards and masked examples, reduced so that the result is the full-batch one.
 
-``../shared/cases`` C4-C6: when shards differ in size, or some examples are masked out or are padding, the mean
+``docs/reduction_cases.md`` C4-C6: when shards differ in size, or some examples are masked out or are padding, the mean
 of per-shard means weights every shard equally and is wrong. The rule: each shard contributes the weighted sum
 of its squared errors and its total weight; the sums and the weights are each added over the shards (``psum``)
 and divided once. :func:`weighted_sgd_step` is the full-batch reference of that rule, and
@@ -54,7 +54,7 @@ def weighted_sgd_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, weights
 
     The loss is ``sum_i w_i * mean_k (model(x)_ik - y_ik)**2 / sum_i w_i``; with all weights 1 it is
     :func:`~shardcheck.mse_loss` and the step is :func:`~shardcheck.sgd_step`. A 0/1 mask drops examples
-    (``../shared/cases`` C5).
+    (``docs/reduction_cases.md`` C5).
 
     Args:
         model: an ``nnx.Module`` without batch statistics or RNG streams; updated in place.
@@ -73,7 +73,7 @@ def weighted_sgd_step(model: nnx.Module, optimizer: nnx.Optimizer, x, y, weights
     """
     fn = "weighted_sgd_step"
     x, y = _validate.check_batch(fn, x, y)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     _validate.check_optimizer(fn, optimizer, model)
     w = _check_weights(fn, weights, x.shape[0])
     graphdef, state = nnx.split((model, optimizer))
@@ -86,7 +86,7 @@ def weighted_data_parallel_value_and_grad(model: nnx.Module, x, y, w, axis_name:
     """Inside ``shard_map``: the weighted loss and gradients over ``axis_name``, and the naive equal-weight ones.
 
     Each device differentiates its shard's weighted *sum* of squared errors (with respect to a device-varying
-    copy of the parameters, so no implicit ``psum`` is added: ``../shared/cases`` C2); the sums, the weight
+    copy of the parameters, so no implicit ``psum`` is added: ``docs/reduction_cases.md`` C2); the sums, the weight
     totals and the gradient sums are each ``psum``-ed once, and divided once by the total weight.
 
     Args:
@@ -163,7 +163,7 @@ def weighted_data_parallel_sgd_step(
     not be divisible by S), each padded with zero-weight rows to the longest and placed one per device. Inside
     one ``jax.shard_map``: psum of the weighted sums of squared errors, psum of the weights, psum of the gradient
     sums, one division; every replica applies the same ``optimizer.update``. The result equals
-    :func:`weighted_sgd_step` on the whole batch (``../shared/cases`` C4: 25.5 / -9; C5: 27.75 / -9.5; C6: 38.5 /
+    :func:`weighted_sgd_step` on the whole batch (``docs/reduction_cases.md`` C4: 25.5 / -9; C5: 27.75 / -9.5; C6: 38.5 /
     -11). Parameters and optimizer state are replicated.
 
     Args:
@@ -190,7 +190,7 @@ def weighted_data_parallel_sgd_step(
 
     fn = "weighted_data_parallel_sgd_step"
     x, y = _validate.check_batch(fn, x, y)
-    _validate.check_model(fn, model)
+    _validate.check_model(fn, model, x, y)
     _validate.check_optimizer(fn, optimizer, model)
     num_shards = spmd.check_mesh(fn, mesh, axis_name)
     w = _check_weights(fn, weights, x.shape[0])

@@ -28,8 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardcheck`` console script; returns the process exit status."""
+    from shardcheck.cli._common import OUTPUT_FLAGS, check_output_path
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = f"shardcheck {args.command}"
+    try:  # before any work: an output that cannot be written is refused now, not after the computation
+        for flag in OUTPUT_FLAGS:
+            check_output_path(command, flag, getattr(args, flag, None))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.command != "launch":  # join a multi-process run when SHARDCHECK_COORDINATOR etc. describe one
         from shardcheck import distributed
 
@@ -38,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, distributed.CoordinatorBindError) as err:
             print(f"shardcheck {args.command}: {err}", file=sys.stderr)
             return getattr(err, "exit_status", 2)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except OSError as err:  # a write that failed all the same (disk full, permissions changed meanwhile)
+        print(f"error: {command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -35,6 +37,47 @@ def configure_devices(num_devices: int | None) -> None:
                 f"--devices {num_devices}: JAX is already initialized with {len(jax.devices())} devices in this "
                 "process; set jax_num_cpu_devices before JAX initializes"
             ) from None
+
+
+OUTPUT_FLAGS = ("json", "plot", "log")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` once: not for a None default, nor when the help text already states its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
+def check_output_path(command: str, flag: str, path: str | None) -> None:
+    """Refuse, before any work, an output path that cannot be written.
+
+    ``-`` (stdout) and None pass. Missing parent folders are created when the file is written; the nearest
+    existing ancestor must be a folder this process can create files in (tried with a temp file).
+
+    Raises:
+        ValueError: the path is a folder, lies under a file, or its folder is not writable.
+    """
+    if path is None or path == "-":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{command}: --{flag} {path} is a folder; pass a file path")
+    ancestor = target.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{command}: --{flag} {path} lies under {ancestor}, which is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{command}: --{flag} {path} cannot be written: {err.strerror} in {ancestor}"
+        ) from None
 
 
 def console_for(args) -> Console:

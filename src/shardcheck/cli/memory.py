@@ -9,10 +9,9 @@ per-device figures.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from shardcheck.cli._common import configure_devices, console_for, write_atomic, write_json
+from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
 
 STRATEGY_CHOICES = ("all", "replicated", "dp", "zero1", "zero2", "fsdp")
 OPTIMIZER_CHOICES = ("sgd", "momentum", "adam")
@@ -32,7 +31,7 @@ def add_parser(sub) -> None:
             "strategy's step is compiled on a device mesh and XLA's per-device memory analysis and the live "
             "state arrays are shown beside the estimate."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--in", dest="in_features", type=int, required=True, metavar="D", help="input width D")
     p.add_argument("--out", dest="out_features", type=int, required=True, metavar="K", help="output width K")

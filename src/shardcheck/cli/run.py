@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from shardcheck.cli._common import configure_devices, console_for, write_json
+from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_json
 
 STRATEGY_CHOICES = ("all", "baseline", "simulation", "dp", "fsdp")
 
@@ -21,7 +20,7 @@ def add_parser(sub) -> None:
             "parameters. Prints losses, gradient and parameter differences against the baseline, and the "
             "parameter storage per shard."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--dataset", default="diabetes", help="diabetes | linnerud | PATH.csv | PATH.npz")
     p.add_argument(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import sys
 from pathlib import Path
 
-from shardcheck.cli._common import configure_devices, console_for, write_atomic, write_json
+from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
 
 STRATEGY_CHOICES = ("simulation", "dp", "fsdp")
 MODEL_CHOICES = ("linear", "mlp")
@@ -30,7 +29,7 @@ def add_parser(sub) -> None:
         ),
         epilog="example: shardcheck train --strategy fsdp --devices 4 --optimizer adam --epochs 30 "
         "--batch-size 64 --plot loss.png",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--dataset", default="diabetes", help="diabetes | linnerud | PATH.csv | PATH.npz")
     p.add_argument(
