@@ -8,6 +8,7 @@ values of ``../shared/cases`` C4, C5 and C6 exactly.
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -631,3 +632,142 @@ def test_public_names_are_exported():
     ):
         assert getattr(shardcheck, name) is getattr(parity, name)
     assert shardcheck.strategy_candidate is strategy_candidate
+
+
+# ------------------------------------------- trajectories that diverge, references that diverge, bad candidates
+
+
+def diabetes_mlp(steps, opt="momentum", lr=0.05):
+    from shardcheck import datasets
+
+    data = datasets.load_dataset("diabetes")
+    model = make_model("mlp", data.x.shape[1], data.y.shape[1], hidden=32, seed=0)
+    tx = TX[opt] if lr == LR[opt] else make_tx(opt, lr)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param), minibatches(data.x, data.y, 64, steps, seed=0)
+
+
+@pytest.mark.parametrize("strategy", ["simulation", "fsdp"])
+def test_relu_flip_is_a_diverged_trajectory_not_a_failure(strategy):
+    """`verify --model mlp --optimizer momentum --steps 50` at S=2: a ReLU pre-activation of ~1e-7 at step 33 flips
+    under the reordered sum and the runs separate; every step still matches from the reference's own state."""
+    model, optimizer, batches = diabetes_mlp(50)
+    report = check_parity(strategy, model, optimizer, batches, num_shards=2)
+    assert report.diverged_at == 33 and report.diverged.step == 33 and not report.diverged.ok
+    assert not report.ok and report.step_ok and report.verdict == "PASS (per step)"
+    assert report.codes == ("diverged_trajectory",)
+    assert [r.synchronized for r in report.steps] == [False] * 33 + [True] * 17
+    assert all(r.ok for r in report.steps) and report.worst.badness < 0.5
+    msg = report.diagnosis
+    assert "diverged at step 33" in msg and "ReLU" in msg and "from identical state" in msg
+    assert "every step from 33 on (17 step(s))" in msg and "compare fewer steps" in msg
+    assert report.diagnoses[0].leaf.startswith(("grad hidden", "opt_state 0.trace.hidden"))
+    assert str(report).startswith(f"parity PASS (per step) for strategy {strategy!r} over 50 step(s)")
+    d = report.to_dict()
+    assert d["verdict"] == "PASS (per step)" and d["diverged_at"] == 33 and d["per_step"][40]["synchronized"]
+    assert assert_step_parity(strategy, model, optimizer, batches, num_shards=2).verdict == "PASS (per step)"
+
+
+def test_a_bug_that_starts_later_still_fails():
+    def summed_from_step_10(model, optimizer, x, y):  # correct for 10 steps, then a sum over 2 shards
+        if int(optimizer.step[...]) < 10:
+            return shardcheck.sgd_step(model, optimizer, x, y)
+        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        optimizer.update(model, jax.tree.map(lambda g: 2 * g, grads))
+        return loss
+
+    model, optimizer, batches = diabetes_mlp(14)
+    report = check_parity(summed_from_step_10, model, optimizer, batches, num_shards=2)
+    assert report.verdict == "FAIL" and not report.ok and not report.step_ok
+    assert report.diverged_at is None and "diverged_trajectory" not in report.codes
+    assert all(r.ok for r in report.steps[:10]) and not report.steps[10].ok
+    assert not any(r.synchronized for r in report.steps)
+    assert report.codes[0] == "drift" and "step 10 does not" in report.diagnosis
+    with pytest.raises(ParityError):
+        assert_step_parity(summed_from_step_10, model, optimizer, batches, num_shards=2)
+
+
+def test_a_reference_that_diverges_is_no_verdict():
+    model, optimizer, batches = diabetes_mlp(30, "sgd", 2.0)
+    report = check_parity("simulation", model, optimizer, batches, num_shards=2)
+    t = report.reference_diverged_at
+    assert t is not None and 0 < t < 30 and len(report.steps) == t
+    assert all(r.ok for r in report.steps)  # every finite step matched; the rest is not compared
+    assert report.codes == ("reference_diverged",) and report.verdict == "NO VERDICT"
+    assert not report.ok and not report.step_ok
+    assert f"non-finite loss or parameters at step {t}" in report.diagnosis
+    assert "Lower the learning rate" in report.diagnosis
+
+
+def test_a_candidate_that_raises_is_reported_with_its_step():
+    def raises_at_2(model, optimizer, x, y):
+        if int(optimizer.step[...]) == 2:
+            raise ZeroDivisionError("planted")
+        return shardcheck.sgd_step(model, optimizer, x, y)
+
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(
+        parity.CandidateError,
+        match="candidate step 'raises_at_2' raised ZeroDivisionError: planted at step 2",
+    ) as info:
+        check_parity(raises_at_2, model, optimizer, BATCHES[:4])
+    assert info.value.step == 2 and isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+@pytest.mark.parametrize(
+    ("returned", "msg"),
+    [
+        ("garbage", "returned str at step 0; it must return the scalar pre-update loss, None, or an object"),
+        (np.zeros(3), "returned ndarray of shape (3,) at step 0"),
+        ({"grads": None}, "returned a mapping without 'loss'"),
+        ({"loss": "x"}, "returned loss of type str"),
+    ],
+)
+def test_a_candidate_returning_garbage_is_refused(returned, msg):
+    def step(model, optimizer, x, y):
+        shardcheck.sgd_step(model, optimizer, x, y)
+        return returned
+
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        check_parity(step, model, optimizer, BATCHES[:1])
+
+
+def test_reference_and_candidate_must_be_steps():
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(TypeError, match="check_parity: reference must be None .* got int 3"):
+        check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, reference=3)
+
+    def three(model, optimizer, x):
+        return None
+
+    with pytest.raises(
+        TypeError, match=re.escape("check_parity: candidate three(model, optimizer, x) cannot be")
+    ):
+        check_parity(three, model, optimizer, BATCHES[:1])
+    with pytest.raises(
+        TypeError, match="check_parity: reference three.* it must take \\(model, optimizer, x, y\\)"
+    ):
+        check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, reference=three)
+
+
+@pytest.mark.parametrize(
+    ("weights", "msg"),
+    [
+        (-np.ones(16), "batch 0 weights must be >= 0, got 16 negative value(s) (min -1)"),
+        (np.ones(5), "batch 0 weights must have shape (16,) (one weight per row of x), got shape (5,)"),
+        (np.full(16, np.nan), "batch 0 weights must be finite, got 16 non-finite value(s)"),
+        (np.zeros(16), "batch 0 weights must not be all zero"),
+    ],
+)
+def test_bad_weights_name_the_rule_they_break(weights, msg):
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        check_parity("simulation", model, optimizer, [(*BATCHES[0], weights)], num_shards=2)
+
+
+def test_repeated_findings_are_merged():
+    model, optimizer = fresh("linear", "sgd")
+    report = check_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2, rtol=1e9)
+    assert report.codes == ("parity", "weak_check")
+    weak = report.diagnoses[1].message
+    assert "too loose" in weak and "is not larger than the tolerance" in weak

@@ -86,6 +86,9 @@ class StepRecord:
         equal_weight_loss_abs_err: ``|equal_weight_loss - reference loss|``, else ``None``.
         equal_weight_grad_abs_err: weighted mode: max over leaves of ``|naive equal-weight gradient - reference
             gradient|``, else ``None``.
+        synchronized: the candidate ran this step from a copy of the reference's pre-step state (model and
+            optimizer), not from its own trajectory (after a ``diverged_trajectory`` finding), and was compared
+            at the step-0 tolerance.
     """
 
     step: int
@@ -100,6 +103,7 @@ class StepRecord:
     equal_weight_loss: float | None = None
     equal_weight_loss_abs_err: float | None = None
     equal_weight_grad_abs_err: float | None = None
+    synchronized: bool = False
 
     @property
     def ok(self) -> bool:
@@ -114,7 +118,8 @@ class Diagnosis:
     Attributes:
         code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``scaled``, ``replicas_differ``,
             ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``, ``grads_differ``,
-            ``update_differs``, ``drift``, ``weak_check`` or ``equal_weight``.
+            ``update_differs``, ``drift``, ``diverged_trajectory``, ``reference_diverged``, ``weak_check`` or
+            ``equal_weight``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).
     """
@@ -184,7 +189,13 @@ def _name_factor(f: float, num_shards: int | None) -> tuple[str, str] | None:
     return None
 
 
-def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> list[Diagnosis]:
+def diagnose(
+    records: Sequence[StepRecord],
+    num_shards: int | None = None,
+    *,
+    diverged: StepRecord | None = None,
+    reference_diverged_at: int | None = None,
+) -> list[Diagnosis]:
     """Explain a comparison: the findings of :class:`ParityReport`, most important first.
 
     Rules: replicas that differ across devices (named leaf); an update counter that is not the step count
@@ -196,8 +207,22 @@ def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> li
     or ``drift`` when the first steps agree and errors grow past tolerance later. ``weak_check`` warns when a
     reference update is below tolerance (the comparison cannot see it); ``equal_weight`` reports the naive
     equal-weight mean's error in weighted mode.
+
+    ``diverged``: the trajectory record of the first failing step t > 0 whose step, re-run from the reference's
+    pre-step state, matched (``records`` from t on are then synchronized steps): ``diverged_trajectory``.
+    ``reference_diverged_at``: the step at which the reference's loss or state became non-finite (the comparison
+    stopped there): ``reference_diverged``, and no ``parity`` finding. Findings with the same code are merged.
     """
     out: list[Diagnosis] = []
+    if reference_diverged_at is not None:
+        out.append(
+            Diagnosis(
+                "reference_diverged",
+                f"The reference run diverged (non-finite loss or parameters at step {reference_diverged_at}): "
+                f"steps {reference_diverged_at} and later were not compared, and this is no verdict about the "
+                "candidate. Lower the learning rate.",
+            )
+        )
     if not records:
         return out
     all_leaves = [e for r in records for e in r.leaves]
@@ -304,7 +329,7 @@ def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> li
                 f"{worst_name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}"
                 + ("" if worst.ratio is None else f", update ratio {worst.ratio:.4g}")
             )
-            if first.step > 0:
+            if first.step > 0 and not first.synchronized:
                 out.append(
                     Diagnosis(
                         "drift",
@@ -328,7 +353,9 @@ def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> li
                 out.append(
                     Diagnosis(
                         "update_differs",
-                        f"The update differs from the reference at step 0 ({detail}): not a single reduced step "
+                        f"The update differs from the reference at step {first.step}"
+                        + (" (run from the reference's pre-step state)" if first.synchronized else "")
+                        + f" ({detail}): not a single reduced step "
                         "(shards applied one after another, gradients taken at different parameters, or a wrong "
                         "loss).",
                         worst_name,
@@ -375,9 +402,49 @@ def diagnose(records: Sequence[StepRecord], num_shards: int | None = None) -> li
                 "psum of counts) is the one checked.",
             )
         )
-    if not failing:
+    if diverged is not None:
+        bad = [e for e in diverged.leaves if not e.ok]
+        worst = max(bad, key=lambda e: e.badness) if bad else None
+        t = diverged.step
+        what = (
+            ""
+            if worst is None
+            else (f" ({worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g})")
+        )
+        synced = [r for r in records if r.synchronized]
+        verdict = (
+            f"every step from {t} on ({len(synced)} step(s)), run from the reference's pre-step state, matched "
+            "within the step-0 tolerance"
+            if all(r.ok for r in synced)
+            else f"step {t} run from the reference's pre-step state matched, but a later step did not (above)"
+        )
+        out.insert(
+            0 if not failing else len(out),
+            Diagnosis(
+                "diverged_trajectory",
+                f"The trajectories diverged at step {t}{what}, but the candidate step reproduces the reference "
+                f"step from identical state: {verdict}. A rounding-level difference (the reordered batch sum) "
+                "flipped a non-smooth op such as ReLU, and the two runs then separate: a property of the model, "
+                f"not a bug in the step. Parity holds per step, not for the trajectory after step {t}; compare "
+                "fewer steps or use a smooth activation to check longer runs.",
+                None if worst is None else worst.name,
+            ),
+        )
+    elif not failing and reference_diverged_at is None:
         n = len({(e.kind, e.path) for e in all_leaves})
         out.insert(
             0, Diagnosis("parity", f"Parity holds: {n} leaves over {len(records)} step(s) within tolerance.")
         )
-    return out
+    return _merge(out)
+
+
+def _merge(findings: list[Diagnosis]) -> list[Diagnosis]:
+    """One finding per code, in first-seen order; the messages of repeated codes are joined."""
+    merged: dict[str, Diagnosis] = {}
+    for d in findings:
+        if d.code in merged:
+            prev = merged[d.code]
+            merged[d.code] = Diagnosis(d.code, f"{prev.message} {d.message}", prev.leaf or d.leaf)
+        else:
+            merged[d.code] = d
+    return list(merged.values())

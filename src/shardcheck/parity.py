@@ -62,6 +62,12 @@ class ParityReport:
         diagnoses: the findings, most important first (``parity`` alone when ``ok`` and nothing to note).
         num_shards: S, when known (used to recognise ratios S and 1/S).
         tolerance_rule: how the tolerances were chosen (derived, or the user's ``rtol``/``atol``).
+        diverged_at: the step t > 0 at which the trajectories first left tolerance while that step, re-run from the
+            reference's pre-step state, matched (``diverged_trajectory``); ``steps`` from t on are then
+            synchronized steps. ``None`` otherwise.
+        diverged: the trajectory :class:`StepRecord` that failed at ``diverged_at`` (kept for the report).
+        reference_diverged_at: the step at which the reference's loss or state became non-finite; the comparison
+            stopped there (``reference_diverged``; ``steps`` holds the steps before it). ``None`` otherwise.
     """
 
     strategy: str
@@ -70,6 +76,25 @@ class ParityReport:
     diagnoses: tuple[Diagnosis, ...]
     num_shards: int | None = None
     tolerance_rule: str = ""
+    diverged_at: int | None = None
+    diverged: StepRecord | None = None
+    reference_diverged_at: int | None = None
+
+    @property
+    def step_ok(self) -> bool:
+        """Every step is correct: ``ok``, or the trajectories diverged (``diverged_trajectory``) and every step
+        from there on matched the reference from the reference's own pre-step state."""
+        return self.reference_diverged_at is None and bool(self.steps) and all(r.ok for r in self.steps)
+
+    @property
+    def verdict(self) -> str:
+        """``"PASS"`` (:attr:`ok`), ``"PASS (per step)"`` (trajectories diverged, every step correct from
+        synchronized state), ``"NO VERDICT"`` (the reference diverged) or ``"FAIL"``."""
+        if self.reference_diverged_at is not None:
+            return "NO VERDICT"
+        if self.ok:
+            return "PASS"
+        return "PASS (per step)" if self.step_ok else "FAIL"
 
     @property
     def worst(self) -> LeafError | None:
@@ -121,6 +146,10 @@ class ParityReport:
         ew_grad = [r.equal_weight_grad_abs_err for r in self.steps if r.equal_weight_grad_abs_err is not None]
         return {
             "ok": self.ok,
+            "verdict": self.verdict,
+            "step_ok": self.step_ok,
+            "diverged_at": self.diverged_at,
+            "reference_diverged_at": self.reference_diverged_at,
             "worst_leaf": self.worst_leaf,
             "worst_step": None if worst is None else worst.step,
             "max_abs_err": self.max_abs_err,
@@ -151,6 +180,7 @@ class ParityReport:
                 {
                     "step": r.step,
                     "ok": r.ok,
+                    "synchronized": r.synchronized,
                     "loss": r.loss,
                     "candidate_loss": r.candidate_loss,
                     "rtol": r.rtol,
@@ -163,7 +193,7 @@ class ParityReport:
         }
 
     def __str__(self) -> str:
-        verdict = "PASS" if self.ok else "FAIL"
+        verdict = self.verdict
         lines = [f"parity {verdict} for strategy {self.strategy!r} over {len(self.steps)} step(s)"]
         worst = self.worst
         if worst is not None:
@@ -181,6 +211,14 @@ class ParityReport:
         if self.tolerance_rule:
             lines.append(f"  tolerance: {self.tolerance_rule}")
         return "\n".join(lines)
+
+
+class CandidateError(RuntimeError):
+    """The candidate step raised; the original exception is ``__cause__`` and ``step`` the 0-based step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 class ParityError(AssertionError):
@@ -298,20 +336,45 @@ def _is_scalar_like(out) -> bool:
     return isinstance(out, jax.Array | np.ndarray | np.generic | float | int) and np.ndim(out) == 0
 
 
-def _unpack(out) -> tuple[Any, Any, Any, Any]:
-    """``(loss, grads, equal_weight_loss, equal_weight_grads)`` from a step's return value."""
+def _unpack(out, who: str = "candidate", step: int = 0) -> tuple[Any, Any, Any, Any]:
+    """``(loss, grads, equal_weight_loss, equal_weight_grads)`` from a step's return value.
+
+    Raises:
+        TypeError: ``out`` is not a scalar loss, ``None``, or a mapping / object with ``loss`` (itself a scalar
+            or ``None``).
+    """
     if out is None:
         return None, None, None, None
     if _is_scalar_like(out):
         return out, None, None, None
+    rule = (
+        "it must return the scalar pre-update loss, None, or an object or mapping with 'loss' (a scalar) and "
+        "optionally 'grads'"
+    )
     if isinstance(out, Mapping):
+        if "loss" not in out:
+            raise TypeError(
+                f"check_parity: the {who} step returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
+                f"at step {step}; {rule}"
+            )
         get = out.get
-    else:
+    elif hasattr(out, "loss") and not isinstance(out, str | bytes | np.ndarray | jax.Array):
 
         def get(name, default=None):
             return getattr(out, name, default)
 
-    return get("loss"), get("grads"), get("equal_weight_loss"), get("equal_weight_grads")
+    else:
+        shape = f" of shape {np.shape(out)}" if hasattr(out, "shape") else ""
+        raise TypeError(
+            f"check_parity: the {who} step returned {type(out).__name__}{shape} at step {step}; {rule}"
+        )
+    loss = get("loss")
+    if loss is not None and not _is_scalar_like(loss):
+        raise TypeError(
+            f"check_parity: the {who} step returned loss of type {type(loss).__name__}"
+            f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}"
+        )
+    return loss, get("grads"), get("equal_weight_loss"), get("equal_weight_grads")
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -324,7 +387,8 @@ def _leaf_error(step, kind, path, ref, cand, rtol, atol, before_ref=None, before
         return LeafError(
             step, kind, path, math.inf, math.inf, atol + rtol * float(np.max(np.abs(r), initial=0)), False
         )
-    diff = np.abs(c - r)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(c - r)
     max_abs = float(np.max(diff, initial=0.0)) if not np.isnan(diff).any() else math.nan
     scale = float(np.max(np.abs(r), initial=0.0))
     rel = (max_abs / scale) if scale > 0 else (0.0 if max_abs == 0 else math.inf)
@@ -471,6 +535,23 @@ def strategy_candidate(
     raise ValueError(f"{fn}: strategy {name!r} is unknown; use one of {', '.join(STRATEGIES)}")
 
 
+def _check_step_signature(fn: str, label: str, step: Callable, kwargs: dict) -> None:
+    """``step`` must accept ``(model, optimizer, x, y, **kwargs)``; a TypeError naming ``label`` otherwise."""
+    try:
+        sig = inspect.signature(step)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have no signature: let the call decide
+    try:
+        sig.bind(None, None, None, None, **kwargs)
+    except TypeError as err:
+        name = getattr(step, "__name__", type(step).__name__)
+        raise TypeError(
+            f"{fn}: {label} {name}{sig} cannot be called as {label}(model, optimizer, x, y"
+            f"{', mesh=mesh' if kwargs else ''}) ({err}); it must take (model, optimizer, x, y), or "
+            "(model, optimizer, x, y, mesh) with mesh= given, and update model and optimizer in place"
+        ) from None
+
+
 def _as_candidate(fn, candidate, num_shards, mesh, name) -> Candidate:
     if isinstance(candidate, Candidate):
         if num_shards is not None and candidate.num_shards is None:
@@ -487,6 +568,7 @@ def _as_candidate(fn, candidate, num_shards, mesh, name) -> Candidate:
             f"(model, optimizer, x, y) -> loss, got {type(candidate).__name__}"
         )
     pass_mesh = mesh is not None and _accepts(candidate, "mesh", 4)
+    _check_step_signature(fn, "candidate", candidate, {"mesh": mesh} if pass_mesh else {})
     return Candidate(
         name or getattr(candidate, "__name__", "candidate"),
         candidate,
@@ -561,10 +643,19 @@ def _normalize_batches(fn: str, batches, steps: int | None) -> list[tuple]:
         w = None
         if len(b) == 3 and b[2] is not None:
             w = np.asarray(b[2], dtype=np.float32)
-            if w.shape != (x.shape[0],) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+            problem = None
+            if w.shape != (x.shape[0],):
+                problem = f"must have shape ({x.shape[0]},) (one weight per row of x), got shape {w.shape}"
+            elif not np.isfinite(w).all():
+                problem = f"must be finite, got {int((~np.isfinite(w)).sum())} non-finite value(s)"
+            elif (w < 0).any():
+                problem = f"must be >= 0, got {int((w < 0).sum())} negative value(s) (min {float(w.min()):g})"
+            elif w.sum() <= 0:
+                problem = "must not be all zero (no example would count)"
+            if problem is not None:
                 raise ValueError(
-                    f"{fn}: batch {i} weights must be finite, >= 0, not all zero, of shape ({x.shape[0]},); "
-                    f"got shape {w.shape}"
+                    f"{fn}: batch {i} weights {problem}; pass example counts or a 0/1 mask of shape "
+                    f"({x.shape[0]},)"
                 )
             w = jnp.asarray(w)
         clean.append((x, y, w))
@@ -644,6 +735,18 @@ def check_parity(
             raise ValueError(f"{fn}: {label} must be a number >= 0, got {value!r}")
     if num_shards is not None:
         num_shards = _validate.check_num_shards(fn, num_shards)
+    if reference is not None:
+        if not callable(reference):
+            raise TypeError(
+                f"{fn}: reference must be None (sgd_step) or an in-place step (model, optimizer, x, y) -> loss, "
+                f"got {type(reference).__name__} {reference!r}"
+            )
+        _check_step_signature(fn, "reference", reference, {})
+    if isinstance(candidate, Candidate) and not callable(candidate.step):
+        raise TypeError(
+            f"{fn}: Candidate {candidate.name!r} has step of type {type(candidate.step).__name__}; it must be a "
+            "callable (model, optimizer, x, y) -> loss"
+        )
     named = isinstance(candidate, str)
     cand = _as_candidate(fn, candidate, num_shards, mesh, name)
     num_shards = cand.num_shards
@@ -669,30 +772,70 @@ def check_parity(
         ref_model, ref_opt, reference, cand, cand_model, cand_opt, {"mesh": mesh} if cand.pass_mesh else {}
     )
 
-    records = []
+    records: list[StepRecord] = []
     # the least precise floating dtype among the parameters sets eps (float32 for shardcheck's models)
     dtypes = {jnp.dtype(a.dtype) for a in jax.tree.leaves(nnx.state(model, nnx.Param))}
     floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)] or [jnp.dtype(jnp.float32)]
     dtype = max(floats, key=lambda d: float(jnp.finfo(d).eps))
+
+    def tolerances(x, y, t):
+        derived = derive_tolerance(dtype, batch_size=int(x.shape[0]), out_features=int(y.shape[1]), step=t)
+        return (
+            derived.rtol if rtol is None else float(rtol),
+            derived.atol if atol is None else float(atol),
+            derived,
+        )
+
+    diverged = diverged_at = reference_diverged_at = None
+    rechecked = False
     for t, (x, y, w) in enumerate(data):
-        if rtol is None or atol is None:
-            derived = derive_tolerance(
-                dtype, batch_size=int(x.shape[0]), out_features=int(y.shape[1]), step=t
-            )
-        r_tol = derived.rtol if rtol is None else float(rtol)
-        a_tol = derived.atol if atol is None else float(atol)
-        records.append(_compare_step(run, t, x, y, w, r_tol, a_tol))
+        if diverged_at is None:
+            # Trajectory mode: both sides carry their own state. Keep the reference's pre-step state, so that a
+            # first failure at t > 0 can be re-checked from synchronized state.
+            pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
+            r_tol, a_tol, derived = tolerances(x, y, t)
+            record = _compare_step(run, t, x, y, w, r_tol, a_tol)
+            if not _reference_finite(run, record):
+                reference_diverged_at = t
+                break
+            if not record.ok and t > 0 and not rechecked:
+                rechecked = True
+                r0, a0, _ = tolerances(x, y, 0)
+                synced = _compare_step(_synchronized(run, *pre), t, x, y, w, r0, a0, completed=1, synced=True)
+                if synced.ok:
+                    diverged, diverged_at = record, t
+                    record = synced
+            records.append(record)
+        else:
+            # Synchronized mode (after diverged_trajectory): each step starts the candidate from a copy of the
+            # reference's pre-step state and compares at the step-0 tolerance.
+            r_tol, a_tol, derived = tolerances(x, y, 0)
+            sync_run = _synchronized(run, run.ref_model, run.ref_opt)
+            record = _compare_step(sync_run, t, x, y, w, r_tol, a_tol, completed=1, synced=True)
+            if not _reference_finite(run, record):
+                reference_diverged_at = t
+                break
+            records.append(record)
+        pre = None
     if rtol is None and atol is None:
         rule = derived.rule
     else:
         rule = f"rtol={r_tol:g}, atol={a_tol:g} (user-set where given, else derived; fixed for every step)"
     return ParityReport(
         strategy=cand.name,
-        ok=all(r.ok for r in records),
+        ok=bool(records)
+        and all(r.ok for r in records)
+        and diverged_at is None
+        and reference_diverged_at is None,
         steps=tuple(records),
-        diagnoses=tuple(diagnose(records, num_shards)),
+        diagnoses=tuple(
+            diagnose(records, num_shards, diverged=diverged, reference_diverged_at=reference_diverged_at)
+        ),
         num_shards=num_shards,
         tolerance_rule=rule,
+        diverged_at=diverged_at,
+        diverged=diverged,
+        reference_diverged_at=reference_diverged_at,
     )
 
 
@@ -709,8 +852,50 @@ class _Run:
     kwargs: dict
 
 
-def _compare_step(run: _Run, t: int, x, y, w, rtol: float, atol: float) -> StepRecord:
-    """Snapshot both sides, step both on one batch, compare every leaf."""
+def _synchronized(run: _Run, ref_model: nnx.Module, ref_opt: nnx.Optimizer) -> _Run:
+    """A run whose candidate starts from a copy of the given reference state (model and optimizer).
+
+    The reference side is ``run``'s own (stepped in place) when ``ref_model`` is ``run.ref_model``, else a copy.
+    """
+    if ref_model is run.ref_model:
+        r_model, r_opt = run.ref_model, run.ref_opt
+    else:
+        r_model, r_opt = _copy_state(ref_model, ref_opt)
+    c_model, c_opt = _copy_state(ref_model, ref_opt)
+    if run.cand.make_optimizer is not None:
+        c_opt = run.cand.make_optimizer(c_model, c_opt)
+    return _Run(r_model, r_opt, run.reference, run.cand, c_model, c_opt, run.kwargs)
+
+
+def _reference_finite(run: _Run, record: StepRecord) -> bool:
+    """The reference's loss (when it returned one) and its parameters and optimizer state after the step are finite."""
+    if math.isinf(record.loss) or (math.isnan(record.loss) and any(e.kind == "loss" for e in record.leaves)):
+        return False
+    trees = (nnx.state(run.ref_model, nnx.Param), _opt_state(run.ref_opt))
+    for leaf in jax.tree.leaves(trees):
+        a = to_host(leaf)
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            return False
+    return True
+
+
+def _compare_step(
+    run: _Run,
+    t: int,
+    x,
+    y,
+    w,
+    rtol: float,
+    atol: float,
+    *,
+    completed: int | None = None,
+    synced: bool = False,
+) -> StepRecord:
+    """Snapshot both sides, step both on one batch, compare every leaf.
+
+    ``completed``: the candidate's full steps after this one (for ``extra_checks``; default ``t + 1``; 1 for a
+    candidate started from the reference's state).
+    """
     ref_model, ref_opt, cand, cand_model, cand_opt = (
         run.ref_model,
         run.ref_opt,
@@ -735,14 +920,20 @@ def _compare_step(run: _Run, t: int, x, y, w, rtol: float, atol: float) -> StepR
         )
     else:
         ref_out = run.reference(ref_model, ref_opt, x, y, **({} if w is None else {"weights": w}))
-    ref_loss, exposed, _, _ = _unpack(ref_out)
+    ref_loss, exposed, _, _ = _unpack(ref_out, "reference", t)
     ref_grads = exposed if exposed is not None else ref_grads
 
     kw = dict(run.kwargs)
     if w is not None:
         kw["weights"] = w
-    cand_out = cand.step(cand_model, cand_opt, x, y, **kw)
-    cand_loss, cand_grads, ew_loss, ew_grads = _unpack(cand_out)
+    try:
+        cand_out = cand.step(cand_model, cand_opt, x, y, **kw)
+    except Exception as err:
+        raise CandidateError(
+            f"check_parity: the candidate step {cand.name!r} raised {type(err).__name__}: {err} at step {t}",
+            t,
+        ) from err
+    cand_loss, cand_grads, ew_loss, ew_grads = _unpack(cand_out, f"candidate {cand.name!r}", t)
 
     leaves: list[LeafError] = []
     ref_loss_f = float(np.asarray(ref_loss)) if ref_loss is not None else math.nan
@@ -810,7 +1001,7 @@ def _compare_step(run: _Run, t: int, x, y, w, rtol: float, atol: float) -> StepR
     ref_count = int(np.asarray(ref_opt.step[...]))
     leaves.append(_counter_error(t, "step", ref_count, cand_count))
     if cand.extra_checks is not None:
-        for path, value, expected in cand.extra_checks(cand_opt, t + 1):
+        for path, value, expected in cand.extra_checks(cand_opt, t + 1 if completed is None else completed):
             if _is_int(value):
                 leaves.append(_counter_error(t, path, expected, value))
             else:
@@ -842,6 +1033,7 @@ def _compare_step(run: _Run, t: int, x, y, w, rtol: float, atol: float) -> StepR
         equal_weight_loss=ew_loss_f,
         equal_weight_loss_abs_err=ew_loss_err,
         equal_weight_grad_abs_err=ew_grad_err,
+        synchronized=synced,
     )
 
 
@@ -866,6 +1058,6 @@ def assert_step_parity(
         TypeError, ValueError: as :func:`check_parity`.
     """
     report = check_parity(candidate, model, optimizer, batches, **kwargs)
-    if not report.ok:
+    if not report.step_ok:
         raise ParityError(report)
     return report

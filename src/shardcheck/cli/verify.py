@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
             "model and optimizer, and compare after every step the loss, the gradients (where exposed), every "
             "parameter, every optimizer-state leaf and the step counters, within tolerances derived from float32 "
             "rounding and the batch size. Prints a table per strategy with its worst leaf, error, tolerance, "
-            "verdict and diagnosis. Exit status: 0 when every strategy passes, 1 when any fails, 2 on bad input."
+            "verdict and diagnosis. Exit status: 0 when every strategy passes (PASS, or PASS (per step): the "
+            "trajectories diverged through a non-smooth op but every step matched from the reference's state), 1 "
+            "when any fails, 2 on bad input, a candidate that raises, or a reference run that diverges (lower --lr)."
         ),
         epilog=(
             "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "
@@ -135,14 +137,19 @@ def _parse_strategies(text: str, has_candidate: bool) -> list[str]:
         if not has_candidate:
             raise ValueError("shardcheck verify: --strategies none needs --candidate; nothing to verify")
         return []
-    names = [s.strip() for s in text.split(",") if s.strip()]
+    names = [s.strip() for s in text.split(",")]
+    rule = f"choose from {', '.join(STRATEGY_NAMES)}, comma-separated, each at most once"
+    if not any(names) or "" in names:
+        raise ValueError(f"shardcheck verify: --strategies {text!r} has an empty name; {rule}")
     unknown = [s for s in names if s not in STRATEGY_NAMES]
-    if unknown or not names:
+    if unknown:
+        raise ValueError(f"shardcheck verify: --strategies {text!r}: unknown {unknown}; {rule}")
+    repeated = sorted({s for s in names if names.count(s) > 1})
+    if repeated:
         raise ValueError(
-            f"shardcheck verify: --strategies {text!r}: unknown {unknown or 'empty list'}; choose from "
-            f"{', '.join(STRATEGY_NAMES)} (comma-separated)"
+            f"shardcheck verify: --strategies {text!r} names {', '.join(repeated)} twice; {rule}"
         )
-    return list(dict.fromkeys(names))
+    return names
 
 
 def main(args) -> int:
@@ -150,16 +157,28 @@ def main(args) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             return _fail(f"shardcheck verify: --{flag.replace('_', '-')} must be a positive int, got {value}")
+    from shardcheck import _validate, distributed
+
+    try:
+        _validate.check_seed("shardcheck verify: --seed", args.seed)
+    except (TypeError, ValueError) as err:
+        return _fail(
+            f"shardcheck verify: --seed must be an int in [0, 2**31), got {args.seed}; pass e.g. --seed 0"
+            if isinstance(args.seed, int)
+            else str(err)
+        )
     try:
         strategies = _parse_strategies(args.strategies, args.candidate is not None)
-        configure_devices(args.devices)
+        # Like `shardcheck run`: without --devices, fake as many CPU devices as shards (2) before JAX starts;
+        # a launched run (shardcheck launch) has its devices configured already.
+        configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
     except ValueError as err:
         return _fail(str(err))
 
     import jax
     from flax import nnx
 
-    from shardcheck import _validate, datasets, distributed, parity
+    from shardcheck import datasets, parity
     from shardcheck.models import make_model
     from shardcheck.optimizers import make_tx
 
@@ -186,7 +205,7 @@ def main(args) -> int:
             if jax.device_count() < num_shards:
                 raise ValueError(
                     f"shardcheck verify: S={num_shards} shards need {num_shards} devices for dp/fsdp/--candidate, "
-                    f"but {jax.device_count()} exist; pass --devices {num_shards} (before JAX starts) or fewer"
+                    f"but {jax.device_count()} exist; pass --devices {num_shards} or fewer"
                 )
             from shardcheck.spmd import make_mesh
 
@@ -215,10 +234,23 @@ def main(args) -> int:
                 atol=args.atol,
                 name=label,
             )
+    except parity.CandidateError as err:
+        cause = err.__cause__
+        return _fail(
+            f"shardcheck verify: the {label} step raised {type(cause).__name__}: {cause} at step {err.step}; "
+            "fix the step (the traceback is the exception's cause when called through check_parity)"
+        )
     except (ValueError, TypeError) as err:
         return _fail(str(err))
 
-    ok = all(r.ok for r in reports.values())
+    diverged = next((r for r in reports.values() if r.reference_diverged_at is not None), None)
+    if diverged is not None:
+        return _fail(
+            f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
+            f"{diverged.reference_diverged_at}) with --optimizer {args.optimizer} --lr {lr:g}; no verdict about "
+            f"the candidates; lower --lr (default {DEFAULT_LR[args.optimizer]:g})"
+        )
+    ok = all(r.step_ok for r in reports.values())
     if not distributed.is_main_process():
         return 0 if ok else 1  # every process computed the same reports; process 0 alone prints them
     console = console_for(args)
@@ -249,7 +281,11 @@ def main(args) -> int:
     return 0 if ok else 1
 
 
-def _verdict(ok: bool) -> str:
+def _verdict(ok: bool | str) -> str:
+    if ok == "PASS (per step)":
+        return "[bold yellow]PASS (per step)[/]"
+    if isinstance(ok, str):
+        ok = ok == "PASS"
     return "[bold green]PASS[/]" if ok else "[bold red]FAIL[/]"
 
 
@@ -258,7 +294,7 @@ def render_report(report, setup: str):
     from rich.table import Table
 
     table = Table(
-        title=f"shardcheck verify {report.strategy}: {_verdict(report.ok)}",
+        title=f"shardcheck verify {report.strategy}: {_verdict(report.verdict)}",
         caption=f"{setup}\n{report.diagnosis}",
         caption_justify="left",
     )
@@ -298,7 +334,7 @@ def render_summary(reports, setup: str):
         worst = r.worst
         table.add_row(
             name,
-            _verdict(r.ok),
+            _verdict(r.verdict),
             r.worst_leaf or "-",
             f"{r.max_abs_err:.3g}",
             f"{r.max_rel_err:.3g}",
