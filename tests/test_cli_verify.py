@@ -37,6 +37,17 @@ WRONG_STEP = textwrap.dedent(
 
     def three_args(model, optimizer, x):
         return None
+
+
+    def raises(model, optimizer, x, y):
+        raise ValueError("planted failure")
+
+
+    def garbage(model, optimizer, x, y):
+        from shardcheck import sgd_step
+
+        sgd_step(model, optimizer, x, y)
+        return "not a loss"
     """
 )
 
@@ -116,6 +127,10 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
         (["--candidate", "no_such_module_xyz:step"], "importing module 'no_such_module_xyz' failed"),
         (["--dataset", "nope"], "neither a bundled data set"),
         (["--lr", "-1"], "lr must be a finite positive number"),
+        (["--seed", "99999999999999999999"], "--seed must be an int in [0, 2**31), got 99999999999999999999"),
+        (["--seed", "-5"], "--seed must be an int in [0, 2**31), got -5; pass e.g. --seed 0"),
+        (["--strategies", "dp,dp"], "--strategies 'dp,dp' names dp twice"),
+        (["--strategies", "simulation,,dp"], "--strategies 'simulation,,dp' has an empty name"),
     ],
 )
 def test_bad_arguments_exit_2(args, msg, capsys):
@@ -168,3 +183,60 @@ def test_verify_under_launch_two_processes(tmp_path):
     report = json.loads(out.read_text())
     assert report["process_count"] == 2 and report["num_shards"] == 4
     assert all(r["ok"] for r in report["strategies"].values())
+
+
+def test_relu_flip_over_50_momentum_steps_passes_per_step(tmp_path, capsys):
+    """The user's report: a ReLU flipped at step 33 by rounding used to FAIL as `drift`; the step is correct."""
+    out = tmp_path / "v.json"
+    args = ["verify", "--devices", "2", "--model", "mlp", "--optimizer", "momentum"]
+    assert main([*args, "--strategies", "simulation,fsdp", "--steps", "50", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] is True
+    for name, r in report["strategies"].items():
+        assert r["verdict"] == "PASS (per step)" and r["ok"] is False and r["step_ok"] is True, name
+        assert r["codes"] == ["diverged_trajectory"] and r["diverged_at"] == 33, name
+        assert "diverged at step 33" in r["diagnosis"] and "ReLU" in r["diagnosis"]
+    text = " ".join(capsys.readouterr().out.split())
+    assert "PASS (per step)" in text and "drift" not in text
+
+
+def test_a_diverging_reference_exits_2_without_a_verdict(capsys):
+    args = ["verify", "--devices", "2", "--lr", "2", "--steps", "30", "--strategies", "dp,simulation"]
+    assert main(args) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "the reference run diverged (non-finite loss or parameters at step 16) with --optimizer sgd --lr 2"
+        in err
+    )
+    assert "lower --lr (default 0.1)" in err and "loss_differs" not in err
+
+
+def test_a_raising_or_garbage_candidate_exits_2(steps_file, capsys):
+    args = ["verify", "--devices", "2", "--steps", "2", "--batch-size", "8", "--strategies", "none"]
+    assert main([*args, "--candidate", f"{steps_file}:raises"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "shardcheck verify: the candidate step raised ValueError: planted failure at step 0" in err
+    assert main([*args, "--candidate", f"{steps_file}:garbage"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the candidate 'candidate' step returned str at step 0; it must return the scalar" in err
+
+
+def test_repeated_findings_are_shown_once(capsys):
+    args = ["verify", "--devices", "2", "--steps", "1", "--batch-size", "8", "--strategies", "simulation"]
+    assert main([*args, "--rtol", "1e9", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategies"]["simulation"]["codes"] == [
+        "parity",
+        "weak_check",
+    ]
+
+
+def test_verify_without_devices_fakes_the_shard_count():
+    """Like `shardcheck run`: no --devices means S=2 fake CPU devices, created before JAX starts."""
+    args = ["verify", "--steps", "2", "--batch-size", "16", "--strategies", "dp,fsdp", "--json", "-"]
+    out = subprocess.run([entry_point(), *args], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["num_shards"] == 2 and {k: v["ok"] for k, v in report["strategies"].items()} == {
+        "dp": True,
+        "fsdp": True,
+    }
