@@ -283,3 +283,18 @@ def test_target_width_must_match_the_model(y_width, step):
 def test_lr_that_overflows_float32_is_refused():
     with pytest.raises(ValueError, match="^fsdp_step: lr=1e.40 overflows float32"):
         shardcheck.fsdp_step(X, Y, 1, 1e40)
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,msg",
+    [
+        (dict(name="rmsprop"), ValueError, "optimizer 'rmsprop' is unknown"),
+        (dict(name="sgd", lr=-1.0), ValueError, "lr must be a finite positive number, got -1.0"),
+        (dict(name="momentum", momentum=2.0), ValueError, r"momentum must be in \[0, 1\), got 2.0"),
+        (dict(name="momentum", momentum=float("nan")), ValueError, "momentum must be in"),
+        (dict(name="momentum", momentum="0.9"), TypeError, "momentum must be a number"),
+    ],
+)
+def test_make_tx_validates(kwargs, err, msg):
+    with pytest.raises(err, match=f"^make_tx: .*{msg}"):
+        shardcheck.make_tx(**kwargs)

@@ -209,3 +209,10 @@ def test_bad_seed(capsys, seed):
 def test_baseline_alone_needs_no_equal_shards(capsys):
     assert main(["run", "--strategy", "baseline", "--shards", "3", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["results"]["baseline"]["loss"] > 0
+
+
+def test_version_and_python_dash_m():
+    out = subprocess.run(
+        [sys.executable, "-m", "shardcheck", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "shardcheck 0.1.0"

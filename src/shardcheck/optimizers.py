@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
+
 import optax
+
+from shardcheck import _validate
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 # The learning rate of ``shardcheck train`` and ``shardcheck verify`` when none is given, per optimizer: a step
@@ -24,12 +28,21 @@ def make_tx(name: str, lr: float = 0.1, *, momentum: float = 0.9) -> optax.Gradi
         The ``optax.GradientTransformation``.
 
     Raises:
-        ValueError: if ``name`` is unknown.
+        ValueError: if ``name`` is unknown, ``lr`` is not a finite positive number, or ``momentum`` is not in
+            ``[0, 1)``.
+        TypeError: if ``lr`` or ``momentum`` is not a number.
     """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"make_tx: optimizer {name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    lr = _validate.check_lr("make_tx", lr)
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+        raise TypeError(
+            f"make_tx: momentum must be a number in [0, 1), got {momentum!r}; pass e.g. momentum=0.9"
+        )
+    if not 0 <= momentum < 1:
+        raise ValueError(f"make_tx: momentum must be in [0, 1), got {momentum!r}; pass e.g. momentum=0.9")
     if name == "sgd":
         return optax.sgd(lr)
     if name == "momentum":
         return optax.sgd(lr, momentum=momentum)
-    if name == "adam":
-        return optax.adam(lr)
-    raise ValueError(f"make_tx: optimizer {name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+    return optax.adam(lr)

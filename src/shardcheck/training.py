@@ -305,7 +305,7 @@ def _divisible_batch_sizes(num_shards: int, num_train: int, around: int) -> str:
     """A few multiples of S near ``around`` that fit the training split."""
     sizes = [m for m in range(num_shards, num_train + 1, num_shards)]
     sizes.sort(key=lambda m: (abs(m - around), m))
-    return ", ".join(map(str, sorted(sizes[:4]))) or "none (too few training rows)"
+    return ", ".join(map(str, sorted(sizes[:4])))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -449,6 +449,12 @@ def train(
         raise ValueError(
             f"{fn}: {n} rows with test_fraction={test_fraction} leave {num_train} training and {num_test} test "
             "rows; each split needs at least one row: use more data or another test_fraction"
+        )
+    if num_train < num_shards:
+        raise ValueError(
+            f"{fn}: the training split has {num_train} rows ({n} rows, test_fraction={test_fraction}), fewer than "
+            f"the S={num_shards} shards; every shard needs at least one example of each batch: use fewer shards "
+            "(devices) or more data"
         )
     if num_train < batch_size:
         raise ValueError(

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shardcheck",
         description="Prove that a sharded JAX / Flax NNX training step computes the update you meant.",
     )
+    from shardcheck import __version__
+
+    parser.add_argument("--version", action="version", version=f"shardcheck {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in SUBCOMMANDS:
