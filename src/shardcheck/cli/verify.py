@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
         "--devices",
         type=int,
         default=None,
-        help="S: fake CPU devices to create and shards per step (default: every device of a launched run, else 2)",
+        help="S: shards per step, and fake CPU devices to create (default: every device of a launched run, else 2)",
     )
     p.add_argument(
         "--candidate",
