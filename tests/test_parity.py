@@ -3,7 +3,7 @@
 Bugs are planted as the user-written steps engineers actually ship (sum instead of mean, a mean taken twice,
 shards applied one after another, the optimizer stepped per shard, a loss that matches alone, replicas left
 unsynchronised, the shard_map C2 trap); each must fail and be named. Weighted mode must reproduce the worked
-values of ``../shared/cases`` C4, C5 and C6 exactly.
+values of ``docs/reduction_cases.md`` C4, C5 and C6 exactly.
 """
 
 import json
@@ -266,7 +266,7 @@ def test_replicas_that_differ_are_named(opt):
 
 
 def _c2_trap_step(mesh):
-    """The ../shared/cases C2 trap: grad of a local loss w.r.t. replicated params under check_vma=True is already
+    """The docs/reduction_cases.md C2 trap: grad of a local loss w.r.t. replicated params under check_vma=True is already
     summed over the axis; a further pmean leaves it S times too large."""
 
     def body(leaves, x, y, graphdef, treedef):

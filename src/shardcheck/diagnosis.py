@@ -183,7 +183,10 @@ def _name_factor(f: float, num_shards: int | None) -> tuple[str, str] | None:
                 f"the gradient was averaged twice (or divided by S={s} twice): x1/{s}",
             )
         if _close(f, s * s):
-            return "summed", f"the gradient was sum-reduced twice (x{s * s} = {s}^2; ../shared/cases C3)"
+            return (
+                "summed",
+                f"the gradient was sum-reduced twice (x{s * s} = {s}^2; docs/reduction_cases.md C3)",
+            )
         if _close(f, 1 / (s * s)):
             return "averaged_twice", f"the gradient was divided by S={s} three times (x1/{s * s})"
     return None
@@ -255,7 +258,7 @@ def diagnose(
                     "never_stepped",
                     f"The optimizer was never stepped: its counter is 0 after {counter_fail.step + 1} step(s) "
                     "(an update that was skipped or swallowed, e.g. the old one-argument optimizer.update(grads); "
-                    "../shared/cases C8).",
+                    "docs/reduction_cases.md C8).",
                     counter_fail.name,
                 )
             )

@@ -691,14 +691,14 @@ def check_parity(
     Weighted mode: batches given as ``(x, y, weights)`` (``weights (B,)``: example counts or a 0/1 mask) make the
     reference the full-batch weighted step (:func:`~shardcheck.weighted_sgd_step`) and pass ``weights=`` to the
     candidate; a candidate reporting ``equal_weight_loss``/``equal_weight_grads`` (the simulation does) gets the
-    naive equal-weight mean's error recorded beside its own (``../shared/cases`` C4-C6).
+    naive equal-weight mean's error recorded beside its own (``docs/reduction_cases.md`` C4-C6).
 
     Args:
         candidate: a strategy name (``simulation``, ``dp``, ``fsdp``, ``accumulation``, ``multiprocess``; needs
             ``num_shards``), a :class:`Candidate`, or any in-place step ``(model, optimizer, x, y) -> loss``
             (``(model, optimizer, x, y, mesh)`` when it accepts ``mesh`` and ``mesh`` is given). It may return
             the loss, ``None``, or an object/mapping with ``loss`` and optionally ``grads``.
-        model: an ``nnx.Module`` without ``BatchStat`` variables or RNG streams (``../shared/cases`` C7).
+        model: an ``nnx.Module`` without ``BatchStat`` variables or RNG streams (``docs/reduction_cases.md`` C7).
         optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
         batches: an iterable of ``(x (B, D), y (B, K))`` or ``(x, y, weights (B,))``; or one such tuple,
             repeated ``steps`` times.
