@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._tree import path_str
 from shardcheck.optimizers import OPTIMIZERS, make_tx
 from shardcheck.partitioning import STRATEGIES, fsdp_partition_spec
 
@@ -242,18 +243,6 @@ def make_memory_model(
     return nnx.eval_shape(build) if abstract else build()
 
 
-def _path_str(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
 def _is_array_like(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
@@ -266,7 +255,7 @@ def _abstract(fn: str, tree: PyTree) -> PyTree:
             leaf = leaf.get_value()
         if not _is_array_like(leaf):
             raise TypeError(
-                f"{fn}: model_or_abstract_state leaf {_path_str(path) or '<root>'} is {type(leaf).__name__}, "
+                f"{fn}: model_or_abstract_state leaf {path_str(path, '/') or '<root>'} is {type(leaf).__name__}, "
                 "not an array; pass an nnx.Module, or a pytree of arrays / jax.ShapeDtypeStruct"
             )
         return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
@@ -387,7 +376,7 @@ def _leaf(category: str, path: str, s: jax.ShapeDtypeStruct, num_devices: int, s
 
 def _leaves(category: str, tree: PyTree, num_devices: int, strategy: str) -> list[LeafMemory]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [_leaf(category, _path_str(path), s, num_devices, strategy) for path, s in flat]
+    return [_leaf(category, path_str(path, "/"), s, num_devices, strategy) for path, s in flat]
 
 
 def _linear_dims(params: PyTree) -> tuple[int, int] | None:

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._tree import path_str
 from shardcheck.baseline import sgd_step
 from shardcheck.datasets import minibatch_indices
 from shardcheck.diagnosis import KINDS as KINDS
@@ -39,6 +40,7 @@ from shardcheck.diagnosis import Diagnosis as Diagnosis
 from shardcheck.diagnosis import LeafError as LeafError
 from shardcheck.diagnosis import StepRecord as StepRecord
 from shardcheck.diagnosis import diagnose as diagnose
+from shardcheck.distributed import gather_to_host
 from shardcheck.losses import mse_loss
 from shardcheck.tolerance import MOMENT_FACTOR as MOMENT_FACTOR
 from shardcheck.tolerance import Tolerance as Tolerance
@@ -262,36 +264,15 @@ class Candidate:
 # ------------------------------------------------------------------------------------------- tree utilities
 
 
-def _path_str(path) -> str:
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            if k.name != "value":
-                parts.append(k.name)
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
-
-
 def flatten_state(tree: PyTree) -> dict[str, Any]:
     """``{dotted path: leaf}`` of a pytree (``nnx.State`` included), e.g. ``{"hidden.kernel": Array}``."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path_str(p): leaf for p, leaf in leaves}
+    return {path_str(p): leaf for p, leaf in leaves}
 
 
 def to_host(a) -> np.ndarray:
     """A leaf as a NumPy array; arrays spread over several processes are gathered first."""
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        a = multihost_utils.process_allgather(a, tiled=True)
-    return np.asarray(a)
+    return np.asarray(gather_to_host(a))
 
 
 def replica_mismatch(a) -> bool:

@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._tree import path_str
 from shardcheck.baseline import sgd_step
 from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
 from shardcheck.losses import mse_loss
@@ -75,7 +76,7 @@ def to_host(tree) -> dict[str, np.ndarray]:
         tree = nnx.to_pure_dict(tree)
     tree = gather_to_host(tree)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(str(getattr(k, "key", k)) for k in path): np.asarray(leaf) for path, leaf in flat}
+    return {path_str(path): np.asarray(leaf) for path, leaf in flat}
 
 
 def _max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
