@@ -11,7 +11,9 @@ from flax import nnx
 
 import shardcheck
 from shardcheck import make_model, make_tx, mse_loss
-from shardcheck.accumulation import accumulated_sgd_step, accumulation_candidate, make_accumulation_optimizer
+from shardcheck.accumulation import accumulated_sgd_step, make_accumulation_optimizer
+from shardcheck.losses import mse_batch_loss
+from shardcheck.steps.accumulation import accumulation_candidate
 from shardcheck.parity import check_parity
 
 # Fixture L: full batch loss 7.5; after one SGD(0.1) step from zero: kernel [[0.6], [0.25]], bias [0.5].
@@ -84,7 +86,7 @@ def test_the_accumulator_is_a_parameter_sized_float32_buffer_emptied_after_each_
 def test_accumulation_candidate_passes_parity_and_checks_its_counters(opt):
     model = make_model("mlp", 3, 2, hidden=8, seed=2)
     optimizer = nnx.Optimizer(model, TX[opt], wrt=nnx.Param)
-    report = check_parity(accumulation_candidate(4), model, optimizer, BATCHES)
+    report = check_parity(accumulation_candidate(mse_batch_loss, 4), model, optimizer, BATCHES)
     assert report.ok, str(report)
     last = report.steps[-1]
     assert last.step_count == 4 and last.candidate_step_count == 4  # gradient_step vs the reference's step
@@ -109,7 +111,7 @@ def test_summing_accumulator_is_diagnosed():
     def make_summing(model, optimizer):
         return nnx.Optimizer(model, optax.MultiSteps(optimizer.tx, 4, use_grad_mean=False), wrt=nnx.Param)
 
-    candidate = dataclasses.replace(accumulation_candidate(4), make_optimizer=make_summing)
+    candidate = dataclasses.replace(accumulation_candidate(mse_batch_loss, 4), make_optimizer=make_summing)
     model = make_model("linear", 3, 2, seed=2)
     optimizer = nnx.Optimizer(model, TX["momentum"], wrt=nnx.Param)
     report = check_parity(candidate, model, optimizer, BATCHES[:2])

@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from shardcheck import make_model, make_tx, mse_loss, sgd_step, spmd
+from shardcheck.losses import mse_batch_loss
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.spmd import data_parallel_sgd_step, fsdp_sgd_step, make_mesh
+from shardcheck.steps import sharded as sharded_steps
 
 P = PartitionSpec
 STEPS = {"dp": data_parallel_sgd_step, "fsdp": fsdp_sgd_step}
@@ -178,8 +180,12 @@ def test_consecutive_steps_equal_baseline_without_retrace_or_reshard(strategy):
     model, optimizer = fresh("mlp", "momentum")
     x, y = problem()
     mesh = make_mesh(4)
+    sharded_steps.compiled_step.cache_clear()  # a fresh jitted step, whatever earlier tests compiled
     losses = [float(STEPS[strategy](model, optimizer, x, y, mesh))]
-    traces = spmd.TRACE_COUNTS[strategy]
+    fn = STEPS[strategy].__name__
+    # The jitted step (lru-cached per structure, placement and mesh): one compiled entry after the first call.
+    step = spmd._prepare(fn, strategy, model, optimizer, x, y, mesh, "data", 0)[0]
+    assert step._cache_size() == 1
     kernel = model.hidden.kernel[...]
     want_spec = P() if strategy == "dp" else fsdp_partition_spec(kernel.shape, 4)
     assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), kernel.ndim)
@@ -187,7 +193,9 @@ def test_consecutive_steps_equal_baseline_without_retrace_or_reshard(strategy):
         losses.append(float(STEPS[strategy](model, optimizer, jnp.asarray(x), y, mesh)))
         k = model.hidden.kernel[...]
         assert k.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), k.ndim)
-    assert spmd.TRACE_COUNTS[strategy] == traces, "a repeated call re-traced the step"
+    again = spmd._prepare(fn, strategy, model, optimizer, jnp.asarray(x), y, mesh, "data", 0)[0]
+    assert again is step, "a repeated call built a new step"
+    assert step._cache_size() == 1, "a repeated call re-traced the step"
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     assert_same_update(before, snapshot(model, optimizer), want, rtol=2e-6)
     assert int(optimizer.step[...]) == 3
@@ -335,9 +343,9 @@ def per_device_grads(strategy, model, x, y, mesh, check_vma=True):
     def body(leaves, x, y):
         m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         if strategy == "dp":
-            _, grads = spmd.data_parallel_value_and_grad(m, x, y, "data")
+            _, grads = sharded_steps.data_parallel_value_and_grad(mse_batch_loss, m, (x, y), "data")
         else:
-            _, grads = spmd.fsdp_value_and_grad(m, x, y, "data", tuple(specs), num_shards)
+            _, grads = sharded_steps.fsdp_value_and_grad(mse_batch_loss, m, (x, y), "data", tuple(specs))
         return jax.tree.leaves(grads)
 
     fn = jax.jit(

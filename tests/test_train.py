@@ -137,19 +137,31 @@ def test_split_standardizes_with_training_statistics():
 
 
 @require_devices(4)
-def test_steps_compile_once_per_run(diabetes):
+def test_steps_compile_once_per_run(diabetes, monkeypatch):
     """All batches share one shape (the last partial one is dropped): 33 steps, at most one trace of each step.
 
     (Each run builds a fresh optax transformation, which is part of the optimizer's static structure, so a new
     run may trace once more; the steps of one run never do.)
     """
-    from shardcheck import spmd
+    from shardcheck.steps import sharded
 
-    traces = spmd.TRACE_COUNTS["fsdp"]
+    # Which jitted mesh step each of the run's calls gets, and how many traces it held when first handed out.
+    handed_out, first_sizes = [], {}
+    cached = sharded.compiled_step
+
+    def recording(*args):
+        step = cached(*args)
+        first_sizes.setdefault(id(step), (step, step._cache_size()))
+        handed_out.append(id(step))
+        return step
+
+    monkeypatch.setattr(sharded, "compiled_step", recording)
     sizes = (baseline._sgd_step_jit._cache_size(), train_lib._eval_losses._cache_size())
     report = train(diabetes.x, diabetes.y, strategy="fsdp", num_shards=4, epochs=3, batch_size=32)
     assert report.num_steps == 33 and report.dropped_per_epoch == 1
-    assert spmd.TRACE_COUNTS["fsdp"] - traces <= 1
+    assert len(handed_out) == 33 and len(first_sizes) == 1, "the run's steps used more than one jitted step"
+    ((step, size_before),) = first_sizes.values()
+    assert step._cache_size() - size_before <= 1
     assert baseline._sgd_step_jit._cache_size() - sizes[0] <= 1
     assert train_lib._eval_losses._cache_size() - sizes[1] <= 1
 

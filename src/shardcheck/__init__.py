@@ -1,7 +1,6 @@
 """shardcheck: prove that a sharded JAX / Flax NNX training step computes the update you meant."""
 
 from shardcheck.accumulation import accumulated_sgd_step as accumulated_sgd_step
-from shardcheck.accumulation import accumulation_candidate as accumulation_candidate
 from shardcheck.accumulation import make_accumulation_optimizer as make_accumulation_optimizer
 from shardcheck.baseline import fsdp_step as fsdp_step
 from shardcheck.baseline import sgd_step as sgd_step
@@ -16,6 +15,7 @@ from shardcheck.models import MLP as MLP
 from shardcheck.models import make_model as make_model
 from shardcheck.optimizers import make_tx as make_tx
 from shardcheck.parity import Candidate as Candidate
+from shardcheck.parity import CandidateError as CandidateError
 from shardcheck.parity import Diagnosis as Diagnosis
 from shardcheck.parity import LeafError as LeafError
 from shardcheck.parity import ParityError as ParityError
@@ -39,13 +39,17 @@ from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
 from shardcheck.spmd import make_mesh as make_mesh
 from shardcheck.training import TrainReport as TrainReport
 from shardcheck.training import train as train
-from shardcheck.weighted import weighted_data_parallel_sgd_step as weighted_data_parallel_sgd_step
-from shardcheck.weighted import weighted_sgd_step as weighted_sgd_step
+from shardcheck.steps import STRATEGIES as STRATEGIES
+from shardcheck.steps import StepResult as StepResult
+from shardcheck.steps import Strategy as Strategy
+from shardcheck.steps.reference import reference_step as reference_step
+from shardcheck.task import Task as Task
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Candidate",
+    "CandidateError",
     "Diagnosis",
     "LeafError",
     "LeafMemory",
@@ -56,11 +60,14 @@ __all__ = [
     "ParityError",
     "ParityReport",
     "ReducedStep",
+    "STRATEGIES",
+    "StepResult",
+    "Strategy",
+    "Task",
     "StepRecord",
     "Tolerance",
     "TrainReport",
     "accumulated_sgd_step",
-    "accumulation_candidate",
     "assert_step_parity",
     "check_parity",
     "data_parallel_sgd_step",
@@ -77,13 +84,12 @@ __all__ = [
     "placement_report",
     "placement_summary",
     "reduced_sgd_step",
+    "reference_step",
     "sgd_step",
     "simulated_data_parallel_step",
     "strategy_candidate",
     "train",
     "tree_mean",
     "tree_sum",
-    "weighted_data_parallel_sgd_step",
-    "weighted_sgd_step",
     "weighted_squared_error",
 ]

@@ -17,40 +17,19 @@ memory accounting must count) is emptied after each full step.
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck.losses import mse_loss
+from shardcheck.losses import mse_batch_loss
+from shardcheck.steps.accumulation import accumulated_step
+from shardcheck.steps.accumulation import make_accumulation_optimizer as make_accumulation_optimizer
 
 
 def _check_k(fn: str, k) -> int:
     return _validate.check_int(fn, "num_micro_batches", k, example="num_micro_batches=2")
-
-
-def make_accumulation_optimizer(model: nnx.Module, tx: optax.GradientTransformation, num_micro_batches: int):
-    """``nnx.Optimizer(model, optax.MultiSteps(tx, every_k_schedule=k), wrt=nnx.Param)``.
-
-    Args:
-        model: the model the optimizer updates.
-        tx: the optax transformation of the equivalent full-batch step.
-        num_micro_batches: k >= 1, micro-steps per applied update.
-
-    Returns:
-        The ``nnx.Optimizer``; its state holds ``acc_grads`` (parameter-shaped, float32), ``mini_step``,
-        ``gradient_step`` and ``inner_opt_state`` (``tx``'s state).
-
-    Raises:
-        TypeError: ``num_micro_batches`` not an int.
-        ValueError: ``num_micro_batches < 1``.
-    """
-    k = _check_k("make_accumulation_optimizer", num_micro_batches)
-    return nnx.Optimizer(model, optax.MultiSteps(tx, every_k_schedule=k), wrt=nnx.Param)
 
 
 def _check_multisteps(fn: str, optimizer: nnx.Optimizer, k: int) -> None:
@@ -73,21 +52,6 @@ def _check_multisteps(fn: str, optimizer: nnx.Optimizer, k: int) -> None:
             f"{fn}: the optimizer is in the middle of an accumulation cycle (mini_step={int(state.mini_step)}); "
             "a batch must start a fresh cycle"
         )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _accumulated_jit(graphdef, state, x, y, k):
-    xs = x.reshape(k, x.shape[0] // k, x.shape[1])
-    ys = y.reshape(k, y.shape[0] // k, y.shape[1])
-
-    def micro_step(state, batch):  # one micro-batch: its loss and gradients, one optimizer.update
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(mse_loss)(model, *batch)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    state, losses = jax.lax.scan(micro_step, state, (xs, ys))
-    return jnp.mean(losses), state
 
 
 def accumulated_sgd_step(
@@ -141,69 +105,4 @@ def accumulated_sgd_step(
             f"required (valid num_micro_batches for this batch: {valid})"
         )
     _check_multisteps(fn, optimizer, k)
-    graphdef, state = nnx.split((model, optimizer))
-    loss, state = _accumulated_jit(graphdef, state, x, y, k)
-    nnx.update((model, optimizer), state)
-    return loss
-
-
-def accumulation_candidate(num_micro_batches: int):
-    """The parity :class:`~shardcheck.parity.Candidate` of gradient accumulation over k micro-batches.
-
-    The candidate's optimizer is built from a copy of the reference's: ``optax.MultiSteps`` around the same
-    ``tx``, with the inner state and the update counter copied from it. Parity compares the inner state with the
-    reference's optimizer state and ``gradient_step`` with the reference's ``step``; it also checks, exactly, that
-    the NNX counter is ``k * steps`` (it counts micro-steps), that ``mini_step`` is 0 and that ``acc_grads`` is
-    zero after every full step.
-
-    Args:
-        num_micro_batches: k >= 1.
-
-    Returns:
-        A :class:`~shardcheck.parity.Candidate` named ``"accumulation"`` with ``num_shards=k``.
-
-    Raises:
-        TypeError, ValueError: a bad ``num_micro_batches``.
-    """
-    from shardcheck.parity import Candidate
-
-    k = _check_k("accumulation_candidate", num_micro_batches)
-
-    def make_optimizer(model, optimizer):
-        acc = make_accumulation_optimizer(model, optimizer.tx, k)
-        # Start from the reference's state: its inner state, and its update count as gradient_step.
-        inner = nnx.state(optimizer)
-        if "opt_state" in inner:
-            nnx.update(acc, nnx.State({"opt_state": {"inner_opt_state": inner["opt_state"]}}))
-        acc.opt_state.gradient_step[...] = jnp.asarray(optimizer.step[...], jnp.int32)
-        return acc
-
-    def view(optimizer):
-        state = nnx.state(optimizer)["opt_state"]
-        inner = state["inner_opt_state"] if "inner_opt_state" in state else {}
-        return inner, optimizer.opt_state.gradient_step[...]
-
-    def extra(optimizer, completed):
-        state = nnx.state(optimizer)["opt_state"]
-        checks = [
-            ("step (NNX micro-steps)", optimizer.step[...], np.uint32(k * completed)),
-            ("mini_step", state["mini_step"][...], np.int32(0)),
-        ]
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state["acc_grads"])[0]:
-            name = "acc_grads" + jax.tree_util.keystr(path).replace("']['", ".").replace("['", ".").replace(
-                "']", ""
-            )
-            checks.append((name.replace(".value", ""), leaf, np.zeros(np.shape(leaf), np.float32)))
-        return checks
-
-    def step(model, optimizer, x, y):
-        return accumulated_sgd_step(model, optimizer, x, y, k)
-
-    return Candidate(
-        "accumulation",
-        step,
-        num_shards=k,
-        make_optimizer=make_optimizer,
-        view_optimizer=view,
-        extra_checks=extra,
-    )
+    return accumulated_step(mse_batch_loss, k, model, optimizer, (x, y))

@@ -48,3 +48,9 @@ def weighted_squared_error(
     """
     per_example = jnp.mean((model(x) - y) ** 2, axis=-1)
     return jnp.sum(weights * per_example), jnp.sum(weights)
+
+
+def mse_batch_loss(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """:func:`mse_loss` as a task loss ``loss_fn(model, batch)`` of an ``(x, y)`` batch (the seeds' task)."""
+    x, y = batch
+    return mse_loss(model, x, y)

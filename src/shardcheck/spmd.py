@@ -27,27 +27,21 @@ it. This formulation is also right with ``check_vma=False``, where no implicit `
 
 from __future__ import annotations
 
-import collections
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh
 
 from shardcheck import _validate
-from shardcheck.losses import mse_loss
-from shardcheck.partitioning import fsdp_partition_spec
+from shardcheck.losses import mse_batch_loss
 from shardcheck.placement import LeafPlacement as LeafPlacement
 from shardcheck.placement import placement_report as placement_report
 from shardcheck.placement import placement_summary as placement_summary
+from shardcheck.steps import sharded
 
 STRATEGIES = ("dp", "fsdp")
 
-# How many times each step body was traced (by strategy): lets tests prove that a repeated call reuses the
-# compiled step.
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 # Verdicts of the elementwise probe of check_fsdp_optimizer, by (optimizer graphdef, parameter tree structure).
 _ELEMENTWISE_VERDICTS: dict = {}
 
@@ -208,114 +202,6 @@ def _is_elementwise(tx, params) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------- traceable step bodies
-
-
-def _split_dim(spec: PartitionSpec, axis_name: str) -> int | None:
-    """The dimension ``spec`` splits over ``axis_name``, or None if the leaf is replicated over it."""
-    for i, entry in enumerate(spec):
-        if entry == axis_name or (isinstance(entry, tuple) and axis_name in entry):
-            return i
-    return None
-
-
-def data_parallel_value_and_grad(model: nnx.Module, x: jax.Array, y: jax.Array, axis_name: str):
-    """Inside ``shard_map``: the mean loss and mean gradients over ``axis_name``, one ``pmean`` per leaf.
-
-    Args:
-        model: the replicated model (device-invariant ``nnx.Param`` leaves).
-        x: this device's ``(B/S, D)`` shard of the inputs.
-        y: this device's ``(B/S, K)`` shard of the targets.
-        axis_name: the mapped mesh axis.
-
-    Returns:
-        ``(loss, grads)``: the 0-d mean of the shard losses and an ``nnx.State`` of gradients shaped like the
-        parameters, equal to the full-batch gradients of :func:`~shardcheck.mse_loss` and identical (invariant)
-        on every device.
-    """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    # C2: differentiate with respect to a device-varying copy, so the gradient is this shard's own, not the
-    # implicit psum that the transpose of a replicated input's broadcast would produce.
-    params = jax.lax.pcast(params, axis_name, to="varying")
-    loss, grads = jax.value_and_grad(lambda p: mse_loss(nnx.merge(graphdef, p, rest), x, y))(params)
-    return jax.lax.pmean(loss, axis_name), jax.lax.pmean(grads, axis_name)
-
-
-def fsdp_value_and_grad(
-    model: nnx.Module,
-    x: jax.Array,
-    y: jax.Array,
-    axis_name: str,
-    param_specs: tuple[PartitionSpec, ...],
-    num_shards: int,
-):
-    """Inside ``shard_map``: gather the parameters, differentiate the local loss, reduce-scatter the gradients.
-
-    Args:
-        model: the model holding this device's shards (``param_specs`` give the split of each ``nnx.Param``
-            leaf, in ``jax.tree.leaves(nnx.state(model, nnx.Param))`` order).
-        x: this device's ``(B/S, D)`` shard of the inputs.
-        y: this device's ``(B/S, K)`` shard of the targets.
-        axis_name: the mapped mesh axis, of size ``num_shards``.
-        param_specs: one ``PartitionSpec`` per parameter leaf.
-        num_shards: S.
-
-    Returns:
-        ``(loss, grads)``: the 0-d mean of the shard losses and an ``nnx.State`` of gradient *shards*: for a
-        sharded leaf this device's slice of the full-batch gradient (``psum_scatter(g, tiled=True) / S``), for
-        a replicated leaf the whole mean gradient (``pmean``).
-    """
-    graphdef, local, rest = nnx.split(model, nnx.Param, ...)
-    leaves, treedef = jax.tree.flatten(local)
-    dims = [_split_dim(spec, axis_name) for spec in param_specs]
-    # Both branches give device-varying values, so differentiating with respect to them inserts no implicit psum
-    # (C2): the gradient of each gathered leaf is this shard's own, reduced once below.
-    full = [
-        jax.lax.pcast(a, axis_name, to="varying")
-        if d is None
-        else jax.lax.all_gather(a, axis_name, axis=d, tiled=True)
-        for a, d in zip(leaves, dims, strict=True)
-    ]
-
-    def local_loss(full_leaves):
-        return mse_loss(nnx.merge(graphdef, jax.tree.unflatten(treedef, full_leaves), rest), x, y)
-
-    loss, grads = jax.value_and_grad(local_loss)(full)
-    grads = [
-        jax.lax.pmean(g, axis_name)
-        if d is None
-        else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / num_shards
-        for g, d in zip(grads, dims, strict=True)
-    ]
-    return jax.lax.pmean(loss, axis_name), jax.tree.unflatten(treedef, grads)
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled_step(strategy, graphdef, treedef, specs, param_specs, mesh, axis_name):
-    """The jitted shard_map step for one (strategy, structure, placement, mesh); jit caches shapes itself."""
-    num_shards = int(mesh.shape[axis_name])
-
-    def body(leaves, x, y):
-        TRACE_COUNTS[strategy] += 1
-        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        if strategy == "dp":
-            loss, grads = data_parallel_value_and_grad(model, x, y, axis_name)
-        else:
-            loss, grads = fsdp_value_and_grad(model, x, y, axis_name, param_specs, num_shards)
-        optimizer.update(model, grads)  # on the replicated tree (DP) or on this device's shards (FSDP)
-        return loss, jax.tree.leaves(nnx.state((model, optimizer)))
-
-    batch = PartitionSpec(axis_name)
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(list(specs), batch, batch),
-        out_specs=(PartitionSpec(), list(specs)),
-        check_vma=True,  # the default, stated: the C2 formulation above is right with it on or off
-    )
-    return jax.jit(mapped, donate_argnums=0)
-
-
 # ------------------------------------------------------------------------------------------------ the steps
 
 
@@ -328,36 +214,9 @@ def _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size):
     num_shards = check_mesh(fn, mesh, axis_name)
     check_batch_divisible(fn, x.shape[0], num_shards, axis_name)
     min_size = check_min_size(fn, min_size)
-
-    graphdef, state = nnx.split((model, optimizer))
-    leaves, treedef = jax.tree.flatten(state)
-    if strategy == "dp":
-        specs = (PartitionSpec(),) * len(leaves)
-        param_specs = None
-    else:
+    if strategy == "fsdp":
         check_fsdp_optimizer(fn, model, optimizer)
-        spec = functools.partial(
-            fsdp_partition_spec, num_shards=num_shards, axis_name=axis_name, min_size=min_size
-        )
-        specs = tuple(spec(np.shape(a)) for a in leaves)
-        param_specs = tuple(spec(np.shape(a)) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    step = _compiled_step(strategy, graphdef, treedef, specs, param_specs, mesh, axis_name)
-
-    # The step donates its state buffers. Arrays not yet in the step's placement (a model's first step) are
-    # copied first, so the caller's arrays survive even when a clone shares them (``nnx.clone`` does
-    # not copy arrays) or the mesh is the array's own single device. Arrays already placed (the outputs of the
-    # previous step) are passed through and donated; a buffer shared by two leaves is copied once.
-    placed, seen = [], set()
-    for a, spec in zip(leaves, specs, strict=True):
-        target = NamedSharding(mesh, spec)
-        placed_already = isinstance(a.sharding, NamedSharding) and a.sharding.is_equivalent_to(target, a.ndim)
-        shared = id(a) in seen
-        seen.add(id(a))
-        if not placed_already or shared:
-            a = jnp.copy(a)  # device_put alone may alias the input buffer into a replicated output's shard
-        placed.append(jax.device_put(a, target))
-    batch = NamedSharding(mesh, PartitionSpec(axis_name))
-    return step, (placed, jax.device_put(x, batch), jax.device_put(y, batch)), treedef
+    return sharded.prepare(strategy, mse_batch_loss, model, optimizer, (x, y), mesh, axis_name, min_size)
 
 
 def trace_sgd_step(

@@ -36,7 +36,7 @@ from shardcheck.distributed import gather_to_host, global_batch, process_batch_i
 from shardcheck.losses import mse_loss
 from shardcheck.models import MODEL_KINDS, make_model
 from shardcheck.optimizers import DEFAULT_LR, OPTIMIZERS, make_tx
-from shardcheck.tolerance import Tolerance, derive_tolerance
+from shardcheck.parity.tolerance import Tolerance, derive_tolerance
 
 STRATEGIES = ("simulation", "dp", "fsdp")
 # The shard count S when none is given: 4 devices for the mesh strategies, 2 simulated shards.
@@ -203,7 +203,7 @@ class TrainProgress:
 
 
 def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32") -> Tolerance:
-    """The parity harness's tolerance (:func:`~shardcheck.tolerance.derive_tolerance`) after ``step`` steps (1-based).
+    """The parity harness's tolerance (:func:`~shardcheck.parity.tolerance.derive_tolerance`) after ``step`` steps (1-based).
 
     A value passes when ``|sharded - baseline| <= atol + rtol * |baseline|`` (max over elements); for the
     parameter drift the scale is ``max|params_baseline|`` over the whole model.

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
-import os
 import sys
-from pathlib import Path
 
 from shardcheck.cli._common import configure_devices, console_for, write_json
-from shardcheck.optimizers import DEFAULT_LR
+from shardcheck.cli._task import add_task_arguments, task_from_args
+from shardcheck.steps.registry import CANDIDATES as STRATEGY_NAMES
 
-STRATEGY_NAMES = ("simulation", "dp", "fsdp", "accumulation")
-DEFAULT_STRATEGIES = "simulation,dp,fsdp,accumulation"
-MESH_STRATEGIES = ("dp", "fsdp")
+DEFAULT_STRATEGIES = ",".join(STRATEGY_NAMES)
 
 
 def add_parser(sub) -> None:
@@ -38,23 +33,24 @@ def add_parser(sub) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="linear", choices=("linear", "mlp"), help="the model both steps train")
-    p.add_argument("--hidden", type=int, default=32, help="hidden width H of --model mlp")
-    p.add_argument("--dataset", default="diabetes", help="diabetes | linnerud | PATH.csv | PATH.npz")
-    p.add_argument(
-        "--target", default=None, help="CSV target column(s), comma-separated (default: last column)"
-    )
+    add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
     p.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
         help=f"comma-separated strategies from {', '.join(STRATEGY_NAMES)}; 'none' with --candidate",
     )
-    p.add_argument("--optimizer", default="sgd", choices=tuple(DEFAULT_LR), help="the optax optimizer")
     p.add_argument(
-        "--lr", type=float, default=None, help="learning rate (default: sgd 0.1, momentum 0.05, adam 0.01)"
+        "--steps",
+        type=int,
+        default=None,
+        help="steps (batches) compared (default: 10; a task file's: all its batches)",
     )
-    p.add_argument("--steps", type=int, default=10, help="number of steps (mini-batches) compared")
-    p.add_argument("--batch-size", type=int, default=64, help="rows per mini-batch B (a multiple of S)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="rows per batch B, a multiple of S (default: 64; a built-in task's)",
+    )
     p.add_argument(
         "--devices",
         type=int,
@@ -65,7 +61,8 @@ def add_parser(sub) -> None:
         "--candidate",
         default=None,
         metavar="MODULE:FUNC|PATH.py:FUNC",
-        help="also verify your own in-place step (model, optimizer, x, y) or (model, optimizer, x, y, mesh)",
+        help="also verify your own in-place step (model, optimizer, batch) or (model, optimizer, batch, mesh); "
+        "without --task, (model, optimizer, x, y[, mesh]); the file's folder is importable while it loads",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shuffling")
     p.add_argument("--rtol", type=float, default=None, help="fixed relative tolerance (default: derived)")
@@ -83,51 +80,41 @@ def _fail(message: str) -> int:
     return 2
 
 
-def load_candidate(spec: str):
+def load_candidate(spec: str, *, task_form: bool = True):
     """The function ``spec`` names: ``package.module:func`` or ``path/to/file.py:func``.
 
+    A file is imported with its folder first on ``sys.path`` (so it can import sibling modules), removed again
+    afterwards.
+
     Raises:
-        ValueError: malformed spec, missing file or module, missing or non-callable attribute, or a function
-            that does not take ``(model, optimizer, x, y)`` or ``(model, optimizer, x, y, mesh)``.
+        ValueError: malformed spec, missing file or module, an import that fails, a missing or non-callable
+            attribute, or a function whose positional parameters fit neither ``(model, optimizer, batch[, mesh])``
+            (``(model, optimizer, x, y[, mesh])`` when ``task_form`` is False).
     """
+    from shardcheck.tasks.loading import import_attr
+
     fn = "shardcheck verify: --candidate"
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(f"{fn} {spec!r} must be MODULE:FUNC or PATH.py:FUNC, e.g. my_steps.py:dp_step")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"{fn}: file {target!r} does not exist")
-        name = f"shardcheck_candidate_{path.stem}"
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as err:
-            raise ValueError(f"{fn}: importing {target!r} failed: {type(err).__name__}: {err}") from err
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(target)
-        except Exception as err:
-            raise ValueError(
-                f"{fn}: importing module {target!r} failed: {type(err).__name__}: {err}"
-            ) from err
-    func = getattr(module, attr, None)
-    if func is None or not callable(func):
-        raise ValueError(f"{fn}: {target!r} has no callable {attr!r}")
+    func = import_attr(fn, spec, "FUNC")
+    if not callable(func):
+        raise ValueError(f"{fn}: {spec!r} names a {type(func).__name__}, not a callable step")
     try:
         params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
         return func
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    if len(required) > 5 or (len(positional) < 4 and not any(p.kind is p.VAR_POSITIONAL for p in params)):
+    least = 3 if task_form else 4
+    form = (
+        "(model, optimizer, batch) or (model, optimizer, batch, mesh)"
+        if task_form
+        else ("(model, optimizer, x, y) or (model, optimizer, x, y, mesh)")
+    )
+    if len(required) > least + 1 or (
+        len(positional) < least and not any(p.kind is p.VAR_POSITIONAL for p in params)
+    ):
         raise ValueError(
-            f"{fn}: {attr} takes ({', '.join(p.name for p in positional)}); it must take (model, optimizer, x, y) "
-            "or (model, optimizer, x, y, mesh) and update model and optimizer in place"
+            f"{fn}: {getattr(func, '__name__', spec)} takes ({', '.join(p.name for p in positional)}); it must take "
+            f"{form} and update model and optimizer in place"
         )
     return func
 
@@ -158,6 +145,8 @@ def main(args) -> int:
         if value is not None and value < 1:
             return _fail(f"shardcheck verify: --{flag.replace('_', '-')} must be a positive int, got {value}")
     from shardcheck import _validate, distributed
+    from shardcheck.steps import STRATEGIES
+    from shardcheck.tasks import BUILTIN_TASKS
 
     try:
         _validate.check_seed("shardcheck verify: --seed", args.seed)
@@ -176,32 +165,20 @@ def main(args) -> int:
         return _fail(str(err))
 
     import jax
-    from flax import nnx
 
-    from shardcheck import datasets, parity
-    from shardcheck.models import make_model
-    from shardcheck.optimizers import make_tx
+    from shardcheck import parity
 
     num_shards = args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
-    lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
     try:
-        lr = _validate.check_lr("shardcheck verify: --lr", lr)
-        candidate = load_candidate(args.candidate) if args.candidate else None
-        data = datasets.load_dataset(args.dataset, target=args.target)
-        n = data.x.shape[0]
-        if args.batch_size > n:
-            raise ValueError(
-                f"shardcheck verify: --batch-size {args.batch_size} is larger than {data.name}'s {n} rows"
-            )
-        _validate.check_equal_shards(
-            "shardcheck verify",
-            args.batch_size,
-            num_shards,
-            hint=f"choose --batch-size a multiple of {num_shards}, or --devices from this list",
+        if args.lr is not None:
+            _validate.check_lr("shardcheck verify: --lr", args.lr)
+        task = task_from_args(args, default_optimizer="sgd", batch_size=args.batch_size, steps=args.steps)
+        candidate = (
+            load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
-        needs_mesh = any(s in MESH_STRATEGIES for s in strategies) or candidate is not None
+        steps = args.steps if args.task is not None and args.task not in BUILTIN_TASKS else None
         mesh = None
-        if needs_mesh:
+        if any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None:
             if jax.device_count() < num_shards:
                 raise ValueError(
                     f"shardcheck verify: S={num_shards} shards need {num_shards} devices for dp/fsdp/--candidate, "
@@ -210,24 +187,30 @@ def main(args) -> int:
             from shardcheck.spmd import make_mesh
 
             mesh = make_mesh(num_shards)
-        batches = parity.minibatches(data.x, data.y, args.batch_size, args.steps, seed=args.seed)
-        d, k = data.x.shape[1], data.y.shape[1]
-
-        def fresh():
-            model = make_model(args.model, d, k, hidden=args.hidden, seed=args.seed)
-            return model, nnx.Optimizer(model, make_tx(args.optimizer, lr), wrt=nnx.Param)
-
         reports = {}
         runs = [(name, name) for name in strategies]
         if candidate is not None:
             runs.append(("candidate", candidate))
         for label, cand in runs:
-            model, optimizer = fresh()
+            if args.task is None and label == "candidate":
+                # the (model, optimizer, x, y) form of a candidate, on the regression task's own batches
+                model = task.new_model()
+                reports[label] = parity.check_parity(
+                    cand,
+                    model,
+                    task.new_optimizer(model),
+                    list(task.batches),
+                    num_shards=num_shards,
+                    mesh=mesh,
+                    rtol=args.rtol,
+                    atol=args.atol,
+                    name=label,
+                )
+                continue
             reports[label] = parity.check_parity(
                 cand,
-                model,
-                optimizer,
-                batches,
+                task,
+                steps=steps,
                 num_shards=num_shards,
                 mesh=mesh,
                 rtol=args.rtol,
@@ -247,16 +230,19 @@ def main(args) -> int:
     if diverged is not None:
         return _fail(
             f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
-            f"{diverged.reference_diverged_at}) with --optimizer {args.optimizer} --lr {lr:g}; no verdict about "
-            f"the candidates; lower --lr (default {DEFAULT_LR[args.optimizer]:g})"
+            f"{diverged.reference_diverged_at}) on task {task.name!r}; no verdict about the candidates; lower --lr "
+            "(or the task's learning rate)"
         )
     ok = all(r.step_ok for r in reports.values())
     if not distributed.is_main_process():
         return 0 if ok else 1  # every process computed the same reports; process 0 alone prints them
     console = console_for(args)
+    batch0 = task.batches[0]
+    from shardcheck.task import batch_size as _batch_size
+
     setup = (
-        f"{data.name} ({n} x {d} -> {k}), model {args.model}, {args.optimizer} lr={lr:g}, {args.steps} steps of "
-        f"B={args.batch_size}, S={num_shards}"
+        f"task {task.name}, {len(reports and next(iter(reports.values())).steps)} steps of "
+        f"B={_batch_size(batch0)}, S={num_shards}"
     )
     for report in reports.values():
         console.print(render_report(report, setup))
@@ -265,12 +251,10 @@ def main(args) -> int:
         {
             "command": "verify",
             "ok": ok,
-            "dataset": data.name,
-            "model": args.model,
-            "optimizer": args.optimizer,
-            "lr": lr,
-            "steps": args.steps,
-            "batch_size": args.batch_size,
+            "task": task.name,
+            "dataset": task.name,
+            "steps": len(next(iter(reports.values())).steps) if reports else 0,
+            "batch_size": _batch_size(batch0),
             "num_shards": num_shards,
             "seed": args.seed,
             "process_count": jax.process_count(),

@@ -1,0 +1,149 @@
+"""What the harness compares against what: a named strategy, a :class:`Candidate`, or a user's own step.
+
+A user step has the NNX signature ``step(model, optimizer, batch) -> loss`` (``step(model, optimizer, batch,
+mesh)`` when it takes a mesh and one is given), updates both in place and returns the pre-update loss, ``None``,
+or an object / mapping with ``loss`` (and optionally ``grads``, compared leaf by leaf with the reference's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+
+from shardcheck.steps import CANDIDATES, STRATEGIES, Candidate, get_strategy, mesh_for
+from shardcheck.task import Task
+
+
+def accepts(fn: Callable, name: str, position: int) -> bool:
+    """Whether ``fn`` takes keyword ``name`` or a positional argument at ``position`` (0-based)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params) or name in sig.parameters:
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) > position or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def check_step_signature(fn: str, label: str, step: Callable, arity: int, with_mesh: bool) -> None:
+    """``step`` must accept ``arity`` positional arguments (plus ``mesh=`` when ``with_mesh``).
+
+    Raises:
+        TypeError: naming ``label``, the signature found and the two accepted forms.
+    """
+    try:
+        sig = inspect.signature(step)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have no signature: let the call decide
+    try:
+        sig.bind(*([None] * arity), **({"mesh": None} if with_mesh else {}))
+    except TypeError as err:
+        name = getattr(step, "__name__", type(step).__name__)
+        args = "model, optimizer, batch" if arity == 3 else "model, optimizer, x, y"
+        raise TypeError(
+            f"{fn}: {label} {name}{sig} cannot be called as {label}({args}{', mesh=mesh' if with_mesh else ''}) "
+            f"({err}); it must take ({args}), or ({args}, mesh) with mesh= given, and update model and optimizer "
+            "in place"
+        ) from None
+
+
+def strategy_candidate(task_or_loss, name: str, *, num_shards: int, mesh=None) -> Candidate:
+    """One of shardcheck's registered strategies as a :class:`Candidate` for a task.
+
+    Args:
+        task_or_loss: a :class:`~shardcheck.Task` or its ``loss_fn``.
+        name: a key of :data:`shardcheck.steps.STRATEGIES`.
+        num_shards: S >= 1.
+        mesh: the mesh of a mesh strategy (default: the first S devices).
+
+    Returns:
+        The :class:`Candidate`.
+
+    Raises:
+        ValueError: unknown ``name``, fewer devices than S, a mesh of another size.
+    """
+    fn = "strategy_candidate"
+    from shardcheck import _validate
+
+    num_shards = _validate.check_num_shards(fn, num_shards)
+    strategy = get_strategy(fn, name)
+    loss_fn = task_or_loss.loss_fn if isinstance(task_or_loss, Task) else task_or_loss
+    return strategy.build(loss_fn, num_shards, mesh_for(fn, strategy, num_shards, mesh))
+
+
+def as_candidate(fn, candidate, task: Task, num_shards, mesh, name) -> Candidate:
+    """A :class:`Candidate` from a strategy name, a Candidate, or a user step (signature checked)."""
+    if isinstance(candidate, Candidate):
+        if not callable(candidate.step):
+            raise TypeError(
+                f"{fn}: Candidate {candidate.name!r} has step of type {type(candidate.step).__name__}; it must be "
+                "a callable (model, optimizer, batch) -> loss"
+            )
+        if num_shards is not None and candidate.num_shards is None:
+            candidate = dataclasses.replace(candidate, num_shards=num_shards)
+        return dataclasses.replace(candidate, name=name) if name else candidate
+    if isinstance(candidate, str):
+        if candidate not in STRATEGIES:
+            get_strategy(fn, candidate)
+        if num_shards is None:
+            raise ValueError(f"{fn}: strategy {candidate!r} needs num_shards=S; pass e.g. num_shards=2")
+        strategy = get_strategy(fn, candidate)
+        c = strategy.build(task.loss_fn, num_shards, mesh_for(fn, strategy, num_shards, mesh))
+        return dataclasses.replace(c, name=name) if name else c
+    if not callable(candidate):
+        raise TypeError(
+            f"{fn}: candidate must be a strategy name ({', '.join(CANDIDATES)}), a Candidate or a callable "
+            f"(model, optimizer, batch) -> loss, got {type(candidate).__name__}"
+        )
+    pass_mesh = mesh is not None and accepts(candidate, "mesh", 3)
+    check_step_signature(fn, "candidate", candidate, 3, pass_mesh)
+    return Candidate(
+        name or getattr(candidate, "__name__", "candidate"), candidate, num_shards, pass_mesh=pass_mesh
+    )
+
+
+def _is_scalar_like(out) -> bool:
+    return isinstance(out, jax.Array | np.ndarray | np.generic | float | int) and np.ndim(out) == 0
+
+
+def unpack(out, who: str = "candidate", step: int = 0) -> tuple:
+    """``(loss, grads)`` from a step's return value.
+
+    Raises:
+        TypeError: ``out`` is not a scalar loss, ``None``, or a mapping / object with ``loss`` (itself a scalar
+            or ``None``).
+    """
+    if out is None:
+        return None, None
+    if _is_scalar_like(out):
+        return out, None
+    rule = (
+        "it must return the scalar pre-update loss, None, or an object or mapping with 'loss' (a scalar) and "
+        "optionally 'grads'"
+    )
+    if isinstance(out, Mapping):
+        if "loss" not in out:
+            raise TypeError(
+                f"check_parity: the {who} step returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
+                f"at step {step}; {rule}"
+            )
+        loss, grads = out.get("loss"), out.get("grads")
+    elif hasattr(out, "loss") and not isinstance(out, str | bytes | np.ndarray | jax.Array):
+        loss, grads = out.loss, getattr(out, "grads", None)
+    else:
+        shape = f" of shape {np.shape(out)}" if hasattr(out, "shape") else ""
+        raise TypeError(
+            f"check_parity: the {who} step returned {type(out).__name__}{shape} at step {step}; {rule}"
+        )
+    if loss is not None and not _is_scalar_like(loss):
+        raise TypeError(
+            f"check_parity: the {who} step returned loss of type {type(loss).__name__}"
+            f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}"
+        )
+    return loss, grads

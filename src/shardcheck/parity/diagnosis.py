@@ -1,0 +1,675 @@
+"""What a parity comparison found: per-leaf errors, per-step records, and the diagnosis of a failure.
+
+:func:`diagnose` reads the records of :func:`~shardcheck.check_parity` and names the usual faults of a sharded
+step. It builds one immutable :class:`DiagnosisContext` from the records, runs the rules of :data:`RULES` in
+order (each a short function ``(ctx) -> list[Diagnosis] | Diagnosis | None`` that reads only the context) and
+merges the findings that share a code. Adding a rule is one function and one entry of :data:`RULES`. The rules,
+in order, with their codes:
+
+- :func:`parity` (``parity``): every step within tolerance, neither run diverged.
+- :func:`reference_diverged` (``reference_diverged``): the reference went non-finite; no verdict.
+- :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
+- :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter is not the step count.
+- :func:`shard_factor` (``summed``, ``averaged_twice``): the gradient factor is S, S^2, 1/S or 1/S^2.
+- :func:`normalization` (``normalization``): the update is the mean of per-shard means (C4-C6).
+- :func:`scaled` (``scaled``): the gradient factor is another constant.
+- :func:`loss_differs` (``loss_differs``): only the returned loss differs.
+- :func:`grads_differ` (``grads_differ``): only the exposed gradients differ.
+- :func:`drift` (``drift``): an unexplained failure after steps that agreed.
+- :func:`loss_only` (``loss_only``): an unexplained failure at step 0 while the loss matches (seed 001).
+- :func:`update_differs` (``update_differs``): any other unexplained failure of the update.
+- :func:`loose_tolerance` (``weak_check``): rtol too loose to tell a x2 error from rounding.
+- :func:`weak_update` (``weak_check``): a reference update not above its tolerance.
+- :func:`diverged_trajectory` (``diverged_trajectory``): the runs separated, the step itself matches.
+- :func:`rounding_level` (``rounding_level``): informational, leaves whose update cannot be resolved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+KINDS = ("loss", "grad", "param", "opt_state", "counter")
+# Two update ratios "agree" when within 2% of each other.
+RATIO_RTOL = 0.02
+# Above this rtol, a factor-2 error (a mean taken twice at S=2 is off by 50%) may hide in the tolerance.
+LOOSE_RTOL = 0.1
+# The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
+# reproduces one of them is explained, and the generic ``scaled``/``drift``/``loss_only``/``update_differs``
+# findings stay silent for it.
+NAMED_REDUCTIONS = ("per_shard_mean",)
+# The verdict findings: first in the list when nothing failed.
+VERDICTS = ("parity", "diverged_trajectory")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafError:
+    """The error of one leaf at one step.
+
+    Attributes:
+        step: the 0-based step index t.
+        kind: ``"loss"``, ``"grad"``, ``"param"``, ``"opt_state"`` or ``"counter"`` (exact integer leaves: the
+            NNX step counter, Adam's ``count``).
+        path: the leaf's dotted path, e.g. ``"hidden.kernel"`` or ``"0.mu.bias"`` (``"loss"``, ``"step"``).
+        max_abs_err: ``max |candidate - reference|`` over the leaf's elements (float64 arithmetic).
+        max_rel_err: ``max_abs_err / max |reference|`` (normwise over the leaf: robust to elements that cancel
+            to ~0); ``0`` when both are zero, ``inf`` when only the reference is.
+        tolerance: the allowed ``max_abs_err``: ``atol + rtol * max |reference|`` (``0`` for counters).
+        ok: ``max_abs_err <= tolerance`` (NaN fails).
+        ratio: the median elementwise ratio candidate / reference of the leaf's change in this step (``param``
+            and ``opt_state``: after minus before; ``grad`` and ``loss``: the values), over elements where the
+            reference change is at least 1% of its largest; ``None`` when undefined (counters, no change).
+        reference_change: ``param``/``opt_state``: ``max |reference after - reference before|``, the size of the
+            reference's update of this leaf in this step; else ``None``.
+    """
+
+    step: int
+    kind: str
+    path: str
+    max_abs_err: float
+    max_rel_err: float
+    tolerance: float
+    ok: bool
+    ratio: float | None = None
+    reference_change: float | None = None
+
+    @property
+    def name(self) -> str:
+        """``"<kind> <path>"``, e.g. ``"param hidden.kernel"``; ``"loss"`` for the loss."""
+        return self.kind if self.kind == "loss" else f"{self.kind} {self.path}"
+
+    @property
+    def badness(self) -> float:
+        """``max_abs_err / tolerance``: above 1 fails; used to rank leaves."""
+        if math.isnan(self.max_abs_err):
+            return math.inf
+        if self.tolerance > 0:
+            return self.max_abs_err / self.tolerance
+        return 0.0 if self.max_abs_err == 0 else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Everything compared at one step.
+
+    Attributes:
+        step: the 0-based step index t.
+        rtol: the relative tolerance used at this step.
+        atol: the absolute tolerance used at this step.
+        loss: the reference's pre-update loss (float).
+        candidate_loss: the candidate's returned loss, or ``None`` when it returned none.
+        leaves: one :class:`LeafError` per compared leaf.
+        step_count: the reference optimizer's step counter after the step.
+        candidate_step_count: the candidate optimizer's update counter after the step (for gradient accumulation:
+            the number of applied updates, ``MultiSteps.gradient_step``).
+        replica_mismatches: paths of candidate leaves whose replicas hold different bytes on different devices.
+        synchronized: the candidate ran this step from a copy of the reference's pre-step state (model and
+            optimizer), not from its own trajectory (after a ``diverged_trajectory`` finding), and was compared
+            at the step-0 tolerance.
+        matches: the known faulty reductions whose update the candidate's parameters reproduce at this step,
+            recomputed by the harness from the reference's pre-step state (``"per_shard_mean"``: each shard's
+            ``loss_sum / weight`` averaged over the shards, the mean of per-shard means); checked only when the
+            step fails.
+        unresolved: ``param`` leaves whose update cannot be resolved from the gradient under this optimizer:
+            their reference gradient is at rounding level (a true gradient of 0, such as an attention key bias)
+            and a normalizing optimizer (Adam, RMSProp) turns that noise into an update of ~lr. Their tolerance
+            includes the update's sensitivity to the gradient's tolerance, propagated through the optimizer;
+            their gradients and optimizer state are still compared at the usual tolerance.
+    """
+
+    step: int
+    rtol: float
+    atol: float
+    loss: float
+    candidate_loss: float | None
+    leaves: tuple[LeafError, ...]
+    step_count: int
+    candidate_step_count: int
+    replica_mismatches: tuple[str, ...] = ()
+    synchronized: bool = False
+    matches: tuple[str, ...] = ()
+    unresolved: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Every leaf within tolerance and every replica consistent."""
+        return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """One finding of the harness.
+
+    Attributes:
+        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``normalization``, ``scaled``,
+            ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
+            ``grads_differ``, ``update_differs``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
+            ``weak_check`` or ``rounding_level``.
+        message: the sentence shown to the user.
+        leaf: the leaf the finding names, if any (``LeafError.name``).
+    """
+
+    code: str
+    message: str
+    leaf: str | None = None
+
+
+def _close(a: float, b: float, rel: float = RATIO_RTOL) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def _consensus(ratios: list[float]) -> float | None:
+    """The common value of ``ratios`` when they agree to 2%, else ``None``."""
+    ratios = [r for r in ratios if r is not None and math.isfinite(r)]
+    if not ratios:
+        return None
+    mid = float(np.median(ratios))
+    if mid == 0 or not all(_close(r, mid) for r in ratios):
+        return None
+    return mid
+
+
+def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
+    """The factor by which the candidate's gradient differs from the reference's at this step, and the evidence.
+
+    Evidence in order of directness: exposed gradients; first moments / momentum traces (proportional to the
+    gradient); second moments (``nu``: proportional to its square, so the square root is taken); parameter
+    updates (proportional to the gradient for SGD and momentum, nearly scale-invariant for Adam).
+    """
+    grads = [e.ratio for e in record.leaves if e.kind == "grad"]
+    f = _consensus(grads)
+    if f is not None:
+        return f, "gradients"
+    first = [e.ratio for e in record.leaves if e.kind == "opt_state" and ".nu." not in f".{e.path}."]
+    second = [e.ratio for e in record.leaves if e.kind == "opt_state" and ".nu." in f".{e.path}."]
+    second = [math.sqrt(r) for r in second if r is not None and r > 0]
+    moments = [r for r in first if r is not None] + second
+    if moments:
+        f = _consensus(moments)
+        if f is not None:
+            return f, "optimizer moments" if second else "momentum trace"
+        return None, ""
+    f = _consensus([e.ratio for e in record.leaves if e.kind == "param"])
+    return (f, "parameter updates") if f is not None else (None, "")
+
+
+def _name_factor(f: float, num_shards: int | None) -> tuple[str, str] | None:
+    """``(code, phrase)`` for a gradient factor that is a power of S (or of an integer when S is unknown)."""
+    candidates = [num_shards] if num_shards and num_shards > 1 else list(range(2, 65))
+    for s in candidates:
+        if _close(f, s):
+            return (
+                "summed",
+                f"the gradient reduction summed instead of averaged (x{s}: a sum over {s} shards)",
+            )
+        if _close(f, 1 / s):
+            return (
+                "averaged_twice",
+                f"the gradient was averaged twice (or divided by S={s} twice): x1/{s}",
+            )
+        if _close(f, s * s):
+            return (
+                "summed",
+                f"the gradient was sum-reduced twice (x{s * s} = {s}^2; docs/reduction_cases.md C3)",
+            )
+        if _close(f, 1 / (s * s)):
+            return "averaged_twice", f"the gradient was divided by S={s} three times (x1/{s * s})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagnosisContext:
+    """What the rules read, computed once from the arguments of :func:`diagnose`.
+
+    Attributes:
+        records: the compared steps, in order.
+        num_shards: S, when known.
+        diverged: the trajectory record of the step after which the runs separated (see :func:`diagnose`).
+        reference_diverged_at: the step at which the reference became non-finite, or ``None``.
+        failing: the records that failed, in order.
+        first: the first failing record, or ``None``.
+        bad: ``first``'s leaves out of tolerance.
+        factor: the gradient factor at ``first`` when update leaves (not only the loss or counters) fail and it
+            is a constant other than 1, else ``None``.
+        evidence: what ``factor`` was read from (``"gradients"``, ``"optimizer moments"``, ...), else ``""``.
+        counter_fail: the first failing optimizer step counter leaf (path ``"step"``) over all records.
+        reproduced: the :data:`NAMED_REDUCTIONS` that ``first``'s update reproduces.
+    """
+
+    records: tuple[StepRecord, ...]
+    num_shards: int | None
+    diverged: StepRecord | None
+    reference_diverged_at: int | None
+    failing: tuple[StepRecord, ...]
+    first: StepRecord | None
+    bad: tuple[LeafError, ...]
+    factor: float | None
+    evidence: str
+    counter_fail: LeafError | None
+    reproduced: tuple[str, ...]
+
+    @classmethod
+    def build(
+        cls,
+        records: Sequence[StepRecord],
+        num_shards: int | None = None,
+        diverged: StepRecord | None = None,
+        reference_diverged_at: int | None = None,
+    ) -> DiagnosisContext:
+        records = tuple(records)
+        failing = tuple(r for r in records if not r.ok)
+        first = failing[0] if failing else None
+        bad = () if first is None else tuple(e for e in first.leaves if not e.ok)
+        factor, evidence = None, ""
+        if {e.kind for e in bad} - {"loss", "counter"}:
+            f, ev = _gradient_factor(first)
+            if f is not None and not _close(f, 1.0):
+                factor, evidence = f, ev
+        leaves = (e for r in records for e in r.leaves)
+        counter_fail = next(
+            (e for e in leaves if e.kind == "counter" and e.path == "step" and not e.ok), None
+        )
+        matches = () if first is None else first.matches
+        reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
+        return cls(
+            records, num_shards, diverged, reference_diverged_at, failing, first, bad, factor, evidence,
+            counter_fail, reproduced,
+        )  # fmt: skip
+
+    @property
+    def bad_kinds(self) -> frozenset[str]:
+        """The kinds of :attr:`bad`."""
+        return frozenset(e.kind for e in self.bad)
+
+    @property
+    def update_kinds(self) -> frozenset[str]:
+        """The kinds of :attr:`bad` other than the loss and counters."""
+        return self.bad_kinds - {"loss", "counter"}
+
+    @property
+    def worst(self) -> LeafError | None:
+        """The worst of :attr:`bad` (the first, on ties)."""
+        return max(self.bad, key=lambda e: e.badness) if self.bad else None
+
+    @property
+    def worst_name(self) -> str | None:
+        return None if self.worst is None else self.worst.name
+
+    @property
+    def named_factor(self) -> tuple[str, str] | None:
+        """:func:`_name_factor` of :attr:`factor`."""
+        return None if self.factor is None else _name_factor(self.factor, self.num_shards)
+
+    @property
+    def unexplained(self) -> bool:
+        """Update leaves fail at :attr:`first` and no specific rule (factor, counter, named reduction, only
+        the exposed gradients) explains it: one of the generic fallbacks applies."""
+        return (
+            bool(self.update_kinds)
+            and self.bad_kinds != {"grad"}
+            and self.factor is None
+            and self.counter_fail is None
+            and not self.reproduced
+        )
+
+    @property
+    def drifted(self) -> bool:
+        """:attr:`first` is a later step of the candidate's own trajectory (not a synchronized re-run)."""
+        return self.first is not None and self.first.step > 0 and not self.first.synchronized
+
+    @property
+    def detail(self) -> str:
+        """The worst leaf's error, for the fallback messages."""
+        worst = self.worst
+        return f"{worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}" + (
+            "" if worst.ratio is None else f", update ratio {worst.ratio:.4g}"
+        )
+
+
+Finding = list[Diagnosis] | Diagnosis | None
+Rule = Callable[[DiagnosisContext], Finding]
+
+
+def parity(ctx: DiagnosisContext) -> Finding:
+    """``parity``: every step within tolerance (no trajectory divergence, the reference finite)."""
+    if not ctx.records or ctx.failing or ctx.diverged is not None or ctx.reference_diverged_at is not None:
+        return None
+    n = len({(e.kind, e.path) for r in ctx.records for e in r.leaves})
+    return Diagnosis("parity", f"Parity holds: {n} leaves over {len(ctx.records)} step(s) within tolerance.")
+
+
+def reference_diverged(ctx: DiagnosisContext) -> Finding:
+    """``reference_diverged``: the reference went non-finite; the later steps were not compared."""
+    t = ctx.reference_diverged_at
+    if t is None:
+        return None
+    return Diagnosis(
+        "reference_diverged",
+        f"The reference run diverged (non-finite loss or parameters at step {t}): "
+        f"steps {t} and later were not compared, and this is no verdict about the "
+        "candidate. Lower the learning rate.",
+    )
+
+
+def replicas_differ(ctx: DiagnosisContext) -> Finding:
+    """``replicas_differ``: the first step after which a replicated leaf differs across devices."""
+    r = next((r for r in ctx.records if r.replica_mismatches), None)
+    if r is None:
+        return None
+    leaf = r.replica_mismatches[0]
+    return Diagnosis(
+        "replicas_differ",
+        f"Replicas differ across devices: {leaf} holds different values on different devices after "
+        f"step {r.step} ({len(r.replica_mismatches)} leaf/leaves), though its sharding says replicated; "
+        "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
+        "check_vma=False and out_specs=P()).",
+        leaf,
+    )
+
+
+def step_counter(ctx: DiagnosisContext) -> Finding:
+    """``never_stepped`` (counter 0) or ``step_counter`` (a multiple of, or otherwise not, the step count)."""
+    fail = ctx.counter_fail
+    if fail is None:
+        return None
+    rec = ctx.records[fail.step]
+    expected, got = rec.step_count, rec.candidate_step_count
+    if got == 0:
+        return Diagnosis(
+            "never_stepped",
+            f"The optimizer was never stepped: its counter is 0 after {fail.step + 1} step(s) "
+            "(an update that was skipped or swallowed, e.g. the old one-argument optimizer.update(grads); "
+            "docs/reduction_cases.md C8).",
+            fail.name,
+        )
+    if expected and got % expected == 0:
+        k = got // expected
+        shards = f" (S={ctx.num_shards})" if k == ctx.num_shards else ""
+        return Diagnosis(
+            "step_counter",
+            f"The optimizer was stepped {k} times per step: its counter is {got} after {expected} step(s) "
+            f"(optimizer.update called once per shard{shards} instead of once after the reduction).",
+            fail.name,
+        )
+    return Diagnosis(
+        "step_counter",
+        f"The optimizer step counter is {got} after {expected} step(s); it must equal the number of steps.",
+        fail.name,
+    )
+
+
+def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
+    return Diagnosis(
+        code,
+        f"At step {ctx.first.step}, {ctx.evidence} are {ctx.factor:.4g} x the reference's: {phrase}.",
+        ctx.worst_name,
+    )
+
+
+def shard_factor(ctx: DiagnosisContext) -> Finding:
+    """``summed`` (x S or x S^2) or ``averaged_twice`` (x 1/S or x 1/S^2) at the first failing step."""
+    named = ctx.named_factor
+    return None if named is None else _factor_finding(ctx, *named)
+
+
+def normalization(ctx: DiagnosisContext) -> Finding:
+    """``normalization``: the first failing step's update is the mean of per-shard means (C4-C6)."""
+    if "per_shard_mean" not in ctx.reproduced:
+        return None
+    return Diagnosis(
+        "normalization",
+        f"At step {ctx.first.step} the update equals the mean of per-shard means: each shard divided its loss "
+        "sum by its own weight (token count) before the shards were averaged. With uneven token counts per "
+        "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
+        "shards, then divide once (docs/reduction_cases.md C4-C6).",
+        ctx.worst_name,
+    )
+
+
+def scaled(ctx: DiagnosisContext) -> Finding:
+    """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
+    if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced:
+        return None
+    phrase = "a constant factor that is not a shard count (a wrong loss normalization or learning rate?)"
+    return _factor_finding(ctx, "scaled", phrase)
+
+
+def loss_differs(ctx: DiagnosisContext) -> Finding:
+    """``loss_differs``: only the returned loss is out of tolerance at the first failing step."""
+    if ctx.bad_kinds != {"loss"}:
+        return None
+    first = ctx.first
+    return Diagnosis(
+        "loss_differs",
+        f"Only the returned loss differs (step {first.step}: {first.candidate_loss:.7g} vs reference "
+        f"{first.loss:.7g}); the update matches. The candidate does not return the full-batch "
+        "pre-update loss (a post-update loss, one shard's loss, or an unweighted mean?).",
+        "loss",
+    )
+
+
+def grads_differ(ctx: DiagnosisContext) -> Finding:
+    """``grads_differ``: only the exposed gradients are out of tolerance at the first failing step."""
+    if ctx.bad_kinds != {"grad"}:
+        return None
+    return Diagnosis(
+        "grads_differ",
+        f"The exposed gradients differ ({ctx.worst_name}, step {ctx.first.step}) while the update matches: "
+        "the reported gradients are not the ones applied.",
+        ctx.worst_name,
+    )
+
+
+def drift(ctx: DiagnosisContext) -> Finding:
+    """``drift``: an unexplained failure at a step t > 0 of the candidate's own trajectory."""
+    if not (ctx.unexplained and ctx.drifted):
+        return None
+    t = ctx.first.step
+    return Diagnosis(
+        "drift",
+        f"The first {t} step(s) agree; step {t} does not ({ctx.detail}): state not "
+        "carried between steps correctly (optimizer state reset or shared?) or errors accumulating "
+        "past rounding.",
+        ctx.worst_name,
+    )
+
+
+def _loss_ok(ctx: DiagnosisContext) -> bool:
+    loss = next((e for e in ctx.first.leaves if e.kind == "loss"), None)
+    return loss is not None and loss.ok
+
+
+def loss_only(ctx: DiagnosisContext) -> Finding:
+    """``loss_only``: an unexplained failure of the update at step 0 while the loss matches (seed 001)."""
+    if not (ctx.unexplained and not ctx.drifted and _loss_ok(ctx)):
+        return None
+    return Diagnosis(
+        "loss_only",
+        f"Only the loss matches: the pre-update loss agrees at step 0 but the update does not "
+        f"({ctx.detail}). A matching loss does not verify the update, the optimizer state or the "
+        "communication (seed 001): this is not parity.",
+        ctx.worst_name,
+    )
+
+
+def update_differs(ctx: DiagnosisContext) -> Finding:
+    """``update_differs``: any other unexplained failure of the update (not one reduced step)."""
+    if not (ctx.unexplained and not ctx.drifted and not _loss_ok(ctx)):
+        return None
+    first = ctx.first
+    return Diagnosis(
+        "update_differs",
+        f"The update differs from the reference at step {first.step}"
+        + (" (run from the reference's pre-step state)" if first.synchronized else "")
+        + f" ({ctx.detail}): not a single reduced step "
+        "(shards applied one after another, gradients taken at different parameters, or a wrong "
+        "loss).",
+        ctx.worst_name,
+    )
+
+
+def loose_tolerance(ctx: DiagnosisContext) -> Finding:
+    """``weak_check``: the step-0 rtol is too loose to tell a x2 or x1/2 error from rounding."""
+    if not ctx.records or ctx.records[0].rtol <= LOOSE_RTOL:
+        return None
+    return Diagnosis(
+        "weak_check",
+        f"The tolerance rtol={ctx.records[0].rtol:.3g} is too loose to tell a x2 or x1/2 error from rounding (a "
+        "low-precision dtype or a huge batch); pass rtol=, or check the step in float32.",
+    )
+
+
+def weak_update(ctx: DiagnosisContext) -> Finding:
+    """``weak_check``: a passing param leaf whose step-0 reference update is not above its tolerance.
+
+    Leaves at rounding level (``StepRecord.unresolved``) are left to :func:`rounding_level`.
+    """
+    leaves = ctx.records[0].leaves if ctx.records else ()
+    unresolved = set(ctx.records[0].unresolved) if ctx.records else set()
+    weak = next(
+        (
+            e
+            for e in leaves
+            if e.kind == "param"
+            and e.name not in unresolved
+            and e.ok
+            and e.reference_change is not None
+            and e.reference_change <= e.tolerance
+        ),
+        None,
+    )
+    if weak is None:
+        return None
+    return Diagnosis(
+        "weak_check",
+        f"The reference's first update of {weak.name} is not larger than the tolerance: a wrong update of "
+        "that leaf could pass unseen. Raise the learning rate or lower rtol/atol.",
+        weak.name,
+    )
+
+
+def diverged_trajectory(ctx: DiagnosisContext) -> Finding:
+    """``diverged_trajectory``: the runs separated at step t, but the step re-run from identical state matched."""
+    if ctx.diverged is None or not ctx.records:
+        return None
+    bad = [e for e in ctx.diverged.leaves if not e.ok]
+    worst = max(bad, key=lambda e: e.badness) if bad else None
+    t = ctx.diverged.step
+    what = (
+        ""
+        if worst is None
+        else f" ({worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g})"
+    )
+    synced = [r for r in ctx.records if r.synchronized]
+    verdict = (
+        f"every step from {t} on ({len(synced)} step(s)), run from the reference's pre-step state, matched "
+        "within the step-0 tolerance"
+        if all(r.ok for r in synced)
+        else f"step {t} run from the reference's pre-step state matched, but a later step did not (above)"
+    )
+    return Diagnosis(
+        "diverged_trajectory",
+        f"The trajectories diverged at step {t}{what}, but the candidate step reproduces the reference "
+        f"step from identical state: {verdict}. A rounding-level difference (the reordered batch sum) "
+        "flipped a non-smooth op such as ReLU, and the two runs then separate: a property of the model, "
+        f"not a bug in the step. Parity holds per step, not for the trajectory after step {t}; compare "
+        "fewer steps or use a smooth activation to check longer runs.",
+        None if worst is None else worst.name,
+    )
+
+
+def rounding_level(ctx: DiagnosisContext) -> Finding:
+    """``rounding_level`` (informational): param leaves whose gradient is at rounding level, over all steps."""
+    leaves = sorted({p for r in ctx.records for p in r.unresolved})
+    if not leaves:
+        return None
+    first = leaves[0]
+    return Diagnosis(
+        "rounding_level",
+        f"{len(leaves)} leaf/leaves have a gradient at rounding level (e.g. {first}: a true gradient of 0, such "
+        "as an attention key bias): under this optimizer their update is the normalized rounding noise and "
+        "cannot be compared; they were checked through their gradients and optimizer state, with the "
+        "parameter tolerance propagated through the update.",
+        first,
+    )
+
+
+# The rules in the order of their findings (before merging; when nothing failed, the VERDICTS come first).
+RULES: tuple[Rule, ...] = (
+    parity,
+    reference_diverged,
+    replicas_differ,
+    step_counter,
+    shard_factor,
+    normalization,
+    scaled,
+    loss_differs,
+    grads_differ,
+    drift,
+    loss_only,
+    update_differs,
+    loose_tolerance,
+    weak_update,
+    diverged_trajectory,
+    rounding_level,
+)
+
+
+def _as_list(found: Finding) -> list[Diagnosis]:
+    if found is None:
+        return []
+    return [found] if isinstance(found, Diagnosis) else list(found)
+
+
+def diagnose(
+    records: Sequence[StepRecord],
+    num_shards: int | None = None,
+    *,
+    diverged: StepRecord | None = None,
+    reference_diverged_at: int | None = None,
+) -> list[Diagnosis]:
+    """Explain a comparison: the findings of :class:`ParityReport`, most important first.
+
+    Runs :data:`RULES` in order on one :class:`DiagnosisContext`; findings with the same code are merged, and
+    when nothing failed the verdict (``parity`` or ``diverged_trajectory``) comes first. The rules:
+
+    - ``parity``: every leaf of every step within tolerance (not after a divergence of either run).
+    - ``reference_diverged``: the reference went non-finite at ``reference_diverged_at``; no ``parity``.
+    - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
+    - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
+      times per step).
+    - ``summed`` / ``averaged_twice``: a gradient factor of S (S^2) or 1/S (1/S^2) at the first failing step,
+      read from the gradients, moments or updates.
+    - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``).
+    - ``scaled``: another constant gradient factor (unless ``normalization`` explains the step).
+    - ``loss_differs``: only the returned loss differs.
+    - ``grads_differ``: only the exposed gradients differ.
+    - ``drift``: unexplained failure at a step t > 0 after steps that agreed.
+    - ``loss_only``: unexplained failure at step 0 while the loss matches (not parity, seed 001).
+    - ``update_differs``: any other unexplained failure (not one reduced step).
+    - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance.
+    - ``diverged_trajectory``: ``diverged`` is the trajectory record of the first failing step t > 0 whose
+      step, re-run from the reference's pre-step state, matched (``records`` from t on are then synchronized).
+    - ``rounding_level``: informational, param leaves whose gradient is at rounding level (``unresolved``);
+      it does not make a passing report fail.
+    """
+    ctx = DiagnosisContext.build(records, num_shards, diverged, reference_diverged_at)
+    found = [d for rule in RULES for d in _as_list(rule(ctx))]
+    if not ctx.failing:
+        found.sort(key=lambda d: d.code not in VERDICTS)
+    return _merge(found)
+
+
+def _merge(findings: list[Diagnosis]) -> list[Diagnosis]:
+    """One finding per code, in first-seen order; the messages of repeated codes are joined."""
+    merged: dict[str, Diagnosis] = {}
+    for d in findings:
+        if d.code in merged:
+            prev = merged[d.code]
+            merged[d.code] = Diagnosis(d.code, f"{prev.message} {d.message}", prev.leaf or d.leaf)
+        else:
+            merged[d.code] = d
+    return list(merged.values())

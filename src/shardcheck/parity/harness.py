@@ -1,0 +1,686 @@
+"""The parity harness: run a task's reference step and a candidate step side by side and compare every leaf.
+
+Seed ``001_a85d1499a1a85057.txt``: "with equivalent initial parameters, loss normalization and optimizer settings,
+a correctly synchronized sharded step should reproduce the intended baseline update within numerical tolerance.
+Matching a single loss value alone does not verify that update". :func:`check_parity` runs the task's
+single-device step (:func:`~shardcheck.steps.reference.reference_step`) and a candidate step from copies of one
+model and optimizer over the task's batches, and records for every step the error of the loss, of every gradient
+leaf (where the candidate exposes them), of every updated parameter, of every optimizer-state leaf and of the
+step counters. When parity fails, :mod:`shardcheck.parity.diagnosis` says why.
+
+Tolerance (:func:`~shardcheck.parity.tolerance.derive_tolerance`, ``docs/parity.md``)::
+
+    rtol_t = 16 * eps * sqrt(n) * sqrt(t + 1)      atol_t = eps * sqrt(n) * sqrt(t + 1)
+    leaf passes at step t  <=>  |cand - ref| <= atol_t + rtol_t * max|ref| + allowance      (moments: x2)
+
+with ``n`` the task's reduction length (:meth:`Task.terms`). ``allowance`` is the update's sensitivity to the
+gradient's own tolerance, propagated through the optimizer (``tx.update`` at ``g +- delta``) and summed over the
+steps: negligible for SGD and for Adam on ordinary leaves, about ``lr`` for a leaf whose true gradient is 0 under
+a normalizing optimizer (the gradient is rounding noise, and Adam turns noise into lr-sized steps). Such leaves
+are reported (``rounding_level``) and remain checked through their gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardcheck import _validate
+from shardcheck.datasets import minibatch_indices
+from shardcheck.parity import legacy
+from shardcheck.parity.candidates import as_candidate, check_step_signature, unpack
+from shardcheck.parity.compare import (
+    counter_error,
+    flatten_state,
+    host_tree,
+    is_int,
+    leaf_error,
+    replica_mismatch,
+    to_host,
+)
+from shardcheck.parity.diagnosis import LeafError, StepRecord, diagnose
+from shardcheck.parity.report import CandidateError, ParityError, ParityReport
+from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
+from shardcheck.steps import STRATEGIES, Candidate
+from shardcheck.steps.reference import reference_step
+from shardcheck.task import Task, check_divisible, check_loss_output, loss_terms, split_batch
+
+PyTree = Any
+StepFn = Callable[..., Any]
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+
+def _copy_state(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module, nnx.Optimizer]:
+    """Independent copies of a model and its optimizer: new graph and new buffers (a step may donate them)."""
+    graphdef, state = nnx.split((model, optimizer))
+    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
+    return nnx.merge(graphdef, state)
+
+
+def _opt_state(optimizer: nnx.Optimizer) -> PyTree:
+    """The optimizer's ``opt_state`` sub-state (``{}`` for a stateless transformation such as ``optax.sgd``)."""
+    state = nnx.state(optimizer)
+    return state["opt_state"] if "opt_state" in state else {}
+
+
+def _default_view(optimizer: nnx.Optimizer) -> tuple[PyTree, Any]:
+    return _opt_state(optimizer), optimizer.step[...]
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+@functools.partial(nnx.jit, static_argnums=0)
+def _probe_loss(loss_fn, model, batch):
+    return loss_fn(model, batch)
+
+
+def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
+    """Refuse models whose sharded and full-batch steps differ (C7); returns whether the loss is weighted.
+
+    ``nnx.BatchStat`` variables (BatchNorm) are refused. RNG streams are accepted when the forward pass does not
+    draw from them (Dropout at rate 0, ``model.eval()``, ``deterministic=True``): ``loss_fn`` runs once on a
+    clone and any stream whose counter moved is named in the refusal. The loss at step 0 is checked too.
+
+    Raises:
+        TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
+        ValueError: BatchStat variables; RNG streams drawn in the forward pass; a non-finite loss at step 0.
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
+    if jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} is refused because it holds nnx.BatchStat variables (e.g. "
+            "BatchNorm): each shard would normalise with its own batch statistics, not the full batch's "
+            "(docs/reduction_cases.md C7); use LayerNorm, or a model without batch statistics"
+        )
+    clone = nnx.clone(model)
+    before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
+    try:
+        out = _probe_loss(loss_fn, clone, batch)
+    except Exception as err:
+        raise type(err)(f"{fn}: the task's loss_fn raised on batch 0: {err}") from err
+    after = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
+    drawn = [".".join(map(str, p)) for p in before if not np.array_equal(before[p], after[p])]
+    if drawn:
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} draws random numbers in its forward pass (RNG stream(s) "
+            f"{', '.join(drawn)} advanced): every shard would draw its own mask, so no sharded step can equal the "
+            "full-batch one (seed 000). Make the forward pass deterministic (model.eval(), Dropout rate 0, "
+            "deterministic=True) for the check"
+        )
+    return check_loss_output(fn, out)
+
+
+def _check_tolerances(fn, rtol, atol):
+    for label, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+        ):
+            raise ValueError(f"{fn}: {label} must be a number >= 0, got {value!r}")
+
+
+def _task_batches(fn: str, task: Task, steps: int | None) -> list:
+    if steps is None:
+        return list(task.batches)
+    steps = _validate.check_int(fn, "steps", steps)
+    if steps > len(task.batches):
+        raise ValueError(
+            f"{fn}: steps={steps} but the task holds only {len(task.batches)} batch(es); pass more"
+        )
+    return list(task.batches[:steps])
+
+
+# ------------------------------------------------------------------------------------ sensitivity, hypotheses
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _update_sensitivity(tx, grads, opt_state, params, rtol, atol):
+    """Per element, how far the update moves when the gradient moves by its tolerance (``g +- delta``)."""
+    delta = jax.tree.map(lambda g: atol + rtol * jnp.max(jnp.abs(g)), grads)
+    base = tx.update(grads, opt_state, params)[0]
+    up = tx.update(jax.tree.map(jnp.add, grads, delta), opt_state, params)[0]
+    down = tx.update(jax.tree.map(jnp.subtract, grads, delta), opt_state, params)[0]
+    sens = jax.tree.map(lambda u, a, b: jnp.maximum(jnp.abs(a - u), jnp.abs(b - u)), base, up, down)
+    return sens, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_state, batch):
+    """The parameters after one step whose gradient is the mean of per-shard means (each shard / own weight)."""
+
+    def shard_grad(shard):
+        def mean(p):
+            total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest), shard)
+            return total / weight
+
+        return jax.grad(mean)(params)
+
+    grads = jax.tree.map(
+        lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, split_batch(batch, num_shards))
+    )
+    updates = tx.update(grads, opt_state, params)[0]
+    return jax.tree.map(jnp.add, params, updates)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreStep:
+    """The reference's state before a step, kept on device for the sensitivity and the hypotheses."""
+
+    graphdef: Any
+    params: PyTree
+    rest: PyTree
+    opt_state: PyTree
+
+    @staticmethod
+    def of(model, optimizer) -> _PreStep:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return _PreStep(graphdef, nnx.as_pure(params), rest, nnx.as_pure(optimizer.opt_state))
+
+
+# --------------------------------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class _Run:
+    """The two sides of one :func:`check_parity` run (internal, mutable: the models change in place)."""
+
+    task: Task
+    ref_model: nnx.Module
+    ref_opt: nnx.Optimizer
+    reference: StepFn | None
+    cand: Candidate
+    cand_model: nnx.Module
+    cand_opt: nnx.Optimizer
+    kwargs: dict
+    weighted: bool
+    allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def synchronized(self, ref_model: nnx.Module, ref_opt: nnx.Optimizer) -> _Run:
+        """A run whose candidate starts from a copy of the given reference state (model and optimizer).
+
+        The reference side is this run's own (stepped in place) when ``ref_model`` is ``self.ref_model``, else a
+        copy; the allowance starts from zero (one step from identical state).
+        """
+        if ref_model is self.ref_model:
+            r_model, r_opt = self.ref_model, self.ref_opt
+        else:
+            r_model, r_opt = _copy_state(ref_model, ref_opt)
+        c_model, c_opt = _copy_state(ref_model, ref_opt)
+        if self.cand.make_optimizer is not None:
+            c_opt = self.cand.make_optimizer(c_model, c_opt)
+        return dataclasses.replace(
+            self, ref_model=r_model, ref_opt=r_opt, cand_model=c_model, cand_opt=c_opt, allowance={}
+        )
+
+
+def _reference_finite(run: _Run, record: StepRecord) -> bool:
+    """The reference's loss (when it returned one) and its parameters and optimizer state after the step are finite."""
+    if math.isinf(record.loss) or (math.isnan(record.loss) and any(e.kind == "loss" for e in record.leaves)):
+        return False
+    for leaf in jax.tree.leaves((nnx.state(run.ref_model, nnx.Param), _opt_state(run.ref_opt))):
+        a = to_host(leaf)
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            return False
+    return True
+
+
+def _step_reference(run: _Run, batch, rtol: float, atol: float):
+    """Step the reference; returns ``(loss, grads, pre-step state, sensitivity per param leaf or None)``."""
+    pre = _PreStep.of(run.ref_model, run.ref_opt)
+    if run.reference is not None:
+        loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
+        return loss, grads, pre, None
+    result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
+    grads = nnx.as_pure(result.grads)
+    sens, grad_max = _update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, rtol, atol)
+    return result.loss, result.grads, pre, (host_tree(sens), host_tree(grad_max))
+
+
+def _step_candidate(run: _Run, t: int, batch):
+    try:
+        out = run.cand.step(run.cand_model, run.cand_opt, batch, **run.kwargs)
+    except Exception as err:
+        raise CandidateError(
+            f"check_parity: the candidate step {run.cand.name!r} raised {type(err).__name__}: {err} at step {t}",
+            t,
+        ) from err
+    return unpack(out, f"candidate {run.cand.name!r}", t)
+
+
+def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, sens) -> tuple[list, list, list]:
+    """Param leaf errors (tolerance widened by the accumulated sensitivity), replica mismatches, unresolved.
+
+    ``sens``: ``(update sensitivity per leaf, max |reference gradient| per leaf)`` of this step, or ``None``.
+    """
+    leaves, mismatches, unresolved = [], [], []
+    ref_params = flatten_state(nnx.state(run.ref_model, nnx.Param))
+    cand_params = flatten_state(nnx.state(run.cand_model, nnx.Param))
+    for path, ref_leaf in ref_params.items():
+        if path not in cand_params:
+            leaves.append(LeafError(t, "param", path, math.inf, math.inf, 0.0, False))
+            continue
+        if replica_mismatch(cand_params[path]):
+            mismatches.append(f"param {path}")
+        r = to_host(ref_leaf)
+        allowance = None
+        if sens is not None and path in sens[0]:
+            allowance = run.allowance.get(path, 0.0) + sens[0][path]
+            run.allowance[path] = allowance
+            # at rounding level: the gradient is within its own tolerance of 0, and the update it drives is not
+            # resolvable at the parameter's tolerance
+            at_rounding = float(sens[1][path]) <= atol
+            if at_rounding and float(np.max(allowance, initial=0.0)) > atol + rtol * float(
+                np.max(np.abs(r), initial=0.0)
+            ):
+                unresolved.append(f"param {path}")
+        c = to_host(cand_params[path])
+        leaves.append(leaf_error(t, "param", path, r, c, rtol, atol, ref0[path], cand0[path], allowance))
+    return leaves, mismatches, unresolved
+
+
+def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol) -> tuple[list, list, Any]:
+    view = run.cand.view_optimizer or _default_view
+    leaves, mismatches = [], []
+    cand_view, cand_count = view(run.cand_opt)
+    cand_state = flatten_state(cand_view)
+    for path, ref_leaf in flatten_state(_opt_state(run.ref_opt)).items():
+        if path not in cand_state:
+            leaves.append(LeafError(t, "opt_state", path, math.inf, math.inf, 0.0, False))
+            continue
+        if replica_mismatch(cand_state[path]):
+            mismatches.append(f"opt_state {path}")
+        r, c = to_host(ref_leaf), to_host(cand_state[path])
+        if is_int(r):
+            leaves.append(counter_error(t, path, r, c))
+        else:
+            before = cand0.get(path, np.zeros_like(r))
+            leaves.append(
+                leaf_error(
+                    t, "opt_state", path, r, c, MOMENT_FACTOR * rtol, MOMENT_FACTOR * atol, ref0[path], before
+                )
+            )
+    return leaves, mismatches, cand_count
+
+
+def _extra_checks(run: _Run, t, completed, rtol, atol) -> list:
+    if run.cand.extra_checks is None:
+        return []
+    out = []
+    for path, value, expected in run.cand.extra_checks(run.cand_opt, completed):
+        if is_int(value):
+            out.append(counter_error(t, path, expected, value))
+        else:
+            out.append(leaf_error(t, "opt_state", path, to_host(expected), to_host(value), rtol, atol))
+    return out
+
+
+def _matches(run: _Run, pre: _PreStep, batch, rtol, atol) -> tuple[str, ...]:
+    """The faulty reductions whose update the candidate reproduces (checked on failure; weighted losses)."""
+    s = run.cand.num_shards
+    if not run.weighted or not s or s < 2 or run.reference is not None:
+        return ()
+    alt = host_tree(
+        _per_shard_mean_params(
+            run.task.loss_fn, s, pre.graphdef, run.ref_opt.tx, pre.params, pre.rest, pre.opt_state, batch
+        )
+    )
+    cand = host_tree(nnx.state(run.cand_model, nnx.Param))
+    ref = host_tree(nnx.state(run.ref_model, nnx.Param))
+    allow = run.allowance
+    errors = [
+        leaf_error(0, "param", p, alt[p], cand[p], rtol, atol, allowance=allow.get(p))
+        for p in alt
+        if p in cand
+    ]
+    differs = any(
+        not leaf_error(0, "param", p, ref[p], alt[p], rtol, atol, allowance=allow.get(p)).ok for p in alt
+    )
+    return ("per_shard_mean",) if differs and errors and all(e.ok for e in errors) else ()
+
+
+def _compare_step(
+    run: _Run, t: int, batch, rtol: float, atol: float, *, completed=None, synced=False
+) -> StepRecord:
+    """Snapshot both sides, step both on one batch, compare every leaf.
+
+    ``completed``: the candidate's full steps after this one (for ``extra_checks``; default ``t + 1``; 1 for a
+    candidate started from the reference's state).
+    """
+    view = run.cand.view_optimizer or _default_view
+    ref_params0 = host_tree(nnx.state(run.ref_model, nnx.Param))
+    cand_params0 = host_tree(nnx.state(run.cand_model, nnx.Param))
+    ref_opt0, cand_opt0 = host_tree(_opt_state(run.ref_opt)), host_tree(view(run.cand_opt)[0])
+
+    ref_loss, ref_grads, pre, sens = _step_reference(run, batch, rtol, atol)
+    cand_loss, cand_grads = _step_candidate(run, t, batch)
+
+    leaves: list[LeafError] = []
+    ref_loss_f = float(np.asarray(ref_loss)) if ref_loss is not None else math.nan
+    cand_loss_f = None if cand_loss is None else float(to_host(cand_loss))
+    if ref_loss is not None and cand_loss is not None:
+        leaves.append(leaf_error(t, "loss", "loss", ref_loss_f, cand_loss_f, rtol, atol))
+    if ref_grads is not None and cand_grads is not None:
+        rg, cg = flatten_state(ref_grads), flatten_state(cand_grads)
+        for path, ref_leaf in rg.items():
+            if path in cg:
+                leaves.append(leaf_error(t, "grad", path, to_host(ref_leaf), to_host(cg[path]), rtol, atol))
+            else:
+                leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
+    params, mismatches, unresolved = _compare_params(run, t, ref_params0, cand_params0, rtol, atol, sens)
+    opt_leaves, opt_mismatches, cand_count = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol)
+    ref_count = int(np.asarray(run.ref_opt.step[...]))
+    leaves += params + opt_leaves + [counter_error(t, "step", ref_count, cand_count)]
+    leaves += _extra_checks(run, t, t + 1 if completed is None else completed, rtol, atol)
+    record = StepRecord(
+        step=t,
+        rtol=rtol,
+        atol=atol,
+        loss=ref_loss_f,
+        candidate_loss=cand_loss_f,
+        leaves=tuple(leaves),
+        step_count=ref_count,
+        candidate_step_count=int(np.asarray(cand_count)),
+        replica_mismatches=tuple(mismatches + opt_mismatches),
+        synchronized=synced,
+        unresolved=tuple(unresolved),
+    )
+    if not record.ok:
+        record = dataclasses.replace(record, matches=_matches(run, pre, batch, rtol, atol))
+    return record
+
+
+# ------------------------------------------------------------------------------------------------ the harness
+
+
+def _setup(fn, candidate, task, legacy_args, *, steps, num_shards, mesh, reference, name):
+    """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
+    if num_shards is not None:
+        num_shards = _validate.check_num_shards(fn, num_shards)
+    if isinstance(task, nnx.Module):  # the (model, optimizer, batches) form: the seeds' regression task
+        model, optimizer, batches = _legacy_args(fn, task, legacy_args)
+        _validate.check_optimizer(fn, optimizer, model)
+        task = legacy.regression_task(fn, model, optimizer, batches, steps)
+        candidate = legacy.adapt_candidate(fn, candidate, mesh, name)
+        if reference is not None:
+            _check_callable_reference(fn, reference)
+            reference = legacy.adapt_step(fn, "reference", reference, False)
+        data = list(task.batches)
+    elif isinstance(task, Task):
+        if legacy_args:
+            raise TypeError(
+                f"{fn}: with a Task, pass no model, optimizer or batches beside it (got {len(legacy_args)})"
+            )
+        if reference is not None:
+            _check_callable_reference(fn, reference)
+            check_step_signature(fn, "reference", reference, 3, False)
+        model = task.new_model(fn)
+        optimizer = task.new_optimizer(model)
+        data = _task_batches(fn, task, steps)
+    else:
+        raise TypeError(
+            f"{fn}: task must be a shardcheck.Task (or, in the (model, optimizer, batches) form, an nnx.Module), got "
+            f"{type(task).__name__}; build one with shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...)"
+        )
+    named = isinstance(candidate, str)
+    cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
+    weighted = check_model(fn, model, task.loss_fn, data[0])
+    _check_weights_accepted(fn, cand, data)
+    if named:
+        strategy = STRATEGIES[candidate]
+        if strategy.check is not None:
+            strategy.check(fn, model, optimizer)
+    if cand.num_shards is not None and (named or cand.name in STRATEGIES):
+        for batch in data:
+            check_divisible(fn, batch, cand.num_shards, weighted=weighted)
+    ref_model, ref_opt = _copy_state(model, optimizer)
+    cand_model, cand_opt = _copy_state(model, optimizer)
+    if cand.make_optimizer is not None:
+        cand_opt = cand.make_optimizer(cand_model, cand_opt)
+    kwargs = {"mesh": mesh} if cand.pass_mesh else {}
+    return _Run(task, ref_model, ref_opt, reference, cand, cand_model, cand_opt, kwargs, weighted), data
+
+
+def _legacy_args(fn, model, args):
+    if len(args) != 2:
+        raise TypeError(
+            f"{fn}: the (model, optimizer, batches) form needs model, optimizer and batches; got {1 + len(args)} "
+            "of them. Or pass a shardcheck.Task"
+        )
+    return model, args[0], args[1]
+
+
+def _check_callable_reference(fn, reference):
+    if not callable(reference):
+        raise TypeError(
+            f"{fn}: reference must be None (the task's single-device step) or an in-place step, got "
+            f"{type(reference).__name__} {reference!r}"
+        )
+
+
+def _check_weights_accepted(fn, cand: Candidate, data):
+    if getattr(cand.step, "takes_weights", True) or not any(
+        len(b) == 3 for b in data if isinstance(b, tuple)
+    ):
+        return
+    i = next(i for i, b in enumerate(data) if isinstance(b, tuple) and len(b) == 3)
+    raise TypeError(
+        f"{fn}: batch {i} carries weights but candidate {cand.name!r} takes no weights= argument; add a "
+        "weights=None keyword to it, or pass (x, y) batches"
+    )
+
+
+def _param_dtype(model):
+    """The least precise floating dtype among the parameters (float32 for shardcheck's models)."""
+    dtypes = {jnp.dtype(a.dtype) for a in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)] or [jnp.dtype(jnp.float32)]
+    return max(floats, key=lambda d: float(jnp.finfo(d).eps))
+
+
+def check_parity(
+    candidate: StepFn | str | Candidate,
+    task: Task,
+    *legacy_args,
+    steps: int | None = None,
+    num_shards: int | None = None,
+    mesh=None,
+    reference: StepFn | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    name: str | None = None,
+) -> ParityReport:
+    """Run the task's reference step and a candidate step side by side from one initial state; compare every leaf.
+
+    Both start from independent copies of one fresh model (``task.model()``) and its optimizer and see the same
+    batches. After each step the harness compares, per leaf: the pre-update loss; the gradients, when the
+    candidate returns an object with ``.grads``; every ``nnx.Param``; every optimizer-state leaf (momentum trace,
+    Adam ``mu``/``nu``); and exactly, the integer counters (the NNX ``step``, Adam's ``count``). Replicated
+    candidate leaves are checked bitwise across this process's devices. Then the diagnosis explains a failure.
+    A first failure at a step t > 0 is re-run from the reference's pre-step state: if that step matches, the
+    trajectories diverged through rounding (``PASS (per step)``, ``diverged_trajectory``).
+
+    The ``(model, optimizer, batches)`` form, ``check_parity(candidate, model, optimizer, batches)``, checks the
+    seeds' regression task (MSE on ``(x, y)`` batches, weighted with ``(x, y, weights)``) from that model and
+    optimizer state; its candidates take ``(model, optimizer, x, y)``.
+
+    Args:
+        candidate: a strategy name (``simulation``, ``dp``, ``fsdp``, ``accumulation``, ``multiprocess``; needs
+            ``num_shards``), a :class:`~shardcheck.steps.Candidate`, or a user step ``(model, optimizer, batch)
+            -> loss`` (``(model, optimizer, batch, mesh)`` when it accepts ``mesh`` and ``mesh`` is given) that
+            updates both in place and returns the loss, ``None``, or an object/mapping with ``loss`` and
+            optionally ``grads``.
+        task: the :class:`~shardcheck.Task`.
+        steps: how many of the task's batches to use (default: all).
+        num_shards: S: the shard count of a named strategy; lets the diagnosis recognise ratios S and 1/S and
+            recompute the mean of per-shard means.
+        mesh: passed to mesh strategies (default: the first S devices) and to candidates accepting ``mesh``.
+        reference: a step to compare against instead of the task's single-device step (same signature as a
+            candidate); gradients are compared only when it returns ``.grads``.
+        rtol: fixed relative tolerance for every step (default: derived from the parameters' dtype, the
+            reduction length and the step).
+        atol: fixed absolute tolerance for every step (default: derived).
+        name: the candidate's name in the report.
+
+    Returns:
+        A :class:`~shardcheck.ParityReport`.
+
+    Raises:
+        TypeError: ``task`` not a Task; ``candidate`` not a name, Candidate or callable, or a callable whose
+            signature fits neither form; a malformed ``loss_fn`` output.
+        ValueError: a model with batch statistics, or one drawing random numbers in its forward pass (C7); a
+            non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
+            not split into S equal shards (the message names the leaf and the fix); an unknown strategy; negative
+            ``rtol``/``atol``. All checked before any step runs.
+        CandidateError: the candidate raised during a step (the original error is its ``__cause__``).
+    """
+    fn = "check_parity"
+    _check_tolerances(fn, rtol, atol)
+    run, data = _setup(
+        fn,
+        candidate,
+        task,
+        legacy_args,
+        steps=steps,
+        num_shards=num_shards,
+        mesh=mesh,
+        reference=reference,
+        name=name,
+    )
+    dtype = _param_dtype(run.ref_model)
+
+    def tolerances(batch, t):
+        derived = derive_tolerance(dtype, batch_size=run.task.terms(batch), step=t)
+        return (
+            derived.rtol if rtol is None else float(rtol),
+            derived.atol if atol is None else float(atol),
+            derived,
+        )
+
+    records, diverged, diverged_at, reference_diverged_at = _run_steps(run, data, tolerances)
+    derived = tolerances(data[0], max(len(records) - 1, 0))
+    if rtol is None and atol is None:
+        rule = derived[2].rule
+    else:
+        rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
+    return ParityReport(
+        strategy=run.cand.name,
+        ok=bool(records)
+        and all(r.ok for r in records)
+        and diverged_at is None
+        and reference_diverged_at is None,
+        steps=tuple(records),
+        diagnoses=tuple(
+            diagnose(
+                records, run.cand.num_shards, diverged=diverged, reference_diverged_at=reference_diverged_at
+            )
+        ),
+        num_shards=run.cand.num_shards,
+        tolerance_rule=rule,
+        diverged_at=diverged_at,
+        diverged=diverged,
+        reference_diverged_at=reference_diverged_at,
+    )
+
+
+def _run_steps(run: _Run, data, tolerances):
+    """The step loop: trajectory mode, a re-check of the first late failure, then synchronized mode."""
+    records: list[StepRecord] = []
+    diverged = diverged_at = reference_diverged_at = None
+    rechecked = False
+    for t, batch in enumerate(data):
+        if diverged_at is None:
+            pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
+            r_tol, a_tol, _ = tolerances(batch, t)
+            record = _compare_step(run, t, batch, r_tol, a_tol)
+            if not _reference_finite(run, record):
+                reference_diverged_at = t
+                break
+            if not record.ok and t > 0 and not rechecked:
+                rechecked = True
+                r0, a0, _ = tolerances(batch, 0)
+                synced = _compare_step(run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True)
+                if synced.ok:
+                    diverged, diverged_at, record = record, t, synced
+        else:
+            # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
+            r_tol, a_tol, _ = tolerances(batch, 0)
+            record = _compare_step(
+                run.synchronized(run.ref_model, run.ref_opt), t, batch, r_tol, a_tol, completed=1, synced=True
+            )
+            if not _reference_finite(run, record):
+                reference_diverged_at = t
+                break
+        records.append(record)
+    return records, diverged, diverged_at, reference_diverged_at
+
+
+def assert_step_parity(
+    candidate: StepFn | str | Candidate, task: Task, *legacy_args, **kwargs
+) -> ParityReport:
+    """:func:`check_parity`, raising when parity fails: for a user's own pytest suite.
+
+    Args:
+        candidate: as :func:`check_parity`.
+        task: as :func:`check_parity` (or model, optimizer, batches in the regression form).
+        **kwargs: ``steps``, ``num_shards``, ``mesh``, ``reference``, ``rtol``, ``atol``, ``name``.
+
+    Returns:
+        The passing :class:`~shardcheck.ParityReport` (``PASS`` or ``PASS (per step)``).
+
+    Raises:
+        ParityError: an ``AssertionError`` whose message is the report (worst leaf, errors, tolerance,
+            diagnosis) and whose ``report`` attribute is the :class:`~shardcheck.ParityReport`.
+        TypeError, ValueError: as :func:`check_parity`.
+    """
+    report = check_parity(candidate, task, *legacy_args, **kwargs)
+    if not report.step_ok:
+        raise ParityError(report)
+    return report
+
+
+def minibatches(x, y, batch_size: int, steps: int, *, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` successive mini-batches of ``batch_size`` rows, reshuffled every epoch.
+
+    Epoch e visits the rows in the order ``np.random.default_rng(seed)``'s e-th permutation (one generator for
+    the whole run); the last ``N % batch_size`` rows of an epoch are skipped, so every batch has exactly
+    ``batch_size`` rows (equal shards need ``batch_size % S == 0``).
+
+    Args:
+        x: ``(N, D)`` inputs.
+        y: ``(N, K)`` targets.
+        batch_size: 1 <= B <= N.
+        steps: number of batches, >= 1.
+        seed: the shuffling seed.
+
+    Returns:
+        A list of ``steps`` pairs ``(x_b (B, D), y_b (B, K))`` of NumPy arrays.
+
+    Raises:
+        ValueError: ``batch_size`` out of range, ``steps < 1``, ``x`` and ``y`` of different lengths.
+    """
+    fn = "minibatches"
+    x, y = np.asarray(x), np.asarray(y)
+    n = x.shape[0]
+    if y.shape[0] != n:
+        raise ValueError(f"{fn}: x has {n} rows but y has {y.shape[0]}; they must match")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n:
+        raise ValueError(
+            f"{fn}: batch_size must be an int in [1, {n}] (the data has {n} rows), got {batch_size!r}"
+        )
+    steps = _validate.check_int(fn, "steps", steps)
+    drawn = itertools.islice(minibatch_indices(n, batch_size, seed=seed), steps)
+    return [(x[idx], y[idx]) for _, idx in drawn]
+
+
+__all__ = ["ParityError", "ParityReport", "assert_step_parity", "check_parity", "minibatches"]

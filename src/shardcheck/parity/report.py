@@ -1,0 +1,182 @@
+"""What :func:`~shardcheck.check_parity` returns, and the errors it raises."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardcheck.parity.diagnosis import KINDS, Diagnosis, LeafError, StepRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityReport:
+    """The result of :func:`check_parity`.
+
+    Attributes:
+        strategy: the candidate's name.
+        ok: parity holds: every leaf of every step within tolerance, replicas consistent.
+        steps: one :class:`StepRecord` per step.
+        diagnoses: the findings, most important first (``parity`` alone when ``ok`` and nothing to note).
+        num_shards: S, when known (used to recognise ratios S and 1/S).
+        tolerance_rule: how the tolerances were chosen (derived, or the user's ``rtol``/``atol``).
+        diverged_at: the step t > 0 at which the trajectories first left tolerance while that step, re-run from the
+            reference's pre-step state, matched (``diverged_trajectory``); ``steps`` from t on are then
+            synchronized steps. ``None`` otherwise.
+        diverged: the trajectory :class:`StepRecord` that failed at ``diverged_at`` (kept for the report).
+        reference_diverged_at: the step at which the reference's loss or state became non-finite; the comparison
+            stopped there (``reference_diverged``; ``steps`` holds the steps before it). ``None`` otherwise.
+    """
+
+    strategy: str
+    ok: bool
+    steps: tuple[StepRecord, ...]
+    diagnoses: tuple[Diagnosis, ...]
+    num_shards: int | None = None
+    tolerance_rule: str = ""
+    diverged_at: int | None = None
+    diverged: StepRecord | None = None
+    reference_diverged_at: int | None = None
+
+    @property
+    def step_ok(self) -> bool:
+        """Every step is correct: ``ok``, or the trajectories diverged (``diverged_trajectory``) and every step
+        from there on matched the reference from the reference's own pre-step state."""
+        return self.reference_diverged_at is None and bool(self.steps) and all(r.ok for r in self.steps)
+
+    @property
+    def verdict(self) -> str:
+        """``"PASS"`` (:attr:`ok`), ``"PASS (per step)"`` (trajectories diverged, every step correct from
+        synchronized state), ``"NO VERDICT"`` (the reference diverged) or ``"FAIL"``."""
+        if self.reference_diverged_at is not None:
+            return "NO VERDICT"
+        if self.ok:
+            return "PASS"
+        return "PASS (per step)" if self.step_ok else "FAIL"
+
+    @property
+    def worst(self) -> LeafError | None:
+        """The leaf error with the largest ``max_abs_err / tolerance`` over all steps (the first, on ties)."""
+        leaves = [leaf for record in self.steps for leaf in record.leaves]
+        return max(leaves, key=lambda leaf: leaf.badness, default=None)
+
+    @property
+    def worst_leaf(self) -> str | None:
+        """:attr:`worst`'s name, e.g. ``"param hidden.kernel"``."""
+        return None if self.worst is None else self.worst.name
+
+    @property
+    def max_abs_err(self) -> float:
+        """:attr:`worst`'s ``max_abs_err`` (errors of different leaves have different units: not a max of all)."""
+        return 0.0 if self.worst is None else self.worst.max_abs_err
+
+    @property
+    def max_rel_err(self) -> float:
+        """:attr:`worst`'s ``max_rel_err``."""
+        return 0.0 if self.worst is None else self.worst.max_rel_err
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        """The :attr:`Diagnosis.code` of every finding, in order."""
+        return tuple(d.code for d in self.diagnoses)
+
+    @property
+    def diagnosis(self) -> str:
+        """All findings' messages, joined into one paragraph."""
+        return " ".join(d.message for d in self.diagnoses)
+
+    def worst_by_kind(self) -> dict[str, LeafError]:
+        """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps."""
+        out: dict[str, LeafError] = {}
+        for record in self.steps:
+            for leaf in record.leaves:
+                if leaf.kind not in out or leaf.badness > out[leaf.kind].badness:
+                    out[leaf.kind] = leaf
+        return {k: out[k] for k in KINDS if k in out}
+
+    def to_dict(self) -> dict:
+        """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
+        ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``.
+        """
+        worst = self.worst
+        record_last = self.steps[-1] if self.steps else None
+        return {
+            "ok": self.ok,
+            "verdict": self.verdict,
+            "step_ok": self.step_ok,
+            "diverged_at": self.diverged_at,
+            "reference_diverged_at": self.reference_diverged_at,
+            "worst_leaf": self.worst_leaf,
+            "worst_step": None if worst is None else worst.step,
+            "max_abs_err": self.max_abs_err,
+            "max_rel_err": self.max_rel_err,
+            "tolerance": None if worst is None else worst.tolerance,
+            "diagnosis": self.diagnosis,
+            "codes": list(self.codes),
+            "steps": len(self.steps),
+            "num_shards": self.num_shards,
+            "tolerance_rule": self.tolerance_rule,
+            "step_count": None if record_last is None else record_last.step_count,
+            "candidate_step_count": None if record_last is None else record_last.candidate_step_count,
+            "replica_mismatches": sorted({p for r in self.steps for p in r.replica_mismatches}),
+            "unresolved": sorted({p for r in self.steps for p in r.unresolved}),
+            "worst_by_kind": {
+                kind: {
+                    "leaf": e.name,
+                    "step": e.step,
+                    "max_abs_err": e.max_abs_err,
+                    "max_rel_err": e.max_rel_err,
+                    "tolerance": e.tolerance,
+                    "ok": e.ok,
+                }
+                for kind, e in self.worst_by_kind().items()
+            },
+            "per_step": [
+                {
+                    "step": r.step,
+                    "ok": r.ok,
+                    "synchronized": r.synchronized,
+                    "loss": r.loss,
+                    "candidate_loss": r.candidate_loss,
+                    "rtol": r.rtol,
+                    "atol": r.atol,
+                    "worst_leaf": max(r.leaves, key=lambda e: e.badness).name if r.leaves else None,
+                    "max_abs_err": max(r.leaves, key=lambda e: e.badness).max_abs_err if r.leaves else 0.0,
+                }
+                for r in self.steps
+            ],
+        }
+
+    def __str__(self) -> str:
+        verdict = self.verdict
+        lines = [f"parity {verdict} for strategy {self.strategy!r} over {len(self.steps)} step(s)"]
+        worst = self.worst
+        if worst is not None:
+            lines.append(
+                f"  worst leaf: {worst.name} at step {worst.step}: max abs err {worst.max_abs_err:.3g}, "
+                f"rel {worst.max_rel_err:.3g}, tolerance {worst.tolerance:.3g}"
+            )
+        for kind, e in self.worst_by_kind().items():
+            lines.append(
+                f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {e.max_rel_err:<10.3g} "
+                f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}"
+            )
+        for d in self.diagnoses:
+            lines.append(f"  [{d.code}] {d.message}")
+        if self.tolerance_rule:
+            lines.append(f"  tolerance: {self.tolerance_rule}")
+        return "\n".join(lines)
+
+
+class CandidateError(RuntimeError):
+    """The candidate step raised; the original exception is ``__cause__`` and ``step`` the 0-based step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class ParityError(AssertionError):
+    """Raised by :func:`~shardcheck.assert_step_parity`; ``report`` holds the :class:`ParityReport`."""
+
+    def __init__(self, report: ParityReport):
+        super().__init__(str(report))
+        self.report = report

@@ -1,0 +1,91 @@
+"""What every step shares: one optimizer step's result, the loss terms' gradients, and the in-place update.
+
+Every strategy reduces a task's loss the one way of :mod:`shardcheck.task`: each shard gives ``(loss_sum,
+weight)`` and the gradient of ``loss_sum``; the sums, the weights and the gradients are added over the shards and
+divided once by the total weight (``docs/reduction_cases.md`` C4-C6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from shardcheck.task import LossFn, loss_terms
+
+PyTree = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a step returns beside its in-place update.
+
+    Attributes:
+        loss: the 0-d pre-update loss (``sum of loss sums / sum of weights``).
+        grads: the gradients applied, an ``nnx.State`` shaped like the parameters (``None`` when not exposed).
+        shard_losses: ``(S,)`` per-shard losses ``loss_sum_s / weight_s`` (``None`` when not exposed).
+    """
+
+    loss: jax.Array
+    grads: PyTree | None = None
+    shard_losses: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A step to verify, with what the parity harness needs to know about it.
+
+    Attributes:
+        name: shown in reports (``simulation``, ``dp``, ..., or the user's function name).
+        step: ``(model, optimizer, batch, **kw) -> loss | result``, updating both in place. A result with
+            ``.loss`` (and optionally ``.grads``) exposes more to compare; ``kw`` holds ``mesh=`` when
+            ``pass_mesh``.
+        num_shards: S, to recognise update ratios S and 1/S (``None``: recognised from any integer ratio).
+        make_optimizer: builds the candidate's optimizer from its model copy and a copy of the reference's
+            optimizer (gradient accumulation wraps the transformation in ``optax.MultiSteps``).
+        view_optimizer: ``optimizer -> (opt_state tree matching the reference's, update count)``; default:
+            ``(nnx.state(optimizer)["opt_state"], optimizer.step)``.
+        extra_checks: ``(optimizer, completed_steps) -> [(path, value, expected)]``: exact checks of the
+            candidate's own counters and buffers, reported as ``counter``/``opt_state`` leaves.
+        pass_mesh: pass ``mesh=`` to ``step``.
+    """
+
+    name: str
+    step: Callable[..., Any]
+    num_shards: int | None = None
+    make_optimizer: Callable[[nnx.Module, nnx.Optimizer], nnx.Optimizer] | None = None
+    view_optimizer: Callable[[nnx.Optimizer], tuple[PyTree, Any]] | None = None
+    extra_checks: Callable[[nnx.Optimizer, int], list[tuple[str, Any, Any]]] | None = None
+    pass_mesh: bool = False
+
+
+def shard_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch):
+    """``(loss_sum, weight, d loss_sum / d params)`` of ``loss_fn`` on one shard (traceable).
+
+    Differentiates the ``nnx.Param`` leaves only; the rest of the model's state (RNG streams of a deterministic
+    model) is held fixed.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return params_value_and_grad(loss_fn, graphdef, params, rest, batch)
+
+
+def params_value_and_grad(loss_fn: LossFn, graphdef, params, rest, batch):
+    """As :func:`shard_value_and_grad`, for a model given as ``nnx.split(model, nnx.Param, ...)`` parts."""
+
+    def terms(p):
+        return loss_terms(loss_fn, nnx.merge(graphdef, p, rest), batch)
+
+    (total, weight), grads = jax.value_and_grad(terms, has_aux=True)(params)
+    return total, weight, grads
+
+
+def run_in_place(jitted, static: tuple, model: nnx.Module, optimizer: nnx.Optimizer, *args):
+    """Call a jitted ``(*static, graphdef, state, *args) -> (out, state)`` and write the new state back."""
+    graphdef, state = nnx.split((model, optimizer))
+    out, state = jitted(*static, graphdef, state, *args)
+    nnx.update((model, optimizer), state)
+    return out

@@ -1,0 +1,138 @@
+"""Gradient accumulation of any task over micro-batches with ``optax.MultiSteps``: one full-batch step's update.
+
+``docs/reduction_cases.md`` C9. A batch of B rows is cut into k equal micro-batches; every micro-step computes its
+micro-batch's ``loss_sum`` gradient at the current parameters and calls ``optimizer.update`` once, with an
+optimizer built on ``optax.MultiSteps(tx, every_k_schedule=k)``, which applies ``tx`` to the *mean* of the k
+gradients it received at the k-th micro-step. To make that mean the full-batch gradient for a ``(loss_sum,
+weight)`` loss, each micro-gradient is scaled by ``k / W`` with ``W`` the batch's total weight, computed first (a
+forward pass of the weights alone, which XLA reduces to the mask sums): the mean of the micro-gradients is then
+``sum_i grad(loss_sum_i) / W``. Taking each micro-batch's own mean instead (``grad(loss_sum_i) / weight_i``) is
+the accumulation bug of token-weighted losses: it weighs short micro-batches' tokens more.
+
+Counters: ``MultiSteps`` keeps ``gradient_step`` (updates applied) and ``mini_step`` (position in the cycle), and
+the NNX optimizer's own ``step`` counts every ``update`` call, that is micro-steps: k per full step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from shardcheck import _validate
+from shardcheck.steps._core import Candidate, shard_value_and_grad
+from shardcheck.task import Batch, LossFn, loss_terms, split_batch
+
+
+def make_accumulation_optimizer(model: nnx.Module, tx: optax.GradientTransformation, num_micro_batches: int):
+    """``nnx.Optimizer(model, optax.MultiSteps(tx, every_k_schedule=k), wrt=nnx.Param)``.
+
+    Args:
+        model: the model the optimizer updates.
+        tx: the optax transformation of the equivalent full-batch step.
+        num_micro_batches: k >= 1, micro-steps per applied update.
+
+    Returns:
+        The ``nnx.Optimizer``; its state holds ``acc_grads`` (parameter-shaped, float32), ``mini_step``,
+        ``gradient_step`` and ``inner_opt_state`` (``tx``'s state).
+
+    Raises:
+        TypeError: ``num_micro_batches`` not an int.
+        ValueError: ``num_micro_batches < 1``.
+    """
+    k = _validate.check_int(
+        "make_accumulation_optimizer", "num_micro_batches", num_micro_batches, example="num_micro_batches=2"
+    )
+    return nnx.Optimizer(model, optax.MultiSteps(tx, every_k_schedule=k), wrt=nnx.Param)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _accumulated_jit(loss_fn, k, graphdef, state, batch):
+    micro = split_batch(batch, k)
+    model, _ = nnx.merge(graphdef, state)
+    weights = jax.lax.map(lambda b: loss_terms(loss_fn, model, b)[1], micro)
+    scale = k / jnp.sum(weights)
+
+    def micro_step(state, micro_batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        total, weight, grads = shard_value_and_grad(loss_fn, model, micro_batch)
+        optimizer.update(model, jax.tree.map(lambda g: g * scale, grads))
+        return nnx.state((model, optimizer)), total
+
+    state, totals = jax.lax.scan(micro_step, state, micro)
+    return jnp.sum(totals) / jnp.sum(weights), state
+
+
+def accumulated_step(
+    loss_fn: LossFn, num_micro_batches: int, model: nnx.Module, optimizer: nnx.Optimizer, batch: Batch
+) -> jax.Array:
+    """One full step of a task as ``num_micro_batches`` accumulated micro-steps, in place.
+
+    Args:
+        loss_fn: the task's loss.
+        num_micro_batches: k >= 1, dividing the batch size (checked by the caller).
+        model: updated in place (once, at the k-th micro-step).
+        optimizer: from :func:`make_accumulation_optimizer` with the same k, at the start of a cycle.
+        batch: a batch pytree of leading size B.
+
+    Returns:
+        The 0-d pre-update loss ``sum_i loss_sum_i / sum_i weight_i`` (every micro-batch is measured at the same
+        parameters).
+    """
+    graphdef, state = nnx.split((model, optimizer))
+    loss, state = _accumulated_jit(loss_fn, num_micro_batches, graphdef, state, batch)
+    nnx.update((model, optimizer), state)
+    return loss
+
+
+def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate:
+    """Gradient accumulation over k micro-batches as a parity :class:`~shardcheck.steps.Candidate`.
+
+    The candidate's optimizer is built from a copy of the reference's: ``optax.MultiSteps`` around the same
+    ``tx``, with the inner state and the update counter copied from it. Parity compares the inner state with the
+    reference's optimizer state and ``gradient_step`` with the reference's ``step``; it also checks, exactly, that
+    the NNX counter is ``k * steps`` (it counts micro-steps), that ``mini_step`` is 0 and that ``acc_grads`` is
+    zero after every full step.
+    """
+    k = num_micro_batches
+
+    def make_optimizer(model, optimizer):
+        acc = make_accumulation_optimizer(model, optimizer.tx, k)
+        inner = nnx.state(optimizer)
+        if "opt_state" in inner:
+            nnx.update(acc, nnx.State({"opt_state": {"inner_opt_state": inner["opt_state"]}}))
+        acc.opt_state.gradient_step[...] = jnp.asarray(optimizer.step[...], jnp.int32)
+        return acc
+
+    def view(optimizer):
+        state = nnx.state(optimizer)["opt_state"]
+        inner = state["inner_opt_state"] if "inner_opt_state" in state else {}
+        return inner, optimizer.opt_state.gradient_step[...]
+
+    def extra(optimizer, completed):
+        state = nnx.state(optimizer)["opt_state"]
+        checks = [
+            ("step (NNX micro-steps)", optimizer.step[...], np.uint32(k * completed)),
+            ("mini_step", state["mini_step"][...], np.int32(0)),
+        ]
+        from shardcheck._tree import path_str
+
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state["acc_grads"])[0]:
+            checks.append(("acc_grads." + path_str(path), leaf, np.zeros(np.shape(leaf), np.float32)))
+        return checks
+
+    def step(model, optimizer, batch):
+        return accumulated_step(loss_fn, k, model, optimizer, batch)
+
+    return Candidate(
+        "accumulation",
+        step,
+        num_shards=k,
+        make_optimizer=make_optimizer,
+        view_optimizer=view,
+        extra_checks=extra,
+    )

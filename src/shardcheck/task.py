@@ -1,0 +1,296 @@
+"""The user's training task: a model factory, an optax transformation, a loss and the batches.
+
+A :class:`Task` is the unit every strategy, the parity harness, the training loop, the memory estimate and the
+command line work on. Its loss is reduced across shards one way only (``docs/reduction_cases.md`` C4-C6: "psum
+the weighted sums and psum the counts, then divide"): each shard's ``loss_fn`` gives a pair ``(sum, weight)``
+(a scalar mean loss counts as ``(mean, 1)``, i.e. equal-weight shards), the sums and the weights are added over
+the shards, and the total is divided once. For a scalar loss that is the mean of the shard means, which equals
+the full-batch mean only when every shard holds the same number of examples; for a ``(sum, weight)`` loss it is
+the full-batch ratio for any split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from shardcheck._tree import path_str
+
+Batch = Any  # a pytree (dict / tuple / array) whose every leaf has the batch axis first
+LossFn = Callable[[nnx.Module, Batch], Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task:
+    """A training task: what one optimizer step of the user's model computes.
+
+    Attributes:
+        model: a zero-argument callable returning a fresh ``nnx.Module``, with identical parameter values on
+            every call (seed its ``nnx.Rngs``).
+        optimizer: the ``optax.GradientTransformation`` of the step; wrapped as
+            ``nnx.Optimizer(model, optimizer, wrt=nnx.Param)``.
+        loss_fn: ``loss_fn(model, batch)`` returning the scalar mean loss, or a pair ``(loss_sum, weight)`` of
+            0-d arrays (a token-weighted cross-entropy returns the sum over unmasked tokens and their count). The
+            weight must not depend on the parameters (it is a count or a mask sum).
+        batches: a non-empty sequence of batch pytrees (dicts, tuples or arrays of any dtype and rank); every
+            leaf of a batch has the same leading (batch) size B. Dtypes are kept: int token ids stay int.
+        name: shown in reports.
+        reduction_size: the number of terms the loss sums over in one batch, for the parity tolerance
+            (``shardcheck.parity.tolerance``); default: the element count of the batch's largest leaf (B * T for
+            ``(B, T)`` token ids, B * K for ``(B, K)`` targets).
+
+    Raises (on construction):
+        TypeError: ``model`` or ``loss_fn`` not callable, ``optimizer`` not an ``optax.GradientTransformation``,
+            ``batches`` not a sequence (a generator must be made a list), a batch leaf that is not an array of
+            numbers.
+        ValueError: ``batches`` empty; a batch whose leaves differ in leading size (the message names the leaf
+            paths), a 0-d leaf, an empty batch, NaN/inf in a floating leaf; ``reduction_size < 1``.
+    """
+
+    model: Callable[[], nnx.Module]
+    optimizer: optax.GradientTransformation
+    loss_fn: LossFn
+    batches: Sequence[Batch]
+    name: str = "task"
+    reduction_size: int | None = None
+
+    def __post_init__(self):
+        fn = "Task"
+        if isinstance(self.model, nnx.Module) or not callable(self.model):
+            raise TypeError(
+                f"{fn}: model must be a zero-argument callable returning a fresh nnx.Module, got "
+                f"{type(self.model).__name__}; pass e.g. model=lambda: MyModel(rngs=nnx.Rngs(0))"
+            )
+        if not isinstance(self.optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"{fn}: optimizer must be an optax.GradientTransformation, got {type(self.optimizer).__name__}; "
+                "pass e.g. optimizer=optax.adam(1e-3) (shardcheck wraps it in nnx.Optimizer itself)"
+            )
+        if not callable(self.loss_fn):
+            raise TypeError(
+                f"{fn}: loss_fn must be a callable loss_fn(model, batch) -> loss or (loss_sum, weight), got "
+                f"{type(self.loss_fn).__name__}"
+            )
+        if isinstance(self.batches, str | bytes) or not isinstance(self.batches, Sequence):
+            raise TypeError(
+                f"{fn}: batches must be a sequence (list or tuple) of batch pytrees, got "
+                f"{type(self.batches).__name__}; pass e.g. batches=list(my_iterator)"
+            )
+        if len(self.batches) == 0:
+            raise ValueError(f"{fn}: batches is empty; pass at least one batch")
+        checked = tuple(check_batch(fn, b, index=i) for i, b in enumerate(self.batches))
+        object.__setattr__(self, "batches", checked)
+        if self.reduction_size is not None:
+            from shardcheck import _validate
+
+            _validate.check_int(fn, "reduction_size", self.reduction_size, example="reduction_size=B * T")
+
+    def new_model(self, fn: str = "Task.model") -> nnx.Module:
+        """A fresh model from the factory.
+
+        Raises:
+            TypeError: the factory needs arguments, or returns something that is not an ``nnx.Module``.
+        """
+        try:
+            model = self.model()
+        except TypeError as err:
+            if "argument" not in str(err):
+                raise
+            raise TypeError(
+                f"{fn}: the task's model must be callable with no arguments ({err}); pass e.g. "
+                "model=lambda: MyModel(rngs=nnx.Rngs(0))"
+            ) from None
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"{fn}: the task's model factory returned {type(model).__name__}, not an nnx.Module; it must "
+                "build and return a fresh module"
+            )
+        return model
+
+    def new_optimizer(self, model: nnx.Module) -> nnx.Optimizer:
+        """``nnx.Optimizer(model, self.optimizer, wrt=nnx.Param)``."""
+        return nnx.Optimizer(model, self.optimizer, wrt=nnx.Param)
+
+    def terms(self, batch: Batch) -> int:
+        """The reduction length of one batch: :attr:`reduction_size`, or the size of its largest leaf."""
+        if self.reduction_size is not None:
+            return int(self.reduction_size)
+        return max(int(np.size(a)) for a in jax.tree.leaves(batch))
+
+
+# ------------------------------------------------------------------------------------------------- batches
+
+
+def _as_leaf(fn: str, path: str, a) -> Any:
+    if isinstance(a, jax.Array | np.ndarray):
+        arr = a
+    else:
+        try:
+            arr = np.asarray(a)
+        except Exception as err:  # ragged lists, objects numpy cannot hold
+            raise TypeError(
+                f"{fn}: batch leaf {path!r} must be an array of numbers, got {type(a).__name__}"
+            ) from err
+    dtype = np.dtype(arr.dtype) if arr.dtype != jnp.bfloat16 else None
+    if dtype is not None and dtype.kind not in "biuf":
+        raise TypeError(
+            f"{fn}: batch leaf {path!r} has dtype {arr.dtype}, which is not numeric; pass int, float or bool "
+            "arrays (token ids as int32)"
+        )
+    return arr
+
+
+def check_batch(fn: str, batch: Batch, *, index: int = 0) -> Batch:
+    """Validate one batch pytree and return it with every leaf an array (dtypes kept).
+
+    Rules: at least one leaf; every leaf numeric (bool, int, float), at least 1-D, with the same non-zero
+    leading size B; no NaN or inf in floating leaves (a host check; arrays spread over several processes are
+    not read).
+
+    Raises:
+        TypeError: a non-numeric leaf.
+        ValueError: no leaves, a 0-d leaf, different leading sizes (naming two leaf paths and their sizes), an
+            empty batch, non-finite values (naming the leaf).
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    if not flat:
+        raise ValueError(f"{fn}: batch {index} has no array leaves; a batch is a pytree of arrays")
+    leaves, sizes = [], {}
+    for p, a in flat:
+        path = path_str(p) or "<root>"
+        a = _as_leaf(fn, path, a)
+        if a.ndim == 0:
+            raise ValueError(
+                f"{fn}: batch {index} leaf {path!r} is 0-d; every leaf needs the batch axis first (shape (B, ...)); "
+                "put per-batch constants in loss_fn, not the batch"
+            )
+        sizes[path] = int(a.shape[0])
+        if a.dtype.kind == "f" and (not isinstance(a, jax.Array) or a.is_fully_addressable):
+            if not bool(np.isfinite(np.asarray(a)).all()):
+                raise ValueError(
+                    f"{fn}: batch {index} leaf {path!r} contains NaN or inf; clean the data first"
+                )
+        leaves.append(a)
+    if len(set(sizes.values())) > 1:
+        (p0, b0), (p1, b1) = next(((a, b) for a in sizes.items() for b in sizes.items() if a[1] != b[1]))
+        raise ValueError(
+            f"{fn}: batch {index} leaves differ in leading (batch) size: {p0!r} has {b0} rows but {p1!r} has "
+            f"{b1}; every leaf must have the batch axis first with the same size"
+        )
+    if next(iter(sizes.values())) == 0:
+        raise ValueError(f"{fn}: batch {index} is empty (leading size 0); pass at least one example")
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def batch_size(batch: Batch) -> int:
+    """The leading size B shared by every leaf of a checked batch."""
+    return int(jax.tree.leaves(batch)[0].shape[0])
+
+
+def check_divisible(fn: str, batch: Batch, num_shards: int, *, weighted: bool) -> None:
+    """``batch`` must split into ``num_shards`` equal, non-empty shards along its leading axis.
+
+    A scalar mean loss (``weighted=False``) also needs equal shards for the mean of the shard means to be the
+    full-batch mean; a ``(sum, weight)`` loss needs them only because a device mesh splits arrays evenly.
+
+    Raises:
+        ValueError: more shards than rows, or B not divisible by S (the message names a leaf, lists the shard
+            counts that divide B, and gives the fix).
+    """
+    from shardcheck import _validate
+
+    b = batch_size(batch)
+    path = path_str(jax.tree_util.tree_flatten_with_path(batch)[0][0][0]) or "<root>"
+    if num_shards > b and b % num_shards:
+        raise ValueError(
+            f"{fn}: num_shards={num_shards} is more shards than rows (batch leaf {path!r} has {b}); every shard "
+            f"needs at least one example: use num_shards <= {b}"
+        )
+    if b % num_shards:
+        valid = ", ".join(map(str, _validate.valid_shard_counts(b)))
+        fix = (
+            "pad the batch to a multiple of S and mask the padding out of the loss's (sum, weight)"
+            if weighted
+            else "return (loss_sum, weight) from loss_fn and pad the batch to a multiple of S with weight-0 rows, "
+            "so that uneven shards are reduced exactly"
+        )
+        raise ValueError(
+            f"{fn}: batch leaf {path!r} has {b} rows, which does not split into num_shards={num_shards} equal "
+            f"shards (shard counts that divide it: {valid}); {fix}"
+        )
+
+
+def split_batch(batch: Batch, num_shards: int) -> Batch:
+    """Every leaf reshaped ``(B, ...) -> (S, B/S, ...)``: S contiguous shards (seed 000's equal split)."""
+    return jax.tree.map(
+        lambda a: a.reshape((num_shards, a.shape[0] // num_shards) + tuple(a.shape[1:])), batch
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+def loss_terms(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """``(loss_sum, weight)`` of ``loss_fn`` on one shard: a scalar loss counts as ``(loss, 1)``.
+
+    The weight is passed through ``jax.lax.stop_gradient``: it is a count, not a function of the parameters.
+    Traceable; the shapes are checked by :func:`check_loss_output` before any step runs.
+    """
+    out = loss_fn(model, batch)
+    if isinstance(out, tuple | list):
+        total, weight = out
+        return jnp.asarray(total), jax.lax.stop_gradient(jnp.asarray(weight, dtype=jnp.result_type(total)))
+    out = jnp.asarray(out)
+    return out, jnp.ones((), out.dtype)
+
+
+def mean_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> jax.Array:
+    """The full-batch loss ``loss_sum / weight`` (the scalar loss itself for a scalar ``loss_fn``)."""
+    total, weight = loss_terms(loss_fn, model, batch)
+    return total / weight
+
+
+def is_weighted(out) -> bool:
+    """Whether a ``loss_fn`` output is a ``(loss_sum, weight)`` pair."""
+    return isinstance(out, tuple | list)
+
+
+def check_loss_output(fn: str, out, *, step: int = 0) -> bool:
+    """Validate a concrete ``loss_fn`` output at step ``step``; returns whether it is a ``(sum, weight)`` pair.
+
+    Raises:
+        TypeError: not a scalar or a pair of scalars.
+        ValueError: a pair of the wrong length or shapes, a non-finite value, a weight <= 0.
+    """
+    rule = "loss_fn(model, batch) must return a 0-d mean loss or a pair (loss_sum, weight) of 0-d arrays"
+    if isinstance(out, tuple | list):
+        if len(out) != 2:
+            raise ValueError(f"{fn}: loss_fn returned a sequence of {len(out)} values at step {step}; {rule}")
+        parts = {"loss_sum": out[0], "weight": out[1]}
+    else:
+        parts = {"loss": out}
+    for name, v in parts.items():
+        if not hasattr(v, "shape") and not isinstance(v, int | float):
+            raise TypeError(
+                f"{fn}: loss_fn returned {name} of type {type(v).__name__} at step {step}; {rule}"
+            )
+        if np.ndim(v) != 0:
+            raise ValueError(f"{fn}: loss_fn returned {name} of shape {np.shape(v)} at step {step}; {rule}")
+        if not np.isfinite(float(np.asarray(v, np.float64))):
+            raise ValueError(
+                f"{fn}: loss_fn returned a non-finite {name} ({float(np.asarray(v, np.float64))}) at step {step}; "
+                "check the model's initialization, the data and the loss's masking"
+            )
+    if "weight" in parts and not float(np.asarray(parts["weight"], np.float64)) > 0:
+        raise ValueError(
+            f"{fn}: loss_fn returned weight {float(np.asarray(parts['weight'], np.float64))} at step {step}; the "
+            "weight (e.g. the count of unmasked tokens) must be > 0 for the full batch"
+        )
+    return "weight" in parts

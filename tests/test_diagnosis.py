@@ -1,0 +1,269 @@
+"""The rules of :func:`shardcheck.parity.diagnosis.diagnose`, on hand-built records (no JAX).
+
+Each rule is checked on both sides: it fires on its planted evidence, and it stays silent on a passing record
+(where the findings are ``parity`` first, then possibly ``rounding_level``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardcheck.parity.diagnosis import (
+    RULES,
+    Diagnosis,
+    LeafError,
+    StepRecord,
+    diagnose,
+)
+
+TOL = 1e-3
+
+
+def _leaf(kind, path, *, ok=True, ratio=None, step=0, change=1.0) -> LeafError:
+    """A leaf within tolerance (error TOL/2) or out of it (error 100 TOL)."""
+    tol = 0.0 if kind == "counter" else TOL
+    err = (0.0 if ok else 3.0) if kind == "counter" else (TOL / 2 if ok else 100 * TOL)
+    return LeafError(
+        step,
+        kind,
+        path,
+        err,
+        err,
+        tol,
+        ok,
+        ratio,
+        change if kind in ("param", "opt_state") else None,
+    )
+
+
+def _record(step=0, *, bad=(), ratio=None, counter=None, **kw) -> StepRecord:
+    """One step of a two-leaf model; the leaf names in ``bad`` (e.g. ``"param w"``) fail with ``ratio``."""
+    leaves = []
+    for kind, path in [("loss", "loss"), ("grad", "w"), ("grad", "b"), ("param", "w"), ("param", "b")]:
+        name = kind if kind == "loss" else f"{kind} {path}"
+        ok = name not in bad
+        leaves.append(_leaf(kind, path, ok=ok, ratio=None if ok else ratio, step=step))
+    leaves.append(_leaf("opt_state", "0.mu.w", ok="opt_state 0.mu.w" not in bad, step=step))
+    got = step + 1 if counter is None else counter
+    leaves.append(_leaf("counter", "step", ok=got == step + 1, step=step))
+    fields = dict(
+        rtol=1e-5, atol=1e-6, loss=1.5, candidate_loss=1.5, step_count=step + 1, candidate_step_count=got
+    )
+    return StepRecord(step, leaves=tuple(leaves), **{**fields, **kw})
+
+
+def _passing(steps=2, **kw) -> list[StepRecord]:
+    return [_record(t, **kw) for t in range(steps)]
+
+
+def _codes(findings: list[Diagnosis]) -> list[str]:
+    return [d.code for d in findings]
+
+
+def _one(findings: list[Diagnosis], code: str) -> Diagnosis:
+    (found,) = [d for d in findings if d.code == code]
+    return found
+
+
+UPDATE = ("grad w", "grad b", "param w", "param b")
+FALLBACKS = {"scaled", "update_differs", "loss_only", "drift"}
+
+
+def test_rules_are_named_functions():
+    assert len(RULES) == len(set(RULES))
+    assert [rule.__name__ for rule in RULES][0] == "parity"
+    assert all(callable(rule) for rule in RULES)
+
+
+def test_parity():
+    out = diagnose(_passing(3))
+    assert _codes(out) == ["parity"]
+    assert "Parity holds: 7 leaves over 3 step(s)" in out[0].message
+    assert "parity" not in _codes(diagnose([_record(bad=UPDATE, ratio=4.0)], 4))
+    assert diagnose([]) == []
+
+
+def test_reference_diverged():
+    out = diagnose(_passing(2), reference_diverged_at=2)
+    assert _codes(out) == ["reference_diverged"]
+    assert "diverged (non-finite loss or parameters at step 2)" in out[0].message
+    assert "reference_diverged" not in _codes(diagnose(_passing(2)))
+    assert _codes(diagnose([], reference_diverged_at=0)) == ["reference_diverged"]
+
+
+def test_replicas_differ():
+    records = [_record(0), _record(1, replica_mismatches=("param w", "param b"))]
+    out = diagnose(records)
+    d = _one(out, "replicas_differ")
+    assert out[0] is d
+    assert "Replicas differ" in d.message and "after step 1 (2 leaf/leaves)" in d.message
+    assert d.leaf == "param w"
+    assert "replicas_differ" not in _codes(diagnose(_passing()))
+
+
+def test_never_stepped():
+    out = diagnose([_record(0, counter=0), _record(1, counter=0)])
+    d = _one(out, "never_stepped")
+    assert "never stepped" in d.message and "after 1 step(s)" in d.message
+    assert d.leaf == "counter step"
+    assert "update_differs" not in _codes(out)
+    assert "never_stepped" not in _codes(diagnose(_passing()))
+
+
+def test_step_counter():
+    out = diagnose([_record(0, counter=4)], 4)
+    d = _one(out, "step_counter")
+    assert "stepped 4 times" in d.message and "(S=4)" in d.message
+    odd = _one(diagnose([_record(0), _record(1, counter=3)]), "step_counter")
+    assert "counter is 3 after 2 step(s)" in odd.message
+    assert "step_counter" not in _codes(diagnose(_passing()))
+
+
+def test_summed():
+    out = diagnose([_record(bad=UPDATE, ratio=4.0)], 4)
+    d = _one(out, "summed")
+    assert "x4" in d.message and "summed" in d.message and "gradients are 4 x" in d.message
+    assert not FALLBACKS & set(_codes(out))
+    twice = _one(diagnose([_record(bad=UPDATE, ratio=16.0)], 4), "summed")
+    assert "sum-reduced twice" in twice.message
+    assert "summed" not in _codes(diagnose(_passing(), 4))
+
+
+def test_averaged_twice():
+    out = diagnose([_record(bad=UPDATE, ratio=0.25)], 4)
+    d = _one(out, "averaged_twice")
+    assert "averaged twice" in d.message and "x1/4" in d.message
+    assert not FALLBACKS & set(_codes(out))
+    assert "averaged_twice" not in _codes(diagnose(_passing(), 4))
+
+
+def test_normalization():
+    out = diagnose([_record(bad=UPDATE, matches=("per_shard_mean",))], 2)
+    d = _one(out, "normalization")
+    assert "At step 0 the update equals the mean of per-shard means" in d.message
+    assert "token count" in d.message and "C4-C6" in d.message
+    assert d.leaf.startswith(("grad", "param"))
+    assert "normalization" not in _codes(diagnose([_record(bad=UPDATE)], 2))
+    assert "normalization" not in _codes(diagnose(_passing(), 2))
+
+
+def test_normalization_suppresses_scaled_and_fallbacks():
+    matched = ("per_shard_mean",)
+    scaled = diagnose([_record(bad=UPDATE, ratio=1.7, matches=matched)], 2)
+    assert _codes(scaled) == ["normalization"]
+    no_factor = diagnose([_record(bad=UPDATE, matches=matched)], 2)
+    assert _codes(no_factor) == ["normalization"]
+    drifting = diagnose([_record(0), _record(1, bad=("param w",), matches=matched)], 2)
+    assert _codes(drifting) == ["normalization"]
+    # The shard-count factors and the counter rules are not affected.
+    summed = diagnose([_record(bad=UPDATE, ratio=2.0, matches=matched)], 2)
+    assert _codes(summed) == ["summed", "normalization"]
+    counter = diagnose([_record(bad=UPDATE, counter=2, matches=matched)], 2)
+    assert _codes(counter) == ["step_counter", "normalization"]
+
+
+def test_scaled():
+    out = diagnose([_record(bad=UPDATE, ratio=1.7)], 4)
+    d = _one(out, "scaled")
+    assert "1.7 x the reference's" in d.message and "not a shard count" in d.message
+    assert "update_differs" not in _codes(out)
+    assert "scaled" not in _codes(diagnose(_passing(), 4))
+
+
+def test_loss_differs():
+    out = diagnose([_record(bad=("loss",), candidate_loss=2.0)])
+    d = _one(out, "loss_differs")
+    assert "Only the returned loss differs" in d.message and "2 vs reference 1.5" in d.message
+    assert _codes(out) == ["loss_differs"]
+    assert "loss_differs" not in _codes(diagnose(_passing()))
+
+
+def test_grads_differ():
+    out = diagnose([_record(bad=("grad w",))])
+    d = _one(out, "grads_differ")
+    assert "exposed gradients differ (grad w, step 0)" in d.message
+    assert _codes(out) == ["grads_differ"]
+    assert "grads_differ" not in _codes(diagnose(_passing()))
+
+
+def test_drift():
+    out = diagnose([_record(0), _record(1), _record(2, bad=("param w",))])
+    d = _one(out, "drift")
+    assert "The first 2 step(s) agree; step 2 does not (param w: max abs err" in d.message
+    assert _codes(out) == ["drift"]
+    assert "drift" not in _codes(diagnose(_passing()))
+
+
+def test_loss_only():
+    out = diagnose([_record(bad=("param w", "param b"))])
+    d = _one(out, "loss_only")
+    assert (
+        "Only the loss matches" in d.message and "(param w: max abs err 0.1 > tolerance 0.001)" in d.message
+    )
+    assert "this is not parity" in d.message
+    assert _codes(out) == ["loss_only"]
+    assert "loss_only" not in _codes(diagnose(_passing()))
+
+
+def test_update_differs():
+    out = diagnose([_record(bad=("loss", "param w"))])
+    d = _one(out, "update_differs")
+    assert "The update differs from the reference at step 0 (loss: max abs err" in d.message
+    assert "not a single reduced step" in d.message
+    assert _codes(out) == ["update_differs"]
+    synced = diagnose([_record(0), _record(1, bad=("loss", "param w"), synchronized=True)])
+    assert "(run from the reference's pre-step state)" in _one(synced, "update_differs").message
+    assert "update_differs" not in _codes(diagnose(_passing()))
+
+
+def test_weak_check():
+    loose = diagnose(_passing(rtol=0.2))
+    assert _codes(loose) == ["parity", "weak_check"]
+    assert "rtol=0.2 is too loose" in loose[1].message
+    record = _record(0)
+    tiny = _leaf("param", "b", change=TOL / 10)
+    weak = dataclasses.replace(record, leaves=(*record.leaves, tiny))
+    out = diagnose([weak])
+    assert _codes(out) == ["parity", "weak_check"]
+    assert "first update of param b is not larger than the tolerance" in out[1].message
+    both = diagnose([dataclasses.replace(weak, rtol=0.2)])
+    assert _codes(both) == ["parity", "weak_check"]  # merged into one finding
+    assert "too loose" in both[1].message and "param b" in both[1].message
+    assert "weak_check" not in _codes(diagnose(_passing()))
+
+
+def test_diverged_trajectory():
+    diverged = _record(1, bad=("param w",))
+    records = [_record(0), _record(1, synchronized=True), _record(2, synchronized=True)]
+    out = diagnose(records, diverged=diverged)
+    assert _codes(out) == ["diverged_trajectory"]
+    assert "diverged at step 1 (param w: max abs err" in out[0].message
+    assert "every step from 1 on (2 step(s))" in out[0].message
+    later = [
+        _record(0),
+        _record(1, synchronized=True),
+        _record(2, bad=("loss", "param w"), synchronized=True),
+    ]
+    failing = diagnose(later, diverged=diverged)
+    assert _codes(failing) == ["update_differs", "diverged_trajectory"]
+    assert "but a later step did not" in failing[1].message
+    assert "diverged_trajectory" not in _codes(diagnose(_passing()))
+
+
+def test_rounding_level():
+    records = [_record(0, unresolved=("param attn.key.bias",)), _record(1, unresolved=("param a.bias",))]
+    out = diagnose(records)
+    assert all(r.ok for r in records)
+    assert _codes(out) == ["parity", "rounding_level"]
+    d = out[1]
+    assert "2 leaf/leaves have a gradient at rounding level (e.g. param a.bias:" in d.message
+    assert d.leaf == "param a.bias"
+    failing = diagnose([_record(bad=UPDATE, ratio=4.0, unresolved=("param b",))], 4)
+    assert _codes(failing) == ["summed", "rounding_level"]
+    assert _codes(diagnose(_passing())) == ["parity"]
+
+
+def test_findings_order():
+    records = [_record(0, bad=UPDATE, ratio=4.0, counter=4, replica_mismatches=("param w",), rtol=0.2)]
+    out = diagnose(records, 4, reference_diverged_at=1)
+    assert _codes(out) == ["reference_diverged", "replicas_differ", "step_counter", "summed", "weak_check"]
