@@ -204,13 +204,14 @@ def fresh_sim_jit(graphdef, keep: bool):
 
 
 class Chained:
-    """A donated mesh step: each call feeds the state the previous call returned."""
+    """A donated mesh step ``(state_leaves, batch) -> (loss, state_leaves)``: each call feeds the state the
+    previous call returned."""
 
-    def __init__(self, step, placed, x, y):
-        self.step, self.state, self.x, self.y = step, placed, x, y
+    def __init__(self, step, placed, batch):
+        self.step, self.state, self.batch = step, placed, batch
 
     def __call__(self):
-        loss, self.state = self.step(self.state, self.x, self.y)
+        loss, self.state = self.step(self.state, self.batch)
         return loss, self.state
 
 

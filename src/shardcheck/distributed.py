@@ -19,8 +19,6 @@ line runs on one process or many; the environment decides:
                                     address when its host is a loopback address, else JAX's default (all
                                     interfaces, which a multi-host cluster needs).
 ``SHARDCHECK_INIT_TIMEOUT_S``       seconds to wait for every process to join (default 300, JAX's).
-``SHARDCHECK_FAULT_INJECT``         testing hook: ``hang:R`` makes process R stall forever right after it
-                                    joins, so that a test can kill it mid-run. Never set it in real runs.
 ==================================  ==========================================================================
 
 :func:`shardcheck.launcher.launch` (``shardcheck launch``) sets these for P processes on this machine; on a
@@ -50,7 +48,6 @@ ENV_PROCESS_ID = "SHARDCHECK_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "SHARDCHECK_DEVICES_PER_PROCESS"
 ENV_COORDINATOR_BIND = "SHARDCHECK_COORDINATOR_BIND"
 ENV_INIT_TIMEOUT = "SHARDCHECK_INIT_TIMEOUT_S"
-ENV_FAULT_INJECT = "SHARDCHECK_FAULT_INJECT"
 
 #: Exit status of process 0 when its coordinator service could not bind its port (``EX_TEMPFAIL``); the
 #: launcher answers it by retrying on another free port.
@@ -186,7 +183,6 @@ def initialize(config: DistributedConfig) -> None:
     Raises:
         CoordinatorBindError: in process 0, the coordinator service could not listen on
             ``config.coordinator_bind_address`` (usually: the port is in use; choose another).
-        ValueError: ``SHARDCHECK_FAULT_INJECT`` is set to something other than ``hang:RANK``.
         RuntimeError: JAX's own errors, e.g. the other processes did not join within
             ``config.initialization_timeout_s`` seconds, or a backend was already initialized.
     """
@@ -213,7 +209,6 @@ def initialize(config: DistributedConfig) -> None:
             ) from err
         raise
     _route_native_stdout_to_stderr()
-    _maybe_inject_fault(config.process_id)
 
 
 def _check_port_free(address: str) -> None:
@@ -291,22 +286,6 @@ def _route_native_stdout_to_stderr() -> None:
     sys.stdout = io.TextIOWrapper(
         io.FileIO(python_fd, "w"), encoding=encoding, errors=errors, line_buffering=True
     )
-
-
-def _maybe_inject_fault(process_id: int) -> None:
-    spec = os.environ.get(ENV_FAULT_INJECT, "")
-    if not spec:
-        return
-    kind, _, rank = spec.partition(":")
-    if kind != "hang" or not rank.isdigit():
-        raise ValueError(
-            f"initialize: {ENV_FAULT_INJECT}={spec!r} is not hang:RANK (a testing hook); unset it"
-        )
-    if int(rank) == process_id:
-        print(f"shardcheck: {ENV_FAULT_INJECT}={spec}: process {process_id} hangs now", file=sys.stderr)
-        sys.stderr.flush()
-        while True:
-            time.sleep(3600)
 
 
 def is_multiprocess() -> bool:

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,9 +116,10 @@ def launch(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    """Run ``shardcheck ARGV`` as ``processes`` local processes of ``devices_per_process`` CPU devices each.
+    """Run ``shardcheck ARGV`` (or any command ``ARGV``) as ``processes`` local processes of ``devices_per_process``
+    CPU devices each.
 
-    Each worker runs ``shardcheck.cli.main(argv)`` with this Python, in its own session, with the
+    Each worker runs ``shardcheck.cli.main(argv)`` with this Python (or the command, see :func:`worker_command`), in its own session, with the
     ``SHARDCHECK_*`` variables of :mod:`shardcheck.distributed` set (coordinator ``127.0.0.1:PORT``, bound to
     ``127.0.0.1`` only) and ``JAX_PLATFORMS=cpu`` unless already set. Output is streamed line by line, each
     line prefixed ``[pR] ``: workers' stdout to ``stdout``, stderr to ``stderr``. When ``argv`` writes
@@ -131,7 +133,8 @@ def launch(
     the run starts again on another free port.
 
     Args:
-        argv: the subcommand and its options, e.g. ``["run", "--strategy", "dp", "--json", "-"]``.
+        argv: the subcommand and its options, e.g. ``["run", "--strategy", "dp", "--json", "-"]``, or a command
+            such as ``["python", "my_check.py"]``.
         processes: P >= 1.
         devices_per_process: N >= 1 fake CPU devices per process; the global mesh can use P * N devices.
         timeout_s: seconds the run may take, start-up included; a port retry restarts the clock.
@@ -145,7 +148,7 @@ def launch(
         status, or 128 + N when signal N killed it.
 
     Raises:
-        ValueError: ``argv`` is empty; ``processes``, ``devices_per_process`` or ``max_attempts`` < 1;
+        ValueError: ``argv`` is empty or names no subcommand or command; ``processes``, ``devices_per_process`` or ``max_attempts`` < 1;
             ``timeout_s`` not a positive number; ``port`` outside ``[1, 65535]``. No process is started then.
     """
     fn = "launch"
@@ -163,6 +166,7 @@ def launch(
         raise ValueError(f"{fn}: timeout_s={timeout_s!r} must be a positive number of seconds")
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
         raise ValueError(f"{fn}: port={port!r} must be an int in [1, 65535], or None for a free port")
+    worker_command(argv)  # a command that does not exist is refused before any process starts
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
 
@@ -178,6 +182,32 @@ def launch(
         )
         err.flush()
     return status
+
+
+def worker_command(argv: Sequence[str]) -> list[str]:
+    """The command each worker runs: ``shardcheck ARGV`` for a subcommand, else ``ARGV`` itself.
+
+    Any command works (``python my_check.py``, ``pytest tests/``); ``python`` and ``python3`` are this
+    interpreter (``sys.executable``), so a script sees the same environment as the launcher. A user's script
+    joins the run with :func:`shardcheck.distributed.initialize_from_env`.
+
+    Raises:
+        ValueError: ``argv[0]`` is neither a subcommand nor an executable on ``PATH`` (or a path to one).
+    """
+    from shardcheck.cli import SUBCOMMANDS
+
+    head, rest = argv[0], list(argv[1:])
+    if head in SUBCOMMANDS:
+        return [sys.executable, "-c", _WORKER, *argv]
+    if head in ("python", "python3"):
+        return [sys.executable, *rest]
+    found = shutil.which(head)
+    if found is None:
+        raise ValueError(
+            f"launch: {head!r} is not a shardcheck subcommand ({', '.join(SUBCOMMANDS)}) and no such command is on "
+            "PATH; give a subcommand (-- verify ...) or a command (-- python my_check.py)"
+        )
+    return [found, *rest]
 
 
 def _launch_once(argv, processes, devices_per_process, timeout_s, address, out, err) -> int:
@@ -201,7 +231,7 @@ def _launch_once(argv, processes, devices_per_process, timeout_s, address, out, 
         # Every worker is started before any reader thread, so no thread runs while the children fork.
         for rank in range(processes):
             proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER, *argv],
+                worker_command(argv),
                 env=dict(env, **{distributed.ENV_PROCESS_ID: str(rank)}),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -237,24 +237,24 @@ def split_batch(batch: Batch, num_shards: int) -> Batch:
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def loss_terms(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """``(loss_sum, weight)`` of ``loss_fn`` on one shard: a scalar loss counts as ``(loss, 1)``.
+def loss_terms(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+    """``(loss_sum, weight)`` of ``loss_fn`` on one shard; ``(loss, None)`` for a scalar loss.
 
-    The weight is passed through ``jax.lax.stop_gradient``: it is a count, not a function of the parameters.
-    Traceable; the shapes are checked by :func:`check_loss_output` before any step runs.
+    ``None`` stands for a weight of 1 per shard (equal-weight shards), so that the steps divide by the shard
+    count, a constant, rather than reduce a constant across devices. The weight is passed through
+    ``jax.lax.stop_gradient``: it is a count, not a function of the parameters. Traceable; the shapes are
+    checked by :func:`check_loss_output` before any step runs.
     """
     out = loss_fn(model, batch)
     if isinstance(out, tuple | list):
         total, weight = out
         return jnp.asarray(total), jax.lax.stop_gradient(jnp.asarray(weight, dtype=jnp.result_type(total)))
-    out = jnp.asarray(out)
-    return out, jnp.ones((), out.dtype)
+    return jnp.asarray(out), None
 
 
-def mean_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> jax.Array:
-    """The full-batch loss ``loss_sum / weight`` (the scalar loss itself for a scalar ``loss_fn``)."""
-    total, weight = loss_terms(loss_fn, model, batch)
-    return total / weight
+def divide(tree, weight):
+    """Every leaf divided by ``weight`` and cast back to its own dtype (bf16 gradients stay bf16)."""
+    return jax.tree.map(lambda g: (g / weight).astype(g.dtype), tree)
 
 
 def is_weighted(out) -> bool:

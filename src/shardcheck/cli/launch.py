@@ -15,7 +15,8 @@ def add_parser(subparsers) -> None:
         description=(
             "Start P processes on this machine, each with N fake CPU devices, joined by jax.distributed "
             "(coordinator on 127.0.0.1 and a free port, gloo CPU collectives) into one mesh of P*N devices, "
-            "and run the shardcheck subcommand after '--' in every one; process 0 prints the result. If a "
+            "and run the shardcheck subcommand after '--' in every one (or any command: -- python my_check.py, -- pytest; "
+            "a script joins with shardcheck.distributed.initialize_from_env()); process 0 prints the result. If a "
             "process fails or the timeout passes, all are stopped. On a cluster, set SHARDCHECK_COORDINATOR, "
             "SHARDCHECK_NUM_PROCESSES and SHARDCHECK_PROCESS_ID instead (docs/distributed.md). Exit status: 0 "
             "only if every process exits 0; 124 on timeout."
@@ -37,7 +38,7 @@ def add_parser(subparsers) -> None:
         "--port", type=int, default=None, help="coordinator port to try first (default: a free port)"
     )
     p.add_argument(
-        "argv", nargs=argparse.REMAINDER, metavar="-- SUBCOMMAND ...", help="the subcommand to run"
+        "argv", nargs=argparse.REMAINDER, metavar="-- SUBCOMMAND|COMMAND ...", help="the subcommand or command to run"
     )
     p.set_defaults(func=run)
 
@@ -47,7 +48,11 @@ def run(args) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("shardcheck launch: no subcommand given; for example: -- run --strategy dp", file=sys.stderr)
+        print(
+            "shardcheck launch: no subcommand or command given; for example: -- run --strategy dp, or -- python "
+            "my_check.py",
+            file=sys.stderr,
+        )
         return 2
     if argv[0] == "launch":
         print("shardcheck launch: cannot launch 'launch' itself; give the subcommand to run", file=sys.stderr)

@@ -228,15 +228,26 @@ def main(args) -> int:
 
     diverged = next((r for r in reports.values() if r.reference_diverged_at is not None), None)
     if diverged is not None:
+        from shardcheck.optimizers import DEFAULT_LR
+
+        name = args.optimizer or ("sgd" if args.task is None else None)
+        if name is None:
+            setting, default = f"on task {task.name!r}", " (or the task's learning rate)"
+        else:
+            lr = DEFAULT_LR[name] if args.lr is None else args.lr
+            setting, default = f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
         return _fail(
             f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
-            f"{diverged.reference_diverged_at}) on task {task.name!r}; no verdict about the candidates; lower --lr "
-            "(or the task's learning rate)"
+            f"{diverged.reference_diverged_at}) {setting}; no verdict about the candidates; lower --lr"
+            f"{default}"
         )
     ok = all(r.step_ok for r in reports.values())
     if not distributed.is_main_process():
         return 0 if ok else 1  # every process computed the same reports; process 0 alone prints them
     console = console_for(args)
+    from shardcheck.optimizers import DEFAULT_LR
+
+    optimizer_name = args.optimizer or ("sgd" if args.task is None else None)
     batch0 = task.batches[0]
     from shardcheck.task import batch_size as _batch_size
 
@@ -253,6 +264,9 @@ def main(args) -> int:
             "ok": ok,
             "task": task.name,
             "dataset": task.name,
+            "model": args.model if args.task is None else None,
+            "optimizer": optimizer_name,
+            "lr": None if optimizer_name is None else (DEFAULT_LR[optimizer_name] if args.lr is None else args.lr),
             "steps": len(next(iter(reports.values())).steps) if reports else 0,
             "batch_size": _batch_size(batch0),
             "num_shards": num_shards,

@@ -179,12 +179,15 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     gradient); second moments (``nu``: proportional to its square, so the square root is taken); parameter
     updates (proportional to the gradient for SGD and momentum, nearly scale-invariant for Adam).
     """
-    grads = [e.ratio for e in record.leaves if e.kind == "grad"]
+    # leaves whose gradient is rounding noise (record.unresolved) carry no ratio of the reduction
+    noise = tuple("." + p.split(" ", 1)[-1] for p in record.unresolved)
+    leaves = [e for e in record.leaves if not f".{e.path}".endswith(noise) or not noise]
+    grads = [e.ratio for e in leaves if e.kind == "grad"]
     f = _consensus(grads)
     if f is not None:
         return f, "gradients"
-    first = [e.ratio for e in record.leaves if e.kind == "opt_state" and ".nu." not in f".{e.path}."]
-    second = [e.ratio for e in record.leaves if e.kind == "opt_state" and ".nu." in f".{e.path}."]
+    first = [e.ratio for e in leaves if e.kind == "opt_state" and ".nu." not in f".{e.path}."]
+    second = [e.ratio for e in leaves if e.kind == "opt_state" and ".nu." in f".{e.path}."]
     second = [math.sqrt(r) for r in second if r is not None and r > 0]
     moments = [r for r in first if r is not None] + second
     if moments:
@@ -192,7 +195,7 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         if f is not None:
             return f, "optimizer moments" if second else "momentum trace"
         return None, ""
-    f = _consensus([e.ratio for e in record.leaves if e.kind == "param"])
+    f = _consensus([e.ratio for e in leaves if e.kind == "param"])
     return (f, "parameter updates") if f is not None else (None, "")
 
 

@@ -54,17 +54,20 @@ def make_accumulation_optimizer(model: nnx.Module, tx: optax.GradientTransformat
 def _accumulated_jit(loss_fn, k, graphdef, state, batch):
     micro = split_batch(batch, k)
     model, _ = nnx.merge(graphdef, state)
-    weights = jax.lax.map(lambda b: loss_terms(loss_fn, model, b)[1], micro)
-    scale = k / jnp.sum(weights)
+    weights = jax.eval_shape(lambda: loss_terms(loss_fn, model, jax.tree.map(lambda a: a[0], micro))[1])
+    if weights is not None:  # a (loss_sum, weight) loss: the batch's total weight, computed first
+        weights = jax.lax.map(lambda b: loss_terms(loss_fn, model, b)[1], micro)
+    total_weight = k if weights is None else jnp.sum(weights)
+    scale = k / total_weight
 
     def micro_step(state, micro_batch):
         model, optimizer = nnx.merge(graphdef, state)
         total, weight, grads = shard_value_and_grad(loss_fn, model, micro_batch)
-        optimizer.update(model, jax.tree.map(lambda g: g * scale, grads))
+        optimizer.update(model, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads))
         return nnx.state((model, optimizer)), total
 
     state, totals = jax.lax.scan(micro_step, state, micro)
-    return jnp.sum(totals) / jnp.sum(weights), state
+    return jnp.sum(totals) / total_weight, state
 
 
 def accumulated_step(

@@ -12,16 +12,17 @@ import jax
 from flax import nnx
 
 from shardcheck.steps._core import StepResult, run_in_place, shard_value_and_grad
-from shardcheck.task import Batch, LossFn
+from shardcheck.task import Batch, LossFn, divide
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _reference_jit(loss_fn, graphdef, state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     total, weight, grads = shard_value_and_grad(loss_fn, model, batch)
-    grads = jax.tree.map(lambda g: g / weight, grads)
+    if weight is not None:
+        total, grads = total / weight, divide(grads, weight)
     optimizer.update(model, grads)
-    return StepResult(total / weight, grads), nnx.state((model, optimizer))
+    return StepResult(total, grads), nnx.state((model, optimizer))
 
 
 def reference_step(loss_fn: LossFn, model: nnx.Module, optimizer: nnx.Optimizer, batch: Batch) -> StepResult:

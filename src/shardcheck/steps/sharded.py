@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.steps._core import params_value_and_grad
-from shardcheck.task import Batch, LossFn
+from shardcheck.task import Batch, LossFn, divide
 
 MESH_STRATEGIES = ("dp", "fsdp")
 
@@ -40,6 +40,11 @@ def _split_dim(spec: PartitionSpec, axis_name: str) -> int | None:
         if entry == axis_name or (isinstance(entry, tuple) and axis_name in entry):
             return i
     return None
+
+
+def _total_weight(weight, axis_name):
+    """The batch's total weight: ``psum(weight)``, or the axis size S (a constant) for a scalar loss."""
+    return jax.lax.axis_size(axis_name) if weight is None else jax.lax.psum(weight, axis_name)
 
 
 def data_parallel_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch: Batch, axis_name: str):
@@ -59,8 +64,8 @@ def data_parallel_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch: Batc
     # C2: differentiate with respect to a device-varying copy, so the gradient is this shard's own.
     params = jax.lax.pcast(params, axis_name, to="varying")
     total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, batch)
-    weight = jax.lax.psum(weight, axis_name)
-    grads = jax.tree.map(lambda g: jax.lax.psum(g, axis_name) / weight, grads)
+    weight = _total_weight(weight, axis_name)
+    grads = divide(jax.lax.psum(grads, axis_name), weight)
     return jax.lax.psum(total, axis_name) / weight, grads
 
 
@@ -100,13 +105,14 @@ def fsdp_value_and_grad(
     total, weight, grads = params_value_and_grad(
         loss_fn, graphdef, jax.tree.unflatten(treedef, full), rest, batch
     )
-    weight = jax.lax.psum(weight, axis_name)
+    weight = _total_weight(weight, axis_name)
     grads = [
-        jax.lax.psum(g, axis_name) / weight
+        jax.lax.psum(g, axis_name)
         if d is None
-        else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / weight
+        else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True)
         for g, d in zip(jax.tree.leaves(grads), dims, strict=True)
     ]
+    grads = divide(grads, weight)
     return jax.lax.psum(total, axis_name) / weight, jax.tree.unflatten(treedef, grads)
 
 

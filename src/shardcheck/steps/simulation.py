@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardcheck.steps._core import StepResult, params_value_and_grad, run_in_place
-from shardcheck.task import Batch, LossFn, split_batch
+from shardcheck.task import Batch, LossFn, divide, split_batch
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -29,10 +29,11 @@ def _simulation_jit(loss_fn, num_shards, graphdef, state, batch):
         return acc, (total, weight)
 
     summed, (totals, weights) = jax.lax.scan(shard, zeros, split_batch(batch, num_shards))
-    weight = jnp.sum(weights)
-    grads = jax.tree.map(lambda g: g / weight, summed)
+    weight = num_shards if weights is None else jnp.sum(weights)
+    grads = divide(summed, weight)
     optimizer.update(model, grads)
-    return StepResult(jnp.sum(totals) / weight, grads, totals / weights), nnx.state((model, optimizer))
+    shard_losses = totals if weights is None else totals / weights
+    return StepResult(jnp.sum(totals) / weight, grads, shard_losses), nnx.state((model, optimizer))
 
 
 def simulation_step(

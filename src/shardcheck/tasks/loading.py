@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -152,6 +153,9 @@ def _import_file(spec: str, path_text: str, fn: str = "load_task", kind: str = "
 
 
 def _import_module(spec: str, module_name: str, fn: str = "load_task"):
+    # like `python -m`, a module in the current folder is importable (a console script's sys.path lacks it)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -305,6 +309,8 @@ def import_attr(fn: str, spec: str, what: str = "ATTR"):
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}")
+            raise ValueError(
+                f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}"
+            )
         obj = getattr(obj, part)
     return obj

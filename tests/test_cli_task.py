@@ -1,0 +1,194 @@
+"""``--task`` on the command line: a user's task file that imports a sibling module, with a user's own step.
+
+The files are written as a user writes them: a model module (embeddings, causal self-attention with biases,
+LayerNorm), a task file importing it (int32 tokens, dict batches with padded rows, a token-weighted
+cross-entropy returned as (sum, count), Adam), and a steps file with a correct jitted GSPMD-free step and the
+planted fault of normalizing every shard by its own token count.
+"""
+
+import json
+import textwrap
+
+import pytest
+from conftest import require_devices
+
+from shardcheck.cli import main
+
+MODEL = textwrap.dedent(
+    """
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+
+    class TinyDecoder(nnx.Module):
+        def __init__(self, vocab, width, rngs):
+            self.embed = nnx.Embed(vocab, width, rngs=rngs)
+            self.ln = nnx.LayerNorm(width, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=width, decode=False, rngs=rngs)
+            self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+        def __call__(self, tokens, pad):
+            mask = nnx.combine_masks(nnx.make_causal_mask(tokens), nnx.make_attention_mask(pad, pad))
+            h = self.embed(tokens)
+            h = h + self.attn(self.ln(h), mask=mask)
+            return self.head(h)
+
+
+    def loss_fn(model, batch):
+        logits = model(batch["tokens"], batch["mask"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+    """
+)
+
+TASK = textwrap.dedent(
+    """
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardcheck
+    from model import TinyDecoder, loss_fn  # a sibling module
+
+
+    def batches(steps=3, b=16, t=8, vocab=24):
+        rng = np.random.default_rng(0)
+        out = []
+        for _ in range(steps):
+            tokens = rng.integers(1, vocab, size=(b, t)).astype(np.int32)
+            mask = np.ones((b, t), np.float32)
+            for i, n in enumerate(rng.integers(2, t + 1, size=b)):
+                mask[i, n:] = 0
+            tokens = np.where(mask > 0, tokens, 0).astype(np.int32)
+            out.append({"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": mask})
+        return out
+
+
+    task = shardcheck.Task(
+        model=lambda: TinyDecoder(24, 16, nnx.Rngs(0)),
+        optimizer=optax.adam(3e-3),
+        loss_fn=loss_fn,
+        batches=batches(),
+        name="user-decoder",
+    )
+    """
+)
+
+STEPS = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model import loss_fn
+
+
+    def _step(model, optimizer, batch, mesh, per_shard):
+        from functools import partial
+        from jax.sharding import PartitionSpec as P
+
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+
+        @jax.jit
+        @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+        def grads(params, batch):
+            params = jax.lax.pcast(params, "data", to="varying")
+            count = jax.lax.psum(jnp.sum(batch["mask"]), "data")
+
+            def local(p):
+                total, weight = loss_fn(nnx.merge(graphdef, p, rest), batch)
+                return total / weight if per_shard else total / count
+
+            loss, g = jax.value_and_grad(local)(params)
+            if per_shard:
+                return jax.lax.pmean(loss, "data"), jax.lax.pmean(g, "data")
+            return jax.lax.psum(loss, "data"), jax.lax.psum(g, "data")
+
+        loss, g = grads(params, batch)
+        optimizer.update(model, g)
+        return loss
+
+
+    def good_step(model, optimizer, batch, mesh):
+        return _step(model, optimizer, batch, mesh, per_shard=False)
+
+
+    def per_shard_mean_step(model, optimizer, batch, mesh):
+        return _step(model, optimizer, batch, mesh, per_shard=True)
+    """
+)
+
+
+@pytest.fixture
+def user_files(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+    (tmp_path / "task.py").write_text(TASK)
+    (tmp_path / "steps.py").write_text(STEPS)
+    return tmp_path
+
+
+@require_devices(4)
+def test_a_task_file_and_a_good_step_pass(user_files, capsys):
+    out = user_files / "report.json"
+    code = main(
+        [
+            "verify",
+            "--task",
+            f"{user_files / 'task.py'}:task",
+            "--candidate",
+            f"{user_files / 'steps.py'}:good_step",
+            "--devices",
+            "4",
+            "--json",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert code == 0, capsys.readouterr().out
+    assert report["task"] == "user-decoder" and report["steps"] == 3
+    assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "accumulation", "candidate"}
+    assert all(r["verdict"] == "PASS" for r in report["strategies"].values())
+    assert any(p.endswith("attn.key.bias") for p in report["strategies"]["candidate"]["unresolved"])
+
+
+@require_devices(4)
+def test_a_per_shard_token_mean_exits_1_naming_the_normalization(user_files, capsys):
+    code = main(
+        [
+            "verify",
+            "--task",
+            f"{user_files / 'task.py'}:task",
+            "--candidate",
+            f"{user_files / 'steps.py'}:per_shard_mean_step",
+            "--strategies",
+            "none",
+            "--devices",
+            "4",
+            "--json",
+            "-",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    candidate = report["strategies"]["candidate"]
+    assert candidate["verdict"] == "FAIL" and candidate["codes"][0] == "normalization"
+    assert "token count" in candidate["diagnosis"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("missing.py:task", "does not exist"),
+        ("broken.py:task", "importing task file"),
+        ("task.py:nothing", "has no attribute 'nothing'"),
+        ("no-such-builtin", "load_task"),
+    ],
+)
+def test_bad_task_specs_exit_2_with_the_reason(user_files, capsys, spec, message):
+    (user_files / "broken.py").write_text("import no_such_module_here\n")
+    target = spec if spec == "no-such-builtin" else str(user_files / spec)
+    code = main(["verify", "--task", target, "--devices", "2"])
+    assert code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
