@@ -13,8 +13,8 @@ import shardcheck
 from shardcheck import make_model, make_tx, mse_loss
 from shardcheck.accumulation import accumulated_sgd_step, make_accumulation_optimizer
 from shardcheck.losses import mse_batch_loss
-from shardcheck.steps.accumulation import accumulation_candidate
 from shardcheck.parity import check_parity
+from shardcheck.steps.accumulation import accumulation_candidate
 
 # Fixture L: full batch loss 7.5; after one SGD(0.1) step from zero: kernel [[0.6], [0.25]], bias [0.5].
 XL = np.array([[1, 0], [0, 1], [1, 1], [2, 0]], np.float32)

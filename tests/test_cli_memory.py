@@ -207,3 +207,83 @@ def test_measure_through_entry_point():
         assert m["state_bytes_per_device"] == [expected] * n, name
         assert m["argument_bytes"] - m["data_argument_bytes"] == expected, name
         assert m["accuracy_ratio"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ --task
+
+# The tiny-lm task with Adam, S=4 (by hand in tests/test_memory.py): 31,501 float32 parameters = 126,004 B; every
+# leaf but lm_head's bias (77,) splits in 4, so fsdp holds 31,732 B. Persistent: params + 2 x params + 4 + 4.
+TINY_LM_PERSISTENT = {
+    "replicated": 3 * 126_004 + 8,
+    "dp": 3 * 126_004 + 8,
+    "zero1": 126_004 + 2 * 31_732 + 8,
+    "zero2": 126_004 + 2 * 31_732 + 8,
+    "fsdp": 3 * 31_732 + 8,
+}
+
+
+@require_devices(4)
+def test_task_tiny_lm_measured_json(capsys):
+    report = run_json(capsys, "--task", "tiny-lm", "--devices", "4", "--measure")
+    assert report["task"] == "tiny-lm" and report["num_shards"] == 4 and report["batch_size"] == 16
+    assert report["model"] == {"kind": "task", "task": "tiny-lm", "param_count": 31_501}
+    assert report["optimizer"] is None  # the task's own (Adam)
+    assert list(report["strategies"]) == ["replicated", "dp", "zero1", "zero2", "fsdp"]
+    for name, expected in TINY_LM_PERSISTENT.items():
+        s = report["strategies"][name]
+        assert s["persistent_bytes"] == expected and s["model_state_bytes"] == 0, name
+        assert s["total_bytes"] == expected + s["grads_bytes"]
+        m = s["measured"]
+        n = 1 if name == "replicated" else 4
+        assert m["num_devices"] == n and m["state_bytes_per_device"] == [expected] * n, name
+        assert m["estimated_persistent_bytes"] == expected and m["accuracy_ratio"] == 1.0
+        assert m["argument_bytes"] - m["data_argument_bytes"] == expected
+        assert m["data_argument_bytes"] == 3 * 16 * 32 * 4 // n  # tokens, targets, mask: (16, 32) each
+    assert report["strategies"]["zero2"]["grads_bytes"] == 31_732
+    fsdp = {
+        leaf["path"]: leaf for leaf in report["strategies"]["fsdp"]["leaves"] if leaf["category"] == "params"
+    }
+    assert not fsdp["lm_head/bias"]["sharded"] and fsdp["lm_head/kernel"]["shard_shape"] == [8, 77]
+
+
+def test_task_estimate_digits_by_hand(capsys):
+    """digits: MLP 64 -> 32 -> 10, Adam. S=4: (64, 32) 8192 B -> 2048 B, (32,) 128 -> 32 B, (32, 10) 1280 -> 320 B,
+    out bias (10,) 40 B whole: 2440 B of 9640 B."""
+    report = run_json(capsys, "--task", "digits", "--shards", "4", "--strategy", "fsdp")
+    s = report["strategies"]["fsdp"]
+    assert (s["params_bytes"], s["grads_bytes"], s["optimizer_bytes"], s["step_bytes"]) == (
+        2440,
+        2440,
+        4884,
+        4,
+    )
+    assert s["unsharded_total_bytes"] == 9640 * 4 + 4 + 4 and "measured" not in s
+    report = run_json(capsys, "--task", "digits", "--shards", "4", "--optimizer", "sgd", "--batch", "32")
+    assert report["optimizer"] == "sgd" and report["batch_size"] == 32
+    assert report["strategies"]["dp"]["optimizer_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--task", "no-such-task"], "load_task: 'no-such-task' is not a built-in task"),
+        (["--task", "missing.py:task"], "does not exist"),
+        (["--task", "tiny-lm", "--in", "4"], "--in sizes the Linear / MLP model"),
+        (["--task", "tiny-lm", "--dtype", "bfloat16"], "--dtype casts the Linear / MLP model"),
+        (["--task", "shardcheck.tasks:tiny_lm_task", "--batch", "8"], "--batch applies to a built-in --task"),
+        (
+            ["--task", "tiny-lm", "--measure", "--shards", "3", "--devices", "3"],
+            "does not split into num_shards=3",
+        ),
+    ],
+)
+def test_bad_task_exits_2(args, match, capsys):
+    assert main(["memory", *args]) == 2
+    assert match in " ".join(capsys.readouterr().err.split())
+
+
+def test_in_and_out_still_required_without_a_task(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--out", "3"])
+    assert exc.value.code == 2
+    assert "the following arguments are required: --in" in capsys.readouterr().err

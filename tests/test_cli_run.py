@@ -216,3 +216,89 @@ def test_version_and_python_dash_m():
         [sys.executable, "-m", "shardcheck", "--version"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "shardcheck 0.1.0"
+
+
+# ------------------------------------------------------------------------------------------------ --task
+
+
+def test_seed_form_and_choices_come_from_the_registry():
+    from shardcheck import runner
+    from shardcheck.cli.run import STRATEGY_CHOICES
+    from shardcheck.steps import STRATEGIES
+
+    assert runner.xy_strategies() == ("baseline", "simulation", "dp", "fsdp") == runner.RUN_STRATEGIES
+    assert STRATEGY_CHOICES == ("all", "baseline", *STRATEGIES)
+
+
+def test_task_digits_every_registered_strategy_matches_the_reference(capsys):
+    from shardcheck.steps import STRATEGIES
+
+    assert main(["run", "--task", "digits", "--devices", "4", "--json", "-"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert "reference" in out.err and "skipped multiprocess" in " ".join(out.err.split())  # the table: stderr
+    assert report["task"] == report["dataset"] == "digits"
+    assert (report["num_examples"], report["num_shards"], report["seed"]) == (64, 4, 0)
+    assert report["param_count"] == 64 * 32 + 32 + 32 * 10 + 10
+    assert report["param_storage_per_shard_bytes"] == report["param_count"] * 4 / 4
+    results = report["results"]
+    # Every registered strategy ran, but multiprocess, which needs a launched run.
+    assert list(results) == [name for name in STRATEGIES if name != "multiprocess"]
+    assert (
+        list(report["skipped"]) == ["multiprocess"]
+        and "several JAX processes" in report["skipped"]["multiprocess"]
+    )
+    reference = results["reference"]
+    assert reference["max_abs_param_diff_vs_baseline"] == 0.0 and reference["worst_param_leaf"] == ""
+    for name, r in results.items():
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-6), name
+        assert r["max_abs_param_diff_vs_baseline"] < 1e-5, name
+        by_leaf = r["max_abs_param_diff_by_leaf"]
+        assert set(by_leaf) == {"hidden.bias", "hidden.kernel", "out.bias", "out.kernel"}
+        assert max(by_leaf.values()) == r["max_abs_param_diff_vs_baseline"]
+        if name != "reference":
+            assert by_leaf[r["worst_param_leaf"]] == r["max_abs_param_diff_vs_baseline"]
+    assert len(results["simulation"]["shard_losses"]) == 4
+    assert np.mean(results["simulation"]["shard_losses"]) == pytest.approx(reference["loss"], rel=1e-6)
+    assert max(results["simulation"]["max_abs_grad_diff_vs_full_batch"].values()) < 1e-6
+    # fsdp holds a quarter of every leaf but out.bias (10,): 2048 + 32 + 320 + 40 B; Adam 2x that + count + step.
+    assert results["fsdp"]["placement"]["params_bytes"] == 2440
+    assert results["fsdp"]["placement"]["optimizer_bytes"] == 2 * 2440 + 4 + 4
+    assert results["dp"]["placement"]["params_bytes"] == 9640
+
+
+def test_task_one_strategy_and_options(capsys):
+    args = ["run", "--task", "digits", "--strategy", "accumulation", "--shards", "2", "--optimizer", "sgd"]
+    assert main([*args, "--lr", "0.5", "--batch-size", "32", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["results"]) == ["reference", "accumulation"] and report["skipped"] == {}
+    assert report["num_examples"] == 32 and report["num_shards"] == 2
+    acc = report["results"]["accumulation"]
+    assert acc["loss"] == pytest.approx(report["results"]["reference"]["loss"], rel=1e-6)
+    assert acc["max_abs_param_diff_vs_baseline"] < 1e-6
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--task", "no-such-task"], "load_task: 'no-such-task' is not a built-in task"),
+        (["--task", "missing.py:task"], "does not exist"),
+        (["--task", "shardcheck.tasks:nothing"], "has no attribute 'nothing'"),
+        (
+            ["--task", "digits", "--strategy", "baseline"],
+            "the baseline is the registered strategy 'reference'",
+        ),
+        (["--task", "digits", "--dataset", "linnerud"], "--dataset and --target apply without --task"),
+        (["--task", "digits", "--shards", "3", "--devices", "3"], "does not split into num_shards=3"),
+        (["--task", "digits", "--strategy", "multiprocess"], "needs several JAX processes"),
+        (
+            ["--task", "shardcheck.tasks:tiny_lm_task", "--lr", "0.1"],
+            "--lr applies to the built-in tasks only",
+        ),
+        (["--strategy", "accumulation"], "--strategy accumulation needs --task"),
+        (["--optimizer", "adam"], "--optimizer applies to a built-in --task only"),
+    ],
+)
+def test_bad_task_arguments_exit_2(capsys, args, msg):
+    assert main(["run", *args]) == 2
+    assert msg in " ".join(capsys.readouterr().err.split())

@@ -243,3 +243,155 @@ def test_under_launch_process_0_alone_reports_the_single_process_result(tmp_path
     assert not [line for line in p1 if "baseline" in line or "epoch" in line]  # process 1: no table, no bar
     assert "dp (S=4)" in out.stderr  # process 0's table
     assert matplotlib.image.imread(plot).shape == (500, 1300, 4)
+
+
+# ------------------------------------------------------------------------------------------------ --task
+
+TASK_FILE = """
+import numpy as np
+import optax
+from flax import nnx
+
+import shardcheck
+
+
+def loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def make():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 8, 2)).astype(np.float32)
+    batches = [{"x": b, "y": b @ np.array([[1.0], [-2.0]], np.float32)} for b in x]
+    return shardcheck.Task(
+        model=lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)),
+        optimizer=optax.sgd(0.1),
+        loss_fn=loss,
+        batches=batches,
+        name="made-here",
+    )
+"""
+
+
+@require_devices(4)
+def test_task_tiny_lm_fsdp_writes_json_log_and_plot(tmp_path, capsys):
+    out, log, plot = tmp_path / "out" / "t.json", tmp_path / "t.csv", tmp_path / "t.png"
+    argv = ["train", "--task", "tiny-lm", "--devices", "4", "--strategy", "fsdp", "--epochs", "1"]
+    assert main([*argv, "--json", str(out), "--log", str(log), "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    for word in (
+        "--task tiny-lm: fsdp S=4",
+        "baseline (1 device)",
+        "fsdp (S=4)",
+        "loss (final step)",
+        "never",
+    ):
+        assert word in text
+    report = json.loads(out.read_text())
+    assert (report["task"], report["strategy"], report["num_shards"], report["placement"]) == (
+        "tiny-lm",
+        "fsdp",
+        4,
+        "fsdp",
+    )
+    assert (report["epochs"], report["steps_per_epoch"], report["num_steps"], report["batch_size"]) == (
+        1,
+        5,
+        5,
+        16,
+    )
+    assert report["loss_curves_agree"] is True and report["first_exceeded_step"] is None
+    final, initial = report["final"], report["initial"]
+    assert final["loss_sharded"] == pytest.approx(final["loss_baseline"], rel=1e-5)
+    assert final["loss_baseline"] < initial["loss_baseline"]  # 5 Adam steps learn something
+    assert final["max_abs_param_diff"] == max(s["max_abs_param_diff"] for s in report["steps"])
+    assert [s["step"] for s in report["steps"]] == [1, 2, 3, 4, 5]
+    assert not any(s["drift_exceeded"] for s in report["steps"])
+    assert all(s["max_abs_param_diff"] <= s["drift_tolerance"] for s in report["steps"])
+    rows = read_log(log)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert float(rows[-1]["loss_sharded"]) == pytest.approx(final["loss_sharded"], rel=1e-8)
+    assert_log_agrees(rows, 16 * 32)  # the tolerance of n = B*T = 512 reduced terms
+    assert matplotlib.image.imread(plot).shape == (500, 1300, 4)
+
+
+def test_task_file_with_steps_and_epochs_json_on_stdout(tmp_path, capsys):
+    (tmp_path / "my_task.py").write_text(TASK_FILE)
+    argv = [
+        "train",
+        "--task",
+        f"{tmp_path / 'my_task.py'}:make",
+        "--strategy",
+        "simulation",
+        "--devices",
+        "2",
+    ]
+    assert main([*argv, "--epochs", "2", "--steps", "2", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert "simulation (S=2)" in captured.err
+    assert (report["task"], report["steps_per_epoch"], report["num_steps"], report["batch_size"]) == (
+        "made-here",
+        2,
+        4,
+        8,
+    )
+    assert [(s["epoch"], s["step"]) for s in report["steps"]] == [(1, 1), (1, 2), (2, 3), (2, 4)]
+    # epoch 2 replays the same two batches from trained parameters
+    assert report["steps"][2]["loss_baseline"] < report["steps"][0]["loss_baseline"]
+    assert report["loss_curves_agree"] and report["final"]["max_abs_param_diff"] < 1e-6
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (
+            ["--task", "nope"],
+            "load_task: 'nope' is not a built-in task; built-in tasks: diabetes, linnerud, digits",
+        ),
+        (["--task", "tiny_lm"], "did you mean 'tiny-lm'?"),
+        (["--task", "{dir}/missing.py:task"], "missing.py' (spec"),
+        (["--task", "{dir}/my_task.py:nothing"], "has no attribute 'nothing'"),
+        (["--task", "{dir}/my_task.py:make", "--lr", "0.1"], "--lr applies to the built-in tasks only"),
+        (["--task", "{dir}/my_task.py:make", "--steps", "9"], "--steps 9 but task 'made-here' holds only 3"),
+        (["--task", "digits", "--features", "a"], "--features applies without --task only"),
+        (["--task", "digits", "--test-fraction", "0.3"], "--test-fraction applies without --task only"),
+        (["--task", "digits", "--batch-size", "30", "--devices", "4"], "does not split into num_shards=4"),
+        (["--task", "digits", "--steps", "0"], "--steps must be an int >= 1, got 0"),
+        (["--steps", "3"], "--steps applies with --task only"),
+        (
+            ["--task", "digits", "--strategy", "multiprocess"],
+            "strategy 'multiprocess' needs several JAX processes",
+        ),
+    ],
+)
+def test_task_errors_exit_2_and_write_nothing(tmp_path, capsys, args, msg):
+    (tmp_path / "my_task.py").write_text(TASK_FILE)
+    args = [a.replace("{dir}", str(tmp_path)) for a in args]
+    outputs = tmp_path / "out"
+    argv = ["train", "--strategy", "simulation", "--epochs", "1", *args]
+    argv += [
+        "--json",
+        str(outputs / "r.json"),
+        "--log",
+        str(outputs / "l.csv"),
+        "--plot",
+        str(outputs / "p.png"),
+    ]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.replace("\n", " ")
+    assert msg in err and err.count("error:") == 1
+    assert captured.out == ""  # refused before the progress bar started
+    assert not outputs.exists()
+
+
+def test_help_offers_the_registry_strategies_and_task(capsys):
+    from shardcheck.steps import STRATEGIES
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "--task" in text and "--steps" in text
+    trainable = [name for name in STRATEGIES if name != "reference"]
+    assert "{" + ",".join(trainable) + "}" in text  # --strategy's choices: the registry's, in its order

@@ -349,3 +349,133 @@ def test_measure_bad_input(mesh4):
     with pytest.raises(TypeError, match=r"measure_memory: optimizer must be an nnx.Optimizer"):
         measure_memory(model, optax.sgd(0.1), x, y, strategy="dp", mesh=mesh4)
     assert math.isclose(float(opt.step[...]), 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ task form
+
+# shardcheck.tasks.tiny_lm_task() by hand: TinyLMConfig() has V = 77 ids, d = 32, 2 heads of 16, MLP 128, T = 32,
+# 2 blocks. Per block: ln1, ln2 scale + bias (32,) x 4; query/key/value kernels (32, 2, 16) and biases (2, 16);
+# out kernel (2, 16, 32) and bias (32,); fc1 (32, 128) + (128,); fc2 (128, 32) + (32,). Then embed (77, 32),
+# pos_embed (32, 32), ln_f (32,) x 2, lm_head (32, 77) + (77,).
+TINY_LM_BLOCK = [(32,)] * 4 + [(32, 2, 16)] * 3 + [(2, 16)] * 3 + [(2, 16, 32), (32,)]
+TINY_LM_BLOCK += [(32, 128), (128,), (128, 32), (32,)]
+TINY_LM_SHAPES = TINY_LM_BLOCK * 2 + [(77, 32), (32, 32), (32,), (32,), (32, 77), (77,)]
+
+
+def hand_bytes(shapes, s):
+    """float32 bytes per device: a leaf with a dimension divisible by S holds 1/S of it, else all of it."""
+    return sum(math.prod(shape) * 4 // (s if any(d % s == 0 for d in shape) else 1) for shape in shapes)
+
+
+def test_tiny_lm_task_estimate_by_hand():
+    from shardcheck.tasks import tiny_lm_task
+
+    task = tiny_lm_task()
+    abstract_model = nnx.eval_shape(task.model)
+    shapes = sorted(tuple(v.shape) for v in jax.tree.leaves(nnx.state(abstract_model, nnx.Param)))
+    assert shapes == sorted(TINY_LM_SHAPES)
+    whole, split = hand_bytes(TINY_LM_SHAPES, 1), hand_bytes(TINY_LM_SHAPES, 4)
+    assert (whole, split) == (126_004, 31_732)  # 31,501 parameters; only lm_head's bias (77,) stays whole
+    adam_whole, adam_split = 4 + 2 * whole, 4 + 2 * split  # the int32 count + mu + nu
+    expected = {  # (params, grads, optimizer) per device, S = 4; the NNX step counter adds 4 B
+        "replicated": (whole, whole, adam_whole),
+        "dp": (whole, whole, adam_whole),
+        "zero1": (whole, whole, adam_split),
+        "zero2": (whole, split, adam_split),
+        "fsdp": (split, split, adam_split),
+    }
+    live_before = len(jax.live_arrays())
+    for strategy in STRATEGIES:
+        est = estimate_memory(task, num_shards=4, strategy=strategy)
+        check(est, *expected[strategy])
+        assert est.param_count == 31_501 and est.model_state_bytes == 0
+        assert est.num_devices == (1 if strategy == "replicated" else 4)
+    assert len(jax.live_arrays()) == live_before  # shapes only: the model was never allocated
+    fsdp = estimate_memory(task, num_shards=4, strategy="fsdp")
+    leaves = {(leaf.category, leaf.path): leaf for leaf in fsdp.leaves}
+    assert leaves["params", "lm_head/bias"].replicated_reason == "no dimension of (77,) divides by S=4"
+    assert leaves["params", "embed/embedding"].shard_shape == (77, 8)  # 77 does not divide: the width does
+    assert leaves["optimizer", "0/nu/blocks/1/attn/out/kernel"].shard_shape == (2, 4, 32)
+    # The same figures as the (abstract model, optimizer) form.
+    assert fsdp == estimate_memory(abstract_model, task.optimizer, num_shards=4, strategy="fsdp")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from shardcheck.tasks import tiny_lm_task
+
+    return tiny_lm_task(steps=1)
+
+
+@require_devices(4)
+@pytest.mark.parametrize("strategy, persistent", [("dp", 126_004 * 3 + 8), ("fsdp", 31_732 * 3 + 8)])
+def test_tiny_lm_task_persistent_estimate_equals_live_bytes(tiny_lm, mesh4, strategy, persistent):
+    m = measure_memory(tiny_lm, strategy=strategy, mesh=mesh4)
+    assert m.estimated_persistent_bytes == persistent  # params + Adam (2 x params + count) + step
+    assert m.state_bytes_per_device == (persistent,) * 4 and m.accuracy_ratio == 1.0
+    # The batch: tokens, targets (int32) and mask (float32), (16, 32) each, a quarter per device.
+    assert m.data_argument_bytes == 3 * 16 * 32 * 4 // 4
+    assert m.state_argument_bytes == persistent
+    assert m.peak_bytes == m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes
+
+
+@require_devices(4)
+def test_model_state_is_counted_and_measured(mesh4):
+    """A model's RNG stream (Dropout at rate 0 draws nothing) is state too: a uint32 count and an 8-byte key."""
+    from shardcheck import Task
+
+    class Dropped(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+            self.drop = nnx.Dropout(0.0, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.drop(self.linear(x))
+
+    x, y = batch(8, 4, 16)
+    task = Task(
+        model=Dropped,
+        optimizer=optax.sgd(0.1, momentum=0.9),
+        loss_fn=lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2),
+        batches=[{"x": x, "y": y}],
+    )
+    # kernel (8, 4) = 128 B -> 32 B, bias (4,) = 16 B -> 4 B; one momentum trace; step; count 4 B + key 8 B.
+    est = estimate_memory(task, num_shards=4, strategy="fsdp")
+    assert (est.params_bytes, est.model_state_bytes, est.optimizer_bytes) == (36, 12, 36)
+    assert est.persistent_bytes == 36 + 12 + 36 + 4
+    assert {leaf.dtype for leaf in est.leaves if leaf.category == "model_state"} == {"uint32", "key<fry>"}
+    for strategy in ("dp", "fsdp", "zero2"):
+        m = measure_memory(task, strategy=strategy, mesh=mesh4)
+        assert m.state_bytes_per_device == (m.estimated_persistent_bytes,) * 4, strategy
+
+
+def test_layouts_come_from_the_registry():
+    from shardcheck import partitioning
+    from shardcheck.steps import STRATEGIES as REGISTRY
+
+    assert STRATEGIES == ("replicated", "dp", "zero1", "zero2", "fsdp")
+    runnable = {n: layout.strategy for n, layout in partitioning.LAYOUTS.items() if layout.strategy}
+    assert runnable == {"replicated": "reference", "dp": "dp", "fsdp": "fsdp"}
+    for name, strategy in runnable.items():
+        assert partitioning.LAYOUTS[name].placement == REGISTRY[strategy].placement
+    assert set(STRATEGIES) - set(runnable) == set(partitioning.MEMORY_ONLY) == {"zero1", "zero2"}
+
+
+def test_task_form_bad_input():
+    from shardcheck.tasks import digits_task
+
+    task = digits_task(steps=1)
+    with pytest.raises(TypeError, match=r"estimate_memory: with a Task pass no optimizer"):
+        estimate_memory(task, "adam", num_shards=4, strategy="fsdp")
+    with pytest.raises(TypeError, match=r"estimate_memory: optimizer is missing"):
+        estimate_memory(abstract("linear", 8, 6), num_shards=4, strategy="fsdp")
+    with pytest.raises(TypeError, match=r"measure_memory: with a Task pass no optimizer, x or y"):
+        measure_memory(task, None, np.ones((4, 64)), strategy="dp")
+    with pytest.raises(ValueError, match=r"measure_memory: strategy='zero3' is unknown"):
+        measure_memory(task, strategy="zero3")
+    from shardcheck.spmd import make_mesh
+
+    with pytest.raises(
+        ValueError, match=r"measure_memory: batch leaf 'label' has 64 rows, which does not split"
+    ):
+        measure_memory(task, strategy="dp", mesh=make_mesh(3))

@@ -168,3 +168,34 @@ def test_type_errors_and_reexports():
     assert spmd.placement_summary is placement.placement_summary
     assert spmd.placement_report is placement.placement_report
     assert jax.tree.leaves(nnx.state(model))  # untouched
+
+
+@require_devices(4)
+def test_a_tasks_registered_fsdp_step_leaves_the_estimated_placement():
+    """digits (MLP 64 -> 32 -> 10, Adam) after the registry's fsdp step: every leaf split by fsdp_partition_spec,
+    out.bias (10,) whole, and the bytes per device those of the shape-only estimate of the task."""
+    from shardcheck import estimate_memory
+    from shardcheck.steps import STRATEGIES
+    from shardcheck.tasks import digits_task
+
+    task = digits_task(steps=1)
+    model = task.new_model()
+    optimizer = task.new_optimizer(model)
+    mesh = make_mesh(4)
+    STRATEGIES["fsdp"].build(task.loss_fn, 4, mesh).step(model, optimizer, task.batches[0])
+    report = {r.path: r for r in placement_report(model, optimizer)}
+    for r in report.values():
+        assert r.partition_spec == fsdp_partition_spec(r.global_shape, 4), r.path
+    assert report["hidden.kernel"].shard_shape == (16, 32) and report[
+        "opt_state.0.nu.out.kernel"
+    ].shard_shape == (8, 10)
+    assert report["out.bias"].replicated and report["out.bias"].shard_bytes == 40
+    est = estimate_memory(task, num_shards=4, strategy="fsdp")
+    assert est.params_bytes == 2048 + 32 + 320 + 40
+    assert placement_summary(model, optimizer) == {
+        "params_bytes": est.params_bytes,
+        "optimizer_bytes": est.optimizer_bytes + est.step_bytes,
+        "params_total_bytes": 9640,
+        "optimizer_total_bytes": 2 * 9640 + 4 + 4,
+        "num_devices": 4,
+    }

@@ -262,3 +262,55 @@ def test_task_bad_input_is_named():
         TypeError, match=r"candidate <lambda>\(model\) cannot be called as candidate\(model, optimizer, batch"
     ):
         check_parity(lambda model: None, Task(**good, loss_fn=loss, batches=[batch]), num_shards=2)
+
+
+# ---------------------------------------------------------------------------- a bfloat16 gradient all-reduce
+
+
+def reduce_in(dtype, reverse=False):
+    """A DP step of the float32 tiny-lm task whose gradient all-reduce runs in ``dtype``, shard by shard in
+    device order (or reversed): the bf16 reduction of public reports, made explicit."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
+        def loss_and_grads(params, batch):
+            params = jax.lax.pcast(params, "data", to="varying")
+            count = jax.lax.psum(jnp.sum(batch["mask"]), "data")
+
+            def local(p):
+                return lm_loss(nnx.merge(graphdef, p, rest), batch)[0] / count
+
+            loss, grads = jax.value_and_grad(local)(params)
+
+            def reduce(g):
+                parts = jax.lax.all_gather(g.astype(dtype), "data")
+                parts = parts[::-1] if reverse else parts
+                total = parts[0]
+                for i in range(1, parts.shape[0]):
+                    total = (total + parts[i]).astype(dtype)
+                return total.astype(g.dtype)[None]  # every device holds the same total
+
+            return jax.lax.psum(loss, "data"), jax.tree.map(reduce, grads)
+
+        loss, stacked = loss_and_grads(params, batch)
+        grads = jax.tree.map(lambda a: a[0], stacked)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+@require_devices(8)
+@pytest.mark.parametrize("reverse", [False, True], ids=["device_order", "reversed"])
+def test_a_bf16_gradient_all_reduce_is_named_and_a_float32_one_passes(reverse):
+    mesh = shardcheck.make_mesh(8)
+    bad = check_parity(reduce_in(jnp.bfloat16, reverse), lm(steps=2), mesh=mesh, num_shards=8)
+    assert bad.verdict == "FAIL" and bad.codes[0] == "low_precision_reduction", str(bad)
+    message = " ".join(bad.diagnosis.split())
+    assert "the gradients were all-reduced in bfloat16" in message and "reduce in float32" in message
+    good = check_parity(reduce_in(jnp.float32, reverse), lm(steps=2), mesh=mesh, num_shards=8)
+    assert good.ok, str(good)

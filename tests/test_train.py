@@ -1,19 +1,33 @@
-"""The lock-step training loop (shardcheck.training) and its figure (shardcheck.plots)."""
+"""The lock-step training loops (shardcheck.training) and the figure of train() (shardcheck.plots)."""
 
+import dataclasses
 import itertools
 import math
 import os
 
+import jax
 import matplotlib.image
 import numpy as np
 import pytest
 from conftest import require_devices
+from flax import nnx
 
-from shardcheck import baseline, datasets
+from shardcheck import datasets
 from shardcheck import training as train_lib
 from shardcheck.datasets import minibatch_indices
 from shardcheck.plots import plot_training
-from shardcheck.training import TrainReport, select_features, split_and_standardize, train
+from shardcheck.steps import STRATEGIES, Candidate
+from shardcheck.steps import reference as reference_lib
+from shardcheck.steps.reference import reference_step
+from shardcheck.tasks import digits_task, tiny_lm_task
+from shardcheck.training import (
+    TRAIN_STRATEGIES,
+    TrainReport,
+    select_features,
+    split_and_standardize,
+    train,
+    train_task,
+)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +154,9 @@ def test_split_standardizes_with_training_statistics():
 def test_steps_compile_once_per_run(diabetes, monkeypatch):
     """All batches share one shape (the last partial one is dropped): 33 steps, at most one trace of each step.
 
+    Both steps come from the registry: the fsdp step's jitted shard_map (``sharded.compiled_step``) and the
+    reference's ``_reference_jit``.
+
     (Each run builds a fresh optax transformation, which is part of the optimizer's static structure, so a new
     run may trace once more; the steps of one run never do.)
     """
@@ -156,32 +173,40 @@ def test_steps_compile_once_per_run(diabetes, monkeypatch):
         return step
 
     monkeypatch.setattr(sharded, "compiled_step", recording)
-    sizes = (baseline._sgd_step_jit._cache_size(), train_lib._eval_losses._cache_size())
+    sizes = (reference_lib._reference_jit._cache_size(), train_lib._eval_losses._cache_size())
     report = train(diabetes.x, diabetes.y, strategy="fsdp", num_shards=4, epochs=3, batch_size=32)
     assert report.num_steps == 33 and report.dropped_per_epoch == 1
     assert len(handed_out) == 33 and len(first_sizes) == 1, "the run's steps used more than one jitted step"
     ((step, size_before),) = first_sizes.values()
     assert step._cache_size() - size_before <= 1
-    assert baseline._sgd_step_jit._cache_size() - sizes[0] <= 1
+    assert reference_lib._reference_jit._cache_size() - sizes[0] <= 1
     assert train_lib._eval_losses._cache_size() - sizes[1] <= 1
+
+
+def _faulty_simulation(monkeypatch, at_step: int = 4):
+    """Register, for this test only, a "simulation" whose ``at_step``-th update leaves a bias 1e-3 off."""
+
+    def build(loss_fn, num_shards, mesh):
+        calls = {"n": 0}
+
+        def step(model, optimizer, batch):
+            out = reference_step(loss_fn, model, optimizer, batch)
+            calls["n"] += 1
+            if calls["n"] == at_step:  # e.g. a step counter off by one in a schedule: one update 1e-3 off
+                leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.Param))
+                leaves[0] = leaves[0] + 1e-3  # the first bias (Linear: "bias"; MLP: the first layer's)
+                nnx.update(model, jax.tree.unflatten(treedef, leaves))
+            return out
+
+        return Candidate("simulation", step, num_shards)
+
+    faulty = dataclasses.replace(STRATEGIES["simulation"], build=build)
+    monkeypatch.setitem(STRATEGIES, "simulation", faulty)
 
 
 def test_drift_that_starts_late_is_caught(diabetes, monkeypatch):
     """A sharded step that goes wrong at its 4th update: drift exceeds the tolerance first at step 4."""
-
-    def faulty_factory(fn, strategy, num_shards, mesh):
-        calls = {"n": 0}
-
-        def step(model, optimizer, x, y):
-            loss = baseline.sgd_step(model, optimizer, x, y)
-            calls["n"] += 1
-            if calls["n"] == 4:  # e.g. a step counter off by one in a schedule: one update 1e-3 off
-                model.bias[...] = model.bias[...] + 1e-3
-            return loss
-
-        return step, None
-
-    monkeypatch.setattr(train_lib, "_sharded_step", faulty_factory)
+    _faulty_simulation(monkeypatch)
     report = train(diabetes.x, diabetes.y, strategy="simulation", optimizer="sgd", epochs=2, batch_size=64)
     assert report.first_exceeded_step == 4
     assert [s.drift_exceeded for s in report.steps[:4]] == [False, False, False, True]
@@ -282,3 +307,124 @@ def test_report_fields_are_frozen(diabetes):
         report.lr = 1.0  # type: ignore[misc]
     assert math.isclose(report.lr, train_lib.DEFAULT_LR["adam"]) and report.strategy == "simulation"
     assert report.num_shards == train_lib.DEFAULT_NUM_SHARDS["simulation"] == 2
+
+
+def test_strategy_names_come_from_the_registry():
+    assert TRAIN_STRATEGIES == tuple(n for n in STRATEGIES if n != "reference")
+    assert {"simulation", "dp", "fsdp", "accumulation"} <= set(TRAIN_STRATEGIES)
+    assert train_lib.DEFAULT_NUM_SHARDS == {n: 4 if s.uses_mesh else 2 for n, s in STRATEGIES.items()}
+
+
+def test_accumulation_trains_beside_the_reference(diabetes):
+    """A registry strategy the old loop never had: S = 4 micro-batches through optax.MultiSteps."""
+    report = train(
+        diabetes.x, diabetes.y, strategy="accumulation", num_shards=4, optimizer="momentum", epochs=2
+    )
+    assert report.strategy == "accumulation" and report.num_steps == 10
+    assert_lockstep_agrees(report)
+    assert report.max_abs_param_diff < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ train_task
+
+
+@pytest.fixture(scope="module")
+def lm_task():
+    """One tiny-lm task for the module: its optax transformation is part of the jitted steps' static key."""
+    return tiny_lm_task(steps=3)
+
+
+def assert_task_lockstep(report, num_steps: int):
+    assert report.num_steps == num_steps and [s.step for s in report.steps] == list(range(1, num_steps + 1))
+    for s in report.steps:
+        assert abs(s.loss_sharded - s.loss_baseline) <= s.loss_tolerance, s
+        assert s.drift_within and not s.drift_exceeded, s
+        assert s.max_abs_param_diff <= s.drift_tolerance, s
+    assert report.loss_curves_agree and report.first_exceeded_step is None
+
+
+@require_devices(4)
+@pytest.mark.parametrize("strategy,placement", [("dp", "replicated"), ("fsdp", "fsdp")])
+def test_train_task_tiny_lm_agrees_at_every_step(lm_task, strategy, placement):
+    events = []
+    report = train_task(lm_task, strategy, num_shards=4, callback=events.append)
+    assert (report.task, report.strategy, report.num_shards, report.placement) == (
+        "tiny-lm",
+        strategy,
+        4,
+        placement,
+    )
+    assert (report.epochs, report.steps_per_epoch, report.batch_size) == (1, 3, 16)
+    assert_task_lockstep(report, 3)
+    first = report.first_step
+    assert first.loss_sharded == pytest.approx(first.loss_baseline, rel=1e-6)
+    assert 4.0 < first.loss_baseline < 5.5  # about log(77) = 4.34 at initialization
+    assert report.last_step.loss_baseline < first.loss_baseline  # Adam learns
+    # the loss tolerance is the parity rule with n = B*T = 16*32 reduced terms
+    eps = float(np.finfo(np.float32).eps)
+    assert first.loss_tolerance == pytest.approx(eps * math.sqrt(512) * (1 + 16 * first.loss_baseline))
+    assert [e.step for e in events] == list(report.steps) and {e.total_steps for e in events} == {3}
+
+
+@require_devices(4)
+def test_train_task_adam_noise_on_a_zero_gradient_is_allowed_not_ignored(lm_task):
+    """The key biases' gradients are 0 up to rounding; Adam turns that noise into updates of ~lr * 0.2."""
+    report = train_task(lm_task, "dp", num_shards=4)
+    drift = report.max_abs_param_diff
+    plain = train_lib.step_tolerance(16 * 32, 1, 1)
+    assert drift > 10 * (plain.atol + plain.rtol * 2.0)  # far above the plain rule ...
+    assert not report.first_exceeded_step  # ... within the optimizer's sensitivity, as parity allows
+
+
+def test_train_task_digits_accumulation_over_two_epochs():
+    task = digits_task(steps=4)
+    report = train_task(task, "accumulation", num_shards=4, epochs=2)
+    assert (report.placement, report.steps_per_epoch, report.batch_size) == ("single", 4, 64)
+    assert [s.epoch for s in report.steps] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert_task_lockstep(report, 8)
+    assert report.max_abs_param_diff < 1e-6
+    # epoch 2 sees the same 4 batches again, from trained parameters: lower losses
+    assert report.steps[4].loss_baseline < report.steps[0].loss_baseline
+
+
+def test_train_task_catches_a_late_drift(monkeypatch):
+    """A planted fault at the 3rd update (digits, sgd): flagged exactly there, not before."""
+    _faulty_simulation(monkeypatch, at_step=3)
+    report = train_task(digits_task(steps=4, optimizer="sgd"), "simulation", num_shards=2)
+    assert report.first_exceeded_step == 3
+    assert [s.drift_exceeded for s in report.steps] == [False, False, True, True]
+    assert report.max_abs_param_diff == pytest.approx(1e-3, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,msg",
+    [
+        (
+            dict(strategy="reference"),
+            ValueError,
+            r"train_task: strategy='reference' is unknown; use one of simul",
+        ),
+        (dict(strategy="zero"), ValueError, r"train_task: strategy='zero' is unknown"),
+        (dict(num_shards=0), ValueError, r"train_task: num_shards must be a positive int, got 0"),
+        (
+            dict(num_shards=3),
+            ValueError,
+            r"train_task: batch leaf 'label' has 64 rows, which does not split into num_shards=3",
+        ),
+        (dict(epochs=0), ValueError, r"train_task: epochs must be a positive int, got 0"),
+        (
+            dict(strategy="dp", num_shards=64),
+            ValueError,
+            r"train_task: strategy 'dp' with num_shards=64 needs",
+        ),
+        (dict(callback=1), TypeError, r"train_task: callback must be None or a callable"),
+        (dict(task="digits"), TypeError, r"train_task: task must be a shardcheck.Task, got str"),
+    ],
+)
+def test_train_task_bad_arguments_raise_before_any_step(kwargs, error, msg):
+    calls = []
+    args = {"task": digits_task(steps=1), "strategy": "simulation", "num_shards": 2, "callback": calls.append}
+    args.update(kwargs)
+    with pytest.raises(error, match=msg):
+        train_task(args.pop("task"), args.pop("strategy"), **args)
+    assert calls == []

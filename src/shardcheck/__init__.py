@@ -37,13 +37,13 @@ from shardcheck.simulation import simulated_data_parallel_step as simulated_data
 from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
 from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
 from shardcheck.spmd import make_mesh as make_mesh
-from shardcheck.training import TrainReport as TrainReport
-from shardcheck.training import train as train
 from shardcheck.steps import STRATEGIES as STRATEGIES
 from shardcheck.steps import StepResult as StepResult
 from shardcheck.steps import Strategy as Strategy
 from shardcheck.steps.reference import reference_step as reference_step
 from shardcheck.task import Task as Task
+from shardcheck.training import TrainReport as TrainReport
+from shardcheck.training import train as train
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,6 @@ import ipaddress
 import os
 import socket
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any
 

@@ -16,7 +16,15 @@ fsdp          1/S         1/S        1/S (ZeRO-3)
 ============  ==========  =========  ==================
 
 "1/S" means: split by :func:`~shardcheck.partitioning.fsdp_partition_spec`; a leaf none of whose dimensions
-divides by S (a bias of width 3 on 4 devices, a scalar counter) stays whole on every device.
+divides by S (a bias of width 3 on 4 devices, a scalar counter) stays whole on every device. The layouts come from
+the registry of strategies (:data:`shardcheck.partitioning.LAYOUTS`): ``replicated``, ``dp`` and ``fsdp`` are
+its placements ``"single"``, ``"replicated"`` and ``"fsdp"``, measured with the registered steps ``reference``,
+``dp`` and ``fsdp``; ``zero1`` and ``zero2`` are memory-only.
+
+Everything takes a :class:`~shardcheck.Task` too: ``estimate_memory(task, num_shards=S, strategy=...)`` reads the
+shapes from ``nnx.eval_shape(task.model)`` and ``jax.eval_shape(task.optimizer.init, params)`` (nothing is
+allocated), ``measure_memory(task, strategy=..., mesh=...)`` compiles the strategy's step of the task on its first
+batch (the registry's ``jax.shard_map`` steps via :func:`shardcheck.steps.sharded.prepare` for dp and fsdp).
 
 Seed ``001_a85d1499a1a85057.txt`` gives the parameter-storage figure of a biased Linear, ``(D + 1) * K / S``
 values times bytes per value, and warns that it is neither a peak-memory formula nor proof that a model fits:
@@ -41,20 +49,16 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck._tree import path_str
 from shardcheck.optimizers import OPTIMIZERS, make_tx
-from shardcheck.partitioning import STRATEGIES, fsdp_partition_spec
+from shardcheck.partitioning import LAYOUTS, STRATEGIES, fsdp_partition_spec
+from shardcheck.task import Task
 
 PyTree = Any
 
-CATEGORIES = ("params", "grads", "optimizer", "step")
-"""The categories of :class:`LeafMemory`: parameters, gradients, optax state, NNX's optimizer step counter."""
+CATEGORIES = ("params", "model_state", "grads", "optimizer", "step")
+"""The categories of :class:`LeafMemory`: parameters, the model's other variables (RNG stream keys and counts;
+none for most models), gradients, optax state, NNX's optimizer step counter."""
 
-SHARDED_CATEGORIES = {
-    "replicated": frozenset(),
-    "dp": frozenset(),
-    "zero1": frozenset({"optimizer", "step"}),
-    "zero2": frozenset({"optimizer", "step", "grads"}),
-    "fsdp": frozenset({"optimizer", "step", "grads", "params"}),
-}
+SHARDED_CATEGORIES = {name: layout.splits for name, layout in LAYOUTS.items()}
 """Which categories each strategy splits over the mesh axis (ZeRO stages 1, 2, 3; Rajbhandari et al. 2020)."""
 
 DTYPES = ("float32", "bfloat16")
@@ -114,8 +118,8 @@ class MemoryEstimate:
         optimizer_bytes: optax state bytes per device (momentum traces, Adam moments and counts, the
             ``optax.MultiSteps`` accumulator: whatever ``tx.init`` really returns).
         step_bytes: NNX's optimizer step counter, bytes per device (4: one uint32, replicated).
-        persistent_bytes: ``params_bytes + optimizer_bytes + step_bytes``: the state that outlives a step,
-            which :func:`measure_memory` reads back from the live arrays.
+        persistent_bytes: ``params_bytes + model_state_bytes + optimizer_bytes + step_bytes``: the state that
+            outlives a step, which :func:`measure_memory` reads back from the live arrays.
         total_bytes: ``persistent_bytes + grads_bytes``. Not a peak: activations, gathered parameters,
             communication buffers and dtype-conversion copies are not counted (seed 001).
         unsharded_total_bytes: ``total_bytes`` of the same state on one device.
@@ -123,7 +127,9 @@ class MemoryEstimate:
             ``(D + 1) * K / S`` values times bytes per value for a Linear (may be fractional).
         even_split_formula: that figure written out, e.g. ``"(512 + 1) * 512 / 4 * 4 B"``.
         even_split_note: how ``params_bytes`` differs from the even split, and why.
-        leaves: every leaf of every category, in the order params, grads, optimizer, step.
+        leaves: every leaf of every category, in the order params, model_state, grads, optimizer, step.
+        model_state_bytes: the model's variables other than ``nnx.Param`` (RNG stream keys and counts), bytes per
+            device; 0 for a model of parameters only, and for a parameter pytree.
     """
 
     strategy: str
@@ -141,11 +147,13 @@ class MemoryEstimate:
     even_split_formula: str
     even_split_note: str
     leaves: tuple[LeafMemory, ...]
+    model_state_bytes: int = 0
 
     def bytes_by_category(self) -> dict[str, int]:
-        """``{"params": ..., "grads": ..., "optimizer": ..., "step": ...}``, bytes per device."""
+        """``{"params": ..., "model_state": ..., "grads": ..., "optimizer": ..., "step": ...}``, bytes per device."""
         return {
             "params": self.params_bytes,
+            "model_state": self.model_state_bytes,
             "grads": self.grads_bytes,
             "optimizer": self.optimizer_bytes,
             "step": self.step_bytes,
@@ -341,9 +349,20 @@ def optimizer_transform(fn: str, optimizer) -> optax.GradientTransformation:
     )
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element; an extended dtype (a PRNG key, ``key<fry>``) reports its own (8 for threefry)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(dtype.itemsize)
+    return int(jnp.dtype(dtype).itemsize)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else jnp.dtype(dtype).name
+
+
 def _leaf(category: str, path: str, s: jax.ShapeDtypeStruct, num_devices: int, strategy: str) -> LeafMemory:
     shape = tuple(int(d) for d in s.shape)
-    itemsize = jnp.dtype(s.dtype).itemsize
+    itemsize = _itemsize(s.dtype)
     global_bytes = math.prod(shape) * itemsize
     wants_split = category in SHARDED_CATEGORIES[strategy] and num_devices > 1
     spec = fsdp_partition_spec(shape, num_devices) if wants_split else jax.sharding.PartitionSpec()
@@ -364,7 +383,7 @@ def _leaf(category: str, path: str, s: jax.ShapeDtypeStruct, num_devices: int, s
         path=path,
         category=category,
         shape=shape,
-        dtype=jnp.dtype(s.dtype).name,
+        dtype=_dtype_name(s.dtype),
         spec=repr(spec),
         shard_shape=shard_shape,
         sharded=sharded,
@@ -426,9 +445,23 @@ def _even_split(params: PyTree, param_leaves: list[LeafMemory], strategy: str, n
     return count, even, formula, note
 
 
+def abstract_task_model(fn: str, task: Task) -> nnx.Module:
+    """The task's model under ``nnx.eval_shape``: every variable a ``jax.ShapeDtypeStruct``, nothing allocated.
+
+    Raises:
+        TypeError: the factory needs arguments or returns something other than an ``nnx.Module``.
+    """
+    return nnx.eval_shape(lambda: task.new_model(fn))
+
+
+def abstract_model_state(model: nnx.Module) -> dict:
+    """The model's variables other than ``nnx.Param`` (RNG keys and counts) as ``jax.ShapeDtypeStruct``."""
+    return _abstract("estimate_memory", nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+
+
 def estimate_memory(
     model_or_abstract_state,
-    optimizer,
+    optimizer=None,
     *,
     num_shards: int,
     strategy: str,
@@ -441,7 +474,13 @@ def estimate_memory(
     ``jax.eval_shape(tx.init, params)``: none for ``optax.sgd(lr)``, one parameter-sized trace for momentum,
     two moments and an int32 count for Adam, a float32 accumulator for ``optax.MultiSteps``
     (``docs/reduction_cases.md`` C9). NNX's ``nnx.Optimizer.step`` adds one uint32 (4 bytes). Gradients have the
-    parameters' shapes and dtypes.
+    parameters' shapes and dtypes. A module's variables other than ``nnx.Param`` (RNG stream keys and counts)
+    are counted as ``model_state``, placed like the parameters.
+
+    The task form, ``estimate_memory(task, num_shards=S, strategy=...)``, sizes a :class:`~shardcheck.Task`:
+    the model is ``nnx.eval_shape(task.model)`` (the factory is traced, no parameter is allocated) and the
+    optimizer ``task.optimizer``, so the figures are those of the task's own step (``nnx.Optimizer(model,
+    task.optimizer, wrt=nnx.Param)``).
 
     Each leaf is placed with :func:`~shardcheck.partitioning.fsdp_partition_spec` when its category is split
     under ``strategy`` (see the module docstring's table, after ZeRO, Rajbhandari et al. 2020), and its
@@ -453,12 +492,15 @@ def estimate_memory(
     copies are not counted (seed 001); :func:`measure_memory` reads the compiled step's real figures.
 
     Args:
-        model_or_abstract_state: an ``nnx.Module`` (real or abstract; its ``nnx.Param`` leaves are counted),
-            an ``nnx.State``, or a pytree of arrays / ``jax.ShapeDtypeStruct`` holding the parameters.
+        model_or_abstract_state: a :class:`~shardcheck.Task`; an ``nnx.Module`` (real or abstract; its
+            ``nnx.Param`` leaves are the parameters, its other variables the model state), an ``nnx.State``,
+            or a pytree of arrays / ``jax.ShapeDtypeStruct`` holding the parameters.
         optimizer: ``"sgd"``, ``"momentum"`` or ``"adam"`` (:func:`shardcheck.optimizers.make_tx`), an optax
-            ``GradientTransformation`` (``optax.MultiSteps`` too), or an ``nnx.Optimizer`` (its ``tx``).
+            ``GradientTransformation`` (``optax.MultiSteps`` too), or an ``nnx.Optimizer`` (its ``tx``);
+            ``None`` (and only ``None``) with a Task, whose own optimizer is used.
         num_shards: S >= 1, the size of the mesh axis (ignored by ``"replicated"``, which uses one device).
-        strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
+        strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``
+            (:data:`shardcheck.partitioning.STRATEGIES`).
         param_dtype: if given, a floating dtype (``"float32"``, ``"bfloat16"``, ...) to which every floating
             parameter is cast before counting; the optimizer state follows whatever ``tx.init`` makes of it.
 
@@ -466,7 +508,9 @@ def estimate_memory(
         A :class:`MemoryEstimate`, all figures in bytes per device.
 
     Raises:
-        TypeError: ``num_shards`` not an int; ``optimizer`` or ``model_or_abstract_state`` of the wrong type.
+        TypeError: ``num_shards`` not an int; ``optimizer`` or ``model_or_abstract_state`` of the wrong type;
+            an optimizer passed with a Task, or none without one; a task whose factory does not build an
+            ``nnx.Module``.
         ValueError: unknown ``strategy`` or optimizer name, ``num_shards < 1``, ``param_dtype`` not a floating
             dtype, no parameters.
 
@@ -482,13 +526,29 @@ def estimate_memory(
     fn = "estimate_memory"
     check_strategy(fn, strategy)
     num_shards = _validate.check_num_shards(fn, num_shards)
+    source = model_or_abstract_state
+    if isinstance(source, Task):
+        if optimizer is not None:
+            raise TypeError(
+                f"{fn}: with a Task pass no optimizer (got {type(optimizer).__name__}); the task's own "
+                "task.optimizer is the one its step uses"
+            )
+        optimizer = source.optimizer
+        source = abstract_task_model(fn, source)
+    elif optimizer is None:
+        raise TypeError(
+            f"{fn}: optimizer is missing; pass a name ({', '.join(OPTIMIZERS)}), an optax GradientTransformation or "
+            "an nnx.Optimizer, or pass a shardcheck.Task, which carries its own"
+        )
     tx = optimizer_transform(fn, optimizer)
-    params = abstract_params(fn, model_or_abstract_state, param_dtype)
+    params = abstract_params(fn, source, param_dtype)
+    model_state = abstract_model_state(source) if isinstance(source, nnx.Module) else {}
     opt_state = jax.eval_shape(tx.init, params)
-    num_devices = 1 if strategy == "replicated" else num_shards
+    num_devices = 1 if LAYOUTS[strategy].one_device else num_shards
 
     by_category = {
         "params": _leaves("params", params, num_devices, strategy),
+        "model_state": _leaves("model_state", model_state, num_devices, strategy),
         "grads": _leaves("grads", params, num_devices, strategy),
         "optimizer": _leaves("optimizer", opt_state, num_devices, strategy),
         "step": _leaves("step", {"step": STEP_COUNTER}, num_devices, strategy),
@@ -496,7 +556,7 @@ def estimate_memory(
     sums = {c: sum(leaf.per_device_bytes for leaf in leaves) for c, leaves in by_category.items()}
     unsharded = sum(leaf.global_bytes for leaves in by_category.values() for leaf in leaves)
     count, even, formula, note = _even_split(params, by_category["params"], strategy, num_devices)
-    persistent = sums["params"] + sums["optimizer"] + sums["step"]
+    persistent = sums["params"] + sums["model_state"] + sums["optimizer"] + sums["step"]
     return MemoryEstimate(
         strategy=strategy,
         num_shards=num_shards,
@@ -513,6 +573,7 @@ def estimate_memory(
         even_split_formula=formula,
         even_split_note=note,
         leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
+        model_state_bytes=sums["model_state"],
     )
 
 
@@ -536,7 +597,8 @@ class MemoryMeasurement:
         peak_bytes: ``argument_bytes + output_bytes - alias_bytes + temp_bytes``, an upper bound of the live
             bytes of one device during the step (XLA's own ``peak_memory_in_bytes`` omits temp on CPU).
         reported_peak_bytes: XLA's ``peak_memory_in_bytes`` as reported, or -1 where not available.
-        data_argument_bytes: bytes of this device's blocks of ``x`` and ``y`` among the arguments.
+        data_argument_bytes: bytes of this device's blocks of ``x`` and ``y`` (of every leaf of a task's batch)
+            among the arguments.
         state_argument_bytes: ``argument_bytes - data_argument_bytes``: the model and optimizer state
             passed in.
         state_bytes_per_device: live state bytes on each device of the mesh, in mesh order, after one step.
@@ -594,20 +656,31 @@ def strategy_shardings(state: nnx.State, mesh: jax.sharding.Mesh, strategy: str,
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def _gspmd_step(graphdef, state_shardings, grad_shardings, data_sharding, mesh):
-    """The jitted step of zero1 / zero2, partitioned by GSPMD.
+def _mean_loss(loss_fn):
+    """``(model, batch) -> loss_sum / weight`` of a task's loss (the scalar itself for a scalar loss)."""
+    from shardcheck.task import loss_terms
+
+    def mean(model, batch):
+        total, weight = loss_terms(loss_fn, model, batch)
+        return total if weight is None else total / weight
+
+    return mean
+
+
+def _gspmd_step(graphdef, loss_fn, state_shardings, grad_shardings, data_sharding, mesh):
+    """The jitted step of zero1 / zero2 for ``loss_fn(model, batch)``, partitioned by GSPMD.
 
     The state enters and leaves with ``state_shardings``; the gradients are constrained to ``grad_shardings``
-    when given (zero2: each device keeps its slice of the reduced gradient); the batch is split on its first
-    dimension; the state is donated, as in the ``shard_map`` steps of :mod:`shardcheck.spmd`.
+    when given (zero2: each device keeps its slice of the reduced gradient); every leaf of the batch is split on
+    its first dimension (``data_sharding``); the state is donated, as in the ``shard_map`` steps of
+    :mod:`shardcheck.steps.sharded`.
     """
-    from shardcheck.losses import mse_loss
-
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    mean = _mean_loss(loss_fn)
 
-    def step(state, x, y):
+    def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        loss, grads = nnx.value_and_grad(mean)(model, batch)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         optimizer.update(model, grads)
@@ -615,10 +688,31 @@ def _gspmd_step(graphdef, state_shardings, grad_shardings, data_sharding, mesh):
 
     return jax.jit(
         step,
-        in_shardings=(state_shardings, data_sharding, data_sharding),
+        in_shardings=(state_shardings, data_sharding),
         out_shardings=(replicated, state_shardings),
         donate_argnums=0,
     )
+
+
+def _gspmd_compile_and_run(strategy, loss_fn, model, optimizer, batch, mesh, axis_name):
+    """zero1 / zero2: place the state by :func:`strategy_shardings`, compile the GSPMD step, run it once in place."""
+    graphdef, state = nnx.split((model, optimizer))
+    shardings = strategy_shardings(state, mesh, strategy, axis_name)
+    grad_shardings = None
+    if "grads" in SHARDED_CATEGORIES[strategy]:  # zero2: the gradients split as fsdp splits the parameters
+        size = int(mesh.shape[axis_name])
+        grad_shardings = jax.tree.map(
+            lambda a: jax.sharding.NamedSharding(mesh, fsdp_partition_spec(a.shape, size, axis_name)),
+            nnx.state(model, nnx.Param),
+        )
+    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
+    state = jax.device_put(state, shardings)
+    batch = jax.device_put(batch, data_sharding)
+    step = _gspmd_step(graphdef, loss_fn, shardings, grad_shardings, data_sharding, mesh)
+    compiled = step.lower(state, batch).compile()
+    _, new_state = compiled(state, batch)
+    nnx.update((model, optimizer), new_state)
+    return compiled, batch
 
 
 def _device_bytes(tree, devices) -> tuple[int, ...]:
@@ -661,6 +755,7 @@ def _compile_and_run(strategy, model, optimizer, x, y, mesh):
     """
     from shardcheck import spmd
     from shardcheck.baseline import _sgd_step_jit, sgd_step
+    from shardcheck.losses import mse_batch_loss
 
     if strategy == "replicated":  # the baseline's own jitted step on one device
         x, y = jax.device_put((x, y), mesh.devices.flat[0])
@@ -673,32 +768,115 @@ def _compile_and_run(strategy, model, optimizer, x, y, mesh):
             model, optimizer, x, y, mesh
         )
     else:  # zero1, zero2: jit over the strategy's NamedShardings, partitioned by GSPMD
-        graphdef, state = nnx.split((model, optimizer))
-        shardings = strategy_shardings(state, mesh, strategy)
-        # zero2 splits the gradients as fsdp splits the parameters (key 0 of the state: the model)
-        split_grads = "grads" in SHARDED_CATEGORIES[strategy]
-        grad_shardings = strategy_shardings(state, mesh, "fsdp")[0] if split_grads else None
-        data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-        state = jax.device_put(state, shardings)
-        x, y = jax.device_put((x, y), data_sharding)
-        compiled = (
-            _gspmd_step(graphdef, shardings, grad_shardings, data_sharding, mesh).lower(state, x, y).compile()
+        compiled, (x, y) = _gspmd_compile_and_run(
+            strategy, mse_batch_loss, model, optimizer, (x, y), mesh, "data"
         )
-        _, new_state = compiled(state, x, y)
-        nnx.update((model, optimizer), new_state)
     num_shards = 1 if strategy == "replicated" else int(mesh.shape["data"])
     data_bytes = sum(math.prod(a.shape) // num_shards * a.dtype.itemsize for a in (x, y))
     return compiled, data_bytes
 
 
+def _block_bytes(batch, device) -> int:
+    """Bytes of ``device``'s blocks of every leaf of a placed batch."""
+    return sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(batch)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
+
+
+def _compile_and_run_task(strategy, loss_fn, model, optimizer, batch, mesh, axis_name):
+    """Compile the task's step of ``strategy`` on ``batch`` and run it once, in place (on the caller's fresh copies).
+
+    The layouts the registry runs use its steps: the single-device placement the reference step
+    (:func:`shardcheck.steps.reference.reference_step`) on the mesh's first device, the mesh placements the
+    ``jax.shard_map`` step of :func:`shardcheck.steps.sharded.prepare` (``"fsdp"`` splitting parameters and
+    optimizer state, ``"replicated"`` data parallel). zero1 / zero2 are GSPMD-partitioned ``jax.jit``.
+
+    Returns the compiled executable and the bytes of the first device's blocks of the batch.
+    """
+    layout = LAYOUTS[strategy]
+    first = mesh.devices.flat[0]
+    if layout.one_device:
+        from shardcheck.steps.reference import _reference_jit  # the jitted body of reference_step
+
+        batch = jax.device_put(batch, first)
+        graphdef, state = nnx.split((model, optimizer))
+        compiled = _reference_jit.lower(loss_fn, graphdef, state, batch).compile()
+        _, state = compiled(state, batch)  # the static loss_fn and graphdef are baked in
+        nnx.update((model, optimizer), state)
+    elif layout.strategy is not None:
+        from shardcheck.steps import sharded
+
+        kind = "fsdp" if layout.placement == "fsdp" else "dp"
+        step, (leaves, batch), treedef = sharded.prepare(
+            kind, loss_fn, model, optimizer, batch, mesh, axis_name
+        )
+        compiled = step.lower(leaves, batch).compile()
+        _, leaves = compiled(leaves, batch)
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
+    else:
+        compiled, batch = _gspmd_compile_and_run(strategy, loss_fn, model, optimizer, batch, mesh, axis_name)
+    return compiled, _block_bytes(batch, first)
+
+
+def _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimate) -> MemoryMeasurement:
+    stats = _memory_stats(compiled)
+    devices = (mesh.devices.flat[0],) if LAYOUTS[strategy].one_device else tuple(mesh.devices.flat)
+    per_device = _device_bytes(nnx.state((model, optimizer)), devices)
+    measured = max(per_device)
+    return MemoryMeasurement(
+        strategy=strategy,
+        num_devices=len(devices),
+        data_argument_bytes=data_bytes,
+        state_argument_bytes=stats["argument_bytes"] - data_bytes,
+        state_bytes_per_device=per_device,
+        state_bytes=measured,
+        estimated_persistent_bytes=estimate.persistent_bytes,
+        accuracy_ratio=estimate.persistent_bytes / measured,
+        **stats,
+    )
+
+
+def _measure_task(fn, task: Task, strategy, mesh, axis_name, weighted=None) -> MemoryMeasurement:
+    """``measure_memory`` of a task; ``weighted`` (the loss form) is given when the task was checked already."""
+    from shardcheck import spmd
+    from shardcheck.parity.harness import check_model
+    from shardcheck.steps.registry import STRATEGIES as REGISTRY
+    from shardcheck.task import check_divisible
+
+    check_strategy(fn, strategy)
+    layout = LAYOUTS[strategy]
+    if mesh is None:
+        mesh = spmd.make_mesh(axis_name=axis_name)
+    num_shards = spmd.check_mesh(fn, mesh, axis_name)
+    batch = task.batches[0]
+    model = task.new_model(fn)
+    optimizer = task.new_optimizer(model)
+    if weighted is None:  # BatchStat and RNG-drawing models refused, the loss's output checked on batch 0
+        weighted = check_model(fn, model, task.loss_fn, batch)
+    if not layout.one_device:
+        check_divisible(fn, batch, num_shards, weighted=weighted)
+    registered = REGISTRY.get(layout.strategy)
+    if registered is not None and registered.check is not None:
+        registered.check(fn, model, optimizer)
+    estimate = estimate_memory(task, num_shards=num_shards, strategy=strategy)
+    compiled, data_bytes = _compile_and_run_task(
+        strategy, task.loss_fn, model, optimizer, batch, mesh, axis_name
+    )
+    return _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimate)
+
+
 def measure_memory(
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    x,
-    y,
+    model: nnx.Module | Task,
+    optimizer: nnx.Optimizer | None = None,
+    x=None,
+    y=None,
     *,
     strategy: str,
     mesh: jax.sharding.Mesh | None = None,
+    axis_name: str = "data",
 ) -> MemoryMeasurement:
     """Compile the real step of ``strategy`` on ``mesh``, run it once on a copy, and read its memory.
 
@@ -709,6 +887,12 @@ def measure_memory(
     (:func:`strategy_shardings`) partitioned by GSPMD, the gradients constrained to the FSDP layout for
     ``"zero2"``.
 
+    The task form, ``measure_memory(task, strategy=..., mesh=...)``, measures the task's own step on its first
+    batch, on a fresh ``task.model()`` with ``nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)``:
+    ``"replicated"`` is the registry's reference step on the mesh's first device, ``"dp"`` and ``"fsdp"`` the
+    registry's ``jax.shard_map`` steps compiled through :func:`shardcheck.steps.sharded.prepare`, ``"zero1"`` /
+    ``"zero2"`` GSPMD as above with the task's loss.
+
     XLA's ``memory_analysis()`` of the partitioned executable gives argument, output, alias and temp bytes of
     one device (``CompiledMemoryStats``, see the JAX docs of ``jax.stages.Compiled.memory_analysis``). The
     step is then run once on a deep copy of the model and optimizer, and the ``shard.data.nbytes`` of every
@@ -716,27 +900,42 @@ def measure_memory(
     they were.
 
     Args:
-        model: an ``nnx.Module`` holding only ``nnx.Param`` variables (real arrays, not abstract).
+        model: a :class:`~shardcheck.Task` (then pass no optimizer, x or y), or an ``nnx.Module`` holding only
+            ``nnx.Param`` variables (real arrays, not abstract).
         optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``; ``"fsdp"`` needs an elementwise ``tx``.
         x: ``(B, D)`` float inputs; B must divide by the mesh size.
         y: ``(B, K)`` float targets.
         strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
-        mesh: a mesh with a ``"data"`` axis (:func:`shardcheck.spmd.make_mesh`); default: all devices. Ignored
-            by ``"replicated"`` except for its first device.
+        mesh: a mesh with an ``axis_name`` axis (:func:`shardcheck.spmd.make_mesh`); default: all devices.
+            Ignored by ``"replicated"`` except for its first device.
+        axis_name: the mesh axis the batch (and the FSDP state) is split over; the (model, optimizer, x, y) form
+            uses ``"data"`` only.
 
     Returns:
         A :class:`MemoryMeasurement` in bytes per device, with the estimate of the persistent state beside it
         and ``accuracy_ratio = estimate / measured``.
 
     Raises:
-        TypeError: ``model``, ``optimizer``, ``mesh`` or the data of the wrong type.
+        TypeError: ``model``, ``optimizer``, ``mesh`` or the data of the wrong type; an optimizer or data passed
+            with a Task.
         ValueError: unknown ``strategy``; a model with non-Param state; bad data; a batch that does not split
-            evenly over the mesh; a mesh without a ``"data"`` axis; an optimizer ``"fsdp"`` cannot shard.
-            Nothing is changed when an error is raised.
+            evenly over the mesh; a mesh without the axis; an optimizer ``"fsdp"`` cannot shard; a task whose
+            registered strategy refuses it (``Strategy.check``). Nothing is changed when an error is raised.
     """
     from shardcheck import spmd
 
     fn = "measure_memory"
+    if isinstance(model, Task):
+        if optimizer is not None or x is not None or y is not None:
+            raise TypeError(
+                f"{fn}: with a Task pass no optimizer, x or y; its own optimizer and first batch are measured"
+            )
+        return _measure_task(fn, model, strategy, mesh, axis_name)
+    if axis_name != "data":
+        raise ValueError(
+            f"{fn}: axis_name={axis_name!r} applies to the task form; the (model, optimizer, x, y) form measures "
+            "on a mesh axis 'data'"
+        )
     check_strategy(fn, strategy)
     x, y = _validate.check_batch(fn, x, y)
     _validate.check_model(fn, model, x, y)
@@ -751,21 +950,42 @@ def measure_memory(
 
     model, optimizer = _deep_copy(model, optimizer)
     compiled, data_bytes = _compile_and_run(strategy, model, optimizer, x, y, mesh)
-    stats = _memory_stats(compiled)
-    devices = (mesh.devices.flat[0],) if strategy == "replicated" else tuple(mesh.devices.flat)
-    per_device = _device_bytes(nnx.state((model, optimizer)), devices)
-    measured = max(per_device)
-    return MemoryMeasurement(
-        strategy=strategy,
-        num_devices=len(devices),
-        data_argument_bytes=data_bytes,
-        state_argument_bytes=stats["argument_bytes"] - data_bytes,
-        state_bytes_per_device=per_device,
-        state_bytes=measured,
-        estimated_persistent_bytes=estimate.persistent_bytes,
-        accuracy_ratio=estimate.persistent_bytes / measured,
-        **stats,
-    )
+    return _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimate)
+
+
+def measure_task_strategies(
+    task: Task, *, num_shards: int, strategies=STRATEGIES, axis_name: str = "data"
+) -> dict[str, MemoryMeasurement]:
+    """:func:`measure_memory` of a task for each strategy: what ``shardcheck memory --task ... --measure`` runs.
+
+    The mesh is :func:`shardcheck.spmd.make_mesh` of the first ``num_shards`` devices; each strategy steps a
+    fresh ``task.model()`` once on ``task.batches[0]``.
+
+    Returns:
+        ``{strategy: MemoryMeasurement}`` in the order of ``strategies``.
+
+    Raises:
+        TypeError: ``task`` not a :class:`~shardcheck.Task`, ``num_shards`` not an int.
+        ValueError: unknown strategy, fewer devices than ``num_shards``, and the errors of
+            :func:`measure_memory` (a first batch that does not split into ``num_shards`` equal shards, ...).
+    """
+    fn = "measure_task_strategies"
+    if not isinstance(task, Task):
+        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+    num_shards = _validate.check_num_shards(fn, num_shards)
+    for s in strategies:
+        check_strategy(fn, s)
+    if len(jax.devices()) < num_shards:
+        raise ValueError(
+            f"{fn}: num_shards={num_shards} needs {num_shards} devices, but {len(jax.devices())} exist; use "
+            "fewer shards, or fake CPU devices with jax.config.update('jax_num_cpu_devices', S) at startup"
+        )
+    from shardcheck.parity.harness import check_model
+    from shardcheck.spmd import make_mesh
+
+    mesh = make_mesh(num_shards, axis_name)
+    weighted = check_model(fn, task.new_model(fn), task.loss_fn, task.batches[0])  # once for every strategy
+    return {s: _measure_task(fn, task, s, mesh, axis_name, weighted) for s in strategies}
 
 
 def measure_strategies(

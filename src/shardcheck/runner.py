@@ -1,4 +1,13 @@
-"""The main job: run the baseline and each sharded computation from one initial state, and compare them."""
+"""The main job: one step of each registered strategy from one initial state, compared with the reference.
+
+Every computation comes from the registry of strategies (:data:`shardcheck.steps.STRATEGIES`): its step is
+``Strategy.build(loss_fn, num_shards, mesh).step``, run on a copy of one initial model. Two forms:
+
+* :func:`run_task`: a :class:`~shardcheck.Task`, on its first batch: every registered strategy (or those named),
+  reported under its registry name (``reference`` is the baseline).
+* :func:`run_strategies`: the seed form, an ``nnx.Linear(D, K)`` under MSE and ``optax.sgd(lr)`` on ``(x, y)``;
+  the reference is reported as ``baseline`` (seed 001) and the computations are those of :func:`xy_strategies`.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +15,23 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._tree import path_str
-from shardcheck.baseline import sgd_step
 from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
-from shardcheck.losses import mse_loss
-from shardcheck.simulation import reduced_sgd_step
+from shardcheck.losses import mse_batch_loss
+from shardcheck.steps.registry import STRATEGIES, Strategy, get_strategy, mesh_for
+from shardcheck.task import Task
 
-RUN_STRATEGIES = ("baseline", "simulation", "dp", "fsdp")
-SHARDED_ON_MESH = ("dp", "fsdp")
+REFERENCE = "reference"
+"""The registry's baseline: every other strategy is compared with its step."""
+
+BASELINE = "baseline"
+"""The name the seed form (:func:`run_strategies`) reports the reference under (seed 001's baseline)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,13 +39,17 @@ class StepOutcome:
     """One computation's result, on the host.
 
     Attributes:
-        name: ``baseline``, ``simulation``, ``dp`` or ``fsdp``.
+        name: the strategy's registry name (``baseline`` for the reference of the seed form).
         loss: the pre-update loss the computation returned.
         shard_losses: the per-shard pre-update losses (simulation only), length S.
-        params: the updated parameters, ``{path: array}`` (``kernel (D, K)``, ``bias (K,)``).
-        max_abs_param_diff_vs_baseline: max over leaves and elements of ``|params - baseline params|``.
-        max_abs_grad_diff: per leaf, max ``|averaged shard gradient - full-batch gradient|`` (simulation only).
-        placement: per-device bytes of parameters and optimizer state (fsdp only).
+        params: the updated parameters, ``{path: array}`` (``kernel (D, K)``, ``bias (K,)`` for a Linear).
+        max_abs_param_diff_vs_baseline: max over leaves and elements of ``|params - reference params|``.
+        max_abs_grad_diff: per leaf, max ``|reduced shard gradient - full-batch gradient|`` (the strategies that
+            return their gradients: simulation).
+        placement: per-device bytes of parameters and optimizer state (the mesh strategies of a task; fsdp in
+            the seed form).
+        max_abs_param_diff_by_leaf: per parameter leaf, max ``|params - reference params|`` (task form only).
+        worst_param_leaf: the leaf of the largest difference (task form only; ``""`` for the reference).
     """
 
     name: str
@@ -42,6 +59,8 @@ class StepOutcome:
     shard_losses: tuple[float, ...] | None = None
     max_abs_grad_diff: dict[str, float] | None = None
     placement: dict | None = None
+    max_abs_param_diff_by_leaf: dict[str, float] | None = None
+    worst_param_leaf: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +86,33 @@ class RunReport:
     param_storage_per_shard_bytes: float
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskRunReport:
+    """One step of each registered strategy on a task's first batch, compared with the reference.
+
+    Attributes:
+        task: the task's name.
+        num_shards: S.
+        batch_size: B, the rows of the batch stepped on (``task.batches[0]``).
+        param_count: parameter values of the model.
+        param_bytes: bytes of all parameters (one unsharded copy).
+        outcomes: one :class:`StepOutcome` per strategy run, in registry order (``reference`` first).
+        skipped: ``{strategy: reason}`` for the registered strategies whose ``check`` refused this task
+            (``multiprocess`` outside a launched run, fsdp with a non-elementwise optimizer); only when no
+            strategies were named.
+        param_storage_per_shard_bytes: seed 001's "even split": ``param_bytes / S``.
+    """
+
+    task: str
+    num_shards: int
+    batch_size: int
+    param_count: int
+    param_bytes: int
+    outcomes: dict[str, StepOutcome]
+    skipped: dict[str, str]
+    param_storage_per_shard_bytes: float
+
+
 def to_host(tree) -> dict[str, np.ndarray]:
     """Flatten a state tree to ``{"kernel": np.ndarray, ...}`` keyed by its path, on the host.
 
@@ -79,8 +125,73 @@ def to_host(tree) -> dict[str, np.ndarray]:
     return {path_str(path): np.asarray(leaf) for path, leaf in flat}
 
 
+def _leaf_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, float]:
+    return {k: float(np.max(np.abs(a[k] - b[k]))) if a[k].size else 0.0 for k in a}
+
+
 def _max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def _copy(model: nnx.Module) -> nnx.Module:
+    """The model with fresh buffers, so that no step sees another's arrays."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+
+
+def _registered(name: str) -> Strategy:
+    return STRATEGIES[REFERENCE if name == BASELINE else name]
+
+
+def xy_strategies() -> tuple[str, ...]:
+    """The computations of the seed form (:func:`run_strategies`), from the registry, in registry order.
+
+    They are the registered single-device strategies that step the optimizer they are given (not one of their
+    own, as gradient accumulation's ``optax.MultiSteps``), and the first registered mesh strategy of each
+    placement (data parallel, FSDP; ``multiprocess`` is the data-parallel placement again): ``("baseline",
+    "simulation", "dp", "fsdp")``, the reference named ``baseline``.
+    """
+    from shardcheck.partitioning import placement_strategies
+
+    first = placement_strategies()
+    names = []
+    for name, strategy in STRATEGIES.items():
+        if strategy.uses_mesh:
+            keep = first.get(strategy.placement) == name
+        else:
+            keep = strategy.build(mse_batch_loss, 1, None).make_optimizer is None
+        if keep:
+            names.append(BASELINE if name == REFERENCE else name)
+    return tuple(names)
+
+
+def __getattr__(name: str):
+    if name == "RUN_STRATEGIES":  # the seed form's computations, kept under their old name
+        return xy_strategies()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _seed_step(name: str):
+    """The seed form's own implementation of a registered strategy, or None (the registry's step is used).
+
+    The reduction simulation of the seed form is seed 000's :func:`~shardcheck.reduced_sgd_step` (the same
+    reduction as the registry's ``simulation``, summed in its own order), so that its report stays as it was.
+    """
+    if name != "simulation":
+        return None
+    from shardcheck.simulation import reduced_sgd_step
+
+    def simulation(model, optimizer, batch, num_shards):
+        return reduced_sgd_step(model, optimizer, *batch, num_shards)
+
+    return simulation
+
+
+def _unpack(out):
+    """``(loss, grads, shard_losses)`` of a registered step's return value (a loss or a StepResult)."""
+    if hasattr(out, "loss"):
+        return out.loss, getattr(out, "grads", None), getattr(out, "shard_losses", None)
+    return out, None, None
 
 
 def run_strategies(
@@ -90,15 +201,15 @@ def run_strategies(
     num_shards: int,
     lr: float = 0.1,
     seed: int = 0,
-    strategies: Sequence[str] = RUN_STRATEGIES,
+    strategies: Sequence[str] | None = None,
     mesh=None,
 ) -> RunReport:
     """Run one SGD step of each computation on a fresh ``nnx.Linear(D, K)``, all from the same initial state.
 
-    ``baseline`` is :func:`~shardcheck.sgd_step` (seed 001); ``simulation`` is
-    :func:`~shardcheck.reduced_sgd_step` (seed 000); ``dp`` and ``fsdp`` are the mesh steps of
-    :mod:`shardcheck.spmd` on ``mesh`` (a 1-D mesh of ``num_shards`` devices, built when not given). The baseline
-    always runs, as the reference.
+    Each computation is a registered strategy's step (:data:`shardcheck.steps.STRATEGIES`) of the loss
+    :func:`~shardcheck.losses.mse_batch_loss` on the batch ``(x, y)``: ``baseline`` is the reference step (seed
+    001), ``simulation`` the reduction of seed 000, ``dp`` and ``fsdp`` the ``jax.shard_map`` steps on ``mesh`` (a
+    1-D mesh of ``num_shards`` devices, built when not given). The baseline always runs, as the reference.
 
     Args:
         x: ``(B, D)`` float inputs.
@@ -106,7 +217,7 @@ def run_strategies(
         num_shards: S >= 1 dividing B.
         lr: SGD learning rate.
         seed: ``nnx.Rngs`` seed for the shared initial parameters.
-        strategies: names from ``RUN_STRATEGIES``.
+        strategies: names from :func:`xy_strategies` (default: all of them).
         mesh: the mesh of the ``dp``/``fsdp`` steps.
 
     Returns:
@@ -117,25 +228,27 @@ def run_strategies(
             all checked before any step runs.
     """
     fn = "run_strategies"
-    unknown = [s for s in strategies if s not in RUN_STRATEGIES]
+    allowed = xy_strategies()
+    strategies = allowed if strategies is None else tuple(strategies)
+    unknown = [s for s in strategies if s not in allowed]
     if unknown:
-        raise ValueError(f"{fn}: unknown strategies {unknown}; choose from {', '.join(RUN_STRATEGIES)}")
+        raise ValueError(f"{fn}: unknown strategies {unknown}; choose from {', '.join(allowed)}")
     x, y = _validate.check_batch(fn, x, y)
     num_shards = _validate.check_num_shards(fn, num_shards)
-    if any(s != "baseline" for s in strategies):  # the baseline alone does not shard
+    if any(s != BASELINE for s in strategies):  # the baseline alone does not shard
         _validate.check_equal_shards(fn, x.shape[0], num_shards, hint="choose --shards from this list")
     lr = _validate.check_lr(fn, lr)
     seed = _validate.check_seed(fn, seed)
-    if any(s in SHARDED_ON_MESH for s in strategies) and mesh is None:
+    if any(_registered(s).uses_mesh for s in strategies) and mesh is None:
         from shardcheck.spmd import make_mesh
 
         mesh = make_mesh(num_shards)
     d, k = x.shape[1], y.shape[1]
-    x_mesh, y_mesh = x, y
+    batch_mesh = (x, y)
     if mesh is not None and jax.process_count() > 1:
         # Many processes (docs/distributed.md): each feeds the mesh steps only the rows its devices hold.
         rows = process_batch_indices(x.shape[0], mesh)
-        x_mesh, y_mesh = global_batch(
+        batch_mesh = global_batch(
             np.asarray(x)[rows], np.asarray(y)[rows], mesh, global_batch_size=x.shape[0]
         )
     initial = nnx.Linear(d, k, rngs=nnx.Rngs(seed))
@@ -145,33 +258,38 @@ def run_strategies(
         return model, nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
 
     outcomes: dict[str, StepOutcome] = {}
-    model, optimizer = fresh()
-    full_grads = to_host(nnx.grad(mse_loss)(model, x, y))
-    loss = sgd_step(model, optimizer, x, y)
-    base = to_host(nnx.state(model, nnx.Param))
-    outcomes["baseline"] = StepOutcome("baseline", float(loss), base)
+    base = None
+    from shardcheck.losses import mse_loss
 
-    for name in strategies:
-        if name == "baseline":
-            continue
+    # Seed 000's full-batch gradient at the initial parameters, for the simulation's shard-gradient check.
+    full_grads = to_host(nnx.grad(mse_loss)(fresh()[0], x, y))
+    for name in (BASELINE, *(s for s in strategies if s != BASELINE)):
+        strategy = _registered(name)
         model, optimizer = fresh()
-        extra = {}
-        if name == "simulation":
-            result = reduced_sgd_step(model, optimizer, x, y, num_shards)
-            loss = result.loss
-            grads = to_host(result.grads)
-            extra = dict(
-                shard_losses=tuple(float(v) for v in np.asarray(result.shard_losses)),
-                max_abs_grad_diff={k_: float(np.max(np.abs(grads[k_] - full_grads[k_]))) for k_ in grads},
-            )
+        seed_step = _seed_step(name)
+        if seed_step is not None:
+            out = seed_step(model, optimizer, (x, y), num_shards)
         else:
-            from shardcheck import spmd
-
-            step = spmd.data_parallel_sgd_step if name == "dp" else spmd.fsdp_sgd_step
-            loss = step(model, optimizer, x_mesh, y_mesh, mesh)
-            if name == "fsdp":
-                extra = dict(placement=spmd.placement_summary(model, optimizer))
+            candidate = strategy.build(mse_batch_loss, num_shards, mesh if strategy.uses_mesh else None)
+            out = candidate.step(model, optimizer, batch_mesh if strategy.uses_mesh else (x, y))
+        loss, grads, shard_losses = _unpack(out)
         params = to_host(nnx.state(model, nnx.Param))
+        if name == BASELINE:
+            base = params
+            outcomes[name] = StepOutcome(name, float(loss), params)
+            continue
+        extra = {}
+        if shard_losses is not None:
+            extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
+        if grads is not None:
+            grads = to_host(grads)
+            extra["max_abs_grad_diff"] = {
+                k_: float(np.max(np.abs(grads[k_] - full_grads[k_]))) for k_ in grads
+            }
+        if strategy.placement == "fsdp":
+            from shardcheck.placement import placement_summary
+
+            extra["placement"] = placement_summary(model, optimizer)
         outcomes[name] = StepOutcome(
             name, float(loss), params, max_abs_param_diff_vs_baseline=_max_abs_diff(params, base), **extra
         )
@@ -181,6 +299,120 @@ def run_strategies(
         seed=seed,
         in_features=d,
         out_features=k,
-        outcomes=outcomes,
+        outcomes={name: outcomes[name] for name in (BASELINE, *strategies) if name in outcomes},
         param_storage_per_shard_bytes=(d + 1) * k / num_shards * 4,
+    )
+
+
+def run_task(
+    task: Task,
+    *,
+    num_shards: int,
+    strategies: Sequence[str] | None = None,
+    mesh=None,
+) -> TaskRunReport:
+    """One step of each registered strategy on ``task.batches[0]``, all from the same fresh ``task.model()``.
+
+    The model is built once; every strategy steps a copy of it with a fresh ``nnx.Optimizer(model,
+    task.optimizer, wrt=nnx.Param)`` (or the optimizer its candidate builds from that one: ``optax.MultiSteps``
+    for accumulation), through ``Strategy.build(task.loss_fn, num_shards, mesh).step``. The reference always
+    runs first; each other strategy's updated parameters are compared with the reference's, leaf by leaf.
+
+    Args:
+        task: the :class:`~shardcheck.Task`.
+        num_shards: S >= 1; the first batch must split into S equal shards (unless only the reference runs).
+        strategies: registry names (default: every registered strategy; those whose ``Strategy.check`` refuses
+            the task, such as ``multiprocess`` outside a launched run, are skipped with the reason).
+        mesh: the mesh of the mesh strategies (default: the first S devices).
+
+    Returns:
+        A :class:`TaskRunReport`.
+
+    Raises:
+        TypeError: ``task`` not a Task; a loss of the wrong form; ``num_shards`` not an int.
+        ValueError: an unknown strategy name; a batch that does not split into S shards; fewer devices than S
+            for a mesh strategy; a model the strategies cannot shard (BatchStat, RNG draws in the forward pass);
+            a named strategy whose check refuses the task. All checked before any step runs.
+    """
+    fn = "run_task"
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}; build one with "
+            "shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...)"
+        )
+    num_shards = _validate.check_num_shards(fn, num_shards)
+    named = strategies is not None
+    names = list(STRATEGIES) if strategies is None else [get_strategy(fn, s).name for s in strategies]
+    names = [REFERENCE] + [s for s in dict.fromkeys(names) if s != REFERENCE]
+    from shardcheck.parity.harness import check_model
+    from shardcheck.task import batch_size, check_divisible
+
+    batch = task.batches[0]
+    initial = task.new_model(fn)
+    weighted = check_model(fn, initial, task.loss_fn, batch)
+    if len(names) > 1:
+        check_divisible(fn, batch, num_shards, weighted=weighted)
+    plan, skipped, shared_mesh = [], {}, None
+    for name in names:
+        strategy = STRATEGIES[name]
+        if strategy.check is not None:
+            try:
+                strategy.check(fn, initial, task.new_optimizer(_copy(initial)))
+            except ValueError as err:
+                if named:
+                    raise
+                skipped[name] = str(err)
+                continue
+        if strategy.uses_mesh and shared_mesh is None:
+            shared_mesh = mesh_for(fn, strategy, num_shards, mesh)
+        plan.append((name, strategy, shared_mesh if strategy.uses_mesh else None))
+
+    outcomes: dict[str, StepOutcome] = {}
+    base = base_grads = None
+    for name, strategy, step_mesh in plan:
+        model = _copy(initial)
+        optimizer = task.new_optimizer(model)
+        candidate = strategy.build(task.loss_fn, num_shards, step_mesh)
+        if candidate.make_optimizer is not None:
+            optimizer = candidate.make_optimizer(model, optimizer)
+        loss, grads, shard_losses = _unpack(candidate.step(model, optimizer, batch))
+        params = to_host(nnx.state(model, nnx.Param))
+        if name == REFERENCE:
+            base, base_grads = params, None if grads is None else to_host(grads)
+            diffs = {k: 0.0 for k in params}
+            outcomes[name] = StepOutcome(
+                name, float(loss), params, max_abs_param_diff_by_leaf=diffs, worst_param_leaf=""
+            )
+            continue
+        diffs = _leaf_diffs(params, base)
+        worst = max(diffs, key=diffs.get)
+        extra = {}
+        if shard_losses is not None:
+            extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
+        if grads is not None and base_grads is not None:
+            extra["max_abs_grad_diff"] = _leaf_diffs(to_host(grads), base_grads)
+        if strategy.uses_mesh:
+            from shardcheck.placement import placement_summary
+
+            extra["placement"] = placement_summary(model, optimizer)
+        outcomes[name] = StepOutcome(
+            name,
+            float(loss),
+            params,
+            max_abs_param_diff_vs_baseline=diffs[worst],
+            max_abs_param_diff_by_leaf=diffs,
+            worst_param_leaf=worst,
+            **extra,
+        )
+    count = sum(int(a.size) for a in base.values())
+    nbytes = sum(int(a.nbytes) for a in base.values())
+    return TaskRunReport(
+        task=task.name,
+        num_shards=num_shards,
+        batch_size=batch_size(batch),
+        param_count=count,
+        param_bytes=nbytes,
+        outcomes=outcomes,
+        skipped=skipped,
+        param_storage_per_shard_bytes=nbytes / num_shards,
     )

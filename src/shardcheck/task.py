@@ -179,7 +179,7 @@ def check_batch(fn: str, batch: Batch, *, index: int = 0) -> Batch:
                 )
         leaves.append(a)
     if len(set(sizes.values())) > 1:
-        (p0, b0), (p1, b1) = next(((a, b) for a in sizes.items() for b in sizes.items() if a[1] != b[1]))
+        (p0, b0), (p1, b1) = next((a, b) for a in sizes.items() for b in sizes.items() if a[1] != b[1])
         raise ValueError(
             f"{fn}: batch {index} leaves differ in leading (batch) size: {p0!r} has {b0} rows but {p1!r} has "
             f"{b1}; every leaf must have the batch axis first with the same size"

@@ -5,17 +5,27 @@ One row per strategy in the spirit of DeepSpeed's ``estimate_zero*_model_states_
 units. Without ``--measure`` nothing is allocated (abstract shapes only), so models far larger than this
 machine can be sized; ``--measure`` compiles the real step of each strategy on a mesh and reads XLA's
 per-device figures.
+
+With ``--task NAME|FILE.py:ATTR|MODULE:ATTR`` the task's own model and optimizer are sized instead (from
+``nnx.eval_shape(task.model)``: nothing allocated), and ``--measure`` compiles the task's step on its first batch.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
+from shardcheck.partitioning import STRATEGIES
 
-STRATEGY_CHOICES = ("all", "replicated", "dp", "zero1", "zero2", "fsdp")
+STRATEGY_CHOICES = ("all", *STRATEGIES)
 OPTIMIZER_CHOICES = ("sgd", "momentum", "adam")
 DTYPE_CHOICES = ("float32", "bfloat16")
+TASK_HELP = (
+    "size this training task instead of --in/--out: a built-in (diabetes, linnerud, digits, tiny-lm), "
+    "FILE.py:ATTR or MODULE:ATTR (a shardcheck.Task or a zero-argument function returning one); its model, "
+    "optimizer and first batch are used"
+)
 
 
 def add_parser(sub) -> None:
@@ -29,12 +39,29 @@ def add_parser(sub) -> None:
             "too). Leaves are placed with the FSDP step's own rule; a leaf with no dimension divisible by S "
             "stays whole on every device. The estimate is storage, not peak (seed 001). With --measure, each "
             "strategy's step is compiled on a device mesh and XLA's per-device memory analysis and the live "
-            "state arrays are shown beside the estimate."
+            "state arrays are shown beside the estimate. With --task, the task's own model and optimizer are "
+            "sized (from nnx.eval_shape: nothing is allocated) and --measure compiles the task's step on its "
+            "first batch."
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--in", dest="in_features", type=int, required=True, metavar="D", help="input width D")
-    p.add_argument("--out", dest="out_features", type=int, required=True, metavar="K", help="output width K")
+    p.add_argument("--task", default=None, metavar="NAME|FILE.py:ATTR|MODULE:ATTR", help=TASK_HELP)
+    p.add_argument(
+        "--in",
+        dest="in_features",
+        type=int,
+        default=None,
+        metavar="D",
+        help="input width D (required without --task)",
+    )
+    p.add_argument(
+        "--out",
+        dest="out_features",
+        type=int,
+        default=None,
+        metavar="K",
+        help="output width K (required without --task)",
+    )
     p.add_argument(
         "--hidden", type=int, default=None, metavar="H", help="hidden width H: an MLP instead of one Linear"
     )
@@ -48,8 +75,18 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--shards", type=int, default=None, metavar="S", help="shards S (default: --devices if given, else 8)"
     )
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES, help="optax optimizer")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="parameter dtype")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        choices=OPTIMIZER_CHOICES,
+        help="optax optimizer (default: sgd; with a built-in --task: the task's)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPE_CHOICES,
+        help="parameter dtype (default: float32; not with --task)",
+    )
     p.add_argument("--strategy", default="all", choices=STRATEGY_CHOICES, help="which strategy (or all)")
     p.add_argument("--measure", action="store_true", help="also compile each step on a mesh and measure it")
     p.add_argument(
@@ -57,7 +94,7 @@ def add_parser(sub) -> None:
         type=int,
         default=None,
         metavar="B",
-        help="batch size of the measured step (default: 8 per shard)",
+        help="batch size of the measured step (default: 8 per shard; with a built-in --task: the task's)",
     )
     p.add_argument(
         "--devices",
@@ -71,7 +108,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--plot", default=None, metavar="PATH.png", help="also draw a stacked bar chart per strategy"
     )
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, memory_parser=p)
 
 
 def _fail(message: str) -> int:
@@ -93,6 +130,14 @@ def human_bytes(n: float) -> str:
 
 def main(args) -> int:
     name = "shardcheck memory"
+    if args.task is None:
+        missing = [
+            flag
+            for flag, dest in (("--in", "in_features"), ("--out", "out_features"))
+            if getattr(args, dest) is None
+        ]
+        if missing:  # what argparse said when --in and --out were required: usage, the message, exit status 2
+            args.memory_parser.error(f"the following arguments are required: {', '.join(missing)}")
     for flag, dest in (
         ("in", "in_features"),
         ("out", "out_features"),
@@ -105,6 +150,10 @@ def main(args) -> int:
         value = getattr(args, dest)
         if value is not None and value < 1:
             return _fail(f"{name}: --{flag} must be a positive int, got {value}")
+    if args.task is not None:
+        return main_task(args)
+    args.optimizer = "sgd" if args.optimizer is None else args.optimizer
+    args.dtype = "float32" if args.dtype is None else args.dtype
     if args.shards is None:
         args.shards = args.devices if args.devices is not None else 8
     strategies = STRATEGY_CHOICES[1:] if args.strategy == "all" else (args.strategy,)
@@ -159,12 +208,17 @@ def main(args) -> int:
         except (ValueError, TypeError) as e:
             return _fail(str(e))
 
+    return _report(args, estimates, measured)
+
+
+def _report(args, estimates, measured, task=None) -> int:
+    """Print the tables and the notes, write --json and --plot."""
     from shardcheck import distributed
 
     if not distributed.is_main_process():
         return 0  # under `shardcheck launch` every process computed the same figures; process 0 alone reports
     console = console_for(args)
-    console.print(render_table(args, estimates))
+    console.print(render_table(args, estimates, task))
     if measured:
         console.print(render_measured(estimates, measured))
     for s in ("fsdp",):
@@ -183,13 +237,86 @@ def main(args) -> int:
         style="dim",
         highlight=False,
     )
-    write_json(report_json(args, estimates, measured), args.json)
+    write_json(report_json(args, estimates, measured, task), args.json)
     if args.plot:
-        memory_plot(estimates, measured, args.plot, title=_title(args))
+        memory_plot(estimates, measured, args.plot, title=_title(args, task))
     return 0
 
 
-def _title(args) -> str:
+def _task_args(args) -> argparse.Namespace:
+    """The arguments :func:`shardcheck.cli._task.task_from_args` reads (memory has no --lr, --seed, --model)."""
+    return argparse.Namespace(
+        task=args.task,
+        dataset=None,
+        target=None,
+        model="linear",
+        hidden=32,
+        optimizer=args.optimizer,
+        lr=None,
+        seed=0,
+    )
+
+
+def main_task(args) -> int:
+    """``shardcheck memory --task SPEC``: the estimate (and with --measure, the compiled step) of a task."""
+    name = "shardcheck memory"
+    for flag, dest in (
+        ("in", "in_features"),
+        ("out", "out_features"),
+        ("hidden", "hidden"),
+        ("layers", "layers"),
+    ):
+        if getattr(args, dest) is not None:
+            return _fail(
+                f"{name}: --{flag} sizes the Linear / MLP model; with --task the task's own model is sized"
+            )
+    if args.dtype is not None:
+        return _fail(
+            f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
+        )
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.batch is not None and args.task not in BUILTIN_TASKS:
+        return _fail(f"{name}: --batch applies to a built-in --task only; a task file brings its own batches")
+    if args.shards is None:
+        args.shards = args.devices if args.devices is not None else 8
+    strategies = STRATEGY_CHOICES[1:] if args.strategy == "all" else (args.strategy,)
+    try:
+        configure_devices(args.devices if args.devices is not None or not args.measure else args.shards)
+    except ValueError as e:
+        return _fail(f"{name}: {e}")
+
+    from shardcheck import memory
+    from shardcheck.cli._task import task_from_args
+
+    try:
+        task = task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch, steps=1)
+        estimates = {s: memory.estimate_memory(task, num_shards=args.shards, strategy=s) for s in strategies}
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
+    measured = {}
+    if args.measure:
+        import jax
+
+        needed = max(estimates[s].num_devices for s in strategies)
+        if len(jax.devices()) < needed:
+            return _fail(
+                f"{name}: --measure with --shards {args.shards} needs {needed} devices, but "
+                f"{len(jax.devices())} exist; pass --devices {needed} or fewer shards"
+            )
+        try:
+            measured = memory.measure_task_strategies(task, num_shards=args.shards, strategies=strategies)
+        except (ValueError, TypeError) as e:
+            return _fail(str(e))
+    return _report(args, estimates, measured, task)
+
+
+def _title(args, task=None) -> str:
+    if task is not None:
+        from shardcheck.task import batch_size
+
+        optimizer = args.optimizer or "its own optimizer"
+        return f"task {task.name} (B={batch_size(task.batches[0])}), {optimizer}, S={args.shards}"
     if args.hidden is None:
         model = f"Linear({args.in_features}, {args.out_features})"
     else:
@@ -200,13 +327,17 @@ def _title(args) -> str:
     return f"{model}, {args.optimizer}, {args.dtype}, S={args.shards}"
 
 
-def render_table(args, estimates):
+def render_table(args, estimates, task=None):
     from rich.table import Table
 
-    table = Table(title=f"shardcheck memory (estimate per device): {_title(args)}")
+    table = Table(title=f"shardcheck memory (estimate per device): {_title(args, task)}")
+    # The model's variables other than nnx.Param (RNG keys and counts): a column only when a model has some.
+    model_state = any(est.model_state_bytes for est in estimates.values())
     table.add_column("strategy")
     table.add_column("devices", justify="right")
     table.add_column("params", justify="right")
+    if model_state:
+        table.add_column("model state", justify="right")
     table.add_column("grads", justify="right")
     table.add_column("optimizer", justify="right")
     table.add_column("step", justify="right")
@@ -214,10 +345,12 @@ def render_table(args, estimates):
     table.add_column("persistent", justify="right")
     table.add_column("vs one device", justify="right")
     for name, est in estimates.items():
+        extra = (human_bytes(est.model_state_bytes),) if model_state else ()
         table.add_row(
             name,
             str(est.num_devices),
             human_bytes(est.params_bytes),
+            *extra,
             human_bytes(est.grads_bytes),
             human_bytes(est.optimizer_bytes),
             human_bytes(est.step_bytes),
@@ -259,8 +392,8 @@ def render_measured(estimates, measured):
     return table
 
 
-def report_json(args, estimates, measured) -> dict:
-    """The ``--json`` object: exact bytes per device, by strategy."""
+def report_json(args, estimates, measured, task=None) -> dict:
+    """The ``--json`` object: exact bytes per device, by strategy (with ``task``: of the task's model)."""
     import dataclasses
 
     out = {}
@@ -279,10 +412,23 @@ def report_json(args, estimates, measured) -> dict:
             "even_split_note": est.even_split_note,
             "leaves": [dataclasses.asdict(leaf) for leaf in est.leaves],
         }
+        if task is not None:
+            entry["model_state_bytes"] = est.model_state_bytes
         if name in measured:
             entry["measured"] = measured[name].to_json()
         out[name] = entry
     first = next(iter(estimates.values()))
+    if task is not None:
+        from shardcheck.task import batch_size
+
+        return {
+            "task": task.name,
+            "model": {"kind": "task", "task": task.name, "param_count": first.param_count},
+            "optimizer": args.optimizer,
+            "batch_size": batch_size(task.batches[0]),
+            "num_shards": args.shards,
+            "strategies": out,
+        }
     return {
         "model": {
             "kind": "linear" if args.hidden is None else "mlp",
@@ -302,6 +448,8 @@ def report_json(args, estimates, measured) -> dict:
 def memory_plot(estimates, measured, path, *, title: str = "") -> None:
     """A stacked bar per strategy (params, optimizer incl. step counter, grads) in MiB, written to ``path``.
 
+    A model's variables other than ``nnx.Param`` (RNG keys and counts, usually none) are drawn with the params.
+
     With measurements, a marker shows the measured live state per device and a bar outline XLA's peak
     (argument + output - alias + temp).
     """
@@ -315,7 +463,7 @@ def memory_plot(estimates, measured, path, *, title: str = "") -> None:
     names = list(estimates)
     mib = 1024.0**2
     parts = {  # persistent state first, so the measured-state marker sits on the top of its segment
-        "params": [estimates[n].params_bytes / mib for n in names],
+        "params": [(estimates[n].params_bytes + estimates[n].model_state_bytes) / mib for n in names],
         "optimizer + step": [(estimates[n].optimizer_bytes + estimates[n].step_bytes) / mib for n in names],
         "grads": [estimates[n].grads_bytes / mib for n in names],
     }

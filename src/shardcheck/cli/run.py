@@ -1,12 +1,25 @@
-"""``shardcheck run``: the main job. Both seed computations and the mesh steps on a real data set, side by side."""
+"""``shardcheck run``: the main job. Both seed computations and the mesh steps on a real data set, side by side.
+
+With ``--task``, one step of every registered strategy (:data:`shardcheck.steps.STRATEGIES`) on the task's first
+batch, compared with the reference.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_json
+from shardcheck.optimizers import OPTIMIZERS
+from shardcheck.runner import BASELINE, REFERENCE, xy_strategies
+from shardcheck.steps.registry import STRATEGIES
 
-STRATEGY_CHOICES = ("all", "baseline", "simulation", "dp", "fsdp")
+STRATEGY_CHOICES = ("all", BASELINE, *STRATEGIES)
+TASK_HELP = (
+    "run one step of every registered strategy on this task's first batch instead: a built-in (diabetes, "
+    "linnerud, digits, tiny-lm), FILE.py:ATTR or MODULE:ATTR (a shardcheck.Task or a zero-argument function "
+    "returning one)"
+)
 
 
 def add_parser(sub) -> None:
@@ -18,15 +31,24 @@ def add_parser(sub) -> None:
             "and run one SGD step of the single-device baseline (seed 001), the gradient-reduction simulation "
             "(seed 000), and the data-parallel and FSDP steps on a device mesh, all from the same initial "
             "parameters. Prints losses, gradient and parameter differences against the baseline, and the "
-            "parameter storage per shard."
+            "parameter storage per shard. With --task, one step of every registered strategy "
+            f"({', '.join(STRATEGIES)}) on the task's first batch from one fresh model, each compared with the "
+            "reference leaf by leaf."
         ),
         formatter_class=HelpFormatter,
     )
+    p.add_argument("--task", default=None, metavar="NAME|FILE.py:ATTR|MODULE:ATTR", help=TASK_HELP)
     p.add_argument("--dataset", default="diabetes", help="diabetes | linnerud | PATH.csv | PATH.npz")
     p.add_argument(
         "--target", default=None, help="CSV target column(s), comma-separated (default: last column)"
     )
-    p.add_argument("--strategy", default="all", choices=STRATEGY_CHOICES, help="which computation(s) to run")
+    p.add_argument(
+        "--strategy",
+        default="all",
+        choices=STRATEGY_CHOICES,
+        help=f"which computation(s) to run: {', '.join(xy_strategies())} without --task; a registered strategy "
+        "with it (the reference always runs) (default: all)",
+    )
     p.add_argument(
         "--shards", type=int, default=None, help="number of shards S (default: --devices if given, else 2)"
     )
@@ -36,8 +58,25 @@ def add_parser(sub) -> None:
         default=None,
         help="fake CPU devices to create when no accelerator is present (default: the shard count)",
     )
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="SGD learning rate (default: 0.1; with a built-in --task: its optimizer's learning rate)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        choices=OPTIMIZERS,
+        help="with a built-in --task: its optimizer (default: the task's)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="with a built-in --task: rows B of its batch (default: the task's)",
+    )
     p.add_argument(
         "--json", default=None, metavar="PATH|-", help="also write the results as JSON ('-': stdout)"
     )
@@ -53,11 +92,28 @@ def main(args) -> int:
     from rich.console import Console
 
     err = Console(file=sys.stderr)
-    for flag in ("shards", "devices"):
+    for flag in ("shards", "devices", "batch_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            return _fail(err, f"shardcheck run: --{flag} must be a positive int, got {value}")
-    from shardcheck import distributed
+            return _fail(
+                err, f"shardcheck run: --{flag.replace('_', '-')} must be a positive int, got {value}"
+            )
+    if args.task is not None:
+        return main_task(args, err)
+    for flag in ("optimizer", "batch_size"):
+        if getattr(args, flag) is not None:
+            return _fail(err, f"shardcheck run: --{flag.replace('_', '-')} applies to a built-in --task only")
+    if args.lr is None:
+        args.lr = 0.1
+    from shardcheck import distributed, runner
+
+    seed_form = runner.xy_strategies()
+    if args.strategy != "all" and args.strategy not in seed_form:
+        return _fail(
+            err,
+            f"shardcheck run: --strategy {args.strategy} needs --task; without it the computations are "
+            f"{', '.join(seed_form)}",
+        )
 
     if args.shards is None and distributed.is_multiprocess():
         import jax
@@ -65,11 +121,11 @@ def main(args) -> int:
         args.shards = jax.device_count()  # shardcheck launch / a cluster: the mesh spans every process
     if args.shards is None:
         args.shards = args.devices if args.devices is not None else 2
-    strategies = ("baseline", "simulation", "dp", "fsdp") if args.strategy == "all" else (args.strategy,)
-    on_mesh = any(s in ("dp", "fsdp") for s in strategies)
+    strategies = seed_form if args.strategy == "all" else (args.strategy,)
+    on_mesh = any(STRATEGIES[REFERENCE if s == BASELINE else s].uses_mesh for s in strategies)
     configure_devices(args.devices if args.devices is not None else (args.shards if on_mesh else None))
 
-    from shardcheck import datasets, runner
+    from shardcheck import datasets
 
     try:
         data = datasets.load_dataset(args.dataset, target=args.target)
@@ -111,6 +167,148 @@ def main(args) -> int:
     console.print(render_table(report, data))
     write_json(report_json(report, data), args.json)
     return 0
+
+
+def _task_args(args) -> argparse.Namespace:
+    """The arguments :func:`shardcheck.cli._task.task_from_args` reads (``run`` has no --model / --hidden)."""
+    return argparse.Namespace(
+        task=args.task,
+        dataset=None,
+        target=None,
+        model="linear",
+        hidden=32,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        seed=args.seed,
+    )
+
+
+def main_task(args, err) -> int:
+    """``shardcheck run --task SPEC``: one step of each registered strategy, compared with the reference."""
+    name = "shardcheck run"
+    if args.dataset != "diabetes" or args.target is not None:
+        return _fail(
+            err, f"{name}: --dataset and --target apply without --task; a task brings its own batches"
+        )
+    if args.strategy == BASELINE:
+        return _fail(err, f"{name}: with --task the baseline is the registered strategy {REFERENCE!r}")
+    from shardcheck import distributed
+
+    if args.shards is None and distributed.is_multiprocess():
+        import jax
+
+        args.shards = jax.device_count()
+    if args.shards is None:
+        args.shards = args.devices if args.devices is not None else 2
+    strategies = None if args.strategy == "all" else (args.strategy,)
+    on_mesh = any(s.uses_mesh for n, s in STRATEGIES.items() if strategies is None or n in strategies)
+    try:
+        configure_devices(args.devices if args.devices is not None else (args.shards if on_mesh else None))
+    except ValueError as e:
+        return _fail(err, f"{name}: {e}")
+
+    import jax
+
+    from shardcheck import runner
+    from shardcheck.cli._task import task_from_args
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if on_mesh and len(jax.devices()) < args.shards:
+        return _fail(
+            err,
+            f"{name}: --shards {args.shards} needs {args.shards} devices for the mesh strategies, but "
+            f"{len(jax.devices())} exist; pass --devices {args.shards} or fewer shards",
+        )
+    try:
+        task = task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch_size, steps=1)
+        report = runner.run_task(task, num_shards=args.shards, strategies=strategies)
+    except (ValueError, TypeError) as e:
+        return _fail(err, str(e))
+
+    if not distributed.is_main_process():
+        return 0
+    console = console_for(args)
+    console.print(render_task_table(report))
+    for skipped, reason in report.skipped.items():
+        console.print(f"[dim]skipped {skipped}: {reason}[/]", highlight=False)
+    write_json(task_report_json(report, args.seed if args.task in BUILTIN_TASKS else None), args.json)
+    return 0
+
+
+def task_report_json(report, seed) -> dict:
+    """The ``--json`` object of ``shardcheck run --task``: the fields of the seed form that apply to a task."""
+    results = {}
+    for name, o in report.outcomes.items():
+        entry = {
+            "loss": o.loss,
+            "max_abs_param_diff_vs_baseline": o.max_abs_param_diff_vs_baseline,
+            "worst_param_leaf": o.worst_param_leaf,
+            "max_abs_param_diff_by_leaf": o.max_abs_param_diff_by_leaf,
+        }
+        if o.shard_losses is not None:
+            entry["shard_losses"] = list(o.shard_losses)
+        if o.max_abs_grad_diff is not None:
+            entry["max_abs_grad_diff_vs_full_batch"] = o.max_abs_grad_diff
+        if o.placement is not None:
+            entry["placement"] = o.placement
+        results[name] = entry
+    return {
+        "task": report.task,
+        "dataset": report.task,
+        "num_examples": report.batch_size,
+        "param_count": report.param_count,
+        "num_shards": report.num_shards,
+        "seed": seed,
+        "param_storage_per_shard_bytes": report.param_storage_per_shard_bytes,
+        "results": results,
+        "skipped": report.skipped,
+    }
+
+
+def render_task_table(report):
+    from rich.table import Table
+
+    s = report.num_shards
+    table = Table(
+        title=(
+            f"shardcheck run: task {report.task} (first batch, B={report.batch_size}; {report.param_count:,} "
+            f"parameters), S={s}"
+        ),
+        caption=(
+            f"parameter storage per shard (seed 001's even split): {report.param_bytes:,} B / {s} = "
+            f"{report.param_storage_per_shard_bytes:,.6g} B; not a peak-memory figure"
+        ),
+    )
+    table.add_column("strategy")
+    table.add_column("pre-update loss", justify="right")
+    table.add_column("shard losses", justify="right")
+    table.add_column("max|Δgrad| vs reference", justify="right")
+    table.add_column("max|Δparams| vs reference", justify="right")
+    table.add_column("worst leaf", overflow="fold")
+    table.add_column("params / opt state per device", justify="right")
+    for name, o in report.outcomes.items():
+        shards = "-"
+        if o.shard_losses:
+            shown = ", ".join(f"{v:.6g}" for v in o.shard_losses[:4])
+            shards = shown + (f", … ({len(o.shard_losses)})" if len(o.shard_losses) > 4 else "")
+        grad = "-" if not o.max_abs_grad_diff else f"{max(o.max_abs_grad_diff.values()):.3g}"
+        place = "-"
+        if o.placement:
+            p = o.placement
+            place = (
+                f"{p['params_bytes']:,} / {p['optimizer_bytes']:,} B "
+                f"(of {p['params_total_bytes']:,} / {p['optimizer_total_bytes']:,} B)"
+            )
+        table.add_row(
+            name,
+            f"{o.loss:.7g}",
+            shards,
+            grad,
+            f"{o.max_abs_param_diff_vs_baseline:.3g}",
+            o.worst_param_leaf or "-",
+            place,
+        )
+    return table
 
 
 def report_json(report, data) -> dict:

@@ -40,7 +40,7 @@ LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
 # reproduces one of them is explained, and the generic ``scaled``/``drift``/``loss_only``/``update_differs``
 # findings stay silent for it.
-NAMED_REDUCTIONS = ("per_shard_mean",)
+NAMED_REDUCTIONS = ("per_shard_mean", "bf16_reduction")
 # The verdict findings: first in the list when nothing failed.
 VERDICTS = ("parity", "diverged_trajectory")
 
@@ -432,6 +432,21 @@ def normalization(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
+    """``low_precision_reduction``: a float32 model's update is off by bfloat16's rounding of the shard gradients."""
+    if "bf16_reduction" not in ctx.reproduced or "per_shard_mean" in ctx.reproduced:
+        return None
+    return Diagnosis(
+        "low_precision_reduction",
+        f"At step {ctx.first.step} the update differs from the reference by about bfloat16's rounding of the "
+        "shard gradients (within 2 eps_bf16 sqrt(S) sum_s |g_s|), not by a factor, while the model computes its "
+        "gradients in float32: the gradients were all-reduced in bfloat16. A bfloat16 sum of many shards rounds "
+        "small contributions away and depends on the reduction order; reduce in float32 (cast the gradients to "
+        "float32 before the psum / reduce-scatter).",
+        ctx.worst_name,
+    )
+
+
 def scaled(ctx: DiagnosisContext) -> Finding:
     """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
     if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced:
@@ -608,6 +623,7 @@ RULES: tuple[Rule, ...] = (
     step_counter,
     shard_factor,
     normalization,
+    low_precision_reduction,
     scaled,
     loss_differs,
     grads_differ,

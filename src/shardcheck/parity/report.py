@@ -24,6 +24,8 @@ class ParityReport:
         diverged: the trajectory :class:`StepRecord` that failed at ``diverged_at`` (kept for the report).
         reference_diverged_at: the step at which the reference's loss or state became non-finite; the comparison
             stopped there (``reference_diverged``; ``steps`` holds the steps before it). ``None`` otherwise.
+        cannot_verify: why the tolerance is too loose to tell the update from a factor-S error (verdict
+            ``CANNOT VERIFY``, not ok), or ``None`` (also when the caller accepted a weak check).
     """
 
     strategy: str
@@ -35,19 +37,28 @@ class ParityReport:
     diverged_at: int | None = None
     diverged: StepRecord | None = None
     reference_diverged_at: int | None = None
+    cannot_verify: str | None = None
 
     @property
     def step_ok(self) -> bool:
         """Every step is correct: ``ok``, or the trajectories diverged (``diverged_trajectory``) and every step
         from there on matched the reference from the reference's own pre-step state."""
-        return self.reference_diverged_at is None and bool(self.steps) and all(r.ok for r in self.steps)
+        return (
+            self.reference_diverged_at is None
+            and self.cannot_verify is None
+            and bool(self.steps)
+            and all(r.ok for r in self.steps)
+        )
 
     @property
     def verdict(self) -> str:
         """``"PASS"`` (:attr:`ok`), ``"PASS (per step)"`` (trajectories diverged, every step correct from
-        synchronized state), ``"NO VERDICT"`` (the reference diverged) or ``"FAIL"``."""
+        synchronized state), ``"NO VERDICT"`` (the reference diverged), ``"CANNOT VERIFY"`` (the tolerance
+        cannot tell the update from a factor-S error) or ``"FAIL"``."""
         if self.reference_diverged_at is not None:
             return "NO VERDICT"
+        if self.cannot_verify is not None:
+            return "CANNOT VERIFY"
         if self.ok:
             return "PASS"
         return "PASS (per step)" if self.step_ok else "FAIL"
@@ -104,6 +115,7 @@ class ParityReport:
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
+            "cannot_verify": self.cannot_verify,
             "worst_leaf": self.worst_leaf,
             "worst_step": None if worst is None else worst.step,
             "max_abs_err": self.max_abs_err,

@@ -276,6 +276,8 @@ def tiny_lm_task(
     batch_size: int = 16,
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
+    compute_dtype=None,
+    param_dtype=None,
 ) -> Task:
     """Next-character prediction with :class:`TinyLM` on the package corpus, token-weighted.
 
@@ -292,6 +294,8 @@ def tiny_lm_task(
         batch_size: B, default 16 (a multiple of 8, so 8 shards split evenly).
         steps: number of batches.
         seed: seed of the parameters (``nnx.Rngs(seed)``), the shuffling and the cut lengths.
+        compute_dtype: the layers' ``dtype`` (activations and matmuls), e.g. ``"bfloat16"``; default float32.
+        param_dtype: the layers' ``param_dtype`` (the parameters, master weights); default float32.
 
     Returns:
         The :class:`~shardcheck.task.Task`; its model factory returns identical parameters on every call.
@@ -317,8 +321,12 @@ def tiny_lm_task(
     except (TypeError, ValueError) as err:
         raise type(err)(str(err).replace("lm_batches:", f"{fn}:", 1)) from None
 
+    dtypes = {
+        k: jnp.dtype(v) for k, v in (("dtype", compute_dtype), ("param_dtype", param_dtype)) if v is not None
+    }
+
     def factory() -> nnx.Module:
-        return TinyLM(config, rngs=nnx.Rngs(seed))
+        return TinyLM(config, **dtypes, rngs=nnx.Rngs(seed))
 
     return Task(
         model=factory,
