@@ -117,14 +117,23 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
 @pytest.mark.parametrize(
     ("args", "msg"),
     [
-        (["--batch-size", "10", "--devices", "4"], "has 10 rows, which does not split into num_shards=4 equal shards"),
+        (
+            ["--batch-size", "10", "--devices", "4"],
+            "has 10 rows, which does not split into num_shards=4 equal shards",
+        ),
         (["--strategies", "simulation,zero"], "unknown ['zero']"),
         (["--strategies", "none"], "--strategies none needs --candidate"),
         (["--steps", "0"], "--steps must be a positive int"),
         (["--batch-size", "1000"], "batch_size=1000 is larger than the data's 442 rows"),
         (["--candidate", "nocolon"], "must be MODULE:FUNC or PATH.py:FUNC"),
-        (["--candidate", "missing_file.py:step"], "candidate file 'missing_file.py' (spec 'missing_file.py:step') does not exist"),
-        (["--candidate", "no_such_module_xyz:step"], "module 'no_such_module_xyz' (spec 'no_such_module_xyz:step') is not importable"),
+        (
+            ["--candidate", "missing_file.py:step"],
+            "candidate file 'missing_file.py' (spec 'missing_file.py:step') does not exist",
+        ),
+        (
+            ["--candidate", "no_such_module_xyz:step"],
+            "module 'no_such_module_xyz' (spec 'no_such_module_xyz:step') is not importable",
+        ),
         (["--dataset", "nope"], "neither a bundled data set"),
         (["--lr", "-1"], "lr must be a finite positive number"),
         (["--seed", "99999999999999999999"], "--seed must be an int in [0, 2**31), got 99999999999999999999"),

@@ -473,7 +473,18 @@ def test_coordinator_listens_on_loopback_only_and_a_taken_port_is_retried(two_by
 @needs_proc
 def test_a_killed_worker_stops_the_run_and_leaves_no_process(hang_script):
     marker = f"shardcheck-test-{uuid.uuid4()}"
-    args = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "60", "--", "python", hang_script]
+    args = [
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--timeout",
+        "60",
+        "--",
+        "python",
+        hang_script,
+    ]
     run = Launched(args, marker)
     try:
         pids = [int(p) for p in run.wait_for(r"pids (\d+) (\d+)", 30).groups()]
@@ -497,7 +508,18 @@ def test_a_killed_worker_stops_the_run_and_leaves_no_process(hang_script):
 @needs_proc
 def test_a_hung_run_times_out_and_leaves_no_process(hang_script):
     marker = f"shardcheck-test-{uuid.uuid4()}"
-    args = ["launch", "--processes", "2", "--devices-per-process", "2", "--timeout", "8", "--", "python", hang_script]
+    args = [
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--timeout",
+        "8",
+        "--",
+        "python",
+        hang_script,
+    ]
     run = Launched(args, marker)
     try:
         status = run.finish(60)

@@ -29,7 +29,6 @@ from shardcheck.parity import (
     check_parity,
     derive_tolerance,
     minibatches,
-    strategy_candidate,
 )
 
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
@@ -692,17 +691,14 @@ def test_a_scalar_loss_with_uneven_shards_is_refused(strategy):
         check_parity(strategy, model, optimizer, [(x, y)], num_shards=4)
 
 
-def test_public_names_are_exported():
-    for name in (
-        "check_parity",
-        "assert_step_parity",
-        "ParityReport",
-        "LeafError",
-        "StepRecord",
-        "derive_tolerance",
-    ):
-        assert getattr(shardcheck, name) is getattr(parity, name)
-    assert shardcheck.strategy_candidate is strategy_candidate
+def test_one_registry_names_every_strategy():
+    from shardcheck.cli import verify
+    from shardcheck.steps import CANDIDATES, STRATEGIES
+
+    assert tuple(STRATEGIES) == ("reference", "simulation", "dp", "fsdp", "accumulation", "multiprocess")
+    assert verify.STRATEGY_NAMES == CANDIDATES == ("simulation", "dp", "fsdp", "accumulation")
+    assert {s.placement for s in STRATEGIES.values()} == {"single", "replicated", "fsdp"}
+    assert sorted(n for n in shardcheck.__all__ if not hasattr(shardcheck, n)) == []
 
 
 # ------------------------------------------- trajectories that diverge, references that diverge, bad candidates
