@@ -144,86 +144,114 @@ def _parse_strategies(text: str, has_candidate: bool) -> list[str]:
     return names
 
 
-def main(args) -> int:
+def _check_args(args) -> tuple[list[str], int]:
+    """The strategies and S, after every argument check; fakes the CPU devices (before JAX starts).
+
+    Raises:
+        ValueError: a bad flag value (the message names the flag and the fix).
+    """
+    from shardcheck import _validate, distributed
+
     for flag in ("steps", "batch_size", "devices", "hidden"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            return _fail(f"shardcheck verify: --{flag.replace('_', '-')} must be a positive int, got {value}")
-    from shardcheck import _validate, distributed
-    from shardcheck.steps import STRATEGIES
-    from shardcheck.tasks import BUILTIN_TASKS
-
+            raise ValueError(
+                f"shardcheck verify: --{flag.replace('_', '-')} must be a positive int, got {value}"
+            )
     try:
         _validate.check_seed("shardcheck verify: --seed", args.seed)
     except (TypeError, ValueError) as err:
-        return _fail(
+        if not isinstance(args.seed, int):
+            raise
+        raise ValueError(
             f"shardcheck verify: --seed must be an int in [0, 2**31), got {args.seed}; pass e.g. --seed 0"
-            if isinstance(args.seed, int)
-            else str(err)
-        )
-    try:
-        strategies = _parse_strategies(args.strategies, args.candidate is not None)
-        # Like `shardcheck run`: without --devices, fake as many CPU devices as shards (2) before JAX starts;
-        # a launched run (shardcheck launch) has its devices configured already.
-        configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
-    except ValueError as err:
-        return _fail(str(err))
-
+        ) from err
+    if args.lr is not None:
+        _validate.check_lr("shardcheck verify: --lr", args.lr)
+    strategies = _parse_strategies(args.strategies, args.candidate is not None)
+    # Like `shardcheck run`: without --devices, fake as many CPU devices as shards (2) before JAX starts; a
+    # launched run (shardcheck launch) has its devices configured already.
+    configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
     import jax
 
-    from shardcheck import parity
+    return strategies, args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
 
-    num_shards = args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
+
+def _mesh(num_shards: int, needed: bool):
+    import jax
+
+    if not needed:
+        return None
+    if jax.device_count() < num_shards:
+        raise ValueError(
+            f"shardcheck verify: S={num_shards} shards need {num_shards} devices for dp/fsdp/--candidate, but "
+            f"{jax.device_count()} exist; pass --devices {num_shards} or fewer"
+        )
+    from shardcheck.spmd import make_mesh
+
+    return make_mesh(num_shards)
+
+
+def _check_all(args, task, runs, num_shards, mesh) -> dict:
+    """One :func:`~shardcheck.check_parity` report per ``(label, strategy or candidate)``."""
+    from shardcheck import parity
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    steps = args.steps if args.task is not None and args.task not in BUILTIN_TASKS else None
+    options = dict(
+        num_shards=num_shards, mesh=mesh, rtol=args.rtol, atol=args.atol, accept_weak=args.accept_weak
+    )
+    reports = {}
+    for label, cand in runs:
+        if args.task is None and label == "candidate":
+            # the (model, optimizer, x, y) form of a candidate, on the regression task's own batches
+            model = task.new_model()
+            optimizer = task.new_optimizer(model)
+            reports[label] = parity.check_parity(
+                cand, model, optimizer, list(task.batches), name=label, **options
+            )
+        else:
+            reports[label] = parity.check_parity(cand, task, steps=steps, name=label, **options)
+    return reports
+
+
+def _diverged_message(args, task, reports) -> str | None:
+    diverged = next((r for r in reports.values() if r.reference_diverged_at is not None), None)
+    if diverged is None:
+        return None
+    from shardcheck.optimizers import DEFAULT_LR
+
+    name = args.optimizer or ("sgd" if args.task is None else None)
+    if name is None:
+        setting, default = f"on task {task.name!r}", " (or the task's learning rate)"
+    else:
+        lr = DEFAULT_LR[name] if args.lr is None else args.lr
+        setting, default = f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
+    return (
+        f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
+        f"{diverged.reference_diverged_at}) {setting}; no verdict about the candidates; lower --lr{default}"
+    )
+
+
+def main(args) -> int:
+    from shardcheck import distributed
+
     try:
-        if args.lr is not None:
-            _validate.check_lr("shardcheck verify: --lr", args.lr)
+        strategies, num_shards = _check_args(args)
+    except (TypeError, ValueError) as err:
+        return _fail(str(err))
+    from shardcheck import parity
+    from shardcheck.steps import STRATEGIES
+
+    label = "candidate"
+    try:
         task = task_from_args(args, default_optimizer="sgd", batch_size=args.batch_size, steps=args.steps)
         candidate = (
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
-        steps = args.steps if args.task is not None and args.task not in BUILTIN_TASKS else None
-        mesh = None
-        if any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None:
-            if jax.device_count() < num_shards:
-                raise ValueError(
-                    f"shardcheck verify: S={num_shards} shards need {num_shards} devices for dp/fsdp/--candidate, "
-                    f"but {jax.device_count()} exist; pass --devices {num_shards} or fewer"
-                )
-            from shardcheck.spmd import make_mesh
-
-            mesh = make_mesh(num_shards)
-        reports = {}
-        runs = [(name, name) for name in strategies]
-        if candidate is not None:
-            runs.append(("candidate", candidate))
-        for label, cand in runs:
-            if args.task is None and label == "candidate":
-                # the (model, optimizer, x, y) form of a candidate, on the regression task's own batches
-                model = task.new_model()
-                reports[label] = parity.check_parity(
-                    cand,
-                    model,
-                    task.new_optimizer(model),
-                    list(task.batches),
-                    num_shards=num_shards,
-                    mesh=mesh,
-                    rtol=args.rtol,
-                    atol=args.atol,
-                    name=label,
-                    accept_weak=args.accept_weak,
-                )
-                continue
-            reports[label] = parity.check_parity(
-                cand,
-                task,
-                steps=steps,
-                num_shards=num_shards,
-                mesh=mesh,
-                rtol=args.rtol,
-                atol=args.atol,
-                name=label,
-                accept_weak=args.accept_weak,
-            )
+        mesh = _mesh(num_shards, any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None)
+        runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
+        reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
         cause = err.__cause__
         return _fail(
@@ -232,60 +260,46 @@ def main(args) -> int:
         )
     except (ValueError, TypeError) as err:
         return _fail(str(err))
-
-    diverged = next((r for r in reports.values() if r.reference_diverged_at is not None), None)
-    if diverged is not None:
-        from shardcheck.optimizers import DEFAULT_LR
-
-        name = args.optimizer or ("sgd" if args.task is None else None)
-        if name is None:
-            setting, default = f"on task {task.name!r}", " (or the task's learning rate)"
-        else:
-            lr = DEFAULT_LR[name] if args.lr is None else args.lr
-            setting, default = f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
-        return _fail(
-            f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
-            f"{diverged.reference_diverged_at}) {setting}; no verdict about the candidates; lower --lr"
-            f"{default}"
-        )
+    message = _diverged_message(args, task, reports)
+    if message is not None:
+        return _fail(message)
     ok = all(r.step_ok for r in reports.values())
-    if not distributed.is_main_process():
-        return 0 if ok else 1  # every process computed the same reports; process 0 alone prints them
-    console = console_for(args)
+    if distributed.is_main_process():  # every process computed the same reports; process 0 alone prints them
+        _print(args, task, reports, num_shards, ok)
+    return 0 if ok else 1
+
+
+def _print(args, task, reports, num_shards: int, ok: bool) -> None:
+    import jax
+
     from shardcheck.optimizers import DEFAULT_LR
+    from shardcheck.task import batch_size
 
-    optimizer_name = args.optimizer or ("sgd" if args.task is None else None)
-    batch0 = task.batches[0]
-    from shardcheck.task import batch_size as _batch_size
-
-    setup = (
-        f"task {task.name}, {len(reports and next(iter(reports.values())).steps)} steps of "
-        f"B={_batch_size(batch0)}, S={num_shards}"
-    )
+    console = console_for(args)
+    steps = len(next(iter(reports.values())).steps) if reports else 0
+    b = batch_size(task.batches[0])
+    setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
-    write_json(
-        {
-            "command": "verify",
-            "ok": ok,
-            "task": task.name,
-            "dataset": task.name,
-            "model": args.model if args.task is None else None,
-            "optimizer": optimizer_name,
-            "lr": None
-            if optimizer_name is None
-            else (DEFAULT_LR[optimizer_name] if args.lr is None else args.lr),
-            "steps": len(next(iter(reports.values())).steps) if reports else 0,
-            "batch_size": _batch_size(batch0),
-            "num_shards": num_shards,
-            "seed": args.seed,
-            "process_count": jax.process_count(),
-            "strategies": {name: r.to_dict() for name, r in reports.items()},
-        },
-        args.json,
-    )
-    return 0 if ok else 1
+    optimizer = args.optimizer or ("sgd" if args.task is None else None)
+    lr = None if optimizer is None else (DEFAULT_LR[optimizer] if args.lr is None else args.lr)
+    document = {
+        "command": "verify",
+        "ok": ok,
+        "task": task.name,
+        "dataset": task.name,
+        "model": args.model if args.task is None else None,
+        "optimizer": optimizer,
+        "lr": lr,
+        "steps": steps,
+        "batch_size": b,
+        "num_shards": num_shards,
+        "seed": args.seed,
+        "process_count": jax.process_count(),
+        "strategies": {name: r.to_dict() for name, r in reports.items()},
+    }
+    write_json(document, args.json)
 
 
 def _verdict(ok: bool | str) -> str:
