@@ -599,24 +599,6 @@ def _bad_cases(strategy, fn):
         "1-D y": (linear(), (x, y[:, 0], mesh4), {}, ValueError, rf"{fn}: y must be 2-D"),
     }
     if strategy == "fsdp":
-        m = make_model("linear", 8, 4)
-        clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-        cases["global-norm clipping"] = (
-            (m, nnx.Optimizer(m, clipped, wrt=nnx.Param)),
-            (x, y, mesh4),
-            {},
-            ValueError,
-            rf"{fn}: the optimizer's transformation is not elementwise",
-        )
-        m = make_model("linear", 8, 4)
-        lamb = optax.lamb(0.1)
-        cases["trust ratio"] = (
-            (m, nnx.Optimizer(m, lamb, wrt=nnx.Param)),
-            (x, y, mesh4),
-            {},
-            ValueError,
-            "elementwise",
-        )
         cases["min_size"] = (
             linear(),
             (x, y, mesh4),

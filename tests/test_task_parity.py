@@ -332,3 +332,25 @@ def test_a_bf16_gradient_all_reduce_is_named_and_a_float32_one_passes(reverse):
     assert "the gradients were all-reduced in bfloat16" in message and "reduce in float32" in message
     good = check_parity(reduce_in(jnp.float32, reverse), lm(steps=2), mesh=mesh, num_shards=8)
     assert good.ok, str(good)
+
+
+# ------------------------------------------------------------------ any optax transformation, FSDP included
+
+
+def llm_optimizer():
+    """The optimizer of an LLM recipe: global-norm clipping, then AdamW on a warm-up + cosine schedule."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=2, decay_steps=10)
+    return optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(schedule, weight_decay=0.1))
+
+
+@require_devices(8)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", ["digits", "tiny-lm"])
+def test_clipping_and_adamw_on_a_schedule_pass_every_strategy(name, strategy):
+    task = load_task(name, optimizer=llm_optimizer(), steps=3)
+    report = check_parity(strategy, task, num_shards=8)
+    assert report.ok, str(report)
+    # the clip is active: the reference's global gradient norm is above 0.1 at step 0
+    model = task.new_model()
+    grads = nnx.grad(lambda m: shardcheck.task.mean_loss(task.loss_fn, m, task.batches[0]))(model)
+    assert float(optax.global_norm(grads)) > 0.1

@@ -902,7 +902,7 @@ def measure_memory(
     Args:
         model: a :class:`~shardcheck.Task` (then pass no optimizer, x or y), or an ``nnx.Module`` holding only
             ``nnx.Param`` variables (real arrays, not abstract).
-        optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``; ``"fsdp"`` needs an elementwise ``tx``.
+        optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``; any optax ``tx``.
         x: ``(B, D)`` float inputs; B must divide by the mesh size.
         y: ``(B, K)`` float targets.
         strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.

@@ -98,7 +98,7 @@ class TaskRunReport:
         param_bytes: bytes of all parameters (one unsharded copy).
         outcomes: one :class:`StepOutcome` per strategy run, in registry order (``reference`` first).
         skipped: ``{strategy: reason}`` for the registered strategies whose ``check`` refused this task
-            (``multiprocess`` outside a launched run, fsdp with a non-elementwise optimizer); only when no
+            (``multiprocess`` outside a launched run); only when no
             strategies were named.
         param_storage_per_shard_bytes: seed 001's "even split": ``param_bytes / S``.
     """

@@ -252,6 +252,12 @@ def loss_terms(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> tuple[jax.Ar
     return jnp.asarray(out), None
 
 
+def mean_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> jax.Array:
+    """The full-batch loss: ``loss_sum / weight``, or the scalar loss itself (traceable)."""
+    total, weight = loss_terms(loss_fn, model, batch)
+    return total if weight is None else total / weight
+
+
 def divide(tree, weight):
     """Every leaf divided by ``weight`` and cast back to its own dtype (bf16 gradients stay bf16)."""
     return jax.tree.map(lambda g: (g / weight).astype(g.dtype), tree)

@@ -430,7 +430,7 @@ class _Lockstep:
 def _lockstep(fn, strategy: Strategy, loss_fn: LossFn, model, optimizer, num_shards: int, mesh) -> _Lockstep:
     """The strategy's step and the reference step, built by the registry from ``loss_fn``, on copies of the state.
 
-    The strategy's own check (e.g. FSDP's elementwise optimizer) runs first; a strategy that builds its own
+    The strategy's own check (e.g. multiprocess needs a launched run) runs first; a strategy that builds its own
     optimizer from the reference's (gradient accumulation wraps it in ``optax.MultiSteps``) gets it here.
     """
     if strategy.check is not None:
@@ -552,7 +552,7 @@ def train_task(
         TypeError: ``task`` not a Task; a malformed ``loss_fn`` output; ``callback`` not callable.
         ValueError: an unknown strategy; a non-positive count; fewer devices than S; a batch S does not split;
             a model with batch statistics or random draws in its forward pass; an optimizer the strategy cannot
-            run (FSDP: not elementwise). All checked before any step.
+            run. All checked before any step.
     """
     fn = "train_task"
     t0 = time.perf_counter()

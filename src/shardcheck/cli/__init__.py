@@ -1,8 +1,11 @@
 """The ``shardcheck`` command line: the only place that parses arguments or prints.
 
 Each subcommand lives in a module of this package exposing ``add_parser(subparsers)`` (which registers the
-subcommand and sets ``func``) and is listed in ``SUBCOMMANDS``. Options that must act before JAX initializes
-(``--devices``) are applied by :func:`configure_devices` before any computation.
+subcommand and sets ``func``) and is listed, with its one-line summary, in ``SUMMARIES``; :func:`main` imports
+only the module of the subcommand it runs (none for ``shardcheck --help``). Options that must act before JAX initializes
+(``--devices``) are applied by :func:`configure_devices` before any computation. Every subcommand but
+``launch`` (whose workers are ``shardcheck`` processes that do it themselves) turns on JAX's persistent
+compilation cache first (:mod:`shardcheck.cli._cache`).
 """
 
 from __future__ import annotations
@@ -10,30 +13,71 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
+from collections.abc import Iterable, Sequence
 
-SUBCOMMANDS = ("run", "launch", "train", "memory", "verify")
+SUMMARIES = {
+    "run": "one SGD step of each computation on a real data set, compared with the baseline",
+    "launch": "run a subcommand as P local processes x N CPU devices over JAX's distributed runtime",
+    "train": "train a sharded strategy beside the single-device baseline on real data and watch them drift",
+    "memory": "bytes per device of params, grads and optimizer state under each strategy (estimate, measured)",
+    "verify": "prove each sharded step against the single-device baseline, leaf by leaf, over many steps",
+}
+"""Each subcommand's one line in ``shardcheck --help``, so that the top-level help loads no subcommand module
+(they import JAX); the modules' own ``add_parser`` help must say the same (tests/test_cli_cache.py checks)."""
+SUBCOMMANDS = tuple(SUMMARIES)
+# The subcommands that compile (memory only with --measure); their --help says where the cache lives.
+COMPILING = ("run", "train", "memory", "verify")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``shardcheck`` parser with the full parsers of ``commands`` (default: every subcommand).
+
+    The other subcommands are listed by name and summary only (:data:`SUMMARIES`): :func:`main` loads just the
+    module of the subcommand it runs, and none for ``shardcheck --help``.
+    """
+    from shardcheck import __version__
+    from shardcheck.cli._cache import ENV_CACHE, HELP
+
+    load = set(SUBCOMMANDS if commands is None else commands)
+    paragraphs = ("Prove that a sharded JAX / Flax NNX training step computes the update you meant.", HELP)
     parser = argparse.ArgumentParser(
         prog="shardcheck",
-        description="Prove that a sharded JAX / Flax NNX training step computes the update you meant.",
+        description="\n\n".join(textwrap.fill(text, 78) for text in paragraphs),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from shardcheck import __version__
-
     parser.add_argument("--version", action="version", version=f"shardcheck {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    note = (
+        f"Compiled steps are cached in ~/.cache/shardcheck/jax ({ENV_CACHE}=off|DIR; see shardcheck --help)."
+    )
     for name in SUBCOMMANDS:
+        if name not in load:
+            sub.add_parser(name, help=SUMMARIES[name], add_help=False)
+            continue
         importlib.import_module(f"shardcheck.cli.{name}").add_parser(sub)
+        if name in COMPILING:
+            p = sub.choices[name]
+            p.epilog = f"{p.epilog.rstrip('. ')}. {note}" if p.epilog else note
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> tuple[str, ...]:
+    """The subcommand ``argv`` names, as a 1-tuple, or ``()``: its first argument that is not an option.
+
+    The top-level options (``--help``, ``--version``) take no value, so that argument is the subcommand.
+    """
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    return (command,) if command in SUMMARIES else ()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardcheck`` console script; returns the process exit status."""
     from shardcheck.cli._common import OUTPUT_FLAGS, check_output_path
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_in(argv))  # only the module of the subcommand that runs
     args = parser.parse_args(argv)
     command = f"shardcheck {args.command}"
     try:  # before any work: an output that cannot be written is refused now, not after the computation
@@ -42,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.command != "launch":  # join a multi-process run when SHARDCHECK_COORDINATOR etc. describe one
+    if args.command != "launch":  # launch's workers are shardcheck processes: each does this itself
         from shardcheck import distributed
+        from shardcheck.cli._cache import enable_compilation_cache
 
-        try:
+        enable_compilation_cache()  # before any compilation; a folder it cannot use only prints a warning
+        try:  # join a multi-process run when SHARDCHECK_COORDINATOR etc. describe one
             distributed.initialize_from_env()
         except (ValueError, distributed.CoordinatorBindError) as err:
             print(f"shardcheck {args.command}: {err}", file=sys.stderr)

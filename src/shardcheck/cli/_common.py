@@ -9,10 +9,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from shardcheck._io import write_atomic as write_atomic
+
+if TYPE_CHECKING:  # rich is imported when a console is made, not when the parser is built
+    from rich.console import Console
 
 
 def configure_devices(num_devices: int | None) -> None:
@@ -82,6 +84,8 @@ def check_output_path(command: str, flag: str, path: str | None) -> None:
 
 def console_for(args) -> Console:
     """A console on stdout, or on stderr when ``--json -`` owns stdout."""
+    from rich.console import Console
+
     stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
     # Off a terminal rich assumes 80 columns; tables of numbers read better wider.
     width = None if stream.isatty() else 140

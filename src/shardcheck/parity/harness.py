@@ -750,7 +750,7 @@ def check_parity(
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
     accepted = accept_weak or rtol is not None or atol is not None
-    weak = None if accepted or not records else unresolvable(records[0], run.cand.num_shards, run.precision)
+    weak = None if accepted else unresolvable(records, run.cand.num_shards, run.precision)
     findings = diagnose(
         records, run.cand.num_shards, diverged=diverged, reference_diverged_at=reference_diverged_at
     )
@@ -790,28 +790,35 @@ def _precision_rule(precision: Precision) -> str:
     return "; " + "; ".join(parts) + "; propagated through the optimizer into params and state"
 
 
-def unresolvable(record: StepRecord, num_shards: int | None, precision: Precision) -> str | None:
-    """Why the tolerance of step 0 cannot tell the step's update from a factor-S (or 1/S) error, or ``None``.
-
-    A factor-S error in the gradient moves a leaf's change by at least ``(1 - 1/S)`` of the reference's change
-    (``S = 2`` when unknown). The check can see it in a parameter or optimizer-state leaf whose
-    ``(1 - 1/S) * reference_change`` exceeds its tolerance; when fewer than half of the compared leaves can (and
-    none failed), the verdict is ``CANNOT VERIFY``.
-    """
-    s = num_shards if num_shards and num_shards > 1 else 2
+def _visible(record: StepRecord, s: int) -> tuple[int, int]:
+    """``(leaves whose (1 - 1/S) * reference change exceeds their tolerance, leaves compared)`` of one step."""
     unresolved = set(record.unresolved)
     leaves = [
         e
         for e in record.leaves
         if e.kind in ("param", "opt_state") and e.reference_change is not None and e.name not in unresolved
     ]
-    if not leaves or not record.ok:
+    return sum((1 - 1 / s) * e.reference_change > e.tolerance for e in leaves), len(leaves)
+
+
+def unresolvable(records, num_shards: int | None, precision: Precision) -> str | None:
+    """Why no step's tolerance can tell the step's update from a factor-S (or 1/S) error, or ``None``.
+
+    A factor-S error in the gradient moves a leaf's change by at least ``(1 - 1/S)`` of the reference's change
+    (``S = 2`` when unknown). A step can see it in a parameter or optimizer-state leaf whose
+    ``(1 - 1/S) * reference_change`` exceeds its tolerance; when in every step fewer than half of the compared
+    leaves can (and none failed), the verdict is ``CANNOT VERIFY``. A step with a zero learning rate (the first
+    step of a warm-up) sees nothing; a later one does.
+    """
+    s = num_shards if num_shards and num_shards > 1 else 2
+    if not records or not all(r.ok for r in records):
         return None
-    visible = [e for e in leaves if (1 - 1 / s) * e.reference_change > e.tolerance]
-    if 2 * len(visible) >= len(leaves):
+    counts = [_visible(r, s) for r in records]
+    if not counts[0][1] or any(2 * seen >= total for seen, total in counts):
         return None
+    seen, total = max(counts)
     return (
-        f"Cannot verify at this precision ({precision.describe()}): at step 0 only {len(visible)} of {len(leaves)} "
+        f"Cannot verify at this precision ({precision.describe()}): in every step at most {seen} of {total} "
         f"parameter and optimizer-state leaves change by more than their tolerance could hide, so a x{s} or x1/{s} "
         "error would pass. Check the gradients (return them from the step), run the check in float32, or raise "
         "the learning rate; pass accept_weak=True (verify --accept-weak) to accept the weak check."

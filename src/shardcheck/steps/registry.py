@@ -83,12 +83,6 @@ def _accumulation(loss_fn, num_shards, mesh):
     return accumulation_candidate(loss_fn, num_shards)
 
 
-def _check_fsdp(fn, model, optimizer):
-    from shardcheck.spmd import check_fsdp_optimizer
-
-    check_fsdp_optimizer(fn, model, optimizer)
-
-
 def _check_multiprocess(fn, model, optimizer):
     if jax.process_count() == 1:
         raise ValueError(
@@ -121,7 +115,6 @@ STRATEGIES: dict[str, Strategy] = {
             "fsdp",
             True,
             _mesh_strategy("fsdp"),
-            _check_fsdp,
         ),
         Strategy(
             "accumulation",

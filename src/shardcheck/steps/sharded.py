@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -118,28 +119,43 @@ def fsdp_value_and_grad(
 
 @functools.lru_cache(maxsize=64)
 def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, axis_name):
-    """The jitted shard_map step for one (strategy, loss, structure, placement, mesh); jit caches shapes itself.
+    """The jitted step for one (strategy, loss, structure, placement, mesh); jit caches shapes itself.
 
+    The gradients are computed and reduced inside one ``jax.shard_map`` with explicit collectives (above); the
+    optimizer update then runs on the global, placed arrays under the same ``jax.jit``, so that XLA partitions
+    it: elementwise transformations stay local to each shard, and one that needs the whole tree (a global-norm
+    clip) gets its reduction inserted by the compiler, exactly. The state keeps its placement (``out_shardings``).
     Signature of the result: ``(state_leaves, batch) -> (loss, state_leaves)``; the state leaves are donated.
     """
+    model, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, [jnp.zeros(()) for _ in specs]))
+    num_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+    grad_specs = list(param_specs) if param_specs is not None else [PartitionSpec()] * num_params
 
-    def body(leaves, batch):
-        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    def grads_body(leaves, batch):
+        model, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         if strategy == "dp":
             loss, grads = data_parallel_value_and_grad(loss_fn, model, batch, axis_name)
         else:
             loss, grads = fsdp_value_and_grad(loss_fn, model, batch, axis_name, param_specs)
-        optimizer.update(model, grads)  # on the replicated tree (DP) or on this device's shards (FSDP)
-        return loss, jax.tree.leaves(nnx.state((model, optimizer)))
+        return loss, jax.tree.leaves(grads)
 
     mapped = jax.shard_map(
-        body,
+        grads_body,
         mesh=mesh,
         in_specs=(list(specs), PartitionSpec(axis_name)),
-        out_specs=(PartitionSpec(), list(specs)),
+        out_specs=(PartitionSpec(), grad_specs),
         check_vma=True,  # the default, stated: the C2 formulation above is right with it on or off
     )
-    return jax.jit(mapped, donate_argnums=0)
+
+    def step(leaves, batch):
+        loss, grad_leaves = mapped(leaves, batch)
+        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        params = nnx.state(model, nnx.Param)
+        optimizer.update(model, jax.tree.unflatten(jax.tree.structure(params), grad_leaves))
+        return loss, jax.tree.leaves(nnx.state((model, optimizer)))
+
+    shardings = (NamedSharding(mesh, PartitionSpec()), [NamedSharding(mesh, spec) for spec in specs])
+    return jax.jit(step, donate_argnums=0, out_shardings=shardings)
 
 
 def state_specs(strategy: str, model, optimizer, num_shards: int, axis_name: str, min_size: int = 0):
