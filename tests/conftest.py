@@ -1,7 +1,13 @@
 """Test configuration: 8 fake CPU devices, set before JAX initializes its backend."""
 
+import os
+
 import jax
 from hypothesis import settings
+
+# The command line turns on JAX's persistent compilation cache; the tests keep compilation in memory, so that
+# they neither write to the user's cache folder nor depend on what an earlier run left there.
+os.environ.setdefault("SHARDCHECK_COMPILATION_CACHE", "off")
 
 jax.config.update("jax_num_cpu_devices", 8)
 

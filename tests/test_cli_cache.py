@@ -192,11 +192,6 @@ def test_summaries_are_the_subcommands_own_help():
     assert lazy.format_help() == parser.format_help()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shardcheck/__init__.py imports the whole library (JAX, Flax, optax) eagerly; remove this marker once "
-    "it loads its exports on first use",
-)
 def test_help_imports_no_jax():
     """What ``shardcheck --help`` imports, the package ``__init__`` included."""
     code = "from shardcheck.cli import _command_in, build_parser\nbuild_parser(_command_in(['--help'])).format_help()"

@@ -140,6 +140,7 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
         (["--seed", "-5"], "--seed must be an int in [0, 2**31), got -5; pass e.g. --seed 0"),
         (["--strategies", "dp,dp"], "--strategies 'dp,dp' names dp twice"),
         (["--strategies", "simulation,,dp"], "--strategies 'simulation,,dp' has an empty name"),
+        (["--devices", "10000"], "--devices 10000: at most 512 fake CPU devices can be created"),
     ],
 )
 def test_bad_arguments_exit_2(args, msg, capsys):

@@ -43,8 +43,10 @@ def test_tiny_lm_passes_every_strategy_at_8_shards(strategy):
 
 
 @require_devices(4)
-@pytest.mark.parametrize("num_shards", [2, 4])
-@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize(
+    ("num_shards", "opt"),
+    [(4, "sgd"), (4, "momentum"), (4, "adam"), (2, "adam")],
+)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_tiny_lm_passes_every_strategy_optimizer_and_shard_count(strategy, opt, num_shards):
     report = check_parity(strategy, lm(opt, steps=2), num_shards=num_shards)
@@ -52,7 +54,7 @@ def test_tiny_lm_passes_every_strategy_optimizer_and_shard_count(strategy, opt, 
 
 
 @require_devices(8)
-@pytest.mark.parametrize("num_shards", [2, 4, 8])
+@pytest.mark.parametrize("num_shards", [2, 8])
 @pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_digits_passes_every_strategy(strategy, opt, num_shards):
@@ -68,7 +70,7 @@ def diabetes(model, opt):
 
 
 @require_devices(8)
-@pytest.mark.parametrize("num_shards", [2, 4, 8])
+@pytest.mark.parametrize("num_shards", [2, 8])
 @pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
 @pytest.mark.parametrize("model", ["linear", "mlp"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -344,8 +346,10 @@ def llm_optimizer():
 
 
 @require_devices(8)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("name", ["digits", "tiny-lm"])
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [("digits", s) for s in STRATEGIES] + [("tiny-lm", "dp"), ("tiny-lm", "fsdp")],
+)
 def test_clipping_and_adamw_on_a_schedule_pass_every_strategy(name, strategy):
     task = load_task(name, optimizer=llm_optimizer(), steps=3)
     report = check_parity(strategy, task, num_shards=8)

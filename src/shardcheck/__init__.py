@@ -1,51 +1,127 @@
 """shardcheck: prove that a sharded JAX / Flax NNX training step computes the update you meant."""
 
-from shardcheck.accumulation import accumulated_sgd_step as accumulated_sgd_step
-from shardcheck.accumulation import make_accumulation_optimizer as make_accumulation_optimizer
-from shardcheck.baseline import fsdp_step as fsdp_step
-from shardcheck.baseline import sgd_step as sgd_step
-from shardcheck.losses import mse_loss as mse_loss
-from shardcheck.losses import weighted_squared_error as weighted_squared_error
-from shardcheck.memory import LeafMemory as LeafMemory
-from shardcheck.memory import MemoryEstimate as MemoryEstimate
-from shardcheck.memory import MemoryMeasurement as MemoryMeasurement
-from shardcheck.memory import estimate_memory as estimate_memory
-from shardcheck.memory import measure_memory as measure_memory
-from shardcheck.models import MLP as MLP
-from shardcheck.models import make_model as make_model
-from shardcheck.optimizers import make_tx as make_tx
-from shardcheck.parity import Candidate as Candidate
-from shardcheck.parity import CandidateError as CandidateError
-from shardcheck.parity import Diagnosis as Diagnosis
-from shardcheck.parity import LeafError as LeafError
-from shardcheck.parity import ParityError as ParityError
-from shardcheck.parity import ParityReport as ParityReport
-from shardcheck.parity import StepRecord as StepRecord
-from shardcheck.parity import Tolerance as Tolerance
-from shardcheck.parity import assert_step_parity as assert_step_parity
-from shardcheck.parity import check_parity as check_parity
-from shardcheck.parity import derive_tolerance as derive_tolerance
-from shardcheck.parity import strategy_candidate as strategy_candidate
-from shardcheck.placement import LeafPlacement as LeafPlacement
-from shardcheck.placement import placement_report as placement_report
-from shardcheck.placement import placement_summary as placement_summary
-from shardcheck.reductions import tree_mean as tree_mean
-from shardcheck.reductions import tree_sum as tree_sum
-from shardcheck.simulation import ReducedStep as ReducedStep
-from shardcheck.simulation import reduced_sgd_step as reduced_sgd_step
-from shardcheck.simulation import simulated_data_parallel_step as simulated_data_parallel_step
-from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
-from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
-from shardcheck.spmd import make_mesh as make_mesh
-from shardcheck.steps import STRATEGIES as STRATEGIES
-from shardcheck.steps import StepResult as StepResult
-from shardcheck.steps import Strategy as Strategy
-from shardcheck.steps.reference import reference_step as reference_step
-from shardcheck.task import Task as Task
-from shardcheck.training import TrainReport as TrainReport
-from shardcheck.training import train as train
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# Each export and the module it comes from: imported on first use (PEP 562), so that `import shardcheck`
+# (and `shardcheck --help`) does not import JAX, Flax and optax.
+_EXPORTS = {
+    "accumulated_sgd_step": "shardcheck.accumulation",
+    "make_accumulation_optimizer": "shardcheck.accumulation",
+    "fsdp_step": "shardcheck.baseline",
+    "sgd_step": "shardcheck.baseline",
+    "mse_loss": "shardcheck.losses",
+    "weighted_squared_error": "shardcheck.losses",
+    "LeafMemory": "shardcheck.memory",
+    "MemoryEstimate": "shardcheck.memory",
+    "MemoryMeasurement": "shardcheck.memory",
+    "estimate_memory": "shardcheck.memory",
+    "measure_memory": "shardcheck.memory",
+    "MLP": "shardcheck.models",
+    "make_model": "shardcheck.models",
+    "make_tx": "shardcheck.optimizers",
+    "Candidate": "shardcheck.parity",
+    "CandidateError": "shardcheck.parity",
+    "Diagnosis": "shardcheck.parity",
+    "LeafError": "shardcheck.parity",
+    "ParityError": "shardcheck.parity",
+    "ParityReport": "shardcheck.parity",
+    "StepRecord": "shardcheck.parity",
+    "Tolerance": "shardcheck.parity",
+    "assert_step_parity": "shardcheck.parity",
+    "check_parity": "shardcheck.parity",
+    "derive_tolerance": "shardcheck.parity",
+    "strategy_candidate": "shardcheck.parity",
+    "LeafPlacement": "shardcheck.placement",
+    "placement_report": "shardcheck.placement",
+    "placement_summary": "shardcheck.placement",
+    "tree_mean": "shardcheck.reductions",
+    "tree_sum": "shardcheck.reductions",
+    "ReducedStep": "shardcheck.simulation",
+    "reduced_sgd_step": "shardcheck.simulation",
+    "simulated_data_parallel_step": "shardcheck.simulation",
+    "data_parallel_sgd_step": "shardcheck.spmd",
+    "fsdp_sgd_step": "shardcheck.spmd",
+    "make_mesh": "shardcheck.spmd",
+    "STRATEGIES": "shardcheck.steps",
+    "StepResult": "shardcheck.steps",
+    "Strategy": "shardcheck.steps",
+    "reference_step": "shardcheck.steps.reference",
+    "Task": "shardcheck.task",
+    "TrainReport": "shardcheck.training",
+    "train": "shardcheck.training",
+}
+
+if TYPE_CHECKING:
+    from shardcheck.accumulation import accumulated_sgd_step as accumulated_sgd_step
+    from shardcheck.accumulation import (
+        make_accumulation_optimizer as make_accumulation_optimizer,
+    )
+    from shardcheck.baseline import fsdp_step as fsdp_step
+    from shardcheck.baseline import sgd_step as sgd_step
+    from shardcheck.losses import mse_loss as mse_loss
+    from shardcheck.losses import weighted_squared_error as weighted_squared_error
+    from shardcheck.memory import LeafMemory as LeafMemory
+    from shardcheck.memory import MemoryEstimate as MemoryEstimate
+    from shardcheck.memory import MemoryMeasurement as MemoryMeasurement
+    from shardcheck.memory import estimate_memory as estimate_memory
+    from shardcheck.memory import measure_memory as measure_memory
+    from shardcheck.models import MLP as MLP
+    from shardcheck.models import make_model as make_model
+    from shardcheck.optimizers import make_tx as make_tx
+    from shardcheck.parity import Candidate as Candidate
+    from shardcheck.parity import CandidateError as CandidateError
+    from shardcheck.parity import Diagnosis as Diagnosis
+    from shardcheck.parity import LeafError as LeafError
+    from shardcheck.parity import ParityError as ParityError
+    from shardcheck.parity import ParityReport as ParityReport
+    from shardcheck.parity import StepRecord as StepRecord
+    from shardcheck.parity import Tolerance as Tolerance
+    from shardcheck.parity import assert_step_parity as assert_step_parity
+    from shardcheck.parity import check_parity as check_parity
+    from shardcheck.parity import derive_tolerance as derive_tolerance
+    from shardcheck.parity import strategy_candidate as strategy_candidate
+    from shardcheck.placement import LeafPlacement as LeafPlacement
+    from shardcheck.placement import placement_report as placement_report
+    from shardcheck.placement import placement_summary as placement_summary
+    from shardcheck.reductions import tree_mean as tree_mean
+    from shardcheck.reductions import tree_sum as tree_sum
+    from shardcheck.simulation import ReducedStep as ReducedStep
+    from shardcheck.simulation import reduced_sgd_step as reduced_sgd_step
+    from shardcheck.simulation import (
+        simulated_data_parallel_step as simulated_data_parallel_step,
+    )
+    from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
+    from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
+    from shardcheck.spmd import make_mesh as make_mesh
+    from shardcheck.steps import STRATEGIES as STRATEGIES
+    from shardcheck.steps import StepResult as StepResult
+    from shardcheck.steps import Strategy as Strategy
+    from shardcheck.steps.reference import reference_step as reference_step
+    from shardcheck.task import Task as Task
+    from shardcheck.training import TrainReport as TrainReport
+    from shardcheck.training import train as train
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule used as an attribute (shardcheck.spmd) was imported by the eager version
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "Candidate",

@@ -17,14 +17,26 @@ if TYPE_CHECKING:  # rich is imported when a console is made, not when the parse
     from rich.console import Console
 
 
+# More fake CPU devices than this take minutes to create and are no mesh anyone checks on one machine.
+MAX_FAKE_DEVICES = 512
+
+
 def configure_devices(num_devices: int | None) -> None:
     """Ask for ``num_devices`` fake CPU devices; must run before JAX initializes its backend.
 
     On a machine with an accelerator JAX uses the devices that exist and this only affects the CPU backend.
     In a process started by ``shardcheck launch`` the launcher has already configured the devices.
+
+    Raises:
+        ValueError: ``num_devices`` above :data:`MAX_FAKE_DEVICES`.
     """
     if num_devices is None:
         return
+    if num_devices > MAX_FAKE_DEVICES:
+        raise ValueError(
+            f"--devices {num_devices}: at most {MAX_FAKE_DEVICES} fake CPU devices can be created; pass a device "
+            "count that splits your batch, e.g. --devices 8"
+        )
     import jax
 
     if os.environ.get("SHARDCHECK_DEVICES_PER_PROCESS"):

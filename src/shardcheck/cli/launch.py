@@ -38,7 +38,10 @@ def add_parser(subparsers) -> None:
         "--port", type=int, default=None, help="coordinator port to try first (default: a free port)"
     )
     p.add_argument(
-        "argv", nargs=argparse.REMAINDER, metavar="-- SUBCOMMAND|COMMAND ...", help="the subcommand or command to run"
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- SUBCOMMAND|COMMAND ...",
+        help="the subcommand or command to run",
     )
     p.set_defaults(func=run)
 

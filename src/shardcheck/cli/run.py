@@ -123,7 +123,10 @@ def main(args) -> int:
         args.shards = args.devices if args.devices is not None else 2
     strategies = seed_form if args.strategy == "all" else (args.strategy,)
     on_mesh = any(STRATEGIES[REFERENCE if s == BASELINE else s].uses_mesh for s in strategies)
-    configure_devices(args.devices if args.devices is not None else (args.shards if on_mesh else None))
+    try:
+        configure_devices(args.devices if args.devices is not None else (args.shards if on_mesh else None))
+    except ValueError as e:
+        return _fail(err, f"shardcheck run: {e}")
 
     from shardcheck import datasets
 
