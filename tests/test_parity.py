@@ -696,7 +696,9 @@ def test_one_registry_names_every_strategy():
     from shardcheck.steps import CANDIDATES, STRATEGIES
 
     assert tuple(STRATEGIES) == ("reference", "simulation", "dp", "fsdp", "accumulation", "multiprocess")
-    assert verify.STRATEGY_NAMES == CANDIDATES == ("simulation", "dp", "fsdp", "accumulation")
+    assert CANDIDATES == ("simulation", "dp", "fsdp", "accumulation")
+    assert verify.STRATEGY_NAMES == (*CANDIDATES, "multiprocess")
+    assert verify.DEFAULT_STRATEGIES == "simulation,dp,fsdp,accumulation"
     assert {s.placement for s in STRATEGIES.values()} == {"single", "replicated", "fsdp"}
     assert sorted(n for n in shardcheck.__all__ if not hasattr(shardcheck, n)) == []
 

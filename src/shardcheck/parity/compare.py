@@ -86,8 +86,15 @@ def leaf_error(
     extra = (
         np.zeros_like(r) if allowance is None else np.broadcast_to(np.asarray(allowance, np.float64), r.shape)
     )
-    ok = (not nan) and bool(np.all(diff <= base + extra))
+    allowed = base + extra
+    ok = (not nan) and bool(np.all(diff <= allowed))
     tol = base + float(np.max(extra, initial=0.0))
+    if not nan and allowance is not None and diff.size:
+        # report the tolerance the verdict used: max_abs_err / worst elementwise badness (err > tol <=> FAIL)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            worst = float(np.max(np.where(allowed > 0, diff / allowed, np.where(diff > 0, np.inf, 0.0))))
+        if worst > 0 and np.isfinite(worst):
+            tol = max_abs / worst
     if before_ref is not None:
         dr, dc = r - np.asarray(before_ref, np.float64), c - np.asarray(before_cand, np.float64)
         change = float(np.max(np.abs(dr), initial=0.0))

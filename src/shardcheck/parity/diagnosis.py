@@ -181,7 +181,13 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     """
     # leaves whose gradient is rounding noise (record.unresolved) carry no ratio of the reduction
     noise = tuple("." + p.split(" ", 1)[-1] for p in record.unresolved)
-    leaves = [e for e in record.leaves if not f".{e.path}".endswith(noise) or not noise]
+    # ... nor do leaves whose reference change is below their tolerance (a key bias under SGD: lr * noise)
+    leaves = [
+        e
+        for e in record.leaves
+        if (not noise or not f".{e.path}".endswith(noise))
+        and (e.reference_change is None or e.reference_change > e.tolerance)
+    ]
     grads = [e.ratio for e in leaves if e.kind == "grad"]
     f = _consensus(grads)
     if f is not None:
