@@ -9,22 +9,15 @@ from __future__ import annotations
 
 import itertools
 
-import jax
 from flax import nnx
 
 from shardcheck import _validate, datasets
-from shardcheck.losses import mse_loss
+from shardcheck.losses import mse_batch_loss as regression_loss  # MSE of an (x, y) batch (seeds 000, 001)
 from shardcheck.models import MODEL_KINDS, make_model
 from shardcheck.task import Task
 from shardcheck.tasks.loading import DEFAULT_STEPS, check_sizes, resolve_optimizer
 
 DEFAULT_BATCH_SIZE = {"diabetes": 64, "linnerud": 16}
-
-
-def regression_loss(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """``mse_loss(model, x, y)`` of a ``(x, y)`` batch: the scalar mean over ``B * K`` squared errors."""
-    x, y = batch
-    return mse_loss(model, x, y)
 
 
 def regression_task(
