@@ -12,7 +12,7 @@ os.environ.setdefault("SHARDCHECK_COMPILATION_CACHE", "off")
 jax.config.update("jax_num_cpu_devices", 8)
 
 # Jit compilation makes the first example of each shape slow: no per-example deadline.
-settings.register_profile("shardcheck", deadline=None, max_examples=25, derandomize=True)
+settings.register_profile("shardcheck", deadline=None, max_examples=15, derandomize=True)
 settings.load_profile("shardcheck")
 
 

@@ -287,3 +287,69 @@ def test_in_and_out_still_required_without_a_task(capsys):
         main(["memory", "--out", "3"])
     assert exc.value.code == 2
     assert "the following arguments are required: --in" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- --mesh (AOT)
+
+
+@require_devices(4)
+def test_mesh_compiles_ahead_of_time_and_gives_a_fit_verdict(capsys):
+    """digits on --mesh fsdp=4 (the rule over the fsdp axis: the by-hand figures of S=4 above), compiled for 64
+    rows (the task's batch: 64 images of 64 float32 pixels, 64 int32 labels)."""
+    args = ["--task", "digits", "--mesh", "fsdp=4", "--device-memory", "7KiB", "--batch-size", "64"]
+    assert main(["memory", *args, "--json", "-"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["mesh"] == {"fsdp": 4} and report["num_shards"] == 4
+    assert list(report["strategies"]) == ["fsdp"]
+    s = report["strategies"]["fsdp"]
+    persistent = 2440 + 4884 + 4  # params, Adam (count + mu + nu), step
+    assert s["persistent_bytes"] == persistent
+    aot = s["ahead_of_time"]
+    assert aot["state_argument_bytes"] == aot["persistent_bytes"] == persistent
+    assert aot["batch_size"] == 64 and aot["data_argument_bytes"] == (64 * 64 * 4 + 64 * 4) // 4
+    assert sum(aot["breakdown"].values()) == aot["peak_bytes"]
+    peak = aot["argument_bytes"] + aot["output_bytes"] - aot["alias_bytes"] + aot["temp_bytes"]
+    assert aot["peak_bytes"] == peak
+    fit = s["device_memory"]
+    assert fit["device_memory_bytes"] == 7 * 1024 and fit["fits"] is False  # the state alone is 7,328 B
+    assert fit["headroom_bytes"] == 7 * 1024 - aot["peak_bytes"]
+    assert fit["largest_batch_size"] == 0  # not even 4 rows, one a device
+    assert list(fit["peak_bytes_by_batch_size"]) == ["4"]
+    text = " ".join(out.err.split())
+    assert "does not fit" in text and "no batch fits" in text and "XLA:CPU" in text and "1.0000" in text
+
+
+def test_named_size_estimate(capsys):
+    report = run_json(capsys, "--size", "small", "--shards", "4", "--strategy", "dp")
+    assert report["task"] == "tiny-lm" and report["model"]["param_count"] == 829_517
+    assert report["strategies"]["dp"]["params_bytes"] == 829_517 * 4
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--task", "tiny-lm", "--mesh", "data=0"], "'data=0' is not NAME=SIZE with SIZE >= 1"),
+        (["--in", "4", "--out", "3", "--mesh", "fsdp=4"], "--mesh compiles a task's step; pass --task"),
+        (["--task", "tiny-lm", "--batch-size", "8"], "--batch-size applies to the ahead-of-time compile"),
+        (["--task", "tiny-lm", "--device-memory", "h100"], "--device-memory applies to the ahead-of-time"),
+        (
+            ["--task", "tiny-lm", "--mesh", "fsdp=4", "--device-memory", "80XB"],
+            "'80XB' is neither a size nor a known device kind; use a size such as 80GiB, 80GB or 16e9",
+        ),
+        (
+            ["--task", "tiny-lm", "--mesh", "fsdp=4", "--device-memory", "a100"],
+            "did you mean a100-40gb or a100-80gb",
+        ),
+        (
+            ["--task", "tiny-lm", "--mesh", "fsdp=4", "--batch-size", "6"],
+            "batch_size=6 does not split over the 4",
+        ),
+        (["--task", "tiny-lm", "--mesh", "fsdp=4", "--shards", "4"], "--shards does not apply with --mesh"),
+        (["--task", "digits", "--size", "1b"], "--size is a size of the tiny-lm task"),
+        (["--task", "tiny-lm", "--strategy", "gspmd"], "--strategy gspmd needs --mesh"),
+    ],
+)
+def test_bad_mesh_options_exit_2(args, match, capsys):
+    assert main(["memory", *args]) == 2
+    assert match in " ".join(capsys.readouterr().err.split())

@@ -72,7 +72,7 @@ def test_done_when_adam_20_steps_on_diabetes_passes_every_strategy(tmp_path, cap
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["num_shards"] == 8 and report["steps"] == 20
     assert report["dataset"] == "diabetes" and report["optimizer"] == "adam" and report["lr"] == 0.01
-    assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "accumulation"}
+    assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "gspmd", "accumulation"}
     for name, r in report["strategies"].items():
         assert r["ok"] is True, name
         assert r["worst_leaf"] and r["max_abs_err"] < r["tolerance"] / 8, name

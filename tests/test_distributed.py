@@ -134,6 +134,182 @@ def test_batch_helpers_errors():
         distributed.global_batch(np.zeros((4, 2)), np.zeros((3, 1)), mesh)
 
 
+# ----------------------------------------------------------------------- cluster detection, a fake environment
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "node[0-3]",
+    "SLURM_NTASKS": "4",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_NUM_NODES": "4",
+}
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch):
+    """No cluster variables but the test's own; ``jax.distributed.initialize`` recorded, never run."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "SHARDCHECK_")) or name == "KUBERNETES_SERVICE_HOST":
+            monkeypatch.delenv(name)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kw: calls.append((args, kw)))
+    monkeypatch.setattr(distributed, "_backend_started", lambda: False)  # this test process's has started
+    monkeypatch.setattr(distributed, "_route_native_stdout_to_stderr", lambda: None)
+    return calls
+
+
+def test_a_slurm_job_is_joined_through_jax_own_detection(fake_cluster, monkeypatch):
+    from jax._src.clusters import ClusterEnv
+
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.detected_cluster() == ("slurm", 4)
+    assert distributed.initialize_from_env() is True
+    assert fake_cluster == [((), {})]  # no arguments: JAX reads the coordinator, P and the rank itself
+    # ... and what JAX would read here: rank 2 of 4, coordinator on the job's first node
+    address, count, rank, _ = ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, None
+    )
+    assert (address.split(":")[0], count, rank) == ("node0", 4, 2)
+
+
+def test_open_mpi_is_detected(fake_cluster, monkeypatch):
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.96.0.1:34911")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert distributed.detected_cluster() == ("ompi", 2)
+    assert distributed.initialize_from_env() is True and fake_cluster == [((), {})]
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {},  # no cluster: single process, no waiting
+        dict(SLURM, SLURM_NTASKS="1"),  # srun -n 1: keep every local device, start no coordinator
+        dict(SLURM, SHARDCHECK_CLUSTER_DETECTION="off"),
+        {"SLURM_JOB_ID": "4242"},  # an incomplete Slurm environment (salloc's shell): JAX detects none
+    ],
+)
+def test_no_cluster_of_several_processes_stays_single_process(fake_cluster, monkeypatch, variables):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.initialize_from_env() is False
+    assert fake_cluster == []
+
+
+def test_the_shardcheck_variables_win_over_a_detected_cluster(fake_cluster, monkeypatch):
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+    monkeypatch.setattr(distributed, "initialize", seen.append)
+    variables = env(coordinator="127.0.0.1:1234", num_processes=2, process_id=1)
+    assert distributed.initialize_from_env(variables) is True
+    assert seen == [distributed.config_from_env(variables)] and fake_cluster == []
+
+
+def test_a_missing_private_detection_api_means_single_process(fake_cluster, monkeypatch):
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(sys.modules, "jax._src.clusters", None)  # import fails as if JAX had moved it
+    assert distributed.detected_cluster() is None
+    assert distributed.initialize_from_env() is False and fake_cluster == []
+
+
+def test_a_cluster_found_after_the_backend_started_warns_and_runs_alone(fake_cluster, monkeypatch):
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "_backend_started", lambda: True)
+    with pytest.warns(RuntimeWarning, match=r"initialize_from_env: a slurm cluster was detected but JAX's"):
+        assert distributed.initialize_from_env() is False
+    assert fake_cluster == []
+
+
+# ----------------------------------------------------------------------------- host trees onto a global mesh
+
+
+def host_tree():
+    from flax import nnx
+
+    model = nnx.Dropout(0.0, rngs=nnx.Rngs(0))  # an RNG stream: a typed key and a uint32 counter
+    return {
+        "rows": np.arange(16, dtype=np.float32).reshape(8, 2),
+        "on_device": jax.device_put(np.arange(4, dtype=np.int32), jax.devices()[1]),
+        "bf16": jax.numpy.ones((4, 2), jax.numpy.bfloat16),
+        "key": jax.random.key(3),
+        "keys": jax.random.split(jax.random.key(1), 4),
+        "stream": nnx.state(model),
+        "lr": 0.5,
+    }
+
+
+def assert_same_placement(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        assert jax.random.key_impl(a) == jax.random.key_impl(b)
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
+        assert sa.device == sb.device and sa.index == sb.index
+
+
+@require_devices(4)
+def test_place_host_tree_equals_device_put_in_one_process():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    tree = host_tree()
+    split, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    shardings = {k: split if k in ("rows", "on_device", "keys") else whole for k in tree}
+    placed = distributed.place_host_tree(tree, shardings)
+    expected = jax.device_put(tree, shardings)
+    assert jax.tree.structure(placed) == jax.tree.structure(expected)
+    jax.tree.map(assert_same_placement, placed, expected)
+    assert placed["keys"].addressable_shards[1].data.shape == (1,)  # one key per device
+    # The PartitionSpec form and a single sharding for a whole subtree (a prefix, as device_put takes).
+    specs = {k: P("data") if k in ("rows", "on_device", "keys") else P() for k in tree}
+    jax.tree.map(assert_same_placement, distributed.place_host_tree(tree, specs, mesh=mesh), expected)
+    batch = distributed.place_host_tree((tree["rows"], tree["rows"][:, :1]), split)
+    assert [b.sharding.spec for b in batch] == [P("data"), P("data")]
+    assert distributed.place_host_tree(placed["rows"], split) is placed["rows"]  # already so: as is
+
+
+@require_devices(4)
+def test_placed_arrays_own_their_buffers():
+    """A step may donate what place_host_tree returns; the caller's arrays must survive it."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    source = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
+    host = np.arange(8, dtype=np.float32)
+    for sharding in (NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))):
+        placed = distributed.place_host_tree([source, host], sharding)
+        jax.jit(lambda t: [a * 0 for a in t], donate_argnums=0)(placed)
+        np.testing.assert_array_equal(np.asarray(source), np.arange(8))
+        np.testing.assert_array_equal(host, np.arange(8))
+
+
+@require_devices(4)
+@pytest.mark.parametrize(
+    ("shardings", "mesh", "error", "match"),
+    [
+        ({"a": "data"}, None, TypeError, "place_host_tree: shardings must hold jax.sharding.Sharding leaves"),
+        ({"a": jax.P("data")}, None, TypeError, "for PartitionSpec leaves pass mesh= too"),
+        ({"a": jax.P("data")}, "mesh", TypeError, "place_host_tree: mesh must be a jax.sharding.Mesh"),
+        ({"b": jax.P("data")}, True, ValueError, "place_host_tree: "),
+        ({"a": jax.P("model")}, True, ValueError, "place_host_tree: "),
+    ],
+)
+def test_place_host_tree_errors(shardings, mesh, error, match):
+    real = Mesh(np.array(jax.devices()[:4]), ("data",))
+    with pytest.raises(error, match=re.escape(match)):
+        distributed.place_host_tree({"a": np.zeros((4, 2))}, shardings, mesh=real if mesh is True else mesh)
+
+
 # ------------------------------------------------------------------------------------- launcher, no processes
 
 

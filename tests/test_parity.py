@@ -695,10 +695,12 @@ def test_one_registry_names_every_strategy():
     from shardcheck.cli import verify
     from shardcheck.steps import CANDIDATES, STRATEGIES
 
-    assert tuple(STRATEGIES) == ("reference", "simulation", "dp", "fsdp", "accumulation", "multiprocess")
-    assert CANDIDATES == ("simulation", "dp", "fsdp", "accumulation")
+    assert tuple(STRATEGIES) == (
+        "reference", "simulation", "dp", "fsdp", "gspmd", "accumulation", "multiprocess",
+    )  # fmt: skip
+    assert CANDIDATES == ("simulation", "dp", "fsdp", "gspmd", "accumulation")
     assert verify.STRATEGY_NAMES == (*CANDIDATES, "multiprocess")
-    assert verify.DEFAULT_STRATEGIES == "simulation,dp,fsdp,accumulation"
+    assert verify.DEFAULT_STRATEGIES == "simulation,dp,fsdp,gspmd,accumulation"
     assert {s.placement for s in STRATEGIES.values()} == {"single", "replicated", "fsdp"}
     assert sorted(n for n in shardcheck.__all__ if not hasattr(shardcheck, n)) == []
 

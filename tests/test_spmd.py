@@ -108,11 +108,19 @@ def test_make_mesh_defaults_to_all_devices():
 @pytest.mark.parametrize(
     "kwargs,err,match",
     [
-        (dict(num_devices=0), ValueError, "make_mesh: num_devices must be a positive int, got 0"),
-        (dict(num_devices=10**6), ValueError, r"make_mesh: num_devices=1000000 is not available"),
-        (dict(num_devices=True), TypeError, "make_mesh: num_devices must be a positive int"),
-        (dict(num_devices=2.0), TypeError, "make_mesh: num_devices must be a positive int"),
+        (dict(shape=0), ValueError, "make_mesh: the size of axis 'data' must be a positive int, got 0"),
+        (dict(shape=10**6), ValueError, r"make_mesh: the mesh data=1000000 needs 1000000 devices, but"),
+        (dict(shape=True), TypeError, "make_mesh: shape must be a device count N, a mapping"),
+        (dict(shape=2.0), TypeError, "make_mesh: shape must be a device count N, a mapping"),
         (dict(axis_name=""), TypeError, "make_mesh: axis_name must be a non-empty str"),
+        (
+            dict(shape={"data": 2, "fsdp": 0}),
+            ValueError,
+            "make_mesh: the size of axis 'fsdp' must be a positive",
+        ),
+        (dict(shape={"data": 2, "fsdp": 10**6}), ValueError, "the mesh data=2 x fsdp=1000000 needs 2000000"),
+        (dict(shape={"da ta": 2}), ValueError, "make_mesh: axis name 'da ta' is not an identifier"),
+        (dict(shape={}), TypeError, "make_mesh: shape must be a device count N, a mapping"),
     ],
 )
 def test_make_mesh_rejects(kwargs, err, match):
@@ -342,10 +350,7 @@ def per_device_grads(strategy, model, x, y, mesh, check_vma=True):
 
     def body(leaves, x, y):
         m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        if strategy == "dp":
-            _, grads = sharded_steps.data_parallel_value_and_grad(mse_batch_loss, m, (x, y), "data")
-        else:
-            _, grads = sharded_steps.fsdp_value_and_grad(mse_batch_loss, m, (x, y), "data", tuple(specs))
+        _, grads = sharded_steps.sharded_value_and_grad(mse_batch_loss, m, (x, y), tuple(specs), ("data",))
         return jax.tree.leaves(grads)
 
     fn = jax.jit(

@@ -22,6 +22,10 @@ _EXPORTS = {
     "MemoryMeasurement": "shardcheck.memory",
     "estimate_memory": "shardcheck.memory",
     "measure_memory": "shardcheck.memory",
+    "measure_step": "shardcheck.memory",
+    "compile_ahead_of_time": "shardcheck.ahead_of_time",
+    "AheadOfTimeMemory": "shardcheck.ahead_of_time",
+    "parse_device_memory": "shardcheck.device_memory",
     "MLP": "shardcheck.models",
     "make_model": "shardcheck.models",
     "make_tx": "shardcheck.optimizers",
@@ -47,7 +51,7 @@ _EXPORTS = {
     "simulated_data_parallel_step": "shardcheck.simulation",
     "data_parallel_sgd_step": "shardcheck.spmd",
     "fsdp_sgd_step": "shardcheck.spmd",
-    "make_mesh": "shardcheck.spmd",
+    "make_mesh": "shardcheck.mesh",
     "STRATEGIES": "shardcheck.steps",
     "StepResult": "shardcheck.steps",
     "Strategy": "shardcheck.steps",
@@ -62,8 +66,11 @@ if TYPE_CHECKING:
     from shardcheck.accumulation import (
         make_accumulation_optimizer as make_accumulation_optimizer,
     )
+    from shardcheck.ahead_of_time import AheadOfTimeMemory as AheadOfTimeMemory
+    from shardcheck.ahead_of_time import compile_ahead_of_time as compile_ahead_of_time
     from shardcheck.baseline import fsdp_step as fsdp_step
     from shardcheck.baseline import sgd_step as sgd_step
+    from shardcheck.device_memory import parse_device_memory as parse_device_memory
     from shardcheck.losses import mse_loss as mse_loss
     from shardcheck.losses import weighted_squared_error as weighted_squared_error
     from shardcheck.memory import LeafMemory as LeafMemory
@@ -71,6 +78,8 @@ if TYPE_CHECKING:
     from shardcheck.memory import MemoryMeasurement as MemoryMeasurement
     from shardcheck.memory import estimate_memory as estimate_memory
     from shardcheck.memory import measure_memory as measure_memory
+    from shardcheck.memory import measure_step as measure_step
+    from shardcheck.mesh import make_mesh as make_mesh
     from shardcheck.models import MLP as MLP
     from shardcheck.models import make_model as make_model
     from shardcheck.optimizers import make_tx as make_tx
@@ -98,7 +107,6 @@ if TYPE_CHECKING:
     )
     from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
     from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
-    from shardcheck.spmd import make_mesh as make_mesh
     from shardcheck.steps import STRATEGIES as STRATEGIES
     from shardcheck.steps import StepResult as StepResult
     from shardcheck.steps import Strategy as Strategy
@@ -124,6 +132,7 @@ def __dir__():
 
 
 __all__ = [
+    "AheadOfTimeMemory",
     "Candidate",
     "CandidateError",
     "Diagnosis",
@@ -146,6 +155,7 @@ __all__ = [
     "accumulated_sgd_step",
     "assert_step_parity",
     "check_parity",
+    "compile_ahead_of_time",
     "data_parallel_sgd_step",
     "derive_tolerance",
     "estimate_memory",
@@ -156,7 +166,9 @@ __all__ = [
     "make_model",
     "make_tx",
     "measure_memory",
+    "measure_step",
     "mse_loss",
+    "parse_device_memory",
     "placement_report",
     "placement_summary",
     "reduced_sgd_step",

@@ -19,11 +19,19 @@ line runs on one process or many; the environment decides:
                                     address when its host is a loopback address, else JAX's default (all
                                     interfaces, which a multi-host cluster needs).
 ``SHARDCHECK_INIT_TIMEOUT_S``       seconds to wait for every process to join (default 300, JAX's).
+``SHARDCHECK_CLUSTER_DETECTION``    ``off``: never join a cluster found by JAX's detection (below).
 ==================================  ==========================================================================
 
-:func:`shardcheck.launcher.launch` (``shardcheck launch``) sets these for P processes on this machine; on a
-cluster the scheduler (``srun``, ``mpirun``, a Kubernetes job) starts one process per host and the job script
-sets them (``docs/distributed.md``).
+:func:`shardcheck.launcher.launch` (``shardcheck launch``) sets these for P processes on this machine, for a
+subcommand or any command (``-- python my_check.py``: the script joins with one call to
+:func:`initialize_from_env`). On a cluster there are two ways (``docs/distributed.md``): the job script sets
+the variables above in every process, or it sets none of them and :func:`initialize_from_env` falls back to
+``jax.distributed.initialize()``'s own cluster detection (Slurm, Open MPI, Kubernetes, Cloud TPU), used when it
+finds a cluster of more than one process; with neither, the process runs alone.
+
+Host values onto the global mesh: :func:`place_host_tree` places a tree that every process holds whole (the
+state of a freshly built model, a batch) without communication; ``jax.device_put`` of a host value to a sharding
+spanning processes is a collective and deadlocks when the processes reach it in a different order.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ ENV_PROCESS_ID = "SHARDCHECK_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "SHARDCHECK_DEVICES_PER_PROCESS"
 ENV_COORDINATOR_BIND = "SHARDCHECK_COORDINATOR_BIND"
 ENV_INIT_TIMEOUT = "SHARDCHECK_INIT_TIMEOUT_S"
+ENV_CLUSTER_DETECTION = "SHARDCHECK_CLUSTER_DETECTION"
 
 #: Exit status of process 0 when its coordinator service could not bind its port (``EX_TEMPFAIL``); the
 #: launcher answers it by retrying on another free port.
@@ -240,14 +249,69 @@ def _check_port_free(address: str) -> None:
             ) from None
 
 
-def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Join a multi-process run if the ``SHARDCHECK_*`` variables describe one (see the module docstring).
+def detected_cluster() -> tuple[str, int | None] | None:
+    """The cluster environment ``jax.distributed.initialize()`` would detect here, without joining it.
 
-    Does nothing when JAX's distributed runtime is already initialized. With only
-    ``SHARDCHECK_DEVICES_PER_PROCESS`` set, sets ``jax_num_cpu_devices`` and stays single-process.
+    Asks JAX's own detection (``jax._src.clusters.ClusterEnv``: Slurm, Open MPI, Kubernetes, Cloud TPU) the
+    question ``jax.distributed.initialize()`` asks first: which registered environment ``is_env_present()``
+    (opt-in-only methods such as ``mpi4py`` are skipped, as JAX skips them by default). Reads ``os.environ``
+    (and, on a Cloud TPU VM, its metadata server, as JAX does). That API is private: if it is missing or
+    changed, the answer is None (a single process), never an error.
+
+    Returns:
+        ``(name, process_count)``, e.g. ``("slurm", 4)``, with ``process_count`` None where the environment
+        cannot say it; None when no cluster is detected, or ``SHARDCHECK_CLUSTER_DETECTION=off``.
+    """
+    if os.environ.get(ENV_CLUSTER_DETECTION, "").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        candidates = [env for env in ClusterEnv._cluster_types if not env.opt_in_only_method]
+        found = next((env for env in candidates if env.is_env_present()), None)
+    except Exception:  # a private API: any change to it means "no cluster", not a crash
+        return None
+    if found is None:
+        return None
+    try:
+        count = int(found.get_process_count())
+    except Exception:
+        count = None
+    return (found.name or found.__name__, count)
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
+
+
+def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Join a multi-process run if the environment describes one: ``SHARDCHECK_*`` variables, else a cluster.
+
+    Two ways, tried in order (module docstring, ``docs/distributed.md``):
+
+    1. ``SHARDCHECK_COORDINATOR`` is set (``shardcheck launch`` sets it; a job script may): join with the
+       ``SHARDCHECK_*`` variables (:func:`config_from_env`, :func:`initialize`).
+    2. Otherwise, when JAX's own cluster detection finds a cluster of more than one process
+       (:func:`detected_cluster`: Slurm's ``SLURM_*``, Open MPI's ``OMPI_MCA_orte_hnp_uri``, a Kubernetes
+       job, a Cloud TPU pod), call ``jax.distributed.initialize()`` with no arguments, so JAX reads the
+       coordinator, the process count and the rank from that environment.
+
+    Otherwise the process stays single-process: no error, no waiting. A one-process cluster (``srun -n 1``)
+    stays single-process too, so that it keeps every local device (JAX would restrict it to one).
+    ``SHARDCHECK_CLUSTER_DETECTION=off`` turns the second way off. Does nothing when JAX's distributed runtime
+    is already initialized. ``SHARDCHECK_DEVICES_PER_PROCESS`` sets ``jax_num_cpu_devices`` in every case.
+
+    Call it first, before any JAX computation: a cluster found after JAX's backend has started cannot be
+    joined, and then a ``RuntimeWarning`` says so and the process stays single-process.
 
     Args:
-        environ: the environment to read (default ``os.environ``).
+        environ: the environment holding the ``SHARDCHECK_*`` variables (default ``os.environ``). Cluster
+            detection always reads ``os.environ``, as ``jax.distributed.initialize()`` does.
 
     Returns:
         True when this process is part of a multi-process run, False for a single process.
@@ -255,6 +319,7 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
     Raises:
         ValueError: from :func:`config_from_env` and :func:`initialize`.
         CoordinatorBindError: from :func:`initialize`.
+        RuntimeError: JAX's errors joining a detected cluster (e.g. the other processes never joined).
     """
     import jax
 
@@ -262,13 +327,29 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
         return True
     env = os.environ if environ is None else environ
     config = config_from_env(env)
-    if config is None:
-        rule = "set it to the devices each process owns"
-        devices = _env_int("initialize_from_env", env, ENV_DEVICES_PER_PROCESS, 1, rule)
-        if devices is not None:
-            jax.config.update("jax_num_cpu_devices", devices)
+    if config is not None:
+        initialize(config)
+        return True
+    rule = "set it to the devices each process owns"
+    devices = _env_int("initialize_from_env", env, ENV_DEVICES_PER_PROCESS, 1, rule)
+    if devices is not None:
+        jax.config.update("jax_num_cpu_devices", devices)
+    cluster = detected_cluster()
+    if cluster is None or cluster[1] == 1:
         return False
-    initialize(config)
+    if _backend_started():
+        import warnings
+
+        warnings.warn(
+            f"initialize_from_env: a {cluster[0]} cluster was detected but JAX's backend has already started, "
+            "so this process cannot join it and runs alone; call initialize_from_env() before any JAX "
+            f"computation, or set {ENV_CLUSTER_DETECTION}=off to silence this",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    jax.distributed.initialize()
+    _route_native_stdout_to_stderr()
     return True
 
 
@@ -419,3 +500,118 @@ def gather_to_host(tree: PyTree) -> PyTree:
         return leaf
 
     return jax.tree.map(to_host, tree)
+
+
+def _is_key_array(leaf) -> bool:
+    import jax
+
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _place_leaf(leaf, sharding):
+    import jax
+
+    if isinstance(leaf, jax.Array):
+        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim) and leaf.committed:
+            return leaf  # as jax.device_put: already laid out so
+        if not leaf.is_fully_addressable:
+            return jax.device_put(leaf, sharding)  # a global array: a reshard, every process takes part
+    if _is_key_array(leaf):
+        impl = jax.random.key_impl(leaf)
+        data = np.asarray(jax.random.key_data(leaf))  # (*shape, *impl.key_shape) uint32
+
+        def key_shard(index):
+            return jax.random.wrap_key_data(np.array(data[index]), impl=impl)
+
+        return jax.make_array_from_callback(leaf.shape, sharding, key_shard)
+    host = np.asarray(leaf)
+    host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+    # Each shard is its own copy: the placed array never aliases the caller's buffer, so a step may donate it.
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: np.array(host[index]))
+
+
+def place_host_tree(tree: PyTree, shardings: PyTree, *, mesh=None) -> PyTree:
+    """Place a host-side pytree, present identically in every process, on a mesh spanning every process.
+
+    Each process builds the addressable shards of every leaf from its own copy
+    (``jax.make_array_from_callback(shape, sharding, lambda index: host[index])``): no process communicates,
+    so processes may interleave the calls with collectives (a ``process_allgather``, a sharded step) in any
+    order without deadlock. Typed PRNG key arrays (``jax.random.key(0)``, the keys of ``nnx.Rngs`` streams)
+    are placed through their raw data (``jax.random.key_data``) and rewrapped shard by shard
+    (``jax.random.wrap_key_data`` with the key's own impl). In a single process the result equals
+    ``jax.device_put(tree, shardings)``: same values, dtypes and shardings.
+
+    Why not ``jax.device_put``: in multi-controller JAX, ``device_put`` of a host value to a sharding that is
+    not fully addressable is a collective. JAX first checks that every process passed the same value
+    (``multihost_utils.assert_equal``, an all-gather over processes; ``jax/_src/dispatch.py``, and
+    jax-ml/jax#25325 for the replicated case's ``broadcast_one_to_all``), so a process in ``device_put`` waits
+    for its peers: when one process places a tree while another is in a different collective, both hang. For
+    an array committed to one device JAX attempts a cross-host transfer instead, and for a PRNG key array it
+    raises ``device_put's second argument must be a Device or a Sharding which represents addressable
+    devices``. "All processes must run the same cross-process computations in the same order"
+    (https://docs.jax.dev/en/latest/multi_process.html); this function contains none.
+
+    Args:
+        tree: a pytree (an ``nnx.State``, a dict, a batch tuple) of NumPy arrays, Python or NumPy scalars,
+            and ``jax.Array`` leaves held whole by this process (on one device, or on several of its own),
+            including PRNG key arrays; the same values in every process. A leaf that is already a global
+            array (not fully addressable) is passed through when it has the target sharding, else resharded
+            with ``jax.device_put`` (a collective: every process must reach that call).
+        shardings: a ``jax.sharding.Sharding`` per leaf, as a pytree of ``tree``'s structure or a prefix of it
+            (a single sharding applies to every leaf), like ``jax.device_put``'s second argument; with
+            ``mesh``, ``PartitionSpec`` leaves instead, each becoming ``NamedSharding(mesh, spec)``.
+        mesh: a ``jax.sharding.Mesh`` for the ``PartitionSpec`` form; None when ``shardings`` holds shardings.
+
+    Returns:
+        ``tree``'s structure with ``jax.Array`` leaves of the leaves' global shapes and dtypes (Python floats
+        become float32, as with ``jax.device_put``), each laid out by its sharding; an array already so laid
+        out is returned as is. The placed arrays never share a buffer with the inputs.
+
+    Raises:
+        TypeError: a ``shardings`` leaf is not a ``Sharding`` (or, with ``mesh``, not a ``PartitionSpec``), or
+            ``mesh`` is not a ``Mesh``.
+        ValueError: ``shardings`` is not a prefix of ``tree``'s structure; a spec names an axis the mesh
+            lacks or does not divide its dimension (JAX's message, prefixed with this function's name).
+
+    Example::
+
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        state = place_host_tree(nnx.state(model), NamedSharding(mesh, PartitionSpec()))   # replicated
+        batch = place_host_tree((x, y), PartitionSpec("data"), mesh=mesh)                 # split rows
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+    fn = "place_host_tree"
+    if mesh is not None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"{fn}: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+        specs = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, PartitionSpec | Sharding))
+        bad = next((s for s in specs if not isinstance(s, PartitionSpec)), None)
+        if bad is not None:
+            raise TypeError(
+                f"{fn}: with mesh=, shardings must hold PartitionSpec leaves, got {type(bad).__name__} "
+                f"{bad!r}; pass PartitionSpecs, or drop mesh= and pass Sharding objects"
+            )
+        try:
+            shardings = jax.tree.map(
+                lambda s: NamedSharding(mesh, s), shardings, is_leaf=lambda s: isinstance(s, PartitionSpec)
+            )
+        except ValueError as err:  # an axis the mesh lacks
+            raise ValueError(f"{fn}: {err}") from err
+    targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, Sharding))
+    bad = next((s for s in targets if not isinstance(s, Sharding)), None)
+    if bad is not None:
+        raise TypeError(
+            f"{fn}: shardings must hold jax.sharding.Sharding leaves (e.g. NamedSharding(mesh, spec)), got "
+            f"{type(bad).__name__} {bad!r}; for PartitionSpec leaves pass mesh= too"
+        )
+    try:
+        return jax.tree.map(
+            lambda sharding, subtree: jax.tree.map(lambda leaf: _place_leaf(leaf, sharding), subtree),
+            shardings,
+            tree,
+            is_leaf=lambda s: isinstance(s, Sharding),
+        )
+    except ValueError as err:
+        raise ValueError(f"{fn}: {err}") from err

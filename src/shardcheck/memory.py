@@ -26,6 +26,16 @@ shapes from ``nnx.eval_shape(task.model)`` and ``jax.eval_shape(task.optimizer.i
 allocated), ``measure_memory(task, strategy=..., mesh=...)`` compiles the strategy's step of the task on its first
 batch (the registry's ``jax.shard_map`` steps via :func:`shardcheck.steps.sharded.prepare` for dp and fsdp).
 
+On a mesh of any axes, ``estimate_memory(task, mesh=mesh, strategy=...)`` places every leaf as the registry's
+steps do (:func:`shardcheck.steps.sharded.state_specs`: the model's ``nnx.with_partitioning`` annotations, else
+the FSDP rule over the ``fsdp`` axis), or as an already placed state really is (``strategy="placed"``);
+``measure_memory(step, task, mesh)`` (:func:`measure_step`) measures any step, a user's own jitted step included;
+:func:`shardcheck.ahead_of_time.compile_ahead_of_time` lowers and compiles the real step (:func:`lower_step`) on
+``jax.ShapeDtypeStruct`` inputs with their target shardings (nothing allocated: a billion-parameter model is
+sized over fake CPU devices), and
+:func:`~shardcheck.ahead_of_time.largest_batch_that_fits` and :mod:`shardcheck.device_memory` compare it with a
+device's memory.
+
 Seed ``001_a85d1499a1a85057.txt`` gives the parameter-storage figure of a biased Linear, ``(D + 1) * K / S``
 values times bytes per value, and warns that it is neither a peak-memory formula nor proof that a model fits:
 it omits gradients, activations, optimizer buffers, gathered parameters and communication buffers. The
@@ -88,6 +98,8 @@ class LeafMemory:
         padded_bytes: padding bytes per device; always 0, because the placement rule replicates a leaf that
             does not divide rather than padding it (kept so padded layouts such as PyTorch FSDP's flat
             parameters can be compared).
+        split_axes: the mesh axes the leaf is split over, in dimension order (``("fsdp",)``; ``()`` when whole).
+            Its per-device bytes are the global bytes divided by the product of those axes' sizes.
     """
 
     path: str
@@ -101,6 +113,7 @@ class LeafMemory:
     global_bytes: int
     per_device_bytes: int
     padded_bytes: int = 0
+    split_axes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +143,7 @@ class MemoryEstimate:
         leaves: every leaf of every category, in the order params, model_state, grads, optimizer, step.
         model_state_bytes: the model's variables other than ``nnx.Param`` (RNG stream keys and counts), bytes per
             device; 0 for a model of parameters only, and for a parameter pytree.
+        mesh_shape: ``(("data", 2), ("fsdp", 4))``: the mesh of the ``mesh=`` form; ``()`` for ``num_shards=``.
     """
 
     strategy: str
@@ -148,6 +162,7 @@ class MemoryEstimate:
     even_split_note: str
     leaves: tuple[LeafMemory, ...]
     model_state_bytes: int = 0
+    mesh_shape: tuple[tuple[str, int], ...] = ()
 
     def bytes_by_category(self) -> dict[str, int]:
         """``{"params": ..., "model_state": ..., "grads": ..., "optimizer": ..., "step": ...}``, bytes per device."""
@@ -427,7 +442,7 @@ def _even_split(params: PyTree, param_leaves: list[LeafMemory], strategy: str, n
     real = sum(leaf.per_device_bytes for leaf in param_leaves)
     if num_devices == 1:
         note = "one device: the even split is the whole model"
-    elif "params" not in SHARDED_CATEGORIES[strategy]:
+    elif "params" not in SHARDED_CATEGORIES.get(strategy, CATEGORIES):
         note = (
             f"{strategy} keeps every parameter on every device by design: {_fmt_bytes(real)} per device, "
             f"{num_devices}x the even split"
@@ -441,7 +456,8 @@ def _even_split(params: PyTree, param_leaves: list[LeafMemory], strategy: str, n
             f"+{_fmt_bytes(leaf.global_bytes - leaf.global_bytes / num_devices)}"
             for leaf in whole
         ]
-        note = f"{_fmt_bytes(real - even)} per device above the even split: " + "; ".join(parts)
+        more = f"; and {len(parts) - 4} more replicated leaves" if len(parts) > 4 else ""
+        note = f"{_fmt_bytes(real - even)} per device above the even split: " + "; ".join(parts[:4]) + more
     return count, even, formula, note
 
 
@@ -463,9 +479,10 @@ def estimate_memory(
     model_or_abstract_state,
     optimizer=None,
     *,
-    num_shards: int,
+    num_shards: int | None = None,
     strategy: str,
     param_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> MemoryEstimate:
     """Bytes per device of parameters, gradients, optimizer state and step counter under one strategy.
 
@@ -499,10 +516,22 @@ def estimate_memory(
             ``GradientTransformation`` (``optax.MultiSteps`` too), or an ``nnx.Optimizer`` (its ``tx``);
             ``None`` (and only ``None``) with a Task, whose own optimizer is used.
         num_shards: S >= 1, the size of the mesh axis (ignored by ``"replicated"``, which uses one device).
+            With ``mesh=`` it may be omitted (else it must equal ``mesh.size``).
         strategy: ``"replicated"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``
-            (:data:`shardcheck.partitioning.STRATEGIES`).
+            (:data:`shardcheck.partitioning.STRATEGIES`); with ``mesh=`` also ``"gspmd"`` and ``"placed"``
+            (:data:`MESH_STRATEGIES`).
         param_dtype: if given, a floating dtype (``"float32"``, ``"bfloat16"``, ...) to which every floating
             parameter is cast before counting; the optimizer state follows whatever ``tx.init`` makes of it.
+            Not with ``mesh=``.
+        mesh: a ``jax.sharding.Mesh`` of one or more named axes (:func:`shardcheck.mesh.make_mesh`). Then every
+            leaf is placed as the registry's steps place it on that mesh
+            (:func:`shardcheck.steps.sharded.state_specs`): the model's ``nnx.with_partitioning`` annotations
+            where it has them (its optimizer state inherits them), else the FSDP rule over the FSDP axis
+            (:func:`shardcheck.mesh.fsdp_axis`); ``"dp"`` replicates everything; ``"zero1"`` / ``"zero2"`` split
+            only their categories; ``"placed"`` reads the real ``sharding`` of every array of an already placed
+            ``(model, optimizer)`` (pass the real ``nnx.Optimizer``). A leaf's bytes per device are its global
+            bytes divided by the product of the sizes of the axes it is split over (replicated: in full).
+            The model must be an ``nnx.Module`` or a Task (not a parameter pytree).
 
     Returns:
         A :class:`MemoryEstimate`, all figures in bytes per device.
@@ -512,7 +541,8 @@ def estimate_memory(
             an optimizer passed with a Task, or none without one; a task whose factory does not build an
             ``nnx.Module``.
         ValueError: unknown ``strategy`` or optimizer name, ``num_shards < 1``, ``param_dtype`` not a floating
-            dtype, no parameters.
+            dtype, no parameters; with ``mesh=``: ``num_shards`` other than ``mesh.size``, an annotation the mesh
+            cannot honour (:func:`~shardcheck.steps.sharded.state_specs`), ``"placed"`` with abstract arrays.
 
     Example::
 
@@ -524,6 +554,15 @@ def estimate_memory(
         (262656, 525316)
     """
     fn = "estimate_memory"
+    if mesh is not None:
+        return _estimate_on_mesh(
+            fn, model_or_abstract_state, optimizer, mesh, strategy, num_shards, param_dtype
+        )
+    if num_shards is None:
+        raise TypeError(
+            f"{fn}: pass mesh= (a jax.sharding.Mesh, e.g. shardcheck.make_mesh({{'data': 2, 'fsdp': 4}})) or "
+            "num_shards=S (one axis of S devices)"
+        )
     check_strategy(fn, strategy)
     num_shards = _validate.check_num_shards(fn, num_shards)
     source = model_or_abstract_state
@@ -574,6 +613,219 @@ def estimate_memory(
         even_split_note=note,
         leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
         model_state_bytes=sums["model_state"],
+    )
+
+
+# ------------------------------------------------------------------------------------------- on a mesh
+
+MESH_STRATEGIES = (*STRATEGIES, "gspmd", "placed")
+"""The strategies of the ``mesh=`` form: the memory layouts, the registry's ``gspmd`` (placed like ``fsdp``), and
+``"placed"``: the real shardings of an already placed state."""
+
+
+def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:
+    """``(model, optimizer)`` of a task under ``nnx.eval_shape``: shapes, dtypes and annotations, nothing allocated.
+
+    The pair is ``task.new_model()`` and ``nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)`` traced by
+    ``nnx.eval_shape`` (the optimizer state is ``task.optimizer.init`` of the abstract parameters, and inherits
+    their sharding annotations), built under ``nnx.use_eager_sharding(False)`` so that an annotated model needs
+    no mesh in context.
+    """
+
+    def build():
+        model = task.new_model(fn)
+        return model, task.new_optimizer(model)
+
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(build)
+
+
+def _training_state(fn: str, source, optimizer, strategy: str):
+    """The ``(model, optimizer)`` pair the ``mesh=`` form sizes: abstract for a Task or a transformation."""
+    if isinstance(source, Task):
+        if optimizer is not None:
+            raise TypeError(
+                f"{fn}: with a Task pass no optimizer (got {type(optimizer).__name__}); the task's own "
+                "task.optimizer is the one its step uses"
+            )
+        return abstract_training_state(fn, source)
+    if not isinstance(source, nnx.Module):
+        raise TypeError(
+            f"{fn}: with mesh= pass a shardcheck.Task or an nnx.Module (real or from nnx.eval_shape), got "
+            f"{type(source).__name__}"
+        )
+    if isinstance(optimizer, nnx.Optimizer):
+        return source, optimizer
+    if strategy == "placed":
+        raise TypeError(
+            f"{fn}: strategy='placed' reads the shardings of the real arrays: pass the model and its "
+            "nnx.Optimizer after they were placed (e.g. after one step), not an optimizer name or transformation"
+        )
+    if optimizer is None:
+        raise TypeError(
+            f"{fn}: optimizer is missing; pass a name, an optax transformation or an nnx.Optimizer"
+        )
+    tx = optimizer_transform(fn, optimizer)
+    with nnx.use_eager_sharding(False):
+        return source, nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), source)
+
+
+def _category_and_path(path, var) -> tuple[str, str]:
+    """``(category, path inside it)`` of a leaf of ``nnx.to_flat_state(nnx.state((model, optimizer)))``."""
+    keys = tuple(str(k) for k in path)
+    if keys[0] == "0":
+        return ("params" if isinstance(var, nnx.Param) else "model_state"), "/".join(keys[1:])
+    if keys[1] == "step":
+        return "step", "/".join(keys[1:])
+    return "optimizer", "/".join(keys[2:] if keys[1] == "opt_state" else keys[1:])
+
+
+def layout_shardings(
+    strategy: str, model, optimizer, mesh: jax.sharding.Mesh, *, fn: str = "layout_shardings"
+) -> tuple[list, list]:
+    """The sharding of every ``(model, optimizer)`` state leaf and of every gradient under ``strategy`` on ``mesh``.
+
+    ``"replicated"`` and ``"dp"``: everything replicated; ``"fsdp"`` / ``"gspmd"``: the specs of
+    :func:`shardcheck.steps.sharded.state_specs` (annotations, else the FSDP rule); ``"zero1"`` / ``"zero2"``:
+    those specs for the categories the layout splits (:data:`SHARDED_CATEGORIES`), replicated otherwise;
+    ``"placed"``: each array's own ``sharding`` (a gradient takes its parameter's).
+
+    Returns:
+        ``(state_shardings, grad_shardings)``: one sharding per leaf of
+        ``jax.tree.leaves(nnx.state((model, optimizer)))`` and one per leaf of
+        ``jax.tree.leaves(nnx.state(model, nnx.Param))``.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardcheck.steps.sharded import state_specs
+
+    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    is_param = [isinstance(var, nnx.Param) and str(path[0]) == "0" for path, var in flat]
+    if strategy == "placed":
+        shardings = []
+        for path, var in flat:
+            value = var.get_value()
+            if not isinstance(value, jax.Array):
+                raise ValueError(
+                    f"{fn}: strategy='placed' needs real placed arrays, but leaf {'/'.join(map(str, path))} is "
+                    f"{type(value).__name__}; place the state first (run one step), or use strategy='fsdp'"
+                )
+            shardings.append(value.sharding)
+        return shardings, [s for s, p in zip(shardings, is_param, strict=True) if p]
+    placement = "dp" if strategy in ("replicated", "dp") else "fsdp"
+    specs, param_specs = state_specs(placement, model, optimizer, mesh, fn=fn)
+    splits = SHARDED_CATEGORIES.get(strategy, frozenset(CATEGORIES))
+    whole = PartitionSpec()
+    state = [
+        NamedSharding(mesh, spec if _category_and_path(path, var)[0] in splits else whole)
+        for (path, var), spec in zip(flat, specs, strict=True)
+    ]
+    grads = [NamedSharding(mesh, spec if "grads" in splits else whole) for spec in param_specs]
+    return state, grads
+
+
+def _whole_reason(strategy, category, var, shape, mesh, num_devices) -> str:
+    """Why a leaf is whole on every device, in words."""
+    from shardcheck.mesh import fsdp_axis
+
+    if num_devices == 1:
+        return "one device"
+    if strategy == "placed":
+        return "placed replicated"
+    if category not in SHARDED_CATEGORIES.get(strategy, frozenset(CATEGORIES)):
+        return f"{strategy} replicates {category}"
+    annotation = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+    if annotation:
+        return f"annotated {tuple(annotation)}: replicated"
+    if shape == ():
+        return "scalar"
+    axis = fsdp_axis(mesh)
+    return f"no dimension of {shape} divides by {axis}={int(mesh.shape[axis])}"
+
+
+def _mesh_leaf(category, path, var, sharding, strategy, mesh, num_devices) -> LeafMemory:
+    from shardcheck.steps.sharded import spec_axes
+
+    value = var.get_value() if isinstance(var, nnx.Variable) else var
+    shape = tuple(int(d) for d in value.shape)
+    itemsize = _itemsize(value.dtype)
+    shard_shape = tuple(int(d) for d in sharding.shard_shape(shape)) if num_devices > 1 else shape
+    spec = getattr(sharding, "spec", None)
+    axes = spec_axes(spec) if spec is not None and num_devices > 1 else ()
+    sharded = shard_shape != shape
+    return LeafMemory(
+        path=path,
+        category=category,
+        shape=shape,
+        dtype=_dtype_name(value.dtype),
+        spec=repr(spec if num_devices > 1 else jax.sharding.PartitionSpec())
+        if spec is not None
+        else repr(sharding),
+        shard_shape=shard_shape,
+        sharded=sharded,
+        replicated_reason="" if sharded else _whole_reason(strategy, category, var, shape, mesh, num_devices),
+        global_bytes=math.prod(shape) * itemsize,
+        per_device_bytes=math.prod(shard_shape) * itemsize,
+        split_axes=axes if sharded else (),
+    )
+
+
+def _estimate_on_mesh(fn, source, optimizer, mesh, strategy, num_shards, param_dtype) -> MemoryEstimate:
+    """:func:`estimate_memory`'s ``mesh=`` form (see there)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
+            "shardcheck.make_mesh(8) or make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    if strategy not in MESH_STRATEGIES:
+        raise ValueError(f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES)}")
+    if num_shards is not None and num_shards != mesh.size:
+        raise ValueError(
+            f"{fn}: num_shards={num_shards} but the mesh has {mesh.size} devices; pass only mesh= (the batch is "
+            "split over every device of the mesh)"
+        )
+    if param_dtype is not None:
+        raise ValueError(
+            f"{fn}: param_dtype= applies to the num_shards= form; with mesh= the model's own dtypes are counted "
+            "(build the model in the dtype you mean)"
+        )
+    model, opt = _training_state(fn, source, optimizer, strategy)
+    state_shardings, grad_shardings = layout_shardings(strategy, model, opt, mesh, fn=fn)
+    num_devices = 1 if strategy == "replicated" else mesh.size
+    by_category = {c: [] for c in CATEGORIES}
+    flat = nnx.to_flat_state(nnx.state((model, opt)))
+    for (path, var), sharding in zip(flat, state_shardings, strict=True):
+        category, name = _category_and_path(path, var)
+        by_category[category].append(_mesh_leaf(category, name, var, sharding, strategy, mesh, num_devices))
+    param_flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for (path, var), sharding in zip(param_flat, grad_shardings, strict=True):
+        name = "/".join(map(str, path))
+        by_category["grads"].append(_mesh_leaf("grads", name, var, sharding, strategy, mesh, num_devices))
+    if not by_category["params"]:
+        raise ValueError(f"{fn}: the model has no nnx.Param; pass a model with at least one parameter")
+    sums = {c: sum(leaf.per_device_bytes for leaf in leaves) for c, leaves in by_category.items()}
+    unsharded = sum(leaf.global_bytes for leaves in by_category.values() for leaf in leaves)
+    params = _abstract(fn, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    count, even, formula, note = _even_split(params, by_category["params"], strategy, num_devices)
+    persistent = sums["params"] + sums["model_state"] + sums["optimizer"] + sums["step"]
+    return MemoryEstimate(
+        strategy=strategy,
+        num_shards=mesh.size,
+        num_devices=num_devices,
+        param_count=count,
+        params_bytes=sums["params"],
+        grads_bytes=sums["grads"],
+        optimizer_bytes=sums["optimizer"],
+        step_bytes=sums["step"],
+        persistent_bytes=persistent,
+        total_bytes=persistent + sums["grads"],
+        unsharded_total_bytes=unsharded,
+        even_split_params_bytes=even,
+        even_split_formula=formula,
+        even_split_note=note,
+        leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
+        model_state_bytes=sums["model_state"],
+        mesh_shape=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
     )
 
 
@@ -630,32 +882,6 @@ class MemoryMeasurement:
         return out
 
 
-def _category_of(path) -> str:
-    """Category of a leaf of ``nnx.state((model, optimizer))``: key 0 is the model, 1 the optimizer."""
-    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
-    if keys[0] == 0:
-        return "params"
-    return "step" if keys[1] == "step" else "optimizer"
-
-
-def strategy_shardings(state: nnx.State, mesh: jax.sharding.Mesh, strategy: str, axis_name: str = "data"):
-    """A ``NamedSharding`` for every leaf of ``nnx.state((model, optimizer))`` under ``strategy``.
-
-    The categories :data:`SHARDED_CATEGORIES` lists for the strategy are split with
-    :func:`~shardcheck.partitioning.fsdp_partition_spec` over ``axis_name``; everything else is replicated.
-    Returns a pytree of shardings with the structure of ``state``.
-    """
-    size = mesh.shape[axis_name]
-    split = SHARDED_CATEGORIES[strategy]
-
-    def one(path, leaf):
-        if _category_of(path) in split:
-            return jax.sharding.NamedSharding(mesh, fsdp_partition_spec(leaf.shape, size, axis_name))
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    return jax.tree_util.tree_map_with_path(one, state)
-
-
 def _mean_loss(loss_fn):
     """``(model, batch) -> loss_sum / weight`` of a task's loss (the scalar itself for a scalar loss)."""
     from shardcheck.task import loss_terms
@@ -667,52 +893,98 @@ def _mean_loss(loss_fn):
     return mean
 
 
-def _gspmd_step(graphdef, loss_fn, state_shardings, grad_shardings, data_sharding, mesh):
+def _gspmd_step(graphdef, treedef, loss_fn, state_shardings, grad_shardings, data_sharding, mesh):
     """The jitted step of zero1 / zero2 for ``loss_fn(model, batch)``, partitioned by GSPMD.
 
-    The state enters and leaves with ``state_shardings``; the gradients are constrained to ``grad_shardings``
-    when given (zero2: each device keeps its slice of the reduced gradient); every leaf of the batch is split on
-    its first dimension (``data_sharding``); the state is donated, as in the ``shard_map`` steps of
-    :mod:`shardcheck.steps.sharded`.
+    ``(state_leaves, batch) -> (loss, state_leaves)``: the state enters and leaves with ``state_shardings`` and
+    is donated, as in the ``shard_map`` steps of :mod:`shardcheck.steps.sharded`; the gradients are constrained
+    to ``grad_shardings`` (zero2: each device keeps its slice of the reduced gradient; zero1: replicated); the
+    batch is split over every mesh axis (``data_sharding``).
     """
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     mean = _mean_loss(loss_fn)
 
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
+    def step(leaves, batch):
+        model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         loss, grads = nnx.value_and_grad(mean)(model, batch)
-        if grad_shardings is not None:
-            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        optimizer.update(model, grads)
-        return loss, nnx.state((model, optimizer))
+        flat, grad_def = jax.tree.flatten(grads)
+        flat = [jax.lax.with_sharding_constraint(g, s) for g, s in zip(flat, grad_shardings, strict=True)]
+        optimizer.update(model, jax.tree.unflatten(grad_def, flat))
+        return loss, jax.tree.leaves(nnx.state((model, optimizer)))
 
     return jax.jit(
         step,
-        in_shardings=(state_shardings, data_sharding),
-        out_shardings=(replicated, state_shardings),
+        in_shardings=(list(state_shardings), data_sharding),
+        out_shardings=(replicated, list(state_shardings)),
         donate_argnums=0,
     )
 
 
-def _gspmd_compile_and_run(strategy, loss_fn, model, optimizer, batch, mesh, axis_name):
-    """zero1 / zero2: place the state by :func:`strategy_shardings`, compile the GSPMD step, run it once in place."""
+def _data_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """The batch's sharding: the leading dimension split over every axis (:func:`shardcheck.mesh.batch_axes`)."""
+    from shardcheck.mesh import batch_axes
+
+    axes = batch_axes(mesh)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes if len(axes) > 1 else axes[0]))
+
+
+def _argument(a, sharding):
+    """A ``jax.ShapeDtypeStruct`` with ``sharding`` for an abstract leaf; a real leaf copied onto ``sharding``."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+    return jax.device_put(
+        jnp.copy(a), sharding
+    )  # copied: the steps donate their state, the caller's survives
+
+
+def lower_step(strategy: str, loss_fn, model, optimizer, batch, mesh: jax.sharding.Mesh):
+    """Lower the registry's step of ``strategy`` for this state and batch: real arrays or abstract shapes alike.
+
+    ``"replicated"`` is the reference step (:func:`shardcheck.steps.reference.reference_step`'s jitted body) on
+    the mesh's first device; ``"dp"``, ``"fsdp"`` and ``"gspmd"`` the registry's steps
+    (:func:`shardcheck.steps.sharded.compiled_step`); ``"zero1"`` / ``"zero2"`` a GSPMD ``jax.jit`` over their
+    layout. The state is placed by :func:`layout_shardings`, the batch split over every mesh axis. A leaf that
+    is a ``jax.ShapeDtypeStruct`` (from ``nnx.eval_shape``, or a batch of shapes) becomes a
+    ``jax.ShapeDtypeStruct`` with its target sharding, so nothing is allocated; a real leaf is copied onto it.
+
+    Returns:
+        ``(lowered, arguments, treedef)``: the ``jax.stages.Lowered`` step, the arguments it takes (for a real
+        run: ``lowered.compile()(*arguments)``), and the treedef of the state leaves.
+    """
+    from jax.sharding import SingleDeviceSharding
+
     graphdef, state = nnx.split((model, optimizer))
-    shardings = strategy_shardings(state, mesh, strategy, axis_name)
-    grad_shardings = None
-    if "grads" in SHARDED_CATEGORIES[strategy]:  # zero2: the gradients split as fsdp splits the parameters
-        size = int(mesh.shape[axis_name])
-        grad_shardings = jax.tree.map(
-            lambda a: jax.sharding.NamedSharding(mesh, fsdp_partition_spec(a.shape, size, axis_name)),
-            nnx.state(model, nnx.Param),
-        )
-    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis_name))
-    state = jax.device_put(state, shardings)
-    batch = jax.device_put(batch, data_sharding)
-    step = _gspmd_step(graphdef, loss_fn, shardings, grad_shardings, data_sharding, mesh)
-    compiled = step.lower(state, batch).compile()
-    _, new_state = compiled(state, batch)
-    nnx.update((model, optimizer), new_state)
-    return compiled, batch
+    leaves, treedef = jax.tree.flatten(state)
+    if strategy == "replicated":
+        from shardcheck.steps.reference import _reference_jit  # the jitted body of reference_step
+
+        one = SingleDeviceSharding(mesh.devices.flat[0])
+        state_arg = jax.tree.unflatten(treedef, [_argument(a, one) for a in leaves])
+        batch_arg = jax.tree.map(lambda a: _argument(a, one), batch)
+        return _reference_jit.lower(loss_fn, graphdef, state_arg, batch_arg), (state_arg, batch_arg), treedef
+    state_shardings, grad_shardings = layout_shardings(strategy, model, optimizer, mesh, fn=strategy)
+    data = _data_sharding(mesh)
+    args = ([_argument(a, s) for a, s in zip(leaves, state_shardings, strict=True)], jax.tree.map(
+        lambda a: _argument(a, data), batch
+    ))  # fmt: skip
+    if strategy in ("dp", "fsdp", "gspmd"):
+        from shardcheck.steps.sharded import compiled_step
+
+        specs = tuple(s.spec for s in state_shardings)
+        param_specs = tuple(s.spec for s in grad_shardings)
+        step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh)
+    else:
+        step = _gspmd_step(graphdef, treedef, loss_fn, state_shardings, grad_shardings, data, mesh)
+    return step.lower(*args), args, treedef
+
+
+def _run_lowered(strategy, lowered, args, treedef, model, optimizer):
+    """Compile ``lowered``, run it once on ``args`` and write the new state into ``model`` and ``optimizer``."""
+    compiled = lowered.compile()
+    _, out = compiled(*args)
+    state = out if strategy == "replicated" else jax.tree.unflatten(treedef, out)
+    nnx.update((model, optimizer), state)
+    return compiled
 
 
 def _device_bytes(tree, devices) -> tuple[int, ...]:
@@ -768,9 +1040,8 @@ def _compile_and_run(strategy, model, optimizer, x, y, mesh):
             model, optimizer, x, y, mesh
         )
     else:  # zero1, zero2: jit over the strategy's NamedShardings, partitioned by GSPMD
-        compiled, (x, y) = _gspmd_compile_and_run(
-            strategy, mse_batch_loss, model, optimizer, (x, y), mesh, "data"
-        )
+        lowered, args, treedef = lower_step(strategy, mse_batch_loss, model, optimizer, (x, y), mesh)
+        compiled = _run_lowered(strategy, lowered, args, treedef, model, optimizer)
     num_shards = 1 if strategy == "replicated" else int(mesh.shape["data"])
     data_bytes = sum(math.prod(a.shape) // num_shards * a.dtype.itemsize for a in (x, y))
     return compiled, data_bytes
@@ -786,44 +1057,8 @@ def _block_bytes(batch, device) -> int:
     )
 
 
-def _compile_and_run_task(strategy, loss_fn, model, optimizer, batch, mesh, axis_name):
-    """Compile the task's step of ``strategy`` on ``batch`` and run it once, in place (on the caller's fresh copies).
-
-    The layouts the registry runs use its steps: the single-device placement the reference step
-    (:func:`shardcheck.steps.reference.reference_step`) on the mesh's first device, the mesh placements the
-    ``jax.shard_map`` step of :func:`shardcheck.steps.sharded.prepare` (``"fsdp"`` splitting parameters and
-    optimizer state, ``"replicated"`` data parallel). zero1 / zero2 are GSPMD-partitioned ``jax.jit``.
-
-    Returns the compiled executable and the bytes of the first device's blocks of the batch.
-    """
-    layout = LAYOUTS[strategy]
-    first = mesh.devices.flat[0]
-    if layout.one_device:
-        from shardcheck.steps.reference import _reference_jit  # the jitted body of reference_step
-
-        batch = jax.device_put(batch, first)
-        graphdef, state = nnx.split((model, optimizer))
-        compiled = _reference_jit.lower(loss_fn, graphdef, state, batch).compile()
-        _, state = compiled(state, batch)  # the static loss_fn and graphdef are baked in
-        nnx.update((model, optimizer), state)
-    elif layout.strategy is not None:
-        from shardcheck.steps import sharded
-
-        kind = "fsdp" if layout.placement == "fsdp" else "dp"
-        step, (leaves, batch), treedef = sharded.prepare(
-            kind, loss_fn, model, optimizer, batch, mesh, axis_name
-        )
-        compiled = step.lower(leaves, batch).compile()
-        _, leaves = compiled(leaves, batch)
-        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
-    else:
-        compiled, batch = _gspmd_compile_and_run(strategy, loss_fn, model, optimizer, batch, mesh, axis_name)
-    return compiled, _block_bytes(batch, first)
-
-
-def _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimate) -> MemoryMeasurement:
+def _measurement(strategy, compiled, data_bytes, model, optimizer, devices, estimate) -> MemoryMeasurement:
     stats = _memory_stats(compiled)
-    devices = (mesh.devices.flat[0],) if LAYOUTS[strategy].one_device else tuple(mesh.devices.flat)
     per_device = _device_bytes(nnx.state((model, optimizer)), devices)
     measured = max(per_device)
     return MemoryMeasurement(
@@ -839,33 +1074,145 @@ def _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimat
     )
 
 
+def _check_task_mesh(fn: str, mesh, axis_name) -> jax.sharding.Mesh:
+    """A mesh for the task form: default every device on ``axis_name``; a one-axis mesh must be that axis."""
+    from shardcheck import spmd
+
+    if mesh is None:
+        return spmd.make_mesh(axis_name=axis_name)
+    if not isinstance(mesh, jax.sharding.Mesh) or len(mesh.axis_names) == 1:
+        spmd.check_mesh(fn, mesh, axis_name)
+    return mesh
+
+
 def _measure_task(fn, task: Task, strategy, mesh, axis_name, weighted=None) -> MemoryMeasurement:
     """``measure_memory`` of a task; ``weighted`` (the loss form) is given when the task was checked already."""
-    from shardcheck import spmd
     from shardcheck.parity.harness import check_model
     from shardcheck.steps.registry import STRATEGIES as REGISTRY
     from shardcheck.task import check_divisible
 
-    check_strategy(fn, strategy)
-    layout = LAYOUTS[strategy]
-    if mesh is None:
-        mesh = spmd.make_mesh(axis_name=axis_name)
-    num_shards = spmd.check_mesh(fn, mesh, axis_name)
+    if strategy not in MESH_STRATEGIES[:-1]:
+        raise ValueError(
+            f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES[:-1])}"
+        )
+    mesh = _check_task_mesh(fn, mesh, axis_name)
     batch = task.batches[0]
     model = task.new_model(fn)
     optimizer = task.new_optimizer(model)
     if weighted is None:  # BatchStat and RNG-drawing models refused, the loss's output checked on batch 0
         weighted = check_model(fn, model, task.loss_fn, batch)
-    if not layout.one_device:
-        check_divisible(fn, batch, num_shards, weighted=weighted)
-    registered = REGISTRY.get(layout.strategy)
+    if strategy != "replicated":
+        check_divisible(fn, batch, mesh.size, weighted=weighted)
+    layout = LAYOUTS.get(strategy)
+    registered = REGISTRY.get(layout.strategy if layout is not None else strategy)
     if registered is not None and registered.check is not None:
         registered.check(fn, model, optimizer)
-    estimate = estimate_memory(task, num_shards=num_shards, strategy=strategy)
-    compiled, data_bytes = _compile_and_run_task(
-        strategy, task.loss_fn, model, optimizer, batch, mesh, axis_name
+    estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
+    lowered, args, treedef = lower_step(strategy, task.loss_fn, model, optimizer, batch, mesh)
+    compiled = _run_lowered(strategy, lowered, args, treedef, model, optimizer)
+    first = mesh.devices.flat[0]
+    devices = (first,) if strategy == "replicated" else tuple(mesh.devices.flat)
+    return _measurement(strategy, compiled, _block_bytes(args[1], first), model, optimizer, devices, estimate)
+
+
+def _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh: bool):
+    """The compiled executable of a user's step, lowered on the state it placed (after its first run).
+
+    A step with ``.lower`` (``jax.jit`` / ``nnx.jit`` of ``(model, optimizer, batch)``) is lowered itself; any
+    other is traced whole under one ``jax.jit`` of ``(state, batch) -> (loss, new state)`` (its own jitted
+    functions inline into it), so XLA's figures are those of the step as one program.
+    """
+    extra = (mesh,) if pass_mesh else ()
+    if callable(getattr(step, "lower", None)):
+        try:
+            return step.lower(model, optimizer, batch, *extra).compile()
+        except TypeError:
+            pass  # not a jit of (model, optimizer, batch): trace it whole
+    graphdef, state = nnx.split((model, optimizer))
+
+    def whole(state, batch):
+        m, o = nnx.merge(graphdef, state)
+        loss = step(m, o, batch, *extra)
+        return getattr(loss, "loss", loss), nnx.state((m, o))
+
+    return jax.jit(whole).lower(state, batch).compile()
+
+
+def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "gspmd") -> MemoryMeasurement:
+    """The memory of any step of a task on ``mesh``, a user's own jitted step included.
+
+    ``step`` is a registered strategy's name (``"dp"``, ``"fsdp"``, ``"gspmd"``, or a memory layout: as
+    ``measure_memory(task, strategy=step, mesh=mesh)``) or a user's step ``step(model, optimizer, batch[, mesh])``
+    that updates ``model`` and ``optimizer`` in place, as ``shardcheck verify --candidate`` takes it (the example
+    ``examples/annotated_lm.py:step`` places the state from its annotations with ``nnx.get_named_sharding`` and
+    runs an ``nnx.jit`` step). The user's step runs once on a fresh ``task.model()`` with ``task.optimizer`` on the
+    task's first batch (placed over every mesh axis), then the live bytes of every device are read from the
+    arrays' ``addressable_shards``, and the step is compiled again on the state as it left it
+    (:func:`_user_step_compiled`) for XLA's per-device argument, output, alias and temp bytes.
+
+    Args:
+        step: a strategy name or a callable as above.
+        task: the :class:`~shardcheck.Task`.
+        mesh: the device mesh (:func:`shardcheck.mesh.make_mesh`).
+        strategy: for a user's step, the placement the estimate beside it assumes: ``"gspmd"`` (the model's
+            annotations, else the FSDP rule; what a GSPMD step placed by ``nnx.get_named_sharding`` holds),
+            ``"dp"``, ``"fsdp"``, ...; ``"placed"`` estimates from the shardings the step left (equal by
+            construction).
+
+    Returns:
+        A :class:`MemoryMeasurement`: bytes per device, ``accuracy_ratio = estimate / measured live bytes``.
+
+    Raises:
+        TypeError: ``step`` neither a name nor a callable, ``task`` not a Task, ``mesh`` not a Mesh, a step whose
+            signature takes neither 3 nor 4 arguments.
+        ValueError: an unknown strategy, a first batch that does not split over ``mesh.size`` devices, a model
+            with batch statistics or a random forward pass (as ``verify`` refuses them).
+    """
+    from shardcheck.parity.candidates import accepts, check_step_signature
+    from shardcheck.parity.harness import check_model
+    from shardcheck.task import check_divisible
+
+    fn = "measure_step"
+    if not isinstance(task, Task):
+        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
+            "shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    if isinstance(step, str):
+        return _measure_task(fn, task, step, mesh, "data")
+    if not callable(step):
+        raise TypeError(
+            f"{fn}: step must be a strategy name ({', '.join(MESH_STRATEGIES[:-1])}) or a callable "
+            f"step(model, optimizer, batch[, mesh]), got {type(step).__name__}"
+        )
+    if strategy not in MESH_STRATEGIES:
+        raise ValueError(f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES)}")
+    pass_mesh = accepts(step, "mesh", 3)
+    check_step_signature(fn, "step", step, 3, pass_mesh)
+    model = task.new_model(fn)
+    optimizer = task.new_optimizer(model)
+    batch = task.batches[0]
+    weighted = check_model(fn, model, task.loss_fn, batch)
+    check_divisible(fn, batch, mesh.size, weighted=weighted)
+    if strategy != "placed":
+        estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
+    batch = jax.device_put(batch, _data_sharding(mesh))
+    step(model, optimizer, batch, *((mesh,) if pass_mesh else ()))
+    if strategy == "placed":
+        estimate = estimate_memory(model, optimizer, mesh=mesh, strategy="placed")
+    compiled = _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh)
+    first = mesh.devices.flat[0]
+    return _measurement(
+        getattr(step, "__name__", "step"),
+        compiled,
+        _block_bytes(batch, first),
+        model,
+        optimizer,
+        tuple(mesh.devices.flat),
+        estimate,
     )
-    return _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimate)
 
 
 def measure_memory(
@@ -874,24 +1221,29 @@ def measure_memory(
     x=None,
     y=None,
     *,
-    strategy: str,
+    strategy: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axis_name: str = "data",
 ) -> MemoryMeasurement:
     """Compile the real step of ``strategy`` on ``mesh``, run it once on a copy, and read its memory.
 
+    ``measure_memory(step, task, mesh)`` measures any step of a task, a user's own jitted step included: see
+    :func:`measure_step` (``strategy=`` is then the placement the estimate beside it assumes).
+
     The steps: ``"replicated"`` is the baseline's jitted step (:func:`shardcheck.baseline.sgd_step`) on the
     mesh's first device; ``"dp"`` and ``"fsdp"`` are the ``jax.shard_map`` steps of :mod:`shardcheck.spmd`
     (lowered through :func:`shardcheck.spmd.trace_sgd_step`); ``"zero1"`` and ``"zero2"``, which have no
     hand-written step, are ``jax.jit`` over the strategy's ``NamedSharding`` placement
-    (:func:`strategy_shardings`) partitioned by GSPMD, the gradients constrained to the FSDP layout for
+    (:func:`layout_shardings`) partitioned by GSPMD, the gradients constrained to the FSDP layout for
     ``"zero2"``.
 
     The task form, ``measure_memory(task, strategy=..., mesh=...)``, measures the task's own step on its first
     batch, on a fresh ``task.model()`` with ``nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)``:
     ``"replicated"`` is the registry's reference step on the mesh's first device, ``"dp"`` and ``"fsdp"`` the
     registry's ``jax.shard_map`` steps compiled through :func:`shardcheck.steps.sharded.prepare`, ``"zero1"`` /
-    ``"zero2"`` GSPMD as above with the task's loss.
+    ``"zero2"`` GSPMD as above with the task's loss; ``"gspmd"`` the registry's GSPMD step. ``mesh`` may have
+    several axes (``make_mesh({"data": 2, "fsdp": 4})``): the batch is split over all of them and the state
+    placed as :func:`estimate_memory` with ``mesh=`` places it (the model's annotations, else the FSDP rule).
 
     XLA's ``memory_analysis()`` of the partitioned executable gives argument, output, alias and temp bytes of
     one device (``CompiledMemoryStats``, see the JAX docs of ``jax.stages.Compiled.memory_analysis``). The
@@ -925,6 +1277,12 @@ def measure_memory(
     from shardcheck import spmd
 
     fn = "measure_memory"
+    if isinstance(optimizer, Task):  # measure_memory(step, task, mesh): any step, a user's own included
+        return measure_step(
+            model, optimizer, mesh if x is None else x, **({} if strategy is None else {"strategy": strategy})
+        )
+    if strategy is None:
+        raise TypeError(f"{fn}: strategy= is missing; pass one of {', '.join(MESH_STRATEGIES[:-1])}")
     if isinstance(model, Task):
         if optimizer is not None or x is not None or y is not None:
             raise TypeError(
@@ -950,7 +1308,8 @@ def measure_memory(
 
     model, optimizer = _deep_copy(model, optimizer)
     compiled, data_bytes = _compile_and_run(strategy, model, optimizer, x, y, mesh)
-    return _measurement(strategy, compiled, data_bytes, model, optimizer, mesh, estimate)
+    devices = (mesh.devices.flat[0],) if strategy == "replicated" else tuple(mesh.devices.flat)
+    return _measurement(strategy, compiled, data_bytes, model, optimizer, devices, estimate)
 
 
 def measure_task_strategies(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from shardcheck import _validate
@@ -17,12 +18,24 @@ class MLP(nnx.Module):
         in_features: D.
         hidden: H.
         out_features: K.
+        dtype: the computation dtype of both layers (default float32).
+        param_dtype: the parameters' dtype (default float32).
         rngs: the ``nnx.Rngs`` for the initializers (``lecun_normal`` kernels, zero biases).
     """
 
-    def __init__(self, in_features: int, hidden: int, out_features: int, *, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(in_features, hidden, rngs=rngs)
-        self.out = nnx.Linear(hidden, out_features, rngs=rngs)
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int,
+        out_features: int,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.hidden = nnx.Linear(in_features, hidden, **kw)
+        self.out = nnx.Linear(hidden, out_features, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.out(jax.nn.relu(self.hidden(x)))

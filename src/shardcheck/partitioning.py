@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from jax.sharding import PartitionSpec
+if TYPE_CHECKING:  # imported where a spec is built, so that `shardcheck memory --help` needs no JAX
+    from jax.sharding import PartitionSpec
 
 ALL_CATEGORIES = frozenset({"params", "model_state", "grads", "optimizer", "step"})
 """The state categories of the memory estimate: parameters, the model's other variables (RNG keys and counts),
@@ -65,7 +67,7 @@ def placement_strategies() -> dict[str, str]:
     "fsdp": "fsdp"}`` (``simulation`` and ``accumulation`` also run on one device, ``multiprocess`` is data
     parallel too: the first of each placement stands for it).
     """
-    from shardcheck.steps.registry import STRATEGIES as REGISTRY
+    from shardcheck._catalog import STRATEGY_SPECS as REGISTRY
 
     out: dict[str, str] = {}
     for name, strategy in REGISTRY.items():
@@ -113,6 +115,8 @@ def fsdp_partition_spec(
     Returns:
         ``PartitionSpec`` with ``axis_name`` at the split dimension, or ``PartitionSpec()`` (replicated).
     """
+    from jax.sharding import PartitionSpec
+
     size = 1
     for d in shape:
         size *= d

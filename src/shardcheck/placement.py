@@ -35,6 +35,9 @@ class LeafPlacement:
         shard_bytes: bytes of one device's shard: ``prod(shard_shape) * itemsize``.
         replicated: True if every device holding the array holds all of it.
         reason: why the leaf is split or replicated, in words.
+        axes: for each axis of the array's mesh, in mesh order, the dimension split over it, or ``None`` where
+            the leaf is replicated over that axis (``{"data": None, "fsdp": 1}``: a hybrid-sharded kernel);
+            empty for an array not placed on a mesh.
     """
 
     path: str
@@ -45,6 +48,7 @@ class LeafPlacement:
     shard_bytes: int
     replicated: bool
     reason: str
+    axes: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
 
 def _leaves(model: nnx.Module, optimizer: nnx.Optimizer):
@@ -67,7 +71,9 @@ def _reason(array: jax.Array, spec: PartitionSpec, axis_name: str) -> str:
             for i, entry in enumerate(spec)
             if entry is not None
         ]
-        return "split along " + ", ".join(parts)
+        split = {a for entry in spec if entry is not None for a in _names(entry)}
+        rest = [f"{a!r} ({mesh.shape[a]})" for a in mesh.axis_names if a not in split and mesh.shape[a] > 1]
+        return "split along " + ", ".join(parts) + (f"; replicated over {', '.join(rest)}" if rest else "")
     size = int(mesh.shape[axis_name]) if axis_name in mesh.axis_names else int(mesh.size)
     if size == 1:
         return "replicated: the mesh axis has 1 device"
@@ -83,6 +89,14 @@ def _reason(array: jax.Array, spec: PartitionSpec, axis_name: str) -> str:
 
 def _names(entry) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _axes(sharding, spec: PartitionSpec) -> dict[str, int | None]:
+    """Each mesh axis -> the dimension ``spec`` splits over it (None: replicated over it)."""
+    if not isinstance(sharding, NamedSharding):
+        return {}
+    dims = {a: i for i, entry in enumerate(spec) if entry is not None for a in _names(entry)}
+    return {a: dims.get(a) for a in sharding.mesh.axis_names}
 
 
 def placement_report(
@@ -128,6 +142,7 @@ def placement_report(
                 shard_bytes=math.prod(shard_shape) * np.dtype(array.dtype).itemsize,
                 replicated=bool(sharding.is_fully_replicated),
                 reason=_reason(array, spec, axis_name),
+                axes=_axes(sharding, spec),
             )
         )
     return report

@@ -21,17 +21,14 @@ import optax
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._catalog import BASELINE as BASELINE  # the names live in the JAX-free catalog
+from shardcheck._catalog import REFERENCE as REFERENCE
+from shardcheck._catalog import seed_form
 from shardcheck._tree import path_str
 from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
 from shardcheck.losses import mse_batch_loss
 from shardcheck.steps.registry import STRATEGIES, Strategy, get_strategy, mesh_for
 from shardcheck.task import Task
-
-REFERENCE = "reference"
-"""The registry's baseline: every other strategy is compared with its step."""
-
-BASELINE = "baseline"
-"""The name the seed form (:func:`run_strategies`) reports the reference under (seed 001's baseline)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,18 +148,7 @@ def xy_strategies() -> tuple[str, ...]:
     placement (data parallel, FSDP; ``multiprocess`` is the data-parallel placement again): ``("baseline",
     "simulation", "dp", "fsdp")``, the reference named ``baseline``.
     """
-    from shardcheck.partitioning import placement_strategies
-
-    first = placement_strategies()
-    names = []
-    for name, strategy in STRATEGIES.items():
-        if strategy.uses_mesh:
-            keep = first.get(strategy.placement) == name
-        else:
-            keep = strategy.build(mse_batch_loss, 1, None).make_optimizer is None
-        if keep:
-            names.append(BASELINE if name == REFERENCE else name)
-    return tuple(names)
+    return seed_form()
 
 
 def __getattr__(name: str):

@@ -29,65 +29,17 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from shardcheck import _validate
 from shardcheck.losses import mse_batch_loss
+from shardcheck.mesh import make_mesh as make_mesh
 from shardcheck.placement import LeafPlacement as LeafPlacement
 from shardcheck.placement import placement_report as placement_report
 from shardcheck.placement import placement_summary as placement_summary
 from shardcheck.steps import sharded
 
 STRATEGIES = ("dp", "fsdp")
-
-
-def make_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
-    """A 1-D mesh over the first ``num_devices`` devices of ``jax.devices()``, with an ``Auto`` axis.
-
-    ``jax.make_mesh`` makes ``Explicit`` axes by default in current JAX. Under Explicit axes every jitted
-    operation must have an unambiguous output sharding, so plain jit code fed ``NamedSharding`` inputs can fail:
-    ``x @ w.T`` with a batch-sharded ``x`` and an FSDP-sharded ``w`` raises ``ShardingTypeError`` ("illegally
-    sharded result"), and so does a reshape of a sharded array, unless every such op is given ``out_sharding=``.
-    ``AxisType.Auto`` leaves those decisions to the compiler (GSPMD / Shardy propagation), so both code paths
-    work: ``jax.shard_map`` (which makes the axis Manual inside the map either way) and jit over
-    ``NamedSharding``-placed arrays (the GSPMD baseline the memory measurements compare with).
-
-    Args:
-        num_devices: N >= 1, at most ``len(jax.devices())``; None takes all devices. In a multi-process run
-            ``jax.devices()`` lists every process's devices, so the mesh is global.
-        axis_name: the name of the mesh axis; the steps' ``axis_name`` must match it.
-
-    Returns:
-        A ``jax.sharding.Mesh`` of shape ``(N,)`` with axis ``axis_name`` of type ``AxisType.Auto``.
-
-    Raises:
-        TypeError: ``num_devices`` not an int (or None); ``axis_name`` not a non-empty str.
-        ValueError: ``num_devices < 1`` or more than the available devices.
-
-    Example::
-
-        >>> mesh = make_mesh(1)
-        >>> mesh.shape
-        OrderedDict([('data', 1)])
-    """
-    fn = "make_mesh"
-    devices = jax.devices()
-    if not isinstance(axis_name, str) or not axis_name:
-        raise TypeError(
-            f"{fn}: axis_name must be a non-empty str, got {axis_name!r}; pass e.g. axis_name='data'"
-        )
-    if num_devices is None:
-        num_devices = len(devices)
-    _validate.check_int(fn, "num_devices", num_devices, example=f"num_devices={len(devices)} or None")
-    if not 1 <= num_devices <= len(devices):
-        raise ValueError(
-            f"{fn}: num_devices={num_devices} is not available: {len(devices)} device(s) exist; pass 1 <= "
-            f"num_devices <= {len(devices)} (on CPU, more devices can be faked with "
-            "jax.config.update('jax_num_cpu_devices', N) before JAX initializes)"
-        )
-    return jax.make_mesh(
-        (int(num_devices),), (axis_name,), axis_types=(AxisType.Auto,), devices=devices[: int(num_devices)]
-    )
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -148,8 +100,8 @@ def _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size):
     _validate.check_model(fn, model, x, y)
     check_params_only(fn, model)
     _validate.check_optimizer(fn, optimizer, model)
-    num_shards = check_mesh(fn, mesh, axis_name)
-    check_batch_divisible(fn, x.shape[0], num_shards, axis_name)
+    check_mesh(fn, mesh, axis_name)
+    check_batch_divisible(fn, x.shape[0], mesh.size, axis_name)
     min_size = check_min_size(fn, min_size)
     return sharded.prepare(strategy, mse_batch_loss, model, optimizer, (x, y), mesh, axis_name, min_size)
 

@@ -93,13 +93,19 @@ class Task:
             _validate.check_int(fn, "reduction_size", self.reduction_size, example="reduction_size=B * T")
 
     def new_model(self, fn: str = "Task.model") -> nnx.Module:
-        """A fresh model from the factory.
+        """A fresh model from the factory, built with ``nnx.use_eager_sharding(False)``.
+
+        A model whose parameters carry sharding annotations (``nnx.with_partitioning``) would otherwise need a
+        mesh in context to be built at all (Flax places annotated variables eagerly); shardcheck builds it on
+        the default device, keeps the annotations as metadata and places the state itself, per strategy
+        (:func:`shardcheck.steps.sharded.state_specs`).
 
         Raises:
             TypeError: the factory needs arguments, or returns something that is not an ``nnx.Module``.
         """
         try:
-            model = self.model()
+            with nnx.use_eager_sharding(False):
+                model = self.model()
         except TypeError as err:
             if "argument" not in str(err):
                 raise

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._catalog import COMPARED
 from shardcheck.datasets import Dataset, minibatch_indices
 from shardcheck.distributed import gather_to_host
 from shardcheck.losses import mse_loss
@@ -48,7 +49,7 @@ from shardcheck.task import LossFn, Task, check_divisible
 from shardcheck.task import batch_size as leading_size
 
 # The strategies a training loop runs beside the reference: every registered one but the reference itself.
-TRAIN_STRATEGIES = tuple(name for name in STRATEGIES if name != "reference")
+TRAIN_STRATEGIES = COMPARED
 # The shard count S when none is given: 4 devices for a mesh strategy, 2 shards (or micro-batches) otherwise.
 DEFAULT_NUM_SHARDS = {name: 4 if s.uses_mesh else 2 for name, s in STRATEGIES.items()}
 
@@ -610,7 +611,7 @@ def _check_options(
         if value not in choices:
             raise ValueError(f"{fn}: {arg}={value!r} is unknown; use one of {', '.join(choices)}")
     if mesh is not None and num_shards is None:
-        num_shards = int(mesh.shape["data"]) if "data" in mesh.axis_names else None
+        num_shards = int(mesh.size) if isinstance(mesh, jax.sharding.Mesh) else None
     if num_shards is None:
         num_shards = DEFAULT_NUM_SHARDS[strategy]
     num_shards = _validate.check_int(fn, "num_shards", num_shards, minimum=1, example="num_shards=4")
@@ -701,7 +702,7 @@ def _check_split(fn: str, n: int, o: _Options) -> tuple[int, int]:
 
 
 def _check_mesh(fn: str, o: _Options, mesh):
-    """The mesh of a mesh strategy (1-D, axis ``"data"`` of size S; default ``make_mesh(S)``), else None."""
+    """The mesh of a mesh strategy (``num_shards`` devices, any axes; default ``make_mesh(S)``), else None."""
     strategy = STRATEGIES[o.strategy]
     if not strategy.uses_mesh:
         return None
@@ -710,11 +711,6 @@ def _check_mesh(fn: str, o: _Options, mesh):
             f"{fn}: strategy={o.strategy!r} with S={o.num_shards} needs {o.num_shards} devices, but "
             f"{len(jax.devices())} exist; use num_shards <= {len(jax.devices())} (on CPU, fake more devices "
             "with --devices N, or jax.config.update('jax_num_cpu_devices', N) before JAX initializes)"
-        )
-    if mesh is not None and ("data" not in mesh.axis_names or int(mesh.shape["data"]) != o.num_shards):
-        raise ValueError(
-            f"{fn}: mesh has shape {dict(mesh.shape)}, but num_shards={o.num_shards} needs a 1-D mesh with axis "
-            f"'data' of size {o.num_shards}; build it with make_mesh({o.num_shards})"
         )
     return mesh_for(fn, strategy, o.num_shards, mesh)
 
@@ -828,7 +824,8 @@ def train(
         batch_size: B >= 1, a multiple of S, at most the number of training rows.
         test_fraction: share of rows held out, ``0 < f < 1``; at least one row must land in each split.
         seed: seed of the split, the shuffles and the initial parameters.
-        mesh: for a mesh strategy, a 1-D mesh with axis ``"data"``; built with ``make_mesh(S)`` when None.
+        mesh: for a mesh strategy, a mesh of S devices (any axes: :func:`shardcheck.make_mesh`); built with
+            ``make_mesh(S)`` when None.
         name: the data set's name, for the report.
         callback: called with a :class:`TrainProgress` after every step (and on every process).
 

@@ -53,6 +53,55 @@ def configure_devices(num_devices: int | None) -> None:
             ) from None
 
 
+MESH_HELP = (
+    "a mesh with named axes, e.g. data=2,fsdp=4: the batch is split over every axis, FSDP splits the state over "
+    "'fsdp' (or as the model's annotations say) and replicates it over 'data'; creates that many fake CPU "
+    "devices, like --devices (which it replaces; a given --devices must equal the product)"
+)
+
+
+def _mesh_type(text: str) -> dict[str, int]:
+    from shardcheck.mesh import parse_mesh  # JAX-free: it is imported when the module is
+
+    try:
+        return parse_mesh(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix(f"--mesh {text!r}: ")) from None
+
+
+def add_mesh_argument(p) -> None:
+    """``--mesh NAME=SIZE[,NAME=SIZE...]`` (parsed by :func:`shardcheck.mesh.parse_mesh`)."""
+    p.add_argument("--mesh", type=_mesh_type, default=None, metavar="NAME=SIZE,...", help=MESH_HELP)
+
+
+def apply_mesh(command: str, args, devices_flag: str = "devices") -> None:
+    """With ``--mesh``, set ``args.<devices_flag>`` to the mesh's device count (the shard count S).
+
+    Raises:
+        ValueError: ``--devices`` given and not the product of the mesh's axis sizes.
+    """
+    axes = getattr(args, "mesh", None)
+    if axes is None:
+        return
+    size = math.prod(axes.values())
+    given = getattr(args, devices_flag)
+    if given is not None and given != size:
+        listed = ",".join(f"{k}={v}" for k, v in axes.items())
+        raise ValueError(
+            f"{command}: --mesh {listed} has {size} devices but --{devices_flag.replace('_', '-')} {given} was "
+            f"given; they must agree (drop --{devices_flag.replace('_', '-')}: --mesh sets it)"
+        )
+    setattr(args, devices_flag, size)
+
+
+def mesh_from_args(args, num_devices: int):
+    """The mesh of ``--mesh`` (``shardcheck.make_mesh`` of its axes), else a 1-D mesh of ``num_devices``."""
+    from shardcheck.mesh import make_mesh
+
+    axes = getattr(args, "mesh", None)
+    return make_mesh(axes if axes is not None else num_devices)
+
+
 OUTPUT_FLAGS = ("json", "plot", "log")
 
 

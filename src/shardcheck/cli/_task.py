@@ -12,7 +12,7 @@ TASK_HELP = (
 
 def add_task_arguments(p, *, optimizer_default_help: str) -> None:
     """``--task``, ``--dataset``, ``--target``, ``--model``, ``--hidden``, ``--optimizer``, ``--lr``."""
-    from shardcheck.optimizers import OPTIMIZERS
+    from shardcheck._catalog import OPTIMIZERS
 
     p.add_argument("--task", default=None, metavar="NAME|FILE.py:ATTR|MODULE:ATTR", help=TASK_HELP)
     p.add_argument(
@@ -28,23 +28,154 @@ def add_task_arguments(p, *, optimizer_default_help: str) -> None:
         "--lr",
         type=float,
         default=None,
-        help="learning rate of --optimizer (default: sgd 0.1, momentum 0.05, adam 0.01)",
+        help="learning rate of --optimizer (default: sgd 0.1, momentum 0.05, adam 0.01, adamw 0.01)",
     )
+    add_optimizer_options(p)
+
+
+def add_optimizer_options(p) -> None:
+    """``--weight-decay``, ``--clip-norm``, ``--warmup-steps``, ``--schedule``: the LLM recipe's optimizer."""
+    from shardcheck._catalog import SCHEDULES
+
+    p.add_argument(
+        "--weight-decay", type=float, default=None, help="adamw's decoupled weight decay (default 1e-4)"
+    )
+    p.add_argument(
+        "--clip-norm",
+        type=float,
+        default=None,
+        metavar="C",
+        help="clip the gradients to global L2 norm C first (optax.clip_by_global_norm); default: no clipping",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="linear learning-rate warm-up from 0 over N steps",
+    )
+    p.add_argument(
+        "--schedule",
+        default="constant",
+        choices=SCHEDULES,
+        help="the learning rate after the warm-up: constant, or cosine decay to 0 over the run's steps",
+    )
+
+
+PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+# Built-in tasks whose factory builds its model in the dtypes given (compute_dtype=, param_dtype=).
+PRECISION_TASKS = ("digits", "tiny-lm")
+
+
+def add_precision_arguments(p, *, harness: bool) -> None:
+    """``--compute-dtype`` and ``--param-dtype``: the precision policy (``shardcheck.parity.precision``).
+
+    ``harness``: whether the subcommand runs the parity harness, which can apply them to a user's task file.
+    """
+    where = (
+        "; for a task file, the tolerance policy of the check (check_parity's compute_dtype= / param_dtype=): "
+        "the file's model keeps its own dtypes"
+        if harness
+        else "; not for a task file (its model sets its own dtypes)"
+    )
+    for flag, what in (
+        ("compute", "activations and matmuls (the layers' dtype)"),
+        ("param", "the parameters"),
+    ):
+        p.add_argument(
+            f"--{flag}-dtype",
+            default=None,
+            choices=PRECISION_DTYPES,
+            help=f"dtype of {what} of the built-in {' / '.join(PRECISION_TASKS)} model (default: the task's "
+            f"own model settings, float32){where}",
+        )
+    p.set_defaults(precision_harness=harness)
+
+
+def precision_overrides(args) -> dict:
+    """``{compute_dtype, param_dtype}`` for :func:`~shardcheck.check_parity` when ``--task`` is a user's file."""
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.task is None or args.task in BUILTIN_TASKS:
+        return {}
+    given = {
+        "compute_dtype": getattr(args, "compute_dtype", None),
+        "param_dtype": getattr(args, "param_dtype", None),
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _precision_options(args, *, harness: bool) -> dict:
+    """The dtype options of a built-in task's factory; refuses them where they cannot apply."""
+    given = {
+        "compute_dtype": getattr(args, "compute_dtype", None),
+        "param_dtype": getattr(args, "param_dtype", None),
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given or args.task in PRECISION_TASKS:
+        return given
+    flag = "--" + next(iter(given)).replace("_", "-")
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.task is None or args.task in BUILTIN_TASKS:
+        raise ValueError(
+            f"{flag} applies to --task {' or '.join(PRECISION_TASKS)} (or a task file with verify); the "
+            f"{args.task or 'regression'} model is float32 only"
+        )
+    if not harness:
+        raise ValueError(
+            f"--task {args.task}: {flag} applies to a task file in verify only (as the check's tolerance policy); "
+            "set the dtypes in the file's model"
+        )
+    return {}
+
+
+def _optimizer_options(args) -> dict:
+    """The ``--weight-decay`` / ``--clip-norm`` / ``--warmup-steps`` / ``--schedule`` flags that were given."""
+    given = {
+        "weight_decay": getattr(args, "weight_decay", None),
+        "clip_norm": getattr(args, "clip_norm", None),
+        "warmup_steps": getattr(args, "warmup_steps", 0) or None,
+        "schedule": None if getattr(args, "schedule", "constant") == "constant" else args.schedule,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _named_optimizer(args, name: str, steps: int | None):
+    """``--optimizer`` with its options as one optax transformation (``shardcheck.optimizers.make_tx``)."""
+    from shardcheck.optimizers import DEFAULT_LR, make_tx
+
+    options = _optimizer_options(args)
+    if options.get("schedule") == "cosine":
+        options["decay_steps"] = max(int(steps or 10), int(options.get("warmup_steps", 0)) + 1)
+    lr = DEFAULT_LR[name] if args.lr is None else args.lr
+    return make_tx(name, lr, **options)
 
 
 def task_from_args(args, *, default_optimizer: str, batch_size: int | None, steps: int | None):
     """The :class:`~shardcheck.Task` the arguments name.
 
     A built-in task gets the options given on the command line (``--optimizer``, ``--lr``, ``--batch-size``,
-    ``--steps``, ``--seed``; ``--model`` for diabetes / linnerud); a user's task is used as it is.
+    ``--steps``, ``--seed``; ``--model`` for diabetes / linnerud; ``--compute-dtype`` / ``--param-dtype`` for
+    digits / tiny-lm); a user's task is used as it is (a subcommand that runs the parity harness applies the dtype
+    flags to its check instead: :func:`precision_overrides`).
 
     Raises:
         ValueError, TypeError: from :func:`shardcheck.tasks.load_task` (a bad spec, a task file that fails to
             import, an option that does not apply), with the message naming the flag.
     """
     from shardcheck.tasks import BUILTIN_TASKS, load_task, regression_task
+    from shardcheck.tasks.loading import DEFAULT_OPTIMIZER
 
     optimizer = args.optimizer
+    lr = args.lr
+    if _optimizer_options(args):
+        # The options make one optax transformation; built-in tasks take it whole (its rate inside it).
+        default = default_optimizer if args.task is None else DEFAULT_OPTIMIZER
+        if args.task is None or args.task in BUILTIN_TASKS:
+            optimizer, lr = _named_optimizer(args, optimizer or default, steps), None
+    harness = getattr(args, "precision_harness", False)
+    _precision_options(args, harness=harness)  # refuse the dtype flags where they cannot apply
     if args.task is None:
         return regression_task(
             args.dataset,
@@ -52,7 +183,7 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
             model=args.model,
             hidden=args.hidden,
             optimizer=optimizer or default_optimizer,
-            lr=args.lr,
+            lr=lr,
             batch_size=64 if batch_size is None else batch_size,
             steps=10 if steps is None else steps,
             seed=args.seed,
@@ -61,7 +192,7 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
         options = {"seed": args.seed}
         for key, value in (
             ("optimizer", optimizer),
-            ("lr", args.lr),
+            ("lr", lr),
             ("batch_size", batch_size),
             ("steps", steps),
         ):
@@ -69,8 +200,11 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
                 options[key] = value
         if args.task in ("diabetes", "linnerud"):
             options.update(model=args.model, hidden=args.hidden)
+        options.update(_precision_options(args, harness=harness))
         return load_task(args.task, **options)
-    for flag, value in (("--optimizer", optimizer), ("--lr", args.lr), ("--batch-size", batch_size)):
+    flags = [("--optimizer", optimizer), ("--lr", args.lr), ("--batch-size", batch_size)]
+    flags += [(f"--{k.replace('_', '-')}", v) for k, v in _optimizer_options(args).items()]
+    for flag, value in flags:
         if value is not None:
             raise ValueError(
                 f"--task {args.task}: {flag} applies to the built-in tasks only; a task file sets its own optimizer "

@@ -8,6 +8,9 @@ per-device figures.
 
 With ``--task NAME|FILE.py:ATTR|MODULE:ATTR`` the task's own model and optimizer are sized instead (from
 ``nnx.eval_shape(task.model)``: nothing allocated), and ``--measure`` compiles the task's step on its first batch.
+With ``--mesh data=2,fsdp=4`` the state is placed on that mesh (the model's annotations, else the FSDP rule), and
+the real step is compiled ahead of time on abstract inputs for ``--batch-size`` rows over fake CPU devices
+(nothing allocated); ``--device-memory 80GiB|h100|...`` says whether it fits and the largest batch that does.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardcheck._catalog import OPTIMIZERS
 from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
 from shardcheck.partitioning import STRATEGIES
 
 STRATEGY_CHOICES = ("all", *STRATEGIES)
-OPTIMIZER_CHOICES = ("sgd", "momentum", "adam")
+MESH_STRATEGY_CHOICES = (*STRATEGY_CHOICES, "gspmd")
+SIZE_CHOICES = ("tiny", "small", "125m", "350m", "1b")  # shardcheck.tasks.sizes.SIZES (JAX-free here)
+OPTIMIZER_CHOICES = OPTIMIZERS
 DTYPE_CHOICES = ("float32", "bfloat16")
 TASK_HELP = (
     "size this training task instead of --in/--out: a built-in (diabetes, linnerud, digits, tiny-lm), "
@@ -87,7 +93,41 @@ def add_parser(sub) -> None:
         choices=DTYPE_CHOICES,
         help="parameter dtype (default: float32; not with --task)",
     )
-    p.add_argument("--strategy", default="all", choices=STRATEGY_CHOICES, help="which strategy (or all)")
+    p.add_argument(
+        "--strategy",
+        default=None,
+        choices=MESH_STRATEGY_CHOICES,
+        help="which strategy, or all (default: all; with --mesh: fsdp; gspmd only with --mesh)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="NAME=SIZE[,NAME=SIZE...]",
+        help="place the task's state on this mesh (e.g. data=2,fsdp=4; fake CPU devices are created) and compile "
+        "its real step ahead of time on abstract inputs: nothing is allocated (needs --task or --size)",
+    )
+    p.add_argument(
+        "--size",
+        default=None,
+        choices=SIZE_CHOICES,
+        help="a named size of the tiny-lm task (implies --task tiny-lm): tiny, small, 125m, 350m, 1b (~1B "
+        "Llama-like: 16 layers of width 2048, 32 heads, MLP 8192, vocab 32000, T 2048)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="global batch of the ahead-of-time compile with --mesh, a multiple of the mesh size (shapes only: "
+        "never allocated; default: the task's first batch, rounded up to a multiple of the mesh size)",
+    )
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE|KIND",
+        help="memory of one device, e.g. 80GiB, 80GB, 16e9, or a kind (h100, h200, a100-40gb, a100-80gb, l4, "
+        "tpu-v4, tpu-v5e, tpu-v5p): says whether the --mesh step fits, and finds the largest batch that does",
+    )
     p.add_argument("--measure", action="store_true", help="also compile each step on a mesh and measure it")
     p.add_argument(
         "--batch",
@@ -130,7 +170,7 @@ def human_bytes(n: float) -> str:
 
 def main(args) -> int:
     name = "shardcheck memory"
-    if args.task is None:
+    if args.task is None and args.size is None and args.mesh is None:
         missing = [
             flag
             for flag, dest in (("--in", "in_features"), ("--out", "out_features"))
@@ -146,10 +186,30 @@ def main(args) -> int:
         ("shards", "shards"),
         ("devices", "devices"),
         ("batch", "batch"),
+        ("batch-size", "batch_size"),
     ):
         value = getattr(args, dest)
         if value is not None and value < 1:
             return _fail(f"{name}: --{flag} must be a positive int, got {value}")
+    if args.size is not None:
+        if args.task not in (None, "tiny-lm"):
+            return _fail(f"{name}: --size is a size of the tiny-lm task; drop --task {args.task} or --size")
+        args.task = "tiny-lm"
+    for flag, dest in (("--batch-size", "batch_size"), ("--device-memory", "device_memory")):
+        if getattr(args, dest) is not None and args.mesh is None:
+            return _fail(
+                f"{name}: {flag} applies to the ahead-of-time compile; pass --mesh too (e.g. --mesh fsdp=8)"
+            )
+    if args.mesh is not None:
+        if args.task is None:
+            return _fail(
+                f"{name}: --mesh compiles a task's step; pass --task (e.g. --task tiny-lm --size 125m, or "
+                "--task my_task.py:task)"
+            )
+        return main_mesh(args)
+    if args.strategy == "gspmd":
+        return _fail(f"{name}: --strategy gspmd needs --mesh (e.g. --mesh data=2,fsdp=4)")
+    args.strategy = "all" if args.strategy is None else args.strategy
     if args.task is not None:
         return main_task(args)
     args.optimizer = "sgd" if args.optimizer is None else args.optimizer
@@ -211,16 +271,22 @@ def main(args) -> int:
     return _report(args, estimates, measured)
 
 
-def _report(args, estimates, measured, task=None) -> int:
+def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=None) -> int:
     """Print the tables and the notes, write --json and --plot."""
     from shardcheck import distributed
 
     if not distributed.is_main_process():
         return 0  # under `shardcheck launch` every process computed the same figures; process 0 alone reports
     console = console_for(args)
-    console.print(render_table(args, estimates, task))
+    console.print(render_table(args, estimates, task, mesh))
+    if aot:
+        console.print(render_aot(estimates, aot))
+        note = next(iter(aot.values())).backend_note
+        console.print(f"[bold]backend[/]: {next(iter(aot.values())).backend}: {note}", highlight=False)
     if measured:
         console.print(render_measured(estimates, measured))
+    for s, (verdict, largest, peaks) in (fits or {}).items():
+        console.print(render_fit(s, verdict, largest, peaks, aot[s].batch_size), highlight=False)
     for s in ("fsdp",):
         if s in estimates:
             est = estimates[s]
@@ -232,15 +298,76 @@ def _report(args, estimates, measured, task=None) -> int:
             )
     console.print(
         "Storage of the training state, not peak memory: activations, gathered parameters and communication "
-        "buffers are not in the estimate (seed 001)."
-        + (" XLA peak = argument + output - alias + temp." if measured else ""),
+        "buffers are not in the estimate (seed 001)"
+        + ("; the compiled step's peak is in the ahead-of-time table." if aot else ".")
+        + (" XLA peak = argument + output - alias + temp." if measured or aot else ""),
         style="dim",
         highlight=False,
     )
-    write_json(report_json(args, estimates, measured, task), args.json)
+    write_json(report_json(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh), args.json)
     if args.plot:
-        memory_plot(estimates, measured, args.plot, title=_title(args, task))
+        memory_plot(estimates, measured, args.plot, title=_title(args, task, mesh), aot=aot)
     return 0
+
+
+def render_aot(estimates, aot):
+    from rich.table import Table
+
+    first = next(iter(aot.values()))
+    table = Table(
+        title=f"compiled ahead of time per device (abstract inputs, nothing allocated), batch {first.batch_size}"
+    )
+    for column in (
+        "strategy",
+        "params",
+        "optimizer",
+        "step",
+        "persistent",
+        "compiled state",
+        "est / compiled",
+    ):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for column in ("batch", "temporaries", "outputs", "peak"):
+        table.add_column(column, justify="right")
+    for name, a in aot.items():
+        parts = a.breakdown()
+        table.add_row(
+            name,
+            human_bytes(a.params_bytes + a.model_state_bytes),
+            human_bytes(a.optimizer_bytes),
+            human_bytes(a.step_bytes),
+            human_bytes(a.persistent_bytes),
+            human_bytes(a.state_argument_bytes),
+            f"{a.persistent_bytes / a.state_argument_bytes:.4f}",
+            human_bytes(parts["batch"]),
+            human_bytes(parts["temporaries"]),
+            human_bytes(parts["outputs"]),
+            human_bytes(a.peak_bytes),
+        )
+    return table
+
+
+def render_fit(strategy, verdict, largest, peaks, batch_size) -> str:
+    """One verdict line: fits or not, the headroom, the largest parts, the largest batch that fits."""
+    word = "[bold green]fits[/]" if verdict.fits else "[bold red]does not fit[/]"
+    headroom = (
+        f"headroom {human_bytes(verdict.headroom_bytes)} ({verdict.headroom_fraction:.1%})"
+        if verdict.fits
+        else f"short by {human_bytes(-verdict.headroom_bytes)}"
+    )
+    parts = ", ".join(f"{part} {human_bytes(n)}" for part, n in verdict.largest)
+    tried = ", ".join(f"{b}: {human_bytes(p)}" for b, p in sorted(peaks.items()))
+    if not largest:
+        best = "no batch fits (even one row per device)"
+    elif all(p <= verdict.device_memory_bytes for p in peaks.values()):
+        best = f"largest batch that fits: at least {largest} (every size compiled fits; the search stopped there)"
+    else:
+        best = f"largest batch that fits: {largest}"
+    return (
+        f"{strategy}, batch {batch_size}: {word} on {verdict.device}: peak {human_bytes(verdict.peak_bytes)} of "
+        f"{human_bytes(verdict.device_memory_bytes)}, {headroom}; largest parts: {parts}. {best} (peaks compiled: "
+        f"{tried})"
+    )
 
 
 def _task_args(args) -> argparse.Namespace:
@@ -255,6 +382,83 @@ def _task_args(args) -> argparse.Namespace:
         lr=None,
         seed=0,
     )
+
+
+def _build_task(args):
+    """The task of ``--task`` (or ``--size``, a named size of tiny-lm); raises ValueError / TypeError."""
+    if args.size is not None:
+        from shardcheck.tasks.sizes import size_task
+
+        return size_task(args.size, optimizer=args.optimizer, batch_size=args.batch)
+    from shardcheck.cli._task import task_from_args
+
+    return task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch, steps=1)
+
+
+def _default_batch_size(task, num_devices: int) -> int:
+    """The task's first batch size rounded up to a multiple of the device count (the AOT default)."""
+    from shardcheck.task import batch_size
+
+    return -(-batch_size(task.batches[0]) // num_devices) * num_devices
+
+
+def main_mesh(args) -> int:
+    """``shardcheck memory --task SPEC --mesh AXES``: placement on the mesh, the step compiled ahead of time."""
+    import math
+
+    name = "shardcheck memory"
+    from shardcheck.mesh import parse_mesh
+
+    try:
+        axes = parse_mesh(args.mesh)
+    except ValueError as e:
+        return _fail(f"{name}: {e}")
+    device = None
+    if args.device_memory is not None:
+        from shardcheck.device_memory import parse_device_memory
+
+        try:
+            device = parse_device_memory(args.device_memory)
+        except ValueError as e:
+            return _fail(f"{name}: {e}")
+    for flag, dest in (("--shards", "shards"), ("--in", "in_features"), ("--out", "out_features")):
+        if getattr(args, dest) is not None:
+            return _fail(f"{name}: {flag} does not apply with --mesh (the mesh sets the device count)")
+    if args.dtype is not None:
+        return _fail(
+            f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
+        )
+    size = math.prod(axes.values())
+    try:
+        configure_devices(max(size, args.devices or 0))
+    except ValueError as e:
+        return _fail(f"{name}: {e}")
+    from shardcheck import ahead_of_time, device_memory, memory
+    from shardcheck.mesh import make_mesh
+
+    strategy = args.strategy or "fsdp"
+    strategies = STRATEGY_CHOICES[1:] if strategy == "all" else (strategy,)
+    try:
+        mesh = make_mesh(axes)
+        task = _build_task(args)
+        batch = args.batch_size or _default_batch_size(task, mesh.size)
+        estimates = {s: memory.estimate_memory(task, mesh=mesh, strategy=s) for s in strategies}
+        aot = {
+            s: ahead_of_time.compile_ahead_of_time(task, mesh, strategy=s, batch_size=batch)
+            for s in strategies
+        }
+        measured = {}
+        if args.measure:
+            measured = {s: memory.measure_memory(task, strategy=s, mesh=mesh) for s in strategies}
+        fits = {}
+        if device is not None:
+            for s in strategies:
+                largest, peaks = ahead_of_time.largest_batch_that_fits(task, mesh, device[0], strategy=s)
+                fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
+    args.shards = mesh.size
+    return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
 
 
 def main_task(args) -> int:
@@ -287,10 +491,9 @@ def main_task(args) -> int:
         return _fail(f"{name}: {e}")
 
     from shardcheck import memory
-    from shardcheck.cli._task import task_from_args
 
     try:
-        task = task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch, steps=1)
+        task = _build_task(args)
         estimates = {s: memory.estimate_memory(task, num_shards=args.shards, strategy=s) for s in strategies}
     except (ValueError, TypeError) as e:
         return _fail(str(e))
@@ -311,12 +514,17 @@ def main_task(args) -> int:
     return _report(args, estimates, measured, task)
 
 
-def _title(args, task=None) -> str:
+def _title(args, task=None, mesh=None) -> str:
     if task is not None:
         from shardcheck.task import batch_size
 
         optimizer = args.optimizer or "its own optimizer"
-        return f"task {task.name} (B={batch_size(task.batches[0])}), {optimizer}, S={args.shards}"
+        size = f" size {args.size}" if getattr(args, "size", None) else ""
+        if mesh is not None:
+            from shardcheck.mesh import describe
+
+            return f"task {task.name}{size}, {optimizer}, mesh {describe(mesh)}"
+        return f"task {task.name}{size} (B={batch_size(task.batches[0])}), {optimizer}, S={args.shards}"
     if args.hidden is None:
         model = f"Linear({args.in_features}, {args.out_features})"
     else:
@@ -327,10 +535,10 @@ def _title(args, task=None) -> str:
     return f"{model}, {args.optimizer}, {args.dtype}, S={args.shards}"
 
 
-def render_table(args, estimates, task=None):
+def render_table(args, estimates, task=None, mesh=None):
     from rich.table import Table
 
-    table = Table(title=f"shardcheck memory (estimate per device): {_title(args, task)}")
+    table = Table(title=f"shardcheck memory (estimate per device): {_title(args, task, mesh)}")
     # The model's variables other than nnx.Param (RNG keys and counts): a column only when a model has some.
     model_state = any(est.model_state_bytes for est in estimates.values())
     table.add_column("strategy")
@@ -392,8 +600,13 @@ def render_measured(estimates, measured):
     return table
 
 
-def report_json(args, estimates, measured, task=None) -> dict:
-    """The ``--json`` object: exact bytes per device, by strategy (with ``task``: of the task's model)."""
+def report_json(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=None) -> dict:
+    """The ``--json`` object: exact bytes per device, by strategy (with ``task``: of the task's model).
+
+    With ``--mesh`` each strategy also has ``ahead_of_time`` (:class:`shardcheck.ahead_of_time.AheadOfTimeMemory` fields
+    and its ``breakdown``) and, with ``--device-memory``, ``device_memory`` (the verdict, ``largest_batch_size`` and
+    ``peak_bytes_by_batch_size``); the top level has ``mesh`` and ``size``.
+    """
     import dataclasses
 
     out = {}
@@ -416,12 +629,21 @@ def report_json(args, estimates, measured, task=None) -> dict:
             entry["model_state_bytes"] = est.model_state_bytes
         if name in measured:
             entry["measured"] = measured[name].to_json()
+        if aot and name in aot:
+            entry["ahead_of_time"] = aot[name].to_json()
+        if fits and name in fits:
+            verdict, largest, peaks = fits[name]
+            entry["device_memory"] = {
+                **verdict.to_json(),
+                "largest_batch_size": largest,
+                "peak_bytes_by_batch_size": {str(b): p for b, p in sorted(peaks.items())},
+            }
         out[name] = entry
     first = next(iter(estimates.values()))
     if task is not None:
         from shardcheck.task import batch_size
 
-        return {
+        report = {
             "task": task.name,
             "model": {"kind": "task", "task": task.name, "param_count": first.param_count},
             "optimizer": args.optimizer,
@@ -429,6 +651,10 @@ def report_json(args, estimates, measured, task=None) -> dict:
             "num_shards": args.shards,
             "strategies": out,
         }
+        if mesh is not None:
+            report["mesh"] = {str(a): int(n) for a, n in mesh.shape.items()}
+            report["size"] = args.size
+        return report
     return {
         "model": {
             "kind": "linear" if args.hidden is None else "mlp",
@@ -445,10 +671,12 @@ def report_json(args, estimates, measured, task=None) -> dict:
     }
 
 
-def memory_plot(estimates, measured, path, *, title: str = "") -> None:
+def memory_plot(estimates, measured, path, *, title: str = "", aot=None) -> None:
     """A stacked bar per strategy (params, optimizer incl. step counter, grads) in MiB, written to ``path``.
 
     A model's variables other than ``nnx.Param`` (RNG keys and counts, usually none) are drawn with the params.
+    With ``aot`` (``--mesh``) the compiled step's temporaries are stacked on top (they include the gradients, so
+    the bar then counts the gradients twice; the compiled peak is in the table and the JSON).
 
     With measurements, a marker shows the measured live state per device and a bar outline XLA's peak
     (argument + output - alias + temp).
@@ -467,6 +695,8 @@ def memory_plot(estimates, measured, path, *, title: str = "") -> None:
         "optimizer + step": [(estimates[n].optimizer_bytes + estimates[n].step_bytes) / mib for n in names],
         "grads": [estimates[n].grads_bytes / mib for n in names],
     }
+    if aot:  # the compiled step's temporaries (activations, gradients, collective buffers) on top
+        parts["temporaries (compiled)"] = [aot[n].temp_bytes / mib if n in aot else 0.0 for n in names]
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
     bottom = [0.0] * len(names)
     for label, values in parts.items():

@@ -9,10 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_json
-from shardcheck.optimizers import OPTIMIZERS
-from shardcheck.runner import BASELINE, REFERENCE, xy_strategies
-from shardcheck.steps.registry import STRATEGIES
+from shardcheck._catalog import BASELINE, OPTIMIZERS, REFERENCE
+from shardcheck._catalog import STRATEGY_SPECS as STRATEGIES  # names and uses_mesh: no JAX for --help
+from shardcheck._catalog import seed_form as xy_strategies
+from shardcheck.cli._common import (
+    HelpFormatter,
+    add_mesh_argument,
+    apply_mesh,
+    configure_devices,
+    console_for,
+    write_json,
+)
+from shardcheck.cli._task import add_precision_arguments
 
 STRATEGY_CHOICES = ("all", BASELINE, *STRATEGIES)
 TASK_HELP = (
@@ -38,6 +46,7 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--task", default=None, metavar="NAME|FILE.py:ATTR|MODULE:ATTR", help=TASK_HELP)
+    add_precision_arguments(p, harness=False)
     p.add_argument("--dataset", default="diabetes", help="diabetes | linnerud | PATH.csv | PATH.npz")
     p.add_argument(
         "--target", default=None, help="CSV target column(s), comma-separated (default: last column)"
@@ -58,6 +67,7 @@ def add_parser(sub) -> None:
         default=None,
         help="fake CPU devices to create when no accelerator is present (default: the shard count)",
     )
+    add_mesh_argument(p)
     p.add_argument(
         "--lr",
         type=float,
@@ -115,6 +125,10 @@ def main(args) -> int:
             f"{', '.join(seed_form)}",
         )
 
+    try:
+        apply_mesh("shardcheck run", args, "shards")
+    except ValueError as e:
+        return _fail(err, str(e))
     if args.shards is None and distributed.is_multiprocess():
         import jax
 
@@ -146,12 +160,12 @@ def main(args) -> int:
             )
     try:
         if on_mesh:
-            from shardcheck.spmd import make_mesh
+            from shardcheck.cli._common import mesh_from_args
 
             runner._validate.check_equal_shards(
                 "shardcheck run", data.x.shape[0], args.shards, hint="choose --shards from this list"
             )
-            mesh = make_mesh(args.shards)
+            mesh = mesh_from_args(args, args.shards)
         report = runner.run_strategies(
             data.x,
             data.y,
@@ -183,6 +197,9 @@ def _task_args(args) -> argparse.Namespace:
         optimizer=args.optimizer,
         lr=args.lr,
         seed=args.seed,
+        compute_dtype=args.compute_dtype,
+        param_dtype=args.param_dtype,
+        precision_harness=False,
     )
 
 
@@ -197,6 +214,10 @@ def main_task(args, err) -> int:
         return _fail(err, f"{name}: with --task the baseline is the registered strategy {REFERENCE!r}")
     from shardcheck import distributed
 
+    try:
+        apply_mesh(name, args, "shards")
+    except ValueError as e:
+        return _fail(err, str(e))
     if args.shards is None and distributed.is_multiprocess():
         import jax
 
@@ -224,7 +245,10 @@ def main_task(args, err) -> int:
         )
     try:
         task = task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch_size, steps=1)
-        report = runner.run_task(task, num_shards=args.shards, strategies=strategies)
+        from shardcheck.cli._common import mesh_from_args
+
+        mesh = mesh_from_args(args, args.shards) if on_mesh else None
+        report = runner.run_task(task, num_shards=args.shards, strategies=strategies, mesh=mesh)
     except (ValueError, TypeError) as e:
         return _fail(err, str(e))
 

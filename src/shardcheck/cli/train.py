@@ -12,9 +12,17 @@ import io
 import sys
 from pathlib import Path
 
-from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
-from shardcheck.cli._task import add_task_arguments, task_from_args
-from shardcheck.training import DEFAULT_NUM_SHARDS, TRAIN_STRATEGIES
+from shardcheck._catalog import COMPARED as TRAIN_STRATEGIES
+from shardcheck.cli._common import (
+    HelpFormatter,
+    add_mesh_argument,
+    apply_mesh,
+    configure_devices,
+    console_for,
+    write_atomic,
+    write_json,
+)
+from shardcheck.cli._task import add_precision_arguments, add_task_arguments, task_from_args
 
 LOG_COLUMNS = ("step", "epoch", "loss_baseline", "loss_sharded", "max_abs_param_diff")
 # Without --task: the regression run's defaults (the flags default to None so that --task can tell them apart).
@@ -41,6 +49,7 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="optax optimizer of both runs (default: adam; a task's own)")
+    add_precision_arguments(p, harness=False)
     _add_run_arguments(p)
     p.add_argument("--plot", default=None, metavar="PATH.png", help="write loss curves and drift as a PNG")
     p.add_argument("--log", default=None, metavar="PATH.csv", help="write one CSV row per step")
@@ -69,6 +78,7 @@ def _add_run_arguments(p) -> None:
         "present), shards or micro-batches otherwise (default: 4 on a mesh, or every device under "
         "'shardcheck launch'; 2 otherwise)",
     )
+    add_mesh_argument(p)
     p.add_argument(
         "--epochs", type=int, default=30, help="passes over the training split (--task: its batches)"
     )
@@ -134,6 +144,7 @@ def _check_args(args) -> str | None:
 def _num_shards(args) -> int:
     from shardcheck import distributed
     from shardcheck.steps import STRATEGIES
+    from shardcheck.training import DEFAULT_NUM_SHARDS
 
     if args.devices is not None:
         return args.devices
@@ -150,6 +161,10 @@ def main(args) -> int:
         return _fail(problem)
     from shardcheck.steps import STRATEGIES
 
+    try:
+        apply_mesh("shardcheck train", args)
+    except ValueError as err:
+        return _fail(str(err))
     num_shards = _num_shards(args)
     try:
         if STRATEGIES[args.strategy].uses_mesh:
@@ -207,7 +222,13 @@ def _main_task(args, num_shards: int) -> int:
         return _fail(str(err))
 
     def run(callback):
-        return train_task(task, args.strategy, num_shards=num_shards, epochs=args.epochs, callback=callback)
+        from shardcheck.cli._common import mesh_from_args
+        from shardcheck.steps import STRATEGIES
+
+        mesh = mesh_from_args(args, num_shards) if STRATEGIES[args.strategy].uses_mesh else None
+        return train_task(
+            task, args.strategy, num_shards=num_shards, mesh=mesh, epochs=args.epochs, callback=callback
+        )
 
     return _run_and_report(args, run, render_task_table, plot_task_training, task_report_json)
 

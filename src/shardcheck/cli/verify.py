@@ -6,12 +6,17 @@ import argparse
 import inspect
 import sys
 
-from shardcheck.cli._common import configure_devices, console_for, write_json
-from shardcheck.cli._task import add_task_arguments, task_from_args
-from shardcheck.steps.registry import CANDIDATES, STRATEGIES
+from shardcheck._catalog import CANDIDATES, COMPARED
+from shardcheck.cli._common import add_mesh_argument, apply_mesh, configure_devices, console_for, write_json
+from shardcheck.cli._task import (
+    add_precision_arguments,
+    add_task_arguments,
+    precision_overrides,
+    task_from_args,
+)
 
 # every registered strategy but the reference; the default leaves out multiprocess (it needs a launched run)
-STRATEGY_NAMES = tuple(name for name in STRATEGIES if name != "reference")
+STRATEGY_NAMES = COMPARED
 DEFAULT_STRATEGIES = ",".join(CANDIDATES)
 
 
@@ -36,6 +41,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
+    add_precision_arguments(p, harness=True)
     p.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
@@ -59,6 +65,7 @@ def add_parser(sub) -> None:
         default=None,
         help="S: shards per step, and fake CPU devices to create (default: every device of a launched run, else 2)",
     )
+    add_mesh_argument(p)
     p.add_argument(
         "--candidate",
         default=None,
@@ -154,6 +161,7 @@ def _check_args(args) -> tuple[list[str], int]:
     """
     from shardcheck import _validate, distributed
 
+    apply_mesh("shardcheck verify", args)
     for flag in ("steps", "batch_size", "devices", "hidden"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -179,7 +187,7 @@ def _check_args(args) -> tuple[list[str], int]:
     return strategies, args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
 
 
-def _mesh(num_shards: int, needed: bool):
+def _mesh(args, num_shards: int, needed: bool):
     import jax
 
     if not needed:
@@ -189,9 +197,9 @@ def _mesh(num_shards: int, needed: bool):
             f"shardcheck verify: S={num_shards} shards need {num_shards} devices for dp/fsdp/--candidate, but "
             f"{jax.device_count()} exist; pass --devices {num_shards} or fewer"
         )
-    from shardcheck.spmd import make_mesh
+    from shardcheck.cli._common import mesh_from_args
 
-    return make_mesh(num_shards)
+    return mesh_from_args(args, num_shards)
 
 
 def _check_all(args, task, runs, num_shards, mesh) -> dict:
@@ -202,7 +210,7 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
     steps = args.steps if args.task is not None and args.task not in BUILTIN_TASKS else None
     options = dict(
         num_shards=num_shards, mesh=mesh, rtol=args.rtol, atol=args.atol, accept_weak=args.accept_weak
-    )
+    ) | precision_overrides(args)
     reports = {}
     for label, cand in runs:
         if args.task is None and label == "candidate":
@@ -251,7 +259,9 @@ def main(args) -> int:
         candidate = (
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
-        mesh = _mesh(num_shards, any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None)
+        mesh = _mesh(
+            args, num_shards, any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None
+        )
         runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
@@ -281,6 +291,8 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     steps = len(next(iter(reports.values())).steps) if reports else 0
     b = batch_size(task.batches[0])
     setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
+    if args.mesh is not None:
+        setup += " on mesh " + " x ".join(f"{k}={v}" for k, v in args.mesh.items())
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
@@ -294,6 +306,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "model": args.model if args.task is None else None,
         "optimizer": optimizer,
         "lr": lr,
+        "mesh": args.mesh,
         "steps": steps,
         "batch_size": b,
         "num_shards": num_shards,

@@ -1,12 +1,17 @@
-"""Leaf-by-leaf comparison of a candidate's state against the reference's, on the host in float64."""
+"""Leaf-by-leaf comparison of a candidate's state against the reference's: float64 semantics, reduced on the device."""
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from shardcheck._tree import path_str
 from shardcheck.distributed import gather_to_host
@@ -42,20 +47,21 @@ def replica_mismatch(a) -> bool:
     shards = a.addressable_shards
     if len(shards) < 2:
         return False
-    seen: dict[tuple, bytes] = {}
+    seen: dict[tuple, np.ndarray] = {}
     for shard in shards:
         key = tuple((s.start, s.stop, s.step) for s in shard.index)
-        data = np.asarray(shard.data).tobytes()
-        if key in seen and seen[key] != data:
+        data = np.ascontiguousarray(shard.data).reshape(-1).view(np.uint8)  # the bytes, without a copy
+        if key in seen and not np.array_equal(seen[key], data):
             return True
         seen.setdefault(key, data)
     return False
 
 
-def _ratio(dr: np.ndarray, dc: np.ndarray) -> float | None:
-    """The median elementwise ratio ``dc / dr`` over elements where ``|dr|`` is at least 1% of its largest."""
+def _ratio(dr: np.ndarray, dc: np.ndarray, top: float | None = None) -> float | None:
+    """The median elementwise ratio ``dc / dr`` over elements where ``|dr|`` is at least 1% of its largest
+    (``top``: that largest, when already known)."""
     big = np.abs(dr)
-    top = float(np.max(big, initial=0.0))
+    top = float(np.max(big, initial=0.0)) if top is None else top
     if top == 0:
         return None
     mask = big >= 0.01 * top
@@ -114,3 +120,309 @@ def counter_error(step, path, ref, cand) -> LeafError:
 def is_int(a) -> bool:
     """Whether ``a`` holds integers or booleans (compared exactly)."""
     return np.dtype(np.asarray(a).dtype).kind in "iub"
+
+
+# ------------------------------------------------------------------------------------- on-device statistics
+
+# a float32 badness within this relative distance of the leaf's largest is re-checked in float64 on the host
+_NEAR = 1e-5
+# below this (float32 subnormal territory) the float32 badness is not trusted: the leaf is compared on the host
+_TINY = 1e-30
+
+
+class LeafInput(NamedTuple):
+    """One leaf to compare: the arguments of :func:`leaf_error`."""
+
+    step: int
+    kind: str
+    path: str
+    ref: Any
+    cand: Any
+    rtol: float
+    atol: float
+    before_ref: Any = None
+    before_cand: Any = None
+    allowance: Any = None
+
+
+def _two_diff(a, b):
+    """``(s, e)`` with ``s = fl(a - b)`` and ``a - b == s + e`` exactly (Knuth's TwoSum, float32)."""
+    s = a - b
+    bv = s - a
+    e = (a - (s - bv)) + (-b - bv)
+    return s, e
+
+
+def _max_exact(s, e):
+    """``(m, e_m)``: ``max |a - b| == m + e_m`` exactly, from :func:`_two_diff`'s pairs (``|s|`` is monotone)."""
+    mag = jnp.abs(s).ravel()
+    m = jnp.max(mag, initial=0.0)
+    signed = jnp.where(s >= 0, e, -e).ravel()
+    return m, jnp.max(jnp.where(mag == m, signed, -jnp.inf), initial=-jnp.inf)
+
+
+# how many near-top elements a leaf may have for the float64 re-check on the host (more: the host path)
+_CANDIDATES = 16
+
+
+def _badness(leaf: dict, s, scale):
+    """``(allowance, allowed, |c - r| / allowed)`` in float32: the elementwise badness the re-check ranks by."""
+    extra = jnp.broadcast_to(leaf["extra"].astype(jnp.float32), s.shape)
+    allowed = leaf["tol"][0] + leaf["tol"][1] * scale + extra
+    return extra, allowed, jnp.abs(s) / allowed
+
+
+@jax.jit
+def _near_top(leaf: dict):
+    """``(s, e, allowance)`` at the :data:`_CANDIDATES` elements of largest float32 badness (ties at the top)."""
+    r = leaf["r"].astype(jnp.float32)
+    s, e = _two_diff(leaf["c"].astype(jnp.float32), r)
+    extra, _, bad = _badness(leaf, s, jnp.max(jnp.abs(r), initial=0.0))
+    _, idx = jax.lax.top_k(bad.ravel(), _CANDIDATES)
+    return s.ravel()[idx], e.ravel()[idx], extra.ravel()[idx]
+
+
+@jax.jit
+def _device_stats(leaves: list[dict]) -> jax.Array:
+    """Per leaf, float32 reductions from which :func:`leaf_errors` rebuilds the float64 statistics exactly, all
+    leaves' in one float32 vector (one transfer; :func:`_unpack_stats` reads it back)."""
+    out = []
+    for leaf in leaves:
+        r, c = leaf["r"].astype(jnp.float32), leaf["c"].astype(jnp.float32)
+        s, e = _two_diff(c, r)
+        # the inputs, and the float32 differences (finite inputs can overflow: 3e38 - -3e38)
+        inputs = [r, c, s] + [leaf[k].astype(jnp.float32) for k in ("r0", "c0", "extra") if k in leaf]
+        stats = {"diff": _max_exact(s, e), "scale": jnp.max(jnp.abs(r), initial=0.0)}
+        if "r0" in leaf:
+            change = _two_diff(r, leaf["r0"].astype(jnp.float32))
+            inputs.append(change[0])
+            stats["change"] = _max_exact(*change)
+        stats["finite"] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in inputs]))
+        if "extra" in leaf:
+            extra, allowed, bad = _badness(leaf, s, stats["scale"])
+            top = jnp.max(bad, initial=0.0)
+            near = bad >= top * (1 - _NEAR)
+
+            def at(a, near=near):  # the value at the one near-top element (valid when exactly one)
+                return jnp.max(jnp.where(near, a, -jnp.inf), initial=-jnp.inf)
+
+            stats.update(
+                max_extra=jnp.max(extra, initial=0.0),
+                min_allowed=jnp.min(allowed, initial=jnp.inf),
+                top=top,
+                near=jnp.sum(near),
+                at=(at(s), at(e), at(extra)),
+            )
+        out.extend(
+            jnp.asarray(v, jnp.float32) for v in jax.tree.leaves([stats[k] for k in _FIELDS if k in stats])
+        )
+    return jnp.stack(out)
+
+
+# the order of each leaf's statistics in _device_stats's vector, and how many values each takes
+_FIELDS = {"finite": 1, "diff": 2, "scale": 1, "change": 2, "max_extra": 1, "min_allowed": 1, "top": 1}
+_FIELDS.update(near=1, at=3)
+
+
+def _unpack_stats(flat: np.ndarray, leaves: list[dict]) -> list[dict]:
+    """:func:`_device_stats`'s vector as one ``{field: value(s)}`` per leaf (float32 values; counts exact)."""
+    out, i = [], 0
+    for leaf in leaves:
+        present = ["finite", "diff", "scale"] + (["change"] if "r0" in leaf else [])
+        present += ["max_extra", "min_allowed", "top", "near", "at"] if "extra" in leaf else []
+        stats = {}
+        for k in present:
+            n = _FIELDS[k]
+            stats[k] = flat[i] if n == 1 else tuple(flat[i : i + n])
+            i += n
+        out.append(stats)
+    return out
+
+
+def _on_device(item: LeafInput) -> bool:
+    arrays = [item.ref, item.cand] + [a for a in (item.before_ref, item.before_cand) if a is not None]
+    allowance = item.allowance
+    return (
+        all(isinstance(a, jax.Array) and a.is_fully_addressable for a in arrays)
+        and all(a.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) for a in arrays)
+        and item.ref.shape == item.cand.shape
+        and item.ref.size > 0
+        and (item.before_ref is None) == (item.before_cand is None)
+        and (allowance is None or (np.ndim(allowance) > 0 and np.shape(allowance) == item.ref.shape))
+        and (allowance is None or np.dtype(allowance.dtype) == np.float32)
+    )
+
+
+def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
+    """:func:`leaf_error` of every item, equal field for field, with one jitted call for all leaves.
+
+    On the device, in float32, per leaf: ``max |c - r|`` and ``max |r - r0|`` exactly (each element's float32
+    difference and its rounding error, Knuth's TwoSum; the float64 value is their sum), ``max |r|``, and with an
+    allowance the elementwise badness ``|c - r| / (atol + rtol * max|r| + allowance)``, whose largest element is
+    re-checked in float64 on the host when it is unique within a relative ``1e-5`` of the largest. Leaves the
+    device cannot settle exactly (non-finite values, ties at the top, tiny allowances, other dtypes, arrays
+    spread over processes) are compared on the host by :func:`leaf_error`. The median update ratio needs every
+    element in float64: it is computed on the host (:func:`_ratio`) from host copies.
+
+    Returns:
+        One :class:`LeafError` per item, in order.
+    """
+    device = [i for i, item in enumerate(items) if _on_device(item)]
+    leaves = []
+    for i in device:
+        item = items[i]
+        leaf = {"r": item.ref, "c": item.cand}
+        if item.before_ref is not None:
+            leaf.update(r0=item.before_ref, c0=item.before_cand)
+        if item.allowance is not None:
+            leaf.update(extra=jnp.asarray(item.allowance), tol=np.array([item.atol, item.rtol], np.float32))
+        leaves.append(leaf)
+    # every leaf's arrays onto its reference's devices (the candidate's may be spread over a mesh), in one call
+    places = [
+        jax.tree.map(lambda _, p=items[i].ref.sharding: p, leaf)
+        for i, leaf in zip(device, leaves, strict=True)
+    ]
+    leaves = jax.device_put(leaves, places)
+    flat = np.asarray(_device_stats(leaves)) if leaves else np.zeros(0, np.float32)
+    stats = dict(zip(device, _unpack_stats(flat, leaves), strict=True))
+    placed = dict(zip(device, leaves, strict=True))
+    return [
+        _from_stats(item, stats[i], placed[i]) if i in stats else leaf_error(*_host_args(item))
+        for i, item in enumerate(items)
+    ]
+
+
+def _host_args(item: LeafInput) -> tuple:
+    before = [None if a is None else to_host(a) for a in (item.before_ref, item.before_cand)]
+    allowance = (
+        item.allowance if item.allowance is None or np.ndim(item.allowance) == 0 else to_host(item.allowance)
+    )
+    return (*item[:3], to_host(item.ref), to_host(item.cand), item.rtol, item.atol, *before, allowance)
+
+
+def _exact(pair) -> float:
+    m, e = pair
+    return float(np.float64(m) + np.float64(e)) if m > 0 else 0.0
+
+
+def _from_stats(item: LeafInput, st: dict, leaf: dict) -> LeafError:
+    """The :class:`LeafError` of one leaf from its device statistics (or the host path where they cannot tell)."""
+    if not st["finite"]:
+        return leaf_error(*_host_args(item))
+    max_abs, scale = _exact(st["diff"]), float(st["scale"])
+    base = item.atol + item.rtol * scale
+    rel = (max_abs / scale) if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    if item.allowance is None:
+        ok, tol = max_abs <= base, base
+    else:
+        tol = base + float(st["max_extra"])
+        if max_abs == 0:
+            ok = True
+        elif (
+            st["min_allowed"] < _TINY
+            or st["top"] < _TINY
+            or not 1 <= st["near"] <= _CANDIDATES
+            or (st["near"] > 1 and item.ref.size < _CANDIDATES)
+        ):
+            return leaf_error(*_host_args(item))
+        else:
+            # the near-top elements in float64: every other element is below them by more than float32's error
+            s, e, extra = st["at"] if st["near"] == 1 else jax.device_get(_near_top(leaf))
+            diff = np.abs(np.asarray(s, np.float64) + np.asarray(e, np.float64))
+            allowed = base + np.asarray(extra, np.float64)
+            ok = bool(np.all(diff <= allowed))
+            worst = float(np.max(diff / allowed))
+            if worst > 0 and np.isfinite(worst):
+                tol = max_abs / worst
+    ratio, change = None, None
+    if item.before_ref is not None:
+        # the copies placed on the reference's device (a replicated candidate leaf: one buffer, not a gather)
+        dr = np.subtract(to_host(leaf["r"]), to_host(leaf["r0"]), dtype=np.float64)
+        dc = np.subtract(to_host(leaf["c"]), to_host(leaf["c0"]), dtype=np.float64)
+        change = _exact(st["change"])
+        ratio = _ratio(dr, dc, change)
+    else:
+        ratio = _ratio(to_host(leaf["r"]).astype(np.float64), to_host(leaf["c"]).astype(np.float64))
+    return LeafError(item.step, item.kind, item.path, max_abs, rel, tol, bool(ok), ratio, change)
+
+
+# ------------------------------------------------------------------------------------------ replica agreement
+
+
+def _bits(x):
+    """``x``'s elements as unsigned integers of the same width (floats bitwise: NaN payloads, signed zeros)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _replicas_differ(layouts: tuple, arrays: list) -> jax.Array:
+    """Per array: whether its copies over the replicated mesh axes differ bitwise (``pmax != pmin`` of the bits)."""
+    out = []
+    for (mesh, spec, axes), a in zip(layouts, arrays, strict=True):
+
+        def local(x, axes=axes, mesh=mesh):
+            u = _bits(x)
+            differ = jnp.any(jax.lax.pmax(u, axes) != jax.lax.pmin(u, axes)).astype(jnp.int32)
+            return jax.lax.pmax(differ, mesh.axis_names)
+
+        out.append(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)(a))
+    return jnp.stack(out)
+
+
+def _replicated_axes(a) -> tuple[str, ...] | None:
+    """The mesh axes over which a ``NamedSharding`` array is replicated; ``None`` for other shardings."""
+    sharding = a.sharding
+    if not isinstance(sharding, NamedSharding):
+        return None
+    used = {
+        n
+        for entry in sharding.spec
+        if entry is not None
+        for n in (entry if isinstance(entry, tuple) else (entry,))
+    }
+    return tuple(ax for ax in sharding.mesh.axis_names if ax not in used and sharding.mesh.shape[ax] > 1)
+
+
+def replica_mismatches(arrays: Mapping[str, Any]) -> set[str]:
+    """The names in ``arrays`` whose copies of one slice differ between this process's devices.
+
+    :func:`replica_mismatch` for many arrays at once, compared on the devices in one jitted call: per array
+    replicated over mesh axes, the elementwise max and min of its bits over those axes (an all-reduce) must
+    agree. Arrays on CPU devices (their buffers are host memory: an in-place byte comparison is several times
+    faster than XLA:CPU's all-reduce), arrays spread over several processes, and shardings other than
+    ``NamedSharding`` are compared by :func:`replica_mismatch` (this process's shards, on the host).
+    """
+    names, layouts, device = [], [], []
+    out = set()
+    for name, a in arrays.items():
+        if not isinstance(a, jax.Array) or len(a.addressable_shards) < 2:
+            continue
+        # host memory already on the CPU backend: the buffers are compared in place there (no all-reduce)
+        on_cpu = next(iter(a.devices())).platform == "cpu"
+        axes = _replicated_axes(a) if a.is_fully_addressable and not on_cpu else None
+        if axes is None:
+            if replica_mismatch(a):
+                out.add(name)
+        elif axes:
+            names.append(name)
+            layouts.append((a.sharding.mesh, a.sharding.spec, axes))
+            device.append(a)
+    if device:
+        differ = np.asarray(_replicas_differ(tuple(layouts), device))
+        out |= {name for name, d in zip(names, differ, strict=True) if d}
+    return out
+
+
+def device_snapshot(tree: PyTree) -> dict[str, Any]:
+    """:func:`flatten_state` with every array leaf copied on its own devices (a later step may donate it), in one
+    jitted call."""
+    flat = flatten_state(tree)
+    arrays = {k: v for k, v in flat.items() if isinstance(v, jax.Array)}
+    return {**flat, **(_copy(arrays) if arrays else {})}
+
+
+@jax.jit
+def _copy(arrays: dict) -> dict:
+    return jax.tree.map(jnp.copy, arrays)

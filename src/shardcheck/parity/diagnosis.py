@@ -8,9 +8,12 @@ in order, with their codes:
 
 - :func:`parity` (``parity``): every step within tolerance, neither run diverged.
 - :func:`reference_diverged` (``reference_diverged``): the reference went non-finite; no verdict.
+- :func:`wrong_axis_reduction` (``wrong_axis_reduction``): copies differ along some mesh axes only.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter is not the step count.
-- :func:`shard_factor` (``summed``, ``averaged_twice``): the gradient factor is S, S^2, 1/S or 1/S^2.
+- :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
+  1/S^2, or 1/sqrt(R) for a replica count R (a clipping norm counted once per replica).
+- :func:`replicated_reduced` (``replicated_reduced``): only some leaves (the replicated ones) are x R.
 - :func:`normalization` (``normalization``): the update is the mean of per-shard means (C4-C6).
 - :func:`scaled` (``scaled``): the gradient factor is another constant.
 - :func:`loss_differs` (``loss_differs``): only the returned loss differs.
@@ -32,9 +35,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from shardcheck.parity.topology import clip_factors, leaf_factors, replica_counts
+
 KINDS = ("loss", "grad", "param", "opt_state", "counter")
 # Two update ratios "agree" when within 2% of each other.
 RATIO_RTOL = 0.02
+# An active clip scaled by a norm sqrt(R) too large is exactly 1/sqrt(R): named only within 0.1% (a factor 0.7
+# that is a user's own constant is not 1/sqrt(2) = 0.7071).
+CLIP_RTOL = 1e-3
 # Above this rtol, a factor-2 error (a mean taken twice at S=2 is off by 50%) may hide in the tolerance.
 LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
@@ -118,6 +126,8 @@ class StepRecord:
             and a normalizing optimizer (Adam, RMSProp) turns that noise into an update of ~lr. Their tolerance
             includes the update's sensitivity to the gradient's tolerance, propagated through the optimizer;
             their gradients and optimizer state are still compared at the usual tolerance.
+        replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
+            (:func:`shardcheck.parity.topology.mismatch_axes`): the axes a reduction missed.
     """
 
     step: int
@@ -132,6 +142,7 @@ class StepRecord:
     synchronized: bool = False
     matches: tuple[str, ...] = ()
     unresolved: tuple[str, ...] = ()
+    replica_axes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -205,8 +216,11 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     return (f, "parameter updates") if f is not None else (None, "")
 
 
-def _name_factor(f: float, num_shards: int | None) -> tuple[str, str] | None:
-    """``(code, phrase)`` for a gradient factor that is a power of S (or of an integer when S is unknown)."""
+def _name_factor(
+    f: float, num_shards: int | None, mesh_shape: dict[str, int] | None = None
+) -> tuple[str, str] | None:
+    """``(code, phrase)`` for a gradient factor that is a power of S (or of an integer when S is unknown), or
+    1/sqrt(R) for a replica count R (a clipping norm counted once per replica)."""
     candidates = [num_shards] if num_shards and num_shards > 1 else list(range(2, 65))
     for s in candidates:
         if _close(f, s):
@@ -226,6 +240,19 @@ def _name_factor(f: float, num_shards: int | None) -> tuple[str, str] | None:
             )
         if _close(f, 1 / (s * s)):
             return "averaged_twice", f"the gradient was divided by S={s} three times (x1/{s * s})"
+    for value, r in clip_factors(num_shards, mesh_shape).items():
+        if _close(f, value, CLIP_RTOL):
+            k = math.isqrt(r)
+            other = (
+                f" (or, x1/{k}: a sum over 1/{k} of the shards divided by all of them)" if k * k == r else ""
+            )
+            return (
+                "clip_norm",
+                f"x1/sqrt({r}): the gradients were clipped with a global norm sqrt({r}) too large, the norm "
+                f"counted once per replica ({r} copies of each replicated gradient in the psum of squared "
+                "norms); sum the squares over the leaves each device owns, counting a replicated leaf once "
+                f"(or let jit/GSPMD compute optax.clip_by_global_norm on the global arrays){other}",
+            )
     return None
 
 
@@ -246,6 +273,7 @@ class DiagnosisContext:
         evidence: what ``factor`` was read from (``"gradients"``, ``"optimizer moments"``, ...), else ``""``.
         counter_fail: the first failing optimizer step counter leaf (path ``"step"``) over all records.
         reproduced: the :data:`NAMED_REDUCTIONS` that ``first``'s update reproduces.
+        mesh_shape: the candidate's mesh, ``{axis: size}``, when known.
     """
 
     records: tuple[StepRecord, ...]
@@ -259,6 +287,7 @@ class DiagnosisContext:
     evidence: str
     counter_fail: LeafError | None
     reproduced: tuple[str, ...]
+    mesh_shape: dict[str, int] | None = None
 
     @classmethod
     def build(
@@ -267,6 +296,7 @@ class DiagnosisContext:
         num_shards: int | None = None,
         diverged: StepRecord | None = None,
         reference_diverged_at: int | None = None,
+        mesh_shape: dict[str, int] | None = None,
     ) -> DiagnosisContext:
         records = tuple(records)
         failing = tuple(r for r in records if not r.ok)
@@ -285,7 +315,7 @@ class DiagnosisContext:
         reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
         return cls(
             records, num_shards, diverged, reference_diverged_at, failing, first, bad, factor, evidence,
-            counter_fail, reproduced,
+            counter_fail, reproduced, mesh_shape,
         )  # fmt: skip
 
     @property
@@ -310,7 +340,7 @@ class DiagnosisContext:
     @property
     def named_factor(self) -> tuple[str, str] | None:
         """:func:`_name_factor` of :attr:`factor`."""
-        return None if self.factor is None else _name_factor(self.factor, self.num_shards)
+        return None if self.factor is None else _name_factor(self.factor, self.num_shards, self.mesh_shape)
 
     @property
     def unexplained(self) -> bool:
@@ -377,6 +407,47 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
         "check_vma=False and out_specs=P()).",
         leaf,
     )
+
+
+def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
+    """``wrong_axis_reduction``: replicas differ along some mesh axes and agree along the others."""
+    r = next((r for r in ctx.records if r.replica_mismatches and r.replica_axes), None)
+    axes = tuple((ctx.mesh_shape or {}).keys())
+    if r is None or len(axes) < 2 or set(r.replica_axes) >= set(axes):
+        return None
+    missed = ", ".join(repr(a) for a in r.replica_axes)
+    done = ", ".join(repr(a) for a in axes if a not in r.replica_axes)
+    return Diagnosis(
+        "wrong_axis_reduction",
+        f"After step {r.step} the copies of {r.replica_mismatches[0]} differ along mesh axis {missed} and agree "
+        f"along {done}: the gradients were reduced over {done} only, not over {missed}, though the batch is "
+        f"split over every axis {axes}. Reduce over all of them (jax.lax.psum(g, {axes!r}), or a "
+        f"psum_scatter over the split axis and a psum over the others).",
+        r.replica_mismatches[0],
+    )
+
+
+def replicated_reduced(ctx: DiagnosisContext) -> Finding:
+    """``replicated_reduced``: some leaves' gradient factor is a replica count while the others match."""
+    if ctx.first is None or ctx.factor is not None or not ctx.update_kinds:
+        return None
+    factors = leaf_factors(ctx.first.leaves, ctx.first.unresolved)
+    right = [p for p, f in factors.items() if _close(f, 1.0)]
+    for r in replica_counts(ctx.num_shards, ctx.mesh_shape):
+        off = sorted(p for p, f in factors.items() if _close(f, r))
+        if off and right and len(off) + len(right) == len(factors):
+            listed = ", ".join(off[:4]) + (f" and {len(off) - 4} more" if len(off) > 4 else "")
+            return Diagnosis(
+                "replicated_reduced",
+                f"At step {ctx.first.step} the gradient of {len(off)} leaf/leaves ({listed}) is x{r} the "
+                f"reference's while the other {len(right)} match: those leaves were reduced twice. In "
+                "jax.shard_map the gradient of a parameter replicated over mesh axes comes back already "
+                f"psum-ed over them ({r} copies; docs/reduction_cases.md C2), so a second psum multiplies it by "
+                "the replica count; cast the replicated parameters with jax.lax.pcast(..., to='varying') before "
+                "differentiating, or drop the second reduction for them.",
+                f"param {off[0]}",
+            )
+    return None
 
 
 def step_counter(ctx: DiagnosisContext) -> Finding:
@@ -625,9 +696,11 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
 RULES: tuple[Rule, ...] = (
     parity,
     reference_diverged,
+    wrong_axis_reduction,
     replicas_differ,
     step_counter,
     shard_factor,
+    replicated_reduced,
     normalization,
     low_precision_reduction,
     scaled,
@@ -655,6 +728,7 @@ def diagnose(
     *,
     diverged: StepRecord | None = None,
     reference_diverged_at: int | None = None,
+    mesh_shape: dict[str, int] | None = None,
 ) -> list[Diagnosis]:
     """Explain a comparison: the findings of :class:`ParityReport`, most important first.
 
@@ -663,11 +737,14 @@ def diagnose(
 
     - ``parity``: every leaf of every step within tolerance (not after a divergence of either run).
     - ``reference_diverged``: the reference went non-finite at ``reference_diverged_at``; no ``parity``.
+    - ``wrong_axis_reduction``: replicated copies differ along some mesh axes and agree along the others
+      (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
       times per step).
     - ``summed`` / ``averaged_twice``: a gradient factor of S (S^2) or 1/S (1/S^2) at the first failing step,
-      read from the gradients, moments or updates.
+      read from the gradients, moments or updates; ``clip_norm``: a factor 1/sqrt(R), R a replica count.
+    - ``replicated_reduced``: some leaves' factor is a replica count R while every other leaf matches.
     - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``).
     - ``scaled``: another constant gradient factor (unless ``normalization`` explains the step).
     - ``loss_differs``: only the returned loss differs.
@@ -681,7 +758,7 @@ def diagnose(
     - ``rounding_level``: informational, param leaves whose gradient is at rounding level (``unresolved``);
       it does not make a passing report fail.
     """
-    ctx = DiagnosisContext.build(records, num_shards, diverged, reference_diverged_at)
+    ctx = DiagnosisContext.build(records, num_shards, diverged, reference_diverged_at, mesh_shape)
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
     if not ctx.failing:
         found.sort(key=lambda d: d.code not in VERDICTS)

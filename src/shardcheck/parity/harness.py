@@ -39,23 +39,36 @@ from shardcheck.datasets import minibatch_indices
 from shardcheck.parity import legacy
 from shardcheck.parity.candidates import as_candidate, check_step_signature, unpack
 from shardcheck.parity.compare import (
+    LeafInput,
     counter_error,
+    device_snapshot,
     flatten_state,
     host_tree,
     is_int,
     leaf_error,
-    replica_mismatch,
+    leaf_errors,
+    replica_mismatches,
     to_host,
 )
 from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
-from shardcheck.parity.precision import ACCUMULATION_DTYPE, COMPUTE_SAFETY, Precision
-from shardcheck.parity.propagation import grad_delta, update_sensitivity
+from shardcheck.parity.precision import (
+    ACCUMULATION_DTYPE,
+    COMPUTE_SAFETY,
+    Precision,
+    compute_allowance,
+    loss_compute_allowance,
+)
+from shardcheck.parity.propagation import grad_delta, shadow_spread, update_sensitivity
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
+from shardcheck.parity.topology import mismatch_axes
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.steps.reference import reference_step
+from shardcheck.steps.registry import mesh_for
+from shardcheck.steps.sharded import state_specs
 from shardcheck.task import Task, check_divisible, check_loss_output, loss_terms, split_batch
+from shardcheck.task import batch_size as leading_size
 
 PyTree = Any
 StepFn = Callable[..., Any]
@@ -148,20 +161,72 @@ def _task_batches(fn: str, task: Task, steps: int | None) -> list:
 # ------------------------------------------------------------------------------------ sensitivity, hypotheses
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _shard_magnitude(loss_fn, num_shards, graphdef, params, rest, batch):
-    """``A = sum_s |grad loss_sum_s| / W`` (W the total weight, or S for a scalar loss): the scale of the terms
-    whose low-precision rounding a sharded step reorders (``shardcheck.parity.precision``)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 6))
+def _shard_magnitude(loss_fn, num_shards, graphdef, params, rest, batch, reduce_dtype=None):
+    """``(A, g_S, g_S')``: ``A = sum_s |grad loss_sum_s| / W`` (W the total weight, or S for a scalar loss), the
+    scale of the terms a sharded step reorders; ``g_S = sum_s grad loss_sum_s / W``, the gradient of a correct
+    S-shard split computed in the model's own precision, its sum over shards in the gradients' dtype
+    (``shardcheck.parity.precision``); and ``g_S'``, the same split with each shard's gradient rounded to
+    ``reduce_dtype`` and summed in it (how a GSPMD-partitioned bfloat16 backward pass all-reduces its partial
+    products; ``None`` when ``reduce_dtype`` is ``None``). float32 trees."""
+    low = jnp.float32 if reduce_dtype is None else reduce_dtype
 
     def shard(acc, shard_batch):
         total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, shard_batch)
-        acc = jax.tree.map(lambda a, g: a + jnp.abs(g.astype(jnp.float32)), acc, grads)
+        acc = jax.tree.map(
+            lambda a, g: (a[0] + jnp.abs(g.astype(jnp.float32)), a[1] + g, a[2] + g.astype(low)),
+            acc,
+            grads,
+            is_leaf=_is_pair,
+        )
         return acc, weight
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    # |g_s| summed in float32; g_s in the gradient's own dtype, as a step reducing its gradients as they are does
+    zeros = jax.tree.map(
+        lambda p: (jnp.zeros(p.shape, jnp.float32), jnp.zeros(p.shape, p.dtype), jnp.zeros(p.shape, low)),
+        params,
+    )
     summed, weights = jax.lax.scan(shard, zeros, split_batch(batch, num_shards))
     total_weight = num_shards if weights is None else jnp.sum(weights)
-    return jax.tree.map(lambda a: a / total_weight, summed)
+
+    def part(i):
+        return jax.tree.map(lambda a: a[i].astype(jnp.float32) / total_weight, summed, is_leaf=_is_pair)
+
+    return part(0), part(1), None if reduce_dtype is None else part(2)
+
+
+def _is_pair(a) -> bool:
+    return isinstance(a, tuple)
+
+
+def _like(tree, values: dict):
+    """``tree`` with every leaf replaced by ``values[dotted path]`` (cast to the leaf's dtype) where present."""
+    leaves, treedef = jax.tree.flatten(tree)
+    paths = flatten_state(tree)
+    out = [
+        jnp.asarray(values[k], v.dtype) if k in values and not is_int(np.asarray(values[k])) else v
+        for k, v in zip(paths, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _shadow_inputs(run: _Run, pre: _PreStep, batch):
+    """The candidate's pre-step ``(gradient, optimizer state, parameters)`` as the reference would compute them
+    (its gradient at the candidate's parameters), or ``None`` when the candidate's state is the reference's."""
+    view = run.cand.view_optimizer or _default_view
+    cand_params = host_tree(nnx.state(run.cand_model, nnx.Param))
+    cand_state = host_tree(view(run.cand_opt)[0])
+    ref_params, ref_state = host_tree(pre.params), host_tree(pre.opt_state)
+    same = all(
+        k in cand and np.array_equal(v, cand[k])
+        for ref, cand in ((ref_params, cand_params), (ref_state, cand_state))
+        for k, v in ref.items()
+    )
+    if same:
+        return None
+    params = _like(pre.params, cand_params)
+    grads = _grads_at(run.task.loss_fn, pre.graphdef, params, pre.rest, batch)
+    return grads, _like(pre.opt_state, cand_state), params
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -262,7 +327,8 @@ def _reference_finite(run: _Run, record: StepRecord) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Bounds:
-    """What one reference step lets a correct candidate differ by, per leaf (host arrays, by dotted path).
+    """What one reference step lets a correct candidate differ by, per leaf, by dotted path (``update`` and
+    ``state``: device arrays; the others host arrays).
 
     ``grad``: the compute-rounding allowance of each gradient element (``{}`` at float32); ``update`` and
     ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance;
@@ -276,25 +342,48 @@ class _Bounds:
     grads: dict
 
 
+def _noise_shards(num_shards: int | None, batch) -> int:
+    """The split whose gradient measures the compute noise: the candidate's S, else 2 (1 if B is odd)."""
+    s = num_shards if num_shards and num_shards > 1 else 2
+    return s if leading_size(batch) % s == 0 else 1
+
+
 def _step_reference(run: _Run, batch, rtol: float, atol: float):
     """Step the reference; returns ``(loss, grads, pre-step state, _Bounds or None)``."""
     pre = _PreStep.of(run.ref_model, run.ref_opt)
     if run.reference is not None:
         loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
         return loss, grads, pre, None
-    magnitude, compute = None, 0.0
+    noise = None
     if run.precision.compute_eps > 0:
-        shards = run.cand.num_shards or 1
-        magnitude = _shard_magnitude(run.task.loss_fn, shards, pre.graphdef, pre.params, pre.rest, batch)
-        compute = COMPUTE_SAFETY * run.precision.compute_eps * math.sqrt(run.task.terms(batch))
+        shards = _noise_shards(run.cand.num_shards, batch)
+        # a correct split reduces its shards' gradients in float32 (shard_map) or, as GSPMD's partitioned
+        # backward pass may, in the compute dtype: both realizations bound the compute noise
+        low = run.precision.compute_dtype
+        _, split, split_low = _shard_magnitude(
+            run.task.loss_fn, shards, pre.graphdef, pre.params, pre.rest, batch, low
+        )
     result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
     grads = nnx.as_pure(result.grads)
-    delta = grad_delta(grads, magnitude, rtol, atol, compute)
+    shadow = None
+    if run.precision.compute_eps > 0:
+        shadow = _shadow_inputs(run, pre, batch)
+        drifted = None if shadow is None else shadow[0]
+        noise = jax.tree.map(
+            jnp.maximum,
+            compute_allowance(split, grads, drifted),
+            compute_allowance(split_low, grads, drifted),
+        )
+    delta = grad_delta(grads, noise, rtol, atol, 1.0)
     updates, states, grad_max = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
+    if shadow is not None:
+        moved = shadow_spread(run.ref_opt.tx, grads, pre.opt_state, pre.params, *shadow)
+        updates, states = jax.tree.map(jnp.add, (updates, states), moved)
     base = grad_delta(grads, None, rtol, atol, 0.0)
-    grad_allowance = {} if magnitude is None else host_tree(jax.tree.map(jnp.subtract, delta, base))
+    grad_allowance = {} if noise is None else host_tree(jax.tree.map(jnp.subtract, delta, base))
+    # the sensitivities stay on the device: the comparison reduces them there (compare.leaf_errors)
     bounds = _Bounds(
-        grad_allowance, host_tree(updates), host_tree(states), host_tree(grad_max), host_tree(grads)
+        grad_allowance, flatten_state(updates), flatten_state(states), host_tree(grad_max), host_tree(grads)
     )
     return result.loss, result.grads, pre, bounds
 
@@ -320,26 +409,33 @@ def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[list
         if path not in cand_params:
             leaves.append(LeafError(t, "param", path, math.inf, math.inf, 0.0, False))
             continue
-        if replica_mismatch(cand_params[path]):
-            mismatches.append(f"param {path}")
-        r = to_host(ref_leaf)
+        r = ref_leaf  # on the device; host copies only where a rule needs the elements
         allowance = None
         if bounds is not None and path in bounds.update:
-            rounding = run.precision.param_eps * float(np.max(np.abs(r.astype(np.float64)), initial=0.0))
-            allowance = run.allowance.get(path, 0.0) + bounds.update[path] + rounding
-            run.allowance[path] = allowance
+            eps = run.precision.param_eps
+            rounding = eps * float(np.max(np.abs(to_host(r).astype(np.float64)), initial=0.0)) if eps else 0.0
             # at rounding level: the gradient is within its own tolerance of 0, and the update it drives is not
             # resolvable at the parameter's tolerance
             at_rounding = float(bounds.grad_max[path]) <= atol + float(
                 np.max(bounds.grad.get(path, 0.0), initial=0.0)
             )
-            if at_rounding and float(np.max(allowance, initial=0.0)) > atol + rtol * float(
-                np.max(np.abs(r), initial=0.0)
+            step_allowance = bounds.update[path]
+            if at_rounding:
+                # the update of a noise gradient is any step the optimizer can take: the two sides' updates each
+                # lie within it, so they differ by up to twice the reference's largest (Adam: ~2 lr)
+                moved = np.abs(to_host(r).astype(np.float64) - to_host(ref0[path]).astype(np.float64))
+                step_allowance = jnp.maximum(step_allowance, 2.0 * float(np.max(moved, initial=0.0)))
+            allowance = run.allowance.get(path, 0.0) + step_allowance + rounding
+            run.allowance[path] = allowance
+            if at_rounding and float(np.max(to_host(allowance), initial=0.0)) > atol + rtol * float(
+                np.max(np.abs(to_host(r)), initial=0.0)
             ):
                 unresolved.append(f"param {path}")
-        c = to_host(cand_params[path])
         r_tol, a_tol = run.tol("param", path, rtol, atol)
-        leaves.append(leaf_error(t, "param", path, r, c, r_tol, a_tol, ref0[path], cand0[path], allowance))
+        c = cand_params[path]
+        leaves.append(LeafInput(t, "param", path, r, c, r_tol, a_tol, ref0[path], cand0[path], allowance))
+    differ = replica_mismatches(cand_params)
+    mismatches = [f"param {p}" for p in ref_params if p in differ]
     return leaves, mismatches, unresolved
 
 
@@ -359,20 +455,22 @@ def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[l
     leaves, mismatches = [], []
     cand_view, cand_count = view(run.cand_opt)
     cand_state = flatten_state(cand_view)
-    for path, ref_leaf in flatten_state(_opt_state(run.ref_opt)).items():
+    ref_state = flatten_state(_opt_state(run.ref_opt))
+    for path, ref_leaf in ref_state.items():
         if path not in cand_state:
             leaves.append(LeafError(t, "opt_state", path, math.inf, math.inf, 0.0, False))
             continue
-        if replica_mismatch(cand_state[path]):
-            mismatches.append(f"opt_state {path}")
-        r, c = to_host(ref_leaf), to_host(cand_state[path])
-        if is_int(r):
+        r, c = ref_leaf, cand_state[path]
+        if np.dtype(r.dtype).kind in "iub":
             leaves.append(counter_error(t, path, r, c))
         else:
-            before = cand0.get(path, np.zeros_like(r))
-            allowance = _state_allowance(run, path, r, bounds)
+            before = cand0.get(path, jnp.zeros_like(r))
+            # _state_allowance reads the elements only for a low-precision leaf (its own rounding)
+            allowance = _state_allowance(run, path, r if r.dtype == jnp.float32 else to_host(r), bounds)
             r_tol, a_tol = run.tol("opt_state", path, MOMENT_FACTOR * rtol, MOMENT_FACTOR * atol)
-            leaves.append(leaf_error(t, "opt_state", path, r, c, r_tol, a_tol, ref0[path], before, allowance))
+            leaves.append(LeafInput(t, "opt_state", path, r, c, r_tol, a_tol, ref0[path], before, allowance))
+    differ = replica_mismatches(cand_state)
+    mismatches = [f"opt_state {p}" for p in ref_state if p in differ]
     return leaves, mismatches, cand_count
 
 
@@ -422,7 +520,7 @@ def _low_precision_reduction(run: _Run, pre: _PreStep, batch, record: StepRecord
     s = run.cand.num_shards
     if run.precision.compute_eps > 0 or not s or s < 2 or run.reference is not None:
         return False
-    magnitude = _shard_magnitude(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
+    magnitude, _, _ = _shard_magnitude(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
     grads = nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch))
     bound = 2.0 * float(jnp.finfo(jnp.bfloat16).eps) * math.sqrt(s)
     delta = grad_delta(grads, magnitude, rtol, atol, bound)
@@ -462,9 +560,9 @@ def _compare_step(
     candidate started from the reference's state).
     """
     view = run.cand.view_optimizer or _default_view
-    ref_params0 = host_tree(nnx.state(run.ref_model, nnx.Param))
-    cand_params0 = host_tree(nnx.state(run.cand_model, nnx.Param))
-    ref_opt0, cand_opt0 = host_tree(_opt_state(run.ref_opt)), host_tree(view(run.cand_opt)[0])
+    ref_params0 = device_snapshot(nnx.state(run.ref_model, nnx.Param))
+    cand_params0 = device_snapshot(nnx.state(run.cand_model, nnx.Param))
+    ref_opt0, cand_opt0 = device_snapshot(_opt_state(run.ref_opt)), device_snapshot(view(run.cand_opt)[0])
 
     ref_loss, ref_grads, pre, bounds = _step_reference(run, batch, rtol, atol)
     cand_loss, cand_grads = _step_candidate(run, t, batch)
@@ -477,10 +575,11 @@ def _compare_step(
         drift = 0.0
         if bounds is not None:
             drift = sum(
-                float(np.sum(np.abs(bounds.grads[p].astype(np.float64)) * a))
+                float(np.sum(np.abs(bounds.grads[p].astype(np.float64)) * to_host(a)))
                 for p, a in run.allowance.items()
                 if p in bounds.grads
             )
+        drift += loss_compute_allowance(run.precision, ref_loss_f, run.task.terms(batch))
         r_tol, a_tol = run.tol("loss", "loss", rtol, atol)
         leaves.append(leaf_error(t, "loss", "loss", ref_loss_f, cand_loss_f, r_tol, a_tol, allowance=drift))
     if ref_grads is not None and cand_grads is not None:
@@ -488,9 +587,10 @@ def _compare_step(
         for path, ref_leaf in rg.items():
             if path in cg:
                 allowance = None if bounds is None else bounds.grad.get(path)
-                r, c = to_host(ref_leaf), to_host(cg[path])
                 r_tol, a_tol = run.tol("grad", path, rtol, atol)
-                leaves.append(leaf_error(t, "grad", path, r, c, r_tol, a_tol, allowance=allowance))
+                leaves.append(
+                    LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance)
+                )
             else:
                 leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
     params, mismatches, unresolved = _compare_params(run, t, ref_params0, cand_params0, rtol, atol, bounds)
@@ -498,7 +598,11 @@ def _compare_step(
         run, t, ref_opt0, cand_opt0, rtol, atol, bounds
     )
     ref_count = int(np.asarray(run.ref_opt.step[...]))
-    leaves += params + opt_leaves + [counter_error(t, "step", ref_count, cand_count)]
+    leaves += params + opt_leaves
+    # every float leaf of the step in one on-device comparison (compare.leaf_errors); the rest as they are
+    compared = iter(leaf_errors([e for e in leaves if isinstance(e, LeafInput)]))
+    leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
+    leaves.append(counter_error(t, "step", ref_count, cand_count))
     leaves += _extra_checks(run, t, t + 1 if completed is None else completed, rtol, atol)
     record = StepRecord(
         step=t,
@@ -517,8 +621,21 @@ def _compare_step(
         matches = _matches(run, pre, batch, rtol, atol)
         if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
             matches = ("bf16_reduction",)
-        record = dataclasses.replace(record, matches=matches)
+        record = dataclasses.replace(
+            record, matches=matches, replica_axes=_replica_axes(run, record.replica_mismatches)
+        )
     return record
+
+
+def _replica_axes(run: _Run, mismatched: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes along which the candidate's mismatched copies differ (``topology.mismatch_axes``)."""
+    if not mismatched:
+        return ()
+    view = run.cand.view_optimizer or _default_view
+    arrays = {f"param {k}": v for k, v in flatten_state(nnx.state(run.cand_model, nnx.Param)).items()}
+    arrays.update({f"opt_state {k}": v for k, v in flatten_state(view(run.cand_opt)[0]).items()})
+    axes = {a for name in mismatched if name in arrays for a in mismatch_axes(arrays[name])}
+    return tuple(sorted(axes))
 
 
 # ------------------------------------------------------------------------------------------------ the harness
@@ -528,6 +645,13 @@ def _setup(
     fn, candidate, task, legacy_args, *, steps, num_shards, mesh, reference, name, dtypes, leaf_tolerance
 ):
     """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} ({mesh!r}); build one with "
+            "shardcheck.make_mesh(8) or shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    if num_shards is None and mesh is not None:
+        num_shards = int(mesh.size)  # the batch is split over every device of the mesh
     if num_shards is not None:
         num_shards = _validate.check_num_shards(fn, num_shards)
     if isinstance(task, nnx.Module):  # the (model, optimizer, batches) form: the seeds' regression task
@@ -563,6 +687,8 @@ def _setup(
         strategy = STRATEGIES[candidate]
         if strategy.check is not None:
             strategy.check(fn, model, optimizer)
+        if strategy.placement == "fsdp":  # the annotations and the mesh's axes must fit (no state is changed)
+            state_specs(candidate, model, optimizer, mesh_for(fn, strategy, cand.num_shards, mesh), fn=fn)
     if cand.num_shards is not None and (named or cand.name in STRATEGIES):
         for batch in data:
             check_divisible(fn, batch, cand.num_shards, weighted=weighted)
@@ -752,7 +878,11 @@ def check_parity(
     accepted = accept_weak or rtol is not None or atol is not None
     weak = None if accepted else unresolvable(records, run.cand.num_shards, run.precision)
     findings = diagnose(
-        records, run.cand.num_shards, diverged=diverged, reference_diverged_at=reference_diverged_at
+        records,
+        run.cand.num_shards,
+        diverged=diverged,
+        reference_diverged_at=reference_diverged_at,
+        mesh_shape=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
     )
     if weak is not None:
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]
@@ -780,8 +910,9 @@ def _precision_rule(precision: Precision) -> str:
     parts = []
     if precision.compute_eps > 0:
         parts.append(
-            f"compute {precision.compute_dtype.name}: gradients +{COMPUTE_SAFETY:g} * eps_c * sqrt(n) * sum_s |g_s| "
-            f"(eps_c={precision.compute_eps:.3g})"
+            f"compute {precision.compute_dtype.name}: gradients + {COMPUTE_SAFETY:g} * (max|g_S - g| + "
+            "|g(p_cand) - g|) (measured: a correct S-shard split in this precision, and the gradient at the "
+            "candidate's parameters)"
         )
     if precision.param_eps > 0:
         parts.append(

@@ -14,47 +14,63 @@ import functools
 import jax
 import jax.numpy as jnp
 
+# Where in ``[g - delta, g + delta]`` the optimizer is evaluated, in units of delta. Adam's update is not monotone
+# in g once it carries momentum (``(a + g) / sqrt(v + g^2)`` peaks at ``g = v / a``), so the endpoints alone can
+# miss its largest change; a grid of eighth steps finds it to within a few percent.
+GRID = tuple(k / 8 for k in range(-8, 9) if k)
+
 
 @functools.partial(jax.jit, static_argnums=0)
 def update_sensitivity(tx, grads, opt_state, params, delta):
-    """Per element, how far the update and the optimizer state move when the gradient moves by ``+- delta``.
+    """Per element, how far the update and the optimizer state move when the gradient moves within ``+- delta``.
 
-    Returns ``(update sensitivity, state sensitivity, max |g| per leaf)``; integer state (counters) gets 0.
+    The optimizer runs at ``g`` and at ``g + k delta`` for every k in :data:`GRID`; the spread is the largest
+    ``|f(g + k delta) - f(g)|``. Returns ``(update sensitivity, state sensitivity, max |g| per leaf)``; integer
+    state (counters) gets 0.
     """
 
-    def spread(f0, f1, f2):
-        return jax.tree.map(
-            lambda a, b, c: (
-                jnp.maximum(jnp.abs(b - a), jnp.abs(c - a)) if jnp.issubdtype(a.dtype, jnp.inexact) else a * 0
-            ),
-            f0,
-            f1,
-            f2,
-        )
+    def spread(base, moved):
+        def one(a, b):
+            if not jnp.issubdtype(a.dtype, jnp.inexact):
+                return a * 0
+            return jnp.max(jnp.abs(b - a[None]), axis=0)
+
+        return jax.tree.map(one, base, moved)
 
     base = tx.update(grads, opt_state, params)
-    up = tx.update(jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, delta), opt_state, params)
-    down = tx.update(jax.tree.map(lambda g, d: g - d.astype(g.dtype), grads, delta), opt_state, params)
-    updates = spread(base[0], up[0], down[0])
-    states = spread(base[1], up[1], down[1])
+
+    def at(k):  # one grid point; vmapped, so the optimizer is traced (and compiled) once for the whole grid
+        shifted = jax.tree.map(lambda g, d: g + (k * d).astype(g.dtype), grads, delta)
+        return tx.update(shifted, opt_state, params)
+
+    moved = jax.vmap(at)(jnp.asarray(GRID, jnp.float32))
+    updates = spread(base[0], moved[0])
+    states = spread(base[1], moved[1])
     return updates, states, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
 
 
-@jax.jit
-def grad_delta(grads, magnitude, rtol, atol, compute):
-    """The gradient's elementwise tolerance: ``atol + rtol max|g|`` plus the compute rounding ``compute * A``.
+@functools.partial(jax.jit, static_argnums=0)
+def shadow_spread(tx, grads, opt_state, params, moved_grads, moved_state, moved_params):
+    """``|f(moved) - f(reference)|`` per element of the update and of the new optimizer state: how far the
+    optimizer's output moves when its inputs move from the reference's (gradient, state, parameters) to the
+    candidate-side ones (the reference's computation from the candidate's pre-step state)."""
 
-    Under low-precision compute a leaf whose whole gradient is below the compute noise floor (``compute`` times
-    the median over leaves of ``max A``: a true gradient of 0, whose terms cancel inside each shard) is noise;
-    another realization of it may be twice as large and of either sign, so its tolerance is ``2 max|g|`` more.
+    def spread(a, b):
+        return jnp.abs(b - a) if jnp.issubdtype(a.dtype, jnp.inexact) else a * 0
+
+    base = tx.update(grads, opt_state, params)
+    moved = tx.update(moved_grads, moved_state, moved_params)
+    return jax.tree.map(spread, base[0], moved[0]), jax.tree.map(spread, base[1], moved[1])
+
+
+@jax.jit
+def grad_delta(grads, extra, rtol, atol, scale):
+    """The gradient's elementwise tolerance: ``atol + rtol max|g|`` (per leaf) plus ``scale * extra``.
+
+    ``extra``: ``None`` or a tree like ``grads`` of per-element or per-leaf allowances (the measured compute
+    noise of ``shardcheck.parity.precision``; a bfloat16 all-reduce's bound).
     """
     base = jax.tree.map(lambda g: atol + rtol * jnp.max(jnp.abs(g.astype(jnp.float32))), grads)
-    if magnitude is None:
+    if extra is None:
         return base
-    floor = compute * jnp.median(jnp.stack([jnp.max(a) for a in jax.tree.leaves(magnitude)]))
-
-    def one(b, a, g):
-        top = jnp.max(jnp.abs(g.astype(jnp.float32)))
-        return b + compute * a + jnp.where(top <= floor, 2.0 * top, 0.0)
-
-    return jax.tree.map(one, base, magnitude, grads)
+    return jax.tree.map(lambda b, e: b + scale * e, base, extra)

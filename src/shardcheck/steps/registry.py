@@ -10,10 +10,11 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from shardcheck._catalog import CANDIDATES as CANDIDATES
+from shardcheck._catalog import STRATEGY_SPECS
 from shardcheck.steps._core import Candidate
 from shardcheck.task import LossFn
 
@@ -23,11 +24,12 @@ class Strategy:
     """How one strategy runs a task's step.
 
     Attributes:
-        name: the registry key (``reference``, ``simulation``, ``dp``, ``fsdp``, ``accumulation``,
+        name: the registry key (``reference``, ``simulation``, ``dp``, ``fsdp``, ``gspmd``, ``accumulation``,
             ``multiprocess``).
         summary: one line for ``--help`` and reports.
         placement: where parameters and optimizer state live: ``"single"`` (one device), ``"replicated"``
-            (every device of the mesh) or ``"fsdp"`` (split over the mesh axis).
+            (every device of the mesh) or ``"fsdp"`` (split by the model's annotations, else over the FSDP
+            axis: :func:`shardcheck.steps.sharded.state_specs`).
         uses_mesh: the step runs on a device mesh of ``num_shards`` devices.
         build: ``build(loss_fn, num_shards, mesh) -> Candidate``; ``mesh`` is ``None`` for single-device
             strategies.
@@ -65,11 +67,10 @@ def _mesh_strategy(name: str):
     def build(loss_fn, num_shards, mesh):
         from shardcheck.steps.sharded import mesh_step
 
-        strategy = "fsdp" if name == "fsdp" else "dp"
-        axis = mesh.axis_names[0]
+        strategy = "dp" if name == "multiprocess" else name
 
         def step(model, optimizer, batch):
-            return mesh_step(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=axis)
+            return mesh_step(strategy, loss_fn, model, optimizer, batch, mesh)
 
         step.__name__ = name
         return Candidate(name, step, num_shards)
@@ -91,50 +92,24 @@ def _check_multiprocess(fn, model, optimizer):
         )
 
 
-STRATEGIES: dict[str, Strategy] = {
-    s.name: s
-    for s in (
-        Strategy("reference", "the task's single-device step (the baseline)", "single", False, _reference),
-        Strategy(
-            "simulation",
-            "S equal shards on one device, gradients summed then divided once (seed 000)",
-            "single",
-            False,
-            _simulation,
-        ),
-        Strategy(
-            "dp",
-            "data parallel: batch split over the mesh, state replicated, one psum per leaf",
-            "replicated",
-            True,
-            _mesh_strategy("dp"),
-        ),
-        Strategy(
-            "fsdp",
-            "fully sharded: parameters and optimizer state split, all-gather and reduce-scatter",
-            "fsdp",
-            True,
-            _mesh_strategy("fsdp"),
-        ),
-        Strategy(
-            "accumulation",
-            "gradient accumulation over S micro-batches with optax.MultiSteps",
-            "single",
-            False,
-            _accumulation,
-        ),
-        Strategy(
-            "multiprocess",
-            "data parallel on a mesh spanning every process of a launched run",
-            "replicated",
-            True,
-            _mesh_strategy("multiprocess"),
-            _check_multiprocess,
-        ),
-    )
+_BUILDERS = {
+    "reference": _reference,
+    "simulation": _simulation,
+    "dp": _mesh_strategy("dp"),
+    "fsdp": _mesh_strategy("fsdp"),
+    "gspmd": _mesh_strategy("gspmd"),
+    "accumulation": _accumulation,
+    "multiprocess": _mesh_strategy("multiprocess"),
 }
-# The strategies compared against the reference by default (multiprocess needs a launched run).
-CANDIDATES = tuple(name for name in STRATEGIES if name not in ("reference", "multiprocess"))
+_CHECKS = {"multiprocess": _check_multiprocess}
+
+# The names, summaries and placements are the catalog's (importable without JAX, for the command line).
+STRATEGIES: dict[str, Strategy] = {
+    name: Strategy(
+        spec.name, spec.summary, spec.placement, spec.uses_mesh, _BUILDERS[name], _CHECKS.get(name)
+    )
+    for name, spec in STRATEGY_SPECS.items()
+}
 
 
 def get_strategy(fn: str, name) -> Strategy:
@@ -149,15 +124,16 @@ def get_strategy(fn: str, name) -> Strategy:
 
 
 def mesh_for(fn: str, strategy: Strategy, num_shards: int, mesh: Mesh | None) -> Mesh | None:
-    """The mesh a strategy runs on: ``mesh`` (its size must be ``num_shards``), else the first S devices.
+    """The mesh a strategy runs on: ``mesh`` (its device count must be ``num_shards``), else the first S devices.
 
     Raises:
+        TypeError: ``mesh`` not a ``jax.sharding.Mesh``.
         ValueError: fewer devices than S, or a mesh of another size.
     """
     if not strategy.uses_mesh:
         return None
     if mesh is None:
-        from shardcheck.spmd import make_mesh
+        from shardcheck.mesh import make_mesh
 
         if len(jax.devices()) < num_shards:
             raise ValueError(
@@ -165,7 +141,14 @@ def mesh_for(fn: str, strategy: Strategy, num_shards: int, mesh: Mesh | None) ->
                 f"{len(jax.devices())} exist; use fewer shards or more devices (jax_num_cpu_devices on CPU)"
             )
         return make_mesh(num_shards)
-    size = int(np.prod(list(mesh.shape.values())))
-    if size != num_shards:
-        raise ValueError(f"{fn}: mesh has {size} devices but num_shards={num_shards}; they must agree")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} ({mesh!r}); build one with "
+            "shardcheck.make_mesh(8) or make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    if mesh.size != num_shards:
+        raise ValueError(
+            f"{fn}: the mesh {dict(mesh.shape)} has {mesh.size} devices but num_shards={num_shards}; the batch is "
+            f"split over every device, so pass num_shards={mesh.size} (or a mesh of {num_shards} devices)"
+        )
     return mesh

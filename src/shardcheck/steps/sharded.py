@@ -1,185 +1,261 @@
-"""Data-parallel and FSDP steps of any task on a device mesh: one ``jax.shard_map`` inside one ``jax.jit``.
+"""Data-parallel, FSDP and GSPMD steps of any task on a device mesh with one or more named axes.
 
-Data parallel (DP): the batch is split over the mesh axis, parameters and optimizer state are replicated. Each
-device differentiates its shard's ``loss_sum``; the sums, the weights and the gradients are ``psum``-ed and
-divided once by the total weight (for a scalar loss the weight is 1 per shard: a ``pmean``).
+Every strategy splits the batch over *all* axes of the mesh (:func:`shardcheck.mesh.batch_axes`) and places each
+``(model, optimizer)`` state leaf by a ``PartitionSpec`` (:func:`state_specs`):
 
-Fully sharded (FSDP): every parameter and optimizer-state leaf is split over the mesh axis along the dimension
-chosen by :func:`~shardcheck.partitioning.fsdp_partition_spec` (leaves with no divisible dimension stay
-replicated). Inside the map each sharded parameter is ``all_gather``-ed (tiled) for the forward and backward
-pass, its gradient is ``psum_scatter``-ed (tiled) and divided by the total weight, so every device receives the
-gradient of its own shard only, and the optimizer update runs on the local shards (ZeRO-3 / FSDP: Rajbhandari et
-al., "ZeRO", 2020; Zhao et al., "PyTorch FSDP", 2023).
+* ``dp`` (data parallel): every leaf replicated;
+* ``fsdp`` and ``gspmd``: a leaf the model annotates (``nnx.with_partitioning`` / ``out_sharding`` metadata, read
+  with ``nnx.get_partition_spec``; the optimizer's state inherits its parameter's annotation) is placed as
+  annotated; an unannotated leaf is split over the FSDP axis (:func:`shardcheck.mesh.fsdp_axis`) along its first
+  divisible dimension (:func:`~shardcheck.partitioning.fsdp_partition_spec`) and replicated over the other axes.
+
+``dp`` and ``fsdp`` compute the gradients in one ``jax.shard_map`` with explicit collectives: each parameter is
+``all_gather``-ed (tiled) over the axes its spec splits it on, the local shard's ``loss_sum`` is differentiated,
+and its gradient is ``psum``-ed over the axes the leaf is replicated on and ``psum_scatter``-ed (tiled) over the
+axes it is split on, then divided once by the total weight. On a ``("data", "fsdp")`` mesh this is hybrid
+sharding: reduce-scatter over ``fsdp``, all-reduce over ``data`` (ZeRO-3 / FSDP: Rajbhandari et al., "ZeRO",
+2020; Zhao et al., "PyTorch FSDP", 2023, section 3.2 "hybrid sharding"); data parallel is the case where every
+leaf is replicated (one all-reduce per leaf). ``gspmd`` is what the Flax NNX sharding guide does: the plain
+single-device step under ``jax.jit`` with the placed state, XLA inserting the collectives.
+
+For all three the optimizer update runs on the global, placed arrays under the same ``jax.jit``, so any optax
+transformation is exact: elementwise ones stay local to each shard, and one that needs the whole tree (a
+global-norm clip) gets its cross-device reduction inserted by the compiler, each leaf counted once.
 
 The trap of ``docs/reduction_cases.md`` C2: under ``jax.shard_map`` with ``check_vma=True`` a replicated input is
 implicitly broadcast to every device, and the transpose of that broadcast is a ``psum``: the gradient of a local
 loss with respect to a replicated parameter comes back *already summed*, and a further reduction leaves an update
-S times too large. The parameters are therefore cast to device-varying first (``lax.pcast(..., to="varying")``, a
-no-op at run time), so each gradient is the local one and is reduced exactly once.
+S times too large. Each parameter is therefore cast to device-varying over the axes it is replicated on first
+(``lax.pcast(..., to="varying")``, a no-op at run time), so each gradient is the local one and is reduced exactly
+once.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardcheck import distributed
+from shardcheck.mesh import batch_axes, fsdp_axis
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.task import Batch, LossFn, divide
 
-MESH_STRATEGIES = ("dp", "fsdp")
+MESH_STRATEGIES = ("dp", "fsdp", "gspmd")
 
 
-def _split_dim(spec: PartitionSpec, axis_name: str) -> int | None:
-    """The dimension ``spec`` splits over ``axis_name``, or None if the leaf is replicated over it."""
-    for i, entry in enumerate(spec):
-        if entry == axis_name or (isinstance(entry, tuple) and axis_name in entry):
-            return i
-    return None
+def _entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (``None``, ``"fsdp"`` or ``("data", "fsdp")``)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _total_weight(weight, axis_name):
-    """The batch's total weight: ``psum(weight)``, or the axis size S (a constant) for a scalar loss."""
-    return jax.lax.axis_size(axis_name) if weight is None else jax.lax.psum(weight, axis_name)
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """Every mesh axis ``spec`` splits some dimension over, in dimension order."""
+    return tuple(a for entry in spec for a in _entry_axes(entry))
 
 
-def data_parallel_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch: Batch, axis_name: str):
-    """Inside ``shard_map``: the full-batch loss and gradients over ``axis_name``, each reduced once.
-
-    Args:
-        loss_fn: the task's loss.
-        model: the replicated model (device-invariant ``nnx.Param`` leaves).
-        batch: this device's shard of the batch.
-        axis_name: the mapped mesh axis.
-
-    Returns:
-        ``(loss, grads)``: ``psum(loss_sum) / psum(weight)`` and ``psum(grads) / psum(weight)``, identical
-        (invariant) on every device.
-    """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    # C2: differentiate with respect to a device-varying copy, so the gradient is this shard's own.
-    params = jax.lax.pcast(params, axis_name, to="varying")
-    total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, batch)
-    weight = _total_weight(weight, axis_name)
-    grads = divide(jax.lax.psum(grads, axis_name), weight)
-    return jax.lax.psum(total, axis_name) / weight, grads
+def _replicated_axes(spec: PartitionSpec, mesh_axes: tuple[str, ...]) -> tuple[str, ...]:
+    split = set(spec_axes(spec))
+    return tuple(a for a in mesh_axes if a not in split)
 
 
-def fsdp_value_and_grad(
-    loss_fn: LossFn,
-    model: nnx.Module,
-    batch: Batch,
-    axis_name: str,
-    param_specs: tuple[PartitionSpec, ...],
-):
-    """Inside ``shard_map``: gather the parameters, differentiate the local loss, reduce-scatter the gradients.
+def _gather(a, spec: PartitionSpec, mesh_axes):
+    """This device's shard -> the whole leaf, device-varying over every axis (no implicit psum, C2)."""
+    replicated = _replicated_axes(spec, mesh_axes)
+    if replicated:
+        a = jax.lax.pcast(a, replicated, to="varying")
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            a = jax.lax.all_gather(a, entry, axis=dim, tiled=True)
+    return a
+
+
+def _reduce(g, spec: PartitionSpec, mesh_axes):
+    """The whole local gradient -> this device's shard of the sum over every device (each term once)."""
+    replicated = _replicated_axes(spec, mesh_axes)
+    if replicated:
+        g = jax.lax.psum(g, replicated)
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
+    return g
+
+
+def sharded_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch: Batch, param_specs, mesh_axes):
+    """Inside ``shard_map``: gather the parameters, differentiate the local loss, reduce each gradient once.
 
     Args:
         loss_fn: the task's loss.
-        model: the model holding this device's shards (``param_specs`` give the split of each ``nnx.Param``
-            leaf, in ``jax.tree.leaves(nnx.state(model, nnx.Param))`` order).
+        model: the model holding this device's parameter shards (``param_specs`` give each ``nnx.Param``
+            leaf's split, in ``jax.tree.leaves(nnx.state(model, nnx.Param))`` order).
         batch: this device's shard of the batch.
-        axis_name: the mapped mesh axis.
-        param_specs: one ``PartitionSpec`` per parameter leaf.
+        param_specs: one ``PartitionSpec`` per parameter leaf (``PartitionSpec()``: replicated).
+        mesh_axes: every axis of the mesh (the batch is split over all of them).
 
     Returns:
-        ``(loss, grads)``: the full-batch loss and an ``nnx.State`` of gradient *shards*: for a sharded leaf this
-        device's slice (``psum_scatter(g, tiled=True) / psum(weight)``), for a replicated leaf the whole
-        gradient (``psum(g) / psum(weight)``).
+        ``(loss, grads)``: the full-batch loss ``psum(loss_sum) / psum(weight)`` and an ``nnx.State`` of gradient
+        shards, each ``reduce(g) / psum(weight)`` with ``reduce`` a ``psum`` over the axes the leaf is
+        replicated on and a ``psum_scatter`` over the axes it is split on.
     """
     graphdef, local, rest = nnx.split(model, nnx.Param, ...)
     leaves, treedef = jax.tree.flatten(local)
-    dims = [_split_dim(spec, axis_name) for spec in param_specs]
-    # Both branches give device-varying values, so differentiating with respect to them inserts no implicit psum
-    # (C2): the gradient of each gathered leaf is this shard's own, reduced once below.
-    full = [
-        jax.lax.pcast(a, axis_name, to="varying")
-        if d is None
-        else jax.lax.all_gather(a, axis_name, axis=d, tiled=True)
-        for a, d in zip(leaves, dims, strict=True)
-    ]
+    full = [_gather(a, s, mesh_axes) for a, s in zip(leaves, param_specs, strict=True)]
     total, weight, grads = params_value_and_grad(
         loss_fn, graphdef, jax.tree.unflatten(treedef, full), rest, batch
     )
-    weight = _total_weight(weight, axis_name)
-    grads = [
-        jax.lax.psum(g, axis_name)
-        if d is None
-        else jax.lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True)
-        for g, d in zip(jax.tree.leaves(grads), dims, strict=True)
-    ]
-    grads = divide(grads, weight)
-    return jax.lax.psum(total, axis_name) / weight, jax.tree.unflatten(treedef, grads)
+    # A scalar loss is a mean per shard: the weight of each shard is 1, the total the device count (a constant).
+    weight = jax.lax.axis_size(mesh_axes) if weight is None else jax.lax.psum(weight, mesh_axes)
+    grads = [_reduce(g, s, mesh_axes) for g, s in zip(jax.tree.leaves(grads), param_specs, strict=True)]
+    return jax.lax.psum(total, mesh_axes) / weight, jax.tree.unflatten(treedef, divide(grads, weight))
+
+
+def _plain_loss_and_grads(loss_fn, model, batch):
+    """The single-device step's loss and gradients of the full batch (GSPMD partitions it)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, batch)
+    if weight is None:
+        return total, grads
+    return total / weight, divide(grads, weight)
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, axis_name):
+def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh):
     """The jitted step for one (strategy, loss, structure, placement, mesh); jit caches shapes itself.
 
-    The gradients are computed and reduced inside one ``jax.shard_map`` with explicit collectives (above); the
-    optimizer update then runs on the global, placed arrays under the same ``jax.jit``, so that XLA partitions
-    it: elementwise transformations stay local to each shard, and one that needs the whole tree (a global-norm
-    clip) gets its reduction inserted by the compiler, exactly. The state keeps its placement (``out_shardings``).
-    Signature of the result: ``(state_leaves, batch) -> (loss, state_leaves)``; the state leaves are donated.
+    ``dp`` / ``fsdp``: the gradients are computed and reduced inside one ``jax.shard_map`` with explicit
+    collectives (above). ``gspmd``: the plain full-batch loss and gradients, partitioned by XLA from the
+    arguments' shardings. Then the optimizer update runs on the global, placed arrays under the same
+    ``jax.jit``; the state keeps its placement (``out_shardings``). Signature of the result:
+    ``(state_leaves, batch) -> (loss, state_leaves)``; the state leaves are donated.
     """
-    model, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, [jnp.zeros(()) for _ in specs]))
-    num_params = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
-    grad_specs = list(param_specs) if param_specs is not None else [PartitionSpec()] * num_params
+    mesh_axes = batch_axes(mesh)
+    batch_spec = PartitionSpec(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
 
     def grads_body(leaves, batch):
         model, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        if strategy == "dp":
-            loss, grads = data_parallel_value_and_grad(loss_fn, model, batch, axis_name)
-        else:
-            loss, grads = fsdp_value_and_grad(loss_fn, model, batch, axis_name, param_specs)
+        loss, grads = sharded_value_and_grad(loss_fn, model, batch, param_specs, mesh_axes)
         return loss, jax.tree.leaves(grads)
 
     mapped = jax.shard_map(
         grads_body,
         mesh=mesh,
-        in_specs=(list(specs), PartitionSpec(axis_name)),
-        out_specs=(PartitionSpec(), grad_specs),
+        in_specs=(list(specs), batch_spec),
+        out_specs=(PartitionSpec(), list(param_specs)),
         check_vma=True,  # the default, stated: the C2 formulation above is right with it on or off
     )
 
     def step(leaves, batch):
-        loss, grad_leaves = mapped(leaves, batch)
         model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         params = nnx.state(model, nnx.Param)
-        optimizer.update(model, jax.tree.unflatten(jax.tree.structure(params), grad_leaves))
+        if strategy == "gspmd":
+            loss, grads = _plain_loss_and_grads(loss_fn, model, batch)
+        else:
+            loss, grad_leaves = mapped(leaves, batch)
+            grads = jax.tree.unflatten(jax.tree.structure(params), grad_leaves)
+        optimizer.update(model, grads)
         return loss, jax.tree.leaves(nnx.state((model, optimizer)))
 
-    shardings = (NamedSharding(mesh, PartitionSpec()), [NamedSharding(mesh, spec) for spec in specs])
-    return jax.jit(step, donate_argnums=0, out_shardings=shardings)
+    state_shardings = [NamedSharding(mesh, spec) for spec in specs]
+    return jax.jit(
+        step,
+        donate_argnums=0,
+        in_shardings=(state_shardings, NamedSharding(mesh, batch_spec)),
+        out_shardings=(NamedSharding(mesh, PartitionSpec()), state_shardings),
+    )
 
 
-def state_specs(strategy: str, model, optimizer, num_shards: int, axis_name: str, min_size: int = 0):
-    """``(specs of every (model, optimizer) state leaf, specs of the parameter leaves)`` of ``strategy``."""
-    graphdef, state = nnx.split((model, optimizer))
-    leaves = jax.tree.leaves(state)
-    if strategy == "dp":
-        return (PartitionSpec(),) * len(leaves), None
-    spec = functools.partial(
-        fsdp_partition_spec, num_shards=num_shards, axis_name=axis_name, min_size=min_size
-    )
-    return (
-        tuple(spec(np.shape(a)) for a in leaves),
-        tuple(spec(np.shape(a)) for a in jax.tree.leaves(nnx.state(model, nnx.Param))),
-    )
+# ---------------------------------------------------------------------------------------------- placement
+
+
+def _annotation(var) -> tuple | None:
+    """The ``out_sharding`` annotation of an ``nnx.Variable`` (``nnx.with_partitioning``), or None."""
+    sharding = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+    return tuple(sharding) if sharding else None
+
+
+def _check_annotation(fn: str, path: str, spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+    """An annotated spec must name mesh axes, fit the leaf's rank and split dimensions evenly."""
+    for axis in spec_axes(spec):
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"{fn}: leaf {path!r} is annotated {spec} but the mesh has no axis {axis!r} (its axes: "
+                f"{tuple(mesh.axis_names)}); build the mesh with that axis (e.g. --mesh {axis}=2 among its axes) or "
+                "change the annotation"
+            )
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{fn}: leaf {path!r} of shape {tuple(shape)} is annotated {spec}, which names more dimensions than "
+            "it has; give one entry per dimension"
+        )
+    for dim, entry in enumerate(spec):
+        ways = math.prod(int(mesh.shape[a]) for a in _entry_axes(entry))
+        if shape[dim] % ways:
+            raise ValueError(
+                f"{fn}: leaf {path!r} of shape {tuple(shape)} is annotated {spec}: dimension {dim} ({shape[dim]}) "
+                f"does not split into {ways} equal parts over {entry!r}; change the mesh or the annotation"
+            )
+    return spec
+
+
+def state_specs(
+    strategy: str, model, optimizer, mesh: Mesh, *, min_size: int = 0, fn: str = "state_specs"
+) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
+    """The ``PartitionSpec`` of every ``(model, optimizer)`` state leaf under ``strategy``, and of the params.
+
+    Works on concrete and abstract (``nnx.eval_shape``) models alike: only shapes and metadata are read.
+
+    Args:
+        strategy: ``"dp"`` (every leaf replicated), ``"fsdp"`` or ``"gspmd"`` (annotations, else the FSDP rule).
+        model: the ``nnx.Module``; optimizer: its ``nnx.Optimizer`` (its state leaves carry their parameter's
+            annotation, as ``nnx.Optimizer`` copies it).
+        mesh: the mesh.
+        min_size: unannotated leaves with fewer elements stay replicated.
+
+    Returns:
+        ``(specs, param_specs)``: one spec per leaf of ``jax.tree.leaves(nnx.state((model, optimizer)))``, and
+        one per leaf of ``jax.tree.leaves(nnx.state(model, nnx.Param))``.
+
+    Raises:
+        ValueError: an annotation naming an axis the mesh lacks, with more entries than the leaf's rank, or
+            splitting a dimension unevenly (the leaf and the axis are named); an unannotated leaf under FSDP on a
+            several-axis mesh without an ``"fsdp"`` axis.
+    """
+
+    def spec_of(path, var):
+        shape = tuple(np.shape(var.get_value() if isinstance(var, nnx.Variable) else var))
+        if strategy == "dp":
+            return PartitionSpec()
+        annotated = _annotation(var)
+        if annotated is not None:
+            name = ".".join(map(str, path))
+            return _check_annotation(fn, name, nnx.get_partition_spec(var).get_value(), shape, mesh)
+        axis = fsdp_axis(mesh)
+        return fsdp_partition_spec(shape, int(mesh.shape[axis]), axis, min_size=min_size)
+
+    def named(path):  # (0, "fc", "kernel") -> ("fc", "kernel"); (1, "opt_state", ...) -> ("opt_state", ...)
+        return path[1:] if path[0] == 0 else ("optimizer", *path[1:])
+
+    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    all_specs = tuple(spec_of(named(path), var) for path, var in flat)
+    param_flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return all_specs, tuple(spec_of(path, var) for path, var in param_flat)
 
 
 def place_state(leaves, specs, mesh: Mesh) -> list:
     """Each leaf on ``mesh`` with its spec, copied unless already placed there (the step donates its inputs).
 
-    Arrays not yet in the step's placement (a model's first step) are copied first, so the caller's arrays
-    survive even when a clone shares them (``nnx.clone`` does not copy arrays) or the mesh is the array's own
-    single device. Arrays already placed (the outputs of the previous step) are passed through and donated; a
-    buffer shared by two leaves is copied once.
+    Arrays not yet in the step's placement (a model's first step) are copied into it by
+    :func:`shardcheck.distributed.place_host_tree` (no cross-process communication, so it cannot deadlock in a
+    multi-process run; RNG keys included), so the caller's arrays survive even when a clone shares them
+    (``nnx.clone`` does not copy arrays). Arrays already placed (the outputs of the previous step) are passed
+    through and donated; a buffer shared by two leaves is copied once.
     """
     placed, seen = [], set()
     for a, spec in zip(leaves, specs, strict=True):
@@ -187,23 +263,32 @@ def place_state(leaves, specs, mesh: Mesh) -> list:
         placed_already = isinstance(a.sharding, NamedSharding) and a.sharding.is_equivalent_to(target, a.ndim)
         shared = id(a) in seen
         seen.add(id(a))
-        if not placed_already or shared:
-            a = jax.numpy.copy(
-                a
-            )  # device_put alone may alias the input buffer into a replicated output's shard
-        placed.append(jax.device_put(a, target))
+        if placed_already and shared:
+            a = jax.numpy.copy(a)  # one buffer donated twice: copy it once
+        placed.append(distributed.place_host_tree(a, target))  # no communication; places RNG keys too
     return placed
 
 
-def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name, min_size=0):
-    """The compiled step, its placed arguments and the state treedef (nothing is changed)."""
-    num_shards = int(mesh.shape[axis_name])
+def place_batch(batch: Batch, mesh: Mesh) -> Batch:
+    """The batch split over every axis of ``mesh`` along its leading dimension."""
+    axes = batch_axes(mesh)
+    sharding = NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+    return distributed.place_host_tree(batch, sharding)
+
+
+def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, min_size=0):
+    """The compiled step, its placed arguments and the state treedef (nothing is changed).
+
+    ``axis_name`` is accepted for the one-axis callers and must be an axis of ``mesh``; the placement reads the
+    mesh's axes (:func:`state_specs`).
+    """
+    if axis_name is not None and axis_name not in mesh.axis_names:
+        raise ValueError(f"prepare: mesh has axes {tuple(mesh.axis_names)}, not {axis_name!r}")
     graphdef, state = nnx.split((model, optimizer))
     leaves, treedef = jax.tree.flatten(state)
-    specs, param_specs = state_specs(strategy, model, optimizer, num_shards, axis_name, min_size)
-    step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, axis_name)
-    placed_batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(axis_name)))
-    return step, (place_state(leaves, specs, mesh), placed_batch), treedef
+    specs, param_specs = state_specs(strategy, model, optimizer, mesh, min_size=min_size, fn=strategy)
+    step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh)
+    return step, (place_state(leaves, specs, mesh), place_batch(batch, mesh)), treedef
 
 
 def mesh_step(
@@ -214,15 +299,13 @@ def mesh_step(
     batch: Batch,
     mesh: Mesh,
     *,
-    axis_name: str = "data",
     min_size: int = 0,
 ) -> jax.Array:
-    """One DP or FSDP step of a task on ``mesh``, in place; returns the 0-d pre-update loss.
+    """One DP, FSDP or GSPMD step of a task on ``mesh``, in place; returns the 0-d pre-update loss.
 
-    The caller validates: ``axis_name`` in ``mesh``, the batch divisible by its size, a model without batch
-    statistics, an elementwise optimizer for FSDP.
+    The caller validates: the batch divisible by ``mesh.size``, a model without batch statistics.
     """
-    step, args, treedef = prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name, min_size)
+    step, args, treedef = prepare(strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size)
     loss, leaves = step(*args)
     nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
     return loss

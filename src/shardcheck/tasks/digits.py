@@ -6,6 +6,7 @@ import functools
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -36,8 +37,11 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 def digits_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean softmax cross-entropy of ``model(batch["x"])`` ``(B, 10)`` logits against ``batch["label"]`` ``(B,)``."""
-    logits = model(batch["x"])
+    """Mean softmax cross-entropy of ``model(batch["x"])`` ``(B, 10)`` logits against ``batch["label"]`` ``(B,)``.
+
+    The logits are cast to float32 first (mixed-precision practice: the loss in float32 whatever the compute dtype).
+    """
+    logits = model(batch["x"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
@@ -49,6 +53,8 @@ def digits_task(
     batch_size: int = 64,
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
+    compute_dtype=None,
+    param_dtype=None,
 ) -> Task:
     """Classify scikit-learn's 8 x 8 digits (1797 rows, 10 classes) with an MLP 64 -> ``hidden`` -> 10.
 
@@ -63,6 +69,10 @@ def digits_task(
         batch_size: B, default 64 (a multiple of 8, so 8 shards split evenly).
         steps: number of batches.
         seed: seed of the parameters (``nnx.Rngs(seed)``) and of the shuffling.
+        compute_dtype: the ``dtype`` of both ``nnx.Linear`` layers (activations and matmuls), e.g.
+            ``"bfloat16"``; default float32.
+        param_dtype: the layers' ``param_dtype`` (the stored parameters, initialised in float32 and cast);
+            default float32.
 
     Returns:
         The :class:`~shardcheck.task.Task`; its model factory returns identical parameters on every call.
@@ -80,8 +90,12 @@ def digits_task(
     drawn = itertools.islice(datasets.minibatch_indices(n, batch_size, seed=seed), steps)
     batches = [{"x": x[idx], "label": label[idx]} for _, idx in drawn]
 
+    dtypes = {
+        k: jnp.dtype(v) for k, v in (("dtype", compute_dtype), ("param_dtype", param_dtype)) if v is not None
+    }
+
     def factory() -> nnx.Module:
-        return MLP(NUM_FEATURES, hidden, NUM_CLASSES, rngs=nnx.Rngs(seed))
+        return MLP(NUM_FEATURES, hidden, NUM_CLASSES, **dtypes, rngs=nnx.Rngs(seed))
 
     return Task(
         model=factory,

@@ -1,0 +1,140 @@
+"""The parity harness's cost against the steps it checks: ``check_parity`` wall time / the bare steps' wall time.
+
+Both sides are warm: each configuration runs once untimed first (compiles the reference step, the candidate step
+and the harness's own jitted functions), then ``check_parity`` and the bare steps (the task's reference step and
+the candidate step, each over the same batches from fresh copies of the model) are timed, best of ``repeats``.
+Imported by ``benchmarks/run.py`` after JAX has its fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import shardcheck
+from shardcheck.losses import mse_batch_loss
+from shardcheck.models import MLP
+from shardcheck.steps import STRATEGIES
+from shardcheck.steps.reference import reference_step
+
+
+def mlp_task(d_in: int, hidden: int, d_out: int, batch: int, steps: int) -> shardcheck.Task:
+    """The issue's setup: MLP ``d_in -> hidden -> d_out``, Adam(1e-2), ``steps`` batches of ``batch`` rows, MSE."""
+    rng = np.random.default_rng(0)
+    batches = [
+        (
+            rng.normal(size=(batch, d_in)).astype(np.float32),
+            rng.normal(size=(batch, d_out)).astype(np.float32),
+        )
+        for _ in range(steps)
+    ]
+
+    def loss_fn(model, b):
+        return mse_batch_loss(model, b)
+
+    return shardcheck.Task(
+        model=lambda: MLP(d_in, hidden, d_out, rngs=nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=loss_fn,
+        batches=batches,
+        name=f"mlp {d_in}-{hidden}-{d_out}",
+    )
+
+
+def _bare_steps(task: shardcheck.Task, strategy: str, num_shards: int) -> float:
+    """Wall seconds of the reference's and the candidate's steps alone over every batch (fresh models)."""
+    from shardcheck.steps.registry import mesh_for
+
+    spec = STRATEGIES[strategy]
+    cand = spec.build(task.loss_fn, num_shards, mesh_for("benchmark", spec, num_shards, None))
+    ref_model = task.model()
+    ref_opt = nnx.Optimizer(ref_model, task.optimizer, wrt=nnx.Param)
+    cand_model = task.model()
+    cand_opt = nnx.Optimizer(cand_model, task.optimizer, wrt=nnx.Param)
+    if cand.make_optimizer is not None:
+        cand_opt = cand.make_optimizer(cand_model, cand_opt)
+    batches = [jax.tree.map(jax.numpy.asarray, b) for b in task.batches]
+    jax.block_until_ready(batches)
+    t0 = time.perf_counter()
+    for b in batches:
+        reference_step(task.loss_fn, ref_model, ref_opt, b)
+    jax.block_until_ready(nnx.state(ref_model))
+    for b in batches:
+        cand.step(cand_model, cand_opt, b)
+    jax.block_until_ready(nnx.state(cand_model))
+    return time.perf_counter() - t0
+
+
+def _parity(task, strategy, num_shards) -> tuple[float, bool]:
+    t0 = time.perf_counter()
+    report = shardcheck.check_parity(strategy, task, num_shards=num_shards)
+    return time.perf_counter() - t0, bool(report.ok)
+
+
+def measure(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int = 3) -> dict:
+    """``{"check_parity_s", "bare_steps_s", "ratio", "ok"}``: best of ``repeats`` each, after one warm-up of both."""
+    _bare_steps(task, strategy, num_shards)
+    _parity(task, strategy, num_shards)
+    bare = min(_bare_steps(task, strategy, num_shards) for _ in range(repeats))
+    runs = [_parity(task, strategy, num_shards) for _ in range(repeats)]
+    parity = min(s for s, _ in runs)
+    return {
+        "strategy": strategy,
+        "num_shards": num_shards,
+        "steps": len(task.batches),
+        "check_parity_s": parity,
+        "bare_steps_s": bare,
+        "ratio": parity / bare,
+        "ok": all(ok for _, ok in runs),
+    }
+
+
+# Where a warm check_parity's time goes: (category, module path suffix, function name) of the functions whose
+# cumulative time is reported. They nest (leaf_error calls the host copies of its inputs), so they do not add up.
+PROFILE_ROWS = (
+    ("whole check_parity", "parity/harness.py", "check_parity"),
+    ("reference steps + sensitivity (_step_reference)", "parity/harness.py", "_step_reference"),
+    ("candidate steps (_step_candidate)", "parity/harness.py", "_step_candidate"),
+    ("on-device leaf comparisons, one call per step (leaf_errors)", "parity/compare.py", "leaf_errors"),
+    ("float64 host comparisons (leaf_error: the loss, fallbacks)", "parity/compare.py", "leaf_error"),
+    ("  of which the median update ratio (_ratio)", "parity/compare.py", "_ratio"),
+    ("host copies of leaves (to_host: np.asarray / gather)", "parity/compare.py", "to_host"),
+    ("bounds as host arrays (host_tree)", "parity/compare.py", "host_tree"),
+    ("before-step snapshots on the device (device_snapshot)", "parity/compare.py", "device_snapshot"),
+    ("replica agreement (replica_mismatches)", "parity/compare.py", "replica_mismatches"),
+    ("state copies for the re-check (_copy_state)", "parity/harness.py", "_copy_state"),
+    ("reference finiteness check (_reference_finite)", "parity/harness.py", "_reference_finite"),
+    ("nnx.state / graph flatten", "flax/nnx/graphlib.py", "state"),
+)
+
+
+def profile(task: shardcheck.Task, strategy: str, num_shards: int, *, warm: bool = False) -> dict:
+    """cProfile of one warm ``check_parity`` run: ``{category: cumulative seconds}`` (:data:`PROFILE_ROWS`),
+    ``profiled_s`` (the run under the profiler) and ``top`` (the 25 functions by cumulative time, as text).
+
+    ``warm``: this configuration already ran in this process (:func:`measure`), so no untimed run comes first.
+    """
+    if not warm:
+        _parity(task, strategy, num_shards)
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    _parity(task, strategy, num_shards)
+    wall = time.perf_counter() - t0
+    prof.disable()
+    stats = pstats.Stats(prof)
+    by_category = {}
+    for category, suffix, name in PROFILE_ROWS:
+        by_category[category] = sum(
+            row[3] for (path, _, func), row in stats.stats.items() if func == name and path.endswith(suffix)
+        )
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    return {"profiled_s": wall, "cumulative_s": by_category, "top": out.getvalue()}

@@ -1,0 +1,272 @@
+"""The training step's memory ahead of time: compiled on abstract inputs at full scale, nothing allocated.
+
+:func:`compile_ahead_of_time` lowers and compiles the real step of a strategy (the registry's, through
+:func:`shardcheck.memory.lower_step`) on ``jax.ShapeDtypeStruct`` state and batch carrying their target
+``NamedSharding`` over as many (fake CPU) devices as the mesh has, and reads XLA's per-device figures;
+:func:`largest_batch_that_fits` compiles it at a few batch sizes against a device's memory
+(:mod:`shardcheck.device_memory`). A billion-parameter model is sized this way on a laptop: only shapes exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from shardcheck import _validate
+from shardcheck.memory import (
+    MESH_STRATEGIES,
+    _itemsize,
+    _memory_stats,
+    abstract_training_state,
+    estimate_memory,
+    lower_step,
+)
+from shardcheck.task import Task
+
+PyTree = Any
+
+BACKEND_NOTE = {
+    "cpu": (
+        "compiled by XLA:CPU on fake CPU devices: argument, output and alias bytes are the step's state and batch "
+        "and hold on any backend with the same shardings; temp is XLA:CPU's buffer assignment, an estimate of an "
+        "accelerator's (GPU and TPU compilers fuse, schedule and pad differently: expect the same order of "
+        "magnitude, not the same bytes)"
+    ),
+    "gpu": "compiled by XLA:GPU for this GPU: the figures are the target's own",
+    "tpu": "compiled by XLA:TPU for this TPU: the figures are the target's own (layouts padded to tiles)",
+}
+"""What the compiled figures mean, by the backend (``jax.Device.platform``) that compiled them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AheadOfTimeMemory:
+    """Per-device memory of a step compiled ahead of time on abstract inputs (nothing allocated).
+
+    The state and the batch are ``jax.ShapeDtypeStruct`` with their target ``NamedSharding``; XLA's
+    ``memory_analysis()`` of the partitioned executable gives one device's figures
+    (``jax.stages.Compiled.memory_analysis``). The peak splits exactly into
+    ``persistent (params + model_state + optimizer + step) + other_state + batch + temporaries + outputs``.
+
+    Attributes:
+        strategy: the step compiled (:data:`MESH_STRATEGIES` but ``"placed"``).
+        mesh_shape: ``(("data", 2), ("fsdp", 4))``.
+        num_devices: devices the step runs on (1 for ``"replicated"``).
+        batch_size: B, the global batch the step was compiled for (split over every mesh axis).
+        backend: the platform that compiled it (``"cpu"``, ``"gpu"``, ``"tpu"``) and its device kind.
+        backend_note: what that means for the figures (:data:`BACKEND_NOTE`).
+        params_bytes, model_state_bytes, optimizer_bytes, step_bytes: the persistent state by category, per
+            device (:func:`estimate_memory` with ``mesh=`` of the same placement).
+        persistent_bytes: their sum.
+        grads_bytes: the gradients' bytes per device in their placement; inside the step they are temporaries
+            (counted in ``temp_bytes``), listed for reference.
+        argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes: XLA's
+            ``CompiledMemoryStats`` (``temp``: activations, gradients, gathered parameters, collective buffers).
+        data_argument_bytes: one device's block of the batch: ``sum(prod(shape) / num_devices * itemsize)``.
+        state_argument_bytes: ``argument_bytes - data_argument_bytes`` (== ``persistent_bytes`` when the
+            estimate is exact).
+        peak_bytes: ``argument_bytes + output_bytes - alias_bytes + temp_bytes``.
+    """
+
+    strategy: str
+    mesh_shape: tuple[tuple[str, int], ...]
+    num_devices: int
+    batch_size: int
+    backend: str
+    backend_note: str
+    params_bytes: int
+    model_state_bytes: int
+    optimizer_bytes: int
+    step_bytes: int
+    persistent_bytes: int
+    grads_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    data_argument_bytes: int
+    state_argument_bytes: int
+    peak_bytes: int
+
+    def breakdown(self) -> dict[str, int]:
+        """The peak by part, bytes per device, summing to :attr:`peak_bytes` exactly.
+
+        ``params``, ``model_state``, ``optimizer``, ``step`` (persistent), ``other_state`` (state arguments the
+        estimate did not place: 0 when it is exact), ``batch``, ``temporaries`` (XLA temp), ``outputs``
+        (outputs not written into donated inputs: ``output - alias``).
+        """
+        return {
+            "params": self.params_bytes,
+            "model_state": self.model_state_bytes,
+            "optimizer": self.optimizer_bytes,
+            "step": self.step_bytes,
+            "other_state": self.state_argument_bytes - self.persistent_bytes,
+            "batch": self.data_argument_bytes,
+            "temporaries": self.temp_bytes,
+            "outputs": self.output_bytes - self.alias_bytes,
+        }
+
+    def to_json(self) -> dict:
+        """The fields and the breakdown as a JSON-ready dict."""
+        out = dataclasses.asdict(self)
+        out["mesh_shape"] = dict(self.mesh_shape)
+        out["breakdown"] = self.breakdown()
+        return out
+
+
+def abstract_batch(fn: str, task: Task, batch_size: int | None = None) -> PyTree:
+    """The task's first batch as ``jax.ShapeDtypeStruct``, its leading size set to ``batch_size`` (default: its own).
+
+    Nothing is allocated: a batch of any size can be compiled for.
+    """
+    if batch_size is not None:
+        _validate.check_int(fn, "batch_size", batch_size, example="batch_size=1024")
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            (int(batch_size) if batch_size is not None else a.shape[0], *a.shape[1:]), a.dtype
+        ),
+        task.batches[0],
+    )
+
+
+def _check_aot_args(fn, task, mesh, strategy, batch_size) -> None:
+    if not isinstance(task, Task):
+        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
+            "shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    if strategy not in MESH_STRATEGIES[:-1]:
+        raise ValueError(
+            f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES[:-1])}"
+        )
+    if batch_size is not None:
+        _validate.check_int(fn, "batch_size", batch_size, example=f"batch_size={8 * mesh.size}")
+        if strategy != "replicated" and batch_size % mesh.size:
+            near = mesh.size * max(1, round(batch_size / mesh.size))
+            raise ValueError(
+                f"{fn}: batch_size={batch_size} does not split over the {mesh.size} devices of the mesh (the batch "
+                f"is split over every axis); pass a multiple of {mesh.size}, e.g. {near}"
+            )
+
+
+def compile_ahead_of_time(
+    task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "fsdp", batch_size: int | None = None
+) -> AheadOfTimeMemory:
+    """Lower and compile the registry's real step of ``task`` on abstract inputs, and read its memory per device.
+
+    The state is ``nnx.eval_shape`` of the task's model and ``nnx.Optimizer`` (:func:`abstract_training_state`),
+    the batch ``jax.ShapeDtypeStruct`` of the first batch's leaves with the leading size ``batch_size``
+    (:func:`abstract_batch`); each gets its target ``NamedSharding`` (the placement of :func:`estimate_memory`
+    with ``mesh=``; the batch split over every axis), and the step of :func:`lower_step` is lowered and compiled
+    for them. Nothing of the model or the batch is allocated, so a billion-parameter model compiles on a laptop
+    over fake CPU devices (``jax_num_cpu_devices``). The figures equal those of compiling the same step with
+    real arrays of the same shapes and shardings.
+
+    Args:
+        task: the :class:`~shardcheck.Task`.
+        mesh: the mesh (:func:`shardcheck.mesh.make_mesh`); its devices may be fake CPU devices.
+        strategy: ``"fsdp"`` (default), ``"gspmd"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"replicated"``.
+        batch_size: the global batch B (a multiple of ``mesh.size``); default the task's first batch's.
+
+    Returns:
+        An :class:`AheadOfTimeMemory`, bytes per device, with the backend that compiled it and what that means.
+
+    Raises:
+        TypeError: ``task`` or ``mesh`` of the wrong type, ``batch_size`` not an int.
+        ValueError: an unknown strategy; ``batch_size`` < 1 or not a multiple of ``mesh.size``; an annotation
+            the mesh cannot honour; a backend that gives no ``memory_analysis()``.
+    """
+    fn = "compile_ahead_of_time"
+    _check_aot_args(fn, task, mesh, strategy, batch_size)
+    batch = abstract_batch(fn, task, batch_size)
+    if strategy != "replicated":
+        b = jax.tree.leaves(batch)[0].shape[0]
+        if b % mesh.size:
+            raise ValueError(
+                f"{fn}: the task's batch of {b} rows does not split over the {mesh.size} devices of the mesh; pass "
+                f"batch_size= a multiple of {mesh.size}"
+            )
+    model, optimizer = abstract_training_state(fn, task)
+    estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
+    lowered, args, _ = lower_step(strategy, task.loss_fn, model, optimizer, batch, mesh)
+    stats = _memory_stats(lowered.compile())
+    num_devices = 1 if strategy == "replicated" else mesh.size
+    data = sum(math.prod(a.shape) // num_devices * _itemsize(a.dtype) for a in jax.tree.leaves(batch))
+    device = mesh.devices.flat[0]
+    return AheadOfTimeMemory(
+        strategy=strategy,
+        mesh_shape=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
+        num_devices=num_devices,
+        batch_size=int(jax.tree.leaves(batch)[0].shape[0]),
+        backend=f"{device.platform} ({device.device_kind})",
+        backend_note=BACKEND_NOTE.get(device.platform, f"compiled by XLA for {device.platform}"),
+        params_bytes=estimate.params_bytes,
+        model_state_bytes=estimate.model_state_bytes,
+        optimizer_bytes=estimate.optimizer_bytes,
+        step_bytes=estimate.step_bytes,
+        persistent_bytes=estimate.persistent_bytes,
+        grads_bytes=estimate.grads_bytes,
+        argument_bytes=stats["argument_bytes"],
+        output_bytes=stats["output_bytes"],
+        alias_bytes=stats["alias_bytes"],
+        temp_bytes=stats["temp_bytes"],
+        generated_code_bytes=stats["generated_code_bytes"],
+        data_argument_bytes=data,
+        state_argument_bytes=stats["argument_bytes"] - data,
+        peak_bytes=stats["peak_bytes"],
+    )
+
+
+def largest_batch_that_fits(
+    task: Task,
+    mesh: jax.sharding.Mesh,
+    device_memory_bytes: int,
+    *,
+    strategy: str = "fsdp",
+    max_compiles: int = 8,
+) -> tuple[int, dict[int, int]]:
+    """The largest global batch whose step fits ``device_memory_bytes`` per device, found by compiling it.
+
+    Batches are multiples of ``n = mesh.size`` (one row per device at least; ``n = 1`` for ``"replicated"``):
+    the step is compiled ahead of time (:func:`compile_ahead_of_time`) at ``n, 2n, 4n, ...`` until it no longer
+    fits, then the gap between the last fitting and the first failing size is bisected over multiples of ``n``,
+    with at most ``max_compiles`` compiles in all. The answer is exact within the sizes tried: every size up to
+    it that was compiled fits, and the next multiple of ``n`` above it was compiled and does not fit, unless the
+    compile budget ran out first (then it is a lower bound).
+
+    Returns:
+        ``(batch_size, peaks)``: the largest fitting batch (0 when even ``n`` rows do not fit: the state alone,
+        or one row's activations, is too large) and ``{batch_size: peak_bytes}`` of every size compiled.
+
+    Raises:
+        The errors of :func:`compile_ahead_of_time`; ValueError: ``max_compiles`` < 1.
+    """
+    fn = "largest_batch_that_fits"
+    _validate.check_int(fn, "max_compiles", max_compiles, example="max_compiles=8")
+    n = 1 if strategy == "replicated" else mesh.size
+    peaks: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        peaks[b] = compile_ahead_of_time(task, mesh, strategy=strategy, batch_size=b).peak_bytes
+        return peaks[b] <= device_memory_bytes
+
+    if not fits(n):
+        return 0, peaks
+    good, bad = n, None
+    while bad is None and len(peaks) < max_compiles:
+        if fits(2 * good):
+            good *= 2
+        else:
+            bad = 2 * good
+    while bad is not None and bad - good > n and len(peaks) < max_compiles:
+        mid = (good + bad) // (2 * n) * n
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, peaks

@@ -1,0 +1,157 @@
+"""Device meshes with named axes: how shardcheck builds them and reads their roles.
+
+A mesh is ``jax.sharding.Mesh``: devices laid out on named axes, such as ``("data", "fsdp")`` for hybrid
+sharding (Flax NNX's "Scale up on multiple devices" guide, MaxText). Every strategy of :mod:`shardcheck.steps`
+splits the batch over *all* axes of the mesh (each device gets ``B / mesh.size`` rows) and places the state by
+the roles of the axes:
+
+* data parallel replicates the state on every axis;
+* FSDP splits the state over the **FSDP axis** (:func:`fsdp_axis`: the axis named ``"fsdp"``, else the mesh's
+  only axis) and replicates it over the others (hybrid sharding: reduce-scatter over ``fsdp``, all-reduce over
+  ``data``), unless the model's own ``nnx.with_partitioning`` annotations say otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from shardcheck import _validate
+
+FSDP_AXIS = "fsdp"
+"""The axis FSDP splits unannotated state over when the mesh has several axes."""
+
+_AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def make_mesh(shape: int | Mapping[str, int] | None = None, axis_name: str = "data") -> Mesh:
+    """A mesh over the first devices of ``jax.devices()``, with ``Auto`` axes.
+
+    ``jax.make_mesh`` makes ``Explicit`` axes by default in current JAX. Under Explicit axes every jitted
+    operation must have an unambiguous output sharding, so plain jit code fed ``NamedSharding`` inputs can fail:
+    ``nnx.Embed``'s gather of a sharded table and ``x @ w.T`` with a batch-sharded ``x`` and an FSDP-sharded
+    ``w`` raise ``ShardingTypeError`` ("illegally sharded result"), and so does a reshape of a sharded array,
+    unless every such op is given ``out_sharding=``. ``AxisType.Auto`` leaves those decisions to the compiler
+    (GSPMD / Shardy propagation), so both code paths work: ``jax.shard_map`` (which makes the axes Manual inside
+    the map either way) and jit over ``NamedSharding``-placed arrays (the ``gspmd`` strategy, a user's own
+    jitted step).
+
+    Args:
+        shape: ``N`` for a 1-D mesh of N devices on axis ``axis_name``; a mapping ``{"data": 2, "fsdp": 4}``
+            for a mesh with those axes, in that order (row-major over ``jax.devices()``); None: every device on
+            one axis. In a multi-process run ``jax.devices()`` lists every process's devices, so the mesh is
+            global.
+        axis_name: the axis of a 1-D mesh (ignored for a mapping).
+
+    Returns:
+        A ``jax.sharding.Mesh`` whose axes all have type ``AxisType.Auto``.
+
+    Raises:
+        TypeError: ``shape`` not an int, a mapping of str to int, or None; ``axis_name`` not a non-empty str.
+        ValueError: an axis size < 1, a repeated or invalid axis name, or more devices than exist (on CPU, more
+            can be faked with ``jax.config.update('jax_num_cpu_devices', N)`` before JAX initializes).
+
+    Example::
+
+        >>> make_mesh(1).shape
+        OrderedDict([('data', 1)])
+        >>> make_mesh({"data": 1, "fsdp": 1}).axis_names
+        ('data', 'fsdp')
+    """
+    fn = "make_mesh"
+    devices = jax.devices()
+    axes = _check_shape(fn, shape, axis_name, len(devices))
+    size = math.prod(axes.values())
+    if size > len(devices):
+        listed = " x ".join(f"{name}={n}" for name, n in axes.items())
+        raise ValueError(
+            f"{fn}: the mesh {listed} needs {size} devices, but {len(devices)} exist; pass axis sizes whose "
+            f"product is at most {len(devices)} (on CPU, more devices can be faked with "
+            "jax.config.update('jax_num_cpu_devices', N) before JAX initializes, or --devices N / --mesh on the "
+            "command line)"
+        )
+    return jax.make_mesh(
+        tuple(axes.values()),
+        tuple(axes),
+        axis_types=(AxisType.Auto,) * len(axes),
+        devices=devices[:size],
+    )
+
+
+def _check_shape(fn: str, shape, axis_name, num_devices: int) -> dict[str, int]:
+    if shape is None or isinstance(shape, int) and not isinstance(shape, bool):
+        if not isinstance(axis_name, str) or not axis_name:
+            raise TypeError(
+                f"{fn}: axis_name must be a non-empty str, got {axis_name!r}; pass e.g. axis_name='data'"
+            )
+        shape = {axis_name: num_devices if shape is None else shape}
+    if not isinstance(shape, Mapping) or not shape:
+        raise TypeError(
+            f"{fn}: shape must be a device count N, a mapping of axis names to sizes such as "
+            f"{{'data': 2, 'fsdp': 4}}, or None (every device), got {shape!r}"
+        )
+    axes = {}
+    for name, n in shape.items():
+        if not isinstance(name, str) or not _AXIS_NAME.match(name):
+            raise ValueError(
+                f"{fn}: axis name {name!r} is not an identifier; name axes like 'data', 'fsdp', 'model'"
+            )
+        _validate.check_int(fn, f"the size of axis {name!r}", n, minimum=1, example=f"{{{name!r}: 2}}")
+        axes[name] = int(n)
+    return axes
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (the command line's ``--mesh``); ``"8"`` -> ``{"data": 8}``.
+
+    Raises:
+        ValueError: text that is not ``NAME=SIZE[,NAME=SIZE...]`` with identifier names, sizes >= 1 and no
+            repeated name (the message shows the expected form).
+    """
+    form = "--mesh NAME=SIZE[,NAME=SIZE...], e.g. --mesh data=2,fsdp=4"
+    text = str(text).strip()
+    if text.isdigit():
+        text = f"data={text}"
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = part.strip().partition("=")
+        name, size = name.strip(), size.strip()
+        if not sep or not _AXIS_NAME.match(name) or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh {text!r}: {part.strip()!r} is not NAME=SIZE with SIZE >= 1; use {form}")
+        if name in axes:
+            raise ValueError(f"--mesh {text!r}: axis {name!r} is given twice; use {form}")
+        axes[name] = int(size)
+    return axes
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the batch is split over: every axis of ``mesh``, in order (``B / mesh.size`` rows a device)."""
+    return tuple(mesh.axis_names)
+
+
+def fsdp_axis(mesh: Mesh) -> str:
+    """The axis FSDP splits unannotated state over: ``"fsdp"`` when the mesh has it, else its only axis.
+
+    Raises:
+        ValueError: a mesh with several axes, none named ``"fsdp"`` (name the axis to shard over ``fsdp``).
+    """
+    names = tuple(mesh.axis_names)
+    if FSDP_AXIS in names:
+        return FSDP_AXIS
+    if len(names) == 1:
+        return names[0]
+    raise ValueError(
+        f"fsdp: the mesh has axes {names} and none is named {FSDP_AXIS!r}, so it is not clear which axis the "
+        f"parameters are split over; name it {FSDP_AXIS!r} (e.g. make_mesh({{'data': 2, 'fsdp': 4}}) or "
+        "--mesh data=2,fsdp=4), or annotate every parameter with nnx.with_partitioning"
+    )
+
+
+def describe(mesh: Mesh) -> str:
+    """``"data=2 x fsdp=4 (8 devices)"``: a mesh in words, for reports."""
+    axes = " x ".join(f"{name}={int(size)}" for name, size in mesh.shape.items())
+    return f"{axes} ({mesh.size} device{'s' if mesh.size != 1 else ''})"

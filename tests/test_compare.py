@@ -1,0 +1,158 @@
+"""The on-device leaf statistics (``compare.leaf_errors``) against the float64 NumPy comparison (``leaf_error``)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from shardcheck.parity import compare
+from shardcheck.parity.compare import LeafInput, leaf_error, leaf_errors, replica_mismatch, replica_mismatches
+
+SHAPE = (4, 16)
+SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, 3e38, -3e38]
+
+
+def _leaves(special: bool):
+    values = st.floats(-4, 4, width=32) | (st.sampled_from(SPECIAL) if special else st.just(1.0))
+    return hnp.arrays(np.float32, SHAPE, elements=values)
+
+
+def _fields(e):
+    return dataclasses.astuple(e)
+
+
+def _same(items):
+    """``leaf_errors`` equals ``leaf_error`` on host copies of the same inputs, field for field (NaN == NaN)."""
+    device = leaf_errors(items)
+    host = [leaf_error(*compare._host_args(i)) for i in items]
+    for d, h in zip(device, host, strict=True):
+        np.testing.assert_equal(_fields(d), _fields(h))
+    return device
+
+
+@given(
+    r=_leaves(special=False),
+    noise=hnp.arrays(np.float32, SHAPE, elements=st.sampled_from([0.0, 1.0, -1.0, 2.0, 1e-3, 0.5])),
+    r0=_leaves(special=True),
+    special=_leaves(special=True),
+    where=st.integers(0, SHAPE[0] * SHAPE[1] - 1),
+    shift=st.sampled_from([-2, -1, 0, 1, 2]),
+)
+def test_device_statistics_equal_float64_numpy(r, noise, r0, special, where, shift):
+    """Rounding-sized and large errors, NaN/inf/subnormal elements, and an allowance that puts one element
+    exactly at its threshold, a few float32 ulps either side."""
+    rtol, atol = 1e-6, 1e-7
+    c = (r + noise * np.float32(1e-6) * np.abs(r)).astype(np.float32)
+    diff = np.abs(c.astype(np.float64) - r.astype(np.float64))
+    base = atol + rtol * float(np.max(np.abs(r.astype(np.float64))))
+    extra = np.full(SHAPE, np.float32(max(float(diff.flat[where]) - base, 0.0)), np.float32)
+    extra = np.nextafter(extra, np.float32(np.inf * np.sign(shift))) if shift else extra
+    extra = np.abs(extra * np.float32(1 + 1e-7 * abs(shift))).astype(np.float32)
+    dev = jnp.asarray
+    items = [
+        LeafInput(0, "param", "w", dev(r), dev(c), rtol, atol, dev(r0), dev(r0), dev(extra)),
+        LeafInput(0, "param", "w", dev(r), dev(c), rtol, atol, dev(r0), dev(c - r + r0)),
+        LeafInput(0, "grad", "w", dev(r), dev(c), rtol, atol, allowance=dev(extra)),
+        LeafInput(0, "grad", "w", dev(r), dev(special), rtol, atol),
+        LeafInput(0, "opt_state", "w", dev(special), dev(c), rtol, atol, dev(r0), dev(r), dev(extra)),
+    ]
+    _same(items)
+
+
+def test_the_threshold_is_decided_in_float64():
+    """An error a few float64 ulps either side of its float32-rounded threshold: the verdict is float64's."""
+    r = np.linspace(-1, 1, 64, dtype=np.float32).reshape(SHAPE)
+    c = r.copy()
+    c.flat[5] += np.float32(3e-7)
+    diff = abs(float(c.flat[5]) - float(r.flat[5]))
+    scale = float(np.max(np.abs(r)))
+    for atol in (diff, np.nextafter(diff, 0), np.nextafter(diff, 1)):
+        (out,) = _same([LeafInput(0, "param", "w", jnp.asarray(r), jnp.asarray(c), 0.0, atol)])
+        assert out.ok == (diff <= atol)
+        extra = jnp.asarray(np.zeros(SHAPE, np.float32))
+        (out,) = _same(
+            [LeafInput(0, "param", "w", jnp.asarray(r), jnp.asarray(c), 1e-9, atol, allowance=extra)]
+        )
+        assert out.ok == (diff <= atol + 1e-9 * scale)
+
+
+@require_devices(2)
+def test_replica_agreement_is_bitwise_on_the_device():
+    devices = jax.devices()[:2]
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(devices), ("data",)), jax.sharding.PartitionSpec()
+    )
+    x = np.arange(8, dtype=np.float32)
+    nan_a = np.full(8, np.nan, np.float32)
+    nan_b = nan_a.view(np.uint32).copy()
+    nan_b[3] += 1  # another NaN payload: equal as values never, different as bits
+    cases = {
+        "same": (x, x),
+        "one_ulp": (x, np.nextafter(x, np.float32(9))),
+        "zero_signs": (np.zeros(8, np.float32), -np.zeros(8, np.float32)),
+        "nan_payload": (nan_a, nan_b.view(np.float32)),
+        "same_nan": (nan_a, nan_a),
+    }
+    arrays = {
+        k: jax.make_array_from_single_device_arrays(
+            (8,), sharding, [jax.device_put(v, d) for v, d in zip(pair, devices, strict=True)]
+        )
+        for k, pair in cases.items()
+    }
+    expected = {"one_ulp", "zero_signs", "nan_payload"}
+    assert replica_mismatches(arrays) == {k for k, a in arrays.items() if replica_mismatch(a)} == expected
+    # the all-reduce used on accelerators (on CPU the buffers are compared in place)
+    names = list(arrays)
+    layouts = tuple((sharding.mesh, sharding.spec, ("data",)) for _ in names)
+    differ = np.asarray(compare._replicas_differ(layouts, [arrays[k] for k in names]))
+    assert {k for k, d in zip(names, differ, strict=True) if d} == expected
+
+
+def _mlp_task():
+    import optax
+    from flax import nnx
+
+    import shardcheck
+    from shardcheck.losses import mse_batch_loss
+    from shardcheck.models import MLP
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))] * 2
+    return shardcheck.Task(
+        model=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=mse_batch_loss,
+        batches=batches,
+    )
+
+
+@require_devices(2)
+@pytest.mark.parametrize("strategy", ["dp"])
+def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
+    """check_parity with the device comparison and with the host one: equal reports, leaf for leaf."""
+    import shardcheck
+    from shardcheck.parity import harness
+
+    task = _mlp_task()
+    device = shardcheck.check_parity(strategy, task, num_shards=2)
+    host_path = [0]
+
+    def on_host(items):
+        host_path[0] += len(items)
+        return [leaf_error(*compare._host_args(i)) for i in items]
+
+    monkeypatch.setattr(harness, "leaf_errors", on_host)
+    monkeypatch.setattr(
+        harness, "replica_mismatches", lambda a: {k for k, v in a.items() if replica_mismatch(v)}
+    )
+    host = shardcheck.check_parity(strategy, task, num_shards=2)
+    assert host_path[0] > 0 and device.ok and host.ok and device.codes == host.codes
+    for d, h in zip(device.steps, host.steps, strict=True):
+        np.testing.assert_equal([_fields(e) for e in d.leaves], [_fields(e) for e in h.leaves])
+        assert d.replica_mismatches == h.replica_mismatches

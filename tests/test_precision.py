@@ -1,0 +1,137 @@
+"""Mixed precision: the policy, its derived tolerances, correct bf16 steps that pass and planted faults that fail.
+
+Policies: float32 parameters with bfloat16 compute (master weights), and bfloat16 parameters (which compute in
+bfloat16 too). The tiny-lm model here is a one-block version of the built-in (same layers, fewer of them) so that
+the checks compile quickly; the planted faults are ``tests/test_task_parity.py``'s hand-written DP steps.
+"""
+
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices
+from flax import nnx
+from test_task_parity import user_dp_step
+
+import shardcheck
+from shardcheck import check_parity
+from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance
+from shardcheck.tasks import digits_task, tiny_lm_task
+from shardcheck.tasks.tiny_lm import TinyLMConfig
+
+STRATEGIES = (
+    "dp",
+    "gspmd",
+)  # simulation, fsdp, accumulation: the CLI check of the done-when (docs/parity.md)
+EPS32 = 2.0**-23  # float32 eps
+EPS_BF16 = 2.0**-7  # bfloat16 eps (8 significand bits)
+SMALL = TinyLMConfig(d_model=16, num_heads=2, num_layers=1, seq_len=16, mlp_dim=32)
+
+
+@functools.cache
+def lm(compute_dtype="bfloat16", param_dtype=None):
+    """Adam at the task's default rate (0.01), B = 16 rows of T = 16 tokens, 2 steps."""
+    return tiny_lm_task(config=SMALL, steps=2, compute_dtype=compute_dtype, param_dtype=param_dtype)
+
+
+# --------------------------------------------------------------------------------------- policy and arithmetic
+
+
+def test_the_policy_is_read_from_the_layers_and_can_be_overridden():
+    assert Precision.of(lm(None).model()).describe() == "params float32, compute float32"
+    mixed = Precision.of(lm().model())
+    assert mixed.describe() == "params float32, compute bfloat16"
+    assert (mixed.compute_eps, mixed.param_eps) == (EPS_BF16, 0.0)
+    low = Precision.of(
+        lm(None, "bfloat16").model()
+    )  # a layer without dtype computes in its parameters' dtype
+    assert low.describe() == "params bfloat16, compute bfloat16" and low.param_eps == EPS_BF16
+    assert Precision.of(lm(None).model(), compute_dtype="float16").compute_eps == 2.0**-10
+    digits = digits_task(steps=1, compute_dtype="bfloat16", param_dtype="bfloat16").model()
+    assert Precision.of(digits).describe() == "params bfloat16, compute bfloat16"
+    assert digits.hidden.kernel[...].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="check_parity: compute_dtype='int8' is not a floating dtype"):
+        Precision.of(digits, compute_dtype="int8")
+
+
+def test_the_compute_allowance_is_four_times_the_measured_split_noise_plus_the_drift():
+    # noise of leaf "b": max |g_S - g| = 2^-7 (a bfloat16 ulp at 1); no drift: 4 * 2^-7 on every element
+    split, grads = {"b": jnp.array([1.0, 2.0])}, {"b": jnp.array([1.0 + 2.0**-7, 2.0])}
+    assert COMPUTE_SAFETY == 4.0
+    np.testing.assert_array_equal(compute_allowance(split, grads)["b"], [2.0**-5, 2.0**-5])
+    # the gradient at the candidate's parameters moved element 1 by 0.25: 4 * (2^-7 + 0.25) there
+    drifted = {"b": jnp.array([1.0 + 2.0**-7, 2.25])}
+    np.testing.assert_array_equal(
+        compute_allowance(split, grads, drifted)["b"], [2.0**-5, 4 * (2.0**-7 + 0.25)]
+    )
+
+
+def test_the_loss_allowance_is_eps_c_times_the_loss_over_sqrt_n():
+    from shardcheck.parity.precision import loss_compute_allowance
+
+    bf16 = Precision.of(nnx.Linear(2, 1, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    assert loss_compute_allowance(bf16, 4.0, 256) == pytest.approx(2.0**-7 * 4.0 / 16)  # 2^-7 * 4 / sqrt(256)
+    assert loss_compute_allowance(Precision.of(nnx.Linear(2, 1, rngs=nnx.Rngs(0))), 4.0, 256) == 0.0
+
+
+def assert_derived(report, *, params_bf16: bool):
+    """The tolerance a policy derives, pinned: float32 accumulation over n = B * T = 256 tokens for both
+    policies (rtol = 16 eps32 sqrt(n) = 3.05e-5, atol = eps32 sqrt(n) at t = 0), the measured compute allowance,
+    and for bfloat16 parameters one eps_p max|p| per step (two half-ulp roundings, one per side)."""
+    step = report.steps[0]
+    assert step.rtol == pytest.approx(16 * EPS32 * math.sqrt(256)) == pytest.approx(3.0518e-5, rel=1e-4)
+    assert step.atol == pytest.approx(EPS32 * 16)
+    assert "compute bfloat16: gradients + 4 * (max|g_S - g| + |g(p_cand) - g|)" in report.tolerance_rule
+    assert ("params bfloat16: +eps_p * max|p| per step" in report.tolerance_rule) == params_bf16
+
+
+# ----------------------------------------------------------------------------------- correct steps pass
+
+
+@require_devices(8)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bf16_compute_passes_every_strategy_at_8_shards(strategy):
+    report = check_parity(strategy, lm(), num_shards=8)
+    assert report.verdict == "PASS", str(report)
+    assert_derived(report, params_bf16=False)
+
+
+@require_devices(2)
+def test_bf16_parameters_pass_on_the_mlp():
+    task = digits_task(steps=2, batch_size=32, param_dtype="bfloat16")
+    report = check_parity("simulation", task, num_shards=2)
+    assert report.verdict == "PASS", str(report)
+    assert "params bfloat16: +eps_p * max|p| per step" in report.tolerance_rule
+
+
+# ------------------------------------------------------------------------------------- planted faults fail
+
+
+@require_devices(8)
+@pytest.mark.parametrize(
+    ("step", "num_shards", "code", "phrase"),
+    [
+        (user_dp_step("sum"), 8, "summed", "summed instead of averaged (x8"),
+    ],
+    ids=["sum_for_mean"],  # the others in float32: tests/test_task_parity.py
+)
+def test_planted_faults_fail_under_bf16_compute(step, num_shards, code, phrase):
+    report = check_parity(step, lm(), mesh=shardcheck.make_mesh(num_shards), num_shards=num_shards)
+    assert report.verdict == "FAIL", str(report)
+    assert code in report.codes, str(report)
+    assert phrase in " ".join(report.diagnosis.split()), report.diagnosis
+
+
+@require_devices(2)
+def test_sum_for_mean_fails_with_bf16_parameters_on_the_mlp():
+    task = digits_task(steps=2, batch_size=32, param_dtype="bfloat16")
+
+    def summed(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: 2 * task.loss_fn(m, batch))(model)
+        optimizer.update(model, grads)
+        return loss / 2
+
+    report = check_parity(summed, task, num_shards=2)
+    assert report.verdict == "FAIL" and "summed" in report.codes, str(report)

@@ -1,0 +1,99 @@
+"""shardcheck's pytest plugin, run under ``pytester`` in fresh pytest processes (so JAX starts fresh in each).
+
+The example test file is read from ``docs/testing.md``: the documented file is the tested one. It passes on 4
+fake devices as written (its 8-device case skipped with the reason), and fails with the diagnosis once a fault
+is planted in its step.
+"""
+
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
+NO_XDIST = ("-p", "no:xdist", "-p", "no:cacheprovider")
+
+FIXTURES = """
+import jax
+import pytest
+from jax.sharding import AxisType
+
+
+def test_devices(shardcheck_devices):
+    assert len(shardcheck_devices) == 4 == jax.device_count()
+    assert {d.platform for d in shardcheck_devices} == {"cpu"}
+
+
+def test_mesh_shapes(shardcheck_mesh):
+    mesh = shardcheck_mesh({"data": 2, "fsdp": 2})
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2} and mesh.axis_types == (AxisType.Auto,) * 2
+    assert dict(shardcheck_mesh(3, axis_name="batch").shape) == {"batch": 3}
+
+
+def test_a_bad_shape_is_make_mesh_error(shardcheck_mesh):
+    with pytest.raises(ValueError, match="make_mesh"):
+        shardcheck_mesh({"data": 0})
+
+
+def test_too_few_devices(shardcheck_mesh):
+    shardcheck_mesh(16)
+"""
+
+
+def documented_example() -> str:
+    text = DOC.read_text()
+    marker = text.index("<!-- the file below is the one tests/test_pytest_plugin.py runs under pytester -->")
+    return re.search(r"```python\n(.*?)```", text[marker:], re.DOTALL).group(1)
+
+
+def test_the_plugin_is_the_pytest11_entry_point_and_loads_without_jax():
+    (point,) = [p for p in entry_points(group="pytest11") if p.name == "shardcheck"]
+    assert point.value == "shardcheck.pytest_plugin"
+    probe = "import sys, shardcheck.pytest_plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert imported.stdout.strip() == "[]", imported.stderr  # a suite's own device setup still comes first
+
+
+def test_the_documented_example_passes_on_four_fake_devices(pytester):
+    pytester.makepyfile(test_my_step=documented_example(), test_fixtures=FIXTURES)
+    result = pytester.runpytest_subprocess("--shardcheck-devices", "4", *NO_XDIST, "-rs", timeout=120)
+    result.assert_outcomes(passed=5, skipped=2)
+    out = result.stdout.str()
+    for needed, mesh in ((8, "data=2 x fsdp=4"), (16, "data=16")):
+        assert (
+            f"the mesh {mesh} needs {needed} devices, 4 available; on CPU run pytest --shardcheck-devices {needed}"
+        ) in out
+
+
+def test_a_planted_fault_in_the_example_fails_with_the_diagnosis(pytester):
+    correct = "    optimizer.update(model, grads)\n"
+    faulty = "    optimizer.update(model, jax.tree.map(lambda g: g * jax.device_count(), grads))\n"
+    source = documented_example()
+    assert source.count(correct) == 1
+    pytester.makepyfile(test_my_step=source.replace(correct, faulty))
+    pytester.makeini("[pytest]\nshardcheck_devices = 4\n")  # the ini form of the option
+    result = pytester.runpytest_subprocess(*NO_XDIST, "-k", "data4", timeout=120)
+    result.assert_outcomes(failed=1, deselected=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*ParityError: parity FAIL for strategy 'data_parallel_step'*",
+            "*summed instead of averaged (x4*",
+        ]
+    )
+
+
+@pytest.mark.parametrize("value", ["two", "0"])
+def test_a_bad_device_count_is_a_usage_error(pytester, value):
+    pytester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("--shardcheck-devices", value, *NO_XDIST, timeout=60)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            f"*shardcheck pytest plugin: --shardcheck-devices='{value}' is not a device count; give an integer >= 1*"
+        ]
+    )
