@@ -1,6 +1,7 @@
 """The on-device leaf statistics (``compare.leaf_errors``) against the float64 NumPy comparison (``leaf_error``)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +24,29 @@ def _leaves(special: bool):
     return hnp.arrays(np.float32, SHAPE, elements=values)
 
 
+# the update ratio is a median of float32 quotients: within 3 float32 rounding units of float64's (compare.py)
+RATIO_RTOL = 3 * 2.0**-24
+
+
 def _fields(e):
-    return dataclasses.astuple(e)
+    return dataclasses.astuple(dataclasses.replace(e, ratio=None))
+
+
+def _same_ratio(d, h):
+    if d is None or h is None or not math.isfinite(h):
+        assert d == h or (d is not None and math.isnan(d) and math.isnan(h)), (d, h)
+    else:
+        assert abs(d - h) <= RATIO_RTOL * abs(h) + 1e-37, (d, h)
 
 
 def _same(items):
-    """``leaf_errors`` equals ``leaf_error`` on host copies of the same inputs, field for field (NaN == NaN)."""
+    """``leaf_errors`` equals ``leaf_error`` on host copies of the same inputs, field for field (NaN == NaN), the
+    ratio to float32's rounding."""
     device = leaf_errors(items)
     host = [leaf_error(*compare._host_args(i)) for i in items]
     for d, h in zip(device, host, strict=True):
         np.testing.assert_equal(_fields(d), _fields(h))
+        _same_ratio(d.ratio, h.ratio)
     return device
 
 
@@ -155,4 +169,35 @@ def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
     assert host_path[0] > 0 and device.ok and host.ok and device.codes == host.codes
     for d, h in zip(device.steps, host.steps, strict=True):
         np.testing.assert_equal([_fields(e) for e in d.leaves], [_fields(e) for e in h.leaves])
+        for de, he in zip(d.leaves, h.leaves, strict=True):
+            _same_ratio(de.ratio, he.ratio)
         assert d.replica_mismatches == h.replica_mismatches
+
+
+@given(
+    leaves=st.lists(
+        hnp.arrays(
+            np.float32,
+            st.integers(1, 150),
+            elements=st.sampled_from([-3e38, -2.0, -1.0, -0.0, 0.0, 0.5, 1.0, 1.5, 3.0, np.inf]),
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_the_two_middle_values_are_the_sorted_ones(leaves):
+    """The bisection that replaces a sort: ties, infinities and even and odd counts, several leaves and rows."""
+    from shardcheck.parity import _device_stats as ds
+
+    sizes = [a.size for a in leaves]
+    layout = ds.Layout.of(sizes)
+    row_leaf, row_len = layout.row_arrays(sizes)
+    rows = ds._Rows(
+        jnp.asarray(row_leaf), jnp.arange(layout.width)[None, :] < jnp.asarray(row_len)[:, None], len(sizes)
+    )
+    x = ds._lay([jnp.asarray(a) for a in leaves], layout)
+    k = jnp.asarray(sizes)
+    low, high = jax.jit(rows.middle)(x, k)
+    for a, lo, hi in zip(leaves, np.asarray(low), np.asarray(high), strict=True):
+        ordered = np.sort(a)
+        assert lo == ordered[(a.size - 1) // 2] and hi == ordered[a.size // 2]

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardcheck._tree import path_str
 from shardcheck.distributed import gather_to_host
+from shardcheck.parity import _device_stats
 from shardcheck.parity.diagnosis import LeafError
 
 PyTree = Any
@@ -124,11 +125,6 @@ def is_int(a) -> bool:
 
 # ------------------------------------------------------------------------------------- on-device statistics
 
-# a float32 badness within this relative distance of the leaf's largest is re-checked in float64 on the host
-_NEAR = 1e-5
-# below this (float32 subnormal territory) the float32 badness is not trusted: the leaf is compared on the host
-_TINY = 1e-30
-
 
 class LeafInput(NamedTuple):
     """One leaf to compare: the arguments of :func:`leaf_error`."""
@@ -145,100 +141,6 @@ class LeafInput(NamedTuple):
     allowance: Any = None
 
 
-def _two_diff(a, b):
-    """``(s, e)`` with ``s = fl(a - b)`` and ``a - b == s + e`` exactly (Knuth's TwoSum, float32)."""
-    s = a - b
-    bv = s - a
-    e = (a - (s - bv)) + (-b - bv)
-    return s, e
-
-
-def _max_exact(s, e):
-    """``(m, e_m)``: ``max |a - b| == m + e_m`` exactly, from :func:`_two_diff`'s pairs (``|s|`` is monotone)."""
-    mag = jnp.abs(s).ravel()
-    m = jnp.max(mag, initial=0.0)
-    signed = jnp.where(s >= 0, e, -e).ravel()
-    return m, jnp.max(jnp.where(mag == m, signed, -jnp.inf), initial=-jnp.inf)
-
-
-# how many near-top elements a leaf may have for the float64 re-check on the host (more: the host path)
-_CANDIDATES = 16
-
-
-def _badness(leaf: dict, s, scale):
-    """``(allowance, allowed, |c - r| / allowed)`` in float32: the elementwise badness the re-check ranks by."""
-    extra = jnp.broadcast_to(leaf["extra"].astype(jnp.float32), s.shape)
-    allowed = leaf["tol"][0] + leaf["tol"][1] * scale + extra
-    return extra, allowed, jnp.abs(s) / allowed
-
-
-@jax.jit
-def _near_top(leaf: dict):
-    """``(s, e, allowance)`` at the :data:`_CANDIDATES` elements of largest float32 badness (ties at the top)."""
-    r = leaf["r"].astype(jnp.float32)
-    s, e = _two_diff(leaf["c"].astype(jnp.float32), r)
-    extra, _, bad = _badness(leaf, s, jnp.max(jnp.abs(r), initial=0.0))
-    _, idx = jax.lax.top_k(bad.ravel(), _CANDIDATES)
-    return s.ravel()[idx], e.ravel()[idx], extra.ravel()[idx]
-
-
-@jax.jit
-def _device_stats(leaves: list[dict]) -> jax.Array:
-    """Per leaf, float32 reductions from which :func:`leaf_errors` rebuilds the float64 statistics exactly, all
-    leaves' in one float32 vector (one transfer; :func:`_unpack_stats` reads it back)."""
-    out = []
-    for leaf in leaves:
-        r, c = leaf["r"].astype(jnp.float32), leaf["c"].astype(jnp.float32)
-        s, e = _two_diff(c, r)
-        # the inputs, and the float32 differences (finite inputs can overflow: 3e38 - -3e38)
-        inputs = [r, c, s] + [leaf[k].astype(jnp.float32) for k in ("r0", "c0", "extra") if k in leaf]
-        stats = {"diff": _max_exact(s, e), "scale": jnp.max(jnp.abs(r), initial=0.0)}
-        if "r0" in leaf:
-            change = _two_diff(r, leaf["r0"].astype(jnp.float32))
-            inputs.append(change[0])
-            stats["change"] = _max_exact(*change)
-        stats["finite"] = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in inputs]))
-        if "extra" in leaf:
-            extra, allowed, bad = _badness(leaf, s, stats["scale"])
-            top = jnp.max(bad, initial=0.0)
-            near = bad >= top * (1 - _NEAR)
-
-            def at(a, near=near):  # the value at the one near-top element (valid when exactly one)
-                return jnp.max(jnp.where(near, a, -jnp.inf), initial=-jnp.inf)
-
-            stats.update(
-                max_extra=jnp.max(extra, initial=0.0),
-                min_allowed=jnp.min(allowed, initial=jnp.inf),
-                top=top,
-                near=jnp.sum(near),
-                at=(at(s), at(e), at(extra)),
-            )
-        out.extend(
-            jnp.asarray(v, jnp.float32) for v in jax.tree.leaves([stats[k] for k in _FIELDS if k in stats])
-        )
-    return jnp.stack(out)
-
-
-# the order of each leaf's statistics in _device_stats's vector, and how many values each takes
-_FIELDS = {"finite": 1, "diff": 2, "scale": 1, "change": 2, "max_extra": 1, "min_allowed": 1, "top": 1}
-_FIELDS.update(near=1, at=3)
-
-
-def _unpack_stats(flat: np.ndarray, leaves: list[dict]) -> list[dict]:
-    """:func:`_device_stats`'s vector as one ``{field: value(s)}`` per leaf (float32 values; counts exact)."""
-    out, i = [], 0
-    for leaf in leaves:
-        present = ["finite", "diff", "scale"] + (["change"] if "r0" in leaf else [])
-        present += ["max_extra", "min_allowed", "top", "near", "at"] if "extra" in leaf else []
-        stats = {}
-        for k in present:
-            n = _FIELDS[k]
-            stats[k] = flat[i] if n == 1 else tuple(flat[i : i + n])
-            i += n
-        out.append(stats)
-    return out
-
-
 def _on_device(item: LeafInput) -> bool:
     arrays = [item.ref, item.cand] + [a for a in (item.before_ref, item.before_cand) if a is not None]
     allowance = item.allowance
@@ -253,41 +155,54 @@ def _on_device(item: LeafInput) -> bool:
     )
 
 
+def _devices(item: LeafInput) -> tuple[int, ...]:
+    return tuple(sorted(d.id for d in item.ref.sharding.device_set))
+
+
 def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
-    """:func:`leaf_error` of every item, equal field for field, with one jitted call for all leaves.
+    """:func:`leaf_error` of every item, with one compiled call for all the leaves on one set of devices
+    (``shardcheck.parity._device_stats``).
 
     On the device, in float32, per leaf: ``max |c - r|`` and ``max |r - r0|`` exactly (each element's float32
     difference and its rounding error, Knuth's TwoSum; the float64 value is their sum), ``max |r|``, and with an
-    allowance the elementwise badness ``|c - r| / (atol + rtol * max|r| + allowance)``, whose largest element is
-    re-checked in float64 on the host when it is unique within a relative ``1e-5`` of the largest. Leaves the
-    device cannot settle exactly (non-finite values, ties at the top, tiny allowances, other dtypes, arrays
-    spread over processes) are compared on the host by :func:`leaf_error`. The median update ratio needs every
-    element in float64: it is computed on the host (:func:`_ratio`) from host copies.
+    allowance the elementwise badness ``|c - r| / (atol + rtol * max|r| + allowance)``, whose largest elements are
+    re-checked in float64 on the host when at most 16 lie within a relative ``1e-5`` of the largest. So every
+    field but the ratio equals :func:`leaf_error`'s exactly. The update ratio, the median of ``dc / dr`` over the
+    elements whose ``|dr|`` is at least 1% of its largest, is the median of the float32 quotients of the float32
+    differences: each quotient is within ``3 * 2**-24`` relative of its float64 value, and so is the median (an
+    order statistic moves no more than its elements); the elements it is taken over are float64's (a leaf with an
+    element within ``1e-5`` of the threshold gets its ratio on the host). Leaves the device cannot settle
+    (non-finite or tiny values, many ties at the top, tiny allowances, other dtypes, arrays spread over
+    processes) are compared on the host by :func:`leaf_error`. Only per-leaf scalars come to the host.
 
     Returns:
         One :class:`LeafError` per item, in order.
     """
-    device = [i for i, item in enumerate(items) if _on_device(item)]
-    leaves = []
-    for i in device:
-        item = items[i]
-        leaf = {"r": item.ref, "c": item.cand}
-        if item.before_ref is not None:
-            leaf.update(r0=item.before_ref, c0=item.before_cand)
-        if item.allowance is not None:
-            leaf.update(extra=jnp.asarray(item.allowance), tol=np.array([item.atol, item.rtol], np.float32))
-        leaves.append(leaf)
-    # every leaf's arrays onto its reference's devices (the candidate's may be spread over a mesh), in one call
-    places = [
-        jax.tree.map(lambda _, p=items[i].ref.sharding: p, leaf)
-        for i, leaf in zip(device, leaves, strict=True)
-    ]
-    leaves = jax.device_put(leaves, places)
-    flat = np.asarray(_device_stats(leaves)) if leaves else np.zeros(0, np.float32)
-    stats = dict(zip(device, _unpack_stats(flat, leaves), strict=True))
-    placed = dict(zip(device, leaves, strict=True))
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        if _on_device(item):
+            groups.setdefault(_devices(item), []).append(i)
+    stats = {}
+    for members in groups.values():
+        group: dict[str, list] = {k: [] for k in _device_stats.FIELDS}
+        places: dict[str, list] = {k: [] for k in _device_stats.FIELDS}
+        for i in members:
+            item = items[i]
+            values = (item.ref, item.cand, item.before_ref, item.before_cand, item.allowance)
+            for k, v in zip(_device_stats.FIELDS, values, strict=True):
+                # every array onto its reference's devices (the candidate's may be spread over a mesh)
+                group[k].append(None if v is None else jnp.asarray(v))
+                places[k].append(None if v is None else item.ref.sharding)
+        sizes = [items[i].ref.size for i in members]
+        layout = _device_stats.Layout.of(sizes)
+        tol = np.array([[items[i].atol, items[i].rtol] for i in members], np.float32)
+        out = _device_stats.device_stats(
+            layout, jax.device_put(group, places), *layout.row_arrays(sizes), tol
+        )
+        out = jax.device_get(out)
+        stats.update({i: {k: v[j] for k, v in out.items()} for j, i in enumerate(members)})
     return [
-        _from_stats(item, stats[i], placed[i]) if i in stats else leaf_error(*_host_args(item))
+        _from_stats(item, stats[i]) if i in stats else leaf_error(*_host_args(item))
         for i, item in enumerate(items)
     ]
 
@@ -300,16 +215,15 @@ def _host_args(item: LeafInput) -> tuple:
     return (*item[:3], to_host(item.ref), to_host(item.cand), item.rtol, item.atol, *before, allowance)
 
 
-def _exact(pair) -> float:
-    m, e = pair
+def _exact(m, e) -> float:
     return float(np.float64(m) + np.float64(e)) if m > 0 else 0.0
 
 
-def _from_stats(item: LeafInput, st: dict, leaf: dict) -> LeafError:
+def _from_stats(item: LeafInput, st: dict) -> LeafError:
     """The :class:`LeafError` of one leaf from its device statistics (or the host path where they cannot tell)."""
     if not st["finite"]:
         return leaf_error(*_host_args(item))
-    max_abs, scale = _exact(st["diff"]), float(st["scale"])
+    max_abs, scale = _exact(st["diff"], st["diff_e"]), float(st["scale"])
     base = item.atol + item.rtol * scale
     rel = (max_abs / scale) if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     if item.allowance is None:
@@ -319,31 +233,39 @@ def _from_stats(item: LeafInput, st: dict, leaf: dict) -> LeafError:
         if max_abs == 0:
             ok = True
         elif (
-            st["min_allowed"] < _TINY
-            or st["top"] < _TINY
-            or not 1 <= st["near"] <= _CANDIDATES
-            or (st["near"] > 1 and item.ref.size < _CANDIDATES)
+            st["min_allowed"] < _device_stats.TINY
+            or st["top"] < _device_stats.TINY
+            or not 1 <= st["near"] <= _device_stats.CANDIDATES
+            or (st["near"] > 1 and item.ref.size < _device_stats.CANDIDATES)
         ):
             return leaf_error(*_host_args(item))
         else:
             # the near-top elements in float64: every other element is below them by more than float32's error
-            s, e, extra = st["at"] if st["near"] == 1 else jax.device_get(_near_top(leaf))
-            diff = np.abs(np.asarray(s, np.float64) + np.asarray(e, np.float64))
-            allowed = base + np.asarray(extra, np.float64)
+            n = 1 if st["near"] == 1 else _device_stats.CANDIDATES
+            s, e, extra = (np.asarray(st[k][:n], np.float64) for k in ("at_s", "at_e", "at_extra"))
+            diff = np.abs(s + e)
+            allowed = base + extra
             ok = bool(np.all(diff <= allowed))
             worst = float(np.max(diff / allowed))
             if worst > 0 and np.isfinite(worst):
                 tol = max_abs / worst
-    ratio, change = None, None
-    if item.before_ref is not None:
-        # the copies placed on the reference's device (a replicated candidate leaf: one buffer, not a gather)
-        dr = np.subtract(to_host(leaf["r"]), to_host(leaf["r0"]), dtype=np.float64)
-        dc = np.subtract(to_host(leaf["c"]), to_host(leaf["c0"]), dtype=np.float64)
-        change = _exact(st["change"])
-        ratio = _ratio(dr, dc, change)
+    change = _exact(st["change"], st["change_e"]) if item.before_ref is not None else None
+    top = scale if change is None else change
+    if top == 0:
+        ratio = None
+    elif st["unsure"] or top < _device_stats.TINY:
+        ratio = _host_ratio(item, top)
     else:
-        ratio = _ratio(to_host(leaf["r"]).astype(np.float64), to_host(leaf["c"]).astype(np.float64))
+        ratio = 0.5 * (float(st["low"]) + float(st["high"]))
     return LeafError(item.step, item.kind, item.path, max_abs, rel, tol, bool(ok), ratio, change)
+
+
+def _host_ratio(item: LeafInput, top: float) -> float | None:
+    """:func:`_ratio` from float64 host copies of the leaf (where float32 cannot settle the median's elements)."""
+    r, c = to_host(item.ref).astype(np.float64), to_host(item.cand).astype(np.float64)
+    if item.before_ref is None:
+        return _ratio(r, c, top)
+    return _ratio(r - to_host(item.before_ref), c - to_host(item.before_cand), top)
 
 
 # ------------------------------------------------------------------------------------------ replica agreement
