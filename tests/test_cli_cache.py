@@ -11,9 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from shardcheck.cli._cache import ENV_CACHE, cache_dir_from_env, default_cache_dir
+from shardcheck import datasets
+from shardcheck.cli._cache import (
+    ENV_CACHE,
+    cache_dir_from_env,
+    dataset_cache_dir,
+    default_cache_dir,
+    enable_dataset_cache,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardcheck"
 HEAVY = ("jax", "jaxlib", "flax", "optax")
@@ -70,6 +78,13 @@ def test_env_moves_the_cache(tmp_path, monkeypatch):
     assert cache_dir_from_env({ENV_CACHE: "~/c"}) == Path.home() / "c"
 
 
+def test_data_sets_are_kept_beside_the_compiled_steps(tmp_path):
+    assert dataset_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "shardcheck" / "datasets"
+    assert dataset_cache_dir({}) == Path.home() / ".cache" / "shardcheck" / "datasets"
+    assert dataset_cache_dir({ENV_CACHE: str(tmp_path / "c")}) == tmp_path / "c" / "datasets"
+    assert dataset_cache_dir({ENV_CACHE: "off", "XDG_CACHE_HOME": str(tmp_path)}) is None
+
+
 def test_help_says_where_the_cache_is_and_how_to_turn_it_off(tmp_path):
     out = run_cli("--help", env=cli_env(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -87,18 +102,32 @@ def test_help_says_where_the_cache_is_and_how_to_turn_it_off(tmp_path):
 
 
 def test_run_fills_the_cache_and_a_repeated_run_loads_it(tmp_path):
+    import sklearn
+
     cache = tmp_path / "c"
     env = cli_env(tmp_path, **{ENV_CACHE: str(cache)})
     first = run_cli("run", "--json", "-", env=env)  # the default main job
     assert first.returncode == 0, first.stderr
     assert "warning" not in first.stderr
     written = sorted(p.name for p in entries(cache))
-    assert written, "shardcheck run left the cache folder empty"
-    assert all(name.endswith("-cache") for name in written)  # JAX's entries (jit_NAME-KEY-cache)
+    compiled = [name for name in written if name.endswith("-cache")]  # JAX's entries (jit_NAME-KEY-cache)
+    assert compiled, "shardcheck run left the cache folder empty"
+    data_copy = f"diabetes-scikit-learn-{sklearn.__version__}.npz"
+    assert sorted(set(written) - set(compiled)) == [data_copy]
+    assert (cache / "datasets" / data_copy).is_file()
     assert not (tmp_path / "xdg").exists()  # the variable moved the cache: nothing under XDG_CACHE_HOME
-    # Repeated: every step is found in the cache (no new entry) and the report is the same, number for number.
-    again = run_cli("run", "--json", "-", env=env)
+    # Repeated: every step is found in the cache (no new entry), the data set is read from its copy without
+    # importing scikit-learn, and the report is the same, number for number.
+    again = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "shardcheck", "run", "--json", "-"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert again.returncode == 0, again.stderr
+    imported = {line.split("|")[-1].strip() for line in again.stderr.splitlines() if "|" in line}
+    assert "numpy" in imported and not [m for m in imported if m.split(".")[0] in ("sklearn", "scipy")]
     assert sorted(p.name for p in entries(cache)) == written
     assert json.loads(again.stdout) == json.loads(first.stdout)
 
@@ -113,7 +142,83 @@ def test_cache_off_creates_no_folder(tmp_path):
     out = run_cli("run", "--strategy", "baseline", env=cli_env(tmp_path, **{ENV_CACHE: "off"}))
     assert out.returncode == 0, out.stderr
     assert "baseline" in out.stdout
-    assert not (tmp_path / "xdg").exists()
+    assert not (tmp_path / "xdg").exists()  # neither compiled steps nor a copy of the diabetes data
+
+
+# ------------------------------------------------------------------------------- the copy of the bundled data
+
+
+@pytest.fixture
+def no_copy_after():
+    """Leave the process-wide setting of :func:`shardcheck.datasets.use_cache` as the tests found it: off."""
+    yield
+    datasets.use_cache(None)
+
+
+def _fields(data: datasets.Dataset) -> tuple:
+    return data.name, data.x.dtype, data.y.dtype, data.feature_names, data.target_names
+
+
+@pytest.mark.parametrize("name", ["diabetes", "linnerud"])
+def test_the_copy_equals_the_scikit_learn_load_exactly(name, tmp_path, monkeypatch, no_copy_after):
+    import sklearn
+    from sklearn import datasets as skd
+
+    datasets.use_cache(None)
+    data, target, features, targets = datasets.load_bundled(name)
+    standardized, raw = datasets.load_dataset(name), datasets.load_dataset(name, standardize_data=False)
+    assert not list(tmp_path.iterdir())
+    datasets.use_cache(tmp_path)
+    datasets.load_bundled(name)  # the first load asks scikit-learn and writes the copy
+    assert [p.name for p in tmp_path.iterdir()] == [f"{name}-scikit-learn-{sklearn.__version__}.npz"]
+
+    def refuse():
+        raise AssertionError("scikit-learn's loader was called although the copy exists")
+
+    monkeypatch.setattr(skd, datasets.SKLEARN_LOADERS[name], refuse)
+    copy = datasets.load_bundled(name)
+    assert copy[2:] == (features, targets)
+    for got, want in zip(copy[:2], (data, target), strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    for got, want in (
+        (datasets.load_dataset(name), standardized),
+        (datasets.load_dataset(name, standardize_data=False), raw),
+    ):
+        assert _fields(got) == _fields(want)
+        assert np.array_equal(got.x, want.x) and np.array_equal(got.y, want.y)
+
+
+def test_cache_off_keeps_no_copy(tmp_path, no_copy_after):
+    environ = {ENV_CACHE: "off", "XDG_CACHE_HOME": str(tmp_path)}
+    assert enable_dataset_cache(environ) is None
+    assert datasets.load_dataset("linnerud").x.shape == (20, 3)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_damaged_copy_is_replaced(tmp_path, no_copy_after):
+    datasets.use_cache(tmp_path)
+    _, target, _, names = datasets.load_bundled("linnerud")
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(b"not an npz")
+    assert np.array_equal(datasets.load_bundled("linnerud")[1], target)
+    assert datasets.load_bundled("linnerud")[3] == names  # read back from the rewritten copy
+    with np.load(path, allow_pickle=False) as f:
+        assert np.array_equal(f["target"], target)
+
+
+def test_a_folder_that_cannot_be_written_only_skips_the_copy(tmp_path, no_copy_after):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    datasets.use_cache(blocker / "datasets")
+    assert datasets.load_bundled("linnerud")[3] == ["Weight", "Waist", "Pulse"]
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and blocker.read_text() == "not a folder"
+
+
+def test_load_bundled_refuses_an_unknown_name():
+    with pytest.raises(
+        ValueError, match=r"load_bundled: name='iris' .* use one of diabetes, linnerud, digits"
+    ):
+        datasets.load_bundled("iris")
 
 
 def test_unusable_cache_folder_warns_once_and_the_command_still_succeeds(tmp_path):
@@ -196,3 +301,22 @@ def test_help_imports_no_jax():
     """What ``shardcheck --help`` imports, the package ``__init__`` included."""
     code = "from shardcheck.cli import _command_in, build_parser\nbuild_parser(_command_in(['--help'])).format_help()"
     assert _imported_after(code) == []
+
+
+def test_only_the_cli_process_raises_the_gc_threshold(monkeypatch, capsys):
+    import gc
+
+    from shardcheck.cli import CLI_GC_THRESHOLD, main
+
+    before = gc.get_threshold()
+    try:
+        with pytest.raises(SystemExit):
+            main(["--version"])  # a program calling main keeps its own thresholds
+        assert gc.get_threshold() == before
+        monkeypatch.setattr(sys, "argv", ["shardcheck", "--version"])
+        with pytest.raises(SystemExit):
+            main()  # the shardcheck process itself
+        assert gc.get_threshold() == CLI_GC_THRESHOLD
+    finally:
+        gc.set_threshold(*before)
+    assert capsys.readouterr().out.startswith("shardcheck ")

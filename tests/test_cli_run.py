@@ -1,6 +1,7 @@
 """``shardcheck run``, through the installed entry point and in-process."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,8 @@ def entry_point() -> str:
     return str(exe) if exe.exists() else shutil.which("shardcheck")
 
 
-def run_cli(*args, timeout=240):
-    return subprocess.run([entry_point(), *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args, timeout=240, env=None):
+    return subprocess.run([entry_point(), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_help_through_entry_point():
@@ -31,13 +32,17 @@ def test_help_through_entry_point():
         assert flag in out.stdout
 
 
-def test_default_run_on_diabetes_through_entry_point():
-    """The main job with no arguments: diabetes, S=2, every computation agrees with the baseline."""
-    out = run_cli("run")
+def test_default_run_on_diabetes_through_entry_point(tmp_path):
+    """The main job with no arguments: diabetes, S=2, every computation agrees with the baseline.
+
+    The two runs share a fresh cache folder, as two runs of a user's would: the second compiles nothing.
+    """
+    env = os.environ | {"SHARDCHECK_COMPILATION_CACHE": str(tmp_path / "cache")}
+    out = run_cli("run", env=env)
     assert out.returncode == 0, out.stderr
     for word in ("diabetes", "baseline", "simulation", "dp", "fsdp", "(10+1)*1/2 x 4 = 22 B"):
         assert word in out.stdout
-    out = run_cli("run", "--json", "-")
+    out = run_cli("run", "--json", "-", env=env)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)  # stdout carries the JSON alone
     assert report["dataset"] == "diabetes" and report["num_shards"] == 2 and report["lr"] == 0.1

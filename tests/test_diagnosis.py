@@ -140,7 +140,7 @@ def test_averaged_twice():
 def test_normalization():
     out = diagnose([_record(bad=UPDATE, matches=("per_shard_mean",))], 2)
     d = _one(out, "normalization")
-    assert "At step 0 the update equals the mean of per-shard means" in d.message
+    assert "At step 0 the step reproduces the mean of per-shard means (parameters and optimizer" in d.message
     assert "token count" in d.message and "C4-C6" in d.message
     assert d.leaf.startswith(("grad", "param"))
     assert "normalization" not in _codes(diagnose([_record(bad=UPDATE)], 2))

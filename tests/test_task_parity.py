@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, small_lm_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -27,7 +27,8 @@ STRATEGIES = ("simulation", "dp", "fsdp", "accumulation")
 
 @functools.cache
 def lm(optimizer="adam", steps=4):
-    return tiny_lm_task(optimizer=optimizer, steps=steps, seed=0)
+    """The one-block tiny-lm (conftest.small_lm_config)."""
+    return tiny_lm_task(config=small_lm_config(), optimizer=optimizer, steps=steps, seed=0)
 
 
 @require_devices(8)

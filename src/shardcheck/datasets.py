@@ -1,16 +1,29 @@
-"""Real data for the main job: scikit-learn's bundled regression sets (no download), CSV and NPZ files."""
+"""Real data for the main job: scikit-learn's bundled regression sets (no download), CSV and NPZ files.
+
+Importing scikit-learn's loaders costs about a second (they import SciPy). After :func:`use_cache` (the
+command line calls it), the arrays scikit-learn returns are kept in an ``.npz`` file named after the data set
+and the installed scikit-learn version, and a later process reads that file instead of importing scikit-learn.
+"""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import io
+import os
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from shardcheck._io import write_atomic
+
 BUNDLED = ("diabetes", "linnerud")
+SKLEARN_LOADERS = {"diabetes": "load_diabetes", "linnerud": "load_linnerud", "digits": "load_digits"}
+"""The scikit-learn data sets :func:`load_bundled` reads, each with its ``sklearn.datasets`` loader."""
+
+_cache_dir: Path | None = None  # set by use_cache; None: scikit-learn is asked every time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +43,96 @@ class Dataset:
     y: np.ndarray
     feature_names: tuple[str, ...]
     target_names: tuple[str, ...]
+
+
+def use_cache(folder: str | os.PathLike | None) -> None:
+    """Keep a copy of each bundled data set :func:`load_bundled` reads in ``folder``; ``None`` keeps none.
+
+    The setting is process-wide, like JAX's compilation cache folder: the ``shardcheck`` subcommands call it
+    once at start (with :func:`shardcheck.cli._cache.dataset_cache_dir`); a program that never calls it keeps
+    no copy and writes nothing. The folder is created with the first copy; a folder that cannot be written
+    only means that scikit-learn is asked each time.
+    """
+    global _cache_dir
+    _cache_dir = None if folder is None else Path(folder)
+
+
+def _sklearn_version() -> str | None:
+    from importlib import metadata  # JAX has imported it already: no cost on the command line
+
+    try:
+        return metadata.version("scikit-learn")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _read_copy(path: Path) -> tuple[np.ndarray, np.ndarray, list[str], list[str]] | None:
+    """The arrays of a copy :func:`_write_copy` wrote; None when it is missing, unreadable or incomplete."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            data, target = f["data"], f["target"]
+            names = [str(n) for n in f["feature_names"]], [str(n) for n in f["target_names"]]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    if data.ndim != 2 or target.ndim not in (1, 2) or len(target) != len(data):
+        return None
+    return data, target, *names
+
+
+def _write_copy(path: Path, data, target, feature_names, target_names) -> None:
+    """Write the copy whole (temp file, then rename); a folder that cannot be written is skipped silently."""
+    buffer = io.BytesIO()
+    names = {
+        "feature_names": np.array(feature_names, dtype=str),
+        "target_names": np.array(target_names, dtype=str),
+    }
+    np.savez(buffer, data=data, target=target, **names)
+    try:
+        write_atomic(path, buffer.getvalue())
+    except OSError:
+        pass
+
+
+def load_bundled(name: str) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    """A bundled scikit-learn data set as its ``sklearn.datasets`` loader returns it (no download).
+
+    After :func:`use_cache` the arrays come from ``<folder>/<name>-scikit-learn-<version>.npz`` when that file
+    exists, without importing scikit-learn. The file is written on the first load, so it holds the loader's
+    arrays bit for bit; another scikit-learn version reads and writes its own file.
+
+    Args:
+        name: a key of :data:`SKLEARN_LOADERS` (``"diabetes"``, ``"linnerud"``, ``"digits"``).
+
+    Returns:
+        ``(data, target, feature_names, target_names)``: ``data`` ``(N, D)`` and ``target`` ``(N,)`` or
+        ``(N, K)`` in the loader's dtypes (float64; int64 digit labels), the names as lists of strings
+        (``target_names`` empty when the loader has none).
+
+    Raises:
+        ValueError: ``name`` is not one of them.
+    """
+    if name not in SKLEARN_LOADERS:
+        raise ValueError(
+            f"load_bundled: name={name!r} is not a bundled scikit-learn data set; use one of "
+            f"{', '.join(SKLEARN_LOADERS)}"
+        )
+    version = _sklearn_version() if _cache_dir is not None else None
+    path = None if version is None else _cache_dir / f"{name}-scikit-learn-{version}.npz"
+    copy = None if path is None else _read_copy(path)
+    if copy is not None:
+        return copy
+    from sklearn import datasets as skd
+
+    bunch = getattr(skd, SKLEARN_LOADERS[name])()
+    loaded = (
+        bunch.data,
+        bunch.target,
+        [str(n) for n in bunch.feature_names],
+        [str(n) for n in getattr(bunch, "target_names", ())],
+    )
+    if path is not None:
+        _write_copy(path, *loaded)
+    return loaded
 
 
 def standardize(a: np.ndarray) -> np.ndarray:
@@ -151,13 +254,8 @@ def load_dataset(source: str = "diabetes", *, target=None, standardize_data: boo
     if source in BUNDLED:
         if target is not None:
             raise ValueError(f"{fn}: target= applies to CSV files, not to the bundled {source!r} data")
-        from sklearn import datasets as skd
-
-        bunch = skd.load_diabetes() if source == "diabetes" else skd.load_linnerud()
-        x, y = bunch.data, bunch.target
+        x, y, features, targets = load_bundled(source)
         y = y[:, None] if y.ndim == 1 else y
-        features = list(bunch.feature_names)
-        targets = list(getattr(bunch, "target_names", ["target"]) or ["target"])
         if len(targets) != y.shape[1]:
             targets = ["target"]
         name = source

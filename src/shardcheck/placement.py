@@ -57,7 +57,7 @@ def _leaves(model: nnx.Module, optimizer: nnx.Optimizer):
             yield kind, ".".join(map(str, path)), var[...]
 
 
-def _reason(array: jax.Array, spec: PartitionSpec, axis_name: str) -> str:
+def _reason(array: jax.Array, spec: PartitionSpec, axis_name: str | None) -> str:
     sharding = array.sharding
     shape = tuple(array.shape)
     if not isinstance(sharding, NamedSharding):
@@ -74,15 +74,20 @@ def _reason(array: jax.Array, spec: PartitionSpec, axis_name: str) -> str:
         split = {a for entry in spec if entry is not None for a in _names(entry)}
         rest = [f"{a!r} ({mesh.shape[a]})" for a in mesh.axis_names if a not in split and mesh.shape[a] > 1]
         return "split along " + ", ".join(parts) + (f"; replicated over {', '.join(rest)}" if rest else "")
-    size = int(mesh.shape[axis_name]) if axis_name in mesh.axis_names else int(mesh.size)
-    if size == 1:
-        return "replicated: the mesh axis has 1 device"
+    if axis_name not in mesh.axis_names:  # the mesh's FSDP axis where it has one, else its only axis
+        axis_name = "fsdp" if "fsdp" in mesh.axis_names else mesh.axis_names[-1]
+    size, devices = int(mesh.shape[axis_name]), int(mesh.size)
+    if devices == 1:
+        return "replicated: the mesh has 1 device"
     if not shape:
-        return f"replicated on all {size} devices: a scalar has no dimension to split"
-    if fsdp_partition_spec(shape, size, axis_name) == PartitionSpec():
-        return f"replicated on all {size} devices: no dimension of shape {shape} is divisible by {size}"
+        return f"replicated on all {devices} devices: a scalar has no dimension to split"
+    axis = "" if len(mesh.axis_names) == 1 else f" (the size of mesh axis {axis_name!r})"
+    if size > 1 and fsdp_partition_spec(shape, size, axis_name) == PartitionSpec():
+        return (
+            f"replicated on all {devices} devices: no dimension of shape {shape} is divisible by {size}{axis}"
+        )
     return (
-        f"replicated on all {size} devices although a dimension of {shape} splits {size} ways "
+        f"replicated on all {devices} devices although a dimension of {shape} splits {size} ways{axis} "
         "(data-parallel placement, or kept whole by an FSDP size threshold)"
     )
 
@@ -100,7 +105,7 @@ def _axes(sharding, spec: PartitionSpec) -> dict[str, int | None]:
 
 
 def placement_report(
-    model: nnx.Module, optimizer: nnx.Optimizer, *, axis_name: str = "data"
+    model: nnx.Module, optimizer: nnx.Optimizer, *, axis_name: str | None = None
 ) -> list[LeafPlacement]:
     """For each parameter and optimizer-state leaf: its ``PartitionSpec``, global shape, and per-device shard.
 
@@ -108,7 +113,8 @@ def placement_report(
         model: an ``nnx.Module``; its ``nnx.Param`` leaves are reported (kind ``"param"``).
         optimizer: its ``nnx.Optimizer``; every state leaf, step counters included, is reported
             (kind ``"opt_state"``).
-        axis_name: the mesh axis whose size explains a replicated leaf in ``reason``.
+        axis_name: the mesh axis whose size explains a replicated leaf in ``reason`` (default: ``"fsdp"`` where
+            the mesh has that axis, else its last axis).
 
     Returns:
         One :class:`LeafPlacement` per leaf, parameters first, each group in ``nnx`` path order.

@@ -1,9 +1,12 @@
-"""JAX's persistent compilation cache for the command line: a repeated command loads its compiled steps.
+"""The command line's caches: a repeated command loads its compiled steps and its bundled data set.
 
-The cache lives in ``$XDG_CACHE_HOME/shardcheck/jax`` (``~/.cache/shardcheck/jax`` when ``XDG_CACHE_HOME`` is
-unset). ``SHARDCHECK_COMPILATION_CACHE`` moves it (a folder) or turns it off (``off``, ``0``, ``false``, ``no``).
-Without that variable a cache folder already given to JAX itself (``JAX_COMPILATION_CACHE_DIR``, or
-``jax_compilation_cache_dir`` set by a program that calls :func:`shardcheck.cli.main`) is kept as it is.
+JAX's persistent compilation cache lives in ``$XDG_CACHE_HOME/shardcheck/jax`` (``~/.cache/shardcheck/jax``
+when ``XDG_CACHE_HOME`` is unset), the copies of scikit-learn's bundled data sets
+(:func:`shardcheck.datasets.use_cache`) beside it in ``.../shardcheck/datasets``. ``SHARDCHECK_COMPILATION_CACHE``
+moves both (a folder ``DIR``: compiled steps in ``DIR``, data sets in ``DIR/datasets``) or turns both off
+(``off``, ``0``, ``false``, ``no``). Without that variable a cache folder already given to JAX itself
+(``JAX_COMPILATION_CACHE_DIR``, or ``jax_compilation_cache_dir`` set by a program that calls
+:func:`shardcheck.cli.main`) is kept as it is.
 
 Nothing here imports JAX until :func:`enable_compilation_cache` runs, so building the parser stays cheap.
 """
@@ -17,14 +20,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ENV_CACHE = "SHARDCHECK_COMPILATION_CACHE"
-"""Environment variable: a folder for the cache, or ``off`` / ``0`` / ``false`` / ``no`` to turn it off."""
+"""Environment variable: a folder for the caches, or ``off`` / ``0`` / ``false`` / ``no`` to turn them off."""
 
 OFF_VALUES = frozenset({"off", "0", "false", "no"})
 
 HELP = (
     f"Compiled steps are kept in JAX's persistent compilation cache, so a repeated run, verify, train or memory "
     f"--measure skips compilation: the cache lives in $XDG_CACHE_HOME/shardcheck/jax (default "
-    f"~/.cache/shardcheck/jax); set {ENV_CACHE}=off to turn it off, or {ENV_CACHE}=DIR to move it."
+    f"~/.cache/shardcheck/jax), with a copy of the bundled scikit-learn data beside it (shardcheck/datasets); "
+    f"set {ENV_CACHE}=off to turn both off, or {ENV_CACHE}=DIR to move them."
 )
 """One paragraph for ``--help``."""
 
@@ -91,3 +95,29 @@ def enable_compilation_cache(environ: Mapping[str, str] = os.environ) -> str | N
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return str(path)
+
+
+def dataset_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """The folder of the bundled data sets' copies; None when ``SHARDCHECK_COMPILATION_CACHE`` turns it off.
+
+    Unset or empty: ``$XDG_CACHE_HOME/shardcheck/datasets``, beside :func:`default_cache_dir`; a folder ``DIR``:
+    ``DIR/datasets``.
+    """
+    if not environ.get(ENV_CACHE, "").strip():
+        return default_cache_dir(environ).with_name("datasets")
+    path = cache_dir_from_env(environ)
+    return None if path is None else path / "datasets"
+
+
+def enable_dataset_cache(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Keep copies of the bundled data sets in :func:`dataset_cache_dir` (:func:`shardcheck.datasets.use_cache`).
+
+    Returns the folder, or None when the cache is off. Nothing is written until a bundled data set is loaded; a
+    folder that cannot be written means scikit-learn is asked each time, without a warning (the compilation
+    cache already warns about its folder).
+    """
+    from shardcheck import datasets
+
+    path = dataset_cache_dir(environ)
+    datasets.use_cache(path)
+    return path

@@ -496,12 +496,13 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
 
 
 def normalization(ctx: DiagnosisContext) -> Finding:
-    """``normalization``: the first failing step's update is the mean of per-shard means (C4-C6)."""
+    """``normalization``: the first failing step is the step of the mean of per-shard means (C4-C6)."""
     if "per_shard_mean" not in ctx.reproduced:
         return None
     return Diagnosis(
         "normalization",
-        f"At step {ctx.first.step} the update equals the mean of per-shard means: each shard divided its loss "
+        f"At step {ctx.first.step} the step reproduces the mean of per-shard means (parameters and optimizer "
+        "state): each shard divided its loss "
         "sum by its own weight (token count) before the shards were averaged. With uneven token counts per "
         "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
         "shards, then divide once (docs/reduction_cases.md C4-C6).",

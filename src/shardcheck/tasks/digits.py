@@ -26,11 +26,11 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 
     ``x`` is scikit-learn's pixel intensities (0..16) divided by 16. Cached; the arrays are read-only.
     """
-    from sklearn import datasets as skd
+    from shardcheck.datasets import load_bundled  # the command line's copy, or scikit-learn
 
-    bunch = skd.load_digits()
-    x = (np.asarray(bunch.data, np.float64) / 16.0).astype(np.float32)
-    label = np.asarray(bunch.target, np.int32)
+    data, target, _, _ = load_bundled("digits")
+    x = (np.asarray(data, np.float64) / 16.0).astype(np.float32)
+    label = np.asarray(target, np.int32)
     x.flags.writeable = False
     label.flags.writeable = False
     return x, label
