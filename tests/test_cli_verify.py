@@ -119,7 +119,13 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
     [
         (
             ["--batch-size", "10", "--devices", "4"],
-            "has 10 rows, which does not split into num_shards=4 equal shards",
+            "the batch of 10 rows does not split over the 4 devices of --devices 4; pass --batch-size with a "
+            "multiple of 4 (e.g. --batch-size 12)",
+        ),
+        (
+            ["--task", "tiny-lm", "--mesh", "data=3"],
+            "the batch of 8 rows does not split over the 3 devices of --mesh data=3; pass --batch-size with a "
+            "multiple of 3 (e.g. --batch-size 9)",
         ),
         (["--strategies", "simulation,zero"], "unknown ['zero']"),
         (["--strategies", "none"], "--strategies none needs --candidate"),
@@ -229,6 +235,17 @@ def test_a_raising_or_garbage_candidate_exits_2(steps_file, capsys):
     assert main([*args, "--candidate", f"{steps_file}:garbage"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "the candidate 'candidate' step returned str at step 0; it must return the scalar" in err
+
+
+def test_a_candidate_error_repeats_no_line_and_stays_short():
+    from shardcheck.cli.verify import _short
+
+    jax_like = "\n".join(
+        ["shard_map check failed:", *["* out_specs[1] is P() which implies replication"] * 120]
+    )
+    assert _short(jax_like) == "shard_map check failed:\n* out_specs[1] is P() which implies replication"
+    many = "\n".join(f"line {i}" for i in range(20))
+    assert _short(many).splitlines()[-1] == "... (8 more lines)" and len(_short(many).splitlines()) == 13
 
 
 def test_repeated_findings_are_shown_once(capsys):

@@ -479,3 +479,25 @@ def test_task_form_bad_input():
         ValueError, match=r"measure_memory: batch leaf 'label' has 64 rows, which does not split"
     ):
         measure_memory(task, strategy="dp", mesh=make_mesh(3))
+
+
+@require_devices(8)
+def test_even_split_on_a_2d_mesh_names_the_replicated_shards():
+    """On data=2 x fsdp=4 a split leaf holds a quarter per device, not an eighth: its shards are replicated over
+    'data'. tiny-lm, by hand from its shapes: each leaf with a dimension 4 divides adds global/4 - global/8."""
+    from shardcheck import make_mesh
+    from shardcheck.tasks import load_task
+
+    task = load_task("tiny-lm", steps=1)
+    est = estimate_memory(task, mesh=make_mesh({"data": 2, "fsdp": 4}), strategy="fsdp")
+    params = [leaf for leaf in est.leaves if leaf.category == "params"]
+    split = [leaf for leaf in params if any(d % 4 == 0 for d in leaf.shape)]
+    copies = sum(4 * math.prod(leaf.shape) / 4 - 4 * math.prod(leaf.shape) / 8 for leaf in split)
+    whole = [leaf for leaf in params if leaf not in split]
+    assert [leaf.path for leaf in whole] == ["lm_head/bias"]  # 77 ids: no dimension 4 divides
+    assert copies == 15_712 and est.params_bytes - est.even_split_params_bytes == copies + 77 * 4 * 7 / 8
+    assert (
+        "split leaves' shards replicated over the mesh axes they are not split over: +15,712 B"
+        in est.even_split_note
+    )
+    assert "lm_head/bias (77,) replicated" in est.even_split_note

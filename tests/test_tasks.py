@@ -235,6 +235,8 @@ def test_load_task_file_with_sibling_module(tmp_path):
 
             def build():
                 return Task(shardcheck_test_sibling.make, optax.sgd(0.1), loss, BATCHES, name="built")
+
+            unnamed = Task(shardcheck_test_sibling.make, optax.sgd(0.1), loss, BATCHES)
             """
         )
     )
@@ -242,6 +244,9 @@ def test_load_task_file_with_sibling_module(tmp_path):
     try:
         assert load_task(f"{tmp_path / 'task_file.py'}:task").name == "mine"
         assert load_task(f"{tmp_path / 'task_file.py'}:build").name == "built"
+        # a task left unnamed goes by its spec in the reports, not by the default "task"
+        spec = f"{tmp_path / 'task_file.py'}:unnamed"
+        assert load_task(spec).name == spec
         assert sys.path == before
     finally:
         sys.modules.pop("shardcheck_test_sibling", None)

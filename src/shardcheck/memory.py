@@ -456,7 +456,19 @@ def _even_split(params: PyTree, param_leaves: list[LeafMemory], strategy: str, n
             f"+{_fmt_bytes(leaf.global_bytes - leaf.global_bytes / num_devices)}"
             for leaf in whole
         ]
-        more = f"; and {len(parts) - 4} more replicated leaves" if len(parts) > 4 else ""
+        # split leaves whose shards are themselves replicated (over the mesh axes they are not split over)
+        copies = sum(
+            leaf.per_device_bytes - leaf.global_bytes / num_devices
+            for leaf in param_leaves
+            if leaf.sharded and leaf.per_device_bytes * num_devices > leaf.global_bytes
+        )
+        if copies > 0:
+            parts.insert(
+                0,
+                f"split leaves' shards replicated over the mesh axes they are not split over: +{_fmt_bytes(copies)}",
+            )
+        hidden = len(parts) - 4
+        more = f"; and {hidden} more replicated leaves" if hidden > 0 else ""
         note = f"{_fmt_bytes(real - even)} per device above the even split: " + "; ".join(parts[:4]) + more
     return count, even, formula, note
 

@@ -283,6 +283,14 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         console.print(render_aot(estimates, aot))
         note = next(iter(aot.values())).backend_note
         console.print(f"[bold]backend[/]: {next(iter(aot.values())).backend}: {note}", highlight=False)
+        compiled = next(iter(aot.values())).batch_size
+        own = _task_batch_size(task)
+        if getattr(args, "batch_size", None) is None and compiled != own:
+            console.print(
+                f"[bold]batch[/]: compiled at {compiled} rows, the task's batch of {own} rounded up to a multiple "
+                f"of the mesh's {mesh.size} devices (--batch-size to choose another)",
+                highlight=False,
+            )
     if measured:
         console.print(render_measured(estimates, measured))
     for s, (verdict, largest, peaks) in (fits or {}).items():
@@ -395,11 +403,15 @@ def _build_task(args):
     return task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch, steps=1)
 
 
-def _default_batch_size(task, num_devices: int) -> int:
-    """The task's first batch size rounded up to a multiple of the device count (the AOT default)."""
+def _task_batch_size(task) -> int:
     from shardcheck.task import batch_size
 
-    return -(-batch_size(task.batches[0]) // num_devices) * num_devices
+    return batch_size(task.batches[0])
+
+
+def _default_batch_size(task, num_devices: int) -> int:
+    """The task's first batch size rounded up to a multiple of the device count (the AOT default)."""
+    return -(-_task_batch_size(task) // num_devices) * num_devices
 
 
 def main_mesh(args) -> int:

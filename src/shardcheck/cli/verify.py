@@ -243,6 +243,42 @@ def _diverged_message(args, task, reports) -> str | None:
     )
 
 
+def _short(message: str, max_lines: int = 12) -> str:
+    """An exception's message with repeated lines shown once (JAX's shard_map errors repeat a line per output)
+    and at most ``max_lines`` lines."""
+    lines, seen = [], set()
+    for line in message.splitlines():
+        if line.strip() and line in seen:
+            continue
+        seen.add(line)
+        lines.append(line)
+    if len(lines) > max_lines:
+        lines = [*lines[:max_lines], f"... ({len(lines) - max_lines} more lines)"]
+    return "\n".join(lines)
+
+
+def _check_builtin_batch(args, task, num_shards) -> None:
+    """A built-in task's batch must split over the devices: the fix is --batch-size (a task file's batches are the
+    user's own: check_parity says how to pad them)."""
+    from shardcheck.task import batch_size
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.task is not None and args.task not in BUILTIN_TASKS or not num_shards:
+        return
+    b = batch_size(task.batches[0])
+    if b % num_shards:
+        mesh = getattr(args, "mesh", None)
+        where = (
+            "--mesh " + ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else f"--devices {num_shards}"
+        )
+        fit = -(-b // num_shards) * num_shards
+        raise ValueError(
+            f"shardcheck verify: the batch of {b} rows does not split over the {num_shards} devices of {where}; "
+            f"pass --batch-size with a multiple of {num_shards} (e.g. --batch-size {fit}) or a device count that "
+            f"divides {b}"
+        )
+
+
 def main(args) -> int:
     from shardcheck import distributed
 
@@ -256,6 +292,7 @@ def main(args) -> int:
     label = "candidate"
     try:
         task = task_from_args(args, default_optimizer="sgd", batch_size=args.batch_size, steps=args.steps)
+        _check_builtin_batch(args, task, num_shards)
         candidate = (
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
@@ -267,8 +304,8 @@ def main(args) -> int:
     except parity.CandidateError as err:
         cause = err.__cause__
         return _fail(
-            f"shardcheck verify: the {label} step raised {type(cause).__name__}: {cause} at step {err.step}; "
-            "fix the step (the traceback is the exception's cause when called through check_parity)"
+            f"shardcheck verify: the {label} step raised {type(cause).__name__}: {_short(str(cause))} at step "
+            f"{err.step}; fix the step (shardcheck.check_parity in Python shows the traceback)"
         )
     except (ValueError, TypeError) as err:
         return _fail(str(err))

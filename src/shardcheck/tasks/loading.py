@@ -6,6 +6,7 @@ built-in reports a bad option the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import importlib
@@ -288,7 +289,9 @@ def load_task(spec: str, **options) -> Task:
     else:
         module = _import_module(spec, source)
         where = f"module {source!r}"
-    return _resolve_attr(spec, where, module, attr)
+    task = _resolve_attr(spec, where, module, attr)
+    # a task the file left unnamed goes by its spec in the reports ("my_task.py:task", not "task")
+    return dataclasses.replace(task, name=spec) if task.name == Task.name else task
 
 
 def import_attr(fn: str, spec: str, what: str = "ATTR"):
