@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -83,6 +84,12 @@ TARGETS = {
 }
 # Rows that --quick does not measure (minutes of compiling): recorded as None with the reason.
 HEAVY_ROWS = ("parity_over_steps_tiny_lm", "cli_run_s", "cli_verify_s")
+
+
+def _relative_paths(text: str) -> str:
+    """A profile's text with this checkout's and the environment's folders left out (no machine paths recorded)."""
+    text = text.replace(str(HERE.parent) + "/", "")
+    return re.sub(r"/[^\s:()]*?/site-packages/", "site-packages/", text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -616,7 +623,7 @@ def harness_rows(args) -> dict:
         "tiny_lm_setup": lm_setup,
         "rows": rows,
         "profile_dp": {"profiled_s": prof["profiled_s"], "cumulative_s": prof["cumulative_s"]},
-        "profile_dp_top": prof["top"],
+        "profile_dp_top": _relative_paths(prof["top"]),
     }
 
 
@@ -718,10 +725,13 @@ def explain(key: str, r: dict, args) -> str:
         prof = h["profile_dp"]["cumulative_s"]
         top = ", ".join(f"{k} {v:.2f} s" for k, v in prof.items())
         return (
-            f"check_parity {row['check_parity_s']:.2f} s against the bare steps {row['bare_steps_s']:.2f} s; the "
-            f"comparison reduces every leaf on the device in one jitted call per step (float64 re-check of "
-            f"near-threshold elements), but the update ratio's median still runs on the host in float64 for every "
-            f"leaf (a public report field, read on passing steps too); profile of one "
+            f"check_parity {row['check_parity_s']:.2f} s against the bare steps {row['bare_steps_s']:.2f} s. Each "
+            "step the harness also runs the update-sensitivity pass (16 optimizer updates of the reference, "
+            "vmapped: the propagated tolerance), copies the gradients and their bounds to the host (the loss "
+            "drift, the rounding-level rule), and compares every leaf in one compiled call (leaf_errors; on "
+            "XLA:CPU the update ratio's median is NumPy's on the host); a diverged trajectory re-runs each later "
+            "step from the reference's state. The host copies block on the device's work, so their seconds "
+            "include it. Profile of one "
             f"warm dp run under cProfile ({h['profile_dp']['profiled_s']:.2f} s, cumulative, nested): {top}."
             + load_txt
         )

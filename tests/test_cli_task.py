@@ -177,7 +177,9 @@ def test_verify_takes_the_compute_dtype_of_a_builtin_task(tmp_path, capsys):
     out = tmp_path / "report.json"
     # the MLP task (tiny-lm under bfloat16: tests/test_precision.py and, all strategies at S = 8, docs/parity.md)
     args = ["verify", "--task", "digits", "--devices", "2", "--compute-dtype", "bfloat16"]
-    code = main([*args, "--strategies", "simulation", "--steps", "2", "--batch-size", "32", "--json", str(out)])
+    code = main(
+        [*args, "--strategies", "simulation", "--steps", "2", "--batch-size", "32", "--json", str(out)]
+    )
     assert code == 0, capsys.readouterr().out
     report = json.loads(out.read_text())["strategies"]["simulation"]
     assert (

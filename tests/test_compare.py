@@ -40,11 +40,18 @@ def _same_ratio(d, h):
 
 
 def _same(items):
-    """``leaf_errors`` equals ``leaf_error`` on host copies of the same inputs, field for field (NaN == NaN), the
-    ratio to float32's rounding."""
-    device = leaf_errors(items)
+    """``leaf_errors`` equals ``leaf_error`` on host copies of the same inputs, field for field (NaN == NaN): the
+    ratio exactly with the host's median (CPU devices), to float32's rounding with the device's (accelerators)."""
     host = [leaf_error(*compare._host_args(i)) for i in items]
+    device = leaf_errors(items)
     for d, h in zip(device, host, strict=True):
+        np.testing.assert_equal(dataclasses.astuple(d), dataclasses.astuple(h))
+    compare.DEVICE_MEDIAN = True
+    try:
+        on_device = leaf_errors(items)
+    finally:
+        compare.DEVICE_MEDIAN = None
+    for d, h in zip(on_device, host, strict=True):
         np.testing.assert_equal(_fields(d), _fields(h))
         _same_ratio(d.ratio, h.ratio)
     return device

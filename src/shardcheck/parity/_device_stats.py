@@ -156,8 +156,8 @@ def _lay(arrays, layout: Layout):
     return jnp.concatenate(pieces)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol) -> dict:
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bool = True) -> dict:
     """Per leaf, the float32 reductions from which ``compare.leaf_errors`` rebuilds the float64 statistics.
 
     Args:
@@ -166,6 +166,8 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol) -> dict:
             ``extra`` (zeros where a leaf has none: the statistics of the missing ones are not read).
         row_leaf, row_len: ``layout.row_arrays(sizes)``, as arguments (constants would be folded by XLA).
         tol: ``(leaves, 2)`` float32 ``(atol, rtol)``.
+        median: compute the update ratio's median here (32 counting passes over the leaves: on XLA:CPU, whose
+            arrays are host memory already, NumPy's partition on the host is cheaper, so there it is left out).
 
     Returns:
         ``{name: (leaves,) array}``: ``scale`` (max|r|), ``diff``/``diff_e`` and ``change``/``change_e`` (the
@@ -190,8 +192,8 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol) -> dict:
     q = dc / change
     unsure = (jnp.abs(mag - threshold) <= BORDER * threshold) | (used & ~jnp.isfinite(q))
     out["unsure"] = rows.count_true(unsure) > 0
-    k = rows.count_true(used)
-    out["low"], out["high"] = rows.middle(jnp.where(used, q, jnp.inf), k)
+    if median:
+        out["low"], out["high"] = rows.middle(jnp.where(used, q, jnp.inf), rows.count_true(used))
     # the elementwise badness against the allowance
     allowed = rows.each(tol[:, 0]) + rows.each(tol[:, 1]) * rows.each(out["scale"]) + extra
     bad = jnp.abs(s) / allowed

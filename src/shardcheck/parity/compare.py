@@ -126,6 +126,12 @@ def is_int(a) -> bool:
 # ------------------------------------------------------------------------------------- on-device statistics
 
 
+DEVICE_MEDIAN: bool | None = None
+"""Where :func:`leaf_errors` takes the update ratio's median: ``None`` (default) on accelerators on the device, on
+CPU devices (whose arrays are host memory) on the host, where NumPy's partition beats 32 counting passes;
+``True``/``False`` force one place."""
+
+
 class LeafInput(NamedTuple):
     """One leaf to compare: the arguments of :func:`leaf_error`."""
 
@@ -168,12 +174,14 @@ def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
     allowance the elementwise badness ``|c - r| / (atol + rtol * max|r| + allowance)``, whose largest elements are
     re-checked in float64 on the host when at most 16 lie within a relative ``1e-5`` of the largest. So every
     field but the ratio equals :func:`leaf_error`'s exactly. The update ratio, the median of ``dc / dr`` over the
-    elements whose ``|dr|`` is at least 1% of its largest, is the median of the float32 quotients of the float32
-    differences: each quotient is within ``3 * 2**-24`` relative of its float64 value, and so is the median (an
-    order statistic moves no more than its elements); the elements it is taken over are float64's (a leaf with an
-    element within ``1e-5`` of the threshold gets its ratio on the host). Leaves the device cannot settle
+    elements whose ``|dr|`` is at least 1% of its largest, is on accelerators (:data:`DEVICE_MEDIAN`) the median of
+    the float32 quotients of the float32 differences: each quotient is within ``3 * 2**-24`` relative of its
+    float64 value, and so is the median (an order statistic moves no more than its elements); the elements it is
+    taken over are float64's (a leaf with an element within ``1e-5`` of the threshold gets its ratio on the host).
+    On CPU devices it is NumPy's float64 median, exactly :func:`leaf_error`'s. Leaves the device cannot settle
     (non-finite or tiny values, many ties at the top, tiny allowances, other dtypes, arrays spread over
-    processes) are compared on the host by :func:`leaf_error`. Only per-leaf scalars come to the host.
+    processes) are compared on the host by :func:`leaf_error`. On accelerators only per-leaf scalars come to the
+    host.
 
     Returns:
         One :class:`LeafError` per item, in order.
@@ -196,8 +204,10 @@ def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
         sizes = [items[i].ref.size for i in members]
         layout = _device_stats.Layout.of(sizes)
         tol = np.array([[items[i].atol, items[i].rtol] for i in members], np.float32)
+        platform = next(iter(items[members[0]].ref.sharding.device_set)).platform
+        median = DEVICE_MEDIAN if DEVICE_MEDIAN is not None else platform != "cpu"
         out = _device_stats.device_stats(
-            layout, jax.device_put(group, places), *layout.row_arrays(sizes), tol
+            layout, jax.device_put(group, places), *layout.row_arrays(sizes), tol, median
         )
         out = jax.device_get(out)
         stats.update({i: {k: v[j] for k, v in out.items()} for j, i in enumerate(members)})
@@ -253,7 +263,7 @@ def _from_stats(item: LeafInput, st: dict) -> LeafError:
     top = scale if change is None else change
     if top == 0:
         ratio = None
-    elif st["unsure"] or top < _device_stats.TINY:
+    elif "low" not in st or st["unsure"] or top < _device_stats.TINY:
         ratio = _host_ratio(item, top)
     else:
         ratio = 0.5 * (float(st["low"]) + float(st["high"]))
