@@ -24,6 +24,7 @@ from shardcheck.memory import (
     estimate_memory,
     lower_step,
 )
+from shardcheck.mesh import check_mesh
 from shardcheck.task import Task
 
 PyTree = Any
@@ -135,11 +136,7 @@ def abstract_batch(fn: str, task: Task, batch_size: int | None = None) -> PyTree
 def _check_aot_args(fn, task, mesh, strategy, batch_size) -> None:
     if not isinstance(task, Task):
         raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
-            "shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
-        )
+    check_mesh(fn, mesh)
     if strategy not in MESH_STRATEGIES[:-1]:
         raise ValueError(
             f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES[:-1])}"

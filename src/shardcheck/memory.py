@@ -58,6 +58,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._tree import path_str
+from shardcheck.mesh import check_mesh
 from shardcheck.optimizers import OPTIMIZERS, make_tx
 from shardcheck.partitioning import LAYOUTS, STRATEGIES, fsdp_partition_spec
 from shardcheck.task import Task
@@ -784,11 +785,7 @@ def _mesh_leaf(category, path, var, sharding, strategy, mesh, num_devices) -> Le
 
 def _estimate_on_mesh(fn, source, optimizer, mesh, strategy, num_shards, param_dtype) -> MemoryEstimate:
     """:func:`estimate_memory`'s ``mesh=`` form (see there)."""
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
-            "shardcheck.make_mesh(8) or make_mesh({'data': 2, 'fsdp': 4})"
-        )
+    check_mesh(fn, mesh)
     if strategy not in MESH_STRATEGIES:
         raise ValueError(f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES)}")
     if num_shards is not None and num_shards != mesh.size:
@@ -1187,11 +1184,7 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
     fn = "measure_step"
     if not isinstance(task, Task):
         raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
-            "shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
-        )
+    check_mesh(fn, mesh)
     if isinstance(step, str):
         return _measure_task(fn, task, step, mesh, "data")
     if not callable(step):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 
 import jax
@@ -126,6 +127,20 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise ValueError(f"--mesh {text!r}: axis {name!r} is given twice; use {form}")
         axes[name] = int(size)
     return axes
+
+
+def check_mesh(fn: str, mesh) -> Mesh:
+    """``mesh`` when it is a ``jax.sharding.Mesh``.
+
+    Raises:
+        TypeError: anything else, naming ``fn``, what was given and how to build one.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} ({reprlib.repr(mesh)}); build one "
+            "with shardcheck.make_mesh(8) or shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
+        )
+    return mesh
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

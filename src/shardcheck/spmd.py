@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardcheck import _validate
+from shardcheck import mesh as mesh_lib
 from shardcheck.losses import mse_batch_loss
 from shardcheck.mesh import make_mesh as make_mesh
 from shardcheck.placement import LeafPlacement as LeafPlacement
@@ -47,11 +48,7 @@ STRATEGIES = ("dp", "fsdp")
 
 def check_mesh(fn: str, mesh, axis_name) -> int:
     """``mesh`` must be a ``Mesh`` with an axis ``axis_name``; returns that axis's size S."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
-            "shardcheck.make_mesh(num_devices)"
-        )
+    mesh_lib.check_mesh(fn, mesh)
     if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
         raise ValueError(
             f"{fn}: mesh has axes {tuple(mesh.axis_names)}, not axis_name={axis_name!r}; build the mesh with "

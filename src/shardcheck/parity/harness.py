@@ -36,6 +36,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.datasets import minibatch_indices
+from shardcheck.mesh import check_mesh
 from shardcheck.parity import legacy
 from shardcheck.parity.candidates import as_candidate, check_step_signature, unpack
 from shardcheck.parity.compare import (
@@ -665,11 +666,8 @@ def _setup(
     fn, candidate, task, legacy_args, *, steps, num_shards, mesh, reference, name, dtypes, leaf_tolerance
 ):
     """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} ({mesh!r}); build one with "
-            "shardcheck.make_mesh(8) or shardcheck.make_mesh({'data': 2, 'fsdp': 4})"
-        )
+    if mesh is not None:
+        check_mesh(fn, mesh)
     if num_shards is None and mesh is not None:
         num_shards = int(mesh.size)  # the batch is split over every device of the mesh
     if num_shards is not None:

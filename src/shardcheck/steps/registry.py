@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from shardcheck._catalog import CANDIDATES as CANDIDATES
 from shardcheck._catalog import STRATEGY_SPECS
+from shardcheck.mesh import check_mesh
 from shardcheck.steps._core import Candidate
 from shardcheck.task import LossFn
 
@@ -141,11 +142,7 @@ def mesh_for(fn: str, strategy: Strategy, num_shards: int, mesh: Mesh | None) ->
                 f"{len(jax.devices())} exist; use fewer shards or more devices (jax_num_cpu_devices on CPU)"
             )
         return make_mesh(num_shards)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{fn}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} ({mesh!r}); build one with "
-            "shardcheck.make_mesh(8) or make_mesh({'data': 2, 'fsdp': 4})"
-        )
+    check_mesh(fn, mesh)
     if mesh.size != num_shards:
         raise ValueError(
             f"{fn}: the mesh {dict(mesh.shape)} has {mesh.size} devices but num_shards={num_shards}; the batch is "
