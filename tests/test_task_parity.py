@@ -33,8 +33,8 @@ def lm(optimizer="adam", steps=4):
 
 @require_devices(8)
 @pytest.mark.parametrize(
-    "strategy", ("dp", "accumulation")
-)  # fsdp, gspmd: test_topology; simulation: test_cli_task
+    "strategy", ("accumulation",)
+)  # dp, fsdp, gspmd (with Adam, sgd, clip + AdamW): test_topology; simulation: test_cli_task
 def test_tiny_lm_passes_every_strategy_at_8_shards(strategy):
     report = check_parity(strategy, lm(), num_shards=8)
     assert report.ok, str(report)
@@ -137,7 +137,8 @@ def per_shard_optimizer_step(model, optimizer, batch, mesh):
 
 @require_devices(8)
 def test_a_users_correct_dp_step_passes():
-    report = check_parity(user_dp_step(), lm(), mesh=shardcheck.make_mesh(8), num_shards=8)
+    # the planted faults' task (two steps): the reference's compiled step is shared with them
+    report = check_parity(user_dp_step(), lm(steps=2), mesh=shardcheck.make_mesh(8), num_shards=8)
     assert report.ok, str(report)
 
 
