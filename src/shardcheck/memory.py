@@ -605,6 +605,11 @@ def estimate_memory(
         "optimizer": _leaves("optimizer", opt_state, num_devices, strategy),
         "step": _leaves("step", {"step": STEP_COUNTER}, num_devices, strategy),
     }
+    return _estimate(strategy, num_shards, num_devices, params, by_category)
+
+
+def _estimate(strategy, num_shards, num_devices, params, by_category, mesh_shape=()) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of per-category leaves: the sums per device, and seed 001's even split."""
     sums = {c: sum(leaf.per_device_bytes for leaf in leaves) for c, leaves in by_category.items()}
     unsharded = sum(leaf.global_bytes for leaves in by_category.values() for leaf in leaves)
     count, even, formula, note = _even_split(params, by_category["params"], strategy, num_devices)
@@ -626,6 +631,7 @@ def estimate_memory(
         even_split_note=note,
         leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
         model_state_bytes=sums["model_state"],
+        mesh_shape=mesh_shape,
     )
 
 
@@ -812,30 +818,9 @@ def _estimate_on_mesh(fn, source, optimizer, mesh, strategy, num_shards, param_d
         by_category["grads"].append(_mesh_leaf("grads", name, var, sharding, strategy, mesh, num_devices))
     if not by_category["params"]:
         raise ValueError(f"{fn}: the model has no nnx.Param; pass a model with at least one parameter")
-    sums = {c: sum(leaf.per_device_bytes for leaf in leaves) for c, leaves in by_category.items()}
-    unsharded = sum(leaf.global_bytes for leaves in by_category.values() for leaf in leaves)
     params = _abstract(fn, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    count, even, formula, note = _even_split(params, by_category["params"], strategy, num_devices)
-    persistent = sums["params"] + sums["model_state"] + sums["optimizer"] + sums["step"]
-    return MemoryEstimate(
-        strategy=strategy,
-        num_shards=mesh.size,
-        num_devices=num_devices,
-        param_count=count,
-        params_bytes=sums["params"],
-        grads_bytes=sums["grads"],
-        optimizer_bytes=sums["optimizer"],
-        step_bytes=sums["step"],
-        persistent_bytes=persistent,
-        total_bytes=persistent + sums["grads"],
-        unsharded_total_bytes=unsharded,
-        even_split_params_bytes=even,
-        even_split_formula=formula,
-        even_split_note=note,
-        leaves=tuple(leaf for c in CATEGORIES for leaf in by_category[c]),
-        model_state_bytes=sums["model_state"],
-        mesh_shape=tuple((str(a), int(n)) for a, n in mesh.shape.items()),
-    )
+    mesh_shape = tuple((str(a), int(n)) for a, n in mesh.shape.items())
+    return _estimate(strategy, mesh.size, num_devices, params, by_category, mesh_shape)
 
 
 @dataclasses.dataclass(frozen=True)

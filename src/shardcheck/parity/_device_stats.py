@@ -172,9 +172,10 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
     Returns:
         ``{name: (leaves,) array}``: ``scale`` (max|r|), ``diff``/``diff_e`` and ``change``/``change_e`` (the
         exact max |c - r| and |r - r0| as float32 pairs), ``low``/``high`` (the median update ratio's two middle
-        float32 quotients), ``unsure`` (float32 cannot settle that ratio), the badness statistics ``top``, ``near``,
-        ``max_extra``, ``min_allowed`` and ``at_s``/``at_e``/``at_extra`` ``(leaves, CANDIDATES)``, and
-        ``finite`` (every input finite and not tiny, every float32 difference finite).
+        float32 quotients) and ``unsure`` (float32 cannot settle that ratio), with ``median`` only; the
+        badness statistics ``top``, ``near``, ``max_extra``, ``min_allowed`` and ``at_s``/``at_e``/``at_extra``
+        ``(leaves, CANDIDATES)``; and ``finite`` (every input finite and not tiny, every float32 difference
+        finite).
     """
     rows = _Rows(row_leaf, jnp.arange(layout.width)[None, :] < row_len[:, None], len(layout.rows))
     flat = {k: _lay(group[k], layout) for k in FIELDS}
@@ -185,14 +186,13 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
     out = {"scale": rows.max(jnp.abs(r), fill=0.0)}
     out["diff"], out["diff_e"] = rows.max_exact(s, e)
     out["change"], out["change_e"] = rows.max_exact(change, change_e)
-    # the update ratio: the median of dc / dr over the elements with |dr| >= 1% of its largest
-    threshold = 0.01 * rows.each(out["change"])
-    mag = jnp.abs(change)
-    used = mag >= threshold
-    q = dc / change
-    unsure = (jnp.abs(mag - threshold) <= BORDER * threshold) | (used & ~jnp.isfinite(q))
-    out["unsure"] = rows.count_true(unsure) > 0
-    if median:
+    if median:  # the update ratio: the median of dc / dr over the elements with |dr| >= 1% of its largest
+        threshold = 0.01 * rows.each(out["change"])
+        mag = jnp.abs(change)
+        used = mag >= threshold
+        q = dc / change
+        unsure = (jnp.abs(mag - threshold) <= BORDER * threshold) | (used & ~jnp.isfinite(q))
+        out["unsure"] = rows.count_true(unsure) > 0
         out["low"], out["high"] = rows.middle(jnp.where(used, q, jnp.inf), rows.count_true(used))
     # the elementwise badness against the allowance
     allowed = rows.each(tol[:, 0]) + rows.each(tol[:, 1]) * rows.each(out["scale"]) + extra

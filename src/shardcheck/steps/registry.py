@@ -14,36 +14,28 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardcheck._catalog import CANDIDATES as CANDIDATES
-from shardcheck._catalog import STRATEGY_SPECS
+from shardcheck._catalog import STRATEGY_SPECS, StrategySpec
 from shardcheck.mesh import check_mesh
 from shardcheck.steps._core import Candidate
 from shardcheck.task import LossFn
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
-    """How one strategy runs a task's step.
+class Strategy(StrategySpec):
+    """How one strategy runs a task's step: its :class:`~shardcheck._catalog.StrategySpec` (name, summary,
+    placement, uses_mesh, wraps_optimizer) and its step.
 
     Attributes:
-        name: the registry key (``reference``, ``simulation``, ``dp``, ``fsdp``, ``gspmd``, ``accumulation``,
-            ``multiprocess``).
-        summary: one line for ``--help`` and reports.
-        placement: where parameters and optimizer state live: ``"single"`` (one device), ``"replicated"``
-            (every device of the mesh) or ``"fsdp"`` (split by the model's annotations, else over the FSDP
-            axis: :func:`shardcheck.steps.sharded.state_specs`).
-        uses_mesh: the step runs on a device mesh of ``num_shards`` devices.
         build: ``build(loss_fn, num_shards, mesh) -> Candidate``; ``mesh`` is ``None`` for single-device
             strategies.
         check: ``check(fn, model, optimizer)`` raising ``ValueError`` when the strategy cannot run this model or
             optimizer (called before any state changes), or ``None``.
     """
 
-    name: str
-    summary: str
-    placement: str
-    uses_mesh: bool
-    build: Callable[[LossFn, int, Mesh | None], Candidate]
-    check: Callable[[str, nnx.Module, nnx.Optimizer], None] | None = None
+    build: Callable[[LossFn, int, Mesh | None], Candidate] = dataclasses.field(kw_only=True)
+    check: Callable[[str, nnx.Module, nnx.Optimizer], None] | None = dataclasses.field(
+        default=None, kw_only=True
+    )
 
 
 def _reference(loss_fn, num_shards, mesh):
@@ -106,9 +98,7 @@ _CHECKS = {"multiprocess": _check_multiprocess}
 
 # The names, summaries and placements are the catalog's (importable without JAX, for the command line).
 STRATEGIES: dict[str, Strategy] = {
-    name: Strategy(
-        spec.name, spec.summary, spec.placement, spec.uses_mesh, _BUILDERS[name], _CHECKS.get(name)
-    )
+    name: Strategy(**dataclasses.asdict(spec), build=_BUILDERS[name], check=_CHECKS.get(name))
     for name, spec in STRATEGY_SPECS.items()
 }
 
