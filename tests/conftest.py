@@ -1,13 +1,31 @@
-"""Test configuration: 8 fake CPU devices, set before JAX initializes its backend."""
+"""Test configuration: 8 fake CPU devices, set before JAX initializes its backend, and one compilation cache
+for the session."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 from hypothesis import settings
 
-# The command line turns on JAX's persistent compilation cache; the tests keep compilation in memory, so that
-# they neither write to the user's cache folder nor depend on what an earlier run left there.
+# The command line turns on JAX's persistent compilation cache in the user's cache folder; the tests never touch
+# that folder (nor depend on what an earlier run left there).
 os.environ.setdefault("SHARDCHECK_COMPILATION_CACHE", "off")
+
+# One fresh folder per test session, shared by the pytest-xdist workers (they inherit this variable from the
+# controller, which creates the folder and removes it at exit): a program one test compiled loads in any later
+# test, in any worker. Many tests compile the same programs (a task's reference step, the harness's sensitivity
+# pass for a new but equal optax transformation), which JAX's in-memory caches cannot see are equal.
+# SHARDCHECK_TEST_XLA_CACHE=off compiles everything afresh.
+SESSION_CACHE = "SHARDCHECK_TEST_XLA_CACHE"
+if SESSION_CACHE not in os.environ:
+    os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="shardcheck-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
+if os.environ[SESSION_CACHE] != "off":
+    jax.config.update("jax_compilation_cache_dir", os.environ[SESSION_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -77,23 +77,21 @@ TASK = textwrap.dedent(
 
 STEPS = textwrap.dedent(
     """
+    from functools import cache, partial
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import PartitionSpec as P
 
     from model import loss_fn
 
 
-    def _step(model, optimizer, batch, mesh, per_shard):
-        from functools import partial
-        from jax.sharding import PartitionSpec as P
-
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
-
+    @cache  # one compiled function per model structure, mesh and variant
+    def _loss_and_grads(graphdef, mesh, per_shard):
         @jax.jit
-        @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
-        def grads(params, batch):
+        @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+        def grads(params, rest, batch):
             params = jax.lax.pcast(params, "data", to="varying")
             count = jax.lax.psum(jnp.sum(batch["mask"]), "data")
 
@@ -106,7 +104,13 @@ STEPS = textwrap.dedent(
                 return jax.lax.pmean(loss, "data"), jax.lax.pmean(g, "data")
             return jax.lax.psum(loss, "data"), jax.lax.psum(g, "data")
 
-        loss, g = grads(params, batch)
+        return grads
+
+
+    def _step(model, optimizer, batch, mesh, per_shard):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+        loss, g = _loss_and_grads(graphdef, mesh, per_shard)(params, rest, batch)
         optimizer.update(model, g)
         return loss
 

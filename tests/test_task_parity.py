@@ -81,17 +81,17 @@ def test_int_tokens_stay_int_and_dict_batches_are_kept():
 # ------------------------------------------------------------------- a user's data-parallel step, with faults
 
 
+@functools.cache
 def user_dp_step(fault=None):
     """A hand-written DP step: each device normalizes by the mean token count per shard, then pmean."""
 
-    def step(model, optimizer, batch, mesh):
+    @functools.cache  # one compiled step per model structure and mesh, as a user's jitted step is
+    def compiled(graphdef, mesh):
         s = mesh.shape["data"]
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
 
         @jax.jit
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
-        def loss_and_grads(params, batch):
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+        def loss_and_grads(params, rest, batch):
             params = jax.lax.pcast(params, "data", to="varying")
             total_weight = jax.lax.psum(jnp.sum(batch["mask"]), "data")
 
@@ -110,11 +110,25 @@ def user_dp_step(fault=None):
                 grads = jax.lax.pmean(grads, "data")
             return jax.lax.pmean(loss, "data"), grads
 
-        loss, grads = loss_and_grads(params, batch)
+        return loss_and_grads
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+        loss, grads = compiled(graphdef, mesh)(params, rest, batch)
         optimizer.update(model, grads)
         return loss
 
     return step
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _shard_mean_and_grads(graphdef, params, rest, shard):
+    def mean(p):
+        total, weight = lm_loss(nnx.merge(graphdef, p, rest), shard)
+        return total / weight
+
+    return jax.value_and_grad(mean)(params)
 
 
 def per_shard_optimizer_step(model, optimizer, batch, mesh):
@@ -124,12 +138,8 @@ def per_shard_optimizer_step(model, optimizer, batch, mesh):
     loss = 0.0
     for i in range(s):
         shard = jax.tree.map(lambda a, i=i: a[i * b : (i + 1) * b], batch)
-
-        def mean(m, shard=shard):
-            total, weight = lm_loss(m, shard)
-            return total / weight
-
-        value, grads = nnx.value_and_grad(mean)(model)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        value, grads = _shard_mean_and_grads(graphdef, params, rest, shard)
         optimizer.update(model, grads)
         loss += value / s
     return loss
@@ -279,17 +289,18 @@ def test_task_bad_input_is_named():
 # ---------------------------------------------------------------------------- a bfloat16 gradient all-reduce
 
 
+@functools.cache
 def reduce_in(dtype, reverse=False):
     """A DP step of the float32 tiny-lm task whose gradient all-reduce runs in ``dtype``, shard by shard in
     device order (or reversed): the bf16 reduction of public reports, made explicit."""
 
-    def step(model, optimizer, batch, mesh):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
-
+    @functools.cache  # one compiled step per model structure and mesh
+    def compiled(graphdef, mesh):
         @jax.jit
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
-        def loss_and_grads(params, batch):
+        @functools.partial(
+            jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P("data"))
+        )
+        def loss_and_grads(params, rest, batch):
             params = jax.lax.pcast(params, "data", to="varying")
             count = jax.lax.psum(jnp.sum(batch["mask"]), "data")
 
@@ -308,7 +319,12 @@ def reduce_in(dtype, reverse=False):
 
             return jax.lax.psum(loss, "data"), jax.tree.map(reduce, grads)
 
-        loss, stacked = loss_and_grads(params, batch)
+        return loss_and_grads
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+        loss, stacked = compiled(graphdef, mesh)(params, rest, batch)
         grads = jax.tree.map(lambda a: a[0], stacked)
         optimizer.update(model, grads)
         return loss

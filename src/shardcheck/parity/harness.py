@@ -427,7 +427,7 @@ def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[list
                 # lie within it, so they differ by up to twice the reference's largest (Adam: ~2 lr)
                 moved = np.abs(to_host(r).astype(np.float64) - to_host(ref0[path]).astype(np.float64))
                 step_allowance = jnp.maximum(step_allowance, 2.0 * float(np.max(moved, initial=0.0)))
-            allowance = run.allowance.get(path, 0.0) + step_allowance + rounding
+            allowance = _accumulate(run.allowance.get(path), step_allowance, rounding)
             run.allowance[path] = allowance
             if at_rounding and float(np.max(to_host(allowance), initial=0.0)) > atol + rtol * float(
                 np.max(np.abs(to_host(r)), initial=0.0)
@@ -441,13 +441,20 @@ def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[list
     return leaves, mismatches, unresolved
 
 
+def _accumulate(before, step, rounding: float):
+    """``before + step + rounding`` (``before``: ``None`` on a run's first step), with no device operation where a
+    term is zero: each eager operation on a new shape compiles (XLA:CPU: tens of ms each)."""
+    total = step if before is None else before + step
+    return total + rounding if rounding else total
+
+
 def _state_allowance(run: _Run, path: str, ref: np.ndarray, bounds) -> np.ndarray | None:
     """The optimizer-state leaf's accumulated sensitivity to the gradient's tolerance (plus its own rounding)."""
     if bounds is None or path not in bounds.state:
         return None
     eps = float(jnp.finfo(ref.dtype).eps) if ref.dtype.kind == "f" else 0.0
     rounding = eps * float(np.max(np.abs(ref.astype(np.float64)), initial=0.0)) if eps > 1.2e-7 else 0.0
-    allowance = run.state_allowance.get(path, 0.0) + bounds.state[path] + rounding
+    allowance = _accumulate(run.state_allowance.get(path), bounds.state[path], rounding)
     run.state_allowance[path] = allowance
     return allowance
 

@@ -27,25 +27,29 @@ def update_sensitivity(tx, grads, opt_state, params, delta):
     The optimizer runs at ``g`` and at ``g + k delta`` for every k in :data:`GRID`; the spread is the largest
     ``|f(g + k delta) - f(g)|``. Returns ``(update sensitivity, state sensitivity, max |g| per leaf)``; integer
     state (counters) gets 0.
+
+    The grid is a ``fori_loop`` keeping the running maxima: the optimizer is traced and compiled once, and each
+    grid point streams over the state once. (A ``vmap`` over the grid compiles about as fast but materializes
+    every point's update and state: 283 ms against 25 ms per call for Adam on a 1M-parameter MLP on XLA:CPU;
+    unrolling the grid runs fastest but compiles 16 copies of the optimizer, 18 s against 3.8 s for clipping +
+    AdamW on the tiny-lm task.)
     """
 
-    def spread(base, moved):
-        def one(a, b):
-            if not jnp.issubdtype(a.dtype, jnp.inexact):
-                return a * 0
-            return jnp.max(jnp.abs(b - a[None]), axis=0)
+    def widen(base, moved, acc):
+        def one(a, b, m):
+            return jnp.maximum(m, jnp.abs(b - a)) if jnp.issubdtype(a.dtype, jnp.inexact) else m
 
-        return jax.tree.map(one, base, moved)
+        return jax.tree.map(one, base, moved, acc)
 
     base = tx.update(grads, opt_state, params)
+    grid = jnp.asarray(GRID, jnp.float32)
 
-    def at(k):  # one grid point; vmapped, so the optimizer is traced (and compiled) once for the whole grid
-        shifted = jax.tree.map(lambda g, d: g + (k * d).astype(g.dtype), grads, delta)
-        return tx.update(shifted, opt_state, params)
+    def at(i, acc):  # one grid point
+        shifted = jax.tree.map(lambda g, d: g + (grid[i] * d).astype(g.dtype), grads, delta)
+        return widen(base, tx.update(shifted, opt_state, params), acc)
 
-    moved = jax.vmap(at)(jnp.asarray(GRID, jnp.float32))
-    updates = spread(base[0], moved[0])
-    states = spread(base[1], moved[1])
+    zeros = jax.tree.map(jnp.zeros_like, base)
+    updates, states = jax.lax.fori_loop(0, len(GRID), at, zeros)
     return updates, states, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
 
 
