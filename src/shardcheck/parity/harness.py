@@ -316,15 +316,40 @@ class _Run:
         )
 
 
-def _reference_finite(run: _Run, record: StepRecord) -> bool:
+def _reference_finite(record: StepRecord, after: _After) -> bool:
     """The reference's loss (when it returned one) and its parameters and optimizer state after the step are finite."""
     if math.isinf(record.loss) or (math.isnan(record.loss) and any(e.kind == "loss" for e in record.leaves)):
         return False
-    for leaf in jax.tree.leaves((nnx.state(run.ref_model, nnx.Param), _opt_state(run.ref_opt))):
+    for leaf in [*after.ref_params.values(), *after.ref_state.values()]:
         a = to_host(leaf)
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             return False
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _After:
+    """Both sides' state after a step, flattened once (``{dotted path: leaf}``; an NNX graph flatten of a
+    transformer's optimizer takes milliseconds): the parameters, the reference's optimizer state, and the
+    candidate's view of its optimizer (state and step counter)."""
+
+    ref_params: dict
+    cand_params: dict
+    ref_state: dict
+    cand_state: dict
+    cand_count: Any
+
+    @staticmethod
+    def of(run: _Run) -> _After:
+        view = run.cand.view_optimizer or _default_view
+        cand_view, cand_count = view(run.cand_opt)
+        return _After(
+            flatten_state(nnx.state(run.ref_model, nnx.Param)),
+            flatten_state(nnx.state(run.cand_model, nnx.Param)),
+            flatten_state(_opt_state(run.ref_opt)),
+            flatten_state(cand_view),
+            cand_count,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,12 +426,11 @@ def _step_candidate(run: _Run, t: int, batch):
     return unpack(out, f"candidate {run.cand.name!r}", t)
 
 
-def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[list, list, list]:
+def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After) -> tuple[list, list, list]:
     """Param leaf errors (tolerance widened by the accumulated sensitivity and, for low-precision parameters,
     one rounding per step), replica mismatches, and the leaves whose gradient is at rounding level."""
     leaves, mismatches, unresolved = [], [], []
-    ref_params = flatten_state(nnx.state(run.ref_model, nnx.Param))
-    cand_params = flatten_state(nnx.state(run.cand_model, nnx.Param))
+    ref_params, cand_params = after.ref_params, after.cand_params
     for path, ref_leaf in ref_params.items():
         if path not in cand_params:
             leaves.append(LeafError(t, "param", path, math.inf, math.inf, 0.0, False))
@@ -459,12 +483,9 @@ def _state_allowance(run: _Run, path: str, ref: np.ndarray, bounds) -> np.ndarra
     return allowance
 
 
-def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[list, list, Any]:
-    view = run.cand.view_optimizer or _default_view
+def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After) -> tuple[list, list]:
     leaves, mismatches = [], []
-    cand_view, cand_count = view(run.cand_opt)
-    cand_state = flatten_state(cand_view)
-    ref_state = flatten_state(_opt_state(run.ref_opt))
+    cand_state, ref_state = after.cand_state, after.ref_state
     for path, ref_leaf in ref_state.items():
         if path not in cand_state:
             leaves.append(LeafError(t, "opt_state", path, math.inf, math.inf, 0.0, False))
@@ -480,7 +501,7 @@ def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds) -> tuple[l
             leaves.append(LeafInput(t, "opt_state", path, r, c, r_tol, a_tol, ref0[path], before, allowance))
     differ = replica_mismatches(cand_state)
     mismatches = [f"opt_state {p}" for p in ref_state if p in differ]
-    return leaves, mismatches, cand_count
+    return leaves, mismatches
 
 
 def _extra_checks(run: _Run, t, completed, rtol, atol) -> list:
@@ -581,8 +602,9 @@ def _reference_grads(loss_fn, pre: _PreStep, batch):
 
 def _compare_step(
     run: _Run, t: int, batch, rtol: float, atol: float, *, completed=None, synced=False
-) -> StepRecord:
-    """Snapshot both sides, step both on one batch, compare every leaf.
+) -> tuple[StepRecord, bool]:
+    """Snapshot both sides, step both on one batch, compare every leaf; returns the record and whether the
+    reference stayed finite (:func:`_reference_finite`).
 
     ``completed``: the candidate's full steps after this one (for ``extra_checks``; default ``t + 1``; 1 for a
     candidate started from the reference's state).
@@ -621,10 +643,12 @@ def _compare_step(
                 )
             else:
                 leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
-    params, mismatches, unresolved = _compare_params(run, t, ref_params0, cand_params0, rtol, atol, bounds)
-    opt_leaves, opt_mismatches, cand_count = _compare_opt_state(
-        run, t, ref_opt0, cand_opt0, rtol, atol, bounds
+    after = _After.of(run)
+    cand_count = after.cand_count
+    params, mismatches, unresolved = _compare_params(
+        run, t, ref_params0, cand_params0, rtol, atol, bounds, after
     )
+    opt_leaves, opt_mismatches = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol, bounds, after)
     ref_count = int(np.asarray(run.ref_opt.step[...]))
     leaves += params + opt_leaves
     # every float leaf of the step in one on-device comparison (compare.leaf_errors); the rest as they are
@@ -650,18 +674,17 @@ def _compare_step(
         if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
             matches = ("bf16_reduction",)
         record = dataclasses.replace(
-            record, matches=matches, replica_axes=_replica_axes(run, record.replica_mismatches)
+            record, matches=matches, replica_axes=_replica_axes(after, record.replica_mismatches)
         )
-    return record
+    return record, _reference_finite(record, after)
 
 
-def _replica_axes(run: _Run, mismatched: tuple[str, ...]) -> tuple[str, ...]:
+def _replica_axes(after: _After, mismatched: tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes along which the candidate's mismatched copies differ (``topology.mismatch_axes``)."""
     if not mismatched:
         return ()
-    view = run.cand.view_optimizer or _default_view
-    arrays = {f"param {k}": v for k, v in flatten_state(nnx.state(run.cand_model, nnx.Param)).items()}
-    arrays.update({f"opt_state {k}": v for k, v in flatten_state(view(run.cand_opt)[0]).items()})
+    arrays = {f"param {k}": v for k, v in after.cand_params.items()}
+    arrays.update({f"opt_state {k}": v for k, v in after.cand_state.items()})
     axes = {a for name in mismatched if name in arrays for a in mismatch_axes(arrays[name])}
     return tuple(sorted(axes))
 
@@ -990,23 +1013,23 @@ def _run_steps(run: _Run, data, tolerances):
         if diverged_at is None:
             pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
             r_tol, a_tol, _ = tolerances(batch, t)
-            record = _compare_step(run, t, batch, r_tol, a_tol)
-            if not _reference_finite(run, record):
+            record, finite = _compare_step(run, t, batch, r_tol, a_tol)
+            if not finite:
                 reference_diverged_at = t
                 break
             if not record.ok and t > 0 and not rechecked:
                 rechecked = True
                 r0, a0, _ = tolerances(batch, 0)
-                synced = _compare_step(run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True)
+                synced, _ = _compare_step(run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True)
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
         else:
             # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
             r_tol, a_tol, _ = tolerances(batch, 0)
-            record = _compare_step(
+            record, finite = _compare_step(
                 run.synchronized(run.ref_model, run.ref_opt), t, batch, r_tol, a_tol, completed=1, synced=True
             )
-            if not _reference_finite(run, record):
+            if not finite:
                 reference_diverged_at = t
                 break
         records.append(record)
