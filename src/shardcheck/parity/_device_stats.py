@@ -3,9 +3,7 @@
 Leaves of any sizes are laid into the rows of one ``(rows, width)`` float32 matrix (each leaf padded to whole
 rows), reduced per row, then per leaf over its rows. The compiled function is one set of kernels whatever the
 number and sizes of the leaves (XLA:CPU spends ~20 ms compiling each kernel: a per-leaf graph of a transformer's
-~100 leaves took seconds), and no statistic sorts (XLA:CPU sorts a million elements in about a second). The
-statistics that need no other are taken in one pass, as one variadic ``lax.reduce`` (several accumulators per
-row): on XLA:CPU seven separate row reductions of a 3M-element state took 46-77 ms, the one variadic pass 10 ms.
+~100 leaves took seconds), and no statistic sorts (XLA:CPU sorts a million elements in about a second).
 """
 
 from __future__ import annotations
@@ -23,6 +21,8 @@ import numpy as np
 NEAR = 1e-5
 # below this (float32 subnormal territory) device arithmetic is not trusted: the leaf is compared on the host
 TINY = 1e-30
+# how many near-top elements of a leaf come to the host for the float64 re-check
+CANDIDATES = 16
 # a change within this relative distance of the update ratio's 1% threshold: float32 cannot tell which side
 # float64 puts it on, so that leaf's ratio is computed on the host
 BORDER = 1e-5
@@ -99,30 +99,6 @@ class _Rows(NamedTuple):
         rowwise = jnp.sum(self.valid & x, axis=1, dtype=jnp.int32)
         return jax.ops.segment_sum(rowwise, self.leaf, num_segments=self.count, indices_are_sorted=True)
 
-    def reduce(self, **stats):
-        """Per leaf, several reductions in one pass over the elements: ``name=(kind, x)`` with ``kind`` one of
-        ``"max"``, ``"min"``, ``"sum"`` (``x`` boolean: a count); one variadic ``lax.reduce`` along the rows, then
-        per leaf over its rows. Returns ``{name: (leaves,) array}``."""
-        fill = {"max": -jnp.inf, "min": jnp.inf, "sum": 0}
-        combine = {"max": jnp.maximum, "min": jnp.minimum, "sum": jnp.add}
-        kinds = [kind for kind, _ in stats.values()]
-        # padding holds the kind's identity (a count's operand: 1 where valid and true)
-        operands = [
-            (self.valid & x).astype(jnp.int32) if k == "sum" else jnp.where(self.valid, x, fill[k])
-            for k, x in stats.values()
-        ]
-        inits = tuple(jnp.asarray(fill[k], x.dtype) for k, x in zip(kinds, operands, strict=True))
-
-        def step(a, b):
-            return tuple(combine[k](x, y) for k, x, y in zip(kinds, a, b, strict=True))
-
-        rowwise = jax.lax.reduce(tuple(operands), inits, step, (1,))
-        segment = {"max": jax.ops.segment_max, "min": jax.ops.segment_min, "sum": jax.ops.segment_sum}
-        return {
-            name: segment[k](r, self.leaf, num_segments=self.count, indices_are_sorted=True)
-            for name, k, r in zip(stats, kinds, rowwise, strict=True)
-        }
-
     def each(self, per_leaf):
         """A per-leaf value broadcast to its rows' elements."""
         return per_leaf[self.leaf][:, None]
@@ -154,6 +130,19 @@ class _Rows(NamedTuple):
         low_value = _from_order_key(low)
         return low_value, jnp.where(repeated, low_value, above)
 
+    def largest(self, key, values, layout_rows):
+        """``values`` at each leaf's :data:`CANDIDATES` valid elements of largest ``key``: ``(leaves,
+        CANDIDATES)`` each (a leaf with fewer valid elements repeats padding there: never read)."""
+        k = min(CANDIDATES, key.shape[1])
+        top, at = jax.lax.top_k(jnp.where(self.valid, key, -jnp.inf), k)  # per row
+        picked = [jnp.take_along_axis(v, at, axis=1) for v in values]
+        # per leaf over its rows' candidates: a sort of rows x CANDIDATES elements, not of the leaf
+        leaf = jnp.broadcast_to(self.leaf[:, None], top.shape).ravel()
+        _, _, *ordered = jax.lax.sort((leaf, -top.ravel(), *(p.ravel() for p in picked)), num_keys=2)
+        first = np.concatenate([[0], np.cumsum(layout_rows)[:-1]]) * k
+        at = np.minimum(first[:, None] + np.arange(CANDIDATES)[None, :], leaf.shape[0] - 1)
+        return [o[at] for o in ordered]
+
 
 def _lay(arrays, layout: Layout):
     """The leaves (``None``: zeros) as the padded rows of one float32 matrix."""
@@ -184,10 +173,9 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
         ``{name: (leaves,) array}``: ``scale`` (max|r|), ``diff``/``diff_e`` and ``change``/``change_e`` (the
         exact max |c - r| and |r - r0| as float32 pairs), ``low``/``high`` (the median update ratio's two middle
         float32 quotients) and ``unsure`` (float32 cannot settle that ratio), with ``median`` only; the
-        badness statistics ``top``, ``near`` (how many elements lie within :data:`NEAR` of ``top``),
-        ``max_extra``, ``min_allowed`` and ``at_s``/``at_e``/``at_extra`` (the pair and the allowance of the
-        element of largest badness, where ``near == 1``); and ``finite`` (every input finite and not tiny, every
-        float32 difference finite).
+        badness statistics ``top``, ``near``, ``max_extra``, ``min_allowed`` and ``at_s``/``at_e``/``at_extra``
+        ``(leaves, CANDIDATES)``; and ``finite`` (every input finite and not tiny, every float32 difference
+        finite).
     """
     rows = _Rows(row_leaf, jnp.arange(layout.width)[None, :] < row_len[:, None], len(layout.rows))
     flat = {k: _lay(group[k], layout) for k in FIELDS}
@@ -195,51 +183,9 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
     s, e = two_diff(c, r)
     change, change_e = two_diff(r, r0)
     dc = c - c0
-    # settled on the device: the inputs and the float32 differences finite (3e38 - -3e38 overflows), none tiny
-    settled = jnp.isfinite(s) & jnp.isfinite(change) & jnp.isfinite(dc)
-    for x in flat.values():
-        settled &= jnp.isfinite(x) & ~_tiny(x)
-    # pass 1: everything that needs no other statistic
-    out = rows.reduce(
-        scale=("max", jnp.abs(r)),
-        diff=("max", jnp.abs(s)),
-        change=("max", jnp.abs(change)),
-        max_extra=("max", extra),
-        min_extra=("min", extra),
-        unsettled=("sum", ~settled),
-    )
-    out["scale"], out["max_extra"] = (jnp.maximum(out[k], 0.0) for k in ("scale", "max_extra"))
-    out["diff"], out["change"] = (jnp.maximum(out[k], 0.0) for k in ("diff", "change"))
-    out["finite"] = out.pop("unsettled") == 0
-    base = tol[:, 0] + tol[:, 1] * out["scale"]
-    # fl(base + x) is monotone in x: the smallest allowance is base plus the smallest extra
-    out["min_allowed"] = base + out.pop("min_extra")
-    allowed = rows.each(base) + extra
-    bad = jnp.abs(s) / allowed
-    # pass 2: the rounding errors at the largest differences (max_exact), the largest badness
-    second = rows.reduce(
-        diff_e=("max", jnp.where(jnp.abs(s) == rows.each(out["diff"]), jnp.where(s >= 0, e, -e), -jnp.inf)),
-        change_e=(
-            "max",
-            jnp.where(
-                jnp.abs(change) == rows.each(out["change"]),
-                jnp.where(change >= 0, change_e, -change_e),
-                -jnp.inf,
-            ),
-        ),
-        top=("max", bad),
-    )
-    out.update(second)
-    # pass 3: how many elements are near the top, and the element at the top where it is the only one
-    at_top = bad == rows.each(out["top"])
-    out.update(
-        rows.reduce(
-            near=("sum", bad >= rows.each(out["top"]) * (1 - NEAR)),
-            at_s=("max", jnp.where(at_top, s, -jnp.inf)),
-            at_e=("max", jnp.where(at_top, e, -jnp.inf)),
-            at_extra=("max", jnp.where(at_top, extra, -jnp.inf)),
-        )
-    )
+    out = {"scale": rows.max(jnp.abs(r), fill=0.0)}
+    out["diff"], out["diff_e"] = rows.max_exact(s, e)
+    out["change"], out["change_e"] = rows.max_exact(change, change_e)
     if median:  # the update ratio: the median of dc / dr over the elements with |dr| >= 1% of its largest
         threshold = 0.01 * rows.each(out["change"])
         mag = jnp.abs(change)
@@ -248,4 +194,16 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
         unsure = (jnp.abs(mag - threshold) <= BORDER * threshold) | (used & ~jnp.isfinite(q))
         out["unsure"] = rows.count_true(unsure) > 0
         out["low"], out["high"] = rows.middle(jnp.where(used, q, jnp.inf), rows.count_true(used))
+    # the elementwise badness against the allowance
+    allowed = rows.each(tol[:, 0]) + rows.each(tol[:, 1]) * rows.each(out["scale"]) + extra
+    bad = jnp.abs(s) / allowed
+    out["top"] = rows.max(bad)
+    out["near"] = rows.count_true(bad >= rows.each(out["top"]) * (1 - NEAR))
+    out["max_extra"], out["min_allowed"] = rows.max(extra, fill=0.0), rows.min(allowed)
+    out["at_s"], out["at_e"], out["at_extra"] = rows.largest(bad, (s, e, extra), layout.rows)
+    # settled on the device: the inputs and the float32 differences finite (3e38 - -3e38 overflows), none tiny
+    settled = jnp.isfinite(s) & jnp.isfinite(change) & jnp.isfinite(dc)
+    for x in flat.values():
+        settled &= jnp.isfinite(x) & ~_tiny(x)
+    out["finite"] = rows.count_true(~settled) == 0
     return out

@@ -171,9 +171,9 @@ def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
 
     On the device, in float32, per leaf: ``max |c - r|`` and ``max |r - r0|`` exactly (each element's float32
     difference and its rounding error, Knuth's TwoSum; the float64 value is their sum), ``max |r|``, and with an
-    allowance the elementwise badness ``|c - r| / (atol + rtol * max|r| + allowance)``, whose largest element is
-    re-checked in float64 on the host when no other lies within a relative ``1e-5`` of it (else the leaf is
-    compared on the host). So every field but the ratio equals :func:`leaf_error`'s exactly. The update ratio, the median of ``dc / dr`` over the
+    allowance the elementwise badness ``|c - r| / (atol + rtol * max|r| + allowance)``, whose largest elements are
+    re-checked in float64 on the host when at most 16 lie within a relative ``1e-5`` of the largest. So every
+    field but the ratio equals :func:`leaf_error`'s exactly. The update ratio, the median of ``dc / dr`` over the
     elements whose ``|dr|`` is at least 1% of its largest, is on accelerators (:data:`DEVICE_MEDIAN`) the median of
     the float32 quotients of the float32 differences: each quotient is within ``3 * 2**-24`` relative of its
     float64 value, and so is the median (an order statistic moves no more than its elements); the elements it is
@@ -242,15 +242,21 @@ def _from_stats(item: LeafInput, st: dict) -> LeafError:
         tol = base + float(st["max_extra"])
         if max_abs == 0:
             ok = True
-        elif st["min_allowed"] < _device_stats.TINY or st["top"] < _device_stats.TINY or st["near"] != 1:
+        elif (
+            st["min_allowed"] < _device_stats.TINY
+            or st["top"] < _device_stats.TINY
+            or not 1 <= st["near"] <= _device_stats.CANDIDATES
+            or (st["near"] > 1 and item.ref.size < _device_stats.CANDIDATES)
+        ):
             return leaf_error(*_host_args(item))
         else:
-            # the top element in float64: every other element is below it by more than float32's error
-            s, e, extra = (np.float64(st[k]) for k in ("at_s", "at_e", "at_extra"))
-            diff = abs(s + e)
+            # the near-top elements in float64: every other element is below them by more than float32's error
+            n = 1 if st["near"] == 1 else _device_stats.CANDIDATES
+            s, e, extra = (np.asarray(st[k][:n], np.float64) for k in ("at_s", "at_e", "at_extra"))
+            diff = np.abs(s + e)
             allowed = base + extra
-            ok = bool(diff <= allowed)
-            worst = float(diff / allowed)
+            ok = bool(np.all(diff <= allowed))
+            worst = float(np.max(diff / allowed))
             if worst > 0 and np.isfinite(worst):
                 tol = max_abs / worst
     change = _exact(st["change"], st["change_e"]) if item.before_ref is not None else None
