@@ -1,24 +1,28 @@
 """Mixed precision: the policy, its derived tolerances, correct bf16 steps that pass and planted faults that fail.
 
 Policies: float32 parameters with bfloat16 compute (master weights), and bfloat16 parameters (which compute in
-bfloat16 too). The tiny-lm model here is a one-block version of the built-in (same layers, fewer of them) so that
+bfloat16 too). The digits MLP runs the whole grid (both policies, S in {2, 8}, every strategy and three faults);
+the tiny-lm the cases listed in docs/parity.md. The tiny-lm model here is a one-block version of the built-in (same layers, fewer of them) so that
 the checks compile quickly; the planted faults are ``tests/test_task_parity.py``'s hand-written DP steps.
 """
 
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import require_devices, small_lm_config
 from flax import nnx
-from test_task_parity import user_dp_step
+from test_task_parity import per_shard_optimizer_step, user_dp_step
 
 import shardcheck
 from shardcheck import check_parity
 from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance
+from shardcheck.task import mean_loss
 from shardcheck.tasks import digits_task, tiny_lm_task
+from shardcheck.tasks.digits import digits_loss
 
 STRATEGIES = (
     "dp",
@@ -127,6 +131,30 @@ def test_planted_faults_fail_under_bf16_compute(step, num_shards, code, phrase):
     assert phrase in " ".join(report.diagnosis.split()), report.diagnosis
 
 
+@require_devices(8)
+def test_bf16_parameters_pass_on_the_tiny_lm_at_2_and_8_shards():
+    for num_shards in (2, 8):
+        report = check_parity("dp", lm(None, "bfloat16"), num_shards=num_shards)
+        assert report.verdict == "PASS", str(report)
+        assert "params bfloat16: +eps_p * max|p| per step" in report.tolerance_rule
+
+
+@require_devices(8)
+@pytest.mark.parametrize(
+    ("step", "num_shards", "code", "phrase"),
+    [
+        (user_dp_step("mean_twice"), 8, "averaged_twice", "averaged twice"),
+        (per_shard_optimizer_step, 2, "step_counter", "stepped 2 times per step"),
+    ],
+    ids=["mean_twice", "stepped_per_shard"],
+)
+def test_planted_faults_fail_with_bf16_parameters_on_the_tiny_lm(step, num_shards, code, phrase):
+    task = lm(None, "bfloat16")
+    report = check_parity(step, task, mesh=shardcheck.make_mesh(num_shards), num_shards=num_shards)
+    assert report.verdict == "FAIL" and code in report.codes, str(report)
+    assert phrase in " ".join(report.diagnosis.split()), report.diagnosis
+
+
 @require_devices(2)
 def test_sum_for_mean_fails_with_bf16_parameters_on_the_mlp():
     task = digits_task(steps=2, batch_size=32, param_dtype="bfloat16")
@@ -138,3 +166,72 @@ def test_sum_for_mean_fails_with_bf16_parameters_on_the_mlp():
 
     report = check_parity(summed, task, num_shards=2)
     assert report.verdict == "FAIL" and "summed" in report.codes, str(report)
+
+
+# ------------------------------------------------------------------ the MLP under both policies, S in {2, 8}
+
+POLICIES = {"bf16_compute": {"compute_dtype": "bfloat16"}, "bf16_params": {"param_dtype": "bfloat16"}}
+EVERY_STRATEGY = ("simulation", "dp", "fsdp", "accumulation", "gspmd")
+
+
+@functools.cache
+def digits(policy):
+    """The digits MLP (64 -> 32 -> 10, Adam) under a low-precision policy: 2 steps of B = 32."""
+    return digits_task(steps=2, batch_size=32, **POLICIES[policy])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _shard_losses_and_grads(loss_fn, graphdef, num_shards, params, rest, batch):
+    """Each shard's mean loss and its gradient, stacked ``(S, ...)``, in the model's own precision."""
+    shards = jax.tree.map(lambda a: a.reshape(num_shards, -1, *a.shape[1:]), batch)
+
+    def one(shard):
+        return jax.value_and_grad(lambda p: mean_loss(loss_fn, nnx.merge(graphdef, p, rest), shard))(params)
+
+    return jax.lax.map(one, shards)
+
+
+def planted(fault, num_shards):
+    """A user's data-parallel step, simulated shard by shard, with a reduction fault: ``sum`` (the shards'
+    gradients summed, not averaged), ``mean_twice`` (averaged, then divided by S again) or ``stepped`` (the
+    optimizer stepped once per shard)."""
+
+    def step(model, optimizer, batch):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        losses, grads = _shard_losses_and_grads(digits_loss, graphdef, num_shards, params, rest, batch)
+        if fault == "stepped":
+            for i in range(num_shards):
+                optimizer.update(model, jax.tree.map(lambda g, i=i: g[i], grads))
+        else:
+            total = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
+            scale = 1 if fault == "sum" else num_shards * num_shards
+            optimizer.update(model, jax.tree.map(lambda g: g / scale, total))
+        return jnp.mean(losses)
+
+    return step
+
+
+@require_devices(8)
+@pytest.mark.parametrize("num_shards", [2, 8])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_mlp_passes_every_strategy_under_both_policies(policy, num_shards):
+    for strategy in EVERY_STRATEGY:
+        report = check_parity(strategy, digits(policy), num_shards=num_shards)
+        assert report.verdict == "PASS", (strategy, str(report))
+        assert report.cannot_verify is None
+
+
+@require_devices(8)
+@pytest.mark.parametrize("num_shards", [2, 8])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_planted_faults_fail_on_the_mlp_under_both_policies(policy, num_shards):
+    expected = {
+        "sum": ("summed", f"summed instead of averaged (x{num_shards}"),
+        "mean_twice": ("averaged_twice", "averaged twice"),
+        "stepped": ("step_counter", f"stepped {num_shards} times per step"),
+    }
+    for fault, (code, phrase) in expected.items():
+        report = check_parity(planted(fault, num_shards), digits(policy), num_shards=num_shards)
+        assert report.verdict == "FAIL", (fault, str(report))
+        assert code in report.codes, (fault, str(report))
+        assert phrase in " ".join(report.diagnosis.split()), (fault, report.diagnosis)
