@@ -758,12 +758,14 @@ def explain(key: str, r: dict, args) -> str:
         top = ", ".join(f"{k} {v:.2f} s" for k, v in prof.items())
         return (
             f"check_parity {row['check_parity_s']:.2f} s against the bare steps {row['bare_steps_s']:.2f} s. Each "
-            "step the harness also runs the update-sensitivity pass (16 optimizer updates of the reference, "
-            "vmapped: the propagated tolerance), copies the gradients and their bounds to the host (the loss "
-            "drift, the rounding-level rule), and compares every leaf in one compiled call (leaf_errors; on "
-            "XLA:CPU the update ratio's median is NumPy's on the host); a diverged trajectory re-runs each later "
-            "step from the reference's state. The host copies block on the device's work, so their seconds "
-            "include it. Profile of one "
+            "step the harness also snapshots both sides' state on the device, runs the update-sensitivity pass "
+            "(the reference's optimizer at 16 points of the gradient's tolerance, a fori_loop: the propagated "
+            "tolerance), copies the gradients and their bounds to the host (the loss drift, the rounding-level "
+            "rule), and compares every leaf in one compiled call (leaf_errors: about a dozen memory-bound passes "
+            "over the laid-out state of both sides; on XLA:CPU the update ratio's median is NumPy's on the host, "
+            "with float64 copies of four arrays per leaf). On a CPU these passes read several times the bytes a "
+            "step does, so the ratio cannot reach 1.3 without dropping a check. The host copies block on the "
+            "device's work, so their seconds include it. Profile of one "
             f"warm dp run under cProfile ({h['profile_dp']['profiled_s']:.2f} s, cumulative, nested): {top}."
             + load_txt
         )
