@@ -60,6 +60,28 @@ def test_the_policy_is_read_from_the_layers_and_can_be_overridden():
         Precision.of(digits, compute_dtype="int8")
 
 
+def test_an_override_more_precise_than_the_model_is_refused():
+    """A float32 policy on bfloat16 layers would derive float32 tolerances for bfloat16 rounding: a correct step
+    would FAIL (as a bfloat16 all-reduce). Less precise overrides, and float32 compute on float32 layers over
+    bfloat16 parameters, are the user's to make."""
+    with pytest.raises(
+        ValueError,
+        match=r"compute_dtype='float32' is more precise than the model's own bfloat16 \(its layers\).*omit compute_dtype or pass 'bfloat16'",
+    ):
+        Precision.of(lm().model(), compute_dtype="float32")
+    with pytest.raises(
+        ValueError,
+        match=r"param_dtype='float32' is more precise than the model's own bfloat16 \(its parameters\)",
+    ):
+        Precision.of(lm(None, "bfloat16").model(), param_dtype="float32")
+    with pytest.raises(ValueError, match="compute_dtype='float32' is more precise"):
+        check_parity("simulation", lm(), num_shards=2, compute_dtype="float32")
+    master = digits_task(steps=1, param_dtype="bfloat16").model()  # float32 layers on bfloat16 parameters
+    assert Precision.of(master).describe() == "params bfloat16, compute bfloat16"  # conservative by default
+    assert Precision.of(master, compute_dtype="float32").describe() == "params bfloat16, compute float32"
+    assert Precision.of(lm(None).model(), compute_dtype="bfloat16").compute_eps == EPS_BF16
+
+
 def test_the_compute_allowance_is_four_times_the_measured_split_noise_plus_the_drift():
     # noise of leaf "b": max |g_S - g| = 2^-7 (a bfloat16 ulp at 1); no drift: 4 * 2^-7 on every element
     split, grads = {"b": jnp.array([1.0, 2.0])}, {"b": jnp.array([1.0 + 2.0**-7, 2.0])}

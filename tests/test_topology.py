@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardcheck import Task, check_parity, make_mesh
+from shardcheck import CandidateError, Task, check_parity, make_mesh
 from shardcheck.mesh import fsdp_axis, parse_mesh
 from shardcheck.placement import placement_report
 from shardcheck.steps.sharded import mesh_step, state_specs
@@ -459,3 +459,12 @@ def test_verify_refuses_bad_mesh_and_optimizer_flags(args, message, capsys):
     assert code == 2
     captured = capsys.readouterr()
     assert message in " ".join((captured.err + captured.out).split())
+
+
+@require_devices(3)
+def test_a_candidate_failing_on_a_batch_that_does_not_split_is_told_why():
+    """A user's step cannot place 8 rows on 3 devices; its error gets the likely cause appended."""
+    with pytest.raises(
+        CandidateError, match=r"the batch's 8 rows do not split over the 3 devices of the mesh"
+    ):
+        check_parity(_replicated_dp_step(False), _clip_task(), mesh=make_mesh(3))

@@ -81,16 +81,33 @@ class Precision:
     def of(model: nnx.Module, *, compute_dtype=None, param_dtype=None, fn: str = "check_parity") -> Precision:
         """The policy of ``model``, with ``compute_dtype`` / ``param_dtype`` overriding what is read from it.
 
+        Read from the model: the parameters' least precise dtype, and as the compute dtype the least precise of
+        the layers' ``dtype`` and the parameters' (conservative: a layer with ``dtype=float32`` on bfloat16
+        parameters computes in float32; pass ``compute_dtype="float32"`` to say so). An override may name a less
+        precise dtype than the model's own (a rounding the layers do not show, such as a custom layer's bfloat16
+        matmul), not a more precise one than its parameters or its layers' declared ``dtype``: the tolerance would
+        be tighter than the model's rounding, and a correct step would FAIL.
+
         Raises:
             TypeError, ValueError: an override that is not a floating dtype.
+            ValueError: an override more precise than what the model's parameters or layers use.
         """
         compute = _check_dtype(fn, "compute_dtype", compute_dtype)
         params = _check_dtype(fn, "param_dtype", param_dtype)
-        if params is None:
-            leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
-            params = _least_precise(np.asarray(v[...]).dtype for _, v in leaves) or ACCUMULATION_DTYPE
+        leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        stored = _least_precise(np.asarray(v[...]).dtype for _, v in leaves) or ACCUMULATION_DTYPE
+        layer = [getattr(m, "dtype", None) for _, m in nnx.iter_modules(model)]
+        declared = _least_precise(layer) or ACCUMULATION_DTYPE  # the layers' own compute dtypes only
+        for name, override, read in (("param_dtype", params, stored), ("compute_dtype", compute, declared)):
+            if override is not None and _eps(override) < _eps(read):
+                raise ValueError(
+                    f"{fn}: {name}={jnp.dtype(override).name!r} is more precise than the model's own "
+                    f"{jnp.dtype(read).name} ({'its parameters' if name == 'param_dtype' else 'its layers'}"
+                    f"): the tolerance would be tighter than the model's rounding and a correct step would "
+                    f"FAIL; omit {name} or pass {jnp.dtype(read).name!r}"
+                )
+        params = stored if params is None else params
         if compute is None:
-            layer = [getattr(m, "dtype", None) for _, m in nnx.iter_modules(model)]
             compute = _least_precise([*layer, params]) or params
         return Precision(jnp.dtype(params), jnp.dtype(compute))
 
