@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import require_devices, small_lm_config
 from flax import nnx
-from test_task_parity import per_shard_optimizer_step, user_dp_step
+from test_task_parity import user_dp_step
 
 import shardcheck
 from shardcheck import check_parity
@@ -150,30 +150,6 @@ def test_planted_faults_fail_under_bf16_compute(step, num_shards, code, phrase):
     report = check_parity(step, lm(), mesh=shardcheck.make_mesh(num_shards), num_shards=num_shards)
     assert report.verdict == "FAIL", str(report)
     assert code in report.codes, str(report)
-    assert phrase in " ".join(report.diagnosis.split()), report.diagnosis
-
-
-@require_devices(8)
-def test_bf16_parameters_pass_on_the_tiny_lm_at_2_and_8_shards():
-    for num_shards in (2, 8):
-        report = check_parity("dp", lm(None, "bfloat16"), num_shards=num_shards)
-        assert report.verdict == "PASS", str(report)
-        assert "params bfloat16: +eps_p * max|p| per step" in report.tolerance_rule
-
-
-@require_devices(8)
-@pytest.mark.parametrize(
-    ("step", "num_shards", "code", "phrase"),
-    [
-        (user_dp_step("mean_twice"), 8, "averaged_twice", "averaged twice"),
-        (per_shard_optimizer_step, 2, "step_counter", "stepped 2 times per step"),
-    ],
-    ids=["mean_twice", "stepped_per_shard"],
-)
-def test_planted_faults_fail_with_bf16_parameters_on_the_tiny_lm(step, num_shards, code, phrase):
-    task = lm(None, "bfloat16")
-    report = check_parity(step, task, mesh=shardcheck.make_mesh(num_shards), num_shards=num_shards)
-    assert report.verdict == "FAIL" and code in report.codes, str(report)
     assert phrase in " ".join(report.diagnosis.split()), report.diagnosis
 
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import sys
 
 from shardcheck._catalog import CANDIDATES, COMPARED
-from shardcheck.cli._common import add_mesh_argument, apply_mesh, configure_devices, console_for, write_json
+from shardcheck.cli._common import (
+    HelpFormatter,
+    add_mesh_argument,
+    apply_mesh,
+    configure_devices,
+    console_for,
+    write_json,
+)
 from shardcheck.cli._task import (
     add_precision_arguments,
     add_task_arguments,
@@ -39,7 +45,7 @@ def add_parser(sub) -> None:
             "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "
             "your own step: shardcheck verify --candidate my_steps.py:dp_step --devices 4"
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
     add_precision_arguments(p, harness=True)
