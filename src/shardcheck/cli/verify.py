@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
             "model and optimizer, and compare after every step the loss, the gradients (where exposed), every "
             "parameter, every optimizer-state leaf and the step counters, within tolerances derived from the "
             "precision policy (the parameters' and the compute dtype, read from the model or set with "
-            "--param-dtype / --compute-dtype), the reduction length and the step. Prints a table per strategy with its worst leaf, error, tolerance, "
-            "verdict and diagnosis. Exit status: 0 when every strategy passes (PASS, or PASS (per step): the "
+            "--param-dtype / --compute-dtype), the reduction length and the step. Prints a table per strategy "
+            "with its worst leaf, error, tolerance, verdict and diagnosis. Exit status: 0 when every strategy passes (PASS, or PASS (per step): the "
             "trajectories diverged through a non-smooth op but every step matched from the reference's state), 1 "
             "when any fails, 2 on bad input, a candidate that raises, or a reference run that diverges (lower --lr)."
         ),
@@ -270,7 +270,7 @@ def _check_builtin_batch(args, task, num_shards) -> None:
     from shardcheck.task import batch_size
     from shardcheck.tasks import BUILTIN_TASKS
 
-    if args.task is not None and args.task not in BUILTIN_TASKS or not num_shards:
+    if (args.task is not None and args.task not in BUILTIN_TASKS) or not num_shards:
         return
     b = batch_size(task.batches[0])
     if b % num_shards:
@@ -312,7 +312,9 @@ def main(args) -> int:
         cause = err.__cause__
         return _fail(
             f"shardcheck verify: the {label} step raised {type(cause).__name__}: {_short(str(cause))} at step "
-            f"{err.step}; fix the step (shardcheck.check_parity in Python shows the traceback)"
+            f"{err.step}; "
+            + (f"{err.hint}" if err.hint else "fix the step")
+            + " (shardcheck.check_parity in Python shows the traceback)"
         )
     except (ValueError, TypeError) as err:
         return _fail(str(err))

@@ -421,15 +421,15 @@ def _step_candidate(run: _Run, t: int, batch):
     except Exception as err:
         s, rows = run.cand.num_shards, leading_size(batch)
         hint = (
-            f" (the batch's {rows} rows do not split over the {s} devices of the mesh: a likely cause; give a "
-            "batch size divisible by the device count, or fewer devices)"
+            f"the batch's {rows} rows do not split over the {s} devices of the mesh: a likely cause; give a "
+            "batch size divisible by the device count, or fewer devices"
             if s and s > 1 and rows % s
             else ""
         )
         raise CandidateError(
-            f"check_parity: the candidate step {run.cand.name!r} raised {type(err).__name__}: {err} at step "
-            f"{t}{hint}",
+            f"check_parity: the candidate step {run.cand.name!r} raised {type(err).__name__}: {err} at step {t}",
             t,
+            hint,
         ) from err
     return unpack(out, f"candidate {run.cand.name!r}", t)
 

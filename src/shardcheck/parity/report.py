@@ -179,11 +179,13 @@ class ParityReport:
 
 
 class CandidateError(RuntimeError):
-    """The candidate step raised; the original exception is ``__cause__`` and ``step`` the 0-based step."""
+    """The candidate step raised; the original exception is ``__cause__``, ``step`` the 0-based step and ``hint``
+    a likely cause the harness can see (``""`` when none), also at the end of the message."""
 
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
+    def __init__(self, message: str, step: int, hint: str = ""):
+        super().__init__(message + (f" ({hint})" if hint else ""))
         self.step = step
+        self.hint = hint
 
 
 class ParityError(AssertionError):
