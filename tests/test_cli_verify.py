@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import kinked
 import pytest
 from conftest import require_devices
 
@@ -201,17 +202,18 @@ def test_verify_under_launch_two_processes(tmp_path):
     assert all(r["ok"] for r in report["strategies"].values())
 
 
-def test_relu_flip_over_50_momentum_steps_passes_per_step(tmp_path, capsys):
-    """The user's report: a ReLU flipped at step 33 by rounding used to FAIL as `drift`; the step is correct."""
-    out = tmp_path / "v.json"
-    args = ["verify", "--devices", "2", "--model", "mlp", "--optimizer", "momentum"]
-    assert main([*args, "--strategies", "simulation,fsdp", "--steps", "50", "--json", str(out)]) == 0
+def test_a_relu_flip_passes_per_step_and_exits_0(tmp_path, capsys):
+    """The user's report: a ReLU flipped by rounding used to FAIL as `drift`; the step is correct (tests/kinked.py
+    fixes the step it flips at by exact arithmetic)."""
+    out, task = tmp_path / "v.json", Path(kinked.__file__)
+    args = ["verify", "--task", f"{task}:task", "--candidate", f"{task}:rounded_step", "--devices", "2"]
+    assert main([*args, "--strategies", "simulation", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["ok"] is True
-    for name, r in report["strategies"].items():
-        assert r["verdict"] == "PASS (per step)" and r["ok"] is False and r["step_ok"] is True, name
-        assert r["codes"] == ["diverged_trajectory"] and r["diverged_at"] == 33, name
-        assert "diverged at step 33" in r["diagnosis"] and "ReLU" in r["diagnosis"]
+    assert report["ok"] is True and report["strategies"]["simulation"]["verdict"] == "PASS"
+    r = report["strategies"]["candidate"]
+    assert r["verdict"] == "PASS (per step)" and r["ok"] is False and r["step_ok"] is True
+    assert r["codes"] == ["diverged_trajectory"] and r["diverged_at"] == kinked.DIVERGES_AT
+    assert f"diverged at step {kinked.DIVERGES_AT}" in r["diagnosis"] and "ReLU" in r["diagnosis"]
     text = " ".join(capsys.readouterr().out.split())
     assert "PASS (per step)" in text and "drift" not in text
 
