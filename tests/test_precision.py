@@ -1,9 +1,10 @@
 """Mixed precision: the policy, its derived tolerances, correct bf16 steps that pass and planted faults that fail.
 
 Policies: float32 parameters with bfloat16 compute (master weights), and bfloat16 parameters (which compute in
-bfloat16 too). The digits MLP runs the whole grid (both policies, S in {2, 8}, every strategy and three faults);
-the tiny-lm the cases listed in docs/parity.md. The tiny-lm model here is a one-block version of the built-in (same layers, fewer of them) so that
-the checks compile quickly; the planted faults are ``tests/test_task_parity.py``'s hand-written DP steps.
+bfloat16 too). The digits MLP and the tiny-lm each run the whole grid: both policies, S in {2, 8}, every strategy
+PASS and the planted faults FAIL by name. The tiny-lm here is a one-block version of the built-in (same layers,
+fewer of them) so that the checks compile quickly; its planted faults are ``tests/test_task_parity.py``'s
+hand-written DP steps.
 """
 
 import functools
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import require_devices, small_lm_config
 from flax import nnx
-from test_task_parity import user_dp_step
+from test_task_parity import per_shard_optimizer_step, user_dp_step
 
 import shardcheck
 from shardcheck import check_parity
@@ -24,10 +25,6 @@ from shardcheck.task import mean_loss
 from shardcheck.tasks import digits_task, tiny_lm_task
 from shardcheck.tasks.digits import digits_loss
 
-STRATEGIES = (
-    "dp",
-    "gspmd",
-)  # simulation, fsdp, accumulation: the CLI check of the done-when (docs/parity.md)
 EPS32 = 2.0**-23  # float32 eps
 EPS_BF16 = 2.0**-7  # bfloat16 eps (8 significand bits)
 
@@ -116,14 +113,6 @@ def assert_derived(report, *, params_bf16: bool):
 # ----------------------------------------------------------------------------------- correct steps pass
 
 
-@require_devices(8)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_bf16_compute_passes_every_strategy_at_8_shards(strategy):
-    report = check_parity(strategy, lm(), num_shards=8)
-    assert report.verdict == "PASS", str(report)
-    assert_derived(report, params_bf16=False)
-
-
 @require_devices(2)
 def test_bf16_parameters_pass_on_the_mlp():
     task = digits_task(steps=2, batch_size=32, param_dtype="bfloat16")
@@ -133,24 +122,6 @@ def test_bf16_parameters_pass_on_the_mlp():
 
 
 # ------------------------------------------------------------------------------------- planted faults fail
-
-
-@require_devices(8)
-@pytest.mark.parametrize(
-    ("step", "num_shards", "code", "phrase"),
-    [
-        (user_dp_step("sum"), 8, "summed", "summed instead of averaged (x8"),
-        # at S = 2 Adam's normalized update of this fault lies within the bf16 allowance: its optimizer
-        # moments name it
-        (user_dp_step("per_shard_mean"), 2, "normalization", "own weight (token count)"),
-    ],
-    ids=["sum_for_mean", "per_shard_token_mean"],  # the others in float32: tests/test_task_parity.py
-)
-def test_planted_faults_fail_under_bf16_compute(step, num_shards, code, phrase):
-    report = check_parity(step, lm(), mesh=shardcheck.make_mesh(num_shards), num_shards=num_shards)
-    assert report.verdict == "FAIL", str(report)
-    assert code in report.codes, str(report)
-    assert phrase in " ".join(report.diagnosis.split()), report.diagnosis
 
 
 @require_devices(2)
@@ -233,3 +204,43 @@ def test_planted_faults_fail_on_the_mlp_under_both_policies(policy, num_shards):
         assert report.verdict == "FAIL", (fault, str(report))
         assert code in report.codes, (fault, str(report))
         assert phrase in " ".join(report.diagnosis.split()), (fault, report.diagnosis)
+
+
+# -------------------------------------------------------------- the tiny-lm under both policies, S in {2, 8}
+
+
+@functools.cache
+def lm_under(policy):
+    return lm(**{"compute_dtype": None, **POLICIES[policy]})
+
+
+@require_devices(8)
+@pytest.mark.parametrize("num_shards", [2, 8])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_tiny_lm_passes_every_strategy_under_both_policies(policy, num_shards):
+    for strategy in EVERY_STRATEGY:
+        report = check_parity(strategy, lm_under(policy), num_shards=num_shards)
+        assert report.verdict == "PASS", (strategy, str(report))
+        assert report.cannot_verify is None
+        if strategy == "dp":
+            assert_derived(report, params_bf16=policy == "bf16_params")
+
+
+@require_devices(8)
+@pytest.mark.parametrize("num_shards", [2, 8])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_planted_faults_fail_on_the_tiny_lm_under_both_policies(policy, num_shards):
+    """The hand-written DP steps of tests/test_task_parity.py: sum for mean, mean twice, each shard normalized by
+    its own token count, and the optimizer stepped once per shard."""
+    expected = {
+        user_dp_step("sum"): ("summed", f"summed instead of averaged (x{num_shards}"),
+        user_dp_step("mean_twice"): ("averaged_twice", "averaged twice"),
+        user_dp_step("per_shard_mean"): ("normalization", "own weight (token count)"),
+        per_shard_optimizer_step: ("step_counter", f"stepped {num_shards} times per step"),
+    }
+    mesh = shardcheck.make_mesh(num_shards)
+    for step, (code, phrase) in expected.items():
+        report = check_parity(step, lm_under(policy), mesh=mesh, num_shards=num_shards)
+        assert report.verdict == "FAIL", (code, str(report))
+        assert code in report.codes, (code, str(report))
+        assert phrase in " ".join(report.diagnosis.split()), (code, report.diagnosis)
