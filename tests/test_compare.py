@@ -208,3 +208,51 @@ def test_the_two_middle_values_are_the_sorted_ones(leaves):
     for a, lo, hi in zip(leaves, np.asarray(low), np.asarray(high), strict=True):
         ordered = np.sort(a)
         assert lo == ordered[(a.size - 1) // 2] and hi == ordered[a.size // 2]
+
+
+# ----------------------------------------------------------------------------- the harness's per-leaf scalars
+
+SCALAR = st.floats(-4, 4, width=32) | st.sampled_from([0.0, -0.0, 3e38, -3e38, 1e-38, 1.5e-45])
+
+
+@given(
+    a=hnp.arrays(np.float32, SHAPE, elements=SCALAR),
+    b=hnp.arrays(np.float32, SHAPE, elements=SCALAR),
+    w=hnp.arrays(np.float32, SHAPE, elements=st.floats(-4, 4, width=32)),
+)
+def test_the_per_leaf_scalars_are_float64_numpys(a, b, w):
+    """max |a| and max |a - b| exactly (3e38 - -3e38 overflows float32: TwoSum carries it), sum |w| * a within
+    XLA's float32 tree sum of the float64 one, and a bfloat16 leaf's max |a| as the float64 of its elements."""
+    a64, b64, w64 = (x.astype(np.float64) for x in (a, b, w))
+    arrays = {"x": jnp.asarray(a), "y": jnp.asarray(b), "z": jnp.asarray(a[:0])}
+    assert compare.max_abs(arrays) == {"x": np.max(np.abs(a64)), "y": np.max(np.abs(b64)), "z": 0.0}
+    low = jnp.asarray(a, jnp.bfloat16)
+    assert compare.max_abs({"x": low})["x"] == np.max(np.abs(np.asarray(low, np.float64)))
+    assert compare.max_abs_diff({"x": arrays["x"]}, {"x": arrays["y"]}) == {"x": np.max(np.abs(a64 - b64))}
+    bounded = np.clip(a, -4, 4)
+    want = float(np.sum(np.abs(w64) * bounded.astype(np.float64)))
+    got = compare.abs_dot({"x": jnp.asarray(w)}, {"x": jnp.asarray(bounded)})
+    assert abs(got - want) <= 1e-6 * float(np.sum(np.abs(w64 * bounded))) + 1e-30
+
+
+def test_finite_and_equal_are_decided_on_the_devices():
+    x = jnp.arange(6.0).reshape(2, 3)
+    assert compare.all_finite([x, jnp.arange(3), jnp.asarray(x, jnp.bfloat16)])
+    assert not compare.all_finite([x, x.at[1, 2].set(jnp.inf)]) and not compare.all_finite(
+        [x.at[0, 0].set(jnp.nan)]
+    )
+    assert compare.all_finite([jnp.arange(3)])  # integers are finite
+    assert compare.equal({"a": x, "n": jnp.arange(3)}, {"a": x + 0.0, "n": jnp.arange(3), "extra": x})
+    assert not compare.equal({"a": x}, {"a": x.at[0, 1].set(7.0)}) and not compare.equal({"a": x}, {})
+    assert not compare.equal({"a": x}, {"a": x.ravel()})  # another shape
+    assert not compare.equal({"a": x.at[0, 0].set(jnp.nan)}, {"a": x.at[0, 0].set(jnp.nan)})  # as array_equal
+
+
+@require_devices(2)
+def test_the_scalars_of_arrays_on_other_devices_are_reduced_where_each_lives():
+    d0, d1 = jax.devices()[:2]
+    a, b = jax.device_put(jnp.arange(4.0), d0), jax.device_put(-jnp.arange(4.0) * 2, d1)
+    assert compare.max_abs({"a": a, "b": b}) == {"a": 3.0, "b": 6.0}
+    assert compare.max_abs_diff({"a": a}, {"a": b}) == {"a": 9.0}  # b moved onto a's device
+    assert compare.abs_dot({"a": b, "b": a}, {"a": a, "b": -b}) == 28.0 + 28.0  # sum 2i * i, sum i * 2i
+    assert compare.all_finite([a, b])

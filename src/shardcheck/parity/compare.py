@@ -278,6 +278,115 @@ def _host_ratio(item: LeafInput, top: float) -> float | None:
     return _ratio(r - to_host(item.before_ref), c - to_host(item.before_cand), top)
 
 
+# ------------------------------------------------------------------------------------ per-leaf device scalars
+# The harness's rules need a few numbers per leaf (a leaf's largest magnitude, its largest change, whether it is
+# finite): each is one jitted reduction over all the leaves, so only the scalars come to the host.
+
+
+def _on_devices(arrays: Mapping[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """``arrays`` grouped by the devices they live on (one jitted call per group: a call takes one device set).
+    Arrays spread over several processes are grouped too: every process makes the same calls."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for name, a in arrays.items():
+        a = jnp.asarray(a)
+        groups.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), {})[name] = a
+    return groups
+
+
+def _floats(reduced: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(reduced).items()}
+
+
+@jax.jit
+def _max_abs(arrays: dict) -> dict:
+    return {k: jnp.max(jnp.abs(a), initial=0.0).astype(jnp.float32) for k, a in arrays.items()}
+
+
+def max_abs(arrays: Mapping[str, Any]) -> dict[str, float]:
+    """``{name: max |a|}`` (0 for an empty array, NaN when ``a`` holds one), reduced on the arrays' devices.
+
+    Exact: the largest magnitude of float32 (or bfloat16, float16) elements is one of them, which a Python float
+    holds exactly, so it equals ``float(np.max(np.abs(a.astype(np.float64))))``.
+    """
+    out: dict[str, float] = {}
+    for group in _on_devices(arrays).values():
+        out.update(_floats(_max_abs(group)))
+    return out
+
+
+@jax.jit
+def _max_abs_diff(a: dict, b: dict) -> dict:
+    out = {}
+    for k in a:
+        x, y = a[k].astype(jnp.float32).ravel(), b[k].astype(jnp.float32).ravel()
+        s, e = _device_stats.two_diff(x, y)
+        mag = jnp.abs(s)
+        m = jnp.max(mag, initial=0.0)
+        out[k] = jnp.stack(
+            [m, jnp.max(jnp.where(mag == m, jnp.where(s >= 0, e, -e), -jnp.inf), initial=-jnp.inf)]
+        )
+    return out
+
+
+def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:
+    """``{name: max |a - b|}`` of float arrays of equal shapes, exactly as float64 computes it: each element's
+    float32 difference and its rounding error (Knuth's TwoSum, ``shardcheck.parity._device_stats.two_diff``) are
+    reduced on the devices, their sum taken in float64 on the host. ``b[name]`` is moved onto ``a[name]``'s
+    devices."""
+    out: dict[str, float] = {}
+    for group in _on_devices(a).values():
+        other = {k: jax.device_put(jnp.asarray(b[k]), v.sharding) for k, v in group.items()}
+        for k, (m, e) in jax.device_get(_max_abs_diff(group, other)).items():
+            out[k] = _exact(m, e)
+    return out
+
+
+@jax.jit
+def _abs_dot(weights: dict, arrays: dict) -> dict:
+    return {
+        k: jnp.sum(jnp.abs(weights[k].astype(jnp.float32)) * a.astype(jnp.float32)) for k, a in arrays.items()
+    }
+
+
+def abs_dot(weights: Mapping[str, Any], arrays: Mapping[str, Any]) -> float:
+    """``sum over names of sum(|weights[name]| * arrays[name])``, each name's sum in float32 on the devices (the
+    float64 sum of its exact products to about ``1e-6`` relative: XLA's reductions add in a tree) and the names'
+    sums in float64 on the host. ``weights[name]`` is moved onto ``arrays[name]``'s devices."""
+    total = 0.0
+    for group in _on_devices(arrays).values():
+        w = {k: jax.device_put(jnp.asarray(weights[k]), v.sharding) for k, v in group.items()}
+        total += sum(_floats(_abs_dot(w, group)).values())
+    return total
+
+
+@jax.jit
+def _all_finite(arrays: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
+
+
+def all_finite(arrays: Sequence[Any]) -> bool:
+    """Whether every element of every floating array is finite (integer arrays are), on the arrays' devices."""
+    floats = {str(i): a for i, a in enumerate(arrays) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact)}
+    return all(bool(_all_finite(list(group.values()))) for group in _on_devices(floats).values())
+
+
+def equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether ``b`` holds every name of ``a`` with the same shape and the same values (``array_equal``: NaN is
+    not equal to itself), compared on ``a``'s devices."""
+    if any(k not in b or np.shape(b[k]) != np.shape(v) for k, v in a.items()):
+        return False
+    for group in _on_devices(a).values():
+        other = {k: jax.device_put(jnp.asarray(b[k]), v.sharding) for k, v in group.items()}
+        if not bool(_equal(group, other)):
+            return False
+    return True
+
+
+@jax.jit
+def _equal(a: dict, b: dict) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.array_equal(a[k], b[k]) for k in a]))
+
+
 # ------------------------------------------------------------------------------------------ replica agreement
 
 

@@ -37,7 +37,7 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck.datasets import minibatch_indices
 from shardcheck.mesh import check_mesh
-from shardcheck.parity import legacy
+from shardcheck.parity import compare, legacy
 from shardcheck.parity.candidates import as_candidate, check_step_signature, unpack
 from shardcheck.parity.compare import (
     LeafInput,
@@ -205,7 +205,9 @@ def _like(tree, values: dict):
     leaves, treedef = jax.tree.flatten(tree)
     paths = flatten_state(tree)
     out = [
-        jnp.asarray(values[k], v.dtype) if k in values and not is_int(np.asarray(values[k])) else v
+        jax.device_put(jnp.asarray(values[k], v.dtype), v.sharding)
+        if k in values and np.dtype(values[k].dtype).kind not in "iub"
+        else v
         for k, v in zip(paths, leaves, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)
@@ -213,21 +215,23 @@ def _like(tree, values: dict):
 
 def _shadow_inputs(run: _Run, pre: _PreStep, batch):
     """The candidate's pre-step ``(gradient, optimizer state, parameters)`` as the reference would compute them
-    (its gradient at the candidate's parameters), or ``None`` when the candidate's state is the reference's."""
+    (its gradient at the candidate's parameters), or ``None`` when the candidate's state is the reference's.
+
+    Compared and moved onto the reference's devices device to device; a candidate spread over several processes
+    is gathered to the host first."""
     view = run.cand.view_optimizer or _default_view
-    cand_params = host_tree(nnx.state(run.cand_model, nnx.Param))
-    cand_state = host_tree(view(run.cand_opt)[0])
-    ref_params, ref_state = host_tree(pre.params), host_tree(pre.opt_state)
-    same = all(
-        k in cand and np.array_equal(v, cand[k])
-        for ref, cand in ((ref_params, cand_params), (ref_state, cand_state))
-        for k, v in ref.items()
-    )
-    if same:
+    cand_params = flatten_state(nnx.state(run.cand_model, nnx.Param))
+    cand_state = flatten_state(view(run.cand_opt)[0])
+    ref_params, ref_state = flatten_state(pre.params), flatten_state(pre.opt_state)
+    cand = {**{f"p {k}": v for k, v in cand_params.items()}, **{f"s {k}": v for k, v in cand_state.items()}}
+    ref = {**{f"p {k}": v for k, v in ref_params.items()}, **{f"s {k}": v for k, v in ref_state.items()}}
+    if not all(isinstance(v, jax.Array) and v.is_fully_addressable for v in cand.values()):
+        cand = host_tree(cand)
+    if compare.equal(ref, cand):
         return None
-    params = _like(pre.params, cand_params)
+    params = _like(pre.params, {k: cand[f"p {k}"] for k in cand_params})
     grads = _grads_at(run.task.loss_fn, pre.graphdef, params, pre.rest, batch)
-    return grads, _like(pre.opt_state, cand_state), params
+    return grads, _like(pre.opt_state, {k: cand[f"s {k}"] for k in cand_state}), params
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -317,14 +321,11 @@ class _Run:
 
 
 def _reference_finite(record: StepRecord, after: _After) -> bool:
-    """The reference's loss (when it returned one) and its parameters and optimizer state after the step are finite."""
+    """The reference's loss (when it returned one) and its parameters and optimizer state after the step are finite
+    (checked on their devices)."""
     if math.isinf(record.loss) or (math.isnan(record.loss) and any(e.kind == "loss" for e in record.leaves)):
         return False
-    for leaf in [*after.ref_params.values(), *after.ref_state.values()]:
-        a = to_host(leaf)
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
-            return False
-    return True
+    return compare.all_finite([*after.ref_params.values(), *after.ref_state.values()])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,12 +355,12 @@ class _After:
 
 @dataclasses.dataclass(frozen=True)
 class _Bounds:
-    """What one reference step lets a correct candidate differ by, per leaf, by dotted path (``update`` and
-    ``state``: device arrays; the others host arrays).
+    """What one reference step lets a correct candidate differ by, per leaf, by dotted path (device arrays, but
+    ``grad_max``).
 
     ``grad``: the compute-rounding allowance of each gradient element (``{}`` at float32); ``update`` and
     ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance;
-    ``grad_max``: ``max |g|`` per leaf.
+    ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's gradient.
     """
 
     grad: dict
@@ -407,10 +408,14 @@ def _step_reference(run: _Run, batch, rtol: float, atol: float):
         moved = shadow_spread(run.ref_opt.tx, grads, pre.opt_state, pre.params, *shadow)
         updates, states = jax.tree.map(jnp.add, (updates, states), moved)
     base = grad_delta(grads, None, rtol, atol, 0.0)
-    grad_allowance = {} if noise is None else host_tree(jax.tree.map(jnp.subtract, delta, base))
-    # the sensitivities stay on the device: the comparison reduces them there (compare.leaf_errors)
+    grad_allowance = {} if noise is None else flatten_state(jax.tree.map(jnp.subtract, delta, base))
+    # the allowances stay on the device: the comparison reduces them there (compare.leaf_errors)
     bounds = _Bounds(
-        grad_allowance, flatten_state(updates), flatten_state(states), host_tree(grad_max), host_tree(grads)
+        grad_allowance,
+        flatten_state(updates),
+        flatten_state(states),
+        {k: float(v) for k, v in jax.device_get(flatten_state(grad_max)).items()},
+        flatten_state(grads),
     )
     return result.loss, result.grads, pre, bounds
 
@@ -437,37 +442,41 @@ def _step_candidate(run: _Run, t: int, batch):
 def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After) -> tuple[list, list, list]:
     """Param leaf errors (tolerance widened by the accumulated sensitivity and, for low-precision parameters,
     one rounding per step), replica mismatches, and the leaves whose gradient is at rounding level."""
-    leaves, mismatches, unresolved = [], [], []
+    leaves, unresolved = [], []
     ref_params, cand_params = after.ref_params, after.cand_params
+    tracked = [] if bounds is None else [p for p in ref_params if p in bounds.update and p in cand_params]
+    # the per-leaf scalars the rules below read, each reduced on the device over every leaf at once
+    eps = run.precision.param_eps
+    scale = compare.max_abs({p: ref_params[p] for p in tracked}) if eps else {}
+    noise = compare.max_abs({p: bounds.grad[p] for p in tracked if p in bounds.grad})
+    # at rounding level: the gradient is within its own tolerance of 0, and the update it drives is not
+    # resolvable at the parameter's tolerance
+    at_rounding = [p for p in tracked if bounds.grad_max[p] <= atol + noise.get(p, 0.0)]
+    moved = compare.max_abs_diff({p: ref_params[p] for p in at_rounding}, {p: ref0[p] for p in at_rounding})
     for path, ref_leaf in ref_params.items():
         if path not in cand_params:
             leaves.append(LeafError(t, "param", path, math.inf, math.inf, 0.0, False))
             continue
-        r = ref_leaf  # on the device; host copies only where a rule needs the elements
         allowance = None
-        if bounds is not None and path in bounds.update:
-            eps = run.precision.param_eps
-            rounding = eps * float(np.max(np.abs(to_host(r).astype(np.float64)), initial=0.0)) if eps else 0.0
-            # at rounding level: the gradient is within its own tolerance of 0, and the update it drives is not
-            # resolvable at the parameter's tolerance
-            at_rounding = float(bounds.grad_max[path]) <= atol + float(
-                np.max(bounds.grad.get(path, 0.0), initial=0.0)
-            )
+        if path in tracked:
             step_allowance = bounds.update[path]
-            if at_rounding:
+            if path in moved:
                 # the update of a noise gradient is any step the optimizer can take: the two sides' updates each
                 # lie within it, so they differ by up to twice the reference's largest (Adam: ~2 lr)
-                moved = np.abs(to_host(r).astype(np.float64) - to_host(ref0[path]).astype(np.float64))
-                step_allowance = jnp.maximum(step_allowance, 2.0 * float(np.max(moved, initial=0.0)))
-            allowance = _accumulate(run.allowance.get(path), step_allowance, rounding)
+                step_allowance = jnp.maximum(step_allowance, 2.0 * moved[path])
+            allowance = _accumulate(
+                run.allowance.get(path), step_allowance, eps * scale[path] if eps else 0.0
+            )
             run.allowance[path] = allowance
-            if at_rounding and float(np.max(to_host(allowance), initial=0.0)) > atol + rtol * float(
-                np.max(np.abs(to_host(r)), initial=0.0)
-            ):
-                unresolved.append(f"param {path}")
         r_tol, a_tol = run.tol("param", path, rtol, atol)
         c = cand_params[path]
-        leaves.append(LeafInput(t, "param", path, r, c, r_tol, a_tol, ref0[path], cand0[path], allowance))
+        leaves.append(
+            LeafInput(t, "param", path, ref_leaf, c, r_tol, a_tol, ref0[path], cand0[path], allowance)
+        )
+    if at_rounding:
+        widest = compare.max_abs({p: run.allowance[p] for p in at_rounding})
+        size = compare.max_abs({p: ref_params[p] for p in at_rounding})
+        unresolved = [f"param {p}" for p in at_rounding if widest[p] > atol + rtol * size[p]]
     differ = replica_mismatches(cand_params)
     mismatches = [f"param {p}" for p in ref_params if p in differ]
     return leaves, mismatches, unresolved
@@ -480,12 +489,13 @@ def _accumulate(before, step, rounding: float):
     return total + rounding if rounding else total
 
 
-def _state_allowance(run: _Run, path: str, ref: np.ndarray, bounds) -> np.ndarray | None:
-    """The optimizer-state leaf's accumulated sensitivity to the gradient's tolerance (plus its own rounding)."""
+def _state_allowance(run: _Run, path: str, ref, bounds):
+    """The optimizer-state leaf's accumulated sensitivity to the gradient's tolerance (plus, for a leaf stored less
+    precisely than float32, its own rounding: ``eps * max|ref|``, reduced on the device)."""
     if bounds is None or path not in bounds.state:
         return None
-    eps = float(jnp.finfo(ref.dtype).eps) if ref.dtype.kind == "f" else 0.0
-    rounding = eps * float(np.max(np.abs(ref.astype(np.float64)), initial=0.0)) if eps > 1.2e-7 else 0.0
+    eps = float(jnp.finfo(ref.dtype).eps) if np.dtype(ref.dtype).kind == "f" else 0.0
+    rounding = eps * compare.max_abs({path: ref})[path] if eps > 1.2e-7 else 0.0
     allowance = _accumulate(run.state_allowance.get(path), bounds.state[path], rounding)
     run.state_allowance[path] = allowance
     return allowance
@@ -503,8 +513,7 @@ def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _Af
             leaves.append(counter_error(t, path, r, c))
         else:
             before = cand0.get(path, jnp.zeros_like(r))
-            # _state_allowance reads the elements only for a low-precision leaf (its own rounding)
-            allowance = _state_allowance(run, path, r if r.dtype == jnp.float32 else to_host(r), bounds)
+            allowance = _state_allowance(run, path, r, bounds)
             r_tol, a_tol = run.tol("opt_state", path, MOMENT_FACTOR * rtol, MOMENT_FACTOR * atol)
             leaves.append(LeafInput(t, "opt_state", path, r, c, r_tol, a_tol, ref0[path], before, allowance))
     differ = replica_mismatches(cand_state)
@@ -632,10 +641,8 @@ def _compare_step(
         # the parameters' accumulated allowance moves the loss by at most sum |g| * allowance (first order)
         drift = 0.0
         if bounds is not None:
-            drift = sum(
-                float(np.sum(np.abs(bounds.grads[p].astype(np.float64)) * to_host(a)))
-                for p, a in run.allowance.items()
-                if p in bounds.grads
+            drift = compare.abs_dot(
+                bounds.grads, {p: a for p, a in run.allowance.items() if p in bounds.grads}
             )
         drift += loss_compute_allowance(run.precision, ref_loss_f, run.task.terms(batch))
         r_tol, a_tol = run.tol("loss", "loss", rtol, atol)
