@@ -82,7 +82,12 @@ def test_device_statistics_equal_float64_numpy(r, noise, r0, special, where, shi
         LeafInput(0, "grad", "w", dev(r), dev(c), rtol, atol, allowance=dev(extra)),
         LeafInput(0, "grad", "w", dev(r), dev(special), rtol, atol),
         LeafInput(0, "opt_state", "w", dev(special), dev(c), rtol, atol, dev(r0), dev(r), dev(extra)),
+        # bfloat16 parameters' allowance is bfloat16 (widened exactly on the device)
+        LeafInput(
+            0, "param", "w", dev(r), dev(c), rtol, atol, dev(r0), dev(r0), jnp.asarray(extra, jnp.bfloat16)
+        ),
     ]
+    assert compare._on_device(items[-1])
     _same(items)
 
 

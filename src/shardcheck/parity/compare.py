@@ -157,7 +157,8 @@ def _on_device(item: LeafInput) -> bool:
         and item.ref.size > 0
         and (item.before_ref is None) == (item.before_cand is None)
         and (allowance is None or (np.ndim(allowance) > 0 and np.shape(allowance) == item.ref.shape))
-        and (allowance is None or np.dtype(allowance.dtype) == np.float32)
+        # a low-precision allowance (bfloat16 parameters' sensitivity) is widened to float32 exactly
+        and (allowance is None or allowance.dtype in (jnp.float32, jnp.bfloat16, jnp.float16))
     )
 
 
