@@ -244,3 +244,14 @@ def test_planted_faults_fail_on_the_tiny_lm_under_both_policies(policy, num_shar
         assert report.verdict == "FAIL", (code, str(report))
         assert code in report.codes, (code, str(report))
         assert phrase in " ".join(report.diagnosis.split()), (code, report.diagnosis)
+
+
+def test_a_low_precision_stored_leaf_allows_one_rounding_of_its_own():
+    """Each side stores a bfloat16 optimizer moment rounded by at most half an ulp: eps * max|s| per step (the
+    parameters' rule, for the optimizer state)."""
+    from shardcheck.parity.harness import storage_rounding
+
+    x = jnp.array([0.5, -3.0, 1.0])
+    assert storage_rounding(x.astype(jnp.bfloat16)) == EPS_BF16 * 3.0
+    assert storage_rounding(x.astype(jnp.float16)) == 2.0**-10 * 3.0
+    assert storage_rounding(x) == 0.0 and storage_rounding(jnp.arange(3)) == 0.0

@@ -489,14 +489,22 @@ def _accumulate(before, step, rounding: float):
     return total + rounding if rounding else total
 
 
+def storage_rounding(leaf) -> float:
+    """How far two correct runs' copies of a stored leaf may differ by its own rounding: ``eps * max|leaf|`` for
+    a floating dtype less precise than float32 (bfloat16: ``2**-7``, float16: ``2**-10``; each side rounds by at
+    most half an ulp), else 0. ``max|leaf|`` is reduced on the leaf's devices."""
+    dtype = jnp.dtype(leaf.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).eps <= jnp.finfo(jnp.float32).eps:
+        return 0.0
+    return float(jnp.finfo(dtype).eps) * compare.max_abs({"leaf": leaf})["leaf"]
+
+
 def _state_allowance(run: _Run, path: str, ref, bounds):
-    """The optimizer-state leaf's accumulated sensitivity to the gradient's tolerance (plus, for a leaf stored less
-    precisely than float32, its own rounding: ``eps * max|ref|``, reduced on the device)."""
+    """The optimizer-state leaf's accumulated sensitivity to the gradient's tolerance, plus its own rounding
+    (:func:`storage_rounding`: bfloat16 moments of bfloat16 parameters)."""
     if bounds is None or path not in bounds.state:
         return None
-    eps = float(jnp.finfo(ref.dtype).eps) if np.dtype(ref.dtype).kind == "f" else 0.0
-    rounding = eps * compare.max_abs({path: ref})[path] if eps > 1.2e-7 else 0.0
-    allowance = _accumulate(run.state_allowance.get(path), bounds.state[path], rounding)
+    allowance = _accumulate(run.state_allowance.get(path), bounds.state[path], storage_rounding(ref))
     run.state_allowance[path] = allowance
     return allowance
 
