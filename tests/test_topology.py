@@ -344,7 +344,11 @@ def _replicated_dp_step(clip_per_replica: bool, reduce_axes=None, max_norm=1.0):
 def test_a_clipping_norm_counted_once_per_replica_is_named():
     """Clipping active (|g| = 5 > 1): the hand-clipped update is 1/sqrt(8) of the right one."""
     task = _clip_task()
-    correct = check_parity(_replicated_dp_step(False), task, mesh=make_mesh(8))
+    # binding clipping rescales any gradient to the same norm: the correct step's scale cannot be seen, only
+    # accepted (tests/test_task_parity.py: a sum for a mean under binding clipping is not a PASS)
+    blind = check_parity(_replicated_dp_step(False), task, mesh=make_mesh(8))
+    assert blind.verdict == "CANNOT VERIFY" and "Cannot verify the gradient's scale" in blind.cannot_verify
+    correct = check_parity(_replicated_dp_step(False), task, mesh=make_mesh(8), accept_weak=True)
     assert correct.ok, correct.diagnoses
     report = check_parity(_replicated_dp_step(True), task, mesh=make_mesh(8))
     assert not report.ok

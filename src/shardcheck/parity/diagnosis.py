@@ -128,6 +128,10 @@ class StepRecord:
             their gradients and optimizer state are still compared at the usual tolerance.
         replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
             (:func:`shardcheck.parity.topology.mismatch_axes`): the axes a reduction missed.
+        scale_hidden: no gradient was compared and the reference's optimizer, run from this step's pre-step
+            state on the gradient times S and times 1/S, moves no parameter or optimizer-state leaf by more than
+            its tolerance: this step cannot show a gradient off by the shard count (global-norm clipping that
+            binds rescales it away).
     """
 
     step: int
@@ -143,6 +147,7 @@ class StepRecord:
     matches: tuple[str, ...] = ()
     unresolved: tuple[str, ...] = ()
     replica_axes: tuple[str, ...] = ()
+    scale_hidden: bool = False
 
     @property
     def ok(self) -> bool:

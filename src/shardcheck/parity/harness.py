@@ -360,7 +360,9 @@ class _Bounds:
 
     ``grad``: the compute-rounding allowance of each gradient element (``{}`` at float32); ``update`` and
     ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance;
-    ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's gradient.
+    ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's gradient; ``scaled``: per leaf name
+    (``"param w"``, ``"opt_state 0.mu.w"``), how far a gradient off by the shard count, or by its inverse, moves
+    the leaf (the smaller; ``propagation.update_sensitivity``).
     """
 
     grad: dict
@@ -368,6 +370,7 @@ class _Bounds:
     state: dict
     grad_max: dict
     grads: dict
+    scaled: dict
 
 
 def _noise_shards(num_shards: int | None, batch) -> int:
@@ -403,7 +406,10 @@ def _step_reference(run: _Run, batch, rtol: float, atol: float):
             compute_allowance(split_low, grads, drifted),
         )
     delta = grad_delta(grads, noise, rtol, atol, 1.0)
-    updates, states, grad_max = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
+    factor = float(run.cand.num_shards) if run.cand.num_shards and run.cand.num_shards > 1 else 2.0
+    updates, states, grad_max, scaled = update_sensitivity(
+        run.ref_opt.tx, grads, pre.opt_state, pre.params, delta, factor
+    )
     if shadow is not None:
         moved = shadow_spread(run.ref_opt.tx, grads, pre.opt_state, pre.params, *shadow)
         updates, states = jax.tree.map(jnp.add, (updates, states), moved)
@@ -416,6 +422,10 @@ def _step_reference(run: _Run, batch, rtol: float, atol: float):
         flatten_state(states),
         {k: float(v) for k, v in jax.device_get(flatten_state(grad_max)).items()},
         flatten_state(grads),
+        {
+            **{f"param {k}": float(v) for k, v in jax.device_get(flatten_state(scaled[0])).items()},
+            **{f"opt_state {k}": float(v) for k, v in jax.device_get(flatten_state(scaled[1])).items()},
+        },
     )
     return result.loss, result.grads, pre, bounds
 
@@ -598,7 +608,7 @@ def _low_precision_reduction(run: _Run, pre: _PreStep, batch, record: StepRecord
     grads = nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch))
     bound = 2.0 * float(jnp.finfo(jnp.bfloat16).eps) * math.sqrt(s)
     delta = grad_delta(grads, magnitude, rtol, atol, bound)
-    updates, states, _ = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
+    updates, states, _, _ = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
     allowed = {
         "grad": {k: bound * v for k, v in host_tree(magnitude).items()},
         "param": host_tree(updates),
@@ -691,6 +701,7 @@ def _compare_step(
         replica_mismatches=tuple(mismatches + opt_mismatches),
         synchronized=synced,
         unresolved=tuple(unresolved),
+        scale_hidden=_scale_hidden(leaves, bounds),
     )
     if not record.ok:
         matches = _matches(run, pre, batch, rtol, atol)
@@ -700,6 +711,15 @@ def _compare_step(
             record, matches=matches, replica_axes=_replica_axes(after, record.replica_mismatches)
         )
     return record, _reference_finite(record, after)
+
+
+def _scale_hidden(leaves, bounds) -> bool:
+    """Whether the step compared no gradient and a gradient off by the shard count (either way) moves no
+    parameter or optimizer-state leaf beyond its tolerance (``_Bounds.scaled``)."""
+    if bounds is None or any(e.kind == "grad" for e in leaves):
+        return False
+    state = [e for e in leaves if e.kind in ("param", "opt_state") and e.name in bounds.scaled]
+    return bool(state) and all(bounds.scaled[e.name] <= e.tolerance for e in state)
 
 
 def _replica_axes(after: _After, mismatched: tuple[str, ...]) -> tuple[str, ...]:
@@ -946,8 +966,8 @@ def check_parity(
         rule = derived[2].rule + _precision_rule(run.precision)
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
-    accepted = accept_weak or rtol is not None or atol is not None
-    weak = None if accepted else unresolvable(records, run.cand.num_shards, run.precision)
+    user_tolerance = rtol is not None or atol is not None
+    weak = None if accept_weak else unresolvable(records, run.cand.num_shards, run.precision, user_tolerance)
     findings = diagnose(
         records,
         run.cand.num_shards,
@@ -1003,8 +1023,15 @@ def _visible(record: StepRecord, s: int) -> tuple[int, int]:
     return sum((1 - 1 / s) * e.reference_change > e.tolerance for e in leaves), len(leaves)
 
 
-def unresolvable(records, num_shards: int | None, precision: Precision) -> str | None:
-    """Why no step's tolerance can tell the step's update from a factor-S (or 1/S) error, or ``None``.
+def unresolvable(
+    records, num_shards: int | None, precision: Precision, user_tolerance: bool = False
+) -> str | None:
+    """Why no step can tell the step's update from a factor-S (or 1/S) error, or ``None``.
+
+    First the optimizer: when in every step no gradient was compared and the reference's optimizer gives the same
+    update and state, within their tolerance, for the gradient times S and times 1/S (``StepRecord.scale_hidden``:
+    global-norm clipping that binds, a zero learning rate), no tolerance could show the error. Then, unless the
+    user set the tolerance (``user_tolerance``), the tolerance:
 
     A factor-S error in the gradient moves a leaf's change by at least ``(1 - 1/S)`` of the reference's change
     (``S = 2`` when unknown). A step can see it in a parameter or optimizer-state leaf whose
@@ -1014,6 +1041,18 @@ def unresolvable(records, num_shards: int | None, precision: Precision) -> str |
     """
     s = num_shards if num_shards and num_shards > 1 else 2
     if not records or not all(r.ok for r in records):
+        return None
+    if all(r.scale_hidden for r in records):
+        return (
+            f"Cannot verify the gradient's scale: in every step the optimizer's update and state come out the "
+            f"same, within their tolerance, for the gradient times {s} or times 1/{s} (global-norm clipping that "
+            "binds rescales the gradient), and the step returned no gradients to compare, so a sum for a mean or "
+            "a mean taken twice would pass. Return the gradients from the step ({'loss': loss, 'grads': grads}), or "
+            "check with a "
+            "clipping norm above the gradients' norm; pass accept_weak=True (verify --accept-weak) to accept the "
+            "weak check."
+        )
+    if user_tolerance:
         return None
     counts = [_visible(r, s) for r in records]
     if not counts[0][1] or any(2 * seen >= total for seen, total in counts):
