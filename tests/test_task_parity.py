@@ -403,3 +403,32 @@ def test_a_gradient_scale_that_binding_clipping_hides_is_not_a_pass():
         report = check_parity(scaled(loose, c), loose, num_shards=2)
         assert report.verdict == "FAIL" and code in report.codes, str(report)
         assert not any(r.scale_hidden for r in report.steps)
+
+
+@require_devices(2)
+def test_a_mean_taken_twice_under_clipping_is_named_by_rerunning_the_optimizer():
+    """A clip between |g| / 2 and |g| binds on the reference's gradient but not on half of it: the moments of a
+    mean taken twice are then a distorted factor of the reference's (not 1/2), and the harness names the fault by
+    rerunning the reference's optimizer on g / 2, which the candidate's state equals."""
+    task = digits_task(steps=1, batch_size=32)
+    model = task.new_model()
+    norm = float(
+        optax.tree.norm(
+            nnx.grad(lambda m: shardcheck.task.mean_loss(task.loss_fn, m, task.batches[0]))(model)
+        )
+    )
+    clipped = dataclasses.replace(
+        task, optimizer=optax.chain(optax.clip_by_global_norm(0.75 * norm), optax.adam(1e-2))
+    )
+
+    def halved(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: clipped.loss_fn(m, batch) / 2)(model)
+        optimizer.update(model, grads)
+        return loss * 2
+
+    report = check_parity(halved, clipped, num_shards=2)
+    assert report.verdict == "FAIL" and report.codes[0] == "averaged_twice", str(report)
+    assert report.steps[0].matches == ("times_1/S",)
+    assert "averaged twice" in " ".join(report.diagnosis.split())
+    moments = [e.ratio for e in report.steps[0].leaves if e.kind == "opt_state" and ".mu." in f".{e.path}."]
+    assert all(abs(r - 0.5) > 0.05 for r in moments if r is not None)  # the clip distorted the factor

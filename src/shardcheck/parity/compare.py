@@ -332,13 +332,18 @@ def _max_abs_diff(a: dict, b: dict) -> dict:
 def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:
     """``{name: max |a - b|}`` of float arrays of equal shapes, exactly as float64 computes it: each element's
     float32 difference and its rounding error (Knuth's TwoSum, ``shardcheck.parity._device_stats.two_diff``) are
-    reduced on the devices, their sum taken in float64 on the host. ``b[name]`` is moved onto ``a[name]``'s
-    devices."""
+    reduced on the devices, their sum taken in float64 on the host (a leaf whose float32 difference overflows, or
+    holds NaN, is taken on the host). ``b[name]`` is moved onto ``a[name]``'s devices."""
     out: dict[str, float] = {}
     for group in _on_devices(a).values():
         other = {k: jax.device_put(jnp.asarray(b[k]), v.sharding) for k, v in group.items()}
         for k, (m, e) in jax.device_get(_max_abs_diff(group, other)).items():
-            out[k] = _exact(m, e)
+            # a difference beyond float32's range (3e38 - -3e38) or NaN: that leaf in float64 on the host
+            out[k] = (
+                _exact(m, e)
+                if np.isfinite(m)
+                else float(np.max(np.abs(to_host(a[k]) - to_host(b[k]).astype(np.float64)), initial=0.0))
+            )
     return out
 
 

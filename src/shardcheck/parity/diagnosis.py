@@ -318,6 +318,16 @@ class DiagnosisContext:
         )
         matches = () if first is None else first.matches
         reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
+        scaled = {"times_S": num_shards, "times_1/S": 1 / num_shards if num_shards else None}
+        for name, f in scaled.items():
+            if name in matches and f:
+                # the harness reran the reference's optimizer on the scaled gradient: the factor itself, where
+                # the moments' ratio can be distorted (global-norm clipping)
+                factor, evidence = (
+                    float(f),
+                    "gradients (the candidate's state is the reference optimizer's on them)",
+                )
+
         return cls(
             records, num_shards, diverged, reference_diverged_at, failing, first, bad, factor, evidence,
             counter_fail, reproduced, mesh_shape,

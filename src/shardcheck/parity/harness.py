@@ -51,7 +51,7 @@ from shardcheck.parity.compare import (
     replica_mismatches,
     to_host,
 )
-from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, _gradient_factor, diagnose
 from shardcheck.parity.precision import (
     ACCUMULATION_DTYPE,
     COMPUTE_SAFETY,
@@ -250,6 +250,14 @@ def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_
         lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, split_batch(batch, num_shards))
     )
     updates, opt_state = tx.update(grads, opt_state, params)
+    return jax.tree.map(jnp.add, params, updates), opt_state
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scaled_params(tx, params, opt_state, grads, factor):
+    """``(params, opt_state)`` after the reference's optimizer step on ``factor`` times its gradient."""
+    scaled = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+    updates, opt_state = tx.update(scaled, opt_state, params)
     return jax.tree.map(jnp.add, params, updates), opt_state
 
 
@@ -551,19 +559,40 @@ def _extra_checks(run: _Run, t, completed, rtol, atol) -> list:
     return out
 
 
-def _matches(run: _Run, pre: _PreStep, batch, rtol, atol) -> tuple[str, ...]:
-    """The faulty reductions whose step the candidate reproduces (checked on failure; weighted losses).
+def _matches(run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord) -> tuple[str, ...]:
+    """The faulty reductions whose step the candidate reproduces (checked on failure).
 
-    ``per_shard_mean``: the candidate's parameters and optimizer state match those of the step whose gradient is
-    the mean of per-shard means, and the reference's differ from them in some leaf (under Adam and bfloat16
-    compute the parameters' allowance can hide the difference; the moments, unnormalized, show it).
+    ``per_shard_mean`` (weighted losses): the candidate's parameters and optimizer state match those of the step
+    whose gradient is the mean of per-shard means, and the reference's differ from them in some leaf (under Adam
+    and bfloat16 compute the parameters' allowance can hide the difference; the moments, unnormalized, show it).
+    ``times_S`` / ``times_1/S``: they match the reference optimizer's step on S times (1/S times) the reference's
+    gradient: a sum for a mean, a mean taken twice, whatever the optimizer does to the gradient's scale (global-
+    norm clipping distorts the factor the moments show), tried when the moments' factor is not already S or 1/S.
     """
     s = run.cand.num_shards
-    if not run.weighted or not s or s < 2 or run.reference is not None:
+    if not s or s < 2 or run.reference is not None:
         return ()
-    alt_params, alt_state = _per_shard_mean_params(
-        run.task.loss_fn, s, pre.graphdef, run.ref_opt.tx, pre.params, pre.rest, pre.opt_state, batch
-    )
+    found = []
+    if run.weighted:
+        alt = _per_shard_mean_params(
+            run.task.loss_fn, s, pre.graphdef, run.ref_opt.tx, pre.params, pre.rest, pre.opt_state, batch
+        )
+        if _reproduces(run, *alt, rtol, atol):
+            found.append("per_shard_mean")
+    factor, _ = _gradient_factor(record)
+    if not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
+        grads = nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch))
+        for name, factor in (("times_S", float(s)), ("times_1/S", 1.0 / s)):
+            alt = _scaled_params(run.ref_opt.tx, pre.params, pre.opt_state, grads, factor)
+            if _reproduces(run, *alt, rtol, atol):
+                found.append(name)
+                break
+    return tuple(found)
+
+
+def _reproduces(run: _Run, alt_params, alt_state, rtol, atol) -> bool:
+    """Whether the candidate's parameters and optimizer state match an alternative step's, within the usual
+    tolerances and allowances, and the reference's do not (host copies: a failing step only)."""
     view = run.cand.view_optimizer or _default_view
     sides = {  # kind: (the alternative, the candidate, the reference, the allowance, the tolerance factor)
         "param": (
@@ -591,7 +620,7 @@ def _matches(run: _Run, pre: _PreStep, batch, rtol, atol) -> tuple[str, ...]:
             r_tol, a_tol = factor * rtol, factor * atol
             reproduced &= leaf_error(0, kind, p, alt[p], cand[p], r_tol, a_tol, allowance=allow).ok
             differs |= not leaf_error(0, kind, p, ref[p], alt[p], r_tol, a_tol, allowance=allow).ok
-    return ("per_shard_mean",) if reproduced and differs else ()
+    return reproduced and differs
 
 
 def _low_precision_reduction(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> bool:
@@ -704,7 +733,7 @@ def _compare_step(
         scale_hidden=_scale_hidden(leaves, bounds),
     )
     if not record.ok:
-        matches = _matches(run, pre, batch, rtol, atol)
+        matches = _matches(run, pre, batch, rtol, atol, record)
         if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
             matches = ("bf16_reduction",)
         record = dataclasses.replace(
@@ -966,8 +995,8 @@ def check_parity(
         rule = derived[2].rule + _precision_rule(run.precision)
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
-    user_tolerance = rtol is not None or atol is not None
-    weak = None if accept_weak else unresolvable(records, run.cand.num_shards, run.precision, user_tolerance)
+    accepted = accept_weak or rtol is not None or atol is not None
+    weak = None if accepted else unresolvable(records, run.cand.num_shards, run.precision)
     findings = diagnose(
         records,
         run.cand.num_shards,
@@ -1023,15 +1052,13 @@ def _visible(record: StepRecord, s: int) -> tuple[int, int]:
     return sum((1 - 1 / s) * e.reference_change > e.tolerance for e in leaves), len(leaves)
 
 
-def unresolvable(
-    records, num_shards: int | None, precision: Precision, user_tolerance: bool = False
-) -> str | None:
-    """Why no step can tell the step's update from a factor-S (or 1/S) error, or ``None``.
+def unresolvable(records, num_shards: int | None, precision: Precision) -> str | None:
+    """Why no step can tell the step's update from a factor-S (or 1/S) error, or ``None`` (asked unless the user
+    accepted a weak check or set the tolerance).
 
     First the optimizer: when in every step no gradient was compared and the reference's optimizer gives the same
     update and state, within their tolerance, for the gradient times S and times 1/S (``StepRecord.scale_hidden``:
-    global-norm clipping that binds, a zero learning rate), no tolerance could show the error. Then, unless the
-    user set the tolerance (``user_tolerance``), the tolerance:
+    global-norm clipping that binds), no tolerance could show the error. Then the tolerance:
 
     A factor-S error in the gradient moves a leaf's change by at least ``(1 - 1/S)`` of the reference's change
     (``S = 2`` when unknown). A step can see it in a parameter or optimizer-state leaf whose
@@ -1052,8 +1079,6 @@ def unresolvable(
             "clipping norm above the gradients' norm; pass accept_weak=True (verify --accept-weak) to accept the "
             "weak check."
         )
-    if user_tolerance:
-        return None
     counts = [_visible(r, s) for r in records]
     if not counts[0][1] or any(2 * seen >= total for seen, total in counts):
         return None
