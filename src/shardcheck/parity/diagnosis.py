@@ -323,9 +323,9 @@ class DiagnosisContext:
             if name in matches and f:
                 # the harness reran the reference's optimizer on the scaled gradient: the factor itself, where
                 # the moments' ratio can be distorted (global-norm clipping)
-                factor, evidence = (
-                    float(f),
-                    "gradients (the candidate's state is the reference optimizer's on them)",
+                factor = float(f)
+                evidence = (
+                    "the gradients (the reference's optimizer rerun on them reproduces the candidate's state)"
                 )
 
         return cls(
