@@ -665,13 +665,14 @@ def _reference_grads(loss_fn, pre: _PreStep, batch):
 
 
 def _compare_step(
-    run: _Run, t: int, batch, rtol: float, atol: float, *, completed=None, synced=False
+    run: _Run, t: int, batch, rtol: float, atol: float, *, completed=None, synced=False, explain=True
 ) -> tuple[StepRecord, bool]:
     """Snapshot both sides, step both on one batch, compare every leaf; returns the record and whether the
     reference stayed finite (:func:`_reference_finite`).
 
     ``completed``: the candidate's full steps after this one (for ``extra_checks``; default ``t + 1``; 1 for a
-    candidate started from the reference's state).
+    candidate started from the reference's state). ``explain``: on failure, look for the faulty reduction the
+    candidate reproduces (:func:`_explained`; the step loop defers it where a re-check may clear the failure).
     """
     view = run.cand.view_optimizer or _default_view
     ref_params0 = device_snapshot(nnx.state(run.ref_model, nnx.Param))
@@ -733,13 +734,19 @@ def _compare_step(
         scale_hidden=_scale_hidden(leaves, bounds),
     )
     if not record.ok:
-        matches = _matches(run, pre, batch, rtol, atol, record)
-        if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
-            matches = ("bf16_reduction",)
-        record = dataclasses.replace(
-            record, matches=matches, replica_axes=_replica_axes(after, record.replica_mismatches)
-        )
+        record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches))
+        if explain:
+            record = _explained(run, pre, batch, record, rtol, atol)
     return record, _reference_finite(record, after)
+
+
+def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> StepRecord:
+    """A failing record with the faulty reductions the candidate reproduces (``StepRecord.matches``), recomputed
+    from the reference's pre-step state ``pre``; the run's two sides are after the step."""
+    matches = _matches(run, pre, batch, rtol, atol, record)
+    if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
+        matches = ("bf16_reduction",)
+    return dataclasses.replace(record, matches=matches)
 
 
 def _scale_hidden(leaves, bounds) -> bool:
@@ -1100,16 +1107,19 @@ def _run_steps(run: _Run, data, tolerances):
         if diverged_at is None:
             pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
             r_tol, a_tol, _ = tolerances(batch, t)
-            record, finite = _compare_step(run, t, batch, r_tol, a_tol)
+            recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
+            record, finite = _compare_step(run, t, batch, r_tol, a_tol, explain=not recheck)
             if not finite:
                 reference_diverged_at = t
                 break
-            if not record.ok and t > 0 and not rechecked:
+            if not record.ok and recheck:
                 rechecked = True
                 r0, a0, _ = tolerances(batch, 0)
                 synced, _ = _compare_step(run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True)
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
+                else:  # a real failure: explained from the reference's state before this step
+                    record = _explained(run, _PreStep.of(*pre), batch, record, r_tol, a_tol)
         else:
             # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
             r_tol, a_tol, _ = tolerances(batch, 0)
