@@ -294,6 +294,11 @@ def _on_devices(arrays: Mapping[str, Any]) -> dict[tuple, dict[str, Any]]:
     return groups
 
 
+def _beside(other: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
+    """``other[name]`` moved onto the devices of ``group[name]``, for every name of ``group``."""
+    return {k: jax.device_put(jnp.asarray(other[k]), v.sharding) for k, v in group.items()}
+
+
 def _floats(reduced: dict) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(reduced).items()}
 
@@ -336,13 +341,18 @@ def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]
     holds NaN, is taken on the host). ``b[name]`` is moved onto ``a[name]``'s devices."""
     out: dict[str, float] = {}
     for group in _on_devices(a).values():
-        other = {k: jax.device_put(jnp.asarray(b[k]), v.sharding) for k, v in group.items()}
+        other = _beside(b, group)
         for k, (m, e) in jax.device_get(_max_abs_diff(group, other)).items():
             # a difference beyond float32's range (3e38 - -3e38) or NaN: that leaf in float64 on the host
             out[k] = (
                 _exact(m, e)
                 if np.isfinite(m)
-                else float(np.max(np.abs(to_host(a[k]) - to_host(b[k]).astype(np.float64)), initial=0.0))
+                else float(
+                    np.max(
+                        np.abs(to_host(a[k]).astype(np.float64) - to_host(b[k]).astype(np.float64)),
+                        initial=0.0,
+                    )
+                )
             )
     return out
 
@@ -360,7 +370,7 @@ def abs_dot(weights: Mapping[str, Any], arrays: Mapping[str, Any]) -> float:
     sums in float64 on the host. ``weights[name]`` is moved onto ``arrays[name]``'s devices."""
     total = 0.0
     for group in _on_devices(arrays).values():
-        w = {k: jax.device_put(jnp.asarray(weights[k]), v.sharding) for k, v in group.items()}
+        w = _beside(weights, group)
         total += sum(_floats(_abs_dot(w, group)).values())
     return total
 
@@ -382,7 +392,7 @@ def equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     if any(k not in b or np.shape(b[k]) != np.shape(v) for k, v in a.items()):
         return False
     for group in _on_devices(a).values():
-        other = {k: jax.device_put(jnp.asarray(b[k]), v.sharding) for k, v in group.items()}
+        other = _beside(b, group)
         if not bool(_equal(group, other)):
             return False
     return True
