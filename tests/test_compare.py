@@ -1,5 +1,6 @@
 """The on-device leaf statistics (``compare.leaf_errors``) against the float64 NumPy comparison (``leaf_error``)."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -220,14 +221,33 @@ def test_the_two_middle_values_are_the_sorted_ones(leaves):
 SCALAR = st.floats(-4, 4, width=32) | st.sampled_from([0.0, -0.0, 3e38, -3e38, 1e-38, 1.5e-45])
 
 
+PLACES = pytest.mark.parametrize("on_device", [True, False], ids=["device", "host"])
+
+
+@contextlib.contextmanager
+def _reduced(on_device: bool):
+    """The scalars reduced on the devices (as on accelerators) or on the host (CPU devices' default)."""
+    compare.DEVICE_SCALARS = on_device
+    try:
+        yield
+    finally:
+        compare.DEVICE_SCALARS = None
+
+
+@PLACES
 @given(
     a=hnp.arrays(np.float32, SHAPE, elements=SCALAR),
     b=hnp.arrays(np.float32, SHAPE, elements=SCALAR),
     w=hnp.arrays(np.float32, SHAPE, elements=st.floats(-4, 4, width=32)),
 )
-def test_the_per_leaf_scalars_are_float64_numpys(a, b, w):
+def test_the_per_leaf_scalars_are_float64_numpys(on_device, a, b, w):
     """max |a| and max |a - b| exactly (3e38 - -3e38 overflows float32: TwoSum carries it), sum |w| * a within
     XLA's float32 tree sum of the float64 one, and a bfloat16 leaf's max |a| as the float64 of its elements."""
+    with _reduced(on_device):
+        _scalars_are_float64_numpys(a, b, w)
+
+
+def _scalars_are_float64_numpys(a, b, w):
     a64, b64, w64 = (x.astype(np.float64) for x in (a, b, w))
     arrays = {"x": jnp.asarray(a), "y": jnp.asarray(b), "z": jnp.asarray(a[:0])}
     assert compare.max_abs(arrays) == {"x": np.max(np.abs(a64)), "y": np.max(np.abs(b64)), "z": 0.0}
@@ -240,7 +260,13 @@ def test_the_per_leaf_scalars_are_float64_numpys(a, b, w):
     assert abs(got - want) <= 1e-6 * float(np.sum(np.abs(w64 * bounded))) + 1e-30
 
 
-def test_finite_and_equal_are_decided_on_the_devices():
+@PLACES
+def test_finite_and_equal_are_decided_where_the_scalars_reduce(on_device):
+    with _reduced(on_device):
+        _finite_and_equal()
+
+
+def _finite_and_equal():
     x = jnp.arange(6.0).reshape(2, 3)
     assert compare.all_finite([x, jnp.arange(3), jnp.asarray(x, jnp.bfloat16)])
     assert not compare.all_finite([x, x.at[1, 2].set(jnp.inf)]) and not compare.all_finite(
@@ -251,10 +277,19 @@ def test_finite_and_equal_are_decided_on_the_devices():
     assert not compare.equal({"a": x}, {"a": x.at[0, 1].set(7.0)}) and not compare.equal({"a": x}, {})
     assert not compare.equal({"a": x}, {"a": x.ravel()})  # another shape
     assert not compare.equal({"a": x.at[0, 0].set(jnp.nan)}, {"a": x.at[0, 0].set(jnp.nan)})  # as array_equal
+    tiny, zero = jnp.asarray([1e-40, 0.0], jnp.float32), jnp.asarray([0.0, -0.0], jnp.float32)
+    assert not compare.equal({"a": tiny}, {"a": zero})  # a subnormal is not zero (XLA:CPU flushes it)
+    assert compare.equal({"a": zero}, {"a": -zero})  # signed zeros are equal, as array_equal
 
 
 @require_devices(2)
-def test_the_scalars_of_arrays_on_other_devices_are_reduced_where_each_lives():
+@PLACES
+def test_the_scalars_of_arrays_on_other_devices_are_reduced_where_each_lives(on_device):
+    with _reduced(on_device):
+        _on_two_devices()
+
+
+def _on_two_devices():
     d0, d1 = jax.devices()[:2]
     a, b = jax.device_put(jnp.arange(4.0), d0), jax.device_put(-jnp.arange(4.0) * 2, d1)
     assert compare.max_abs({"a": a, "b": b}) == {"a": 3.0, "b": 6.0}

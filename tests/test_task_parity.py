@@ -82,6 +82,11 @@ def test_int_tokens_stay_int_and_dict_batches_are_kept():
 # ------------------------------------------------------------------- a user's data-parallel step, with faults
 
 
+@nnx.jit  # the optimizer's update compiled, as in a user's jitted train step (eagerly, each op compiles alone)
+def apply_update(model, optimizer, grads):
+    optimizer.update(model, grads)
+
+
 @functools.cache
 def user_dp_step(fault=None):
     """A hand-written DP step: each device normalizes by the mean token count per shard, then pmean."""
@@ -117,7 +122,7 @@ def user_dp_step(fault=None):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
         loss, grads = compiled(graphdef, mesh)(params, rest, batch)
-        optimizer.update(model, grads)
+        apply_update(model, optimizer, grads)
         return loss
 
     return step
@@ -141,7 +146,7 @@ def per_shard_optimizer_step(model, optimizer, batch, mesh):
         shard = jax.tree.map(lambda a, i=i: a[i * b : (i + 1) * b], batch)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         value, grads = _shard_mean_and_grads(graphdef, params, rest, shard)
-        optimizer.update(model, grads)
+        apply_update(model, optimizer, grads)
         loss += value / s
     return loss
 

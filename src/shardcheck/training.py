@@ -503,7 +503,7 @@ def _task_step(pair: _Lockstep, batch, t: int, epoch: int, tol: Tolerance, allow
     ref_out, losses = pair.advance(batch)
     grads = nnx.as_pure(ref_out.grads)
     delta = grad_delta(grads, None, tol.rtol, tol.atol, 0.0)
-    sens, _, _, _ = update_sensitivity(pair.ref_opt.tx, grads, opt_state0, params0, delta)
+    sens, _, _ = update_sensitivity(pair.ref_opt.tx, grads, opt_state0, params0, delta)
     sens = [np.asarray(a, np.float64) for a in jax.tree.leaves(sens)]
     allowance = sens if allowance is None else [a + b for a, b in zip(allowance, sens, strict=True)]
     params = pair.params()

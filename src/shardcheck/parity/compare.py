@@ -284,6 +284,13 @@ def _host_ratio(item: LeafInput, top: float) -> float | None:
 # finite): each is one jitted reduction over all the leaves, so only the scalars come to the host.
 
 
+DEVICE_SCALARS: bool | None = None
+"""Where :func:`max_abs`, :func:`max_abs_diff`, :func:`abs_dot`, :func:`all_finite` and :func:`equal` reduce:
+``None`` (default) on accelerators on the devices (no copy to the host), on CPU devices on the host (their
+buffers are host memory: NumPy reads them in place, where XLA:CPU compiles each leaf's reduction, ~40 ms a
+leaf); ``True``/``False`` force one place. Arrays spread over several processes reduce on the devices."""
+
+
 def _on_devices(arrays: Mapping[str, Any]) -> dict[tuple, dict[str, Any]]:
     """``arrays`` grouped by the devices they live on (one jitted call per group: a call takes one device set).
     Arrays spread over several processes are grouped too: every process makes the same calls."""
@@ -292,6 +299,13 @@ def _on_devices(arrays: Mapping[str, Any]) -> dict[tuple, dict[str, Any]]:
         a = jnp.asarray(a)
         groups.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), {})[name] = a
     return groups
+
+
+def _on_host(group: Mapping[str, Any]) -> bool:
+    """Whether a group of :func:`_on_devices` reduces on the host (:data:`DEVICE_SCALARS`)."""
+    if DEVICE_SCALARS is not None:
+        return not DEVICE_SCALARS and all(a.is_fully_addressable for a in group.values())
+    return all(a.is_fully_addressable and next(iter(a.devices())).platform == "cpu" for a in group.values())
 
 
 def _beside(other: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,20 +317,34 @@ def _floats(reduced: dict) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(reduced).items()}
 
 
+def _f64(a) -> np.ndarray:
+    return to_host(a).astype(np.float64)
+
+
+def _tiny(a) -> jax.Array:
+    """Whether ``a`` (traced) holds an element the device may flush to zero (float32 subnormal territory,
+    ``_device_stats.TINY``; XLA:CPU treats subnormal inputs as zero): that leaf reduces on the host."""
+    return jnp.any(_device_stats._tiny(a.astype(jnp.float32)))
+
+
 @jax.jit
 def _max_abs(arrays: dict) -> dict:
-    return {k: jnp.max(jnp.abs(a), initial=0.0).astype(jnp.float32) for k, a in arrays.items()}
+    return {k: (jnp.max(jnp.abs(a), initial=0.0).astype(jnp.float32), _tiny(a)) for k, a in arrays.items()}
 
 
 def max_abs(arrays: Mapping[str, Any]) -> dict[str, float]:
-    """``{name: max |a|}`` (0 for an empty array, NaN when ``a`` holds one), reduced on the arrays' devices.
+    """``{name: max |a|}`` (0 for an empty array, NaN when ``a`` holds one), reduced where
+    :data:`DEVICE_SCALARS` says.
 
     Exact: the largest magnitude of float32 (or bfloat16, float16) elements is one of them, which a Python float
     holds exactly, so it equals ``float(np.max(np.abs(a.astype(np.float64))))``.
     """
     out: dict[str, float] = {}
     for group in _on_devices(arrays).values():
-        out.update(_floats(_max_abs(group)))
+        reduced = {} if _on_host(group) else jax.device_get(_max_abs(group))
+        for k, a in group.items():
+            m, tiny = reduced.get(k, (None, True))
+            out[k] = float(np.max(np.abs(to_host(a)), initial=0.0)) if tiny else float(m)
     return out
 
 
@@ -328,32 +356,26 @@ def _max_abs_diff(a: dict, b: dict) -> dict:
         s, e = _device_stats.two_diff(x, y)
         mag = jnp.abs(s)
         m = jnp.max(mag, initial=0.0)
-        out[k] = jnp.stack(
-            [m, jnp.max(jnp.where(mag == m, jnp.where(s >= 0, e, -e), -jnp.inf), initial=-jnp.inf)]
-        )
+        e_m = jnp.max(jnp.where(mag == m, jnp.where(s >= 0, e, -e), -jnp.inf), initial=-jnp.inf)
+        out[k] = (m, e_m, _tiny(x) | _tiny(y))
     return out
 
 
 def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:
-    """``{name: max |a - b|}`` of float arrays of equal shapes, exactly as float64 computes it: each element's
-    float32 difference and its rounding error (Knuth's TwoSum, ``shardcheck.parity._device_stats.two_diff``) are
-    reduced on the devices, their sum taken in float64 on the host (a leaf whose float32 difference overflows, or
-    holds NaN, is taken on the host). ``b[name]`` is moved onto ``a[name]``'s devices."""
+    """``{name: max |a - b|}`` of float arrays of equal shapes, exactly as float64 computes it. On the devices
+    (:data:`DEVICE_SCALARS`), each element's float32 difference and its rounding error (Knuth's TwoSum,
+    ``shardcheck.parity._device_stats.two_diff``) are reduced there and their sum taken in float64 on the host
+    (a leaf whose float32 difference overflows or holds NaN, or with an element below ``_device_stats.TINY``,
+    is taken on the host). ``b[name]`` is moved onto
+    ``a[name]``'s devices."""
     out: dict[str, float] = {}
     for group in _on_devices(a).values():
-        other = _beside(b, group)
-        for k, (m, e) in jax.device_get(_max_abs_diff(group, other)).items():
-            # a difference beyond float32's range (3e38 - -3e38) or NaN: that leaf in float64 on the host
-            out[k] = (
-                _exact(m, e)
-                if np.isfinite(m)
-                else float(
-                    np.max(
-                        np.abs(to_host(a[k]).astype(np.float64) - to_host(b[k]).astype(np.float64)),
-                        initial=0.0,
-                    )
-                )
-            )
+        reduced = {} if _on_host(group) else jax.device_get(_max_abs_diff(group, _beside(b, group)))
+        for k, x in group.items():
+            m, e, tiny = reduced.get(k, (None, None, True))
+            # on the host: a difference beyond float32's range (3e38 - -3e38) or NaN, or a tiny element
+            host = tiny or not np.isfinite(m)
+            out[k] = float(np.max(np.abs(_f64(x) - _f64(b[k])), initial=0.0)) if host else _exact(m, e)
     return out
 
 
@@ -365,11 +387,16 @@ def _abs_dot(weights: dict, arrays: dict) -> dict:
 
 
 def abs_dot(weights: Mapping[str, Any], arrays: Mapping[str, Any]) -> float:
-    """``sum over names of sum(|weights[name]| * arrays[name])``, each name's sum in float32 on the devices (the
-    float64 sum of its exact products to about ``1e-6`` relative: XLA's reductions add in a tree) and the names'
-    sums in float64 on the host. ``weights[name]`` is moved onto ``arrays[name]``'s devices."""
+    """``sum over names of sum(|weights[name]| * arrays[name])``: in float64 on the host, or on the devices
+    (:data:`DEVICE_SCALARS`) each name's sum in float32 (the float64 sum of its exact products to about ``1e-6``
+    relative: XLA's reductions add in a tree; products below float32's normal range may flush to zero) and the
+    names' sums in float64 on the host. ``weights[name]`` is
+    moved onto ``arrays[name]``'s devices."""
     total = 0.0
     for group in _on_devices(arrays).values():
+        if _on_host(group):
+            total += sum(float(np.sum(np.abs(_f64(weights[k])) * _f64(a))) for k, a in group.items())
+            continue
         w = _beside(weights, group)
         total += sum(_floats(_abs_dot(w, group)).values())
     return total
@@ -381,26 +408,48 @@ def _all_finite(arrays: list) -> jax.Array:
 
 
 def all_finite(arrays: Sequence[Any]) -> bool:
-    """Whether every element of every floating array is finite (integer arrays are), on the arrays' devices."""
+    """Whether every element of every floating array is finite (integer arrays are), where
+    :data:`DEVICE_SCALARS` says."""
     floats = {str(i): a for i, a in enumerate(arrays) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact)}
-    return all(bool(_all_finite(list(group.values()))) for group in _on_devices(floats).values())
+    for group in _on_devices(floats).values():
+        if _on_host(group):
+            if not all(np.all(np.isfinite(to_host(a))) for a in group.values()):
+                return False
+        elif not bool(_all_finite(list(group.values()))):
+            return False
+    return True
 
 
 def equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether ``b`` holds every name of ``a`` with the same shape and the same values (``array_equal``: NaN is
-    not equal to itself), compared on ``a``'s devices."""
+    not equal to itself), compared on ``a``'s devices or on the host (:data:`DEVICE_SCALARS`)."""
     if any(k not in b or np.shape(b[k]) != np.shape(v) for k, v in a.items()):
         return False
     for group in _on_devices(a).values():
+        if _on_host(group):
+            if not all(np.array_equal(to_host(x), to_host(b[k])) for k, x in group.items()):
+                return False
+            continue
         other = _beside(b, group)
         if not bool(_equal(group, other)):
             return False
     return True
 
 
+def _same_values(x, y) -> jax.Array:
+    """``array_equal`` read from the bits where floats are (a device that flushes subnormals to zero would call
+    1e-40 equal to 0): equal bits or +0 against -0, and no NaN. (Not ``bits & ~sign == 0``: XLA rewrites that
+    into a float comparison with zero, which flushes.)"""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype != y.dtype:
+        return jnp.array_equal(x, y)
+    bx, by = _bits(x), _bits(y)
+    zeros = (bx | by) == jnp.asarray(1 << (8 * bx.dtype.itemsize - 1), bx.dtype)
+    return jnp.all(((bx == by) | zeros) & ~jnp.isnan(x) & ~jnp.isnan(y))
+
+
 @jax.jit
 def _equal(a: dict, b: dict) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.array_equal(a[k], b[k]) for k in a]))
+    return jnp.all(jnp.stack([_same_values(a[k], b[k]) for k in a]))
 
 
 # ------------------------------------------------------------------------------------------ replica agreement

@@ -131,7 +131,8 @@ class StepRecord:
         scale_hidden: no gradient was compared and the reference's optimizer, run from this step's pre-step
             state on the gradient times S and times 1/S, moves no parameter or optimizer-state leaf by more than
             its tolerance: this step cannot show a gradient off by the shard count (global-norm clipping that
-            binds rescales it away).
+            binds rescales it away). Checked only while every earlier step hid the scale (the verdict needs one
+            step that shows it): ``False`` after such a step.
     """
 
     step: int

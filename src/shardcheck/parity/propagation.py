@@ -20,17 +20,17 @@ import jax.numpy as jnp
 GRID = tuple(k / 8 for k in range(-8, 9) if k)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def update_sensitivity(tx, grads, opt_state, params, delta, factor=2.0):
-    """Per element, how far the update and the optimizer state move when the gradient moves within ``+- delta``,
-    and per leaf, how far they move when the gradient is scaled by ``factor`` or ``1 / factor``.
+def _inexact(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.inexact)
 
-    The optimizer runs at ``g``, at ``g + k delta`` for every k in :data:`GRID`, and at ``factor * g`` and
-    ``g / factor``; the spread is the largest ``|f(g + k delta) - f(g)|``. Returns ``(update sensitivity, state
-    sensitivity, max |g| per leaf, (update, state) scale change)``, the last a pair of trees of per-leaf scalars:
-    the smaller over the two scalings of ``max |f(c g) - f(g)|``, what a gradient off by the shard count moves
-    (0 where the optimizer is blind to the gradient's scale: global-norm clipping that binds, Adam's first step).
-    Integer state (counters) gets 0.
+
+@functools.partial(jax.jit, static_argnums=0)
+def update_sensitivity(tx, grads, opt_state, params, delta):
+    """Per element, how far the update and the optimizer state move when the gradient moves within ``+- delta``.
+
+    The optimizer runs at ``g`` and at ``g + k delta`` for every k in :data:`GRID`; the spread is the largest
+    ``|f(g + k delta) - f(g)|``. Returns ``(update sensitivity, state sensitivity, max |g| per leaf)``; integer
+    state (counters) gets 0.
 
     The grid is a ``fori_loop`` keeping the running maxima: the optimizer is traced and compiled once, and each
     grid point streams over the state once. (A ``vmap`` over the grid compiles about as fast but materializes
@@ -39,48 +39,38 @@ def update_sensitivity(tx, grads, opt_state, params, delta, factor=2.0):
     AdamW on the tiny-lm task.)
     """
 
-    def inexact(a):
-        return jnp.issubdtype(a.dtype, jnp.inexact)
-
     def widen(base, moved, acc):
         def one(a, b, m):
-            return jnp.maximum(m, jnp.abs(b - a)) if inexact(a) else m
-
-        return jax.tree.map(one, base, moved, acc)
-
-    def least(base, moved, acc):
-        def one(a, b, m):
-            return jnp.minimum(m, jnp.max(jnp.abs(b - a), initial=0.0).astype(m.dtype)) if inexact(a) else m
+            return jnp.maximum(m, jnp.abs(b - a)) if _inexact(a) else m
 
         return jax.tree.map(one, base, moved, acc)
 
     base = tx.update(grads, opt_state, params)
     grid = jnp.asarray(GRID, jnp.float32)
-    scale = jnp.stack([jnp.asarray(factor, jnp.float32), 1 / jnp.asarray(factor, jnp.float32)])
 
-    def at(i, acc):  # one grid point, then the two scalings
-        spread, scaled = acc
-        on_grid = i < len(GRID)
-        shifted = jax.tree.map(
-            lambda g, d: jnp.where(
-                on_grid,
-                g + (grid[jnp.minimum(i, len(GRID) - 1)] * d).astype(g.dtype),
-                (g * scale[jnp.maximum(i - len(GRID), 0)]).astype(g.dtype),
-            ),
-            grads,
-            delta,
-        )
-        moved = tx.update(shifted, opt_state, params)
-        return jax.lax.cond(
-            on_grid,
-            lambda: (widen(base, moved, spread), scaled),
-            lambda: (spread, least(base, moved, scaled)),
-        )
+    def at(i, acc):  # one grid point
+        shifted = jax.tree.map(lambda g, d: g + (grid[i] * d).astype(g.dtype), grads, delta)
+        return widen(base, tx.update(shifted, opt_state, params), acc)
 
     zeros = jax.tree.map(jnp.zeros_like, base)
-    blind = jax.tree.map(lambda a: jnp.full((), jnp.inf if inexact(a) else 0.0, jnp.float32), base)
-    (updates, states), scaled = jax.lax.fori_loop(0, len(GRID) + 2, at, (zeros, blind))
-    return updates, states, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads), scaled
+    updates, states = jax.lax.fori_loop(0, len(GRID), at, zeros)
+    return updates, states, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def scale_change(tx, grads, opt_state, params, factor):
+    """``f(factor * g) - f(g)`` per element of the update and of the new optimizer state (0 for integer state):
+    what a gradient off by ``factor`` (the shard count) changes, 0 where the optimizer is blind to the gradient's
+    scale (global-norm clipping that binds, Adam's first step). Returns ``(update change, state change)``, trees
+    like the update and the state; ``factor`` is traced (``S`` and ``1 / S`` share one compilation).
+    """
+
+    def change(a, b):
+        return b - a if _inexact(a) else jnp.zeros_like(a)
+
+    base = tx.update(grads, opt_state, params)
+    scaled = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+    return jax.tree.map(change, base, tx.update(scaled, opt_state, params))
 
 
 @functools.partial(jax.jit, static_argnums=0)

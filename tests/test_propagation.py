@@ -1,0 +1,46 @@
+"""How a gradient's tolerance and scale carry through an optimizer (``shardcheck.parity.propagation``), against
+the closed forms of SGD and of global-norm clipping, in float64 NumPy."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from shardcheck.parity.propagation import scale_change, update_sensitivity
+
+G = {"w": jnp.asarray([[0.5, -2.0], [1.0, 0.25]], jnp.float32), "b": jnp.asarray([3.0, -1.0], jnp.float32)}
+P = {k: jnp.ones_like(v) for k, v in G.items()}
+LR = 0.5
+
+
+def test_sgd_moves_by_lr_times_the_tolerance_and_the_scale():
+    """SGD's update is ``-lr g``: within ``+- delta`` it moves by ``lr delta``; at ``c g`` by ``-lr (c - 1) g``."""
+    tx = optax.sgd(LR)
+    delta = {k: jnp.full_like(v, 0.125) for k, v in G.items()}
+    updates, _, grad_max = update_sensitivity(tx, G, tx.init(P), P, delta)
+    for k, g in G.items():
+        np.testing.assert_array_equal(np.asarray(updates[k]), LR * 0.125)
+        assert float(grad_max[k]) == np.max(np.abs(np.asarray(g, np.float64)))
+    for c in (4.0, 0.25):
+        update, _ = scale_change(tx, G, tx.init(P), P, c)
+        for k, g in G.items():
+            want = -LR * (c - 1) * np.asarray(g, np.float64)
+            np.testing.assert_allclose(np.asarray(update[k], np.float64), want, rtol=2**-23)
+
+
+@pytest.mark.parametrize(("max_norm", "hidden"), [(0.5, True), (1e3, False)])
+def test_a_binding_clip_is_blind_to_the_gradients_scale(max_norm, hidden):
+    """``clip_by_global_norm`` rescales ``g`` and ``c g`` to the same norm when it binds on both (|g| = 3.9 here, |g| / 4 = 0.98):
+    the update and Adam's state do not change (but for float32 rounding); a loose clip passes the scale on."""
+    tx = optax.chain(optax.clip_by_global_norm(max_norm), optax.sgd(LR, momentum=0.9))
+    state = tx.init(P)
+    for c in (4.0, 0.25):
+        update, new_state = scale_change(tx, G, state, P, c)
+        change = max(float(np.max(np.abs(np.asarray(u)))) for u in update.values())
+        trace = new_state[1][0].trace
+        state_change = max(float(np.max(np.abs(np.asarray(u)))) for u in trace.values())
+        if hidden:
+            assert change <= 4 * 2**-24 * LR and state_change <= 4 * 2**-24
+        else:
+            assert change == pytest.approx(LR * abs(c - 1) * 3.0, rel=1e-6)  # the largest |g| is 3
+            assert state_change == pytest.approx(abs(c - 1) * 3.0, rel=1e-6)
