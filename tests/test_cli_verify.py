@@ -269,3 +269,22 @@ def test_verify_without_devices_fakes_the_shard_count():
         "dp": True,
         "fsdp": True,
     }
+
+
+def test_library_errors_name_the_flags_on_the_command_line():
+    from shardcheck.cli._common import library_to_flags
+
+    message = (
+        "check_parity: compute_dtype='float32' is more precise than the model's own bfloat16 (its layers): ...; "
+        "omit compute_dtype or pass 'bfloat16'"
+    )
+    assert library_to_flags(message, "verify") == (
+        "shardcheck verify: --compute-dtype float32 is more precise than the model's own bfloat16 (its layers): "
+        "...; omit --compute-dtype or pass 'bfloat16'"
+    )
+    assert library_to_flags("check_parity: batch size 30 is not divisible by num_shards=4", "verify") == (
+        "shardcheck verify: batch size 30 is not divisible by --devices 4"
+    )
+    assert (
+        library_to_flags("run_step: num_shards_total stays", "verify") == "run_step: num_shards_total stays"
+    )

@@ -359,6 +359,19 @@ def llm_optimizer():
     return optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(schedule, weight_decay=0.1))
 
 
+@require_devices(2)
+def test_a_warm_up_from_zero_checked_for_one_step_names_the_schedule():
+    """At lr 0 the parameters do not move: checked for its first step only, the verdict names the schedule as the
+    cause and more steps as the fix; checked for two (the second at lr 1.5e-3), the correct step PASSes."""
+    task = load_task("digits", optimizer=llm_optimizer(), steps=1)
+    report = check_parity("simulation", task, num_shards=2)
+    assert report.verdict == "CANNOT VERIFY", str(report)
+    assert "did not move in any of the 1 steps" in report.cannot_verify
+    assert "warm-up schedule" in report.cannot_verify and "verify --steps" in report.cannot_verify
+    two = load_task("digits", optimizer=llm_optimizer(), steps=2)
+    assert check_parity("simulation", two, num_shards=2).verdict == "PASS"
+
+
 @require_devices(8)
 @pytest.mark.parametrize(
     ("name", "strategy"),

@@ -60,6 +60,29 @@ MESH_HELP = (
 )
 
 
+# the library's argument names as ``verify`` spells them on its command line (``library_to_flags``)
+VERIFY_FLAGS = {
+    "compute_dtype": "--compute-dtype",
+    "param_dtype": "--param-dtype",
+    "num_shards": "--devices",
+    "accept_weak": "--accept-weak",
+}
+
+
+def library_to_flags(message: str, command: str, flags: dict[str, str] = VERIFY_FLAGS) -> str:
+    """A library error as the command line's: ``check_parity: compute_dtype='float32' ...; omit compute_dtype``
+    becomes ``shardcheck verify: --compute-dtype float32 ...; omit --compute-dtype`` (each name of ``flags``
+    spelled as its flag, its quoted value unquoted)."""
+    import re
+
+    message = re.sub(r"^check_parity: ", f"shardcheck {command}: ", message)
+    for name, flag in flags.items():
+        message = re.sub(rf"\b{name}='([^']*)'", rf"{flag} \1", message)
+        message = re.sub(rf"\b{name}=", f"{flag} ", message)
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
+
+
 def _mesh_type(text: str) -> dict[str, int]:
     from shardcheck.mesh import parse_mesh  # JAX-free: it is imported when the module is
 

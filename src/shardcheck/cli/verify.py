@@ -12,6 +12,7 @@ from shardcheck.cli._common import (
     apply_mesh,
     configure_devices,
     console_for,
+    library_to_flags,
     write_json,
 )
 from shardcheck.cli._task import (
@@ -317,7 +318,7 @@ def main(args) -> int:
             + " (shardcheck.check_parity in Python shows the traceback)"
         )
     except (ValueError, TypeError) as err:
-        return _fail(str(err))
+        return _fail(library_to_flags(str(err), "verify"))
     message = _diverged_message(args, task, reports)
     if message is not None:
         return _fail(message)

@@ -1126,6 +1126,14 @@ def unresolvable(records, num_shards: int | None, precision: Precision) -> str |
     if not counts[0][1] or any(2 * seen >= total for seen, total in counts):
         return None
     seen, total = max(counts)
+    params = [e for r in records for e in r.leaves if e.kind == "param" and e.reference_change is not None]
+    if params and all(e.reference_change == 0 for e in params):
+        return (
+            f"Cannot verify: the reference's parameters did not move in any of the {len(records)} steps checked "
+            "(a learning rate of 0, as at the first step of a warm-up schedule), so a wrong gradient would pass. "
+            "Check more steps (steps=, verify --steps), past the schedule's first; pass accept_weak=True (verify "
+            "--accept-weak) to accept the weak check."
+        )
     return (
         f"Cannot verify at this precision ({precision.describe()}): in every step at most {seen} of {total} "
         f"parameter and optimizer-state leaves change by more than their tolerance could hide, so a x{s} or x1/{s} "
