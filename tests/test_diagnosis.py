@@ -266,4 +266,5 @@ def test_rounding_level():
 def test_findings_order():
     records = [_record(0, bad=UPDATE, ratio=4.0, counter=4, replica_mismatches=("param w",), rtol=0.2)]
     out = diagnose(records, 4, reference_diverged_at=1)
-    assert _codes(out) == ["reference_diverged", "replicas_differ", "step_counter", "summed", "weak_check"]
+    # a loose rtol is a passing report's caveat (weak_check): a failing one has found its error
+    assert _codes(out) == ["reference_diverged", "replicas_differ", "step_counter", "summed"]

@@ -422,6 +422,28 @@ def test_a_gradient_scale_that_binding_clipping_hides_is_not_a_pass():
         assert report.verdict == "FAIL" and code in report.codes, str(report)
         assert not any(r.scale_hidden for r in report.steps)
 
+    def scaled_with_grads(c, loss_factor=1.0):  # the fault's gradients returned; its loss times loss_factor
+        def step(model, optimizer, batch):
+            loss, grads = nnx.value_and_grad(lambda m: c * binding.loss_fn(m, batch))(model)
+            optimizer.update(model, grads)
+            return {"loss": loss / c * loss_factor, "grads": grads}
+
+        return step
+
+    # under the binding clip the returned gradients show the factor, and the diagnosis says why the update hides it
+    for c, code in expected.items():
+        report = check_parity(scaled_with_grads(c), binding, num_shards=2)
+        assert report.verdict == "FAIL" and report.codes[0] == code, str(report)
+        assert "grads_differ" not in report.codes and "clipping that binds" in report.diagnosis, (
+            report.diagnosis
+        )
+    # a loss off by 1/S with no gradients returned: named, with the gradients' scale left unseen
+    report = check_parity(lambda m, o, b: scaled(binding, 0.5)(m, o, b) / 2, binding, num_shards=2)
+    assert report.codes[0] == "loss_differs", str(report)
+    message = " ".join(report.diagnosis.split())
+    assert "It is 0.5 x the reference's: the loss was averaged twice" in message
+    assert "the gradients may be off by the same factor" in message
+
 
 @require_devices(2)
 def test_a_mean_taken_twice_under_clipping_is_named_by_rerunning_the_optimizer():

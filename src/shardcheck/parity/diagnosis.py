@@ -205,8 +205,11 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         if (not noise or not f".{e.path}".endswith(noise))
         and (e.reference_change is None or e.reference_change > e.tolerance)
     ]
-    grads = [e.ratio for e in leaves if e.kind == "grad"]
-    f = _consensus(grads)
+    # a gradient leaf within its tolerance while others are off by a factor is near zero (an attention key
+    # bias's rounding noise): its ratio is no evidence, so the failing leaves alone vote when any fail
+    grads = [e for e in leaves if e.kind == "grad"]
+    failing = [e for e in grads if not e.ok]
+    f = _consensus([e.ratio for e in failing or grads])
     if f is not None:
         return f, "gradients"
     first = [e.ratio for e in leaves if e.kind == "opt_state" and ".nu." not in f".{e.path}."]
@@ -309,7 +312,10 @@ class DiagnosisContext:
         first = failing[0] if failing else None
         bad = () if first is None else tuple(e for e in first.leaves if not e.ok)
         factor, evidence = None, ""
-        if {e.kind for e in bad} - {"loss", "counter"}:
+        # only the exposed gradients fail: a factor read from them explains the step only where the optimizer is
+        # blind to the gradient's scale (the harness's "scale_blind"); elsewhere they are not the ones applied
+        grads_only = {e.kind for e in bad} == {"grad"} and "scale_blind" not in first.matches
+        if {e.kind for e in bad} - {"loss", "counter"} and not grads_only:
             f, ev = _gradient_factor(first)
             if f is not None and not _close(f, 1.0):
                 factor, evidence = f, ev
@@ -498,9 +504,15 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
 
 
 def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
+    hidden = (
+        " The parameters and optimizer state match all the same: an optimizer blind to the gradient's scale "
+        "(global-norm clipping that binds) hides the factor in the update."
+        if ctx.bad_kinds == {"grad"}
+        else ""
+    )
     return Diagnosis(
         code,
-        f"At step {ctx.first.step}, {ctx.evidence} are {ctx.factor:.4g} x the reference's: {phrase}.",
+        f"At step {ctx.first.step}, {ctx.evidence} are {ctx.factor:.4g} x the reference's: {phrase}.{hidden}",
         ctx.worst_name,
     )
 
@@ -554,18 +566,32 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
     if ctx.bad_kinds != {"loss"}:
         return None
     first = ctx.first
+    cause = (
+        "The candidate does not return the full-batch pre-update loss (a post-update loss, one shard's loss, or "
+        "an unweighted mean?)."
+    )
+    ratio = first.candidate_loss / first.loss if first.candidate_loss is not None and first.loss else None
+    named = None if ratio is None else _name_factor(ratio, ctx.num_shards)
+    if named is not None and named[0] in ("summed", "averaged_twice"):
+        cause = f"It is {ratio:.4g} x the reference's: the loss {named[1].removeprefix('the gradient ')}."
+    if first.scale_hidden:
+        cause += (
+            " This check cannot see the gradient's scale (the optimizer is blind to it: global-norm clipping that "
+            "binds), so the gradients may be off by the same factor: return them from the step ({'loss': loss, "
+            "'grads': grads}) to check them."
+        )
     return Diagnosis(
         "loss_differs",
         f"Only the returned loss differs (step {first.step}: {first.candidate_loss:.7g} vs reference "
-        f"{first.loss:.7g}); the update matches. The candidate does not return the full-batch "
-        "pre-update loss (a post-update loss, one shard's loss, or an unweighted mean?).",
+        f"{first.loss:.7g}); the update matches. {cause}",
         "loss",
     )
 
 
 def grads_differ(ctx: DiagnosisContext) -> Finding:
-    """``grads_differ``: only the exposed gradients are out of tolerance at the first failing step."""
-    if ctx.bad_kinds != {"grad"}:
+    """``grads_differ``: only the exposed gradients are out of tolerance at the first failing step, and not by a
+    constant factor (which the factor rules name: an optimizer blind to the gradient's scale hides it)."""
+    if ctx.bad_kinds != {"grad"} or ctx.factor is not None:
         return None
     return Diagnosis(
         "grads_differ",
@@ -624,8 +650,9 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
 
 
 def loose_tolerance(ctx: DiagnosisContext) -> Finding:
-    """``weak_check``: the step-0 rtol is too loose to tell a x2 or x1/2 error from rounding."""
-    if not ctx.records or ctx.records[0].rtol <= LOOSE_RTOL:
+    """``weak_check``: the step-0 rtol is too loose to tell a x2 or x1/2 error from rounding (a passing report's
+    caveat: a failing one has found its error)."""
+    if ctx.failing or not ctx.records or ctx.records[0].rtol <= LOOSE_RTOL:
         return None
     return Diagnosis(
         "weak_check",
@@ -637,8 +664,11 @@ def loose_tolerance(ctx: DiagnosisContext) -> Finding:
 def weak_update(ctx: DiagnosisContext) -> Finding:
     """``weak_check``: a passing param leaf whose step-0 reference update is not above its tolerance.
 
-    Leaves at rounding level (``StepRecord.unresolved``) are left to :func:`rounding_level`.
+    Leaves at rounding level (``StepRecord.unresolved``) are left to :func:`rounding_level`. A passing report's
+    caveat only: a failing one has found its error.
     """
+    if ctx.failing:
+        return None
     leaves = ctx.records[0].leaves if ctx.records else ()
     unresolved = set(ctx.records[0].unresolved) if ctx.records else set()
     weak = next(
@@ -769,7 +799,8 @@ def diagnose(
     - ``drift``: unexplained failure at a step t > 0 after steps that agreed.
     - ``loss_only``: unexplained failure at step 0 while the loss matches (not parity, seed 001).
     - ``update_differs``: any other unexplained failure (not one reduced step).
-    - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance.
+    - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance (passing
+      reports only).
     - ``diverged_trajectory``: ``diverged`` is the trajectory record of the first failing step t > 0 whose
       step, re-run from the reference's pre-step state, matched (``records`` from t on are then synchronized).
     - ``rounding_level``: informational, param leaves whose gradient is at rounding level (``unresolved``);

@@ -770,6 +770,12 @@ def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) 
     matches = _matches(run, pre, batch, rtol, atol, record)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
         matches = ("bf16_reduction",)
+    if {e.kind for e in record.leaves if not e.ok} == {"grad"}:
+        # only the exposed gradients fail: a fault the optimizer hides (blind to the gradient's scale) or
+        # gradients that were not the ones applied
+        grads = _reference_grads(run.task.loss_fn, pre, batch)
+        if _blind_to_scale(run, pre, grads, record.leaves):
+            matches += ("scale_blind",)
     return dataclasses.replace(record, matches=matches)
 
 
@@ -779,11 +785,17 @@ def _scale_hidden(run: _Run, pre: _PreStep, leaves, bounds) -> bool:
     ``S g`` and ``g / S`` (``propagation.scale_change``; S = 2 for a candidate without a shard count)."""
     if bounds is None or any(e.kind == "grad" for e in leaves):
         return False
+    return _blind_to_scale(run, pre, bounds.grad_tree, leaves)
+
+
+def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
+    """Whether the reference's optimizer, rerun from ``pre`` on ``S grads`` and ``grads / S``, moves no parameter
+    or optimizer-state leaf of ``leaves`` beyond its tolerance."""
     s = run.cand.num_shards
     factor = float(s) if s and s > 1 else 2.0
     moved: dict[str, float] = {}
     for c in (factor, 1 / factor):
-        update, state = scale_change(run.ref_opt.tx, bounds.grad_tree, pre.opt_state, pre.params, c)
+        update, state = scale_change(run.ref_opt.tx, grads, pre.opt_state, pre.params, c)
         named = {
             **{f"param {k}": v for k, v in flatten_state(update).items()},
             **{f"opt_state {k}": v for k, v in flatten_state(state).items()},
