@@ -261,11 +261,16 @@ def test_tiny_lm_fsdp_shards_on_a_2d_mesh_are_the_rule_exactly():
 @pytest.mark.parametrize("candidate", [*MESH_STRATEGIES, "user"])
 def test_annotated_transformer_passes_on_data2_fsdp4(candidate):
     """The issue's user task: annotated transformer, clip + AdamW(warm-up cosine), data=2 x fsdp=4. Its clip
-    binds at every step and none of these steps returns its gradients: every step matches, and the verdict says
-    that a gradient off by the shard count could not have shown (tests/test_task_parity.py)."""
+    binds at every step: the built-in steps return the gradients they applied, which show their scale, and PASS;
+    the example's own step returns none, so every step matches and the verdict says that a gradient off by the
+    shard count could not have shown (tests/test_task_parity.py)."""
     example = _example()
     step = example.step if candidate == "user" else candidate
     report = check_parity(step, example.task, mesh=make_mesh({"data": 2, "fsdp": 4}))
+    if candidate != "user":
+        assert report.verdict == "PASS" and report.codes[0] == "parity", str(report)
+        assert any(e.kind == "grad" for e in report.steps[0].leaves)
+        return
     assert len(report.steps) == 5 and all(r.ok and r.scale_hidden for r in report.steps), report.diagnoses
     assert report.verdict == "CANNOT VERIFY" and report.codes[0] == "cannot_verify"
     assert "Cannot verify the gradient's scale" in report.cannot_verify

@@ -62,8 +62,8 @@ def _mesh_strategy(name: str):
 
         strategy = "dp" if name == "multiprocess" else name
 
-        def step(model, optimizer, batch):
-            return mesh_step(strategy, loss_fn, model, optimizer, batch, mesh)
+        def step(model, optimizer, batch):  # the gradients too: the parity check compares them
+            return mesh_step(strategy, loss_fn, model, optimizer, batch, mesh, with_grads=True)
 
         step.__name__ = name
         return Candidate(name, step, num_shards)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardcheck import distributed
 from shardcheck.mesh import batch_axes, fsdp_axis
 from shardcheck.partitioning import fsdp_partition_spec
-from shardcheck.steps._core import params_value_and_grad
+from shardcheck.steps._core import StepResult, params_value_and_grad
 from shardcheck.task import Batch, LossFn, divide
 
 MESH_STRATEGIES = ("dp", "fsdp", "gspmd")
@@ -126,14 +126,16 @@ def _plain_loss_and_grads(loss_fn, model, batch):
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh):
+def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, with_grads=False):
     """The jitted step for one (strategy, loss, structure, placement, mesh); jit caches shapes itself.
 
     ``dp`` / ``fsdp``: the gradients are computed and reduced inside one ``jax.shard_map`` with explicit
     collectives (above). ``gspmd``: the plain full-batch loss and gradients, partitioned by XLA from the
     arguments' shardings. Then the optimizer update runs on the global, placed arrays under the same
     ``jax.jit``; the state keeps its placement (``out_shardings``). Signature of the result:
-    ``(state_leaves, batch) -> (loss, state_leaves)``; the state leaves are donated.
+    ``(state_leaves, batch) -> (loss, state_leaves)``; the state leaves are donated. ``with_grads``: ``(loss,
+    grad_leaves, state_leaves)``, the reduced gradients it applied, placed as the parameters (the parity check
+    compares them; an optimizer blind to the gradient's scale, such as a clip that binds, hides it in the update).
     """
     mesh_axes = batch_axes(mesh)
     batch_spec = PartitionSpec(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
@@ -160,14 +162,19 @@ def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh
             loss, grad_leaves = mapped(leaves, batch)
             grads = jax.tree.unflatten(jax.tree.structure(params), grad_leaves)
         optimizer.update(model, grads)
-        return loss, jax.tree.leaves(nnx.state((model, optimizer)))
+        state = jax.tree.leaves(nnx.state((model, optimizer)))
+        return (loss, jax.tree.leaves(grads), state) if with_grads else (loss, state)
 
     state_shardings = [NamedSharding(mesh, spec) for spec in specs]
+    loss_sharding = NamedSharding(mesh, PartitionSpec())
+    grad_shardings = [NamedSharding(mesh, spec) for spec in param_specs]
     return jax.jit(
         step,
         donate_argnums=0,
         in_shardings=(state_shardings, NamedSharding(mesh, batch_spec)),
-        out_shardings=(NamedSharding(mesh, PartitionSpec()), state_shardings),
+        out_shardings=(loss_sharding, grad_shardings, state_shardings)
+        if with_grads
+        else (loss_sharding, state_shardings),
     )
 
 
@@ -276,8 +283,8 @@ def place_batch(batch: Batch, mesh: Mesh) -> Batch:
     return distributed.place_host_tree(batch, sharding)
 
 
-def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, min_size=0):
-    """The compiled step, its placed arguments and the state treedef (nothing is changed).
+def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, min_size=0, with_grads=False):
+    """The compiled step (:func:`compiled_step`), its placed arguments and the state treedef (nothing is changed).
 
     ``axis_name`` is accepted for the one-axis callers and must be an axis of ``mesh``; the placement reads the
     mesh's axes (:func:`state_specs`).
@@ -287,7 +294,7 @@ def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, mi
     graphdef, state = nnx.split((model, optimizer))
     leaves, treedef = jax.tree.flatten(state)
     specs, param_specs = state_specs(strategy, model, optimizer, mesh, min_size=min_size, fn=strategy)
-    step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh)
+    step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, with_grads)
     return step, (place_state(leaves, specs, mesh), place_batch(batch, mesh)), treedef
 
 
@@ -300,12 +307,22 @@ def mesh_step(
     mesh: Mesh,
     *,
     min_size: int = 0,
-) -> jax.Array:
-    """One DP, FSDP or GSPMD step of a task on ``mesh``, in place; returns the 0-d pre-update loss.
+    with_grads: bool = False,
+) -> jax.Array | StepResult:
+    """One DP, FSDP or GSPMD step of a task on ``mesh``, in place; returns the 0-d pre-update loss, or with
+    ``with_grads`` a :class:`~shardcheck.steps._core.StepResult` with the reduced gradients it applied (an
+    ``nnx.State`` like the parameters, placed as they are).
 
     The caller validates: the batch divisible by ``mesh.size``, a model without batch statistics.
     """
-    step, args, treedef = prepare(strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size)
-    loss, leaves = step(*args)
+    step, args, treedef = prepare(
+        strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads
+    )
+    if not with_grads:
+        loss, leaves = step(*args)
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
+        return loss
+    params = nnx.state(model, nnx.Param)
+    loss, grad_leaves, leaves = step(*args)
     nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
-    return loss
+    return StepResult(loss, jax.tree.unflatten(jax.tree.structure(params), grad_leaves), None)
