@@ -794,7 +794,7 @@ def test_a_candidate_that_raises_is_reported_with_its_step():
     model, optimizer = fresh("linear", "sgd")
     with pytest.raises(
         parity.CandidateError,
-        match="candidate step 'raises_at_2' raised ZeroDivisionError: planted at step 2",
+        match="candidate step 'raises_at_2' raised ZeroDivisionError at step 2: planted",
     ) as info:
         check_parity(raises_at_2, model, optimizer, BATCHES[:4])
     assert info.value.step == 2 and isinstance(info.value.__cause__, ZeroDivisionError)

@@ -475,9 +475,10 @@ def test_verify_refuses_bad_mesh_and_optimizer_flags(args, message, capsys):
 
 @require_devices(3)
 def test_a_candidate_failing_on_a_batch_that_does_not_split_is_told_why():
-    """A user's step cannot place 8 rows on 3 devices; its error gets the likely cause appended."""
+    """A user's step cannot place 8 rows on 3 devices; its error names the likely cause before JAX's text."""
     with pytest.raises(
-        CandidateError, match=r"at step 0 \(the batch's 8 rows do not split over the 3 devices of the mesh"
+        CandidateError,
+        match=r"at step 0 \(the batch's 8 rows do not split over the 3 devices of the mesh.*\): ",
     ) as caught:
         check_parity(_replicated_dp_step(False), _clip_task(), mesh=make_mesh(3))
     assert caught.value.hint.startswith("the batch's 8 rows do not split over the 3 devices")

@@ -440,8 +440,11 @@ def _step_candidate(run: _Run, t: int, batch):
             if s and s > 1 and rows % s
             else ""
         )
+        # the likely cause first: a JAX error's own text can run to several lines
+        cause = f" ({hint})" if hint else ""
         raise CandidateError(
-            f"check_parity: the candidate step {run.cand.name!r} raised {type(err).__name__}: {err} at step {t}",
+            f"check_parity: the candidate step {run.cand.name!r} raised {type(err).__name__} at step {t}{cause}: "
+            f"{err}",
             t,
             hint,
         ) from err

@@ -180,10 +180,10 @@ class ParityReport:
 
 class CandidateError(RuntimeError):
     """The candidate step raised; the original exception is ``__cause__``, ``step`` the 0-based step and ``hint``
-    a likely cause the harness can see (``""`` when none), also at the end of the message."""
+    a likely cause the harness can see (``""`` when none), also in the message, before the exception's text."""
 
     def __init__(self, message: str, step: int, hint: str = ""):
-        super().__init__(message + (f" ({hint})" if hint else ""))
+        super().__init__(message)
         self.step = step
         self.hint = hint
 
