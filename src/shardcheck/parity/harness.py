@@ -249,15 +249,18 @@ def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_
     grads = jax.tree.map(
         lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, split_batch(batch, num_shards))
     )
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return jax.tree.map(jnp.add, params, updates), opt_state
+    return _stepped(tx, params, opt_state, grads)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _scaled_params(tx, params, opt_state, grads, factor):
     """``(params, opt_state)`` after the reference's optimizer step on ``factor`` times its gradient."""
-    scaled = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
-    updates, opt_state = tx.update(scaled, opt_state, params)
+    return _stepped(tx, params, opt_state, jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads))
+
+
+def _stepped(tx, params, opt_state, grads):
+    """``(params, opt_state)`` after one step of ``tx`` on ``grads`` (traced, inside the hypotheses' jits)."""
+    updates, opt_state = tx.update(grads, opt_state, params)
     return jax.tree.map(jnp.add, params, updates), opt_state
 
 
@@ -575,8 +578,11 @@ def _extra_checks(run: _Run, t, completed, rtol, atol) -> list:
     return out
 
 
-def _matches(run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord) -> tuple[str, ...]:
-    """The faulty reductions whose step the candidate reproduces (checked on failure).
+def _matches(
+    run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord, reference_grads
+) -> tuple[str, ...]:
+    """The faulty reductions whose step the candidate reproduces (checked on failure; ``reference_grads()``: the
+    reference's gradient at ``pre``, computed once for every hypothesis of :func:`_explained`).
 
     ``per_shard_mean`` (weighted losses): the candidate's parameters and optimizer state match those of the step
     whose gradient is the mean of per-shard means, and the reference's differ from them in some leaf (under Adam
@@ -597,9 +603,8 @@ def _matches(run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord) ->
             found.append("per_shard_mean")
     factor, _ = _gradient_factor(record)
     if not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
-        grads = nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch))
         for name, factor in (("times_S", float(s)), ("times_1/S", 1.0 / s)):
-            alt = _scaled_params(run.ref_opt.tx, pre.params, pre.opt_state, grads, factor)
+            alt = _scaled_params(run.ref_opt.tx, pre.params, pre.opt_state, reference_grads(), factor)
             if _reproduces(run, *alt, rtol, atol):
                 found.append(name)
                 break
@@ -639,7 +644,9 @@ def _reproduces(run: _Run, alt_params, alt_state, rtol, atol) -> bool:
     return reproduced and differs
 
 
-def _low_precision_reduction(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> bool:
+def _low_precision_reduction(
+    run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, reference_grads
+) -> bool:
     """Whether a failing float32-compute step is off by no more than a bfloat16 all-reduce's rounding.
 
     The bound of that rounding, ``2 eps_bf16 sqrt(S) A`` on each gradient element (``A = sum_s |g_s| / W``), is
@@ -650,7 +657,7 @@ def _low_precision_reduction(run: _Run, pre: _PreStep, batch, record: StepRecord
     if run.precision.compute_eps > 0 or not s or s < 2 or run.reference is not None:
         return False
     magnitude, _, _ = _shard_magnitude(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
-    grads = nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch))
+    grads = reference_grads()
     bound = 2.0 * float(jnp.finfo(jnp.bfloat16).eps) * math.sqrt(s)
     delta = grad_delta(grads, magnitude, rtol, atol, bound)
     updates, states, _ = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
@@ -770,14 +777,14 @@ def _compare_step(
 def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> StepRecord:
     """A failing record with the faulty reductions the candidate reproduces (``StepRecord.matches``), recomputed
     from the reference's pre-step state ``pre``; the run's two sides are after the step."""
-    matches = _matches(run, pre, batch, rtol, atol, record)
-    if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol):
+    reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
+    matches = _matches(run, pre, batch, rtol, atol, record, reference_grads)
+    if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
     if {e.kind for e in record.leaves if not e.ok} == {"grad"}:
         # only the exposed gradients fail: a fault the optimizer hides (blind to the gradient's scale) or
         # gradients that were not the ones applied
-        grads = _reference_grads(run.task.loss_fn, pre, batch)
-        if _blind_to_scale(run, pre, grads, record.leaves):
+        if _blind_to_scale(run, pre, reference_grads(), record.leaves):
             matches += ("scale_blind",)
     return dataclasses.replace(record, matches=matches)
 

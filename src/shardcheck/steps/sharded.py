@@ -318,11 +318,7 @@ def mesh_step(
     step, args, treedef = prepare(
         strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads
     )
-    if not with_grads:
-        loss, leaves = step(*args)
-        nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
-        return loss
-    params = nnx.state(model, nnx.Param)
-    loss, grad_leaves, leaves = step(*args)
-    nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
-    return StepResult(loss, jax.tree.unflatten(jax.tree.structure(params), grad_leaves), None)
+    grads_structure = jax.tree.structure(nnx.state(model, nnx.Param))
+    out = step(*args)  # (loss, state) or (loss, grads, state)
+    nnx.update((model, optimizer), jax.tree.unflatten(treedef, out[-1]))
+    return StepResult(out[0], jax.tree.unflatten(grads_structure, out[1]), None) if with_grads else out[0]
