@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+from hypothesis import settings
+
 # Compile time is most of the suite's time, and XLA:CPU's defaults are tuned for running programs, not compiling
 # them. The suite compiles with:
 # - the LLVM back end at optimization level 0 (the whole suite: 512 s against 752 s wall at the default level);
@@ -30,7 +32,6 @@ for flag, value in SUITE_XLA_FLAGS.items():
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
 
 import jax  # noqa: E402  (XLA reads XLA_FLAGS when its first backend starts)
-from hypothesis import settings
 
 # The command line turns on JAX's persistent compilation cache in the user's cache folder; the tests never touch
 # that folder (nor depend on what an earlier run left there).

@@ -514,7 +514,9 @@ def test_the_leftover_scan_sees_a_marked_process():
         deadline = time.monotonic() + 10
         while (found := marked_processes(marker)) != [sleeper.pid] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert found == [sleeper.pid], f"scan found {found}; sleeper {sleeper.pid} exit status {sleeper.poll()}"
+        assert found == [sleeper.pid], (
+            f"scan found {found}; sleeper {sleeper.pid} exit status {sleeper.poll()}"
+        )
     finally:
         sleeper.kill()
         sleeper.wait(timeout=10)
