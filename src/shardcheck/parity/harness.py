@@ -57,7 +57,9 @@ from shardcheck.parity.precision import (
     COMPUTE_SAFETY,
     Precision,
     compute_allowance,
+    float32_compute,
     loss_compute_allowance,
+    output_rounding,
 )
 from shardcheck.parity.propagation import grad_delta, scale_change, shadow_spread, update_sensitivity
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
@@ -401,7 +403,7 @@ def _step_reference(run: _Run, batch, rtol: float, atol: float):
         # a correct split reduces its shards' gradients in float32 (shard_map) or, as GSPMD's partitioned
         # backward pass may, in the compute dtype: both realizations bound the compute noise
         low = run.precision.compute_dtype
-        _, split, split_low = _shard_magnitude(
+        magnitude, split, split_low = _shard_magnitude(
             run.task.loss_fn, shards, pre.graphdef, pre.params, pre.rest, batch, low
         )
     result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
@@ -410,9 +412,12 @@ def _step_reference(run: _Run, batch, rtol: float, atol: float):
     if run.precision.compute_eps > 0:
         shadow = _shadow_inputs(run, pre, batch)
         drifted = None if shadow is None else shadow[0]
-        noise = _tree_max(
-            compute_allowance(split, grads, drifted), compute_allowance(split_low, grads, drifted)
-        )
+        realizations = [split, split_low]
+        graphdef32 = float32_compute(pre.graphdef, pre.params, pre.rest)
+        if graphdef32 is not None:
+            realizations.append(_grads_at(run.task.loss_fn, graphdef32, pre.params, pre.rest, batch))
+        noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
+        noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
     delta = grad_delta(grads, noise, rtol, atol, 1.0)
     updates, states, grad_max = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
     if shadow is not None:
@@ -1097,7 +1102,8 @@ def _precision_rule(precision: Precision) -> str:
         parts.append(
             f"compute {precision.compute_dtype.name}: gradients + {COMPUTE_SAFETY:g} * (max|g_S - g| + "
             "|g(p_cand) - g|) (measured: a correct S-shard split in this precision, and the gradient at the "
-            "candidate's parameters)"
+            f"candidate's parameters) + eps_c * (|g| + sum_s|g_s|) (its output roundings; "
+            f"eps_c={precision.compute_eps:.3g})"
         )
     if precision.param_eps > 0:
         parts.append(
@@ -1191,7 +1197,10 @@ def _run_steps(run: _Run, data, tolerances):
                 )
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
-                else:  # a real failure: explained from the reference's state before this step
+                elif synced.matches:  # a real failure, explained like for like: the re-check's candidate
+                    # started from the reference's state before this step, as the hypotheses do
+                    record = dataclasses.replace(record, matches=synced.matches)
+                else:  # explained from the reference's state before this step
                     record = _explained(run, _PreStep.of(*pre), batch, record, r_tol, a_tol)
         else:
             # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
