@@ -471,6 +471,50 @@ def test_per_leaf_tolerances_override_the_rule():
     assert not report.ok
     with pytest.raises(ValueError, match=r"leaf_tolerance\['bias'\] must be a pair"):
         check_parity(off, model, optimizer, BATCHES[:1], leaf_tolerance={"bias": 1e-3})
+    # the callable form is called once per leaf name before the run: the same override by name
+    wide = lambda name: (0.0, 2e-3) if name == "param bias" else None  # noqa: E731
+    assert check_parity(off, model, optimizer, BATCHES[:1], leaf_tolerance=wide).ok
+
+
+@pytest.mark.parametrize(
+    ("leaf_tolerance", "error", "message"),
+    [
+        (
+            {"param bais": (0.0, 1.0)},
+            ValueError,
+            r"leaf_tolerance key 'param bais' names no leaf of the task.*e.g. 'loss', 'param bias', 'param kernel'",
+        ),
+        ({3: (0.0, 1.0)}, ValueError, r"leaf_tolerance key 3 names no leaf"),
+        ({"bias": (True, 1.0)}, ValueError, r"leaf_tolerance\['bias'\] must be a pair"),
+        (
+            lambda name: "loose",
+            ValueError,
+            r"leaf_tolerance\('loss'\) must be a pair \(rtol, atol\).*got 'loose'",
+        ),
+        (
+            lambda name: 1 / 0,
+            ValueError,
+            r"leaf_tolerance\('loss'\) raised ZeroDivisionError: division by zero",
+        ),
+        (lambda: None, ValueError, r"leaf_tolerance\('loss'\) raised TypeError: .*called with one leaf name"),
+        (0.1, TypeError, r"leaf_tolerance must be a mapping"),
+    ],
+)
+def test_a_malformed_per_leaf_tolerance_is_refused_before_the_run(leaf_tolerance, error, message):
+    """A key that names no leaf (a typo would quietly do nothing), a value that is not a pair, a callable that
+    raises or returns something else: an error naming leaf_tolerance and the leaf, before any step runs."""
+    model, optimizer = fresh("linear", "sgd")
+    before = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    with pytest.raises(error, match=message):
+        check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, leaf_tolerance=leaf_tolerance)
+    after = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
+    jax.tree.map(np.testing.assert_array_equal, before, after)  # nothing was touched
+
+
+def test_accept_weak_must_be_a_bool():
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(TypeError, match=r"check_parity: accept_weak must be True or False, got 'yes'"):
+        check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, accept_weak="yes")
 
 
 # ------------------------------------------------------------------------------------- the report, validation

@@ -298,7 +298,7 @@ class _Run:
     kwargs: dict
     weighted: bool
     precision: Precision
-    leaf_tolerance: Callable | None
+    leaf_tolerance: dict[str, tuple[float, float]] | None  # by leaf name (_check_leaf_tolerance)
     allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     state_allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
@@ -306,8 +306,7 @@ class _Run:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
         if self.leaf_tolerance is None:
             return rtol, atol
-        override = self.leaf_tolerance("loss" if kind == "loss" else f"{kind} {path}")
-        return (rtol, atol) if override is None else (float(override[0]), float(override[1]))
+        return self.leaf_tolerance.get("loss" if kind == "loss" else f"{kind} {path}", (rtol, atol))
 
     def synchronized(self, ref_model: nnx.Module, ref_opt: nnx.Optimizer) -> _Run:
         """A run whose candidate starts from a copy of the given reference state (model and optimizer).
@@ -888,7 +887,7 @@ def _setup(
         cand_opt = cand.make_optimizer(cand_model, cand_opt)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     precision = Precision.of(model, fn=fn, **dtypes)
-    overrides = _check_leaf_tolerance(fn, leaf_tolerance)
+    overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     run = _Run(
         task,
         ref_model,
@@ -905,24 +904,65 @@ def _setup(
     return run, data
 
 
-def _check_leaf_tolerance(fn, leaf_tolerance):
-    """``leaf_tolerance`` as a callable ``name -> (rtol, atol) | None`` (``name``: ``"param hidden.kernel"``)."""
+def _leaf_names(model: nnx.Module, optimizer: nnx.Optimizer) -> list[str]:
+    """Every name a per-leaf tolerance can take: ``"loss"``, ``"param <path>"``, ``"grad <path>"``,
+    ``"opt_state <path>"`` (float leaves)."""
+    params = flatten_state(nnx.state(model, nnx.Param))
+    state = [k for k, v in flatten_state(_opt_state(optimizer)).items() if not is_int(v)]
+    return [
+        "loss",
+        *(f"{kind} {p}" for kind in ("param", "grad") for p in params),
+        *(f"opt_state {p}" for p in state),
+    ]
+
+
+def _tolerance_pair(fn: str, where: str, value) -> tuple[float, float]:
+    ok = (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value)
+    )
+    if not ok:
+        raise ValueError(f"{fn}: {where} must be a pair (rtol, atol) of numbers >= 0, got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def _check_leaf_tolerance(fn, leaf_tolerance, names: list[str]):
+    """``leaf_tolerance`` as a table ``name -> (rtol, atol)`` over the task's leaf ``names``
+    (:func:`_leaf_names`), checked before anything runs: a mapping's every key must name a leaf (as ``"param
+    hidden.kernel"`` or the path alone, which applies to each kind); a callable is called once per name here and
+    must return ``None`` or a pair."""
     if leaf_tolerance is None:
         return None
     if isinstance(leaf_tolerance, Mapping):
-        table = dict(leaf_tolerance)
-        for key, value in table.items():
-            if not (
-                isinstance(value, tuple | list)
-                and len(value) == 2
-                and all(isinstance(v, int | float) and v >= 0 for v in value)
-            ):
+        table = {}
+        for key, value in leaf_tolerance.items():
+            pair = _tolerance_pair(fn, f"leaf_tolerance[{key!r}]", value)
+            matched = [n for n in names if key in (n, n.split(" ", 1)[-1])] if isinstance(key, str) else []
+            if not matched:
+                examples = ", ".join(repr(n) for n in names[:4])
                 raise ValueError(
-                    f"{fn}: leaf_tolerance[{key!r}] must be a pair (rtol, atol) of numbers >= 0, got {value!r}"
+                    f"{fn}: leaf_tolerance key {key!r} names no leaf of the task; a key is 'loss', "
+                    f"'<kind> <path>' (kind: param, grad, opt_state) or a path alone, e.g. {examples} "
+                    f"({len(names)} names); check its spelling"
                 )
-        return lambda name: table.get(name, table.get(name.split(" ", 1)[-1]))
+            for n in matched:
+                if n == key or n not in table:  # a full name wins over its bare path
+                    table[n] = pair
+        return table
     if callable(leaf_tolerance):
-        return leaf_tolerance
+        table = {}
+        for name in names:
+            try:
+                value = leaf_tolerance(name)
+            except Exception as err:
+                raise ValueError(
+                    f"{fn}: leaf_tolerance({name!r}) raised {type(err).__name__}: {err}; it is called with one "
+                    "leaf name and returns (rtol, atol) or None"
+                ) from err
+            if value is not None:
+                table[name] = _tolerance_pair(fn, f"leaf_tolerance({name!r})", value)
+        return table
     raise TypeError(
         f"{fn}: leaf_tolerance must be a mapping {{leaf: (rtol, atol)}} or a callable leaf -> (rtol, atol) | None, "
         f"got {type(leaf_tolerance).__name__}"
@@ -1017,7 +1057,7 @@ def check_parity(
         param_dtype: override the parameters' dtype read from the model, for the tolerance.
         leaf_tolerance: per-leaf ``(rtol, atol)`` for the cases a rule cannot know: a mapping from a leaf name
             (``"param hidden.kernel"``, ``"opt_state 0.mu.bias"``, ``"loss"``; or its path alone) or a callable
-            ``name -> (rtol, atol) | None``.
+            ``name -> (rtol, atol) | None``, called once per leaf name before the run.
         accept_weak: accept a tolerance too loose to tell the update from a factor-S error (otherwise the
             verdict is ``CANNOT VERIFY``); user-set ``rtol``/``atol`` count as accepting it.
 
@@ -1025,16 +1065,19 @@ def check_parity(
         A :class:`~shardcheck.ParityReport`.
 
     Raises:
-        TypeError: ``task`` not a Task; ``candidate`` not a name, Candidate or callable, or a callable whose
+        TypeError: ``task`` not a Task; ``accept_weak`` not a bool; ``candidate`` not a name, Candidate or callable, or a callable whose
             signature fits neither form; a malformed ``loss_fn`` output.
         ValueError: a model with batch statistics, or one drawing random numbers in its forward pass (C7); a
             non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
             not split into S equal shards (the message names the leaf and the fix); an unknown strategy; negative
-            ``rtol``/``atol``. All checked before any step runs.
+            ``rtol``/``atol``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
+            that is not a pair of numbers >= 0, or a callable that raises. All checked before any step runs.
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``).
     """
     fn = "check_parity"
     _check_tolerances(fn, rtol, atol)
+    if not isinstance(accept_weak, bool):
+        raise TypeError(f"{fn}: accept_weak must be True or False, got {accept_weak!r}")
     run, data = _setup(
         fn,
         candidate,

@@ -67,7 +67,9 @@ def _check_dtype(fn: str, name: str, value) -> np.dtype | None:
     except TypeError as err:
         raise TypeError(f"{fn}: {name}={value!r} is not a dtype; pass e.g. {name}='bfloat16'") from err
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{fn}: {name}={value!r} is not a floating dtype; pass 'float32' or 'bfloat16'")
+        raise ValueError(
+            f"{fn}: {name}={value!r} is not a floating dtype; pass 'float32', 'bfloat16' or 'float16'"
+        )
     return dtype
 
 
