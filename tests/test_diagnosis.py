@@ -129,6 +129,22 @@ def test_summed():
     assert "summed" not in _codes(diagnose(_passing(), 4))
 
 
+def test_a_noise_gradient_times_s_does_not_spoil_the_factor():
+    """From a new user's trial (bfloat16 compute, a psum for a pmean returning its gradients under a clip that
+    binds): an attention key bias's gradient is rounding noise, 4 times the noise fails too, with a ratio of
+    1.17; the other leaves' 4.0 names the fault. A leaf is noise when its reference, max_abs_err / max_rel_err,
+    lies within its tolerance of 0."""
+    record = _record(bad=("grad w", "grad b"), ratio=4.0, matches=("scale_blind",))  # the clip hides it
+    noise = LeafError(0, "grad", "attn.key.bias", 3 * TOL, 3.0, 4 * TOL, False, 1.17, None)  # |ref| = TOL
+    record = dataclasses.replace(record, leaves=(*record.leaves, noise))
+    d = _one(diagnose([record], 4), "summed")
+    assert "gradients are 4 x" in d.message
+    # the same leaf with a reference above its tolerance is evidence, and spoils the consensus as before
+    signal = dataclasses.replace(noise, max_rel_err=0.3)  # |ref| = 10 TOL
+    spoiled = dataclasses.replace(record, leaves=(*record.leaves[:-1], signal))
+    assert "summed" not in _codes(diagnose([spoiled], 4))
+
+
 def test_averaged_twice():
     out = diagnose([_record(bad=UPDATE, ratio=0.25)], 4)
     d = _one(out, "averaged_twice")

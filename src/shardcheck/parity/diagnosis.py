@@ -189,6 +189,15 @@ def _consensus(ratios: list[float]) -> float | None:
     return mid
 
 
+def _within_tolerance_of_zero(e: LeafError) -> bool:
+    """Whether the reference's leaf, ``max|ref| = max_abs_err / max_rel_err``, is within the leaf's tolerance of
+    0: a gradient that is rounding noise (an attention key bias's under bfloat16 compute: the tolerance holds
+    several times the reference's own rounding, ``shardcheck.parity.precision``)."""
+    if not (e.max_rel_err > 0 and math.isfinite(e.max_rel_err)):
+        return False
+    return e.max_abs_err / e.max_rel_err <= e.tolerance
+
+
 def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     """The factor by which the candidate's gradient differs from the reference's at this step, and the evidence.
 
@@ -206,8 +215,9 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         and (e.reference_change is None or e.reference_change > e.tolerance)
     ]
     # a gradient leaf within its tolerance while others are off by a factor is near zero (an attention key
-    # bias's rounding noise): its ratio is no evidence, so the failing leaves alone vote when any fail
-    grads = [e for e in leaves if e.kind == "grad"]
+    # bias's rounding noise): its ratio is no evidence, so the failing leaves alone vote when any fail; nor is a
+    # leaf's whose reference gradient lies within its tolerance of 0, even when it fails (that noise times S)
+    grads = [e for e in leaves if e.kind == "grad" and not _within_tolerance_of_zero(e)]
     failing = [e for e in grads if not e.ok]
     f = _consensus([e.ratio for e in failing or grads])
     if f is not None:
