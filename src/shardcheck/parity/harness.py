@@ -299,6 +299,7 @@ class _Run:
     weighted: bool
     precision: Precision
     leaf_tolerance: dict[str, tuple[float, float]] | None  # by leaf name (_check_leaf_tolerance)
+    graphdef32: Any = None  # the model computing in float32 (precision.float32_compute), or None
     allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     state_allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
@@ -412,9 +413,8 @@ def _step_reference(run: _Run, batch, rtol: float, atol: float):
         shadow = _shadow_inputs(run, pre, batch)
         drifted = None if shadow is None else shadow[0]
         realizations = [split, split_low]
-        graphdef32 = float32_compute(pre.graphdef, pre.params, pre.rest)
-        if graphdef32 is not None:
-            realizations.append(_grads_at(run.task.loss_fn, graphdef32, pre.params, pre.rest, batch))
+        if run.graphdef32 is not None:
+            realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
         noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
         noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
     delta = grad_delta(grads, noise, rtol, atol, 1.0)
@@ -888,6 +888,8 @@ def _setup(
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     precision = Precision.of(model, fn=fn, **dtypes)
     overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
+    # the model's structure is fixed over the run: its float32-compute graph is built once
+    graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
     run = _Run(
         task,
         ref_model,
@@ -900,6 +902,7 @@ def _setup(
         weighted,
         precision,
         overrides,
+        graphdef32,
     )
     return run, data
 
@@ -1065,8 +1068,8 @@ def check_parity(
         A :class:`~shardcheck.ParityReport`.
 
     Raises:
-        TypeError: ``task`` not a Task; ``accept_weak`` not a bool; ``candidate`` not a name, Candidate or callable, or a callable whose
-            signature fits neither form; a malformed ``loss_fn`` output.
+        TypeError: ``task`` not a Task; ``accept_weak`` not a bool; ``candidate`` not a name, Candidate or
+            callable, or a callable whose signature fits neither form; a malformed ``loss_fn`` output.
         ValueError: a model with batch statistics, or one drawing random numbers in its forward pass (C7); a
             non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
             not split into S equal shards (the message names the leaf and the fix); an unknown strategy; negative

@@ -145,10 +145,12 @@ def float32_compute(graphdef, params, rest):
 
     Every Flax layer (``Linear``, ``Embed``, ``LayerNorm``, ``MultiHeadAttention``, ...: a ``dtype`` and a
     ``param_dtype``) whose ``dtype`` is less precise than float32, or unset on parameters less precise than
-    float32 (it computes in its parameters' dtype), gets ``dtype=float32``; the parameters keep their dtype. The gradient of that model is the reference's gradient
-    without the compute dtype's rounding, so its difference from the reference's measures that rounding
-    (:func:`compute_allowance`). A cast written into a layer's own code (``x.astype(jnp.bfloat16)``) stays: that
-    rounding is then measured only by the split's realizations.
+    float32 (it computes in its parameters' dtype), gets ``dtype=float32``; the parameters keep their dtype.
+    The gradient of that model is the reference's gradient without the compute dtype's rounding, so its
+    difference from the reference's measures that rounding (:func:`compute_allowance`). A cast written into a
+    layer's own code (``x.astype(jnp.bfloat16)``) stays: that rounding is then measured only by the split's
+    realizations and bounded by :func:`output_rounding`. The caller's model is not changed (``nnx.merge``
+    builds new modules). Raises nothing.
 
     Args:
         graphdef, params, rest: ``nnx.split(model, nnx.Param, ...)`` of the model.
