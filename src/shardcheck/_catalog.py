@@ -111,3 +111,19 @@ def seed_form() -> tuple[str, ...]:
         if first[spec.placement] == name if spec.uses_mesh else not spec.wraps_optimizer:
             names.append(BASELINE if name == REFERENCE else name)
     return tuple(names)
+
+
+# ------------------------------------------------------------------------------------------- subcommands
+
+SUMMARIES = {
+    "run": "one SGD step of each computation on a real data set, compared with the baseline",
+    "launch": "run a subcommand as P local processes x N CPU devices over JAX's distributed runtime",
+    "train": "train a sharded strategy beside the single-device baseline on real data and watch them drift",
+    "memory": "bytes per device of params, grads and optimizer state under each strategy (estimate, measured)",
+    "verify": "prove each sharded step against the single-device baseline, leaf by leaf, over many steps",
+}
+"""Each ``shardcheck`` subcommand's one line in ``shardcheck --help``. It lives here, without JAX, so that the
+top-level help loads no subcommand module (they import JAX) and :mod:`shardcheck.launcher` tells a subcommand from
+a command without importing the command line; the modules' own ``add_parser`` help must say the same
+(tests/test_cli_cache.py checks)."""
+SUBCOMMANDS = tuple(SUMMARIES)

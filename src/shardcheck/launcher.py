@@ -194,7 +194,7 @@ def worker_command(argv: Sequence[str]) -> list[str]:
     Raises:
         ValueError: ``argv[0]`` is neither a subcommand nor an executable on ``PATH`` (or a path to one).
     """
-    from shardcheck.cli import SUBCOMMANDS
+    from shardcheck._catalog import SUBCOMMANDS
 
     head, rest = argv[0], list(argv[1:])
     if head in SUBCOMMANDS:

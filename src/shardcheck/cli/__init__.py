@@ -17,16 +17,9 @@ import sys
 import textwrap
 from collections.abc import Iterable, Sequence
 
-SUMMARIES = {
-    "run": "one SGD step of each computation on a real data set, compared with the baseline",
-    "launch": "run a subcommand as P local processes x N CPU devices over JAX's distributed runtime",
-    "train": "train a sharded strategy beside the single-device baseline on real data and watch them drift",
-    "memory": "bytes per device of params, grads and optimizer state under each strategy (estimate, measured)",
-    "verify": "prove each sharded step against the single-device baseline, leaf by leaf, over many steps",
-}
-"""Each subcommand's one line in ``shardcheck --help``, so that the top-level help loads no subcommand module
-(they import JAX); the modules' own ``add_parser`` help must say the same (tests/test_cli_cache.py checks)."""
-SUBCOMMANDS = tuple(SUMMARIES)
+from shardcheck._catalog import SUBCOMMANDS as SUBCOMMANDS
+from shardcheck._catalog import SUMMARIES as SUMMARIES
+
 # The subcommands that compile (memory only with --measure); their --help says where the cache lives.
 COMPILING = ("run", "train", "memory", "verify")
 

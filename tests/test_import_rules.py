@@ -1,0 +1,183 @@
+"""The package's import rules, read from the source with ``ast`` (nothing is imported, so a rule also holds for
+imports inside functions and for modules that need JAX).
+
+- ``steps/`` (how each strategy's step is built) imports nothing from the layers that use it: the parity
+  harness, memory, the runner, the training loop, the built-in tasks or the command line.
+- ``launcher`` (the multi-process launch) imports nothing from the command line; the subcommands' names come
+  from the JAX-free catalog.
+- No module of the engine imports the seeds' adapters (``shardcheck.seeds``): they sit on top of it.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "shardcheck"
+
+# (modules a rule applies to, modules they must not import); a name covers its submodules.
+RULES = (
+    (
+        ("shardcheck.steps",),
+        (
+            "shardcheck.parity",
+            "shardcheck.memory",
+            "shardcheck.ahead_of_time",
+            "shardcheck.runner",
+            "shardcheck.training",
+            "shardcheck.tasks",
+            "shardcheck.cli",
+        ),
+    ),
+    (("shardcheck.launcher",), ("shardcheck.cli",)),
+)
+# The seeds' adapters, their deprecated module aliases, the command line and the package's lazy re-exports sit
+# above the engine; every other module is the engine and must not import the adapters.
+ABOVE_THE_ENGINE = (
+    "shardcheck",
+    "shardcheck.seeds",
+    "shardcheck.cli",
+    "shardcheck.spmd",
+    "shardcheck.baseline",
+    "shardcheck.simulation",
+    "shardcheck.accumulation",
+    "shardcheck.reductions",
+    "shardcheck.parity.legacy",
+    "shardcheck.__main__",
+)
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def module_name(path: pathlib.Path) -> str:
+    """``src/shardcheck/steps/sharded.py`` -> ``shardcheck.steps.sharded``; a package's ``__init__`` -> its name."""
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(module: str, source: str, *, is_package: bool = False) -> set[str]:
+    """Every module ``source`` (the text of ``module``) imports, anywhere in it, as absolute dotted names.
+
+    ``from a.b import c`` counts as ``a.b`` and ``a.b.c`` (``c`` may be a submodule); relative imports are
+    resolved against ``module``'s package.
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[: len(package) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def violations(module: str, source: str, *, is_package: bool = False) -> list[str]:
+    """The broken rules of one module, as ``"importer imports forbidden"`` lines."""
+    found = []
+    names = imported(module, source, is_package=is_package)
+    for importers, forbidden in RULES:
+        if any(_within(module, m) for m in importers):
+            found += [f"{module} imports {n}" for n in sorted(names) if any(_within(n, f) for f in forbidden)]
+    if not any(module == m or _within(module, m) and m != "shardcheck" for m in ABOVE_THE_ENGINE):
+        found += [f"{module} imports {n}" for n in sorted(names) if _within(n, "shardcheck.seeds")]
+    return found
+
+
+def _package_modules() -> list[pathlib.Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_package_keeps_its_import_rules():
+    broken = []
+    for path in _package_modules():
+        broken += violations(module_name(path), path.read_text(), is_package=path.name == "__init__.py")
+    assert broken == []
+
+
+def test_the_rules_read_every_module_of_the_package():
+    names = {module_name(p) for p in _package_modules()}
+    assert {"shardcheck.steps.sharded", "shardcheck.launcher", "shardcheck.parity.harness"} <= names
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        # a planted forbidden import at the top, inside a function, and relative
+        (
+            "shardcheck.steps.sharded",
+            "from shardcheck.parity import compare\n",
+            [
+                "shardcheck.steps.sharded imports shardcheck.parity",
+                "shardcheck.steps.sharded imports shardcheck.parity.compare",
+            ],
+        ),
+        (
+            "shardcheck.steps.registry",
+            "def f():\n    import shardcheck.cli.verify\n",
+            ["shardcheck.steps.registry imports shardcheck.cli.verify"],
+        ),
+        (
+            "shardcheck.steps.registry",
+            "from ..memory import estimate_memory\n",
+            [
+                "shardcheck.steps.registry imports shardcheck.memory",
+                "shardcheck.steps.registry imports shardcheck.memory.estimate_memory",
+            ],
+        ),
+        (
+            "shardcheck.launcher",
+            "def f():\n    from shardcheck.cli import SUBCOMMANDS\n",
+            [
+                "shardcheck.launcher imports shardcheck.cli",
+                "shardcheck.launcher imports shardcheck.cli.SUBCOMMANDS",
+            ],
+        ),
+        (
+            "shardcheck.parity.harness",
+            "from shardcheck.seeds import fsdp_step\n",
+            [
+                "shardcheck.parity.harness imports shardcheck.seeds",
+                "shardcheck.parity.harness imports shardcheck.seeds.fsdp_step",
+            ],
+        ),
+    ],
+)
+def test_a_planted_forbidden_import_is_caught(module, source, expected):
+    assert violations(module, source) == expected
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        (
+            "shardcheck.steps.sharded",
+            "from shardcheck.task import divide\nfrom shardcheck.mesh import fsdp_axis\n",
+        ),
+        ("shardcheck.launcher", "from shardcheck._catalog import SUBCOMMANDS\n"),
+        ("shardcheck.seeds.baseline", "from shardcheck.steps import STRATEGIES\n"),
+        ("shardcheck.cli.run", "from shardcheck.seeds import fsdp_step\n"),
+        ("shardcheck.spmd", "from shardcheck.seeds.mesh_steps import fsdp_sgd_step\n"),
+    ],
+)
+def test_an_allowed_import_passes(module, source):
+    assert violations(module, source) == []
+
+
+def test_a_relative_import_resolves_against_the_package():
+    assert imported("shardcheck.steps", "from . import sharded\n", is_package=True) == {
+        "shardcheck.steps",
+        "shardcheck.steps.sharded",
+    }
+    assert "shardcheck.parity" in imported("shardcheck.steps.sharded", "from ..parity import x\n")
