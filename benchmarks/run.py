@@ -887,6 +887,22 @@ def render(r: dict) -> None:
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+def _explanations(missed: list[tuple[str, dict]]) -> list[str]:
+    """One line per missed target; an explanation whose text after its first sentence (the figures of this
+    row) was already given for another row says so instead of repeating it."""
+    lines, seen = [], {}
+    for key, t in missed:
+        first, sep, rest = t["why_not"].partition(". ")
+        if sep and len(rest) > 200 and rest in seen:
+            lines.append(
+                f"- **{key} missed**: {first}. The explanation and the profile are those of `{seen[rest]}`."
+            )
+        else:
+            seen.setdefault(rest, key)
+            lines.append(f"- **{key} missed**: {t['why_not']}")
+    return lines
+
+
 def render_markdown(r: dict) -> str:
     """The latest figures as Markdown tables (what ``--readme`` writes between the README's markers)."""
     m, c = r["machine"], r["config"]
@@ -907,7 +923,7 @@ def render_markdown(r: dict) -> str:
     missed = [(k, t) for k, t in r["targets"].items() if t["met"] is False]
     if missed:
         out.append("")
-        out += [f"- **{k} missed**: {t['why_not']}" for k, t in missed]
+        out += _explanations(missed)
     full = r["timing"]["full"]["median_s"]
     out += [
         "",
@@ -972,9 +988,12 @@ def render_ratios_markdown(r: dict) -> str:
     """The top-level README's ratio table (between its ``<!-- ratios:start -->`` markers): every target."""
     out = ["| ratio | measured | target | met |", "|---|---:|---:|:--:|"]
     out += [f"| {t['what']} | {_value(t)} | <= {t['target']} | {_met(t)} |" for t in r["targets"].values()]
-    for t in r["targets"].values():
-        if t["met"] is False:
-            out += ["", f"Not met: {t['what']}. {t['why_not']}"]
+    if any(t["met"] is False for t in r["targets"].values()):
+        out += [
+            "",
+            "Where a target is not met, [benchmarks/README.md](benchmarks/README.md) says why, with the profile of "
+            "the run.",
+        ]
     return "\n".join(out)
 
 
