@@ -8,28 +8,17 @@ import tempfile
 
 from hypothesis import settings
 
+from shardcheck.cli._xla import with_cpu_compile_flags
+
 # Compile time is most of the suite's time, and XLA:CPU's defaults are tuned for running programs, not compiling
-# them. The suite compiles with:
-# - the LLVM back end at optimization level 0 (the whole suite: 512 s against 752 s wall at the default level);
-# - the classic elemental emitters for fusions (`xla_cpu_use_fusion_emitters=false`), not the MLIR fusion
-#   emitters;
-# - one LLVM module per program (`xla_cpu_parallel_codegen_split_count=1`): two cores gain nothing from
-#   compiling a program's parts in parallel.
+# them. The suite compiles as the command line does on a CPU-only machine (shardcheck.cli._xla, which says why):
+# LLVM at optimization level 0, the classic elemental emitters for fusions, one LLVM module per program.
 # Backend compile seconds of the bfloat16 tiny-lm check of every strategy (84 programs, 2 cores): 42-50 s at
-# level 0 alone, 45.5 s with the classic emitters at level 2, 19.5 s with both, 14.4 s with all three. The
-# suite's programs are small, so they run about as fast. None of these changes an operation's semantics, only
-# which instructions compute it, so a test that passes only under one of them pins that configuration's
-# rounding: none may (tests/kinked.py plants its rounding instead). The flags are jaxlib 0.10's (pyproject pins
-# the minor version; XLA refuses a flag it does not know). The command line, the library and the benchmarks keep
-# XLA's defaults; an XLA_FLAGS that sets any of these wins.
-SUITE_XLA_FLAGS = {
-    "xla_backend_optimization_level": "0",
-    "xla_cpu_use_fusion_emitters": "false",
-    "xla_cpu_parallel_codegen_split_count": "1",
-}
-for flag, value in SUITE_XLA_FLAGS.items():
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
+# level 0 alone, 45.5 s with the classic emitters at level 2, 19.5 s with both, 14.4 s with all three. None of
+# these changes an operation's semantics, only which instructions compute it, so a test that passes only under
+# one of them pins that configuration's rounding: none may (tests/kinked.py plants its rounding instead). An
+# XLA_FLAGS that sets any of these wins.
+os.environ["XLA_FLAGS"] = with_cpu_compile_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402  (XLA reads XLA_FLAGS when its first backend starts)
 

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "launch":  # launch's workers are shardcheck processes: each does this itself
         from shardcheck import distributed
         from shardcheck.cli._cache import enable_compilation_cache, enable_dataset_cache
+        from shardcheck.cli._xla import use_cpu_compile_flags
 
+        use_cpu_compile_flags()  # before JAX starts a backend: a CPU-only run compiles for compile time
         enable_compilation_cache()  # before any compilation; a folder it cannot use only prints a warning
         enable_dataset_cache()  # a repeated run reads the bundled data without importing scikit-learn
         try:  # join a multi-process run when SHARDCHECK_COORDINATOR etc. describe one

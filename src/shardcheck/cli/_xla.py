@@ -1,0 +1,82 @@
+"""XLA:CPU code generation for the command line's runs on (fake) CPU devices: compiled for compile time.
+
+A ``shardcheck`` command on a CPU compiles many small programs (the reference step, each strategy's step, the
+comparisons) and runs each a few times, so compile time is most of a cold command. XLA:CPU's defaults are tuned
+for programs that run long. On a CPU-only machine the command line sets, unless ``XLA_FLAGS`` already names
+them:
+
+- ``xla_backend_optimization_level=0``: LLVM at its lowest optimization level;
+- ``xla_cpu_use_fusion_emitters=false``: the classic elemental emitters for fusions, not the MLIR ones;
+- ``xla_cpu_parallel_codegen_split_count=1``: one LLVM module per program.
+
+None of them changes what an operation computes, only which instructions compute it; the test suite runs under
+the same flags (``tests/conftest.py`` reads :data:`CPU_COMPILE_FLAGS`). ``benchmarks/run.py`` measures the cold
+commands both ways. A machine with an accelerator plugin installed (CUDA, ROCm, TPU) keeps XLA's defaults, since
+``xla_backend_optimization_level`` applies to every backend, and so does any run with
+``SHARDCHECK_XLA_CPU=default``.
+
+Nothing here imports JAX: the flags must be in the environment before JAX starts its first backend.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import MutableMapping
+
+CPU_COMPILE_FLAGS = {
+    "xla_backend_optimization_level": "0",
+    "xla_cpu_use_fusion_emitters": "false",
+    "xla_cpu_parallel_codegen_split_count": "1",
+}
+"""The XLA flags of a CPU-only run, by name (jaxlib 0.10's; XLA refuses a flag it does not know)."""
+
+ENV_XLA_CPU = "SHARDCHECK_XLA_CPU"
+"""Environment variable: ``default`` keeps XLA's own code generation on a CPU-only machine."""
+
+_ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
+
+
+def accelerator_installed(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Whether JAX may find an accelerator: ``JAX_PLATFORMS`` asks for one, or (unless it says ``cpu``) a PJRT
+    plugin (``jax_plugins`` entry points or namespace package, as JAX discovers them) or libtpu is installed."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if any(p in platforms for p in _ACCELERATOR_PLATFORMS):
+        return True
+    if platforms.strip() == "cpu":
+        return False
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return True
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "libtpu"))
+
+
+def _backends_started() -> bool:
+    """Whether JAX has started its backends in this process (without importing JAX when it is not loaded)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bridge is not None and bridge.backends_are_initialized()
+
+
+def with_cpu_compile_flags(xla_flags: str) -> str:
+    """``xla_flags`` (an ``XLA_FLAGS`` value) with every flag of :data:`CPU_COMPILE_FLAGS` it does not name."""
+    flags = xla_flags.strip()
+    for name, value in CPU_COMPILE_FLAGS.items():
+        if name not in flags:
+            flags = f"{flags} --{name}={value}".strip()
+    return flags
+
+
+def use_cpu_compile_flags(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Put :data:`CPU_COMPILE_FLAGS` into ``environ["XLA_FLAGS"]`` on a CPU-only machine; returns whether it did.
+
+    Call before JAX initializes a backend (the flags are read once, when the first backend starts). Does nothing
+    with ``SHARDCHECK_XLA_CPU=default``, when an accelerator may be present (:func:`accelerator_installed`), or
+    once JAX has started its backends in this process.
+    """
+    if environ.get(ENV_XLA_CPU, "").strip().lower() == "default" or accelerator_installed(environ):
+        return False
+    if _backends_started():  # called as a library after JAX started: the flags could no longer apply
+        return False
+    environ["XLA_FLAGS"] = with_cpu_compile_flags(environ.get("XLA_FLAGS", ""))
+    return True
