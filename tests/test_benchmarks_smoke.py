@@ -28,8 +28,18 @@ RATIOS = (
     "cli_run_s",
     "cli_verify_s",
     "cli_help_s",
+    "cold_verify_tiny_lm_s",
+    "cold_verify_tiny_lm_over_bare",
+    "cold_verify_bf16_s",
 )
-NOT_QUICK = ("parity_over_steps_tiny_lm", "cli_run_s", "cli_verify_s")  # minutes of compiling: full runs only
+NOT_QUICK = (  # minutes of compiling: full runs only
+    "parity_over_steps_tiny_lm",
+    "cli_run_s",
+    "cli_verify_s",
+    "cold_verify_tiny_lm_s",
+    "cold_verify_tiny_lm_over_bare",
+    "cold_verify_bf16_s",
+)
 TIMED_ROWS = ("full", "sim_saved", "sim_stream", "matmul_bound", "naive_eager", "dp", "fsdp")
 MEMORY_ROWS = ("full", "sim_saved", "sim_stream", "matmul_bound", "dp", "fsdp")
 MEMORY_FIELDS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
