@@ -288,3 +288,77 @@ def test_library_errors_name_the_flags_on_the_command_line():
     assert (
         library_to_flags("run_step: num_shards_total stays", "verify") == "run_step: num_shards_total stays"
     )
+
+
+CANDIDATE_FILE = """
+import optax
+from flax import nnx
+
+import shardcheck
+from shardcheck.steps.reference import reference_step
+from shardcheck.tasks import load_task
+
+task = load_task("digits", optimizer="adam", lr=1e-2, steps=3, batch_size=32)
+# a step with its own optimizer wrapper: gradient accumulation over 2 micro-batches (optax.MultiSteps)
+accumulate = shardcheck.strategy_candidate(task, "accumulation", num_shards=2)
+
+
+def _double_lr(model, optimizer):
+    return nnx.Optimizer(model, optax.adam(2 * 1e-2), wrt=nnx.Param)
+
+
+def _step(model, optimizer, batch):
+    return reference_step(task.loss_fn, model, optimizer, batch).loss
+
+
+# a planted fault in the wrapper: the candidate's optimizer runs at twice the task's learning rate
+double_lr = shardcheck.Candidate(name="double_lr", step=_step, make_optimizer=_double_lr)
+not_a_step = shardcheck.Candidate(name="broken", step=42)
+"""
+
+
+@pytest.fixture
+def candidate_file(tmp_path):
+    path = tmp_path / "my_candidates.py"
+    path.write_text(CANDIDATE_FILE)
+    return path
+
+
+def test_a_candidate_with_its_own_optimizer_wrapper_is_verified(candidate_file, tmp_path):
+    out = tmp_path / "c.json"
+    args = ["verify", "--task", f"{candidate_file}:task", "--strategies", "none", "--devices", "2"]
+    assert main([*args, "--candidate", f"{candidate_file}:accumulate", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["strategies"]["candidate"]
+    assert r["verdict"] == "PASS" and r["steps"] == 3 and r["num_shards"] == 2
+
+
+def test_a_candidate_whose_wrapper_is_wrong_fails(candidate_file, tmp_path):
+    out = tmp_path / "c.json"
+    args = ["verify", "--task", f"{candidate_file}:task", "--strategies", "none", "--devices", "2"]
+    assert main([*args, "--candidate", f"{candidate_file}:double_lr", "--json", str(out)]) == 1
+    r = json.loads(out.read_text())["strategies"]["candidate"]
+    assert r["verdict"] == "FAIL"
+    assert "update ratio 2" in r["diagnosis"]  # Adam's first update is lr * sign: twice the reference's
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--task", "{file}:task", "--candidate", "{file}:not_a_step"],
+            "is a shardcheck.Candidate whose step is a int, not a callable",
+        ),
+        (["--candidate", "{file}:accumulate"], "pass the task it runs on with --task"),
+    ],
+)
+def test_a_bad_candidate_object_exits_2_naming_the_fix(candidate_file, capsys, extra, message):
+    argv = [
+        "verify",
+        "--strategies",
+        "none",
+        "--devices",
+        "2",
+        *[a.format(file=candidate_file) for a in extra],
+    ]
+    assert main(argv) == 2
+    assert message in " ".join(capsys.readouterr().err.split())

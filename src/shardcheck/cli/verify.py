@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import TYPE_CHECKING
 
 from shardcheck._catalog import CANDIDATES, COMPARED
 from shardcheck.cli._common import (
@@ -21,6 +22,10 @@ from shardcheck.cli._task import (
     precision_overrides,
     task_from_args,
 )
+
+if TYPE_CHECKING:  # the steps import JAX; verify --help does not
+    from shardcheck.steps import Candidate
+
 
 # every registered strategy but the reference; the default leaves out multiprocess (it needs a launched run)
 STRATEGY_NAMES = COMPARED
@@ -103,20 +108,25 @@ def _fail(message: str) -> int:
 
 
 def load_candidate(spec: str, *, task_form: bool = True):
-    """The function ``spec`` names: ``package.module:func`` or ``path/to/file.py:func``.
+    """The step ``spec`` names: ``package.module:func`` or ``path/to/file.py:func``.
 
-    A file is imported with its folder first on ``sys.path`` (so it can import sibling modules), removed again
-    afterwards.
+    The attribute is a function, or a :class:`~shardcheck.Candidate` (a step with its own optimizer wrapper,
+    counters or shard count), returned as it is for :func:`~shardcheck.check_parity`. A file is imported with its
+    folder first on ``sys.path`` (so it can import sibling modules), removed again afterwards.
 
     Raises:
         ValueError: malformed spec, missing file or module, an import that fails, a missing or non-callable
-            attribute, or a function whose positional parameters fit neither ``(model, optimizer, batch[, mesh])``
-            (``(model, optimizer, x, y[, mesh])`` when ``task_form`` is False).
+            attribute, a function whose positional parameters fit neither ``(model, optimizer, batch[, mesh])``
+            (``(model, optimizer, x, y[, mesh])`` when ``task_form`` is False), a Candidate whose step is not
+            callable or that is given without ``--task``.
     """
+    from shardcheck.steps import Candidate
     from shardcheck.tasks.loading import import_attr
 
     fn = "shardcheck verify: --candidate"
     func = import_attr(fn, spec, "FUNC")
+    if isinstance(func, Candidate):
+        return _checked_candidate(fn, spec, func, task_form)
     if not callable(func):
         raise ValueError(f"{fn}: {spec!r} names a {type(func).__name__}, not a callable step")
     try:
@@ -139,6 +149,21 @@ def load_candidate(spec: str, *, task_form: bool = True):
             f"{form} and update model and optimizer in place"
         )
     return func
+
+
+def _checked_candidate(fn: str, spec: str, candidate: Candidate, task_form: bool) -> Candidate:
+    """A :class:`~shardcheck.Candidate` named by ``--candidate``: its step must be callable, and it runs on a task."""
+    if not task_form:
+        raise ValueError(
+            f"{fn}: {spec!r} is a shardcheck.Candidate, whose step takes (model, optimizer, batch); pass the task it "
+            "runs on with --task (a Candidate cannot run on the (x, y) regression form)"
+        )
+    if not callable(candidate.step):
+        raise ValueError(
+            f"{fn}: {spec!r} is a shardcheck.Candidate whose step is a {type(candidate.step).__name__}, not a "
+            "callable; give it step=your_step(model, optimizer, batch)"
+        )
+    return candidate
 
 
 def _parse_strategies(text: str, has_candidate: bool) -> list[str]:
