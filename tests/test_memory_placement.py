@@ -210,7 +210,7 @@ def annotated_lm():
 @require_devices(4)
 def test_cli_task_file_measures_without_mesh_as_annotated(annotated_lm, capsys):
     """``shardcheck memory --task FILE --measure`` (no --mesh): on fsdp=4, as ``estimate_memory(task, mesh=
-    {"fsdp": 4})`` places it; the annotated example used to fail with "mesh has no axis 'fsdp'"."""
+    {"fsdp": 4})`` places it: the example's annotations name the axis "fsdp", which that mesh has."""
     spec = f"{Path(__file__).parents[1] / 'examples' / 'annotated_lm.py'}:task"
     args = ["memory", "--task", spec, "--shards", "4", "--devices", "4", "--measure", "--json", "-"]
     assert main(args) == 0

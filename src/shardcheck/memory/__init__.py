@@ -35,7 +35,6 @@ from shardcheck.memory.models import DeepMLP as DeepMLP
 from shardcheck.memory.models import make_memory_model as make_memory_model
 from shardcheck.memory.state import CATEGORIES as CATEGORIES
 from shardcheck.memory.state import DTYPES as DTYPES
-from shardcheck.memory.state import STEP_COUNTER as STEP_COUNTER
 from shardcheck.memory.state import abstract_params as abstract_params
 from shardcheck.memory.state import abstract_training_state as abstract_training_state
 from shardcheck.memory.state import check_param_dtype as check_param_dtype

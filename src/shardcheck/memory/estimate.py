@@ -349,7 +349,7 @@ def estimate_memory(
     Raises:
         TypeError: ``num_shards`` not an int, neither it nor ``mesh`` given, ``mesh`` of another type;
             ``optimizer`` or ``model_or_abstract_state`` of the wrong type; an optimizer passed with a Task, or
-            none without one; ``"placed"`` without a real ``nnx.Optimizer``.
+            none without one; ``"placed"`` without ``mesh=`` or a real ``nnx.Optimizer``.
         ValueError: unknown ``strategy`` or optimizer name, ``num_shards < 1`` or other than the mesh's size,
             ``param_dtype`` not a floating dtype, no parameters, an annotation the mesh cannot honour
             (:func:`~shardcheck.steps.sharded.state_specs`), ``"placed"`` with abstract arrays.
@@ -365,8 +365,10 @@ def estimate_memory(
     """
     fn = "estimate_memory"
     check_strategy(fn, strategy)
-    mesh = placement_mesh(fn, mesh, num_shards)
     placed = strategy == "placed"
+    if placed and mesh is None:
+        raise TypeError(f"{fn}: strategy='placed' needs mesh=, the jax.sharding.Mesh the state is placed on")
+    mesh = placement_mesh(fn, mesh, num_shards)
     model, opt = training_state(
         fn, model_or_abstract_state, optimizer, placed=placed, param_dtype=param_dtype
     )

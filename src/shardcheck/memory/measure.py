@@ -38,7 +38,7 @@ class MemoryMeasurement:
     step.
 
     Attributes:
-        strategy: one of :data:`shardcheck.partitioning.STRATEGIES`.
+        strategy: the strategy measured (:data:`MEASURED`), or the name of a user's step.
         num_devices: devices of the mesh the step ran on (1 for ``"replicated"``).
         argument_bytes: XLA ``argument_size_in_bytes``: every input buffer of one device (state and data).
         output_bytes: XLA ``output_size_in_bytes`` (new state, the loss, and XLA's tuple index tables).

@@ -30,9 +30,6 @@ keys and counts; none for most models), gradients, optax state, NNX's optimizer 
 DTYPES = ("float32", "bfloat16")
 """The parameter dtypes the CLI offers; :func:`~shardcheck.memory.estimate_memory` takes any floating dtype."""
 
-STEP_COUNTER = jax.ShapeDtypeStruct((), jnp.uint32)
-"""``nnx.Optimizer.step``: one uint32 scalar (4 bytes), replicated under every strategy."""
-
 
 def check_param_dtype(fn: str, param_dtype) -> np.dtype:
     """``param_dtype`` must name a floating dtype (``"float32"``, ``"bfloat16"``, ``jnp.float16``, ...)."""
@@ -157,20 +154,6 @@ def params_module(tree: PyTree) -> nnx.Module:
 
     module = wrap(tree)
     return module if isinstance(module, nnx.Module) else nnx.List([module])
-
-
-def abstract_task_model(fn: str, task: Task) -> nnx.Module:
-    """The task's model under ``nnx.eval_shape``: every variable a ``jax.ShapeDtypeStruct``, nothing allocated.
-
-    Raises:
-        TypeError: the factory needs arguments or returns something other than an ``nnx.Module``.
-    """
-    return nnx.eval_shape(lambda: task.new_model(fn))
-
-
-def abstract_model_state(model: nnx.Module) -> dict:
-    """The model's variables other than ``nnx.Param`` (RNG keys and counts) as ``jax.ShapeDtypeStruct``."""
-    return _abstract("estimate_memory", nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
 
 def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:
