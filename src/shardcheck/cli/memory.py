@@ -93,7 +93,12 @@ def _add_model_arguments(p) -> None:
 def _add_strategy_arguments(p) -> None:
     """How it is sized: --shards, --optimizer, --dtype, --strategy."""
     p.add_argument(
-        "--shards", type=int, default=None, metavar="S", help="shards S (default: --devices if given, else 8)"
+        "--shards",
+        type=int,
+        default=None,
+        metavar="S",
+        help="shards S: the state is placed on the mesh fsdp=S, as --mesh fsdp=S places it (default: --devices if "
+        "given, else 8)",
     )
     p.add_argument(
         "--optimizer",
