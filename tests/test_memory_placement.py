@@ -223,3 +223,14 @@ def test_cli_task_file_measures_without_mesh_as_annotated(annotated_lm, capsys):
         n = 1 if name == "replicated" else 4
         assert s["measured"]["state_bytes_per_device"] == [est.persistent_bytes] * n, name
         assert s["measured"]["accuracy_ratio"] == 1.0
+
+
+def test_param_dtype_casts_a_task_and_its_optimizer_state():
+    """Linear(8, 6) in bfloat16 on fsdp=4: kernel (2, 6) = 24 B + bias (6,) 12 B; Adam 4 + 2 * 36 B (as in
+    tests/test_memory.py), the annotated task's kernels keep their annotated split."""
+    plain = estimate_memory(make_task(False), num_shards=4, strategy="fsdp", param_dtype="bfloat16")
+    assert (plain.params_bytes, plain.optimizer_bytes, plain.step_bytes) == (36, 76, 4)
+    assert {leaf.dtype for leaf in plain.leaves if leaf.category != "step"} == {"bfloat16", "int32"}
+    annotated = estimate_memory(make_task(True), mesh={"fsdp": 4}, strategy="fsdp", param_dtype="bfloat16")
+    leaves = {leaf.path: leaf for leaf in annotated.leaves if leaf.category == "params"}
+    assert leaves["up/kernel"].shard_shape == (8, 4) and annotated.params_bytes == 260 // 2

@@ -183,9 +183,10 @@ def _cast_module(fn: str, model: nnx.Module, param_dtype) -> nnx.Module:
 def training_state(fn: str, source, optimizer, *, placed: bool, param_dtype=None):
     """The ``(model, optimizer)`` pair an estimate sizes, from any form :func:`estimate_memory` takes.
 
-    A Task: :func:`abstract_training_state`. A module, ``nnx.State`` or parameter pytree (the last two through
-    :func:`params_module`), its floating parameters cast to ``param_dtype`` when given, with an abstract
-    ``nnx.Optimizer`` of ``optimizer``'s transformation; ``placed``: the real, placed pair as given.
+    A Task: its model under ``nnx.eval_shape`` and ``task.optimizer``; a module as given; an ``nnx.State`` or a
+    parameter pytree as :func:`params_module`. Its floating parameters are cast to ``param_dtype`` when given, and
+    the optimizer is ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` under ``nnx.eval_shape`` (its state follows the
+    cast). ``placed``: the real, placed pair as given.
 
     Raises:
         TypeError: an optimizer with a Task, none without one, a source of another type, ``placed`` without a real
@@ -198,25 +199,26 @@ def training_state(fn: str, source, optimizer, *, placed: bool, param_dtype=None
                 f"{fn}: with a Task pass no optimizer (got {type(optimizer).__name__}); the task's own "
                 "task.optimizer is the one its step uses"
             )
-        model, opt = abstract_training_state(fn, source)
-        return (model if param_dtype is None else _cast_module(fn, model, param_dtype)), opt
-    if placed:
+        if param_dtype is None:
+            return abstract_training_state(fn, source)
+        model, tx = abstract_training_state(fn, source)[0], source.optimizer
+    elif placed:
         if not isinstance(source, nnx.Module) or not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(
                 f"{fn}: strategy='placed' reads the shardings of the real arrays: pass the model and its "
                 "nnx.Optimizer after they were placed (e.g. after one step), not an optimizer name or transformation"
             )
         return source, optimizer
-    if optimizer is None:
+    elif optimizer is None:
         raise TypeError(
             f"{fn}: optimizer is missing; pass a name ({', '.join(OPTIMIZERS)}), an optax GradientTransformation or "
             "an nnx.Optimizer, or pass a shardcheck.Task, which carries its own"
         )
-    tx = optimizer_transform(fn, optimizer)
-    params = abstract_params(fn, source, param_dtype)  # validates every form, and that it has parameters
-    if isinstance(source, nnx.Module):
-        model = source if param_dtype is None else _cast_module(fn, source, param_dtype)
     else:
-        model = params_module(params)
+        tx = optimizer_transform(fn, optimizer)
+        params = abstract_params(fn, source)  # validates every form, and that it has parameters
+        model = source if isinstance(source, nnx.Module) else params_module(params)
+    if param_dtype is not None:
+        model = _cast_module(fn, model, param_dtype)
     with nnx.use_eager_sharding(False):
         return model, nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), model)
