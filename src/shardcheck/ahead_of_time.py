@@ -1,6 +1,6 @@
 """The training step's memory ahead of time: compiled on abstract inputs at full scale, nothing allocated.
 
-:func:`compile_ahead_of_time` lowers and compiles the real step of a strategy (the registry's, through
+:func:`compile_ahead_of_time` lowers and compiles the real step of a strategy (the program it runs, through
 :func:`shardcheck.memory.lower_step`) on ``jax.ShapeDtypeStruct`` state and batch carrying their target
 ``NamedSharding`` over as many (fake CPU) devices as the mesh has, and reads XLA's per-device figures;
 :func:`largest_batch_that_fits` compiles it at a few batch sizes against a device's memory
@@ -150,7 +150,7 @@ def _check_aot_args(fn, task, mesh, strategy, batch_size) -> None:
 def compile_ahead_of_time(
     task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "fsdp", batch_size: int | None = None
 ) -> AheadOfTimeMemory:
-    """Lower and compile the registry's real step of ``task`` on abstract inputs, and read its memory per device.
+    """Lower and compile the strategy's real step of ``task`` on abstract inputs, and read its memory per device.
 
     The state is ``nnx.eval_shape`` of the task's model and ``nnx.Optimizer`` (:func:`abstract_training_state`),
     the batch ``jax.ShapeDtypeStruct`` of the first batch's leaves with the leading size ``batch_size``
