@@ -511,8 +511,8 @@ def run(args) -> dict:
     results["compile"] = compile_rows
 
     clock.lap("compile")
-    # FSDP against DP memory per device on a wide layer: shardcheck.memory.measure_memory compiles each real
-    # step (spmd.trace_sgd_step), reads XLA's memory_analysis and the live state bytes after one step.
+    # FSDP against DP memory per device on a wide layer: shardcheck.memory.measure_memory compiles each
+    # strategy's real step, reads XLA's memory_analysis and the live state bytes after one step.
     fb, fd, fn_ = args.fsdp_batch, args.fsdp_dim, args.fsdp_devices
     fmesh = spmd.make_mesh(fn_)
     fx = np.asarray(jax.random.normal(kx, (fb, fd), jnp.float32))

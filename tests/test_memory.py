@@ -119,7 +119,7 @@ def test_leaf_that_does_not_divide_stays_whole():
     leaves = {(leaf.category, leaf.path): leaf for leaf in est.leaves}
     kernel, bias = leaves["params", "kernel"], leaves["params", "bias"]
     assert kernel.sharded and kernel.shard_shape == (2, 6) and kernel.per_device_bytes == 48
-    assert kernel.global_bytes == 192 and kernel.spec == repr(jax.sharding.PartitionSpec("data"))
+    assert kernel.global_bytes == 192 and kernel.spec == repr(jax.sharding.PartitionSpec("fsdp"))
     assert not bias.sharded and bias.shard_shape == (6,) and bias.per_device_bytes == 24
     assert bias.replicated_reason == "no dimension of (6,) divides by S=4"
     assert all(leaf.padded_bytes == 0 for leaf in est.leaves)  # the rule replicates, it never pads
@@ -188,7 +188,7 @@ def test_deep_mlp_splits_the_first_dimension_that_divides():
     est = estimate_memory(model, "sgd", num_shards=8, strategy="fsdp")
     leaves = {leaf.path: leaf for leaf in est.leaves if leaf.category == "params"}
     assert leaves["layers/0/kernel"].shard_shape == (4, 1)
-    assert leaves["layers/0/kernel"].spec == repr(jax.sharding.PartitionSpec(None, "data"))
+    assert leaves["layers/0/kernel"].spec == repr(jax.sharding.PartitionSpec(None, "fsdp"))
     assert leaves["layers/1/kernel"].shard_shape == (1, 8)
     assert leaves["layers/2/kernel"].shard_shape == (1, 2)
     assert not leaves["layers/2/bias"].sharded

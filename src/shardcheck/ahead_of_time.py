@@ -1,6 +1,6 @@
 """The training step's memory ahead of time: compiled on abstract inputs at full scale, nothing allocated.
 
-:func:`compile_ahead_of_time` lowers and compiles the real step of a strategy (the registry's, through
+:func:`compile_ahead_of_time` lowers and compiles the real step of a strategy (the program it runs, through
 :func:`shardcheck.memory.lower_step`) on ``jax.ShapeDtypeStruct`` state and batch carrying their target
 ``NamedSharding`` over as many (fake CPU) devices as the mesh has, and reads XLA's per-device figures;
 :func:`largest_batch_that_fits` compiles it at a few batch sizes against a device's memory
@@ -16,14 +16,10 @@ from typing import Any
 import jax
 
 from shardcheck import _validate
-from shardcheck.memory import (
-    MESH_STRATEGIES,
-    _itemsize,
-    _memory_stats,
-    abstract_training_state,
-    estimate_memory,
-    lower_step,
-)
+from shardcheck.memory.estimate import estimate_memory
+from shardcheck.memory.layouts import MESH_STRATEGIES, one_device
+from shardcheck.memory.lowering import lower_step, memory_stats
+from shardcheck.memory.state import abstract_training_state, itemsize
 from shardcheck.mesh import check_mesh
 from shardcheck.task import Task
 
@@ -143,7 +139,7 @@ def _check_aot_args(fn, task, mesh, strategy, batch_size) -> None:
         )
     if batch_size is not None:
         _validate.check_int(fn, "batch_size", batch_size, example=f"batch_size={8 * mesh.size}")
-        if strategy != "replicated" and batch_size % mesh.size:
+        if not one_device(strategy) and batch_size % mesh.size:
             near = mesh.size * max(1, round(batch_size / mesh.size))
             raise ValueError(
                 f"{fn}: batch_size={batch_size} does not split over the {mesh.size} devices of the mesh (the batch "
@@ -154,7 +150,7 @@ def _check_aot_args(fn, task, mesh, strategy, batch_size) -> None:
 def compile_ahead_of_time(
     task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "fsdp", batch_size: int | None = None
 ) -> AheadOfTimeMemory:
-    """Lower and compile the registry's real step of ``task`` on abstract inputs, and read its memory per device.
+    """Lower and compile the strategy's real step of ``task`` on abstract inputs, and read its memory per device.
 
     The state is ``nnx.eval_shape`` of the task's model and ``nnx.Optimizer`` (:func:`abstract_training_state`),
     the batch ``jax.ShapeDtypeStruct`` of the first batch's leaves with the leading size ``batch_size``
@@ -181,7 +177,7 @@ def compile_ahead_of_time(
     fn = "compile_ahead_of_time"
     _check_aot_args(fn, task, mesh, strategy, batch_size)
     batch = abstract_batch(fn, task, batch_size)
-    if strategy != "replicated":
+    if not one_device(strategy):
         b = jax.tree.leaves(batch)[0].shape[0]
         if b % mesh.size:
             raise ValueError(
@@ -191,9 +187,9 @@ def compile_ahead_of_time(
     model, optimizer = abstract_training_state(fn, task)
     estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
     lowered, args, _ = lower_step(strategy, task.loss_fn, model, optimizer, batch, mesh)
-    stats = _memory_stats(lowered.compile())
-    num_devices = 1 if strategy == "replicated" else mesh.size
-    data = sum(math.prod(a.shape) // num_devices * _itemsize(a.dtype) for a in jax.tree.leaves(batch))
+    stats = memory_stats(lowered.compile())
+    num_devices = 1 if one_device(strategy) else mesh.size
+    data = sum(math.prod(a.shape) // num_devices * itemsize(a.dtype) for a in jax.tree.leaves(batch))
     device = mesh.devices.flat[0]
     return AheadOfTimeMemory(
         strategy=strategy,
@@ -245,7 +241,7 @@ def largest_batch_that_fits(
     """
     fn = "largest_batch_that_fits"
     _validate.check_int(fn, "max_compiles", max_compiles, example="max_compiles=8")
-    n = 1 if strategy == "replicated" else mesh.size
+    n = 1 if one_device(strategy) else mesh.size
     peaks: dict[int, int] = {}
 
     def fits(b: int) -> bool:

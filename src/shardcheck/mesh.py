@@ -19,7 +19,7 @@ import reprlib
 from collections.abc import Mapping
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from shardcheck import _validate
 
@@ -81,6 +81,24 @@ def make_mesh(shape: int | Mapping[str, int] | None = None, axis_name: str = "da
         axis_types=(AxisType.Auto,) * len(axes),
         devices=devices[:size],
     )
+
+
+def abstract_mesh(shape: int | Mapping[str, int], axis_name: str = FSDP_AXIS, *, fn: str = "abstract_mesh"):
+    """A ``jax.sharding.AbstractMesh`` of ``Auto`` axes: axis names and sizes, no devices.
+
+    Placement needs only the axes (``NamedSharding(abstract_mesh, spec).shard_shape(shape)``), so a layout can be
+    read for more devices than exist.
+
+    Args:
+        shape: ``S`` for one axis ``axis_name`` of S, or a mapping ``{"data": 2, "fsdp": 4}`` (in that order).
+        axis_name: the axis of the one-axis form (default ``"fsdp"``).
+        fn: the public function named in errors.
+
+    Raises:
+        TypeError, ValueError: as :func:`make_mesh` for a bad shape (any size: no devices are needed).
+    """
+    axes = _check_shape(fn, shape, axis_name, 1)
+    return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
 def _check_shape(fn: str, shape, axis_name, num_devices: int) -> dict[str, int]:

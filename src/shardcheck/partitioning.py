@@ -33,7 +33,8 @@ MEMORY_ONLY: dict[str, frozenset[str]] = {
     "zero2": frozenset({"optimizer", "step", "grads"}),
 }
 """ZeRO stages 1 and 2 (Rajbhandari et al. 2020): memory layouts with no registered step; their measured step is
-``jax.jit`` over the layout's ``NamedSharding`` placement, partitioned by GSPMD."""
+``jax.jit`` over the layout's ``NamedSharding`` placement, partitioned by GSPMD
+(:func:`shardcheck.memory.layouts.zero_step`, where every layout is described)."""
 
 ONE_DEVICE = "replicated"
 """The memory layout name of the registry's ``"single"`` placement: the whole state on one device (the name

@@ -42,15 +42,25 @@ def add_parser(sub) -> None:
             "Estimate the memory per device of a Linear (or, with --hidden, an MLP of --layers Linear "
             "layers) under each strategy: replicated (one device), dp (everything replicated), zero1 "
             "(optimizer state sharded), zero2 (optimizer state and gradients sharded), fsdp (parameters "
-            "too). Leaves are placed with the FSDP step's own rule; a leaf with no dimension divisible by S "
-            "stays whole on every device. The estimate is storage, not peak (seed 001). With --measure, each "
-            "strategy's step is compiled on a device mesh and XLA's per-device memory analysis and the live "
-            "state arrays are shown beside the estimate. With --task, the task's own model and optimizer are "
+            "too). Leaves are placed as the strategy's own step places them on a mesh of S devices on one "
+            "axis fsdp (a task's nnx.with_partitioning annotations, else the FSDP rule: a leaf with no "
+            "dimension divisible by S stays whole on every device). The estimate is storage, not peak (seed "
+            "001). With --measure, each strategy's step is compiled on that mesh and XLA's per-device memory "
+            "analysis and the live state arrays are shown beside the estimate. With --task, the task's own model and optimizer are "
             "sized (from nnx.eval_shape: nothing is allocated) and --measure compiles the task's step on its "
             "first batch."
         ),
         formatter_class=HelpFormatter,
     )
+    _add_model_arguments(p)
+    _add_strategy_arguments(p)
+    _add_mesh_arguments(p)
+    _add_output_arguments(p)
+    p.set_defaults(func=main, memory_parser=p)
+
+
+def _add_model_arguments(p) -> None:
+    """What is sized: --task, or the Linear / MLP of --in, --out, --hidden, --layers."""
     p.add_argument("--task", default=None, metavar="NAME|FILE.py:ATTR|MODULE:ATTR", help=TASK_HELP)
     p.add_argument(
         "--in",
@@ -78,8 +88,17 @@ def add_parser(sub) -> None:
         metavar="L",
         help="number of Linear layers (default: 2 with --hidden, 1 without)",
     )
+
+
+def _add_strategy_arguments(p) -> None:
+    """How it is sized: --shards, --optimizer, --dtype, --strategy."""
     p.add_argument(
-        "--shards", type=int, default=None, metavar="S", help="shards S (default: --devices if given, else 8)"
+        "--shards",
+        type=int,
+        default=None,
+        metavar="S",
+        help="shards S: the state is placed on the mesh fsdp=S, as --mesh fsdp=S places it (default: --devices if "
+        "given, else 8)",
     )
     p.add_argument(
         "--optimizer",
@@ -99,6 +118,10 @@ def add_parser(sub) -> None:
         choices=MESH_STRATEGY_CHOICES,
         help="which strategy, or all (default: all; with --mesh: fsdp; gspmd only with --mesh)",
     )
+
+
+def _add_mesh_arguments(p) -> None:
+    """The ahead-of-time compile: --mesh, --size, --batch-size, --device-memory."""
     p.add_argument(
         "--mesh",
         default=None,
@@ -128,6 +151,10 @@ def add_parser(sub) -> None:
         help="memory of one device, e.g. 80GiB, 80GB, 16e9, or a kind (h100, h200, a100-40gb, a100-80gb, l4, "
         "tpu-v4, tpu-v5e, tpu-v5p): says whether the --mesh step fits, and finds the largest batch that does",
     )
+
+
+def _add_output_arguments(p) -> None:
+    """--measure and what it runs on, and where the results go."""
     p.add_argument("--measure", action="store_true", help="also compile each step on a mesh and measure it")
     p.add_argument(
         "--batch",
@@ -148,7 +175,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--plot", default=None, metavar="PATH.png", help="also draw a stacked bar chart per strategy"
     )
-    p.set_defaults(func=main, memory_parser=p)
 
 
 def _fail(message: str) -> int:
@@ -168,7 +194,8 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def main(args) -> int:
+def _check_arguments(args) -> str | None:
+    """The problem with the arguments common to every form, or None (``--in`` / ``--out`` via argparse)."""
     name = "shardcheck memory"
     if args.task is None and args.size is None and args.mesh is None:
         missing = [
@@ -190,28 +217,53 @@ def main(args) -> int:
     ):
         value = getattr(args, dest)
         if value is not None and value < 1:
-            return _fail(f"{name}: --{flag} must be a positive int, got {value}")
-    if args.size is not None:
-        if args.task not in (None, "tiny-lm"):
-            return _fail(f"{name}: --size is a size of the tiny-lm task; drop --task {args.task} or --size")
-        args.task = "tiny-lm"
+            return f"{name}: --{flag} must be a positive int, got {value}"
+    if args.size is not None and args.task not in (None, "tiny-lm"):
+        return f"{name}: --size is a size of the tiny-lm task; drop --task {args.task} or --size"
     for flag, dest in (("--batch-size", "batch_size"), ("--device-memory", "device_memory")):
         if getattr(args, dest) is not None and args.mesh is None:
-            return _fail(
+            return (
                 f"{name}: {flag} applies to the ahead-of-time compile; pass --mesh too (e.g. --mesh fsdp=8)"
             )
+    if args.mesh is not None and args.task is None and args.size is None:
+        return (
+            f"{name}: --mesh compiles a task's step; pass --task (e.g. --task tiny-lm --size 125m, or "
+            "--task my_task.py:task)"
+        )
+    if args.mesh is None and args.strategy == "gspmd":
+        return f"{name}: --strategy gspmd needs --mesh (e.g. --mesh data=2,fsdp=4)"
+    return None
+
+
+def main(args) -> int:
+    problem = _check_arguments(args)
+    if problem is not None:
+        return _fail(problem)
+    if args.size is not None:
+        args.task = "tiny-lm"
     if args.mesh is not None:
-        if args.task is None:
-            return _fail(
-                f"{name}: --mesh compiles a task's step; pass --task (e.g. --task tiny-lm --size 125m, or "
-                "--task my_task.py:task)"
-            )
         return main_mesh(args)
-    if args.strategy == "gspmd":
-        return _fail(f"{name}: --strategy gspmd needs --mesh (e.g. --mesh data=2,fsdp=4)")
     args.strategy = "all" if args.strategy is None else args.strategy
     if args.task is not None:
         return main_task(args)
+    return main_model(args)
+
+
+def _measure_devices(args, estimates, strategies) -> str | None:
+    """The problem when ``--measure`` has fewer devices than the strategies need, or None."""
+    import jax
+
+    needed = max(estimates[s].num_devices for s in strategies)
+    if len(jax.devices()) < needed:
+        return (
+            f"shardcheck memory: --measure with --shards {args.shards} needs {needed} devices, but "
+            f"{len(jax.devices())} exist; pass --devices {needed} or fewer shards"
+        )
+    return None
+
+
+def main_model(args) -> int:
+    """``shardcheck memory --in D --out K [--hidden H --layers L]``: the Linear / MLP (and --measure)."""
     args.optimizer = "sgd" if args.optimizer is None else args.optimizer
     args.dtype = "float32" if args.dtype is None else args.dtype
     if args.shards is None:
@@ -220,19 +272,13 @@ def main(args) -> int:
     try:  # before anything touches a JAX backend; in-process (tests), enough existing devices are fine
         configure_devices(args.devices if args.devices is not None or not args.measure else args.shards)
     except ValueError as e:
-        return _fail(f"{name}: {e}")
+        return _fail(f"shardcheck memory: {e}")
 
     from shardcheck import memory
 
+    dims = dict(hidden=args.hidden, layers=args.layers, param_dtype=args.dtype)
     try:
-        model = memory.make_memory_model(
-            args.in_features,
-            args.out_features,
-            hidden=args.hidden,
-            layers=args.layers,
-            param_dtype=args.dtype,
-            abstract=True,
-        )
+        model = memory.make_memory_model(args.in_features, args.out_features, abstract=True, **dims)
         estimates = {
             s: memory.estimate_memory(
                 model, args.optimizer, num_shards=args.shards, strategy=s, param_dtype=args.dtype
@@ -241,25 +287,17 @@ def main(args) -> int:
         }
     except (ValueError, TypeError) as e:
         return _fail(str(e))
-
     measured = {}
     if args.measure:
-        import jax
-
-        needed = max(estimates[s].num_devices for s in strategies)
-        if len(jax.devices()) < needed:
-            return _fail(
-                f"{name}: --measure with --shards {args.shards} needs {needed} devices, but "
-                f"{len(jax.devices())} exist; pass --devices {needed} or fewer shards"
-            )
+        problem = _measure_devices(args, estimates, strategies)
+        if problem is not None:
+            return _fail(problem)
         batch = args.batch if args.batch is not None else 8 * args.shards
         try:
             measured = memory.measure_strategies(
                 args.in_features,
                 args.out_features,
-                hidden=args.hidden,
-                layers=args.layers,
-                param_dtype=args.dtype,
+                **dims,
                 optimizer=args.optimizer,
                 num_shards=args.shards,
                 batch_size=batch,
@@ -267,7 +305,6 @@ def main(args) -> int:
             )
         except (ValueError, TypeError) as e:
             return _fail(str(e))
-
     return _report(args, estimates, measured)
 
 
@@ -511,15 +548,10 @@ def main_task(args) -> int:
         return _fail(str(e))
     measured = {}
     if args.measure:
-        import jax
-
-        needed = max(estimates[s].num_devices for s in strategies)
-        if len(jax.devices()) < needed:
-            return _fail(
-                f"{name}: --measure with --shards {args.shards} needs {needed} devices, but "
-                f"{len(jax.devices())} exist; pass --devices {needed} or fewer shards"
-            )
-        try:
+        problem = _measure_devices(args, estimates, strategies)
+        if problem is not None:
+            return _fail(problem)
+        try:  # on the mesh the estimate placed on, {"fsdp": S}: the task's annotations hold in both
             measured = memory.measure_task_strategies(task, num_shards=args.shards, strategies=strategies)
         except (ValueError, TypeError) as e:
             return _fail(str(e))
@@ -612,6 +644,53 @@ def render_measured(estimates, measured):
     return table
 
 
+def _strategy_json(est, measured=None, aot=None, fit=None, *, task=None) -> dict:
+    """One strategy's entry of the ``--json`` object: its estimate, and what was measured or compiled."""
+    import dataclasses
+
+    entry = {
+        "num_devices": est.num_devices,
+        "params_bytes": est.params_bytes,
+        "grads_bytes": est.grads_bytes,
+        "optimizer_bytes": est.optimizer_bytes,
+        "step_bytes": est.step_bytes,
+        "persistent_bytes": est.persistent_bytes,
+        "total_bytes": est.total_bytes,
+        "unsharded_total_bytes": est.unsharded_total_bytes,
+        "even_split_params_bytes": est.even_split_params_bytes,
+        "even_split_formula": est.even_split_formula,
+        "even_split_note": est.even_split_note,
+        "leaves": [dataclasses.asdict(leaf) for leaf in est.leaves],
+    }
+    if task is not None:
+        entry["model_state_bytes"] = est.model_state_bytes
+    if measured is not None:
+        entry["measured"] = measured.to_json()
+    if aot is not None:
+        entry["ahead_of_time"] = aot.to_json()
+    if fit is not None:
+        verdict, largest, peaks = fit
+        entry["device_memory"] = {
+            **verdict.to_json(),
+            "largest_batch_size": largest,
+            "peak_bytes_by_batch_size": {str(b): p for b, p in sorted(peaks.items())},
+        }
+    return entry
+
+
+def _model_json(args, first) -> dict:
+    """The ``model`` of the ``--json`` object of the Linear / MLP form."""
+    return {
+        "kind": "linear" if args.hidden is None else "mlp",
+        "in_features": args.in_features,
+        "out_features": args.out_features,
+        "hidden": args.hidden,
+        "layers": args.layers if args.layers is not None else (1 if args.hidden is None else 2),
+        "param_dtype": args.dtype,
+        "param_count": first.param_count,
+    }
+
+
 def report_json(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=None) -> dict:
     """The ``--json`` object: exact bytes per device, by strategy (with ``task``: of the task's model).
 
@@ -619,68 +698,33 @@ def report_json(args, estimates, measured, task=None, *, aot=None, fits=None, me
     and its ``breakdown``) and, with ``--device-memory``, ``device_memory`` (the verdict, ``largest_batch_size`` and
     ``peak_bytes_by_batch_size``); the top level has ``mesh`` and ``size``.
     """
-    import dataclasses
-
-    out = {}
-    for name, est in estimates.items():
-        entry = {
-            "num_devices": est.num_devices,
-            "params_bytes": est.params_bytes,
-            "grads_bytes": est.grads_bytes,
-            "optimizer_bytes": est.optimizer_bytes,
-            "step_bytes": est.step_bytes,
-            "persistent_bytes": est.persistent_bytes,
-            "total_bytes": est.total_bytes,
-            "unsharded_total_bytes": est.unsharded_total_bytes,
-            "even_split_params_bytes": est.even_split_params_bytes,
-            "even_split_formula": est.even_split_formula,
-            "even_split_note": est.even_split_note,
-            "leaves": [dataclasses.asdict(leaf) for leaf in est.leaves],
-        }
-        if task is not None:
-            entry["model_state_bytes"] = est.model_state_bytes
-        if name in measured:
-            entry["measured"] = measured[name].to_json()
-        if aot and name in aot:
-            entry["ahead_of_time"] = aot[name].to_json()
-        if fits and name in fits:
-            verdict, largest, peaks = fits[name]
-            entry["device_memory"] = {
-                **verdict.to_json(),
-                "largest_batch_size": largest,
-                "peak_bytes_by_batch_size": {str(b): p for b, p in sorted(peaks.items())},
-            }
-        out[name] = entry
+    aot, fits = aot or {}, fits or {}
+    out = {
+        name: _strategy_json(est, measured.get(name), aot.get(name), fits.get(name), task=task)
+        for name, est in estimates.items()
+    }
     first = next(iter(estimates.values()))
-    if task is not None:
-        from shardcheck.task import batch_size
-
-        report = {
-            "task": task.name,
-            "model": {"kind": "task", "task": task.name, "param_count": first.param_count},
+    if task is None:
+        return {
+            "model": _model_json(args, first),
             "optimizer": args.optimizer,
-            "batch_size": batch_size(task.batches[0]),
             "num_shards": args.shards,
             "strategies": out,
         }
-        if mesh is not None:
-            report["mesh"] = {str(a): int(n) for a, n in mesh.shape.items()}
-            report["size"] = args.size
-        return report
-    return {
-        "model": {
-            "kind": "linear" if args.hidden is None else "mlp",
-            "in_features": args.in_features,
-            "out_features": args.out_features,
-            "hidden": args.hidden,
-            "layers": args.layers if args.layers is not None else (1 if args.hidden is None else 2),
-            "param_dtype": args.dtype,
-            "param_count": first.param_count,
-        },
+    from shardcheck.task import batch_size
+
+    report = {
+        "task": task.name,
+        "model": {"kind": "task", "task": task.name, "param_count": first.param_count},
         "optimizer": args.optimizer,
+        "batch_size": batch_size(task.batches[0]),
         "num_shards": args.shards,
         "strategies": out,
     }
+    if mesh is not None:
+        report["mesh"] = {str(a): int(n) for a, n in mesh.shape.items()}
+        report["size"] = args.size
+    return report
 
 
 def memory_plot(estimates, measured, path, *, title: str = "", aot=None) -> None:

@@ -10,6 +10,7 @@ import functools
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardcheck.steps._core import StepResult, run_in_place, shard_value_and_grad
 from shardcheck.task import Batch, LossFn, divide
@@ -23,6 +24,22 @@ def _reference_jit(loss_fn, graphdef, state, batch):
         total, grads = total / weight, divide(grads, weight)
     optimizer.update(model, grads)
     return StepResult(total, grads), nnx.state((model, optimizer))
+
+
+def reference_jit_step(loss_fn: LossFn, graphdef, treedef, specs, mesh):
+    """The reference step as one jitted program of the state's leaves, ``(leaves, batch) -> (loss, leaves)``.
+
+    The body of :func:`reference_step` (``_reference_jit``, inlined), with the state placed by ``specs`` on
+    ``mesh`` in and out and donated, so that it lowers as the registry's sharded steps do
+    (:attr:`shardcheck.steps.registry.Strategy.jit_step`); on a one-device mesh it is the single-device step.
+    """
+
+    def step(leaves, batch):
+        result, state = _reference_jit(loss_fn, graphdef, jax.tree.unflatten(treedef, leaves), batch)
+        return result.loss, jax.tree.leaves(state)
+
+    state = [NamedSharding(mesh, spec) for spec in specs]
+    return jax.jit(step, donate_argnums=0, out_shardings=(NamedSharding(mesh, PartitionSpec()), state))
 
 
 def reference_step(loss_fn: LossFn, model: nnx.Module, optimizer: nnx.Optimizer, batch: Batch) -> StepResult:

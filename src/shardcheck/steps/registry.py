@@ -30,12 +30,17 @@ class Strategy(StrategySpec):
             strategies.
         check: ``check(fn, model, optimizer)`` raising ``ValueError`` when the strategy cannot run this model or
             optimizer (called before any state changes), or ``None``.
+        jit_step: ``jit_step(loss_fn, graphdef, treedef, specs, param_specs, mesh)``: the jitted program one step
+            of the strategy runs, ``(state_leaves, batch) -> (loss, state_leaves)`` with the state placed by
+            ``specs`` on ``mesh`` (and donated), for lowering it on abstract or real inputs (the memory
+            measurement, the ahead-of-time compile); ``None`` for a step that is not one such program.
     """
 
     build: Callable[[LossFn, int, Mesh | None], Candidate] = dataclasses.field(kw_only=True)
     check: Callable[[str, nnx.Module, nnx.Optimizer], None] | None = dataclasses.field(
         default=None, kw_only=True
     )
+    jit_step: Callable[..., Callable] | None = dataclasses.field(default=None, kw_only=True)
 
 
 def _reference(loss_fn, num_shards, mesh):
@@ -71,6 +76,21 @@ def _mesh_strategy(name: str):
     return build
 
 
+def _mesh_jit_step(name: str):
+    def jit_step(loss_fn, graphdef, treedef, specs, param_specs, mesh):
+        from shardcheck.steps.sharded import compiled_step
+
+        return compiled_step(name, loss_fn, graphdef, treedef, specs, param_specs, mesh)
+
+    return jit_step
+
+
+def _reference_jit_step(loss_fn, graphdef, treedef, specs, param_specs, mesh):
+    from shardcheck.steps.reference import reference_jit_step
+
+    return reference_jit_step(loss_fn, graphdef, treedef, specs, mesh)
+
+
 def _accumulation(loss_fn, num_shards, mesh):
     from shardcheck.steps.accumulation import accumulation_candidate
 
@@ -95,10 +115,22 @@ _BUILDERS = {
     "multiprocess": _mesh_strategy("multiprocess"),
 }
 _CHECKS = {"multiprocess": _check_multiprocess}
+_JIT_STEPS = {
+    "reference": _reference_jit_step,
+    "dp": _mesh_jit_step("dp"),
+    "fsdp": _mesh_jit_step("fsdp"),
+    "gspmd": _mesh_jit_step("gspmd"),
+    "multiprocess": _mesh_jit_step("dp"),
+}
 
 # The names, summaries and placements are the catalog's (importable without JAX, for the command line).
 STRATEGIES: dict[str, Strategy] = {
-    name: Strategy(**dataclasses.asdict(spec), build=_BUILDERS[name], check=_CHECKS.get(name))
+    name: Strategy(
+        **dataclasses.asdict(spec),
+        build=_BUILDERS[name],
+        check=_CHECKS.get(name),
+        jit_step=_JIT_STEPS.get(name),
+    )
     for name, spec in STRATEGY_SPECS.items()
 }
 
