@@ -32,29 +32,41 @@ STRATEGY_NAMES = COMPARED
 DEFAULT_STRATEGIES = ",".join(CANDIDATES)
 
 
+DESCRIPTION = (
+    "Draw --steps successive mini-batches of --batch-size rows from a data set (reshuffled every epoch "
+    "with --seed), run the single-device baseline (sgd_step) and each strategy from the same initial "
+    "model and optimizer, and compare after every step the loss, the gradients (where exposed), every "
+    "parameter, every optimizer-state leaf and the step counters, within tolerances derived from the "
+    "precision policy (the parameters' and the compute dtype, read from the model or set with "
+    "--param-dtype / --compute-dtype), the reduction length and the step. Prints a table per strategy "
+    "with its worst leaf, error, tolerance, verdict and diagnosis. Exit status: 0 when every strategy passes "
+    "(PASS, or PASS (per step): the trajectories diverged through a non-smooth op but every step matched from "
+    "the reference's state), 1 when any fails, 2 on bad input, a candidate that raises, or a reference run that "
+    "diverges (lower --lr)."
+)
+EPILOG = (
+    "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "
+    "your own step: shardcheck verify --candidate my_steps.py:dp_step --devices 4"
+)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "verify",
         help="prove each sharded step against the single-device baseline, leaf by leaf, over many steps",
-        description=(
-            "Draw --steps successive mini-batches of --batch-size rows from a data set (reshuffled every epoch "
-            "with --seed), run the single-device baseline (sgd_step) and each strategy from the same initial "
-            "model and optimizer, and compare after every step the loss, the gradients (where exposed), every "
-            "parameter, every optimizer-state leaf and the step counters, within tolerances derived from the "
-            "precision policy (the parameters' and the compute dtype, read from the model or set with "
-            "--param-dtype / --compute-dtype), the reduction length and the step. Prints a table per strategy "
-            "with its worst leaf, error, tolerance, verdict and diagnosis. Exit status: 0 when every strategy passes (PASS, or PASS (per step): the "
-            "trajectories diverged through a non-smooth op but every step matched from the reference's state), 1 "
-            "when any fails, 2 on bad input, a candidate that raises, or a reference run that diverges (lower --lr)."
-        ),
-        epilog=(
-            "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "
-            "your own step: shardcheck verify --candidate my_steps.py:dp_step --devices 4"
-        ),
+        description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
     add_precision_arguments(p, harness=True)
+    _add_run_arguments(p)
+    _add_check_arguments(p)
+    p.set_defaults(func=main)
+
+
+def _add_run_arguments(p) -> None:
+    """What runs: the strategies, the steps, the batch, the devices or mesh, the user's candidate, the seed."""
     p.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
@@ -83,10 +95,15 @@ def add_parser(sub) -> None:
         "--candidate",
         default=None,
         metavar="MODULE:FUNC|PATH.py:FUNC",
-        help="also verify your own in-place step (model, optimizer, batch) or (model, optimizer, batch, mesh); "
-        "without --task, (model, optimizer, x, y[, mesh]); the file's folder is importable while it loads",
+        help="also verify your own in-place step (model, optimizer, batch) or (model, optimizer, batch, mesh), or a "
+        "shardcheck.Candidate; without --task, (model, optimizer, x, y[, mesh]); the file's folder is importable "
+        "while it loads",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shuffling")
+
+
+def _add_check_arguments(p) -> None:
+    """How the check judges and reports: the weak-check acceptance, fixed tolerances, JSON."""
     p.add_argument(
         "--accept-weak",
         action="store_true",
@@ -97,7 +114,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--json", default=None, metavar="PATH|-", help="also write the reports as JSON ('-': stdout)"
     )
-    p.set_defaults(func=main)
 
 
 def _fail(message: str) -> int:
