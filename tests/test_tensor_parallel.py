@@ -164,3 +164,208 @@ def test_verify_tiny_lm_on_a_tensor_parallel_mesh_passes_every_strategy(tmp_path
     assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "gspmd", "accumulation"}
     assert all(r["ok"] for r in report["strategies"].values())
 
+
+# ------------------------------------------------------------- a user's Megatron-style step, and its faults
+
+D, HEADS, HEAD_DIM, MLP, SEQ = 16, 4, 4, 32, 8
+
+
+def _param(rngs, shape, spec, init=None):
+    init = nnx.initializers.lecun_normal() if init is None else init
+    return nnx.Param(init(rngs.params(), shape), out_sharding=spec)
+
+
+def _annotated(init, spec):
+    return nnx.with_partitioning(init, spec)
+
+
+ZEROS, ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
+
+
+def _layer_norm(rngs):
+    return nnx.LayerNorm(
+        D, scale_init=_annotated(ONES, (None,)), bias_init=_annotated(ZEROS, (None,)), rngs=rngs
+    )
+
+
+class MegatronBlock(nnx.Module):
+    """Pre-LayerNorm attention with biases, heads split over 'model', and an MLP, column- then row-parallel
+    (Shoeybi et al., "Megatron-LM", 2019, section 3). ``reduce`` is the psum over 'model' of a row-parallel
+    partial sum (the identity on one device); ``bias_first`` plants the bias added before it."""
+
+    def __init__(self, rngs):
+        self.ln1 = _layer_norm(rngs)
+        self.qkv = _param(rngs, (3, D, HEADS, HEAD_DIM), (None, None, "model", None))
+        self.qkv_bias = _param(rngs, (3, HEADS, HEAD_DIM), (None, "model", None), ZEROS)
+        self.out = _param(rngs, (HEADS, HEAD_DIM, D), ("model", None, None))
+        self.out_bias = _param(rngs, (D,), (None,), ZEROS)
+        self.ln2 = _layer_norm(rngs)
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(
+            D,
+            MLP,
+            kernel_init=_annotated(init, (None, "model")),
+            bias_init=_annotated(ZEROS, ("model",)),
+            rngs=rngs,
+        )
+        self.down = nnx.Linear(
+            MLP,
+            D,
+            kernel_init=_annotated(init, ("model", None)),
+            bias_init=_annotated(ZEROS, (None,)),
+            rngs=rngs,
+        )
+
+    def _row_parallel(self, partial, bias, reduce, bias_first):
+        return reduce(partial + bias) if bias_first else reduce(partial) + bias
+
+    def __call__(self, x, mask, reduce, bias_first=False):
+        h = self.ln1(x)
+        q, k, v = (jnp.einsum("btd,dhk->bthk", h, self.qkv[i]) + self.qkv_bias[i] for i in range(3))
+        scores = jnp.where(mask, jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(HEAD_DIM), -1e9)
+        o = jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores, axis=-1), v)
+        attn = jnp.einsum("bthk,hkd->btd", o, self.out[...])
+        x = x + self._row_parallel(attn, self.out_bias[...], reduce, bias_first)
+        h = nnx.gelu(self.ln2(x) @ self.up.kernel[...] + self.up.bias[...])
+        return x + self._row_parallel(h @ self.down.kernel[...], self.down.bias[...], reduce, bias_first)
+
+
+class MegatronLM(nnx.Module):
+    def __init__(self, rngs):
+        from shardcheck.tasks.tiny_lm import vocab_size
+
+        replicated = _annotated(nnx.initializers.normal(0.02), (None, None))
+        self.embed = nnx.Embed(vocab_size(), D, embedding_init=replicated, rngs=rngs)
+        self.pos = nnx.Embed(SEQ, D, embedding_init=replicated, rngs=rngs)
+        self.block = MegatronBlock(rngs)
+        self.ln_f = _layer_norm(rngs)
+        self.head = nnx.Linear(
+            D, vocab_size(), kernel_init=replicated, bias_init=_annotated(ZEROS, (None,)), rngs=rngs
+        )
+
+    def __call__(self, tokens, mask, reduce=lambda y: y, bias_first=False):
+        valid = mask > 0
+        attn_mask = nnx.combine_masks(nnx.make_causal_mask(tokens), nnx.make_attention_mask(valid, valid))
+        x = self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
+        return self.head(self.ln_f(self.block(x, attn_mask, reduce, bias_first)))
+
+
+def masked_loss(model, batch, **kw):
+    """``(sum of the cross-entropy over the unmasked tokens, their count)``."""
+    logits = model(batch["tokens"], batch["mask"], **kw)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(ce * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def _megatron_task():
+    from shardcheck.tasks.tiny_lm import lm_batches
+
+    return Task(
+        model=lambda: MegatronLM(nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=masked_loss,
+        batches=lm_batches(16, 3, seq_len=SEQ),
+        name="megatron-lm",
+    )
+
+
+def _grad_reduction(fault, g, spec, count):
+    if fault == "pmean_as_psum":  # each shard's mean over its share of the tokens, psum-ed for a pmean: x2
+        return jax.lax.psum(g / (count / 2), "data")
+    if fault == "replicated_over_model" and not any(spec):
+        # all-reduced over every device, as on a data-parallel mesh; the batch is replicated over 'model': x4
+        return jax.lax.psum(jax.lax.pcast(g, "model", to="varying"), ("data", "model")) / count
+    return jax.lax.psum(g, "data") / count
+
+
+def megatron_step(fault=None):
+    """A user's tensor-parallel step: the state placed by its annotations, one jax.shard_map in which each
+    device holds its slice of the split leaves, the row-parallel partial sums psum-ed over 'model' (check_vma
+    inserts the all-reduce of the column-parallel inputs' gradients), the gradients psum-ed over 'data' and
+    divided by the token count. ``fault``: "no_psum" (the row-parallel outputs not psum-ed; the user turned
+    check_vma off to make the step trace), "bias_first" (the replicated biases added before the psum),
+    "pmean_as_psum", "replicated_over_model"."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params = nnx.split(model, nnx.Param)
+        specs = nnx.get_partition_spec(params)
+        params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
+        reduce = (lambda y: y) if fault == "no_psum" else (lambda y: jax.lax.psum(y, "model"))
+
+        def body(p, b):
+            p = jax.tree.map(
+                lambda a: jax.lax.pcast(a, "data", to="varying"), p
+            )  # no implicit psum over data
+
+            def local(p):
+                return masked_loss(nnx.merge(graphdef, p), b, reduce=reduce, bias_first=fault == "bias_first")
+
+            (total, count), g = jax.value_and_grad(local, has_aux=True)(p)
+            count = jax.lax.psum(count, "data")
+            leaves = jax.tree.leaves(g)
+            spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+            reduced = [_grad_reduction(fault, a, s, count) for a, s in zip(leaves, spec_leaves, strict=True)]
+            return jax.lax.psum(total, "data") / count, jax.tree.unflatten(jax.tree.structure(g), reduced)
+
+        mapped = jax.shard_map(
+            body, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=fault != "no_psum"
+        )
+        loss, grads = jax.jit(mapped)(params, batch)
+        optimizer.update(model, grads)
+        return loss  # only its loss: the harness reads the update from the state
+
+    return step
+
+
+@require_devices(8)
+def test_a_megatron_style_step_passes():
+    report = check_parity(megatron_step(), _megatron_task(), mesh=make_mesh(TP_MESH))
+    assert report.num_shards == 2
+    assert report.ok and report.verdict == "PASS", str(report)
+
+
+@require_devices(8)
+def test_a_missing_psum_over_model_is_named_with_the_affected_leaves():
+    report = check_parity(megatron_step("no_psum"), _megatron_task(), mesh=make_mesh(TP_MESH))
+    assert report.verdict == "FAIL"
+    assert report.codes[0] == "wrong_axis_reduction", report.diagnoses
+    message = report.diagnoses[0].message
+    assert "differ along mesh axis 'model' and agree along 'data'" in message
+    assert "'model' splits the model, not the batch" in message
+    assert "the row-parallel layer's output was not psum-ed over 'model'" in message
+    assert "Affected: the " in message and "block.down.bias" in message
+    assert "though the batch is split over every axis" not in message
+
+
+@require_devices(8)
+def test_a_replicated_bias_added_before_the_psum_is_named_per_leaf():
+    """Each of the 4 model shards adds the zero-initialized row-parallel biases: the loss of step 0 matches, their
+    gradients (and Adam's moments) are x4, every other leaf matches."""
+    report = check_parity(megatron_step("bias_first"), _megatron_task(), mesh=make_mesh(TP_MESH))
+    assert report.verdict == "FAIL"
+    assert report.codes[0] == "replicated_reduced", report.diagnoses
+    message = report.diagnoses[0].message
+    assert "2 leaf/leaves (block.down.bias, block.out_bias) is x4 the reference's" in message
+    assert "x4 is the size of mesh axis 'model'" in message
+    assert "added before the psum over 'model' counts once per shard" in message
+    ratios = {e.path: e.ratio for e in report.steps[0].leaves if e.kind == "opt_state" and ".mu." in e.path}
+    np.testing.assert_allclose(ratios["0.mu.block.down.bias"], 4.0, rtol=1e-4)
+    np.testing.assert_allclose(ratios["0.mu.block.up.bias"], 1.0, rtol=1e-4)
+
+
+@require_devices(8)
+def test_replicated_gradients_psummed_over_model_are_named_by_the_axis():
+    report = check_parity(megatron_step("replicated_over_model"), _megatron_task(), mesh=make_mesh(TP_MESH))
+    assert report.verdict == "FAIL"
+    assert report.codes[0] == "replicated_reduced", report.diagnoses
+    message = report.diagnoses[0].message
+    assert "x4 is the size of mesh axis 'model'" in message and "under 'block'" not in message
+    assert "block.down.bias" in message and "drop that reduction: the batch is replicated over it" in message
+
+
+@require_devices(8)
+def test_a_psum_over_data_for_a_pmean_is_summed_over_the_data_shards():
+    report = check_parity(megatron_step("pmean_as_psum"), _megatron_task(), mesh=make_mesh(TP_MESH))
+    assert report.verdict == "FAIL"
+    assert report.codes[0] == "summed", report.diagnoses
+    assert "x2: a sum over 2 shards" in report.diagnoses[0].message
