@@ -369,3 +369,23 @@ def test_a_psum_over_data_for_a_pmean_is_summed_over_the_data_shards():
     assert report.verdict == "FAIL"
     assert report.codes[0] == "summed", report.diagnoses
     assert "x2: a sum over 2 shards" in report.diagnoses[0].message
+
+
+def test_a_uniform_factor_of_a_model_axis_size_names_the_axis():
+    from shardcheck.parity.diagnosis import _name_factor
+    from shardcheck.parity.topology import name_leaves
+
+    code, phrase = _name_factor(4.0, 2, TP_MESH)
+    assert code == "summed" and phrase.startswith("x4: the size of mesh axis 'model', which splits the model")
+    assert "reduce the gradients over the batch axes 'data' only" in phrase
+    code, phrase = _name_factor(2.0, 2, {"data": 2, "model": 2})  # S = 2 = the model axis: both causes
+    assert code == "summed" and "or a sum over the 2 batch shards for their mean" in phrase
+    # no model axis: the factors of S, as before
+    assert _name_factor(4.0, 2, {"data": 2}) == _name_factor(4.0, 2, None)
+    assert "sum-reduced twice" in _name_factor(4.0, 2, {"data": 2})[1]
+    assert name_leaves(["param a.x", "param a.y"]) == "param a.x, param a.y"
+    many = [f"param block.{k}.bias" for k in "abcdef"]
+    assert name_leaves(many) == (
+        "the 6 leaves under 'block' (param block.a.bias, param block.b.bias, param block.c.bias, "
+        "param block.d.bias and 2 more)"
+    )

@@ -361,7 +361,8 @@ def mesh_step(
     ``with_grads`` a :class:`~shardcheck.steps._core.StepResult` with the reduced gradients it applied (an
     ``nnx.State`` like the parameters, placed as they are).
 
-    The caller validates: the batch divisible by ``mesh.size``, a model without batch statistics.
+    The caller validates: the batch divisible by the number of batch shards (:func:`shardcheck.mesh.data_shards`;
+    ``mesh.size`` without model axes), a model without batch statistics.
     """
     step, args, treedef = prepare(
         strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads
