@@ -85,18 +85,35 @@ class TPMLP(nnx.Module):
         return self.down(nnx.gelu(self.up(x)))
 
 
-def _tp_mlp_task(optimizer):
+class DenseMoE(nnx.Module):
+    """Expert parallelism: 4 experts' weights split over mesh axis 'expert', a replicated softmax gate that
+    weighs every expert (no routing, so the step is exact)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.gate = nnx.Linear(4, 4, kernel_init=nnx.with_partitioning(init, (None, None)), rngs=rngs)
+        self.w_in = nnx.Param(init(rngs.params(), (4, 4, 8)), out_sharding=("expert", None, None))
+        self.b_in = nnx.Param(jnp.full((4, 8), 0.1), out_sharding=("expert", None))
+        self.w_out = nnx.Param(init(rngs.params(), (4, 8, 3)), out_sharding=("expert", None, None))
+
+    def __call__(self, x):
+        h = nnx.gelu(jnp.einsum("bd,edf->bef", x, self.w_in[...]) + self.b_in[...])
+        y = jnp.einsum("bef,efo->beo", h, self.w_out[...])
+        return jnp.einsum("be,beo->bo", jax.nn.softmax(self.gate(x)), y)
+
+
+def _tp_mlp_task(optimizer, model=TPMLP):
     rng = np.random.default_rng(0)
     batches = [
         (rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 3)).astype(np.float32))
         for _ in range(2)
     ]
     return Task(
-        model=lambda: TPMLP(nnx.Rngs(0)),
+        model=lambda: model(nnx.Rngs(0)),
         optimizer=optimizer,
         loss_fn=lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2),
         batches=batches,
-        name="tp-mlp",
+        name=model.__name__,
     )
 
 
@@ -115,11 +132,14 @@ def test_the_annotations_split_the_model_over_model_and_nothing_over_data():
 
 
 @require_devices(8)
+@pytest.mark.parametrize(
+    "model,mesh_shape", [(TPMLP, TP_MESH), (DenseMoE, {"data": 2, "expert": 4})], ids=["tensor", "expert"]
+)
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "gspmd", "simulation", "accumulation"])
-def test_every_builtin_strategy_passes_a_tensor_parallel_task(strategy):
+def test_every_builtin_strategy_passes_a_tensor_or_expert_parallel_task(strategy, model, mesh_shape):
     # a clip that never binds: accumulation returns no gradients, and binding clipping would hide their scale
-    task = _tp_mlp_task(optax.chain(optax.clip_by_global_norm(100.0), optax.adamw(1e-2, weight_decay=0.1)))
-    report = check_parity(strategy, task, mesh=make_mesh(TP_MESH))
+    tx = optax.chain(optax.clip_by_global_norm(100.0), optax.adamw(1e-2, weight_decay=0.1))
+    report = check_parity(strategy, _tp_mlp_task(tx, model), mesh=make_mesh(mesh_shape))
     assert report.num_shards == 2  # the batch is split over 'data' only
     assert report.ok and report.verdict == "PASS", str(report)
 
