@@ -409,3 +409,18 @@ def test_a_uniform_factor_of_a_model_axis_size_names_the_axis():
         "the 6 leaves under 'block' (param block.a.bias, param block.b.bias, param block.c.bias, "
         "param block.d.bias and 2 more)"
     )
+
+
+def test_the_wrong_axis_message_follows_which_axes_split_the_batch():
+    from shardcheck.parity.topology import missed_axes_message
+
+    leaves = ["param ln.scale", "opt_state 0.mu.ln.scale"]
+    hybrid = missed_axes_message(0, leaves, ("fsdp",), {"data": 2, "fsdp": 4})
+    assert "reduced over 'data' only, not over 'fsdp', though the batch is split over every axis" in hybrid
+    assert hybrid.endswith("Affected: param ln.scale, opt_state 0.mu.ln.scale.")
+    mesh = {"data": 2, "fsdp": 2, "model": 2}
+    on_batch = missed_axes_message(0, leaves, ("fsdp",), mesh)
+    assert "though the batch is split over 'data', 'fsdp' (and replicated over 'model')" in on_batch
+    on_model = missed_axes_message(0, leaves, ("model",), mesh)
+    assert "'model' splits the model, not the batch (the batch is split over 'data', 'fsdp'" in on_model
+    assert "sequence parallelism" in on_model and "every axis" not in on_model

@@ -192,7 +192,11 @@ def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str],
     affected = f" Affected: {name_leaves(leaves)}."
     on_model = tuple(a for a in missed if a in model)
     if not on_model:
-        where = f"every axis {axes}" if not model else f"the batch axes {batch} (and replicated over {model})"
+        where = (
+            f"every axis {axes}"
+            if not model
+            else f"{_axes_text(batch)} (and replicated over {_axes_text(model)})"
+        )
         return (
             f"{head}: the gradients were reduced over {done} only, not over {_axes_text(missed)}, though the batch "
             f"is split over {where}. Reduce over all of the batch axes (jax.lax.psum(g, {batch!r}), or a "
@@ -205,7 +209,8 @@ def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str],
         f"summed: the row-parallel layer's output was not psum-ed over {m} (Megatron's g: y = "
         f"jax.lax.psum(h @ w, {on_model[0]!r}) + b), or the gradient of a column-parallel layer's input was not "
         f"all-reduced over {m} (Megatron's f; jax.shard_map inserts it with check_vma=True, not with "
-        f"check_vma=False).{affected}"
+        f"check_vma=False); or, if the step splits the sequence over {m} (sequence parallelism: the rows over "
+        f"{_axes_text(batch)}, the tokens over {m}), the gradients were not psum-ed over {m} too.{affected}"
     )
 
 
