@@ -144,6 +144,32 @@ def test_every_builtin_strategy_passes_a_tensor_or_expert_parallel_task(strategy
     assert report.ok and report.verdict == "PASS", str(report)
 
 
+class MixedSplits(nnx.Module):
+    """Leaves split over a batch axis and a model axis at once, over both in one dimension, or unannotated."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(4, 16, kernel_init=nnx.with_partitioning(init, ("fsdp", "model")), rngs=rngs)
+        self.mid = nnx.Linear(
+            16, 16, kernel_init=nnx.with_partitioning(init, (("model", "fsdp"), None)), rngs=rngs
+        )
+        self.down = nnx.Linear(16, 3, rngs=rngs)  # unannotated: the FSDP rule
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.mid(nnx.gelu(self.up(x)))))
+
+
+@require_devices(8)
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_leaves_split_over_batch_and_model_axes_at_once_pass(strategy):
+    """data=2 x fsdp=2 x model=2: each gradient is summed over ('data', 'fsdp') and sliced row-major over an
+    entry's axes, as a tiled all_gather concatenates them."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "model": 2})
+    report = check_parity(strategy, _tp_mlp_task(optax.adam(1e-2), MixedSplits), mesh=mesh)
+    assert report.num_shards == 4
+    assert report.ok and report.verdict == "PASS", str(report)
+
+
 # ------------------------------------------------------------------------------------------- tiny-lm, TP
 
 
