@@ -450,3 +450,14 @@ def test_the_wrong_axis_message_follows_which_axes_split_the_batch():
     on_model = missed_axes_message(0, leaves, ("model",), mesh)
     assert "'model' splits the model, not the batch (the batch is split over 'data', 'fsdp'" in on_model
     assert "sequence parallelism" in on_model and "every axis" not in on_model
+
+
+def test_a_replica_count_that_is_both_s_and_a_model_axis_names_both_causes():
+    from shardcheck.parity.topology import replicated_reduced_message
+
+    both = replicated_reduced_message(0, ["b.bias"], 3, 2, {"data": 2, "model": 2}, num_shards=2)
+    assert "x2 is the size of mesh axis 'model'" in both and "also the number of batch shards S" in both
+    only_model = replicated_reduced_message(0, ["b.bias"], 3, 4, TP_MESH, num_shards=2)
+    assert "x4 is the size of mesh axis 'model'" in only_model and "batch shards S" not in only_model
+    no_model = replicated_reduced_message(0, ["bias"], 1, 4, {"fsdp": 4}, num_shards=4)
+    assert "(bias) is x4 the reference's while the other 1 match: those leaves were reduced twice" in no_model

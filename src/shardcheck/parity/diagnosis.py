@@ -476,7 +476,9 @@ def replicated_reduced(ctx: DiagnosisContext) -> Finding:
         if off and right and len(off) + len(right) == len(factors):
             return Diagnosis(
                 "replicated_reduced",
-                replicated_reduced_message(ctx.first.step, off, len(right), r, ctx.mesh_shape),
+                replicated_reduced_message(
+                    ctx.first.step, off, len(right), r, ctx.mesh_shape, ctx.num_shards
+                ),
                 f"param {off[0]}",
             )
     return None

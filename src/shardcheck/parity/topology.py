@@ -214,7 +214,9 @@ def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str],
     )
 
 
-def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int, mesh_shape) -> str:
+def replicated_reduced_message(
+    step: int, off: Sequence[str], right: int, r: int, mesh_shape, num_shards: int | None = None
+) -> str:
     """The ``replicated_reduced`` message: the gradients of ``off`` are x``r``, the other ``right`` match."""
     axes = model_axes_of_size(mesh_shape, r)
     head = (
@@ -236,4 +238,10 @@ def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int
         f"copies (its gradient comes back psum-ed over {m}); add a row-parallel layer's replicated bias after "
         f"the reduction (y = jax.lax.psum(h @ w, {axes[0]!r}) + b), or, if its gradient was psum-ed over {m} "
         "explicitly, drop that reduction: the batch is replicated over it."
+        + (
+            f" x{r} is also the number of batch shards S: a second psum over the batch axes of a gradient that "
+            "came back already psum-ed (docs/reduction_cases.md C2) gives the same factor."
+            if num_shards == r
+            else ""
+        )
     )
