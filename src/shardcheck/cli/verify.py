@@ -369,6 +369,12 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
     if args.mesh is not None:
         setup += " on mesh " + " x ".join(f"{k}={v}" for k, v in args.mesh.items())
+        from shardcheck.mesh import batch_axis_names
+
+        batch = batch_axis_names(args.mesh)
+        model = [a for a in args.mesh if a not in batch]
+        if model:  # tensor / expert parallelism: say which axes split the batch and which the model
+            setup += f" (batch over {', '.join(batch)}; model over {', '.join(model)})"
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
