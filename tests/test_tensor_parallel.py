@@ -7,6 +7,7 @@ built-in strategy runs such a task and PASSes.
 """
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +211,28 @@ def test_verify_tiny_lm_on_a_tensor_parallel_mesh_passes_every_strategy(tmp_path
     assert report["mesh"] == TP_MESH and report["num_shards"] == 2
     assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "gspmd", "accumulation"}
     assert all(r["ok"] for r in report["strategies"].values())
+
+
+@require_devices(8)
+def test_verify_the_megatron_example_and_its_step(tmp_path):
+    from shardcheck.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "megatron_mlp.py"
+    out = tmp_path / "verify.json"
+    args = [
+        "verify",
+        "--task",
+        f"{example}:task",
+        "--mesh",
+        "data=2,model=4",
+        "--candidate",
+        f"{example}:step",
+    ]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_shards"] == 2
+    assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "gspmd", "accumulation", "candidate"}
+    assert all(r["verdict"] == "PASS" for r in report["strategies"].values()), report["strategies"]
 
 
 # ------------------------------------------------------------- a user's Megatron-style step, and its faults
