@@ -485,3 +485,18 @@ def test_a_replica_count_that_is_both_s_and_a_model_axis_names_both_causes():
     assert "x4 is the size of mesh axis 'model'" in only_model and "batch shards S" not in only_model
     no_model = replicated_reduced_message(0, ["bias"], 1, 4, {"fsdp": 4}, num_shards=4)
     assert "(bias) is x4 the reference's while the other 1 match: those leaves were reduced twice" in no_model
+
+
+@require_devices(8)
+def test_num_shards_on_a_tensor_parallel_mesh_is_the_batch_shards(capsys):
+    from shardcheck.cli import main
+
+    task = _tp_mlp_task(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"has 8 devices but num_shards=8; the batch is split over its axes"):
+        check_parity("dp", task, num_shards=8, mesh=make_mesh(TP_MESH))
+    code = main(
+        ["verify", "--task", "tiny-lm", "--mesh", "data=3,model=2", "--batch-size", "16", "--steps", "1"]
+    )
+    assert code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "the batch of 16 rows does not split over the 3 batch shards of --mesh data=3,model=2" in message
