@@ -210,10 +210,8 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
                 options[key] = value
         if args.task in ("diabetes", "linnerud"):
             options.update(model=args.model, hidden=args.hidden)
-        if args.task == "tiny-lm" and _model_axes(args):
-            options["tensor_parallel"] = _model_axes(
-                args
-            )  # --mesh data=2,model=4: the tensor-parallel config
+        if args.task == "tiny-lm" and _model_axes(args):  # --mesh data=2,model=4: its tensor-parallel config
+            options["tensor_parallel"] = _model_axes(args)
         options.update(_precision_options(args, harness=harness))
         return load_task(args.task, **options)
     flags = [("--optimizer", optimizer), ("--lr", args.lr), ("--batch-size", batch_size)]
