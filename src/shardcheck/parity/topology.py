@@ -14,6 +14,12 @@ signatures the generic rules cannot name:
   each leaf once per device, so the global norm is ``sqrt(R)`` too large and, whenever clipping is active, every
   gradient entering the optimizer is scaled by ``1/sqrt(R)`` (R the replica count: S for data parallel, the
   ``data`` axis's size for hybrid FSDP) (:func:`clip_factors`).
+
+On a mesh with model axes (tensor / expert parallelism, :func:`axis_roles`) the batch is replicated over them, so
+the same signatures have other causes, which the messages name with the affected leaves (:func:`name_leaves`):
+copies that differ along ``model`` are a tensor-parallel partial sum never reduced (:func:`missed_axes_message`);
+a factor equal to the size of ``model`` on some leaves is a replicated bias added before the psum over ``model``
+(:func:`replicated_reduced_message`), on every leaf a sum over ``model`` (:func:`model_axis_factor`).
 """
 
 from __future__ import annotations
