@@ -79,8 +79,10 @@ def test_parse_mesh_and_its_errors():
 def test_fsdp_axis_needs_a_name_on_several_axes():
     assert fsdp_axis(make_mesh({"data": 2, "fsdp": 4})) == "fsdp"
     assert fsdp_axis(make_mesh(4, axis_name="model")) == "model"
+    # tensor parallelism: the only batch axis is the one FSDP shards unannotated state over (ZeRO over 'data')
+    assert fsdp_axis(make_mesh({"data": 2, "model": 4})) == "data"
     with pytest.raises(ValueError, match="none is named 'fsdp'"):
-        fsdp_axis(make_mesh({"data": 2, "model": 4}))
+        fsdp_axis(make_mesh({"x": 2, "y": 4}))
 
 
 # ------------------------------------------------------------------------------------------------ placement
@@ -432,7 +434,7 @@ def test_check_parity_refuses_a_mesh_that_is_not_a_mesh_and_a_mesh_of_another_si
     with pytest.raises(ValueError, match=r"has 8 devices but num_shards=4"):
         check_parity("dp", task, num_shards=4, mesh=make_mesh({"data": 2, "fsdp": 4}))
     with pytest.raises(ValueError, match="none is named 'fsdp'"):
-        check_parity("fsdp", task, mesh=make_mesh({"data": 2, "model": 4}))
+        check_parity("fsdp", task, mesh=make_mesh({"x": 2, "y": 4}))
 
 
 # ------------------------------------------------------------------------------------------- command line

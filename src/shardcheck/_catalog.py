@@ -21,7 +21,8 @@ class StrategySpec:
         placement: where parameters and optimizer state live: ``"single"`` (one device), ``"replicated"``
             (every device of the mesh) or ``"fsdp"`` (split by the model's annotations, else over the FSDP
             axis: :func:`shardcheck.steps.sharded.state_specs`).
-        uses_mesh: the step runs on a device mesh of ``num_shards`` devices.
+        uses_mesh: the step runs on a device mesh of ``num_shards`` batch shards (its devices, unless the mesh has
+            model axes: :func:`shardcheck.mesh.data_shards`).
         wraps_optimizer: the step steps an optimizer of its own around the task's transformation
             (``optax.MultiSteps``), not the one it is given.
     """
@@ -51,7 +52,7 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
         ),
         StrategySpec(
             "dp",
-            "data parallel: batch split over every mesh axis, state replicated, one psum per leaf",
+            "data parallel: batch split over the data axes, state replicated, one psum per leaf",
             "replicated",
             True,
         ),

@@ -1,14 +1,24 @@
 """Device meshes with named axes: how shardcheck builds them and reads their roles.
 
 A mesh is ``jax.sharding.Mesh``: devices laid out on named axes, such as ``("data", "fsdp")`` for hybrid
-sharding (Flax NNX's "Scale up on multiple devices" guide, MaxText). Every strategy of :mod:`shardcheck.steps`
-splits the batch over *all* axes of the mesh (each device gets ``B / mesh.size`` rows) and places the state by
-the roles of the axes:
+sharding or ``("data", "model")`` for tensor parallelism (Flax NNX's "Scale up on multiple devices" guide,
+MaxText). The axes have two roles:
+
+* the **batch axes** (:func:`batch_axes`): the axes named ``"data"`` or ``"fsdp"`` (:data:`BATCH_AXIS_NAMES`);
+  the batch is split over them and replicated over the others. A mesh with neither name (a 1-D mesh named
+  anything, ``("x", "y")``) splits the batch over every axis. The number of data shards S is the product of
+  their sizes (:func:`data_shards`);
+* the **model axes** (:func:`model_axes`): the others, such as ``"model"`` / ``"tensor"`` (tensor parallelism)
+  or ``"expert"``: only the model's own ``nnx.with_partitioning`` annotations split state over them, e.g. a
+  column-parallel kernel ``(None, "model")`` and a row-parallel one ``("model", None)``.
+
+Every strategy of :mod:`shardcheck.steps` splits the batch over the batch axes and places the state by the roles
+of the axes:
 
 * data parallel replicates the state on every axis;
 * FSDP splits the state over the **FSDP axis** (:func:`fsdp_axis`: the axis named ``"fsdp"``, else the mesh's
-  only axis) and replicates it over the others (hybrid sharding: reduce-scatter over ``fsdp``, all-reduce over
-  ``data``), unless the model's own ``nnx.with_partitioning`` annotations say otherwise.
+  only axis or its only batch axis) and replicates it over the others (hybrid sharding: reduce-scatter over
+  ``fsdp``, all-reduce over ``data``), unless the model's own annotations say otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +35,9 @@ from shardcheck import _validate
 
 FSDP_AXIS = "fsdp"
 """The axis FSDP splits unannotated state over when the mesh has several axes."""
+
+BATCH_AXIS_NAMES = ("data", FSDP_AXIS)
+"""The names of the axes the batch is split over (:func:`batch_axes`); the other axes of a mesh split the model."""
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -161,26 +174,58 @@ def check_mesh(fn: str, mesh) -> Mesh:
     return mesh
 
 
+def batch_axis_names(names) -> tuple[str, ...]:
+    """The batch axes among mesh axis ``names`` (a mesh's or ``--mesh``'s): those named ``"data"`` or
+    ``"fsdp"``, in order; every name when none is."""
+    names = tuple(names)
+    named = tuple(a for a in names if a in BATCH_AXIS_NAMES)
+    return named or names
+
+
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes the batch is split over: every axis of ``mesh``, in order (``B / mesh.size`` rows a device)."""
-    return tuple(mesh.axis_names)
+    """The axes the batch is split over: those named ``"data"`` or ``"fsdp"``, in mesh order; every axis of a
+    mesh with neither name. Each device gets ``B / data_shards(mesh)`` rows; the batch is replicated over the
+    other axes (:func:`model_axes`)."""
+    return batch_axis_names(mesh.axis_names)
+
+
+def model_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes that split the model, not the batch (``"model"``, ``"tensor"``, ``"expert"``...): the axes that
+    are not :func:`batch_axes`, in mesh order; empty for a mesh whose batch spans every axis."""
+    batch = set(batch_axes(mesh))
+    return tuple(a for a in mesh.axis_names if a not in batch)
+
+
+def data_shards(shape: Mesh | Mapping[str, int]) -> int:
+    """S, the number of batch shards: the product of the batch axes' sizes (``mesh.size`` when the batch spans
+    every axis). Takes a mesh or a ``{axis: size}`` mapping (``--mesh``): ``{"data": 2, "model": 4}``
+    -> 2, ``{"data": 2, "fsdp": 4}`` -> 8."""
+    sizes = dict(shape.shape) if isinstance(shape, Mesh) else dict(shape)
+    return math.prod(int(sizes[a]) for a in batch_axis_names(sizes))
 
 
 def fsdp_axis(mesh: Mesh) -> str:
-    """The axis FSDP splits unannotated state over: ``"fsdp"`` when the mesh has it, else its only axis.
+    """The axis FSDP splits unannotated state over: ``"fsdp"`` when the mesh has it, else its only axis, else its
+    only batch axis (``"data"`` on a ``("data", "model")`` mesh: ZeRO over the data-parallel axis, the model
+    axes split only what the annotations say).
 
     Raises:
-        ValueError: a mesh with several axes, none named ``"fsdp"`` (name the axis to shard over ``fsdp``).
+        ValueError: a mesh with several axes, none named ``"fsdp"`` and not exactly one named ``"data"`` (name the
+            axis to shard over ``fsdp``).
     """
     names = tuple(mesh.axis_names)
     if FSDP_AXIS in names:
         return FSDP_AXIS
     if len(names) == 1:
         return names[0]
+    batch = batch_axes(mesh)
+    if len(batch) == 1:
+        return batch[0]
     raise ValueError(
         f"fsdp: the mesh has axes {names} and none is named {FSDP_AXIS!r}, so it is not clear which axis the "
         f"parameters are split over; name it {FSDP_AXIS!r} (e.g. make_mesh({{'data': 2, 'fsdp': 4}}) or "
-        "--mesh data=2,fsdp=4), or annotate every parameter with nnx.with_partitioning"
+        "--mesh data=2,fsdp=4), or name the data-parallel axis 'data' (e.g. --mesh data=2,model=4), or annotate "
+        "every parameter with nnx.with_partitioning"
     )
 
 

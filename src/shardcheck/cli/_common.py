@@ -54,9 +54,12 @@ def configure_devices(num_devices: int | None) -> None:
 
 
 MESH_HELP = (
-    "a mesh with named axes, e.g. data=2,fsdp=4: the batch is split over every axis, FSDP splits the state over "
-    "'fsdp' (or as the model's annotations say) and replicates it over 'data'; creates that many fake CPU "
-    "devices, like --devices (which it replaces; a given --devices must equal the product)"
+    "a mesh with named axes, e.g. data=2,fsdp=4 or data=2,model=4: the batch is split over the axes named 'data' "
+    "and 'fsdp' (over every axis when none is) and replicated over the others, which split the model as its "
+    "annotations say (tensor parallelism: 'model'; tiny-lm then runs its tensor-parallel configuration); FSDP "
+    "splits the unannotated state over 'fsdp' (else 'data') and replicates it over the other axes; S is the "
+    "number of batch shards; creates that many fake CPU devices, like --devices (which it replaces; a given "
+    "--devices must equal the product)"
 )
 
 

@@ -152,12 +152,22 @@ def _named_optimizer(args, name: str, steps: int | None):
     return make_tx(name, lr, **options)
 
 
+def _model_axes(args) -> dict[str, int]:
+    """The model axes of ``--mesh`` (those not named 'data' or 'fsdp', when one is) with their sizes."""
+    from shardcheck.mesh import batch_axis_names
+
+    axes = getattr(args, "mesh", None) or {}
+    batch = batch_axis_names(axes)
+    return {a: n for a, n in axes.items() if a not in batch}
+
+
 def task_from_args(args, *, default_optimizer: str, batch_size: int | None, steps: int | None):
     """The :class:`~shardcheck.Task` the arguments name.
 
     A built-in task gets the options given on the command line (``--optimizer``, ``--lr``, ``--batch-size``,
     ``--steps``, ``--seed``; ``--model`` for diabetes / linnerud; ``--compute-dtype`` / ``--param-dtype`` for
-    digits / tiny-lm); a user's task is used as it is (a subcommand that runs the parity harness applies the dtype
+    digits / tiny-lm; tiny-lm's tensor-parallel configuration for a ``--mesh`` with a model axis, such as
+    ``data=2,model=4``); a user's task is used as it is (a subcommand that runs the parity harness applies the dtype
     flags to its check instead: :func:`precision_overrides`).
 
     Raises:
@@ -200,6 +210,8 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
                 options[key] = value
         if args.task in ("diabetes", "linnerud"):
             options.update(model=args.model, hidden=args.hidden)
+        if args.task == "tiny-lm" and _model_axes(args):  # --mesh data=2,model=4: its tensor-parallel config
+            options["tensor_parallel"] = _model_axes(args)
         options.update(_precision_options(args, harness=harness))
         return load_task(args.task, **options)
     flags = [("--optimizer", optimizer), ("--lr", args.lr), ("--batch-size", batch_size)]

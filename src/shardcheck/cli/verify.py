@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -321,8 +322,9 @@ def _check_builtin_batch(args, task, num_shards) -> None:
             "--mesh " + ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else f"--devices {num_shards}"
         )
         fit = -(-b // num_shards) * num_shards
+        over = "devices" if mesh is None or math.prod(mesh.values()) == num_shards else "batch shards"
         raise ValueError(
-            f"shardcheck verify: the batch of {b} rows does not split over the {num_shards} devices of {where}; "
+            f"shardcheck verify: the batch of {b} rows does not split over the {num_shards} {over} of {where}; "
             f"pass --batch-size with a multiple of {num_shards} (e.g. --batch-size {fit}) or a device count that "
             f"divides {b}"
         )
@@ -332,9 +334,13 @@ def main(args) -> int:
     from shardcheck import distributed
 
     try:
-        strategies, num_shards = _check_args(args)
+        strategies, devices = _check_args(args)
     except (TypeError, ValueError) as err:
         return _fail(str(err))
+    from shardcheck.mesh import data_shards
+
+    # S: the batch is split over the mesh's batch axes ('data', 'fsdp'), replicated over its model axes
+    num_shards = devices if args.mesh is None else data_shards(args.mesh)
     from shardcheck import parity
     from shardcheck.steps import STRATEGIES
 
@@ -345,9 +351,7 @@ def main(args) -> int:
         candidate = (
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
-        mesh = _mesh(
-            args, num_shards, any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None
-        )
+        mesh = _mesh(args, devices, any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None)
         runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
@@ -381,6 +385,12 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
     if args.mesh is not None:
         setup += " on mesh " + " x ".join(f"{k}={v}" for k, v in args.mesh.items())
+        from shardcheck.mesh import batch_axis_names
+
+        batch = batch_axis_names(args.mesh)
+        model = [a for a in args.mesh if a not in batch]
+        if model:  # tensor / expert parallelism: say which axes split the batch and which the model
+            setup += f" (batch over {', '.join(batch)}; model over {', '.join(model)})"
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))

@@ -35,7 +35,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from shardcheck.parity.topology import clip_factors, leaf_factors, replica_counts
+from shardcheck.parity.topology import (
+    clip_factors,
+    leaf_factors,
+    missed_axes_message,
+    model_axis_factor,
+    replica_counts,
+    replicated_reduced_message,
+)
 
 KINDS = ("loss", "grad", "param", "opt_state", "counter")
 # Two update ratios "agree" when within 2% of each other.
@@ -239,7 +246,11 @@ def _name_factor(
     f: float, num_shards: int | None, mesh_shape: dict[str, int] | None = None
 ) -> tuple[str, str] | None:
     """``(code, phrase)`` for a gradient factor that is a power of S (or of an integer when S is unknown), or
-    1/sqrt(R) for a replica count R (a clipping norm counted once per replica)."""
+    1/sqrt(R) for a replica count R (a clipping norm counted once per replica); first, the size of a model axis
+    (a sum over an axis the batch is replicated on: :func:`~shardcheck.parity.topology.model_axis_factor`)."""
+    on_model = model_axis_factor(f, num_shards, mesh_shape, _close)
+    if on_model is not None:
+        return on_model
     candidates = [num_shards] if num_shards and num_shards > 1 else list(range(2, 65))
     for s in candidates:
         if _close(f, s):
@@ -447,14 +458,9 @@ def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
     axes = tuple((ctx.mesh_shape or {}).keys())
     if r is None or len(axes) < 2 or set(r.replica_axes) >= set(axes):
         return None
-    missed = ", ".join(repr(a) for a in r.replica_axes)
-    done = ", ".join(repr(a) for a in axes if a not in r.replica_axes)
     return Diagnosis(
         "wrong_axis_reduction",
-        f"After step {r.step} the copies of {r.replica_mismatches[0]} differ along mesh axis {missed} and agree "
-        f"along {done}: the gradients were reduced over {done} only, not over {missed}, though the batch is "
-        f"split over every axis {axes}. Reduce over all of them (jax.lax.psum(g, {axes!r}), or a "
-        f"psum_scatter over the split axis and a psum over the others).",
+        missed_axes_message(r.step, r.replica_mismatches, r.replica_axes, ctx.mesh_shape),
         r.replica_mismatches[0],
     )
 
@@ -468,15 +474,11 @@ def replicated_reduced(ctx: DiagnosisContext) -> Finding:
     for r in replica_counts(ctx.num_shards, ctx.mesh_shape):
         off = sorted(p for p, f in factors.items() if _close(f, r))
         if off and right and len(off) + len(right) == len(factors):
-            listed = ", ".join(off[:4]) + (f" and {len(off) - 4} more" if len(off) > 4 else "")
             return Diagnosis(
                 "replicated_reduced",
-                f"At step {ctx.first.step} the gradient of {len(off)} leaf/leaves ({listed}) is x{r} the "
-                f"reference's while the other {len(right)} match: those leaves were reduced twice. In "
-                "jax.shard_map the gradient of a parameter replicated over mesh axes comes back already "
-                f"psum-ed over them ({r} copies; docs/reduction_cases.md C2), so a second psum multiplies it by "
-                "the replica count; cast the replicated parameters with jax.lax.pcast(..., to='varying') before "
-                "differentiating, or drop the second reduction for them.",
+                replicated_reduced_message(
+                    ctx.first.step, off, len(right), r, ctx.mesh_shape, ctx.num_shards
+                ),
                 f"param {off[0]}",
             )
     return None

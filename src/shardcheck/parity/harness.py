@@ -36,7 +36,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.datasets import minibatch_indices
-from shardcheck.mesh import check_mesh
+from shardcheck.mesh import check_mesh, data_shards
 from shardcheck.parity import compare, legacy
 from shardcheck.parity.candidates import as_candidate, check_step_signature, unpack
 from shardcheck.parity.compare import (
@@ -840,7 +840,8 @@ def _setup(
     if mesh is not None:
         check_mesh(fn, mesh)
     if num_shards is None and mesh is not None:
-        num_shards = int(mesh.size)  # the batch is split over every device of the mesh
+        # the batch is split over the batch axes: S = mesh.size unless the mesh has model axes
+        num_shards = data_shards(mesh)
     if num_shards is not None:
         num_shards = _validate.check_num_shards(fn, num_shards)
     if isinstance(task, nnx.Module):  # the (model, optimizer, batches) form: the seeds' regression task

@@ -14,6 +14,12 @@ signatures the generic rules cannot name:
   each leaf once per device, so the global norm is ``sqrt(R)`` too large and, whenever clipping is active, every
   gradient entering the optimizer is scaled by ``1/sqrt(R)`` (R the replica count: S for data parallel, the
   ``data`` axis's size for hybrid FSDP) (:func:`clip_factors`).
+
+On a mesh with model axes (tensor / expert parallelism, :func:`axis_roles`) the batch is replicated over them, so
+the same signatures have other causes, which the messages name with the affected leaves (:func:`name_leaves`):
+copies that differ along ``model`` are a tensor-parallel partial sum never reduced (:func:`missed_axes_message`);
+a factor equal to the size of ``model`` on some leaves is a replicated bias added before the psum over ``model``
+(:func:`replicated_reduced_message`), on every leaf a sum over ``model`` (:func:`model_axis_factor`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+
+from shardcheck.mesh import batch_axis_names
 
 
 def mismatch_axes(a) -> tuple[str, ...]:
@@ -112,3 +120,134 @@ def leaf_factors(leaves, unresolved: Sequence[str] = ()) -> dict[str, float]:
         elif e.kind == "param" and e.path in evidence:
             evidence[e.path][3] = e.ratio
     return {p: ev[min(ev)] for p, ev in evidence.items() if ev}
+
+
+# ------------------------------------------------------------------------------- batch axes and model axes
+
+
+def axis_roles(mesh_shape: dict[str, int] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(batch axes, model axes)`` of a mesh ``{axis: size}`` (:func:`shardcheck.mesh.batch_axes`): the batch
+    is split over the first and replicated over the second (tensor parallelism's ``model``)."""
+    names = tuple(mesh_shape or {})
+    batch = batch_axis_names(names)
+    return batch, tuple(a for a in names if a not in batch)
+
+
+def name_leaves(names: Sequence[str], limit: int = 4) -> str:
+    """Leaf names for a message: ``"a.x, a.y"``, or with more than ``limit`` their common prefix and the first
+    ``limit``: ``"the 36 leaves under 'block' (block.down.bias, ... and 32 more)"``."""
+    names = list(names)
+    listed = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    if len(names) <= limit:
+        return listed
+    parts = [n.split(" ", 1)[-1].split(".") for n in names]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    under = f" under {'.'.join(common)!r}" if common else ""
+    return f"the {len(names)} leaves{under} ({listed})"
+
+
+def model_axes_of_size(mesh_shape: dict[str, int] | None, r: int) -> tuple[str, ...]:
+    """The model axes whose size is ``r`` (or all of them, when several multiply to ``r``)."""
+    _, model = axis_roles(mesh_shape)
+    sizes = dict(mesh_shape or {})
+    single = tuple(a for a in model if sizes[a] == r)
+    if single:
+        return single
+    return model if len(model) > 1 and math.prod(sizes[a] for a in model) == r else ()
+
+
+def _axes_text(axes: Sequence[str]) -> str:
+    return ", ".join(repr(a) for a in axes)
+
+
+def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tuple[str, str] | None:
+    """``("summed", phrase)`` for a gradient factor that is the size M of a model axis: the gradients were
+    summed over an axis the batch is replicated on (each of its M devices holds the same gradient); ``None``
+    otherwise. ``close(a, b)`` compares two ratios."""
+    _, model = axis_roles(mesh_shape)
+    sizes = {int(mesh_shape[a]) for a in model} | {math.prod(int(mesh_shape[a]) for a in model)}
+    for r in sorted(n for n in sizes if n > 1):
+        axes = model_axes_of_size(mesh_shape, r) if close(f, r) else ()
+        if axes:
+            batch, _ = axis_roles(mesh_shape)
+            also = f", or a sum over the {r} batch shards for their mean" if num_shards == r else ""
+            return (
+                "summed",
+                f"x{r}: the size of mesh axis {_axes_text(axes)}, which splits the model, not the batch: the "
+                f"gradients were psum-ed over {_axes_text(axes)} too, though every device along it holds the same "
+                f"batch rows and so the same gradient, counted {r} times{also}; reduce the gradients over the "
+                f"batch axes {_axes_text(batch)} only (the psum over {_axes_text(axes)} belongs to the "
+                "row-parallel layer's output in the forward pass)",
+            )
+    return None
+
+
+def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str], mesh_shape) -> str:
+    """The ``wrong_axis_reduction`` message: the copies of ``leaves`` differ along ``missed`` only."""
+    batch, model = axis_roles(mesh_shape)
+    axes = tuple(mesh_shape or {})
+    done = _axes_text(a for a in axes if a not in missed)
+    head = (
+        f"After step {step} the copies of {leaves[0]} differ along mesh axis {_axes_text(missed)} and agree "
+        f"along {done}"
+    )
+    affected = f" Affected: {name_leaves(leaves)}."
+    on_model = tuple(a for a in missed if a in model)
+    if not on_model:
+        where = (
+            f"every axis {axes}"
+            if not model
+            else f"{_axes_text(batch)} (and replicated over {_axes_text(model)})"
+        )
+        return (
+            f"{head}: the gradients were reduced over {done} only, not over {_axes_text(missed)}, though the batch "
+            f"is split over {where}. Reduce over all of the batch axes (jax.lax.psum(g, {batch!r}), or a "
+            f"psum_scatter over the split axis and a psum over the others).{affected}"
+        )
+    m = _axes_text(on_model)
+    return (
+        f"{head}: {m} splits the model, not the batch (the batch is split over {_axes_text(batch)} and "
+        f"replicated over {m}), so its devices hold partial results of a tensor-parallel layer that were never "
+        f"summed: the row-parallel layer's output was not psum-ed over {m} (Megatron's g: y = "
+        f"jax.lax.psum(h @ w, {on_model[0]!r}) + b), or the gradient of a column-parallel layer's input was not "
+        f"all-reduced over {m} (Megatron's f; jax.shard_map inserts it with check_vma=True, not with "
+        f"check_vma=False); or, if the step splits the sequence over {m} (sequence parallelism: the rows over "
+        f"{_axes_text(batch)}, the tokens over {m}), the gradients were not psum-ed over {m} too.{affected}"
+    )
+
+
+def replicated_reduced_message(
+    step: int, off: Sequence[str], right: int, r: int, mesh_shape, num_shards: int | None = None
+) -> str:
+    """The ``replicated_reduced`` message: the gradients of ``off`` are x``r``, the other ``right`` match."""
+    axes = model_axes_of_size(mesh_shape, r)
+    head = (
+        f"At step {step} the gradient of {len(off)} leaf/leaves ({name_leaves(off)}) is x{r} the reference's"
+    )
+    if not axes:
+        return (
+            f"{head} while the other {right} match: those leaves were reduced twice. In jax.shard_map the gradient "
+            f"of a parameter replicated over mesh axes comes back already psum-ed over them ({r} copies; "
+            "docs/reduction_cases.md C2), so a second psum multiplies it by the replica count; cast the "
+            "replicated parameters with jax.lax.pcast(..., to='varying') before differentiating, or drop the "
+            "second reduction for them."
+        )
+    m = _axes_text(axes)
+    return (
+        f"{head} (their gradients and optimizer moments) while the other {right} match: x{r} is the size of mesh "
+        f"axis {m}, which splits the model. A parameter replicated over {m} and added before the psum over {m} "
+        f"counts once per shard: each of the {r} shards adds it to its partial sum and the psum adds the {r} "
+        f"copies (its gradient comes back psum-ed over {m}); add a row-parallel layer's replicated bias after "
+        f"the reduction (y = jax.lax.psum(h @ w, {axes[0]!r}) + b), or, if its gradient was psum-ed over {m} "
+        "explicitly, drop that reduction: the batch is replicated over it."
+        + (
+            f" x{r} is also the number of batch shards S: a second psum over the batch axes of a gradient that "
+            "came back already psum-ed (docs/reduction_cases.md C2) gives the same factor."
+            if num_shards == r
+            else ""
+        )
+    )

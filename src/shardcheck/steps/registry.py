@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from shardcheck._catalog import CANDIDATES as CANDIDATES
 from shardcheck._catalog import STRATEGY_SPECS, StrategySpec
-from shardcheck.mesh import check_mesh
+from shardcheck.mesh import batch_axes, check_mesh, data_shards
 from shardcheck.steps._core import Candidate
 from shardcheck.task import LossFn
 
@@ -147,11 +147,15 @@ def get_strategy(fn: str, name) -> Strategy:
 
 
 def mesh_for(fn: str, strategy: Strategy, num_shards: int, mesh: Mesh | None) -> Mesh | None:
-    """The mesh a strategy runs on: ``mesh`` (its device count must be ``num_shards``), else the first S devices.
+    """The mesh a strategy runs on: ``mesh`` (its batch shards must number ``num_shards``), else the first S
+    devices.
+
+    The batch is split over the mesh's batch axes (:func:`shardcheck.mesh.batch_axes`), so S is
+    :func:`shardcheck.mesh.data_shards`: ``mesh.size`` unless the mesh has model axes (``data=2,model=4``: S = 2).
 
     Raises:
         TypeError: ``mesh`` not a ``jax.sharding.Mesh``.
-        ValueError: fewer devices than S, or a mesh of another size.
+        ValueError: fewer devices than S, or a mesh of another number of batch shards.
     """
     if not strategy.uses_mesh:
         return None
@@ -165,9 +169,14 @@ def mesh_for(fn: str, strategy: Strategy, num_shards: int, mesh: Mesh | None) ->
             )
         return make_mesh(num_shards)
     check_mesh(fn, mesh)
-    if mesh.size != num_shards:
+    shards = data_shards(mesh)
+    if shards != num_shards:
+        if shards == mesh.size:
+            why = "the batch is split over every device"
+        else:
+            why = f"the batch is split over its axes {batch_axes(mesh)} ({shards} shards), replicated over the others"
         raise ValueError(
-            f"{fn}: the mesh {dict(mesh.shape)} has {mesh.size} devices but num_shards={num_shards}; the batch is "
-            f"split over every device, so pass num_shards={mesh.size} (or a mesh of {num_shards} devices)"
+            f"{fn}: the mesh {dict(mesh.shape)} has {mesh.size} devices but num_shards={num_shards}; {why}, so pass "
+            f"num_shards={shards} (or a mesh of {num_shards} batch shards)"
         )
     return mesh

@@ -1,7 +1,8 @@
 """Data-parallel, FSDP and GSPMD steps of any task on a device mesh with one or more named axes.
 
-Every strategy splits the batch over *all* axes of the mesh (:func:`shardcheck.mesh.batch_axes`) and places each
-``(model, optimizer)`` state leaf by a ``PartitionSpec`` (:func:`state_specs`):
+Every strategy splits the batch over the batch axes of the mesh (:func:`shardcheck.mesh.batch_axes`: ``data``
+and ``fsdp``, or every axis of a mesh with neither), replicates it over the model axes (``model``, ``tensor``,
+``expert``...) and places each ``(model, optimizer)`` state leaf by a ``PartitionSpec`` (:func:`state_specs`):
 
 * ``dp`` (data parallel): every leaf replicated;
 * ``fsdp`` and ``gspmd``: a leaf the model annotates (``nnx.with_partitioning`` / ``out_sharding`` metadata, read
@@ -15,7 +16,10 @@ and its gradient is ``psum``-ed over the axes the leaf is replicated on and ``ps
 axes it is split on, then divided once by the total weight. On a ``("data", "fsdp")`` mesh this is hybrid
 sharding: reduce-scatter over ``fsdp``, all-reduce over ``data`` (ZeRO-3 / FSDP: Rajbhandari et al., "ZeRO",
 2020; Zhao et al., "PyTorch FSDP", 2023, section 3.2 "hybrid sharding"); data parallel is the case where every
-leaf is replicated (one all-reduce per leaf). ``gspmd`` is what the Flax NNX sharding guide does: the plain
+leaf is replicated (one all-reduce per leaf). On a mesh with model axes (tensor parallelism, ``data=2,model=4``)
+the devices along a model axis hold the same batch rows, so each computes the same local gradient: it is summed
+over the batch axes only, and each device keeps its slice of the leaf (a sum over ``model`` would count the
+gradient once per model shard). ``gspmd`` is what the Flax NNX sharding guide does: the plain
 single-device step under ``jax.jit`` with the placed state, XLA inserting the collectives.
 
 For all three the optimizer update runs on the global, placed arrays under the same ``jax.jit``, so any optax
@@ -41,7 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardcheck import distributed
-from shardcheck.mesh import batch_axes, fsdp_axis
+from shardcheck.mesh import batch_axes, fsdp_axis, model_axes
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.steps._core import StepResult, params_value_and_grad
 from shardcheck.task import Batch, LossFn, divide
@@ -88,7 +92,34 @@ def _reduce(g, spec: PartitionSpec, mesh_axes):
     return g
 
 
-def sharded_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch: Batch, param_specs, mesh_axes):
+def _invariant(x, axes):
+    """``x``, made device-invariant over ``axes`` on which its copies are equal (``pmax`` of equal copies: exact)."""
+    aval = jax.typeof(x)  # its device-varying axes: .manual_axis_type.varying in JAX 0.10, .vma before
+    vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
+    varying = tuple(a for a in axes if a in vma)
+    return jax.lax.pmax(x, varying) if varying else x
+
+
+def _reduce_model_split(g, spec: PartitionSpec, batch, model):
+    """The whole local gradient on a mesh with model axes -> this device's shard of the sum over the batch shards.
+
+    The batch is replicated over the ``model`` axes, so every device along them computed the same local
+    gradient: it is summed over the ``batch`` axes only (a psum over a model axis would count it once per
+    shard), made invariant over the model axes (its copies are equal), and this device's slice taken along
+    every dimension the spec splits (row-major over an entry's axes, as a tiled ``all_gather`` concatenates).
+    """
+    g = _invariant(jax.lax.psum(g, batch), model)
+    for dim, entry in enumerate(spec):
+        axes = _entry_axes(entry)
+        if axes:
+            n = g.shape[dim] // jax.lax.axis_size(axes)
+            g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(axes) * n, n, axis=dim)
+    return g
+
+
+def sharded_value_and_grad(
+    loss_fn: LossFn, model: nnx.Module, batch: Batch, param_specs, mesh_axes, tensor_axes=()
+):
     """Inside ``shard_map``: gather the parameters, differentiate the local loss, reduce each gradient once.
 
     Args:
@@ -97,23 +128,37 @@ def sharded_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch: Batch, par
             leaf's split, in ``jax.tree.leaves(nnx.state(model, nnx.Param))`` order).
         batch: this device's shard of the batch.
         param_specs: one ``PartitionSpec`` per parameter leaf (``PartitionSpec()``: replicated).
-        mesh_axes: every axis of the mesh (the batch is split over all of them).
+        mesh_axes: the batch axes of the mesh (:func:`shardcheck.mesh.batch_axes`).
+        tensor_axes: the model axes (:func:`shardcheck.mesh.model_axes`): the batch is replicated over them.
 
     Returns:
-        ``(loss, grads)``: the full-batch loss ``psum(loss_sum) / psum(weight)`` and an ``nnx.State`` of gradient
-        shards, each ``reduce(g) / psum(weight)`` with ``reduce`` a ``psum`` over the axes the leaf is
-        replicated on and a ``psum_scatter`` over the axes it is split on.
+        ``(loss, grads)``: the full-batch loss ``psum(loss_sum) / psum(weight)`` over the batch axes and an
+        ``nnx.State`` of gradient shards, each ``reduce(g) / psum(weight)``: without model axes ``reduce`` is a
+        ``psum`` over the axes the leaf is replicated on and a ``psum_scatter`` over the axes it is split on; with
+        them, a ``psum`` over the batch axes and this device's slice (:func:`_reduce_model_split`).
     """
     graphdef, local, rest = nnx.split(model, nnx.Param, ...)
     leaves, treedef = jax.tree.flatten(local)
-    full = [_gather(a, s, mesh_axes) for a, s in zip(leaves, param_specs, strict=True)]
+    every = (*mesh_axes, *tensor_axes)
+    full = [_gather(a, s, every) for a, s in zip(leaves, param_specs, strict=True)]
     total, weight, grads = params_value_and_grad(
         loss_fn, graphdef, jax.tree.unflatten(treedef, full), rest, batch
     )
-    # A scalar loss is a mean per shard: the weight of each shard is 1, the total the device count (a constant).
-    weight = jax.lax.axis_size(mesh_axes) if weight is None else jax.lax.psum(weight, mesh_axes)
-    grads = [_reduce(g, s, mesh_axes) for g, s in zip(jax.tree.leaves(grads), param_specs, strict=True)]
-    return jax.lax.psum(total, mesh_axes) / weight, jax.tree.unflatten(treedef, divide(grads, weight))
+    # A scalar loss is a mean per shard: the weight of each shard is 1, the total the shard count (a constant).
+    weight = (
+        jax.lax.axis_size(mesh_axes)
+        if weight is None
+        else _invariant(jax.lax.psum(weight, mesh_axes), tensor_axes)
+    )
+    if tensor_axes:
+        reduced = [
+            _reduce_model_split(g, s, mesh_axes, tensor_axes)
+            for g, s in zip(jax.tree.leaves(grads), param_specs, strict=True)
+        ]
+    else:
+        reduced = [_reduce(g, s, mesh_axes) for g, s in zip(jax.tree.leaves(grads), param_specs, strict=True)]
+    total = _invariant(jax.lax.psum(total, mesh_axes), tensor_axes)
+    return total / weight, jax.tree.unflatten(treedef, divide(reduced, weight))
 
 
 def _plain_loss_and_grads(loss_fn, model, batch):
@@ -137,12 +182,12 @@ def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh
     grad_leaves, state_leaves)``, the reduced gradients it applied, placed as the parameters (the parity check
     compares them; an optimizer blind to the gradient's scale, such as a clip that binds, hides it in the update).
     """
-    mesh_axes = batch_axes(mesh)
+    mesh_axes, tensor_axes = batch_axes(mesh), model_axes(mesh)
     batch_spec = PartitionSpec(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
 
     def grads_body(leaves, batch):
         model, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        loss, grads = sharded_value_and_grad(loss_fn, model, batch, param_specs, mesh_axes)
+        loss, grads = sharded_value_and_grad(loss_fn, model, batch, param_specs, mesh_axes, tensor_axes)
         return loss, jax.tree.leaves(grads)
 
     mapped = jax.shard_map(
@@ -243,6 +288,8 @@ def state_specs(
         if annotated is not None:
             name = ".".join(map(str, path))
             return _check_annotation(fn, name, nnx.get_partition_spec(var).get_value(), shape, mesh)
+        if not shape:  # a scalar (the optimizer's step counters) stays whole on any mesh
+            return PartitionSpec()
         axis = fsdp_axis(mesh)
         return fsdp_partition_spec(shape, int(mesh.shape[axis]), axis, min_size=min_size)
 
@@ -277,7 +324,8 @@ def place_state(leaves, specs, mesh: Mesh) -> list:
 
 
 def place_batch(batch: Batch, mesh: Mesh) -> Batch:
-    """The batch split over every axis of ``mesh`` along its leading dimension."""
+    """The batch split over the batch axes of ``mesh`` (:func:`shardcheck.mesh.batch_axes`) along its leading
+    dimension, replicated over the model axes."""
     axes = batch_axes(mesh)
     sharding = NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
     return distributed.place_host_tree(batch, sharding)
@@ -313,7 +361,8 @@ def mesh_step(
     ``with_grads`` a :class:`~shardcheck.steps._core.StepResult` with the reduced gradients it applied (an
     ``nnx.State`` like the parameters, placed as they are).
 
-    The caller validates: the batch divisible by ``mesh.size``, a model without batch statistics.
+    The caller validates: the batch divisible by the number of batch shards (:func:`shardcheck.mesh.data_shards`;
+    ``mesh.size`` without model axes), a model without batch statistics.
     """
     step, args, treedef = prepare(
         strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads

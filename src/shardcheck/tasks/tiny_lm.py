@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import inspect
 import itertools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -112,26 +114,77 @@ class TinyLMConfig:
             )
 
 
+def _partitioned(layer: type, axis: str | None, **specs: str) -> dict:
+    """Each ``NAME_init`` of ``specs``: the layer's own default initializer wrapped in ``nnx.with_partitioning``,
+    one character of the spec per dimension (``"M"``: the tensor-parallel ``axis``, ``"-"``: None); nothing when
+    ``axis`` is None. The default is read from the layer's signature, so the values are the unannotated layer's."""
+    if axis is None:
+        return {}
+    params = inspect.signature(layer.__init__).parameters
+    out = {}
+    for name, spec in specs.items():
+        init = params[name].default
+        if init is None:  # MultiHeadAttention's out_kernel_init / out_bias_init: kernel_init / bias_init
+            init = params[name.removeprefix("out_")].default
+        out[name] = nnx.with_partitioning(init, tuple(axis if c == "M" else None for c in spec))
+    return out
+
+
 class Block(nnx.Module):
     """A pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``; ``(B, T, d)`` in and out.
+
+    With ``tensor_axis`` its parameters carry Megatron-style tensor-parallel annotations (Shoeybi et al.,
+    "Megatron-LM", 2019, section 3; written as the Flax NNX guide writes them, ``nnx.with_partitioning``): the
+    attention's query / key / value kernels ``(d, heads, head_dim)`` and biases split by heads
+    (column-parallel), its output kernel ``(heads, head_dim, d)`` split by heads (row-parallel), ``fc1``
+    column-parallel ``(None, axis)`` with its bias ``(axis,)``, ``fc2`` row-parallel ``(axis, None)``; the
+    row-parallel biases and the LayerNorms are annotated replicated.
 
     Args:
         config: the sizes.
         dtype: the computation dtype of every layer (default float32).
         param_dtype: the parameter dtype (default float32).
+        tensor_axis: the mesh axis of tensor parallelism (e.g. ``"model"``), or None (no annotations).
         rngs: initializer keys.
     """
 
-    def __init__(self, config: TinyLMConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        d = config.d_model
+    def __init__(
+        self,
+        config: TinyLMConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        tensor_axis: str | None = None,
+        rngs: nnx.Rngs,
+    ):
+        d, m = config.d_model, tensor_axis
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.ln1 = nnx.LayerNorm(d, **kw)
-        self.attn = nnx.MultiHeadAttention(
-            num_heads=config.num_heads, in_features=d, qkv_features=d, out_features=d, decode=False, **kw
+        norm = _partitioned(nnx.LayerNorm, m, scale_init="-", bias_init="-")
+        self.ln1 = nnx.LayerNorm(d, **kw, **norm)
+        attn = _partitioned(
+            nnx.MultiHeadAttention,
+            m,
+            kernel_init="-M-",
+            bias_init="M-",
+            out_kernel_init="M--",
+            out_bias_init="-",
         )
-        self.ln2 = nnx.LayerNorm(d, **kw)
-        self.fc1 = nnx.Linear(d, config.mlp_dim, **kw)
-        self.fc2 = nnx.Linear(config.mlp_dim, d, **kw)
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=config.num_heads,
+            in_features=d,
+            qkv_features=d,
+            out_features=d,
+            decode=False,
+            **kw,
+            **attn,
+        )
+        self.ln2 = nnx.LayerNorm(d, **kw, **norm)
+        self.fc1 = nnx.Linear(
+            d, config.mlp_dim, **kw, **_partitioned(nnx.Linear, m, kernel_init="-M", bias_init="M")
+        )
+        self.fc2 = nnx.Linear(
+            config.mlp_dim, d, **kw, **_partitioned(nnx.Linear, m, kernel_init="M-", bias_init="-")
+        )
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln1(x), mask=mask)
@@ -145,7 +198,10 @@ class TinyLM(nnx.Module):
         config: the sizes (default :class:`TinyLMConfig` ()).
         dtype: the computation dtype of every layer (default float32).
         param_dtype: the parameter dtype (default float32).
-        rngs: initializer keys; ``nnx.Rngs(seed)`` gives the same parameters for the same seed.
+        tensor_axis: the mesh axis of tensor parallelism, or None: each :class:`Block` is annotated
+            Megatron-style over it; the embeddings, the final LayerNorm and the head are annotated replicated.
+        rngs: initializer keys; ``nnx.Rngs(seed)`` gives the same parameters for the same seed (with or without
+            ``tensor_axis``: the annotations change no value).
     """
 
     def __init__(
@@ -154,16 +210,25 @@ class TinyLM(nnx.Module):
         *,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        tensor_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         config = TinyLMConfig() if config is None else config
         self.config = config
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, **kw)
-        self.pos_embed = nnx.Embed(config.seq_len, config.d_model, **kw)
-        self.blocks = nnx.List([Block(config, **kw) for _ in range(config.num_layers)])
-        self.ln_f = nnx.LayerNorm(config.d_model, **kw)
-        self.lm_head = nnx.Linear(config.d_model, config.vocab_size, **kw)
+        m = tensor_axis
+        self.embed = nnx.Embed(
+            config.vocab_size, config.d_model, **kw, **_partitioned(nnx.Embed, m, embedding_init="--")
+        )
+        self.pos_embed = nnx.Embed(
+            config.seq_len, config.d_model, **kw, **_partitioned(nnx.Embed, m, embedding_init="--")
+        )
+        self.blocks = nnx.List([Block(config, **kw, tensor_axis=m) for _ in range(config.num_layers)])
+        self.ln_f = nnx.LayerNorm(
+            config.d_model, **kw, **_partitioned(nnx.LayerNorm, m, scale_init="-", bias_init="-")
+        )
+        head = _partitioned(nnx.Linear, m, kernel_init="--", bias_init="-")
+        self.lm_head = nnx.Linear(config.d_model, config.vocab_size, **kw, **head)
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """Logits ``(B, T, vocab_size)``.
@@ -278,6 +343,7 @@ def tiny_lm_task(
     seed: int = 0,
     compute_dtype=None,
     param_dtype=None,
+    tensor_parallel: Mapping[str, int] | None = None,
 ) -> Task:
     """Next-character prediction with :class:`TinyLM` on the package corpus, token-weighted.
 
@@ -296,6 +362,10 @@ def tiny_lm_task(
         seed: seed of the parameters (``nnx.Rngs(seed)``), the shuffling and the cut lengths.
         compute_dtype: the layers' ``dtype`` (activations and matmuls), e.g. ``"bfloat16"``; default float32.
         param_dtype: the layers' ``param_dtype`` (the parameters, master weights); default float32.
+        tensor_parallel: ``{axis: size}``, one mesh axis of tensor parallelism (``{"model": 4}``, what ``verify
+            --task tiny-lm --mesh data=2,model=4`` passes): the tensor-parallel configuration, the model annotated
+            Megatron-style over ``axis`` (:class:`Block`); without ``config`` its heads number
+            ``max(2, size)`` so that they split ``size`` ways. Default None: no annotations.
 
     Returns:
         The :class:`~shardcheck.task.Task`; its model factory returns identical parameters on every call.
@@ -303,10 +373,11 @@ def tiny_lm_task(
     Raises:
         TypeError: ``config`` not a :class:`TinyLMConfig`, an option of the wrong type.
         ValueError: ``config.vocab_size`` smaller than the corpus vocabulary, ``batch_size`` above the number of
-            windows, a value out of range, an unknown optimizer name.
+            windows, a value out of range, an unknown optimizer name; ``tensor_parallel`` not one axis, or a size
+            that does not divide the heads, the MLP width and ``d_model`` evenly.
     """
     fn = "tiny-lm"
-    config = TinyLMConfig() if config is None else config
+    tensor_axis, config = _tensor_parallel(fn, tensor_parallel, config)
     if not isinstance(config, TinyLMConfig):
         raise TypeError(f"{fn}: config must be a TinyLMConfig, got {type(config).__name__}")
     if config.vocab_size < vocab_size():
@@ -326,7 +397,7 @@ def tiny_lm_task(
     }
 
     def factory() -> nnx.Module:
-        return TinyLM(config, **dtypes, rngs=nnx.Rngs(seed))
+        return TinyLM(config, **dtypes, tensor_axis=tensor_axis, rngs=nnx.Rngs(seed))
 
     return Task(
         model=factory,
@@ -336,3 +407,26 @@ def tiny_lm_task(
         name="tiny-lm",
         reduction_size=batch_size * config.seq_len,
     )
+
+
+def _tensor_parallel(fn: str, tensor_parallel, config):
+    """``(axis or None, config)``: the tensor-parallel axis and the config it runs (heads ``max(2, size)``)."""
+    if tensor_parallel is None:
+        return None, TinyLMConfig() if config is None else config
+    if not isinstance(tensor_parallel, Mapping) or len(tensor_parallel) != 1:
+        raise ValueError(
+            f"{fn}: tensor_parallel must name one mesh axis and its size, such as {{'model': 4}}, got "
+            f"{tensor_parallel!r}; the tensor-parallel configuration splits over one model axis"
+        )
+    ((axis, size),) = tensor_parallel.items()
+    _validate.check_int(fn, f"tensor_parallel[{axis!r}]", size, minimum=1, example=f"{{{axis!r}: 4}}")
+    if config is None:
+        config = TinyLMConfig(num_heads=max(2, size)) if TinyLMConfig().d_model % max(2, size) == 0 else None
+    sizes = {} if config is None else {"num_heads": config.num_heads, "mlp_dim": config.mlp_dim}
+    if config is None or any(n % size for n in sizes.values()):
+        raise ValueError(
+            f"{fn}: the tensor-parallel axis {axis!r} of size {size} must divide the heads and the MLP width "
+            f"evenly ({sizes or 'd_model 32'}); use a model axis of size 2 or 4 (e.g. --mesh data=2,model=4) or a "
+            "TinyLMConfig whose num_heads and mlp_dim it divides"
+        )
+    return str(axis), config
