@@ -5,8 +5,10 @@ Every computation comes from the registry of strategies (:data:`shardcheck.steps
 
 * :func:`run_task`: a :class:`~shardcheck.Task`, on its first batch: every registered strategy (or those named),
   reported under its registry name (``reference`` is the baseline).
-* :func:`run_strategies`: the seed form, an ``nnx.Linear(D, K)`` under MSE and ``optax.sgd(lr)`` on ``(x, y)``;
-  the reference is reported as ``baseline`` (seed 001) and the computations are those of :func:`xy_strategies`.
+* ``run_strategies`` (:func:`shardcheck.seeds.run.run_strategies`, importable from here): the seed form, an
+  adapter that runs :func:`run_task` on the regression task of an ``nnx.Linear(D, K)`` under MSE and
+  ``optax.sgd(lr)`` on ``(x, y)``; the reference is reported as ``baseline`` (seed 001) and the computations are
+  those of :func:`xy_strategies`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from shardcheck import _validate
@@ -25,9 +26,8 @@ from shardcheck._catalog import BASELINE as BASELINE  # the names live in the JA
 from shardcheck._catalog import REFERENCE as REFERENCE
 from shardcheck._catalog import seed_form
 from shardcheck._tree import path_str
-from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
-from shardcheck.losses import mse_batch_loss
-from shardcheck.steps.registry import STRATEGIES, Strategy, get_strategy, mesh_for
+from shardcheck.distributed import gather_to_host
+from shardcheck.steps.registry import STRATEGIES, get_strategy, mesh_for
 from shardcheck.task import Task
 
 
@@ -126,18 +126,10 @@ def _leaf_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str,
     return {k: float(np.max(np.abs(a[k] - b[k]))) if a[k].size else 0.0 for k in a}
 
 
-def _max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-
-
 def _copy(model: nnx.Module) -> nnx.Module:
     """The model with fresh buffers, so that no step sees another's arrays."""
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-
-
-def _registered(name: str) -> Strategy:
-    return STRATEGIES[REFERENCE if name == BASELINE else name]
 
 
 def xy_strategies() -> tuple[str, ...]:
@@ -154,23 +146,11 @@ def xy_strategies() -> tuple[str, ...]:
 def __getattr__(name: str):
     if name == "RUN_STRATEGIES":  # the seed form's computations, kept under their old name
         return xy_strategies()
+    if name == "run_strategies":  # the seed form's adapter (it imports this module: imported on first use)
+        from shardcheck.seeds.run import run_strategies
+
+        return run_strategies
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _seed_step(name: str):
-    """The seed form's own implementation of a registered strategy, or None (the registry's step is used).
-
-    The reduction simulation of the seed form is seed 000's :func:`~shardcheck.reduced_sgd_step` (the same
-    reduction as the registry's ``simulation``, summed in its own order), so that its report stays as it was.
-    """
-    if name != "simulation":
-        return None
-    from shardcheck.simulation import reduced_sgd_step
-
-    def simulation(model, optimizer, batch, num_shards):
-        return reduced_sgd_step(model, optimizer, *batch, num_shards)
-
-    return simulation
 
 
 def _unpack(out):
@@ -178,116 +158,6 @@ def _unpack(out):
     if hasattr(out, "loss"):
         return out.loss, getattr(out, "grads", None), getattr(out, "shard_losses", None)
     return out, None, None
-
-
-def run_strategies(
-    x,
-    y,
-    *,
-    num_shards: int,
-    lr: float = 0.1,
-    seed: int = 0,
-    strategies: Sequence[str] | None = None,
-    mesh=None,
-) -> RunReport:
-    """Run one SGD step of each computation on a fresh ``nnx.Linear(D, K)``, all from the same initial state.
-
-    Each computation is a registered strategy's step (:data:`shardcheck.steps.STRATEGIES`) of the loss
-    :func:`~shardcheck.losses.mse_batch_loss` on the batch ``(x, y)``: ``baseline`` is the reference step (seed
-    001), ``simulation`` the reduction of seed 000, ``dp`` and ``fsdp`` the ``jax.shard_map`` steps on ``mesh`` (a
-    1-D mesh of ``num_shards`` devices, built when not given). The baseline always runs, as the reference.
-
-    Args:
-        x: ``(B, D)`` float inputs.
-        y: ``(B, K)`` float targets.
-        num_shards: S >= 1 dividing B.
-        lr: SGD learning rate.
-        seed: ``nnx.Rngs`` seed for the shared initial parameters.
-        strategies: names from :func:`xy_strategies` (default: all of them).
-        mesh: the mesh of the ``dp``/``fsdp`` steps.
-
-    Returns:
-        A :class:`RunReport`.
-
-    Raises:
-        ValueError: unknown strategy, or the bad inputs of the steps (uneven shards, too few devices, ...),
-            all checked before any step runs.
-    """
-    fn = "run_strategies"
-    allowed = xy_strategies()
-    strategies = allowed if strategies is None else tuple(strategies)
-    unknown = [s for s in strategies if s not in allowed]
-    if unknown:
-        raise ValueError(f"{fn}: unknown strategies {unknown}; choose from {', '.join(allowed)}")
-    x, y = _validate.check_batch(fn, x, y)
-    num_shards = _validate.check_num_shards(fn, num_shards)
-    if any(s != BASELINE for s in strategies):  # the baseline alone does not shard
-        _validate.check_equal_shards(fn, x.shape[0], num_shards, hint="choose --shards from this list")
-    lr = _validate.check_lr(fn, lr)
-    seed = _validate.check_seed(fn, seed)
-    if any(_registered(s).uses_mesh for s in strategies) and mesh is None:
-        from shardcheck.spmd import make_mesh
-
-        mesh = make_mesh(num_shards)
-    d, k = x.shape[1], y.shape[1]
-    batch_mesh = (x, y)
-    if mesh is not None and jax.process_count() > 1:
-        # Many processes (docs/distributed.md): each feeds the mesh steps only the rows its devices hold.
-        rows = process_batch_indices(x.shape[0], mesh)
-        batch_mesh = global_batch(
-            np.asarray(x)[rows], np.asarray(y)[rows], mesh, global_batch_size=x.shape[0]
-        )
-    initial = nnx.Linear(d, k, rngs=nnx.Rngs(seed))
-
-    def fresh():
-        model = nnx.clone(initial)
-        return model, nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
-
-    outcomes: dict[str, StepOutcome] = {}
-    base = None
-    from shardcheck.losses import mse_loss
-
-    # Seed 000's full-batch gradient at the initial parameters, for the simulation's shard-gradient check.
-    full_grads = to_host(nnx.grad(mse_loss)(fresh()[0], x, y))
-    for name in (BASELINE, *(s for s in strategies if s != BASELINE)):
-        strategy = _registered(name)
-        model, optimizer = fresh()
-        seed_step = _seed_step(name)
-        if seed_step is not None:
-            out = seed_step(model, optimizer, (x, y), num_shards)
-        else:
-            candidate = strategy.build(mse_batch_loss, num_shards, mesh if strategy.uses_mesh else None)
-            out = candidate.step(model, optimizer, batch_mesh if strategy.uses_mesh else (x, y))
-        loss, grads, shard_losses = _unpack(out)
-        params = to_host(nnx.state(model, nnx.Param))
-        if name == BASELINE:
-            base = params
-            outcomes[name] = StepOutcome(name, float(loss), params)
-            continue
-        extra = {}
-        if shard_losses is not None:
-            extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
-        if grads is not None:
-            grads = to_host(grads)
-            extra["max_abs_grad_diff"] = {
-                k_: float(np.max(np.abs(grads[k_] - full_grads[k_]))) for k_ in grads
-            }
-        if strategy.placement == "fsdp":
-            from shardcheck.placement import placement_summary
-
-            extra["placement"] = placement_summary(model, optimizer)
-        outcomes[name] = StepOutcome(
-            name, float(loss), params, max_abs_param_diff_vs_baseline=_max_abs_diff(params, base), **extra
-        )
-    return RunReport(
-        num_shards=num_shards,
-        lr=lr,
-        seed=seed,
-        in_features=d,
-        out_features=k,
-        outcomes={name: outcomes[name] for name in (BASELINE, *strategies) if name in outcomes},
-        param_storage_per_shard_bytes=(d + 1) * k / num_shards * 4,
-    )
 
 
 def run_task(
