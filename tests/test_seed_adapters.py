@@ -142,3 +142,26 @@ def test_old_module_paths_are_aliases():
     assert accumulation.accumulated_sgd_step is seeds.accumulated_sgd_step
     assert reductions.tree_mean is seeds.tree_mean and reductions.tree_sum is seeds.tree_sum
     assert shardcheck.sgd_step is seeds.sgd_step
+
+
+def test_weighted_reduced_sgd_step_is_the_simulation_of_the_weighted_task():
+    """C5: 0/1 masks, S=2 shards of 4 rows; the engine's simulation of (x, y, w) batches gives the same bits."""
+    from shardcheck.losses import regression_batch_loss
+
+    x, y = np.ones((8, 2), np.float32), np.arange(1, 9, dtype=np.float32)[:, None]
+    w = np.array([1, 0, 0, 0, 1, 1, 1, 0], np.float32)
+
+    def factory():
+        return nnx.Linear(2, 1, kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+
+    task = shardcheck.Task(
+        model=factory, optimizer=optax.sgd(0.1), loss_fn=regression_batch_loss, batches=[(x, y, w)]
+    )
+    want = run_task(task, num_shards=2, strategies=["simulation"]).outcomes["simulation"]
+    model = factory()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    result = shardcheck.reduced_sgd_step(model, optimizer, x, y, 2, weights=w)
+    assert _bits(np.float32(want.loss)) == _bits(result.loss)
+    np.testing.assert_array_equal(_bits(np.float32(want.shard_losses)), _bits(result.shard_losses))
+    _assert_bitwise(to_host(nnx.state(model, nnx.Param)), want.params)
+    np.testing.assert_allclose(result.loss, (1 + 25 + 36 + 49) / 4)  # the masked mean of y**2 (zero model)

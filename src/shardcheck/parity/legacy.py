@@ -17,17 +17,10 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck.losses import mse_loss, weighted_squared_error
+from shardcheck.losses import regression_batch_loss as regression_loss  # MSE, weighted with (x, y, w)
 from shardcheck.parity.candidates import accepts, check_step_signature
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
-
-
-def regression_loss(model: nnx.Module, batch) -> jnp.ndarray | tuple:
-    """MSE of an ``(x, y)`` batch; ``(weighted sum, weight total)`` of an ``(x, y, weights)`` batch."""
-    if len(batch) == 3:
-        return weighted_squared_error(model, *batch)
-    return mse_loss(model, *batch)
 
 
 def _check_weights(fn: str, i: int, x, w) -> jnp.ndarray:

@@ -3,7 +3,9 @@
 One model, one optimizer; the batch is cut into equal contiguous shards; every shard is evaluated at the same
 initial parameters and its loss and gradients are saved; the saved gradient trees are summed leaf by leaf and each
 summed leaf is divided by the shard count; exactly one optimizer update follows. No mesh, no collectives: this is
-the arithmetic a data-parallel all-reduce (``lax.pmean``) must reproduce.
+the arithmetic a data-parallel all-reduce (``lax.pmean``) must reproduce. Both entrypoints are adapters: they
+validate ``x``/``y``, cut the shards and run the engine's ``simulation`` step
+(:func:`shardcheck.steps.simulation.simulation_step`) of the seeds' loss.
 
 The shards are visited by one ``lax.scan`` inside one jitted function, so the traced program does not grow with
 ``num_shards``. The scan carries the running leafwise sum, a left fold ``((0 + g_0) + g_1) + ...`` in shard order,
@@ -31,7 +33,7 @@ import optax
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck.losses import mse_batch_loss, mse_loss, weighted_squared_error
+from shardcheck.losses import mse_batch_loss, regression_batch_loss
 from shardcheck.seeds.reference import fresh_linear, validate_entrypoint
 from shardcheck.steps.simulation import simulation_step
 
@@ -63,19 +65,6 @@ class ReducedStep:
     equal_weight_grads: PyTree | None = None
 
 
-def _shard_value_and_grad(model: nnx.Module, weighted: bool):
-    """``(params, xs, ys, ws) -> ((value, count), grad value)`` at the model's current parameters."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def value(p, xs, ys, ws):
-        m = nnx.merge(graphdef, p, rest)
-        if weighted:
-            return weighted_squared_error(m, xs, ys, ws)
-        return mse_loss(m, xs, ys), jnp.asarray(xs.shape[0], xs.dtype)
-
-    return params, jax.value_and_grad(value, has_aux=True)
-
-
 def apply_reduced_update(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
@@ -86,42 +75,32 @@ def apply_reduced_update(
 ) -> ReducedStep:
     """Traceable body of :func:`reduced_sgd_step` over pre-split shards ``xs: (S, M, D)``, ``ys: (S, M, K)``.
 
-    ``ws: (S, M)`` per-example weights switch on weighted mode (zero weight marks padding or a masked example).
+    The engine's ``simulation`` step (:func:`shardcheck.steps.simulation.simulation_step`) of the seeds' loss
+    (:func:`shardcheck.losses.regression_batch_loss`) on the S shards laid end to end. ``ws: (S, M)`` per-example
+    weights switch on weighted mode (zero weight marks padding or a masked example): each shard gives its
+    ``(weighted sum, weight total)`` and the step divides the summed sums by the summed weights once.
     """
     num_shards = xs.shape[0]
-    weighted = ws is not None
-    params, value_and_grad = _shard_value_and_grad(model, weighted)
-    ws = jnp.ones(xs.shape[:2], xs.dtype) if ws is None else ws
-
-    def body(summed, shard):
-        # Every shard is evaluated at the same (initial) parameters: the update comes after the loop.
-        (value, count), grads = value_and_grad(params, *shard)
-        summed = jax.tree.map(jnp.add, summed, grads)  # kernel with kernel, bias with bias
-        return summed, (value, count, grads if keep_shard_grads else None)
-
-    summed, (values, counts, shard_grads) = jax.lax.scan(body, optax.tree.zeros_like(params), (xs, ys, ws))
-
-    if not weighted:
-        grads = jax.tree.map(lambda g: g / num_shards, summed)
-        optimizer.update(model, grads)
-        return ReducedStep(loss=jnp.mean(values), shard_losses=values, shard_grads=shard_grads, grads=grads)
-
-    total = jnp.sum(counts)
-    grads = jax.tree.map(lambda g: g / total, summed)
-    optimizer.update(model, grads)
+    rows = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731  (S, M, ...) -> (S * M, ...)
+    batch = (rows(xs), rows(ys)) if ws is None else (rows(xs), rows(ys), rows(ws))
+    out = simulation_step(
+        regression_batch_loss, num_shards, model, optimizer, batch, keep_shard_grads=keep_shard_grads
+    )
+    if ws is None:
+        return ReducedStep(out.loss, out.shard_losses, out.shard_grads, out.grads)
+    counts = jnp.sum(ws, axis=1)  # a shard of weight 0 (all padding) has loss 0, not 0 / 0
     safe = jnp.where(counts > 0, counts, 1)
-    shard_losses = jnp.where(counts > 0, values / safe, 0.0)
-    if shard_grads is not None:
+    shard_losses = jnp.where(counts > 0, out.shard_losses, 0.0)
+    shard_grads = equal_weight_grads = None
+    if out.shard_grads is not None:
         shape = lambda g: safe.reshape((-1,) + (1,) * (g.ndim - 1))  # noqa: E731
-        shard_grads = jax.tree.map(lambda g: g / shape(g), shard_grads)
+        shard_grads = jax.tree.map(lambda g: g / shape(g), out.shard_grads)
         equal_weight_grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), shard_grads)
-    else:
-        equal_weight_grads = None
     return ReducedStep(
-        loss=jnp.sum(values) / total,
+        loss=out.loss,
         shard_losses=shard_losses,
         shard_grads=shard_grads,
-        grads=grads,
+        grads=out.grads,
         equal_weight_loss=jnp.mean(shard_losses),
         equal_weight_grads=equal_weight_grads,
     )
