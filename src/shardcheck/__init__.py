@@ -57,8 +57,11 @@ _EXPORTS = {
     "Strategy": "shardcheck.steps",
     "reference_step": "shardcheck.steps.reference",
     "Task": "shardcheck.task",
+    "load_task": "shardcheck.tasks",
+    "run_task": "shardcheck.runner",
     "TrainReport": "shardcheck.training",
     "train": "shardcheck.training",
+    "train_task": "shardcheck.training",
 }
 
 if TYPE_CHECKING:
@@ -92,6 +95,7 @@ if TYPE_CHECKING:
     from shardcheck.placement import LeafPlacement as LeafPlacement
     from shardcheck.placement import placement_report as placement_report
     from shardcheck.placement import placement_summary as placement_summary
+    from shardcheck.runner import run_task as run_task
     from shardcheck.seeds import ReducedStep as ReducedStep
     from shardcheck.seeds import accumulated_sgd_step as accumulated_sgd_step
     from shardcheck.seeds import data_parallel_sgd_step as data_parallel_sgd_step
@@ -112,8 +116,10 @@ if TYPE_CHECKING:
     from shardcheck.steps import Strategy as Strategy
     from shardcheck.steps.reference import reference_step as reference_step
     from shardcheck.task import Task as Task
+    from shardcheck.tasks import load_task as load_task
     from shardcheck.training import TrainReport as TrainReport
     from shardcheck.training import train as train
+    from shardcheck.training import train_task as train_task
 
 
 def __getattr__(name: str):
@@ -161,6 +167,7 @@ __all__ = [
     "estimate_memory",
     "fsdp_sgd_step",
     "fsdp_step",
+    "load_task",
     "make_accumulation_optimizer",
     "make_mesh",
     "make_model",
@@ -173,10 +180,12 @@ __all__ = [
     "placement_summary",
     "reduced_sgd_step",
     "reference_step",
+    "run_task",
     "sgd_step",
     "simulated_data_parallel_step",
     "strategy_candidate",
     "train",
+    "train_task",
     "tree_mean",
     "tree_sum",
     "weighted_squared_error",
