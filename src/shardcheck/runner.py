@@ -17,7 +17,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -25,7 +24,7 @@ from shardcheck import _validate
 from shardcheck._catalog import BASELINE as BASELINE  # the names live in the JAX-free catalog
 from shardcheck._catalog import REFERENCE as REFERENCE
 from shardcheck._catalog import seed_form
-from shardcheck._tree import path_str
+from shardcheck._tree import copy_state, path_str
 from shardcheck.distributed import gather_to_host
 from shardcheck.steps.registry import STRATEGIES, get_strategy, mesh_for
 from shardcheck.task import Task
@@ -126,12 +125,6 @@ def _leaf_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str,
     return {k: float(np.max(np.abs(a[k] - b[k]))) if a[k].size else 0.0 for k in a}
 
 
-def _copy(model: nnx.Module) -> nnx.Module:
-    """The model with fresh buffers, so that no step sees another's arrays."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-
-
 def xy_strategies() -> tuple[str, ...]:
     """The computations of the seed form (:func:`run_strategies`), from the registry, in registry order.
 
@@ -213,7 +206,7 @@ def run_task(
         strategy = STRATEGIES[name]
         if strategy.check is not None:
             try:
-                strategy.check(fn, initial, task.new_optimizer(_copy(initial)))
+                strategy.check(fn, initial, task.new_optimizer(copy_state(initial)))
             except ValueError as err:
                 if named:
                     raise
@@ -226,7 +219,7 @@ def run_task(
     outcomes: dict[str, StepOutcome] = {}
     base = base_grads = None
     for name, strategy, step_mesh in plan:
-        model = _copy(initial)
+        model = copy_state(initial)
         optimizer = task.new_optimizer(model)
         candidate = strategy.build(task.loss_fn, num_shards, step_mesh)
         if candidate.make_optimizer is not None:

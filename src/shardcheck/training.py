@@ -37,6 +37,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._catalog import COMPARED
+from shardcheck._tree import copy_state
 from shardcheck.datasets import Dataset, minibatch_indices
 from shardcheck.distributed import gather_to_host
 from shardcheck.losses import mse_loss
@@ -399,13 +400,6 @@ def _param_dtype(model: nnx.Module):
     return max(floats, key=lambda d: float(jnp.finfo(d).eps))
 
 
-def _copy(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module, nnx.Optimizer]:
-    """Independent copies of a model and its optimizer: a new graph and new buffers (mesh steps donate them)."""
-    graphdef, state = nnx.split((model, optimizer))
-    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
-    return nnx.merge(graphdef, state)
-
-
 @dataclasses.dataclass
 class _Lockstep:
     """The reference run and the strategy's run, each with its own model and optimizer."""
@@ -438,8 +432,8 @@ def _lockstep(fn, strategy: Strategy, loss_fn: LossFn, model, optimizer, num_sha
         strategy.check(fn, model, optimizer)
     candidate = strategy.build(loss_fn, num_shards, mesh)
     reference = STRATEGIES["reference"].build(loss_fn, num_shards, None)
-    ref_model, ref_opt = _copy(model, optimizer)
-    cand_model, cand_opt = _copy(model, optimizer)
+    ref_model, ref_opt = copy_state(model, optimizer)
+    cand_model, cand_opt = copy_state(model, optimizer)
     if candidate.make_optimizer is not None:
         cand_opt = candidate.make_optimizer(cand_model, cand_opt)
     return _Lockstep(reference.step, candidate.step, ref_model, ref_opt, cand_model, cand_opt)
