@@ -24,6 +24,9 @@ class StrategySpec:
         uses_mesh: the step runs on a device mesh of ``num_shards`` devices.
         wraps_optimizer: the step steps an optimizer of its own around the task's transformation
             (``optax.MultiSteps``), not the one it is given.
+        explicit_collectives: a mesh step whose gradients are gathered and reduced by shardcheck's own
+            collectives inside one ``jax.shard_map`` (``dp``, ``fsdp``, ``multiprocess``); False for ``gspmd``
+            (the plain step, partitioned by XLA) and the single-device strategies.
     """
 
     name: str
@@ -31,6 +34,7 @@ class StrategySpec:
     placement: str
     uses_mesh: bool
     wraps_optimizer: bool = dataclasses.field(default=False, kw_only=True)
+    explicit_collectives: bool = dataclasses.field(default=False, kw_only=True)
 
 
 REFERENCE = "reference"
@@ -54,12 +58,14 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
             "data parallel: batch split over every mesh axis, state replicated, one psum per leaf",
             "replicated",
             True,
+            explicit_collectives=True,
         ),
         StrategySpec(
             "fsdp",
             "fully sharded: state split by its annotations or over the fsdp axis, all-gather and reduce-scatter",
             "fsdp",
             True,
+            explicit_collectives=True,
         ),
         StrategySpec(
             "gspmd",
@@ -79,6 +85,7 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
             "data parallel on a mesh spanning every process of a launched run",
             "replicated",
             True,
+            explicit_collectives=True,
         ),
     )
 }

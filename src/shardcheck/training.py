@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck._catalog import COMPARED
+from shardcheck._catalog import COMPARED, REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.datasets import Dataset, minibatch_indices
 from shardcheck.distributed import gather_to_host
@@ -431,7 +431,7 @@ def _lockstep(fn, strategy: Strategy, loss_fn: LossFn, model, optimizer, num_sha
     if strategy.check is not None:
         strategy.check(fn, model, optimizer)
     candidate = strategy.build(loss_fn, num_shards, mesh)
-    reference = STRATEGIES["reference"].build(loss_fn, num_shards, None)
+    reference = STRATEGIES[REFERENCE].build(loss_fn, num_shards, None)
     ref_model, ref_opt = copy_state(model, optimizer)
     cand_model, cand_opt = copy_state(model, optimizer)
     if candidate.make_optimizer is not None:

@@ -33,10 +33,14 @@ from jax.sharding import Mesh
 
 from shardcheck import _validate
 from shardcheck import mesh as mesh_lib
+from shardcheck._catalog import STRATEGY_SPECS, seed_form
 from shardcheck.losses import mse_batch_loss
 from shardcheck.steps import sharded
 
-STRATEGIES = ("dp", "fsdp")
+STRATEGIES = tuple(
+    name for name in seed_form() if STRATEGY_SPECS.get(name) and STRATEGY_SPECS[name].uses_mesh
+)
+"""The registered mesh strategies of the ``(x, y)`` form, from the registry: one per placement (``dp``, ``fsdp``)."""
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -116,9 +120,9 @@ def trace_sgd_step(
     ``memory_analysis()``. The validation is that of the step itself.
 
     Args:
-        strategy: ``"dp"`` or ``"fsdp"``.
+        strategy: one of :data:`STRATEGIES` (``"dp"`` or ``"fsdp"``).
         model, optimizer, x, y, mesh, axis_name, min_size: as in :func:`data_parallel_sgd_step` /
-            :func:`fsdp_sgd_step`.
+            :func:`fsdp_sgd_step`; errors are named ``trace_sgd_step``.
 
     Returns:
         A ``jax.stages.Traced``.
@@ -130,8 +134,7 @@ def trace_sgd_step(
         raise ValueError(
             f"trace_sgd_step: strategy={strategy!r} is unknown; use one of {', '.join(STRATEGIES)}"
         )
-    fn = "data_parallel_sgd_step" if strategy == "dp" else "fsdp_sgd_step"
-    step, args, _ = _prepare(fn, strategy, model, optimizer, x, y, mesh, axis_name, min_size)
+    step, args, _ = _prepare("trace_sgd_step", strategy, model, optimizer, x, y, mesh, axis_name, min_size)
     return step.trace(*args)
 
 
