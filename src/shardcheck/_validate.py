@@ -98,19 +98,54 @@ def valid_shard_counts(batch: int) -> list[int]:
     return [s for s in range(1, batch + 1) if batch % s == 0]
 
 
+def check_divisible(
+    fn: str,
+    rows: int,
+    num_shards: int,
+    *,
+    fix: str,
+    subject: str | None = None,
+    by: str | None = None,
+    counts: str = "num_shards",
+) -> None:
+    """The one batch-divisibility rule: ``rows`` examples split into ``num_shards`` equal, non-empty shards.
+
+    Every equal-shard check (shards of a simulation, devices of a mesh, micro-batches, a task's batches, a
+    training batch size; ``docs/reduction_cases.md`` C4, C6) calls this function, so there is one message:
+    ``"{fn}: batch size B is not divisible by num_shards=S; equal shards are required (valid num_shards for this
+    batch: <the divisors of B>; {fix})"``, or, with more shards than rows, ``"{fn}: num_shards=S is more shards
+    than examples (batch size B); ..."``.
+
+    Args:
+        fn: the public function (or command) checking.
+        rows: B, the batch's leading size.
+        num_shards: S, the number of equal parts.
+        fix: how to fix it, in the caller's terms (the last clause of the message).
+        subject: what has B rows (default ``"batch size B"``; e.g. ``"batch_size=30"``).
+        by: what S counts (default ``"num_shards=S"``; e.g. ``"the 4 devices of mesh axis 'data'"``).
+        counts: the name of the valid values listed (default ``"num_shards"``).
+
+    Raises:
+        ValueError: S > B, or B not divisible by S.
+    """
+    subject = f"batch size {rows}" if subject is None else subject
+    by = f"num_shards={num_shards}" if by is None else by
+    if num_shards > rows:
+        raise ValueError(
+            f"{fn}: {by} is more shards than examples ({subject}); every shard needs at least one example: use "
+            f"{counts} <= {rows}"
+        )
+    if rows % num_shards:
+        valid = ", ".join(map(str, valid_shard_counts(rows)))
+        raise ValueError(
+            f"{fn}: {subject} is not divisible by {by}; equal shards are required (valid {counts} for this "
+            f"batch: {valid}; {fix})"
+        )
+
+
 def check_equal_shards(fn: str, batch: int, num_shards: int, *, hint: str = "use weights= for uneven shards"):
-    """``batch`` must split into ``num_shards`` equal, non-empty shards (``docs/reduction_cases.md`` C4, C6)."""
-    if num_shards > batch:
-        raise ValueError(
-            f"{fn}: num_shards={num_shards} is more shards than examples (batch size {batch}); "
-            f"every shard needs at least one example: use num_shards <= {batch}"
-        )
-    if batch % num_shards:
-        valid = ", ".join(map(str, valid_shard_counts(batch)))
-        raise ValueError(
-            f"{fn}: batch size {batch} is not divisible by num_shards={num_shards}; equal shards are required "
-            f"(valid num_shards for this batch: {valid}; {hint})"
-        )
+    """``batch`` must split into ``num_shards`` equal, non-empty shards: :func:`check_divisible` (fix ``hint``)."""
+    check_divisible(fn, batch, num_shards, fix=hint)
 
 
 def check_lr(fn: str, lr) -> float:

@@ -685,13 +685,15 @@ def _check_split(fn: str, n: int, o: _Options) -> tuple[int, int]:
             f"{num_train} (a multiple of S={s}, e.g. {_divisible_batch_sizes(s, num_train, num_train)}) or a "
             "smaller test_fraction"
         )
-    if b % s:
-        valid = ", ".join(str(d) for d in range(1, b + 1) if b % d == 0)
-        raise ValueError(
-            f"{fn}: batch_size={b} is not divisible by the shard count S={s}; every shard needs an equal share "
-            f"of each batch: use a batch size that is a multiple of {s} (e.g. "
-            f"{_divisible_batch_sizes(s, num_train, b)}) or a shard count from {valid}"
-        )
+    _validate.check_divisible(
+        fn,
+        b,
+        s,
+        subject=f"batch_size={b}",
+        by=f"the shard count S={s}",
+        counts="shard counts",
+        fix=f"or use a batch size that is a multiple of {s}, e.g. {_divisible_batch_sizes(s, num_train, b)}",
+    )
     return num_train, num_test
 
 

@@ -98,11 +98,13 @@ def accumulated_sgd_step(
     k = _check_k(fn, num_micro_batches)
     _validate.check_model(fn, model, x, y)
     _validate.check_optimizer(fn, optimizer, model)
-    if x.shape[0] % k:
-        valid = ", ".join(map(str, _validate.valid_shard_counts(x.shape[0])))
-        raise ValueError(
-            f"{fn}: batch size {x.shape[0]} is not divisible by num_micro_batches={k}; equal micro-batches are "
-            f"required (valid num_micro_batches for this batch: {valid})"
-        )
+    _validate.check_divisible(
+        fn,
+        x.shape[0],
+        k,
+        by=f"num_micro_batches={k}",
+        counts="num_micro_batches",
+        fix="equal micro-batches make the mean of their gradients the full-batch gradient",
+    )
     _check_multisteps(fn, optimizer, k)
     return accumulated_step(mse_batch_loss, k, model, optimizer, (x, y))

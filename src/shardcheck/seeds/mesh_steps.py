@@ -58,15 +58,16 @@ def check_mesh(fn: str, mesh, axis_name) -> int:
 
 
 def check_batch_divisible(fn: str, batch: int, num_shards: int, axis_name: str) -> None:
-    """Every device needs an equal, non-empty shard of the batch (``docs/reduction_cases.md`` C4, C6)."""
-    if batch % num_shards:
-        valid = ", ".join(map(str, _validate.valid_shard_counts(batch)))
-        raise ValueError(
-            f"{fn}: batch size {batch} is not divisible by the {num_shards} devices of mesh axis {axis_name!r}; "
-            f"every device needs an equal shard, and padding or dropping examples would change the loss "
-            f"(device counts that divide this batch: {valid}; or pass a batch whose size is a multiple of "
-            f"{num_shards})"
-        )
+    """Every device needs an equal, non-empty shard of the batch (:func:`shardcheck._validate.check_divisible`)."""
+    _validate.check_divisible(
+        fn,
+        batch,
+        num_shards,
+        by=f"the {num_shards} devices of mesh axis {axis_name!r}",
+        counts="device counts",
+        fix=f"padding or dropping examples would change the loss: pass a batch whose size is a multiple of "
+        f"{num_shards}",
+    )
 
 
 def check_params_only(fn: str, model) -> None:
