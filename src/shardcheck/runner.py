@@ -190,7 +190,6 @@ def run_task(
             "shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...)"
         )
     num_shards = _validate.check_num_shards(fn, num_shards)
-    named = strategies is not None
     names = list(STRATEGIES) if strategies is None else [get_strategy(fn, s).name for s in strategies]
     names = [REFERENCE] + [s for s in dict.fromkeys(names) if s != REFERENCE]
     from shardcheck.parity.harness import check_model
@@ -201,6 +200,35 @@ def run_task(
     weighted = check_model(fn, initial, task.loss_fn, batch)
     if len(names) > 1:
         check_divisible(fn, batch, num_shards, weighted=weighted)
+    plan, skipped = _plan(fn, task, initial, names, num_shards, mesh, named=strategies is not None)
+    outcomes: dict[str, StepOutcome] = {}
+    base = None  # the reference's (params, grads) on the host
+    for name, strategy, step_mesh in plan:
+        model = copy_state(initial)
+        optimizer = task.new_optimizer(model)
+        candidate = strategy.build(task.loss_fn, num_shards, step_mesh)
+        if candidate.make_optimizer is not None:
+            optimizer = candidate.make_optimizer(model, optimizer)
+        out = candidate.step(model, optimizer, batch)
+        outcomes[name], host = _outcome(name, strategy, out, model, optimizer, base)
+        base = host if base is None else base
+    base = base[0]
+    nbytes = sum(int(a.nbytes) for a in base.values())
+    return TaskRunReport(
+        task=task.name,
+        num_shards=num_shards,
+        batch_size=batch_size(batch),
+        param_count=sum(int(a.size) for a in base.values()),
+        param_bytes=nbytes,
+        outcomes=outcomes,
+        skipped=skipped,
+        param_storage_per_shard_bytes=nbytes / num_shards,
+    )
+
+
+def _plan(fn, task: Task, initial, names, num_shards: int, mesh, *, named: bool):
+    """``([(name, strategy, mesh or None)], {skipped name: reason})``: each strategy's check run first (a named
+    strategy's refusal raises, an unnamed one is skipped), one mesh shared by the mesh strategies."""
     plan, skipped, shared_mesh = [], {}, None
     for name in names:
         strategy = STRATEGIES[name]
@@ -215,53 +243,39 @@ def run_task(
         if strategy.uses_mesh and shared_mesh is None:
             shared_mesh = mesh_for(fn, strategy, num_shards, mesh)
         plan.append((name, strategy, shared_mesh if strategy.uses_mesh else None))
+    return plan, skipped
 
-    outcomes: dict[str, StepOutcome] = {}
-    base = base_grads = None
-    for name, strategy, step_mesh in plan:
-        model = copy_state(initial)
-        optimizer = task.new_optimizer(model)
-        candidate = strategy.build(task.loss_fn, num_shards, step_mesh)
-        if candidate.make_optimizer is not None:
-            optimizer = candidate.make_optimizer(model, optimizer)
-        loss, grads, shard_losses = _unpack(candidate.step(model, optimizer, batch))
-        params = to_host(nnx.state(model, nnx.Param))
-        if name == REFERENCE:
-            base, base_grads = params, None if grads is None else to_host(grads)
-            diffs = {k: 0.0 for k in params}
-            outcomes[name] = StepOutcome(
-                name, float(loss), params, max_abs_param_diff_by_leaf=diffs, worst_param_leaf=""
-            )
-            continue
-        diffs = _leaf_diffs(params, base)
-        worst = max(diffs, key=diffs.get)
-        extra = {}
-        if shard_losses is not None:
-            extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
-        if grads is not None and base_grads is not None:
-            extra["max_abs_grad_diff"] = _leaf_diffs(to_host(grads), base_grads)
-        if strategy.uses_mesh:
-            from shardcheck.placement import placement_summary
 
-            extra["placement"] = placement_summary(model, optimizer)
-        outcomes[name] = StepOutcome(
-            name,
-            float(loss),
-            params,
-            max_abs_param_diff_vs_baseline=diffs[worst],
-            max_abs_param_diff_by_leaf=diffs,
-            worst_param_leaf=worst,
-            **extra,
+def _outcome(name, strategy, out, model, optimizer, base) -> tuple[StepOutcome, tuple]:
+    """One strategy's :class:`StepOutcome` and its host ``(params, grads)``; ``base`` is the reference's host
+    ``(params, grads)``, or None for the reference itself."""
+    loss, grads, shard_losses = _unpack(out)
+    params = to_host(nnx.state(model, nnx.Param))
+    grads = None if grads is None else to_host(grads)
+    if base is None:
+        diffs = {k: 0.0 for k in params}
+        outcome = StepOutcome(
+            name, float(loss), params, max_abs_param_diff_by_leaf=diffs, worst_param_leaf=""
         )
-    count = sum(int(a.size) for a in base.values())
-    nbytes = sum(int(a.nbytes) for a in base.values())
-    return TaskRunReport(
-        task=task.name,
-        num_shards=num_shards,
-        batch_size=batch_size(batch),
-        param_count=count,
-        param_bytes=nbytes,
-        outcomes=outcomes,
-        skipped=skipped,
-        param_storage_per_shard_bytes=nbytes / num_shards,
+        return outcome, (params, grads)
+    diffs = _leaf_diffs(params, base[0])
+    worst = max(diffs, key=diffs.get)
+    extra = {}
+    if shard_losses is not None:
+        extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
+    if grads is not None and base[1] is not None:
+        extra["max_abs_grad_diff"] = _leaf_diffs(grads, base[1])
+    if strategy.uses_mesh:
+        from shardcheck.placement import placement_summary
+
+        extra["placement"] = placement_summary(model, optimizer)
+    outcome = StepOutcome(
+        name,
+        float(loss),
+        params,
+        max_abs_param_diff_vs_baseline=diffs[worst],
+        max_abs_param_diff_by_leaf=diffs,
+        worst_param_leaf=worst,
+        **extra,
     )
+    return outcome, (params, grads)
