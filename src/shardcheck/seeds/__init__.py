@@ -12,6 +12,8 @@ engine's step of the registered strategy (:data:`shardcheck.steps.STRATEGIES`):
 * :func:`data_parallel_sgd_step`, :func:`fsdp_sgd_step`, :func:`trace_sgd_step`: the ``dp`` / ``fsdp`` mesh steps;
 * :func:`accumulated_sgd_step`: the ``accumulation`` step (C9);
 * :func:`tree_sum`, :func:`tree_mean`: seed 000's leafwise reduction of gradient trees.
+* :func:`shardcheck.seeds.run.run_strategies`: the seed form of the main job, :func:`shardcheck.runner.run_task`
+  on the seed task; :mod:`shardcheck.seeds.parity`: the ``(model, optimizer, batches)`` form of ``check_parity``.
 
 The old module paths (``shardcheck.baseline``, ``shardcheck.simulation``, ``shardcheck.spmd``,
 ``shardcheck.accumulation``, ``shardcheck.reductions``) are deprecated aliases of these modules.
