@@ -72,9 +72,9 @@ class TrainStep:
         loss_tolerance: the largest ``|loss_sharded - loss_baseline|`` this step's tolerance allows.
         drift_tolerance: the largest ``max_abs_param_diff`` this step's tolerance allows (with ``drift_within``:
             the widest tolerance of any element).
-        drift_within: :func:`train_task`'s element-by-element verdict (each element within its own tolerance,
-            widened by the optimizer's sensitivity); None for :func:`train`, whose verdict is
-            ``max_abs_param_diff <= drift_tolerance``.
+        drift_within: the element-by-element verdict of :func:`train` and :func:`train_task` (each element
+            within its own tolerance, widened by the optimizer's sensitivity; :data:`TOLERANCE_RULE`); None for a
+            record built without it, whose verdict is ``max_abs_param_diff <= drift_tolerance``.
     """
 
     step: int
@@ -283,14 +283,14 @@ def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32
 
 
 TOLERANCE_RULE = (
-    "atol = eps*sqrt(B*K)*sqrt(t), rtol = 16*atol (t = steps completed); pass when "
-    "|sharded - baseline| <= atol + rtol*|baseline| (drift: scale max|params_baseline|)"
+    "atol = eps*sqrt(n)*sqrt(t), rtol = 16*atol (n = the task's reduction length per batch, B*K for a regression "
+    "batch; t = steps completed); loss: pass when |sharded - baseline| <= atol + rtol*|baseline|; drift: every "
+    "element within atol + rtol*max|params_baseline| + the optimizer's accumulated sensitivity to gradient "
+    "rounding (as in parity)"
 )
-TASK_TOLERANCE_RULE = (
-    "atol = eps*sqrt(n)*sqrt(t), rtol = 16*atol (n = the task's reduction length per batch, t = steps completed); "
-    "loss: pass when |sharded - baseline| <= atol + rtol*|baseline|; drift: every element within atol + "
-    "rtol*max|params_baseline| + the optimizer's accumulated sensitivity to gradient rounding (as in parity)"
-)
+"""The one drift rule of :func:`train` and :func:`train_task` (:func:`_task_step`)."""
+
+TASK_TOLERANCE_RULE = TOLERANCE_RULE  # the name train_task's reports used; the same rule
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -572,7 +572,7 @@ def train_task(
         steps_per_epoch=len(task.batches),
         batch_size=leading_size(task.batches[0]),
         steps=tuple(steps),
-        tolerance_rule=TASK_TOLERANCE_RULE,
+        tolerance_rule=TOLERANCE_RULE,
         wall_s=time.perf_counter() - t0,
     )
 
@@ -756,14 +756,17 @@ def _train_epochs(pair: _Lockstep, split: _Split, o: _Options, callback):
     total = per_epoch * o.epochs
     records = [split.evaluate(graphdef, 0, 0, *pair.params())]
     steps: list[TrainStep] = []
+    allowance = None
     for epoch, idx in itertools.islice(minibatch_indices(num_train, o.batch_size, seed=o.seed), total):
         t = len(steps) + 1
-        _, losses = pair.advance((split.x_train[idx], split.y_train[idx]))
-        params = pair.params()
-        steps.append(_step_record(t, epoch, losses, params, step_tolerance(o.batch_size, k, t, dtype)))
+        tol = step_tolerance(o.batch_size, k, t, dtype)  # n = B * K, the regression task's reduction length
+        record, allowance = _task_step(
+            pair, (split.x_train[idx], split.y_train[idx]), t, epoch, tol, allowance
+        )
+        steps.append(record)
         epoch_end = None
         if t % per_epoch == 0:
-            epoch_end = split.evaluate(graphdef, epoch, t, *params)
+            epoch_end = split.evaluate(graphdef, epoch, t, *pair.params())
             records.append(epoch_end)
         if callback is not None:
             callback(TrainProgress(step=steps[-1], total_steps=total, epochs=o.epochs, epoch_end=epoch_end))
