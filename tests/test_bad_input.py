@@ -225,17 +225,17 @@ def test_wrong_model_and_optimizer_types():
         (
             [{"kernel": jnp.ones(2)}, {"bias": jnp.ones(2)}],
             ValueError,
-            r"tree 1 differs in structure .*\['kernel'\] \(present in tree 0 only\)",
+            r"tree 1 differs in structure .*'kernel' \(present in tree 0 only\)",
         ),
         (
             [{"kernel": jnp.ones(2)}, {"kernel": jnp.ones(3)}],
             ValueError,
-            r"leaf \['kernel'\] of tree 1 has shape \(3,\)",
+            r"leaf 'kernel' of tree 1 has shape \(3,\)",
         ),
         (
             [{"kernel": jnp.ones(2), "bias": jnp.ones(1)}, {"kernel": jnp.ones(2)}],
             ValueError,
-            r"at path \['bias'\] \(present in tree 0 only\)",
+            r"at path 'bias' \(present in tree 0 only\)",
         ),
     ],
 )

@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 from shardcheck import _validate
 from shardcheck import mesh as mesh_lib
 from shardcheck._catalog import STRATEGY_SPECS, seed_form
+from shardcheck._tree import path_str
 from shardcheck.losses import mse_batch_loss
 from shardcheck.steps import sharded
 
@@ -74,7 +75,7 @@ def check_params_only(fn: str, model) -> None:
     """Refuse any non-``nnx.Param`` variable: the steps neither shard nor synchronise other state."""
     others = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
     if others:
-        listed = ", ".join(f"{'.'.join(map(str, path))} ({type(var).__name__})" for path, var in others)
+        listed = ", ".join(f"{path_str(path)} ({type(var).__name__})" for path, var in others)
         raise ValueError(
             f"{fn}: model {type(model).__name__} holds non-Param state the step cannot shard or keep in sync "
             f"across devices: {listed}. The sharded steps differentiate and distribute nnx.Param variables only; "

@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from shardcheck._tree import path_str
+
 PyTree = Any
 
 
@@ -28,17 +30,18 @@ def _check_same_structure(fn: str, trees: Sequence[PyTree]) -> None:
     if len(trees) == 0:
         raise ValueError(f"{fn}: trees is empty; pass at least one gradient tree")
     ref, ref_def = jax.tree_util.tree_flatten_with_path(trees[0])
-    ref_paths = [jax.tree_util.keystr(p) for p, _ in ref]
+    ref_paths = [repr(path_str(p) or "<root>") for p, _ in ref]
     for i, tree in enumerate(trees[1:], start=1):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        paths = [jax.tree_util.keystr(p) for p, _ in leaves]
+        paths = [repr(path_str(p) or "<root>") for p, _ in leaves]
         if treedef != ref_def:
             only_ref = [p for p in ref_paths if p not in paths]
             only_this = [p for p in paths if p not in ref_paths]
             if only_ref or only_this:
                 where = f"{(only_ref or only_this)[0]} (present in tree {0 if only_ref else i} only)"
             else:
-                where = f"{next((a for a, b in zip(ref_paths, paths, strict=True) if a != b), '<root>')} (node types differ)"
+                first = next((a for a, b in zip(ref_paths, paths, strict=True) if a != b), "'<root>'")
+                where = f"{first} (node types differ)"
             raise ValueError(
                 f"{fn}: tree {i} differs in structure from tree 0 at path {where}; every shard's gradient tree "
                 "must have the same leaves (kernel with kernel, bias with bias)"

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardcheck import distributed
 from shardcheck._catalog import STRATEGY_SPECS
+from shardcheck._tree import path_str
 from shardcheck.mesh import batch_axes, fsdp_axis
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.steps._core import StepResult, params_value_and_grad
@@ -240,7 +241,7 @@ def state_specs(
             return PartitionSpec()
         annotated = _annotation(var)
         if annotated is not None:
-            name = ".".join(map(str, path))
+            name = path_str(path)
             return _check_annotation(fn, name, nnx.get_partition_spec(var).get_value(), shape, mesh)
         axis = fsdp_axis(mesh)
         return fsdp_partition_spec(shape, int(mesh.shape[axis]), axis, min_size=min_size)
