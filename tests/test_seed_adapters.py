@@ -1,6 +1,8 @@
 """The seeds' entrypoints are adapters over the Task engine: on the same regression task they give the engine's
 numbers bit for bit (loss, updated parameters, shard losses), strategy by strategy."""
 
+import dataclasses
+
 import numpy as np
 import optax
 import pytest
@@ -165,3 +167,43 @@ def test_weighted_reduced_sgd_step_is_the_simulation_of_the_weighted_task():
     np.testing.assert_array_equal(_bits(np.float32(want.shard_losses)), _bits(result.shard_losses))
     _assert_bitwise(to_host(nnx.state(model, nnx.Param)), want.params)
     np.testing.assert_allclose(result.loss, (1 + 25 + 36 + 49) / 4)  # the masked mean of y**2 (zero model)
+
+
+class _DropoutNet(nnx.Module):
+    """A Linear then a Dropout holding an RNG stream: deterministic at rate 0, drawing a mask otherwise."""
+
+    def __init__(self, rate):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(rate, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.drop(self.lin(x))
+
+
+def test_one_admission_rule_for_the_adapters_and_the_engine():
+    """Dropout(0.0) is admitted by the seeds' steps and the engine alike (and they agree bitwise); Dropout(0.5),
+    which draws a mask in its forward pass, is refused by both with the same reason."""
+    x, y = _data(8, 3, 2, seed=11)
+    task = shardcheck.Task(
+        model=lambda: _DropoutNet(0.0), optimizer=optax.sgd(0.1), loss_fn=mse_batch_loss, batches=[(x, y)]
+    )
+    report = run_task(task, num_shards=2, strategies=["reference", "dp", "fsdp"])
+    steps = {
+        "reference": shardcheck.sgd_step,
+        "dp": lambda m, o, x, y: shardcheck.data_parallel_sgd_step(m, o, x, y, shardcheck.make_mesh(2)),
+        "fsdp": lambda m, o, x, y: shardcheck.fsdp_sgd_step(m, o, x, y, shardcheck.make_mesh(2)),
+    }
+    for name, step in steps.items():
+        model = _DropoutNet(0.0)
+        loss = step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x, y)
+        assert _bits(loss) == _bits(np.float32(report.outcomes[name].loss)), name
+        _assert_bitwise(to_host(nnx.state(model, nnx.Param)), report.outcomes[name].params)
+
+    drawing = dataclasses.replace(task, model=lambda: _DropoutNet(0.5))
+    with pytest.raises(ValueError, match="draws random numbers") as engine_err:
+        run_task(drawing, num_shards=2, strategies=["reference"])
+    model = _DropoutNet(0.5)
+    with pytest.raises(ValueError, match="draws random numbers") as adapter_err:
+        shardcheck.sgd_step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x, y)
+    reason = str(engine_err.value).removeprefix("run_task: ")
+    assert str(adapter_err.value).removeprefix("sgd_step: ") == reason

@@ -72,8 +72,12 @@ def check_batch_divisible(fn: str, batch: int, num_shards: int, axis_name: str) 
 
 
 def check_params_only(fn: str, model) -> None:
-    """Refuse any non-``nnx.Param`` variable: the steps neither shard nor synchronise other state."""
-    others = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    """Refuse any variable but ``nnx.Param`` and RNG streams: the steps neither shard nor synchronise other state.
+
+    RNG streams are judged by the one admission rule (:func:`shardcheck._validate.check_model`): accepted when
+    the forward pass draws nothing from them, and then placed as they are, replicated.
+    """
+    others = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
     if others:
         listed = ", ".join(f"{path_str(path)} ({type(var).__name__})" for path, var in others)
         raise ValueError(
