@@ -19,7 +19,7 @@ all rows alike):
   ``nnx.value_and_grad`` eagerly, then :func:`shardcheck.tree_mean` and ``optimizer.update`` (no jit);
 * ``matmul_bound``: the two matrix products every step needs, ``x @ W`` and ``x.T @ g``, jitted;
 * ``matmul_blocked``: the same products in S row blocks in a ``lax.scan`` (the simulation's arithmetic alone);
-* ``dp`` / ``fsdp``: the compiled ``shard_map`` steps of :mod:`shardcheck.spmd` on ``--mesh-devices`` fake CPU
+* ``dp`` / ``fsdp``: the compiled ``shard_map`` steps of :mod:`shardcheck.seeds.mesh_steps` on ``--mesh-devices`` fake CPU
   devices, state already placed (each call consumes the state the previous one returned: the buffers are donated);
 * ``*_public``: the public functions end to end (validation, ``nnx.split``/``nnx.update``, placement checks):
   subtract the matching core row to get the per-call host overhead.
@@ -195,9 +195,12 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import shardcheck  # noqa: E402
-from shardcheck import baseline, simulation, spmd  # noqa: E402
 from shardcheck.losses import mse_loss  # noqa: E402
 from shardcheck.memory import measure_memory  # noqa: E402
+from shardcheck.mesh import make_mesh  # noqa: E402
+from shardcheck.seeds import mesh_steps as spmd  # noqa: E402
+from shardcheck.seeds import reference as baseline  # noqa: E402
+from shardcheck.seeds import simulation  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------- helpers
 
@@ -347,7 +350,7 @@ def run(args) -> dict:
     pub_model, pub_opt = linear(D, K)
     pub_sim_model, pub_sim_opt = linear(D, K)
 
-    mesh = spmd.make_mesh(args.mesh_devices)
+    mesh = make_mesh(args.mesh_devices)
     mesh_rows = {}
     for strategy in ("dp", "fsdp"):
         m, o = linear(D, K)
@@ -514,7 +517,7 @@ def run(args) -> dict:
     # FSDP against DP memory per device on a wide layer: shardcheck.memory.measure_memory compiles each
     # strategy's real step, reads XLA's memory_analysis and the live state bytes after one step.
     fb, fd, fn_ = args.fsdp_batch, args.fsdp_dim, args.fsdp_devices
-    fmesh = spmd.make_mesh(fn_)
+    fmesh = make_mesh(fn_)
     fx = np.asarray(jax.random.normal(kx, (fb, fd), jnp.float32))
     fy = np.asarray(jax.random.normal(ky, (fb, fd), jnp.float32))
     fsdp_mem = {"batch": fb, "features": fd, "outputs": fd, "devices": fn_}
@@ -798,7 +801,7 @@ def explain(key: str, r: dict, args) -> str:
         m = r["fsdp_vs_dp_memory"]
         return (
             f"DP temp {m['dp']['temp_bytes']} B, FSDP temp {m['fsdp']['temp_bytes']} B: FSDP's temp holds the "
-            "all-gathered parameters and the full local gradient before its reduce-scatter (spmd.py)."
+            "all-gathered parameters and the full local gradient before its reduce-scatter (steps/sharded.py)."
         )
     if key == "repeat_call_ms":
         return f"per-call host work (validation, dispatch): {r['latency']}" + load_txt

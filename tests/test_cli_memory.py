@@ -273,7 +273,7 @@ def test_task_estimate_digits_by_hand(capsys):
         (["--task", "shardcheck.tasks:tiny_lm_task", "--batch", "8"], "--batch applies to a built-in --task"),
         (
             ["--task", "tiny-lm", "--measure", "--shards", "3", "--devices", "3"],
-            "does not split into num_shards=3",
+            "is not divisible by num_shards=3",
         ),
     ],
 )

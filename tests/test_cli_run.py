@@ -294,7 +294,7 @@ def test_task_one_strategy_and_options(capsys):
             "the baseline is the registered strategy 'reference'",
         ),
         (["--task", "digits", "--dataset", "linnerud"], "--dataset and --target apply without --task"),
-        (["--task", "digits", "--shards", "3", "--devices", "3"], "does not split into num_shards=3"),
+        (["--task", "digits", "--shards", "3", "--devices", "3"], "is not divisible by num_shards=3"),
         (["--task", "digits", "--strategy", "multiprocess"], "needs several JAX processes"),
         (
             ["--task", "shardcheck.tasks:tiny_lm_task", "--lr", "0.1"],

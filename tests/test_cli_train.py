@@ -356,7 +356,7 @@ def test_task_file_with_steps_and_epochs_json_on_stdout(tmp_path, capsys):
         (["--task", "{dir}/my_task.py:make", "--steps", "9"], "--steps 9 but task 'made-here' holds only 3"),
         (["--task", "digits", "--features", "a"], "--features applies without --task only"),
         (["--task", "digits", "--test-fraction", "0.3"], "--test-fraction applies without --task only"),
-        (["--task", "digits", "--batch-size", "30", "--devices", "4"], "does not split into num_shards=4"),
+        (["--task", "digits", "--batch-size", "30", "--devices", "4"], "is not divisible by num_shards=4"),
         (["--task", "digits", "--steps", "0"], "--steps must be an int >= 1, got 0"),
         (["--steps", "3"], "--steps applies with --task only"),
         (

@@ -476,7 +476,7 @@ def test_task_form_bad_input():
     from shardcheck.spmd import make_mesh
 
     with pytest.raises(
-        ValueError, match=r"measure_memory: batch leaf 'label' has 64 rows, which does not split"
+        ValueError, match=r"measure_memory: batch size 64 \(batch leaf 'label'\) is not divisible"
     ):
         measure_memory(task, strategy="dp", mesh=make_mesh(3))
 

@@ -732,7 +732,8 @@ def test_a_scalar_loss_with_uneven_shards_is_refused(strategy):
     model = zero_linear()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(
-        ValueError, match=r"has 10 rows, which does not split into num_shards=4.*return \(loss_sum, weight\)"
+        ValueError,
+        match=r"batch size 10 \(batch leaf '0'\) is not divisible by num_shards=4.*return \(loss_sum, weight\)",
     ):
         check_parity(strategy, model, optimizer, [(x, y)], num_shards=4)
 

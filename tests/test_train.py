@@ -409,7 +409,7 @@ def test_train_task_catches_a_late_drift(monkeypatch):
         (
             dict(num_shards=3),
             ValueError,
-            r"train_task: batch leaf 'label' has 64 rows, which does not split into num_shards=3",
+            r"train_task: batch size 64 \(batch leaf 'label'\) is not divisible by num_shards=3",
         ),
         (dict(epochs=0), ValueError, r"train_task: epochs must be a positive int, got 0"),
         (

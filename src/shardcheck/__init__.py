@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 # Each export and the module it comes from: imported on first use (PEP 562), so that `import shardcheck`
 # (and `shardcheck --help`) does not import JAX, Flax and optax.
 _EXPORTS = {
-    "accumulated_sgd_step": "shardcheck.accumulation",
-    "make_accumulation_optimizer": "shardcheck.accumulation",
-    "fsdp_step": "shardcheck.baseline",
-    "sgd_step": "shardcheck.baseline",
+    "accumulated_sgd_step": "shardcheck.seeds",
+    "make_accumulation_optimizer": "shardcheck.seeds",
+    "fsdp_step": "shardcheck.seeds",
+    "sgd_step": "shardcheck.seeds",
     "mse_loss": "shardcheck.losses",
     "weighted_squared_error": "shardcheck.losses",
     "LeafMemory": "shardcheck.memory",
@@ -44,32 +44,29 @@ _EXPORTS = {
     "LeafPlacement": "shardcheck.placement",
     "placement_report": "shardcheck.placement",
     "placement_summary": "shardcheck.placement",
-    "tree_mean": "shardcheck.reductions",
-    "tree_sum": "shardcheck.reductions",
-    "ReducedStep": "shardcheck.simulation",
-    "reduced_sgd_step": "shardcheck.simulation",
-    "simulated_data_parallel_step": "shardcheck.simulation",
-    "data_parallel_sgd_step": "shardcheck.spmd",
-    "fsdp_sgd_step": "shardcheck.spmd",
+    "tree_mean": "shardcheck.seeds",
+    "tree_sum": "shardcheck.seeds",
+    "ReducedStep": "shardcheck.seeds",
+    "reduced_sgd_step": "shardcheck.seeds",
+    "simulated_data_parallel_step": "shardcheck.seeds",
+    "data_parallel_sgd_step": "shardcheck.seeds",
+    "fsdp_sgd_step": "shardcheck.seeds",
     "make_mesh": "shardcheck.mesh",
     "STRATEGIES": "shardcheck.steps",
     "StepResult": "shardcheck.steps",
     "Strategy": "shardcheck.steps",
     "reference_step": "shardcheck.steps.reference",
     "Task": "shardcheck.task",
+    "load_task": "shardcheck.tasks",
+    "run_task": "shardcheck.runner",
     "TrainReport": "shardcheck.training",
     "train": "shardcheck.training",
+    "train_task": "shardcheck.training",
 }
 
 if TYPE_CHECKING:
-    from shardcheck.accumulation import accumulated_sgd_step as accumulated_sgd_step
-    from shardcheck.accumulation import (
-        make_accumulation_optimizer as make_accumulation_optimizer,
-    )
     from shardcheck.ahead_of_time import AheadOfTimeMemory as AheadOfTimeMemory
     from shardcheck.ahead_of_time import compile_ahead_of_time as compile_ahead_of_time
-    from shardcheck.baseline import fsdp_step as fsdp_step
-    from shardcheck.baseline import sgd_step as sgd_step
     from shardcheck.device_memory import parse_device_memory as parse_device_memory
     from shardcheck.losses import mse_loss as mse_loss
     from shardcheck.losses import weighted_squared_error as weighted_squared_error
@@ -98,22 +95,31 @@ if TYPE_CHECKING:
     from shardcheck.placement import LeafPlacement as LeafPlacement
     from shardcheck.placement import placement_report as placement_report
     from shardcheck.placement import placement_summary as placement_summary
-    from shardcheck.reductions import tree_mean as tree_mean
-    from shardcheck.reductions import tree_sum as tree_sum
-    from shardcheck.simulation import ReducedStep as ReducedStep
-    from shardcheck.simulation import reduced_sgd_step as reduced_sgd_step
-    from shardcheck.simulation import (
+    from shardcheck.runner import run_task as run_task
+    from shardcheck.seeds import ReducedStep as ReducedStep
+    from shardcheck.seeds import accumulated_sgd_step as accumulated_sgd_step
+    from shardcheck.seeds import data_parallel_sgd_step as data_parallel_sgd_step
+    from shardcheck.seeds import fsdp_sgd_step as fsdp_sgd_step
+    from shardcheck.seeds import fsdp_step as fsdp_step
+    from shardcheck.seeds import (
+        make_accumulation_optimizer as make_accumulation_optimizer,
+    )
+    from shardcheck.seeds import reduced_sgd_step as reduced_sgd_step
+    from shardcheck.seeds import sgd_step as sgd_step
+    from shardcheck.seeds import (
         simulated_data_parallel_step as simulated_data_parallel_step,
     )
-    from shardcheck.spmd import data_parallel_sgd_step as data_parallel_sgd_step
-    from shardcheck.spmd import fsdp_sgd_step as fsdp_sgd_step
+    from shardcheck.seeds import tree_mean as tree_mean
+    from shardcheck.seeds import tree_sum as tree_sum
     from shardcheck.steps import STRATEGIES as STRATEGIES
     from shardcheck.steps import StepResult as StepResult
     from shardcheck.steps import Strategy as Strategy
     from shardcheck.steps.reference import reference_step as reference_step
     from shardcheck.task import Task as Task
+    from shardcheck.tasks import load_task as load_task
     from shardcheck.training import TrainReport as TrainReport
     from shardcheck.training import train as train
+    from shardcheck.training import train_task as train_task
 
 
 def __getattr__(name: str):
@@ -161,6 +167,7 @@ __all__ = [
     "estimate_memory",
     "fsdp_sgd_step",
     "fsdp_step",
+    "load_task",
     "make_accumulation_optimizer",
     "make_mesh",
     "make_model",
@@ -173,10 +180,12 @@ __all__ = [
     "placement_summary",
     "reduced_sgd_step",
     "reference_step",
+    "run_task",
     "sgd_step",
     "simulated_data_parallel_step",
     "strategy_candidate",
     "train",
+    "train_task",
     "tree_mean",
     "tree_sum",
     "weighted_squared_error",

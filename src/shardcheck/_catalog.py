@@ -25,6 +25,9 @@ class StrategySpec:
             model axes: :func:`shardcheck.mesh.data_shards`).
         wraps_optimizer: the step steps an optimizer of its own around the task's transformation
             (``optax.MultiSteps``), not the one it is given.
+        explicit_collectives: a mesh step whose gradients are gathered and reduced by shardcheck's own
+            collectives inside one ``jax.shard_map`` (``dp``, ``fsdp``, ``multiprocess``); False for ``gspmd``
+            (the plain step, partitioned by XLA) and the single-device strategies.
     """
 
     name: str
@@ -32,6 +35,7 @@ class StrategySpec:
     placement: str
     uses_mesh: bool
     wraps_optimizer: bool = dataclasses.field(default=False, kw_only=True)
+    explicit_collectives: bool = dataclasses.field(default=False, kw_only=True)
 
 
 REFERENCE = "reference"
@@ -55,12 +59,14 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
             "data parallel: batch split over the data axes, state replicated, one psum per leaf",
             "replicated",
             True,
+            explicit_collectives=True,
         ),
         StrategySpec(
             "fsdp",
             "fully sharded: state split by its annotations or over the fsdp axis, all-gather and reduce-scatter",
             "fsdp",
             True,
+            explicit_collectives=True,
         ),
         StrategySpec(
             "gspmd",
@@ -80,6 +86,7 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
             "data parallel on a mesh spanning every process of a launched run",
             "replicated",
             True,
+            explicit_collectives=True,
         ),
     )
 }

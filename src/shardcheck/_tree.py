@@ -1,8 +1,11 @@
-"""Readable names for pytree leaves, shared by the parity report, the memory estimate and the main job."""
+"""Readable names for pytree leaves, shared by the parity report, the memory estimate and the main job; and the
+one copy of a model and its optimizer."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 
 def path_str(path, sep: str = ".") -> str:
@@ -25,3 +28,18 @@ def path_str(path, sep: str = ".") -> str:
         else:
             parts.append(str(k))
     return sep.join(parts)
+
+
+def copy_state(*objects: nnx.Object):
+    """Independent copies of NNX objects (a model, or a model and its optimizer): a new graph and new buffers.
+
+    ``nnx.clone`` copies the graph but shares the arrays, and the mesh steps donate their state buffers, so every
+    step that must leave the caller's arrays (or another run's) valid steps a copy made here. Non-array leaves
+    are kept as they are.
+
+    Returns:
+        The copy of ``objects[0]`` when one object is given, else a tuple of copies, in order.
+    """
+    graphdef, state = nnx.split(objects[0] if len(objects) == 1 else objects)
+    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
+    return nnx.merge(graphdef, state)

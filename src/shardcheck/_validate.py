@@ -98,19 +98,54 @@ def valid_shard_counts(batch: int) -> list[int]:
     return [s for s in range(1, batch + 1) if batch % s == 0]
 
 
+def check_divisible(
+    fn: str,
+    rows: int,
+    num_shards: int,
+    *,
+    fix: str,
+    subject: str | None = None,
+    by: str | None = None,
+    counts: str = "num_shards",
+) -> None:
+    """The one batch-divisibility rule: ``rows`` examples split into ``num_shards`` equal, non-empty shards.
+
+    Every equal-shard check (shards of a simulation, devices of a mesh, micro-batches, a task's batches, a
+    training batch size; ``docs/reduction_cases.md`` C4, C6) calls this function, so there is one message:
+    ``"{fn}: batch size B is not divisible by num_shards=S; equal shards are required (valid num_shards for this
+    batch: <the divisors of B>; {fix})"``, or, with more shards than rows, ``"{fn}: num_shards=S is more shards
+    than examples (batch size B); ..."``.
+
+    Args:
+        fn: the public function (or command) checking.
+        rows: B, the batch's leading size.
+        num_shards: S, the number of equal parts.
+        fix: how to fix it, in the caller's terms (the last clause of the message).
+        subject: what has B rows (default ``"batch size B"``; e.g. ``"batch_size=30"``).
+        by: what S counts (default ``"num_shards=S"``; e.g. ``"the 4 devices of mesh axis 'data'"``).
+        counts: the name of the valid values listed (default ``"num_shards"``).
+
+    Raises:
+        ValueError: S > B, or B not divisible by S.
+    """
+    subject = f"batch size {rows}" if subject is None else subject
+    by = f"num_shards={num_shards}" if by is None else by
+    if num_shards > rows:
+        raise ValueError(
+            f"{fn}: {by} is more shards than examples ({subject}); every shard needs at least one example: use "
+            f"{counts} <= {rows}"
+        )
+    if rows % num_shards:
+        valid = ", ".join(map(str, valid_shard_counts(rows)))
+        raise ValueError(
+            f"{fn}: {subject} is not divisible by {by}; equal shards are required (valid {counts} for this "
+            f"batch: {valid}; {fix})"
+        )
+
+
 def check_equal_shards(fn: str, batch: int, num_shards: int, *, hint: str = "use weights= for uneven shards"):
-    """``batch`` must split into ``num_shards`` equal, non-empty shards (``docs/reduction_cases.md`` C4, C6)."""
-    if num_shards > batch:
-        raise ValueError(
-            f"{fn}: num_shards={num_shards} is more shards than examples (batch size {batch}); "
-            f"every shard needs at least one example: use num_shards <= {batch}"
-        )
-    if batch % num_shards:
-        valid = ", ".join(map(str, valid_shard_counts(batch)))
-        raise ValueError(
-            f"{fn}: batch size {batch} is not divisible by num_shards={num_shards}; equal shards are required "
-            f"(valid num_shards for this batch: {valid}; {hint})"
-        )
+    """``batch`` must split into ``num_shards`` equal, non-empty shards: :func:`check_divisible` (fix ``hint``)."""
+    check_divisible(fn, batch, num_shards, fix=hint)
 
 
 def check_lr(fn: str, lr) -> float:
@@ -167,37 +202,41 @@ def check_params(fn: str, params, in_features: int, out_features: int) -> dict[s
 
 
 def check_model(fn: str, model, x=None, y=None) -> None:
-    """Refuse models for which sharded and full-batch steps are not equivalent (reduction case C7).
+    """The one admission rule for models (``docs/reduction_cases.md`` C7), for a step on the batch ``(x, y)``.
 
-    With ``x`` and ``y`` given, also check that the model accepts ``x`` and maps it to ``y``'s shape: a target of
+    It is the Task's rule, :func:`shardcheck.parity.harness.check_model`, on the seeds' loss
+    (:func:`shardcheck.losses.mse_batch_loss`): a model holding ``nnx.BatchStat`` variables (BatchNorm) is
+    refused, since each shard would normalise with its own batch statistics; one holding RNG streams is
+    accepted when its forward pass draws nothing from them (Dropout at rate 0, ``model.eval()``), and refused
+    when it draws (every shard would draw its own mask). The forward pass is run once, on a clone, only for a
+    model holding either kind of state. Without ``x`` and ``y`` (nothing to run) RNG streams are refused.
+
+    With ``x`` and ``y`` given, first check that the model accepts ``x`` and maps it to ``y``'s shape: a target of
     another width would otherwise broadcast in ``(model(x) - y) ** 2`` and give a wrong loss and update, silently
     (see :func:`check_model_io`).
 
-    Seed ``000_f7b4ea9cf28c5420.txt``: the equivalence holds for models with no batch-dependent state or
-    randomness in the forward pass. A module holding ``nnx.BatchStat`` variables (BatchNorm) computes statistics
-    over the shard it sees, and one holding RNG streams (Dropout) draws the same mask on every shard.
+    Raises:
+        TypeError: ``model`` not an ``nnx.Module``.
+        ValueError: the refusals above; the errors of :func:`check_model_io`.
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
-    reasons = []
-    if jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
-        reasons.append(
-            "it holds nnx.BatchStat variables (e.g. BatchNorm): each shard would normalise with its own batch "
-            "statistics, not the full batch's"
-        )
-    if jax.tree.leaves(nnx.state(model, nnx.RngState)):
-        reasons.append(
-            "it holds RNG streams (e.g. Dropout): every shard would draw the same random mask from the same key"
-        )
-    if reasons:
-        raise ValueError(
-            f"{fn}: model {type(model).__name__} is refused because "
-            + "; and ".join(reasons)
-            + ". A sharded step equals the full-batch step only for models without batch-dependent state or "
-            "randomness (seed 000); use a model without them, or evaluate it in a deterministic mode"
-        )
     if x is not None and y is not None:
         check_model_io(fn, model, x, y)
+    stateful = jax.tree.leaves(nnx.state(model, nnx.BatchStat)) or jax.tree.leaves(
+        nnx.state(model, nnx.RngState)
+    )
+    if not stateful:
+        return
+    if x is None or y is None:
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} is refused because it holds batch statistics or RNG streams, "
+            "and without a batch shardcheck cannot check that its forward pass draws nothing from them (seed 000)"
+        )
+    from shardcheck.losses import mse_batch_loss
+    from shardcheck.parity.harness import check_model as task_rule
+
+    task_rule(fn, model, mse_batch_loss, (x, y))
 
 
 @functools.lru_cache(maxsize=256)

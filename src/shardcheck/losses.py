@@ -54,3 +54,11 @@ def mse_batch_loss(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax
     """:func:`mse_loss` as a task loss ``loss_fn(model, batch)`` of an ``(x, y)`` batch (the seeds' task)."""
     x, y = batch
     return mse_loss(model, x, y)
+
+
+def regression_batch_loss(model: nnx.Module, batch: tuple) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The seeds' task loss of an ``(x, y)`` batch (:func:`mse_batch_loss`) or of an ``(x, y, weights)`` batch
+    (:func:`weighted_squared_error`'s ``(weighted sum, weight total)``, ``docs/reduction_cases.md`` C4-C6)."""
+    if len(batch) == 3:
+        return weighted_squared_error(model, *batch)
+    return mse_batch_loss(model, batch)

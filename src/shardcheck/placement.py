@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardcheck._tree import path_str
 from shardcheck.partitioning import fsdp_partition_spec
 
 
@@ -54,7 +55,7 @@ class LeafPlacement:
 def _leaves(model: nnx.Module, optimizer: nnx.Optimizer):
     for kind, state in (("param", nnx.state(model, nnx.Param)), ("opt_state", nnx.state(optimizer))):
         for path, var in nnx.to_flat_state(state):
-            yield kind, ".".join(map(str, path)), var[...]
+            yield kind, path_str(path), var[...]
 
 
 def _reason(array: jax.Array, spec: PartitionSpec, axis_name: str | None) -> str:

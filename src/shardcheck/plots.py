@@ -50,13 +50,28 @@ def plot_training(report, path, *, dpi: int = DPI) -> Path:
     steps = np.array([s.step for s in report.steps])
     fig = Figure(figsize=FIGSIZE_IN, dpi=dpi, layout="constrained")
     ax_loss, ax_drift = fig.subplots(1, 2)
-    s_label = f"{report.strategy} (S={report.num_shards})"
     xlabel = f"step ({report.steps_per_epoch} mini-batch updates per epoch; 0 = initialization)"
+    _loss_panel(ax_loss, report, steps, xlabel)
+    _drift_panel(ax_drift, report, steps, xlabel)
 
-    ax_loss.plot(
+    lr = f"lr={report.lr:g}"
+    fig.suptitle(
+        f"shardcheck train: {report.dataset}, {report.model}, {report.strategy} S={report.num_shards} vs "
+        f"single-device baseline, {report.optimizer} {lr}, B={report.batch_size}, {report.epochs} epochs"
+    )
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
+def _loss_panel(ax, report, steps, xlabel: str) -> None:
+    """Left: both runs' batch losses per step, and the train and test losses at each epoch's end."""
+    s_label = f"{report.strategy} (S={report.num_shards})"
+    ax.plot(
         steps, [s.loss_baseline for s in report.steps], color="0.55", lw=1.2, label="batch loss, baseline"
     )
-    ax_loss.plot(
+    ax.plot(
         steps,
         [s.loss_sharded for s in report.steps],
         color="0.2",
@@ -72,41 +87,34 @@ def plot_training(report, path, *, dpi: int = DPI) -> Path:
         ("test_loss_sharded", "tab:orange", "+", "--", f"test loss, {s_label}"),
     )
     for field, color, marker, ls, label in series:
-        ax_loss.plot(
+        ax.plot(
             ep_steps, [getattr(r, field) for r in report.epoch_records], color=color, marker=marker, ls=ls, ms=5,
             label=label,
         )  # fmt: skip
-    ax_loss.set_xlabel(xlabel)
-    ax_loss.set_ylabel("MSE loss (standardized targets)")
-    ax_loss.set_title("Loss: baseline vs sharded (curves should overlap)")
-    ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(fontsize=8, loc="upper right")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("MSE loss (standardized targets)")
+    ax.set_title("Loss: baseline vs sharded (curves should overlap)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
 
+
+def _drift_panel(ax, report, steps, xlabel: str) -> None:
+    """Right: the parameter drift per step on a log axis, its tolerance, and the first step beyond it."""
     drift = np.array([s.max_abs_param_diff for s in report.steps])
     zeros = int(np.sum(drift < DRIFT_FLOOR))
-    ax_drift.plot(steps, np.maximum(drift, DRIFT_FLOOR), color="tab:purple", lw=1.2, label="max |Δparam|")
-    ax_drift.plot(
+    ax.plot(steps, np.maximum(drift, DRIFT_FLOOR), color="tab:purple", lw=1.2, label="max |Δparam|")
+    ax.plot(
         steps, [s.drift_tolerance for s in report.steps], color="tab:green", ls=":", lw=1.5, label="tolerance"
     )
     first = report.first_exceeded_step
     if first is not None:
-        ax_drift.axvline(first, color="tab:red", lw=1.0, label=f"first exceeded: step {first}")
-    ax_drift.set_yscale("log")
-    ax_drift.set_xlabel(xlabel)
-    ax_drift.set_ylabel(
+        ax.axvline(first, color="tab:red", lw=1.0, label=f"first exceeded: step {first}")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(
         f"max |params_sharded - params_baseline|\n(log scale; values < {DRIFT_FLOOR:g} drawn at it)"
     )
     note = f", {zeros} step(s) exactly 0" if zeros else ""
-    ax_drift.set_title(f"Parameter drift per step (max {report.max_abs_param_diff:.3g}{note})")
-    ax_drift.grid(True, which="both", alpha=0.3)
-    ax_drift.legend(fontsize=8, loc="lower right")
-
-    lr = f"lr={report.lr:g}"
-    fig.suptitle(
-        f"shardcheck train: {report.dataset}, {report.model}, {report.strategy} S={report.num_shards} vs "
-        f"single-device baseline, {report.optimizer} {lr}, B={report.batch_size}, {report.epochs} epochs"
-    )
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    write_atomic(path, buf.getvalue())
-    return path
+    ax.set_title(f"Parameter drift per step (max {report.max_abs_param_diff:.3g}{note})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")

@@ -5,8 +5,10 @@ Every computation comes from the registry of strategies (:data:`shardcheck.steps
 
 * :func:`run_task`: a :class:`~shardcheck.Task`, on its first batch: every registered strategy (or those named),
   reported under its registry name (``reference`` is the baseline).
-* :func:`run_strategies`: the seed form, an ``nnx.Linear(D, K)`` under MSE and ``optax.sgd(lr)`` on ``(x, y)``;
-  the reference is reported as ``baseline`` (seed 001) and the computations are those of :func:`xy_strategies`.
+* ``run_strategies`` (:func:`shardcheck.seeds.run.run_strategies`, importable from here): the seed form, an
+  adapter that runs :func:`run_task` on the regression task of an ``nnx.Linear(D, K)`` under MSE and
+  ``optax.sgd(lr)`` on ``(x, y)``; the reference is reported as ``baseline`` (seed 001) and the computations are
+  those of :func:`xy_strategies`.
 """
 
 from __future__ import annotations
@@ -15,19 +17,16 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._catalog import BASELINE as BASELINE  # the names live in the JAX-free catalog
 from shardcheck._catalog import REFERENCE as REFERENCE
 from shardcheck._catalog import seed_form
-from shardcheck._tree import path_str
-from shardcheck.distributed import gather_to_host, global_batch, process_batch_indices
-from shardcheck.losses import mse_batch_loss
-from shardcheck.steps.registry import STRATEGIES, Strategy, get_strategy, mesh_for
+from shardcheck._tree import copy_state, path_str
+from shardcheck.distributed import gather_to_host
+from shardcheck.steps.registry import STRATEGIES, get_strategy, mesh_for
 from shardcheck.task import Task
 
 
@@ -126,20 +125,6 @@ def _leaf_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str,
     return {k: float(np.max(np.abs(a[k] - b[k]))) if a[k].size else 0.0 for k in a}
 
 
-def _max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-
-
-def _copy(model: nnx.Module) -> nnx.Module:
-    """The model with fresh buffers, so that no step sees another's arrays."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-
-
-def _registered(name: str) -> Strategy:
-    return STRATEGIES[REFERENCE if name == BASELINE else name]
-
-
 def xy_strategies() -> tuple[str, ...]:
     """The computations of the seed form (:func:`run_strategies`), from the registry, in registry order.
 
@@ -154,23 +139,11 @@ def xy_strategies() -> tuple[str, ...]:
 def __getattr__(name: str):
     if name == "RUN_STRATEGIES":  # the seed form's computations, kept under their old name
         return xy_strategies()
+    if name == "run_strategies":  # the seed form's adapter (it imports this module: imported on first use)
+        from shardcheck.seeds.run import run_strategies
+
+        return run_strategies
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _seed_step(name: str):
-    """The seed form's own implementation of a registered strategy, or None (the registry's step is used).
-
-    The reduction simulation of the seed form is seed 000's :func:`~shardcheck.reduced_sgd_step` (the same
-    reduction as the registry's ``simulation``, summed in its own order), so that its report stays as it was.
-    """
-    if name != "simulation":
-        return None
-    from shardcheck.simulation import reduced_sgd_step
-
-    def simulation(model, optimizer, batch, num_shards):
-        return reduced_sgd_step(model, optimizer, *batch, num_shards)
-
-    return simulation
 
 
 def _unpack(out):
@@ -178,116 +151,6 @@ def _unpack(out):
     if hasattr(out, "loss"):
         return out.loss, getattr(out, "grads", None), getattr(out, "shard_losses", None)
     return out, None, None
-
-
-def run_strategies(
-    x,
-    y,
-    *,
-    num_shards: int,
-    lr: float = 0.1,
-    seed: int = 0,
-    strategies: Sequence[str] | None = None,
-    mesh=None,
-) -> RunReport:
-    """Run one SGD step of each computation on a fresh ``nnx.Linear(D, K)``, all from the same initial state.
-
-    Each computation is a registered strategy's step (:data:`shardcheck.steps.STRATEGIES`) of the loss
-    :func:`~shardcheck.losses.mse_batch_loss` on the batch ``(x, y)``: ``baseline`` is the reference step (seed
-    001), ``simulation`` the reduction of seed 000, ``dp`` and ``fsdp`` the ``jax.shard_map`` steps on ``mesh`` (a
-    1-D mesh of ``num_shards`` devices, built when not given). The baseline always runs, as the reference.
-
-    Args:
-        x: ``(B, D)`` float inputs.
-        y: ``(B, K)`` float targets.
-        num_shards: S >= 1 dividing B.
-        lr: SGD learning rate.
-        seed: ``nnx.Rngs`` seed for the shared initial parameters.
-        strategies: names from :func:`xy_strategies` (default: all of them).
-        mesh: the mesh of the ``dp``/``fsdp`` steps.
-
-    Returns:
-        A :class:`RunReport`.
-
-    Raises:
-        ValueError: unknown strategy, or the bad inputs of the steps (uneven shards, too few devices, ...),
-            all checked before any step runs.
-    """
-    fn = "run_strategies"
-    allowed = xy_strategies()
-    strategies = allowed if strategies is None else tuple(strategies)
-    unknown = [s for s in strategies if s not in allowed]
-    if unknown:
-        raise ValueError(f"{fn}: unknown strategies {unknown}; choose from {', '.join(allowed)}")
-    x, y = _validate.check_batch(fn, x, y)
-    num_shards = _validate.check_num_shards(fn, num_shards)
-    if any(s != BASELINE for s in strategies):  # the baseline alone does not shard
-        _validate.check_equal_shards(fn, x.shape[0], num_shards, hint="choose --shards from this list")
-    lr = _validate.check_lr(fn, lr)
-    seed = _validate.check_seed(fn, seed)
-    if any(_registered(s).uses_mesh for s in strategies) and mesh is None:
-        from shardcheck.spmd import make_mesh
-
-        mesh = make_mesh(num_shards)
-    d, k = x.shape[1], y.shape[1]
-    batch_mesh = (x, y)
-    if mesh is not None and jax.process_count() > 1:
-        # Many processes (docs/distributed.md): each feeds the mesh steps only the rows its devices hold.
-        rows = process_batch_indices(x.shape[0], mesh)
-        batch_mesh = global_batch(
-            np.asarray(x)[rows], np.asarray(y)[rows], mesh, global_batch_size=x.shape[0]
-        )
-    initial = nnx.Linear(d, k, rngs=nnx.Rngs(seed))
-
-    def fresh():
-        model = nnx.clone(initial)
-        return model, nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param)
-
-    outcomes: dict[str, StepOutcome] = {}
-    base = None
-    from shardcheck.losses import mse_loss
-
-    # Seed 000's full-batch gradient at the initial parameters, for the simulation's shard-gradient check.
-    full_grads = to_host(nnx.grad(mse_loss)(fresh()[0], x, y))
-    for name in (BASELINE, *(s for s in strategies if s != BASELINE)):
-        strategy = _registered(name)
-        model, optimizer = fresh()
-        seed_step = _seed_step(name)
-        if seed_step is not None:
-            out = seed_step(model, optimizer, (x, y), num_shards)
-        else:
-            candidate = strategy.build(mse_batch_loss, num_shards, mesh if strategy.uses_mesh else None)
-            out = candidate.step(model, optimizer, batch_mesh if strategy.uses_mesh else (x, y))
-        loss, grads, shard_losses = _unpack(out)
-        params = to_host(nnx.state(model, nnx.Param))
-        if name == BASELINE:
-            base = params
-            outcomes[name] = StepOutcome(name, float(loss), params)
-            continue
-        extra = {}
-        if shard_losses is not None:
-            extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
-        if grads is not None:
-            grads = to_host(grads)
-            extra["max_abs_grad_diff"] = {
-                k_: float(np.max(np.abs(grads[k_] - full_grads[k_]))) for k_ in grads
-            }
-        if strategy.placement == "fsdp":
-            from shardcheck.placement import placement_summary
-
-            extra["placement"] = placement_summary(model, optimizer)
-        outcomes[name] = StepOutcome(
-            name, float(loss), params, max_abs_param_diff_vs_baseline=_max_abs_diff(params, base), **extra
-        )
-    return RunReport(
-        num_shards=num_shards,
-        lr=lr,
-        seed=seed,
-        in_features=d,
-        out_features=k,
-        outcomes={name: outcomes[name] for name in (BASELINE, *strategies) if name in outcomes},
-        param_storage_per_shard_bytes=(d + 1) * k / num_shards * 4,
-    )
 
 
 def run_task(
@@ -327,7 +190,6 @@ def run_task(
             "shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...)"
         )
     num_shards = _validate.check_num_shards(fn, num_shards)
-    named = strategies is not None
     names = list(STRATEGIES) if strategies is None else [get_strategy(fn, s).name for s in strategies]
     names = [REFERENCE] + [s for s in dict.fromkeys(names) if s != REFERENCE]
     from shardcheck.parity.harness import check_model
@@ -338,12 +200,41 @@ def run_task(
     weighted = check_model(fn, initial, task.loss_fn, batch)
     if len(names) > 1:
         check_divisible(fn, batch, num_shards, weighted=weighted)
+    plan, skipped = _plan(fn, task, initial, names, num_shards, mesh, named=strategies is not None)
+    outcomes: dict[str, StepOutcome] = {}
+    base = None  # the reference's (params, grads) on the host
+    for name, strategy, step_mesh in plan:
+        model = copy_state(initial)
+        optimizer = task.new_optimizer(model)
+        candidate = strategy.build(task.loss_fn, num_shards, step_mesh)
+        if candidate.make_optimizer is not None:
+            optimizer = candidate.make_optimizer(model, optimizer)
+        out = candidate.step(model, optimizer, batch)
+        outcomes[name], host = _outcome(name, strategy, out, model, optimizer, base)
+        base = host if base is None else base
+    base = base[0]
+    nbytes = sum(int(a.nbytes) for a in base.values())
+    return TaskRunReport(
+        task=task.name,
+        num_shards=num_shards,
+        batch_size=batch_size(batch),
+        param_count=sum(int(a.size) for a in base.values()),
+        param_bytes=nbytes,
+        outcomes=outcomes,
+        skipped=skipped,
+        param_storage_per_shard_bytes=nbytes / num_shards,
+    )
+
+
+def _plan(fn, task: Task, initial, names, num_shards: int, mesh, *, named: bool):
+    """``([(name, strategy, mesh or None)], {skipped name: reason})``: each strategy's check run first (a named
+    strategy's refusal raises, an unnamed one is skipped), one mesh shared by the mesh strategies."""
     plan, skipped, shared_mesh = [], {}, None
     for name in names:
         strategy = STRATEGIES[name]
         if strategy.check is not None:
             try:
-                strategy.check(fn, initial, task.new_optimizer(_copy(initial)))
+                strategy.check(fn, initial, task.new_optimizer(copy_state(initial)))
             except ValueError as err:
                 if named:
                     raise
@@ -352,53 +243,39 @@ def run_task(
         if strategy.uses_mesh and shared_mesh is None:
             shared_mesh = mesh_for(fn, strategy, num_shards, mesh)
         plan.append((name, strategy, shared_mesh if strategy.uses_mesh else None))
+    return plan, skipped
 
-    outcomes: dict[str, StepOutcome] = {}
-    base = base_grads = None
-    for name, strategy, step_mesh in plan:
-        model = _copy(initial)
-        optimizer = task.new_optimizer(model)
-        candidate = strategy.build(task.loss_fn, num_shards, step_mesh)
-        if candidate.make_optimizer is not None:
-            optimizer = candidate.make_optimizer(model, optimizer)
-        loss, grads, shard_losses = _unpack(candidate.step(model, optimizer, batch))
-        params = to_host(nnx.state(model, nnx.Param))
-        if name == REFERENCE:
-            base, base_grads = params, None if grads is None else to_host(grads)
-            diffs = {k: 0.0 for k in params}
-            outcomes[name] = StepOutcome(
-                name, float(loss), params, max_abs_param_diff_by_leaf=diffs, worst_param_leaf=""
-            )
-            continue
-        diffs = _leaf_diffs(params, base)
-        worst = max(diffs, key=diffs.get)
-        extra = {}
-        if shard_losses is not None:
-            extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
-        if grads is not None and base_grads is not None:
-            extra["max_abs_grad_diff"] = _leaf_diffs(to_host(grads), base_grads)
-        if strategy.uses_mesh:
-            from shardcheck.placement import placement_summary
 
-            extra["placement"] = placement_summary(model, optimizer)
-        outcomes[name] = StepOutcome(
-            name,
-            float(loss),
-            params,
-            max_abs_param_diff_vs_baseline=diffs[worst],
-            max_abs_param_diff_by_leaf=diffs,
-            worst_param_leaf=worst,
-            **extra,
+def _outcome(name, strategy, out, model, optimizer, base) -> tuple[StepOutcome, tuple]:
+    """One strategy's :class:`StepOutcome` and its host ``(params, grads)``; ``base`` is the reference's host
+    ``(params, grads)``, or None for the reference itself."""
+    loss, grads, shard_losses = _unpack(out)
+    params = to_host(nnx.state(model, nnx.Param))
+    grads = None if grads is None else to_host(grads)
+    if base is None:
+        diffs = {k: 0.0 for k in params}
+        outcome = StepOutcome(
+            name, float(loss), params, max_abs_param_diff_by_leaf=diffs, worst_param_leaf=""
         )
-    count = sum(int(a.size) for a in base.values())
-    nbytes = sum(int(a.nbytes) for a in base.values())
-    return TaskRunReport(
-        task=task.name,
-        num_shards=num_shards,
-        batch_size=batch_size(batch),
-        param_count=count,
-        param_bytes=nbytes,
-        outcomes=outcomes,
-        skipped=skipped,
-        param_storage_per_shard_bytes=nbytes / num_shards,
+        return outcome, (params, grads)
+    diffs = _leaf_diffs(params, base[0])
+    worst = max(diffs, key=diffs.get)
+    extra = {}
+    if shard_losses is not None:
+        extra["shard_losses"] = tuple(float(v) for v in np.asarray(shard_losses))
+    if grads is not None and base[1] is not None:
+        extra["max_abs_grad_diff"] = _leaf_diffs(grads, base[1])
+    if strategy.uses_mesh:
+        from shardcheck.placement import placement_summary
+
+        extra["placement"] = placement_summary(model, optimizer)
+    outcome = StepOutcome(
+        name,
+        float(loss),
+        params,
+        max_abs_param_diff_vs_baseline=diffs[worst],
+        max_abs_param_diff_by_leaf=diffs,
+        worst_param_leaf=worst,
+        **extra,
     )
+    return outcome, (params, grads)

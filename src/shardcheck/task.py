@@ -207,30 +207,21 @@ def check_divisible(fn: str, batch: Batch, num_shards: int, *, weighted: bool) -
     full-batch mean; a ``(sum, weight)`` loss needs them only because a device mesh splits arrays evenly.
 
     Raises:
-        ValueError: more shards than rows, or B not divisible by S (the message names a leaf, lists the shard
-            counts that divide B, and gives the fix).
+        ValueError: more shards than rows, or B not divisible by S: the one message of
+            :func:`shardcheck._validate.check_divisible`, naming a leaf, listing the shard counts that divide B,
+            and giving the fix.
     """
     from shardcheck import _validate
 
     b = batch_size(batch)
     path = path_str(jax.tree_util.tree_flatten_with_path(batch)[0][0][0]) or "<root>"
-    if num_shards > b and b % num_shards:
-        raise ValueError(
-            f"{fn}: num_shards={num_shards} is more shards than rows (batch leaf {path!r} has {b}); every shard "
-            f"needs at least one example: use num_shards <= {b}"
-        )
-    if b % num_shards:
-        valid = ", ".join(map(str, _validate.valid_shard_counts(b)))
-        fix = (
-            "pad the batch to a multiple of S and mask the padding out of the loss's (sum, weight)"
-            if weighted
-            else "return (loss_sum, weight) from loss_fn and pad the batch to a multiple of S with weight-0 rows, "
-            "so that uneven shards are reduced exactly"
-        )
-        raise ValueError(
-            f"{fn}: batch leaf {path!r} has {b} rows, which does not split into num_shards={num_shards} equal "
-            f"shards (shard counts that divide it: {valid}); {fix}"
-        )
+    fix = (
+        "pad the batch to a multiple of S and mask the padding out of the loss's (sum, weight)"
+        if weighted
+        else "return (loss_sum, weight) from loss_fn and pad the batch to a multiple of S with weight-0 rows, "
+        "so that uneven shards are reduced exactly"
+    )
+    _validate.check_divisible(fn, b, num_shards, subject=f"batch size {b} (batch leaf {path!r})", fix=fix)
 
 
 def split_batch(batch: Batch, num_shards: int) -> Batch:

@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck._catalog import COMPARED
+from shardcheck._catalog import COMPARED, REFERENCE
+from shardcheck._tree import copy_state
 from shardcheck.datasets import Dataset, minibatch_indices
 from shardcheck.distributed import gather_to_host
 from shardcheck.losses import mse_loss
@@ -71,9 +72,9 @@ class TrainStep:
         loss_tolerance: the largest ``|loss_sharded - loss_baseline|`` this step's tolerance allows.
         drift_tolerance: the largest ``max_abs_param_diff`` this step's tolerance allows (with ``drift_within``:
             the widest tolerance of any element).
-        drift_within: :func:`train_task`'s element-by-element verdict (each element within its own tolerance,
-            widened by the optimizer's sensitivity); None for :func:`train`, whose verdict is
-            ``max_abs_param_diff <= drift_tolerance``.
+        drift_within: the element-by-element verdict of :func:`train` and :func:`train_task` (each element
+            within its own tolerance, widened by the optimizer's sensitivity; :data:`TOLERANCE_RULE`); None for a
+            record built without it, whose verdict is ``max_abs_param_diff <= drift_tolerance``.
     """
 
     step: int
@@ -282,14 +283,14 @@ def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32
 
 
 TOLERANCE_RULE = (
-    "atol = eps*sqrt(B*K)*sqrt(t), rtol = 16*atol (t = steps completed); pass when "
-    "|sharded - baseline| <= atol + rtol*|baseline| (drift: scale max|params_baseline|)"
+    "atol = eps*sqrt(n)*sqrt(t), rtol = 16*atol (n = the task's reduction length per batch, B*K for a regression "
+    "batch; t = steps completed); loss: pass when |sharded - baseline| <= atol + rtol*|baseline|; drift: every "
+    "element within atol + rtol*max|params_baseline| + the optimizer's accumulated sensitivity to gradient "
+    "rounding (as in parity)"
 )
-TASK_TOLERANCE_RULE = (
-    "atol = eps*sqrt(n)*sqrt(t), rtol = 16*atol (n = the task's reduction length per batch, t = steps completed); "
-    "loss: pass when |sharded - baseline| <= atol + rtol*|baseline|; drift: every element within atol + "
-    "rtol*max|params_baseline| + the optimizer's accumulated sensitivity to gradient rounding (as in parity)"
-)
+"""The one drift rule of :func:`train` and :func:`train_task` (:func:`_task_step`)."""
+
+TASK_TOLERANCE_RULE = TOLERANCE_RULE  # the name train_task's reports used; the same rule
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -399,13 +400,6 @@ def _param_dtype(model: nnx.Module):
     return max(floats, key=lambda d: float(jnp.finfo(d).eps))
 
 
-def _copy(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module, nnx.Optimizer]:
-    """Independent copies of a model and its optimizer: a new graph and new buffers (mesh steps donate them)."""
-    graphdef, state = nnx.split((model, optimizer))
-    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
-    return nnx.merge(graphdef, state)
-
-
 @dataclasses.dataclass
 class _Lockstep:
     """The reference run and the strategy's run, each with its own model and optimizer."""
@@ -437,9 +431,9 @@ def _lockstep(fn, strategy: Strategy, loss_fn: LossFn, model, optimizer, num_sha
     if strategy.check is not None:
         strategy.check(fn, model, optimizer)
     candidate = strategy.build(loss_fn, num_shards, mesh)
-    reference = STRATEGIES["reference"].build(loss_fn, num_shards, None)
-    ref_model, ref_opt = _copy(model, optimizer)
-    cand_model, cand_opt = _copy(model, optimizer)
+    reference = STRATEGIES[REFERENCE].build(loss_fn, num_shards, None)
+    ref_model, ref_opt = copy_state(model, optimizer)
+    cand_model, cand_opt = copy_state(model, optimizer)
     if candidate.make_optimizer is not None:
         cand_opt = candidate.make_optimizer(cand_model, cand_opt)
     return _Lockstep(reference.step, candidate.step, ref_model, ref_opt, cand_model, cand_opt)
@@ -578,7 +572,7 @@ def train_task(
         steps_per_epoch=len(task.batches),
         batch_size=leading_size(task.batches[0]),
         steps=tuple(steps),
-        tolerance_rule=TASK_TOLERANCE_RULE,
+        tolerance_rule=TOLERANCE_RULE,
         wall_s=time.perf_counter() - t0,
     )
 
@@ -691,13 +685,15 @@ def _check_split(fn: str, n: int, o: _Options) -> tuple[int, int]:
             f"{num_train} (a multiple of S={s}, e.g. {_divisible_batch_sizes(s, num_train, num_train)}) or a "
             "smaller test_fraction"
         )
-    if b % s:
-        valid = ", ".join(str(d) for d in range(1, b + 1) if b % d == 0)
-        raise ValueError(
-            f"{fn}: batch_size={b} is not divisible by the shard count S={s}; every shard needs an equal share "
-            f"of each batch: use a batch size that is a multiple of {s} (e.g. "
-            f"{_divisible_batch_sizes(s, num_train, b)}) or a shard count from {valid}"
-        )
+    _validate.check_divisible(
+        fn,
+        b,
+        s,
+        subject=f"batch_size={b}",
+        by=f"the shard count S={s}",
+        counts="shard counts",
+        fix=f"or use a batch size that is a multiple of {s}, e.g. {_divisible_batch_sizes(s, num_train, b)}",
+    )
     return num_train, num_test
 
 
@@ -760,14 +756,17 @@ def _train_epochs(pair: _Lockstep, split: _Split, o: _Options, callback):
     total = per_epoch * o.epochs
     records = [split.evaluate(graphdef, 0, 0, *pair.params())]
     steps: list[TrainStep] = []
+    allowance = None
     for epoch, idx in itertools.islice(minibatch_indices(num_train, o.batch_size, seed=o.seed), total):
         t = len(steps) + 1
-        _, losses = pair.advance((split.x_train[idx], split.y_train[idx]))
-        params = pair.params()
-        steps.append(_step_record(t, epoch, losses, params, step_tolerance(o.batch_size, k, t, dtype)))
+        tol = step_tolerance(o.batch_size, k, t, dtype)  # n = B * K, the regression task's reduction length
+        record, allowance = _task_step(
+            pair, (split.x_train[idx], split.y_train[idx]), t, epoch, tol, allowance
+        )
+        steps.append(record)
         epoch_end = None
         if t % per_epoch == 0:
-            epoch_end = split.evaluate(graphdef, epoch, t, *params)
+            epoch_end = split.evaluate(graphdef, epoch, t, *pair.params())
             records.append(epoch_end)
         if callback is not None:
             callback(TrainProgress(step=steps[-1], total_steps=total, epochs=o.epochs, epoch_end=epoch_end))

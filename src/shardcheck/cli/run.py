@@ -110,25 +110,41 @@ def main(args) -> int:
             )
     if args.task is not None:
         return main_task(args, err)
+    try:
+        strategies, on_mesh = _seed_form_setup(args)
+        data, report = _seed_form_run(args, strategies, on_mesh)
+    except (ValueError, TypeError) as e:
+        return _fail(err, str(e))
+    from shardcheck import distributed
+
+    if not distributed.is_main_process():
+        return 0  # every process computed the same report; process 0 alone prints it
+    console = console_for(args)
+    console.print(render_table(report, data))
+    write_json(report_json(report, data), args.json)
+    return 0
+
+
+def _seed_form_setup(args) -> tuple[tuple[str, ...], bool]:
+    """The seed form's flags checked, its shard count and devices set: ``(strategies, on_mesh)``.
+
+    Raises:
+        ValueError: a flag of the task form, a strategy outside the seed form, a bad ``--mesh`` or device count.
+    """
     for flag in ("optimizer", "batch_size"):
         if getattr(args, flag) is not None:
-            return _fail(err, f"shardcheck run: --{flag.replace('_', '-')} applies to a built-in --task only")
+            raise ValueError(f"shardcheck run: --{flag.replace('_', '-')} applies to a built-in --task only")
     if args.lr is None:
         args.lr = 0.1
     from shardcheck import distributed, runner
 
     seed_form = runner.xy_strategies()
     if args.strategy != "all" and args.strategy not in seed_form:
-        return _fail(
-            err,
+        raise ValueError(
             f"shardcheck run: --strategy {args.strategy} needs --task; without it the computations are "
-            f"{', '.join(seed_form)}",
+            f"{', '.join(seed_form)}"
         )
-
-    try:
-        apply_mesh("shardcheck run", args, "shards")
-    except ValueError as e:
-        return _fail(err, str(e))
+    apply_mesh("shardcheck run", args, "shards")
     if args.shards is None and distributed.is_multiprocess():
         import jax
 
@@ -140,50 +156,38 @@ def main(args) -> int:
     try:
         configure_devices(args.devices if args.devices is not None else (args.shards if on_mesh else None))
     except ValueError as e:
-        return _fail(err, f"shardcheck run: {e}")
+        raise ValueError(f"shardcheck run: {e}") from None
+    return strategies, on_mesh
 
-    from shardcheck import datasets
 
-    try:
-        data = datasets.load_dataset(args.dataset, target=args.target)
-    except ValueError as e:
-        return _fail(err, str(e))
+def _seed_form_run(args, strategies, on_mesh):
+    """The data set loaded and :func:`shardcheck.runner.run_strategies` run: ``(data, report)``.
+
+    Raises:
+        ValueError: an unknown data set, too few devices, a shard count that does not divide the rows.
+    """
+    from shardcheck import datasets, runner
+
+    data = datasets.load_dataset(args.dataset, target=args.target)
     mesh = None
     if on_mesh:
         import jax
 
+        from shardcheck.cli._common import mesh_from_args
+
         if len(jax.devices()) < args.shards:
-            return _fail(
-                err,
+            raise ValueError(
                 f"shardcheck run: --shards {args.shards} needs {args.shards} devices for dp/fsdp, but "
-                f"{len(jax.devices())} exist; pass --devices {args.shards} or fewer shards",
+                f"{len(jax.devices())} exist; pass --devices {args.shards} or fewer shards"
             )
-    try:
-        if on_mesh:
-            from shardcheck.cli._common import mesh_from_args
-
-            runner._validate.check_equal_shards(
-                "shardcheck run", data.x.shape[0], args.shards, hint="choose --shards from this list"
-            )
-            mesh = mesh_from_args(args, args.shards)
-        report = runner.run_strategies(
-            data.x,
-            data.y,
-            num_shards=args.shards,
-            lr=args.lr,
-            seed=args.seed,
-            strategies=strategies,
-            mesh=mesh,
+        runner._validate.check_equal_shards(
+            "shardcheck run", data.x.shape[0], args.shards, hint="choose --shards from this list"
         )
-    except (ValueError, TypeError) as e:
-        return _fail(err, str(e))
-
-    if not distributed.is_main_process():
-        return 0  # every process computed the same report; process 0 alone prints it
-    console = console_for(args)
-    console.print(render_table(report, data))
-    write_json(report_json(report, data), args.json)
-    return 0
+        mesh = mesh_from_args(args, args.shards)
+    report = runner.run_strategies(
+        data.x, data.y, num_shards=args.shards, lr=args.lr, seed=args.seed, strategies=strategies, mesh=mesh
+    )
+    return data, report
 
 
 def _task_args(args) -> argparse.Namespace:

@@ -28,11 +28,14 @@ class StepResult:
         loss: the 0-d pre-update loss (``sum of loss sums / sum of weights``).
         grads: the gradients applied, an ``nnx.State`` shaped like the parameters (``None`` when not exposed).
         shard_losses: ``(S,)`` per-shard losses ``loss_sum_s / weight_s`` (``None`` when not exposed).
+        shard_grads: every shard's gradient of its ``loss_sum``, stacked on a leading axis of size S (each leaf
+            ``(S, *shape)``); the simulation's, when asked for (``None`` otherwise).
     """
 
     loss: jax.Array
     grads: PyTree | None = None
     shard_losses: jax.Array | None = None
+    shard_grads: PyTree | None = None
 
 
 @dataclasses.dataclass(frozen=True)

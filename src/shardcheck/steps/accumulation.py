@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._tree import path_str
 from shardcheck.steps._core import Candidate, shard_value_and_grad
 from shardcheck.task import Batch, LossFn, loss_terms, split_batch
 
@@ -122,8 +123,6 @@ def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate
             ("step (NNX micro-steps)", optimizer.step[...], np.uint32(k * completed)),
             ("mini_step", state["mini_step"][...], np.int32(0)),
         ]
-        from shardcheck._tree import path_str
-
         for path, leaf in jax.tree_util.tree_flatten_with_path(state["acc_grads"])[0]:
             checks.append(("acc_grads." + path_str(path), leaf, np.zeros(np.shape(leaf), np.float32)))
         return checks

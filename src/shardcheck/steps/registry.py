@@ -65,10 +65,8 @@ def _mesh_strategy(name: str):
     def build(loss_fn, num_shards, mesh):
         from shardcheck.steps.sharded import mesh_step
 
-        strategy = "dp" if name == "multiprocess" else name
-
         def step(model, optimizer, batch):  # the gradients too: the parity check compares them
-            return mesh_step(strategy, loss_fn, model, optimizer, batch, mesh, with_grads=True)
+            return mesh_step(name, loss_fn, model, optimizer, batch, mesh, with_grads=True)
 
         step.__name__ = name
         return Candidate(name, step, num_shards)

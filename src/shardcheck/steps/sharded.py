@@ -45,12 +45,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardcheck import distributed
+from shardcheck._catalog import STRATEGY_SPECS
+from shardcheck._tree import path_str
 from shardcheck.mesh import batch_axes, fsdp_axis, model_axes
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.steps._core import StepResult, params_value_and_grad
 from shardcheck.task import Batch, LossFn, divide
-
-MESH_STRATEGIES = ("dp", "fsdp", "gspmd")
 
 
 def _entry_axes(entry) -> tuple[str, ...]:
@@ -201,7 +201,7 @@ def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh
     def step(leaves, batch):
         model, optimizer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         params = nnx.state(model, nnx.Param)
-        if strategy == "gspmd":
+        if not STRATEGY_SPECS[strategy].explicit_collectives:  # gspmd: XLA partitions the plain step
             loss, grads = _plain_loss_and_grads(loss_fn, model, batch)
         else:
             loss, grad_leaves = mapped(leaves, batch)
@@ -282,11 +282,11 @@ def state_specs(
 
     def spec_of(path, var):
         shape = tuple(np.shape(var.get_value() if isinstance(var, nnx.Variable) else var))
-        if strategy == "dp":
+        if STRATEGY_SPECS[strategy].placement == "replicated":  # dp, multiprocess
             return PartitionSpec()
         annotated = _annotation(var)
         if annotated is not None:
-            name = ".".join(map(str, path))
+            name = path_str(path)
             return _check_annotation(fn, name, nnx.get_partition_spec(var).get_value(), shape, mesh)
         if not shape:  # a scalar (the optimizer's step counters) stays whole on any mesh
             return PartitionSpec()
