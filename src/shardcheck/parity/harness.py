@@ -1150,8 +1150,9 @@ def check_parity(
         leaf_tolerance: per-leaf ``(rtol, atol)`` for the cases a rule cannot know: a mapping from a leaf name
             (``"param hidden.kernel"``, ``"opt_state 0.mu.bias"``, ``"loss"``; or its path alone) or a callable
             ``name -> (rtol, atol) | None``, called once per leaf name before the run.
-        accept_weak: accept a tolerance too loose to tell the update from a factor-S error (otherwise the
-            verdict is ``CANNOT VERIFY``); user-set ``rtol``/``atol`` count as accepting it.
+        accept_weak: accept a check in which no compared leaf would have shown a gradient off by S or by 1/S
+            (:func:`unresolvable`; otherwise the verdict is ``CANNOT VERIFY``); user-set ``rtol``/``atol`` count
+            as accepting it.
 
     Returns:
         A :class:`~shardcheck.ParityReport`.
@@ -1325,13 +1326,13 @@ def _run_steps(run: _Run, data, tolerances):
     diverged = diverged_at = reference_diverged_at = None
     rechecked = False
     for t, batch in enumerate(data):
-        hidden = not all(scale_shown(records))  # the verdict reads the scale until both factors showed
+        undecided = not all(scale_shown(records))  # the verdict reads the scale until both factors showed
         if diverged_at is None:
             pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
             r_tol, a_tol, _ = tolerances(batch, t)
             recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
             record, finite = _compare_step(
-                run, t, batch, r_tol, a_tol, explain=not recheck, check_scale=hidden
+                run, t, batch, r_tol, a_tol, explain=not recheck, check_scale=undecided
             )
             if not finite:
                 reference_diverged_at = t
@@ -1340,7 +1341,7 @@ def _run_steps(run: _Run, data, tolerances):
                 rechecked = True
                 r0, a0, _ = tolerances(batch, 0)
                 synced, _ = _compare_step(
-                    run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True, check_scale=hidden
+                    run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True, check_scale=undecided
                 )
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
@@ -1360,7 +1361,7 @@ def _run_steps(run: _Run, data, tolerances):
                 a_tol,
                 completed=1,
                 synced=True,
-                check_scale=hidden,
+                check_scale=undecided,
             )
             if not finite:
                 reference_diverged_at = t
