@@ -200,3 +200,39 @@ def test_an_optimizer_stepped_per_micro_batch_is_named(k, report_micro_steps):
     assert "loss_only" not in report.codes
     if not report_micro_steps:
         assert check_parity("accumulation", task, num_shards=k).verdict == "PASS"
+
+
+# --------------------------------------------------------------------------------- the verdict's texts, by hand
+
+
+def _step(t, evidence, *, blind=False, moved=1e-3, ok=True):
+    from shardcheck.parity.diagnosis import LeafError, StepRecord
+
+    leaves = (LeafError(t, "param", "w", 0.0 if ok else 1.0, 0.0, 1e-6, ok, None, moved),)
+    return StepRecord(
+        t, 1e-5, 1e-6, 1.0, 1.0, leaves, t + 1, t + 1, scale_evidence=evidence, scale_blind=blind
+    )
+
+
+def test_the_verdict_names_the_hidden_factor_and_its_cause():
+    from shardcheck.parity.harness import scale_evidence_text, unresolvable
+    from shardcheck.parity.precision import Precision
+
+    policy = Precision.of(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+    shown = [_step(0, ((), ("opt_state 0.mu.w",))), _step(1, (("grad w", "grad b"), ()))]
+    assert unresolvable(shown, 4, policy) is None  # each factor shown by some step
+    assert scale_evidence_text(shown, 4) == (
+        "a gradient x4 would have failed 2 leaf/leaves at step 1 (grad w, grad b); "
+        "a gradient x1/4 would have failed 1 leaf/leaves at step 0 (opt_state 0.mu.w)."
+    )
+    assert unresolvable([_step(0, ((), ()), ok=False)], 4, policy) is None  # a failing run found its error
+    clip = unresolvable([_step(0, ((), ("param w",)), blind=True)], 4, policy)
+    assert clip.startswith("Cannot verify the gradient's scale") and "for the gradient times 4 (" in clip
+    assert "a x4 error (a sum for a mean; a x1/4 one would have failed) would pass" in clip
+    loose = unresolvable([_step(0, ((), ()))], 4, policy)
+    assert loose.startswith("Cannot verify at this precision (params float32, compute float32)")
+    assert (
+        "a x4 or x1/4 error (a sum for a mean, a mean taken twice)" in loose and "accept_weak=True" in loose
+    )
+    still = unresolvable([_step(0, ((), ()), moved=0.0, blind=True)], 4, policy)
+    assert "did not move in any of the 1 steps" in still and "warm-up schedule" in still
