@@ -119,6 +119,54 @@ def test_step_counter():
     assert "step_counter" not in _codes(diagnose(_passing()))
 
 
+def test_an_optimizers_own_counter_ahead_is_named_per_micro_batch():
+    """Gradient accumulation stepping Adam on every micro-batch (k = 2): the reported update count is right, Adam's
+    own count is 2 after one step. Named step_counter per micro-batch where the candidate accumulates k = 2, per
+    step otherwise; a counter off by no whole factor (a mini_step) is not taken for it."""
+    record = _record(
+        bad=("param w", "param b", "opt_state 0.mu.w")
+    )  # no factor: loss_only, but for the count
+    count = LeafError(0, "counter", "0.count", 1.0, 1.0, 0.0, False, 2.0)  # 2 against 1
+    record = dataclasses.replace(record, leaves=(*record.leaves, count))
+    out = diagnose([record], 2, micro_batches=2)
+    d = _one(out, "step_counter")
+    assert (
+        "stepped per micro-batch (k = 2): the counter 0.count of its state is 2 after 1 step(s)" in d.message
+    )
+    assert "optax.MultiSteps(tx, every_k_schedule=k)" in d.message and d.leaf == "counter 0.count"
+    assert not FALLBACKS & set(_codes(out))  # not loss_only
+    assert "loss_only" in _codes(diagnose([dataclasses.replace(record, leaves=record.leaves[:-1])], 2))
+    per_shard = _one(diagnose([record], 2), "step_counter")
+    assert (
+        "stepped 2 times per step: the counter 0.count of its state is 2 after 1 step(s)" in per_shard.message
+    )
+    mini = dataclasses.replace(count, path="mini_step", ratio=None, max_rel_err=float("inf"))
+    other = dataclasses.replace(record, leaves=(*record.leaves[:-1], mini))
+    assert "step_counter" not in _codes(diagnose([other], 2, micro_batches=2))
+    # the reported count k times the steps, under accumulation: per micro-batch too
+    reported = _one(diagnose([_record(0, counter=4)], 4, micro_batches=4), "step_counter")
+    assert "stepped per micro-batch (k = 4): its counter is 4 after 1 step(s)" in reported.message
+
+
+def test_well_resolved_moments_vote_alone():
+    """Under bfloat16 compute a bias's first moment moved by 3.5 times its tolerance and read x4.17 for a sum
+    over 4 shards; the leaves that moved by more than 10 times theirs read x4.00 and name it."""
+    record = _record(bad=("param w", "param b"), ratio=1.0)
+    moments = (
+        LeafError(0, "opt_state", "0.mu.w", 1.0, 3.0, 0.01, False, 4.002, 0.3),  # 30 x its tolerance
+        LeafError(0, "opt_state", "0.mu.k", 1.0, 3.0, 0.01, False, 3.998, 0.5),
+        LeafError(0, "opt_state", "0.mu.b", 1.0, 3.0, 0.01, False, 4.17, 0.035),  # 3.5 x
+    )
+    leaves = [e for e in record.leaves if e.kind != "opt_state" and e.kind != "grad"]
+    record = dataclasses.replace(record, leaves=(*leaves, *moments))
+    d = _one(diagnose([record], 4), "summed")
+    assert "optimizer moments are 4 x the reference's" in d.message
+    blurred = dataclasses.replace(
+        record, leaves=(*leaves, *(dataclasses.replace(e, reference_change=0.05) for e in moments))
+    )
+    assert "summed" not in _codes(diagnose([blurred], 4))  # none well resolved: all vote, and disagree
+
+
 def test_summed():
     out = diagnose([_record(bad=UPDATE, ratio=4.0)], 4)
     d = _one(out, "summed")

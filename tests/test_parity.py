@@ -428,14 +428,33 @@ def test_user_tolerances_override_the_derived_ones():
         check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, rtol=-1.0)
 
 
+def _loss_only(model, optimizer, x, y):
+    """The right single-device step, returning its loss and no gradients."""
+    loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
 def test_a_too_small_update_cannot_be_verified_unless_accepted():
+    """At lr 1e-9 a gradient x2 moves the parameters by 1e-9 |g|, far below their tolerance: a step that returns no
+    gradients cannot be told from a sum for a mean. The simulation returns its gradients, which show it (2 |g|
+    against a tolerance of 1e-5 |g|): PASS, with the weak update noted."""
     model = make_model("linear", 3, 2, seed=1)
     optimizer = nnx.Optimizer(model, optax.sgd(1e-9), wrt=nnx.Param)
-    report = check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2)
+    report = check_parity(_loss_only, model, optimizer, BATCHES[:1], num_shards=2)
     assert not report.ok and report.verdict == "CANNOT VERIFY" and report.codes[0] == "cannot_verify"
-    assert "a x2 or x1/2 error would pass" in report.diagnosis and "accept_weak=True" in report.diagnosis
-    accepted = check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, accept_weak=True)
+    assert "a x2 or x1/2 error (a sum for a mean, a mean taken twice)" in report.diagnosis
+    assert "Cannot verify at this precision" in report.diagnosis and "accept_weak=True" in report.diagnosis
+    assert report.steps[0].scale_evidence == ((), ()) and not report.steps[0].scale_blind
+    accepted = check_parity(_loss_only, model, optimizer, BATCHES[:1], num_shards=2, accept_weak=True)
     assert accepted.ok and accepted.verdict == "PASS" and "weak_check" in accepted.codes
+    shown = check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2)
+    assert shown.verdict == "PASS" and "weak_check" in shown.codes, str(shown)
+    assert shown.steps[0].scale_evidence == (("grad bias", "grad kernel"),) * 2
+    assert (
+        shown.scale_evidence
+        == "a gradient x2 or x1/2 would have failed 2 leaf/leaves at step 0 (grad bias, grad kernel)."
+    )
 
 
 def test_low_precision_parameters_add_their_rounding_and_say_so():

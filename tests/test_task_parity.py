@@ -359,15 +359,31 @@ def llm_optimizer():
     return optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(schedule, weight_decay=0.1))
 
 
+def without_grads(task):
+    """The task's correct single-device step, returning its loss and no gradients."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: shardcheck.task.mean_loss(task.loss_fn, m, batch))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
 @require_devices(2)
 def test_a_warm_up_from_zero_checked_for_one_step_names_the_schedule():
-    """At lr 0 the parameters do not move: checked for its first step only, the verdict names the schedule as the
-    cause and more steps as the fix; checked for two (the second at lr 1.5e-3), the correct step PASSes."""
+    """At lr 0 the parameters do not move and the binding clip keeps the moments blind to the gradient's scale: a
+    step that returns no gradients, checked for its first step only, is CANNOT VERIFY, naming the schedule as
+    the cause and more steps as the fix. The simulation returns its gradients, which show a factor of 2 either
+    way (PASS); checked for two steps (the second at lr 1.5e-3), the correct step PASSes too."""
     task = load_task("digits", optimizer=llm_optimizer(), steps=1)
-    report = check_parity("simulation", task, num_shards=2)
+    report = check_parity(without_grads(task), task, num_shards=2)
     assert report.verdict == "CANNOT VERIFY", str(report)
     assert "did not move in any of the 1 steps" in report.cannot_verify
     assert "warm-up schedule" in report.cannot_verify and "verify --steps" in report.cannot_verify
+    shown = check_parity("simulation", task, num_shards=2)
+    assert shown.verdict == "PASS" and all(n.startswith("grad ") for n in shown.steps[0].scale_evidence[0])
     two = load_task("digits", optimizer=llm_optimizer(), steps=2)
     assert check_parity("simulation", two, num_shards=2).verdict == "PASS"
 
@@ -379,11 +395,15 @@ def test_a_warm_up_from_zero_checked_for_one_step_names_the_schedule():
     [("digits", "simulation"), ("digits", "accumulation")],
 )
 def test_clipping_and_adamw_on_a_schedule_pass_every_strategy(name, strategy):
-    """The clip binds at every step, so only a step whose gradients are compared (the simulation returns them)
-    can show their scale; accumulation's verdict is that, and with the weak check accepted it passes."""
+    """The clip binds at every step, so only a step whose gradients are compared can show their scale: every
+    built-in strategy returns the gradients it applied (accumulation the mean of its micro-gradients) and
+    PASSes, its evidence in the gradients."""
     task = load_task(name, optimizer=llm_optimizer(), steps=3)
-    report = check_parity(strategy, task, num_shards=8, accept_weak=strategy != "simulation")
-    assert report.ok, str(report)
+    report = check_parity(strategy, task, num_shards=8)
+    assert report.ok and report.verdict == "PASS", str(report)
+    assert all(
+        n.startswith("grad ") for n in report.steps[0].scale_evidence[0] + report.steps[0].scale_evidence[1]
+    )
     # the clip is active: the reference's global gradient norm is above 0.1 at step 0
     model = task.new_model()
     grads = nnx.grad(lambda m: shardcheck.task.mean_loss(task.loss_fn, m, task.batches[0]))(model)

@@ -10,7 +10,8 @@ in order, with their codes:
 - :func:`reference_diverged` (``reference_diverged``): the reference went non-finite; no verdict.
 - :func:`wrong_axis_reduction` (``wrong_axis_reduction``): copies differ along some mesh axes only.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
-- :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter is not the step count.
+- :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
+  by a whole factor) is not the step count.
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
   1/S^2, or 1/sqrt(R) for a replica count R (a clipping norm counted once per replica).
 - :func:`replicated_reduced` (``replicated_reduced``): only some leaves (the replicated ones) are x R.
@@ -47,6 +48,8 @@ from shardcheck.parity.topology import (
 KINDS = ("loss", "grad", "param", "opt_state", "counter")
 # Two update ratios "agree" when within 2% of each other.
 RATIO_RTOL = 0.02
+# Update ratios are read from the leaves that moved by more than this many times their tolerance, where some did.
+SHARP = 10.0
 # An active clip scaled by a norm sqrt(R) too large is exactly 1/sqrt(R): named only within 0.1% (a factor 0.7
 # that is a user's own constant is not 1/sqrt(2) = 0.7071).
 CLIP_RTOL = 1e-3
@@ -135,11 +138,18 @@ class StepRecord:
             their gradients and optimizer state are still compared at the usual tolerance.
         replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
             (:func:`shardcheck.parity.topology.mismatch_axes`): the axes a reduction missed.
-        scale_hidden: no gradient was compared and the reference's optimizer, run from this step's pre-step
-            state on the gradient times S and times 1/S, moves no parameter or optimizer-state leaf by more than
-            its tolerance: this step cannot show a gradient off by the shard count (global-norm clipping that
-            binds rescales it away). Checked only while every earlier step hid the scale (the verdict needs one
-            step that shows it): ``False`` after such a step.
+        scale_hidden: this step cannot show a gradient off by the shard count, one way or both: for the
+            gradient times S, or times 1/S, no compared leaf of ``scale_evidence`` would leave its tolerance
+            (global-norm clipping that binds rescales it away; an update below its tolerance). ``False`` where
+            not checked.
+        scale_evidence: ``(leaves that a gradient times S would have failed, leaves that one times 1/S would
+            have failed)``, by ``LeafError.name``, from this step's pre-step state: the compared gradients
+            (``|c - 1| |g|`` beyond their tolerance) and, where they show nothing, the parameters and optimizer
+            state after the reference's optimizer rerun on ``c g``. ``None`` where not checked: the harness asks
+            only while the earlier steps have not shown both factors (the verdict needs each shown once).
+        scale_blind: some factor showed in no leaf and moved none by more than 1% of its reference change
+            times ``|1 - c|``: the optimizer rescales the gradient away (global-norm clipping that binds), rather
+            than moving the leaves by less than their tolerance.
     """
 
     step: int
@@ -156,6 +166,8 @@ class StepRecord:
     unresolved: tuple[str, ...] = ()
     replica_axes: tuple[str, ...] = ()
     scale_hidden: bool = False
+    scale_evidence: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    scale_blind: bool = False
 
     @property
     def ok(self) -> bool:
@@ -205,6 +217,26 @@ def _within_tolerance_of_zero(e: LeafError) -> bool:
     return e.max_abs_err / e.max_rel_err <= e.tolerance
 
 
+def _ahead(e: LeafError) -> bool:
+    """Whether a failing counter runs ahead of the reference's by a whole factor k >= 2 (``ratio``: candidate /
+    reference)."""
+    return e.ratio is not None and e.ratio >= 2 and abs(e.ratio - round(e.ratio)) < 1e-9
+
+
+def _counts(ctx: DiagnosisContext, fail: LeafError) -> tuple[int, int]:
+    """``(reference's, candidate's)`` value of the failing counter ``fail`` (the step counter: the record's
+    ``step_count`` and ``candidate_step_count``; another: read back from its error and ratio)."""
+    if fail.path == "step":
+        rec = ctx.records[fail.step]
+        return rec.step_count, rec.candidate_step_count
+    expected = round(fail.max_abs_err / (fail.ratio - 1))
+    return expected, round(expected * fail.ratio)
+
+
+def _counter_phrase(fail: LeafError) -> str:
+    return "its counter" if fail.path == "step" else f"the counter {fail.path} of its state"
+
+
 def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     """The factor by which the candidate's gradient differs from the reference's at this step, and the evidence.
 
@@ -229,17 +261,29 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     f = _consensus([e.ratio for e in failing or grads])
     if f is not None:
         return f, "gradients"
-    first = [e.ratio for e in leaves if e.kind == "opt_state" and ".nu." not in f".{e.path}."]
-    second = [e.ratio for e in leaves if e.kind == "opt_state" and ".nu." in f".{e.path}."]
+    # a ratio's uncertainty is about tolerance / change: where some leaves moved by more than SHARP times their
+    # tolerance, they alone vote (under bfloat16 compute a bias's first moment moved by 3.5 times its tolerance
+    # and its ratio by 4% of a sum's x4, past RATIO_RTOL, while the well-resolved leaves agreed to 1%)
+    state = _sharp([e for e in leaves if e.kind == "opt_state"])
+    first = [e.ratio for e in state if ".nu." not in f".{e.path}."]
+    second = [e.ratio for e in state if ".nu." in f".{e.path}."]
     second = [math.sqrt(r) for r in second if r is not None and r > 0]
     moments = [r for r in first if r is not None] + second
     if moments:
         f = _consensus(moments)
         if f is not None:
-            return f, "optimizer moments" if second else "momentum trace"
+            adam = any(m in f".{e.path}." for e in state for m in (".mu.", ".nu."))
+            return f, "optimizer moments" if second or adam else "momentum trace"
         return None, ""
-    f = _consensus([e.ratio for e in leaves if e.kind == "param"])
+    f = _consensus([e.ratio for e in _sharp([e for e in leaves if e.kind == "param"])])
     return (f, "parameter updates") if f is not None else (None, "")
+
+
+def _sharp(leaves: list[LeafError]) -> list[LeafError]:
+    """The leaves whose reference change exceeds :data:`SHARP` times their tolerance, or all of them when none
+    does."""
+    sharp = [e for e in leaves if e.reference_change is not None and e.reference_change > SHARP * e.tolerance]
+    return sharp or leaves
 
 
 def _name_factor(
@@ -301,9 +345,13 @@ class DiagnosisContext:
         factor: the gradient factor at ``first`` when update leaves (not only the loss or counters) fail and it
             is a constant other than 1, else ``None``.
         evidence: what ``factor`` was read from (``"gradients"``, ``"optimizer moments"``, ...), else ``""``.
-        counter_fail: the first failing optimizer step counter leaf (path ``"step"``) over all records.
+        counter_fail: the first failing optimizer step counter leaf (path ``"step"``) over all records; else the
+            first failing counter of the optimizer's own state (Adam's ``count``, a schedule's step) that runs
+            ahead of the reference's by a whole factor (:func:`_ahead`).
         reproduced: the :data:`NAMED_REDUCTIONS` that ``first``'s update reproduces.
         mesh_shape: the candidate's mesh, ``{axis: size}``, when known.
+        micro_batches: k, the micro-batches of a candidate that accumulates gradients (one with its own
+            optimizer, ``Candidate.make_optimizer``), else ``None``.
     """
 
     records: tuple[StepRecord, ...]
@@ -318,6 +366,7 @@ class DiagnosisContext:
     counter_fail: LeafError | None
     reproduced: tuple[str, ...]
     mesh_shape: dict[str, int] | None = None
+    micro_batches: int | None = None
 
     @classmethod
     def build(
@@ -327,6 +376,7 @@ class DiagnosisContext:
         diverged: StepRecord | None = None,
         reference_diverged_at: int | None = None,
         mesh_shape: dict[str, int] | None = None,
+        micro_batches: int | None = None,
     ) -> DiagnosisContext:
         records = tuple(records)
         failing = tuple(r for r in records if not r.ok)
@@ -340,9 +390,9 @@ class DiagnosisContext:
             f, ev = _gradient_factor(first)
             if f is not None and not _close(f, 1.0):
                 factor, evidence = f, ev
-        leaves = (e for r in records for e in r.leaves)
-        counter_fail = next(
-            (e for e in leaves if e.kind == "counter" and e.path == "step" and not e.ok), None
+        counters = [e for r in records for e in r.leaves if e.kind == "counter" and not e.ok]
+        counter_fail = next((e for e in counters if e.path == "step"), None) or next(
+            (e for e in counters if _ahead(e)), None
         )
         matches = () if first is None else first.matches
         reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
@@ -358,7 +408,7 @@ class DiagnosisContext:
 
         return cls(
             records, num_shards, diverged, reference_diverged_at, failing, first, bad, factor, evidence,
-            counter_fail, reproduced, mesh_shape,
+            counter_fail, reproduced, mesh_shape, micro_batches,
         )  # fmt: skip
 
     @property
@@ -489,8 +539,7 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
     fail = ctx.counter_fail
     if fail is None:
         return None
-    rec = ctx.records[fail.step]
-    expected, got = rec.step_count, rec.candidate_step_count
+    expected, got = _counts(ctx, fail)
     if got == 0:
         return Diagnosis(
             "never_stepped",
@@ -499,18 +548,31 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
             "docs/reduction_cases.md C8).",
             fail.name,
         )
+    if expected and got % expected == 0 and got // expected == ctx.micro_batches:
+        k = got // expected
+        return Diagnosis(
+            "step_counter",
+            f"The optimizer was stepped per micro-batch (k = {k}): {_counter_phrase(fail)} is {got} after "
+            f"{expected} step(s), {k} times the reference's (the inner optimizer updated on every micro-batch, as "
+            "optax.chain(tx, optax.apply_every(k)) does: its moments, count and schedule advance k times per "
+            "step). Accumulate the gradients and apply tx once per batch: optax.MultiSteps(tx, "
+            "every_k_schedule=k).",
+            fail.name,
+        )
     if expected and got % expected == 0:
         k = got // expected
         shards = f" (S={ctx.num_shards})" if k == ctx.num_shards else ""
         return Diagnosis(
             "step_counter",
-            f"The optimizer was stepped {k} times per step: its counter is {got} after {expected} step(s) "
+            f"The optimizer was stepped {k} times per step: {_counter_phrase(fail)} is {got} after {expected} "
+            "step(s) "
             f"(optimizer.update called once per shard{shards} instead of once after the reduction).",
             fail.name,
         )
     return Diagnosis(
         "step_counter",
-        f"The optimizer step counter is {got} after {expected} step(s); it must equal the number of steps.",
+        f"The optimizer's {'step counter' if fail.path == 'step' else f'counter {fail.path}'} is {got} after "
+        f"{expected} step(s); it must equal the number of steps.",
         fail.name,
     )
 
@@ -788,6 +850,7 @@ def diagnose(
     diverged: StepRecord | None = None,
     reference_diverged_at: int | None = None,
     mesh_shape: dict[str, int] | None = None,
+    micro_batches: int | None = None,
 ) -> list[Diagnosis]:
     """Explain a comparison: the findings of :class:`ParityReport`, most important first.
 
@@ -800,7 +863,8 @@ def diagnose(
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
-      times per step).
+      times per step); also the optimizer's own counter running a whole factor ahead, named "per micro-batch
+      (k = ...)" when that factor is ``micro_batches`` (a gradient accumulation's k).
     - ``summed`` / ``averaged_twice``: a gradient factor of S (S^2) or 1/S (1/S^2) at the first failing step,
       read from the gradients, moments or updates; ``clip_norm``: a factor 1/sqrt(R), R a replica count.
     - ``replicated_reduced``: some leaves' factor is a replica count R while every other leaf matches.
@@ -818,7 +882,9 @@ def diagnose(
     - ``rounding_level``: informational, param leaves whose gradient is at rounding level (``unresolved``);
       it does not make a passing report fail.
     """
-    ctx = DiagnosisContext.build(records, num_shards, diverged, reference_diverged_at, mesh_shape)
+    ctx = DiagnosisContext.build(
+        records, num_shards, diverged, reference_diverged_at, mesh_shape, micro_batches
+    )
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
     if not ctx.failing:
         found.sort(key=lambda d: d.code not in VERDICTS)

@@ -374,7 +374,7 @@ class _Bounds:
     ``grad``: the compute-rounding allowance of each gradient element (``{}`` at float32); ``update`` and
     ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance;
     ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's gradient, by path and as its tree
-    (``grad_tree``, for :func:`_scale_hidden`).
+    (``grad_tree``, for :func:`_scale_evidence`).
     """
 
     grad: dict
@@ -709,8 +709,9 @@ def _compare_step(
     ``completed``: the candidate's full steps after this one (for ``extra_checks``; default ``t + 1``; 1 for a
     candidate started from the reference's state). ``explain``: on failure, look for the faulty reduction the
     candidate reproduces (:func:`_explained`; the step loop defers it where a re-check may clear the failure).
-    ``check_scale``: whether to look for a hidden gradient scale (:func:`_scale_hidden`; the step loop stops once
-    a step has shown the scale, which the verdict needs only once).
+    ``check_scale``: whether to ask which compared leaves would show a gradient off by S or 1/S
+    (:func:`_scale_evidence`; the step loop stops once the steps have shown both, which the verdict needs only
+    once).
     """
     view = run.cand.view_optimizer or _default_view
     ref_params0 = device_snapshot(nnx.state(run.ref_model, nnx.Param))
@@ -733,17 +734,8 @@ def _compare_step(
         drift += loss_compute_allowance(run.precision, ref_loss_f, run.task.terms(batch))
         r_tol, a_tol = run.tol("loss", "loss", rtol, atol)
         leaves.append(leaf_error(t, "loss", "loss", ref_loss_f, cand_loss_f, r_tol, a_tol, allowance=drift))
-    if ref_grads is not None and cand_grads is not None:
-        rg, cg = flatten_state(ref_grads), flatten_state(cand_grads)
-        for path, ref_leaf in rg.items():
-            if path in cg:
-                allowance = None if bounds is None else bounds.grad.get(path)
-                r_tol, a_tol = run.tol("grad", path, rtol, atol)
-                leaves.append(
-                    LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance)
-                )
-            else:
-                leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
+    grad_leaves, compared_grads = _grad_inputs(run, t, ref_grads, cand_grads, bounds, rtol, atol)
+    leaves += grad_leaves
     after = _After.of(run)
     cand_count = after.cand_count
     params, mismatches, unresolved = _compare_params(
@@ -757,6 +749,9 @@ def _compare_step(
     leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
     leaves.append(counter_error(t, "step", ref_count, cand_count))
     leaves += _extra_checks(run, t, t + 1 if completed is None else completed, rtol, atol)
+    evidence, blind = None, False
+    if check_scale:
+        evidence, blind = _scale_evidence(run, pre, batch, rtol, atol, bounds, after, compared_grads, leaves)
     record = StepRecord(
         step=t,
         rtol=rtol,
@@ -769,13 +764,32 @@ def _compare_step(
         replica_mismatches=tuple(mismatches + opt_mismatches),
         synchronized=synced,
         unresolved=tuple(unresolved),
-        scale_hidden=check_scale and _scale_hidden(run, pre, leaves, bounds),
+        scale_hidden=evidence is not None and not all(evidence),
+        scale_evidence=evidence,
+        scale_blind=blind,
     )
     if not record.ok:
         record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches))
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol)
     return record, _reference_finite(record, after)
+
+
+def _grad_inputs(run: _Run, t, ref_grads, cand_grads, bounds, rtol, atol) -> tuple[list, dict]:
+    """The gradient leaves to compare (``LeafInput``; a missing one fails) and the compared reference
+    gradients, ``{path: leaf}`` (float leaves); both empty unless both sides returned gradients."""
+    if ref_grads is None or cand_grads is None:
+        return [], {}
+    rg, cg = flatten_state(ref_grads), flatten_state(cand_grads)
+    leaves = []
+    for path, ref_leaf in rg.items():
+        if path in cg:
+            allowance = None if bounds is None else bounds.grad.get(path)
+            r_tol, a_tol = run.tol("grad", path, rtol, atol)
+            leaves.append(LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance))
+        else:
+            leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
+    return leaves, {p: v for p, v in rg.items() if p in cg and not is_int(v)}
 
 
 def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> StepRecord:
@@ -793,13 +807,88 @@ def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) 
     return dataclasses.replace(record, matches=matches)
 
 
-def _scale_hidden(run: _Run, pre: _PreStep, leaves, bounds) -> bool:
-    """Whether the step compared no gradient and a gradient off by the shard count (either way) moves no
-    parameter or optimizer-state leaf beyond its tolerance: the reference's optimizer rerun from ``pre`` on
-    ``S g`` and ``g / S`` (``propagation.scale_change``; S = 2 for a candidate without a shard count)."""
-    if bounds is None or any(e.kind == "grad" for e in leaves):
-        return False
-    return _blind_to_scale(run, pre, bounds.grad_tree, leaves)
+# The optimizer is blind to the gradient's scale (global-norm clipping that binds) where a gradient off by a factor
+# c moves no leaf by more than this share of |1 - c| times the reference's own change of it (SGD: all of it).
+BLIND_RESPONSE = 0.01
+
+
+def scale_factors(num_shards: int | None) -> tuple[float, float]:
+    """``(S, 1 / S)``: the gradient factors of a sum for a mean and of a mean taken twice (S = 2 when unknown)."""
+    s = float(num_shards) if num_shards and num_shards > 1 else 2.0
+    return s, 1.0 / s
+
+
+def _grad_evidence(run: _Run, grads: dict, bounds, rtol, atol, factor: float) -> list[str]:
+    """The compared gradient leaves (``grads``: ``{path: reference gradient}``) that ``factor`` times the
+    reference's gradient would leave: ``|factor - 1| |g|`` beyond the leaf's tolerance (and its compute
+    allowance) in some element. No rerun: the scaled gradient is known."""
+    if not grads:
+        return []
+    tols = {p: run.tol("grad", p, rtol, atol) for p in grads}
+    allowances = {} if bounds is None else {p: bounds.grad[p] for p in grads if p in bounds.grad}
+    hit = compare.exceeds(grads, grads, tols, allowances, scale=factor - 1.0)
+    return [f"grad {p}" for p in grads if hit[p]]
+
+
+def _rerun_evidence(run: _Run, pre: _PreStep, tree, rtol, atol, after: _After, factor: float, changes):
+    """The compared parameter and float optimizer-state leaves that the reference's optimizer, rerun from
+    ``pre`` on ``factor`` times its gradient ``tree`` (``propagation.scale_change``), would move beyond their
+    tolerance and accumulated allowance, by name; each leaf's largest change goes into ``changes`` (``{name: max
+    |change|}``, for the blindness test of :func:`_scale_evidence`)."""
+    update, state = scale_change(run.ref_opt.tx, tree, pre.opt_state, pre.params, factor)
+    params = {
+        p: v for p, v in flatten_state(update).items() if p in after.ref_params and p in after.cand_params
+    }
+    state = {
+        p: v
+        for p, v in flatten_state(state).items()
+        if p in after.ref_state and p in after.cand_state and not is_int(after.ref_state[p])
+    }
+    found = []
+    for kind, moved, refs, allowance, k in (
+        ("param", params, after.ref_params, run.allowance, 1.0),
+        ("opt_state", state, after.ref_state, run.state_allowance, MOMENT_FACTOR),
+    ):
+        tols = {p: run.tol(kind, p, k * rtol, k * atol) for p in moved}
+        hit = compare.exceeds(moved, refs, tols, {p: allowance[p] for p in moved if p in allowance})
+        found += [f"{kind} {p}" for p in moved if hit[p]]
+        changes.update({f"{kind} {p}": v for p, v in compare.max_abs(moved).items()})
+    return found
+
+
+def _scale_evidence(run: _Run, pre: _PreStep, batch, rtol, atol, bounds, after: _After, grads: dict, leaves):
+    """Which compared leaves would have told the step apart from one whose gradient is off by S, and from one off
+    by 1/S: ``((leaves for S, leaves for 1/S), blind)``.
+
+    The hypothesis itself, from this step's pre-step state ``pre``: the compared gradient leaves ``grads`` show a
+    factor c where ``|c - 1| |g|`` exceeds their tolerance (:func:`_grad_evidence`); when they do not show it, the
+    reference's optimizer is rerun on ``c g`` (:func:`_rerun_evidence`). ``blind``: some factor showed in no leaf
+    and moved none by more than :data:`BLIND_RESPONSE` of ``|1 - c|`` times its reference change (the optimizer
+    rescales the gradient away: global-norm clipping that binds), rather than by less than its tolerance.
+    """
+    shown, blind = [], False
+    tree = None
+    change = {e.name: e.reference_change for e in leaves if e.reference_change is not None}
+    for factor in scale_factors(run.cand.num_shards):
+        found = _grad_evidence(run, grads, bounds, rtol, atol, factor)
+        if not found:
+            if tree is None:
+                tree = (
+                    bounds.grad_tree if bounds is not None else _reference_grads(run.task.loss_fn, pre, batch)
+                )
+            moved: dict[str, float] = {}
+            found = _rerun_evidence(run, pre, nnx.as_pure(tree), rtol, atol, after, factor, moved)
+            limit = BLIND_RESPONSE * abs(1.0 - factor)
+            blind |= not found and all(m <= limit * change.get(n, 0.0) for n, m in moved.items())
+        shown.append(tuple(found))
+    return (shown[0], shown[1]), blind
+
+
+def scale_shown(records) -> tuple[bool, bool]:
+    """Whether some step's compared leaves would have shown a gradient off by S, and one off by 1/S
+    (``StepRecord.scale_evidence``)."""
+    checked = [r.scale_evidence for r in records if r.scale_evidence is not None]
+    return any(e[0] for e in checked), any(e[1] for e in checked)
 
 
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
@@ -1062,8 +1151,9 @@ def check_parity(
         leaf_tolerance: per-leaf ``(rtol, atol)`` for the cases a rule cannot know: a mapping from a leaf name
             (``"param hidden.kernel"``, ``"opt_state 0.mu.bias"``, ``"loss"``; or its path alone) or a callable
             ``name -> (rtol, atol) | None``, called once per leaf name before the run.
-        accept_weak: accept a tolerance too loose to tell the update from a factor-S error (otherwise the
-            verdict is ``CANNOT VERIFY``); user-set ``rtol``/``atol`` count as accepting it.
+        accept_weak: accept a check in which no compared leaf would have shown a gradient off by S or by 1/S
+            (:func:`unresolvable`; otherwise the verdict is ``CANNOT VERIFY``); user-set ``rtol``/``atol`` count
+            as accepting it.
 
     Returns:
         A :class:`~shardcheck.ParityReport`.
@@ -1120,6 +1210,7 @@ def check_parity(
         diverged=diverged,
         reference_diverged_at=reference_diverged_at,
         mesh_shape=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
+        micro_batches=run.cand.num_shards if run.cand.make_optimizer is not None else None,
     )
     if weak is not None:
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]
@@ -1133,6 +1224,7 @@ def check_parity(
         steps=tuple(records),
         diagnoses=tuple(findings),
         cannot_verify=weak,
+        scale_evidence=scale_evidence_text(records, run.cand.num_shards),
         num_shards=run.cand.num_shards,
         tolerance_rule=rule,
         diverged_at=diverged_at,
@@ -1159,62 +1251,74 @@ def _precision_rule(precision: Precision) -> str:
     return "; " + "; ".join(parts) + "; propagated through the optimizer into params and state"
 
 
-def _visible(record: StepRecord, s: int) -> tuple[int, int]:
-    """``(leaves whose (1 - 1/S) * reference change exceeds their tolerance, leaves compared)`` of one step."""
-    unresolved = set(record.unresolved)
-    leaves = [
-        e
-        for e in record.leaves
-        if e.kind in ("param", "opt_state") and e.reference_change is not None and e.name not in unresolved
-    ]
-    return sum((1 - 1 / s) * e.reference_change > e.tolerance for e in leaves), len(leaves)
-
-
 def unresolvable(records, num_shards: int | None, precision: Precision) -> str | None:
-    """Why no step can tell the step's update from a factor-S (or 1/S) error, or ``None`` (asked unless the user
-    accepted a weak check or set the tolerance).
+    """Why the steps cannot tell the step from one whose gradient is off by S (a sum for a mean) or by 1/S (a
+    mean taken twice), or ``None`` (asked unless the user accepted a weak check or set the tolerance).
 
-    First the optimizer: when in every step no gradient was compared and the reference's optimizer gives the same
-    update and state, within their tolerance, for the gradient times S and times 1/S (``StepRecord.scale_hidden``:
-    global-norm clipping that binds), no tolerance could show the error. Then the tolerance:
-
-    A factor-S error in the gradient moves a leaf's change by at least ``(1 - 1/S)`` of the reference's change
-    (``S = 2`` when unknown). A step can see it in a parameter or optimizer-state leaf whose
-    ``(1 - 1/S) * reference_change`` exceeds its tolerance; when in every step fewer than half of the compared
-    leaves can (and none failed), the verdict is ``CANNOT VERIFY``. A step with a zero learning rate (the first
-    step of a warm-up) sees nothing; a later one does.
+    Decided by the hypothesis itself (``StepRecord.scale_evidence``): from each step's pre-step state, would the
+    compared leaves (the gradients when returned; else the parameters and optimizer state after the reference's
+    optimizer rerun on ``S g`` and ``g / S``) have told each factor apart within their tolerances? A factor that
+    no step shows makes the verdict ``CANNOT VERIFY``, its text the cause: the parameters never moved (a learning
+    rate of 0, the first step of a warm-up), an optimizer blind to the scale (``StepRecord.scale_blind``:
+    global-norm clipping that binds), or tolerances too wide for the updates (precision, a tiny learning rate).
+    Only for passing runs: a failing one has found its error.
     """
-    s = num_shards if num_shards and num_shards > 1 else 2
     if not records or not all(r.ok for r in records):
         return None
-    if all(r.scale_hidden for r in records):
-        return (
-            f"Cannot verify the gradient's scale: in every step the optimizer's update and state come out the "
-            f"same, within their tolerance, for the gradient times {s} or times 1/{s} (global-norm clipping that "
-            "binds rescales the gradient), and the step returned no gradients to compare, so a sum for a mean or "
-            "a mean taken twice would pass. Return the gradients from the step ({'loss': loss, 'grads': grads}), or "
-            "check with a "
-            "clipping norm above the gradients' norm; pass accept_weak=True (verify --accept-weak) to accept the "
-            "weak check."
-        )
-    counts = [_visible(r, s) for r in records]
-    if not counts[0][1] or any(2 * seen >= total for seen, total in counts):
+    shown = scale_shown(records)
+    if all(shown):
         return None
-    seen, total = max(counts)
+    s = int(scale_factors(num_shards)[0])
+    times, which = {
+        (False, False): (
+            f"times {s} or times 1/{s}",
+            f"a x{s} or x1/{s} error (a sum for a mean, a mean taken twice)",
+        ),
+        (True, False): (f"times 1/{s}", f"a x1/{s} error (a mean taken twice; a x{s} one would have failed)"),
+        (False, True): (f"times {s}", f"a x{s} error (a sum for a mean; a x1/{s} one would have failed)"),
+    }[shown]
+    accept = "pass accept_weak=True (verify --accept-weak) to accept the weak check."
     params = [e for r in records for e in r.leaves if e.kind == "param" and e.reference_change is not None]
     if params and all(e.reference_change == 0 for e in params):
         return (
             f"Cannot verify: the reference's parameters did not move in any of the {len(records)} steps checked "
-            "(a learning rate of 0, as at the first step of a warm-up schedule), so a wrong gradient would pass. "
-            "Check more steps (steps=, verify --steps), past the schedule's first; pass accept_weak=True (verify "
-            "--accept-weak) to accept the weak check."
+            f"(a learning rate of 0, as at the first step of a warm-up schedule), and no compared leaf would show "
+            f"{which}, so a wrong gradient would pass. Check more steps (steps=, verify --steps), past the "
+            f"schedule's first, or return the gradients from the step; {accept}"
+        )
+    checked = [r for r in records if r.scale_evidence is not None]
+    if all(r.scale_blind for r in checked):
+        return (
+            f"Cannot verify the gradient's scale: in every step the optimizer's update and state come out the "
+            f"same, within their tolerance, for the gradient {times} (global-norm clipping that binds rescales "
+            f"the gradient), and no gradient was compared that shows it, so {which} would pass. "
+            "Return the gradients from the step ({'loss': loss, 'grads': grads}), or check with a clipping norm "
+            f"above the gradients' norm; {accept}"
         )
     return (
-        f"Cannot verify at this precision ({precision.describe()}): in every step at most {seen} of {total} "
-        f"parameter and optimizer-state leaves change by more than their tolerance could hide, so a x{s} or x1/{s} "
-        "error would pass. Check the gradients (return them from the step), run the check in float32, or raise "
-        "the learning rate; pass accept_weak=True (verify --accept-weak) to accept the weak check."
+        f"Cannot verify at this precision ({precision.describe()}): in no step would {which} move a compared "
+        "leaf (parameters, optimizer state) beyond its tolerance, so such an error would pass. Return the "
+        "gradients from the step ({'loss': loss, 'grads': grads}), run the check in float32, or raise the "
+        f"learning rate; {accept}"
     )
+
+
+def scale_evidence_text(records, num_shards: int | None) -> str | None:
+    """Which leaves carried the evidence that the step's gradient is not off by S or 1/S: the first step that
+    showed each factor and its leaves (``StepRecord.scale_evidence``), or ``None`` when none did."""
+    s = int(scale_factors(num_shards)[0])
+    found = {}  # (step, leaves): the factors they showed
+    for i, label in enumerate((f"x{s}", f"x1/{s}")):
+        record = next((r for r in records if r.scale_evidence is not None and r.scale_evidence[i]), None)
+        if record is not None:
+            found.setdefault((record.step, record.scale_evidence[i]), []).append(label)
+    parts = []
+    for (step, names), labels in found.items():
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(
+            f"a gradient {' or '.join(labels)} would have failed {len(names)} leaf/leaves at step {step} ({listed})"
+        )
+    return None if not parts else "; ".join(parts) + "."
 
 
 def _run_steps(run: _Run, data, tolerances):
@@ -1223,15 +1327,13 @@ def _run_steps(run: _Run, data, tolerances):
     diverged = diverged_at = reference_diverged_at = None
     rechecked = False
     for t, batch in enumerate(data):
-        hidden = all(
-            r.scale_hidden for r in records
-        )  # the verdict reads the scale only while every step hid it
+        undecided = not all(scale_shown(records))  # the verdict reads the scale until both factors showed
         if diverged_at is None:
             pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
             r_tol, a_tol, _ = tolerances(batch, t)
             recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
             record, finite = _compare_step(
-                run, t, batch, r_tol, a_tol, explain=not recheck, check_scale=hidden
+                run, t, batch, r_tol, a_tol, explain=not recheck, check_scale=undecided
             )
             if not finite:
                 reference_diverged_at = t
@@ -1240,7 +1342,7 @@ def _run_steps(run: _Run, data, tolerances):
                 rechecked = True
                 r0, a0, _ = tolerances(batch, 0)
                 synced, _ = _compare_step(
-                    run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True, check_scale=hidden
+                    run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True, check_scale=undecided
                 )
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
@@ -1260,7 +1362,7 @@ def _run_steps(run: _Run, data, tolerances):
                 a_tol,
                 completed=1,
                 synced=True,
-                check_scale=hidden,
+                check_scale=undecided,
             )
             if not finite:
                 reference_diverged_at = t

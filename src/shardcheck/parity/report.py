@@ -24,8 +24,10 @@ class ParityReport:
         diverged: the trajectory :class:`StepRecord` that failed at ``diverged_at`` (kept for the report).
         reference_diverged_at: the step at which the reference's loss or state became non-finite; the comparison
             stopped there (``reference_diverged``; ``steps`` holds the steps before it). ``None`` otherwise.
-        cannot_verify: why the tolerance is too loose to tell the update from a factor-S error (verdict
-            ``CANNOT VERIFY``, not ok), or ``None`` (also when the caller accepted a weak check).
+        cannot_verify: why no compared leaf could tell the step from one whose gradient is off by S or 1/S
+            (verdict ``CANNOT VERIFY``, not ok), or ``None`` (also when the caller accepted a weak check).
+        scale_evidence: which leaves carried the evidence against a gradient off by S and by 1/S (the first step
+            that showed each and its leaves: ``StepRecord.scale_evidence``), or ``None`` when none did.
     """
 
     strategy: str
@@ -38,6 +40,7 @@ class ParityReport:
     diverged: StepRecord | None = None
     reference_diverged_at: int | None = None
     cannot_verify: str | None = None
+    scale_evidence: str | None = None
 
     @property
     def step_ok(self) -> bool:
@@ -105,7 +108,8 @@ class ParityReport:
 
     def to_dict(self) -> dict:
         """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
-        ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``.
+        ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
+        ``cannot_verify``, ``scale_evidence``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -116,6 +120,7 @@ class ParityReport:
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
             "cannot_verify": self.cannot_verify,
+            "scale_evidence": self.scale_evidence,
             "worst_leaf": self.worst_leaf,
             "worst_step": None if worst is None else worst.step,
             "max_abs_err": self.max_abs_err,
@@ -173,6 +178,8 @@ class ParityReport:
             )
         for d in self.diagnoses:
             lines.append(f"  [{d.code}] {d.message}")
+        if self.scale_evidence and all(r.ok for r in self.steps):  # a failing run has found its error
+            lines.append(f"  evidence: {self.scale_evidence}")
         if self.tolerance_rule:
             lines.append(f"  tolerance: {self.tolerance_rule}")
         return "\n".join(lines)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._tree import path_str
-from shardcheck.steps._core import Candidate, shard_value_and_grad
+from shardcheck.steps._core import Candidate, StepResult, shard_value_and_grad
 from shardcheck.task import Batch, LossFn, loss_terms, split_batch
 
 
@@ -61,19 +61,32 @@ def _accumulated_jit(loss_fn, k, graphdef, state, batch):
     total_weight = k if weights is None else jnp.sum(weights)
     scale = k / total_weight
 
-    def micro_step(state, micro_batch):
+    def micro_step(carry, micro_batch):
+        state, acc = carry
         model, optimizer = nnx.merge(graphdef, state)
         total, weight, grads = shard_value_and_grad(loss_fn, model, micro_batch)
-        optimizer.update(model, jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads))
-        return nnx.state((model, optimizer)), total
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        optimizer.update(model, grads)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return (nnx.state((model, optimizer)), acc), total
 
-    state, totals = jax.lax.scan(micro_step, state, micro)
-    return jnp.sum(totals) / total_weight, state
+    params = nnx.state(model, nnx.Param)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (state, acc), totals = jax.lax.scan(micro_step, (state, zeros), micro)
+    # the mean of the k micro-gradients, which MultiSteps applies: the full batch's gradient
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    return jnp.sum(totals) / total_weight, grads, state
 
 
 def accumulated_step(
-    loss_fn: LossFn, num_micro_batches: int, model: nnx.Module, optimizer: nnx.Optimizer, batch: Batch
-) -> jax.Array:
+    loss_fn: LossFn,
+    num_micro_batches: int,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    batch: Batch,
+    *,
+    with_grads: bool = False,
+) -> jax.Array | StepResult:
     """One full step of a task as ``num_micro_batches`` accumulated micro-steps, in place.
 
     Args:
@@ -82,15 +95,20 @@ def accumulated_step(
         model: updated in place (once, at the k-th micro-step).
         optimizer: from :func:`make_accumulation_optimizer` with the same k, at the start of a cycle.
         batch: a batch pytree of leading size B.
+        with_grads: also return the gradient the step applied.
 
     Returns:
         The 0-d pre-update loss ``sum_i loss_sum_i / sum_i weight_i`` (every micro-batch is measured at the same
-        parameters).
+        parameters); with ``with_grads``, a :class:`~shardcheck.steps.StepResult` holding it and ``grads``, the
+        mean of the k scaled micro-gradients that ``optax.MultiSteps`` averages and applies (``sum_i grad
+        loss_sum_i / W``, summed in float32, in the parameters' dtypes and tree): the full batch's gradient,
+        which the parity check compares like the other strategies' reduced gradients (an optimizer blind to the
+        gradient's scale, such as a clip that binds, hides it in the update).
     """
     graphdef, state = nnx.split((model, optimizer))
-    loss, state = _accumulated_jit(loss_fn, num_micro_batches, graphdef, state, batch)
+    loss, grads, state = _accumulated_jit(loss_fn, num_micro_batches, graphdef, state, batch)
     nnx.update((model, optimizer), state)
-    return loss
+    return StepResult(loss, grads) if with_grads else loss
 
 
 def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate:
@@ -100,7 +118,8 @@ def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate
     ``tx``, with the inner state and the update counter copied from it. Parity compares the inner state with the
     reference's optimizer state and ``gradient_step`` with the reference's ``step``; it also checks, exactly, that
     the NNX counter is ``k * steps`` (it counts micro-steps), that ``mini_step`` is 0 and that ``acc_grads`` is
-    zero after every full step.
+    zero after every full step. The step returns the gradient it applied (:func:`accumulated_step`'s
+    ``with_grads``), compared with the reference's.
     """
     k = num_micro_batches
 
@@ -128,7 +147,7 @@ def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate
         return checks
 
     def step(model, optimizer, batch):
-        return accumulated_step(loss_fn, k, model, optimizer, batch)
+        return accumulated_step(loss_fn, k, model, optimizer, batch, with_grads=True)
 
     return Candidate(
         "accumulation",
