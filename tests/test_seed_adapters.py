@@ -111,7 +111,7 @@ def test_seed_entrypoints_are_the_reference_and_the_simulation(num_shards, lr):
 
 
 def test_run_strategies_is_run_task_on_the_seed_task():
-    from shardcheck.runner import run_strategies
+    from shardcheck.seeds import run_strategies
 
     x, y = _data(8, 3, 2, seed=9)
     seed_report = run_strategies(x, y, num_shards=4, lr=0.5, seed=3)

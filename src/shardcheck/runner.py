@@ -5,8 +5,8 @@ Every computation comes from the registry of strategies (:data:`shardcheck.steps
 
 * :func:`run_task`: a :class:`~shardcheck.Task`, on its first batch: every registered strategy (or those named),
   reported under its registry name (``reference`` is the baseline).
-* ``run_strategies`` (:func:`shardcheck.seeds.run.run_strategies`, importable from here): the seed form, an
-  adapter that runs :func:`run_task` on the regression task of an ``nnx.Linear(D, K)`` under MSE and
+* :func:`shardcheck.seeds.run_strategies`: the seed form (it lives with the seeds' adapters, above this
+  module), an adapter that runs :func:`run_task` on the regression task of an ``nnx.Linear(D, K)`` under MSE and
   ``optax.sgd(lr)`` on ``(x, y)``; the reference is reported as ``baseline`` (seed 001) and the computations are
   those of :func:`xy_strategies`.
 """
@@ -139,10 +139,6 @@ def xy_strategies() -> tuple[str, ...]:
 def __getattr__(name: str):
     if name == "RUN_STRATEGIES":  # the seed form's computations, kept under their old name
         return xy_strategies()
-    if name == "run_strategies":  # the seed form's adapter (it imports this module: imported on first use)
-        from shardcheck.seeds.run import run_strategies
-
-        return run_strategies
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

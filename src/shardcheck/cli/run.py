@@ -161,12 +161,13 @@ def _seed_form_setup(args) -> tuple[tuple[str, ...], bool]:
 
 
 def _seed_form_run(args, strategies, on_mesh):
-    """The data set loaded and :func:`shardcheck.runner.run_strategies` run: ``(data, report)``.
+    """The data set loaded and :func:`shardcheck.seeds.run_strategies` run: ``(data, report)``.
 
     Raises:
         ValueError: an unknown data set, too few devices, a shard count that does not divide the rows.
     """
     from shardcheck import datasets, runner
+    from shardcheck.seeds import run_strategies
 
     data = datasets.load_dataset(args.dataset, target=args.target)
     mesh = None
@@ -184,7 +185,7 @@ def _seed_form_run(args, strategies, on_mesh):
             "shardcheck run", data.x.shape[0], args.shards, hint="choose --shards from this list"
         )
         mesh = mesh_from_args(args, args.shards)
-    report = runner.run_strategies(
+    report = run_strategies(
         data.x, data.y, num_shards=args.shards, lr=args.lr, seed=args.seed, strategies=strategies, mesh=mesh
     )
     return data, report

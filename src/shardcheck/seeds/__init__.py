@@ -12,7 +12,7 @@ engine's step of the registered strategy (:data:`shardcheck.steps.STRATEGIES`):
 * :func:`data_parallel_sgd_step`, :func:`fsdp_sgd_step`, :func:`trace_sgd_step`: the ``dp`` / ``fsdp`` mesh steps;
 * :func:`accumulated_sgd_step`: the ``accumulation`` step (C9);
 * :func:`tree_sum`, :func:`tree_mean`: seed 000's leafwise reduction of gradient trees.
-* :func:`shardcheck.seeds.run.run_strategies`: the seed form of the main job, :func:`shardcheck.runner.run_task`
+* :func:`run_strategies`: the seed form of the main job, :func:`shardcheck.runner.run_task`
   on the seed task; :mod:`shardcheck.seeds.parity`: the ``(model, optimizer, batches)`` form of ``check_parity``.
 
 The old module paths (``shardcheck.baseline``, ``shardcheck.simulation``, ``shardcheck.spmd``,
@@ -29,6 +29,7 @@ from shardcheck.seeds.reductions import tree_sum as tree_sum
 from shardcheck.seeds.reference import fresh_linear as fresh_linear
 from shardcheck.seeds.reference import fsdp_step as fsdp_step
 from shardcheck.seeds.reference import sgd_step as sgd_step
+from shardcheck.seeds.run import run_strategies as run_strategies
 from shardcheck.seeds.simulation import ReducedStep as ReducedStep
 from shardcheck.seeds.simulation import reduced_sgd_step as reduced_sgd_step
 from shardcheck.seeds.simulation import simulated_data_parallel_step as simulated_data_parallel_step
@@ -42,6 +43,7 @@ __all__ = [
     "fsdp_step",
     "make_accumulation_optimizer",
     "reduced_sgd_step",
+    "run_strategies",
     "sgd_step",
     "simulated_data_parallel_step",
     "trace_sgd_step",
