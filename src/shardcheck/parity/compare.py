@@ -287,8 +287,8 @@ def _host_ratio(item: LeafInput, top: float) -> float | None:
 DEVICE_SCALARS: bool | None = None
 """Where :func:`max_abs`, :func:`max_abs_diff`, :func:`abs_dot`, :func:`all_finite` and :func:`equal` reduce:
 ``None`` (default) on accelerators on the devices (no copy to the host), on CPU devices on the host (their
-buffers are host memory: NumPy reads them in place, where XLA:CPU compiles each leaf's reduction, ~40 ms a
-leaf); ``True``/``False`` force one place. Arrays spread over several processes reduce on the devices."""
+buffers are host memory: NumPy reads them in place, where XLA:CPU would compile a reduction per leaf);
+``True``/``False`` force one place. Arrays spread over several processes reduce on the devices."""
 
 
 def _on_devices(arrays: Mapping[str, Any]) -> dict[tuple, dict[str, Any]]:

@@ -17,15 +17,10 @@ The rules (``docs/parity.md``, "Precision"):
   pre-step parameters: a correct S-shard split in the model's own precision, its shard sum in the gradients'
   dtype (how ``shard_map`` steps reduce) and in the compute dtype (how a GSPMD-partitioned backward pass may),
   and the same model computing in float32 (:func:`float32_compute`: the reference's own rounding). ``g(p_cand)``
-  is the reference's gradient at the candidate's pre-step parameters. Why: on the tiny-lm task (bfloat16
-  compute, S = 8, n = B*T = 512) a split moved kernels by 0.3-0.7 % (float32-accumulated matmuls, one rounding
-  per shard) and biases by 3-6 % (bfloat16 sums over batch and sequence), so the earlier bound
-  ``2 eps_c sqrt(n) sum_s|g_s|`` was 30-70x loose on kernels and 4-6x tight on the attention key biases (true
-  gradient 0, noise only). A split computes each row as the reference does, so its rounding is correlated with
-  the reference's: a GSPMD step, which also partitions the feature contractions, went past 4 times the split's
-  noise at S = 2 (1.5x on the default tiny-lm's key bias, whose computed gradient is pure noise; 1.1x on the
-  one-block model's key kernel). The float32 realization measures the reference's whole rounding, which such a
-  step's differs from by about as much again.
+  is the reference's gradient at the candidate's pre-step parameters. A split computes each row as the
+  reference does, so its rounding is correlated with the reference's; a GSPMD step also partitions the feature
+  contractions and rounds independently, which the float32 realization covers. The measurements behind these
+  choices (and the bound they replaced): ``docs/parity.md``, "Precision".
 * **Parameter rounding** (parameters less precise than float32): each side rounds the stored parameter once, by
   at most ``eps_p |p| / 2``; together ``eps_p max|p|`` per step.
 * **Propagation**: the gradient's tolerance is carried through ``tx.update`` (the update's and the optimizer

@@ -12,11 +12,9 @@ The shards are visited by one ``lax.scan`` inside one jitted function, so the tr
 exactly the seed's ``sum(parts)``; with ``keep_shard_grads=True`` it also emits every shard's gradient tree as a
 stacked output (as the seed describes), otherwise nothing of size S but the losses (memory flat in S).
 
-Why a scan and not ``jax.vmap`` (see ``benchmarks/README.md``): on XLA:CPU the vmapped form took 1.43x the
-full-batch step at B=8192, D=K=512, S=8, the scan 1.02x (keeping the shard gradients) and 0.95x (streaming). The
-scan works on one ``(B/S, D)`` block at a time, which stays in cache; and the vmapped form's
-``jnp.sum(stacked, axis=0)`` lowers to a reduction over a short leading axis that XLA:CPU runs far slower than a
-fold (about 25 ms for ``(8, 512, 512)`` float32, against under 1 ms for the fold).
+Why a scan and not ``jax.vmap`` (measured in ``benchmarks/README.md``, "Findings"): the scan works on one
+``(B/S, D)`` block at a time, which stays in cache, and the vmapped form's ``jnp.sum(stacked, axis=0)`` lowers
+to a reduction over a short leading axis that XLA:CPU runs far slower than a fold.
 """
 
 from __future__ import annotations
