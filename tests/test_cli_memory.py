@@ -343,7 +343,7 @@ def test_named_size_estimate(capsys):
         ),
         (
             ["--task", "tiny-lm", "--mesh", "fsdp=4", "--batch-size", "6"],
-            "batch_size=6 does not split over the 4",
+            "batch_size=6 does not split into the mesh's 4 batch shards",
         ),
         (["--task", "tiny-lm", "--mesh", "fsdp=4", "--shards", "4"], "--shards does not apply with --mesh"),
         (["--task", "digits", "--size", "1b"], "--size is a size of the tiny-lm task"),

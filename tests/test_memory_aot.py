@@ -33,6 +33,8 @@ from flax import nnx
 from shardcheck import Task, ahead_of_time, device_memory
 from shardcheck.memory import estimate_memory, measure_memory
 
+ROOT = Path(__file__).resolve().parents[1]
+
 PARAMS_WHOLE, PARAMS_SPLIT = 936, 232
 PER_LEAF = {"w1": (384, 96), "w2": (384, 48), "e": (64, 8), "b": (48, 48), "scale": (24, 24), "v": (32, 8)}
 
@@ -232,7 +234,7 @@ def test_ahead_of_time_equals_the_real_array_compile(annotated_lm, mesh_2x4, gsp
     assert aot.state_argument_bytes == aot.persistent_bytes == gspmd_measured.state_bytes
     assert sum(aot.breakdown().values()) == aot.peak_bytes and aot.breakdown()["other_state"] == 0
     assert aot.batch_size == 16 and aot.backend.startswith("cpu") and "XLA:CPU" in aot.backend_note
-    with pytest.raises(ValueError, match=r"batch_size=12 does not split over the 8 devices"):
+    with pytest.raises(ValueError, match=r"batch_size=12 does not split into the mesh's 8 batch shards"):
         ahead_of_time.compile_ahead_of_time(annotated_lm.task, mesh_2x4, batch_size=12)
 
 
@@ -316,3 +318,27 @@ def test_named_sizes_of_tiny_lm():
     assert est.param_count == 941_034_752 and est.params_bytes == 941_034_752 * 4 // 64
     with pytest.raises(ValueError, match=r"--size '2b' is not a tiny-lm size; use one of tiny, small, 125m"):
         sizes.size_config("2b")
+
+
+@require_devices(8)
+def test_a_tensor_parallel_batch_is_split_over_the_data_axes_only():
+    """On data=2 x model=4 the batch is split over 'data' and replicated over 'model': each device's data
+    argument is B/2 rows, the compiled state equals the estimate, and the batch size must split into 2."""
+    import importlib.util
+
+    from shardcheck.mesh import make_mesh
+
+    spec = importlib.util.spec_from_file_location("megatron_mlp", ROOT / "examples" / "megatron_mlp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mesh = make_mesh({"data": 2, "model": 4})
+    aot = ahead_of_time.compile_ahead_of_time(example.task, mesh, strategy="fsdp")
+    batch = example.task.batches[0]
+    row_bytes = sum(a[0].size * a.dtype.itemsize for a in batch.values())
+    assert aot.data_argument_bytes == 16 // 2 * row_bytes
+    assert aot.state_argument_bytes == aot.persistent_bytes
+    assert (
+        ahead_of_time.compile_ahead_of_time(example.task, mesh, strategy="fsdp", batch_size=6).batch_size == 6
+    )
+    with pytest.raises(ValueError, match=r"batch_size=5 does not split into the mesh's 2 batch shards"):
+        ahead_of_time.compile_ahead_of_time(example.task, mesh, strategy="fsdp", batch_size=5)

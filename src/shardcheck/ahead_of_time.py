@@ -20,7 +20,7 @@ from shardcheck.memory.estimate import estimate_memory
 from shardcheck.memory.layouts import MESH_STRATEGIES, one_device
 from shardcheck.memory.lowering import lower_step, memory_stats
 from shardcheck.memory.state import abstract_training_state, itemsize
-from shardcheck.mesh import check_mesh
+from shardcheck.mesh import batch_axes, check_mesh, data_shards
 from shardcheck.task import Task
 
 PyTree = Any
@@ -138,12 +138,13 @@ def _check_aot_args(fn, task, mesh, strategy, batch_size) -> None:
             f"{fn}: strategy={strategy!r} is unknown; use one of {', '.join(MESH_STRATEGIES[:-1])}"
         )
     if batch_size is not None:
-        _validate.check_int(fn, "batch_size", batch_size, example=f"batch_size={8 * mesh.size}")
-        if not one_device(strategy) and batch_size % mesh.size:
-            near = mesh.size * max(1, round(batch_size / mesh.size))
+        s = data_shards(mesh)
+        _validate.check_int(fn, "batch_size", batch_size, example=f"batch_size={8 * s}")
+        if not one_device(strategy) and batch_size % s:
+            near = s * max(1, round(batch_size / s))
             raise ValueError(
-                f"{fn}: batch_size={batch_size} does not split over the {mesh.size} devices of the mesh (the batch "
-                f"is split over every axis); pass a multiple of {mesh.size}, e.g. {near}"
+                f"{fn}: batch_size={batch_size} does not split into the mesh's {s} batch shards (the batch is "
+                f"split over its axes {batch_axes(mesh)}); pass a multiple of {s}, e.g. {near}"
             )
 
 
@@ -155,7 +156,7 @@ def compile_ahead_of_time(
     The state is ``nnx.eval_shape`` of the task's model and ``nnx.Optimizer`` (:func:`abstract_training_state`),
     the batch ``jax.ShapeDtypeStruct`` of the first batch's leaves with the leading size ``batch_size``
     (:func:`abstract_batch`); each gets its target ``NamedSharding`` (the placement of :func:`estimate_memory`
-    with ``mesh=``; the batch split over every axis), and the step of :func:`lower_step` is lowered and compiled
+    with ``mesh=``; the batch split over the mesh's batch axes, :func:`shardcheck.mesh.batch_axes`), and the step of :func:`lower_step` is lowered and compiled
     for them. Nothing of the model or the batch is allocated, so a billion-parameter model compiles on a laptop
     over fake CPU devices (``jax_num_cpu_devices``). The figures equal those of compiling the same step with
     real arrays of the same shapes and shardings.
@@ -164,32 +165,33 @@ def compile_ahead_of_time(
         task: the :class:`~shardcheck.Task`.
         mesh: the mesh (:func:`shardcheck.mesh.make_mesh`); its devices may be fake CPU devices.
         strategy: ``"fsdp"`` (default), ``"gspmd"``, ``"dp"``, ``"zero1"``, ``"zero2"`` or ``"replicated"``.
-        batch_size: the global batch B (a multiple of ``mesh.size``); default the task's first batch's.
+        batch_size: the global batch B (a multiple of the mesh's batch shards); default the task's first batch's.
 
     Returns:
         An :class:`AheadOfTimeMemory`, bytes per device, with the backend that compiled it and what that means.
 
     Raises:
         TypeError: ``task`` or ``mesh`` of the wrong type, ``batch_size`` not an int.
-        ValueError: an unknown strategy; ``batch_size`` < 1 or not a multiple of ``mesh.size``; an annotation
+        ValueError: an unknown strategy; ``batch_size`` < 1 or not a multiple of the batch shards; an annotation
             the mesh cannot honour; a backend that gives no ``memory_analysis()``.
     """
     fn = "compile_ahead_of_time"
     _check_aot_args(fn, task, mesh, strategy, batch_size)
     batch = abstract_batch(fn, task, batch_size)
     if not one_device(strategy):
-        b = jax.tree.leaves(batch)[0].shape[0]
-        if b % mesh.size:
+        b, s = jax.tree.leaves(batch)[0].shape[0], data_shards(mesh)
+        if b % s:
             raise ValueError(
-                f"{fn}: the task's batch of {b} rows does not split over the {mesh.size} devices of the mesh; pass "
-                f"batch_size= a multiple of {mesh.size}"
+                f"{fn}: the task's batch of {b} rows does not split into the mesh's {s} batch shards; pass "
+                f"batch_size= a multiple of {s}"
             )
     model, optimizer = abstract_training_state(fn, task)
     estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
     lowered, args, _ = lower_step(strategy, task.loss_fn, model, optimizer, batch, mesh)
     stats = memory_stats(lowered.compile())
     num_devices = 1 if one_device(strategy) else mesh.size
-    data = sum(math.prod(a.shape) // num_devices * itemsize(a.dtype) for a in jax.tree.leaves(batch))
+    shards = 1 if one_device(strategy) else data_shards(mesh)  # the batch is replicated over the model axes
+    data = sum(math.prod(a.shape) // shards * itemsize(a.dtype) for a in jax.tree.leaves(batch))
     device = mesh.devices.flat[0]
     return AheadOfTimeMemory(
         strategy=strategy,
@@ -225,7 +227,8 @@ def largest_batch_that_fits(
 ) -> tuple[int, dict[int, int]]:
     """The largest global batch whose step fits ``device_memory_bytes`` per device, found by compiling it.
 
-    Batches are multiples of ``n = mesh.size`` (one row per device at least; ``n = 1`` for ``"replicated"``):
+    Batches are multiples of ``n``, the mesh's batch shards (:func:`shardcheck.mesh.data_shards`; one row per
+    shard at least; ``n = 1`` for ``"replicated"``):
     the step is compiled ahead of time (:func:`compile_ahead_of_time`) at ``n, 2n, 4n, ...`` until it no longer
     fits, then the gap between the last fitting and the first failing size is bisected over multiples of ``n``,
     with at most ``max_compiles`` compiles in all. The answer is exact within the sizes tried: every size up to
@@ -241,7 +244,7 @@ def largest_batch_that_fits(
     """
     fn = "largest_batch_that_fits"
     _validate.check_int(fn, "max_compiles", max_compiles, example="max_compiles=8")
-    n = 1 if one_device(strategy) else mesh.size
+    n = 1 if one_device(strategy) else data_shards(mesh)
     peaks: dict[int, int] = {}
 
     def fits(b: int) -> bool:
