@@ -362,3 +362,12 @@ def test_a_bad_candidate_object_exits_2_naming_the_fix(candidate_file, capsys, e
     ]
     assert main(argv) == 2
     assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_task_file_batch_that_does_not_split_over_the_mesh_names_the_mesh(candidate_file, capsys):
+    """From the new-user trial: under --mesh the refusal named a '--devices 3' the user never gave."""
+    argv = ["verify", "--task", f"{candidate_file}:task", "--mesh", "data=3", "--strategies", "dp"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "is not divisible by the 3 batch shards of --mesh data=3" in err
+    assert "--devices" not in err

@@ -307,6 +307,21 @@ def _short(message: str, max_lines: int = 12) -> str:
     return "\n".join(lines)
 
 
+def _mesh_words(message: str, args) -> str:
+    """Under ``--mesh``, the library's ``num_shards`` is the mesh's batch shards, not a ``--devices`` the user
+    never gave: ``not divisible by num_shards=3`` reads ``not divisible by the 3 batch shards of --mesh data=3``."""
+    import re
+
+    mesh = getattr(args, "mesh", None)
+    if not mesh:
+        return message
+    spec = ",".join(f"{k}={v}" for k, v in mesh.items())
+    message = re.sub(r"\bnum_shards=(\d+)", rf"the \1 batch shards of --mesh {spec}", message)
+    return re.sub(
+        r"\bvalid num_shards\b", "valid batch-shard counts (the product of --mesh's data axes)", message
+    )
+
+
 def _check_builtin_batch(args, task, num_shards) -> None:
     """A built-in task's batch must split over the devices: the fix is --batch-size (a task file's batches are the
     user's own: check_parity says how to pad them)."""
@@ -363,7 +378,7 @@ def main(args) -> int:
             + " (shardcheck.check_parity in Python shows the traceback)"
         )
     except (ValueError, TypeError) as err:
-        return _fail(library_to_flags(str(err), "verify"))
+        return _fail(library_to_flags(_mesh_words(str(err), args), "verify"))
     message = _diverged_message(args, task, reports)
     if message is not None:
         return _fail(message)
