@@ -500,3 +500,25 @@ def test_num_shards_on_a_tensor_parallel_mesh_is_the_batch_shards(capsys):
     assert code == 2
     message = " ".join(capsys.readouterr().err.split())
     assert "the batch of 16 rows does not split over the 3 batch shards of --mesh data=3,model=2" in message
+
+
+@require_devices(8)
+def test_a_bias_added_before_the_psum_that_changes_the_loss_is_explained(tmp_path):
+    """From the new-user trial: examples/megatron_mlp.py with its row-parallel bias added before the psum over
+    'model' (the bias is not zero at init, so the loss differs too): the diagnosis names the forward pass, the
+    bias counted once per model shard, and the fix."""
+    from shardcheck.tasks import load_task
+    from shardcheck.tasks.loading import import_attr
+
+    source = (Path(__file__).resolve().parents[1] / "examples" / "megatron_mlp.py").read_text()
+    right = "return reduce(h @ self.down.kernel[...]) + self.down.bias[...]"
+    assert right in source
+    path = tmp_path / "bias_before.py"
+    path.write_text(source.replace(right, "return reduce(h @ self.down.kernel[...] + self.down.bias[...])"))
+    task = load_task(f"{path}:task")
+    step = import_attr("test", f"{path}:step", "FUNC")
+    report = check_parity(step, task, mesh=make_mesh(TP_MESH))
+    assert report.verdict == "FAIL" and "update_differs" in report.codes
+    assert "a replicated bias added on every shard before the psum over 'model' (it counts 4 times" in (
+        report.diagnosis
+    )

@@ -718,8 +718,25 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
         + (" (run from the reference's pre-step state)" if first.synchronized else "")
         + f" ({ctx.detail}): not a single reduced step "
         "(shards applied one after another, gradients taken at different parameters, or a wrong "
-        "loss).",
+        "loss)." + _forward_hint(ctx),
         ctx.worst_name,
+    )
+
+
+def _forward_hint(ctx: DiagnosisContext) -> str:
+    """On a mesh with model axes, a loss that differs says the sharded forward pass computes something else."""
+    from shardcheck.mesh import batch_axis_names
+
+    shape = dict(ctx.mesh_shape or {})
+    model = [a for a in shape if a not in batch_axis_names(shape)]
+    if not model:
+        return ""
+    axis = model[0]
+    return (
+        f" The loss differs too, on a mesh that splits the model over {tuple(model)}: the sharded forward pass "
+        f"computes another function, e.g. a replicated bias added on every shard before the psum over {axis!r} "
+        f"(it counts {shape[axis]} times; add it after the psum), or a row-parallel output not psum-ed over "
+        f"{axis!r}."
     )
 
 
