@@ -37,7 +37,7 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck.datasets import minibatch_indices
 from shardcheck.mesh import check_mesh, data_shards
-from shardcheck.parity import compare, legacy
+from shardcheck.parity import compare
 from shardcheck.parity.candidates import as_candidate, check_step_signature, unpack
 from shardcheck.parity.compare import (
     LeafInput,
@@ -922,10 +922,12 @@ def _replica_axes(after: _After, mismatched: tuple[str, ...]) -> tuple[str, ...]
 # ------------------------------------------------------------------------------------------------ the harness
 
 
-def _setup(
-    fn, candidate, task, legacy_args, *, steps, num_shards, mesh, reference, name, dtypes, leaf_tolerance
-):
-    """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
+def check_options(fn: str, *, rtol, atol, accept_weak, mesh, num_shards) -> int | None:
+    """The run's options checked in the order the errors are reported: ``rtol``/``atol``, ``accept_weak``, the
+    mesh, the shard count; returns S (``num_shards``, or the mesh's batch shards when only a mesh is given)."""
+    _check_tolerances(fn, rtol, atol)
+    if not isinstance(accept_weak, bool):
+        raise TypeError(f"{fn}: accept_weak must be True or False, got {accept_weak!r}")
     if mesh is not None:
         check_mesh(fn, mesh)
     if num_shards is None and mesh is not None:
@@ -933,25 +935,22 @@ def _setup(
         num_shards = data_shards(mesh)
     if num_shards is not None:
         num_shards = _validate.check_num_shards(fn, num_shards)
-    if isinstance(task, nnx.Module):  # the (model, optimizer, batches) form: the seeds' regression task
-        model, optimizer, batches = _legacy_args(fn, task, legacy_args)
-        _validate.check_optimizer(fn, optimizer, model)
-        task = legacy.regression_task(fn, model, optimizer, batches, steps)
-        candidate = legacy.adapt_candidate(fn, candidate, mesh, name)
+    return num_shards
+
+
+def _setup(
+    fn, candidate, task, *, steps, num_shards, mesh, reference, name, dtypes, leaf_tolerance, initial_state
+):
+    """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
+    if isinstance(task, Task):
         if reference is not None:
-            _check_callable_reference(fn, reference)
-            reference = legacy.adapt_step(fn, "reference", reference, False)
-        data = list(task.batches)
-    elif isinstance(task, Task):
-        if legacy_args:
-            raise TypeError(
-                f"{fn}: with a Task, pass no model, optimizer or batches beside it (got {len(legacy_args)})"
-            )
-        if reference is not None:
-            _check_callable_reference(fn, reference)
+            check_reference(fn, reference)
             check_step_signature(fn, "reference", reference, 3, False)
-        model = task.new_model(fn)
-        optimizer = task.new_optimizer(model)
+        if initial_state is None:
+            model = task.new_model(fn)
+            optimizer = task.new_optimizer(model)
+        else:
+            model, optimizer = initial_state
         data = _task_batches(fn, task, steps)
     else:
         raise TypeError(
@@ -1062,16 +1061,7 @@ def _check_leaf_tolerance(fn, leaf_tolerance, names: list[str]):
     )
 
 
-def _legacy_args(fn, model, args):
-    if len(args) != 2:
-        raise TypeError(
-            f"{fn}: the (model, optimizer, batches) form needs model, optimizer and batches; got {1 + len(args)} "
-            "of them. Or pass a shardcheck.Task"
-        )
-    return model, args[0], args[1]
-
-
-def _check_callable_reference(fn, reference):
+def check_reference(fn, reference):
     if not callable(reference):
         raise TypeError(
             f"{fn}: reference must be None (the task's single-device step) or an in-place step, got "
@@ -1101,7 +1091,7 @@ def _param_dtype(model):
 def check_parity(
     candidate: StepFn | str | Candidate,
     task: Task,
-    *legacy_args,
+    *,
     steps: int | None = None,
     num_shards: int | None = None,
     mesh=None,
@@ -1113,6 +1103,7 @@ def check_parity(
     param_dtype=None,
     leaf_tolerance=None,
     accept_weak: bool = False,
+    initial_state: tuple[nnx.Module, nnx.Optimizer] | None = None,
 ) -> ParityReport:
     """Run the task's reference step and a candidate step side by side from one initial state; compare every leaf.
 
@@ -1124,9 +1115,8 @@ def check_parity(
     A first failure at a step t > 0 is re-run from the reference's pre-step state: if that step matches, the
     trajectories diverged through rounding (``PASS (per step)``, ``diverged_trajectory``).
 
-    The ``(model, optimizer, batches)`` form, ``check_parity(candidate, model, optimizer, batches)``, checks the
-    seeds' regression task (MSE on ``(x, y)`` batches, weighted with ``(x, y, weights)``) from that model and
-    optimizer state; its candidates take ``(model, optimizer, x, y)``.
+    The ``(model, optimizer, batches)`` form of ``shardcheck.check_parity`` is the seeds' adapter
+    (:func:`shardcheck.seeds.parity.check_parity`), which builds the regression task and calls this one.
 
     Args:
         candidate: a strategy name (``simulation``, ``dp``, ``fsdp``, ``accumulation``, ``multiprocess``; needs
@@ -1154,6 +1144,8 @@ def check_parity(
         accept_weak: accept a check in which no compared leaf would have shown a gradient off by S or by 1/S
             (:func:`unresolvable`; otherwise the verdict is ``CANNOT VERIFY``); user-set ``rtol``/``atol`` count
             as accepting it.
+        initial_state: the ``(model, optimizer)`` both sides start from (copied; nothing of them changes), in
+            place of a fresh ``task.model()`` and its optimizer.
 
     Returns:
         A :class:`~shardcheck.ParityReport`.
@@ -1169,14 +1161,13 @@ def check_parity(
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``).
     """
     fn = "check_parity"
-    _check_tolerances(fn, rtol, atol)
-    if not isinstance(accept_weak, bool):
-        raise TypeError(f"{fn}: accept_weak must be True or False, got {accept_weak!r}")
+    num_shards = check_options(
+        fn, rtol=rtol, atol=atol, accept_weak=accept_weak, mesh=mesh, num_shards=num_shards
+    )
     run, data = _setup(
         fn,
         candidate,
         task,
-        legacy_args,
         steps=steps,
         num_shards=num_shards,
         mesh=mesh,
@@ -1184,6 +1175,7 @@ def check_parity(
         name=name,
         dtypes={"compute_dtype": compute_dtype, "param_dtype": param_dtype},
         leaf_tolerance=leaf_tolerance,
+        initial_state=initial_state,
     )
     # float32 accumulation under low-precision parameters; their own rounding is added per leaf (precision.py)
     dtype = ACCUMULATION_DTYPE if run.precision.param_eps > 0 else _param_dtype(run.ref_model)
@@ -1371,14 +1363,12 @@ def _run_steps(run: _Run, data, tolerances):
     return records, diverged, diverged_at, reference_diverged_at
 
 
-def assert_step_parity(
-    candidate: StepFn | str | Candidate, task: Task, *legacy_args, **kwargs
-) -> ParityReport:
+def assert_step_parity(candidate: StepFn | str | Candidate, task: Task, **kwargs) -> ParityReport:
     """:func:`check_parity`, raising when parity fails: for a user's own pytest suite.
 
     Args:
         candidate: as :func:`check_parity`.
-        task: as :func:`check_parity` (or model, optimizer, batches in the regression form).
+        task: as :func:`check_parity`.
         **kwargs: ``steps``, ``num_shards``, ``mesh``, ``reference``, ``rtol``, ``atol``, ``name``.
 
     Returns:
@@ -1389,7 +1379,7 @@ def assert_step_parity(
             diagnosis) and whose ``report`` attribute is the :class:`~shardcheck.ParityReport`.
         TypeError, ValueError: as :func:`check_parity`.
     """
-    report = check_parity(candidate, task, *legacy_args, **kwargs)
+    report = check_parity(candidate, task, **kwargs)
     if not report.step_ok:
         raise ParityError(report)
     return report
