@@ -1,5 +1,6 @@
 """The ``(model, optimizer, batches)`` form of :func:`~shardcheck.parity.check_parity`: an adapter that builds the
-seeds' regression task from live objects and runs the task harness.
+seeds' regression task from live objects and runs the task harness (:func:`check_parity`,
+:func:`assert_step_parity`; ``shardcheck.check_parity`` is this one).
 
 ``check_parity(candidate, model, optimizer, batches)`` with ``(x, y)`` or ``(x, y, weights)`` batches is the
 seeds' task: MSE of the model on ``(x, y)`` (``(sum_i w_i mean_k err_ik^2, sum_i w_i)`` with weights, C4-C6),
@@ -22,6 +23,7 @@ from shardcheck.losses import regression_batch_loss as regression_loss  # MSE, w
 from shardcheck.parity import harness
 from shardcheck.parity.candidates import accepts, check_step_signature
 from shardcheck.parity.report import ParityError
+from shardcheck.parity.setup import check_options, check_reference
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
 
@@ -186,7 +188,7 @@ def check_parity(
     """
     fn = "check_parity"
     options = {"rtol": rtol, "atol": atol, "accept_weak": accept_weak, "mesh": mesh}
-    harness.check_options(fn, **options, num_shards=num_shards)
+    check_options(fn, **options, num_shards=num_shards)
     initial_state = None
     if isinstance(task, nnx.Module):  # the (model, optimizer, batches) form: the seeds' regression task
         model, optimizer, batches = _seed_args(fn, task, seed_args)
@@ -194,7 +196,7 @@ def check_parity(
         task = regression_task(fn, model, optimizer, batches, steps)
         candidate = adapt_candidate(fn, candidate, mesh, name)
         if reference is not None:
-            harness.check_reference(fn, reference)
+            check_reference(fn, reference)
             reference = adapt_step(fn, "reference", reference, False)
         steps, initial_state = None, (model, optimizer)
     elif seed_args and isinstance(task, Task):
