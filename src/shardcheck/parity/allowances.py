@@ -19,10 +19,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck.parity import compare
-from shardcheck.parity.compare import (
-    flatten_state,
-    host_tree,
-)
+from shardcheck.parity.compare import flatten_state, host_tree
 from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance, output_rounding
 from shardcheck.parity.propagation import grad_delta, shadow_spread, update_sensitivity
 from shardcheck.parity.state import _default_view, _PreStep, _Run

@@ -62,10 +62,7 @@ from shardcheck.parity.compare import (
 )
 from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.hypotheses import _explained
-from shardcheck.parity.precision import (
-    ACCUMULATION_DTYPE,
-    loss_compute_allowance,
-)
+from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowance
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.scale_evidence import _scale_evidence, scale_evidence_text, scale_shown, unresolvable
 from shardcheck.parity.setup import _setup, check_options

@@ -18,13 +18,7 @@ from flax import nnx
 
 from shardcheck.parity import compare
 from shardcheck.parity.allowances import _reference_grads, _shard_magnitude
-from shardcheck.parity.compare import (
-    flatten_state,
-    host_tree,
-    is_int,
-    leaf_error,
-    to_host,
-)
+from shardcheck.parity.compare import flatten_state, host_tree, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis import StepRecord, _gradient_factor
 from shardcheck.parity.propagation import grad_delta, scale_change, update_sensitivity
 from shardcheck.parity.state import _default_view, _opt_state, _PreStep, _Run

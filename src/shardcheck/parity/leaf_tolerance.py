@@ -7,10 +7,7 @@ from collections.abc import Mapping
 
 from flax import nnx
 
-from shardcheck.parity.compare import (
-    flatten_state,
-    is_int,
-)
+from shardcheck.parity.compare import flatten_state, is_int
 from shardcheck.parity.state import _opt_state
 
 

@@ -9,13 +9,8 @@ from flax import nnx
 
 from shardcheck.parity import compare
 from shardcheck.parity.allowances import _reference_grads
-from shardcheck.parity.compare import (
-    flatten_state,
-    is_int,
-)
-from shardcheck.parity.precision import (
-    Precision,
-)
+from shardcheck.parity.compare import flatten_state, is_int
+from shardcheck.parity.precision import Precision
 from shardcheck.parity.propagation import scale_change
 from shardcheck.parity.state import _After, _PreStep, _Run
 from shardcheck.parity.tolerance import MOMENT_FACTOR

@@ -17,10 +17,7 @@ from shardcheck import _validate
 from shardcheck.mesh import check_mesh, data_shards
 from shardcheck.parity.candidates import as_candidate, check_step_signature
 from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
-from shardcheck.parity.precision import (
-    Precision,
-    float32_compute,
-)
+from shardcheck.parity.precision import Precision, float32_compute
 from shardcheck.parity.state import _copy_state, _Run
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for

@@ -13,12 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardcheck.parity.compare import (
-    flatten_state,
-)
-from shardcheck.parity.precision import (
-    Precision,
-)
+from shardcheck.parity.compare import flatten_state
+from shardcheck.parity.precision import Precision
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
 
