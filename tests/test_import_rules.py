@@ -5,7 +5,8 @@ imports inside functions and for modules that need JAX).
   harness, memory, the runner, the training loop, the built-in tasks or the command line.
 - ``launcher`` (the multi-process launch) imports nothing from the command line; the subcommands' names come
   from the JAX-free catalog.
-- No module of the engine imports the seeds' adapters (``shardcheck.seeds``): they sit on top of it.
+- No module of the engine imports the seeds' adapters (``shardcheck.seeds``, nor their deprecated alias
+  ``shardcheck.parity.legacy``): they sit on top of it.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ RULES = (
     ),
     (("shardcheck.launcher",), ("shardcheck.cli",)),
 )
-# The seeds' adapters, their deprecated module aliases, the command line and the package's lazy re-exports sit
+# The seeds' adapters, their deprecated module aliases, the command line and the packages' lazy re-exports sit
 # above the engine; every other module is the engine and must not import the adapters.
 ABOVE_THE_ENGINE = (
     "shardcheck",
+    "shardcheck.parity",
     "shardcheck.seeds",
     "shardcheck.cli",
     "shardcheck.spmd",
@@ -48,6 +50,10 @@ ABOVE_THE_ENGINE = (
     "shardcheck.parity.legacy",
     "shardcheck.__main__",
 )
+# Packages above the engine only as themselves (their lazy re-exports), not with their modules.
+PACKAGE_FACES = ("shardcheck", "shardcheck.parity")
+# What the engine must not import: the seeds' adapters and their alias in the parity package.
+ADAPTERS = ("shardcheck.seeds", "shardcheck.parity.legacy")
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -90,8 +96,8 @@ def violations(module: str, source: str, *, is_package: bool = False) -> list[st
     for importers, forbidden in RULES:
         if any(_within(module, m) for m in importers):
             found += [f"{module} imports {n}" for n in sorted(names) if any(_within(n, f) for f in forbidden)]
-    if not any(module == m or _within(module, m) and m != "shardcheck" for m in ABOVE_THE_ENGINE):
-        found += [f"{module} imports {n}" for n in sorted(names) if _within(n, "shardcheck.seeds")]
+    if not any(module == m or _within(module, m) and m not in PACKAGE_FACES for m in ABOVE_THE_ENGINE):
+        found += [f"{module} imports {n}" for n in sorted(names) if any(_within(n, a) for a in ADAPTERS)]
     return found
 
 
@@ -152,6 +158,19 @@ def test_the_rules_read_every_module_of_the_package():
                 "shardcheck.parity.harness imports shardcheck.seeds.fsdp_step",
             ],
         ),
+        (
+            "shardcheck.parity.harness",
+            "from shardcheck.parity import compare, legacy\n",
+            ["shardcheck.parity.harness imports shardcheck.parity.legacy"],
+        ),
+        (
+            "shardcheck.parity.compare",
+            "def f():\n    from shardcheck.seeds.parity import regression_task\n",
+            [
+                "shardcheck.parity.compare imports shardcheck.seeds.parity",
+                "shardcheck.parity.compare imports shardcheck.seeds.parity.regression_task",
+            ],
+        ),
     ],
 )
 def test_a_planted_forbidden_import_is_caught(module, source, expected):
@@ -169,6 +188,8 @@ def test_a_planted_forbidden_import_is_caught(module, source, expected):
         ("shardcheck.seeds.baseline", "from shardcheck.steps import STRATEGIES\n"),
         ("shardcheck.cli.run", "from shardcheck.seeds import fsdp_step\n"),
         ("shardcheck.spmd", "from shardcheck.seeds.mesh_steps import fsdp_sgd_step\n"),
+        ("shardcheck.parity", "from shardcheck.seeds import parity as adapter\n"),
+        ("shardcheck.parity.legacy", "from shardcheck.seeds.parity import regression_task\n"),
     ],
 )
 def test_an_allowed_import_passes(module, source):

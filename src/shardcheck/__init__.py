@@ -37,8 +37,8 @@ _EXPORTS = {
     "ParityReport": "shardcheck.parity",
     "StepRecord": "shardcheck.parity",
     "Tolerance": "shardcheck.parity",
-    "assert_step_parity": "shardcheck.parity",
-    "check_parity": "shardcheck.parity",
+    "assert_step_parity": "shardcheck.seeds.parity",
+    "check_parity": "shardcheck.seeds.parity",
     "derive_tolerance": "shardcheck.parity",
     "strategy_candidate": "shardcheck.parity",
     "LeafPlacement": "shardcheck.placement",
@@ -88,8 +88,6 @@ if TYPE_CHECKING:
     from shardcheck.parity import ParityReport as ParityReport
     from shardcheck.parity import StepRecord as StepRecord
     from shardcheck.parity import Tolerance as Tolerance
-    from shardcheck.parity import assert_step_parity as assert_step_parity
-    from shardcheck.parity import check_parity as check_parity
     from shardcheck.parity import derive_tolerance as derive_tolerance
     from shardcheck.parity import strategy_candidate as strategy_candidate
     from shardcheck.placement import LeafPlacement as LeafPlacement
@@ -111,6 +109,8 @@ if TYPE_CHECKING:
     )
     from shardcheck.seeds import tree_mean as tree_mean
     from shardcheck.seeds import tree_sum as tree_sum
+    from shardcheck.seeds.parity import assert_step_parity as assert_step_parity
+    from shardcheck.seeds.parity import check_parity as check_parity
     from shardcheck.steps import STRATEGIES as STRATEGIES
     from shardcheck.steps import StepResult as StepResult
     from shardcheck.steps import Strategy as Strategy

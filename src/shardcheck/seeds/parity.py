@@ -1,5 +1,6 @@
 """The ``(model, optimizer, batches)`` form of :func:`~shardcheck.parity.check_parity`: an adapter that builds the
-seeds' regression task from live objects and runs the task harness.
+seeds' regression task from live objects and runs the task harness (:func:`check_parity`,
+:func:`assert_step_parity`; ``shardcheck.check_parity`` is this one).
 
 ``check_parity(candidate, model, optimizer, batches)`` with ``(x, y)`` or ``(x, y, weights)`` batches is the
 seeds' task: MSE of the model on ``(x, y)`` (``(sum_i w_i mean_k err_ik^2, sum_i w_i)`` with weights, C4-C6),
@@ -19,7 +20,10 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.losses import regression_batch_loss as regression_loss  # MSE, weighted with (x, y, w)
+from shardcheck.parity import harness
 from shardcheck.parity.candidates import accepts, check_step_signature
+from shardcheck.parity.report import ParityError
+from shardcheck.parity.setup import check_options, check_reference
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
 
@@ -136,3 +140,96 @@ def adapt_candidate(fn: str, candidate, mesh, name):
     pass_mesh = mesh is not None and accepts(candidate, "mesh", 4)
     wrapped = adapt_step(fn, "candidate", candidate, pass_mesh)
     return Candidate(name or getattr(candidate, "__name__", "candidate"), wrapped, pass_mesh=pass_mesh)
+
+
+def _seed_args(fn, model, args):
+    if len(args) != 2:
+        raise TypeError(
+            f"{fn}: the (model, optimizer, batches) form needs model, optimizer and batches; got {1 + len(args)} "
+            "of them. Or pass a shardcheck.Task"
+        )
+    return model, args[0], args[1]
+
+
+def check_parity(
+    candidate,
+    task,
+    *seed_args,
+    steps=None,
+    num_shards=None,
+    mesh=None,
+    reference=None,
+    rtol=None,
+    atol=None,
+    name=None,
+    compute_dtype=None,
+    param_dtype=None,
+    leaf_tolerance=None,
+    accept_weak=False,
+):
+    """:func:`shardcheck.parity.harness.check_parity`, also in the ``(model, optimizer, batches)`` form.
+
+    ``check_parity(candidate, model, optimizer, batches)`` checks the seeds' regression task (MSE on ``(x, y)``
+    batches, weighted with ``(x, y, weights)``; :func:`regression_task`) from that model and optimizer state; its
+    candidate and ``reference`` take ``(model, optimizer, x, y)`` (:func:`adapt_candidate`, :func:`adapt_step`).
+    With a :class:`~shardcheck.Task` it is the engine's ``check_parity`` as it is.
+
+    Args:
+        candidate: as the engine's, or a ``(model, optimizer, x, y[, mesh][, weights=])`` step.
+        task: a :class:`~shardcheck.Task`, or the ``nnx.Module`` of the ``(model, optimizer, batches)`` form.
+        *seed_args: the optimizer and the batches of that form (nothing beside a Task).
+        steps, num_shards, mesh, reference, rtol, atol, name, compute_dtype, param_dtype, leaf_tolerance,
+            accept_weak: as the engine's.
+
+    Raises:
+        TypeError: model, optimizer and batches not all given; a model, optimizer or batches beside a Task; as the
+            engine's.
+        ValueError: malformed batches or weights; as the engine's.
+    """
+    fn = "check_parity"
+    options = {"rtol": rtol, "atol": atol, "accept_weak": accept_weak, "mesh": mesh}
+    check_options(fn, **options, num_shards=num_shards)
+    initial_state = None
+    if isinstance(task, nnx.Module):  # the (model, optimizer, batches) form: the seeds' regression task
+        model, optimizer, batches = _seed_args(fn, task, seed_args)
+        _validate.check_optimizer(fn, optimizer, model)
+        task = regression_task(fn, model, optimizer, batches, steps)
+        candidate = adapt_candidate(fn, candidate, mesh, name)
+        if reference is not None:
+            check_reference(fn, reference)
+            reference = adapt_step(fn, "reference", reference, False)
+        steps, initial_state = None, (model, optimizer)
+    elif seed_args and isinstance(task, Task):
+        raise TypeError(
+            f"{fn}: with a Task, pass no model, optimizer or batches beside it (got {len(seed_args)})"
+        )
+    dtypes = {"compute_dtype": compute_dtype, "param_dtype": param_dtype}
+    return harness.check_parity(
+        candidate,
+        task,
+        **options,
+        **dtypes,
+        steps=steps,
+        num_shards=num_shards,
+        reference=reference,
+        name=name,
+        leaf_tolerance=leaf_tolerance,
+        initial_state=initial_state,
+    )
+
+
+def assert_step_parity(candidate, task, *seed_args, **kwargs):
+    """:func:`check_parity` (either form), raising when parity fails: for a user's own pytest suite.
+
+    Returns:
+        The passing :class:`~shardcheck.ParityReport` (``PASS`` or ``PASS (per step)``).
+
+    Raises:
+        ParityError: an ``AssertionError`` whose message is the report and whose ``report`` attribute is the
+            :class:`~shardcheck.ParityReport`.
+        TypeError, ValueError: as :func:`check_parity`.
+    """
+    report = check_parity(candidate, task, *seed_args, **kwargs)
+    if not report.step_ok:
+        raise ParityError(report)
+    return report

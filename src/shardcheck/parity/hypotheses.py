@@ -1,0 +1,188 @@
+"""The hypothesis reruns that name a failing step's faulty reduction (``StepRecord.matches``).
+
+From the reference's state before the step, the reference's optimizer is rerun on the gradient of each faulty
+reduction (the mean of per-shard means, S times or 1/S times the gradient, a bfloat16 all-reduce's rounding), and
+the candidate's state is compared with each (:func:`_explained`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardcheck.parity import compare
+from shardcheck.parity.allowances import _reference_grads, _shard_magnitude
+from shardcheck.parity.compare import flatten_state, host_tree, is_int, leaf_error, to_host
+from shardcheck.parity.diagnosis import StepRecord, _gradient_factor
+from shardcheck.parity.propagation import grad_delta, scale_change, update_sensitivity
+from shardcheck.parity.state import _default_view, _opt_state, _PreStep, _Run
+from shardcheck.parity.tolerance import MOMENT_FACTOR
+from shardcheck.task import loss_terms, split_batch
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_state, batch):
+    """``(params, opt_state)`` after the step whose gradient is the mean of per-shard means (each shard divided
+    by its own weight)."""
+
+    def shard_grad(shard):
+        def mean(p):
+            total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest), shard)
+            return total / weight
+
+        return jax.grad(mean)(params)
+
+    grads = jax.tree.map(
+        lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, split_batch(batch, num_shards))
+    )
+    return _stepped(tx, params, opt_state, grads)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scaled_params(tx, params, opt_state, grads, factor):
+    """``(params, opt_state)`` after the reference's optimizer step on ``factor`` times its gradient."""
+    return _stepped(tx, params, opt_state, jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads))
+
+
+def _stepped(tx, params, opt_state, grads):
+    """``(params, opt_state)`` after one step of ``tx`` on ``grads`` (traced, inside the hypotheses' jits)."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return jax.tree.map(jnp.add, params, updates), opt_state
+
+
+def _matches(
+    run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord, reference_grads
+) -> tuple[str, ...]:
+    """The faulty reductions whose step the candidate reproduces (checked on failure; ``reference_grads()``: the
+    reference's gradient at ``pre``, computed once for every hypothesis of :func:`_explained`).
+
+    ``per_shard_mean`` (weighted losses): the candidate's parameters and optimizer state match those of the step
+    whose gradient is the mean of per-shard means, and the reference's differ from them in some leaf (under Adam
+    and bfloat16 compute the parameters' allowance can hide the difference; the moments, unnormalized, show it).
+    ``times_S`` / ``times_1/S``: they match the reference optimizer's step on S times (1/S times) the reference's
+    gradient: a sum for a mean, a mean taken twice, whatever the optimizer does to the gradient's scale (global-
+    norm clipping distorts the factor the moments show), tried when the moments' factor is not already S or 1/S.
+    """
+    s = run.cand.num_shards
+    if not s or s < 2 or run.reference is not None:
+        return ()
+    found = []
+    if run.weighted:
+        alt = _per_shard_mean_params(
+            run.task.loss_fn, s, pre.graphdef, run.ref_opt.tx, pre.params, pre.rest, pre.opt_state, batch
+        )
+        if _reproduces(run, *alt, rtol, atol):
+            found.append("per_shard_mean")
+    factor, _ = _gradient_factor(record)
+    if not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
+        for name, factor in (("times_S", float(s)), ("times_1/S", 1.0 / s)):
+            alt = _scaled_params(run.ref_opt.tx, pre.params, pre.opt_state, reference_grads(), factor)
+            if _reproduces(run, *alt, rtol, atol):
+                found.append(name)
+                break
+    return tuple(found)
+
+
+def _reproduces(run: _Run, alt_params, alt_state, rtol, atol) -> bool:
+    """Whether the candidate's parameters and optimizer state match an alternative step's, within the usual
+    tolerances and allowances, and the reference's do not (host copies: a failing step only)."""
+    view = run.cand.view_optimizer or _default_view
+    sides = {  # kind: (the alternative, the candidate, the reference, the allowance, the tolerance factor)
+        "param": (
+            alt_params,
+            nnx.state(run.cand_model, nnx.Param),
+            nnx.state(run.ref_model, nnx.Param),
+            run.allowance,
+            1.0,
+        ),
+        "opt_state": (
+            alt_state,
+            view(run.cand_opt)[0],
+            _opt_state(run.ref_opt),
+            run.state_allowance,
+            MOMENT_FACTOR,
+        ),
+    }
+    reproduced, differs = True, False
+    for kind, (alt, cand, ref, allowance, factor) in sides.items():
+        alt, cand, ref = host_tree(alt), host_tree(cand), host_tree(ref)
+        for p in alt:
+            if p not in cand or p not in ref or is_int(alt[p]):
+                continue
+            allow = None if allowance.get(p) is None else to_host(allowance[p])
+            r_tol, a_tol = factor * rtol, factor * atol
+            reproduced &= leaf_error(0, kind, p, alt[p], cand[p], r_tol, a_tol, allowance=allow).ok
+            differs |= not leaf_error(0, kind, p, ref[p], alt[p], r_tol, a_tol, allowance=allow).ok
+    return reproduced and differs
+
+
+def _low_precision_reduction(
+    run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, reference_grads
+) -> bool:
+    """Whether a failing float32-compute step is off by no more than a bfloat16 all-reduce's rounding.
+
+    The bound of that rounding, ``2 eps_bf16 sqrt(S) A`` on each gradient element (``A = sum_s |g_s| / W``), is
+    propagated through the optimizer like the gradient's own tolerance; the step matches when every failing leaf
+    is within it and at least one is off by more than 1/64 of it (an error at bfloat16's scale, not float32's).
+    """
+    s = run.cand.num_shards
+    if run.precision.compute_eps > 0 or not s or s < 2 or run.reference is not None:
+        return False
+    magnitude, _, _ = _shard_magnitude(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
+    grads = reference_grads()
+    bound = 2.0 * float(jnp.finfo(jnp.bfloat16).eps) * math.sqrt(s)
+    delta = grad_delta(grads, magnitude, rtol, atol, bound)
+    updates, states, _ = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
+    allowed = {
+        "grad": {k: bound * v for k, v in host_tree(magnitude).items()},
+        "param": host_tree(updates),
+        "opt_state": host_tree(states),
+    }
+    used = []
+    for e in record.leaves:
+        if e.ok or e.kind not in allowed:
+            continue
+        extra = float(np.max(allowed[e.kind].get(e.path, np.inf), initial=0.0))
+        if not e.max_abs_err <= e.tolerance + extra:
+            return False
+        used.append(e.max_abs_err / max(extra, 1e-30))
+    return bool(used) and max(used) > 1 / 64
+
+
+def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> StepRecord:
+    """A failing record with the faulty reductions the candidate reproduces (``StepRecord.matches``), recomputed
+    from the reference's pre-step state ``pre``; the run's two sides are after the step."""
+    reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
+    matches = _matches(run, pre, batch, rtol, atol, record, reference_grads)
+    if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
+        matches = ("bf16_reduction",)
+    if {e.kind for e in record.leaves if not e.ok} == {"grad"}:
+        # only the exposed gradients fail: a fault the optimizer hides (blind to the gradient's scale) or
+        # gradients that were not the ones applied
+        if _blind_to_scale(run, pre, reference_grads(), record.leaves):
+            matches += ("scale_blind",)
+    return dataclasses.replace(record, matches=matches)
+
+
+def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
+    """Whether the reference's optimizer, rerun from ``pre`` on ``S grads`` and ``grads / S``, moves no parameter
+    or optimizer-state leaf of ``leaves`` beyond its tolerance."""
+    s = run.cand.num_shards
+    factor = float(s) if s and s > 1 else 2.0
+    moved: dict[str, float] = {}
+    for c in (factor, 1 / factor):
+        update, state = scale_change(run.ref_opt.tx, grads, pre.opt_state, pre.params, c)
+        named = {
+            **{f"param {k}": v for k, v in flatten_state(update).items()},
+            **{f"opt_state {k}": v for k, v in flatten_state(state).items()},
+        }
+        for k, v in compare.max_abs(named).items():  # NaN: moved
+            moved[k] = min(math.inf if math.isnan(v) else v, moved.get(k, math.inf))
+    compared = [e for e in leaves if e.kind in ("param", "opt_state") and e.name in moved]
+    return bool(compared) and all(moved[e.name] <= e.tolerance for e in compared)

@@ -1,0 +1,130 @@
+"""The two sides of a parity run and their state: the run itself (:class:`_Run`), the reference's state before a
+step (:class:`_PreStep`) and both sides' state after it (:class:`_After`), and independent copies of a model and
+its optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardcheck.parity.compare import flatten_state
+from shardcheck.parity.precision import Precision
+from shardcheck.steps import Candidate
+from shardcheck.task import Task
+
+PyTree = Any
+
+
+StepFn = Callable[..., Any]
+
+
+def _copy_state(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module, nnx.Optimizer]:
+    """Independent copies of a model and its optimizer: new graph and new buffers (a step may donate them)."""
+    graphdef, state = nnx.split((model, optimizer))
+    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
+    return nnx.merge(graphdef, state)
+
+
+def _opt_state(optimizer: nnx.Optimizer) -> PyTree:
+    """The optimizer's ``opt_state`` sub-state (``{}`` for a stateless transformation such as ``optax.sgd``)."""
+    state = nnx.state(optimizer)
+    return state["opt_state"] if "opt_state" in state else {}
+
+
+def _default_view(optimizer: nnx.Optimizer) -> tuple[PyTree, Any]:
+    return _opt_state(optimizer), optimizer.step[...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreStep:
+    """The reference's state before a step, kept on device for the sensitivity and the hypotheses."""
+
+    graphdef: Any
+    params: PyTree
+    rest: PyTree
+    opt_state: PyTree
+
+    @staticmethod
+    def of(model, optimizer) -> _PreStep:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return _PreStep(graphdef, nnx.as_pure(params), rest, nnx.as_pure(optimizer.opt_state))
+
+
+@dataclasses.dataclass
+class _Run:
+    """The two sides of one :func:`check_parity` run (internal, mutable: the models change in place)."""
+
+    task: Task
+    ref_model: nnx.Module
+    ref_opt: nnx.Optimizer
+    reference: StepFn | None
+    cand: Candidate
+    cand_model: nnx.Module
+    cand_opt: nnx.Optimizer
+    kwargs: dict
+    weighted: bool
+    precision: Precision
+    leaf_tolerance: dict[str, tuple[float, float]] | None  # by leaf name (_check_leaf_tolerance)
+    graphdef32: Any = None  # the model computing in float32 (precision.float32_compute), or None
+    allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    state_allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
+        """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
+        if self.leaf_tolerance is None:
+            return rtol, atol
+        return self.leaf_tolerance.get("loss" if kind == "loss" else f"{kind} {path}", (rtol, atol))
+
+    def synchronized(self, ref_model: nnx.Module, ref_opt: nnx.Optimizer) -> _Run:
+        """A run whose candidate starts from a copy of the given reference state (model and optimizer).
+
+        The reference side is this run's own (stepped in place) when ``ref_model`` is ``self.ref_model``, else a
+        copy; the allowance starts from zero (one step from identical state).
+        """
+        if ref_model is self.ref_model:
+            r_model, r_opt = self.ref_model, self.ref_opt
+        else:
+            r_model, r_opt = _copy_state(ref_model, ref_opt)
+        c_model, c_opt = _copy_state(ref_model, ref_opt)
+        if self.cand.make_optimizer is not None:
+            c_opt = self.cand.make_optimizer(c_model, c_opt)
+        return dataclasses.replace(
+            self,
+            ref_model=r_model,
+            ref_opt=r_opt,
+            cand_model=c_model,
+            cand_opt=c_opt,
+            allowance={},
+            state_allowance={},
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _After:
+    """Both sides' state after a step, flattened once (``{dotted path: leaf}``; an NNX graph flatten of a
+    transformer's optimizer takes milliseconds): the parameters, the reference's optimizer state, and the
+    candidate's view of its optimizer (state and step counter)."""
+
+    ref_params: dict
+    cand_params: dict
+    ref_state: dict
+    cand_state: dict
+    cand_count: Any
+
+    @staticmethod
+    def of(run: _Run) -> _After:
+        view = run.cand.view_optimizer or _default_view
+        cand_view, cand_count = view(run.cand_opt)
+        return _After(
+            flatten_state(nnx.state(run.ref_model, nnx.Param)),
+            flatten_state(nnx.state(run.cand_model, nnx.Param)),
+            flatten_state(_opt_state(run.ref_opt)),
+            flatten_state(cand_view),
+            cand_count,
+        )
