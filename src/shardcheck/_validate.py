@@ -204,7 +204,7 @@ def check_params(fn: str, params, in_features: int, out_features: int) -> dict[s
 def check_model(fn: str, model, x=None, y=None) -> None:
     """The one admission rule for models (``docs/reduction_cases.md`` C7), for a step on the batch ``(x, y)``.
 
-    It is the Task's rule, :func:`shardcheck.parity.setup.check_model`, on the seeds' loss
+    It is the Task's rule, :func:`shardcheck.task.check_model`, on the seeds' loss
     (:func:`shardcheck.losses.mse_batch_loss`): a model holding ``nnx.BatchStat`` variables (BatchNorm) is
     refused, since each shard would normalise with its own batch statistics; one holding RNG streams is
     accepted when its forward pass draws nothing from them (Dropout at rate 0, ``model.eval()``), and refused
@@ -234,7 +234,7 @@ def check_model(fn: str, model, x=None, y=None) -> None:
             "and without a batch shardcheck cannot check that its forward pass draws nothing from them (seed 000)"
         )
     from shardcheck.losses import mse_batch_loss
-    from shardcheck.parity.harness import check_model as task_rule
+    from shardcheck.task import check_model as task_rule
 
     task_rule(fn, model, mse_batch_loss, (x, y))
 

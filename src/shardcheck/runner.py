@@ -188,8 +188,7 @@ def run_task(
     num_shards = _validate.check_num_shards(fn, num_shards)
     names = list(STRATEGIES) if strategies is None else [get_strategy(fn, s).name for s in strategies]
     names = [REFERENCE] + [s for s in dict.fromkeys(names) if s != REFERENCE]
-    from shardcheck.parity.harness import check_model
-    from shardcheck.task import batch_size, check_divisible
+    from shardcheck.task import batch_size, check_divisible, check_model
 
     batch = task.batches[0]
     initial = task.new_model(fn)

@@ -465,7 +465,7 @@ def _trainable(fn: str, name) -> Strategy:
 
 def _check_task_run(fn, task, strategy, num_shards, mesh, epochs, callback):
     """Validate a :func:`train_task` call and build its lock-step pair; nothing runs. Returns ``(pair, epochs)``."""
-    from shardcheck.parity.harness import check_model
+    from shardcheck.task import check_model
 
     if not isinstance(task, Task):
         raise TypeError(

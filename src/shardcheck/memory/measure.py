@@ -126,9 +126,8 @@ def _task_mesh(fn: str, mesh, axis_name: str) -> jax.sharding.Mesh:
 
 def _check_task(fn, task: Task, strategy, mesh, model, optimizer, weighted) -> None:
     """The task's model and first batch fit the strategy and mesh (raises before any state changes)."""
-    from shardcheck.parity.harness import check_model
     from shardcheck.steps.registry import STRATEGIES as REGISTRY
-    from shardcheck.task import check_divisible
+    from shardcheck.task import check_divisible, check_model
 
     batch = task.batches[0]
     if weighted is None:  # BatchStat and RNG-drawing models refused, the loss's output checked on batch 0
@@ -210,8 +209,7 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
             with batch statistics or a random forward pass (as ``verify`` refuses them).
     """
     from shardcheck.parity.candidates import accepts, check_step_signature
-    from shardcheck.parity.harness import check_model
-    from shardcheck.task import check_divisible
+    from shardcheck.task import check_divisible, check_model
 
     fn = "measure_step"
     if not isinstance(task, Task):
@@ -383,7 +381,7 @@ def measure_task_strategies(
             :func:`measure_memory` (a first batch that does not split into ``num_shards`` equal shards, ...).
     """
     from shardcheck.mesh import make_mesh
-    from shardcheck.parity.harness import check_model
+    from shardcheck.task import check_model
 
     fn = "measure_task_strategies"
     if not isinstance(task, Task):

@@ -66,7 +66,6 @@ from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowan
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.scale_evidence import _scale_evidence, scale_evidence_text, scale_shown, unresolvable
 from shardcheck.parity.setup import _setup, check_options
-from shardcheck.parity.setup import check_model as check_model
 from shardcheck.parity.state import StepFn, _After, _copy_state, _default_view, _opt_state, _PreStep, _Run
 from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
 from shardcheck.parity.topology import mismatch_axes
@@ -74,6 +73,7 @@ from shardcheck.steps import Candidate
 from shardcheck.steps.reference import reference_step
 from shardcheck.task import Task
 from shardcheck.task import batch_size as leading_size
+from shardcheck.task import check_model as check_model
 
 
 def _reference_finite(record: StepRecord, after: _After) -> bool:

@@ -1,16 +1,12 @@
 """What a parity run admits, checked before any step runs, and the run built from it.
 
-:func:`check_options` (tolerances, ``accept_weak``, the mesh, the shard count), :func:`check_model` (the model
-admission rule, C7), the task's batches, the reference and the candidate; :func:`_setup` builds the
+:func:`check_options` (tolerances, ``accept_weak``, the mesh, the shard count), the model (the admission rule
+of the Task, :func:`shardcheck.task.check_model`, C7), the task's batches, the reference and the candidate; :func:`_setup` builds the
 :class:`~shardcheck.parity.state._Run` from copies of the initial state: nothing of the caller's changes.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
-import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
@@ -22,49 +18,7 @@ from shardcheck.parity.state import _copy_state, _Run
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import state_specs
-from shardcheck.task import Task, check_divisible, check_loss_output
-
-
-@functools.partial(nnx.jit, static_argnums=0)
-def _probe_loss(loss_fn, model, batch):
-    return loss_fn(model, batch)
-
-
-def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
-    """Refuse models whose sharded and full-batch steps differ (C7); returns whether the loss is weighted.
-
-    ``nnx.BatchStat`` variables (BatchNorm) are refused. RNG streams are accepted when the forward pass does not
-    draw from them (Dropout at rate 0, ``model.eval()``, ``deterministic=True``): ``loss_fn`` runs once on a
-    clone and any stream whose counter moved is named in the refusal. The loss at step 0 is checked too.
-
-    Raises:
-        TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
-        ValueError: BatchStat variables; RNG streams drawn in the forward pass; a non-finite loss at step 0.
-    """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
-    if jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
-        raise ValueError(
-            f"{fn}: model {type(model).__name__} is refused because it holds nnx.BatchStat variables (e.g. "
-            "BatchNorm): each shard would normalise with its own batch statistics, not the full batch's "
-            "(docs/reduction_cases.md C7); use LayerNorm, or a model without batch statistics"
-        )
-    clone = nnx.clone(model)
-    before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
-    try:
-        out = _probe_loss(loss_fn, clone, batch)
-    except Exception as err:
-        raise type(err)(f"{fn}: the task's loss_fn raised on batch 0: {err}") from err
-    after = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
-    drawn = [".".join(map(str, p)) for p in before if not np.array_equal(before[p], after[p])]
-    if drawn:
-        raise ValueError(
-            f"{fn}: model {type(model).__name__} draws random numbers in its forward pass (RNG stream(s) "
-            f"{', '.join(drawn)} advanced): every shard would draw its own mask, so no sharded step can equal the "
-            "full-batch one (seed 000). Make the forward pass deterministic (model.eval(), Dropout rate 0, "
-            "deterministic=True) for the check"
-        )
-    return check_loss_output(fn, out)
+from shardcheck.task import Task, check_divisible, check_model
 
 
 def _check_tolerances(fn, rtol, atol):
