@@ -210,6 +210,16 @@ def test_factors_that_differ_by_leaf_group_are_a_local_clip_norm():
     assert not {"local_clip_norm", "clip_coefficient"} & {d.code for d in found}, found
 
 
+def test_a_failing_counter_is_named_alone():
+    """An optimizer stepped twice per step also moves its moments by factors that differ by leaf: the counter
+    names it, not a clip."""
+    record = _record({"a.kernel": 1.7, "b.kernel": 2.2})
+    counter = LeafError(0, "counter", "step", 1.0, 1.0, 0.0, False, 2.0)
+    record = dataclasses.replace(record, leaves=(*record.leaves, counter), candidate_step_count=2)
+    codes = [d.code for d in diagnose([record], 2)]
+    assert codes[0] == "step_counter" and not {"local_clip_norm", "clip_coefficient"} & set(codes), codes
+
+
 def test_factor_groups():
     groups = factor_groups({"a": 1.0, "b": 1.01, "c": 2.0, "d": 1.99, "e": 3.0}, 0.02)
     assert groups == [(1.005, ["a", "b"]), (1.995, ["c", "d"]), (3.0, ["e"])]

@@ -338,12 +338,17 @@ def _name_factor(
 
 
 def _applied_factors(
-    first: StepRecord | None, bad: tuple[LeafError, ...], factor: float | None, reproduced: tuple[str, ...]
+    first: StepRecord | None,
+    bad: tuple[LeafError, ...],
+    factor: float | None,
+    reproduced: tuple[str, ...],
+    counter_fail: LeafError | None,
 ) -> tuple[float | None, str, tuple[tuple[float, tuple[str, ...]], ...]]:
     """``(applied_factor, applied_evidence, applied_groups)`` of :class:`DiagnosisContext`: the factor(s) of the
     gradient the optimizer was given, read without the exposed gradients, where these were compared and all
-    match while the update fails (``factor`` is then ``None``: the gradients' ratios are 1)."""
-    if first is None or factor is not None or reproduced:
+    match while the update fails (``factor`` is then ``None``: the gradients' ratios are 1) and no counter, named
+    reduction or gradient factor explains it."""
+    if first is None or factor is not None or reproduced or counter_fail is not None:
         return None, "", ()
     grads = [e for e in first.leaves if e.kind == "grad"]
     if not grads or not all(e.ok for e in grads) or not {e.kind for e in bad} & {"param", "opt_state"}:
@@ -448,7 +453,9 @@ class DiagnosisContext:
                     "the gradients (the reference's optimizer rerun on them reproduces the candidate's state)"
                 )
 
-        applied_factor, applied_evidence, applied_groups = _applied_factors(first, bad, factor, reproduced)
+        applied_factor, applied_evidence, applied_groups = _applied_factors(
+            first, bad, factor, reproduced, counter_fail
+        )
         return cls(
             records, num_shards, diverged, reference_diverged_at, failing, first, bad, factor, evidence,
             counter_fail, reproduced, mesh_shape, micro_batches, applied_factor, applied_evidence,
