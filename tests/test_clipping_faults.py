@@ -156,6 +156,60 @@ def test_each_shard_clipped_by_its_local_norm_is_named(s):
     assert first.leaf.startswith("param ")
 
 
+def _clip_inside_shard_map_step(model, optimizer, batch, mesh):
+    """A user's FSDP step that runs the task's own optimizer, ``clip_by_global_norm`` and Adam, inside
+    ``jax.shard_map`` on each device's shard of the parameters, state and gradient: the clip sees the local norm.
+    A leaf that does not split (``out.bias`` at S=4) stays whole and is clipped differently on each device."""
+    axis, s = mesh.axis_names[0], mesh.size
+    loss_fn = _task().loss_fn
+    loss = loss_fn(model, batch)
+    graphdef, params = nnx.split(model, nnx.Param)
+    params, state = nnx.as_pure(params), nnx.as_pure(optimizer.opt_state)
+    pspec, sspec = (jax.tree.map(lambda a: P(axis) if _split(a, s) else P(), t) for t in (params, state))
+
+    def body(p, st, b):
+        def gather(a, spec):
+            return jax.lax.all_gather(a, axis, axis=0, tiled=True) if spec == P(axis) else a
+
+        full = jax.tree.map(gather, p, pspec)
+        g = jax.grad(lambda q: loss_fn(nnx.merge(graphdef, q), b))(full)
+        g = jax.tree.map(lambda a: jax.lax.psum(a, axis) / s, g)
+        i = jax.lax.axis_index(axis)
+
+        def shard(a, spec):
+            n = a.shape[0] // s
+            return jax.lax.dynamic_slice_in_dim(a, i * n, n, 0) if spec == P(axis) else a
+
+        updates, st = optimizer.tx.update(jax.tree.map(shard, g, pspec), st, p)
+        return optax.apply_updates(p, updates), st, g
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(pspec, sspec, P(axis)), out_specs=(pspec, sspec, P()), check_vma=False
+    )
+    params, state, grads = jax.jit(mapped)(params, state, batch)
+    nnx.update(model, params)
+    nnx.update(optimizer.opt_state, nnx.state(state))
+    optimizer.step[...] += 1
+    return {"loss": loss, "grads": grads}
+
+
+@require_devices(4)
+@pytest.mark.parametrize("s", [2, 4])
+def test_clip_by_global_norm_inside_shard_map_is_a_local_clip_norm(s):
+    report = check_parity(_clip_inside_shard_map_step, _task(), mesh=make_mesh(s))
+    assert not report.ok
+    codes = [d.code for d in report.diagnoses]
+    # at S=4 the whole out.bias is clipped by 4 different norms: its copies differ, named first
+    assert codes[: 1 + (s == 4)] == (
+        ["replicas_differ", "local_clip_norm"] if s == 4 else ["local_clip_norm"]
+    )
+    message = next(d.message for d in report.diagnoses if d.code == "local_clip_norm")
+    factors = _first_moments(report)
+    assert min(factors.values()) > 1 and max(factors.values()) > 1.02 * min(factors.values())
+    assert all(f"x{f:.4g}" in message for f in factors.values()), (factors, message)
+    assert not {"loss_only", "update_differs"} & set(codes)
+
+
 @require_devices(4)
 @pytest.mark.parametrize("s", [2, 4])
 def test_a_norm_counted_once_per_replica_is_still_clip_norm(s):
