@@ -15,6 +15,10 @@ in order, with their codes:
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
   1/S^2, or 1/sqrt(R) for a replica count R (a clipping norm counted once per replica).
 - :func:`replicated_reduced` (``replicated_reduced``): only some leaves (the replicated ones) are x R.
+- :func:`clip_coefficient` (``clip_coefficient``, ``clip_norm``, ...): the exposed gradients match, the
+  optimizer's state shows the gradient it was given scaled by one factor (a clip by a norm not the global one).
+- :func:`local_clip_norm` (``local_clip_norm``): the exposed gradients match, the optimizer's factors differ by
+  leaf group, all >= 1 (each shard clipped by its own local norm).
 - :func:`normalization` (``normalization``): the update is the mean of per-shard means (C4-C6).
 - :func:`scaled` (``scaled``): the gradient factor is another constant.
 - :func:`loss_differs` (``loss_differs``): only the returned loss differs.
@@ -37,8 +41,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from shardcheck.parity.topology import (
+    clip_coefficient_message,
     clip_factors,
+    factor_groups,
     leaf_factors,
+    local_clip_message,
     missed_axes_message,
     model_axis_factor,
     replica_counts,
@@ -183,7 +190,7 @@ class Diagnosis:
         code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``normalization``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
             ``grads_differ``, ``update_differs``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
-            ``weak_check`` or ``rounding_level``.
+            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weak_check`` or ``rounding_level``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).
     """
@@ -330,6 +337,36 @@ def _name_factor(
     return None
 
 
+def _applied_factors(
+    first: StepRecord | None,
+    bad: tuple[LeafError, ...],
+    factor: float | None,
+    reproduced: tuple[str, ...],
+    counter_fail: LeafError | None,
+) -> tuple[float | None, str, tuple[tuple[float, tuple[str, ...]], ...]]:
+    """``(applied_factor, applied_evidence, applied_groups)`` of :class:`DiagnosisContext`: the factor(s) of the
+    gradient the optimizer was given, read without the exposed gradients, where these were compared and all
+    match while the update fails (``factor`` is then ``None``: the gradients' ratios are 1) and no counter, named
+    reduction or gradient factor explains it."""
+    if first is None or factor is not None or reproduced or counter_fail is not None:
+        return None, "", ()
+    grads = [e for e in first.leaves if e.kind == "grad"]
+    if not grads or not all(e.ok for e in grads) or not {e.kind for e in bad} & {"param", "opt_state"}:
+        return None, "", ()
+    rest = dataclasses.replace(first, leaves=tuple(e for e in first.leaves if e.kind != "grad"))
+    f, evidence = _gradient_factor(rest)
+    if f is not None:
+        if _close(f, 1.0):
+            return None, "", ()
+        first_moments = evidence == "optimizer moments" and any(".mu." in f".{e.path}." for e in rest.leaves)
+        return f, "Adam's first moments" if first_moments else evidence, ()
+    factors = leaf_factors(rest.leaves, first.unresolved, grads=False)
+    groups = factor_groups(factors, RATIO_RTOL)
+    if len(groups) < 2 or groups[0][0] < 1 - RATIO_RTOL:
+        return None, "", ()
+    return None, "", tuple((f, tuple(paths)) for f, paths in groups)
+
+
 @dataclasses.dataclass(frozen=True)
 class DiagnosisContext:
     """What the rules read, computed once from the arguments of :func:`diagnose`.
@@ -352,6 +389,13 @@ class DiagnosisContext:
         mesh_shape: the candidate's mesh, ``{axis: size}``, when known.
         micro_batches: k, the micro-batches of a candidate that accumulates gradients (one with its own
             optimizer, ``Candidate.make_optimizer``), else ``None``.
+        applied_factor: where ``first``'s exposed gradients were compared and all match while its update fails,
+            the one factor (other than 1) of the gradient the optimizer was given, read from its state or
+            updates without the gradients (a clip applied after them); else ``None``.
+        applied_evidence: what ``applied_factor`` was read from, else ``""``.
+        applied_groups: where the gradients match and no one factor explains the update, the per-leaf factors
+            of the optimizer's gradient grouped (:func:`~shardcheck.parity.topology.factor_groups`), when there
+            are at least two groups and every factor is >= 1 (a per-shard clip norm); else ``()``.
     """
 
     records: tuple[StepRecord, ...]
@@ -367,6 +411,9 @@ class DiagnosisContext:
     reproduced: tuple[str, ...]
     mesh_shape: dict[str, int] | None = None
     micro_batches: int | None = None
+    applied_factor: float | None = None
+    applied_evidence: str = ""
+    applied_groups: tuple[tuple[float, tuple[str, ...]], ...] = ()
 
     @classmethod
     def build(
@@ -406,9 +453,13 @@ class DiagnosisContext:
                     "the gradients (the reference's optimizer rerun on them reproduces the candidate's state)"
                 )
 
+        applied_factor, applied_evidence, applied_groups = _applied_factors(
+            first, bad, factor, reproduced, counter_fail
+        )
         return cls(
             records, num_shards, diverged, reference_diverged_at, failing, first, bad, factor, evidence,
-            counter_fail, reproduced, mesh_shape, micro_batches,
+            counter_fail, reproduced, mesh_shape, micro_batches, applied_factor, applied_evidence,
+            applied_groups,
         )  # fmt: skip
 
     @property
@@ -445,6 +496,8 @@ class DiagnosisContext:
             and self.factor is None
             and self.counter_fail is None
             and not self.reproduced
+            and self.applied_factor is None
+            and not self.applied_groups
         )
 
     @property
@@ -595,6 +648,44 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
     """``summed`` (x S or x S^2) or ``averaged_twice`` (x 1/S or x 1/S^2) at the first failing step."""
     named = ctx.named_factor
     return None if named is None else _factor_finding(ctx, *named)
+
+
+def clip_coefficient(ctx: DiagnosisContext) -> Finding:
+    """``clip_coefficient``: the exposed gradients match, the gradient the optimizer was given is x f on every
+    leaf, f neither 1 nor a shard count's power: a clip coefficient from a norm that was not the global one.
+    Where f is 1/sqrt(R) (a norm counted once per replica) or a power of S, the finding is ``clip_norm`` or
+    ``summed`` / ``averaged_twice``, as when the factor shows in the gradients themselves."""
+    f = ctx.applied_factor
+    if f is None:
+        return None
+    named = _name_factor(f, ctx.num_shards, ctx.mesh_shape)
+    step = ctx.first.step
+    if named is not None:
+        code, phrase = named
+        return Diagnosis(
+            code,
+            f"At step {step} the exposed gradients match the reference's, but {ctx.applied_evidence} are "
+            f"{f:.4g} x the reference's: the gradient the optimizer was given is not the one returned: {phrase}.",
+            ctx.worst_name,
+        )
+    return Diagnosis(
+        "clip_coefficient", clip_coefficient_message(step, f, ctx.applied_evidence), ctx.worst_name
+    )
+
+
+def local_clip_norm(ctx: DiagnosisContext) -> Finding:
+    """``local_clip_norm``: the exposed gradients match, the optimizer's per-leaf factors differ by leaf group and
+    are all >= 1: each shard's gradient was clipped by its own local norm (a coefficient c / norm(local) >= the
+    global c / norm(global))."""
+    if not ctx.applied_groups:
+        return None
+    groups = [(f, list(paths)) for f, paths in ctx.applied_groups]
+    adam = any(".mu." in f".{e.path}." for e in ctx.first.leaves if e.kind == "opt_state")
+    evidence = "Adam's first moments" if adam else "the optimizer's state and updates"
+    worst = max(groups, key=lambda g: g[0])[1][0]
+    return Diagnosis(
+        "local_clip_norm", local_clip_message(ctx.first.step, groups, evidence), f"param {worst}"
+    )
 
 
 def normalization(ctx: DiagnosisContext) -> Finding:
@@ -839,6 +930,8 @@ RULES: tuple[Rule, ...] = (
     step_counter,
     shard_factor,
     replicated_reduced,
+    clip_coefficient,
+    local_clip_norm,
     normalization,
     low_precision_reduction,
     scaled,
@@ -885,6 +978,11 @@ def diagnose(
     - ``summed`` / ``averaged_twice``: a gradient factor of S (S^2) or 1/S (1/S^2) at the first failing step,
       read from the gradients, moments or updates; ``clip_norm``: a factor 1/sqrt(R), R a replica count.
     - ``replicated_reduced``: some leaves' factor is a replica count R while every other leaf matches.
+    - ``clip_coefficient``: the exposed gradients match while the optimizer's state shows the gradient it was
+      given x f on every leaf, f not 1, a power of S or 1/sqrt(R) (named as above where it is): a clip
+      coefficient from a norm that was not the global one (a mean of per-rank norms, a partial norm).
+    - ``local_clip_norm``: the exposed gradients match while the optimizer's factors differ by leaf group, all
+      >= 1: each shard clipped by its own local norm.
     - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``).
     - ``scaled``: another constant gradient factor (unless ``normalization`` explains the step).
     - ``loss_differs``: only the returned loss differs.

@@ -87,7 +87,7 @@ def _param_of(path: str, params: Sequence[str]) -> str | None:
     return best
 
 
-def leaf_factors(leaves, unresolved: Sequence[str] = ()) -> dict[str, float]:
+def leaf_factors(leaves, unresolved: Sequence[str] = (), grads: bool = True) -> dict[str, float]:
     """Each parameter's gradient factor candidate / reference at one step, from the most direct evidence.
 
     Per parameter: its exposed gradient's ratio; else its first moment's or momentum trace's (proportional to
@@ -98,6 +98,8 @@ def leaf_factors(leaves, unresolved: Sequence[str] = ()) -> dict[str, float]:
     Args:
         leaves: the step's :class:`~shardcheck.parity.diagnosis.LeafError` records.
         unresolved: the record's ``unresolved`` names (``"param PATH"``).
+        grads: read the exposed gradients; ``False``: the factor of the gradient the optimizer was given (its
+            state and updates only), for a step whose exposed gradients match (a clip applied after them).
     """
     noise = {u.split(" ", 1)[-1] for u in unresolved}
     params = [e.path for e in leaves if e.kind == "param" and e.path not in noise]
@@ -107,7 +109,8 @@ def leaf_factors(leaves, unresolved: Sequence[str] = ()) -> dict[str, float]:
         if e.ratio is None or not math.isfinite(e.ratio):
             continue
         if e.kind == "grad" and e.path in evidence:
-            evidence[e.path][0] = e.ratio
+            if grads:
+                evidence[e.path][0] = e.ratio
         elif e.kind == "opt_state":
             p = _param_of(e.path, params)
             if p is None:
@@ -120,6 +123,55 @@ def leaf_factors(leaves, unresolved: Sequence[str] = ()) -> dict[str, float]:
         elif e.kind == "param" and e.path in evidence:
             evidence[e.path][3] = e.ratio
     return {p: ev[min(ev)] for p, ev in evidence.items() if ev}
+
+
+def factor_groups(factors: dict[str, float], rel: float) -> list[tuple[float, list[str]]]:
+    """The leaves of ``factors`` (``{path: factor}``) grouped by factor: sorted by factor, a leaf joins the group
+    before it when within ``rel`` of that group's first factor; ``[(median factor, paths)]`` in ascending order."""
+    groups: list[list[tuple[float, str]]] = []
+    for path, f in sorted(factors.items(), key=lambda kv: (kv[1], kv[0])):
+        if groups and abs(f - groups[-1][0][0]) <= rel * abs(groups[-1][0][0]):
+            groups[-1].append((f, path))
+        else:
+            groups.append([(f, path)])
+    return [(float(np.median([f for f, _ in g])), sorted(p for _, p in g)) for g in groups]
+
+
+def local_clip_message(step: int, groups: list[tuple[float, list[str]]], evidence: str) -> str:
+    """The ``local_clip_norm`` message: the gradients match, the optimizer's factors differ by leaf group."""
+    listed = "; ".join(f"x{f:.4g}: {name_leaves(paths)}" for f, paths in groups)
+    return (
+        f"At step {step} the exposed gradients match the reference's, but the gradient the optimizer was given "
+        f"differs by a factor that differs between leaf groups ({evidence}: {listed}), every factor >= 1: each "
+        "shard was clipped by its own local norm, norm(global) / norm(local) its factor (optax.clip_by_global_norm "
+        "inside jax.shard_map, or a clip of an FSDP shard, sees only the device's part of the gradient). Compute "
+        "the norm over the whole gradient before clipping: psum the squared norms of the local shards over the "
+        "axes the gradient is split on (a replicated leaf counted once), take the square root, and clip every "
+        "shard by that one coefficient."
+    )
+
+
+def clip_coefficient_message(step: int, f: float, evidence: str) -> str:
+    """The ``clip_coefficient`` message: the gradients match, the optimizer's gradient is x ``f`` on every leaf."""
+    if f > 1:
+        norm = (
+            "smaller than the global norm: a mean of per-rank norms (ranks holding different parts of the "
+            "gradient: FSDP shards, different experts; R ranks whose parts have alike norms give about "
+            "sqrt(R)), or a norm over part of the gradients"
+        )
+    else:
+        norm = (
+            "larger than the global norm: per-rank norms summed instead of their squares, or leaves counted "
+            "more than once"
+        )
+    return (
+        f"At step {step} the exposed gradients match the reference's, but {evidence} are {f:.4g} x the "
+        f"reference's on every leaf: the gradient was scaled between the gradients and the optimizer, the clipping "
+        f"coefficient differing from the global norm's by {f:.4g} (or another scale applied there). The norm was "
+        f"not the global one: {1 / f:.4g} x the global norm where both clips bind, {norm}. Clip by the norm of the whole "
+        "gradient: sqrt of the psum, over the axes the gradient is split on, of each device's sum of squares "
+        "(a replicated leaf counted once), or optax.clip_by_global_norm on the global arrays."
+    )
 
 
 # ------------------------------------------------------------------------------- batch axes and model axes
