@@ -93,7 +93,7 @@ def test_mlp_bfloat16_one_strategy_to_file_and_plot(tmp_path, capsys):
     assert (s["params_bytes"], s["grads_bytes"], s["optimizer_bytes"], s["total_bytes"]) == (38, 38, 38, 118)
     assert list(report["strategies"]) == ["fsdp"]
     leaves = {(leaf["category"], leaf["path"]): leaf for leaf in s["leaves"]}
-    assert leaves["params", "layers/1/bias"]["replicated_reason"] == "no dimension of (3,) divides by S=4"
+    assert leaves["params", "layers.1.bias"]["replicated_reason"] == "no dimension of (3,) divides by S=4"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -243,7 +243,7 @@ def test_task_tiny_lm_measured_json(capsys):
     fsdp = {
         leaf["path"]: leaf for leaf in report["strategies"]["fsdp"]["leaves"] if leaf["category"] == "params"
     }
-    assert not fsdp["lm_head/bias"]["sharded"] and fsdp["lm_head/kernel"]["shard_shape"] == [8, 77]
+    assert not fsdp["lm_head.bias"]["sharded"] and fsdp["lm_head.kernel"]["shard_shape"] == [8, 77]
 
 
 def test_task_estimate_digits_by_hand(capsys):

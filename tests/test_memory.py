@@ -123,9 +123,9 @@ def test_leaf_that_does_not_divide_stays_whole():
     assert not bias.sharded and bias.shard_shape == (6,) and bias.per_device_bytes == 24
     assert bias.replicated_reason == "no dimension of (6,) divides by S=4"
     assert all(leaf.padded_bytes == 0 for leaf in est.leaves)  # the rule replicates, it never pads
-    assert leaves["optimizer", "0/count"].replicated_reason == "scalar"
-    assert leaves["optimizer", "0/mu/bias"].per_device_bytes == 24
-    assert leaves["optimizer", "0/nu/kernel"].per_device_bytes == 48
+    assert leaves["optimizer", "0.count"].replicated_reason == "scalar"
+    assert leaves["optimizer", "0.mu.bias"].per_device_bytes == 24
+    assert leaves["optimizer", "0.nu.kernel"].per_device_bytes == 48
     assert leaves["step", "step"].dtype == "uint32" and leaves["step", "step"].per_device_bytes == 4
     zero1 = estimate_memory(abstract("linear", 8, 6), "adam", num_shards=4, strategy="zero1")
     assert {leaf.replicated_reason for leaf in zero1.leaves if leaf.category == "params"} == {
@@ -187,11 +187,11 @@ def test_deep_mlp_splits_the_first_dimension_that_divides():
     assert isinstance(model, DeepMLP) and len(model.layers) == 3
     est = estimate_memory(model, "sgd", num_shards=8, strategy="fsdp")
     leaves = {leaf.path: leaf for leaf in est.leaves if leaf.category == "params"}
-    assert leaves["layers/0/kernel"].shard_shape == (4, 1)
-    assert leaves["layers/0/kernel"].spec == repr(jax.sharding.PartitionSpec(None, "fsdp"))
-    assert leaves["layers/1/kernel"].shard_shape == (1, 8)
-    assert leaves["layers/2/kernel"].shard_shape == (1, 2)
-    assert not leaves["layers/2/bias"].sharded
+    assert leaves["layers.0.kernel"].shard_shape == (4, 1)
+    assert leaves["layers.0.kernel"].spec == repr(jax.sharding.PartitionSpec(None, "fsdp"))
+    assert leaves["layers.1.kernel"].shard_shape == (1, 8)
+    assert leaves["layers.2.kernel"].shard_shape == (1, 2)
+    assert not leaves["layers.2.bias"].sharded
     # 16 + 4 + 32 + 4 + 8 + 8 B; the even split is 130 * 4 / 8 = 65 B, the whole bias (2,) adds 7 B.
     check(est, 72, 72, 0)
     assert est.even_split_params_bytes == 65.0 and est.param_count == 130
@@ -393,9 +393,9 @@ def test_tiny_lm_task_estimate_by_hand():
     assert len(jax.live_arrays()) == live_before  # shapes only: the model was never allocated
     fsdp = estimate_memory(task, num_shards=4, strategy="fsdp")
     leaves = {(leaf.category, leaf.path): leaf for leaf in fsdp.leaves}
-    assert leaves["params", "lm_head/bias"].replicated_reason == "no dimension of (77,) divides by S=4"
-    assert leaves["params", "embed/embedding"].shard_shape == (77, 8)  # 77 does not divide: the width does
-    assert leaves["optimizer", "0/nu/blocks/1/attn/out/kernel"].shard_shape == (2, 4, 32)
+    assert leaves["params", "lm_head.bias"].replicated_reason == "no dimension of (77,) divides by S=4"
+    assert leaves["params", "embed.embedding"].shard_shape == (77, 8)  # 77 does not divide: the width does
+    assert leaves["optimizer", "0.nu.blocks.1.attn.out.kernel"].shard_shape == (2, 4, 32)
     # The same figures as the (abstract model, optimizer) form.
     assert fsdp == estimate_memory(abstract_model, task.optimizer, num_shards=4, strategy="fsdp")
 
@@ -494,10 +494,10 @@ def test_even_split_on_a_2d_mesh_names_the_replicated_shards():
     split = [leaf for leaf in params if any(d % 4 == 0 for d in leaf.shape)]
     copies = sum(4 * math.prod(leaf.shape) / 4 - 4 * math.prod(leaf.shape) / 8 for leaf in split)
     whole = [leaf for leaf in params if leaf not in split]
-    assert [leaf.path for leaf in whole] == ["lm_head/bias"]  # 77 ids: no dimension 4 divides
+    assert [leaf.path for leaf in whole] == ["lm_head.bias"]  # 77 ids: no dimension 4 divides
     assert copies == 15_712 and est.params_bytes - est.even_split_params_bytes == copies + 77 * 4 * 7 / 8
     assert (
         "split leaves' shards replicated over the mesh axes they are not split over: +15,712 B"
         in est.even_split_note
     )
-    assert "lm_head/bias (77,) replicated" in est.even_split_note
+    assert "lm_head.bias (77,) replicated" in est.even_split_note

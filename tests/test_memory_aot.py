@@ -135,7 +135,7 @@ def test_annotated_2d_placement_exact_bytes(mesh_2x4, name):
     assert leaves["params", "b"].replicated_reason == "annotated (None,): replicated"
     assert leaves["params", "scale"].replicated_reason == "no dimension of (6,) divides by fsdp=4"
     assert leaves["params", "v"].split_axes == ("fsdp",)
-    moments = [leaf for leaf in fsdp.leaves if leaf.path.endswith("mu/w2")]
+    moments = [leaf for leaf in fsdp.leaves if leaf.path.endswith("mu.w2")]
     assert (
         len(moments) == 1 and moments[0].per_device_bytes == 48
     )  # the optimizer state inherits the annotation

@@ -8,10 +8,10 @@ annotated ``(None, "fsdp")`` and its bias ``(None,)``; ``down`` = Linear(16, 4),
 ======================  =======  ==========================  =========  ===================================
 leaf                    shape    placement                   whole      per device
 ======================  =======  ==========================  =========  ===================================
-up/kernel               (8, 16)  annotated: dim 1 over fsdp  512 B      (8, 4) = 128 B (the shape rule: (2, 16))
-up/bias                 (16,)    annotated replicated        64 B       64 B (the shape rule split it: 16 B)
-down/kernel             (16, 4)  FSDP rule: dim 0            256 B      (4, 4) = 64 B
-down/bias               (4,)     FSDP rule: dim 0            16 B       (1,) = 4 B
+up.kernel               (8, 16)  annotated: dim 1 over fsdp  512 B      (8, 4) = 128 B (the shape rule: (2, 16))
+up.bias                 (16,)    annotated replicated        64 B       64 B (the shape rule split it: 16 B)
+down.kernel             (16, 4)  FSDP rule: dim 0            256 B      (4, 4) = 64 B
+down.bias               (4,)     FSDP rule: dim 0            16 B       (1,) = 4 B
 ======================  =======  ==========================  =========  ===================================
 
 Parameters 848 B whole, 260 B on each device under fsdp. Persistent (params + Adam + step): fsdp / gspmd
@@ -98,22 +98,22 @@ def test_num_shards_is_the_fsdp_mesh_leaf_by_leaf(kind, strategy):
 def test_annotations_are_honoured_by_the_num_shards_form():
     est = estimate_memory(make_task(True), num_shards=4, strategy="fsdp")
     leaves = {leaf.path: leaf for leaf in est.leaves if leaf.category == "params"}
-    assert leaves["up/kernel"].shard_shape == (8, 4) and leaves["up/kernel"].split_axes == ("fsdp",)
-    assert leaves["up/kernel"].spec == repr(jax.sharding.PartitionSpec(None, "fsdp"))
-    assert not leaves["up/bias"].sharded and leaves["up/bias"].per_device_bytes == 64
-    assert leaves["up/bias"].replicated_reason == "annotated (None,): replicated"
-    assert leaves["down/kernel"].shard_shape == (4, 4) and leaves["down/bias"].shard_shape == (1,)
+    assert leaves["up.kernel"].shard_shape == (8, 4) and leaves["up.kernel"].split_axes == ("fsdp",)
+    assert leaves["up.kernel"].spec == repr(jax.sharding.PartitionSpec(None, "fsdp"))
+    assert not leaves["up.bias"].sharded and leaves["up.bias"].per_device_bytes == 64
+    assert leaves["up.bias"].replicated_reason == "annotated (None,): replicated"
+    assert leaves["down.kernel"].shard_shape == (4, 4) and leaves["down.bias"].shard_shape == (1,)
     assert (est.params_bytes, est.grads_bytes, est.optimizer_bytes, est.step_bytes) == (260, 260, 524, 4)
     opt = {leaf.path: leaf for leaf in est.leaves if leaf.category == "optimizer"}
-    assert opt["0/mu/up/kernel"].shard_shape == (8, 4) and not opt["0/nu/up/bias"].sharded  # inherited
+    assert opt["0.mu.up.kernel"].shard_shape == (8, 4) and not opt["0.nu.up.bias"].sharded  # inherited
 
 
 def test_an_abstract_mesh_needs_no_devices():
     """S = 16 on 8 (fake) devices: the annotated kernel's 16 columns split one a device; the rest stays whole."""
     est = estimate_memory(make_task(True), num_shards=16, strategy="fsdp")
     leaves = {leaf.path: leaf for leaf in est.leaves if leaf.category == "params"}
-    assert leaves["up/kernel"].shard_shape == (8, 1) and leaves["down/kernel"].shard_shape == (1, 4)
-    assert not leaves["down/bias"].sharded and leaves["down/bias"].replicated_reason == (
+    assert leaves["up.kernel"].shard_shape == (8, 1) and leaves["down.kernel"].shard_shape == (1, 4)
+    assert not leaves["down.bias"].sharded and leaves["down.bias"].replicated_reason == (
         "no dimension of (4,) divides by S=16"
     )
     assert est.params_bytes == 32 + 64 + 16 + 16 and est.num_devices == 16
@@ -190,7 +190,7 @@ def test_each_leaf_lives_where_the_estimate_places_it(kind):
     names = {"params": "{}", "optimizer": "opt_state.{}", "step": "{}"}
     est = estimate_memory(task, num_shards=4, strategy="fsdp")
     estimated = {
-        names[leaf.category].format(leaf.path.replace("/", ".")): (leaf.shard_shape, leaf.per_device_bytes)
+        names[leaf.category].format(leaf.path): (leaf.shard_shape, leaf.per_device_bytes)
         for leaf in est.leaves
         if leaf.category in names
     }
@@ -233,4 +233,4 @@ def test_param_dtype_casts_a_task_and_its_optimizer_state():
     assert {leaf.dtype for leaf in plain.leaves if leaf.category != "step"} == {"bfloat16", "int32"}
     annotated = estimate_memory(make_task(True), mesh={"fsdp": 4}, strategy="fsdp", param_dtype="bfloat16")
     leaves = {leaf.path: leaf for leaf in annotated.leaves if leaf.category == "params"}
-    assert leaves["up/kernel"].shard_shape == (8, 4) and annotated.params_bytes == 260 // 2
+    assert leaves["up.kernel"].shard_shape == (8, 4) and annotated.params_bytes == 260 // 2

@@ -36,8 +36,8 @@ class LeafMemory:
     """Where one leaf of the training state lives, and what it costs on each device.
 
     Attributes:
-        path: ``"/"``-joined path inside its category, e.g. ``"kernel"``, ``"layers/0/bias"``,
-            ``"0/mu/kernel"``.
+        path: the path inside its category, spelled as every report spells a leaf (``"."``-joined,
+            :func:`shardcheck._tree.path_str`), e.g. ``"kernel"``, ``"layers.0.bias"``, ``"0.mu.kernel"``.
         category: one of :data:`~shardcheck.memory.CATEGORIES`.
         shape: global shape.
         dtype: dtype name, e.g. ``"float32"``.
@@ -194,7 +194,7 @@ def placed_leaves(fn, model, optimizer, mesh, strategy) -> dict[str, list[LeafMe
         by_category[category].append(_leaf(category, name, var, sharding, strategy, mesh, num_devices))
     param_flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     for (path, var), sharding in zip(param_flat, grad_shardings, strict=True):
-        name = "/".join(map(str, path))
+        name = ".".join(map(str, path))
         by_category["grads"].append(_leaf("grads", name, var, sharding, strategy, mesh, num_devices))
     if not by_category["params"]:
         raise ValueError(f"{fn}: the model has no nnx.Param; pass a model with at least one parameter")

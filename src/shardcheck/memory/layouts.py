@@ -96,10 +96,10 @@ def category_and_path(path, var) -> tuple[str, str]:
     """``(category, path inside it)`` of a leaf of ``nnx.to_flat_state(nnx.state((model, optimizer)))``."""
     keys = tuple(str(k) for k in path)
     if keys[0] == "0":
-        return ("params" if isinstance(var, nnx.Param) else "model_state"), "/".join(keys[1:])
+        return ("params" if isinstance(var, nnx.Param) else "model_state"), ".".join(keys[1:])
     if keys[1] == "step":
-        return "step", "/".join(keys[1:])
-    return "optimizer", "/".join(keys[2:] if keys[1] == "opt_state" else keys[1:])
+        return "step", ".".join(keys[1:])
+    return "optimizer", ".".join(keys[2:] if keys[1] == "opt_state" else keys[1:])
 
 
 def _placed_shardings(fn: str, flat) -> list:
