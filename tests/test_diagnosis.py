@@ -332,3 +332,46 @@ def test_findings_order():
     out = diagnose(records, 4, reference_diverged_at=1)
     # a loose rtol is a passing report's caveat (weak_check): a failing one has found its error
     assert _codes(out) == ["reference_diverged", "replicas_differ", "step_counter", "summed"]
+
+
+def _expert_record() -> StepRecord:
+    """Step 0 of a mixture: the experts' leaves are x4 (gradients, updates, first moments), the gate's match."""
+    leaves = [_leaf("loss", "loss")]
+    for path, ratio in (("experts.w_in", 4.0), ("experts.w_out", 4.0), ("gate.kernel", 1.0)):
+        ok = ratio == 1.0
+        leaves += [
+            _leaf("grad", path, ok=ok, ratio=ratio),
+            _leaf("param", path, ok=ok, ratio=ratio),
+            _leaf("opt_state", f"0.mu.{path}", ok=ok, ratio=ratio),
+        ]
+    leaves.append(_leaf("counter", "step"))
+    return StepRecord(
+        0, leaves=tuple(leaves), rtol=1e-5, atol=1e-6, loss=1.5, candidate_loss=1.5, step_count=1,
+        candidate_step_count=1,
+    )  # fmt: skip
+
+
+def test_expert_leaves_scaled_by_the_expert_group_are_an_expert_parallel_scaling_fault():
+    found = diagnose([_expert_record()], 2, mesh_shape={"data": 2, "expert": 4})
+    assert _codes(found)[0] == "expert_scaling"
+    message = found[0].message
+    assert "(experts.w_in, experts.w_out) is x4 the reference's" in message
+    assert "x4 is the size of mesh axis 'expert', the expert-parallel group" in message
+    assert "divide their gradients by 4" in message and "summed instead of averaged" not in message
+
+
+def test_the_same_factor_on_a_tensor_axis_is_a_replicated_leaf_added_before_the_psum():
+    found = diagnose([_expert_record()], 2, mesh_shape={"data": 2, "model": 4})
+    assert _codes(found)[0] == "replicated_reduced"
+    assert "added before the psum over 'model' counts once per shard" in found[0].message
+    assert "expert-parallel" not in found[0].message
+
+
+def test_a_factor_on_every_gradient_is_still_read_as_the_whole_gradient_s():
+    record = _expert_record()
+    every = tuple(
+        dataclasses.replace(e, ok=False, ratio=4.0) if e.kind in ("grad", "param", "opt_state") else e
+        for e in record.leaves
+    )
+    found = diagnose([dataclasses.replace(record, leaves=every)], 2, mesh_shape={"data": 2, "expert": 4})
+    assert _codes(found)[0] == "summed"

@@ -44,9 +44,11 @@ from shardcheck.parity.topology import (
     clip_coefficient_message,
     clip_factors,
     factor_groups,
+    is_expert_axis,
     leaf_factors,
     local_clip_message,
     missed_axes_message,
+    model_axes_of_size,
     model_axis_factor,
     replica_counts,
     replicated_reduced_message,
@@ -286,6 +288,23 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     return (f, "parameter updates") if f is not None else (None, "")
 
 
+def _model_axis_subset(record: StepRecord, f: float, mesh_shape) -> bool:
+    """Whether the failing gradients' factor ``f`` is the size of a model axis (tensor, expert) and holds on a
+    subset only: other, well-resolved gradients match (ratio 1). Then it is no factor of the whole gradient but
+    those leaves' own, read per leaf by :func:`replicated_reduced` (a replicated bias added before the psum over
+    'model'; experts not divided by their group: ``expert_scaling``)."""
+    if not _close(f, round(f)) or not model_axes_of_size(mesh_shape, round(f)):
+        return False
+    return any(
+        e.kind == "grad"
+        and e.ok
+        and e.ratio is not None
+        and _close(e.ratio, 1.0)
+        and not _within_tolerance_of_zero(e)
+        for e in record.leaves
+    )
+
+
 def _sharp(leaves: list[LeafError]) -> list[LeafError]:
     """The leaves whose reference change exceeds :data:`SHARP` times their tolerance, or all of them when none
     does."""
@@ -435,7 +454,7 @@ class DiagnosisContext:
         grads_only = {e.kind for e in bad} == {"grad"} and "scale_blind" not in first.matches
         if {e.kind for e in bad} - {"loss", "counter"} and not grads_only:
             f, ev = _gradient_factor(first)
-            if f is not None and not _close(f, 1.0):
+            if f is not None and not _close(f, 1.0) and not _model_axis_subset(first, f, mesh_shape):
                 factor, evidence = f, ev
         counters = [e for r in records for e in r.leaves if e.kind == "counter" and not e.ok]
         counter_fail = next((e for e in counters if e.path == "step"), None) or next(
@@ -577,8 +596,9 @@ def replicated_reduced(ctx: DiagnosisContext) -> Finding:
     for r in replica_counts(ctx.num_shards, ctx.mesh_shape):
         off = sorted(p for p, f in factors.items() if _close(f, r))
         if off and right and len(off) + len(right) == len(factors):
+            expert = any(is_expert_axis(a) for a in model_axes_of_size(ctx.mesh_shape, r))
             return Diagnosis(
-                "replicated_reduced",
+                "expert_scaling" if expert else "replicated_reduced",
                 replicated_reduced_message(
                     ctx.first.step, off, len(right), r, ctx.mesh_shape, ctx.num_shards
                 ),

@@ -272,6 +272,28 @@ def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str],
     )
 
 
+def is_expert_axis(axis) -> bool:
+    """An axis that holds the experts of a mixture (``"expert"``, ``"experts"``, ``"expert_group"``...)."""
+    return "expert" in str(axis)
+
+
+def _expert_message(head: str, right: int, r: int, m: str, num_shards: int | None) -> str:
+    """``replicated_reduced`` on an expert axis: the expert leaves' gradients were not divided by the group."""
+    return (
+        f"{head} (their gradients and optimizer moments) while the other {right} match: x{r} is the size of mesh "
+        f"axis {m}, the expert-parallel group. An expert-parallel scaling fault: these experts' gradients sum "
+        f"the contributions of the {r} ranks of the expert group (routing brings every rank's tokens to each "
+        f"expert) and were not divided by the group's size: normalize the experts' loss by the group's total "
+        f"token count, or divide their gradients by {r}."
+        + (
+            f" x{r} is also the number of batch shards S: a sum for a mean over the batch axes gives the same "
+            "factor."
+            if num_shards == r
+            else ""
+        )
+    )
+
+
 def replicated_reduced_message(
     step: int, off: Sequence[str], right: int, r: int, mesh_shape, num_shards: int | None = None
 ) -> str:
@@ -289,6 +311,8 @@ def replicated_reduced_message(
             "second reduction for them."
         )
     m = _axes_text(axes)
+    if any(is_expert_axis(a) for a in axes):
+        return _expert_message(head, right, r, m, num_shards)
     return (
         f"{head} (their gradients and optimizer moments) while the other {right} match: x{r} is the size of mesh "
         f"axis {m}, which splits the model. A parameter replicated over {m} and added before the psum over {m} "
