@@ -4,8 +4,11 @@ for the session."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 from shardcheck.cli._xla import with_cpu_compile_flags
@@ -64,3 +67,14 @@ def small_lm_config():
     from shardcheck.tasks import TinyLMConfig
 
     return TinyLMConfig(d_model=16, num_heads=2, num_layers=1, seq_len=16, mlp_dim=32)
+
+
+@pytest.fixture(scope="module")
+def annotated_lm():
+    """The module examples/annotated_lm.py (an annotated transformer task and a user's GSPMD step)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    try:
+        import annotated_lm
+    finally:
+        sys.path.pop(0)
+    return annotated_lm

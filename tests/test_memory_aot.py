@@ -19,7 +19,6 @@ keeps no state (EmptyState); adamw is scale_by_adam (count, mu, nu) + add_decaye
 learning rate (no state when constant; an int32 count under a schedule). The NNX step counter: 4 B.
 """
 
-import sys
 from pathlib import Path
 
 import jax
@@ -185,16 +184,6 @@ def test_mesh_form_bad_input(mesh_2x4):
 
 
 # ------------------------------------------------------------------------ the annotated user transformer
-
-
-@pytest.fixture(scope="module")
-def annotated_lm():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    try:
-        import annotated_lm
-    finally:
-        sys.path.pop(0)
-    return annotated_lm
 
 
 @pytest.fixture(scope="module")

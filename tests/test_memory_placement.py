@@ -24,7 +24,6 @@ Persistent: fsdp 72 + 148 + 4 = 224 B; zero1 / zero2 216 + 148 + 4 = 368 B; repl
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -195,16 +194,6 @@ def test_each_leaf_lives_where_the_estimate_places_it(kind):
         if leaf.category in names
     }
     assert live == estimated
-
-
-@pytest.fixture(scope="module")
-def annotated_lm():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    try:
-        import annotated_lm
-    finally:
-        sys.path.pop(0)
-    return annotated_lm
 
 
 @require_devices(4)
