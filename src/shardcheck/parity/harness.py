@@ -38,7 +38,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.datasets import minibatch_indices
-from shardcheck.parity import compare
+from shardcheck.parity import compare, first_pass
 from shardcheck.parity.allowances import (
     _accumulated,
     _param_dtype,
@@ -74,6 +74,11 @@ from shardcheck.steps.reference import reference_step
 from shardcheck.task import Task
 from shardcheck.task import batch_size as leading_size
 from shardcheck.task import check_model as check_model
+
+
+FIRST_PASS = True
+"""Whether a step's leaves go through the cheap first pass (:mod:`shardcheck.parity.first_pass`) before the full
+comparison; ``False`` compares every leaf in full (the tests check that both give the same verdicts)."""
 
 
 def _reference_finite(record: StepRecord, after: _After) -> bool:
@@ -229,11 +234,13 @@ def _compare_step(
     opt_leaves, opt_mismatches = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol, bounds, after)
     ref_count = int(np.asarray(run.ref_opt.step[...]))
     leaves += params + opt_leaves
-    # every float leaf of the step in one on-device comparison (compare.leaf_errors); the rest as they are
-    compared = iter(leaf_errors([e for e in leaves if isinstance(e, LeafInput)]))
-    leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
     leaves.append(counter_error(t, "step", ref_count, cand_count))
     leaves += _extra_checks(run, t, t + 1 if completed is None else completed, rtol, atol)
+    # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
+    decided = [e for e in leaves if not isinstance(e, LeafInput)]
+    full = t == 0 or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
+    compared = iter(_two_pass([e for e in leaves if isinstance(e, LeafInput)], full))
+    leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
     evidence, blind = None, False
     if check_scale:
         evidence, blind = _scale_evidence(run, pre, batch, rtol, atol, bounds, after, compared_grads, leaves)
@@ -258,6 +265,30 @@ def _compare_step(
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol)
     return record, _reference_finite(record, after)
+
+
+def _two_pass(inputs: list, full: bool) -> list:
+    """The :class:`LeafError` of every input: cleared by the first pass (:func:`first_pass.clear`) where it can
+    prove the leaf within tolerance, else by the full comparison (:func:`compare.leaf_errors`).
+
+    Every leaf gets the full comparison when ``full`` (step 0, whose update ratios and tolerances the report and
+    ``weak_update`` read; a step that a counter, an extra check or a replica already failed) or when one of the
+    leaves fails (the rules read every leaf's update ratio). So every verdict and diagnosis is the full
+    comparison's."""
+    if full or not FIRST_PASS:
+        return leaf_errors(inputs)
+    out = first_pass.clear(inputs)
+    cleared = [i for i, e in enumerate(out) if e is not None]
+    _fill(out, inputs, [i for i, e in enumerate(out) if e is None])
+    if not all(e.ok for e in out):
+        _fill(out, inputs, cleared)
+    return out
+
+
+def _fill(out: list, inputs: list, which: list[int]) -> None:
+    """``out[i]`` = the full comparison of ``inputs[i]`` for every ``i`` of ``which`` (one call)."""
+    for i, e in zip(which, leaf_errors([inputs[i] for i in which]), strict=True):
+        out[i] = e
 
 
 def _snapshots(run: _Run) -> tuple[dict, dict, dict, dict]:

@@ -1,0 +1,107 @@
+"""The comparison's cheap first pass: clear the leaves that are provably within tolerance, on the device.
+
+Most leaves of a correct step are within their tolerance by orders of magnitude, and proving that needs four
+numbers per leaf, each one reduction on the leaf's devices: ``max |c - r|``, ``max |r|``, ``max |r - r0|`` (the
+reference's change, read by the rules) and ``min`` / ``max`` of the allowance. A leaf is cleared when
+
+    (max_f32 |c - r| + TINY) * (1 + 2**-22)  <=  atol + rtol * max|r| + min(allowance)
+
+which implies :func:`~shardcheck.parity.compare.leaf_error`'s elementwise rule ``|c - r| <= atol + rtol * max|r| +
+allowance`` in float64: the float32 difference of each element is within half an ulp (``2**-24`` relative) of the
+exact one, ``max|r|`` of float32 elements is exact, every allowance element is at least its minimum, and ``TINY``
+covers a difference that the device flushed to zero (XLA:CPU treats subnormal inputs as zero). A NaN or an
+infinity anywhere clears nothing. The statistics, the float64 re-check of the largest elements and the update
+ratio's median (:func:`~shardcheck.parity.compare.leaf_errors`, the second pass) are computed only for the leaves
+this pass cannot clear, and for every leaf of a step that fails.
+
+A cleared leaf's :class:`~shardcheck.parity.diagnosis.LeafError` holds ``max_abs_err`` (the float32 maximum:
+exact where the two sides' elements are within a factor 2, Sterbenz's lemma), ``tolerance`` (``atol + rtol *
+max|r| + max(allowance)``: the widest the rule allows, where the second pass reports the one its worst element
+used), ``ok=True``, ``ratio=None`` (read by the rules of failing steps only) and ``reference_change`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from shardcheck.parity import _device_stats
+from shardcheck.parity.diagnosis import LeafError
+
+# float32's rounding of one difference is at most 2**-24 relative; twice that leaves a margin for the comparison
+_ROUNDING = 2.0**-22
+
+
+def _leaf(r, c, r0, extra):
+    r, c = r.astype(jnp.float32), c.astype(jnp.float32)
+    out = {"diff": jnp.max(jnp.abs(c - r)), "scale": jnp.max(jnp.abs(r))}
+    if r0 is not None:
+        out["change"] = jnp.max(jnp.abs(r - r0.astype(jnp.float32)))
+    if extra is not None:
+        extra = extra.astype(jnp.float32)
+        out["min_extra"], out["max_extra"] = jnp.min(extra), jnp.max(extra)
+    return out
+
+
+@jax.jit
+def _stats(r: list, c: list, r0: list, extra: list) -> list:
+    """Per leaf, the four reductions (one compiled call for every leaf on one set of devices)."""
+    return [_leaf(*a) for a in zip(r, c, r0, extra, strict=True)]
+
+
+def _eligible(item) -> bool:
+    """Whether the first pass can read the item: float leaves of equal, non-empty shapes, on this process's
+    devices, with an array allowance of the leaf's shape or none (everything else goes to the second pass)."""
+    arrays = [item.ref, item.cand] + [a for a in (item.before_ref, item.allowance) if a is not None]
+    return (
+        all(isinstance(a, jax.Array) and a.is_fully_addressable for a in arrays)
+        and all(a.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) for a in arrays)
+        and item.ref.shape == item.cand.shape
+        and item.ref.size > 0
+        and (item.before_ref is None) == (item.before_cand is None)
+        and (item.allowance is None or item.allowance.shape == item.ref.shape)
+    )
+
+
+def _cleared(item, st: dict) -> LeafError | None:
+    """The leaf's record when the first pass proves it within tolerance, else ``None``."""
+    values = [float(v) for v in st.values()]
+    if not all(math.isfinite(v) for v in values):
+        return None
+    diff, scale = float(st["diff"]), float(st["scale"])
+    base = item.atol + item.rtol * scale
+    widest = base + float(st.get("max_extra", 0.0))
+    if (diff + _device_stats.TINY) * (1 + _ROUNDING) > base + float(st.get("min_extra", 0.0)):
+        return None
+    rel = (diff / scale) if scale > 0 else (0.0 if diff == 0 else math.inf)
+    change = float(st["change"]) if "change" in st else None
+    return LeafError(item.step, item.kind, item.path, diff, rel, widest, True, None, change)
+
+
+def clear(items: Sequence) -> list[LeafError | None]:
+    """The first pass over ``items`` (:class:`~shardcheck.parity.compare.LeafInput`): per item, its cleared
+    :class:`~shardcheck.parity.diagnosis.LeafError`, or ``None`` where the second pass must decide.
+
+    Only per-leaf scalars come to the host; the candidate's leaves are moved onto the reference's devices first.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        if _eligible(item):
+            groups.setdefault(tuple(sorted(d.id for d in item.ref.sharding.device_set)), []).append(i)
+    out: list[LeafError | None] = [None] * len(items)
+    for members in groups.values():
+        fields = {"r": [], "c": [], "r0": [], "extra": []}
+        for i in members:
+            item = items[i]
+            place = item.ref.sharding
+            fields["r"].append(item.ref)
+            fields["c"].append(jax.device_put(item.cand, place))
+            fields["r0"].append(item.before_ref)
+            fields["extra"].append(None if item.allowance is None else jax.device_put(item.allowance, place))
+        stats = jax.device_get(_stats(fields["r"], fields["c"], fields["r0"], fields["extra"]))
+        for i, st in zip(members, stats, strict=True):
+            out[i] = _cleared(items[i], st)
+    return out
