@@ -44,14 +44,18 @@ def _same(items):
     """``leaf_errors`` equals ``leaf_error`` on host copies of the same inputs, field for field (NaN == NaN): the
     ratio exactly with the host's median (CPU devices), to float32's rounding with the device's (accelerators)."""
     host = [leaf_error(*compare._host_args(i)) for i in items]
-    device = leaf_errors(items)
+    compare.DEVICE_STATS = True  # the device's statistics, also on CPU devices
+    try:
+        device = leaf_errors(items)
+    finally:
+        compare.DEVICE_STATS = None
     for d, h in zip(device, host, strict=True):
         np.testing.assert_equal(dataclasses.astuple(d), dataclasses.astuple(h))
-    compare.DEVICE_MEDIAN = True
+    compare.DEVICE_MEDIAN = compare.DEVICE_STATS = True
     try:
         on_device = leaf_errors(items)
     finally:
-        compare.DEVICE_MEDIAN = None
+        compare.DEVICE_MEDIAN = compare.DEVICE_STATS = None
     for d, h in zip(on_device, host, strict=True):
         np.testing.assert_equal(_fields(d), _fields(h))
         _same_ratio(d.ratio, h.ratio)
@@ -167,6 +171,8 @@ def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
     from shardcheck.parity import harness
 
     task = _mlp_task()
+    monkeypatch.setattr(compare, "DEVICE_STATS", True)  # the device's statistics, also on CPU devices
+    monkeypatch.setattr(harness, "FIRST_PASS", False)  # every leaf through leaf_errors
     device = shardcheck.check_parity(strategy, task, num_shards=2)
     host_path = [0]
 

@@ -126,6 +126,21 @@ def is_int(a) -> bool:
 # ------------------------------------------------------------------------------------- on-device statistics
 
 
+DEVICE_STATS: bool | None = None
+"""Where :func:`leaf_errors` compares: ``None`` (default) on accelerators on the devices, on CPU devices on the
+host (their buffers are host memory: NumPy's float64 pass over them is faster than XLA:CPU's reductions, and
+compiles nothing); ``True``/``False`` force one place. Both give the same :class:`LeafError`, field for field."""
+
+
+def _device_stats_for(item) -> bool:
+    """Whether :func:`leaf_errors` reduces ``item`` on its devices (:data:`DEVICE_STATS`, :func:`_on_device`)."""
+    if not _on_device(item):
+        return False
+    if DEVICE_STATS is not None:
+        return DEVICE_STATS
+    return next(iter(item.ref.sharding.device_set)).platform != "cpu"
+
+
 DEVICE_MEDIAN: bool | None = None
 """Where :func:`leaf_errors` takes the update ratio's median: ``None`` (default) on accelerators on the device, on
 CPU devices (whose arrays are host memory) on the host, where NumPy's partition beats 32 counting passes;
@@ -181,15 +196,15 @@ def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
     taken over are float64's (a leaf with an element within ``1e-5`` of the threshold gets its ratio on the host).
     On CPU devices it is NumPy's float64 median, exactly :func:`leaf_error`'s. Leaves the device cannot settle
     (non-finite or tiny values, many ties at the top, tiny allowances, other dtypes, arrays spread over
-    processes) are compared on the host by :func:`leaf_error`. On accelerators only per-leaf scalars come to the
-    host.
+    processes) are compared on the host by :func:`leaf_error`, and so is every leaf on CPU devices
+    (:data:`DEVICE_STATS`). On accelerators only per-leaf scalars come to the host.
 
     Returns:
         One :class:`LeafError` per item, in order.
     """
     groups: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
-        if _on_device(item):
+        if _device_stats_for(item):
             groups.setdefault(_devices(item), []).append(i)
     stats = {}
     for members in groups.values():

@@ -35,21 +35,42 @@ from shardcheck.parity.diagnosis import LeafError
 _ROUNDING = 2.0**-22
 
 
-def _leaf(r, c, r0, extra):
-    r, c = r.astype(jnp.float32), c.astype(jnp.float32)
-    out = {"diff": jnp.max(jnp.abs(c - r)), "scale": jnp.max(jnp.abs(r))}
+# leaves below this many elements are stacked with the leaves of their shape and reduced together (one set of
+# kernels per shape: XLA:CPU compiles each kernel for tens of milliseconds); larger ones are reduced alone (a
+# stack would copy them)
+_STACKED = 1 << 16
+
+
+def _reduce(r, c, r0, extra) -> dict:
+    """The reductions over the last axis of ``(leaves, n)`` float32 stacks (``r0``, ``extra``: or ``None``)."""
+    out = {"diff": jnp.max(jnp.abs(c - r), axis=-1), "scale": jnp.max(jnp.abs(r), axis=-1)}
     if r0 is not None:
-        out["change"] = jnp.max(jnp.abs(r - r0.astype(jnp.float32)))
+        out["change"] = jnp.max(jnp.abs(r - r0), axis=-1)
     if extra is not None:
-        extra = extra.astype(jnp.float32)
-        out["min_extra"], out["max_extra"] = jnp.min(extra), jnp.max(extra)
+        out["min_extra"], out["max_extra"] = jnp.min(extra, axis=-1), jnp.max(extra, axis=-1)
     return out
 
 
 @jax.jit
 def _stats(r: list, c: list, r0: list, extra: list) -> list:
-    """Per leaf, the four reductions (one compiled call for every leaf on one set of devices)."""
-    return [_leaf(*a) for a in zip(r, c, r0, extra, strict=True)]
+    """Per leaf, the reductions: one compiled call for every leaf on one set of devices, the small leaves of one
+    shape stacked (:data:`_STACKED`)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(r):
+        small = a.size < _STACKED
+        groups.setdefault((a.shape if small else i, r0[i] is None, extra[i] is None), []).append(i)
+    out: list = [None] * len(r)
+    for members in groups.values():
+
+        def stack(arrays, members=members):
+            if arrays[members[0]] is None:
+                return None
+            return jnp.stack([arrays[i].astype(jnp.float32).reshape(-1) for i in members])
+
+        reduced = _reduce(stack(r), stack(c), stack(r0), stack(extra))
+        for j, i in enumerate(members):
+            out[i] = {k: v[j] for k, v in reduced.items()}
+    return out
 
 
 def _eligible(item) -> bool:
