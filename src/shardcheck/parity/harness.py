@@ -75,7 +75,6 @@ from shardcheck.task import Task
 from shardcheck.task import batch_size as leading_size
 from shardcheck.task import check_model as check_model
 
-
 FIRST_PASS = True
 """Whether a step's leaves go through the cheap first pass (:mod:`shardcheck.parity.first_pass`) before the full
 comparison; ``False`` compares every leaf in full (the tests check that both give the same verdicts)."""
