@@ -66,7 +66,7 @@ from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowan
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.scale_evidence import _scale_evidence, scale_evidence_text, scale_shown, unresolvable
 from shardcheck.parity.setup import _setup, check_options
-from shardcheck.parity.state import StepFn, _After, _copy_state, _default_view, _opt_state, _PreStep, _Run
+from shardcheck.parity.state import StepFn, _After, _default_view, _kept_state, _opt_state, _PreStep, _Run
 from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
 from shardcheck.parity.topology import mismatch_axes
 from shardcheck.steps import Candidate
@@ -499,7 +499,9 @@ def _run_steps(run: _Run, data, tolerances):
     for t, batch in enumerate(data):
         undecided = not all(scale_shown(records))  # the verdict reads the scale until both factors showed
         if diverged_at is None:
-            pre = _copy_state(run.ref_model, run.ref_opt) if not rechecked else None
+            # the reference's state before the step, for a re-check; the task's reference step donates nothing
+            keep = not rechecked
+            pre = _kept_state(run.ref_model, run.ref_opt, copy=run.reference is not None) if keep else None
             r_tol, a_tol, _ = tolerances(batch, t)
             recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
             record, finite = _compare_step(

@@ -31,6 +31,17 @@ def _copy_state(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module
     return nnx.merge(graphdef, state)
 
 
+def _kept_state(
+    model: nnx.Module, optimizer: nnx.Optimizer, *, copy: bool
+) -> tuple[nnx.Module, nnx.Optimizer]:
+    """A model and optimizer holding the given ones' state as it is now: new graph objects over the same buffers
+    (nothing is copied: a later step that does not donate them leaves them as they are), or copies with
+    ``copy`` (a step that may donate them: a user's reference step)."""
+    if copy:
+        return _copy_state(model, optimizer)
+    return nnx.merge(*nnx.split((model, optimizer)))
+
+
 def _opt_state(optimizer: nnx.Optimizer) -> PyTree:
     """The optimizer's ``opt_state`` sub-state (``{}`` for a stateless transformation such as ``optax.sgd``)."""
     state = nnx.state(optimizer)
