@@ -66,7 +66,7 @@ from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowan
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.scale_evidence import _scale_evidence, scale_evidence_text, scale_shown, unresolvable
 from shardcheck.parity.setup import _setup, check_options
-from shardcheck.parity.state import StepFn, _After, _default_view, _kept_state, _opt_state, _PreStep, _Run
+from shardcheck.parity.state import StepFn, _After, _kept_state, _PreStep, _Run
 from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
 from shardcheck.parity.topology import mismatch_axes
 from shardcheck.steps import Candidate
@@ -263,6 +263,7 @@ def _compare_step(
         record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches))
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol)
+    run.last = after
     return record, _reference_finite(record, after)
 
 
@@ -293,11 +294,11 @@ def _fill(out: list, inputs: list, which: list[int]) -> None:
 def _snapshots(run: _Run) -> tuple[dict, dict, dict, dict]:
     """Both sides' state before a step, copied on its devices: the reference's and the candidate's parameters,
     then their optimizer states (the candidate's view of its optimizer)."""
-    view = run.cand.view_optimizer or _default_view
-    ref_params0 = device_snapshot(nnx.state(run.ref_model, nnx.Param))
-    cand_params0 = device_snapshot(nnx.state(run.cand_model, nnx.Param))
-    ref_opt0, cand_opt0 = device_snapshot(_opt_state(run.ref_opt)), device_snapshot(view(run.cand_opt)[0])
-    return ref_params0, cand_params0, ref_opt0, cand_opt0
+    # the state after this run's last step is the state before this one: nothing steps the models in between
+    last = run.last if run.last is not None else _After.of(run)
+    return tuple(
+        device_snapshot(s) for s in (last.ref_params, last.cand_params, last.ref_state, last.cand_state)
+    )
 
 
 def _loss_leaves(

@@ -85,6 +85,7 @@ class _Run:
     graphdef32: Any = None  # the model computing in float32 (precision.float32_compute), or None
     allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     state_allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    last: Any = None  # the _After of this run's last step: its state before the next step (no re-flatten)
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
@@ -113,6 +114,7 @@ class _Run:
             cand_opt=c_opt,
             allowance={},
             state_allowance={},
+            last=None,
         )
 
 
