@@ -1,7 +1,7 @@
 """``shardcheck train``: a real training run, sharded beside its single-device baseline, watched step by step.
 
-Without ``--task`` it trains the regression task of ``--dataset`` (:func:`shardcheck.training.train`: test split,
-standardization, shuffled mini-batches, epoch-end evaluation); with ``--task`` it trains the task's batches
+Without ``--task`` it trains the regression task of ``--dataset`` (:func:`shardcheck.seeds.training.train`: test
+split, standardization, shuffled mini-batches, epoch-end evaluation); with ``--task`` it trains the task's batches
 (:func:`shardcheck.training.train_task`). The strategies are the registry's (``shardcheck.steps.STRATEGIES``).
 """
 
@@ -175,9 +175,9 @@ def main(args) -> int:
 
 
 def _main_dataset(args, num_shards: int) -> int:
-    """``shardcheck train`` without ``--task``: :func:`shardcheck.training.train` on ``--dataset``."""
+    """``shardcheck train`` without ``--task``: :func:`shardcheck.seeds.training.train` on ``--dataset``."""
     from shardcheck import datasets
-    from shardcheck.training import select_features, train
+    from shardcheck.seeds.training import select_features, train
 
     try:
         data = datasets.load_dataset(args.dataset, target=args.target, standardize_data=False)
