@@ -120,13 +120,19 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
     [
         (
             ["--batch-size", "10", "--devices", "4"],
-            "the batch of 10 rows does not split over the 4 devices of --devices 4; pass --batch-size with a "
-            "multiple of 4 (e.g. --batch-size 12)",
+            "shardcheck verify: batch size 10 is not divisible by --devices 4; equal shards are required (valid "
+            "--devices for this batch: 1, 2, 5, 10; pass --batch-size with a multiple of 4, e.g. --batch-size 12)",
         ),
         (
             ["--task", "tiny-lm", "--mesh", "data=3"],
-            "the batch of 8 rows does not split over the 3 devices of --mesh data=3; pass --batch-size with a "
-            "multiple of 3 (e.g. --batch-size 9)",
+            "shardcheck verify: batch size 8 is not divisible by the 3 devices of --mesh data=3; equal shards are "
+            "required (valid batch-shard counts (the product of --mesh's data axes) for this batch: 1, 2, 4, 8; "
+            "pass --batch-size with a multiple of 3, e.g. --batch-size 9)",
+        ),
+        (
+            ["--batch-size", "4", "--devices", "8"],
+            "shardcheck verify: --devices 8 is more shards than examples (batch size 4); every shard needs at "
+            "least one example: use --devices <= 4",
         ),
         (["--strategies", "simulation,zero"], "unknown ['zero']"),
         (["--strategies", "none"], "--strategies none needs --candidate"),
@@ -290,6 +296,33 @@ def test_library_errors_name_the_flags_on_the_command_line():
     )
 
 
+def test_shard_counts_read_as_the_command_line_gave_them():
+    """One wording (shardcheck._validate.check_divisible), S named by --devices or by the mesh's batch shards."""
+    import argparse
+
+    from shardcheck.cli._common import MESH_SHARD_COUNTS, TRAIN_FLAGS, library_to_flags, shard_words
+
+    plain, tensor = argparse.Namespace(mesh=None), argparse.Namespace(mesh={"data": 2, "model": 4})
+    assert shard_words(plain, 4) == ("--devices 4", "--devices")
+    assert shard_words(argparse.Namespace(mesh={"data": 3}), 3) == (
+        "the 3 devices of --mesh data=3",
+        MESH_SHARD_COUNTS,
+    )
+    assert shard_words(tensor, 2) == ("the 2 batch shards of --mesh data=2,model=4", MESH_SHARD_COUNTS)
+    message = (
+        "train_task: batch size 30 (batch leaf 'x') is not divisible by num_shards=2; equal shards are required "
+        "(valid num_shards for this batch: 1, 2, 3, 5, 6, 10, 15, 30; pad the batch)"
+    )
+    assert library_to_flags(message, "train", TRAIN_FLAGS, functions=("train_task",), args=tensor) == (
+        "shardcheck train: batch size 30 (batch leaf 'x') is not divisible by the 2 batch shards of --mesh "
+        "data=2,model=4; equal shards are required (valid batch-shard counts (the product of --mesh's data axes) "
+        "for this batch: 1, 2, 3, 5, 6, 10, 15, 30; pad the batch)"
+    )
+    assert library_to_flags(
+        "train: batch_size=30 ... num_shards=4", "train", TRAIN_FLAGS, functions=("train",)
+    ) == ("shardcheck train: --batch-size 30 ... --devices 4")
+
+
 CANDIDATE_FILE = """
 import optax
 from flax import nnx
@@ -369,5 +402,8 @@ def test_a_task_file_batch_that_does_not_split_over_the_mesh_names_the_mesh(cand
     argv = ["verify", "--task", f"{candidate_file}:task", "--mesh", "data=3", "--strategies", "dp"]
     assert main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "is not divisible by the 3 batch shards of --mesh data=3" in err
-    assert "--devices" not in err
+    assert (
+        "is not divisible by the 3 devices of --mesh data=3; equal shards are required (valid batch-shard "
+        in err
+    )
+    assert "--devices" not in err and "num_shards" not in err

@@ -250,7 +250,9 @@ def test_plot_is_a_png_of_the_expected_size(diabetes, tmp_path):
     [
         (
             dict(batch_size=30, num_shards=4),
-            r"train: batch_size=30 is not divisible by the shard count S=4.*28, 32",
+            r"train: batch_size=30 is not divisible by num_shards=4; equal shards are required \(valid num_shards "
+            r"for this batch: 1, 2, 3, 5, 6, 10, 15, 30; or use a batch size that is a multiple of 4, e.g. 24, "
+            r"28, 32, 36\)",
         ),
         (dict(batch_size=400), r"train: the training split has 353 rows .* fewer than batch_size=400"),
         (dict(test_fraction=1.0), r"train: test_fraction=1.0 must be a number in \(0, 1\)"),

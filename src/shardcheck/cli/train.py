@@ -14,11 +14,13 @@ from pathlib import Path
 
 from shardcheck._catalog import COMPARED as TRAIN_STRATEGIES
 from shardcheck.cli._common import (
+    TRAIN_FLAGS,
     HelpFormatter,
     add_mesh_argument,
     apply_mesh,
     configure_devices,
     console_for,
+    library_to_flags,
     write_atomic,
     write_json,
 )
@@ -254,8 +256,10 @@ def _run_and_report(args, run, table, plot, to_json) -> int:
     progress = _progress(console) if main_process else None
     try:
         report = run(None if progress is None else _updater(progress))
-    except (ValueError, TypeError) as err:
-        return _fail(str(err))
+    except (ValueError, TypeError) as err:  # in the command line's terms: --devices (or --mesh), --batch-size
+        return _fail(
+            library_to_flags(str(err), "train", TRAIN_FLAGS, functions=("train", "train_task"), args=args)
+        )
     finally:
         if progress is not None and progress.live.is_started:
             progress.stop()

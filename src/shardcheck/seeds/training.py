@@ -329,8 +329,6 @@ def _check_split(fn: str, n: int, o: _Options) -> tuple[int, int]:
         b,
         s,
         subject=f"batch_size={b}",
-        by=f"the shard count S={s}",
-        counts="shard counts",
         fix=f"or use a batch size that is a multiple of {s}, e.g. {_divisible_batch_sizes(s, num_train, b)}",
     )
     return num_train, num_test
