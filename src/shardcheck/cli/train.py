@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from shardcheck._catalog import COMPARED as TRAIN_STRATEGIES
+from shardcheck._catalog import DEFAULT_STRATEGY
 from shardcheck.cli._common import (
     TRAIN_FLAGS,
     HelpFormatter,
@@ -69,7 +70,10 @@ def _add_run_arguments(p) -> None:
         help="without --task: feature columns, comma-separated (default: every non-target column)",
     )
     p.add_argument(
-        "--strategy", default="fsdp", choices=TRAIN_STRATEGIES, help="the registered strategy trained"
+        "--strategy",
+        default=DEFAULT_STRATEGY,
+        choices=TRAIN_STRATEGIES,
+        help="the registered strategy trained",
     )
     p.add_argument(
         "--devices",

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from shardcheck import _validate
+from shardcheck._catalog import DEFAULT_STRATEGY
 from shardcheck.datasets import Dataset, minibatch_indices
 from shardcheck.losses import mse_batch_loss
 from shardcheck.models import MODEL_KINDS, make_model
@@ -376,7 +377,7 @@ def train(
     x,
     y,
     *,
-    strategy: str = "fsdp",
+    strategy: str = DEFAULT_STRATEGY,
     num_shards: int | None = None,
     model: str = "linear",
     hidden: int = 32,
@@ -413,7 +414,8 @@ def train(
     Args:
         x: ``(N, D)`` numeric features, unstandardized.
         y: ``(N, K)`` numeric targets (``(N,)`` is taken as K = 1).
-        strategy: a key of :data:`~shardcheck.training.TRAIN_STRATEGIES`.
+        strategy: a key of :data:`~shardcheck.training.TRAIN_STRATEGIES` (default
+            :data:`shardcheck._catalog.DEFAULT_STRATEGY`, ``"fsdp"``).
         num_shards: S >= 1; default :data:`~shardcheck.training.DEFAULT_NUM_SHARDS` (2 on one device, 4 on a
             mesh), or the mesh axis
             size when ``mesh`` is given.
