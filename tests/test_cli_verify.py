@@ -407,3 +407,50 @@ def test_a_task_file_batch_that_does_not_split_over_the_mesh_names_the_mesh(cand
         in err
     )
     assert "--devices" not in err and "num_shards" not in err
+
+
+CLIPPED_FILE = """
+import numpy as np
+import optax
+from flax import nnx
+
+import shardcheck
+from shardcheck.losses import mse_batch_loss
+
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+# global-norm clipping that binds (1e-3, far below the gradient's norm): g and 2 g give one update
+task = shardcheck.Task(
+    model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+    optimizer=optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1)),
+    loss_fn=mse_batch_loss,
+    batches=[(x, y), (y @ np.ones((2, 3), np.float32), x[:, :2])],
+    name="clipped",
+)
+
+
+def summed(model, optimizer, batch):  # a sum for a mean over 2 shards; the mean's loss, no gradients
+    loss, grads = nnx.value_and_grad(lambda m: 2 * mse_batch_loss(m, batch))(model)
+    optimizer.update(model, grads)
+    return loss / 2
+"""
+
+
+def test_an_accepted_weak_check_is_marked_in_the_summary_and_the_json(tmp_path, capsys):
+    """From the trial: --accept-weak turned a loss-only sum for a mean under a binding clip into a bare PASS."""
+    path = tmp_path / "clipped.py"
+    path.write_text(CLIPPED_FILE)
+    argv = ["verify", "--task", f"{path}:task", "--candidate", f"{path}:summed", "--devices", "2"]
+    argv += ["--strategies", "none"]
+    assert main(argv) == 1
+    assert "CANNOT VERIFY" in " ".join(capsys.readouterr().out.split())
+    out = tmp_path / "report.json"
+    assert main([*argv, "--accept-weak", "--json", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "shardcheck verify candidate: PASS (weak check accepted)" in text  # the strategy's table
+    assert "│ candidate │ PASS (weak check accepted) │" in text  # the summary row
+    assert "weak check accepted: Cannot verify the gradient's scale" in text
+    report = json.loads(out.read_text())["strategies"]["candidate"]
+    assert report["ok"] is True and report["verdict"] == "PASS (weak check accepted)"
+    assert report["weak_accepted"].startswith("Cannot verify the gradient's scale: in every step")
+    assert report["cannot_verify"] is None

@@ -410,7 +410,9 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
 
 
 def _verdict(ok: bool | str) -> str:
-    if ok in ("PASS (per step)", "CANNOT VERIFY", "NO VERDICT"):
+    """A leaf's ``ok`` or a report's verdict, coloured: PASS green, FAIL red, every qualified verdict yellow
+    (``PASS (per step)``, ``PASS (weak check accepted)``, ``CANNOT VERIFY``, ``NO VERDICT``)."""
+    if isinstance(ok, str) and ok not in ("PASS", "FAIL"):
         return f"[bold yellow]{ok}[/]"
     if isinstance(ok, str):
         ok = ok == "PASS"
@@ -423,7 +425,8 @@ def render_report(report, setup: str):
 
     table = Table(
         title=f"shardcheck verify {report.strategy}: {_verdict(report.verdict)}",
-        caption=f"{setup}\n{report.diagnosis}",
+        caption=f"{setup}\n{report.diagnosis}"
+        + ("" if report.weak_accepted is None else f"\nweak check accepted: {report.weak_accepted}"),
         caption_justify="left",
     )
     table.add_column("compared")

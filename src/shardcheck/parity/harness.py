@@ -424,13 +424,16 @@ def check_parity(
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
     accepted = accept_weak or rtol is not None or atol is not None
-    weak = None if accepted else unresolvable(records, run.cand.num_shards, run.precision)
-    return _report(run, outcome, rule, weak, mesh)
+    weak = unresolvable(records, run.cand.num_shards, run.precision, accepted=accepted)
+    return _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
 
 
-def _report(run: _Run, outcome, rule: str, weak: str | None, mesh) -> ParityReport:
-    """The run's report from the step loop's ``outcome`` (:func:`_run_steps`), the tolerance rule's text and the
-    cause of a weak check (:func:`unresolvable`, or ``None``)."""
+def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], mesh) -> ParityReport:
+    """The run's report from the step loop's ``outcome`` (:func:`_run_steps`), the tolerance rule's text and
+    ``weak``: the cause of a weak check (:func:`unresolvable`), as ``(cannot_verify, weak_accepted)``: the first
+    when the caller did not accept it (``CANNOT VERIFY``), the second when they did (``PASS (weak check
+    accepted)``); ``(None, None)`` for a check that could tell a factor-S error apart."""
+    weak, weak_accepted = weak
     records, diverged, diverged_at, reference_diverged_at = outcome
     findings = diagnose(
         records,
@@ -452,6 +455,7 @@ def _report(run: _Run, outcome, rule: str, weak: str | None, mesh) -> ParityRepo
         steps=tuple(records),
         diagnoses=tuple(findings),
         cannot_verify=weak,
+        weak_accepted=weak_accepted,
         scale_evidence=scale_evidence_text(records, run.cand.num_shards),
         num_shards=run.cand.num_shards,
         tolerance_rule=rule,
