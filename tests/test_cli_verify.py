@@ -454,3 +454,26 @@ def test_an_accepted_weak_check_is_marked_in_the_summary_and_the_json(tmp_path, 
     assert report["ok"] is True and report["verdict"] == "PASS (weak check accepted)"
     assert report["weak_accepted"].startswith("Cannot verify the gradient's scale: in every step")
     assert report["cannot_verify"] is None
+
+
+def test_gradients_of_another_structure_exit_2_naming_the_leaves(tmp_path, capsys):
+    path = tmp_path / "tuple_grads.py"
+    path.write_text(
+        CLIPPED_FILE
+        + """
+
+def tuple_grads(model, optimizer, batch):  # the right step, its gradients returned as a tuple
+    loss, grads = nnx.value_and_grad(mse_batch_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": (grads["kernel"], grads["bias"])}
+"""
+    )
+    argv = ["verify", "--task", f"{path}:task", "--candidate", f"{path}:tuple_grads", "--devices", "2"]
+    assert main([*argv, "--strategies", "none"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "error: shardcheck verify: the candidate step 'candidate' returned grads whose structure differs from "
+        "the model's parameters at step 0 (missing 'bias', 'kernel'; extra '0', '1'; the parameters' leaves are "
+        "'bias', 'kernel'): return grads with the structure of nnx.state(model, nnx.Param)"
+    ) in err
+    assert "NoneType" not in err

@@ -924,6 +924,41 @@ def test_a_candidate_returning_garbage_is_refused(returned, msg):
         check_parity(step, model, optimizer, BATCHES[:1])
 
 
+@pytest.mark.parametrize(
+    ("shape_grads", "named"),
+    [
+        (lambda g: (g["kernel"], g["bias"]), "missing 'bias', 'kernel'; extra '0', '1'"),
+        (lambda g: {"kernel": g["kernel"]}, "missing 'bias';"),
+        (lambda g: {**g, "scale": g["bias"]}, "extra 'scale';"),
+    ],
+    ids=["tuple", "missing", "extra"],
+)
+def test_gradients_of_another_structure_are_refused_naming_the_leaves(shape_grads, named):
+    """From the trial: gradients whose tree is not the parameters' were a grads_differ failure with an infinite
+    error; the refusal names the missing and extra leaf paths and the fix."""
+
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": shape_grads(dict(nnx.to_pure_dict(grads)))}
+
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(parity.CandidateError) as info:
+        check_parity(step, model, optimizer, BATCHES[:2])
+    message = str(info.value)
+    assert message.startswith(
+        "check_parity: the candidate step 'step' returned grads whose structure differs from the model's "
+        f"parameters at step 0 ({named}"
+    ), message
+    assert message.endswith(
+        "the parameters' leaves are 'bias', 'kernel'): return grads with the structure of "
+        "nnx.state(model, nnx.Param), e.g. nnx.grad(loss)(model) or jax.grad of a function of "
+        "nnx.state(model, nnx.Param)"
+    ), message
+    assert info.value.step == 0 and info.value.__cause__ is None
+    assert info.value.hint.startswith("return grads with the structure of nnx.state(model, nnx.Param)")
+
+
 def test_reference_and_candidate_must_be_steps():
     model, optimizer = fresh("linear", "sgd")
     with pytest.raises(TypeError, match="check_parity: reference must be None .* got int 3"):

@@ -350,6 +350,8 @@ def main(args) -> int:
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
         cause = err.__cause__
+        if cause is None:  # the step ran; what it returned cannot be compared (the message says what and why)
+            return _fail(library_to_flags(str(err), "verify", args=args))
         return _fail(
             f"shardcheck verify: the {label} step raised {type(cause).__name__}: {_short(str(cause))} at step "
             f"{err.step}; "

@@ -198,7 +198,10 @@ class ParityReport:
 
 class CandidateError(RuntimeError):
     """The candidate step raised; the original exception is ``__cause__``, ``step`` the 0-based step and ``hint``
-    a likely cause the harness can see (``""`` when none), also in the message, before the exception's text."""
+    a likely cause the harness can see (``""`` when none), also in the message, before the exception's text.
+
+    Also raised, with no ``__cause__``, when the step ran but returned gradients that cannot be compared: leaves
+    missing from, or not among, the model's parameters (the message names them; ``hint`` is the fix)."""
 
     def __init__(self, message: str, step: int, hint: str = ""):
         super().__init__(message)
