@@ -65,3 +65,47 @@ def test_catalog_is_the_registry_without_its_steps():
     assert specs == [(s.name, s.summary, s.placement, s.uses_mesh) for s in STRATEGIES.values()]
     assert _catalog.CANDIDATES == CANDIDATES
     assert _catalog.OPTIMIZERS == optimizers.OPTIMIZERS
+
+
+def test_catalog_names_the_default_and_the_xla_partitioned_strategies():
+    from shardcheck import _catalog
+    from shardcheck.partitioning import LAYOUTS
+    from shardcheck.steps import STRATEGIES
+
+    assert _catalog.DEFAULT_STRATEGY == "fsdp" and STRATEGIES["fsdp"].placement == "fsdp"
+    assert _catalog.xla_partitioned() == ("gspmd",)
+    assert all(STRATEGIES[n].uses_mesh and not STRATEGIES[n].explicit_collectives for n in ("gspmd",))
+    assert not {layout.strategy for layout in LAYOUTS.values()} & set(_catalog.xla_partitioned())
+
+
+def test_memory_help_and_refusal_name_the_mesh_only_strategies_from_the_catalog(capsys):
+    text = _help(capsys, "memory")
+    assert "{all,replicated,dp,zero1,zero2,fsdp,gspmd}" in text  # the layouts, then the mesh-only strategies
+    assert "(default: all; with --mesh: fsdp; gspmd only with --mesh)" in text
+
+
+def test_the_command_line_names_no_strategy_literally():
+    """Strategy names live in the registry and the JAX-free catalog: no module of the command line holds one as a
+    string (docstrings aside), so a strategy added to the registry reaches every subcommand."""
+    import ast
+    import pathlib
+
+    from shardcheck import _catalog, cli
+    from shardcheck.partitioning import LAYOUTS
+
+    names = set(_catalog.STRATEGY_SPECS) | set(LAYOUTS)
+    found = []
+    for path in sorted(pathlib.Path(cli.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+            and ast.get_docstring(node) is not None
+        }
+        found += [
+            f"{path.name}:{node.lineno} {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
+        ]
+    assert found == []

@@ -165,7 +165,9 @@ BAD_FILES = {
         ),
         (
             ["--batch-size", "30", "--strategy", "simulation", "--devices", "4"],
-            "batch_size=30 is not divisible by",
+            "shardcheck train: --batch-size 30 is not divisible by --devices 4; equal shards are required (valid "
+            "--devices for this batch: 1, 2, 3, 5, 6, 10, 15, 30; or use a batch size that is a multiple of 4, "
+            "e.g. 24, 28, 32, 36)",
         ),
         (["--epochs", "0"], "--epochs must be an int >= 1, got 0"),
         (["--test-fraction", "1.5"], "--test-fraction must be in (0, 1)"),
@@ -356,7 +358,14 @@ def test_task_file_with_steps_and_epochs_json_on_stdout(tmp_path, capsys):
         (["--task", "{dir}/my_task.py:make", "--steps", "9"], "--steps 9 but task 'made-here' holds only 3"),
         (["--task", "digits", "--features", "a"], "--features applies without --task only"),
         (["--task", "digits", "--test-fraction", "0.3"], "--test-fraction applies without --task only"),
-        (["--task", "digits", "--batch-size", "30", "--devices", "4"], "is not divisible by num_shards=4"),
+        (
+            ["--task", "digits", "--batch-size", "30", "--devices", "4"],
+            "shardcheck train: batch size 30 (batch leaf 'label') is not divisible by --devices 4; equal shards",
+        ),
+        (
+            ["--task", "digits", "--batch-size", "30", "--mesh", "data=4", "--strategy", "dp"],
+            "batch size 30 (batch leaf 'label') is not divisible by the 4 devices of --mesh data=4; equal shards",
+        ),
         (["--task", "digits", "--steps", "0"], "--steps must be an int >= 1, got 0"),
         (["--steps", "3"], "--steps applies with --task only"),
         (

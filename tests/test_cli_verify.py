@@ -120,13 +120,19 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
     [
         (
             ["--batch-size", "10", "--devices", "4"],
-            "the batch of 10 rows does not split over the 4 devices of --devices 4; pass --batch-size with a "
-            "multiple of 4 (e.g. --batch-size 12)",
+            "shardcheck verify: batch size 10 is not divisible by --devices 4; equal shards are required (valid "
+            "--devices for this batch: 1, 2, 5, 10; pass --batch-size with a multiple of 4, e.g. --batch-size 12)",
         ),
         (
             ["--task", "tiny-lm", "--mesh", "data=3"],
-            "the batch of 8 rows does not split over the 3 devices of --mesh data=3; pass --batch-size with a "
-            "multiple of 3 (e.g. --batch-size 9)",
+            "shardcheck verify: batch size 8 is not divisible by the 3 devices of --mesh data=3; equal shards are "
+            "required (valid batch-shard counts (the product of --mesh's data axes) for this batch: 1, 2, 4, 8; "
+            "pass --batch-size with a multiple of 3, e.g. --batch-size 9)",
+        ),
+        (
+            ["--batch-size", "4", "--devices", "8"],
+            "shardcheck verify: --devices 8 is more shards than examples (batch size 4); every shard needs at "
+            "least one example: use --devices <= 4",
         ),
         (["--strategies", "simulation,zero"], "unknown ['zero']"),
         (["--strategies", "none"], "--strategies none needs --candidate"),
@@ -290,6 +296,33 @@ def test_library_errors_name_the_flags_on_the_command_line():
     )
 
 
+def test_shard_counts_read_as_the_command_line_gave_them():
+    """One wording (shardcheck._validate.check_divisible), S named by --devices or by the mesh's batch shards."""
+    import argparse
+
+    from shardcheck.cli._common import MESH_SHARD_COUNTS, TRAIN_FLAGS, library_to_flags, shard_words
+
+    plain, tensor = argparse.Namespace(mesh=None), argparse.Namespace(mesh={"data": 2, "model": 4})
+    assert shard_words(plain, 4) == ("--devices 4", "--devices")
+    assert shard_words(argparse.Namespace(mesh={"data": 3}), 3) == (
+        "the 3 devices of --mesh data=3",
+        MESH_SHARD_COUNTS,
+    )
+    assert shard_words(tensor, 2) == ("the 2 batch shards of --mesh data=2,model=4", MESH_SHARD_COUNTS)
+    message = (
+        "train_task: batch size 30 (batch leaf 'x') is not divisible by num_shards=2; equal shards are required "
+        "(valid num_shards for this batch: 1, 2, 3, 5, 6, 10, 15, 30; pad the batch)"
+    )
+    assert library_to_flags(message, "train", TRAIN_FLAGS, functions=("train_task",), args=tensor) == (
+        "shardcheck train: batch size 30 (batch leaf 'x') is not divisible by the 2 batch shards of --mesh "
+        "data=2,model=4; equal shards are required (valid batch-shard counts (the product of --mesh's data axes) "
+        "for this batch: 1, 2, 3, 5, 6, 10, 15, 30; pad the batch)"
+    )
+    assert library_to_flags(
+        "train: batch_size=30 ... num_shards=4", "train", TRAIN_FLAGS, functions=("train",)
+    ) == ("shardcheck train: --batch-size 30 ... --devices 4")
+
+
 CANDIDATE_FILE = """
 import optax
 from flax import nnx
@@ -369,5 +402,78 @@ def test_a_task_file_batch_that_does_not_split_over_the_mesh_names_the_mesh(cand
     argv = ["verify", "--task", f"{candidate_file}:task", "--mesh", "data=3", "--strategies", "dp"]
     assert main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "is not divisible by the 3 batch shards of --mesh data=3" in err
-    assert "--devices" not in err
+    assert (
+        "is not divisible by the 3 devices of --mesh data=3; equal shards are required (valid batch-shard "
+        in err
+    )
+    assert "--devices" not in err and "num_shards" not in err
+
+
+CLIPPED_FILE = """
+import numpy as np
+import optax
+from flax import nnx
+
+import shardcheck
+from shardcheck.losses import mse_batch_loss
+
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+# global-norm clipping that binds (1e-3, far below the gradient's norm): g and 2 g give one update
+task = shardcheck.Task(
+    model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+    optimizer=optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1)),
+    loss_fn=mse_batch_loss,
+    batches=[(x, y), (y @ np.ones((2, 3), np.float32), x[:, :2])],
+    name="clipped",
+)
+
+
+def summed(model, optimizer, batch):  # a sum for a mean over 2 shards; the mean's loss, no gradients
+    loss, grads = nnx.value_and_grad(lambda m: 2 * mse_batch_loss(m, batch))(model)
+    optimizer.update(model, grads)
+    return loss / 2
+"""
+
+
+def test_an_accepted_weak_check_is_marked_in_the_summary_and_the_json(tmp_path, capsys):
+    """From the trial: --accept-weak turned a loss-only sum for a mean under a binding clip into a bare PASS."""
+    path = tmp_path / "clipped.py"
+    path.write_text(CLIPPED_FILE)
+    argv = ["verify", "--task", f"{path}:task", "--candidate", f"{path}:summed", "--devices", "2"]
+    argv += ["--strategies", "none"]
+    assert main(argv) == 1
+    assert "CANNOT VERIFY" in " ".join(capsys.readouterr().out.split())
+    out = tmp_path / "report.json"
+    assert main([*argv, "--accept-weak", "--json", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "shardcheck verify candidate: PASS (weak check accepted)" in text  # the strategy's table
+    assert "│ candidate │ PASS (weak check accepted) │" in text  # the summary row
+    assert "weak check accepted: Cannot verify the gradient's scale" in text
+    report = json.loads(out.read_text())["strategies"]["candidate"]
+    assert report["ok"] is True and report["verdict"] == "PASS (weak check accepted)"
+    assert report["weak_accepted"].startswith("Cannot verify the gradient's scale: in every step")
+    assert report["cannot_verify"] is None
+
+
+def test_gradients_of_another_structure_exit_2_naming_the_leaves(tmp_path, capsys):
+    path = tmp_path / "tuple_grads.py"
+    path.write_text(
+        CLIPPED_FILE
+        + """
+
+def tuple_grads(model, optimizer, batch):  # the right step, its gradients returned as a tuple
+    loss, grads = nnx.value_and_grad(mse_batch_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": (grads["kernel"], grads["bias"])}
+"""
+    )
+    argv = ["verify", "--task", f"{path}:task", "--candidate", f"{path}:tuple_grads", "--devices", "2"]
+    assert main([*argv, "--strategies", "none"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "error: shardcheck verify: the candidate step 'candidate' returned grads whose structure differs from "
+        "the model's parameters at step 0 (missing 'bias', 'kernel'; extra '0', '1'; the parameters' leaves are "
+        "'bias', 'kernel'): return grads with the structure of nnx.state(model, nnx.Param)"
+    ) in err
+    assert "NoneType" not in err

@@ -423,6 +423,8 @@ def test_user_tolerances_override_the_derived_ones():
     model, optimizer = fresh("linear", "sgd")
     loose = check_parity(planted("mean_twice", 2, 0.1), model, optimizer, BATCHES[:1], rtol=1.0, atol=1.0)
     assert loose.ok and "rtol=1" in loose.tolerance_rule
+    # tolerances this wide pass a mean taken twice: a user-set tolerance accepts the weak check, and says so
+    assert loose.verdict == "PASS (weak check accepted)" and "a user-set rtol/atol" in loose.weak_accepted
     assert loose.steps[0].rtol == 1.0 and loose.steps[0].atol == 1.0
     with pytest.raises(ValueError, match="check_parity: rtol must be a number >= 0"):
         check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2, rtol=-1.0)
@@ -433,6 +435,44 @@ def _loss_only(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
     optimizer.update(model, grads)
     return loss
+
+
+def _summed_loss_only(model, optimizer, x, y):
+    """A sum for a mean over S = 2 shards that returns the mean's loss and no gradients: the update sees 2 g."""
+    loss, grads = nnx.value_and_grad(lambda m: 2 * mse_loss(m, x, y))(model)
+    optimizer.update(model, grads)
+    return loss / 2
+
+
+def test_a_sum_for_a_mean_under_a_binding_clip_passes_only_as_an_accepted_weak_check():
+    """From the trial: under a global-norm clip that binds, g and 2 g give one update, so a loss-only step with a
+    sum for a mean matches the reference in every parameter. CANNOT VERIFY; with accept_weak the report passes and
+    its verdict, JSON and text say that the check was weak and accepted."""
+    from shardcheck.parity.scale_evidence import ACCEPTED
+
+    tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
+    model = make_model("linear", 3, 2, seed=1)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    report = check_parity(_summed_loss_only, model, optimizer, BATCHES[:2], num_shards=2)
+    assert report.verdict == "CANNOT VERIFY" and report.weak_accepted is None
+    assert report.cannot_verify.startswith("Cannot verify the gradient's scale")
+    accepted = check_parity(_summed_loss_only, model, optimizer, BATCHES[:2], num_shards=2, accept_weak=True)
+    assert accepted.ok and accepted.step_ok and accepted.cannot_verify is None
+    assert accepted.verdict == "PASS (weak check accepted)"
+    assert accepted.weak_accepted == report.cannot_verify.replace(
+        "pass accept_weak=True (verify --accept-weak) to accept the weak check.", ACCEPTED
+    )
+    summary = accepted.to_dict()
+    assert (summary["verdict"], summary["weak_accepted"]) == (
+        "PASS (weak check accepted)",
+        accepted.weak_accepted,
+    )
+    text = str(accepted)
+    assert text.startswith("parity PASS (weak check accepted) for strategy")
+    assert f"weak check accepted: {accepted.weak_accepted}" in text
+    # a check that can tell a factor S apart (the gradients are returned) is a plain PASS, accepted or not
+    shown = check_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2, accept_weak=True)
+    assert (shown.verdict, shown.weak_accepted) == ("PASS", None)
 
 
 def test_a_too_small_update_cannot_be_verified_unless_accepted():
@@ -447,7 +487,8 @@ def test_a_too_small_update_cannot_be_verified_unless_accepted():
     assert "Cannot verify at this precision" in report.diagnosis and "accept_weak=True" in report.diagnosis
     assert report.steps[0].scale_evidence == ((), ()) and not report.steps[0].scale_blind
     accepted = check_parity(_loss_only, model, optimizer, BATCHES[:1], num_shards=2, accept_weak=True)
-    assert accepted.ok and accepted.verdict == "PASS" and "weak_check" in accepted.codes
+    assert accepted.ok and accepted.verdict == "PASS (weak check accepted)" and "weak_check" in accepted.codes
+    assert accepted.weak_accepted.startswith("Cannot verify at this precision")
     shown = check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2)
     assert shown.verdict == "PASS" and "weak_check" in shown.codes, str(shown)
     assert shown.steps[0].scale_evidence == (("grad bias", "grad kernel"),) * 2
@@ -881,6 +922,41 @@ def test_a_candidate_returning_garbage_is_refused(returned, msg):
     model, optimizer = fresh("linear", "sgd")
     with pytest.raises(TypeError, match=re.escape(msg)):
         check_parity(step, model, optimizer, BATCHES[:1])
+
+
+@pytest.mark.parametrize(
+    ("shape_grads", "named"),
+    [
+        (lambda g: (g["kernel"], g["bias"]), "missing 'bias', 'kernel'; extra '0', '1'"),
+        (lambda g: {"kernel": g["kernel"]}, "missing 'bias';"),
+        (lambda g: {**g, "scale": g["bias"]}, "extra 'scale';"),
+    ],
+    ids=["tuple", "missing", "extra"],
+)
+def test_gradients_of_another_structure_are_refused_naming_the_leaves(shape_grads, named):
+    """From the trial: gradients whose tree is not the parameters' were a grads_differ failure with an infinite
+    error; the refusal names the missing and extra leaf paths and the fix."""
+
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(mse_loss)(model, x, y)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": shape_grads(dict(nnx.to_pure_dict(grads)))}
+
+    model, optimizer = fresh("linear", "sgd")
+    with pytest.raises(parity.CandidateError) as info:
+        check_parity(step, model, optimizer, BATCHES[:2])
+    message = str(info.value)
+    assert message.startswith(
+        "check_parity: the candidate step 'step' returned grads whose structure differs from the model's "
+        f"parameters at step 0 ({named}"
+    ), message
+    assert message.endswith(
+        "the parameters' leaves are 'bias', 'kernel'): return grads with the structure of "
+        "nnx.state(model, nnx.Param), e.g. nnx.grad(loss)(model) or jax.grad of a function of "
+        "nnx.state(model, nnx.Param)"
+    ), message
+    assert info.value.step == 0 and info.value.__cause__ is None
+    assert info.value.hint.startswith("return grads with the structure of nnx.state(model, nnx.Param)")
 
 
 def test_reference_and_candidate_must_be_steps():

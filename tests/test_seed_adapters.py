@@ -207,3 +207,54 @@ def test_one_admission_rule_for_the_adapters_and_the_engine():
         shardcheck.sgd_step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x, y)
     reason = str(engine_err.value).removeprefix("run_task: ")
     assert str(adapter_err.value).removeprefix("sgd_step: ") == reason
+
+
+def test_train_is_train_task_on_the_regression_task():
+    """The seeds' train(x, y) is the engine's train_task on its regression task: the split standardized, epoch 1's
+    shuffled batches, each later epoch's drawn from the same shuffle, both splits evaluated; the same bits."""
+    import itertools
+
+    from shardcheck.datasets import minibatch_indices
+    from shardcheck.seeds.training import split_and_standardize, train
+    from shardcheck.training import train_task
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(50, 3)), rng.normal(size=(50, 2))
+    events = []
+    report = train(
+        x, y, strategy="simulation", num_shards=2, model="mlp", hidden=8, optimizer="adam", lr=0.01, epochs=3,
+        batch_size=8, test_fraction=0.2, seed=2, callback=events.append,
+    )  # fmt: skip
+    x_tr, y_tr, x_te, y_te = split_and_standardize(x, y, 0.2, seed=2)
+    draws = minibatch_indices(40, 8, seed=2)
+    epochs = [[(x_tr[i], y_tr[i]) for _, i in itertools.islice(draws, 5)] for _ in range(3)]
+    task = shardcheck.Task(
+        model=lambda: make_model("mlp", 3, 2, hidden=8, seed=2),
+        optimizer=optax.adam(0.01),
+        loss_fn=mse_batch_loss,
+        batches=epochs[0],
+        reduction_size=8 * 2,
+    )
+    want = train_task(
+        task, "simulation", num_shards=2, epochs=3, epoch_batches=lambda e: epochs[e - 1],
+        evaluate={"train": (x_tr, y_tr), "test": (x_te, y_te)},
+    )  # fmt: skip
+    assert (report.num_train, report.num_test, report.steps_per_epoch, report.num_steps) == (40, 10, 5, 15)
+    assert report.steps == want.steps  # every loss, drift and tolerance, float for float
+    assert len(report.epoch_records) == len(want.evaluations) == 4
+    for record, evaluation in zip(report.epoch_records, want.evaluations, strict=True):
+        assert (record.epoch, record.step) == (evaluation.epoch, evaluation.step)
+        assert (record.train_loss_baseline, record.train_loss_sharded) == evaluation.loss("train")
+        assert (record.test_loss_baseline, record.test_loss_sharded) == evaluation.loss("test")
+    assert [e.epoch_end for e in events if e.epoch_end is not None] == list(report.epoch_records[1:])
+    assert report.tolerance_rule == want.tolerance_rule
+
+
+def test_train_keeps_its_old_paths():
+    from shardcheck import seeds, training
+
+    assert training.train is seeds.training.train is shardcheck.train
+    assert training.TrainReport is seeds.training.TrainReport is shardcheck.TrainReport
+    assert training.select_features is seeds.training.select_features
+    with pytest.raises(AttributeError, match="module 'shardcheck.training' has no attribute 'trian'"):
+        training.trian  # noqa: B018

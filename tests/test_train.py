@@ -1,4 +1,5 @@
-"""The lock-step training loops (shardcheck.training) and the figure of train() (shardcheck.plots)."""
+"""The lock-step training loop (shardcheck.training.train_task), the seeds' train() over it
+(shardcheck.seeds.training) and the figure of train() (shardcheck.plots)."""
 
 import dataclasses
 import itertools
@@ -15,19 +16,14 @@ from flax import nnx
 from shardcheck import datasets
 from shardcheck import training as train_lib
 from shardcheck.datasets import minibatch_indices
+from shardcheck.optimizers import DEFAULT_LR
 from shardcheck.plots import plot_training
+from shardcheck.seeds.training import TrainReport, select_features, split_and_standardize, train
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps import reference as reference_lib
 from shardcheck.steps.reference import reference_step
 from shardcheck.tasks import digits_task, tiny_lm_task
-from shardcheck.training import (
-    TRAIN_STRATEGIES,
-    TrainReport,
-    select_features,
-    split_and_standardize,
-    train,
-    train_task,
-)
+from shardcheck.training import TRAIN_STRATEGIES, train_task
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +250,9 @@ def test_plot_is_a_png_of_the_expected_size(diabetes, tmp_path):
     [
         (
             dict(batch_size=30, num_shards=4),
-            r"train: batch_size=30 is not divisible by the shard count S=4.*28, 32",
+            r"train: batch_size=30 is not divisible by num_shards=4; equal shards are required \(valid num_shards "
+            r"for this batch: 1, 2, 3, 5, 6, 10, 15, 30; or use a batch size that is a multiple of 4, e.g. 24, "
+            r"28, 32, 36\)",
         ),
         (dict(batch_size=400), r"train: the training split has 353 rows .* fewer than batch_size=400"),
         (dict(test_fraction=1.0), r"train: test_fraction=1.0 must be a number in \(0, 1\)"),
@@ -305,7 +303,7 @@ def test_report_fields_are_frozen(diabetes):
     report = train(diabetes.x, diabetes.y, strategy="simulation", epochs=1, batch_size=64)
     with pytest.raises(AttributeError):
         report.lr = 1.0  # type: ignore[misc]
-    assert math.isclose(report.lr, train_lib.DEFAULT_LR["adam"]) and report.strategy == "simulation"
+    assert math.isclose(report.lr, DEFAULT_LR["adam"]) and report.strategy == "simulation"
     assert report.num_shards == train_lib.DEFAULT_NUM_SHARDS["simulation"] == 2
 
 
@@ -418,6 +416,17 @@ def test_train_task_catches_a_late_drift(monkeypatch):
             r"train_task: strategy 'dp' with num_shards=64 needs",
         ),
         (dict(callback=1), TypeError, r"train_task: callback must be None or a callable"),
+        (
+            dict(epoch_batches=[]),
+            TypeError,
+            r"train_task: epoch_batches must be None or a callable, got list",
+        ),
+        (dict(evaluate=[1]), TypeError, r"train_task: evaluate must be None or a non-empty dict of named"),
+        (
+            dict(evaluate={"test": {"x": np.ones(())}}),
+            ValueError,
+            r"train_task: batch 'test' leaf 'x' is 0-d",
+        ),
         (dict(task="digits"), TypeError, r"train_task: task must be a shardcheck.Task, got str"),
     ],
 )
@@ -428,3 +437,95 @@ def test_train_task_bad_arguments_raise_before_any_step(kwargs, error, msg):
     with pytest.raises(error, match=msg):
         train_task(args.pop("task"), args.pop("strategy"), **args)
     assert calls == []
+
+
+def _digits_loss(model, batch):
+    """The digits task's loss of ``model`` on ``batch``, as a float (the evaluation's reference value)."""
+    from shardcheck.task import mean_loss
+
+    return float(mean_loss(digits_task(steps=1).loss_fn, model, batch))
+
+
+def test_train_task_evaluates_named_batches_at_initialization_and_every_epoch():
+    """Held-out batches: both runs' loss on each, at epoch 0 and after each epoch, handed to the callback too."""
+    task = digits_task(steps=3, optimizer="sgd")
+    held_out = digits_task(steps=2, seed=5).batches
+    events = []
+    report = train_task(
+        task, "simulation", num_shards=2, epochs=2, callback=events.append,
+        evaluate={"a": held_out[0], "b": held_out[1]},
+    )  # fmt: skip
+    assert [(e.epoch, e.step) for e in report.evaluations] == [(0, 0), (1, 3), (2, 6)]
+    assert [[name for name, _, _ in e.losses] for e in report.evaluations] == [["a", "b"]] * 3
+    first = report.evaluations[0]
+    for name, batch in (("a", held_out[0]), ("b", held_out[1])):
+        reference, strategy = first.loss(name)
+        assert reference == strategy  # one initial state: the same bits
+        assert reference == pytest.approx(_digits_loss(task.new_model(), batch), rel=1e-6)
+    last = report.evaluations[-1]
+    assert last.loss("a")[0] < first.loss("a")[0]  # trained: lower held-out loss
+    assert last.loss("a")[1] == pytest.approx(last.loss("a")[0], rel=1e-5)
+    assert [e.epoch_end for e in events] == [
+        None,
+        None,
+        report.evaluations[1],
+        None,
+        None,
+        report.evaluations[2],
+    ]
+    with pytest.raises(
+        KeyError, match=r"Evaluation.loss: no evaluation batch 'c'; the batches are \['a', 'b'\]"
+    ):
+        first.loss("c")
+    assert train_task(task, "simulation", num_shards=2).evaluations == ()
+
+
+def test_train_task_takes_each_later_epochs_batches_from_epoch_batches():
+    """Epoch 1 trains on the task's batches; epochs 2 and 3 on what epoch_batches returns for them, in order."""
+    task = digits_task(steps=2, optimizer="sgd")
+    other = digits_task(steps=4, seed=9).batches
+    asked = []
+
+    def epoch_batches(epoch):
+        asked.append(epoch)
+        return other[2 * (epoch - 2) : 2 * (epoch - 1)]
+
+    report = train_task(task, "simulation", num_shards=2, epochs=3, epoch_batches=epoch_batches)
+    assert asked == [2, 3] and report.num_steps == 6 and report.steps_per_epoch == 2
+    assert [s.epoch for s in report.steps] == [1, 1, 2, 2, 3, 3]
+    # the same run by hand: one epoch over the six batches in that order
+    flat = dataclasses.replace(task, batches=[*task.batches, *other])
+    want = train_task(flat, "simulation", num_shards=2)
+    assert [s.loss_baseline for s in report.steps] == [s.loss_baseline for s in want.steps]
+    assert [s.max_abs_param_diff for s in report.steps] == [s.max_abs_param_diff for s in want.steps]
+
+
+@pytest.mark.parametrize(
+    "returned,error,msg",
+    [
+        (
+            lambda b: b[:1],
+            ValueError,
+            r"train_task: epoch_batches\(2\) returned 1 batches; every epoch takes 2",
+        ),
+        (
+            lambda b: iter(b),
+            TypeError,
+            r"train_task: epoch_batches\(2\) returned list_iterator; it must return",
+        ),
+        (
+            lambda b: [b[0], {"x": b[1]["x"][:63], "label": b[1]["label"][:63]}],
+            ValueError,
+            r"train_task: batch size 63 \(batch leaf 'label'\) is not divisible by num_shards=2",
+        ),
+    ],
+)
+def test_train_task_checks_a_later_epochs_batches_when_drawn(returned, error, msg):
+    task = digits_task(steps=2, optimizer="sgd")
+    steps = []
+    with pytest.raises(error, match=msg):
+        train_task(
+            task, "simulation", num_shards=2, epochs=2, callback=steps.append,
+            epoch_batches=lambda e: returned(list(task.batches)),
+        )  # fmt: skip
+    assert len(steps) == 2  # epoch 1 ran; epoch 2 was refused before its first step

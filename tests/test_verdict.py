@@ -236,3 +236,27 @@ def test_the_verdict_names_the_hidden_factor_and_its_cause():
     )
     still = unresolvable([_step(0, ((), ()), moved=0.0, blind=True)], 4, policy)
     assert "did not move in any of the 1 steps" in still and "warm-up schedule" in still
+    accepted = unresolvable([_step(0, ((), ()))], 4, policy, accepted=True)
+    assert accepted == loose.replace(
+        "pass accept_weak=True (verify --accept-weak) to accept the weak check.",
+        "accepted as a weak check (accept_weak=True, verify --accept-weak, or a user-set rtol/atol).",
+    )
+
+
+def test_an_accepted_weak_check_is_named_in_the_verdict():
+    from shardcheck.parity import ParityReport
+
+    passing = (_step(0, ((), ())),)
+    plain = ParityReport("dp", ok=True, steps=passing, diagnoses=())
+    weak = ParityReport("dp", ok=True, steps=passing, diagnoses=(), weak_accepted="Cannot verify ...")
+    per_step = dataclasses.replace(weak, ok=False, diverged_at=1)
+    failed = ParityReport(
+        "dp", ok=False, steps=(_step(0, ((), ()), ok=False),), diagnoses=(), weak_accepted="x"
+    )
+    assert [r.verdict for r in (plain, weak, per_step, failed)] == [
+        "PASS",
+        "PASS (weak check accepted)",
+        "PASS (per step; weak check accepted)",
+        "FAIL",
+    ]
+    assert weak.to_dict()["weak_accepted"] == "Cannot verify ..." and plain.to_dict()["weak_accepted"] is None

@@ -59,8 +59,8 @@ _EXPORTS = {
     "Task": "shardcheck.task",
     "load_task": "shardcheck.tasks",
     "run_task": "shardcheck.runner",
-    "TrainReport": "shardcheck.training",
-    "train": "shardcheck.training",
+    "TrainReport": "shardcheck.seeds.training",
+    "train": "shardcheck.seeds.training",
     "train_task": "shardcheck.training",
 }
 
@@ -111,14 +111,14 @@ if TYPE_CHECKING:
     from shardcheck.seeds import tree_sum as tree_sum
     from shardcheck.seeds.parity import assert_step_parity as assert_step_parity
     from shardcheck.seeds.parity import check_parity as check_parity
+    from shardcheck.seeds.training import TrainReport as TrainReport
+    from shardcheck.seeds.training import train as train
     from shardcheck.steps import STRATEGIES as STRATEGIES
     from shardcheck.steps import StepResult as StepResult
     from shardcheck.steps import Strategy as Strategy
     from shardcheck.steps.reference import reference_step as reference_step
     from shardcheck.task import Task as Task
     from shardcheck.tasks import load_task as load_task
-    from shardcheck.training import TrainReport as TrainReport
-    from shardcheck.training import train as train
     from shardcheck.training import train_task as train_task
 
 

@@ -98,6 +98,22 @@ COMPARED = tuple(name for name in STRATEGY_SPECS if name != REFERENCE)
 CANDIDATES = tuple(name for name in COMPARED if name != "multiprocess")
 """The strategies compared with the reference by default (``multiprocess`` needs a launched run)."""
 
+DEFAULT_STRATEGY = "fsdp"
+"""The strategy trained or sized when none is chosen (``train --strategy``, :func:`shardcheck.train`,
+``memory --mesh`` without ``--strategy``): fully sharded, every state category split."""
+
+
+def xla_partitioned() -> tuple[str, ...]:
+    """The mesh strategies whose step is the plain step under ``jax.jit`` on placed state, XLA inserting the
+    collectives (no ``explicit_collectives``): ``("gspmd",)``.
+
+    None of them is a memory layout (:data:`shardcheck.partitioning.LAYOUTS`: one per placement, run by its first
+    registered strategy); ``shardcheck memory`` sizes them with ``--mesh`` only, by compiling their own step ahead
+    of time on that mesh.
+    """
+    return tuple(n for n, s in STRATEGY_SPECS.items() if s.uses_mesh and not s.explicit_collectives)
+
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 """The optimizers built by name (:func:`shardcheck.optimizers.make_tx`)."""
 

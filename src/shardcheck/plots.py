@@ -1,4 +1,4 @@
-"""Figures of a :class:`~shardcheck.training.TrainReport`, drawn with matplotlib's Agg renderer (no display needed)."""
+"""Figures of a :class:`~shardcheck.seeds.training.TrainReport`, drawn with matplotlib's Agg renderer (no display)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def plot_training(report, path, *, dpi: int = DPI) -> Path:
     the first step that exceeded it, if any. The title names data set, strategy, S, model and optimizer.
 
     Args:
-        report: a :class:`~shardcheck.training.TrainReport`.
+        report: a :class:`~shardcheck.seeds.training.TrainReport`.
         path: the ``.png`` file to write; missing parent folders are created. The image is rendered in memory,
             written to a temporary file in the same folder and renamed over ``path``.
         dpi: dots per inch; the image is ``13 x 5`` inches, 1300 x 500 pixels at the default 100.

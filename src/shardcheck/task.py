@@ -157,7 +157,7 @@ def _as_leaf(fn: str, path: str, a) -> Any:
     return arr
 
 
-def check_batch(fn: str, batch: Batch, *, index: int = 0) -> Batch:
+def check_batch(fn: str, batch: Batch, *, index: int | str = 0) -> Batch:
     """Validate one batch pytree and return it with every leaf an array (dtypes kept).
 
     Rules: at least one leaf; every leaf numeric (bool, int, float), at least 1-D, with the same non-zero

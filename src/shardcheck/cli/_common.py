@@ -63,22 +63,58 @@ MESH_HELP = (
 )
 
 
-# the library's argument names as ``verify`` spells them on its command line (``library_to_flags``)
+# the library's argument names as ``verify`` and ``train`` spell them on their command lines (``library_to_flags``)
 VERIFY_FLAGS = {
     "compute_dtype": "--compute-dtype",
     "param_dtype": "--param-dtype",
     "num_shards": "--devices",
     "accept_weak": "--accept-weak",
 }
+TRAIN_FLAGS = {"num_shards": "--devices", "batch_size": "--batch-size"}
 
 
-def library_to_flags(message: str, command: str, flags: dict[str, str] = VERIFY_FLAGS) -> str:
+MESH_SHARD_COUNTS = "batch-shard counts (the product of --mesh's data axes)"
+"""What the valid shard counts are under ``--mesh`` (:func:`shard_words`)."""
+
+
+def shard_words(args, num_shards: int) -> tuple[str, str]:
+    """What the shard count S is on this command line, as :func:`shardcheck._validate.check_divisible` names it.
+
+    Returns ``(by, counts)``: ``("--devices 4", "--devices")``, or under ``--mesh``
+    ``("the 3 devices of --mesh data=3", ...)`` (``"the 2 batch shards of --mesh data=2,model=4"`` when the mesh
+    has model axes) with ``counts`` :data:`MESH_SHARD_COUNTS`.
+    """
+    mesh = getattr(args, "mesh", None)
+    if not mesh:
+        return f"--devices {num_shards}", "--devices"
+    spec = ",".join(f"{k}={v}" for k, v in mesh.items())
+    over = "devices" if math.prod(mesh.values()) == num_shards else "batch shards"
+    return f"the {num_shards} {over} of --mesh {spec}", MESH_SHARD_COUNTS
+
+
+def library_to_flags(
+    message: str,
+    command: str,
+    flags: dict[str, str] = VERIFY_FLAGS,
+    *,
+    functions: tuple[str, ...] = ("check_parity",),
+    args=None,
+) -> str:
     """A library error as the command line's: ``check_parity: compute_dtype='float32' ...; omit compute_dtype``
     becomes ``shardcheck verify: --compute-dtype float32 ...; omit --compute-dtype`` (each name of ``flags``
-    spelled as its flag, its quoted value unquoted)."""
+    spelled as its flag, its quoted value unquoted; a message of one of ``functions`` is the command's).
+
+    Under ``--mesh`` (``args.mesh``), the library's ``num_shards=S`` is the mesh's batch shards, not a
+    ``--devices`` the user never gave: it reads as :func:`shard_words` names it (``the 3 devices of --mesh
+    data=3``), in the one wording of :func:`shardcheck._validate.check_divisible`.
+    """
     import re
 
-    message = re.sub(r"^check_parity: ", f"shardcheck {command}: ", message)
+    for fn in functions:
+        message = re.sub(rf"^{fn}: ", f"shardcheck {command}: ", message)
+    if getattr(args, "mesh", None):
+        message = re.sub(r"\bnum_shards=(\d+)", lambda m: shard_words(args, int(m.group(1)))[0], message)
+        message = re.sub(r"\bnum_shards\b", MESH_SHARD_COUNTS, message)
     for name, flag in flags.items():
         message = re.sub(rf"\b{name}='([^']*)'", rf"{flag} \1", message)
         message = re.sub(rf"\b{name}=", f"{flag} ", message)

@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardcheck._catalog import OPTIMIZERS
+from shardcheck._catalog import DEFAULT_STRATEGY, OPTIMIZERS, xla_partitioned
 from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
-from shardcheck.partitioning import STRATEGIES
+from shardcheck.partitioning import LAYOUTS, STRATEGIES
 
 STRATEGY_CHOICES = ("all", *STRATEGIES)
-MESH_STRATEGY_CHOICES = (*STRATEGY_CHOICES, "gspmd")
+MESH_ONLY = xla_partitioned()  # registered strategies that are no memory layout: sized on --mesh only
+MESH_STRATEGY_CHOICES = (*STRATEGY_CHOICES, *MESH_ONLY)
+# the layouts that split the parameters, whose per-device share the note compares with seed 001's even split
+PARAMS_SPLIT = tuple(name for name, layout in LAYOUTS.items() if "params" in layout.splits)
 SIZE_CHOICES = ("tiny", "small", "125m", "350m", "1b")  # shardcheck.tasks.sizes.SIZES (JAX-free here)
 OPTIMIZER_CHOICES = OPTIMIZERS
 DTYPE_CHOICES = ("float32", "bfloat16")
@@ -116,7 +119,8 @@ def _add_strategy_arguments(p) -> None:
         "--strategy",
         default=None,
         choices=MESH_STRATEGY_CHOICES,
-        help="which strategy, or all (default: all; with --mesh: fsdp; gspmd only with --mesh)",
+        help=f"which strategy, or all (default: all; with --mesh: {DEFAULT_STRATEGY}; {', '.join(MESH_ONLY)} only "
+        "with --mesh)",
     )
 
 
@@ -230,8 +234,8 @@ def _check_arguments(args) -> str | None:
             f"{name}: --mesh compiles a task's step; pass --task (e.g. --task tiny-lm --size 125m, or "
             "--task my_task.py:task)"
         )
-    if args.mesh is None and args.strategy == "gspmd":
-        return f"{name}: --strategy gspmd needs --mesh (e.g. --mesh data=2,fsdp=4)"
+    if args.mesh is None and args.strategy in MESH_ONLY:
+        return f"{name}: --strategy {args.strategy} needs --mesh (e.g. --mesh data=2,fsdp=4)"
     return None
 
 
@@ -332,12 +336,12 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         console.print(render_measured(estimates, measured))
     for s, (verdict, largest, peaks) in (fits or {}).items():
         console.print(render_fit(s, verdict, largest, peaks, aot[s].batch_size), highlight=False)
-    for s in ("fsdp",):
+    for s in PARAMS_SPLIT:
         if s in estimates:
             est = estimates[s]
             console.print(
                 f"[bold]even split[/] (seed 001, parameters only): {est.even_split_formula} = "
-                f"{est.even_split_params_bytes:,.2f} B; fsdp holds {est.params_bytes:,} B: "
+                f"{est.even_split_params_bytes:,.2f} B; {s} holds {est.params_bytes:,} B: "
                 f"{est.even_split_note}",
                 highlight=False,
             )
@@ -485,7 +489,7 @@ def main_mesh(args) -> int:
     from shardcheck import ahead_of_time, device_memory, memory
     from shardcheck.mesh import make_mesh
 
-    strategy = args.strategy or "fsdp"
+    strategy = args.strategy or DEFAULT_STRATEGY
     strategies = STRATEGY_CHOICES[1:] if strategy == "all" else (strategy,)
     try:
         mesh = make_mesh(axes)

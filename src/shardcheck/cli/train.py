@@ -1,7 +1,7 @@
 """``shardcheck train``: a real training run, sharded beside its single-device baseline, watched step by step.
 
-Without ``--task`` it trains the regression task of ``--dataset`` (:func:`shardcheck.training.train`: test split,
-standardization, shuffled mini-batches, epoch-end evaluation); with ``--task`` it trains the task's batches
+Without ``--task`` it trains the regression task of ``--dataset`` (:func:`shardcheck.seeds.training.train`: test
+split, standardization, shuffled mini-batches, epoch-end evaluation); with ``--task`` it trains the task's batches
 (:func:`shardcheck.training.train_task`). The strategies are the registry's (``shardcheck.steps.STRATEGIES``).
 """
 
@@ -13,12 +13,15 @@ import sys
 from pathlib import Path
 
 from shardcheck._catalog import COMPARED as TRAIN_STRATEGIES
+from shardcheck._catalog import DEFAULT_STRATEGY
 from shardcheck.cli._common import (
+    TRAIN_FLAGS,
     HelpFormatter,
     add_mesh_argument,
     apply_mesh,
     configure_devices,
     console_for,
+    library_to_flags,
     write_atomic,
     write_json,
 )
@@ -67,7 +70,10 @@ def _add_run_arguments(p) -> None:
         help="without --task: feature columns, comma-separated (default: every non-target column)",
     )
     p.add_argument(
-        "--strategy", default="fsdp", choices=TRAIN_STRATEGIES, help="the registered strategy trained"
+        "--strategy",
+        default=DEFAULT_STRATEGY,
+        choices=TRAIN_STRATEGIES,
+        help="the registered strategy trained",
     )
     p.add_argument(
         "--devices",
@@ -175,9 +181,9 @@ def main(args) -> int:
 
 
 def _main_dataset(args, num_shards: int) -> int:
-    """``shardcheck train`` without ``--task``: :func:`shardcheck.training.train` on ``--dataset``."""
+    """``shardcheck train`` without ``--task``: :func:`shardcheck.seeds.training.train` on ``--dataset``."""
     from shardcheck import datasets
-    from shardcheck.training import select_features, train
+    from shardcheck.seeds.training import select_features, train
 
     try:
         data = datasets.load_dataset(args.dataset, target=args.target, standardize_data=False)
@@ -254,8 +260,10 @@ def _run_and_report(args, run, table, plot, to_json) -> int:
     progress = _progress(console) if main_process else None
     try:
         report = run(None if progress is None else _updater(progress))
-    except (ValueError, TypeError) as err:
-        return _fail(str(err))
+    except (ValueError, TypeError) as err:  # in the command line's terms: --devices (or --mesh), --batch-size
+        return _fail(
+            library_to_flags(str(err), "train", TRAIN_FLAGS, functions=("train", "train_task"), args=args)
+        )
     finally:
         if progress is not None and progress.live.is_started:
             progress.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ from shardcheck.cli._common import (
     configure_devices,
     console_for,
     library_to_flags,
+    shard_words,
     write_json,
 )
 from shardcheck.cli._task import (
@@ -307,42 +307,21 @@ def _short(message: str, max_lines: int = 12) -> str:
     return "\n".join(lines)
 
 
-def _mesh_words(message: str, args) -> str:
-    """Under ``--mesh``, the library's ``num_shards`` is the mesh's batch shards, not a ``--devices`` the user
-    never gave: ``not divisible by num_shards=3`` reads ``not divisible by the 3 batch shards of --mesh data=3``."""
-    import re
-
-    mesh = getattr(args, "mesh", None)
-    if not mesh:
-        return message
-    spec = ",".join(f"{k}={v}" for k, v in mesh.items())
-    message = re.sub(r"\bnum_shards=(\d+)", rf"the \1 batch shards of --mesh {spec}", message)
-    return re.sub(
-        r"\bvalid num_shards\b", "valid batch-shard counts (the product of --mesh's data axes)", message
-    )
-
-
 def _check_builtin_batch(args, task, num_shards) -> None:
     """A built-in task's batch must split over the devices: the fix is --batch-size (a task file's batches are the
-    user's own: check_parity says how to pad them)."""
+    user's own: check_parity says how to pad them). The one rule and wording of
+    :func:`shardcheck._validate.check_divisible`, S named as the command line gave it (:func:`shard_words`)."""
+    from shardcheck import _validate
     from shardcheck.task import batch_size
     from shardcheck.tasks import BUILTIN_TASKS
 
     if (args.task is not None and args.task not in BUILTIN_TASKS) or not num_shards:
         return
     b = batch_size(task.batches[0])
-    if b % num_shards:
-        mesh = getattr(args, "mesh", None)
-        where = (
-            "--mesh " + ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else f"--devices {num_shards}"
-        )
-        fit = -(-b // num_shards) * num_shards
-        over = "devices" if mesh is None or math.prod(mesh.values()) == num_shards else "batch shards"
-        raise ValueError(
-            f"shardcheck verify: the batch of {b} rows does not split over the {num_shards} {over} of {where}; "
-            f"pass --batch-size with a multiple of {num_shards} (e.g. --batch-size {fit}) or a device count that "
-            f"divides {b}"
-        )
+    by, counts = shard_words(args, num_shards)
+    fit = -(-b // num_shards) * num_shards
+    fix = f"pass --batch-size with a multiple of {num_shards}, e.g. --batch-size {fit}"
+    _validate.check_divisible("shardcheck verify", b, num_shards, by=by, counts=counts, fix=fix)
 
 
 def main(args) -> int:
@@ -371,6 +350,8 @@ def main(args) -> int:
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
         cause = err.__cause__
+        if cause is None:  # the step ran; what it returned cannot be compared (the message says what and why)
+            return _fail(library_to_flags(str(err), "verify", args=args))
         return _fail(
             f"shardcheck verify: the {label} step raised {type(cause).__name__}: {_short(str(cause))} at step "
             f"{err.step}; "
@@ -378,7 +359,7 @@ def main(args) -> int:
             + " (shardcheck.check_parity in Python shows the traceback)"
         )
     except (ValueError, TypeError) as err:
-        return _fail(library_to_flags(_mesh_words(str(err), args), "verify"))
+        return _fail(library_to_flags(str(err), "verify", args=args))
     message = _diverged_message(args, task, reports)
     if message is not None:
         return _fail(message)
@@ -431,7 +412,9 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
 
 
 def _verdict(ok: bool | str) -> str:
-    if ok in ("PASS (per step)", "CANNOT VERIFY", "NO VERDICT"):
+    """A leaf's ``ok`` or a report's verdict, coloured: PASS green, FAIL red, every qualified verdict yellow
+    (``PASS (per step)``, ``PASS (weak check accepted)``, ``CANNOT VERIFY``, ``NO VERDICT``)."""
+    if isinstance(ok, str) and ok not in ("PASS", "FAIL"):
         return f"[bold yellow]{ok}[/]"
     if isinstance(ok, str):
         ok = ok == "PASS"
@@ -444,7 +427,8 @@ def render_report(report, setup: str):
 
     table = Table(
         title=f"shardcheck verify {report.strategy}: {_verdict(report.verdict)}",
-        caption=f"{setup}\n{report.diagnosis}",
+        caption=f"{setup}\n{report.diagnosis}"
+        + ("" if report.weak_accepted is None else f"\nweak check accepted: {report.weak_accepted}"),
         caption_justify="left",
     )
     table.add_column("compared")

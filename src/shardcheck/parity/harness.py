@@ -320,21 +320,50 @@ def _loss_leaves(
     return [leaf], ref_loss_f, cand_loss_f
 
 
+def _listed(paths: list[str], most: int = 6) -> str:
+    shown = ", ".join(repr(p) for p in paths[:most])
+    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
+def check_grad_paths(name: str, t: int, ref_grads: dict, cand_grads: dict) -> None:
+    """The candidate's gradients must have the reference's leaves (the model's parameters), path for path.
+
+    Raises:
+        CandidateError: leaves missing or extra, named with the fix (no ``__cause__``: the step ran; what it
+            returned cannot be compared).
+    """
+    missing = [p for p in ref_grads if p not in cand_grads]
+    extra = [p for p in cand_grads if p not in ref_grads]
+    if not missing and not extra:
+        return
+    parts = [f"missing {_listed(missing)}" if missing else "", f"extra {_listed(extra)}" if extra else ""]
+    fix = (
+        "return grads with the structure of nnx.state(model, nnx.Param), e.g. nnx.grad(loss)(model) or "
+        "jax.grad of a function of nnx.state(model, nnx.Param)"
+    )
+    raise CandidateError(
+        f"check_parity: the candidate step {name!r} returned grads whose structure differs from the model's "
+        f"parameters at step {t} ({'; '.join(p for p in parts if p)}; the parameters' leaves are "
+        f"{_listed(list(ref_grads))}): {fix}",
+        t,
+        fix,
+    )
+
+
 def _grad_inputs(run: _Run, t, ref_grads, cand_grads, bounds, rtol, atol) -> tuple[list, dict]:
-    """The gradient leaves to compare (``LeafInput``; a missing one fails) and the compared reference
-    gradients, ``{path: leaf}`` (float leaves); both empty unless both sides returned gradients."""
+    """The gradient leaves to compare (``LeafInput``) and the compared reference gradients, ``{path: leaf}``
+    (float leaves); both empty unless both sides returned gradients, which must have the same leaves
+    (:func:`check_grad_paths`)."""
     if ref_grads is None or cand_grads is None:
         return [], {}
     rg, cg = flatten_state(ref_grads), flatten_state(cand_grads)
+    check_grad_paths(run.cand.name, t, rg, cg)
     leaves = []
     for path, ref_leaf in rg.items():
-        if path in cg:
-            allowance = None if bounds is None else bounds.grad.get(path)
-            r_tol, a_tol = run.tol("grad", path, rtol, atol)
-            leaves.append(LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance))
-        else:
-            leaves.append(LeafError(t, "grad", path, math.inf, math.inf, 0.0, False))
-    return leaves, {p: v for p, v in rg.items() if p in cg and not is_int(v)}
+        allowance = None if bounds is None else bounds.grad.get(path)
+        r_tol, a_tol = run.tol("grad", path, rtol, atol)
+        leaves.append(LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance))
+    return leaves, {p: v for p, v in rg.items() if not is_int(v)}
 
 
 def _replica_axes(after: _After, mismatched: tuple[str, ...]) -> tuple[str, ...]:
@@ -417,7 +446,8 @@ def check_parity(
             not split into S equal shards (the message names the leaf and the fix); an unknown strategy; negative
             ``rtol``/``atol``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
             that is not a pair of numbers >= 0, or a callable that raises. All checked before any step runs.
-        CandidateError: the candidate raised during a step (the original error is its ``__cause__``).
+        CandidateError: the candidate raised during a step (the original error is its ``__cause__``), or returned
+            gradients whose leaves are not the model's parameters' (naming the missing and extra leaf paths).
     """
     fn = "check_parity"
     num_shards = check_options(
@@ -455,13 +485,16 @@ def check_parity(
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
     accepted = accept_weak or rtol is not None or atol is not None
-    weak = None if accepted else unresolvable(records, run.cand.num_shards, run.precision)
-    return _report(run, outcome, rule, weak, mesh)
+    weak = unresolvable(records, run.cand.num_shards, run.precision, accepted=accepted)
+    return _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
 
 
-def _report(run: _Run, outcome, rule: str, weak: str | None, mesh) -> ParityReport:
-    """The run's report from the step loop's ``outcome`` (:func:`_run_steps`), the tolerance rule's text and the
-    cause of a weak check (:func:`unresolvable`, or ``None``)."""
+def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], mesh) -> ParityReport:
+    """The run's report from the step loop's ``outcome`` (:func:`_run_steps`), the tolerance rule's text and
+    ``weak``: the cause of a weak check (:func:`unresolvable`), as ``(cannot_verify, weak_accepted)``: the first
+    when the caller did not accept it (``CANNOT VERIFY``), the second when they did (``PASS (weak check
+    accepted)``); ``(None, None)`` for a check that could tell a factor-S error apart."""
+    weak, weak_accepted = weak
     records, diverged, diverged_at, reference_diverged_at = outcome
     findings = diagnose(
         records,
@@ -483,6 +516,7 @@ def _report(run: _Run, outcome, rule: str, weak: str | None, mesh) -> ParityRepo
         steps=tuple(records),
         diagnoses=tuple(findings),
         cannot_verify=weak,
+        weak_accepted=weak_accepted,
         scale_evidence=scale_evidence_text(records, run.cand.num_shards),
         num_shards=run.cand.num_shards,
         tolerance_rule=rule,

@@ -26,6 +26,8 @@ class ParityReport:
             stopped there (``reference_diverged``; ``steps`` holds the steps before it). ``None`` otherwise.
         cannot_verify: why no compared leaf could tell the step from one whose gradient is off by S or 1/S
             (verdict ``CANNOT VERIFY``, not ok), or ``None`` (also when the caller accepted a weak check).
+        weak_accepted: the same cause when the caller accepted the weak check (``accept_weak=True``, or a user-set
+            ``rtol``/``atol``): the report passes, as ``PASS (weak check accepted)``; else ``None``.
         scale_evidence: which leaves carried the evidence against a gradient off by S and by 1/S (the first step
             that showed each and its leaves: ``StepRecord.scale_evidence``), or ``None`` when none did.
     """
@@ -41,6 +43,7 @@ class ParityReport:
     reference_diverged_at: int | None = None
     cannot_verify: str | None = None
     scale_evidence: str | None = None
+    weak_accepted: str | None = None
 
     @property
     def step_ok(self) -> bool:
@@ -57,14 +60,19 @@ class ParityReport:
     def verdict(self) -> str:
         """``"PASS"`` (:attr:`ok`), ``"PASS (per step)"`` (trajectories diverged, every step correct from
         synchronized state), ``"NO VERDICT"`` (the reference diverged), ``"CANNOT VERIFY"`` (the tolerance
-        cannot tell the update from a factor-S error) or ``"FAIL"``."""
+        cannot tell the update from a factor-S error) or ``"FAIL"``. A pass whose check could not have told a
+        factor-S error apart, accepted by the caller (:attr:`weak_accepted`), says so: ``"PASS (weak check
+        accepted)"``, ``"PASS (per step; weak check accepted)"``."""
         if self.reference_diverged_at is not None:
             return "NO VERDICT"
         if self.cannot_verify is not None:
             return "CANNOT VERIFY"
+        if not self.step_ok:
+            return "FAIL"
+        weak = "" if self.weak_accepted is None else "weak check accepted"
         if self.ok:
-            return "PASS"
-        return "PASS (per step)" if self.step_ok else "FAIL"
+            return f"PASS ({weak})" if weak else "PASS"
+        return f"PASS (per step; {weak})" if weak else "PASS (per step)"
 
     @property
     def worst(self) -> LeafError | None:
@@ -109,7 +117,7 @@ class ParityReport:
     def to_dict(self) -> dict:
         """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
-        ``cannot_verify``, ``scale_evidence``.
+        ``cannot_verify``, ``weak_accepted``, ``scale_evidence``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -120,6 +128,7 @@ class ParityReport:
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
             "cannot_verify": self.cannot_verify,
+            "weak_accepted": self.weak_accepted,
             "scale_evidence": self.scale_evidence,
             "worst_leaf": self.worst_leaf,
             "worst_step": None if worst is None else worst.step,
@@ -178,6 +187,8 @@ class ParityReport:
             )
         for d in self.diagnoses:
             lines.append(f"  [{d.code}] {d.message}")
+        if self.weak_accepted is not None:
+            lines.append(f"  weak check accepted: {self.weak_accepted}")
         if self.scale_evidence and all(r.ok for r in self.steps):  # a failing run has found its error
             lines.append(f"  evidence: {self.scale_evidence}")
         if self.tolerance_rule:
@@ -187,7 +198,10 @@ class ParityReport:
 
 class CandidateError(RuntimeError):
     """The candidate step raised; the original exception is ``__cause__``, ``step`` the 0-based step and ``hint``
-    a likely cause the harness can see (``""`` when none), also in the message, before the exception's text."""
+    a likely cause the harness can see (``""`` when none), also in the message, before the exception's text.
+
+    Also raised, with no ``__cause__``, when the step ran but returned gradients that cannot be compared: leaves
+    missing from, or not among, the model's parameters (the message names them; ``hint`` is the fix)."""
 
     def __init__(self, message: str, step: int, hint: str = ""):
         super().__init__(message)

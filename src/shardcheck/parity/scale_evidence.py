@@ -99,9 +99,16 @@ def scale_shown(records) -> tuple[bool, bool]:
     return any(e[0] for e in checked), any(e[1] for e in checked)
 
 
-def unresolvable(records, num_shards: int | None, precision: Precision) -> str | None:
+ACCEPT = "pass accept_weak=True (verify --accept-weak) to accept the weak check."
+ACCEPTED = "accepted as a weak check (accept_weak=True, verify --accept-weak, or a user-set rtol/atol)."
+
+
+def unresolvable(
+    records, num_shards: int | None, precision: Precision, *, accepted: bool = False
+) -> str | None:
     """Why the steps cannot tell the step from one whose gradient is off by S (a sum for a mean) or by 1/S (a
-    mean taken twice), or ``None`` (asked unless the user accepted a weak check or set the tolerance).
+    mean taken twice), or ``None``. The text ends with how to accept the weak check, or (``accepted``: the user
+    accepted it or set the tolerance) says that it was accepted.
 
     Decided by the hypothesis itself (``StepRecord.scale_evidence``): from each step's pre-step state, would the
     compared leaves (the gradients when returned; else the parameters and optimizer state after the reference's
@@ -125,7 +132,7 @@ def unresolvable(records, num_shards: int | None, precision: Precision) -> str |
         (True, False): (f"times 1/{s}", f"a x1/{s} error (a mean taken twice; a x{s} one would have failed)"),
         (False, True): (f"times {s}", f"a x{s} error (a sum for a mean; a x1/{s} one would have failed)"),
     }[shown]
-    accept = "pass accept_weak=True (verify --accept-weak) to accept the weak check."
+    accept = ACCEPTED if accepted else ACCEPT
     params = [e for r in records for e in r.leaves if e.kind == "param" and e.reference_change is not None]
     if params and all(e.reference_change == 0 for e in params):
         return (

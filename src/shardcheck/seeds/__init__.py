@@ -14,9 +14,12 @@ engine's step of the registered strategy (:data:`shardcheck.steps.STRATEGIES`):
 * :func:`tree_sum`, :func:`tree_mean`: seed 000's leafwise reduction of gradient trees.
 * :func:`run_strategies`: the seed form of the main job, :func:`shardcheck.runner.run_task`
   on the seed task; :mod:`shardcheck.seeds.parity`: the ``(model, optimizer, batches)`` form of ``check_parity``.
+* :func:`train`: the regression training on an ``(x, y)`` data set (test split, shuffled mini-batches, train and
+  test loss per epoch), :func:`shardcheck.training.train_task` on the seed task.
 
 The old module paths (``shardcheck.baseline``, ``shardcheck.simulation``, ``shardcheck.spmd``,
-``shardcheck.accumulation``, ``shardcheck.reductions``) are deprecated aliases of these modules.
+``shardcheck.accumulation``, ``shardcheck.reductions``) are deprecated aliases of these modules;
+``shardcheck.training.train`` (and its report) is a deprecated alias of :func:`train`.
 """
 
 from shardcheck.seeds.accumulation import accumulated_sgd_step as accumulated_sgd_step
@@ -33,9 +36,12 @@ from shardcheck.seeds.run import run_strategies as run_strategies
 from shardcheck.seeds.simulation import ReducedStep as ReducedStep
 from shardcheck.seeds.simulation import reduced_sgd_step as reduced_sgd_step
 from shardcheck.seeds.simulation import simulated_data_parallel_step as simulated_data_parallel_step
+from shardcheck.seeds.training import TrainReport as TrainReport
+from shardcheck.seeds.training import train as train
 
 __all__ = [
     "ReducedStep",
+    "TrainReport",
     "accumulated_sgd_step",
     "data_parallel_sgd_step",
     "fresh_linear",
@@ -47,6 +53,7 @@ __all__ = [
     "sgd_step",
     "simulated_data_parallel_step",
     "trace_sgd_step",
+    "train",
     "tree_mean",
     "tree_sum",
 ]
