@@ -499,7 +499,9 @@ def test_num_shards_on_a_tensor_parallel_mesh_is_the_batch_shards(capsys):
     )
     assert code == 2
     message = " ".join(capsys.readouterr().err.split())
-    assert "the batch of 16 rows does not split over the 3 batch shards of --mesh data=3,model=2" in message
+    # the one wording of the batch-divisibility rule (_validate.check_divisible), with the mesh's batch shards
+    assert "batch size 16 is not divisible by the 3 batch shards of --mesh data=3,model=2" in message
+    assert "pass --batch-size with a multiple of 3, e.g. --batch-size 18" in message
 
 
 @require_devices(8)

@@ -30,19 +30,22 @@ TASK_HELP = (
 )
 
 
+DESCRIPTION = (
+    "Load a data set (default: scikit-learn's bundled diabetes data, standardized), build one nnx.Linear, "
+    "and run one SGD step of the single-device baseline (seed 001), the gradient-reduction simulation "
+    "(seed 000), and the data-parallel and FSDP steps on a device mesh, all from the same initial "
+    "parameters. Prints losses, gradient and parameter differences against the baseline, and the "
+    "parameter storage per shard. With --task, one step of every registered strategy "
+    f"({', '.join(STRATEGIES)}) on the task's first batch from one fresh model, each compared with the "
+    "reference leaf by leaf."
+)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "run",
         help="one SGD step of each computation on a real data set, compared with the baseline",
-        description=(
-            "Load a data set (default: scikit-learn's bundled diabetes data, standardized), build one nnx.Linear, "
-            "and run one SGD step of the single-device baseline (seed 001), the gradient-reduction simulation "
-            "(seed 000), and the data-parallel and FSDP steps on a device mesh, all from the same initial "
-            "parameters. Prints losses, gradient and parameter differences against the baseline, and the "
-            "parameter storage per shard. With --task, one step of every registered strategy "
-            f"({', '.join(STRATEGIES)}) on the task's first batch from one fresh model, each compared with the "
-            "reference leaf by leaf."
-        ),
+        description=DESCRIPTION,
         formatter_class=HelpFormatter,
     )
     p.add_argument("--task", default=None, metavar="NAME|FILE.py:ATTR|MODULE:ATTR", help=TASK_HELP)
