@@ -262,17 +262,21 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
         num_shards=num_shards, mesh=mesh, rtol=args.rtol, atol=args.atol, accept_weak=args.accept_weak
     ) | precision_overrides(args)
     reports = {}
-    for label, cand in runs:
-        if args.task is None and label == "candidate":
-            # the (model, optimizer, x, y) form of a candidate, on the regression task's own batches
-            model = task.new_model()
-            optimizer = task.new_optimizer(model)
-            reports[label] = parity.check_parity(
-                cand, model, optimizer, list(task.batches), name=label, **options
-            )
-        else:
-            reports[label] = parity.check_parity(cand, task, steps=steps, name=label, **options)
+    with parity.shared_reference():  # every check runs against the same reference steps: they run once
+        for label, cand in runs:
+            reports[label] = _check_one(args, task, label, cand, steps, options)
     return reports
+
+
+def _check_one(args, task, label, cand, steps, options):
+    from shardcheck import parity
+
+    if args.task is None and label == "candidate":
+        # the (model, optimizer, x, y) form of a candidate, on the regression task's own batches
+        model = task.new_model()
+        optimizer = task.new_optimizer(model)
+        return parity.check_parity(cand, model, optimizer, list(task.batches), name=label, **options)
+    return parity.check_parity(cand, task, steps=steps, name=label, **options)
 
 
 def _diverged_message(args, task, reports) -> str | None:

@@ -18,6 +18,7 @@ from shardcheck.parity.diagnosis import LeafError as LeafError
 from shardcheck.parity.diagnosis import StepRecord as StepRecord
 from shardcheck.parity.diagnosis import diagnose as diagnose
 from shardcheck.parity.harness import minibatches as minibatches
+from shardcheck.parity.reference_trajectory import shared_reference as shared_reference
 from shardcheck.parity.report import CandidateError as CandidateError
 from shardcheck.parity.report import ParityError as ParityError
 from shardcheck.parity.report import ParityReport as ParityReport

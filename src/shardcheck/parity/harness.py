@@ -63,6 +63,7 @@ from shardcheck.parity.compare import (
 from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.hypotheses import _explained
 from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowance
+from shardcheck.parity.reference_trajectory import trajectory_for
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.scale_evidence import _scale_evidence, scale_evidence_text, scale_shown, unresolvable
 from shardcheck.parity.setup import _setup, check_options
@@ -88,15 +89,25 @@ def _reference_finite(record: StepRecord, after: _After) -> bool:
     return compare.all_finite([*after.ref_params.values(), *after.ref_state.values()])
 
 
-def _step_reference(run: _Run, batch, rtol: float, atol: float):
-    """Step the reference; returns ``(loss, grads, pre-step state, _Bounds or None)``."""
+def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
+    """Step the reference (or take step ``t`` from the task's shared trajectory, :mod:`.reference_trajectory`);
+    returns ``(loss, grads, pre-step state, _Bounds or None)``."""
     pre = _PreStep.of(run.ref_model, run.ref_opt)
     if run.reference is not None:
         loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
         return loss, grads, pre, None
+    stored = None if run.shared is None else run.shared.get(t, rtol, atol)
+    if stored is not None:
+        loss, grads, bounds, after = stored
+        nnx.update((run.ref_model, run.ref_opt), after)
+        return loss, grads, pre, bounds
     split = split_gradients(run, pre, batch)  # before the step, from the pre-step state
     result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
     bounds = step_bounds(run, pre, batch, nnx.as_pure(result.grads), split, rtol, atol)
+    if run.shared is not None:
+        # its arrays, not its Variables: the run goes on stepping the reference in place
+        after = nnx.as_pure(nnx.state((run.ref_model, run.ref_opt)))
+        run.shared.put(t, rtol, atol, (result.loss, result.grads, bounds, after))
     return result.loss, result.grads, pre, bounds
 
 
@@ -219,7 +230,7 @@ def _compare_step(
     once).
     """
     ref_params0, cand_params0, ref_opt0, cand_opt0 = _snapshots(run)
-    ref_loss, ref_grads, pre, bounds = _step_reference(run, batch, rtol, atol)
+    ref_loss, ref_grads, pre, bounds = _step_reference(run, t, batch, rtol, atol)
     cand_loss, cand_grads = _step_candidate(run, t, batch)
 
     leaves, ref_loss_f, cand_loss_f = _loss_leaves(run, t, batch, ref_loss, cand_loss, bounds, rtol, atol)
@@ -466,6 +477,8 @@ def check_parity(
         leaf_tolerance=leaf_tolerance,
         initial_state=initial_state,
     )
+    if run.reference is None and not run.precision.low:  # one reference trajectory for the checks of a verify
+        run.shared = trajectory_for(task, (len(data),), run.ref_model, run.ref_opt)
     # float32 accumulation under low-precision parameters; their own rounding is added per leaf (precision.py)
     dtype = ACCUMULATION_DTYPE if run.precision.param_eps > 0 else _param_dtype(run.ref_model)
 

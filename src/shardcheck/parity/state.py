@@ -86,6 +86,7 @@ class _Run:
     allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     state_allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     last: Any = None  # the _After of this run's last step: its state before the next step (no re-flatten)
+    shared: Any = None  # the task's shared reference trajectory (parity.reference_trajectory), or None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""

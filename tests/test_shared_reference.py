@@ -1,0 +1,106 @@
+"""One reference trajectory for the checks of one ``verify`` (``parity.reference_trajectory``): every report is the one
+a check of its own gives, bit for bit, and the reference steps run once."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+
+import shardcheck
+from shardcheck.losses import mse_batch_loss
+from shardcheck.models import MLP
+from shardcheck.parity import harness, reference_trajectory
+from shardcheck.parity.reference_trajectory import shared_reference
+
+
+def _task(seed=0, factory_seed=None):
+    rng = np.random.default_rng(seed)
+    batches = [(rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))] * 4
+    return shardcheck.Task(
+        model=(lambda: MLP(4, 8, 2, rngs=nnx.Rngs(0))) if factory_seed is None else factory_seed,
+        optimizer=optax.adam(1e-2),
+        loss_fn=mse_batch_loss,
+        batches=batches,
+    )
+
+
+def _summed_from_step_2(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lambda m: mse_batch_loss(m, batch))(model)
+    if int(optimizer.step[...]) >= 2:
+        grads = jax.tree.map(lambda g: 2 * g, grads)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _fields(report):
+    return [[dataclasses.astuple(e) for e in r.leaves] for r in report.steps], report.codes, report.diagnosis
+
+
+def _counted(monkeypatch):
+    calls = [0]
+    step = harness.reference_step
+
+    def counted(*args):
+        calls[0] += 1
+        return step(*args)
+
+    monkeypatch.setattr(harness, "reference_step", counted)
+    return calls
+
+
+@require_devices(2)
+def test_shared_reports_are_the_checks_own_bit_for_bit(monkeypatch):
+    task = _task()
+    candidates = ["dp", "fsdp", _summed_from_step_2]
+    alone = [shardcheck.check_parity(c, task, num_shards=2) for c in candidates]
+    calls = _counted(monkeypatch)
+    with shared_reference():
+        shared = [shardcheck.check_parity(c, task, num_shards=2) for c in candidates]
+    assert [r.verdict for r in shared] == ["PASS", "PASS", "FAIL"] and shared[2].codes[0] == "summed"
+    for a, s in zip(alone, shared, strict=True):
+        assert _fields(a) == _fields(s)
+    # 4 steps once, then only the failing check's re-check of step 2 from the reference's state (a new tolerance)
+    assert calls[0] == 4 + 1
+
+
+def test_a_task_whose_factory_is_not_deterministic_is_not_shared(monkeypatch):
+    seeds = iter(range(100))
+    task = _task(factory_seed=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(next(seeds))))
+    calls = _counted(monkeypatch)
+    with shared_reference():
+        reports = [shardcheck.check_parity("simulation", task, num_shards=2) for _ in range(2)]
+    assert calls[0] == 8 and all(r.verdict == "PASS" for r in reports)
+
+
+def test_outside_the_block_nothing_is_shared(monkeypatch):
+    task = _task()
+    calls = _counted(monkeypatch)
+    for _ in range(2):
+        assert shardcheck.check_parity("simulation", task, num_shards=2).verdict == "PASS"
+    assert calls[0] == 8
+
+
+def test_verify_checks_every_strategy_against_one_reference_run(monkeypatch, capsys):
+    from shardcheck.cli import main
+
+    calls = _counted(monkeypatch)
+    code = main(
+        ["verify", "--task", "digits", "--devices", "2", "--steps", "2", "--strategies", "simulation,dp"]
+    )
+    assert code == 0, capsys.readouterr()
+    assert calls[0] == 2
+
+
+@pytest.mark.parametrize("limit", [0])
+def test_a_trajectory_past_its_byte_limit_is_not_stored(monkeypatch, limit):
+    monkeypatch.setattr(reference_trajectory, "MAX_BYTES", limit)
+    task = _task()
+    calls = _counted(monkeypatch)
+    with shared_reference():
+        for _ in range(2):
+            assert shardcheck.check_parity("simulation", task, num_shards=2).verdict == "PASS"
+    assert calls[0] == 8
