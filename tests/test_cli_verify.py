@@ -477,3 +477,43 @@ def tuple_grads(model, optimizer, batch):  # the right step, its gradients retur
         "'bias', 'kernel'): return grads with the structure of nnx.state(model, nnx.Param)"
     ) in err
     assert "NoneType" not in err
+
+
+@require_devices(2)
+@pytest.mark.parametrize("mistake", ['batch["token"]', "model.missing_layer"])
+def test_a_typo_in_the_task_loss_is_bad_input_not_a_crash(mistake, tmp_path, capsys):
+    """A KeyError / AttributeError raised by the user's loss_fn: verify, train and memory exit 2 with one line
+    naming the exception (a traceback and exit 1 before)."""
+    task_file = tmp_path / "typo_task.py"
+    task_file.write_text(
+        textwrap.dedent(
+            f"""
+            import numpy as np
+            import optax
+            from flax import nnx
+            import shardcheck
+
+            def loss_fn(model, batch):
+                x = {mistake if "batch" in mistake else 'batch["x"]'}
+                out = {"model(x)" if "batch" in mistake else mistake + "(x)"}
+                return ((out - batch["y"]) ** 2).mean()
+
+            rng = np.random.default_rng(0)
+            batches = [{{"x": rng.normal(size=(4, 3)).astype(np.float32), "y": np.zeros((4, 2), np.float32)}}]
+            task = shardcheck.Task(
+                model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optimizer=optax.sgd(0.1),
+                loss_fn=loss_fn, batches=batches,
+            )
+            """
+        )
+    )
+    spec = f"{task_file}:task"
+    for argv in (
+        ["verify", "--task", spec, "--devices", "2", "--strategies", "dp"],
+        ["train", "--task", spec, "--devices", "2", "--epochs", "1", "--plot", str(tmp_path / "p.png")],
+        ["memory", "--task", spec, "--mesh", "fsdp=2", "--measure"],
+    ):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        kind = "KeyError" if "batch" in mistake else "AttributeError"
+        assert f"loss_fn raised {kind} on batch 0" in err and "Traceback" not in err, (argv, err)

@@ -320,7 +320,8 @@ def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
 
     Raises:
         TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
-        ValueError: BatchStat variables; RNG streams drawn in the forward pass; a non-finite loss at step 0.
+        ValueError: BatchStat variables; RNG streams drawn in the forward pass; a non-finite loss at step 0; a
+            ``loss_fn`` that raises anything but a TypeError (named in the message).
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
@@ -334,8 +335,13 @@ def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
     before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
     try:
         out = _probe_loss(loss_fn, clone, batch)
-    except Exception as err:
+    except (TypeError, ValueError) as err:
         raise type(err)(f"{fn}: the task's loss_fn raised on batch 0: {err}") from err
+    except Exception as err:  # a KeyError, AttributeError ... in the user's loss: bad input, not a crash
+        raise ValueError(
+            f"{fn}: the task's loss_fn raised {type(err).__name__} on batch 0: {err}; fix the loss function "
+            "(a batch key or a model attribute it names?) and run again"
+        ) from err
     after = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
     drawn = [".".join(map(str, p)) for p in before if not np.array_equal(before[p], after[p])]
     if drawn:

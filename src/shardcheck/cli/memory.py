@@ -491,6 +491,7 @@ def main_mesh(args) -> int:
 
     strategy = args.strategy or DEFAULT_STRATEGY
     strategies = STRATEGY_CHOICES[1:] if strategy == "all" else (strategy,)
+    task = None
     try:
         mesh = make_mesh(axes)
         task = _build_task(args)
@@ -510,8 +511,26 @@ def main_mesh(args) -> int:
                 fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
+    except Exception as e:  # the user's loss_fn raising while the step is lowered: bad input, not a crash
+        if not _raised_in(e, getattr(task, "loss_fn", None)):
+            raise
+        return _fail(
+            f"{name}: the task's loss_fn raised {type(e).__name__} on batch 0: {e}; fix the loss function (a "
+            "batch key or a model attribute it names?) and run again"
+        )
     args.shards = mesh.size
     return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
+
+
+def _raised_in(err: BaseException, fn) -> bool:
+    """Whether ``err`` was raised inside ``fn`` (one of its frames is on the traceback)."""
+    code = getattr(fn, "__code__", None)
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def main_task(args) -> int:
