@@ -6,7 +6,7 @@ import inspect
 import sys
 from typing import TYPE_CHECKING
 
-from shardcheck._catalog import CANDIDATES, COMPARED
+from shardcheck._catalog import CANDIDATES, COMPARED, REFERENCE, STRATEGY_SPECS
 from shardcheck.cli._common import (
     HelpFormatter,
     add_mesh_argument,
@@ -31,6 +31,10 @@ if TYPE_CHECKING:  # the steps import JAX; verify --help does not
 # every registered strategy but the reference; the default leaves out multiprocess (it needs a launched run)
 STRATEGY_NAMES = COMPARED
 DEFAULT_STRATEGIES = ",".join(CANDIDATES)
+# what --reference accepts: the single-device step, or a mesh strategy that steps the task's own optimizer
+REFERENCE_NAMES = (REFERENCE,) + tuple(
+    n for n, s in STRATEGY_SPECS.items() if s.uses_mesh and not s.wraps_optimizer
+)
 
 
 DESCRIPTION = (
@@ -47,7 +51,10 @@ DESCRIPTION = (
 )
 EPILOG = (
     "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "
-    "your own step: shardcheck verify --candidate my_steps.py:dp_step --devices 4"
+    "your own step: shardcheck verify --candidate my_steps.py:dp_step --devices 4; "
+    "against XLA's partitioning of the same step on the same mesh, never whole on one device: "
+    "shardcheck verify --task tiny-lm --mesh data=2,model=4 --reference gspmd --strategies none --candidate "
+    "my_steps.py:tp_step"
 )
 
 
@@ -101,6 +108,14 @@ def _add_run_arguments(p) -> None:
         "while it loads",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shuffling")
+    p.add_argument(
+        "--reference",
+        default=REFERENCE,
+        choices=REFERENCE_NAMES,
+        help="what every step is compared with: the task's single-device step (default), or a strategy on the "
+        "same mesh (gspmd: the plain step jitted over the model's annotations, XLA's collectives); then the state "
+        "is created directly sharded and compared on the devices, never whole on one device (--task only)",
+    )
 
 
 def _add_check_arguments(p) -> None:
@@ -229,6 +244,11 @@ def _check_args(args) -> tuple[list[str], int]:
     if args.lr is not None:
         _validate.check_lr("shardcheck verify: --lr", args.lr)
     strategies = _parse_strategies(args.strategies, args.candidate is not None)
+    if args.reference != REFERENCE and args.task is None:
+        raise ValueError(
+            f"shardcheck verify: --reference {args.reference} needs --task (a built-in task or FILE.py:task); "
+            "the seed form compares against the seed's single-device baseline"
+        )
     # Like `shardcheck run`: without --devices, fake as many CPU devices as shards (2) before JAX starts; a
     # launched run (shardcheck launch) has its devices configured already.
     configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
@@ -261,6 +281,8 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
     options = dict(
         num_shards=num_shards, mesh=mesh, rtol=args.rtol, atol=args.atol, accept_weak=args.accept_weak
     ) | precision_overrides(args)
+    if args.reference != REFERENCE:
+        options["reference"] = args.reference
     reports = {}
     with parity.shared_reference():  # every check runs against the same reference steps: they run once
         for label, cand in runs:
@@ -349,7 +371,8 @@ def main(args) -> int:
         candidate = (
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
-        mesh = _mesh(args, devices, any(STRATEGIES[s].uses_mesh for s in strategies) or candidate is not None)
+        uses_mesh = [STRATEGIES[s].uses_mesh for s in (*strategies, args.reference)]
+        mesh = _mesh(args, devices, any(uses_mesh) or candidate is not None)
         runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
@@ -391,6 +414,8 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         model = [a for a in args.mesh if a not in batch]
         if model:  # tensor / expert parallelism: say which axes split the batch and which the model
             setup += f" (batch over {', '.join(batch)}; model over {', '.join(model)})"
+    if args.reference != REFERENCE:
+        setup += f", against {next(iter(reports.values())).reference}" if reports else ""
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
@@ -405,6 +430,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "optimizer": optimizer,
         "lr": lr,
         "mesh": args.mesh,
+        "reference": next(iter(reports.values())).reference if reports else args.reference,
         "steps": steps,
         "batch_size": b,
         "num_shards": num_shards,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -139,6 +140,22 @@ def _device_stats_for(item) -> bool:
     if DEVICE_STATS is not None:
         return DEVICE_STATS
     return next(iter(item.ref.sharding.device_set)).platform != "cpu"
+
+
+@contextlib.contextmanager
+def on_devices(active: bool = True):
+    """Within this block (when ``active``), :func:`leaf_errors` compares on the devices and takes the update
+    ratio's median there (:data:`DEVICE_STATS`, :data:`DEVICE_MEDIAN` forced ``True``) unless they were forced
+    already: a check whose state lives sharded brings only per-leaf scalars to the host."""
+    global DEVICE_STATS, DEVICE_MEDIAN
+    saved = DEVICE_STATS, DEVICE_MEDIAN
+    if active:
+        DEVICE_STATS = True if DEVICE_STATS is None else DEVICE_STATS
+        DEVICE_MEDIAN = True if DEVICE_MEDIAN is None else DEVICE_MEDIAN
+    try:
+        yield
+    finally:
+        DEVICE_STATS, DEVICE_MEDIAN = saved
 
 
 DEVICE_MEDIAN: bool | None = None

@@ -22,6 +22,7 @@ used), ``ok=True``, ``ratio=None`` (read by the rules of failing steps only) and
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -35,42 +36,54 @@ from shardcheck.parity.diagnosis import LeafError
 _ROUNDING = 2.0**-22
 
 
-# leaves below this many elements are stacked with the leaves of their shape and reduced together (one set of
-# kernels per shape: XLA:CPU compiles each kernel for tens of milliseconds); larger ones are reduced alone (a
-# stack would copy them)
+# leaves below this many elements, each whole on every device it lives on, are stacked with the leaves of their
+# shape and reduced together (one set of kernels per shape: XLA:CPU compiles each kernel for tens of
+# milliseconds); larger ones, and split ones (a stack of split leaves would gather them whole), are reduced alone
 _STACKED = 1 << 16
 
 
-def _reduce(r, c, r0, extra) -> dict:
-    """The reductions over the last axis of ``(leaves, n)`` float32 stacks (``r0``, ``extra``: or ``None``)."""
-    out = {"diff": jnp.max(jnp.abs(c - r), axis=-1), "scale": jnp.max(jnp.abs(r), axis=-1)}
+def _reduce(r, c, r0, extra, axis) -> dict:
+    """The reductions over ``axis`` (``-1``: of ``(leaves, n)`` float32 stacks; ``None``: of one leaf, in place,
+    keeping its sharding); ``r0``, ``extra``: or ``None``."""
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    out = {"diff": jnp.max(jnp.abs(f32(c) - f32(r)), axis=axis), "scale": jnp.max(jnp.abs(f32(r)), axis=axis)}
     if r0 is not None:
-        out["change"] = jnp.max(jnp.abs(r - r0), axis=-1)
+        out["change"] = jnp.max(jnp.abs(f32(r) - f32(r0)), axis=axis)
     if extra is not None:
-        out["min_extra"], out["max_extra"] = jnp.min(extra, axis=-1), jnp.max(extra, axis=-1)
+        out["min_extra"], out["max_extra"] = jnp.min(f32(extra), axis=axis), jnp.max(f32(extra), axis=axis)
     return out
 
 
-@jax.jit
-def _stats(r: list, c: list, r0: list, extra: list) -> list:
-    """Per leaf, the reductions: one compiled call for every leaf on one set of devices, the small leaves of one
-    shape stacked (:data:`_STACKED`)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, a in enumerate(r):
-        small = a.size < _STACKED
-        groups.setdefault((a.shape if small else i, r0[i] is None, extra[i] is None), []).append(i)
+@functools.partial(jax.jit, static_argnums=4)
+def _stats(r: list, c: list, r0: list, extra: list, groups: tuple) -> list:
+    """Per leaf, the reductions: one compiled call for every leaf on one set of devices; ``groups`` (static): the
+    indices reduced as one stack, the others one by one (:func:`_groups`)."""
     out: list = [None] * len(r)
-    for members in groups.values():
+    for members in groups:
+        if len(members) == 1:
+            (i,) = members
+            out[i] = _reduce(r[i], c[i], r0[i], extra[i], None)
+            continue
 
         def stack(arrays, members=members):
             if arrays[members[0]] is None:
                 return None
             return jnp.stack([arrays[i].astype(jnp.float32).reshape(-1) for i in members])
 
-        reduced = _reduce(stack(r), stack(c), stack(r0), stack(extra))
+        reduced = _reduce(stack(r), stack(c), stack(r0), stack(extra), -1)
         for j, i in enumerate(members):
             out[i] = {k: v[j] for k, v in reduced.items()}
     return out
+
+
+def _groups(r: list, r0: list, extra: list) -> tuple[tuple[int, ...], ...]:
+    """The leaves reduced together: small leaves of one shape, each fully replicated where it lives
+    (:data:`_STACKED`); every other leaf alone."""
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(r):
+        small = a.size < _STACKED and a.sharding.is_fully_replicated
+        groups.setdefault((a.shape if small else i, r0[i] is None, extra[i] is None), []).append(i)
+    return tuple(tuple(m) for m in groups.values())
 
 
 def _eligible(item) -> bool:
@@ -125,7 +138,8 @@ def clear(items: Sequence) -> list[LeafError | None]:
             extra[j] = a
         fields = {"r": [item.ref for item in picked], "c": cand, "r0": [item.before_ref for item in picked]}
         fields["extra"] = extra
-        stats = jax.device_get(_stats(fields["r"], fields["c"], fields["r0"], fields["extra"]))
+        groups = _groups(fields["r"], fields["r0"], extra)
+        stats = jax.device_get(_stats(fields["r"], fields["c"], fields["r0"], extra, groups))
         for i, st in zip(members, stats, strict=True):
             out[i] = _cleared(items[i], st)
     return out

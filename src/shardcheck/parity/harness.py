@@ -90,8 +90,9 @@ def _reference_finite(record: StepRecord, after: _After) -> bool:
 
 
 def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
-    """Step the reference (or take step ``t`` from the task's shared trajectory, :mod:`.reference_trajectory`);
-    returns ``(loss, grads, pre-step state, _Bounds or None)``."""
+    """Step the reference: the task's single-device step, or the run's reference strategy on the candidate's mesh
+    (``run.ref_strategy``), or a user's step (no bounds); or take step ``t`` from the task's shared trajectory
+    (:mod:`.reference_trajectory`). Returns ``(loss, grads, pre-step state, _Bounds or None)``."""
     pre = _PreStep.of(run.ref_model, run.ref_opt)
     if run.reference is not None:
         loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
@@ -102,7 +103,10 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
         nnx.update((run.ref_model, run.ref_opt), after)
         return loss, grads, pre, bounds
     split = split_gradients(run, pre, batch)  # before the step, from the pre-step state
-    result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
+    if run.ref_strategy is None:
+        result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
+    else:  # a mesh strategy on the candidate's mesh; the sensitivity and hypotheses read its state as above
+        result = run.ref_strategy.step(run.ref_model, run.ref_opt, batch)
     bounds = step_bounds(run, pre, batch, nnx.as_pure(result.grads), split, rtol, atol)
     if run.shared is not None:
         # its arrays, not its Variables: the run goes on stepping the reference in place
@@ -394,7 +398,7 @@ def check_parity(
     steps: int | None = None,
     num_shards: int | None = None,
     mesh=None,
-    reference: StepFn | None = None,
+    reference: StepFn | str | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     name: str | None = None,
@@ -428,8 +432,14 @@ def check_parity(
         num_shards: S: the shard count of a named strategy; lets the diagnosis recognise ratios S and 1/S and
             recompute the mean of per-shard means.
         mesh: passed to mesh strategies (default: the first S devices) and to candidates accepting ``mesh``.
-        reference: a step to compare against instead of the task's single-device step (same signature as a
-            candidate); gradients are compared only when it returns ``.grads``.
+        reference: what the candidate is compared with. ``None`` (or ``"reference"``): the task's single-device
+            step. A mesh strategy's name (``"gspmd"``: the plain step jitted over the model's annotations, XLA's
+            partitioner keeping single-device semantics; or ``"dp"``, ``"fsdp"``, ``"multiprocess"``): that
+            strategy on the candidate's ``mesh``, the state created directly sharded on it (never whole on one
+            device: :func:`~shardcheck.steps.sharded_init.sharded_training_state`) and compared on the devices;
+            tolerances, sensitivity and diagnoses as against the single-device step; the report names it
+            (``ParityReport.reference``). A step function (same signature as a candidate): gradients are compared
+            only when it returns ``.grads``, and no update sensitivity is derived.
         rtol: fixed relative tolerance for every step (default: derived from the parameters' dtype, the
             reduction length and the step).
         atol: fixed absolute tolerance for every step (default: derived).
@@ -454,7 +464,8 @@ def check_parity(
             callable, or a callable whose signature fits neither form; a malformed ``loss_fn`` output.
         ValueError: a model with batch statistics, or one drawing random numbers in its forward pass (C7); a
             non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
-            not split into S equal shards (the message names the leaf and the fix); an unknown strategy; negative
+            not split into S equal shards (the message names the leaf and the fix); an unknown strategy; a
+            ``reference`` strategy that does not run on a mesh, or one without ``mesh``/``num_shards``; negative
             ``rtol``/``atol``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
             that is not a pair of numbers >= 0, or a callable that raises. All checked before any step runs.
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``), or returned
@@ -477,7 +488,8 @@ def check_parity(
         leaf_tolerance=leaf_tolerance,
         initial_state=initial_state,
     )
-    if run.reference is None and not run.precision.low:  # one reference trajectory for the checks of a verify
+    if run.reference is None and run.ref_strategy is None and not run.precision.low:
+        # one reference trajectory for the checks of a verify
         run.shared = trajectory_for(task, (len(data),), run.ref_model, run.ref_opt)
     # float32 accumulation under low-precision parameters; their own rounding is added per leaf (precision.py)
     dtype = ACCUMULATION_DTYPE if run.precision.param_eps > 0 else _param_dtype(run.ref_model)
@@ -490,7 +502,8 @@ def check_parity(
             derived,
         )
 
-    outcome = _run_steps(run, data, tolerances)
+    with compare.on_devices(run.ref_strategy is not None):  # a sharded check compares where its leaves live
+        outcome = _run_steps(run, data, tolerances)
     records = outcome[0]
     derived = tolerances(data[0], max(len(records) - 1, 0))
     if rtol is None and atol is None:
@@ -531,6 +544,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         cannot_verify=weak,
         weak_accepted=weak_accepted,
         scale_evidence=scale_evidence_text(records, run.cand.num_shards),
+        reference=run.reference_name,
         num_shards=run.cand.num_shards,
         tolerance_rule=rule,
         diverged_at=diverged_at,

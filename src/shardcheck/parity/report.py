@@ -30,6 +30,9 @@ class ParityReport:
             ``rtol``/``atol``): the report passes, as ``PASS (weak check accepted)``; else ``None``.
         scale_evidence: which leaves carried the evidence against a gradient off by S and by 1/S (the first step
             that showed each and its leaves: ``StepRecord.scale_evidence``), or ``None`` when none did.
+        reference: what the candidate was compared with: ``"reference"`` (the task's single-device step), a
+            registered strategy on the same mesh (``"gspmd on data=2,model=4"``), or ``"user reference"`` (a step
+            passed as ``reference=``).
     """
 
     strategy: str
@@ -44,6 +47,7 @@ class ParityReport:
     cannot_verify: str | None = None
     scale_evidence: str | None = None
     weak_accepted: str | None = None
+    reference: str = "reference"
 
     @property
     def step_ok(self) -> bool:
@@ -117,13 +121,14 @@ class ParityReport:
     def to_dict(self) -> dict:
         """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
-        ``cannot_verify``, ``weak_accepted``, ``scale_evidence``.
+        ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
         return {
             "ok": self.ok,
             "verdict": self.verdict,
+            "reference": self.reference,
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
@@ -173,7 +178,8 @@ class ParityReport:
 
     def __str__(self) -> str:
         verdict = self.verdict
-        lines = [f"parity {verdict} for strategy {self.strategy!r} over {len(self.steps)} step(s)"]
+        against = "" if self.reference == "reference" else f" against {self.reference}"
+        lines = [f"parity {verdict} for strategy {self.strategy!r}{against} over {len(self.steps)} step(s)"]
         worst = self.worst
         if worst is not None:
             lines.append(

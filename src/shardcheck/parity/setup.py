@@ -15,9 +15,11 @@ from shardcheck.parity.candidates import as_candidate, check_step_signature
 from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
 from shardcheck.parity.precision import Precision, float32_compute
 from shardcheck.parity.state import _copy_state, _Run
+from shardcheck._catalog import REFERENCE
 from shardcheck.steps import STRATEGIES, Candidate
-from shardcheck.steps.registry import mesh_for
-from shardcheck.steps.sharded import state_specs
+from shardcheck.steps.registry import get_strategy, mesh_for
+from shardcheck.steps.sharded import mesh_step, state_specs
+from shardcheck.steps.sharded_init import sharded_training_state
 from shardcheck.task import Task, check_divisible, check_model
 
 
@@ -60,11 +62,14 @@ def _setup(
     fn, candidate, task, *, steps, num_shards, mesh, reference, name, dtypes, leaf_tolerance, initial_state
 ):
     """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
-    model, optimizer, data = _initial(fn, task, reference, steps, initial_state)
+    ref_strategy, ref_mesh, ref_name = reference_strategy(fn, reference, task, num_shards, mesh)
+    model, optimizer, data = _initial(fn, task, reference, steps, initial_state, ref_mesh)
     cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
     weighted = check_model(fn, model, task.loss_fn, data[0])
     _check_weights_accepted(fn, cand, data)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
+    if ref_strategy is not None:
+        _check_strategy(fn, reference, ref_strategy, model, optimizer, ref_mesh, data, weighted)
     ref_model, ref_opt = _copy_state(model, optimizer)
     cand_model, cand_opt = _copy_state(model, optimizer)
     if cand.make_optimizer is not None:
@@ -78,7 +83,7 @@ def _setup(
         task,
         ref_model,
         ref_opt,
-        reference,
+        None if isinstance(reference, str) else reference,
         cand,
         cand_model,
         cand_opt,
@@ -87,22 +92,67 @@ def _setup(
         precision,
         overrides,
         graphdef32,
+        ref_strategy=ref_strategy,
+        reference_name=ref_name,
     )
     return run, data
 
 
-def _initial(fn, task, reference, steps, initial_state):
-    """The run's initial ``(model, optimizer)`` (``initial_state``, else fresh from the task) and its batches,
-    after the task and the reference are checked."""
+def reference_strategy(fn, reference, task, num_shards, mesh) -> tuple[Candidate | None, object, str]:
+    """The reference side of a run: ``(step, mesh, name)``.
+
+    ``reference`` naming a registered mesh strategy (``gspmd``, ``dp``, ``fsdp``, ``multiprocess``): its step on
+    the candidate's mesh, not donating its state (its state before a step is read after it), the mesh, and
+    ``"gspmd on data=2,model=4"``. ``None`` or ``"reference"``: the task's single-device step ``(None, None,
+    "reference")``; a callable: ``(None, None, "user reference")``.
+
+    Raises:
+        ValueError: an unknown name; a strategy that runs on one device or wraps the optimizer (``simulation``,
+            ``accumulation``: check them as candidates); a mesh strategy without ``mesh`` or ``num_shards``.
+    """
+    if not isinstance(reference, str):
+        return None, None, "reference" if reference is None else "user reference"
+    strategy = get_strategy(fn, reference)
+    if reference == REFERENCE:
+        return None, None, REFERENCE
+    usable = [n for n, s in STRATEGIES.items() if s.uses_mesh and not s.wraps_optimizer]
+    if reference not in usable:
+        raise ValueError(
+            f"{fn}: reference={reference!r} is not a strategy on a mesh; compare against the task's "
+            f"single-device step (reference=None), a mesh strategy ({', '.join(usable)}) on the candidate's mesh, "
+            f"or a step function; check {reference!r} as a candidate instead"
+        )
+    if num_shards is None:
+        raise ValueError(
+            f"{fn}: reference={reference!r} runs on the candidate's mesh; pass mesh= (or num_shards=)"
+        )
+    ref_mesh = mesh_for(fn, strategy, num_shards, mesh)
+
+    def step(model, optimizer, batch):
+        return mesh_step(
+            reference, task.loss_fn, model, optimizer, batch, ref_mesh, with_grads=True, donate=False
+        )
+
+    shape = ",".join(f"{axis}={size}" for axis, size in ref_mesh.shape.items())
+    return Candidate(reference, step, num_shards), ref_mesh, f"{reference} on {shape}"
+
+
+def _initial(fn, task, reference, steps, initial_state, ref_mesh=None):
+    """The run's initial ``(model, optimizer)`` (``initial_state``, else fresh from the task: created directly
+    in the reference strategy's placement on ``ref_mesh`` when the reference is a mesh strategy,
+    :func:`~shardcheck.steps.sharded_init.sharded_training_state`) and its batches, after the task and the
+    reference are checked."""
     if not isinstance(task, Task):
         raise TypeError(
             f"{fn}: task must be a shardcheck.Task (or, in the (model, optimizer, batches) form, an nnx.Module), got "
             f"{type(task).__name__}; build one with shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...)"
         )
-    if reference is not None:
+    if reference is not None and not isinstance(reference, str):
         check_reference(fn, reference)
         check_step_signature(fn, "reference", reference, 3, False)
-    if initial_state is None:
+    if initial_state is None and ref_mesh is not None:
+        model, optimizer = sharded_training_state(fn, task, reference, ref_mesh)
+    elif initial_state is None:
         model = task.new_model(fn)
         optimizer = task.new_optimizer(model)
     else:
@@ -128,7 +178,8 @@ def _check_strategy(fn, candidate, cand: Candidate, model, optimizer, mesh, data
 def check_reference(fn, reference):
     if not callable(reference):
         raise TypeError(
-            f"{fn}: reference must be None (the task's single-device step) or an in-place step, got "
+            f"{fn}: reference must be None (the task's single-device step), a mesh strategy's name or an in-place "
+            "step, got "
             f"{type(reference).__name__} {reference!r}"
         )
 

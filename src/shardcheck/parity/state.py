@@ -87,6 +87,10 @@ class _Run:
     state_allowance: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     last: Any = None  # the _After of this run's last step: its state before the next step (no re-flatten)
     shared: Any = None  # the task's shared reference trajectory (parity.reference_trajectory), or None
+    # a registered strategy stepping the reference side in place of the single-device step (same mesh as the
+    # candidate; its sensitivity and hypotheses are the reference's), and how the report names the reference
+    ref_strategy: Candidate | None = None
+    reference_name: str = "reference"
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""

@@ -171,7 +171,9 @@ def _plain_loss_and_grads(loss_fn, model, batch):
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, with_grads=False):
+def compiled_step(
+    strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, with_grads=False, donate=True
+):
     """The jitted step for one (strategy, loss, structure, placement, mesh); jit caches shapes itself.
 
     ``dp`` / ``fsdp``: the gradients are computed and reduced inside one ``jax.shard_map`` with explicit
@@ -181,6 +183,7 @@ def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh
     ``(state_leaves, batch) -> (loss, state_leaves)``; the state leaves are donated. ``with_grads``: ``(loss,
     grad_leaves, state_leaves)``, the reduced gradients it applied, placed as the parameters (the parity check
     compares them; an optimizer blind to the gradient's scale, such as a clip that binds, hides it in the update).
+    ``donate=False``: the state is not donated (a parity reference, whose state before the step is read after it).
     """
     mesh_axes, tensor_axes = batch_axes(mesh), model_axes(mesh)
     batch_spec = PartitionSpec(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
@@ -215,7 +218,7 @@ def compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh
     grad_shardings = [NamedSharding(mesh, spec) for spec in param_specs]
     return jax.jit(
         step,
-        donate_argnums=0,
+        donate_argnums=0 if donate else (),
         in_shardings=(state_shardings, NamedSharding(mesh, batch_spec)),
         out_shardings=(loss_sharding, grad_shardings, state_shardings)
         if with_grads
@@ -331,7 +334,9 @@ def place_batch(batch: Batch, mesh: Mesh) -> Batch:
     return distributed.place_host_tree(batch, sharding)
 
 
-def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, min_size=0, with_grads=False):
+def prepare(
+    strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, min_size=0, with_grads=False, donate=True
+):
     """The compiled step (:func:`compiled_step`), its placed arguments and the state treedef (nothing is changed).
 
     ``axis_name`` is accepted for the one-axis callers and must be an axis of ``mesh``; the placement reads the
@@ -342,7 +347,7 @@ def prepare(strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, mi
     graphdef, state = nnx.split((model, optimizer))
     leaves, treedef = jax.tree.flatten(state)
     specs, param_specs = state_specs(strategy, model, optimizer, mesh, min_size=min_size, fn=strategy)
-    step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, with_grads)
+    step = compiled_step(strategy, loss_fn, graphdef, treedef, specs, param_specs, mesh, with_grads, donate)
     return step, (place_state(leaves, specs, mesh), place_batch(batch, mesh)), treedef
 
 
@@ -356,16 +361,18 @@ def mesh_step(
     *,
     min_size: int = 0,
     with_grads: bool = False,
+    donate: bool = True,
 ) -> jax.Array | StepResult:
     """One DP, FSDP or GSPMD step of a task on ``mesh``, in place; returns the 0-d pre-update loss, or with
     ``with_grads`` a :class:`~shardcheck.steps._core.StepResult` with the reduced gradients it applied (an
     ``nnx.State`` like the parameters, placed as they are).
 
     The caller validates: the batch divisible by the number of batch shards (:func:`shardcheck.mesh.data_shards`;
-    ``mesh.size`` without model axes), a model without batch statistics.
+    ``mesh.size`` without model axes), a model without batch statistics. ``donate=False`` keeps the arrays the
+    model held before the step alive (a parity reference's state before the step).
     """
     step, args, treedef = prepare(
-        strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads
+        strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads, donate=donate
     )
     grads_structure = jax.tree.structure(nnx.state(model, nnx.Param))
     out = step(*args)  # (loss, state) or (loss, grads, state)
