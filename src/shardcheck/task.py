@@ -135,6 +135,23 @@ class Task:
         return max(int(np.size(a)) for a in jax.tree.leaves(batch))
 
 
+def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:
+    """``(model, optimizer)`` of a task under ``nnx.eval_shape``: shapes, dtypes and annotations, nothing allocated.
+
+    The pair is ``task.new_model()`` and ``nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)`` traced by
+    ``nnx.eval_shape`` (the optimizer state is ``task.optimizer.init`` of the abstract parameters, and inherits
+    their sharding annotations), built under ``nnx.use_eager_sharding(False)`` so that an annotated model needs
+    no mesh in context.
+    """
+
+    def build():
+        model = task.new_model(fn)
+        return model, task.new_optimizer(model)
+
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(build)
+
+
 # ------------------------------------------------------------------------------------------------- batches
 
 

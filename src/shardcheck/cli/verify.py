@@ -282,7 +282,7 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
         num_shards=num_shards, mesh=mesh, rtol=args.rtol, atol=args.atol, accept_weak=args.accept_weak
     ) | precision_overrides(args)
     if args.reference != REFERENCE:
-        options["reference"] = args.reference
+        options.update(reference=args.reference)
     reports = {}
     with parity.shared_reference():  # every check runs against the same reference steps: they run once
         for label, cand in runs:
@@ -430,7 +430,6 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "optimizer": optimizer,
         "lr": lr,
         "mesh": args.mesh,
-        "reference": next(iter(reports.values())).reference if reports else args.reference,
         "steps": steps,
         "batch_size": b,
         "num_shards": num_shards,
@@ -438,6 +437,8 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "process_count": jax.process_count(),
         "strategies": {name: r.to_dict() for name, r in reports.items()},
     }
+    # what every strategy was compared with (the report's own name for it: "gspmd on data=2,model=4")
+    document.update(reference=next(iter(reports.values())).reference if reports else args.reference)
     write_json(document, args.json)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._catalog import REFERENCE
 from shardcheck.mesh import check_mesh, data_shards
 from shardcheck.parity.candidates import as_candidate, check_step_signature
 from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
 from shardcheck.parity.precision import Precision, float32_compute
 from shardcheck.parity.state import _copy_state, _Run
-from shardcheck._catalog import REFERENCE
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import get_strategy, mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs

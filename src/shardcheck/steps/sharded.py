@@ -335,7 +335,16 @@ def place_batch(batch: Batch, mesh: Mesh) -> Batch:
 
 
 def prepare(
-    strategy, loss_fn, model, optimizer, batch, mesh, axis_name=None, min_size=0, with_grads=False, donate=True
+    strategy,
+    loss_fn,
+    model,
+    optimizer,
+    batch,
+    mesh,
+    axis_name=None,
+    min_size=0,
+    with_grads=False,
+    donate=True,
 ):
     """The compiled step (:func:`compiled_step`), its placed arguments and the state treedef (nothing is changed).
 
@@ -372,7 +381,15 @@ def mesh_step(
     model held before the step alive (a parity reference's state before the step).
     """
     step, args, treedef = prepare(
-        strategy, loss_fn, model, optimizer, batch, mesh, min_size=min_size, with_grads=with_grads, donate=donate
+        strategy,
+        loss_fn,
+        model,
+        optimizer,
+        batch,
+        mesh,
+        min_size=min_size,
+        with_grads=with_grads,
+        donate=donate,
     )
     grads_structure = jax.tree.structure(nnx.state(model, nnx.Param))
     out = step(*args)  # (loss, state) or (loss, grads, state)

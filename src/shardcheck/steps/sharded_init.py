@@ -21,9 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from shardcheck.memory.state import abstract_training_state
 from shardcheck.steps.sharded import state_specs
-from shardcheck.task import Task
+from shardcheck.task import Task, abstract_training_state
 
 
 def sharded_training_state(
@@ -58,16 +57,3 @@ def sharded_training_state(
     with nnx.use_eager_sharding(False):
         leaves = jax.jit(build, out_shardings=[NamedSharding(mesh, spec) for spec in specs])()
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-
-
-def largest_shard_bytes(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, int]:
-    """The bytes of the largest addressable shard of each state leaf, by dotted path; read from the arrays'
-    ``addressable_shards``, so it is what the devices hold, not what a rule predicts."""
-    from shardcheck.parity.compare import flatten_state
-
-    flat = flatten_state(nnx.state((model, optimizer)))
-    return {
-        path: max(s.data.nbytes for s in a.addressable_shards)
-        for path, a in flat.items()
-        if isinstance(a, jax.Array)
-    }

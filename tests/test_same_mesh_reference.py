@@ -1,0 +1,226 @@
+"""A candidate checked against a strategy on the same mesh (``reference="gspmd"``), never whole on one device.
+
+The reference is the plain step jitted over the model's annotations: XLA's partitioner keeps the single-device
+semantics, so a correct step passes and each planted fault fails with the diagnosis it gets against the
+single-device step. The state is created directly sharded (``steps/sharded_init.py``) and stays so.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_tensor_parallel import TP_MESH, _megatron_task, megatron_step
+
+from shardcheck import Task, check_parity, make_mesh
+from shardcheck.steps.sharded import state_specs
+from shardcheck.steps.sharded_init import sharded_training_state
+
+FSDP_MESH = {"fsdp": 8}
+D_IN, HIDDEN, D_OUT, ROWS = 16, 64, 8, 64
+
+
+class FsdpMLP(nnx.Module):
+    """Kernels and the hidden bias split over 'fsdp' along their first dimension, the output bias replicated."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+        self.fc1 = nnx.Linear(
+            D_IN,
+            HIDDEN,
+            kernel_init=nnx.with_partitioning(init, ("fsdp", None)),
+            bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), ("fsdp",)),
+            rngs=rngs,
+        )
+        self.fc2 = nnx.Linear(
+            HIDDEN,
+            D_OUT,
+            kernel_init=nnx.with_partitioning(init, ("fsdp", None)),
+            bias_init=nnx.with_partitioning(zeros, (None,)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return self.fc2(nnx.gelu(self.fc1(x)))
+
+
+def masked_loss(model, batch):
+    """``(sum of the masked squared errors, the number of unmasked rows)``."""
+    err = jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def _fsdp_task(unequal_masks: bool = False) -> Task:
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        mask = np.ones(ROWS, np.float32)
+        if unequal_masks:  # the 8 shards hold 8, 7, ..., 1 unmasked rows: per-shard means are not the mean
+            mask = np.concatenate([np.arange(8) < 8 - k for k in range(8)]).astype(np.float32)
+        x = rng.normal(size=(ROWS, D_IN)).astype(np.float32)
+        y = rng.normal(size=(ROWS, D_OUT)).astype(np.float32)
+        batches.append({"x": x, "y": y, "mask": mask})
+    return Task(
+        model=lambda: FsdpMLP(nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=masked_loss,
+        batches=batches,
+        name="fsdp-mlp",
+    )
+
+
+def user_fsdp_step(fault=None):
+    """A user's FSDP step in one ``jax.shard_map``: each device holds its slice of the split leaves and gathers
+    them (``all_gather``, tiled; its transpose reduce-scatters the gradients), differentiates its shard's masked
+    loss sum and divides by the global count. ``fault``: ``"summed"`` (each shard's mean loss differentiated, the
+    shards' gradients summed), ``"normalization"`` (the same, divided by the 8 shards: the mean of per-shard
+    means)."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params = nnx.split(model, nnx.Param)
+        specs = nnx.get_partition_spec(params)
+        params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
+        spec_of = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+
+        def gather(p):
+            leaves = [
+                jax.lax.all_gather(a, "fsdp", axis=0, tiled=True) if s and s[0] == "fsdp" else a
+                for a, s in zip(jax.tree.leaves(p), spec_of, strict=True)
+            ]
+            return jax.tree.unflatten(jax.tree.structure(p), leaves)
+
+        def body(p, b):
+            def local(p):
+                total, count = masked_loss(nnx.merge(graphdef, gather(p)), b)
+                return (total if fault is None else total / count), (total, count)
+
+            # the gradients come back summed over the shards: all_gather's transpose reduce-scatters them, and
+            # check_vma's implicit broadcast of a replicated leaf transposes to a psum
+            (_, (total, count)), g = jax.value_and_grad(local, has_aux=True)(p)
+            n = jax.lax.psum(count, "fsdp")
+            scale = {None: n, "summed": 1.0, "normalization": 8.0}[fault]
+            return jax.lax.psum(total, "fsdp") / n, jax.tree.map(lambda a: a / scale, g)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=(P(), specs))
+        loss, grads = jax.jit(mapped)(params, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+def _same_verdict(step, task, mesh_shape):
+    mesh = make_mesh(mesh_shape)
+    single = check_parity(step, task, mesh=mesh, steps=2)
+    same_mesh = check_parity(step, task, mesh=mesh, steps=2, reference="gspmd")
+    shape = ",".join(f"{k}={v}" for k, v in mesh_shape.items())
+    assert same_mesh.reference == f"gspmd on {shape}" and single.reference == "reference"
+    assert same_mesh.verdict == single.verdict, (str(single), str(same_mesh))
+    # the finding, and for a failure its whole text (a passing check's caveats, such as a borderline weak_check,
+    # read the reference's rounding, which a partitioned step orders differently)
+    assert same_mesh.codes[0] == single.codes[0], (str(single), str(same_mesh))
+    if not single.ok:
+        assert same_mesh.diagnoses[0].message == single.diagnoses[0].message
+    return single, same_mesh
+
+
+@require_devices(8)
+@pytest.mark.parametrize(
+    "fault,verdict,code",
+    [(None, "PASS", "parity"), ("summed", "FAIL", "summed"), ("normalization", "FAIL", "normalization")],
+)
+def test_a_users_fsdp_step_against_gspmd_on_fsdp8(fault, verdict, code):
+    task = _fsdp_task(unequal_masks=fault == "normalization")
+    _, same_mesh = _same_verdict(user_fsdp_step(fault), task, FSDP_MESH)
+    assert same_mesh.verdict == verdict and same_mesh.codes[0] == code, str(same_mesh)
+    assert "against gspmd on fsdp=8" in str(same_mesh)
+    if fault == "summed":
+        assert "x8" in same_mesh.diagnoses[0].message
+
+
+@require_devices(8)
+def test_a_megatron_step_against_gspmd_on_data2_model4():
+    """The tensor-parallel step of tests/test_tensor_parallel.py: it passes, and its missing psum over 'model' gets
+    the diagnosis that file pins against the single-device step, word for word where it names the cause."""
+    mesh = make_mesh(TP_MESH)
+    report = check_parity(megatron_step(), _megatron_task(), mesh=mesh, steps=2, reference="gspmd")
+    assert report.verdict == "PASS" and report.reference == "gspmd on data=2,model=4", str(report)
+    report = check_parity(megatron_step("no_psum"), _megatron_task(), mesh=mesh, steps=2, reference="gspmd")
+    assert report.verdict == "FAIL" and report.codes[0] == "wrong_axis_reduction", str(report)
+    message = report.diagnoses[0].message
+    assert "differ along mesh axis 'model' and agree along 'data'" in message
+    assert "the row-parallel layer's output was not psum-ed over 'model'" in message
+    assert "block.down.bias" in message
+
+
+@require_devices(8)
+def test_the_state_is_created_sharded_and_stays_within_its_placement():
+    """Every leaf of the initial state lives split as its annotation says: no addressable shard holds more than
+    the leaf's bytes over the ways its spec splits it, read from the arrays' ``addressable_shards``."""
+    task, mesh = _fsdp_task(), make_mesh(FSDP_MESH)
+    model, optimizer = sharded_training_state("test", task, "gspmd", mesh)
+    specs, _ = state_specs("gspmd", model, optimizer, mesh)
+    leaves = jax.tree.leaves(nnx.state((model, optimizer)))
+    split = 0
+    for a, spec in zip(leaves, specs, strict=True):
+        ways = int(np.prod([mesh.shape[axis] for entry in spec if entry for axis in np.atleast_1d(entry)]))
+        assert a.sharding.spec == spec
+        assert max(s.data.nbytes for s in a.addressable_shards) == a.nbytes // ways
+        split += ways > 1
+    assert split == 9  # fc1 kernel and bias, fc2 kernel, and Adam's mu and nu of each
+    reference = task.new_model()  # the same values, up to the rounding of a fused initializer
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@require_devices(8)
+def test_a_reference_strategy_is_checked_before_any_step():
+    task, mesh = _fsdp_task(), make_mesh(FSDP_MESH)
+    with pytest.raises(
+        ValueError, match=r"check_parity: reference='accumulation' is not a strategy on a mesh"
+    ):
+        check_parity("dp", task, mesh=mesh, reference="accumulation")
+    with pytest.raises(ValueError, match=r"check_parity: strategy 'tp' is unknown"):
+        check_parity("dp", task, mesh=mesh, reference="tp")
+    with pytest.raises(
+        ValueError, match=r"check_parity: reference='gspmd' runs on the candidate's mesh; pass mesh="
+    ):
+        check_parity(lambda m, o, b: None, task, reference="gspmd")
+
+
+@require_devices(8)
+def test_verify_reference_gspmd_on_the_megatron_example(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from shardcheck.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "megatron_mlp.py"
+    out = tmp_path / "verify.json"
+    args = ["verify", "--task", f"{example}:task", "--mesh", "data=2,model=4", "--reference", "gspmd"]
+    args += ["--strategies", "dp", "--candidate", f"{example}:step", "--steps", "2", "--json", str(out)]
+    assert main(args) == 0
+    assert "against gspmd on data=2,model=4" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["reference"] == "gspmd on data=2,model=4"
+    assert {k: r["verdict"] for k, r in report["strategies"].items()} == {"dp": "PASS", "candidate": "PASS"}
+    assert all(r["reference"] == "gspmd on data=2,model=4" for r in report["strategies"].values())
+
+
+def test_verify_reference_is_checked_before_jax_runs(capsys):
+    from shardcheck.cli import main
+
+    assert main(["verify", "--reference", "gspmd", "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "shardcheck verify: --reference gspmd needs --task" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--task", "tiny-lm", "--reference", "accumulation"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'accumulation'" in capsys.readouterr().err
