@@ -174,9 +174,8 @@ def test_the_state_is_created_sharded_and_stays_within_its_placement():
         split += ways > 1
     assert split == 9  # fc1 kernel and bias, fc2 kernel, and Adam's mu and nu of each
     reference = task.new_model()  # the same values, up to the rounding of a fused initializer
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))
-    ):
+    ours, theirs = nnx.state(model, nnx.Param), nnx.state(reference, nnx.Param)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
