@@ -112,6 +112,15 @@ PROFILE_ROWS = (
     ("replica agreement (replica_mismatches)", "parity/compare.py", "replica_mismatches"),
     ("state copies for the re-check (_copy_state)", "parity/state.py", "_copy_state"),
     ("reference finiteness check (_reference_finite)", "parity/harness.py", "_reference_finite"),
+    ("update sensitivity (step_bounds)", "parity/allowances.py", "step_bounds"),
+    (
+        "per-shard gradient split for the sensitivity (split_gradients)",
+        "parity/allowances.py",
+        "split_gradients",
+    ),
+    ("first pass (first_pass.clear)", "parity/first_pass.py", "clear"),
+    ("scale evidence (_scale_evidence)", "parity/scale_evidence.py", "_scale_evidence"),
+    ("hypothesis reruns of a failure (_explained)", "parity/hypotheses.py", "_explained"),
     ("nnx.state / graph flatten", "flax/nnx/graphlib.py", "state"),
 )
 
