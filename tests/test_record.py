@@ -301,3 +301,26 @@ def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
     assert main(["record", *TINY, "--steps", "0", "--out", out]) == 2
     assert "--steps must be a positive int, got 0" in _one_line_error(capsys)
     assert not Path(out).exists()
+
+
+@pytest.mark.multiprocess
+def test_record_and_verify_against_under_launch(tmp_path):
+    """Recorded and replayed as 2 processes x 2 devices: process 0 writes the file; the hashes and samples are of
+    its own shards, and the replay matches them bitwise."""
+    import subprocess
+    import sys
+
+    launch = [sys.executable, "-m", "shardcheck", "launch", "--processes", "2", "--devices-per-process", "2"]
+    launch += ["--timeout", "200", "--"]
+    task = ["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"]
+    recording, out = tmp_path / "mp.npz", tmp_path / "mp.json"
+    for argv in (
+        ["record", *task, "--mesh", "fsdp=4", "--out", str(recording)],
+        ["verify", *task, "--against", str(recording), "--json", str(out)],
+    ):
+        done = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    report = _json(out)
+    run = report["runs"]["fsdp"]
+    assert run["verdict"] == "PASS" and run["bitwise"] and report["recorded"]["platform"]["processes"] == 2
+    assert any("the shards process 0 holds" in note for note in run["notes"])

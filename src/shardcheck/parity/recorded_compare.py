@@ -587,6 +587,12 @@ def _notes(recording: Recording, replayed: Recording, first, steps: int, same: b
                 else "."
             )
         )
+    processes = max(int(m.get("platform", {}).get("processes", 1)) for m in (was, now))
+    if processes > 1:
+        notes.append(
+            f"A run of {processes} processes: its hashes and samples cover the shards process 0 holds (the norms "
+            "and maxima cover every shard)."
+        )
     if steps < recording.num_steps:
         notes.append(f"Compared the first {steps} of the {recording.num_steps} recorded steps.")
     for key in ("versions", "platform"):
