@@ -165,7 +165,8 @@ class Recording:
 # ------------------------------------------------------------------------------------------------ recording
 
 
-def _kind(path: str, a) -> str:
+def _kind(a) -> str:
+    """``"counter"`` for an integer (or boolean) optimizer-state leaf, else ``"opt_state"``."""
     dtype = getattr(a, "dtype", None)
     try:
         integer = np.dtype(dtype).kind in "iub"
@@ -185,7 +186,7 @@ def state_leaves(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
             out["counter step"] = a
             continue
         path = path.removeprefix("opt_state.")
-        out[f"{_kind(path, a)} {path}"] = a
+        out[f"{_kind(a)} {path}"] = a
     return out
 
 

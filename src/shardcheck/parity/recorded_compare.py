@@ -411,7 +411,11 @@ def compare_run(
 
     The runs' shardings are compared (a change fails) when both are the same strategy, or both user steps; a
     recording of another strategy is compared value by value, its placement differing by design. Leaves only
-    one run has fail when the runs are of the same kind, and are listed otherwise.
+    one run has fail when the runs are of the same kind, and are left out (and counted in the notes) otherwise.
+
+    Raises:
+        KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.recorded.load_recording`
+            checks (one built by hand).
     """
     steps = min(recording.num_steps, replayed.num_steps)
     kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
