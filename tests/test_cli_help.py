@@ -31,7 +31,7 @@ def _heavy_after_help(command: str) -> list[str]:
 
 
 # memory's parser reads its layouts from shardcheck.partitioning, which imports jax.sharding at its top.
-@pytest.mark.parametrize("command", ["verify", "run", "train", "memory", "launch"])
+@pytest.mark.parametrize("command", ["verify", "run", "train", "memory", "launch", "record"])
 def test_subcommand_help_imports_no_jax(command):
     assert _heavy_after_help(command) == []
 

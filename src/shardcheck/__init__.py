@@ -41,6 +41,11 @@ _EXPORTS = {
     "check_parity": "shardcheck.seeds.parity",
     "derive_tolerance": "shardcheck.parity",
     "strategy_candidate": "shardcheck.parity",
+    "Recording": "shardcheck.parity.recorded",
+    "load_recording": "shardcheck.parity.recorded",
+    "record_run": "shardcheck.parity.recorded",
+    "RunComparison": "shardcheck.parity.recorded_compare",
+    "compare_run": "shardcheck.parity.recorded_compare",
     "LeafPlacement": "shardcheck.placement",
     "placement_report": "shardcheck.placement",
     "placement_summary": "shardcheck.placement",
@@ -90,6 +95,11 @@ if TYPE_CHECKING:
     from shardcheck.parity import Tolerance as Tolerance
     from shardcheck.parity import derive_tolerance as derive_tolerance
     from shardcheck.parity import strategy_candidate as strategy_candidate
+    from shardcheck.parity.recorded import Recording as Recording
+    from shardcheck.parity.recorded import load_recording as load_recording
+    from shardcheck.parity.recorded import record_run as record_run
+    from shardcheck.parity.recorded_compare import RunComparison as RunComparison
+    from shardcheck.parity.recorded_compare import compare_run as compare_run
     from shardcheck.placement import LeafPlacement as LeafPlacement
     from shardcheck.placement import placement_report as placement_report
     from shardcheck.placement import placement_summary as placement_summary
@@ -150,7 +160,9 @@ __all__ = [
     "MemoryMeasurement",
     "ParityError",
     "ParityReport",
+    "Recording",
     "ReducedStep",
+    "RunComparison",
     "STRATEGIES",
     "StepResult",
     "Strategy",
@@ -161,12 +173,14 @@ __all__ = [
     "accumulated_sgd_step",
     "assert_step_parity",
     "check_parity",
+    "compare_run",
     "compile_ahead_of_time",
     "data_parallel_sgd_step",
     "derive_tolerance",
     "estimate_memory",
     "fsdp_sgd_step",
     "fsdp_step",
+    "load_recording",
     "load_task",
     "make_accumulation_optimizer",
     "make_mesh",
@@ -178,6 +192,7 @@ __all__ = [
     "parse_device_memory",
     "placement_report",
     "placement_summary",
+    "record_run",
     "reduced_sgd_step",
     "reference_step",
     "run_task",

@@ -145,6 +145,7 @@ SUMMARIES = {
     "train": "train a sharded strategy beside the single-device baseline on real data and watch them drift",
     "memory": "bytes per device of params, grads and optimizer state under each strategy (estimate, measured)",
     "verify": "prove each sharded step against the single-device baseline, leaf by leaf, over many steps",
+    "record": "save a run's per-step, per-leaf digests (small enough to commit) for verify --against to replay",
 }
 """Each ``shardcheck`` subcommand's one line in ``shardcheck --help``. It lives here, without JAX, so that the
 top-level help loads no subcommand module (they import JAX) and :mod:`shardcheck.launcher` tells a subcommand from

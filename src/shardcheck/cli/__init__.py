@@ -21,7 +21,7 @@ from shardcheck._catalog import SUBCOMMANDS as SUBCOMMANDS
 from shardcheck._catalog import SUMMARIES as SUMMARIES
 
 # The subcommands that compile (memory only with --measure); their --help says where the cache lives.
-COMPILING = ("run", "train", "memory", "verify")
+COMPILING = ("run", "train", "memory", "verify", "record")
 
 
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:

@@ -164,7 +164,7 @@ def mesh_from_args(args, num_devices: int):
     return make_mesh(axes if axes is not None else num_devices)
 
 
-OUTPUT_FLAGS = ("json", "plot", "log")
+OUTPUT_FLAGS = ("json", "plot", "log", "out")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -77,8 +77,9 @@ def _add_run_arguments(p) -> None:
     """What runs: the strategies, the steps, the batch, the devices or mesh, the user's candidate, the seed."""
     p.add_argument(
         "--strategies",
-        default=DEFAULT_STRATEGIES,
-        help=f"comma-separated strategies from {', '.join(STRATEGY_NAMES)}; 'none' with --candidate",
+        default=None,
+        help=f"comma-separated strategies from {', '.join(STRATEGY_NAMES)}; 'none' with --candidate (default: "
+        f"{DEFAULT_STRATEGIES}; with --against: the recorded run's)",
     )
     p.add_argument(
         "--steps",
@@ -129,6 +130,14 @@ def _add_check_arguments(p) -> None:
     p.add_argument("--atol", type=float, default=None, help="fixed absolute tolerance (default: derived)")
     p.add_argument(
         "--json", default=None, metavar="PATH|-", help="also write the reports as JSON ('-': stdout)"
+    )
+    p.add_argument(
+        "--against",
+        default=None,
+        metavar="RUN.npz",
+        help="replay the run shardcheck record saved and compare each step's digests with it, instead of the "
+        "reference (its mesh, steps and strategy are the defaults); names the first step and leaf that left its "
+        "tolerance",
     )
 
 
@@ -243,7 +252,8 @@ def _check_args(args) -> tuple[list[str], int]:
         ) from err
     if args.lr is not None:
         _validate.check_lr("shardcheck verify: --lr", args.lr)
-    strategies = _parse_strategies(args.strategies, args.candidate is not None)
+    chosen = DEFAULT_STRATEGIES if args.strategies is None else args.strategies
+    strategies = _parse_strategies(chosen, args.candidate is not None)
     if args.reference != REFERENCE and args.task is None:
         raise ValueError(
             f"shardcheck verify: --reference {args.reference} needs --task (a built-in task or FILE.py:task); "
@@ -353,6 +363,14 @@ def _check_builtin_batch(args, task, num_shards) -> None:
 def main(args) -> int:
     from shardcheck import distributed
 
+    against = None
+    if args.against is not None:  # a recorded run, replayed and compared with it instead (cli/record.py)
+        from shardcheck.cli import record
+
+        try:
+            against = record.recorded_defaults(args)
+        except ValueError as err:
+            return record._fail(err)
     try:
         strategies, devices = _check_args(args)
     except (TypeError, ValueError) as err:
@@ -374,6 +392,10 @@ def main(args) -> int:
         uses_mesh = [STRATEGIES[s].uses_mesh for s in (*strategies, args.reference)]
         mesh = _mesh(args, devices, any(uses_mesh) or candidate is not None)
         runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
+        if against is not None:
+            from shardcheck.cli.record import verify_against
+
+            return verify_against(args, task, runs, num_shards, mesh, against)
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
         cause = err.__cause__

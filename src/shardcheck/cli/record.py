@@ -1,0 +1,339 @@
+"""``shardcheck record``: run a strategy (or your own step) on a task and save every step's per-leaf digests; and
+the replay of such a recording that ``shardcheck verify --against`` runs."""
+
+from __future__ import annotations
+
+import sys
+
+from shardcheck._catalog import COMPARED, DEFAULT_STRATEGY, REFERENCE, SUMMARIES
+from shardcheck.cli._common import (
+    HelpFormatter,
+    add_mesh_argument,
+    apply_mesh,
+    configure_devices,
+    console_for,
+    library_to_flags,
+    write_json,
+)
+from shardcheck.cli._task import add_precision_arguments, add_task_arguments, task_from_args
+
+DESCRIPTION = (
+    "Run one strategy (--strategy) or your own step (--candidate) on a task for --steps steps, from a fresh state "
+    "(a mesh strategy's created directly sharded), and save after every step the digest of every leaf: the loss, "
+    "the gradients (when the step returns them), every parameter, every optimizer-state leaf and the counters. A "
+    "digest is the leaf's shape, dtype and sharding, its L2 norm and max|x| (reduced on the devices), a "
+    "parameter's update size, 8 elements at fixed indices and a sha256 of its shards: a few hundred bytes a "
+    "leaf, small enough to commit. shardcheck verify --against FILE replays the run and names the first step "
+    "and leaf that left the recording's tolerance (derived as verify's; never bitwise across machines). Exit "
+    "status: 0 when recorded, 2 on bad input or a step that raises."
+)
+EPILOG = (
+    "example: shardcheck record --task tiny-lm --mesh fsdp=4 --steps 3 --out run.npz, then "
+    "shardcheck verify --task tiny-lm --against run.npz (the recorded mesh, steps and run are the defaults)"
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "record",
+        help=SUMMARIES["record"],
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
+    add_precision_arguments(p, harness=False)
+    p.add_argument(
+        "--strategy",
+        default=None,
+        choices=COMPARED,
+        help=f"the registered strategy to record (default: {DEFAULT_STRATEGY}; not with --candidate)",
+    )
+    p.add_argument(
+        "--candidate",
+        default=None,
+        metavar="MODULE:FUNC|PATH.py:FUNC",
+        help="record your own in-place step (model, optimizer, batch[, mesh]) instead; return {'loss': loss, "
+        "'grads': grads} to have the gradients recorded",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps recorded (default: a built-in task's 5; a task file's: all its batches)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="rows per batch of a built-in task (default: its own)"
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="S: shards per step, and fake CPU devices to create (default: every device of a launched run, else 2)",
+    )
+    add_mesh_argument(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shuffling")
+    p.add_argument("--out", required=True, metavar="PATH.npz", help="the recording to write")
+    p.set_defaults(func=main)
+
+
+def _fail(message) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args) -> tuple[str | None, int]:
+    """The strategy (None with --candidate) and the device count, after the argument checks; fakes the CPU devices.
+
+    Raises:
+        ValueError: a bad flag value (the message names the flag and the fix).
+    """
+    from shardcheck import _validate, distributed
+
+    apply_mesh("shardcheck record", args)
+    for flag in ("steps", "batch_size", "devices"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(
+                f"shardcheck record: --{flag.replace('_', '-')} must be a positive int, got {value}"
+            )
+    _validate.check_seed("shardcheck record: --seed", args.seed)
+    if args.lr is not None:
+        _validate.check_lr("shardcheck record: --lr", args.lr)
+    if args.candidate is not None and args.strategy is not None:
+        raise ValueError(
+            f"shardcheck record: --strategy {args.strategy} and --candidate {args.candidate} were both given; a "
+            "recording holds one run: pass one of them"
+        )
+    configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
+    import jax
+
+    devices = args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
+    return (None if args.candidate else args.strategy or DEFAULT_STRATEGY), devices
+
+
+def run_settings(args) -> dict:
+    """What the command line knows of a run, for the recording's metadata: the optimizer and its learning rate
+    (a built-in task's; a task file sets its own), the seed, the batch size and the optimizer options."""
+    from shardcheck.optimizers import DEFAULT_LR
+    from shardcheck.tasks import BUILTIN_TASKS
+    from shardcheck.tasks.loading import DEFAULT_OPTIMIZER
+
+    optimizer = lr = None
+    if args.task is None or args.task in BUILTIN_TASKS:
+        optimizer = args.optimizer or ("sgd" if args.task is None else DEFAULT_OPTIMIZER)
+        lr = DEFAULT_LR[optimizer] if args.lr is None else float(args.lr)
+    keys = (
+        "seed",
+        "batch_size",
+        "weight_decay",
+        "clip_norm",
+        "warmup_steps",
+        "schedule",
+        "compute_dtype",
+        "param_dtype",
+    )
+    return {"optimizer": optimizer, "lr": lr} | {k: getattr(args, k, None) for k in keys}
+
+
+def _mesh(args, devices: int, needed: bool):
+    import jax
+
+    if not needed:
+        return None
+    if jax.device_count() < devices:
+        raise ValueError(
+            f"shardcheck record: {devices} devices are needed, but {jax.device_count()} exist; pass --devices "
+            f"{jax.device_count()} or fewer"
+        )
+    from shardcheck.cli._common import mesh_from_args
+
+    return mesh_from_args(args, devices)
+
+
+def _load_step(args):
+    from shardcheck.cli.verify import load_candidate
+
+    try:
+        return load_candidate(args.candidate)
+    except ValueError as err:
+        raise ValueError(str(err).replace("shardcheck verify:", "shardcheck record:", 1)) from None
+
+
+def main(args) -> int:
+    from shardcheck import distributed
+
+    try:
+        strategy, devices = _check_args(args)
+    except (TypeError, ValueError) as err:
+        return _fail(err)
+    from shardcheck import parity
+    from shardcheck.mesh import data_shards
+    from shardcheck.parity.recorded import record_run
+    from shardcheck.steps import STRATEGIES
+
+    num_shards = devices if args.mesh is None else data_shards(args.mesh)
+    try:
+        task = task_from_args(args, default_optimizer="sgd", batch_size=args.batch_size, steps=args.steps)
+        candidate = _load_step(args) if strategy is None else strategy
+        mesh = _mesh(args, devices, strategy is None or STRATEGIES[strategy].uses_mesh)
+        recording = record_run(
+            task, candidate, steps=args.steps, num_shards=num_shards, mesh=mesh, settings=run_settings(args)
+        )
+    except parity.CandidateError as err:
+        return _fail(f"shardcheck record: {str(err).removeprefix('record_run: ')}")
+    except (ValueError, TypeError) as err:
+        return _fail(
+            library_to_flags(str(err).replace("record_run:", "shardcheck record:", 1), "record", args=args)
+        )
+    if distributed.is_main_process():
+        size = recording.save(args.out)
+        meta = recording.meta
+        where = (
+            ""
+            if meta["mesh"] is None
+            else " on mesh " + ",".join(f"{k}={v}" for k, v in meta["mesh"].items())
+        )
+        print(
+            f"recorded {meta['run']} on task {meta['task']}{where} (S={meta['num_shards']}): {recording.num_steps} "
+            f"step(s), {len(recording.names)} leaves a step -> {args.out} ({size} bytes)"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ verify --against
+
+
+def recorded_defaults(args):
+    """``verify --against``: the recording (refused now when it is none), and the flags left out taken from it:
+    its mesh (or shard count), its steps, and its run (its strategy; a user step needs ``--candidate``).
+
+    Raises:
+        ValueError: one line: a file that is no recording (:func:`~shardcheck.parity.recorded.load_recording`),
+            a recorded user step without ``--candidate``, ``--reference`` given.
+    """
+    from shardcheck.parity.recorded import load_recording
+
+    fn = "shardcheck verify"
+    recording = load_recording(args.against, fn=fn, name=f"--against {args.against}")
+    meta = recording.meta
+    if args.reference != REFERENCE:
+        raise ValueError(
+            f"{fn}: --reference {args.reference} does not apply with --against: the replay is compared with the "
+            "recording; drop --reference"
+        )
+    if args.mesh is None and args.devices is None:
+        if meta["mesh"]:
+            args.mesh = dict(meta["mesh"])
+        else:
+            args.devices = meta["num_shards"]
+    if args.steps is None:
+        args.steps = recording.num_steps
+    if args.strategies is None:
+        args.strategies = meta["run"] if meta["run_kind"] == "strategy" else "none"
+    if args.strategies == "none" and args.candidate is None:
+        raise ValueError(
+            f"{fn}: --against {args.against} records the user step {meta['run']!r}; pass it with --candidate "
+            f"FILE.py:{meta['run']} (or another strategy with --strategies)"
+        )
+    if args.candidate is not None and args.task is None:
+        raise ValueError(
+            f"{fn}: --against replays --candidate on a task; pass --task (a built-in or FILE.py:task)"
+        )
+    return recording
+
+
+def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
+    """Replay each ``(label, strategy or step)`` of ``runs`` and compare it with ``recording``; prints a table per
+    run (process 0) and returns the exit status: 0 when all pass, 1 when one fails, 2 when the recording cannot
+    be compared with this run (another task, mesh, steps, batches or state: one line)."""
+    from shardcheck import distributed
+    from shardcheck.parity.recorded import check_replayable, record_run
+    from shardcheck.parity.recorded_compare import compare_run
+
+    try:
+        check_replayable(
+            recording,
+            task,
+            fn="shardcheck verify",
+            path=f"--against {args.against}",
+            mesh=mesh,
+            num_shards=num_shards,
+            steps=args.steps,
+        )
+    except ValueError as err:
+        return _fail(err)
+    settings = run_settings(args)
+    comparisons = {}
+    for label, candidate in runs:
+        replayed = record_run(
+            task, candidate, steps=args.steps, num_shards=num_shards, mesh=mesh, settings=settings
+        )
+        comparisons[label] = compare_run(recording, replayed, rtol=args.rtol, atol=args.atol)
+    ok = all(c.ok for c in comparisons.values())
+    if distributed.is_main_process():
+        _print(args, task, comparisons, recording, ok)
+    return 0 if ok else 1
+
+
+def _cell(x) -> str:
+    return x if isinstance(x, str) else f"{x:.6g}"
+
+
+def render_comparison(label: str, comparison, path: str, setup: str):
+    """One replayed run's table: the first failing leaf, then the worst leaf of each kind, with the evidence that
+    decided, both values, the error and what was allowed; the cause, the evidence and the notes below."""
+    from rich.table import Table
+
+    from shardcheck.cli.verify import _verdict
+
+    bitwise = " (bitwise identical)" if comparison.bitwise else ""
+    caption = [setup]
+    if comparison.cause:
+        caption.append(f"cause: {comparison.cause}")
+    caption += [comparison.evidence, *comparison.notes]
+    table = Table(
+        title=f"shardcheck verify {label} against {path}: {_verdict(comparison.verdict)}{bitwise}",
+        caption="\n".join(caption),
+        caption_justify="left",
+    )
+    for column in ("", "leaf", "step", "evidence", "recorded", "replayed", "abs err", "allowed", "verdict"):
+        table.add_column(column, justify="right" if column in ("step", "abs err", "allowed") else "left")
+    rows = [("first failure", comparison.first_failure)] if comparison.first_failure else []
+    rows += [(f"worst {kind}", e) for kind, e in comparison.worst_by_kind().items()]
+    for what, e in rows:
+        step = "initial" if e.step < 0 else str(e.step)
+        cells = (
+            e.name,
+            step,
+            e.evidence,
+            _cell(e.recorded),
+            _cell(e.replayed),
+            f"{e.err:.3g}",
+            f"{e.allowed:.3g}",
+        )
+        table.add_row(what, *cells, _verdict(e.ok))
+    return table
+
+
+def _print(args, task, comparisons, recording, ok: bool) -> None:
+    meta = recording.meta
+    console = console_for(args)
+    mesh = "" if not meta["mesh"] else " on mesh " + ",".join(f"{k}={v}" for k, v in meta["mesh"].items())
+    setup = (
+        f"task {task.name}, {meta['steps']} recorded step(s) of {meta['run']}{mesh}, S={meta['num_shards']}"
+    )
+    for label, comparison in comparisons.items():
+        console.print(render_comparison(label, comparison, args.against, setup))
+    document = {
+        "command": "verify",
+        "against": args.against,
+        "ok": ok,
+        "task": task.name,
+        "recorded": {
+            k: meta.get(k)
+            for k in ("run", "run_kind", "steps", "mesh", "num_shards", "settings", "versions", "platform")
+        },
+        "runs": {label: c.to_dict() for label, c in comparisons.items()},
+    }
+    write_json(document, args.json)

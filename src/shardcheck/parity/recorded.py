@@ -1,0 +1,604 @@
+"""Recorded runs: a run's per-step digests, saved small enough to commit, and a replay compared with them.
+
+:func:`record_run` runs a strategy (or a user's step) on a task for N steps and keeps, after every step, the
+digest of every leaf (:mod:`shardcheck.parity._digest`: shape, dtype, sharding, L2 norm, ``max|x|``, the update
+size of each parameter, 8 fixed-index samples and a sha256) of the loss, the gradients (when the step returns
+them), the parameters, the optimizer state and the integer counters. :meth:`Recording.save` writes them as one
+``.npz`` (NumPy only, no pickles) with a JSON metadata string; :func:`load_recording` reads one back and refuses a
+file that is not one, or that another task, mesh or data made (:func:`check_replayable`). :func:`compare_run`
+compares a replay with a recording (``shardcheck.parity.recorded_compare``), within the parity harness's own
+derived tolerances: across machines and XLA versions never bitwise; the hashes only say "bitwise identical"
+where every one matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import platform
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardcheck.parity import _digest
+from shardcheck.parity.candidates import as_candidate, unpack
+from shardcheck.parity.compare import device_snapshot, flatten_state
+from shardcheck.parity.report import CandidateError
+from shardcheck.parity.setup import _check_strategy, _task_batches, check_options
+from shardcheck.steps import STRATEGIES, Candidate
+from shardcheck.steps.registry import mesh_for
+from shardcheck.steps.sharded_init import sharded_training_state
+from shardcheck.task import Task, check_model
+
+FORMAT = "shardcheck-recording"
+"""The ``format`` field of a recording's metadata."""
+
+VERSION = 1
+"""The recording format this shardcheck writes and reads."""
+
+KINDS = ("loss", "grad", "opt_state", "param", "counter")
+"""The kinds of a recorded leaf, in the order a step computes them: the first failing leaf of a step is the first
+of these kinds (the worst leaf of it)."""
+
+_BLOCKS = ("initial", "steps")
+_FIELDS = ("present", "sharding", "norm", "max", "update", "samples", "sha256")
+
+
+@dataclasses.dataclass(frozen=True)
+class Digests:
+    """The digests of L leaves at R points: the initial state (R = 1) or the steps (R = T).
+
+    Attributes:
+        present: ``(R, L)`` bool: the leaf was digested there (a step's gradients only when it returned them).
+        sharding: ``(R, L)`` str: each leaf's ``PartitionSpec`` text (``_digest.spec_text``).
+        norm: ``(R, L)`` float64: the L2 norm (float32 arithmetic on the devices).
+        max: ``(R, L)`` float64: ``max|x|`` (exact).
+        update: ``(R, L)`` float64: ``max|x_t - x_{t-1}|`` of the parameters (float32 arithmetic), NaN elsewhere.
+        samples: ``(R, L, 8)`` float64: the elements at ``Recording.sample_index`` (NaN where none).
+        sha256: ``(R, L, 32)`` uint8: the hash of this process's shards' bytes in index order.
+    """
+
+    present: np.ndarray
+    sharding: np.ndarray
+    norm: np.ndarray
+    max: np.ndarray
+    update: np.ndarray
+    samples: np.ndarray
+    sha256: np.ndarray
+
+    @staticmethod
+    def of(rows: Sequence[Mapping[str, _digest.LeafDigest]], names: Sequence[str]) -> Digests:
+        """The rectangular arrays of ``rows`` (one ``{name: LeafDigest}`` per point) over ``names``."""
+        r, n, k = len(rows), len(names), _digest.SAMPLES
+        out = Digests(
+            np.zeros((r, n), bool),
+            np.full((r, n), "", dtype=object),
+            np.full((r, n), np.nan),
+            np.full((r, n), np.nan),
+            np.full((r, n), np.nan),
+            np.full((r, n, k), np.nan),
+            np.zeros((r, n, _digest.HASH_BYTES), np.uint8),
+        )
+        for i, row in enumerate(rows):
+            for j, name in enumerate(names):
+                d = row.get(name)
+                if d is None:
+                    continue
+                out.present[i, j] = True
+                out.sharding[i, j] = d.sharding
+                out.norm[i, j], out.max[i, j], out.update[i, j] = d.norm, d.max, d.update
+                out.samples[i, j], out.sha256[i, j] = d.samples, d.sha256
+        return dataclasses.replace(out, sharding=out.sharding.astype(str))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """A recorded run: the digests of every leaf at every step, and what made them.
+
+    Attributes:
+        meta: the JSON metadata: ``format``, ``version``, ``task``, ``run`` (the strategy's name or the user step's),
+            ``run_kind`` (``"strategy"`` or ``"candidate"``), ``num_shards``, ``mesh`` (``{axis: size}`` or
+            ``None``), ``steps``, ``fingerprint`` (sha256 of ``state_leaves`` and ``batches``' shapes),
+            ``state_leaves`` (``[name, shape, dtype]`` of the task's parameters, optimizer state and counters),
+            ``batches`` (per step its leaves' ``[path, shape, dtype]`` and the sha256 of its data), ``terms`` (the
+            reduction length of each batch, for the tolerance), ``tolerance_dtype``, ``settings`` (the caller's:
+            optimizer, lr, seed ... when known), ``versions`` (jax, jaxlib, flax, optax, shardcheck),
+            ``platform``.
+        names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
+            ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
+        shapes: each leaf's shape; dtypes: each leaf's dtype name.
+        sample_index: ``(L, 8)`` int64: the flat indices each leaf's samples are taken at (``-1``: none).
+        initial: the :class:`Digests` of the state before step 0 (R = 1).
+        steps: the :class:`Digests` after each step (R = T).
+    """
+
+    meta: dict
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    sample_index: np.ndarray
+    initial: Digests
+    steps: Digests
+
+    @property
+    def num_steps(self) -> int:
+        """T, the recorded steps."""
+        return int(self.steps.present.shape[0])
+
+    def to_bytes(self) -> bytes:
+        """The ``.npz`` file's bytes (compressed; every array numeric or str, no pickles)."""
+        arrays = {
+            "meta": np.array(json.dumps(self.meta, sort_keys=True)),
+            "names": np.array(self.names, dtype=str),
+            "sample_index": self.sample_index,
+        }
+        leaves = [[n, list(s), d] for n, s, d in zip(self.names, self.shapes, self.dtypes, strict=True)]
+        arrays["leaves"] = np.array(json.dumps(leaves))
+        for block in _BLOCKS:
+            for field in _FIELDS:
+                arrays[f"{block}_{field}"] = getattr(getattr(self, block), field)
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **arrays)
+        return buffer.getvalue()
+
+    def save(self, path: str | Path) -> int:
+        """Write the recording to ``path`` (whole, through a temp file and a rename); returns its size in bytes.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        from shardcheck._io import write_atomic
+
+        data = self.to_bytes()
+        write_atomic(Path(path), data)
+        return len(data)
+
+
+# ------------------------------------------------------------------------------------------------ recording
+
+
+def _kind(a) -> str:
+    """``"counter"`` for an integer (or boolean) optimizer-state leaf, else ``"opt_state"``."""
+    dtype = getattr(a, "dtype", None)
+    try:
+        integer = np.dtype(dtype).kind in "iub"
+    except TypeError:  # a PRNG key's dtype
+        integer = False
+    return "counter" if integer else "opt_state"
+
+
+def state_leaves(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+    """``{name: leaf}`` of the parameters, the optimizer state and the counters (names as :class:`Recording`'s).
+
+    Works on concrete and abstract (``nnx.eval_shape``) state alike.
+    """
+    out = {f"param {p}": a for p, a in flatten_state(nnx.state(model, nnx.Param)).items()}
+    for path, a in flatten_state(nnx.state(optimizer)).items():
+        if path == "step":
+            out["counter step"] = a
+            continue
+        path = path.removeprefix("opt_state.")
+        out[f"{_kind(a)} {path}"] = a
+    return out
+
+
+def _leaf_list(leaves: Mapping[str, Any]) -> list[list]:
+    return [[name, [int(d) for d in np.shape(a)], str(jnp.dtype(a.dtype))] for name, a in leaves.items()]
+
+
+def _batch_facts(batch) -> dict:
+    """A batch's leaves ``[path, shape, dtype]`` and the sha256 of its data (host arrays, C order)."""
+    h = hashlib.sha256()
+    shapes = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        a = np.asarray(leaf)
+        shapes.append([jax.tree_util.keystr(path), list(a.shape), str(a.dtype)])
+        h.update(a.tobytes())  # C order
+    return {"leaves": shapes, "sha256": h.hexdigest()}
+
+
+def fingerprint(leaves: list[list], batches: list[dict]) -> str:
+    """sha256 (hex) of the state's leaves (names, shapes, dtypes) and the batches' shapes and dtypes."""
+    shapes = [b["leaves"] for b in batches]
+    return hashlib.sha256(json.dumps([leaves, shapes]).encode()).hexdigest()
+
+
+def task_facts(fn: str, task: Task, data: Sequence) -> dict:
+    """The metadata that identifies a task's run before it starts: the state's leaves (from the abstract state,
+    nothing allocated), the batches' shapes and data hashes, the reduction lengths, the fingerprint and the
+    tolerance dtype (the parameters' least precise floating dtype, float32 when that is less precise)."""
+    from shardcheck.memory.state import abstract_training_state
+
+    model, optimizer = abstract_training_state(fn, task)
+    leaves = _leaf_list(state_leaves(model, optimizer))
+    batches = [_batch_facts(b) for b in data]
+    params = [jnp.dtype(d) for n, _, d in leaves if n.startswith("param ")]
+    params = [d for d in params if jnp.issubdtype(d, jnp.floating)] or [jnp.dtype(jnp.float32)]
+    least = max(params, key=lambda d: float(jnp.finfo(d).eps))
+    if jnp.finfo(least).eps > jnp.finfo(jnp.float32).eps:
+        least = jnp.dtype(jnp.float32)  # low-precision parameters accumulate in float32 (precision.py)
+    return {
+        "task": task.name,
+        "state_leaves": leaves,
+        "batches": batches,
+        "terms": [task.terms(b) for b in data],
+        "fingerprint": fingerprint(leaves, batches),
+        "tolerance_dtype": str(least),
+    }
+
+
+def _versions() -> dict:
+    from shardcheck import __version__
+
+    out = {"shardcheck": __version__}
+    for package in ("jax", "jaxlib", "flax", "optax"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def _platform() -> dict:
+    device = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def _start(fn, task, candidate, steps, num_shards, mesh, name):
+    """``(model, optimizer, batches, Candidate, mesh)`` of a recorded run, after every check; the state of a mesh
+    strategy is created directly in its placement (never whole on one device)."""
+    if not isinstance(task, Task):
+        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+    data = _task_batches(fn, task, steps)
+    strategy = STRATEGIES.get(candidate) if isinstance(candidate, str) else None
+    if strategy is not None and num_shards is not None:
+        mesh = mesh_for(fn, strategy, num_shards, mesh) if strategy.uses_mesh else mesh
+    cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
+    if strategy is not None and strategy.uses_mesh:
+        model, optimizer = sharded_training_state(fn, task, candidate, mesh)
+    else:
+        model = task.new_model(fn)
+        optimizer = task.new_optimizer(model)
+    weighted = check_model(fn, model, task.loss_fn, data[0])
+    _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
+    if cand.make_optimizer is not None:
+        optimizer = cand.make_optimizer(model, optimizer)
+    return model, optimizer, data, cand, mesh
+
+
+def _step(cand: Candidate, model, optimizer, batch, kwargs: dict, t: int):
+    """One step of the recorded run: ``(loss, grads)`` (either ``None`` when the step does not return it)."""
+    try:
+        out = cand.step(model, optimizer, batch, **kwargs)
+    except Exception as err:
+        raise CandidateError(
+            f"record_run: the step {cand.name!r} raised {type(err).__name__} at step {t}: {err}", t
+        ) from err
+    return unpack(out, f"step {cand.name!r}", t)
+
+
+def _step_leaves(loss, grads, model, optimizer) -> dict[str, Any]:
+    leaves = {} if loss is None else {"loss": loss}
+    if grads is not None:
+        leaves.update({f"grad {p}": g for p, g in flatten_state(grads).items()})
+    return leaves | state_leaves(model, optimizer)
+
+
+def _run_name(candidate, cand: Candidate) -> tuple[str, str]:
+    if isinstance(candidate, str):
+        return cand.name, "strategy"
+    return cand.name, "candidate"
+
+
+def record_run(
+    task: Task,
+    candidate: str | Candidate | Any,
+    *,
+    steps: int | None = None,
+    num_shards: int | None = None,
+    mesh=None,
+    name: str | None = None,
+    settings: Mapping[str, Any] | None = None,
+) -> Recording:
+    """Run ``candidate`` on ``task`` for ``steps`` steps and digest every leaf after each one.
+
+    The state starts fresh: for a registered mesh strategy (``dp``, ``fsdp``, ``gspmd``, ``multiprocess``)
+    created directly in its placement on ``mesh`` (:func:`~shardcheck.steps.sharded_init.sharded_training_state`:
+    never whole on one device), else ``task.new_model()`` and ``task.new_optimizer`` (wrapped by a Candidate's
+    ``make_optimizer``). Each step is the strategy's step
+    (``STRATEGIES[name].build(task.loss_fn, S, mesh).step(model, optimizer, batch)``, which returns the loss and
+    the gradients it applied) or the user's (its loss, and its gradients when it returns ``{"loss", "grads"}``).
+    Digested (:mod:`shardcheck.parity._digest`): the initial state, then after every step the loss, the gradients,
+    every parameter (with its update size), every optimizer-state leaf and every integer counter.
+
+    Args:
+        task: the :class:`~shardcheck.Task`.
+        candidate: a registered strategy's name (needs ``num_shards`` or ``mesh``), a
+            :class:`~shardcheck.Candidate`, or a user step ``(model, optimizer, batch[, mesh])`` updating both in
+            place (as :func:`~shardcheck.check_parity` takes it).
+        steps: how many of the task's batches to run (default: all).
+        num_shards: S, the batch shards (default: the mesh's batch shards).
+        mesh: the mesh of a mesh strategy (default: the first S devices), passed to a step that takes ``mesh``.
+        name: the run's name in the recording (default: the strategy's, or the step function's).
+        settings: JSON-able facts of the run to keep in the metadata (``optimizer``, ``lr``, ``seed`` ...):
+            :func:`compare_run` names a changed ``lr`` as a cause.
+
+    Returns:
+        The :class:`Recording` (in memory; :meth:`Recording.save` writes it).
+
+    Raises:
+        TypeError: ``task`` not a Task; a candidate that is no name, Candidate or step of the right signature; a
+            step returning no scalar loss, None or ``{"loss", "grads"}``.
+        ValueError: as :func:`~shardcheck.check_parity` before any step: an unknown strategy, ``steps`` beyond the
+            task's batches, a batch that does not split into S shards, a model with batch statistics.
+        CandidateError: the step raised (the original error is its ``__cause__``).
+    """
+    fn = "record_run"
+    num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
+    model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
+    kwargs = {"mesh": mesh} if cand.pass_mesh else {}
+    indices: dict[str, np.ndarray] = {}
+
+    def digest(leaves, before):
+        for leaf_name, a in leaves.items():
+            if leaf_name not in indices:
+                indices[leaf_name] = _digest.sample_indices(leaf_name, tuple(np.shape(a)))
+        return _digest.digest_leaves(leaves, before, indices)
+
+    first = state_leaves(model, optimizer)
+    shapes = _leaf_list(first)
+    rows = []
+    initial = digest(first, {})
+    for t, batch in enumerate(data):
+        before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
+        loss, grads = _step(cand, model, optimizer, batch, kwargs, t)
+        leaves = _step_leaves(loss, grads, model, optimizer)
+        shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
+        rows.append(digest(leaves, before))
+    return _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
+
+
+def _recording(fn, task, data, candidate, cand, mesh, digests, settings) -> Recording:
+    initial, rows, shapes, indices = digests
+    order = {n: i for i, n in enumerate(KINDS)}
+    shapes = sorted(shapes, key=lambda s: order[s[0].split(" ", 1)[0]])  # stable: each kind in its own order
+    names = [s[0] for s in shapes]
+    run, run_kind = _run_name(candidate, cand)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        **task_facts(fn, task, data),
+        "run": run,
+        "run_kind": run_kind,
+        "num_shards": cand.num_shards,
+        "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
+        "steps": len(data),
+        "settings": dict(settings or {}),
+        "versions": _versions(),
+        "platform": _platform(),
+    }
+    return Recording(
+        meta=meta,
+        names=tuple(names),
+        shapes=tuple(tuple(s[1]) for s in shapes),
+        dtypes=tuple(s[2] for s in shapes),
+        sample_index=np.stack([indices[n] for n in names]),
+        initial=Digests.of([initial], names),
+        steps=Digests.of(rows, names),
+    )
+
+
+# -------------------------------------------------------------------------------------------------- loading
+
+
+def _not_a_recording(fn: str, shown: str, path, why: str) -> ValueError:
+    return ValueError(
+        f"{fn}: {shown} is not a shardcheck recording ({why}); record one with shardcheck record --out {path}"
+    )
+
+
+def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path`` (no pickles); ``shown``: how messages name it.
+
+    Raises:
+        ValueError: a missing file, or one NumPy cannot read as an ``.npz`` without pickles.
+    """
+    if not Path(path).is_file():
+        raise ValueError(
+            f"{fn}: {shown} does not exist or is not a file; pass the file shardcheck record wrote"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except Exception as err:  # BadZipFile, a pickled array, a truncated member ...
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise _not_a_recording(fn, shown, path, f"cannot be read as .npz: {why}") from None
+
+
+def _meta(fn: str, path, shown: str, arrays: dict) -> dict:
+    try:
+        meta = json.loads(str(arrays["meta"][()]))
+    except (KeyError, ValueError, TypeError, IndexError):
+        raise _not_a_recording(fn, shown, path, "no metadata") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise _not_a_recording(fn, shown, path, f"its format is {found!r}")
+    if meta.get("version") != VERSION:
+        raise ValueError(
+            f"{fn}: {shown} is a recording of format version {meta.get('version')!r}; this shardcheck reads version "
+            f"{VERSION}; record it again with this version"
+        )
+    return meta
+
+
+def _digests(arrays: dict, block: str, rows: int, leaves: int) -> Digests:
+    k, h = _digest.SAMPLES, _digest.HASH_BYTES
+    shapes = {"samples": (rows, leaves, k), "sha256": (rows, leaves, h)}
+    kinds = {
+        "present": "b",
+        "sharding": "U",
+        "sha256": "u",
+        "samples": "f",
+        "norm": "f",
+        "max": "f",
+        "update": "f",
+    }
+    out = {}
+    for field in _FIELDS:
+        a = arrays[f"{block}_{field}"]
+        if a.shape != shapes.get(field, (rows, leaves)) or a.dtype.kind != kinds[field]:
+            raise KeyError(f"{block}_{field}")
+        out[field] = a
+    return Digests(**out)
+
+
+def load_recording(
+    path: str | Path,
+    *,
+    fn: str = "load_recording",
+    name: str | None = None,
+    task: Task | None = None,
+    mesh=None,
+    num_shards=None,
+    steps=None,
+) -> Recording:
+    """The :class:`Recording` saved at ``path``; with ``task``, also checked replayable (:func:`check_replayable`).
+
+    Args:
+        path: the ``.npz`` :meth:`Recording.save` wrote.
+        fn: how error messages name the caller (``"shardcheck verify"``).
+        name: how they name the file (``"--against run.npz"``; default: its path).
+        task, mesh, num_shards, steps: the replay's, to refuse a recording of another run before any step.
+
+    Returns:
+        The recording.
+
+    Raises:
+        ValueError: one line naming the file and the fix: a missing or unreadable file, one that is not a
+            shardcheck recording or is damaged, another format version; with ``task``, as
+            :func:`check_replayable`.
+    """
+    shown = str(path) if name is None else name
+    arrays = _read_npz(fn, path, shown)
+    meta = _meta(fn, path, shown, arrays)
+    try:
+        names = tuple(str(n) for n in arrays["names"])
+        leaves = json.loads(str(arrays["leaves"][()]))
+        rows = int(meta["steps"])
+        recording = Recording(
+            meta=meta,
+            names=names,
+            shapes=tuple(tuple(int(d) for d in s) for _, s, _ in leaves),
+            dtypes=tuple(str(d) for _, _, d in leaves),
+            sample_index=arrays["sample_index"],
+            initial=_digests(arrays, "initial", 1, len(names)),
+            steps=_digests(arrays, "steps", rows, len(names)),
+        )
+        if [n for n, _, _ in leaves] != list(names) or recording.sample_index.shape != (
+            len(names),
+            _digest.SAMPLES,
+        ):
+            raise KeyError("leaves")
+    except (KeyError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{fn}: {shown} is a damaged shardcheck recording ({str(err).strip(repr(''))} is missing or malformed); "
+            "record it again"
+        ) from None
+    if task is not None:
+        check_replayable(recording, task, fn=fn, path=shown, mesh=mesh, num_shards=num_shards, steps=steps)
+    return recording
+
+
+def _mesh_text(axes: Mapping[str, int] | None, num_shards) -> str:
+    if not axes:
+        return f"no mesh (S={num_shards})"
+    return ",".join(f"{k}={v}" for k, v in axes.items()) + f" (S={num_shards})"
+
+
+def _first_difference(recorded: list, now: list, what: str) -> str:
+    """The first leaf where two ``[name, shape, dtype]`` lists differ, in words."""
+    mine = {leaf[0]: leaf for leaf in now}
+    theirs = {leaf[0]: leaf for leaf in recorded}
+    for leaf in recorded:
+        if leaf[0] not in mine:
+            return f"{what} {leaf[0]!r} is recorded but not in this run"
+        if mine[leaf[0]] != leaf:
+            return f"{what} {leaf[0]!r} was {tuple(leaf[1])} {leaf[2]}, is {tuple(mine[leaf[0]][1])} {mine[leaf[0]][2]}"
+    extra = next(leaf[0] for leaf in now if leaf[0] not in theirs)
+    return f"{what} {extra!r} is in this run but not recorded"
+
+
+def check_replayable(
+    recording: Recording, task: Task, *, fn: str, path, mesh=None, num_shards=None, steps=None
+):
+    """Refuse, before any step, a replay that cannot be compared with ``recording``.
+
+    In this order: another task name; another shard count S, or another mesh (when both runs have one: a
+    single-device strategy's replay compares with a mesh strategy's recording at the same S); more steps than
+    recorded; other batch shapes; another state structure (the fingerprint: leaf names, shapes, dtypes); other
+    batch data (its sha256).
+
+    Args:
+        recording: the recording; task: the replay's task.
+        fn: how messages name the caller; path: how they name the file.
+        mesh, num_shards, steps: the replay's (``steps`` None: the recorded number).
+
+    Raises:
+        ValueError: one line naming the file, what differs and the fix.
+    """
+    meta = recording.meta
+    if meta["task"] != task.name:
+        raise ValueError(
+            f"{fn}: {path} records task {meta['task']!r}, not {task.name!r}; replay it with the task it was recorded "
+            f"on (--task), or record this task again"
+        )
+    axes = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
+    # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
+    if num_shards != meta["num_shards"] or (axes and meta["mesh"] and axes != meta["mesh"]):
+        was, now = _mesh_text(meta["mesh"], meta["num_shards"]), _mesh_text(axes, num_shards)
+        flag = f"--mesh {was.split(' ')[0]}" if meta["mesh"] else f"--devices {meta['num_shards']}"
+        raise ValueError(
+            f"{fn}: {path} was recorded on mesh {was}, not {now}; replay it with {flag}, or record again"
+        )
+    steps = recording.num_steps if steps is None else steps
+    if steps > recording.num_steps:
+        raise ValueError(
+            f"{fn}: {path} holds {recording.num_steps} step(s), not {steps}; pass --steps {recording.num_steps} or "
+            "fewer, or record more"
+        )
+    now = task_facts(fn, task, list(task.batches[:steps]))
+    for t in range(steps):
+        if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"]:
+            raise ValueError(
+                f"{fn}: {path} recorded batch {t} with leaves {meta['batches'][t]['leaves']}, this run's are "
+                f"{now['batches'][t]['leaves']}; replay with the recorded --batch-size and data"
+            )
+    if meta["fingerprint"] != fingerprint(now["state_leaves"], meta["batches"]):
+        why = _first_difference(meta["state_leaves"], now["state_leaves"], "leaf")
+        raise ValueError(
+            f"{fn}: {path} records another model or optimizer state: {why}; record this task again"
+        )
+    for t in range(steps):
+        if meta["batches"][t]["sha256"] != now["batches"][t]["sha256"]:
+            raise ValueError(
+                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs): another --seed, data set or "
+                f"task file; replay with the recorded settings {meta.get('settings') or {}}, or record again"
+            )
+
+
+__all__ = ["Digests", "Recording", "check_replayable", "load_recording", "record_run", "state_leaves"]

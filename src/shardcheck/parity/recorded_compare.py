@@ -1,0 +1,614 @@
+"""A replayed run compared with a recorded one, digest by digest, within the parity harness's derived tolerances.
+
+The harness passes a leaf at step t when, element by element (``docs/parity.md``),
+
+    |c - r|  <=  tol = atol_t + rtol_t * max|r| + a          (optimizer moments: rtol, atol x MOMENT_FACTOR)
+
+with ``(rtol_t, atol_t) = derive_tolerance(dtype, batch_size=task.terms(batch), step=t)`` and ``a`` the allowance
+of a parameter whose gradient is at rounding level under a normalizing optimizer. A digest cannot see every
+element, but what it holds follows from that rule, so comparing it is sound (a replay the rule passes passes
+here too):
+
+- ``|max|c| - max|r|| <= tol`` (the largest magnitudes move by at most the largest elementwise change);
+- each fixed-index sample ``|c_i - r_i| <= tol``;
+- ``| ||c|| - ||r|| | <= ||c - r|| <= sqrt(size) * tol`` (triangle inequality), plus the rounding of the two
+  float32 norms (``eps32 * sqrt(size) * (||c|| + ||r||)``, the random-walk model of the harness's own rule);
+- a parameter's update size ``|max|c_t - c_{t-1}| - max|r_t - r_{t-1}|| <= tol_t + tol_{t-1}`` (plus its
+  float32 rounding);
+- integer counters exactly; a shape, a dtype or, for the same run, a sharding that changed fails by itself.
+
+``a``: where the recording holds a parameter's gradient and its ``max|g| <= atol_t``, the gradient is rounding
+noise and Adam turns noise into an lr-sized step of either sign, so the two runs' updates may differ by twice the
+recorded update size; that is added to the parameter's tolerance at t and every later step (the harness's
+``floor``). The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum sqrt(size)
+||g||_2 a`` (first order, as the harness's ``drift``). Parameters or moments stored below float32 add one rounding
+of their own per step (``eps * max|r|``), as the harness does.
+
+What a digest cannot do is re-run a step from identical state (the harness re-checks a late failure that way):
+a first failure at step t > 0 may be rounding divergence through a non-smooth op, and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from shardcheck.parity._digest import SAMPLES
+from shardcheck.parity.recorded import KINDS, Digests, Recording
+from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
+
+EPS32 = float(np.finfo(np.float32).eps)
+# leaves whose digests agree to this relative distance are read as sharing one factor (as the harness's 2%)
+FACTOR_AGREEMENT = 0.02
+STRUCTURAL = ("missing", "shape", "dtype", "sharding")
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestError:
+    """One leaf at one step: its worst piece of evidence.
+
+    Attributes:
+        step: the 0-based step (``-1``: the initial state).
+        name: the leaf (``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
+            ``"counter <path>"``).
+        evidence: what decided: ``"max"``, ``"norm"``, ``"sample"``, ``"update"`` (a parameter's update size),
+            ``"exact"`` (a counter), ``"nan"``, or a structural change: ``"missing"``, ``"shape"``, ``"dtype"``,
+            ``"sharding"``.
+        recorded, replayed: that evidence's two values (numbers, or text for a structural change).
+        err: ``|replayed - recorded|`` (inf for a structural change); allowed: the tolerance it was held to.
+        ok: within it.
+        ratio: the replay's over the recording's: the update size for a parameter, the value for a counter, the
+            L2 norm otherwise (``None`` where the recorded one is 0).
+    """
+
+    step: int
+    name: str
+    evidence: str
+    recorded: float | str
+    replayed: float | str
+    err: float
+    allowed: float
+    ok: bool
+    ratio: float | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(" ", 1)[0]
+
+    @property
+    def badness(self) -> float:
+        """``err / allowed`` (inf for an error where nothing is allowed, 0 for none)."""
+        return _badness(self.err, self.allowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunComparison:
+    """A replay against a recording (:func:`compare_run`).
+
+    Attributes:
+        run: the replayed run's name; recorded_run: the recording's.
+        ok: every compared digest within its tolerance, nothing structural changed.
+        steps: the steps compared.
+        leaves: one :class:`DigestError` per compared leaf and point (the initial state first, then the steps).
+        first_failure: the first failing leaf: the earliest step, then the first kind of :data:`KINDS` (the order
+            a step computes them), then the worst; ``None`` when it passes.
+        cause: what the digests say about the first failing step (a factor S or 1/S of the gradients, an update
+            k times the recorded one, a changed sharding ...), or ``None`` when it passes.
+        evidence: which digests were compared, and how (one paragraph).
+        notes: what the comparison cannot tell, and what differs between the two runs' settings.
+        hashes_matched, hashes_compared: how many leaf digests' sha256 agreed, of those comparable (same shape,
+            dtype and sharding).
+        bitwise: every leaf's hash matched at every point: the replay is bitwise identical (the same machine and
+            XLA, in practice).
+    """
+
+    run: str
+    recorded_run: str
+    ok: bool
+    steps: int
+    leaves: tuple[DigestError, ...]
+    first_failure: DigestError | None
+    cause: str | None
+    evidence: str
+    notes: tuple[str, ...]
+    hashes_matched: int
+    hashes_compared: int
+    bitwise: bool
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.ok else "FAIL"
+
+    @property
+    def failures(self) -> tuple[DigestError, ...]:
+        return tuple(e for e in self.leaves if not e.ok)
+
+    def worst_by_kind(self) -> dict[str, DigestError]:
+        """The worst digest error of each kind (in :data:`KINDS` order), by ``err / allowed``."""
+        out: dict[str, DigestError] = {}
+        for kind in KINDS:
+            mine = [e for e in self.leaves if e.kind == kind]
+            if mine:
+                out[kind] = max(mine, key=lambda e: (not e.ok, e.badness))
+        return out
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the verdict, the first failure, the cause, the evidence, the notes, the worst per kind."""
+
+        def leaf(e: DigestError | None):
+            return None if e is None else dataclasses.asdict(e) | {"badness": e.badness}
+
+        return {
+            "run": self.run,
+            "recorded_run": self.recorded_run,
+            "verdict": self.verdict,
+            "ok": self.ok,
+            "steps": self.steps,
+            "first_failure": leaf(self.first_failure),
+            "cause": self.cause,
+            "evidence": self.evidence,
+            "notes": list(self.notes),
+            "bitwise": self.bitwise,
+            "hashes_matched": self.hashes_matched,
+            "hashes_compared": self.hashes_compared,
+            "failures": len(self.failures),
+            "worst_by_kind": {k: leaf(e) for k, e in self.worst_by_kind().items()},
+        }
+
+    def __str__(self) -> str:
+        head = f"{self.run} against the recorded {self.recorded_run}: {self.verdict}"
+        if self.bitwise:
+            head += " (bitwise identical)"
+        lines = [head]
+        if self.first_failure is not None:
+            e = self.first_failure
+            lines.append(
+                f"first failure: step {e.step}, {e.name}: {e.evidence} recorded {e.recorded}, replayed {e.replayed} "
+                f"(allowed {e.allowed:.3g})"
+            )
+            lines.append(f"cause: {self.cause}")
+        return "\n".join([*lines, self.evidence, *self.notes])
+
+
+class _Leaf(NamedTuple):
+    """One leaf's digest at one point, read from a :class:`Digests` (``present`` False: not digested there)."""
+
+    present: bool
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: str
+    norm: float
+    max: float
+    update: float
+    samples: np.ndarray
+    sha256: bytes
+
+    @staticmethod
+    def at(recording: Recording, digests: Digests, row: int, col: int | None) -> _Leaf:
+        if col is None or not digests.present[row, col]:
+            return _Leaf(False, (), "", "", math.nan, math.nan, math.nan, np.full(SAMPLES, np.nan), b"")
+        return _Leaf(
+            True,
+            recording.shapes[col],
+            recording.dtypes[col],
+            str(digests.sharding[row, col]),
+            float(digests.norm[row, col]),
+            float(digests.max[row, col]),
+            float(digests.update[row, col]),
+            digests.samples[row, col],
+            digests.sha256[row, col].tobytes(),
+        )
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def integer(self) -> bool:
+        try:
+            return np.dtype(self.dtype).kind in "iub"
+        except TypeError:
+            return False
+
+
+def _badness(err: float, allowed: float) -> float:
+    """``err / allowed``: 0 for no error, inf for an error where nothing is allowed (NaN counts as inf)."""
+    if err == 0:
+        return 0.0
+    if allowed > 0 and not math.isnan(err):
+        return err / allowed
+    return math.inf
+
+
+def _ratio(c: float, r: float) -> float | None:
+    return c / r if r != 0 and math.isfinite(r) and math.isfinite(c) else None
+
+
+def _structural(t: int, name: str, r: _Leaf, c: _Leaf, same_placement: bool) -> DigestError | None:
+    """A change no tolerance covers: the leaf missing, another shape or dtype, or for the same run a sharding."""
+    changed = [("shape", r.shape, c.shape), ("dtype", r.dtype, c.dtype)]
+    if same_placement:
+        changed.append(("sharding", r.sharding, c.sharding))
+    if not c.present:
+        return DigestError(t, name, "missing", "recorded", "absent", math.inf, 0.0, False)
+    for evidence, was, now in changed:
+        if was != now:
+            return DigestError(t, name, evidence, str(was), str(now), math.inf, 0.0, False)
+    return None
+
+
+def _evidence(r: _Leaf, c: _Leaf, base: float, update_base: float | None) -> list[tuple]:
+    """``[(evidence, recorded, replayed, err, allowed)]`` of a floating leaf (module docstring)."""
+    root = math.sqrt(max(r.size, 1))
+    rows = [
+        ("max", r.max, c.max, abs(c.max - r.max), base),
+        ("norm", r.norm, c.norm, abs(c.norm - r.norm), root * base + EPS32 * root * (r.norm + c.norm)),
+    ]
+    both = ~(np.isnan(r.samples) | np.isnan(c.samples))
+    if both.any():
+        diff = np.where(both, np.abs(c.samples - r.samples), -1.0)
+        i = int(np.argmax(diff))
+        rows.append(("sample", float(r.samples[i]), float(c.samples[i]), float(diff[i]), base))
+    if update_base is not None and math.isfinite(r.update) and math.isfinite(c.update):
+        allowed = update_base + EPS32 * (r.update + c.update)
+        rows.append(("update", r.update, c.update, abs(c.update - r.update), allowed))
+    return rows
+
+
+def _leaf_error(t, name, r: _Leaf, c: _Leaf, base, update_base, same_placement) -> DigestError:
+    """The worst evidence of one leaf at one point (:func:`_structural`, then exactness or the tolerances)."""
+    structural = _structural(t, name, r, c, same_placement)
+    if structural is not None:
+        return structural
+    if np.isnan(r.max) != np.isnan(c.max):
+        return DigestError(t, name, "nan", r.max, c.max, math.inf, base, False)
+    if r.integer:
+        value_r, value_c = float(r.samples[0]), float(c.samples[0])
+        err = max(
+            abs(c.max - r.max),
+            abs(c.norm - r.norm),
+            float(np.nanmax(np.abs(c.samples - r.samples), initial=0)),
+        )
+        return DigestError(t, name, "exact", value_r, value_c, err, 0.0, err == 0, _ratio(value_c, value_r))
+    rows = _evidence(r, c, base, update_base)
+    worst = max(rows, key=lambda row: (row[3] > row[4], _badness(row[3], row[4])))
+    evidence, was, now, err, allowed = worst
+    ratio = _ratio(c.update, r.update) if name.startswith("param ") else _ratio(c.norm, r.norm)
+    return DigestError(t, name, evidence, was, now, err, allowed, bool(err <= allowed), ratio)
+
+
+@dataclasses.dataclass
+class _Bounds:
+    """The tolerance bookkeeping of one comparison over its steps."""
+
+    rtol: float | None
+    atol: float | None
+    allowance: dict[str, float] = dataclasses.field(default_factory=dict)  # by parameter name, accumulated
+    last_base: dict[str, float] = dataclasses.field(default_factory=dict)  # each parameter's base at t - 1
+
+    def derived(self, meta: Mapping, t: int) -> tuple[float, float]:
+        tol = derive_tolerance(
+            meta["tolerance_dtype"], batch_size=int(meta["terms"][max(t, 0)]), step=max(t, 0)
+        )
+        return (tol.rtol if self.rtol is None else self.rtol), (tol.atol if self.atol is None else self.atol)
+
+    def base(self, name: str, r: _Leaf, t: int, rtol: float, atol: float) -> float:
+        """``atol + rtol * max|r|`` (moments x MOMENT_FACTOR) plus the accumulated allowance and storage rounding."""
+        factor = MOMENT_FACTOR if name.startswith("opt_state ") else 1.0
+        base = factor * (atol + rtol * r.max) + self.allowance.get(name, 0.0)
+        eps = _eps(r.dtype)
+        if eps > EPS32:  # stored below float32: one rounding per step (precision.py)
+            base += eps * r.max * (max(t, 0) + 1)
+        return base
+
+
+def _eps(dtype: str) -> float:
+    """The machine epsilon of a floating dtype's name (``"bfloat16"`` included), 0 for any other."""
+    try:
+        return float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.floating) else 0.0
+    except TypeError:  # a PRNG key's dtype
+        return 0.0
+
+
+class _Pair(NamedTuple):
+    """The two runs, and each leaf name's column in each."""
+
+    recording: Recording
+    replayed: Recording
+    same_placement: bool
+    columns: tuple[dict[str, int], dict[str, int]]
+
+    @staticmethod
+    def of(recording: Recording, replayed: Recording, same_placement: bool) -> _Pair:
+        columns = tuple({n: i for i, n in enumerate(r.names)} for r in (recording, replayed))
+        return _Pair(recording, replayed, same_placement, columns)
+
+    def leaf(self, which: str, row: int, name: str) -> _Leaf:
+        """The recorded (``which == "recorded"``) or replayed digest of ``name`` at point ``row`` (-1: initial)."""
+        mine = which != "recorded"
+        rec = self.replayed if mine else self.recording
+        digests = rec.initial if row < 0 else rec.steps
+        return _Leaf.at(rec, digests, max(row, 0), self.columns[mine].get(name))
+
+
+def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
+    """Add step t's rounding-level allowance to every parameter whose recorded gradient is within ``atol`` of 0
+    (module docstring); returns the loss's drift bound from the allowance before this step."""
+    drift = 0.0
+    grown = {}
+    for name in pair.recording.names:
+        if not name.startswith("grad "):
+            continue
+        g = pair.leaf("recorded", t, name)
+        param = "param " + name.removeprefix("grad ")
+        if not g.present:
+            continue
+        drift += math.sqrt(max(g.size, 1)) * g.norm * bounds.allowance.get(param, 0.0)
+        if g.max <= atol:
+            p = pair.leaf("recorded", t, param)
+            if p.present and math.isfinite(p.update):
+                grown[param] = 2.0 * p.update
+    for param, a in grown.items():
+        bounds.allowance[param] = bounds.allowance.get(param, 0.0) + a
+    return drift
+
+
+def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
+    """Every recorded leaf at point t (``-1``: the initial state, at step 0's tolerance)."""
+    rtol, atol = bounds.derived(pair.recording.meta, t)
+    drift = _grow_allowance(pair, bounds, t, atol) if t >= 0 else 0.0
+    out = []
+    for name in pair.recording.names:
+        r = pair.leaf("recorded", t, name)
+        if not r.present:
+            continue
+        c = pair.leaf("replayed", t, name)
+        base = bounds.base(name, r, t, rtol, atol) + (drift if name == "loss" else 0.0)
+        update_base = None
+        if name.startswith("param "):
+            update_base = base + bounds.last_base.get(name, base)
+            bounds.last_base[name] = base
+        out.append(_leaf_error(t, name, r, c, base, update_base, pair.same_placement))
+    return out
+
+
+def _hashes(pair: _Pair, steps: int) -> tuple[int, int, bool]:
+    """``(matched, compared, bitwise)`` over every point of the recorded leaves."""
+    matched = compared = 0
+    bitwise = True
+    for t in range(-1, steps):
+        for name in pair.recording.names:
+            r, c = pair.leaf("recorded", t, name), pair.leaf("replayed", t, name)
+            if not r.present:
+                continue
+            if not c.present or (r.shape, r.dtype, r.sharding) != (c.shape, c.dtype, c.sharding):
+                bitwise = False
+                continue
+            compared += 1
+            matched += r.sha256 == c.sha256
+    return matched, compared, bitwise and matched == compared and compared > 0
+
+
+def compare_run(
+    recording: Recording, replayed: Recording, *, rtol: float | None = None, atol: float | None = None
+) -> RunComparison:
+    """Compare a replayed run with a recording, leaf by leaf and step by step (module docstring: the rules and
+    why they are sound).
+
+    Args:
+        recording: the recorded run (:func:`~shardcheck.parity.recorded.load_recording`).
+        replayed: the replay (:func:`~shardcheck.parity.recorded.record_run` of the same task, mesh and batches).
+        rtol, atol: fixed tolerances for every step instead of the derived ones.
+
+    Returns:
+        A :class:`RunComparison`: the verdict, the first failing step and leaf, its cause where the digests show
+        one, the evidence used and the hashes' agreement.
+
+    The runs' shardings are compared (a change fails) when both are the same strategy, or both user steps; a
+    recording of another strategy is compared value by value, its placement differing by design. Leaves only
+    one run has fail when the runs are of the same kind, and are left out (and counted in the notes) otherwise.
+
+    Raises:
+        KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.recorded.load_recording`
+            checks (one built by hand).
+    """
+    steps = min(recording.num_steps, replayed.num_steps)
+    kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
+    same = kinds == ("candidate", "candidate") or (
+        kinds == ("strategy", "strategy") and recording.meta["run"] == replayed.meta["run"]
+    )
+    kept = recording
+    if not same:  # another strategy: only the leaves both runs have are compared
+        kept = _only(recording, [n for n in recording.names if n in set(replayed.names)])
+    pair = _Pair.of(kept, replayed, same)
+    bounds = _Bounds(rtol, atol)
+    leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
+    matched, compared, bitwise = _hashes(pair, steps)
+    first, cause = _first_failure(leaves, recording, replayed)
+    return RunComparison(
+        run=str(replayed.meta["run"]),
+        recorded_run=str(recording.meta["run"]),
+        ok=first is None,
+        steps=steps,
+        leaves=tuple(leaves),
+        first_failure=first,
+        cause=cause,
+        evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
+        notes=tuple(_notes(recording, replayed, first, steps, same)),
+        hashes_matched=matched,
+        hashes_compared=compared,
+        bitwise=bitwise,
+    )
+
+
+def _only(recording: Recording, names: Sequence[str]) -> Recording:
+    """``recording`` restricted to ``names`` (the leaves another strategy's replay has too)."""
+    cols = [recording.names.index(n) for n in names]
+
+    def cut(d: Digests) -> Digests:
+        return Digests(*(getattr(d, f.name)[:, cols] for f in dataclasses.fields(Digests)))
+
+    return dataclasses.replace(
+        recording,
+        names=tuple(names),
+        shapes=tuple(recording.shapes[i] for i in cols),
+        dtypes=tuple(recording.dtypes[i] for i in cols),
+        sample_index=recording.sample_index[cols],
+        initial=cut(recording.initial),
+        steps=cut(recording.steps),
+    )
+
+
+def _first_failure(leaves: list[DigestError], recording, replayed) -> tuple[DigestError | None, str | None]:
+    failing = [e for e in leaves if not e.ok]
+    if not failing:
+        return None, None
+    t = min(e.step for e in failing)
+    at_t = [e for e in failing if e.step == t]
+    order = {k: i for i, k in enumerate(KINDS)}
+    first = min(at_t, key=lambda e: (order.get(e.kind, len(KINDS)), -e.badness))
+    grads_recorded = any(n.startswith("grad ") for n in recording.names)
+    return first, _cause(t, at_t, recording.meta, replayed.meta, grads_recorded)
+
+
+def _factor(ratios: Sequence[float | None]) -> float | None:
+    """The one factor the ratios share (each within :data:`FACTOR_AGREEMENT` of their median), or None."""
+    known = [r for r in ratios if r is not None and math.isfinite(r) and r > 0]
+    if not known:
+        return None
+    median = float(np.median(known))
+    return median if all(abs(r / median - 1) <= FACTOR_AGREEMENT for r in known) else None
+
+
+def _near(value: float, target: float) -> bool:
+    return target > 0 and abs(value / target - 1) <= FACTOR_AGREEMENT
+
+
+def _gradient_words(f: float, s: int | None) -> str:
+    text = f"the gradients are {f:.3g}x the recorded ones"
+    if s and s > 1 and _near(f, s):
+        return f"{text} (S = {s}): a sum where a mean was meant (the shards' gradients added, not averaged)"
+    if s and s > 1 and _near(f, 1 / s):
+        return f"{text} (1/S, S = {s}): a mean taken twice (the averaged gradient divided by S again)"
+    return f"{text}: the loss's scale or its reduction changed"
+
+
+def _update_words(k: float, was: Mapping, now: Mapping, grads_recorded: bool, s: int | None) -> str:
+    text = f"the update is {k:.3g}x the recorded one"
+    lr_was, lr_now = was.get("settings", {}).get("lr"), now.get("settings", {}).get("lr")
+    if lr_was is not None and lr_now is not None and lr_was != lr_now:
+        return f"{text}: the learning rate differs (recorded {lr_was:g}, this run {lr_now:g})"
+    text += ": a changed learning rate?"
+    if not grads_recorded and s and s > 1 and (_near(k, s) or _near(k, 1 / s)):
+        text += f" Or, under SGD or momentum, gradients {k:.3g}x too large (S = {s}: a sum for a mean, or a mean twice)"
+    return text
+
+
+def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_recorded: bool) -> str:
+    """What the failing digests of the first failing point say, where they share a factor or a change."""
+    structural = [e for e in at_t if e.evidence in STRUCTURAL]
+    if structural:
+        e, more = structural[0], len(structural) - 1
+        tail = f" (and {more} more leaf/leaves)" if more else ""
+        if e.evidence == "missing":
+            return f"{e.name} is recorded but this run has none{tail}"
+        return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
+    if t < 0:
+        return (
+            "the initial state differs from the recorded one: another --seed, initializer or model; every later step "
+            "starts elsewhere"
+        )
+    s = was.get("num_shards")
+    parts = []
+    grad = _factor([e.ratio for e in at_t if e.kind == "grad"])
+    if grad is not None:
+        parts.append(_gradient_words(grad, s))
+    update = _factor([e.ratio for e in at_t if e.kind == "param"])
+    if update is not None and not (grad is not None and _near(update, grad)):
+        parts.append(_update_words(update, was, now, grads_recorded, s))
+    counters = [e for e in at_t if e.kind == "counter" and e.ratio is not None]
+    if counters:
+        e = counters[0]
+        parts.append(
+            f"{e.name} reads {e.replayed:g} where the recording has {e.recorded:g}: the optimizer stepped "
+            f"{e.ratio:g} times per step"
+        )
+    if parts:
+        return "; ".join(parts)
+    if {e.kind for e in at_t} == {"loss"}:
+        return "only the loss differs (its gradients and updates match): the loss's reduction or its normalization"
+    worst = max(at_t, key=lambda e: e.badness)
+    return f"{len(at_t)} leaf/leaves left the tolerance with no factor in common (the worst: {worst.name})"
+
+
+def _evidence_text(
+    pair: _Pair, steps: int, matched: int, compared: int, bitwise: bool, bounds: _Bounds
+) -> str:
+    names = pair.recording.names
+    rule = (
+        "fixed rtol/atol"
+        if bounds.rtol is not None or bounds.atol is not None
+        else "derived as the harness's"
+    )
+    text = (
+        f"evidence: the digests of {len(names)} leaves at {steps} step(s) and the initial state: max|x| and {SAMPLES} "
+        f"fixed-index samples within atol + rtol max|x| (moments x{MOMENT_FACTOR:g}), the L2 norm within sqrt(size) "
+        f"times that, each parameter's update size, counters exactly ({rule}); a digest comparison within "
+        f"tolerances, never bitwise across machines. sha256 matched for {matched} of {compared}"
+    )
+    if bitwise:
+        text += ": every hash matched, bitwise identical"
+    return text
+
+
+def _notes(recording: Recording, replayed: Recording, first, steps: int, same: bool) -> list[str]:
+    was, now = recording.meta, replayed.meta
+    notes = []
+    if first is not None and first.step > 0:
+        notes.append(
+            f"The first failure is at step {first.step} > 0: a recording cannot re-run that step from identical "
+            "state (shardcheck verify against the reference can), so it may be rounding divergence through a "
+            "non-smooth op rather than a faulty step."
+        )
+    if not any(n.startswith("grad ") for n in recording.names):
+        notes.append(
+            "The recording holds no gradients (its step returned none): under a normalizing optimizer (Adam) a "
+            "gradient off by S shows only in the optimizer's moments."
+        )
+    if not same:
+        left_out = [n for n in recording.names if n not in set(replayed.names)]
+        notes.append(
+            f"Recorded {was['run']!r}, replayed {now['run']!r}: placements differ by design, so shardings are not "
+            "compared"
+            + (
+                f"; {len(left_out)} recorded leaves this run does not have were left out."
+                if left_out
+                else "."
+            )
+        )
+    processes = max(int(m.get("platform", {}).get("processes", 1)) for m in (was, now))
+    if processes > 1:
+        notes.append(
+            f"A run of {processes} processes: its hashes and samples cover the shards process 0 holds (the norms "
+            "and maxima cover every shard)."
+        )
+    if steps < recording.num_steps:
+        notes.append(f"Compared the first {steps} of the {recording.num_steps} recorded steps.")
+    for key in ("versions", "platform"):
+        if was.get(key) != now.get(key):
+            notes.append(f"Recorded with {key} {_short(was.get(key))}; this run: {_short(now.get(key))}.")
+    return notes
+
+
+def _short(facts: Any) -> str:
+    if not isinstance(facts, Mapping):
+        return str(facts)
+    return ", ".join(f"{k} {v}" for k, v in facts.items())
+
+
+__all__ = ["DigestError", "RunComparison", "compare_run"]

@@ -1,0 +1,326 @@
+"""Recorded runs (``shardcheck.parity.recorded``, ``shardcheck record``, ``verify --against``).
+
+``record`` then ``verify --against`` of the same run PASSes bitwise on one machine; a planted change (the learning
+rate doubled, a sum for a mean) FAILs at step 0 naming the leaf and the factor; a recording of another task or
+mesh, a damaged file and another format version are refused with one line (exit 2).
+"""
+
+import dataclasses
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import require_devices
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shardcheck.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+ANNOTATED = f"{ROOT / 'examples' / 'annotated_lm.py'}:task"
+TINY = ["--task", "tiny-lm", "--steps", "3"]
+
+STEPS = textwrap.dedent(
+    """
+    import jax
+    from flax import nnx
+
+    from shardcheck.tasks.tiny_lm import lm_loss
+
+    S = 4
+
+
+    @nnx.jit
+    def _step(model, optimizer, batch, scale):
+        def mean_loss(model):
+            loss_sum, count = lm_loss(model, batch)
+            return loss_sum / count
+
+        loss, grads = nnx.value_and_grad(mean_loss)(model)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        optimizer.update(model, grads)
+        return loss, grads
+
+
+    def mean_step(model, optimizer, batch):
+        loss, grads = _step(model, optimizer, batch, 1.0)
+        return {"loss": loss, "grads": grads}
+
+
+    def summed_step(model, optimizer, batch):
+        # the S shards' gradients added where their mean was meant: S times the mean
+        loss, grads = _step(model, optimizer, batch, float(S))
+        return {"loss": loss, "grads": grads}
+    """
+)
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """tiny-lm's fsdp step on a 4-device FSDP mesh, 3 steps, recorded."""
+    path = tmp_path_factory.mktemp("record") / "run.npz"
+    assert main(["record", *TINY, "--mesh", "fsdp=4", "--out", str(path)]) == 0
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- the library
+
+
+@pytest.fixture(scope="module")
+def identical_pair():
+    """Two recordings of the same run (diabetes, the MLP under Adam, fsdp over 2 devices, 2 steps)."""
+    from shardcheck.parity.recorded import record_run
+    from shardcheck.tasks import load_task
+
+    def run():
+        task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=2)
+        return record_run(task, "fsdp", num_shards=2, settings={"lr": 0.01})
+
+    return run(), run()
+
+
+@require_devices(2)
+def test_two_identical_runs_compare_pass_and_bitwise(identical_pair):
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, replayed = identical_pair
+    comparison = compare_run(recorded, replayed)
+    assert comparison.ok and comparison.verdict == "PASS" and comparison.first_failure is None
+    assert comparison.bitwise and comparison.hashes_matched == comparison.hashes_compared > 0
+    assert all(e.err == 0 for e in comparison.leaves)
+    # loss, 4 gradients, 4 parameters, Adam's 8 moments, its count and the optimizer's step
+    kinds = [n.split(" ")[0] for n in recorded.names]
+    assert {k: kinds.count(k) for k in set(kinds)} == {
+        "loss": 1,
+        "grad": 4,
+        "param": 4,
+        "opt_state": 8,
+        "counter": 2,
+    }
+    assert recorded.meta["mesh"] == {"data": 2} and recorded.meta["num_shards"] == 2
+    assert recorded.steps.norm.shape == (2, len(recorded.names))
+    # the digests are the arrays': an update size > 0 on every parameter, counters 1 then 2
+    step = recorded.names.index("counter step")
+    assert recorded.steps.samples[:, step, 0].tolist() == [1.0, 2.0]
+    params = [i for i, n in enumerate(recorded.names) if n.startswith("param ")]
+    assert np.all(recorded.steps.update[:, params] > 0) and np.all(np.isnan(recorded.initial.update))
+
+
+@require_devices(2)
+@given(
+    leaf=st.integers(0, 1000),
+    step=st.integers(0, 1),
+    evidence=st.sampled_from(["max", "norm", "sample"]),
+    factor=st.sampled_from([0.5, 0.9, 1.5, 4.0]),
+)
+def test_a_digest_moved_past_its_tolerance_fails_there_and_within_it_passes(
+    identical_pair, leaf, step, evidence, factor
+):
+    """Move one float leaf's digest by ``factor`` times what it is allowed: under 1 it passes (not bitwise: its hash
+    is kept, the values not), over 1 it fails at that step and leaf, with that evidence."""
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, replayed = identical_pair
+    floats = [i for i, n in enumerate(recorded.names) if not n.startswith("counter")]
+    j = floats[leaf % len(floats)]
+    name = recorded.names[j]
+    allowed = next(e for e in compare_run(recorded, replayed).leaves if e.step == step and e.name == name)
+    r = recorded.steps
+    size = int(np.prod(recorded.shapes[j]))
+    moved = {field: getattr(r, field).copy() for field in ("max", "norm", "samples")}
+    if evidence == "max":
+        moved["max"][step, j] += factor * allowed.allowed
+    elif evidence == "norm":  # the norm's allowance: sqrt(size) times the elementwise one, plus its rounding
+        eps = float(np.finfo(np.float32).eps)
+        moved["norm"][step, j] += factor * (
+            np.sqrt(size) * allowed.allowed + 2 * eps * np.sqrt(size) * r.norm[step, j]
+        )
+    else:
+        moved["samples"][step, j, 0] -= factor * allowed.allowed
+    changed = dataclasses.replace(replayed, steps=dataclasses.replace(r, **moved))
+    comparison = compare_run(recorded, changed)
+    if factor < 1:
+        assert comparison.ok
+        return
+    assert not comparison.ok
+    first = comparison.first_failure
+    assert (first.step, first.name, first.evidence) == (step, name, evidence)
+
+
+# ---------------------------------------------------------------------------------------- the command line
+
+
+@require_devices(4)
+def test_record_then_verify_against_passes_bitwise(tiny_run, tmp_path, capsys):
+    size = tiny_run.stat().st_size
+    assert 1_000 < size < 120_000, size  # small enough to commit
+    out = tmp_path / "against.json"
+    assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), "--json", str(out)]) == 0
+    report = _json(out)
+    assert report["ok"] is True and list(report["runs"]) == ["fsdp"]  # the recorded run and mesh by default
+    run = report["runs"]["fsdp"]
+    assert run["verdict"] == "PASS" and run["bitwise"] is True and run["steps"] == 3
+    assert run["hashes_matched"] == run["hashes_compared"] > 3 * 40
+    assert report["recorded"]["mesh"] == {"fsdp": 4} and report["recorded"]["settings"]["lr"] == 0.01
+    text = " ".join(capsys.readouterr().out.split())
+    assert "shardcheck verify fsdp against" in text and "PASS (bitwise identical)" in text
+    assert "never bitwise across machines" in text
+
+
+@require_devices(4)
+def test_a_doubled_learning_rate_fails_at_step_0_on_a_parameter_update_of_2x(tiny_run, tmp_path):
+    out = tmp_path / "against.json"
+    args = ["verify", "--task", "tiny-lm", "--lr", "0.02", "--against", str(tiny_run), "--json", str(out)]
+    assert main(args) == 1
+    run = _json(out)["runs"]["fsdp"]
+    first = run["first_failure"]
+    assert run["verdict"] == "FAIL" and first["step"] == 0 and first["name"].startswith("param ")
+    assert first["ratio"] == pytest.approx(2.0, rel=0.01)
+    assert (
+        "the update is 2x the recorded one: the learning rate differs (recorded 0.01, this run 0.02)"
+        in run["cause"]
+    )
+    # the first failure is the first kind a step computes: the step-0 loss, gradients and Adam moments, which do
+    # not depend on the rate, matched; the gradients differ from step 1 on (other parameters)
+    assert run["worst_by_kind"]["grad"]["step"] >= 1
+
+
+@require_devices(4)
+def test_a_user_step_summing_for_a_mean_fails_at_step_0_on_a_gradient_of_s(tmp_path, capsys):
+    steps = tmp_path / "my_steps.py"
+    steps.write_text(STEPS)
+    recording = tmp_path / "mine.npz"
+    args = [*TINY, "--devices", "4"]
+    assert main(["record", *args, "--candidate", f"{steps}:mean_step", "--out", str(recording)]) == 0
+    assert "recorded mean_step on task tiny-lm" in capsys.readouterr().out
+    out = tmp_path / "against.json"
+    same = ["verify", *args, "--against", str(recording), "--json", str(out)]
+    assert main([*same, "--candidate", f"{steps}:mean_step"]) == 0
+    assert _json(out)["runs"]["candidate"]["bitwise"] is True
+    assert main([*same, "--candidate", f"{steps}:summed_step"]) == 1
+    run = _json(out)["runs"]["candidate"]
+    first = run["first_failure"]
+    assert (
+        first["step"] == 0
+        and first["name"].startswith("grad ")
+        and first["ratio"] == pytest.approx(4.0, rel=1e-3)
+    )
+    assert "the gradients are 4x the recorded ones (S = 4): a sum where a mean was meant" in run["cause"]
+
+
+@require_devices(4)
+def test_a_user_task_file_records_and_replays(tmp_path):
+    recording = tmp_path / "annotated.npz"
+    args = ["--task", ANNOTATED, "--mesh", "data=2,fsdp=2"]
+    assert main(["record", *args, "--steps", "2", "--out", str(recording)]) == 0
+    out = tmp_path / "against.json"
+    assert main(["verify", "--task", ANNOTATED, "--against", str(recording), "--json", str(out)]) == 0
+    report = _json(out)
+    assert report["task"] == "annotated-lm" and report["runs"]["fsdp"]["bitwise"] is True
+    assert report["recorded"]["mesh"] == {"data": 2, "fsdp": 2} and report["recorded"]["steps"] == 2
+
+
+@require_devices(4)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--task", ANNOTATED],
+            "records task 'tiny-lm', not 'annotated-lm'; replay it with the task it was recorded",
+        ),
+        (
+            ["--task", "tiny-lm", "--mesh", "data=2,fsdp=2"],
+            "was recorded on mesh fsdp=4 (S=4), not data=2,fsdp=2 (S=4); replay it with --mesh fsdp=4",
+        ),
+        (["--task", "tiny-lm", "--batch-size", "8"], "recorded batch 0 with leaves"),
+        (["--task", "tiny-lm", "--seed", "1"], "recorded other data at batch 0"),
+        (["--task", "tiny-lm", "--steps", "4"], "holds 3 step(s), not 4; pass --steps 3 or fewer"),
+    ],
+)
+def test_a_recording_of_another_run_is_refused_in_one_line(tiny_run, args, message, capsys):
+    assert main(["verify", *args, "--against", str(tiny_run)]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"error: shardcheck verify: --against {tiny_run} ") and message in err
+
+
+def _rewritten(source: Path, target: Path, **meta) -> Path:
+    with np.load(source, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["meta"] = np.array(json.dumps(json.loads(str(arrays["meta"][()])) | meta))
+    np.savez(target, **arrays)
+    return target
+
+
+@require_devices(4)
+def test_a_damaged_or_foreign_file_is_refused_in_one_line(tiny_run, tmp_path, capsys):
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(tiny_run.read_bytes()[:500])
+    other = tmp_path / "other.npz"
+    np.savez(other, x=np.zeros(3))
+    cases = [
+        (garbage, "is not a shardcheck recording (cannot be read as .npz"),
+        (other, "is not a shardcheck recording (no metadata)"),
+        (
+            _rewritten(tiny_run, tmp_path / "v99.npz", version=99),
+            "format version 99; this shardcheck reads version 1",
+        ),
+        (_rewritten(tiny_run, tmp_path / "short.npz", steps=7), "is a damaged shardcheck recording"),
+        (tmp_path / "missing.npz", "does not exist or is not a file"),
+    ]
+    for path, message in cases:
+        assert main(["verify", "--task", "tiny-lm", "--against", str(path)]) == 2, path
+        err = _one_line_error(capsys)
+        assert err.startswith(f"error: shardcheck verify: --against {path} ") and message in err, err
+
+
+def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["record", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--strategy" in text
+        and "--candidate" in text
+        and "--out PATH.npz" in text
+        and "verify --against" in text
+    )
+    out = str(tmp_path / "r.npz")
+    assert main(["record", *TINY, "--candidate", "x.py:f", "--strategy", "dp", "--out", out]) == 2
+    assert "were both given" in _one_line_error(capsys)
+    assert main(["record", *TINY, "--steps", "0", "--out", out]) == 2
+    assert "--steps must be a positive int, got 0" in _one_line_error(capsys)
+    assert not Path(out).exists()
+
+
+@pytest.mark.multiprocess
+def test_record_and_verify_against_under_launch(tmp_path):
+    """Recorded and replayed as 2 processes x 2 devices: process 0 writes the file; the hashes and samples are of
+    its own shards, and the replay matches them bitwise."""
+    import subprocess
+    import sys
+
+    launch = [sys.executable, "-m", "shardcheck", "launch", "--processes", "2", "--devices-per-process", "2"]
+    launch += ["--timeout", "200", "--"]
+    task = ["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"]
+    recording, out = tmp_path / "mp.npz", tmp_path / "mp.json"
+    for argv in (
+        ["record", *task, "--mesh", "fsdp=4", "--out", str(recording)],
+        ["verify", *task, "--against", str(recording), "--json", str(out)],
+    ):
+        done = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    report = _json(out)
+    run = report["runs"]["fsdp"]
+    assert run["verdict"] == "PASS" and run["bitwise"] and report["recorded"]["platform"]["processes"] == 2
+    assert any("the shards process 0 holds" in note for note in run["notes"])
