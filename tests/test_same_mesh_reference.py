@@ -223,3 +223,31 @@ def test_verify_reference_is_checked_before_jax_runs(capsys):
         main(["verify", "--task", "tiny-lm", "--reference", "accumulation"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'accumulation'" in capsys.readouterr().err
+
+
+def test_size_names_a_tiny_lm_configuration_for_verify_and_record():
+    """``--size small`` builds the tiny-lm task at that size (the state a ``--reference gspmd`` check creates
+    sharded); another task with ``--size`` is refused."""
+    import argparse
+
+    from shardcheck.cli import record, verify
+    from shardcheck.cli._task import task_from_args
+    from shardcheck.tasks.sizes import size_config
+
+    for module in (verify, record):
+        parser = argparse.ArgumentParser()
+        module.add_parser(parser.add_subparsers())
+        name = module.__name__.rsplit(".", 1)[-1]
+        required = ["--out", "run.npz"] if module is record else []
+        args = parser.parse_args([name, "--size", "small", "--mesh", "fsdp=4", *required])
+        task = task_from_args(args, default_optimizer="sgd", batch_size=None, steps=2)
+        assert args.task == "tiny-lm" and len(task.batches) == 2
+        model = task.new_model()
+        config = size_config("small")
+        assert model.blocks[0].fc1.kernel.shape == (config.d_model, config.mlp_dim) == (128, 512)
+        assert task.batches[0]["tokens"].shape == (16, 128)
+        args = parser.parse_args([name, "--size", "small", "--task", "digits", *required])
+        with pytest.raises(
+            ValueError, match="--size is a size of the tiny-lm task; drop --task digits or --size"
+        ):
+            task_from_args(args, default_optimizer="sgd", batch_size=None, steps=2)

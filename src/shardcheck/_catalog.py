@@ -118,6 +118,10 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 """The optimizers built by name (:func:`shardcheck.optimizers.make_tx`)."""
 
 SCHEDULES = ("constant", "cosine")
+
+TINY_LM_SIZES = ("tiny", "small", "125m", "350m", "1b")
+"""The named sizes of the tiny-lm task (:mod:`shardcheck.tasks.sizes`, whose table gives their shapes): the
+command line's ``--size`` choices."""
 """The learning-rate schedules built by name (:func:`shardcheck.optimizers.make_tx`, ``--schedule``)."""
 
 

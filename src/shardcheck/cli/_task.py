@@ -33,6 +33,29 @@ def add_task_arguments(p, *, optimizer_default_help: str) -> None:
     add_optimizer_options(p)
 
 
+def add_size_argument(p) -> None:
+    """``--size``: a named size of the tiny-lm task (:mod:`shardcheck.tasks.sizes`), implying ``--task tiny-lm``."""
+    from shardcheck._catalog import TINY_LM_SIZES
+
+    p.add_argument(
+        "--size",
+        default=None,
+        choices=TINY_LM_SIZES,
+        help="a named size of the tiny-lm task (implies --task tiny-lm): tiny, small, 125m, 350m, 1b; with "
+        "--reference gspmd its state is created sharded, never whole on one device",
+    )
+
+
+def _sized(args, options: dict) -> None:
+    """``--size``: the tiny-lm config of that size into ``options``, and its default batch (the corpus holds 3
+    windows of 2048 tokens: :func:`shardcheck.tasks.sizes.size_task`)."""
+    from shardcheck.tasks.sizes import num_windows, size_config
+
+    config = size_config(args.size)
+    options["config"] = config
+    options.setdefault("batch_size", min(16, num_windows(config.seq_len)))
+
+
 def add_optimizer_options(p) -> None:
     """``--weight-decay``, ``--clip-norm``, ``--warmup-steps``, ``--schedule``: the LLM recipe's optimizer."""
     from shardcheck._catalog import SCHEDULES
@@ -177,6 +200,11 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
     from shardcheck.tasks import BUILTIN_TASKS, load_task, regression_task
     from shardcheck.tasks.loading import DEFAULT_OPTIMIZER
 
+    if getattr(args, "size", None) is not None:
+        if args.task not in (None, "tiny-lm"):
+            raise ValueError(f"--size is a size of the tiny-lm task; drop --task {args.task} or --size")
+        args.task = "tiny-lm"
+
     optimizer = args.optimizer
     lr = args.lr
     if _optimizer_options(args):
@@ -212,6 +240,8 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
             options.update(model=args.model, hidden=args.hidden)
         if args.task == "tiny-lm" and _model_axes(args):  # --mesh data=2,model=4: its tensor-parallel config
             options["tensor_parallel"] = _model_axes(args)
+        if getattr(args, "size", None) is not None:
+            _sized(args, options)
         options.update(_precision_options(args, harness=harness))
         return load_task(args.task, **options)
     flags = [("--optimizer", optimizer), ("--lr", args.lr), ("--batch-size", batch_size)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardcheck._catalog import DEFAULT_STRATEGY, OPTIMIZERS, xla_partitioned
+from shardcheck._catalog import DEFAULT_STRATEGY, OPTIMIZERS, TINY_LM_SIZES, xla_partitioned
 from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
 from shardcheck.partitioning import LAYOUTS, STRATEGIES
 
@@ -27,7 +27,7 @@ MESH_ONLY = xla_partitioned()  # registered strategies that are no memory layout
 MESH_STRATEGY_CHOICES = (*STRATEGY_CHOICES, *MESH_ONLY)
 # the layouts that split the parameters, whose per-device share the note compares with seed 001's even split
 PARAMS_SPLIT = tuple(name for name, layout in LAYOUTS.items() if "params" in layout.splits)
-SIZE_CHOICES = ("tiny", "small", "125m", "350m", "1b")  # shardcheck.tasks.sizes.SIZES (JAX-free here)
+SIZE_CHOICES = TINY_LM_SIZES
 OPTIMIZER_CHOICES = OPTIMIZERS
 DTYPE_CHOICES = ("float32", "bfloat16")
 TASK_HELP = (

@@ -15,7 +15,12 @@ from shardcheck.cli._common import (
     library_to_flags,
     write_json,
 )
-from shardcheck.cli._task import add_precision_arguments, add_task_arguments, task_from_args
+from shardcheck.cli._task import (
+    add_precision_arguments,
+    add_size_argument,
+    add_task_arguments,
+    task_from_args,
+)
 
 DESCRIPTION = (
     "Run one strategy (--strategy) or your own step (--candidate) on a task for --steps steps, from a fresh state "
@@ -42,6 +47,7 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
+    add_size_argument(p)
     add_precision_arguments(p, harness=False)
     p.add_argument(
         "--strategy",

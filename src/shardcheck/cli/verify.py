@@ -19,6 +19,7 @@ from shardcheck.cli._common import (
 )
 from shardcheck.cli._task import (
     add_precision_arguments,
+    add_size_argument,
     add_task_arguments,
     precision_overrides,
     task_from_args,
@@ -67,6 +68,7 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
+    add_size_argument(p)
     add_precision_arguments(p, harness=True)
     _add_run_arguments(p)
     _add_check_arguments(p)
@@ -254,7 +256,7 @@ def _check_args(args) -> tuple[list[str], int]:
         _validate.check_lr("shardcheck verify: --lr", args.lr)
     chosen = DEFAULT_STRATEGIES if args.strategies is None else args.strategies
     strategies = _parse_strategies(chosen, args.candidate is not None)
-    if args.reference != REFERENCE and args.task is None:
+    if args.reference != REFERENCE and args.task is None and args.size is None:
         raise ValueError(
             f"shardcheck verify: --reference {args.reference} needs --task (a built-in task or FILE.py:task); "
             "the seed form compares against the seed's single-device baseline"
