@@ -19,6 +19,7 @@ from flax import nnx
 
 from shardcheck._tree import path_str
 from shardcheck.optimizers import OPTIMIZERS, make_tx
+from shardcheck.steps.sharded_init import abstract_training_state as abstract_training_state
 from shardcheck.task import Task
 
 PyTree = Any
@@ -154,23 +155,6 @@ def params_module(tree: PyTree) -> nnx.Module:
 
     module = wrap(tree)
     return module if isinstance(module, nnx.Module) else nnx.List([module])
-
-
-def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:
-    """``(model, optimizer)`` of a task under ``nnx.eval_shape``: shapes, dtypes and annotations, nothing allocated.
-
-    The pair is ``task.new_model()`` and ``nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)`` traced by
-    ``nnx.eval_shape`` (the optimizer state is ``task.optimizer.init`` of the abstract parameters, and inherits
-    their sharding annotations), built under ``nnx.use_eager_sharding(False)`` so that an annotated model needs
-    no mesh in context.
-    """
-
-    def build():
-        model = task.new_model(fn)
-        return model, task.new_optimizer(model)
-
-    with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(build)
 
 
 def _cast_module(fn: str, model: nnx.Module, param_dtype) -> nnx.Module:

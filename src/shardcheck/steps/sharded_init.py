@@ -21,9 +21,26 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from shardcheck.memory.state import abstract_training_state
+from shardcheck._tree import path_str
 from shardcheck.steps.sharded import state_specs
 from shardcheck.task import Task
+
+
+def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:
+    """``(model, optimizer)`` of a task under ``nnx.eval_shape``: shapes, dtypes and annotations, nothing allocated.
+
+    The pair is ``task.new_model()`` and ``nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)`` traced by
+    ``nnx.eval_shape`` (the optimizer state is ``task.optimizer.init`` of the abstract parameters, and inherits
+    their sharding annotations), built under ``nnx.use_eager_sharding(False)`` so that an annotated model needs
+    no mesh in context. (Also ``shardcheck.memory.abstract_training_state``, which sizes it.)
+    """
+
+    def build():
+        model = task.new_model(fn)
+        return model, task.new_optimizer(model)
+
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(build)
 
 
 def sharded_training_state(
@@ -63,11 +80,9 @@ def sharded_training_state(
 def largest_shard_bytes(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, int]:
     """The bytes of the largest addressable shard of each state leaf, by dotted path; read from the arrays'
     ``addressable_shards``, so it is what the devices hold, not what a rule predicts."""
-    from shardcheck.parity.compare import flatten_state
-
-    flat = flatten_state(nnx.state((model, optimizer)))
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state((model, optimizer)))[0]
     return {
-        path: max(s.data.nbytes for s in a.addressable_shards)
-        for path, a in flat.items()
+        path_str(path): max(s.data.nbytes for s in a.addressable_shards)
+        for path, a in leaves
         if isinstance(a, jax.Array)
     }
