@@ -4,6 +4,12 @@ Leaves of any sizes are laid into the rows of one ``(rows, width)`` float32 matr
 rows), reduced per row, then per leaf over its rows. The compiled function is one set of kernels whatever the
 number and sizes of the leaves (a per-leaf graph compiles one kernel per leaf, which dominates a transformer's
 check on XLA:CPU), and no statistic sorts (sorting is slow on XLA:CPU).
+
+A leaf that its placement splits over a mesh is never laid into that matrix (flattening it into rows would gather
+it whole on every device): :func:`split_stats` computes the same statistics inside one ``shard_map`` over the
+mesh, each device laying its own blocks of the split leaves into rows of the same kind and ``pmax``/``pmin``/
+``psum`` combining the devices' per-leaf results (:class:`_Blocks`). Both paths run one body,
+:func:`_statistics`, over a reducer with the same methods, so they give the same numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # a float32 badness within this relative distance of the leaf's largest is re-checked in float64 on the host
 NEAR = 1e-5
@@ -80,12 +88,44 @@ def _tiny(x):
     return subnormal | ((x != 0) & (jnp.abs(x) < TINY))
 
 
+def _max_exact(red, s, e):
+    """``(m, e_m)`` per leaf: ``max |a - b| == m + e_m`` exactly, from :func:`two_diff`'s pairs (``red``: a
+    :class:`_Rows` or :class:`_Blocks`)."""
+    mag = jnp.abs(s)
+    m = red.max(mag, fill=0.0)
+    return m, red.max(jnp.where(mag == red.each(m), jnp.where(s >= 0, e, -e), -jnp.inf))
+
+
+def _middle(red, x, k):
+    """Per leaf, the two middle values of its ``k`` smallest valid elements (``sort(x)[(k - 1) // 2]`` and
+    ``sort(x)[k // 2]``) exactly: the first by bisection over the 2**32 float32 order keys (32 counting
+    passes), the second from it (one pass). ``red``: a :class:`_Rows` or :class:`_Blocks`."""
+    key = _order_key(x)
+    rank = jnp.maximum(k - 1, 0) // 2
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = red.count_true(key <= red.each(mid)) >= rank + 1
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    start = (jnp.zeros_like(rank, jnp.uint32), jnp.full_like(rank, 0xFFFFFFFF, jnp.uint32))
+    low, _ = jax.lax.fori_loop(0, 32, halve, start)
+    # the next order statistic: the same key when enough elements share it, else the smallest key above
+    repeated = red.count_true(key <= red.each(low)) >= k // 2 + 1
+    above = red.min(jnp.where(key > red.each(low), x, jnp.inf))
+    low_value = _from_order_key(low)
+    return low_value, jnp.where(repeated, low_value, above)
+
+
 class _Rows(NamedTuple):
-    """Per-row reductions, then per leaf over its rows (``segment_*`` over the few rows, not the elements)."""
+    """Per-row reductions, then per leaf over its rows (``segment_*`` over the few rows, not the elements);
+    ``rows``: each leaf's row count (:attr:`Layout.rows`, read by :meth:`largest`)."""
 
     leaf: jax.Array
     valid: jax.Array
     count: int
+    rows: tuple[int, ...] = ()
 
     def max(self, x, fill=-jnp.inf):
         rowwise = jnp.max(jnp.where(self.valid, x, fill), axis=1)
@@ -104,44 +144,28 @@ class _Rows(NamedTuple):
         return per_leaf[self.leaf][:, None]
 
     def max_exact(self, s, e):
-        """``(m, e_m)`` per leaf: ``max |a - b| == m + e_m`` exactly, from :func:`two_diff`'s pairs."""
-        mag = jnp.abs(s)
-        m = self.max(mag, fill=0.0)
-        return m, self.max(jnp.where(mag == self.each(m), jnp.where(s >= 0, e, -e), -jnp.inf))
+        return _max_exact(self, s, e)
 
     def middle(self, x, k):
-        """Per leaf, the two middle values of its ``k`` smallest valid elements (``sort(x)[(k - 1) // 2]`` and
-        ``sort(x)[k // 2]``) exactly: the first by bisection over the 2**32 float32 order keys (32 counting
-        passes), the second from it (one pass)."""
-        key = _order_key(x)
-        rank = jnp.maximum(k - 1, 0) // 2
+        return _middle(self, x, k)
 
-        def halve(_, bounds):
-            lo, hi = bounds
-            mid = lo + (hi - lo) // 2
-            enough = self.count_true(key <= self.each(mid)) >= rank + 1
-            return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
-
-        start = (jnp.zeros_like(rank, jnp.uint32), jnp.full_like(rank, 0xFFFFFFFF, jnp.uint32))
-        low, _ = jax.lax.fori_loop(0, 32, halve, start)
-        # the next order statistic: the same key when enough elements share it, else the smallest key above
-        repeated = self.count_true(key <= self.each(low)) >= k // 2 + 1
-        above = self.min(jnp.where(key > self.each(low), x, jnp.inf))
-        low_value = _from_order_key(low)
-        return low_value, jnp.where(repeated, low_value, above)
-
-    def largest(self, key, values, layout_rows):
+    def largest(self, key, values):
         """``values`` at each leaf's :data:`CANDIDATES` valid elements of largest ``key``: ``(leaves,
         CANDIDATES)`` each (a leaf with fewer valid elements repeats padding there: never read)."""
+        return self.top(key, values)[1]
+
+    def top(self, key, values):
+        """``(keys, values)``: each leaf's :data:`CANDIDATES` largest valid ``key`` (``-inf`` for padding), in
+        decreasing order, and ``values`` there, ``(leaves, CANDIDATES)`` each."""
         k = min(CANDIDATES, key.shape[1])
         top, at = jax.lax.top_k(jnp.where(self.valid, key, -jnp.inf), k)  # per row
         picked = [jnp.take_along_axis(v, at, axis=1) for v in values]
         # per leaf over its rows' candidates: a sort of rows x CANDIDATES elements, not of the leaf
         leaf = jnp.broadcast_to(self.leaf[:, None], top.shape).ravel()
-        _, _, *ordered = jax.lax.sort((leaf, -top.ravel(), *(p.ravel() for p in picked)), num_keys=2)
-        first = np.concatenate([[0], np.cumsum(layout_rows)[:-1]]) * k
+        _, neg, *ordered = jax.lax.sort((leaf, -top.ravel(), *(p.ravel() for p in picked)), num_keys=2)
+        first = np.concatenate([[0], np.cumsum(self.rows)[:-1]]) * k
         at = np.minimum(first[:, None] + np.arange(CANDIDATES)[None, :], leaf.shape[0] - 1)
-        return [o[at] for o in ordered]
+        return -neg[at], [o[at] for o in ordered]
 
 
 def _lay(arrays, layout: Layout):
@@ -177,33 +201,173 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
         ``(leaves, CANDIDATES)``; and ``finite`` (every input finite and not tiny, every float32 difference
         finite).
     """
-    rows = _Rows(row_leaf, jnp.arange(layout.width)[None, :] < row_len[:, None], len(layout.rows))
-    flat = {k: _lay(group[k], layout) for k in FIELDS}
+    valid = jnp.arange(layout.width)[None, :] < row_len[:, None]
+    rows = _Rows(row_leaf, valid, len(layout.rows), layout.rows)
+    return _statistics(rows, {k: _lay(group[k], layout) for k in FIELDS}, tol, median)
+
+
+def _statistics(red, flat: dict, tol, median: bool) -> dict:
+    """:func:`device_stats`'s statistics of the float32 fields ``flat`` (``{field: elements}``, as ``red``
+    lays them: a :class:`_Rows` matrix, or each device's rows of :class:`_Blocks`), one body for both paths."""
     r, c, r0, c0, extra = (flat[k] for k in FIELDS)
     s, e = two_diff(c, r)
     change, change_e = two_diff(r, r0)
     dc = c - c0
-    out = {"scale": rows.max(jnp.abs(r), fill=0.0)}
-    out["diff"], out["diff_e"] = rows.max_exact(s, e)
-    out["change"], out["change_e"] = rows.max_exact(change, change_e)
+    out = {"scale": red.max(jnp.abs(r), fill=0.0)}
+    out["diff"], out["diff_e"] = red.max_exact(s, e)
+    out["change"], out["change_e"] = red.max_exact(change, change_e)
     if median:  # the update ratio: the median of dc / dr over the elements with |dr| >= 1% of its largest
-        threshold = 0.01 * rows.each(out["change"])
+        threshold = 0.01 * red.each(out["change"])
         mag = jnp.abs(change)
         used = mag >= threshold
         q = dc / change
         unsure = (jnp.abs(mag - threshold) <= BORDER * threshold) | (used & ~jnp.isfinite(q))
-        out["unsure"] = rows.count_true(unsure) > 0
-        out["low"], out["high"] = rows.middle(jnp.where(used, q, jnp.inf), rows.count_true(used))
+        out["unsure"] = red.count_true(unsure) > 0
+        out["low"], out["high"] = red.middle(jnp.where(used, q, jnp.inf), red.count_true(used))
     # the elementwise badness against the allowance
-    allowed = rows.each(tol[:, 0]) + rows.each(tol[:, 1]) * rows.each(out["scale"]) + extra
+    allowed = red.each(tol[:, 0]) + red.each(tol[:, 1]) * red.each(out["scale"]) + extra
     bad = jnp.abs(s) / allowed
-    out["top"] = rows.max(bad)
-    out["near"] = rows.count_true(bad >= rows.each(out["top"]) * (1 - NEAR))
-    out["max_extra"], out["min_allowed"] = rows.max(extra, fill=0.0), rows.min(allowed)
-    out["at_s"], out["at_e"], out["at_extra"] = rows.largest(bad, (s, e, extra), layout.rows)
+    out["top"] = red.max(bad)
+    out["near"] = red.count_true(bad >= red.each(out["top"]) * (1 - NEAR))
+    out["max_extra"], out["min_allowed"] = red.max(extra, fill=0.0), red.min(allowed)
+    out["at_s"], out["at_e"], out["at_extra"] = red.largest(bad, (s, e, extra))
     # settled on the device: the inputs and the float32 differences finite (3e38 - -3e38 overflows), none tiny
     settled = jnp.isfinite(s) & jnp.isfinite(change) & jnp.isfinite(dc)
     for x in flat.values():
         settled &= jnp.isfinite(x) & ~_tiny(x)
-    out["finite"] = rows.count_true(~settled) == 0
+    out["finite"] = red.count_true(~settled) == 0
     return out
+
+
+# ------------------------------------------------------------------------------------------- split leaves
+
+
+def split_axes(sharding) -> tuple[str, ...] | None:
+    """The mesh axes (of size > 1) that a ``NamedSharding`` splits its array over, in mesh order (``()``: the
+    array is whole on every device); ``None`` for another sharding."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh, used = sharding.mesh, []
+    for entry in sharding.spec:
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        used += [n for n in names if isinstance(n, str)]
+    return tuple(ax for ax in mesh.axis_names if ax in used and mesh.shape[ax] > 1)
+
+
+def comparison_place(ref, cand):
+    """Where a leaf's two sides (and its before-state and allowance) are compared: the reference's sharding, or
+    the candidate's where the reference's leaf is whole on every device of the same set and the candidate's
+    placement splits it (moving the candidate onto the reference's sharding would gather it whole on every
+    device)."""
+    place = ref.sharding
+    other = getattr(cand, "sharding", None)
+    if (
+        place.is_fully_replicated
+        and other is not None
+        and not other.is_fully_replicated
+        and other.device_set == place.device_set
+        and cand.shape == ref.shape
+    ):
+        return other
+    return place
+
+
+def parts(sharding: NamedSharding) -> int:
+    """How many blocks a ``NamedSharding`` splits its array into (the product of the sizes of :func:`split_axes`)."""
+    return math.prod(sharding.mesh.shape[ax] for ax in split_axes(sharding) or ())
+
+
+def blocks_even(shape: tuple[int, ...], sharding: NamedSharding) -> bool:
+    """Whether every dimension of ``shape`` splits into equal blocks over the axes its spec names."""
+    for size, entry in zip(shape, sharding.spec, strict=False):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        if size % math.prod(sharding.mesh.shape[n] for n in names):
+            return False
+    return True
+
+
+class _Blocks(NamedTuple):
+    """Inside one ``shard_map`` over a mesh, each device's blocks of the split leaves laid into its own rows
+    (``rows``, a :class:`_Rows`); every per-leaf reduction is the device's, combined over all the mesh's
+    ``axes`` (``pmax``, ``pmin``, ``psum``). A device whose block of a leaf is a copy of another device's (along
+    an axis that replicates the leaf) has that leaf's rows masked out, so every element counts once."""
+
+    rows: _Rows
+    axes: tuple[str, ...]
+
+    def max(self, x, fill=-jnp.inf):
+        return jax.lax.pmax(self.rows.max(x, fill), self.axes)
+
+    def min(self, x):
+        return jax.lax.pmin(self.rows.min(x), self.axes)
+
+    def count_true(self, x):
+        return jax.lax.psum(self.rows.count_true(x), self.axes)
+
+    def each(self, per_leaf):
+        return self.rows.each(per_leaf)
+
+    def max_exact(self, s, e):
+        return _max_exact(self, s, e)
+
+    def middle(self, x, k):
+        return _middle(self, x, k)
+
+    def largest(self, key, values):
+        """``values`` at each leaf's :data:`CANDIDATES` elements of largest ``key``, ``(leaves, CANDIDATES)``
+        each: every device's own candidates (:meth:`_Rows.top`), gathered over the axes (a few numbers per leaf
+        and device), then the largest of those."""
+        top, picked = self.rows.top(key, values)
+        top = jax.lax.all_gather(top, self.axes, axis=1, tiled=True)  # (leaves, devices x CANDIDATES)
+        picked = [jax.lax.all_gather(p, self.axes, axis=1, tiled=True) for p in picked]
+        _, at = jax.lax.top_k(top, CANDIDATES)
+        return [jnp.take_along_axis(p, at, axis=1) for p in picked]
+
+
+def _primary(mesh, sharding) -> jax.Array:
+    """Inside a ``shard_map`` over ``mesh``: whether this device's block of a leaf placed by ``sharding`` is the
+    one that counts (index 0 along every axis that replicates the leaf)."""
+    split = split_axes(sharding) or ()
+    first = [jax.lax.axis_index(ax) == 0 for ax in mesh.axis_names if ax not in split and mesh.shape[ax] > 1]
+    return functools.reduce(jnp.logical_and, first, jnp.bool_(True))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 6))
+def split_stats(
+    places: tuple, layout: Layout, group: dict, row_leaf, row_len, tol, median: bool = True
+) -> dict:
+    """:func:`device_stats` of leaves that their placement splits over one mesh, each device reducing its own
+    blocks (one ``shard_map`` over the mesh, :class:`_Blocks`): no leaf is gathered, no device holds more of one
+    than its block.
+
+    Args:
+        places: per leaf, its ``NamedSharding`` on the one mesh (static), every field of the leaf placed in it,
+            splitting it into equal blocks (:func:`split_axes`, :func:`blocks_even`).
+        layout: the :class:`Layout` of one device's blocks (each leaf's size over the parts it is split into).
+        group: ``{field: [leaf arrays or None]}`` as :func:`device_stats` takes it.
+        row_leaf, row_len: ``layout.row_arrays(block sizes)``.
+        tol: ``(leaves, 2)`` float32 ``(atol, rtol)``.
+        median: as :func:`device_stats`.
+
+    Returns:
+        :func:`device_stats`'s ``{name: (leaves,) array}``, equal to what it gives for the same leaves: the same
+        body (:func:`_statistics`) over exact reductions.
+    """
+    mesh = places[0].mesh
+    present = {k: tuple(j for j, a in enumerate(group[k]) if a is not None) for k in FIELDS}
+
+    def local(arrays, row_leaf, row_len, tol):
+        blocks = {k: [None] * len(places) for k in FIELDS}
+        for k in FIELDS:
+            for j, a in zip(present[k], arrays[k], strict=True):
+                blocks[k][j] = a
+        primary = jnp.stack([_primary(mesh, s) for s in places])
+        valid = (jnp.arange(layout.width)[None, :] < row_len[:, None]) & primary[row_leaf][:, None]
+        rows = _Rows(row_leaf, valid, len(layout.rows), layout.rows)
+        flat = {k: _lay(blocks[k], layout) for k in FIELDS}
+        return _statistics(_Blocks(rows, tuple(mesh.axis_names)), flat, tol, median)
+
+    arrays = {k: [group[k][j] for j in present[k]] for k in FIELDS}
+    specs = {k: [places[j].spec for j in present[k]] for k in FIELDS}
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P(), P()), out_specs=P(), check_vma=False)
+    return mapped(arrays, row_leaf, row_len, tol)

@@ -145,17 +145,19 @@ def _device_stats_for(item) -> bool:
 @contextlib.contextmanager
 def on_devices(active: bool = True):
     """Within this block (when ``active``), :func:`leaf_errors` compares on the devices and takes the update
-    ratio's median there (:data:`DEVICE_STATS`, :data:`DEVICE_MEDIAN` forced ``True``) unless they were forced
-    already: a check whose state lives sharded brings only per-leaf scalars to the host."""
-    global DEVICE_STATS, DEVICE_MEDIAN
-    saved = DEVICE_STATS, DEVICE_MEDIAN
+    ratio's median there, and the harness's per-leaf scalars (:func:`max_abs`, :func:`max_abs_diff`, ...) reduce
+    there (:data:`DEVICE_STATS`, :data:`DEVICE_MEDIAN`, :data:`DEVICE_SCALARS` forced ``True``) unless they were
+    forced already: a check whose state lives sharded brings only per-leaf scalars to the host."""
+    global DEVICE_STATS, DEVICE_MEDIAN, DEVICE_SCALARS
+    saved = DEVICE_STATS, DEVICE_MEDIAN, DEVICE_SCALARS
     if active:
         DEVICE_STATS = True if DEVICE_STATS is None else DEVICE_STATS
         DEVICE_MEDIAN = True if DEVICE_MEDIAN is None else DEVICE_MEDIAN
+        DEVICE_SCALARS = True if DEVICE_SCALARS is None else DEVICE_SCALARS
     try:
         yield
     finally:
-        DEVICE_STATS, DEVICE_MEDIAN = saved
+        DEVICE_STATS, DEVICE_MEDIAN, DEVICE_SCALARS = saved
 
 
 DEVICE_MEDIAN: bool | None = None
@@ -195,7 +197,7 @@ def _on_device(item: LeafInput) -> bool:
 
 
 def _devices(item: LeafInput) -> tuple[int, ...]:
-    return tuple(sorted(d.id for d in item.ref.sharding.device_set))
+    return tuple(sorted(d.id for d in _device_stats.comparison_place(item.ref, item.cand).device_set))
 
 
 def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
@@ -216,38 +218,82 @@ def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
     processes) are compared on the host by :func:`leaf_error`, and so is every leaf on CPU devices
     (:data:`DEVICE_STATS`). On accelerators only per-leaf scalars come to the host.
 
+    A leaf whose placement splits it over a mesh (``_device_stats.comparison_place``: the reference's, or the
+    candidate's where the reference's leaf is whole on every device) is reduced where its blocks live, never
+    gathered whole: each device lays its own blocks into rows, and collectives combine the devices' results
+    (``_device_stats.split_stats``, one ``shard_map`` per mesh); the others are laid into one matrix
+    (``_device_stats.device_stats``). Both give the same statistics.
+
     Returns:
         One :class:`LeafError` per item, in order.
     """
-    groups: dict[tuple, list[int]] = {}
+    packed: dict[tuple, list[int]] = {}
+    split: dict[Any, list[int]] = {}  # by mesh: one shard_map over each
     for i, item in enumerate(items):
         if _device_stats_for(item):
-            groups.setdefault(_devices(item), []).append(i)
+            place = _device_stats.comparison_place(item.ref, item.cand)
+            if _device_stats.split_axes(place) and _device_stats.blocks_even(item.ref.shape, place):
+                split.setdefault(place.mesh, []).append(i)
+            else:
+                packed.setdefault(_devices(item), []).append(i)
     stats = {}
-    for members in groups.values():
-        group: dict[str, list] = {k: [] for k in _device_stats.FIELDS}
-        places: dict[str, list] = {k: [] for k in _device_stats.FIELDS}
-        for i in members:
-            item = items[i]
-            values = (item.ref, item.cand, item.before_ref, item.before_cand, item.allowance)
-            for k, v in zip(_device_stats.FIELDS, values, strict=True):
-                # every array onto its reference's devices (the candidate's may be spread over a mesh)
-                group[k].append(None if v is None else jnp.asarray(v))
-                places[k].append(None if v is None else item.ref.sharding)
-        sizes = [items[i].ref.size for i in members]
-        layout = _device_stats.Layout.of(sizes)
-        tol = np.array([[items[i].atol, items[i].rtol] for i in members], np.float32)
-        platform = next(iter(items[members[0]].ref.sharding.device_set)).platform
-        median = DEVICE_MEDIAN if DEVICE_MEDIAN is not None else platform != "cpu"
-        out = _device_stats.device_stats(
-            layout, jax.device_put(group, places), *layout.row_arrays(sizes), tol, median
-        )
-        out = jax.device_get(out)
-        stats.update({i: {k: v[j] for k, v in out.items()} for j, i in enumerate(members)})
+    for members in packed.values():
+        stats.update(_packed_stats(items, members))
+    for members in split.values():
+        stats.update(_split_stats(items, members))
     return [
         _from_stats(item, stats[i]) if i in stats else leaf_error(*_host_args(item))
         for i, item in enumerate(items)
     ]
+
+
+def _placed_fields(items: Sequence[LeafInput], members: list[int]) -> tuple[dict, list]:
+    """``({field: [arrays or None]}, places)`` of the members, every array moved onto its leaf's comparison
+    place (``_device_stats.comparison_place``), in one call."""
+    group: dict[str, list] = {k: [] for k in _device_stats.FIELDS}
+    places: dict[str, list] = {k: [] for k in _device_stats.FIELDS}
+    where = []
+    for i in members:
+        item = items[i]
+        place = _device_stats.comparison_place(item.ref, item.cand)
+        where.append(place)
+        values = (item.ref, item.cand, item.before_ref, item.before_cand, item.allowance)
+        for k, v in zip(_device_stats.FIELDS, values, strict=True):
+            group[k].append(None if v is None else jnp.asarray(v))
+            places[k].append(None if v is None else place)
+    return jax.device_put(group, places), where
+
+
+def _median_here(item: LeafInput) -> bool:
+    platform = next(iter(item.ref.sharding.device_set)).platform
+    return DEVICE_MEDIAN if DEVICE_MEDIAN is not None else platform != "cpu"
+
+
+def _packed_stats(items: Sequence[LeafInput], members: list[int]) -> dict[int, dict]:
+    """The device statistics of leaves whole on every device they live on, laid into one matrix."""
+    group, _ = _placed_fields(items, members)
+    sizes = [items[i].ref.size for i in members]
+    layout = _device_stats.Layout.of(sizes)
+    tol = np.array([[items[i].atol, items[i].rtol] for i in members], np.float32)
+    median = _median_here(items[members[0]])
+    out = _device_stats.device_stats(layout, group, *layout.row_arrays(sizes), tol, median)
+    out = jax.device_get(out)
+    return {i: {k: v[j] for k, v in out.items()} for j, i in enumerate(members)}
+
+
+def _split_stats(items: Sequence[LeafInput], members: list[int]) -> dict[int, dict]:
+    """The device statistics of leaves split over one mesh, each device reducing its own blocks
+    (``_device_stats.split_stats``)."""
+    group, places = _placed_fields(items, members)
+    sizes = [
+        items[i].ref.size // _device_stats.parts(place) for i, place in zip(members, places, strict=True)
+    ]
+    layout = _device_stats.Layout.of(sizes)
+    tol = np.array([[items[i].atol, items[i].rtol] for i in members], np.float32)
+    median = _median_here(items[members[0]])
+    out = _device_stats.split_stats(tuple(places), layout, group, *layout.row_arrays(sizes), tol, median)
+    out = jax.device_get(out)
+    return {i: {k: v[j] for k, v in out.items()} for j, i in enumerate(members)}
 
 
 def _host_args(item: LeafInput) -> tuple:
@@ -384,7 +430,8 @@ def max_abs(arrays: Mapping[str, Any]) -> dict[str, float]:
 def _max_abs_diff(a: dict, b: dict) -> dict:
     out = {}
     for k in a:
-        x, y = a[k].astype(jnp.float32).ravel(), b[k].astype(jnp.float32).ravel()
+        # not ravelled: a leaf split over a mesh keeps its sharding (a flattened one is gathered whole)
+        x, y = a[k].astype(jnp.float32), b[k].astype(jnp.float32)
         s, e = _device_stats.two_diff(x, y)
         mag = jnp.abs(s)
         m = jnp.max(mag, initial=0.0)

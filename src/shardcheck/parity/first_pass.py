@@ -115,11 +115,24 @@ def _cleared(item, st: dict) -> LeafError | None:
     return LeafError(item.step, item.kind, item.path, diff, rel, widest, True, None, change)
 
 
+def _moved(arrays: list, places: list) -> list:
+    """``arrays`` (``None`` kept) each moved onto its place, in one call (a call per leaf costs more than the
+    reduction); an array already there is not copied."""
+    present = [j for j, a in enumerate(arrays) if a is not None]
+    out = list(arrays)
+    moved = jax.device_put([arrays[j] for j in present], [places[j] for j in present])
+    for j, a in zip(present, moved, strict=True):
+        out[j] = a
+    return out
+
+
 def clear(items: Sequence) -> list[LeafError | None]:
     """The first pass over ``items`` (:class:`~shardcheck.parity.compare.LeafInput`): per item, its cleared
     :class:`~shardcheck.parity.diagnosis.LeafError`, or ``None`` where the second pass must decide.
 
-    Only per-leaf scalars come to the host; the candidate's leaves are moved onto the reference's devices first.
+    Only per-leaf scalars come to the host; each leaf's arrays are moved onto the reference's placement first, or
+    onto the candidate's where the reference's leaf is whole on every device and the candidate's is split
+    (``_device_stats.comparison_place``: no device takes a whole copy of a leaf its placement splits).
     """
     groups: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
@@ -128,18 +141,14 @@ def clear(items: Sequence) -> list[LeafError | None]:
     out: list[LeafError | None] = [None] * len(items)
     for members in groups.values():
         picked = [items[i] for i in members]
-        places = [item.ref.sharding for item in picked]
-        # onto the reference's devices, in one call per field (a call per leaf costs more than the reduction)
-        cand = jax.device_put([item.cand for item in picked], places)
-        with_extra = [j for j, item in enumerate(picked) if item.allowance is not None]
-        moved = jax.device_put([picked[j].allowance for j in with_extra], [places[j] for j in with_extra])
-        extra: list = [None] * len(picked)
-        for j, a in zip(with_extra, moved, strict=True):
-            extra[j] = a
-        fields = {"r": [item.ref for item in picked], "c": cand, "r0": [item.before_ref for item in picked]}
-        fields["extra"] = extra
-        groups = _groups(fields["r"], fields["r0"], extra)
-        stats = jax.device_get(_stats(fields["r"], fields["c"], fields["r0"], extra, groups))
+        # where each leaf is compared: the reference's placement, or the candidate's where only it splits the leaf
+        places = [_device_stats.comparison_place(item.ref, item.cand) for item in picked]
+        fields = {
+            k: _moved([getattr(item, name) for item in picked], places)
+            for k, name in (("r", "ref"), ("c", "cand"), ("r0", "before_ref"), ("extra", "allowance"))
+        }
+        r, c, r0, extra = fields["r"], fields["c"], fields["r0"], fields["extra"]
+        stats = jax.device_get(_stats(r, c, r0, extra, _groups(r, r0, extra)))
         for i, st in zip(members, stats, strict=True):
             out[i] = _cleared(items[i], st)
     return out

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
+from shardcheck._catalog import REFERENCE
 from shardcheck.datasets import minibatch_indices
 from shardcheck.parity import compare, first_pass
 from shardcheck.parity.allowances import (
@@ -61,6 +62,7 @@ from shardcheck.parity.compare import (
     to_host,
 )
 from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
+from shardcheck.parity.footprint import Footprint, allocator_peak_bytes, state_bytes
 from shardcheck.parity.hypotheses import _explained
 from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowance
 from shardcheck.parity.reference_trajectory import trajectory_for
@@ -235,12 +237,14 @@ def _compare_step(
     """
     ref_params0, cand_params0, ref_opt0, cand_opt0 = _snapshots(run)
     ref_loss, ref_grads, pre, bounds = _step_reference(run, t, batch, rtol, atol)
+    _measure(run)
     cand_loss, cand_grads = _step_candidate(run, t, batch)
 
     leaves, ref_loss_f, cand_loss_f = _loss_leaves(run, t, batch, ref_loss, cand_loss, bounds, rtol, atol)
     grad_leaves, compared_grads = _grad_inputs(run, t, ref_grads, cand_grads, bounds, rtol, atol)
     leaves += grad_leaves
     after = _After.of(run)
+    _measure(run, after)
     cand_count = after.cand_count
     params, mismatches, unresolved = _compare_params(
         run, t, ref_params0, cand_params0, rtol, atol, bounds, after
@@ -258,6 +262,7 @@ def _compare_step(
     evidence, blind = None, False
     if check_scale:
         evidence, blind = _scale_evidence(run, pre, batch, rtol, atol, bounds, after, compared_grads, leaves)
+    _measure(run)  # after the comparison (what it returned; what it held inside its calls is gone)
     record = StepRecord(
         step=t,
         rtol=rtol,
@@ -280,6 +285,20 @@ def _compare_step(
             record = _explained(run, pre, batch, record, rtol, atol)
     run.last = after
     return record, _reference_finite(record, after)
+
+
+def _measure(run: _Run, after: _After | None = None) -> None:
+    """One sample of what the devices hold (``run.footprint``: a check on the candidate's mesh only); with
+    ``after``, both sides' own states per device too (:mod:`shardcheck.parity.footprint`)."""
+    if run.footprint is None:
+        return
+    run.footprint.sample()
+    if after is not None:
+        own = (
+            state_bytes([after.ref_params, after.ref_state]),
+            state_bytes([after.cand_params, after.cand_state]),
+        )
+        run.footprint.state = max(run.footprint.state, *own)
 
 
 def _two_pass(inputs: list, full: bool) -> list:
@@ -307,12 +326,19 @@ def _fill(out: list, inputs: list, which: list[int]) -> None:
 
 
 def _snapshots(run: _Run) -> tuple[dict, dict, dict, dict]:
-    """Both sides' state before a step, copied on its devices: the reference's and the candidate's parameters,
-    then their optimizer states (the candidate's view of its optimizer)."""
+    """Both sides' state before a step: the reference's and the candidate's parameters, then their optimizer
+    states (the candidate's view of its optimizer). The candidate's are copied on their devices (its step may
+    donate them); the reference's are its arrays as they are, unless a user's step is the reference: the task's
+    step and a reference strategy (``donate=False``) leave them intact, and the run keeps them anyway (the
+    pre-step state of the sensitivity, the hypotheses and a re-check), so a copy would hold them twice."""
     # the state after this run's last step is the state before this one: nothing steps the models in between
     last = run.last if run.last is not None else _After.of(run)
-    return tuple(
-        device_snapshot(s) for s in (last.ref_params, last.cand_params, last.ref_state, last.cand_state)
+    ref = device_snapshot if run.reference is not None else dict
+    return (
+        ref(last.ref_params),
+        device_snapshot(last.cand_params),
+        ref(last.ref_state),
+        device_snapshot(last.cand_state),
     )
 
 
@@ -475,6 +501,8 @@ def check_parity(
     num_shards = check_options(
         fn, rtol=rtol, atol=atol, accept_weak=accept_weak, mesh=mesh, num_shards=num_shards
     )
+    # on one mesh, what the devices hold is measured from before the state is created (footprint.py)
+    footprint = Footprint.start() if isinstance(reference, str) and reference != REFERENCE else None
     run, data = _setup(
         fn,
         candidate,
@@ -488,6 +516,7 @@ def check_parity(
         leaf_tolerance=leaf_tolerance,
         initial_state=initial_state,
     )
+    run.footprint = None if run.ref_strategy is None else footprint
     if run.reference is None and run.ref_strategy is None and not run.precision.low:
         # one reference trajectory for the checks of a verify
         run.shared = trajectory_for(task, (len(data),), run.ref_model, run.ref_opt)
@@ -550,7 +579,18 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         diverged_at=diverged_at,
         diverged=diverged,
         reference_diverged_at=reference_diverged_at,
+        **_footprint_fields(run),
     )
+
+
+def _footprint_fields(run: _Run) -> dict:
+    """The report's measured footprint (a check on the candidate's mesh), else ``None`` for each field."""
+    fp = run.footprint
+    return {
+        "peak_bytes_per_device": None if fp is None else fp.peak,
+        "state_bytes_per_device": None if fp is None else fp.state,
+        "allocator_peak_bytes": None if fp is None else allocator_peak_bytes(),
+    }
 
 
 def _run_steps(run: _Run, data, tolerances):

@@ -33,6 +33,15 @@ class ParityReport:
         reference: what the candidate was compared with: ``"reference"`` (the task's single-device step), a
             registered strategy on the same mesh (``"gspmd on data=2,model=4"``), or ``"user reference"`` (a step
             passed as ``reference=``).
+        peak_bytes_per_device: in a check against a strategy on the candidate's mesh, the most bytes any device
+            held in the check's arrays (every live ``jax.Array``'s addressable shards, sampled after each
+            reference step, candidate step and comparison, less what the device held when the check began:
+            :mod:`shardcheck.parity.footprint`); ``None`` otherwise.
+        state_bytes_per_device: in that mode, the larger of the two sides' own states (parameters and optimizer
+            state) on the device holding most of it: the yardstick of ``peak_bytes_per_device``; else ``None``.
+        allocator_peak_bytes: in that mode, the largest ``peak_bytes_in_use`` of the devices'
+            ``memory_stats()`` (GPU, TPU: the process's peak since it started, the compiled calls' temporaries
+            included); ``None`` on CPU devices and in the other modes.
     """
 
     strategy: str
@@ -48,6 +57,9 @@ class ParityReport:
     scale_evidence: str | None = None
     weak_accepted: str | None = None
     reference: str = "reference"
+    peak_bytes_per_device: int | None = None
+    state_bytes_per_device: int | None = None
+    allocator_peak_bytes: int | None = None
 
     @property
     def step_ok(self) -> bool:
@@ -121,7 +133,8 @@ class ParityReport:
     def to_dict(self) -> dict:
         """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
-        ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``.
+        ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
+        ``state_bytes_per_device``, ``allocator_peak_bytes``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -129,6 +142,9 @@ class ParityReport:
             "ok": self.ok,
             "verdict": self.verdict,
             "reference": self.reference,
+            "peak_bytes_per_device": self.peak_bytes_per_device,
+            "state_bytes_per_device": self.state_bytes_per_device,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
@@ -199,7 +215,32 @@ class ParityReport:
             lines.append(f"  evidence: {self.scale_evidence}")
         if self.tolerance_rule:
             lines.append(f"  tolerance: {self.tolerance_rule}")
+        if self.peak_bytes_per_device is not None:
+            lines.append(f"  memory: {self.footprint_text()}")
         return "\n".join(lines)
+
+    def footprint_text(self) -> str | None:
+        """The measured footprint in words (``None`` outside a check on the candidate's mesh), e.g. ``"peak 1.2
+        MiB per device (live arrays), 3.1 x the larger side's own state of 394 KiB per device"``."""
+        if self.peak_bytes_per_device is None:
+            return None
+        text = f"peak {_size(self.peak_bytes_per_device)} per device (live arrays)"
+        if self.state_bytes_per_device:
+            ratio = self.peak_bytes_per_device / self.state_bytes_per_device
+            text += f", {ratio:.2g} x the larger side's own state of {_size(self.state_bytes_per_device)} per device"
+        if self.allocator_peak_bytes is not None:
+            text += f"; allocator peak {_size(self.allocator_peak_bytes)}"
+        return text
+
+
+def _size(n: int) -> str:
+    """Bytes in binary units, three significant digits: ``"394 KiB"``."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{n} B" if unit == "B" else f"{value:.3g} {unit}"
 
 
 class CandidateError(RuntimeError):

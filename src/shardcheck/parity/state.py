@@ -91,6 +91,8 @@ class _Run:
     # candidate; its sensitivity and hypotheses are the reference's), and how the report names the reference
     ref_strategy: Candidate | None = None
     reference_name: str = "reference"
+    # what the devices hold, sampled during a check on the candidate's mesh (parity.footprint.Footprint), or None
+    footprint: Any = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
