@@ -156,6 +156,24 @@ def apply_mesh(command: str, args, devices_flag: str = "devices") -> None:
     setattr(args, devices_flag, size)
 
 
+def needed_mesh(command: str, args, num_devices: int, needed: bool):
+    """The mesh a subcommand runs on (:func:`mesh_from_args`), or ``None`` when nothing it runs needs one.
+
+    Raises:
+        ValueError: fewer devices than ``num_devices`` (the message names ``--devices`` and the fix).
+    """
+    import jax
+
+    if not needed:
+        return None
+    if jax.device_count() < num_devices:
+        raise ValueError(
+            f"{command}: {num_devices} devices are needed, but {jax.device_count()} exist; pass --devices "
+            f"{jax.device_count()} or fewer"
+        )
+    return mesh_from_args(args, num_devices)
+
+
 def mesh_from_args(args, num_devices: int):
     """The mesh of ``--mesh`` (``shardcheck.make_mesh`` of its axes), else a 1-D mesh of ``num_devices``."""
     from shardcheck.mesh import make_mesh

@@ -13,6 +13,7 @@ from shardcheck.cli._common import (
     configure_devices,
     console_for,
     library_to_flags,
+    needed_mesh,
     write_json,
 )
 from shardcheck.cli._task import (
@@ -142,21 +143,6 @@ def run_settings(args) -> dict:
     return {"optimizer": optimizer, "lr": lr} | {k: getattr(args, k, None) for k in keys}
 
 
-def _mesh(args, devices: int, needed: bool):
-    import jax
-
-    if not needed:
-        return None
-    if jax.device_count() < devices:
-        raise ValueError(
-            f"shardcheck record: {devices} devices are needed, but {jax.device_count()} exist; pass --devices "
-            f"{jax.device_count()} or fewer"
-        )
-    from shardcheck.cli._common import mesh_from_args
-
-    return mesh_from_args(args, devices)
-
-
 def _load_step(args):
     from shardcheck.cli.verify import load_candidate
 
@@ -182,7 +168,9 @@ def main(args) -> int:
     try:
         task = task_from_args(args, default_optimizer="sgd", batch_size=args.batch_size, steps=args.steps)
         candidate = _load_step(args) if strategy is None else strategy
-        mesh = _mesh(args, devices, strategy is None or STRATEGIES[strategy].uses_mesh)
+        mesh = needed_mesh(
+            "shardcheck record", args, devices, strategy is None or STRATEGIES[strategy].uses_mesh
+        )
         recording = record_run(
             task, candidate, steps=args.steps, num_shards=num_shards, mesh=mesh, settings=run_settings(args)
         )

@@ -14,6 +14,7 @@ from shardcheck.cli._common import (
     configure_devices,
     console_for,
     library_to_flags,
+    needed_mesh,
     shard_words,
     write_json,
 )
@@ -269,21 +270,6 @@ def _check_args(args) -> tuple[list[str], int]:
     return strategies, args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
 
 
-def _mesh(args, num_shards: int, needed: bool):
-    import jax
-
-    if not needed:
-        return None
-    if jax.device_count() < num_shards:
-        raise ValueError(
-            f"shardcheck verify: S={num_shards} shards need {num_shards} devices for dp/fsdp/--candidate, but "
-            f"{jax.device_count()} exist; pass --devices {num_shards} or fewer"
-        )
-    from shardcheck.cli._common import mesh_from_args
-
-    return mesh_from_args(args, num_shards)
-
-
 def _check_all(args, task, runs, num_shards, mesh) -> dict:
     """One :func:`~shardcheck.check_parity` report per ``(label, strategy or candidate)``."""
     from shardcheck import parity
@@ -392,7 +378,7 @@ def main(args) -> int:
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
         uses_mesh = [STRATEGIES[s].uses_mesh for s in (*strategies, args.reference)]
-        mesh = _mesh(args, devices, any(uses_mesh) or candidate is not None)
+        mesh = needed_mesh("shardcheck verify", args, devices, any(uses_mesh) or candidate is not None)
         runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
         if against is not None:
             from shardcheck.cli.record import verify_against
