@@ -49,6 +49,12 @@ STEPS = textwrap.dedent(
         return {"loss": loss, "grads": grads}
 
 
+    def loss_only_step(model, optimizer, batch):
+        # the same update, its gradients not returned
+        loss, _ = _step(model, optimizer, batch, 1.0)
+        return loss
+
+
     def summed_step(model, optimizer, batch):
         # the S shards' gradients added where their mean was meant: S times the mean
         loss, grads = _step(model, optimizer, batch, float(S))
@@ -159,6 +165,105 @@ def test_a_digest_moved_past_its_tolerance_fails_there_and_within_it_passes(
     assert (first.step, first.name, first.evidence) == (step, name, evidence)
 
 
+def _changed(recording, **fields):
+    """``recording`` with some of its steps' digest arrays replaced (``{field: function of a copy}``)."""
+    r = recording.steps
+    moved = {field: change(getattr(r, field).copy()) for field, change in fields.items()}
+    return dataclasses.replace(recording, steps=dataclasses.replace(r, **moved))
+
+
+@require_devices(2)
+def test_a_nan_where_the_recording_has_a_number_fails_as_nan(identical_pair):
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, replayed = identical_pair
+    j = recorded.names.index(next(n for n in recorded.names if n.startswith("param ")))
+
+    def nan_sample(a):
+        a[1, j, 0] = np.nan
+        return a
+
+    def nan_update(a):
+        a[0, j] = np.nan
+        return a
+
+    for field, change in (("samples", nan_sample), ("update", nan_update)):
+        comparison = compare_run(recorded, _changed(replayed, **{field: change}))
+        first = comparison.first_failure
+        assert not comparison.ok and first.evidence == "nan" and first.name == recorded.names[j], field
+        assert first.step == (1 if field == "samples" else 0)
+
+
+@require_devices(2)
+def test_a_loss_off_with_gradients_at_ratio_1_is_named_a_forward_change(identical_pair):
+    """A missing reduction in the forward pass (a psum over a tensor axis) moves the loss and the gradients' values
+    but not their scale: the cause names the forward pass, never "a changed learning rate" at a ratio of 1."""
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, replayed = identical_pair
+    loss = recorded.names.index("loss")
+    grads = [i for i, n in enumerate(recorded.names) if n.startswith(("grad ", "param "))]
+
+    def off(a):
+        a[0, loss] *= 1.3
+        return a
+
+    def shuffled(a):  # the same norm and max, other values at the sampled indices
+        a[0, grads] = -a[0, grads]
+        return a
+
+    comparison = compare_run(recorded, _changed(replayed, max=off, norm=off, samples=shuffled))
+    assert comparison.first_failure.name == "loss" and comparison.first_failure.step == 0
+    assert "the loss at step 0 differs, from the initial parameters" in comparison.cause
+    assert "forward pass computes another value" in comparison.cause
+    assert "learning rate" not in comparison.cause
+
+
+@require_devices(8)
+def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
+    """The Megatron step without its psum over ``model``, replayed against a recording of the correct one."""
+    from test_tensor_parallel import TP_MESH, _megatron_task, megatron_step
+
+    from shardcheck.mesh import make_mesh
+    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.recorded_compare import compare_run
+
+    mesh, task = make_mesh(TP_MESH), _megatron_task()
+    recorded = record_run(task, megatron_step(), mesh=mesh, steps=2)
+    comparison = compare_run(recorded, record_run(task, megatron_step("no_psum"), mesh=mesh, steps=2))
+    first = comparison.first_failure
+    assert not comparison.ok and (first.step, first.name) == (0, "loss")
+    assert "a reduction missing over a tensor-parallel axis" in comparison.cause
+    assert "learning rate" not in comparison.cause
+
+
+@require_devices(2)
+def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp_path):
+    from shardcheck.parity.recorded import load_recording
+    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.mesh import make_mesh
+    from shardcheck.tasks import load_task
+
+    recorded, replayed = identical_pair
+    with pytest.raises(ValueError, match=r"Recording.save: path '.*' is a directory; pass a file path"):
+        recorded.save(tmp_path)
+    path = tmp_path / "run.npz"
+    recorded.save(path)
+    with pytest.raises(TypeError, match=r"compare_run: recording must be a Recording, got PosixPath"):
+        compare_run(path, replayed)
+    with pytest.raises(TypeError, match=r"compare_run: replayed must be a Recording, got str"):
+        compare_run(recorded, str(path))
+    task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=2)
+    # S follows from the mesh, as record_run's; a mismatch names the arguments, not command-line flags
+    loaded = load_recording(path, task=task, mesh=make_mesh({"data": 2}))
+    assert compare_run(loaded, replayed).bitwise
+    with pytest.raises(ValueError, match=r"not no mesh \(S=1\); replay it with a mesh of data=2") as info:
+        load_recording(path, task=task, num_shards=1)
+    assert "--" not in str(info.value)
+    with pytest.raises(ValueError, match=r"holds 2 step\(s\), not 3; pass steps=2 or fewer"):
+        load_recording(path, task=task, mesh=make_mesh({"data": 2}), steps=3)
+
+
 # ---------------------------------------------------------------------------------------- the command line
 
 
@@ -221,6 +326,24 @@ def test_a_user_step_summing_for_a_mean_fails_at_step_0_on_a_gradient_of_s(tmp_p
 
 
 @require_devices(4)
+def test_a_replayed_step_that_returns_no_gradients_is_compared_on_the_rest(tmp_path):
+    """The recording's step returned its gradients, the replayed one returns only its loss: the gradients are left
+    out with a note, not read as a fault."""
+    steps = tmp_path / "my_steps.py"
+    steps.write_text(STEPS)
+    recording = tmp_path / "mine.npz"
+    args = [*TINY, "--devices", "4"]
+    assert main(["record", *args, "--candidate", f"{steps}:mean_step", "--out", str(recording)]) == 0
+    out = tmp_path / "against.json"
+    verify = ["verify", *args, "--against", str(recording), "--json", str(out)]
+    assert main([*verify, "--candidate", f"{steps}:loss_only_step"]) == 0
+    run = _json(out)["runs"]["candidate"]
+    assert run["verdict"] == "PASS" and "grad" not in run["worst_by_kind"]
+    assert set(run["worst_by_kind"]) == {"loss", "param", "opt_state", "counter"}
+    assert any("holds gradients; this run's step returns none" in note for note in run["notes"])
+
+
+@require_devices(4)
 def test_a_user_task_file_records_and_replays(tmp_path):
     recording = tmp_path / "annotated.npz"
     args = ["--task", ANNOTATED, "--mesh", "data=2,fsdp=2"]
@@ -270,7 +393,7 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(tiny_run, tmp_path, ca
     other = tmp_path / "other.npz"
     np.savez(other, x=np.zeros(3))
     cases = [
-        (garbage, "is not a shardcheck recording (cannot be read as .npz"),
+        (garbage, "is not a shardcheck recording (not an .npz archive)"),
         (other, "is not a shardcheck recording (no metadata)"),
         (
             _rewritten(tiny_run, tmp_path / "v99.npz", version=99),
@@ -283,6 +406,30 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(tiny_run, tmp_path, ca
         assert main(["verify", "--task", "tiny-lm", "--against", str(path)]) == 2, path
         err = _one_line_error(capsys)
         assert err.startswith(f"error: shardcheck verify: --against {path} ") and message in err, err
+
+
+@require_devices(4)
+def test_files_of_another_kind_are_refused_naming_what_they_are(tiny_run, tmp_path, capsys):
+    script = tmp_path / "steps.py"
+    script.write_text("print('a python file')\n")
+    text_meta = tmp_path / "text_meta.npz"
+    with np.load(tiny_run, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    np.savez(text_meta, **(arrays | {"meta": np.array("not json")}))
+    edited = tmp_path / "edited.npz"
+    arrays["steps_norm"] = arrays["steps_norm"] * 1.5  # a digest changed after record wrote it, metadata intact
+    np.savez(edited, **arrays)
+    cases = [
+        (script, "is not a shardcheck recording (not an .npz archive); record one with shardcheck record --out "
+         "run.npz"),
+        (text_meta, "is not a shardcheck recording (its metadata is not JSON)"),
+        (edited, "is a damaged shardcheck recording (its contents do not match its checksum"),
+    ]
+    for path, message in cases:
+        assert main(["verify", "--task", "tiny-lm", "--against", str(path)]) == 2, path
+        err = _one_line_error(capsys)
+        assert message in err, err
+    assert script.read_text() == "print('a python file')\n"
 
 
 def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
@@ -304,7 +451,15 @@ def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
 
 
 @pytest.mark.multiprocess
-def test_record_and_verify_against_under_launch(tmp_path):
+@pytest.mark.parametrize(
+    ("task", "mesh"),
+    [
+        (["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"], "fsdp=4"),
+        (["--task", ANNOTATED, "--steps", "2"], "data=2,fsdp=2"),  # a user's task file
+    ],
+    ids=["builtin", "task-file"],
+)
+def test_record_and_verify_against_under_launch(tmp_path, task, mesh):
     """Recorded and replayed as 2 processes x 2 devices: process 0 writes the file; the hashes and samples are of
     its own shards, and the replay matches them bitwise."""
     import subprocess
@@ -312,10 +467,9 @@ def test_record_and_verify_against_under_launch(tmp_path):
 
     launch = [sys.executable, "-m", "shardcheck", "launch", "--processes", "2", "--devices-per-process", "2"]
     launch += ["--timeout", "200", "--"]
-    task = ["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"]
     recording, out = tmp_path / "mp.npz", tmp_path / "mp.json"
     for argv in (
-        ["record", *task, "--mesh", "fsdp=4", "--out", str(recording)],
+        ["record", *task, "--mesh", mesh, "--out", str(recording)],
         ["verify", *task, "--against", str(recording), "--json", str(out)],
     ):
         done = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=240)

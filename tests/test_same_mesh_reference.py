@@ -186,8 +186,10 @@ def test_a_reference_strategy_is_checked_before_any_step():
         ValueError, match=r"check_parity: reference='accumulation' is not a strategy on a mesh"
     ):
         check_parity("dp", task, mesh=mesh, reference="accumulation")
-    with pytest.raises(ValueError, match=r"check_parity: strategy 'tp' is unknown"):
+    with pytest.raises(ValueError, match=r"check_parity: reference='tp' is unknown") as info:
         check_parity("dp", task, mesh=mesh, reference="tp")
+    # the choices are the references: no candidate-only strategy among them
+    assert "simulation" not in str(info.value) and "accumulation" not in str(info.value)
     with pytest.raises(
         ValueError, match=r"check_parity: reference='gspmd' runs on the candidate's mesh; pass mesh="
     ):
@@ -211,6 +213,23 @@ def test_verify_reference_gspmd_on_the_megatron_example(tmp_path, capsys):
     assert report["reference"] == "gspmd on data=2,model=4"
     assert {k: r["verdict"] for k, r in report["strategies"].items()} == {"dp": "PASS", "candidate": "PASS"}
     assert all(r["reference"] == "gspmd on data=2,model=4" for r in report["strategies"].values())
+
+
+def test_verify_reference_leaves_itself_out_of_the_default_strategies():
+    import argparse
+
+    from shardcheck.cli import verify
+
+    parser = argparse.ArgumentParser()
+    verify.add_parser(parser.add_subparsers())
+    for reference in ("gspmd", "fsdp"):
+        args = parser.parse_args(["verify", "--task", "tiny-lm", "--devices", "4", "--reference", reference])
+        strategies, _ = verify._check_args(args)
+        defaults = verify.DEFAULT_STRATEGIES.split(",")
+        assert strategies == [s for s in defaults if s != reference] and len(strategies) == len(defaults) - 1
+    args = parser.parse_args(["verify", "--task", "tiny-lm", "--devices", "4", "--reference", "gspmd"])
+    args.strategies = "gspmd,dp"  # asked for by name: kept
+    assert verify._check_args(args)[0] == ["gspmd", "dp"]
 
 
 def test_verify_reference_is_checked_before_jax_runs(capsys):

@@ -115,6 +115,7 @@ def library_to_flags(
     if getattr(args, "mesh", None):
         message = re.sub(r"\bnum_shards=(\d+)", lambda m: shard_words(args, int(m.group(1)))[0], message)
         message = re.sub(r"\bnum_shards\b", MESH_SHARD_COUNTS, message)
+    message = re.sub(r"\bsteps=(\d+)", r"--steps \1", message)  # "steps" alone is a word of the messages
     for name, flag in flags.items():
         message = re.sub(rf"\b{name}='([^']*)'", rf"{flag} \1", message)
         message = re.sub(rf"\b{name}=", f"{flag} ", message)

@@ -82,7 +82,7 @@ def _add_run_arguments(p) -> None:
         "--strategies",
         default=None,
         help=f"comma-separated strategies from {', '.join(STRATEGY_NAMES)}; 'none' with --candidate (default: "
-        f"{DEFAULT_STRATEGIES}; with --against: the recorded run's)",
+        f"{DEFAULT_STRATEGIES}, less the --reference strategy; with --against: the recorded run's)",
     )
     p.add_argument(
         "--steps",
@@ -257,6 +257,8 @@ def _check_args(args) -> tuple[list[str], int]:
         _validate.check_lr("shardcheck verify: --lr", args.lr)
     chosen = DEFAULT_STRATEGIES if args.strategies is None else args.strategies
     strategies = _parse_strategies(chosen, args.candidate is not None)
+    if args.strategies is None:  # the reference strategy against itself is no check
+        strategies = [s for s in strategies if s != args.reference]
     if args.reference != REFERENCE and args.task is None and args.size is None:
         raise ValueError(
             f"shardcheck verify: --reference {args.reference} needs --task (a built-in task or FILE.py:task); "

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import zipfile
 import platform
 from collections.abc import Mapping, Sequence
 from importlib import metadata
@@ -134,9 +135,10 @@ class Recording:
         return int(self.steps.present.shape[0])
 
     def to_bytes(self) -> bytes:
-        """The ``.npz`` file's bytes (compressed; every array numeric or str, no pickles)."""
+        """The ``.npz`` file's bytes (compressed; every array numeric or str, no pickles). The metadata's
+        ``checksum`` is the sha256 of every other array and of the rest of the metadata (:func:`checksum`), so a
+        damaged or edited digest is refused on loading rather than read as another run."""
         arrays = {
-            "meta": np.array(json.dumps(self.meta, sort_keys=True)),
             "names": np.array(self.names, dtype=str),
             "sample_index": self.sample_index,
         }
@@ -145,6 +147,9 @@ class Recording:
         for block in _BLOCKS:
             for field in _FIELDS:
                 arrays[f"{block}_{field}"] = getattr(getattr(self, block), field)
+        meta = {k: v for k, v in self.meta.items() if k != "checksum"}
+        meta["checksum"] = checksum(meta, arrays)
+        arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
         buffer = io.BytesIO()
         np.savez_compressed(buffer, **arrays)
         return buffer.getvalue()
@@ -153,13 +158,30 @@ class Recording:
         """Write the recording to ``path`` (whole, through a temp file and a rename); returns its size in bytes.
 
         Raises:
-            OSError: the file cannot be written.
+            ValueError: ``path`` is a directory.
+            OSError: the file cannot be written (its folder missing, no permission).
         """
         from shardcheck._io import write_atomic
 
+        if Path(path).is_dir():
+            raise ValueError(
+                f"Recording.save: path {str(path)!r} is a directory; pass a file path such as "
+                f"{str(Path(path) / 'run.npz')!r}"
+            )
         data = self.to_bytes()
         write_atomic(Path(path), data)
         return len(data)
+
+
+def checksum(meta: Mapping, arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 (hex) of ``meta`` without its ``checksum`` (sorted JSON) and of every array but ``meta`` (by name:
+    its dtype, shape and bytes)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
+    for key in sorted(k for k in arrays if k != "meta"):
+        a = np.ascontiguousarray(arrays[key])
+        h.update(f"{key} {a.dtype.str} {a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ recording
@@ -406,10 +428,18 @@ def _recording(fn, task, data, candidate, cand, mesh, digests, settings) -> Reco
 # -------------------------------------------------------------------------------------------------- loading
 
 
+def _cli(fn: str) -> bool:
+    """Whether the caller is a command (``"shardcheck verify"``): its messages name flags, else arguments."""
+    return fn.startswith("shardcheck ")
+
+
 def _not_a_recording(fn: str, shown: str, path, why: str) -> ValueError:
-    return ValueError(
-        f"{fn}: {shown} is not a shardcheck recording ({why}); record one with shardcheck record --out {path}"
-    )
+    if _cli(fn):
+        out = path if str(path).endswith(".npz") else "run.npz"  # never suggest overwriting a file of another kind
+        fix = f"record one with shardcheck record --out {out}"
+    else:
+        fix = "record one with record_run(...).save(path)"
+    return ValueError(f"{fn}: {shown} is not a shardcheck recording ({why}); {fix}")
 
 
 def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
@@ -420,8 +450,11 @@ def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
     """
     if not Path(path).is_file():
         raise ValueError(
-            f"{fn}: {shown} does not exist or is not a file; pass the file shardcheck record wrote"
+            f"{fn}: {shown} does not exist or is not a file; pass the file "
+            f"{'shardcheck record' if _cli(fn) else 'Recording.save'} wrote"
         )
+    if not zipfile.is_zipfile(path):
+        raise _not_a_recording(fn, shown, path, "not an .npz archive")
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
@@ -431,10 +464,12 @@ def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
 
 
 def _meta(fn: str, path, shown: str, arrays: dict) -> dict:
+    if "meta" not in arrays:
+        raise _not_a_recording(fn, shown, path, "no metadata")
     try:
         meta = json.loads(str(arrays["meta"][()]))
-    except (KeyError, ValueError, TypeError, IndexError):
-        raise _not_a_recording(fn, shown, path, "no metadata") from None
+    except (ValueError, TypeError, IndexError):
+        raise _not_a_recording(fn, shown, path, "its metadata is not JSON") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise _not_a_recording(fn, shown, path, f"its format is {found!r}")
@@ -442,6 +477,11 @@ def _meta(fn: str, path, shown: str, arrays: dict) -> dict:
         raise ValueError(
             f"{fn}: {shown} is a recording of format version {meta.get('version')!r}; this shardcheck reads version "
             f"{VERSION}; record it again with this version"
+        )
+    if meta.get("checksum") != checksum(meta, arrays):
+        raise ValueError(
+            f"{fn}: {shown} is a damaged shardcheck recording (its contents do not match its checksum: edited, "
+            "truncated or corrupted); record it again"
         )
     return meta
 
@@ -483,7 +523,8 @@ def load_recording(
         path: the ``.npz`` :meth:`Recording.save` wrote.
         fn: how error messages name the caller (``"shardcheck verify"``).
         name: how they name the file (``"--against run.npz"``; default: its path).
-        task, mesh, num_shards, steps: the replay's, to refuse a recording of another run before any step.
+        task, mesh, num_shards, steps: the replay's, to refuse a recording of another run before any step
+            (``num_shards`` default: the mesh's batch shards, as :func:`record_run`'s).
 
     Returns:
         The recording.
@@ -524,6 +565,11 @@ def load_recording(
     return recording
 
 
+def _flag(fn: str, cli: str, python: str) -> str:
+    """How a message names a setting: the command's flag, or the library function's argument."""
+    return cli if _cli(fn) else python
+
+
 def _mesh_text(axes: Mapping[str, int] | None, num_shards) -> str:
     if not axes:
         return f"no mesh (S={num_shards})"
@@ -556,7 +602,8 @@ def check_replayable(
     Args:
         recording: the recording; task: the replay's task.
         fn: how messages name the caller; path: how they name the file.
-        mesh, num_shards, steps: the replay's (``steps`` None: the recorded number).
+        mesh, num_shards, steps: the replay's (``num_shards`` None: the mesh's batch shards; ``steps`` None: the
+            recorded number).
 
     Raises:
         ValueError: one line naming the file, what differs and the fix.
@@ -565,28 +612,33 @@ def check_replayable(
     if meta["task"] != task.name:
         raise ValueError(
             f"{fn}: {path} records task {meta['task']!r}, not {task.name!r}; replay it with the task it was recorded "
-            f"on (--task), or record this task again"
+            f"on ({_flag(fn, '--task', 'task=')}), or record this task again"
         )
+    num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     axes = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
     # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
     if num_shards != meta["num_shards"] or (axes and meta["mesh"] and axes != meta["mesh"]):
         was, now = _mesh_text(meta["mesh"], meta["num_shards"]), _mesh_text(axes, num_shards)
-        flag = f"--mesh {was.split(' ')[0]}" if meta["mesh"] else f"--devices {meta['num_shards']}"
+        if meta["mesh"]:
+            flag = _flag(fn, f"--mesh {was.split(' ')[0]}", f"a mesh of {was.split(' ')[0]}")
+        else:
+            flag = _flag(fn, f"--devices {meta['num_shards']}", f"num_shards={meta['num_shards']}")
         raise ValueError(
             f"{fn}: {path} was recorded on mesh {was}, not {now}; replay it with {flag}, or record again"
         )
     steps = recording.num_steps if steps is None else steps
     if steps > recording.num_steps:
         raise ValueError(
-            f"{fn}: {path} holds {recording.num_steps} step(s), not {steps}; pass --steps {recording.num_steps} or "
-            "fewer, or record more"
+            f"{fn}: {path} holds {recording.num_steps} step(s), not {steps}; pass "
+            f"{_flag(fn, '--steps ', 'steps=')}{recording.num_steps} or fewer, or record more"
         )
     now = task_facts(fn, task, list(task.batches[:steps]))
     for t in range(steps):
         if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"]:
             raise ValueError(
                 f"{fn}: {path} recorded batch {t} with leaves {meta['batches'][t]['leaves']}, this run's are "
-                f"{now['batches'][t]['leaves']}; replay with the recorded --batch-size and data"
+                f"{now['batches'][t]['leaves']}; replay with the recorded {_flag(fn, '--batch-size', 'batch size')} "
+                "and data"
             )
     if meta["fingerprint"] != fingerprint(now["state_leaves"], meta["batches"]):
         why = _first_difference(meta["state_leaves"], now["state_leaves"], "leaf")
@@ -596,8 +648,9 @@ def check_replayable(
     for t in range(steps):
         if meta["batches"][t]["sha256"] != now["batches"][t]["sha256"]:
             raise ValueError(
-                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs): another --seed, data set or "
-                f"task file; replay with the recorded settings {meta.get('settings') or {}}, or record again"
+                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs): another "
+                f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded settings "
+                f"{meta.get('settings') or {}}, or record again"
             )
 
 

@@ -187,11 +187,13 @@ class _Leaf(NamedTuple):
     update: float
     samples: np.ndarray
     sha256: bytes
+    sampled: np.ndarray  # (8,) bool: a sample was taken there (a leaf of fewer elements has fewer)
 
     @staticmethod
     def at(recording: Recording, digests: Digests, row: int, col: int | None) -> _Leaf:
         if col is None or not digests.present[row, col]:
-            return _Leaf(False, (), "", "", math.nan, math.nan, math.nan, np.full(SAMPLES, np.nan), b"")
+            none = np.full(SAMPLES, np.nan)
+            return _Leaf(False, (), "", "", math.nan, math.nan, math.nan, none, b"", np.zeros(SAMPLES, bool))
         return _Leaf(
             True,
             recording.shapes[col],
@@ -202,6 +204,7 @@ class _Leaf(NamedTuple):
             float(digests.update[row, col]),
             digests.samples[row, col],
             digests.sha256[row, col].tobytes(),
+            recording.sample_index[col] >= 0,
         )
 
     @property
@@ -249,7 +252,7 @@ def _evidence(r: _Leaf, c: _Leaf, base: float, update_base: float | None) -> lis
         ("max", r.max, c.max, abs(c.max - r.max), base),
         ("norm", r.norm, c.norm, abs(c.norm - r.norm), root * base + EPS32 * root * (r.norm + c.norm)),
     ]
-    both = ~(np.isnan(r.samples) | np.isnan(c.samples))
+    both = r.sampled & ~(np.isnan(r.samples) | np.isnan(c.samples))
     if both.any():
         diff = np.where(both, np.abs(c.samples - r.samples), -1.0)
         i = int(np.argmax(diff))
@@ -260,13 +263,29 @@ def _evidence(r: _Leaf, c: _Leaf, base: float, update_base: float | None) -> lis
     return rows
 
 
-def _leaf_error(t, name, r: _Leaf, c: _Leaf, base, update_base, same_placement) -> DigestError:
+def _nan_mismatch(t: int, name: str, r: _Leaf, c: _Leaf, base: float, samples: bool) -> DigestError | None:
+    """A NaN in one run's digest where the other has a number: its max, norm, a sample (``samples``: both runs of
+    one process, where a NaN sample is a NaN element, not one held by another process) or, for a parameter after
+    a step, its update size (a NaN in both is the same run diverging the same way)."""
+    pairs = [(r.max, c.max), (r.norm, c.norm)]
+    if samples:
+        pairs += [(float(a), float(b)) for a, b, s in zip(r.samples, c.samples, r.sampled, strict=True) if s]
+    if name.startswith("param ") and t >= 0:
+        pairs.append((r.update, c.update))
+    for was, now in pairs:
+        if math.isnan(was) != math.isnan(now):
+            return DigestError(t, name, "nan", was, now, math.inf, base, False)
+    return None
+
+
+def _leaf_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair) -> DigestError:
     """The worst evidence of one leaf at one point (:func:`_structural`, then exactness or the tolerances)."""
-    structural = _structural(t, name, r, c, same_placement)
+    structural = _structural(t, name, r, c, pair.same_placement)
     if structural is not None:
         return structural
-    if np.isnan(r.max) != np.isnan(c.max):
-        return DigestError(t, name, "nan", r.max, c.max, math.inf, base, False)
+    nan = _nan_mismatch(t, name, r, c, base, pair.one_process)
+    if nan is not None:
+        return nan
     if r.integer:
         value_r, value_c = float(r.samples[0]), float(c.samples[0])
         err = max(
@@ -328,6 +347,11 @@ class _Pair(NamedTuple):
         columns = tuple({n: i for i, n in enumerate(r.names)} for r in (recording, replayed))
         return _Pair(recording, replayed, same_placement, columns)
 
+    @property
+    def one_process(self) -> bool:
+        """Both runs ran as one process (every sample read; in a launched run, only process 0's)."""
+        return all(_processes(r.meta) == 1 for r in (self.recording, self.replayed))
+
     def leaf(self, which: str, row: int, name: str) -> _Leaf:
         """The recorded (``which == "recorded"``) or replayed digest of ``name`` at point ``row`` (-1: initial)."""
         mine = which != "recorded"
@@ -373,7 +397,7 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
         if name.startswith("param "):
             update_base = base + bounds.last_base.get(name, base)
             bounds.last_base[name] = base
-        out.append(_leaf_error(t, name, r, c, base, update_base, pair.same_placement))
+        out.append(_leaf_error(t, name, r, c, base, update_base, pair))
     return out
 
 
@@ -413,18 +437,25 @@ def compare_run(
     recording of another strategy is compared value by value, its placement differing by design. Leaves only
     one run has fail when the runs are of the same kind, and are left out (and counted in the notes) otherwise.
 
+    A loss or gradients the recording holds but the replayed step returns none of (a step that changed what it
+    returns) are not compared, and the notes say so.
+
     Raises:
+        TypeError: either argument not a :class:`~shardcheck.parity.recorded.Recording`.
+        ValueError: the two are runs of different tasks.
         KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.recorded.load_recording`
             checks (one built by hand).
     """
+    _check_pair(recording, replayed)
     steps = min(recording.num_steps, replayed.num_steps)
     kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
     same = kinds == ("candidate", "candidate") or (
         kinds == ("strategy", "strategy") and recording.meta["run"] == replayed.meta["run"]
     )
-    kept = recording
+    returned = {n.split(" ", 1)[0] for n in replayed.names}
+    kept = _only(recording, [n for n in recording.names if n.split(" ", 1)[0] in returned])
     if not same:  # another strategy: only the leaves both runs have are compared
-        kept = _only(recording, [n for n in recording.names if n in set(replayed.names)])
+        kept = _only(kept, [n for n in kept.names if n in set(replayed.names)])
     pair = _Pair.of(kept, replayed, same)
     bounds = _Bounds(rtol, atol)
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
@@ -439,11 +470,27 @@ def compare_run(
         first_failure=first,
         cause=cause,
         evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
-        notes=tuple(_notes(recording, replayed, first, steps, same)),
+        notes=tuple(_notes(recording, replayed, first, steps, same, returned)),
         hashes_matched=matched,
         hashes_compared=compared,
         bitwise=bitwise,
     )
+
+
+def _check_pair(recording, replayed) -> None:
+    from shardcheck.parity.recorded import Recording
+
+    for arg, value in (("recording", recording), ("replayed", replayed)):
+        if not isinstance(value, Recording):
+            raise TypeError(
+                f"compare_run: {arg} must be a Recording, got {type(value).__name__}; read a file with "
+                "load_recording(path), make a run's with record_run(task, ...)"
+            )
+    if recording.meta["task"] != replayed.meta["task"]:
+        raise ValueError(
+            f"compare_run: recording is of task {recording.meta['task']!r}, replayed of "
+            f"{replayed.meta['task']!r}; replay the recorded task"
+        )
 
 
 def _only(recording: Recording, names: Sequence[str]) -> Recording:
@@ -483,6 +530,12 @@ def _factor(ratios: Sequence[float | None]) -> float | None:
         return None
     median = float(np.median(known))
     return median if all(abs(r / median - 1) <= FACTOR_AGREEMENT for r in known) else None
+
+
+def _scale(ratios: Sequence[float | None]) -> float | None:
+    """The factor the ratios share (:func:`_factor`) when it is a change of scale (not 1), else None."""
+    f = _factor(ratios)
+    return None if f is None or _near(f, 1.0) else f
 
 
 def _near(value: float, target: float) -> bool:
@@ -525,10 +578,10 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
         )
     s = was.get("num_shards")
     parts = []
-    grad = _factor([e.ratio for e in at_t if e.kind == "grad"])
+    grad = _scale([e.ratio for e in at_t if e.kind == "grad"])
     if grad is not None:
         parts.append(_gradient_words(grad, s))
-    update = _factor([e.ratio for e in at_t if e.kind == "param"])
+    update = _scale([e.ratio for e in at_t if e.kind == "param"])
     if update is not None and not (grad is not None and _near(update, grad)):
         parts.append(_update_words(update, was, now, grads_recorded, s))
     counters = [e for e in at_t if e.kind == "counter" and e.ratio is not None]
@@ -542,6 +595,13 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
         return "; ".join(parts)
     if {e.kind for e in at_t} == {"loss"}:
         return "only the loss differs (its gradients and updates match): the loss's reduction or its normalization"
+    if any(e.kind == "loss" for e in at_t):
+        start = "the initial parameters" if t == 0 else f"parameters that matched the recording after step {t - 1}"
+        return (
+            f"the loss at step {t} differs, from {start}, and the gradients and updates share no factor: the forward "
+            "pass computes another value (a reduction missing over a tensor-parallel axis, another mask, model or "
+            "loss)"
+        )
     worst = max(at_t, key=lambda e: e.badness)
     return f"{len(at_t)} leaf/leaves left the tolerance with no factor in common (the worst: {worst.name})"
 
@@ -566,9 +626,15 @@ def _evidence_text(
     return text
 
 
-def _notes(recording: Recording, replayed: Recording, first, steps: int, same: bool) -> list[str]:
+def _notes(recording: Recording, replayed: Recording, first, steps: int, same: bool, returned) -> list[str]:
     was, now = recording.meta, replayed.meta
     notes = []
+    for kind, what in (("loss", "a loss"), ("grad", "gradients")):
+        if kind not in returned and any(n.startswith(f"{kind} ") or n == kind for n in recording.names):
+            notes.append(
+                f"The recording holds {what}; this run's step returns none, so they were not compared (the "
+                "parameters and optimizer state were)."
+            )
     if first is not None and first.step > 0:
         notes.append(
             f"The first failure is at step {first.step} > 0: a recording cannot re-run that step from identical "
@@ -591,7 +657,7 @@ def _notes(recording: Recording, replayed: Recording, first, steps: int, same: b
                 else "."
             )
         )
-    processes = max(int(m.get("platform", {}).get("processes", 1)) for m in (was, now))
+    processes = max(_processes(m) for m in (was, now))
     if processes > 1:
         notes.append(
             f"A run of {processes} processes: its hashes and samples cover the shards process 0 holds (the norms "
@@ -603,6 +669,10 @@ def _notes(recording: Recording, replayed: Recording, first, steps: int, same: b
         if was.get(key) != now.get(key):
             notes.append(f"Recorded with {key} {_short(was.get(key))}; this run: {_short(now.get(key))}.")
     return notes
+
+
+def _processes(meta: Mapping) -> int:
+    return int(meta.get("platform", {}).get("processes", 1))
 
 
 def _short(facts: Any) -> str:

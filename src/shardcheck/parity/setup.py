@@ -17,7 +17,7 @@ from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
 from shardcheck.parity.precision import Precision, float32_compute
 from shardcheck.parity.state import _copy_state, _Run
 from shardcheck.steps import STRATEGIES, Candidate
-from shardcheck.steps.registry import get_strategy, mesh_for
+from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs
 from shardcheck.steps.sharded_init import sharded_training_state
 from shardcheck.task import Task, check_divisible, check_model
@@ -37,7 +37,8 @@ def _task_batches(fn: str, task: Task, steps: int | None) -> list:
     steps = _validate.check_int(fn, "steps", steps)
     if steps > len(task.batches):
         raise ValueError(
-            f"{fn}: steps={steps} but the task holds only {len(task.batches)} batch(es); pass more"
+            f"{fn}: steps={steps} but task {task.name!r} holds only {len(task.batches)} batch(es); pass steps="
+            f"{len(task.batches)} or fewer, or give the task more batches"
         )
     return list(task.batches[:steps])
 
@@ -112,10 +113,15 @@ def reference_strategy(fn, reference, task, num_shards, mesh) -> tuple[Candidate
     """
     if not isinstance(reference, str):
         return None, None, "reference" if reference is None else "user reference"
-    strategy = get_strategy(fn, reference)
     if reference == REFERENCE:
         return None, None, REFERENCE
     usable = [n for n, s in STRATEGIES.items() if s.uses_mesh and not s.wraps_optimizer]
+    if reference not in STRATEGIES:
+        raise ValueError(
+            f"{fn}: reference={reference!r} is unknown; use None (the task's single-device step), a mesh "
+            f"strategy ({', '.join(usable)}) or a step function"
+        )
+    strategy = STRATEGIES[reference]
     if reference not in usable:
         raise ValueError(
             f"{fn}: reference={reference!r} is not a strategy on a mesh; compare against the task's "
