@@ -238,6 +238,32 @@ def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
 
 
 @require_devices(2)
+def test_a_replay_on_another_mesh_or_of_more_steps_is_named_so(identical_pair):
+    from shardcheck.mesh import make_mesh
+    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.tasks import load_task
+
+    recorded, replayed = identical_pair
+    task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=2)
+    elsewhere = record_run(task, "fsdp", mesh=make_mesh({"fsdp": 2}), settings={"lr": 0.01})
+    comparison = compare_run(recorded, elsewhere)
+    assert not comparison.ok and comparison.first_failure.evidence == "sharding"
+    assert comparison.cause.startswith("recorded on mesh data=2, replayed on fsdp=2: another mesh")
+    one = dataclasses.replace(
+        recorded,
+        meta=recorded.meta | {"steps": 1},
+        steps=dataclasses.replace(
+            recorded.steps, **{f: getattr(recorded.steps, f)[:1] for f in ("present", "sharding", "norm", "max",
+                                                                            "update", "samples", "sha256")}
+        ),
+    )
+    comparison = compare_run(one, replayed)
+    assert comparison.ok and comparison.steps == 1
+    assert any("the replay's 1 later ones have nothing to compare with" in n for n in comparison.notes)
+
+
+@require_devices(2)
 def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp_path):
     from shardcheck.parity.recorded import load_recording
     from shardcheck.parity.recorded_compare import compare_run
@@ -262,6 +288,36 @@ def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp
     assert "--" not in str(info.value)
     with pytest.raises(ValueError, match=r"holds 2 step\(s\), not 3; pass steps=2 or fewer"):
         load_recording(path, task=task, mesh=make_mesh({"data": 2}), steps=3)
+    with pytest.raises(ValueError, match=r"replay it with num_shards=2 \(or None\)"):
+        load_recording(path, task=task, mesh=make_mesh({"data": 2}), num_shards=1)
+    # wrong types and values: the function, the argument and the fix, never a library's raw error
+    refusals = [
+        (lambda: load_recording(123), TypeError, "load_recording: path must be a str or os.PathLike"),
+        (lambda: load_recording(path, task="diabetes"), TypeError, "load_recording: task must be a shardcheck.Task"),
+        (lambda: load_recording(path, steps="2"), TypeError, "load_recording: steps must be a positive int"),
+        (lambda: load_recording(path, steps=0), ValueError, "load_recording: steps must be a positive int"),
+        (lambda: recorded.save(123), TypeError, "Recording.save: path must be a str or os.PathLike"),
+        (lambda: recorded.save(tmp_path / "notes.txt"), ValueError, "does not end in .npz"),
+        (lambda: compare_run(recorded, replayed, rtol=-1), ValueError, "compare_run: rtol must be a number >= 0"),
+        (lambda: compare_run(recorded, replayed, atol=float("nan")), ValueError, "atol must be a number >= 0"),
+    ]
+    for call, kind, message in refusals:
+        with pytest.raises(kind, match=message):
+            call()
+    foreign = tmp_path / "data.npz"
+    np.savez(foreign, x=np.arange(3))
+    with pytest.raises(ValueError, match="exists and is not a shardcheck recording, so it is not overwritten"):
+        recorded.save(foreign)
+    assert np.load(foreign)["x"].tolist() == [0, 1, 2]
+    assert recorded.save(path) > 0  # an older recording is overwritten
+
+
+def test_record_run_refuses_settings_that_are_not_json_before_any_step():
+    from shardcheck.parity.recorded import record_run
+
+    for settings in ([1, 2], "abc", {"lr": object()}, {1: 2}):
+        with pytest.raises(TypeError, match="record_run: settings must be a mapping of str to JSON values"):
+            record_run(None, "dp", settings=settings)
 
 
 # ---------------------------------------------------------------------------------------- the command line
@@ -323,6 +379,10 @@ def test_a_user_step_summing_for_a_mean_fails_at_step_0_on_a_gradient_of_s(tmp_p
         and first["ratio"] == pytest.approx(4.0, rel=1e-3)
     )
     assert "the gradients are 4x the recorded ones (S = 4): a sum where a mean was meant" in run["cause"]
+    assert "learning rate" not in run["cause"]  # Adam's update is not 4x; the gradients explain it
+    # the recording keeps the step's spec: a replay without --candidate is told which to pass
+    assert main(["verify", *args, "--against", str(recording)]) == 2
+    assert f"pass it with --candidate {steps}:mean_step" in _one_line_error(capsys)
 
 
 @require_devices(4)
@@ -367,7 +427,7 @@ def test_a_user_task_file_records_and_replays(tmp_path):
             ["--task", "tiny-lm", "--mesh", "data=2,fsdp=2"],
             "was recorded on mesh fsdp=4 (S=4), not data=2,fsdp=2 (S=4); replay it with --mesh fsdp=4",
         ),
-        (["--task", "tiny-lm", "--batch-size", "8"], "recorded batch 0 with leaves"),
+        (["--task", "tiny-lm", "--batch-size", "8"], "recorded batch 0 as ['mask'] 16x32 float32"),
         (["--task", "tiny-lm", "--seed", "1"], "recorded other data at batch 0"),
         (["--task", "tiny-lm", "--steps", "4"], "holds 3 step(s), not 4; pass --steps 3 or fewer"),
     ],
@@ -393,7 +453,7 @@ def test_a_damaged_or_foreign_file_is_refused_in_one_line(tiny_run, tmp_path, ca
     other = tmp_path / "other.npz"
     np.savez(other, x=np.zeros(3))
     cases = [
-        (garbage, "is not a shardcheck recording (not an .npz archive)"),
+        (garbage, "is a damaged shardcheck recording (a truncated .npz archive); record it again"),
         (other, "is not a shardcheck recording (no metadata)"),
         (
             _rewritten(tiny_run, tmp_path / "v99.npz", version=99),
@@ -420,8 +480,8 @@ def test_files_of_another_kind_are_refused_naming_what_they_are(tiny_run, tmp_pa
     arrays["steps_norm"] = arrays["steps_norm"] * 1.5  # a digest changed after record wrote it, metadata intact
     np.savez(edited, **arrays)
     cases = [
-        (script, "is not a shardcheck recording (not an .npz archive); record one with shardcheck record --out "
-         "run.npz"),
+        (script, "is not a shardcheck recording (not an .npz archive); record one with shardcheck record ... --out "
+         "RUN.npz"),
         (text_meta, "is not a shardcheck recording (its metadata is not JSON)"),
         (edited, "is a damaged shardcheck recording (its contents do not match its checksum"),
     ]
@@ -430,6 +490,50 @@ def test_files_of_another_kind_are_refused_naming_what_they_are(tiny_run, tmp_pa
         err = _one_line_error(capsys)
         assert message in err, err
     assert script.read_text() == "print('a python file')\n"
+
+
+@require_devices(4)
+def test_outputs_never_overwrite_what_the_command_reads(tiny_run, tmp_path, capsys):
+    before = tiny_run.read_bytes()
+    assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), "--json", str(tiny_run)]) == 2
+    assert f"--json {tiny_run} is the file --against reads" in _one_line_error(capsys)
+    steps = tmp_path / "my_steps.py"
+    steps.write_text(STEPS)
+    args = ["verify", "--task", "tiny-lm", "--devices", "4", "--candidate", f"{steps}:mean_step"]
+    assert main([*args, "--json", str(steps)]) == 2
+    assert "is the file --candidate reads" in _one_line_error(capsys)
+    for out, message in (
+        (steps, "does not end in .npz (a recording is an .npz file); pass e.g."),
+        (tmp_path / "noext", "does not end in .npz"),
+    ):
+        assert main(["record", *TINY, "--mesh", "fsdp=4", "--out", str(out)]) == 2
+        assert f"shardcheck record: --out {out} {message}" in _one_line_error(capsys)
+    assert tiny_run.read_bytes() == before and steps.read_text() == STEPS
+
+
+@require_devices(4)
+def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_named(tiny_run, tmp_path, capsys):
+    data = bytearray(tiny_run.read_bytes())
+    data[3000] ^= 0xFF  # one byte of a compressed member: its CRC fails
+    flipped = tmp_path / "flipped.npz"
+    flipped.write_bytes(bytes(data))
+    listed = tmp_path / "listed.npz"
+    np.savez(listed, meta=np.array("[1, 2]"))
+    for path, message in (
+        (flipped, "is a damaged shardcheck recording"),
+        (listed, "is not a shardcheck recording (its metadata is not a JSON object)"),
+    ):
+        assert main(["verify", "--task", "tiny-lm", "--against", str(path)]) == 2
+        assert message in _one_line_error(capsys)
+    assert main(["verify", "--task", "tiny-lm", "--optimizer", "sgd", "--against", str(tiny_run)]) == 2
+    err = _one_line_error(capsys)
+    assert "(the settings differ from the recording's: " in err and "optimizer 'adam' -> 'sgd'" in err
+    out = tmp_path / "against.json"
+    args = ["verify", "--task", "tiny-lm", "--compute-dtype", "bfloat16", "--against", str(tiny_run)]
+    assert main([*args, "--json", str(out)]) == 1
+    run = _json(out)["runs"]["fsdp"]
+    assert "compute_dtype None -> 'bfloat16'" in run["cause"]
+    assert any("The settings differ from the recording's: compute_dtype None -> 'bfloat16'" in n for n in run["notes"])
 
 
 def test_record_help_and_refusals_before_any_step(tmp_path, capsys):

@@ -228,8 +228,9 @@ def test_verify_reference_leaves_itself_out_of_the_default_strategies():
         defaults = verify.DEFAULT_STRATEGIES.split(",")
         assert strategies == [s for s in defaults if s != reference] and len(strategies) == len(defaults) - 1
     args = parser.parse_args(["verify", "--task", "tiny-lm", "--devices", "4", "--reference", "gspmd"])
-    args.strategies = "gspmd,dp"  # asked for by name: kept
-    assert verify._check_args(args)[0] == ["gspmd", "dp"]
+    args.strategies = "gspmd,dp"  # asked for by name: refused, a step against itself proves nothing
+    with pytest.raises(ValueError, match="--strategies gspmd,dp names --reference gspmd itself"):
+        verify._check_args(args)
 
 
 def test_verify_reference_is_checked_before_jax_runs(capsys):

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     sets the garbage collector's thresholds to :data:`CLI_GC_THRESHOLD`; a program that passes ``argv`` keeps its
     own.
     """
-    from shardcheck.cli._common import OUTPUT_FLAGS, check_output_path
+    from shardcheck.cli._common import OUTPUT_FLAGS, check_output_path, check_outputs_apart
 
     if argv is None:
         gc.set_threshold(*CLI_GC_THRESHOLD)
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before any work: an output that cannot be written is refused now, not after the computation
         for flag in OUTPUT_FLAGS:
             check_output_path(command, flag, getattr(args, flag, None))
+        check_outputs_apart(command, args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -184,6 +184,46 @@ def mesh_from_args(args, num_devices: int):
 
 
 OUTPUT_FLAGS = ("json", "plot", "log", "out")
+INPUT_FLAGS = ("against", "candidate", "task")
+"""The flags that name a file a command reads (``--candidate FILE.py:step``, ``--task FILE.py:task``)."""
+
+
+def _input_files(args) -> dict[str, Path]:
+    """``{flag: file}`` of the inputs ``args`` names that exist as files (a ``FILE.py:name`` spec's file)."""
+    out = {}
+    for flag in INPUT_FLAGS:
+        value = getattr(args, flag, None)
+        if not isinstance(value, str):
+            continue
+        path = value.rsplit(":", 1)[0] if ":" in value else value
+        if Path(path).is_file():
+            out[flag] = Path(path)
+    return out
+
+
+def check_outputs_apart(command: str, args) -> None:
+    """Refuse, before any work, an output flag naming a file the command reads (``--json run.npz`` with
+    ``--against run.npz`` would replace the recording with the report), or two outputs naming one file.
+
+    Raises:
+        ValueError: one line naming both flags and the fix.
+    """
+    inputs = _input_files(args)
+    seen: dict[Path, str] = {}
+    for flag in OUTPUT_FLAGS:
+        value = getattr(args, flag, None)
+        if not isinstance(value, str) or value == "-":
+            continue
+        target = Path(value).resolve()
+        for source_flag, source in inputs.items():
+            if source.resolve() == target:
+                raise ValueError(
+                    f"{command}: --{flag} {value} is the file --{source_flag} reads; writing it would replace "
+                    f"it; pass another path to --{flag}"
+                )
+        if target in seen:
+            raise ValueError(f"{command}: --{flag} {value} is also --{seen[target]}; pass another path")
+        seen[target] = flag
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -184,7 +184,7 @@ def _add_output_arguments(p) -> None:
 def _fail(message: str) -> int:
     from rich.console import Console
 
-    Console(file=sys.stderr).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(file=sys.stderr).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return 2
 
 

@@ -115,13 +115,17 @@ def _check_args(args) -> tuple[str | None, int]:
     configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
     import jax
 
+    from shardcheck.parity.recorded import check_out_path
+
+    check_out_path("shardcheck record", args.out, f"--out {args.out}")
     devices = args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
     return (None if args.candidate else args.strategy or DEFAULT_STRATEGY), devices
 
 
 def run_settings(args) -> dict:
     """What the command line knows of a run, for the recording's metadata: the optimizer and its learning rate
-    (a built-in task's; a task file sets its own), the seed, the batch size and the optimizer options."""
+    (a built-in task's; a task file sets its own), the seed, the batch size, tiny-lm's size, the optimizer
+    options and the precision, and the ``--candidate`` spec (a replay's hint names it)."""
     from shardcheck.optimizers import DEFAULT_LR
     from shardcheck.tasks import BUILTIN_TASKS
     from shardcheck.tasks.loading import DEFAULT_OPTIMIZER
@@ -139,6 +143,8 @@ def run_settings(args) -> dict:
         "schedule",
         "compute_dtype",
         "param_dtype",
+        "size",
+        "candidate",
     )
     return {"optimizer": optimizer, "lr": lr} | {k: getattr(args, k, None) for k in keys}
 
@@ -226,9 +232,10 @@ def recorded_defaults(args):
     if args.strategies is None:
         args.strategies = meta["run"] if meta["run_kind"] == "strategy" else "none"
     if args.strategies == "none" and args.candidate is None:
+        spec = meta.get("settings", {}).get("candidate") or f"FILE.py:{meta['run']}"
         raise ValueError(
             f"{fn}: --against {args.against} records the user step {meta['run']!r}; pass it with --candidate "
-            f"FILE.py:{meta['run']} (or another strategy with --strategies)"
+            f"{spec} (or another strategy with --strategies)"
         )
     if args.candidate is not None and args.task is None:
         raise ValueError(
@@ -245,6 +252,7 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
     from shardcheck.parity.recorded import check_replayable, record_run
     from shardcheck.parity.recorded_compare import compare_run
 
+    settings = run_settings(args)
     try:
         check_replayable(
             recording,
@@ -254,10 +262,10 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
             mesh=mesh,
             num_shards=num_shards,
             steps=args.steps,
+            settings=settings,
         )
     except ValueError as err:
         return _fail(err)
-    settings = run_settings(args)
     comparisons = {}
     for label, candidate in runs:
         replayed = record_run(

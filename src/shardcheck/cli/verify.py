@@ -147,7 +147,8 @@ def _add_check_arguments(p) -> None:
 def _fail(message: str) -> int:
     from rich.console import Console
 
-    Console(file=sys.stderr).print(f"[bold red]error:[/] {message}", highlight=False)
+    # soft_wrap: one line whatever the terminal's width (a pipe's is 80 columns)
+    Console(file=sys.stderr).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return 2
 
 
@@ -259,6 +260,11 @@ def _check_args(args) -> tuple[list[str], int]:
     strategies = _parse_strategies(chosen, args.candidate is not None)
     if args.strategies is None:  # the reference strategy against itself is no check
         strategies = [s for s in strategies if s != args.reference]
+    elif args.reference in strategies:
+        raise ValueError(
+            f"shardcheck verify: --strategies {args.strategies} names --reference {args.reference} itself: a step "
+            f"checked against itself proves nothing; drop {args.reference} from --strategies"
+        )
     if args.reference != REFERENCE and args.task is None and args.size is None:
         raise ValueError(
             f"shardcheck verify: --reference {args.reference} needs --task (a built-in task or FILE.py:task); "

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import zipfile
 import platform
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck import _validate
 from shardcheck.parity import _digest
 from shardcheck.parity.candidates import as_candidate, unpack
 from shardcheck.parity.compare import device_snapshot, flatten_state
@@ -158,19 +160,55 @@ class Recording:
         """Write the recording to ``path`` (whole, through a temp file and a rename); returns its size in bytes.
 
         Raises:
-            ValueError: ``path`` is a directory.
-            OSError: the file cannot be written (its folder missing, no permission).
+            TypeError: ``path`` not a str or ``os.PathLike``.
+            ValueError: as :func:`check_out_path`: a directory, a name not ending in ``.npz``, an existing file
+                that is not a recording (never overwritten).
+            OSError: the file cannot be written (no permission, a missing folder's parent a file).
         """
         from shardcheck._io import write_atomic
 
-        if Path(path).is_dir():
-            raise ValueError(
-                f"Recording.save: path {str(path)!r} is a directory; pass a file path such as "
-                f"{str(Path(path) / 'run.npz')!r}"
-            )
+        check_out_path("Recording.save", path)
         data = self.to_bytes()
-        write_atomic(Path(path), data)
+        try:
+            write_atomic(Path(path), data)
+        except OSError as err:
+            raise OSError(f"Recording.save: {str(path)!r} cannot be written: {err.strerror or err}") from err
         return len(data)
+
+
+def is_recording_file(path: Path) -> bool:
+    """Whether ``path`` is an ``.npz`` holding a recording's arrays (its contents not checked)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return {"meta.npy", "names.npy", "steps_norm.npy"} <= names
+
+
+def check_out_path(fn: str, path, shown: str | None = None) -> None:
+    """Refuse a path a recording must not be written to, before any work: not a str or path, a directory, a name
+    not ending in ``.npz``, or an existing file that is not a recording (a source file, a data set: never
+    overwritten; an older recording is).
+
+    Raises:
+        TypeError: ``path`` not a str or ``os.PathLike``.
+        ValueError: one line naming ``shown`` (default: the path) and the fix.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{fn}: path must be a str or os.PathLike, got {type(path).__name__}; pass e.g. 'run.npz'")
+    target = Path(path)
+    shown = f"path {str(path)!r}" if shown is None else shown
+    if target.is_dir():
+        raise ValueError(f"{fn}: {shown} is a directory; pass a file path such as {str(target / 'run.npz')!r}")
+    if target.suffix != ".npz":
+        raise ValueError(
+            f"{fn}: {shown} does not end in .npz (a recording is an .npz file); pass e.g. "
+            f"{str(target.with_suffix('.npz'))!r}"
+        )
+    if target.exists() and not is_recording_file(target):
+        raise ValueError(f"{fn}: {shown} exists and is not a shardcheck recording, so it is not overwritten; pass "
+                         "another path")
 
 
 def checksum(meta: Mapping, arrays: Mapping[str, np.ndarray]) -> str:
@@ -368,9 +406,11 @@ def record_run(
             step returning no scalar loss, None or ``{"loss", "grads"}``.
         ValueError: as :func:`~shardcheck.check_parity` before any step: an unknown strategy, ``steps`` beyond the
             task's batches, a batch that does not split into S shards, a model with batch statistics.
+        TypeError: ``settings`` not a mapping of str to JSON values.
         CandidateError: the step raised (the original error is its ``__cause__``).
     """
     fn = "record_run"
+    settings = _check_settings(fn, settings)
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
@@ -395,6 +435,20 @@ def record_run(
     return _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
 
 
+def _check_settings(fn: str, settings) -> dict:
+    """``settings`` as a dict of JSON values (the metadata is JSON), or one line naming the fix."""
+    if settings is None:
+        return {}
+    rule = "a mapping of str to JSON values (str, numbers, bools, None, lists, dicts), e.g. {'lr': 0.01}"
+    if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
+        raise TypeError(f"{fn}: settings must be {rule}, got {type(settings).__name__}")
+    try:
+        json.dumps(dict(settings), allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{fn}: settings must be {rule}: {err}") from None
+    return dict(settings)
+
+
 def _recording(fn, task, data, candidate, cand, mesh, digests, settings) -> Recording:
     initial, rows, shapes, indices = digests
     order = {n: i for i, n in enumerate(KINDS)}
@@ -410,7 +464,7 @@ def _recording(fn, task, data, candidate, cand, mesh, digests, settings) -> Reco
         "num_shards": cand.num_shards,
         "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
         "steps": len(data),
-        "settings": dict(settings or {}),
+        "settings": settings,
         "versions": _versions(),
         "platform": _platform(),
     }
@@ -434,12 +488,13 @@ def _cli(fn: str) -> bool:
 
 
 def _not_a_recording(fn: str, shown: str, path, why: str) -> ValueError:
-    if _cli(fn):
-        out = path if str(path).endswith(".npz") else "run.npz"  # never suggest overwriting a file of another kind
-        fix = f"record one with shardcheck record --out {out}"
-    else:
-        fix = "record one with record_run(...).save(path)"
-    return ValueError(f"{fn}: {shown} is not a shardcheck recording ({why}); {fix}")
+    # never suggests writing over the file: it may be the user's own of another kind
+    fix = "shardcheck record ... --out RUN.npz" if _cli(fn) else "record_run(...).save('RUN.npz')"
+    return ValueError(f"{fn}: {shown} is not a shardcheck recording ({why}); record one with {fix}")
+
+
+def _damaged(fn: str, shown: str, why: str) -> ValueError:
+    return ValueError(f"{fn}: {shown} is a damaged shardcheck recording ({why}); record it again")
 
 
 def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
@@ -448,18 +503,29 @@ def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
     Raises:
         ValueError: a missing file, or one NumPy cannot read as an ``.npz`` without pickles.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"{fn}: path must be a str or os.PathLike naming the .npz Recording.save wrote, got "
+            f"{type(path).__name__}"
+        )
     if not Path(path).is_file():
         raise ValueError(
             f"{fn}: {shown} does not exist or is not a file; pass the file "
             f"{'shardcheck record' if _cli(fn) else 'Recording.save'} wrote"
         )
     if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            truncated = f.read(4) == b"PK\x03\x04"  # a zip's first member, its directory (at the end) gone
+        if truncated:
+            raise _damaged(fn, shown, "a truncated .npz archive")
         raise _not_a_recording(fn, shown, path, "not an .npz archive")
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
     except Exception as err:  # BadZipFile, a pickled array, a truncated member ...
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if is_recording_file(Path(path)):
+            raise _damaged(fn, shown, f"cannot be read: {why}") from None
         raise _not_a_recording(fn, shown, path, f"cannot be read as .npz: {why}") from None
 
 
@@ -470,19 +536,17 @@ def _meta(fn: str, path, shown: str, arrays: dict) -> dict:
         meta = json.loads(str(arrays["meta"][()]))
     except (ValueError, TypeError, IndexError):
         raise _not_a_recording(fn, shown, path, "its metadata is not JSON") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise _not_a_recording(fn, shown, path, f"its format is {found!r}")
+    if not isinstance(meta, dict):
+        raise _not_a_recording(fn, shown, path, "its metadata is not a JSON object")
+    if meta.get("format") != FORMAT:
+        raise _not_a_recording(fn, shown, path, f"its format is {meta.get('format')!r}")
     if meta.get("version") != VERSION:
         raise ValueError(
             f"{fn}: {shown} is a recording of format version {meta.get('version')!r}; this shardcheck reads version "
             f"{VERSION}; record it again with this version"
         )
     if meta.get("checksum") != checksum(meta, arrays):
-        raise ValueError(
-            f"{fn}: {shown} is a damaged shardcheck recording (its contents do not match its checksum: edited, "
-            "truncated or corrupted); record it again"
-        )
+        raise _damaged(fn, shown, "its contents do not match its checksum: edited, truncated or corrupted")
     return meta
 
 
@@ -530,10 +594,18 @@ def load_recording(
         The recording.
 
     Raises:
+        TypeError: ``path`` not a str or path, ``task`` not a Task, ``steps`` not an int.
         ValueError: one line naming the file and the fix: a missing or unreadable file, one that is not a
-            shardcheck recording or is damaged, another format version; with ``task``, as
-            :func:`check_replayable`.
+            shardcheck recording or is damaged (truncated, corrupted or edited: its checksum), another format
+            version, ``steps`` < 1; with ``task``, as :func:`check_replayable`.
     """
+    if task is not None and not isinstance(task, Task):
+        raise TypeError(
+            f"{fn}: task must be a shardcheck.Task (the replay's, e.g. load_task('tiny-lm')), got "
+            f"{type(task).__name__}"
+        )
+    if steps is not None:
+        steps = _validate.check_int(fn, "steps", steps)
     shown = str(path) if name is None else name
     arrays = _read_npz(fn, path, shown)
     meta = _meta(fn, path, shown, arrays)
@@ -556,10 +628,7 @@ def load_recording(
         ):
             raise KeyError("leaves")
     except (KeyError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"{fn}: {shown} is a damaged shardcheck recording ({str(err).strip(repr(''))} is missing or malformed); "
-            "record it again"
-        ) from None
+        raise _damaged(fn, shown, f"{str(err).strip(repr(''))} is missing or malformed") from None
     if task is not None:
         check_replayable(recording, task, fn=fn, path=shown, mesh=mesh, num_shards=num_shards, steps=steps)
     return recording
@@ -589,8 +658,29 @@ def _first_difference(recorded: list, now: list, what: str) -> str:
     return f"{what} {extra!r} is in this run but not recorded"
 
 
+def settings_diff(was: Mapping | None, now: Mapping | None, skip: tuple[str, ...] = ()) -> list[str]:
+    """``["optimizer 'adam' -> 'sgd'", ...]``: the settings both runs record (``record_run(settings=)``) with
+    different values, in the recorded order, less ``skip``."""
+    was, now = was or {}, now or {}
+    return [f"{k} {was[k]!r} -> {now[k]!r}" for k in was if k in now and k not in skip and was[k] != now[k]]
+
+
+def _settings_words(fn: str, was: Mapping | None, now: Mapping | None) -> str:
+    """``" (the settings differ from the recording's: ...)"``, or ``""``; ``candidate`` (a spec) not counted."""
+    diff = settings_diff(was, now, skip=("candidate",))
+    return f" (the settings differ from the recording's: {', '.join(diff)})" if diff else ""
+
+
 def check_replayable(
-    recording: Recording, task: Task, *, fn: str, path, mesh=None, num_shards=None, steps=None
+    recording: Recording,
+    task: Task,
+    *,
+    fn: str,
+    path,
+    mesh=None,
+    num_shards=None,
+    steps=None,
+    settings: Mapping | None = None,
 ):
     """Refuse, before any step, a replay that cannot be compared with ``recording``.
 
@@ -604,6 +694,8 @@ def check_replayable(
         fn: how messages name the caller; path: how they name the file.
         mesh, num_shards, steps: the replay's (``num_shards`` None: the mesh's batch shards; ``steps`` None: the
             recorded number).
+        settings: the replay's ``record_run(settings=)``, when known: the settings that differ from the
+            recording's are named in a refusal (``optimizer 'adam' -> 'sgd'``).
 
     Raises:
         ValueError: one line naming the file, what differs and the fix.
@@ -619,7 +711,9 @@ def check_replayable(
     # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
     if num_shards != meta["num_shards"] or (axes and meta["mesh"] and axes != meta["mesh"]):
         was, now = _mesh_text(meta["mesh"], meta["num_shards"]), _mesh_text(axes, num_shards)
-        if meta["mesh"]:
+        if meta["mesh"] and axes == meta["mesh"]:  # the mesh given, another S asked for
+            flag = _flag(fn, f"--mesh {was.split(' ')[0]} alone", f"num_shards={meta['num_shards']} (or None)")
+        elif meta["mesh"]:
             flag = _flag(fn, f"--mesh {was.split(' ')[0]}", f"a mesh of {was.split(' ')[0]}")
         else:
             flag = _flag(fn, f"--devices {meta['num_shards']}", f"num_shards={meta['num_shards']}")
@@ -633,25 +727,32 @@ def check_replayable(
             f"{_flag(fn, '--steps ', 'steps=')}{recording.num_steps} or fewer, or record more"
         )
     now = task_facts(fn, task, list(task.batches[:steps]))
+    differ = _settings_words(fn, meta.get("settings"), settings)
     for t in range(steps):
         if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"]:
             raise ValueError(
-                f"{fn}: {path} recorded batch {t} with leaves {meta['batches'][t]['leaves']}, this run's are "
-                f"{now['batches'][t]['leaves']}; replay with the recorded {_flag(fn, '--batch-size', 'batch size')} "
-                "and data"
+                f"{fn}: {path} recorded batch {t} as {_batch_text(meta['batches'][t]['leaves'])}, this run's is "
+                f"{_batch_text(now['batches'][t]['leaves'])}{differ}; replay with the recorded batch size, "
+                "sequence length and data, or record again"
             )
     if meta["fingerprint"] != fingerprint(now["state_leaves"], meta["batches"]):
         why = _first_difference(meta["state_leaves"], now["state_leaves"], "leaf")
         raise ValueError(
-            f"{fn}: {path} records another model or optimizer state: {why}; record this task again"
+            f"{fn}: {path} records another model or optimizer state: {why}{differ}; replay with the recorded "
+            "settings, or record this task again"
         )
     for t in range(steps):
         if meta["batches"][t]["sha256"] != now["batches"][t]["sha256"]:
             raise ValueError(
-                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs): another "
-                f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded settings "
-                f"{meta.get('settings') or {}}, or record again"
+                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs){differ or ''}: another "
+                f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded data, or record "
+                "again"
             )
+
+
+def _batch_text(leaves: list) -> str:
+    """A batch's ``[[path, shape, dtype], ...]`` in words: ``['tokens'] 16x32 int32, ['mask'] 16x32 float32``."""
+    return ", ".join(f"{p} {'x'.join(map(str, s)) or 'scalar'} {d}" for p, s, d in leaves)
 
 
 __all__ = ["Digests", "Recording", "check_replayable", "load_recording", "record_run", "state_leaves"]

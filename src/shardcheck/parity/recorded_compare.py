@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardcheck.parity._digest import SAMPLES
-from shardcheck.parity.recorded import KINDS, Digests, Recording
+from shardcheck.parity.recorded import KINDS, Digests, Recording, settings_diff
+from shardcheck.parity.setup import _check_tolerances
 from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -167,8 +168,9 @@ class RunComparison:
         lines = [head]
         if self.first_failure is not None:
             e = self.first_failure
+            where = "the initial state" if e.step < 0 else f"step {e.step}"
             lines.append(
-                f"first failure: step {e.step}, {e.name}: {e.evidence} recorded {e.recorded}, replayed {e.replayed} "
+                f"first failure: {where}, {e.name}: {e.evidence} recorded {e.recorded}, replayed {e.replayed} "
                 f"(allowed {e.allowed:.3g})"
             )
             lines.append(f"cause: {self.cause}")
@@ -442,11 +444,12 @@ def compare_run(
 
     Raises:
         TypeError: either argument not a :class:`~shardcheck.parity.recorded.Recording`.
-        ValueError: the two are runs of different tasks.
+        ValueError: the two are runs of different tasks; ``rtol`` / ``atol`` not a number >= 0.
         KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.recorded.load_recording`
             checks (one built by hand).
     """
     _check_pair(recording, replayed)
+    _check_tolerances("compare_run", rtol, atol)
     steps = min(recording.num_steps, replayed.num_steps)
     kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
     same = kinds == ("candidate", "candidate") or (
@@ -551,9 +554,13 @@ def _gradient_words(f: float, s: int | None) -> str:
     return f"{text}: the loss's scale or its reduction changed"
 
 
+def _lr(meta: Mapping):
+    return (meta.get("settings") or {}).get("lr")
+
+
 def _update_words(k: float, was: Mapping, now: Mapping, grads_recorded: bool, s: int | None) -> str:
     text = f"the update is {k:.3g}x the recorded one"
-    lr_was, lr_now = was.get("settings", {}).get("lr"), now.get("settings", {}).get("lr")
+    lr_was, lr_now = _lr(was), _lr(now)
     if lr_was is not None and lr_now is not None and lr_was != lr_now:
         return f"{text}: the learning rate differs (recorded {lr_was:g}, this run {lr_now:g})"
     text += ": a changed learning rate?"
@@ -570,10 +577,16 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
         tail = f" (and {more} more leaf/leaves)" if more else ""
         if e.evidence == "missing":
             return f"{e.name} is recorded but this run has none{tail}"
+        if e.evidence == "sharding" and was.get("mesh") != now.get("mesh"):
+            return (
+                f"recorded on mesh {_axes(was.get('mesh'))}, replayed on {_axes(now.get('mesh'))}: another mesh "
+                f"places the leaves elsewhere ({e.name}: {e.recorded} -> {e.replayed}{tail}); replay on the "
+                "recorded mesh (load_recording(path, task=..., mesh=...) refuses another)"
+            )
         return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
     if t < 0:
         return (
-            "the initial state differs from the recorded one: another --seed, initializer or model; every later step "
+            "the initial state differs from the recorded one: another seed, initializer or model; every later step "
             "starts elsewhere"
         )
     s = was.get("num_shards")
@@ -582,7 +595,10 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
     if grad is not None:
         parts.append(_gradient_words(grad, s))
     update = _scale([e.ratio for e in at_t if e.kind == "param"])
-    if update is not None and not (grad is not None and _near(update, grad)):
+    lr_differs = _lr(was) is not None and _lr(now) is not None and _lr(was) != _lr(now)
+    # gradients off by a factor explain any update (a normalizing optimizer's is not k times); only a changed
+    # learning rate is named beside them
+    if update is not None and (grad is None or lr_differs) and not (grad is not None and _near(update, grad)):
         parts.append(_update_words(update, was, now, grads_recorded, s))
     counters = [e for e in at_t if e.kind == "counter" and e.ratio is not None]
     if counters:
@@ -591,8 +607,14 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
             f"{e.name} reads {e.replayed:g} where the recording has {e.recorded:g}: the optimizer stepped "
             f"{e.ratio:g} times per step"
         )
+    differ = settings_diff(was.get("settings"), now.get("settings"), skip=("lr", "candidate"))
     if parts:
-        return "; ".join(parts)
+        return "; ".join(parts) + (f" (the settings differ: {', '.join(differ)})" if differ else "")
+    if differ:
+        return (
+            f"the run's settings differ from the recording's ({', '.join(differ)}): it is another run, compared "
+            "as if it were the same"
+        )
     if {e.kind for e in at_t} == {"loss"}:
         return "only the loss differs (its gradients and updates match): the loss's reduction or its normalization"
     if any(e.kind == "loss" for e in at_t):
@@ -665,10 +687,20 @@ def _notes(recording: Recording, replayed: Recording, first, steps: int, same: b
         )
     if steps < recording.num_steps:
         notes.append(f"Compared the first {steps} of the {recording.num_steps} recorded steps.")
+    if steps < replayed.num_steps:
+        notes.append(f"Compared the {steps} recorded step(s); the replay's {replayed.num_steps - steps} later ones "
+                     "have nothing to compare with.")
+    differ = settings_diff(was.get("settings"), now.get("settings"), skip=("candidate",))
+    if differ:
+        notes.append(f"The settings differ from the recording's: {', '.join(differ)}.")
     for key in ("versions", "platform"):
         if was.get(key) != now.get(key):
             notes.append(f"Recorded with {key} {_short(was.get(key))}; this run: {_short(now.get(key))}.")
     return notes
+
+
+def _axes(mesh: Mapping | None) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "none (one device a shard)"
 
 
 def _processes(meta: Mapping) -> int:
