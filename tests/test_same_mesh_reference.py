@@ -271,3 +271,54 @@ def test_size_names_a_tiny_lm_configuration_for_verify_and_record():
             ValueError, match="--size is a size of the tiny-lm task; drop --task digits or --size"
         ):
             task_from_args(args, default_optimizer="sgd", batch_size=None, steps=2)
+
+
+@pytest.mark.multiprocess
+def test_verify_reference_gspmd_under_launch(tmp_path):
+    """2 processes x 4 devices on data=2,model=4: the state spans both processes (no process holds all of it);
+    dp PASSes against gspmd, and a copy of the example's step without its psum over 'model' FAILs with the
+    diagnosis it gets on one process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "megatron_mlp.py"
+    text = example.read_text()
+    faulty = text.replace('reduce=lambda y: jax.lax.psum(y, "model")', "reduce=lambda y: y")
+    faulty = faulty.replace("out_specs=(P(), specs))", "out_specs=(P(), specs), check_vma=False)")
+    assert faulty != text and "check_vma=False" in faulty
+    (tmp_path / "no_psum.py").write_text(faulty)
+    out = tmp_path / "verify.json"
+    launch = [sys.executable, "-m", "shardcheck", "launch", "--processes", "2", "--devices-per-process", "4"]
+    argv = ["verify", "--task", f"{example}:task", "--mesh", "data=2,model=4", "--reference", "gspmd"]
+    argv += ["--strategies", "dp", "--candidate", f"{tmp_path / 'no_psum.py'}:step", "--steps", "2"]
+    done = subprocess.run(
+        [*launch, "--timeout", "200", "--", *argv, "--json", str(out)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["reference"] == "gspmd on data=2,model=4"
+    runs = report["strategies"]
+    assert runs["dp"]["verdict"] == "PASS"
+    assert runs["candidate"]["verdict"] == "FAIL" and runs["candidate"]["codes"][0] == "wrong_axis_reduction"
+
+
+@pytest.mark.multiprocess
+def test_verify_reference_gspmd_on_a_builtin_task_under_launch(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "verify.json"
+    launch = [sys.executable, "-m", "shardcheck", "launch", "--processes", "2", "--devices-per-process", "2"]
+    argv = ["verify", "--task", "tiny-lm", "--mesh", "fsdp=4", "--reference", "gspmd", "--strategies", "fsdp"]
+    done = subprocess.run(
+        [*launch, "--timeout", "200", "--", *argv, "--steps", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["reference"] == "gspmd on fsdp=4" and report["strategies"]["fsdp"]["verdict"] == "PASS"

@@ -121,7 +121,11 @@ def counter_error(step, path, ref, cand) -> LeafError:
 
 def is_int(a) -> bool:
     """Whether ``a`` holds integers or booleans (compared exactly)."""
-    return np.dtype(np.asarray(a).dtype).kind in "iub"
+    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype  # an array over processes has no value here
+    try:
+        return np.dtype(dtype).kind in "iub"
+    except TypeError:  # a PRNG key's dtype
+        return False
 
 
 # ------------------------------------------------------------------------------------- on-device statistics

@@ -99,7 +99,7 @@ class Precision:
         compute = _check_dtype(fn, "compute_dtype", compute_dtype)
         params = _check_dtype(fn, "param_dtype", param_dtype)
         leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
-        stored = _least_precise(np.asarray(v[...]).dtype for _, v in leaves) or ACCUMULATION_DTYPE
+        stored = _least_precise(jnp.asarray(v[...]).dtype for _, v in leaves) or ACCUMULATION_DTYPE
         layer = [getattr(m, "dtype", None) for _, m in nnx.iter_modules(model)]
         declared = _least_precise(layer) or ACCUMULATION_DTYPE  # the layers' own compute dtypes only
         for name, override, read in (("param_dtype", params, stored), ("compute_dtype", compute, declared)):
