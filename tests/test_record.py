@@ -254,8 +254,11 @@ def test_a_replay_on_another_mesh_or_of_more_steps_is_named_so(identical_pair):
         recorded,
         meta=recorded.meta | {"steps": 1},
         steps=dataclasses.replace(
-            recorded.steps, **{f: getattr(recorded.steps, f)[:1] for f in ("present", "sharding", "norm", "max",
-                                                                            "update", "samples", "sha256")}
+            recorded.steps,
+            **{
+                f: getattr(recorded.steps, f)[:1]
+                for f in ("present", "sharding", "norm", "max", "update", "samples", "sha256")
+            },
         ),
     )
     comparison = compare_run(one, replayed)
@@ -265,9 +268,9 @@ def test_a_replay_on_another_mesh_or_of_more_steps_is_named_so(identical_pair):
 
 @require_devices(2)
 def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp_path):
+    from shardcheck.mesh import make_mesh
     from shardcheck.parity.recorded import load_recording
     from shardcheck.parity.recorded_compare import compare_run
-    from shardcheck.mesh import make_mesh
     from shardcheck.tasks import load_task
 
     recorded, replayed = identical_pair
@@ -293,20 +296,34 @@ def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp
     # wrong types and values: the function, the argument and the fix, never a library's raw error
     refusals = [
         (lambda: load_recording(123), TypeError, "load_recording: path must be a str or os.PathLike"),
-        (lambda: load_recording(path, task="diabetes"), TypeError, "load_recording: task must be a shardcheck.Task"),
+        (
+            lambda: load_recording(path, task="diabetes"),
+            TypeError,
+            "load_recording: task must be a shardcheck.Task",
+        ),
         (lambda: load_recording(path, steps="2"), TypeError, "load_recording: steps must be a positive int"),
         (lambda: load_recording(path, steps=0), ValueError, "load_recording: steps must be a positive int"),
         (lambda: recorded.save(123), TypeError, "Recording.save: path must be a str or os.PathLike"),
         (lambda: recorded.save(tmp_path / "notes.txt"), ValueError, "does not end in .npz"),
-        (lambda: compare_run(recorded, replayed, rtol=-1), ValueError, "compare_run: rtol must be a number >= 0"),
-        (lambda: compare_run(recorded, replayed, atol=float("nan")), ValueError, "atol must be a number >= 0"),
+        (
+            lambda: compare_run(recorded, replayed, rtol=-1),
+            ValueError,
+            "compare_run: rtol must be a number >= 0",
+        ),
+        (
+            lambda: compare_run(recorded, replayed, atol=float("nan")),
+            ValueError,
+            "atol must be a number >= 0",
+        ),
     ]
     for call, kind, message in refusals:
         with pytest.raises(kind, match=message):
             call()
     foreign = tmp_path / "data.npz"
     np.savez(foreign, x=np.arange(3))
-    with pytest.raises(ValueError, match="exists and is not a shardcheck recording, so it is not overwritten"):
+    with pytest.raises(
+        ValueError, match="exists and is not a shardcheck recording, so it is not overwritten"
+    ):
         recorded.save(foreign)
     assert np.load(foreign)["x"].tolist() == [0, 1, 2]
     assert recorded.save(path) > 0  # an older recording is overwritten
@@ -477,11 +494,16 @@ def test_files_of_another_kind_are_refused_naming_what_they_are(tiny_run, tmp_pa
         arrays = {k: npz[k] for k in npz.files}
     np.savez(text_meta, **(arrays | {"meta": np.array("not json")}))
     edited = tmp_path / "edited.npz"
-    arrays["steps_norm"] = arrays["steps_norm"] * 1.5  # a digest changed after record wrote it, metadata intact
+    arrays["steps_norm"] = (
+        arrays["steps_norm"] * 1.5
+    )  # a digest changed after record wrote it, metadata intact
     np.savez(edited, **arrays)
     cases = [
-        (script, "is not a shardcheck recording (not an .npz archive); record one with shardcheck record ... --out "
-         "RUN.npz"),
+        (
+            script,
+            "is not a shardcheck recording (not an .npz archive); record one with shardcheck record ... --out "
+            "RUN.npz",
+        ),
         (text_meta, "is not a shardcheck recording (its metadata is not JSON)"),
         (edited, "is a damaged shardcheck recording (its contents do not match its checksum"),
     ]
@@ -512,7 +534,9 @@ def test_outputs_never_overwrite_what_the_command_reads(tiny_run, tmp_path, caps
 
 
 @require_devices(4)
-def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_named(tiny_run, tmp_path, capsys):
+def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_named(
+    tiny_run, tmp_path, capsys
+):
     data = bytearray(tiny_run.read_bytes())
     data[3000] ^= 0xFF  # one byte of a compressed member: its CRC fails
     flipped = tmp_path / "flipped.npz"
@@ -533,7 +557,10 @@ def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_nam
     assert main([*args, "--json", str(out)]) == 1
     run = _json(out)["runs"]["fsdp"]
     assert "compute_dtype None -> 'bfloat16'" in run["cause"]
-    assert any("The settings differ from the recording's: compute_dtype None -> 'bfloat16'" in n for n in run["notes"])
+    assert any(
+        "The settings differ from the recording's: compute_dtype None -> 'bfloat16'" in n
+        for n in run["notes"]
+    )
 
 
 def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
@@ -558,7 +585,10 @@ def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("task", "mesh"),
     [
-        (["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"], "fsdp=4"),
+        (
+            ["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"],
+            "fsdp=4",
+        ),
         (["--task", ANNOTATED, "--steps", "2"], "data=2,fsdp=2"),  # a user's task file
     ],
     ids=["builtin", "task-file"],

@@ -294,7 +294,10 @@ def test_verify_reference_gspmd_under_launch(tmp_path):
     argv = ["verify", "--task", f"{example}:task", "--mesh", "data=2,model=4", "--reference", "gspmd"]
     argv += ["--strategies", "dp", "--candidate", f"{tmp_path / 'no_psum.py'}:step", "--steps", "2"]
     done = subprocess.run(
-        [*launch, "--timeout", "200", "--", *argv, "--json", str(out)], capture_output=True, text=True, timeout=240
+        [*launch, "--timeout", "200", "--", *argv, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 1, done.stderr[-3000:]
     report = json.loads(out.read_text())

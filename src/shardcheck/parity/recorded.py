@@ -18,8 +18,8 @@ import hashlib
 import io
 import json
 import os
-import zipfile
 import platform
+import zipfile
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -196,25 +196,33 @@ def check_out_path(fn: str, path, shown: str | None = None) -> None:
         ValueError: one line naming ``shown`` (default: the path) and the fix.
     """
     if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"{fn}: path must be a str or os.PathLike, got {type(path).__name__}; pass e.g. 'run.npz'")
+        raise TypeError(
+            f"{fn}: path must be a str or os.PathLike, got {type(path).__name__}; pass e.g. 'run.npz'"
+        )
     target = Path(path)
     shown = f"path {str(path)!r}" if shown is None else shown
     if target.is_dir():
-        raise ValueError(f"{fn}: {shown} is a directory; pass a file path such as {str(target / 'run.npz')!r}")
+        raise ValueError(
+            f"{fn}: {shown} is a directory; pass a file path such as {str(target / 'run.npz')!r}"
+        )
     if target.suffix != ".npz":
         raise ValueError(
             f"{fn}: {shown} does not end in .npz (a recording is an .npz file); pass e.g. "
             f"{str(target.with_suffix('.npz'))!r}"
         )
     if target.exists() and not is_recording_file(target):
-        raise ValueError(f"{fn}: {shown} exists and is not a shardcheck recording, so it is not overwritten; pass "
-                         "another path")
+        raise ValueError(
+            f"{fn}: {shown} exists and is not a shardcheck recording, so it is not overwritten; pass "
+            "another path"
+        )
 
 
 def checksum(meta: Mapping, arrays: Mapping[str, np.ndarray]) -> str:
     """sha256 (hex) of ``meta`` without its ``checksum`` (sorted JSON) and of every array but ``meta`` (by name:
     its dtype, shape and bytes)."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()
+    )
     for key in sorted(k for k in arrays if k != "meta"):
         a = np.ascontiguousarray(arrays[key])
         h.update(f"{key} {a.dtype.str} {a.shape}".encode())
@@ -665,7 +673,7 @@ def settings_diff(was: Mapping | None, now: Mapping | None, skip: tuple[str, ...
     return [f"{k} {was[k]!r} -> {now[k]!r}" for k in was if k in now and k not in skip and was[k] != now[k]]
 
 
-def _settings_words(fn: str, was: Mapping | None, now: Mapping | None) -> str:
+def _settings_words(was: Mapping | None, now: Mapping | None) -> str:
     """``" (the settings differ from the recording's: ...)"``, or ``""``; ``candidate`` (a spec) not counted."""
     diff = settings_diff(was, now, skip=("candidate",))
     return f" (the settings differ from the recording's: {', '.join(diff)})" if diff else ""
@@ -712,7 +720,9 @@ def check_replayable(
     if num_shards != meta["num_shards"] or (axes and meta["mesh"] and axes != meta["mesh"]):
         was, now = _mesh_text(meta["mesh"], meta["num_shards"]), _mesh_text(axes, num_shards)
         if meta["mesh"] and axes == meta["mesh"]:  # the mesh given, another S asked for
-            flag = _flag(fn, f"--mesh {was.split(' ')[0]} alone", f"num_shards={meta['num_shards']} (or None)")
+            flag = _flag(
+                fn, f"--mesh {was.split(' ')[0]} alone", f"num_shards={meta['num_shards']} (or None)"
+            )
         elif meta["mesh"]:
             flag = _flag(fn, f"--mesh {was.split(' ')[0]}", f"a mesh of {was.split(' ')[0]}")
         else:
@@ -727,7 +737,7 @@ def check_replayable(
             f"{_flag(fn, '--steps ', 'steps=')}{recording.num_steps} or fewer, or record more"
         )
     now = task_facts(fn, task, list(task.batches[:steps]))
-    differ = _settings_words(fn, meta.get("settings"), settings)
+    differ = _settings_words(meta.get("settings"), settings)
     for t in range(steps):
         if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"]:
             raise ValueError(
@@ -744,7 +754,7 @@ def check_replayable(
     for t in range(steps):
         if meta["batches"][t]["sha256"] != now["batches"][t]["sha256"]:
             raise ValueError(
-                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs){differ or ''}: another "
+                f"{fn}: {path} recorded other data at batch {t} (its sha256 differs){differ}: another "
                 f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded data, or record "
                 "again"
             )

@@ -618,7 +618,11 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
     if {e.kind for e in at_t} == {"loss"}:
         return "only the loss differs (its gradients and updates match): the loss's reduction or its normalization"
     if any(e.kind == "loss" for e in at_t):
-        start = "the initial parameters" if t == 0 else f"parameters that matched the recording after step {t - 1}"
+        start = (
+            "the initial parameters"
+            if t == 0
+            else f"parameters that matched the recording after step {t - 1}"
+        )
         return (
             f"the loss at step {t} differs, from {start}, and the gradients and updates share no factor: the forward "
             "pass computes another value (a reduction missing over a tensor-parallel axis, another mask, model or "
@@ -688,8 +692,10 @@ def _notes(recording: Recording, replayed: Recording, first, steps: int, same: b
     if steps < recording.num_steps:
         notes.append(f"Compared the first {steps} of the {recording.num_steps} recorded steps.")
     if steps < replayed.num_steps:
-        notes.append(f"Compared the {steps} recorded step(s); the replay's {replayed.num_steps - steps} later ones "
-                     "have nothing to compare with.")
+        notes.append(
+            f"Compared the {steps} recorded step(s); the replay's {replayed.num_steps - steps} later ones "
+            "have nothing to compare with."
+        )
     differ = settings_diff(was.get("settings"), now.get("settings"), skip=("candidate",))
     if differ:
         notes.append(f"The settings differ from the recording's: {', '.join(differ)}.")
