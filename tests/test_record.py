@@ -219,6 +219,38 @@ def test_a_loss_off_with_gradients_at_ratio_1_is_named_a_forward_change(identica
     assert "learning rate" not in comparison.cause
 
 
+@require_devices(2)
+@pytest.mark.parametrize("gradients_in", ["recording", "replay"])
+def test_a_rounding_level_gradient_of_either_run_sets_the_allowance(identical_pair, gradients_in):
+    """A parameter whose gradient is at rounding level under Adam may move by twice its update between two
+    correct runs: the allowance is read from the recording's gradients, or from the replay's where the
+    recording's step returned none (and the other way round)."""
+    from shardcheck.parity.recorded_compare import _only, compare_run
+
+    recorded, replayed = identical_pair
+    param = next(n for n in recorded.names if n.startswith("param ") and n.endswith("bias"))
+    grad, p = recorded.names.index("grad " + param.removeprefix("param ")), recorded.names.index(param)
+    update = float(recorded.steps.update[0, p])
+
+    def rounding_level(a):  # the gradient is rounding noise
+        a[:, grad] = 0.0
+        return a
+
+    def moved(a):  # the noise's lr-sized step taken with another sign: 1.5 times the update
+        a[0, p, 0] += 1.5 * update
+        return a
+
+    zeroed = {f: rounding_level for f in ("max", "norm")}
+    without = [n for n in recorded.names if not n.startswith("grad ")]
+    if gradients_in == "recording":
+        recording, replay = _changed(recorded, **zeroed), _only(_changed(replayed, samples=moved), without)
+    else:
+        recording, replay = _only(recorded, without), _changed(replayed, samples=moved, **zeroed)
+    assert compare_run(recording, replay).ok
+    # without the allowance the same move fails: the gradient is not at rounding level
+    assert not compare_run(recorded, _changed(replayed, samples=moved)).ok
+
+
 @require_devices(8)
 def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
     """The Megatron step without its psum over ``model``, replayed against a recording of the correct one."""
@@ -315,6 +347,11 @@ def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp
             ValueError,
             "atol must be a number >= 0",
         ),
+        (
+            lambda: compare_run(recorded, replayed, rtol=float("inf")),
+            ValueError,
+            "rtol must be a number >= 0 and finite",
+        ),
     ]
     for call, kind, message in refusals:
         with pytest.raises(kind, match=message):
@@ -335,6 +372,32 @@ def test_record_run_refuses_settings_that_are_not_json_before_any_step():
     for settings in ([1, 2], "abc", {"lr": object()}, {1: 2}):
         with pytest.raises(TypeError, match="record_run: settings must be a mapping of str to JSON values"):
             record_run(None, "dp", settings=settings)
+    for name in (5, "  "):
+        with pytest.raises(TypeError, match="record_run: name must be a non-empty str"):
+            record_run(None, "dp", name=name)
+
+
+@require_devices(2)
+def test_first_moments_off_by_s_name_a_sum_for_a_mean_without_gradients(identical_pair):
+    """A recording without gradients: Adam's first moments x S carry the gradients' scale."""
+    from shardcheck.parity.recorded_compare import _only, compare_run
+
+    recorded, replayed = identical_pair
+    mu = [i for i, n in enumerate(recorded.names) if ".mu." in f".{n}."]
+    nu = [i for i, n in enumerate(recorded.names) if ".nu." in f".{n}."]
+
+    def times(k, cols):
+        def change(a):
+            a[0, cols] *= k
+            return a
+
+        return change
+
+    without = [n for n in recorded.names if not n.startswith("grad ")]
+    scaled = _changed(_changed(replayed, norm=times(2.0, mu)), norm=times(4.0, nu))
+    comparison = compare_run(_only(recorded, without), _only(scaled, without))
+    assert "first moments (mu), and so the gradients it was given, are 2x" in comparison.cause
+    assert "(S = 2): a sum where a mean was meant" in comparison.cause
 
 
 # ---------------------------------------------------------------------------------------- the command line
@@ -517,6 +580,16 @@ def test_files_of_another_kind_are_refused_naming_what_they_are(tiny_run, tmp_pa
 @require_devices(4)
 def test_outputs_never_overwrite_what_the_command_reads(tiny_run, tmp_path, capsys):
     before = tiny_run.read_bytes()
+    other = tmp_path / "other.npz"
+    other.write_bytes(before)  # another recording, not read by this command: --json still leaves it alone
+    assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), "--json", str(other)]) == 2
+    assert f"--json {other} exists and is not a JSON file" in _one_line_error(capsys)
+    assert other.read_bytes() == before
+    for flag, value in (("--rtol", "inf"), ("--atol", "-1")):
+        assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), flag, value]) == 2
+        assert f"shardcheck verify: {flag} must be a number >= 0 and finite" in _one_line_error(capsys)
+    assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), "--strategies", "none"]) == 2
+    assert "--strategies none and no --candidate leave nothing to replay" in _one_line_error(capsys)
     assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), "--json", str(tiny_run)]) == 2
     assert f"--json {tiny_run} is the file --against reads" in _one_line_error(capsys)
     steps = tmp_path / "my_steps.py"
@@ -556,9 +629,9 @@ def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_nam
     args = ["verify", "--task", "tiny-lm", "--compute-dtype", "bfloat16", "--against", str(tiny_run)]
     assert main([*args, "--json", str(out)]) == 1
     run = _json(out)["runs"]["fsdp"]
-    assert "compute_dtype None -> 'bfloat16'" in run["cause"]
+    assert "compute_dtype default -> 'bfloat16'" in run["cause"]
     assert any(
-        "The settings differ from the recording's: compute_dtype None -> 'bfloat16'" in n
+        "The settings differ from the recording's: compute_dtype default -> 'bfloat16'" in n
         for n in run["notes"]
     )
 

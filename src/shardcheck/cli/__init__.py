@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = f"shardcheck {args.command}"
     try:  # before any work: an output that cannot be written is refused now, not after the computation
+        check_outputs_apart(command, args)  # first: an output over an input is named as such
         for flag in OUTPUT_FLAGS:
             check_output_path(command, flag, getattr(args, flag, None))
-        check_outputs_apart(command, args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -236,6 +236,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return True
+
+
 def check_output_path(command: str, flag: str, path: str | None) -> None:
     """Refuse, before any work, an output path that cannot be written.
 
@@ -243,13 +251,19 @@ def check_output_path(command: str, flag: str, path: str | None) -> None:
     existing ancestor must be a folder this process can create files in (tried with a temp file).
 
     Raises:
-        ValueError: the path is a folder, lies under a file, or its folder is not writable.
+        ValueError: the path is a folder, lies under a file, or its folder is not writable; a ``--json`` path
+            holding a file that is not JSON (never overwritten).
     """
     if path is None or path == "-":
         return
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{command}: --{flag} {path} is a folder; pass a file path")
+    if flag == "json" and target.is_file() and target.stat().st_size and not _is_json(target):
+        raise ValueError(
+            f"{command}: --json {path} exists and is not a JSON file (a recording, a source file ...), so it is not "
+            "overwritten; pass another path"
+        )
     ancestor = target.parent
     while not ancestor.exists():
         ancestor = ancestor.parent

@@ -231,6 +231,11 @@ def recorded_defaults(args):
         args.steps = recording.num_steps
     if args.strategies is None:
         args.strategies = meta["run"] if meta["run_kind"] == "strategy" else "none"
+    if args.strategies == "none" and args.candidate is None and meta["run_kind"] == "strategy":
+        raise ValueError(
+            f"{fn}: --strategies none and no --candidate leave nothing to replay; drop --strategies to replay the "
+            f"recorded {meta['run']}, or pass --candidate FILE.py:step"
+        )
     if args.strategies == "none" and args.candidate is None:
         spec = meta.get("settings", {}).get("candidate") or f"FILE.py:{meta['run']}"
         raise ValueError(

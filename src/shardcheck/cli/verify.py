@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -256,6 +257,13 @@ def _check_args(args) -> tuple[list[str], int]:
         ) from err
     if args.lr is not None:
         _validate.check_lr("shardcheck verify: --lr", args.lr)
+    for flag in ("rtol", "atol"):  # before any step, --against's replay included
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < math.inf:
+            raise ValueError(
+                f"shardcheck verify: --{flag} must be a number >= 0 and finite, got {value}; omit it for the "
+                "derived tolerance"
+            )
     chosen = DEFAULT_STRATEGIES if args.strategies is None else args.strategies
     strategies = _parse_strategies(chosen, args.candidate is not None)
     if args.strategies is None:  # the reference strategy against itself is no check

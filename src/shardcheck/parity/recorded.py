@@ -357,7 +357,10 @@ def _step(cand: Candidate, model, optimizer, batch, kwargs: dict, t: int):
         raise CandidateError(
             f"record_run: the step {cand.name!r} raised {type(err).__name__} at step {t}: {err}", t
         ) from err
-    return unpack(out, f"step {cand.name!r}", t)
+    try:
+        return unpack(out, repr(cand.name), t)
+    except TypeError as err:
+        raise TypeError(str(err).replace("check_parity:", "record_run:", 1)) from None
 
 
 def _step_leaves(loss, grads, model, optimizer) -> dict[str, Any]:
@@ -368,8 +371,9 @@ def _step_leaves(loss, grads, model, optimizer) -> dict[str, Any]:
 
 
 def _run_name(candidate, cand: Candidate) -> tuple[str, str]:
+    """The recorded run: a strategy by its registered name (what a replay runs), a user step by ``name``."""
     if isinstance(candidate, str):
-        return cand.name, "strategy"
+        return candidate, "strategy"
     return cand.name, "candidate"
 
 
@@ -402,7 +406,8 @@ def record_run(
         steps: how many of the task's batches to run (default: all).
         num_shards: S, the batch shards (default: the mesh's batch shards).
         mesh: the mesh of a mesh strategy (default: the first S devices), passed to a step that takes ``mesh``.
-        name: the run's name in the recording (default: the strategy's, or the step function's).
+        name: a user step's name in the recording (default: the step function's); a strategy is recorded by its
+            registered name, the one a replay runs.
         settings: JSON-able facts of the run to keep in the metadata (``optimizer``, ``lr``, ``seed`` ...):
             :func:`compare_run` names a changed ``lr`` as a cause.
 
@@ -419,6 +424,10 @@ def record_run(
     """
     fn = "record_run"
     settings = _check_settings(fn, settings)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise TypeError(
+            f"record_run: name must be a non-empty str (the run's name in the recording), got {name!r}"
+        )
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
@@ -667,10 +676,19 @@ def _first_difference(recorded: list, now: list, what: str) -> str:
 
 
 def settings_diff(was: Mapping | None, now: Mapping | None, skip: tuple[str, ...] = ()) -> list[str]:
-    """``["optimizer 'adam' -> 'sgd'", ...]``: the settings both runs record (``record_run(settings=)``) with
-    different values, in the recorded order, less ``skip``."""
+    """``["optimizer 'adam' -> 'sgd'", "batch_size 8 -> default", ...]``: the settings both runs record
+    (``record_run(settings=)``) with different values, in the recorded order, less ``skip`` (``None``, a setting
+    left at its default, reads ``default``)."""
     was, now = was or {}, now or {}
-    return [f"{k} {was[k]!r} -> {now[k]!r}" for k in was if k in now and k not in skip and was[k] != now[k]]
+
+    def shown(v):
+        return "default" if v is None else repr(v)
+
+    return [
+        f"{k} {shown(was[k])} -> {shown(now[k])}"
+        for k in was
+        if k in now and k not in skip and was[k] != now[k]
+    ]
 
 
 def _settings_words(was: Mapping | None, now: Mapping | None) -> str:

@@ -343,11 +343,24 @@ class _Pair(NamedTuple):
     replayed: Recording
     same_placement: bool
     columns: tuple[dict[str, int], dict[str, int]]
+    full: (
+        Recording  # the recording before leaves the replay lacks were left out: its gradients set allowances
+    )
 
     @staticmethod
-    def of(recording: Recording, replayed: Recording, same_placement: bool) -> _Pair:
+    def of(recording: Recording, replayed: Recording, same_placement: bool, full: Recording) -> _Pair:
         columns = tuple({n: i for i, n in enumerate(r.names)} for r in (recording, replayed))
-        return _Pair(recording, replayed, same_placement, columns)
+        return _Pair(recording, replayed, same_placement, columns, full)
+
+    def gradient(self, t: int, name: str) -> _Leaf:
+        """The gradient digest ``name`` at step t: the recording's, else (a step that returned none) the
+        replay's (a correct replay's gradients match the recording's, so either tells a rounding-level one)."""
+        for rec in (self.full, self.replayed):
+            if name in rec.names:
+                g = _Leaf.at(rec, rec.steps, t, rec.names.index(name))
+                if g.present:
+                    return g
+        return _Leaf.at(self.full, self.full.steps, t, None)
 
     @property
     def one_process(self) -> bool:
@@ -363,15 +376,14 @@ class _Pair(NamedTuple):
 
 
 def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
-    """Add step t's rounding-level allowance to every parameter whose recorded gradient is within ``atol`` of 0
-    (module docstring); returns the loss's drift bound from the allowance before this step."""
+    """Add step t's rounding-level allowance to every parameter whose gradient (:meth:`_Pair.gradient`) is within
+    ``atol`` of 0 (module docstring); returns the loss's drift bound from the allowance before this step."""
     drift = 0.0
     grown = {}
-    for name in pair.recording.names:
-        if not name.startswith("grad "):
+    for param in pair.recording.names:
+        if not param.startswith("param "):
             continue
-        g = pair.leaf("recorded", t, name)
-        param = "param " + name.removeprefix("grad ")
+        g = pair.gradient(t, "grad " + param.removeprefix("param "))
         if not g.present:
             continue
         drift += math.sqrt(max(g.size, 1)) * g.norm * bounds.allowance.get(param, 0.0)
@@ -459,7 +471,7 @@ def compare_run(
     kept = _only(recording, [n for n in recording.names if n.split(" ", 1)[0] in returned])
     if not same:  # another strategy: only the leaves both runs have are compared
         kept = _only(kept, [n for n in kept.names if n in set(replayed.names)])
-    pair = _Pair.of(kept, replayed, same)
+    pair = _Pair.of(kept, replayed, same, recording)
     bounds = _Bounds(rtol, atol)
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
     matched, compared, bitwise = _hashes(pair, steps)
@@ -569,21 +581,26 @@ def _update_words(k: float, was: Mapping, now: Mapping, grads_recorded: bool, s:
     return text
 
 
+def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping) -> str:
+    """A leaf missing, or a changed shape, dtype or sharding (another mesh named as such)."""
+    e, more = structural[0], len(structural) - 1
+    tail = f" (and {more} more leaf/leaves)" if more else ""
+    if e.evidence == "missing":
+        return f"{e.name} is recorded but this run has none{tail}"
+    if e.evidence == "sharding" and was.get("mesh") != now.get("mesh"):
+        return (
+            f"recorded on mesh {_axes(was.get('mesh'))}, replayed on {_axes(now.get('mesh'))}: another mesh "
+            f"places the leaves elsewhere ({e.name}: {e.recorded} -> {e.replayed}{tail}); replay on the "
+            "recorded mesh (load_recording(path, task=..., mesh=...) refuses another)"
+        )
+    return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
+
+
 def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_recorded: bool) -> str:
     """What the failing digests of the first failing point say, where they share a factor or a change."""
     structural = [e for e in at_t if e.evidence in STRUCTURAL]
     if structural:
-        e, more = structural[0], len(structural) - 1
-        tail = f" (and {more} more leaf/leaves)" if more else ""
-        if e.evidence == "missing":
-            return f"{e.name} is recorded but this run has none{tail}"
-        if e.evidence == "sharding" and was.get("mesh") != now.get("mesh"):
-            return (
-                f"recorded on mesh {_axes(was.get('mesh'))}, replayed on {_axes(now.get('mesh'))}: another mesh "
-                f"places the leaves elsewhere ({e.name}: {e.recorded} -> {e.replayed}{tail}); replay on the "
-                "recorded mesh (load_recording(path, task=..., mesh=...) refuses another)"
-            )
-        return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
+        return _structural_cause(structural, was, now)
     if t < 0:
         return (
             "the initial state differs from the recorded one: another seed, initializer or model; every later step "
@@ -594,6 +611,11 @@ def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_re
     grad = _scale([e.ratio for e in at_t if e.kind == "grad"])
     if grad is not None:
         parts.append(_gradient_words(grad, s))
+    else:  # no gradients compared: the first moments (Adam's mu, a momentum's trace) carry their scale
+        grad = _scale([e.ratio for e in at_t if e.kind == "opt_state" and ".mu." in f".{e.name}."])
+        if grad is not None:
+            words = "the optimizer's first moments (mu), and so the gradients it was given, are"
+            parts.append(_gradient_words(grad, s).replace("the gradients are", words, 1))
     update = _scale([e.ratio for e in at_t if e.kind == "param"])
     lr_differs = _lr(was) is not None and _lr(now) is not None and _lr(was) != _lr(now)
     # gradients off by a factor explain any update (a normalizing optimizer's is not k times); only a changed

@@ -7,6 +7,8 @@ of the Task, :func:`shardcheck.task.check_model`, C7), the task's batches, the r
 
 from __future__ import annotations
 
+import math
+
 from flax import nnx
 
 from shardcheck import _validate
@@ -26,9 +28,9 @@ from shardcheck.task import Task, check_divisible, check_model
 def _check_tolerances(fn, rtol, atol):
     for label, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+            isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf
         ):
-            raise ValueError(f"{fn}: {label} must be a number >= 0, got {value!r}")
+            raise ValueError(f"{fn}: {label} must be a number >= 0 and finite, got {value!r}")
 
 
 def _task_batches(fn: str, task: Task, steps: int | None) -> list:
