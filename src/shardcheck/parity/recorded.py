@@ -504,7 +504,7 @@ def _cli(fn: str) -> bool:
     return fn.startswith("shardcheck ")
 
 
-def _not_a_recording(fn: str, shown: str, path, why: str) -> ValueError:
+def _not_a_recording(fn: str, shown: str, why: str) -> ValueError:
     # never suggests writing over the file: it may be the user's own of another kind
     fix = "shardcheck record ... --out RUN.npz" if _cli(fn) else "record_run(...).save('RUN.npz')"
     return ValueError(f"{fn}: {shown} is not a shardcheck recording ({why}); record one with {fix}")
@@ -535,7 +535,7 @@ def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
             truncated = f.read(4) == b"PK\x03\x04"  # a zip's first member, its directory (at the end) gone
         if truncated:
             raise _damaged(fn, shown, "a truncated .npz archive")
-        raise _not_a_recording(fn, shown, path, "not an .npz archive")
+        raise _not_a_recording(fn, shown, "not an .npz archive")
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
@@ -543,20 +543,20 @@ def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         if is_recording_file(Path(path)):
             raise _damaged(fn, shown, f"cannot be read: {why}") from None
-        raise _not_a_recording(fn, shown, path, f"cannot be read as .npz: {why}") from None
+        raise _not_a_recording(fn, shown, f"cannot be read as .npz: {why}") from None
 
 
-def _meta(fn: str, path, shown: str, arrays: dict) -> dict:
+def _meta(fn: str, shown: str, arrays: dict) -> dict:
     if "meta" not in arrays:
-        raise _not_a_recording(fn, shown, path, "no metadata")
+        raise _not_a_recording(fn, shown, "no metadata")
     try:
         meta = json.loads(str(arrays["meta"][()]))
     except (ValueError, TypeError, IndexError):
-        raise _not_a_recording(fn, shown, path, "its metadata is not JSON") from None
+        raise _not_a_recording(fn, shown, "its metadata is not JSON") from None
     if not isinstance(meta, dict):
-        raise _not_a_recording(fn, shown, path, "its metadata is not a JSON object")
+        raise _not_a_recording(fn, shown, "its metadata is not a JSON object")
     if meta.get("format") != FORMAT:
-        raise _not_a_recording(fn, shown, path, f"its format is {meta.get('format')!r}")
+        raise _not_a_recording(fn, shown, f"its format is {meta.get('format')!r}")
     if meta.get("version") != VERSION:
         raise ValueError(
             f"{fn}: {shown} is a recording of format version {meta.get('version')!r}; this shardcheck reads version "
@@ -625,7 +625,7 @@ def load_recording(
         steps = _validate.check_int(fn, "steps", steps)
     shown = str(path) if name is None else name
     arrays = _read_npz(fn, path, shown)
-    meta = _meta(fn, path, shown, arrays)
+    meta = _meta(fn, shown, arrays)
     try:
         names = tuple(str(n) for n in arrays["names"])
         leaves = json.loads(str(arrays["leaves"][()]))

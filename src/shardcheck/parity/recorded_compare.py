@@ -493,8 +493,6 @@ def compare_run(
 
 
 def _check_pair(recording, replayed) -> None:
-    from shardcheck.parity.recorded import Recording
-
     for arg, value in (("recording", recording), ("replayed", replayed)):
         if not isinstance(value, Recording):
             raise TypeError(
