@@ -110,7 +110,7 @@ PROFILE_ROWS = (
     ("the loss's drift allowance (abs_dot)", "parity/compare.py", "abs_dot"),
     ("before-step snapshots on the device (device_snapshot)", "parity/compare.py", "device_snapshot"),
     ("replica agreement (replica_mismatches)", "parity/compare.py", "replica_mismatches"),
-    ("state copies for the re-check (_copy_state)", "parity/state.py", "_copy_state"),
+    ("state copies for the re-check (copy_state)", "shardcheck/_tree.py", "copy_state"),
     ("reference finiteness check (_reference_finite)", "parity/harness.py", "_reference_finite"),
     ("update sensitivity (step_bounds)", "parity/allowances.py", "step_bounds"),
     (

@@ -783,7 +783,7 @@ HARNESS_CHECKS = {
     ),
     "the replica agreement": ("replica agreement (replica_mismatches)",),
     "the scale evidence (which leaves would show a gradient off by S)": ("scale evidence (_scale_evidence)",),
-    "the state kept for a re-check": ("state copies for the re-check (_copy_state)",),
+    "the state kept for a re-check": ("state copies for the re-check (copy_state)",),
     "the reference's finiteness check": ("reference finiteness check (_reference_finite)",),
 }
 

@@ -4,7 +4,6 @@ one copy of a model and its optimizer."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 
@@ -41,5 +40,20 @@ def copy_state(*objects: nnx.Object):
         The copy of ``objects[0]`` when one object is given, else a tuple of copies, in order.
     """
     graphdef, state = nnx.split(objects[0] if len(objects) == 1 else objects)
-    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, copy_arrays(state))
+
+
+def copy_arrays(tree):
+    """``tree`` with every ``jax.Array`` leaf copied into new buffers on its own devices, with its own sharding;
+    other leaves kept as they are.
+
+    One ``jax.device_put(..., may_alias=False)`` for the whole tree: a copy by the runtime, which compiles
+    nothing (an eager ``jnp.array(a, copy=True)`` compiles one XLA program per leaf shape and sharding, and a
+    jitted tree copy one per tree).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+    copies = jax.device_put([leaves[i] for i in where], may_alias=False)
+    for i, a in zip(where, copies, strict=True):
+        leaves[i] = a
+    return jax.tree.unflatten(treedef, leaves)

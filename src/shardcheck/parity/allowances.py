@@ -21,7 +21,7 @@ from flax import nnx
 from shardcheck.parity import compare
 from shardcheck.parity.compare import flatten_state, host_tree
 from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance, output_rounding
-from shardcheck.parity.propagation import grad_delta, shadow_spread, update_sensitivity
+from shardcheck.parity.propagation import shadow_spread, tolerance_sensitivity
 from shardcheck.parity.state import _default_view, _PreStep, _Run
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.task import batch_size as leading_size
@@ -140,21 +140,31 @@ def _reference_grads(loss_fn, pre: _PreStep, batch):
 _tree_add = jax.jit(functools.partial(jax.tree.map, jnp.add))
 
 
-_tree_subtract = jax.jit(functools.partial(jax.tree.map, jnp.subtract))
-
-
 _tree_max = jax.jit(functools.partial(jax.tree.map, jnp.maximum))
 
 
-@jax.jit
 def _accumulated(before: dict, step: dict, floor: dict, rounding: dict) -> dict:
     """Per path of ``step``: ``before + max(step, floor) + rounding``, the allowance accumulated over the steps
-    (``before`` lacks a path on a run's first step, ``floor`` where there is none). Paths of ``before`` that
-    ``step`` lacks are left out."""
+    (``before`` lacks a path on a run's first step, ``floor`` where there is none: ``step`` is a sensitivity,
+    >= 0). Paths of ``before`` that ``step`` lacks are left out.
 
+    Every call with one ``step`` tree runs one compiled program (:func:`_accumulate`): the missing entries are
+    filled, and flagged where they are not added."""
+    fresh = {p: p not in before for p in step}
+    return _accumulate(
+        {p: step[p] if fresh[p] else before[p] for p in step},
+        step,
+        {p: floor.get(p, 0.0) for p in step},
+        rounding,
+        fresh,
+    )
+
+
+@jax.jit
+def _accumulate(before: dict, step: dict, floor: dict, rounding: dict, fresh: dict) -> dict:
     def one(p, s):
-        s = jnp.maximum(s, floor[p]) if p in floor else s
-        return (s if p not in before else before[p] + s) + rounding[p]
+        s = jnp.maximum(s, floor[p])
+        return jnp.where(fresh[p], s, before[p] + s) + rounding[p]
 
     return {p: one(p, s) for p, s in step.items()}
 
@@ -240,13 +250,14 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
             realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
         noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
         noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
-    delta = grad_delta(grads, noise, rtol, atol, 1.0)
-    updates, states, grad_max = update_sensitivity(run.ref_opt.tx, grads, pre.opt_state, pre.params, delta)
+    tx = run.ref_opt.tx
+    updates, states, grad_max, extra = tolerance_sensitivity(
+        tx, grads, pre.opt_state, pre.params, noise, rtol, atol
+    )
     if shadow is not None:
-        moved = shadow_spread(run.ref_opt.tx, grads, pre.opt_state, pre.params, *shadow)
+        moved = shadow_spread(tx, grads, pre.opt_state, pre.params, *shadow)
         updates, states = _tree_add((updates, states), moved)
-    base = grad_delta(grads, None, rtol, atol, 0.0)
-    grad_allowance = {} if noise is None else flatten_state(_tree_subtract(delta, base))
+    grad_allowance = {} if extra is None else flatten_state(extra)
     # the allowances stay on the device: the comparison reduces them there (compare.leaf_errors)
     return _Bounds(
         grad_allowance,

@@ -56,6 +56,27 @@ def update_sensitivity(tx, grads, opt_state, params, delta):
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def tolerance_sensitivity(tx, grads, opt_state, params, extra, rtol, atol):
+    """:func:`update_sensitivity` at the gradient's tolerance ``delta = grad_delta(grads, extra, rtol, atol, 1)``,
+    in one compiled program (the tolerance, the grid and the maxima).
+
+    Returns ``(update sensitivity, state sensitivity, max |g| per leaf, allowance)``: the first three as
+    :func:`update_sensitivity`'s, and ``allowance = delta - grad_delta(grads, None, rtol, atol, 0)``, the part of
+    the tolerance that ``extra`` adds (``None`` when ``extra`` is ``None``).
+    """
+    delta = grad_delta(grads, extra, rtol, atol, 1.0)
+    updates, states, grad_max = update_sensitivity(tx, grads, opt_state, params, delta)
+    if extra is None:
+        return updates, states, grad_max, None
+    return (
+        updates,
+        states,
+        grad_max,
+        jax.tree.map(jnp.subtract, delta, grad_delta(grads, None, rtol, atol, 0.0)),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def scale_change(tx, grads, opt_state, params, factor):
     """``f(factor * g) - f(g)`` per element of the update and of the new optimizer state (0 for integer state):
     what a gradient off by ``factor`` (the shard count) changes, 0 where the optimizer is blind to the gradient's

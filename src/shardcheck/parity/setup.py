@@ -13,11 +13,12 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
+from shardcheck._tree import copy_state
 from shardcheck.mesh import check_mesh, data_shards
 from shardcheck.parity.candidates import as_candidate, check_step_signature
 from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
 from shardcheck.parity.precision import Precision, float32_compute
-from shardcheck.parity.state import _copy_state, _Run
+from shardcheck.parity.state import _Run
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs
@@ -73,8 +74,8 @@ def _setup(
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     if ref_strategy is not None:
         _check_strategy(fn, reference, ref_strategy, model, optimizer, ref_mesh, data, weighted)
-    ref_model, ref_opt = _copy_state(model, optimizer)
-    cand_model, cand_opt = _copy_state(model, optimizer)
+    ref_model, ref_opt = copy_state(model, optimizer)
+    cand_model, cand_opt = copy_state(model, optimizer)
     if cand.make_optimizer is not None:
         cand_opt = cand.make_optimizer(cand_model, cand_opt)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}

@@ -8,11 +8,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck._tree import copy_state
 from shardcheck.parity.compare import flatten_state
 from shardcheck.parity.precision import Precision
 from shardcheck.steps import Candidate
@@ -24,13 +23,6 @@ PyTree = Any
 StepFn = Callable[..., Any]
 
 
-def _copy_state(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.Module, nnx.Optimizer]:
-    """Independent copies of a model and its optimizer: new graph and new buffers (a step may donate them)."""
-    graphdef, state = nnx.split((model, optimizer))
-    state = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, state)
-    return nnx.merge(graphdef, state)
-
-
 def _kept_state(
     model: nnx.Module, optimizer: nnx.Optimizer, *, copy: bool
 ) -> tuple[nnx.Module, nnx.Optimizer]:
@@ -38,7 +30,7 @@ def _kept_state(
     (nothing is copied: a later step that does not donate them leaves them as they are), or copies with
     ``copy`` (a step that may donate them: a user's reference step)."""
     if copy:
-        return _copy_state(model, optimizer)
+        return copy_state(model, optimizer)
     return nnx.merge(*nnx.split((model, optimizer)))
 
 
@@ -109,8 +101,8 @@ class _Run:
         if ref_model is self.ref_model:
             r_model, r_opt = self.ref_model, self.ref_opt
         else:
-            r_model, r_opt = _copy_state(ref_model, ref_opt)
-        c_model, c_opt = _copy_state(ref_model, ref_opt)
+            r_model, r_opt = copy_state(ref_model, ref_opt)
+        c_model, c_opt = copy_state(ref_model, ref_opt)
         if self.cand.make_optimizer is not None:
             c_opt = self.cand.make_optimizer(c_model, c_opt)
         return dataclasses.replace(
