@@ -9,11 +9,13 @@ Imported by ``benchmarks/run.py`` after JAX has its fake CPU devices.
 from __future__ import annotations
 
 import cProfile
+import functools
 import io
 import pstats
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -79,7 +81,8 @@ def _parity(task, strategy, num_shards) -> tuple[float, bool]:
 
 
 def measure(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int = 3) -> dict:
-    """``{"check_parity_s", "bare_steps_s", "ratio", "ok"}``: best of ``repeats`` each, after one warm-up of both."""
+    """``{"check_parity_s", "bare_steps_s", "ratio", "ok", "without_sensitivity_s"}``: best of ``repeats`` each,
+    after one warm-up of each; the last is :func:`without_sensitivity`'s."""
     _bare_steps(task, strategy, num_shards)
     _parity(task, strategy, num_shards)
     bare = min(_bare_steps(task, strategy, num_shards) for _ in range(repeats))
@@ -93,7 +96,33 @@ def measure(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int 
         "bare_steps_s": bare,
         "ratio": parity / bare,
         "ok": all(ok for _, ok in runs),
+        "without_sensitivity_s": without_sensitivity(task, strategy, num_shards, repeats),
     }
+
+
+def without_sensitivity(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int = 3) -> float:
+    """Wall seconds of ``check_parity`` with the update-sensitivity pass replaced by zeros (best of ``repeats``,
+    after a warm-up): what the pass costs, measured by dropping it rather than read from a profile, whose
+    attribution an asynchronous dispatch blurs (the pass runs on the devices while the host compares). A timing
+    only: without the pass the tolerances are not the check's, so its verdicts are not read."""
+    from shardcheck.parity import allowances
+
+    real = allowances.tolerance_sensitivity
+    allowances.tolerance_sensitivity = _zero_sensitivity
+    try:
+        _parity(task, strategy, num_shards)
+        return min(_parity(task, strategy, num_shards)[0] for _ in range(repeats))
+    finally:
+        allowances.tolerance_sensitivity = real
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zero_sensitivity(tx, grads, opt_state, params, extra, rtol, atol):
+    """``propagation.tolerance_sensitivity``'s outputs, with zero sensitivities (one optimizer update, for the
+    shapes, where the real pass runs 17)."""
+    updates, states = tx.update(grads, opt_state, params)
+    zeros = jax.tree.map(jnp.zeros_like, (updates, states))
+    return (*zeros, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads), extra)
 
 
 # Where a warm check_parity's time goes: (category, module path suffix, function name) of the functions whose

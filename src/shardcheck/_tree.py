@@ -53,7 +53,9 @@ def copy_arrays(tree):
     """
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
-    copies = jax.device_put([leaves[i] for i in where], may_alias=False)
+    arrays = [leaves[i] for i in where]
+    # to its own sharding: a leaf spread over several processes has no one device to default to
+    copies = jax.device_put(arrays, [a.sharding for a in arrays], may_alias=False)
     for i, a in zip(where, copies, strict=True):
         leaves[i] = a
     return jax.tree.unflatten(treedef, leaves)
