@@ -743,10 +743,21 @@ def _explain_cold(key: str, cold: dict) -> str:
         f"{name}, {row['steps']} steps: cold verify {v['process_wall_s']:.1f} s, of which {v['compile_s']:.1f} s in "
         f"{v['compiles']} backend compilations; the cold bare steps of the same strategies {b['process_wall_s']:.1f} "
         f"s, {b['compile_s']:.1f} s in {b['compiles']} compilations; warm, verify {row['verify_warm']['process_wall_s']:.1f} "
-        f"s against {row['bare_warm']['process_wall_s']:.1f} s. The check's own programs (the reference's "
-        "sensitivity pass, the per-step leaf comparisons, the low-precision realizations under bfloat16 compute) "
-        "are the compilations beyond the bare steps'; fusing them into fewer executables is the remaining work. "
-        + _cold_floor(key, v, b)
+        f"s against {row['bare_warm']['process_wall_s']:.1f} s. The compilations beyond the bare steps' are the "
+        "check's own programs: the first pass's leaf statistics (one, for every strategy of the verify), the "
+        "loss probe, the gradient's tolerance with its update sensitivity (one), the accumulated allowance (one "
+        "per tree: parameters, optimizer state), and under bfloat16 compute the low-precision realizations; "
+        "copies compile nothing. " + _warm_share(row) + _cold_floor(key, v, b)
+    )
+
+
+def _warm_share(row: dict) -> str:
+    """How much of the check's cold cost beyond the bare steps is still there warm (host work, not compiles)."""
+    cold = row["verify_cold"]["process_wall_s"] - row["bare_cold"]["process_wall_s"]
+    warm = row["verify_warm"]["process_wall_s"] - row["bare_warm"]["process_wall_s"]
+    return (
+        f"Of the {cold:.1f} s the check adds cold, {warm:.1f} s remain warm, every program loaded from the cache: "
+        "the check's host-side work (tracing its programs, the comparisons), not its compiles. "
     )
 
 
@@ -771,8 +782,9 @@ def _cold_floor(key: str, verify: dict, bare: dict) -> str:
 
 
 # The checks check_parity adds to the two steps it runs, by the profile rows that time them (benchmarks/overhead.py)
+SENSITIVITY = "the update-sensitivity pass (the propagated tolerance of Adam's rounding-level leaves)"
 HARNESS_CHECKS = {
-    "the update-sensitivity pass (the propagated tolerance of Adam's rounding-level leaves)": (
+    SENSITIVITY: (
         "update sensitivity (step_bounds)",
         "per-shard gradient split for the sensitivity (split_gradients)",
     ),
@@ -798,6 +810,10 @@ def _what_to_drop(key: str, row: dict, prof: dict) -> str:
         name: scale * sum(prof["cumulative_s"].get(k, 0.0) for k in rows)
         for name, rows in HARNESS_CHECKS.items()
     }
+    if (
+        row.get("without_sensitivity_s") is not None
+    ):  # measured by dropping it, in place of its profiled seconds
+        costs[SENSITIVITY] = max(measured - row["without_sensitivity_s"], 0.0)
     excess, dropped = measured - budget, []
     for name, cost in sorted(costs.items(), key=lambda kv: -kv[1]):
         if excess <= 0 or cost < 0.005:
@@ -806,6 +822,18 @@ def _what_to_drop(key: str, row: dict, prof: dict) -> str:
         excess -= cost
     need = "; ".join(dropped) + (" and still more" if excess > 0 else "")
     return f"Meeting <= {limit} (a check of at most {budget:.2f} s) would mean dropping {need}; no check is dropped. "
+
+
+def _sensitivity_dropped(row: dict) -> str:
+    """What the update-sensitivity pass costs, measured by dropping it (``overhead.without_sensitivity``)."""
+    if row.get("without_sensitivity_s") is None:
+        return ""
+    without = row["without_sensitivity_s"]
+    return (
+        f"With the update-sensitivity pass replaced by zeros (a timing only) check_parity took {without:.2f} s: the "
+        f"pass costs {row['check_parity_s'] - without:+.2f} s of wall time, since it runs on the devices while the "
+        "host compares, so running it only where the first pass cannot clear a leaf would not move this ratio. "
+    )
 
 
 def explain(key: str, r: dict, args) -> str:
@@ -884,7 +912,9 @@ def explain(key: str, r: dict, args) -> str:
         top = ", ".join(f"{k} {v:.2f} s" for k, v in prof.items())
         ref_s = prof["reference steps + sensitivity (_step_reference)"]
         return (
-            f"check_parity {row['check_parity_s']:.2f} s against the bare steps {row['bare_steps_s']:.2f} s. Each "
+            f"check_parity {row['check_parity_s']:.2f} s against the bare steps {row['bare_steps_s']:.2f} s. "
+            + _sensitivity_dropped(row)
+            + "Each "
             "step the harness also snapshots both sides' state on the device, runs the update-sensitivity pass "
             "(the reference's optimizer at 16 points of the gradient's tolerance, a fori_loop: the propagated "
             "tolerance), reduces the few per-leaf scalars its rules read (the loss's drift, the rounding-level rule, "
@@ -892,9 +922,10 @@ def explain(key: str, r: dict, args) -> str:
             "and compares the rest in full (every leaf at step 0 and on a failing step: float64 on the host on "
             "XLA:CPU, whose buffers they are). On a CPU these passes read several times the bytes a step does, so "
             f"the ratio cannot reach its target without dropping a check: in the {which} profile below the "
-            f"reference side alone (its step and the sensitivity pass) took {ref_s:.2f} s under the profiler, "
-            f"{ref_s / row['bare_steps_s']:.1f}x the bare steps timed without it, before any comparison. The host "
-            f"copies block on the device's work, so their seconds include it. Profile of one warm {which} run under "
+            f"reference side (its step and the sensitivity pass) took {ref_s:.2f} s under the profiler, "
+            f"{ref_s / row['bare_steps_s']:.1f}x the bare steps timed without it. Dispatch is asynchronous: a call "
+            "that reads a result (a host copy, a device_put) waits there for the device's work, so the profile's "
+            f"seconds are where the host waited, not what each pass computes. Profile of one warm {which} run under "
             f"cProfile ({profiled['profiled_s']:.2f} s, cumulative, nested): {top}. "
             + _what_to_drop(key, row, profiled)
             + load_txt

@@ -44,8 +44,8 @@ def copy_state(*objects: nnx.Object):
 
 
 def copy_arrays(tree):
-    """``tree`` with every ``jax.Array`` leaf copied into new buffers on its own devices, with its own sharding;
-    other leaves kept as they are.
+    """``tree`` with every ``jax.Array`` leaf copied into new buffers on its own devices, with its own sharding and
+    committedness (``jax.Array.committed``); other leaves kept as they are.
 
     One ``jax.device_put(..., may_alias=False)`` for the whole tree: a copy by the runtime, which compiles
     nothing (an eager ``jnp.array(a, copy=True)`` compiles one XLA program per leaf shape and sharding, and a
@@ -54,8 +54,10 @@ def copy_arrays(tree):
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
     arrays = [leaves[i] for i in where]
-    # to its own sharding: a leaf spread over several processes has no one device to default to
-    copies = jax.device_put(arrays, [a.sharding for a in arrays], may_alias=False)
+    # a committed leaf to its own sharding (one spread over several processes has no one device to default to);
+    # an uncommitted one stays uncommitted, free to join a computation on other devices as the original was
+    places = [a.sharding if a.committed else None for a in arrays]
+    copies = jax.device_put(arrays, places, may_alias=False)
     for i, a in zip(where, copies, strict=True):
         leaves[i] = a
     return jax.tree.unflatten(treedef, leaves)
