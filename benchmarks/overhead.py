@@ -82,36 +82,41 @@ def _parity(task, strategy, num_shards) -> tuple[float, bool]:
 
 def measure(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int = 3) -> dict:
     """``{"check_parity_s", "bare_steps_s", "ratio", "ok", "without_sensitivity_s"}``: best of ``repeats`` each,
-    after one warm-up of each; the last is :func:`without_sensitivity`'s."""
-    _bare_steps(task, strategy, num_shards)
-    _parity(task, strategy, num_shards)
-    bare = min(_bare_steps(task, strategy, num_shards) for _ in range(repeats))
-    runs = [_parity(task, strategy, num_shards) for _ in range(repeats)]
+    after one warm-up of each, the three interleaved in every round (the load drifts); the last is
+    ``check_parity`` with the update-sensitivity pass replaced by zeros (:func:`without_sensitivity`)."""
+    rounds = [
+        (
+            _bare_steps(task, strategy, num_shards),
+            _parity(task, strategy, num_shards),
+            without_sensitivity(task, strategy, num_shards),
+        )
+        for _ in range(repeats + 1)
+    ][1:]  # round 0 warms up
+    bare, runs, dropped = ([r[i] for r in rounds] for i in range(3))
     parity = min(s for s, _ in runs)
     return {
         "strategy": strategy,
         "num_shards": num_shards,
         "steps": len(task.batches),
         "check_parity_s": parity,
-        "bare_steps_s": bare,
-        "ratio": parity / bare,
+        "bare_steps_s": min(bare),
+        "ratio": parity / min(bare),
         "ok": all(ok for _, ok in runs),
-        "without_sensitivity_s": without_sensitivity(task, strategy, num_shards, repeats),
+        "without_sensitivity_s": min(dropped),
     }
 
 
-def without_sensitivity(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int = 3) -> float:
-    """Wall seconds of ``check_parity`` with the update-sensitivity pass replaced by zeros (best of ``repeats``,
-    after a warm-up): what the pass costs, measured by dropping it rather than read from a profile, whose
-    attribution an asynchronous dispatch blurs (the pass runs on the devices while the host compares). A timing
-    only: without the pass the tolerances are not the check's, so its verdicts are not read."""
+def without_sensitivity(task: shardcheck.Task, strategy: str, num_shards: int) -> float:
+    """Wall seconds of one ``check_parity`` with the update-sensitivity pass replaced by zeros: what the pass
+    costs, measured by dropping it rather than read from a profile, whose attribution an asynchronous dispatch
+    blurs (a call that reads a result waits there for the device's work). A timing only: without the pass the
+    tolerances are not the check's, so its verdicts are not read."""
     from shardcheck.parity import allowances
 
     real = allowances.tolerance_sensitivity
     allowances.tolerance_sensitivity = _zero_sensitivity
     try:
-        _parity(task, strategy, num_shards)
-        return min(_parity(task, strategy, num_shards)[0] for _ in range(repeats))
+        return _parity(task, strategy, num_shards)[0]
     finally:
         allowances.tolerance_sensitivity = real
 

@@ -48,8 +48,9 @@ def copy_arrays(tree):
     committedness (``jax.Array.committed``); other leaves kept as they are.
 
     One ``jax.device_put(..., may_alias=False)`` for the whole tree: a copy by the runtime, which compiles
-    nothing (an eager ``jnp.array(a, copy=True)`` compiles one XLA program per leaf shape and sharding, and a
-    jitted tree copy one per tree).
+    nothing (an eager ``jnp.array(a, copy=True)`` compiles one XLA program per leaf shape and sharding: 13 of a
+    cold tiny-lm ``verify``'s programs, 0.3 s). A jitted tree copy compiles one program per tree and placement
+    and runs faster warm (``parity.compare.device_snapshot``, the copy made at every step, is one).
     """
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
