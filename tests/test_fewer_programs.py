@@ -1,0 +1,141 @@
+"""The check's own programs, fused or avoided (``benchmarks/README.md``, "Fewer programs"): each gives the values of
+what it replaces, bit for bit.
+
+- ``_tree.copy_arrays``: new buffers, the same values, sharding and committedness, and no XLA program;
+- ``propagation.tolerance_sensitivity``: ``grad_delta`` then ``update_sensitivity`` (and the allowance ``extra``
+  adds), in one program;
+- ``allowances._accumulated``: ``before + max(step, floor) + rounding`` with entries missing, one program per tree.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from jax import monitoring
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardcheck._tree import copy_arrays
+from shardcheck.parity.allowances import _accumulate, _accumulated
+from shardcheck.parity.propagation import grad_delta, tolerance_sensitivity, update_sensitivity
+
+_COMPILES = []
+monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: (
+        _COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
+
+
+def _compiles() -> int:
+    return len(_COMPILES)
+
+
+@require_devices(4)
+def test_copy_arrays_copies_every_array_in_place_and_compiles_nothing():
+    mesh = jax.make_mesh((4,), ("d",))
+    split = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("d")))
+    committed = jax.device_put(jnp.arange(5, dtype=jnp.int32), jax.devices()[2])
+    loose = jnp.linspace(0.0, 1.0, 7)  # uncommitted
+    tree = {"split": split, "committed": committed, "loose": loose, "name": "kept", "n": 3}
+    before = _compiles()
+    out = copy_arrays(tree)
+    jax.block_until_ready(out)
+    assert _compiles() == before
+    assert out["name"] == "kept" and out["n"] == 3
+    for k in ("split", "committed", "loose"):
+        a, b = tree[k], out[k]
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        assert b.dtype == a.dtype and b.sharding == a.sharding and b.committed == a.committed
+        ours = {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+        assert all(s.data.unsafe_buffer_pointer() != ours[s.device] for s in b.addressable_shards)
+    assert not out["loose"].committed  # still free to join a computation on other devices
+    tree["split"].delete()  # what a donating step does to its inputs
+    np.testing.assert_array_equal(np.asarray(out["split"]), np.arange(32.0).reshape(8, 4))
+
+
+def _adam_inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
+    tx = optax.adam(1e-2)
+    state = tx.init(params)
+    # a step of history: w with momentum (Adam's update is then not monotone in g); b none, its gradient 0
+    warm = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
+    _, state = tx.update(warm, state, params)
+    grads = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
+    return tx, grads, state, params, rng
+
+
+@pytest.mark.parametrize("with_extra", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tolerance_sensitivity_is_grad_delta_then_update_sensitivity(seed, with_extra):
+    tx, grads, state, params, rng = _adam_inputs(seed)
+    rtol, atol = 1e-5, 1e-7
+    extra = None
+    if with_extra:
+        extra = jax.tree.map(
+            lambda g: jnp.asarray(np.abs(rng.normal(size=g.shape)) * 1e-4, jnp.float32), grads
+        )
+    delta = grad_delta(grads, extra, rtol, atol, 1.0)
+    updates, states, grad_max = update_sensitivity(tx, grads, state, params, delta)
+    fused = tolerance_sensitivity(tx, grads, state, params, extra, rtol, atol)
+    separate, together = jax.tree.leaves((updates, states, grad_max)), jax.tree.leaves(fused[:3])
+    assert len(separate) == len(together)
+    for a, b in zip(separate, together, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    if extra is None:
+        assert fused[3] is None
+    else:
+        base = grad_delta(grads, None, rtol, atol, 0.0)
+        for k in grads:
+            np.testing.assert_array_equal(np.asarray(fused[3][k]), np.asarray(delta[k] - base[k]))
+            # the allowance is what extra adds, to float32 rounding of the tolerance it rides on
+            np.testing.assert_allclose(np.asarray(fused[3][k]), np.asarray(extra[k]), rtol=0, atol=1e-6)
+    # the rounding-level leaf b (g = 0 under momentum) moves by about lr, the ordinary one far less
+    assert float(jnp.max(fused[0]["b"])) > 1e-3 > float(jnp.max(fused[0]["w"]))
+
+
+_ENTRY = hnp.arrays(np.float32, (3,), elements=st.floats(0, 4, width=32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    step=st.tuples(_ENTRY, _ENTRY),
+    before=st.tuples(_ENTRY, _ENTRY),
+    has_before=st.tuples(st.booleans(), st.booleans()),
+    floor=st.tuples(st.floats(0, 4), st.floats(0, 4)),
+    has_floor=st.tuples(st.booleans(), st.booleans()),
+    rounding=st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-3)),
+)
+def test_accumulated_is_before_plus_floored_step_plus_rounding(
+    step, before, has_before, floor, has_floor, rounding
+):
+    """Against a float32 NumPy oracle of the rule, entry by entry, with any entries of ``before`` and ``floor``
+    missing: equal bit for bit."""
+    paths = ("a", "b")
+    step_d = {p: jnp.asarray(s) for p, s in zip(paths, step, strict=True)}
+    before_d = {p: jnp.asarray(b) for p, b, h in zip(paths, before, has_before, strict=True) if h}
+    floor_d = {p: f for p, f, h in zip(paths, floor, has_floor, strict=True) if h}
+    rounding_d = dict(zip(paths, rounding, strict=True))
+    out = _accumulated(before_d, step_d, floor_d, rounding_d)
+    assert set(out) == set(paths)
+    for i, p in enumerate(paths):
+        s = np.maximum(step[i], np.float32(floor_d[p])) if p in floor_d else step[i]
+        expected = (s if p not in before_d else before[i] + s) + np.float32(rounding[i])
+        np.testing.assert_array_equal(np.asarray(out[p]), expected.astype(np.float32))
+
+
+def test_accumulated_compiles_once_per_tree():
+    """A first step (no earlier allowance), a later one, and one with a floor on a single leaf: one program."""
+    step = {"a": jnp.ones((2, 3)), "b": jnp.ones((4,))}
+    rounding = {"a": 0.0, "b": 1e-6}
+    _accumulate.clear_cache()
+    first = _accumulated({}, step, {}, rounding)
+    later = _accumulated(first, step, {}, rounding)
+    _accumulated(later, step, {"b": 2.0}, rounding)
+    assert _accumulate._cache_size() == 1
