@@ -15,7 +15,8 @@ ratio's median (:func:`~shardcheck.parity.compare.leaf_errors`, the second pass)
 this pass cannot clear, and for every leaf of a step that fails.
 
 A cleared leaf's :class:`~shardcheck.parity.diagnosis.LeafError` holds ``max_abs_err`` (the float32 maximum:
-exact where the two sides' elements are within a factor 2, Sterbenz's lemma), ``tolerance`` (``atol + rtol *
+exact where the two sides' elements are within a factor 2, Sterbenz's lemma; 0 where the device flushed a
+subnormal difference, below ``TINY``), ``tolerance`` (``atol + rtol *
 max|r| + max(allowance)``: the widest the rule allows, where the second pass reports the one its worst element
 used), ``ok=True``, ``ratio=None`` (read by the rules of failing steps only) and ``reference_change`` exactly.
 """
