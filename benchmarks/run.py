@@ -810,9 +810,8 @@ def _what_to_drop(key: str, row: dict, prof: dict) -> str:
         name: scale * sum(prof["cumulative_s"].get(k, 0.0) for k in rows)
         for name, rows in HARNESS_CHECKS.items()
     }
-    if (
-        row.get("without_sensitivity_s") is not None
-    ):  # measured by dropping it, in place of its profiled seconds
+    if row.get("without_sensitivity_s") is not None:
+        # measured by dropping it, in place of its profiled seconds
         costs[SENSITIVITY] = max(measured - row["without_sensitivity_s"], 0.0)
     excess, dropped = measured - budget, []
     for name, cost in sorted(costs.items(), key=lambda kv: -kv[1]):

@@ -377,6 +377,22 @@ def test_record_run_refuses_settings_that_are_not_json_before_any_step():
             record_run(None, "dp", name=name)
 
 
+def test_record_run_names_itself_when_a_step_returns_no_loss():
+    """A step whose return value holds no loss is refused by ``record_run`` in its own name, the step named."""
+    from shardcheck.parity.recorded import record_run
+    from shardcheck.tasks import load_task
+
+    task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=1)
+
+    def no_loss(model, optimizer, batch):
+        return "done"
+
+    with pytest.raises(
+        TypeError, match=r"^record_run: the 'no_loss' step returned str at step 0; it must return"
+    ):
+        record_run(task, no_loss)
+
+
 @require_devices(2)
 def test_first_moments_off_by_s_name_a_sum_for_a_mean_without_gradients(identical_pair):
     """A recording without gradients: Adam's first moments x S carry the gradients' scale."""

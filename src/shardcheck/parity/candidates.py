@@ -112,8 +112,8 @@ def _is_scalar_like(out) -> bool:
     return isinstance(out, jax.Array | np.ndarray | np.generic | float | int) and np.ndim(out) == 0
 
 
-def unpack(out, who: str = "candidate", step: int = 0) -> tuple:
-    """``(loss, grads)`` from a step's return value.
+def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity") -> tuple:
+    """``(loss, grads)`` from a step's return value; ``fn`` is the public function named in an error.
 
     Raises:
         TypeError: ``out`` is not a scalar loss, ``None``, or a mapping / object with ``loss`` (itself a scalar
@@ -130,7 +130,7 @@ def unpack(out, who: str = "candidate", step: int = 0) -> tuple:
     if isinstance(out, Mapping):
         if "loss" not in out:
             raise TypeError(
-                f"check_parity: the {who} step returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
+                f"{fn}: the {who} step returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
                 f"at step {step}; {rule}"
             )
         loss, grads = out.get("loss"), out.get("grads")
@@ -138,12 +138,10 @@ def unpack(out, who: str = "candidate", step: int = 0) -> tuple:
         loss, grads = out.loss, getattr(out, "grads", None)
     else:
         shape = f" of shape {np.shape(out)}" if hasattr(out, "shape") else ""
-        raise TypeError(
-            f"check_parity: the {who} step returned {type(out).__name__}{shape} at step {step}; {rule}"
-        )
+        raise TypeError(f"{fn}: the {who} step returned {type(out).__name__}{shape} at step {step}; {rule}")
     if loss is not None and not _is_scalar_like(loss):
         raise TypeError(
-            f"check_parity: the {who} step returned loss of type {type(loss).__name__}"
+            f"{fn}: the {who} step returned loss of type {type(loss).__name__}"
             f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}"
         )
     return loss, grads

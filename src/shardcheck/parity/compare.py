@@ -121,9 +121,8 @@ def counter_error(step, path, ref, cand) -> LeafError:
 
 def is_int(a) -> bool:
     """Whether ``a`` holds integers or booleans (compared exactly)."""
-    dtype = (
-        a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-    )  # an array over processes has no value here
+    # the dtype, not the value: an array spread over processes has no value on one of them
+    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
     try:
         return np.dtype(dtype).kind in "iub"
     except TypeError:  # a PRNG key's dtype

@@ -357,10 +357,7 @@ def _step(cand: Candidate, model, optimizer, batch, kwargs: dict, t: int):
         raise CandidateError(
             f"record_run: the step {cand.name!r} raised {type(err).__name__} at step {t}: {err}", t
         ) from err
-    try:
-        return unpack(out, repr(cand.name), t)
-    except TypeError as err:
-        raise TypeError(str(err).replace("check_parity:", "record_run:", 1)) from None
+    return unpack(out, repr(cand.name), t, fn="record_run")
 
 
 def _step_leaves(loss, grads, model, optimizer) -> dict[str, Any]:
