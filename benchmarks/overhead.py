@@ -113,21 +113,21 @@ def without_sensitivity(task: shardcheck.Task, strategy: str, num_shards: int) -
     tolerances are not the check's, so its verdicts are not read."""
     from shardcheck.parity import allowances
 
-    real = allowances.tolerance_sensitivity
-    allowances.tolerance_sensitivity = _zero_sensitivity
+    real = allowances.update_sensitivity
+    allowances.update_sensitivity = _zero_sensitivity
     try:
         return _parity(task, strategy, num_shards)[0]
     finally:
-        allowances.tolerance_sensitivity = real
+        allowances.update_sensitivity = real
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _zero_sensitivity(tx, grads, opt_state, params, extra, rtol, atol):
-    """``propagation.tolerance_sensitivity``'s outputs, with zero sensitivities (one optimizer update, for the
+def _zero_sensitivity(tx, grads, opt_state, params, delta):
+    """``propagation.update_sensitivity``'s outputs, with zero sensitivities (one optimizer update, for the
     shapes, where the real pass runs 17)."""
     updates, states = tx.update(grads, opt_state, params)
     zeros = jax.tree.map(jnp.zeros_like, (updates, states))
-    return (*zeros, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads), extra)
+    return (*zeros, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads))
 
 
 # Where a warm check_parity's time goes: (category, module path suffix, function name) of the functions whose
@@ -146,7 +146,13 @@ PROFILE_ROWS = (
     ("replica agreement (replica_mismatches)", "parity/compare.py", "replica_mismatches"),
     ("state copies for the re-check (copy_state)", "shardcheck/_tree.py", "copy_state"),
     ("reference finiteness check (_reference_finite)", "parity/harness.py", "_reference_finite"),
-    ("update sensitivity (step_bounds)", "parity/allowances.py", "step_bounds"),
+    (
+        "the step's bounds: tolerance, low-precision noise (step_bounds)",
+        "parity/allowances.py",
+        "step_bounds",
+    ),
+    ("update sensitivity, where a step reads it (_Sensitivity.get)", "parity/allowances.py", "get"),
+    ("deferred passes computed and replayed (settle)", "parity/allowances.py", "settle"),
     (
         "per-shard gradient split for the sensitivity (split_gradients)",
         "parity/allowances.py",

@@ -745,8 +745,9 @@ def _explain_cold(key: str, cold: dict) -> str:
         f"s, {b['compile_s']:.1f} s in {b['compiles']} compilations; warm, verify {row['verify_warm']['process_wall_s']:.1f} "
         f"s against {row['bare_warm']['process_wall_s']:.1f} s. The compilations beyond the bare steps' are the "
         "check's own programs: the first pass's leaf statistics (one, for every strategy of the verify), the "
-        "loss probe, the gradient's tolerance with its update sensitivity (one), the accumulated allowance (one "
-        "per tree: parameters, optimizer state), and under bfloat16 compute the low-precision realizations; "
+        "loss probe, the gradient's tolerance (one), its update sensitivity (one, compiled at step 0), the "
+        "accumulated allowance (one per tree: parameters, optimizer state) and the zeros standing for a deferred "
+        "sensitivity, and under bfloat16 compute the low-precision realizations; "
         "copies compile nothing. " + _warm_share(row) + _cold_floor(key, v, b)
     )
 
@@ -785,7 +786,8 @@ def _cold_floor(key: str, verify: dict, bare: dict) -> str:
 SENSITIVITY = "the update-sensitivity pass (the propagated tolerance of Adam's rounding-level leaves)"
 HARNESS_CHECKS = {
     SENSITIVITY: (
-        "update sensitivity (step_bounds)",
+        "the step's bounds: tolerance, low-precision noise (step_bounds)",
+        "update sensitivity, where a step reads it (_Sensitivity.get)",
         "per-shard gradient split for the sensitivity (split_gradients)",
     ),
     "the per-leaf comparisons (first pass, the full pass at step 0 and on failure, the loss on the host)": (
@@ -830,7 +832,8 @@ def _sensitivity_dropped(row: dict) -> str:
     without, full = row["without_sensitivity_s"], row["check_parity_s"]
     return (
         f"With the update-sensitivity pass replaced by zeros (a timing only, interleaved with the check's runs) "
-        f"check_parity took {without:.2f} s: the pass costs {full - without:+.2f} s ({(full - without) / full:+.0%}), "
+        f"check_parity took {without:.2f} s: the pass, where it still runs, costs {full - without:+.2f} s "
+        f"({(full - without) / full:+.0%}), "
         f"and a check that never ran it would stand at {without / row['bare_steps_s']:.2f}x the bare steps. "
     )
 
@@ -916,7 +919,8 @@ def explain(key: str, r: dict, args) -> str:
             + "Each "
             "step the harness also snapshots both sides' state on the device, runs the update-sensitivity pass "
             "(the reference's optimizer at 16 points of the gradient's tolerance, a fori_loop: the propagated "
-            "tolerance), reduces the few per-leaf scalars its rules read (the loss's drift, the rounding-level rule, "
+            "tolerance) where a verdict reads it (step 0, the steps looking for the scale evidence, a step that the "
+            "allowances' lower bound does not clear, which then runs every deferred pass), reduces the few per-leaf scalars its rules read (the loss's drift, the rounding-level rule, "
             "the reference's finiteness), clears the leaves it can in a first pass (per-leaf maxima on the devices) "
             "and compares the rest in full (every leaf at step 0 and on a failing step: float64 on the host on "
             "XLA:CPU, whose buffers they are). On a CPU these passes read several times the bytes a step does, so "

@@ -2,8 +2,8 @@
 what it replaces, bit for bit.
 
 - ``_tree.copy_arrays``: new buffers, the same values, sharding and committedness, and no XLA program;
-- ``propagation.tolerance_sensitivity``: ``grad_delta`` then ``update_sensitivity`` (and the allowance ``extra``
-  adds), in one program;
+- ``propagation.gradient_tolerance``: ``grad_delta``, ``max |g|`` and the allowance ``extra`` adds, in one
+  program (the sensitivity pass reads ``delta``);
 - ``allowances._accumulated``: ``before + max(step, floor) + rounding`` with entries missing, one program per tree.
 """
 
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardcheck._tree import copy_arrays
 from shardcheck.parity.allowances import _accumulate, _accumulated
-from shardcheck.parity.propagation import grad_delta, tolerance_sensitivity, update_sensitivity
+from shardcheck.parity.propagation import grad_delta, gradient_tolerance, update_sensitivity
 
 _COMPILES = []
 monitoring.register_event_duration_secs_listener(
@@ -73,7 +73,7 @@ def _adam_inputs(seed: int):
 
 @pytest.mark.parametrize("with_extra", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tolerance_sensitivity_is_grad_delta_then_update_sensitivity(seed, with_extra):
+def test_gradient_tolerance_is_grad_delta_and_the_allowance_extra_adds(seed, with_extra):
     tx, grads, state, params, rng = _adam_inputs(seed)
     rtol, atol = 1e-5, 1e-7
     extra = None
@@ -81,23 +81,23 @@ def test_tolerance_sensitivity_is_grad_delta_then_update_sensitivity(seed, with_
         extra = jax.tree.map(
             lambda g: jnp.asarray(np.abs(rng.normal(size=g.shape)) * 1e-4, jnp.float32), grads
         )
-    delta = grad_delta(grads, extra, rtol, atol, 1.0)
-    updates, states, grad_max = update_sensitivity(tx, grads, state, params, delta)
-    fused = tolerance_sensitivity(tx, grads, state, params, extra, rtol, atol)
-    separate, together = jax.tree.leaves((updates, states, grad_max)), jax.tree.leaves(fused[:3])
-    assert len(separate) == len(together)
-    for a, b in zip(separate, together, strict=True):
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    delta, grad_max, allowance = gradient_tolerance(grads, extra, rtol, atol)
+    for k in grads:
+        np.testing.assert_array_equal(
+            np.asarray(delta[k]), np.asarray(grad_delta(grads, extra, rtol, atol, 1.0)[k])
+        )
+        assert float(grad_max[k]) == float(np.max(np.abs(np.asarray(grads[k]))))
     if extra is None:
-        assert fused[3] is None
+        assert allowance is None
     else:
         base = grad_delta(grads, None, rtol, atol, 0.0)
         for k in grads:
-            np.testing.assert_array_equal(np.asarray(fused[3][k]), np.asarray(delta[k] - base[k]))
+            np.testing.assert_array_equal(np.asarray(allowance[k]), np.asarray(delta[k] - base[k]))
             # the allowance is what extra adds, to float32 rounding of the tolerance it rides on
-            np.testing.assert_allclose(np.asarray(fused[3][k]), np.asarray(extra[k]), rtol=0, atol=1e-6)
-    # the rounding-level leaf b (g = 0 under momentum) moves by about lr, the ordinary one far less
-    assert float(jnp.max(fused[0]["b"])) > 1e-3 > float(jnp.max(fused[0]["w"]))
+            np.testing.assert_allclose(np.asarray(allowance[k]), np.asarray(extra[k]), rtol=0, atol=1e-6)
+    # propagated: the rounding-level leaf b (g = 0 under momentum) moves by about lr, the ordinary one far less
+    updates, _, _ = update_sensitivity(tx, grads, state, params, delta)
+    assert float(jnp.max(updates["b"])) > 1e-3 > float(jnp.max(updates["w"]))
 
 
 _ENTRY = hnp.arrays(np.float32, (3,), elements=st.floats(0, 4, width=32))

@@ -5,6 +5,14 @@ Each reference step gives its :class:`_Bounds` (:func:`step_bounds`): the gradie
 optimizer state's sensitivity to the gradient's tolerance, propagated through the optimizer
 (``shardcheck.parity.propagation``). :func:`_accumulated` sums them over the steps, with each stored leaf's own
 rounding (:func:`storage_rounding`); :func:`_precision_rule` is the rule's text at low precision.
+
+The sensitivity pass (the reference's optimizer at 16 points of the gradient's tolerance) runs only where a
+verdict reads it (:class:`_Sensitivity`). A step may first be compared against a lower bound of its allowances,
+the accumulation with every deferred sensitivity taken as 0 (the allowance adds ``max(sensitivity, floor) >=
+floor``, and each float operation is monotone, so the bound is below the exact allowance element by element): a
+leaf within tolerance under it is within tolerance under the exact one. A step that the bound clears whole
+(:func:`lower_bound`) is recorded with its inputs; the first step it does not clear computes every deferred pass,
+in order (:func:`settle`), and is then compared as if none had been deferred.
 """
 
 from __future__ import annotations
@@ -21,11 +29,48 @@ from flax import nnx
 from shardcheck.parity import compare
 from shardcheck.parity.compare import flatten_state, host_tree
 from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance, output_rounding
-from shardcheck.parity.propagation import shadow_spread, tolerance_sensitivity
+from shardcheck.parity.propagation import gradient_tolerance, shadow_spread, update_sensitivity
 from shardcheck.parity.state import _default_view, _PreStep, _Run
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.task import batch_size as leading_size
 from shardcheck.task import split_batch
+
+MAX_DEFERRED_BYTES = 256 * 2**20
+"""The most bytes of device arrays that deferred sensitivity passes hold (each keeps the reference's gradient,
+optimizer state and parameters before its step); a step past it settles them (:func:`lower_bound`)."""
+
+
+class _Sensitivity:
+    """The update's and the optimizer state's sensitivity to the gradient's tolerance (``{dotted path: array}``
+    each, :func:`~shardcheck.parity.propagation.update_sensitivity`, plus the shadow spread at low-precision
+    compute), computed on first read (:meth:`get`). Until then it holds its inputs, ``nbytes`` bytes of device
+    arrays; ``shapes``: the two trees' ``{path: jax.ShapeDtypeStruct}``, known without computing them."""
+
+    def __init__(self, tx, grads, pre: _PreStep, delta, shadow):
+        inputs = (grads, pre.opt_state, pre.params, delta)
+        # the shadow's inputs may be the candidate's own buffers, which its next step may donate: its spread is
+        # taken now (one optimizer update each side); the reference's own arrays stay as they are (its step
+        # donates nothing)
+        spread = None if shadow is None else shadow_spread(tx, grads, pre.opt_state, pre.params, *shadow)
+        self._inputs = (tx, inputs, spread)
+        self._value: tuple[dict, dict] | None = None
+        self.nbytes = sum(a.nbytes for a in jax.tree.leaves((inputs, spread)) if isinstance(a, jax.Array))
+        updates, states, _ = update_sensitivity.eval_shape(tx, *inputs)  # traced once per tree, then cached
+        self.shapes = (flatten_state(updates), flatten_state(states))
+
+    @property
+    def computed(self) -> bool:
+        return self._value is not None
+
+    def get(self) -> tuple[dict, dict]:
+        """``(update sensitivity, state sensitivity)``, by dotted path (device arrays); computed once."""
+        if self._value is None:
+            tx, inputs, spread = self._inputs
+            updates, states, _ = update_sensitivity(tx, *inputs)
+            if spread is not None:
+                updates, states = _tree_add((updates, states), spread)
+            self._value, self._inputs = (flatten_state(updates), flatten_state(states)), None
+        return self._value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,17 +79,32 @@ class _Bounds:
     ``grad_max``).
 
     ``grad``: the compute-rounding allowance of each gradient element (``{}`` at float32); ``update`` and
-    ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance;
-    ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's gradient, by path and as its tree
-    (``grad_tree``, for :func:`_scale_evidence`).
+    ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance (computed on
+    first read, :class:`_Sensitivity`); ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's
+    gradient, by path and as its tree (``grad_tree``, for :func:`_scale_evidence`).
     """
 
     grad: dict
-    update: dict
-    state: dict
     grad_max: dict
     grads: dict
     grad_tree: Any
+    sensitivity: _Sensitivity
+
+    @property
+    def update(self) -> dict:
+        return self.sensitivity.get()[0]
+
+    @property
+    def state(self) -> dict:
+        return self.sensitivity.get()[1]
+
+    @property
+    def update_paths(self):
+        return self.sensitivity.shapes[0].keys()
+
+    @property
+    def state_paths(self):
+        return self.sensitivity.shapes[1].keys()
 
 
 def _noise_shards(num_shards: int | None, batch) -> int:
@@ -169,6 +229,109 @@ def _accumulate(before: dict, step: dict, floor: dict, rounding: dict, fresh: di
     return {p: one(p, s) for p, s in step.items()}
 
 
+DEFER = True
+"""Whether a step is compared against the lower bound before its sensitivity pass runs (:func:`lower_bound`);
+``False`` runs every pass at its step (the tests check that both give the same verdicts)."""
+
+
+class Undecided(Exception):
+    """Raised inside a lower-bound comparison that the bound cannot decide: the step is compared again with the
+    exact allowances (:func:`settle`)."""
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """The accumulations whose sensitivity has not been computed: the run's exact allowances before the first of
+    them, then per accumulation ``(kind, bounds, paths, floor, rounding)`` (:func:`accumulate`'s arguments);
+    ``nbytes``: what their inputs hold; ``trying``: the number of accumulations before the step being tried."""
+
+    allowance: dict
+    state_allowance: dict
+    steps: list = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    trying: int | None = None
+
+
+def lower_bound(run: _Run, bounds: _Bounds | None, exact: bool) -> bool:
+    """Whether this step is compared against the lower bound first; if so, the trial begins (ended by
+    :func:`keep` or :func:`settle`).
+
+    Not for a step whose verdict reads the exact allowances anyway (``exact``: the first step, whose ratios the
+    report reads, and the steps that look for the gradient-scale evidence), without bounds (a user's reference
+    step), on the candidate's mesh (what the
+    devices hold is measured), past :data:`MAX_DEFERRED_BYTES`, at low precision (the propagated compute noise
+    and parameter rounding are what cover a correct step there: the bound fell short at the first step it was
+    tried on under both bfloat16 policies), or in a run where the bound fell short (``state.BoundStats``).
+
+    A step whose sensitivity another check of a ``verify`` already computed (a shared reference step) is tried
+    all the same: a check's report does not depend on the checks before it."""
+    if not DEFER or exact or bounds is None or run.footprint is not None:
+        return False
+    if run.precision.low or run.bound_stats.short:
+        return False
+    held = 0 if run.deferred is None else run.deferred.nbytes
+    if held + bounds.sensitivity.nbytes > MAX_DEFERRED_BYTES:
+        return False
+    if run.deferred is None:
+        run.deferred = _Deferred(dict(run.allowance), dict(run.state_allowance))
+    run.deferred.trying = len(run.deferred.steps)
+    run.deferred.nbytes += bounds.sensitivity.nbytes
+    return True
+
+
+def keep(run: _Run) -> None:
+    """End a trial that cleared its step: its accumulations stay deferred."""
+    run.deferred.trying = None
+    run.bound_stats.cleared += 1
+
+
+def fell_short(run: _Run) -> None:
+    """Note a step that the bound did not clear and the exact allowances passed (``state.BoundStats``)."""
+    run.bound_stats.short += 1
+
+
+def settle(run: _Run) -> None:
+    """Compute every deferred sensitivity and replay the accumulations in order, from the exact allowances before
+    the first: the run's allowances are then the ones computed step by step (a trial's own accumulations are
+    dropped; its step is compared again)."""
+    deferred, run.deferred = run.deferred, None
+    if deferred is None:
+        return
+    steps = deferred.steps if deferred.trying is None else deferred.steps[: deferred.trying]
+    for ledger, base in (
+        (run.allowance, deferred.allowance),
+        (run.state_allowance, deferred.state_allowance),
+    ):
+        ledger.clear()
+        ledger.update(base)
+    for args in steps:
+        accumulate(run, *args)
+
+
+def accumulate(run: _Run, kind: str, bounds: _Bounds, paths: list, floor: dict, rounding: dict) -> None:
+    """Add one step's allowance to the run's (``kind`` ``"param"``: ``run.allowance``; ``"state"``:
+    ``run.state_allowance``) by :func:`_accumulated`: the step's sensitivity, or 0 during a trial, where the
+    accumulation is deferred (replayed by :func:`settle`)."""
+    ledger = run.allowance if kind == "param" else run.state_allowance
+    if not paths:
+        return
+    if run.deferred is not None and run.deferred.trying is not None:
+        shapes = bounds.sensitivity.shapes[0 if kind == "param" else 1]
+        zeros = _zeros(tuple((shapes[p].shape, np.dtype(shapes[p].dtype)) for p in paths))
+        step = dict(zip(paths, zeros, strict=True))
+        run.deferred.steps.append((kind, bounds, paths, floor, rounding))
+    else:
+        sensitivity = bounds.update if kind == "param" else bounds.state
+        step = {p: sensitivity[p] for p in paths}
+    ledger.update(_accumulated(ledger, step, floor, rounding))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(specs: tuple) -> list:
+    """Zeros of each ``(shape, dtype)``: a deferred sensitivity's stand-in (one program per tree)."""
+    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+
+
 def storage_rounding(leaf) -> float:
     """How far two correct runs' copies of a stored leaf may differ by its own rounding: ``eps * max|leaf|`` for
     a floating dtype less precise than float32 (bfloat16: ``2**-7``, float16: ``2**-10``; each side rounds by at
@@ -190,13 +353,13 @@ def _state_allowances(run: _Run, ref_state: dict, bounds) -> None:
     rounding (:func:`storage_rounding`: bfloat16 moments of bfloat16 parameters), into ``run.state_allowance``."""
     if bounds is None:
         return
-    paths = [p for p, r in ref_state.items() if p in bounds.state and np.dtype(r.dtype).kind not in "iub"]
+    tracked = bounds.state_paths
+    paths = [p for p, r in ref_state.items() if p in tracked and np.dtype(r.dtype).kind not in "iub"]
     if paths:
         eps = {p: _storage_eps(ref_state[p].dtype) for p in paths}
         scale = compare.max_abs({p: ref_state[p] for p in paths if eps[p]})  # storage_rounding, in one call
         rounding = {p: eps[p] * scale[p] if eps[p] else 0.0 for p in paths}
-        step = {p: bounds.state[p] for p in paths}
-        run.state_allowance.update(_accumulated(run.state_allowance, step, {}, rounding))
+        accumulate(run, "state", bounds, paths, {}, rounding)
 
 
 def _precision_rule(precision: Precision) -> str:
@@ -250,20 +413,13 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
             realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
         noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
         noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
-    tx = run.ref_opt.tx
-    updates, states, grad_max, extra = tolerance_sensitivity(
-        tx, grads, pre.opt_state, pre.params, noise, rtol, atol
-    )
-    if shadow is not None:
-        moved = shadow_spread(tx, grads, pre.opt_state, pre.params, *shadow)
-        updates, states = _tree_add((updates, states), moved)
+    delta, grad_max, extra = gradient_tolerance(grads, noise, rtol, atol)
     grad_allowance = {} if extra is None else flatten_state(extra)
     # the allowances stay on the device: the comparison reduces them there (compare.leaf_errors)
     return _Bounds(
         grad_allowance,
-        flatten_state(updates),
-        flatten_state(states),
         {k: float(v) for k, v in jax.device_get(flatten_state(grad_max)).items()},
         flatten_state(grads),
         grads,
+        _Sensitivity(run.ref_opt.tx, grads, pre, delta, shadow),
     )

@@ -17,7 +17,9 @@ with ``n`` the task's reduction length (:meth:`Task.terms`). ``allowance`` is th
 gradient's own tolerance, propagated through the optimizer (``tx.update`` at ``g +- delta``) and summed over the
 steps: negligible for SGD and for Adam on ordinary leaves, about ``lr`` for a leaf whose true gradient is 0 under
 a normalizing optimizer (the gradient is rounding noise, and Adam turns noise into lr-sized steps). Such leaves
-are reported (``rounding_level``) and remain checked through their gradients and optimizer state.
+are reported (``rounding_level``) and remain checked through their gradients and optimizer state. A step is
+compared against a lower bound of the allowance first, where its verdict may not need the exact one; the
+sensitivity pass runs when a step needs it (:mod:`shardcheck.parity.allowances`, ``docs/parity.md``).
 
 This module is the step loop and each step's comparison; the run's admission and setup are
 :mod:`shardcheck.parity.setup`, its state :mod:`shardcheck.parity.state`, the tolerance bookkeeping
@@ -39,9 +41,9 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
 from shardcheck.datasets import minibatch_indices
-from shardcheck.parity import compare, first_pass
+from shardcheck.parity import allowances, compare, first_pass
 from shardcheck.parity.allowances import (
-    _accumulated,
+    Undecided,
     _param_dtype,
     _precision_rule,
     _state_allowances,
@@ -139,12 +141,21 @@ def _step_candidate(run: _Run, t: int, batch):
     return unpack(out, f"candidate {run.cand.name!r}", t)
 
 
-def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After) -> tuple[list, list, list]:
+def _compare_params(
+    run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After, lower: bool
+) -> tuple[list, list, list]:
     """Param leaf errors (tolerance widened by the accumulated sensitivity and, for low-precision parameters,
-    one rounding per step), replica mismatches, and the leaves whose gradient is at rounding level."""
+    one rounding per step), replica mismatches, and the leaves whose gradient is at rounding level.
+
+    Raises:
+        Undecided: against the lower bound (``lower``), a leaf at rounding level that the bound resolves (the
+            exact allowance may not).
+    """
     leaves, unresolved = [], []
     ref_params, cand_params = after.ref_params, after.cand_params
-    tracked = [] if bounds is None else [p for p in ref_params if p in bounds.update and p in cand_params]
+    tracked = (
+        [] if bounds is None else [p for p in ref_params if p in bounds.update_paths and p in cand_params]
+    )
     # the per-leaf scalars the rules below read, each reduced on the device over every leaf at once
     eps = run.precision.param_eps
     scale = compare.max_abs({p: ref_params[p] for p in tracked}) if eps else {}
@@ -158,9 +169,7 @@ def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After
     floor = {p: 2.0 * v for p, v in moved.items()}
     rounding = {p: eps * scale[p] if eps else 0.0 for p in tracked}
     if tracked:
-        run.allowance.update(
-            _accumulated(run.allowance, {p: bounds.update[p] for p in tracked}, floor, rounding)
-        )
+        allowances.accumulate(run, "param", bounds, tracked, floor, rounding)
     for path, ref_leaf in ref_params.items():
         if path not in cand_params:
             leaves.append(LeafError(t, "param", path, math.inf, math.inf, 0.0, False))
@@ -175,6 +184,8 @@ def _compare_params(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After
         widest = compare.max_abs({p: run.allowance[p] for p in at_rounding})
         size = compare.max_abs({p: ref_params[p] for p in at_rounding})
         unresolved = [f"param {p}" for p in at_rounding if widest[p] > atol + rtol * size[p]]
+        if lower and len(unresolved) < len(at_rounding):  # a wider allowance can only leave more unresolved
+            raise Undecided
     differ = replica_mismatches(cand_params)
     mismatches = [f"param {p}" for p in ref_params if p in differ]
     return leaves, mismatches, unresolved
@@ -193,7 +204,8 @@ def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _Af
             leaves.append(counter_error(t, path, r, c))
         else:
             before = cand0.get(path, jnp.zeros_like(r))
-            allowance = run.state_allowance.get(path) if bounds is not None and path in bounds.state else None
+            tracked = bounds is not None and path in bounds.state_paths
+            allowance = run.state_allowance.get(path) if tracked else None
             r_tol, a_tol = run.tol("opt_state", path, MOMENT_FACTOR * rtol, MOMENT_FACTOR * atol)
             leaves.append(LeafInput(t, "opt_state", path, r, c, r_tol, a_tol, ref0[path], before, allowance))
     differ = replica_mismatches(cand_state)
@@ -235,30 +247,29 @@ def _compare_step(
     (:func:`_scale_evidence`; the step loop stops once the steps have shown both, which the verdict needs only
     once).
     """
-    ref_params0, cand_params0, ref_opt0, cand_opt0 = _snapshots(run)
+    snapshots = _snapshots(run)
     ref_loss, ref_grads, pre, bounds = _step_reference(run, t, batch, rtol, atol)
     _measure(run)
     cand_loss, cand_grads = _step_candidate(run, t, batch)
-
-    leaves, ref_loss_f, cand_loss_f = _loss_leaves(run, t, batch, ref_loss, cand_loss, bounds, rtol, atol)
-    grad_leaves, compared_grads = _grad_inputs(run, t, ref_grads, cand_grads, bounds, rtol, atol)
-    leaves += grad_leaves
     after = _After.of(run)
     _measure(run, after)
-    cand_count = after.cand_count
-    params, mismatches, unresolved = _compare_params(
-        run, t, ref_params0, cand_params0, rtol, atol, bounds, after
-    )
-    opt_leaves, opt_mismatches = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol, bounds, after)
-    ref_count = int(np.asarray(run.ref_opt.step[...]))
-    leaves += params + opt_leaves
-    leaves.append(counter_error(t, "step", ref_count, cand_count))
-    leaves += _extra_checks(run, t, t + 1 if completed is None else completed, rtol, atol)
-    # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
-    decided = [e for e in leaves if not isinstance(e, LeafInput)]
-    full = t == 0 or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
-    compared = iter(_two_pass([e for e in leaves if isinstance(e, LeafInput)], full))
-    leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
+    stepped = (ref_loss, ref_grads, cand_loss, cand_grads, bounds)
+    completed = t + 1 if completed is None else completed
+    compared = None
+    # against the lower bound of the allowances first, where the verdict may not need the exact ones
+    tried = allowances.lower_bound(run, bounds, exact=t == 0 or check_scale)
+    if tried:
+        try:
+            compared = _compare_leaves(run, t, rtol, atol, batch, stepped, snapshots, after, completed, True)
+            allowances.keep(run)
+        except Undecided:
+            compared = None
+    if compared is None:
+        allowances.settle(run)
+        compared = _compare_leaves(run, t, rtol, atol, batch, stepped, snapshots, after, completed, False)
+        if tried and all(e.ok for e in compared[0]) and not compared[4]:
+            allowances.fell_short(run)
+    leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count = compared
     evidence, blind = None, False
     if check_scale:
         evidence, blind = _scale_evidence(run, pre, batch, rtol, atol, bounds, after, compared_grads, leaves)
@@ -271,8 +282,8 @@ def _compare_step(
         candidate_loss=cand_loss_f,
         leaves=tuple(leaves),
         step_count=ref_count,
-        candidate_step_count=int(np.asarray(cand_count)),
-        replica_mismatches=tuple(mismatches + opt_mismatches),
+        candidate_step_count=int(np.asarray(after.cand_count)),
+        replica_mismatches=tuple(mismatches),
         synchronized=synced,
         unresolved=tuple(unresolved),
         scale_hidden=evidence is not None and not all(evidence),
@@ -285,6 +296,40 @@ def _compare_step(
             record = _explained(run, pre, batch, record, rtol, atol)
     run.last = after
     return record, _reference_finite(record, after)
+
+
+def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: _After, completed, lower):
+    """Every leaf of a stepped pair compared, ``(leaves, reference loss, candidate loss, compared reference
+    gradients, replica mismatches, unresolved leaves, the reference's step count)``; each float leaf through the
+    first pass and, where it cannot clear it, the full comparison (:func:`_two_pass`).
+
+    ``stepped``: ``(reference loss, reference grads, candidate loss, candidate grads, bounds)``; ``snapshots``:
+    :func:`_snapshots` before the step; ``completed``: the candidate's full steps (``extra_checks``).
+
+    Raises:
+        Undecided: against the lower bound of the allowances (``lower``), a step it does not clear whole.
+    """
+    ref_loss, ref_grads, cand_loss, cand_grads, bounds = stepped
+    ref_params0, cand_params0, ref_opt0, cand_opt0 = snapshots
+    leaves, ref_loss_f, cand_loss_f = _loss_leaves(run, t, batch, ref_loss, cand_loss, bounds, rtol, atol)
+    grad_leaves, compared_grads = _grad_inputs(run, t, ref_grads, cand_grads, bounds, rtol, atol)
+    leaves += grad_leaves
+    params, mismatches, unresolved = _compare_params(
+        run, t, ref_params0, cand_params0, rtol, atol, bounds, after, lower
+    )
+    opt_leaves, opt_mismatches = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol, bounds, after)
+    ref_count = int(np.asarray(run.ref_opt.step[...]))
+    leaves += params + opt_leaves
+    leaves.append(counter_error(t, "step", ref_count, after.cand_count))
+    leaves += _extra_checks(run, t, completed, rtol, atol)
+    # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
+    decided = [e for e in leaves if not isinstance(e, LeafInput)]
+    full = t == 0 or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
+    if lower and full:
+        raise Undecided
+    compared = iter(_two_pass([e for e in leaves if isinstance(e, LeafInput)], full, lower))
+    leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
+    return leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches + opt_mismatches, unresolved, ref_count
 
 
 def _measure(run: _Run, after: _After | None = None) -> None:
@@ -301,21 +346,32 @@ def _measure(run: _Run, after: _After | None = None) -> None:
         run.footprint.state = max(run.footprint.state, *own)
 
 
-def _two_pass(inputs: list, full: bool) -> list:
+def _two_pass(inputs: list, full: bool, lower: bool = False) -> list:
     """The :class:`LeafError` of every input: cleared by the first pass (:func:`first_pass.clear`) where it can
     prove the leaf within tolerance, else by the full comparison (:func:`compare.leaf_errors`).
 
     Every leaf gets the full comparison when ``full`` (step 0, whose update ratios and tolerances the report and
     ``weak_update`` read; a step that a counter, an extra check or a replica already failed) or when one of the
     leaves fails (the rules read every leaf's update ratio). So every verdict and diagnosis is the full
-    comparison's."""
+    comparison's.
+
+    Raises:
+        Undecided: ``lower`` (the allowances are a lower bound) and a leaf that the first pass cannot clear, or
+            that fails: the exact allowances decide.
+    """
     if full or not FIRST_PASS:
-        return leaf_errors(inputs)
-    out = first_pass.clear(inputs)
-    cleared = [i for i, e in enumerate(out) if e is not None]
-    _fill(out, inputs, [i for i, e in enumerate(out) if e is None])
-    if not all(e.ok for e in out):
-        _fill(out, inputs, cleared)
+        out = leaf_errors(inputs)
+    else:
+        out = first_pass.clear(inputs)
+        undecided = [i for i, e in enumerate(out) if e is None]
+        if lower and undecided:
+            raise Undecided
+        cleared = [i for i, e in enumerate(out) if e is not None]
+        _fill(out, inputs, undecided)
+        if not all(e.ok for e in out):
+            _fill(out, inputs, cleared)
+    if lower and not all(e.ok for e in out):
+        raise Undecided
     return out
 
 

@@ -55,25 +55,21 @@ def update_sensitivity(tx, grads, opt_state, params, delta):
     return updates, states, jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def tolerance_sensitivity(tx, grads, opt_state, params, extra, rtol, atol):
-    """:func:`update_sensitivity` at the gradient's tolerance ``delta = grad_delta(grads, extra, rtol, atol, 1)``,
-    in one compiled program (the tolerance, the grid and the maxima).
+@jax.jit
+def gradient_tolerance(grads, extra, rtol, atol):
+    """The gradient's tolerance and what the sensitivity pass reads of it, in one compiled program: ``(delta,
+    max |g| per leaf, allowance)``.
 
-    Returns ``(update sensitivity, state sensitivity, max |g| per leaf, allowance)``: the first three as
-    :func:`update_sensitivity`'s, and ``allowance = delta - grad_delta(grads, None, rtol, atol, 0)``, the part of
-    the tolerance that ``extra`` adds (``None`` when ``extra`` is ``None``).
+    ``delta = grad_delta(grads, extra, rtol, atol, 1)``, the tolerance :func:`update_sensitivity` propagates;
+    ``allowance = delta - grad_delta(grads, None, rtol, atol, 0)``, the part of it that ``extra`` adds (``None``
+    when ``extra`` is ``None``). The sensitivity itself is a separate call, made only where a verdict reads it
+    (``shardcheck.parity.allowances``).
     """
     delta = grad_delta(grads, extra, rtol, atol, 1.0)
-    updates, states, grad_max = update_sensitivity(tx, grads, opt_state, params, delta)
+    grad_max = jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
     if extra is None:
-        return updates, states, grad_max, None
-    return (
-        updates,
-        states,
-        grad_max,
-        jax.tree.map(jnp.subtract, delta, grad_delta(grads, None, rtol, atol, 0.0)),
-    )
+        return delta, grad_max, None
+    return delta, grad_max, jax.tree.map(jnp.subtract, delta, grad_delta(grads, None, rtol, atol, 0.0))
 
 
 @functools.partial(jax.jit, static_argnums=0)

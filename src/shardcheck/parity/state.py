@@ -60,6 +60,18 @@ class _PreStep:
 
 
 @dataclasses.dataclass
+class BoundStats:
+    """How a run's steps fared against the allowances' lower bound (``parity.allowances.lower_bound``):
+    ``cleared``, the steps it cleared whole; ``short``, those it did not clear although the exact allowances passed
+    them. A run stops trying the bound after one such step: there the propagated sensitivity is what covers a
+    correct step (bfloat16 compute, whose measured noise it carries), so each later trial would only repeat the
+    comparison."""
+
+    cleared: int = 0
+    short: int = 0
+
+
+@dataclasses.dataclass
 class _Run:
     """The two sides of one :func:`check_parity` run (internal, mutable: the models change in place)."""
 
@@ -85,6 +97,10 @@ class _Run:
     reference_name: str = "reference"
     # what the devices hold, sampled during a check on the candidate's mesh (parity.footprint.Footprint), or None
     footprint: Any = None
+    # the accumulations whose sensitivity pass is deferred (parity.allowances._Deferred), or None
+    deferred: Any = None
+    # how the allowances' lower bound fared, shared with the synchronized runs
+    bound_stats: BoundStats = dataclasses.field(default_factory=BoundStats)
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
@@ -114,6 +130,7 @@ class _Run:
             allowance={},
             state_allowance={},
             last=None,
+            deferred=None,
         )
 
 
