@@ -191,14 +191,3 @@ def test_two_pass_verdicts_are_the_full_ones_for_the_strategies(strategy):
     on, off = _both(strategy, _task(1e-2, 0, steps=5), num_shards=4)
     _same_verdicts(on, off)
     assert on.verdict == "PASS"
-
-
-@require_devices(2)
-def test_moved_passes_an_array_in_place_as_it_is_and_moves_the_others():
-    """``first_pass._moved``: no dispatch for a leaf already where it is compared (most of a step's leaves)."""
-    d0, d1 = jax.devices()[:2]
-    here = jax.device_put(np.arange(4.0, dtype=np.float32), d0)
-    there = jax.device_put(np.arange(4.0, dtype=np.float32) + 1, d1)
-    out = first_pass._moved([here, None, there], [here.sharding, here.sharding, here.sharding])
-    assert out[0] is here and out[1] is None
-    assert out[2].sharding == here.sharding and np.array_equal(np.asarray(out[2]), np.asarray(there))

@@ -258,10 +258,10 @@ def lower_bound(run: _Run, bounds: _Bounds | None, exact: bool) -> bool:
 
     Not for a step whose verdict reads the exact allowances anyway (``exact``: the first step, whose ratios the
     report reads, and the steps that look for the gradient-scale evidence), without bounds (a user's reference
-    step), on the candidate's mesh (what the devices hold is measured), past :data:`MAX_DEFERRED_BYTES`, at low
-    precision (the propagated compute noise and parameter rounding are what cover a correct step there: the bound
-    fell short at the first step it was tried on under both bfloat16 policies), or in a run where the bound fell
-    short (``state.BoundStats``).
+    step), on the candidate's mesh (what the
+    devices hold is measured), past :data:`MAX_DEFERRED_BYTES`, at low precision (the propagated compute noise
+    and parameter rounding are what cover a correct step there: the bound fell short at the first step it was
+    tried on under both bfloat16 policies), or in a run where the bound fell short (``state.BoundStats``).
 
     A step whose sensitivity another check of a ``verify`` already computed (a shared reference step) is tried
     all the same: a check's report does not depend on the checks before it."""

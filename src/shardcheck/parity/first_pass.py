@@ -118,14 +118,12 @@ def _cleared(item, st: dict) -> LeafError | None:
 
 def _moved(arrays: list, places: list) -> list:
     """``arrays`` (``None`` kept) each moved onto its place, in one call (a call per leaf costs more than the
-    reduction); an array already there is passed as it is (``device_put`` would return it uncopied, at a
-    dispatch's cost: most of a step's leaves are where they are compared)."""
-    away = [j for j, a in enumerate(arrays) if a is not None and a.sharding != places[j]]
+    reduction); an array already there is not copied."""
+    present = [j for j, a in enumerate(arrays) if a is not None]
     out = list(arrays)
-    if away:
-        moved = jax.device_put([arrays[j] for j in away], [places[j] for j in away])
-        for j, a in zip(away, moved, strict=True):
-            out[j] = a
+    moved = jax.device_put([arrays[j] for j in present], [places[j] for j in present])
+    for j, a in zip(present, moved, strict=True):
+        out[j] = a
     return out
 
 
