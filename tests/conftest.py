@@ -59,6 +59,23 @@ def require_devices(n: int):
     )
 
 
+def scaled_from(loss_fn, step: int, factor: float):
+    """A user step that is the reference's (``nnx.value_and_grad`` of ``loss_fn(model, batch)``, then the
+    optimizer's update) until the optimizer's ``step``, and from it applies ``factor`` times the gradient: a sum
+    taken for a mean (``factor = S``), a mean taken twice (``1 / S``), a small scale error. Returns the loss and
+    the gradient it applied."""
+    from flax import nnx
+
+    def candidate(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch))(model)
+        if int(optimizer.step[...]) >= step:
+            grads = jax.tree.map(lambda g: factor * g, grads)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return candidate
+
+
 def small_lm_config():
     """One block of the built-in tiny-lm's layers at width 16 (the default: two at 32): every leaf kind of the
     default model and each of its FSDP placements (split along dimension 0, along dimension 1, replicated: the

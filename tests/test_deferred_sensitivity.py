@@ -6,12 +6,11 @@ and a step after deferred ones is judged with exactly the allowances of a check 
 
 import contextlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, scaled_from
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,15 +55,7 @@ def _task(optimizer, seed: int, shift: bool = True) -> shardcheck.Task:
 
 def _scaled_from(step: int, factor: float):
     """The reference's step until ``step``, then one applying ``factor`` times the gradient."""
-
-    def candidate(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(lambda m: _loss(m, batch))(model)
-        if int(optimizer.step[...]) >= step:
-            grads = jax.tree.map(lambda g: factor * g, grads)
-        optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
-
-    return candidate
+    return scaled_from(_loss, step, factor)
 
 
 class _Counting:

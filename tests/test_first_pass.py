@@ -1,12 +1,11 @@
 """The comparison's cheap first pass (``parity.first_pass``): it clears only what the float64 rule passes, and a
 check run with it gives the verdicts and diagnoses of a check that compares every leaf in full."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, scaled_from
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,16 +127,8 @@ def _task(lr: float, seed: int, steps: int = 4) -> shardcheck.Task:
 
 
 def _scaled_from(step: int, factor: float):
-    """A candidate that is the reference's step until ``step``, then applies ``factor`` times its gradient."""
-
-    def candidate(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(lambda m: mse_batch_loss(m, batch))(model)
-        if int(optimizer.step[...]) >= step:
-            grads = jax.tree.map(lambda g: factor * g, grads)
-        optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
-
-    return candidate
+    """The reference's step until ``step``, then one applying ``factor`` times the gradient."""
+    return scaled_from(mse_batch_loss, step, factor)
 
 
 def _both(candidate, task, **kwargs):

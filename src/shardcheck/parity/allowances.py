@@ -258,10 +258,10 @@ def lower_bound(run: _Run, bounds: _Bounds | None, exact: bool) -> bool:
 
     Not for a step whose verdict reads the exact allowances anyway (``exact``: the first step, whose ratios the
     report reads, and the steps that look for the gradient-scale evidence), without bounds (a user's reference
-    step), on the candidate's mesh (what the
-    devices hold is measured), past :data:`MAX_DEFERRED_BYTES`, at low precision (the propagated compute noise
-    and parameter rounding are what cover a correct step there: the bound fell short at the first step it was
-    tried on under both bfloat16 policies), or in a run where the bound fell short (``state.BoundStats``).
+    step), on the candidate's mesh (what the devices hold is measured), past :data:`MAX_DEFERRED_BYTES`, at low
+    precision (the propagated compute noise and parameter rounding are what cover a correct step there: the bound
+    fell short at the first step it was tried on under both bfloat16 policies), or in a run where the bound fell
+    short (``state.BoundStats``).
 
     A step whose sensitivity another check of a ``verify`` already computed (a shared reference step) is tried
     all the same: a check's report does not depend on the checks before it."""
@@ -282,7 +282,6 @@ def lower_bound(run: _Run, bounds: _Bounds | None, exact: bool) -> bool:
 def keep(run: _Run) -> None:
     """End a trial that cleared its step: its accumulations stay deferred."""
     run.deferred.trying = None
-    run.bound_stats.cleared += 1
 
 
 def fell_short(run: _Run) -> None:
@@ -312,9 +311,9 @@ def accumulate(run: _Run, kind: str, bounds: _Bounds, paths: list, floor: dict, 
     """Add one step's allowance to the run's (``kind`` ``"param"``: ``run.allowance``; ``"state"``:
     ``run.state_allowance``) by :func:`_accumulated`: the step's sensitivity, or 0 during a trial, where the
     accumulation is deferred (replayed by :func:`settle`)."""
-    ledger = run.allowance if kind == "param" else run.state_allowance
     if not paths:
         return
+    ledger = run.allowance if kind == "param" else run.state_allowance
     if run.deferred is not None and run.deferred.trying is not None:
         shapes = bounds.sensitivity.shapes[0 if kind == "param" else 1]
         zeros = _zeros(tuple((shapes[p].shape, np.dtype(shapes[p].dtype)) for p in paths))

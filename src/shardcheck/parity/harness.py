@@ -255,20 +255,8 @@ def _compare_step(
     _measure(run, after)
     stepped = (ref_loss, ref_grads, cand_loss, cand_grads, bounds)
     completed = t + 1 if completed is None else completed
-    compared = None
-    # against the lower bound of the allowances first, where the verdict may not need the exact ones
-    tried = allowances.lower_bound(run, bounds, exact=t == 0 or check_scale)
-    if tried:
-        try:
-            compared = _compare_leaves(run, t, rtol, atol, batch, stepped, snapshots, after, completed, True)
-            allowances.keep(run)
-        except Undecided:
-            compared = None
-    if compared is None:
-        allowances.settle(run)
-        compared = _compare_leaves(run, t, rtol, atol, batch, stepped, snapshots, after, completed, False)
-        if tried and all(e.ok for e in compared[0]) and not compared[4]:
-            allowances.fell_short(run)
+    args = (run, t, rtol, atol, batch, stepped, snapshots, after, completed)
+    compared = _against_the_bound_first(args, bounds, exact=t == 0 or check_scale)
     leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count = compared
     evidence, blind = None, False
     if check_scale:
@@ -296,6 +284,27 @@ def _compare_step(
             record = _explained(run, pre, batch, record, rtol, atol)
     run.last = after
     return record, _reference_finite(record, after)
+
+
+def _against_the_bound_first(args: tuple, bounds, exact: bool):
+    """:func:`_compare_leaves` of ``args`` (the step's ``bounds`` among them) against the lower bound of the
+    allowances first, where the verdict may not need the exact ones (``exact``: it does;
+    ``allowances.lower_bound``); with the exact allowances where the bound does not decide the step, after the
+    deferred passes are settled."""
+    run = args[0]
+    tried = allowances.lower_bound(run, bounds, exact)
+    if tried:
+        try:
+            compared = _compare_leaves(*args, True)
+            allowances.keep(run)
+            return compared
+        except Undecided:
+            pass
+    allowances.settle(run)
+    compared = _compare_leaves(*args, False)
+    if tried and all(e.ok for e in compared[0]) and not compared[4]:
+        allowances.fell_short(run)  # the bound did not clear a step that passes
+    return compared
 
 
 def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: _After, completed, lower):

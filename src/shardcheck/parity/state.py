@@ -61,13 +61,11 @@ class _PreStep:
 
 @dataclasses.dataclass
 class BoundStats:
-    """How a run's steps fared against the allowances' lower bound (``parity.allowances.lower_bound``):
-    ``cleared``, the steps it cleared whole; ``short``, those it did not clear although the exact allowances passed
-    them. A run stops trying the bound after one such step: there the propagated sensitivity is what covers a
-    correct step (bfloat16 compute, whose measured noise it carries), so each later trial would only repeat the
-    comparison."""
+    """How a run's steps fared against the allowances' lower bound (``parity.allowances.lower_bound``): ``short``,
+    the steps it did not clear although the exact allowances passed them. A run stops trying the bound after one
+    such step: there the propagated sensitivity is what covers a correct step, so each later trial would only
+    repeat the comparison."""
 
-    cleared: int = 0
     short: int = 0
 
 
