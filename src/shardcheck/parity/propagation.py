@@ -58,12 +58,13 @@ def update_sensitivity(tx, grads, opt_state, params, delta):
 @jax.jit
 def gradient_tolerance(grads, extra, rtol, atol):
     """The gradient's tolerance and what the sensitivity pass reads of it, in one compiled program: ``(delta,
-    max |g| per leaf, allowance)``.
+    max |g| per leaf, allowance)``, trees like ``grads``.
 
-    ``delta = grad_delta(grads, extra, rtol, atol, 1)``, the tolerance :func:`update_sensitivity` propagates;
-    ``allowance = delta - grad_delta(grads, None, rtol, atol, 0)``, the part of it that ``extra`` adds (``None``
-    when ``extra`` is ``None``). The sensitivity itself is a separate call, made only where a verdict reads it
-    (``shardcheck.parity.allowances``).
+    ``delta = grad_delta(grads, extra, rtol, atol, 1)``, the tolerance :func:`update_sensitivity` propagates (a
+    float32 scalar per leaf, or per element where ``extra`` is per element); ``max |g|``: a 0-d array per leaf, in
+    the gradient's dtype; ``allowance = delta - grad_delta(grads, None, rtol, atol, 0)``, the part of ``delta``
+    that ``extra`` adds (``None`` when ``extra`` is ``None``). The sensitivity itself is a separate call, made only
+    where a verdict reads it (``shardcheck.parity.allowances``).
     """
     delta = grad_delta(grads, extra, rtol, atol, 1.0)
     grad_max = jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
