@@ -104,3 +104,14 @@ def test_a_trajectory_past_its_byte_limit_is_not_stored(monkeypatch, limit):
         for _ in range(2):
             assert shardcheck.check_parity("simulation", task, num_shards=2).verdict == "PASS"
     assert calls[0] == 8
+
+
+def test_starting_states_holding_prng_keys_are_compared_through_their_data():
+    """Regression: a model holding RNG streams (``nnx.Dropout(rngs=...)``, the Flax tutorials' models) keeps typed
+    PRNG keys in its state; the shared reference compared the starting states through NumPy and raised."""
+    from shardcheck.parity import compare
+
+    key = {"rngs.dropout.key": jax.random.key(1), "w": jax.numpy.ones(3)}
+    assert compare.equal(key, {"rngs.dropout.key": jax.random.key(1), "w": jax.numpy.ones(3)})
+    assert not compare.equal(key, {"rngs.dropout.key": jax.random.key(2), "w": jax.numpy.ones(3)})
+    assert not compare.equal(key, {"rngs.dropout.key": jax.random.key(1), "w": jax.numpy.zeros(3)})

@@ -553,9 +553,11 @@ def all_finite(arrays: Sequence[Any]) -> bool:
 
 def equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether ``b`` holds every name of ``a`` with the same shape and the same values (``array_equal``: NaN is
-    not equal to itself), compared on ``a``'s devices or on the host (:data:`DEVICE_SCALARS`)."""
+    not equal to itself), compared on ``a``'s devices or on the host (:data:`DEVICE_SCALARS`). PRNG keys (the
+    streams of ``nnx.Rngs``, ``nnx.Dropout``) are compared through their raw ``uint32`` data."""
     if any(k not in b or np.shape(b[k]) != np.shape(v) for k, v in a.items()):
         return False
+    a, b = _raw_keys(a), _raw_keys(b)
     for group in _on_devices(a).values():
         if _on_host(group):
             if not all(np.array_equal(to_host(x), to_host(b[k])) for k, x in group.items()):
@@ -565,6 +567,16 @@ def equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         if not bool(_equal(group, other)):
             return False
     return True
+
+
+def _raw_keys(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` with each typed PRNG key array replaced by its raw data (``jax.random.key_data``): NumPy and
+    ``jnp.array_equal`` cannot read a key."""
+    return {k: jax.random.key_data(v) if _is_key(v) else v for k, v in tree.items()}
+
+
+def _is_key(a) -> bool:
+    return isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
 
 
 def _same_values(x, y) -> jax.Array:
