@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
@@ -42,8 +42,15 @@ BATCH_AXIS_NAMES = ("data", FSDP_AXIS)
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def make_mesh(shape: int | Mapping[str, int] | None = None, axis_name: str = "data") -> Mesh:
-    """A mesh over the first devices of ``jax.devices()``, with ``Auto`` axes.
+def make_mesh(
+    shape: int | Mapping[str, int] | None = None, axis_name: str = "data", *, devices: Sequence | None = None
+) -> Mesh:
+    """A mesh over the first devices of ``devices`` (default: :func:`shardcheck.devices.select_devices`), with
+    ``Auto`` axes.
+
+    Without ``devices`` the mesh is on the default backend when it has enough devices, else on the CPU devices
+    beside it (``jax_num_cpu_devices``): on a host with one GPU, ``make_mesh(8)`` is a mesh of 8 fake CPU devices,
+    never a mix of the GPU and CPU devices.
 
     ``jax.make_mesh`` makes ``Explicit`` axes by default in current JAX. Under Explicit axes every jitted
     operation must have an unambiguous output sharding, so plain jit code fed ``NamedSharding`` inputs can fail:
@@ -56,18 +63,20 @@ def make_mesh(shape: int | Mapping[str, int] | None = None, axis_name: str = "da
 
     Args:
         shape: ``N`` for a 1-D mesh of N devices on axis ``axis_name``; a mapping ``{"data": 2, "fsdp": 4}``
-            for a mesh with those axes, in that order (row-major over ``jax.devices()``); None: every device on
-            one axis. In a multi-process run ``jax.devices()`` lists every process's devices, so the mesh is
-            global.
+            for a mesh with those axes, in that order (row-major over the devices); None: every device of the
+            preferred platform on one axis. In a multi-process run ``jax.devices()`` lists every process's
+            devices, so the mesh is global.
         axis_name: the axis of a 1-D mesh (ignored for a mapping).
+        devices: the devices to lay out (their first ``prod(shape)``), e.g. ``jax.devices("cpu")``; default:
+            ``select_devices(prod(shape)).devices``.
 
     Returns:
         A ``jax.sharding.Mesh`` whose axes all have type ``AxisType.Auto``.
 
     Raises:
         TypeError: ``shape`` not an int, a mapping of str to int, or None; ``axis_name`` not a non-empty str.
-        ValueError: an axis size < 1, a repeated or invalid axis name, or more devices than exist (on CPU, more
-            can be faked with ``jax.config.update('jax_num_cpu_devices', N)`` before JAX initializes).
+        ValueError: an axis size < 1, a repeated or invalid axis name, or more devices than exist (more CPU
+            devices can be faked with ``jax.config.update('jax_num_cpu_devices', N)`` before JAX initializes).
 
     Example::
 
@@ -77,17 +86,22 @@ def make_mesh(shape: int | Mapping[str, int] | None = None, axis_name: str = "da
         ('data', 'fsdp')
     """
     fn = "make_mesh"
-    devices = jax.devices()
-    axes = _check_shape(fn, shape, axis_name, len(devices))
+    from shardcheck.devices import _platform_devices, _preferred_platform, select_devices
+
+    every = list(devices) if devices is not None else None
+    if every is None and shape is None:
+        every = _platform_devices(_preferred_platform())
+    axes = _check_shape(fn, shape, axis_name, len(every or ()))
     size = math.prod(axes.values())
-    if size > len(devices):
-        listed = " x ".join(f"{name}={n}" for name, n in axes.items())
+    listed = " x ".join(f"{name}={n}" for name, n in axes.items())
+    if every is None:
+        every = list(select_devices(size, what=f"the mesh {listed}", fn=fn).devices)
+    if size > len(every):
         raise ValueError(
-            f"{fn}: the mesh {listed} needs {size} devices, but {len(devices)} exist; pass axis sizes whose "
-            f"product is at most {len(devices)} (on CPU, more devices can be faked with "
-            "jax.config.update('jax_num_cpu_devices', N) before JAX initializes, or --devices N / --mesh on the "
-            "command line)"
+            f"{fn}: the mesh {listed} needs {size} devices, but {len(every)} were given; pass axis sizes whose "
+            f"product is at most {len(every)}, or more devices"
         )
+    devices = every
     return jax.make_mesh(
         tuple(axes.values()),
         tuple(axes),

@@ -157,30 +157,95 @@ def apply_mesh(command: str, args, devices_flag: str = "devices") -> None:
     setattr(args, devices_flag, size)
 
 
-def needed_mesh(command: str, args, num_devices: int, needed: bool):
-    """The mesh a subcommand runs on (:func:`mesh_from_args`), or ``None`` when nothing it runs needs one.
+PLATFORM_HELP = (
+    "the platform of the mesh's devices: cpu (fake CPU devices, created beside any accelerator), gpu or tpu "
+    "(default: the default backend when it has enough devices for the mesh, else cpu); the devices used are "
+    "named in the output"
+)
+
+
+def add_platform_argument(p) -> None:
+    """``--platform cpu|gpu|tpu`` (:func:`shardcheck.devices.select_devices`'s ``platform``)."""
+    p.add_argument("--platform", default=None, choices=("cpu", "gpu", "tpu"), help=PLATFORM_HELP)
+
+
+def select_for(command: str, args, num_devices: int):
+    """The devices of the command's mesh (:func:`shardcheck.devices.select_devices` with ``--platform``), kept on
+    ``args.device_choice`` for the report; the default device moved to the mesh's platform when it is not the
+    default backend's (:func:`shardcheck.devices.use_platform_of`).
 
     Raises:
-        ValueError: fewer devices than ``num_devices`` (the message names ``--devices`` and the fix).
+        ValueError: a platform this host lacks, or too few devices on every usable platform; the message starts
+            with ``command`` and says what works (``--platform cpu``, ``--devices N``), never "fewer devices" when
+            fewer would not help.
     """
-    import jax
-
-    if not needed:
-        return None
-    if jax.device_count() < num_devices:
-        raise ValueError(
-            f"{command}: {num_devices} devices are needed, but {jax.device_count()} exist; pass --devices "
-            f"{jax.device_count()} or fewer"
-        )
-    return mesh_from_args(args, num_devices)
-
-
-def mesh_from_args(args, num_devices: int):
-    """The mesh of ``--mesh`` (``shardcheck.make_mesh`` of its axes), else a 1-D mesh of ``num_devices``."""
-    from shardcheck.mesh import make_mesh
+    from shardcheck.devices import select_devices, use_platform_of
 
     axes = getattr(args, "mesh", None)
-    return make_mesh(axes if axes is not None else num_devices)
+    if isinstance(axes, str):  # memory's --mesh is parsed by the command itself
+        from shardcheck.mesh import parse_mesh
+
+        axes = parse_mesh(axes)
+    what = (
+        "the mesh " + ",".join(f"{k}={v}" for k, v in axes.items())
+        if axes
+        else f"a mesh of {num_devices} devices"
+    )
+    choice = select_devices(
+        num_devices,
+        platform=getattr(args, "platform", None),
+        what=what,
+        fn=command,
+        fake_fix="pass --devices {n} (fake CPU devices are created before JAX starts)",
+        platform_flag="--platform ",
+    )
+    use_platform_of(choice)
+    args.device_choice = choice
+    return choice
+
+
+def device_choice(args):
+    """The devices the command ran on: ``args.device_choice`` (set by :func:`select_for`), else one device of
+    ``--platform`` (or the default backend)."""
+    choice = getattr(args, "device_choice", None)
+    if choice is None:
+        from shardcheck.devices import select_devices
+
+        choice = select_devices(1, platform=getattr(args, "platform", None))
+    return choice
+
+
+def needed_mesh(command: str, args, num_devices: int, needed: bool):
+    """The mesh a subcommand runs on (:func:`mesh_from_args`), or ``None`` when nothing it runs needs one (its
+    one device then chosen by :func:`select_for`, which honours ``--platform``).
+
+    Raises:
+        ValueError: fewer devices than ``num_devices`` on every usable platform (:func:`select_for`).
+    """
+    if not needed:
+        select_for(command, args, 1)
+        return None
+    return mesh_from_args(args, num_devices, command=command)
+
+
+def mesh_from_args(args, num_devices: int, command: str | None = None):
+    """The mesh of ``--mesh`` (``shardcheck.make_mesh`` of its axes), else a 1-D mesh of ``num_devices``, on the
+    devices :func:`select_for` picks (``--platform``; the CPU devices when the default backend has too few).
+
+    Raises:
+        ValueError: as :func:`select_for`.
+    """
+    from shardcheck.mesh import make_mesh
+
+    command = command or f"shardcheck {getattr(args, 'command', '')}".strip()
+    axes = getattr(args, "mesh", None)
+    if isinstance(axes, str):  # memory's --mesh is parsed by the command
+        from shardcheck.mesh import parse_mesh
+
+        axes = parse_mesh(axes)
+    size = math.prod(axes.values()) if axes is not None else num_devices
+    choice = select_for(command, args, size)
+    return make_mesh(axes if axes is not None else num_devices, devices=choice.devices)
 
 
 OUTPUT_FLAGS = ("json", "plot", "log", "out")

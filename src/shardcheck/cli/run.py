@@ -15,9 +15,11 @@ from shardcheck._catalog import seed_form as xy_strategies
 from shardcheck.cli._common import (
     HelpFormatter,
     add_mesh_argument,
+    add_platform_argument,
     apply_mesh,
     configure_devices,
     console_for,
+    device_choice,
     write_json,
 )
 from shardcheck.cli._task import add_precision_arguments
@@ -68,9 +70,11 @@ def add_parser(sub) -> None:
         "--devices",
         type=int,
         default=None,
-        help="fake CPU devices to create when no accelerator is present (default: the shard count)",
+        help="fake CPU devices to create (beside any accelerator; used when it has too few devices for the "
+        "mesh, or with --platform cpu) (default: the shard count)",
     )
     add_mesh_argument(p)
+    add_platform_argument(p)
     p.add_argument(
         "--lr",
         type=float,
@@ -124,7 +128,8 @@ def main(args) -> int:
         return 0  # every process computed the same report; process 0 alone prints it
     console = console_for(args)
     console.print(render_table(report, data))
-    write_json(report_json(report, data), args.json)
+    console.print(device_choice(args).line(), highlight=False)
+    write_json(report_json(report, data) | {"devices": device_choice(args).to_dict()}, args.json)
     return 0
 
 
@@ -173,21 +178,13 @@ def _seed_form_run(args, strategies, on_mesh):
     from shardcheck.seeds import run_strategies
 
     data = datasets.load_dataset(args.dataset, target=args.target)
-    mesh = None
+    from shardcheck.cli._common import needed_mesh
+
     if on_mesh:
-        import jax
-
-        from shardcheck.cli._common import mesh_from_args
-
-        if len(jax.devices()) < args.shards:
-            raise ValueError(
-                f"shardcheck run: --shards {args.shards} needs {args.shards} devices for dp/fsdp, but "
-                f"{len(jax.devices())} exist; pass --devices {args.shards} or fewer shards"
-            )
         runner._validate.check_equal_shards(
             "shardcheck run", data.x.shape[0], args.shards, hint="choose --shards from this list"
         )
-        mesh = mesh_from_args(args, args.shards)
+    mesh = needed_mesh("shardcheck run", args, args.shards, on_mesh)
     report = run_strategies(
         data.x, data.y, num_shards=args.shards, lr=args.lr, seed=args.seed, strategies=strategies, mesh=mesh
     )
@@ -239,23 +236,14 @@ def main_task(args, err) -> int:
     except ValueError as e:
         return _fail(err, f"{name}: {e}")
 
-    import jax
-
     from shardcheck import runner
+    from shardcheck.cli._common import needed_mesh
     from shardcheck.cli._task import task_from_args
     from shardcheck.tasks import BUILTIN_TASKS
 
-    if on_mesh and len(jax.devices()) < args.shards:
-        return _fail(
-            err,
-            f"{name}: --shards {args.shards} needs {args.shards} devices for the mesh strategies, but "
-            f"{len(jax.devices())} exist; pass --devices {args.shards} or fewer shards",
-        )
     try:
+        mesh = needed_mesh(name, args, args.shards, on_mesh)
         task = task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch_size, steps=1)
-        from shardcheck.cli._common import mesh_from_args
-
-        mesh = mesh_from_args(args, args.shards) if on_mesh else None
         report = runner.run_task(task, num_shards=args.shards, strategies=strategies, mesh=mesh)
     except (ValueError, TypeError) as e:
         return _fail(err, str(e))
@@ -266,7 +254,9 @@ def main_task(args, err) -> int:
     console.print(render_task_table(report))
     for skipped, reason in report.skipped.items():
         console.print(f"[dim]skipped {skipped}: {reason}[/]", highlight=False)
-    write_json(task_report_json(report, args.seed if args.task in BUILTIN_TASKS else None), args.json)
+    console.print(device_choice(args).line(), highlight=False)
+    document = task_report_json(report, args.seed if args.task in BUILTIN_TASKS else None)
+    write_json(document | {"devices": device_choice(args).to_dict()}, args.json)
     return 0
 
 
