@@ -191,8 +191,15 @@ def gspmd_measured(annotated_lm, mesh_2x4):
     return measure_memory(annotated_lm.task, strategy="gspmd", mesh=mesh_2x4)
 
 
+@pytest.fixture(scope="module")
+def user_step_measured(annotated_lm, mesh_2x4):
+    return measure_memory(annotated_lm.step, annotated_lm.task, mesh_2x4)
+
+
 @require_devices(8)
-def test_annotated_lm_persistent_estimate_equals_live_bytes(annotated_lm, mesh_2x4, gspmd_measured):
+def test_annotated_lm_persistent_estimate_equals_live_bytes(
+    annotated_lm, mesh_2x4, gspmd_measured, user_step_measured
+):
     """examples/annotated_lm.py (clip + AdamW on a schedule) on data=2 x fsdp=4: the registry's GSPMD step and
     the user's own jitted step hold exactly the estimated bytes on every device."""
     est = estimate_memory(annotated_lm.task, mesh=mesh_2x4, strategy="gspmd")
@@ -203,13 +210,73 @@ def test_annotated_lm_persistent_estimate_equals_live_bytes(annotated_lm, mesh_2
     assert [(leaf.path, leaf.shard_shape) for leaf in rule.leaves] == [
         (leaf.path, leaf.shard_shape) for leaf in est.leaves
     ]
-    for m in (gspmd_measured, measure_memory(annotated_lm.step, annotated_lm.task, mesh_2x4)):
+    for m in (gspmd_measured, user_step_measured):
         assert m.state_bytes_per_device == (est.persistent_bytes,) * 8
         assert m.estimated_persistent_bytes == est.persistent_bytes and m.accuracy_ratio == 1.0
         # The batch: tokens, targets (int32) and mask (float32) of (16, 16), an eighth per device.
         assert m.data_argument_bytes == 3 * 16 * 16 * 4 // 8
     assert gspmd_measured.state_argument_bytes == est.persistent_bytes
     assert gspmd_measured.strategy == "gspmd"
+
+
+def mesh_setting_step(annotated_lm, mesh, idiom: str):
+    """examples/annotated_lm.py's user step written with the mesh set by the step itself: ``with
+    jax.set_mesh(mesh):`` as the Flax NNX sharding guide writes it (the batch placed by a bare PartitionSpec,
+    which only the mesh set makes whole), or the older ``with mesh:``."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def step(model, optimizer, batch):
+        with jax.set_mesh(mesh) if idiom == "set_mesh" else mesh:
+            state = nnx.state((model, optimizer))
+            nnx.update((model, optimizer), jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+            spec = P(tuple(mesh.axis_names))
+            batch = jax.device_put(batch, spec if idiom == "set_mesh" else NamedSharding(mesh, spec))
+            return annotated_lm._train_step(model, optimizer, batch)
+
+    return step
+
+
+@require_devices(8)
+@pytest.mark.filterwarnings("ignore:.with mesh.. context manager has been deprecated:DeprecationWarning")
+@pytest.mark.parametrize("idiom", ["set_mesh", "with mesh"])
+def test_a_step_that_sets_its_mesh_is_measured(annotated_lm, mesh_2x4, user_step_measured, idiom):
+    """measure_step traces the whole step under one jax.jit; jax.set_mesh raises inside a trace, so a step that
+    sets its own mesh once raised "set_mesh can only be used outside of jax.jit" (issue #34). Measured now: the
+    live bytes equal the estimate's persistent bytes on every device, and XLA's figures are those of the same
+    step placing its state without setting the mesh."""
+    est = estimate_memory(annotated_lm.task, mesh=mesh_2x4, strategy="gspmd")
+    m = measure_memory(mesh_setting_step(annotated_lm, mesh_2x4, idiom), annotated_lm.task, mesh_2x4)
+    assert m.state_bytes_per_device == (est.persistent_bytes,) * 8
+    assert m.estimated_persistent_bytes == est.persistent_bytes and m.accuracy_ratio == 1.0
+    assert m.data_argument_bytes == 3 * 16 * 16 * 4 // 8
+    for field in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes"):
+        assert getattr(m, field) == getattr(user_step_measured, field), field
+    with jax.set_mesh(
+        mesh_2x4
+    ):  # JAX's own rule holds again after the measurement: set_mesh refused in a trace
+        with pytest.raises(ValueError, match="set_mesh"):
+            jax.jit(lambda x: jax.set_mesh(mesh_2x4) and x)(1.0)
+
+
+@require_devices(8)
+def test_a_step_that_sets_another_mesh_is_refused_naming_both():
+    from shardcheck.mesh import make_mesh
+
+    task, given, other = linear_task(), make_mesh({"fsdp": 8}), make_mesh({"data": 8})
+
+    def step(model, optimizer, batch):
+        with jax.set_mesh(other):
+            loss, grads = nnx.value_and_grad(lambda m: task.loss_fn(m, batch))(model)
+            optimizer.update(model, grads)
+            return loss
+
+    with pytest.raises(
+        ValueError,
+        match=r"measure_step: the step sets the mesh .*'data'.* with jax.set_mesh, but "
+        r"mesh=.*'fsdp'.*; pass measure_step the mesh the step runs on",
+    ):
+        measure_memory(step, task, given)
 
 
 @require_devices(8)

@@ -9,7 +9,9 @@ the same rule, so the two agree exactly on the persistent state (``accuracy_rati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -175,7 +177,51 @@ def _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh: bool):
         loss = step(m, o, batch, *extra)
         return getattr(loss, "loss", loss), nnx.state((m, o))
 
-    return jax.jit(whole).lower(state, batch).compile()
+    try:
+        return jax.jit(whole).lower(state, batch).compile()
+    except ValueError as err:  # a step that enters jax.set_mesh itself: JAX refuses it inside a trace
+        if "set_mesh" not in str(err) or "outside of" not in str(err):
+            raise
+    with _mesh_set_around_trace("measure_step", mesh):
+        return jax.jit(whole).lower(state, batch).compile()
+
+
+@contextlib.contextmanager
+def _mesh_set_around_trace(fn: str, mesh: jax.sharding.Mesh):
+    """Trace a step that enters ``with jax.set_mesh(mesh):`` itself (the Flax NNX sharding guide's idiom).
+
+    ``jax.set_mesh`` raises inside ``jax.jit`` ("can only be used outside of jax.jit", JAX's docstring of
+    ``jax.set_mesh``): a trace may not change the mesh its program is traced under. Here the mesh is set around
+    the trace, so the step's own ``jax.set_mesh`` of an equal mesh inside it changes nothing and, in this thread
+    and for the length of the trace only, enters as a no-op (its exit restores the mesh set around the trace).
+    ``jax.set_mesh`` outside this thread behaves as JAX defines it. ``with mesh:`` needs none of this (JAX allows
+    it in a trace). The class behind ``jax.set_mesh`` is patched for the trace because JAX offers no public way to
+    trace such a step whole.
+
+    Raises:
+        ValueError: the step sets another mesh than ``mesh`` while it is traced (naming both).
+    """
+    cls = jax.set_mesh
+    original = cls.__init__
+    owner = threading.get_ident()
+
+    def enter_in_trace(self, other):
+        if threading.get_ident() != owner:
+            original(self, other)
+            return
+        if other != mesh:
+            raise ValueError(
+                f"{fn}: the step sets the mesh {other} with jax.set_mesh, but mesh={mesh}; pass {fn} the mesh "
+                "the step runs on"
+            )
+        self.prev_abstract_mesh, self.prev_mesh = mesh.abstract_mesh, mesh  # what __exit__ sets back
+
+    with jax.set_mesh(mesh):
+        cls.__init__ = enter_in_trace
+        try:
+            yield
+        finally:
+            cls.__init__ = original
 
 
 def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "gspmd") -> MemoryMeasurement:
@@ -188,7 +234,9 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
     runs an ``nnx.jit`` step). The user's step runs once on a fresh ``task.model()`` with ``task.optimizer`` on the
     task's first batch (placed over every mesh axis), then the live bytes of every device are read from the
     arrays' ``addressable_shards``, and the step is compiled again on the state as it left it
-    (:func:`_user_step_compiled`) for XLA's per-device argument, output, alias and temp bytes.
+    (:func:`_user_step_compiled`) for XLA's per-device argument, output, alias and temp bytes. A step may set
+    its mesh itself, ``with jax.set_mesh(mesh):`` as the Flax NNX sharding guide writes it or ``with mesh:``, as
+    ``check_parity`` runs it: the mesh is then set around that trace (:func:`_mesh_set_around_trace`).
 
     Args:
         step: a strategy name or a callable as above.
@@ -206,7 +254,8 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
         TypeError: ``step`` neither a name nor a callable, ``task`` not a Task, ``mesh`` not a Mesh, a step whose
             signature takes neither 3 nor 4 arguments.
         ValueError: an unknown strategy, a first batch that does not split over ``mesh.size`` devices, a model
-            with batch statistics or a random forward pass (as ``verify`` refuses them).
+            with batch statistics or a random forward pass (as ``verify`` refuses them), a step that sets
+            another mesh than ``mesh`` with ``jax.set_mesh``.
     """
     from shardcheck.parity.candidates import accepts, check_step_signature
     from shardcheck.task import check_divisible, check_model
@@ -356,11 +405,11 @@ def measure_memory(
 
 
 def _check_devices(fn: str, num_shards: int) -> None:
-    if len(jax.devices()) < num_shards:
-        raise ValueError(
-            f"{fn}: num_shards={num_shards} needs {num_shards} devices, but {len(jax.devices())} exist; use "
-            "fewer shards, or fake CPU devices with jax.config.update('jax_num_cpu_devices', S) at startup"
-        )
+    """Enough devices for ``num_shards`` on the platform a mesh would use (:func:`shardcheck.devices.select_devices`:
+    the default backend's, else the CPU devices beside it); its error says what will work."""
+    from shardcheck.devices import select_devices
+
+    select_devices(num_shards, what=f"num_shards={num_shards}", fn=fn)
 
 
 def measure_task_strategies(
