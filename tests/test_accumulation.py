@@ -134,3 +134,112 @@ def test_bad_accumulation_inputs_are_refused_before_any_change():
     with pytest.raises(TypeError, match="num_micro_batches must be a positive int"):
         make_accumulation_optimizer(model, optax.sgd(0.1), 2.0)
     np.testing.assert_array_equal(model.bias[...], [0.0])
+
+
+# ---------------------------------------------------------------- a scan-over-layers model (#34) and reuse (#35)
+class _Block(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(jax.nn.gelu(self.up(self.norm(h))))
+
+
+class _ScannedStack(nnx.Module):
+    """Stacked layers as the Flax NNX transforms guide builds them: ``nnx.vmap`` creates the blocks (their
+    parameters gain a leading layer axis), ``nnx.scan`` applies them (a transform of the model's own, inside the
+    step's trace)."""
+
+    def __init__(self, d_in: int, width: int, d_out: int, layers: int, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(d_in, width, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return _Block(width, rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(width, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(h, block):
+            return block(h)
+
+        return self.head(forward(self.embed(x), self.blocks))
+
+
+def _masked_loss(model, batch):
+    """``(loss_sum, weight)``: the squared error summed over the rows the mask keeps, and their count."""
+    err = jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1)
+    return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def _mean_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _scan_task(loss_fn, optimizer=None):
+    rng = np.random.default_rng(5)
+    batches = [
+        {
+            "x": rng.normal(size=(8, 3)).astype(np.float32),
+            "y": rng.normal(size=(8, 2)).astype(np.float32),
+            "mask": (rng.uniform(size=8) < 0.7).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    return shardcheck.Task(
+        model=lambda: _ScannedStack(3, 8, 2, 3, nnx.Rngs(0)),
+        optimizer=optimizer or optax.sgd(0.1),
+        loss_fn=loss_fn,
+        batches=batches,
+        name="scanned",
+    )
+
+
+def _param_ratios(report, step: int = 0) -> dict[str, float]:
+    return {e.path: e.ratio for e in report.steps[step].leaves if e.kind == "param" and e.ratio is not None}
+
+
+@pytest.mark.parametrize("loss_fn", [_masked_loss, _mean_loss], ids=["loss_sum_weight", "mean"])
+def test_accumulation_on_a_scan_over_layers_model_passes(loss_fn):
+    """#34: the model's own nnx.scan ran on a model merged outside the step's scan ("Cannot extract graph node
+    from different trace level"); every nnx object is now merged in the trace that uses it. The update is the
+    full-batch step's: each parameter's change is the reference's, ratio 1 to float32 rounding."""
+    report = check_parity("accumulation", _scan_task(loss_fn), num_shards=2)
+    assert report.verdict == "PASS" and report.codes == ("parity",), str(report)
+    ratios = _param_ratios(report)
+    assert {"blocks.up.kernel", "blocks.down.kernel", "blocks.norm.scale", "head.kernel"} <= set(ratios)
+    assert all(abs(r - 1) < 1e-4 for r in ratios.values()), ratios
+
+
+def test_a_summing_accumulator_on_the_scan_model_still_fails():
+    """The planted fault (MultiSteps summing the k micro-gradients, not averaging them) on the same model: FAIL,
+    diagnosed as a sum, every parameter's change twice the reference's (k = 2, SGD)."""
+
+    def make_summing(model, optimizer):
+        return nnx.Optimizer(model, optax.MultiSteps(optimizer.tx, 2, use_grad_mean=False), wrt=nnx.Param)
+
+    candidate = dataclasses.replace(accumulation_candidate(_masked_loss, 2), make_optimizer=make_summing)
+    report = check_parity(candidate, _scan_task(_masked_loss), num_shards=2)
+    assert report.verdict == "FAIL" and report.codes[0] == "summed", str(report)
+    ratios = _param_ratios(report)
+    assert ratios and all(abs(r - 2) < 1e-4 for r in ratios.values()), ratios
+
+
+def test_one_multisteps_per_transformation_and_k():
+    """#35: the optimizer's tx is a static attribute of its graphdef, compared by identity; a new MultiSteps per
+    check made every check's graphdef new, and the accumulation step traced and compiled again."""
+    model = zero_linear()
+    tx = optax.adam(0.01)
+    graphdef = nnx.split((model, make_accumulation_optimizer(model, tx, 2)))[0]
+    assert graphdef == nnx.split((model, make_accumulation_optimizer(model, tx, 2)))[0]
+    assert make_accumulation_optimizer(model, tx, 2).tx is make_accumulation_optimizer(model, tx, 2).tx
+    assert make_accumulation_optimizer(model, tx, 3).tx is not make_accumulation_optimizer(model, tx, 2).tx
+    assert (
+        make_accumulation_optimizer(model, optax.adam(0.01), 2).tx
+        is not make_accumulation_optimizer(model, tx, 2).tx
+    )

@@ -15,6 +15,7 @@ the NNX optimizer's own ``step`` counts every ``update`` call, that is micro-ste
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -48,16 +49,46 @@ def make_accumulation_optimizer(model: nnx.Module, tx: optax.GradientTransformat
     k = _validate.check_int(
         "make_accumulation_optimizer", "num_micro_batches", num_micro_batches, example="num_micro_batches=2"
     )
-    return nnx.Optimizer(model, optax.MultiSteps(tx, every_k_schedule=k), wrt=nnx.Param)
+    return nnx.Optimizer(model, _multi_steps(tx, k), wrt=nnx.Param)
+
+
+# (id(tx), k) -> (tx, its MultiSteps): the last few, tx held so that its id is not reused while it is a key
+_MULTI_STEPS: collections.OrderedDict = collections.OrderedDict()
+_MULTI_STEPS_KEPT = 16
+
+
+def _multi_steps(tx: optax.GradientTransformation, k: int) -> optax.MultiSteps:
+    """One ``optax.MultiSteps(tx, every_k_schedule=k)`` per ``(tx, k)``, built once and then reused.
+
+    The optimizer's ``tx`` is a static attribute of its graphdef, compared by identity (MultiSteps has no
+    ``__eq__``): a new MultiSteps per check made every check's graphdef new, and ``_accumulated_jit`` traced and
+    compiled again on every call (issue #35).
+    """
+    key = (id(tx), k)
+    kept = _MULTI_STEPS.get(key)
+    if kept is None or kept[0] is not tx:
+        kept = _MULTI_STEPS[key] = (tx, optax.MultiSteps(tx, every_k_schedule=k))
+        while len(_MULTI_STEPS) > _MULTI_STEPS_KEPT:
+            _MULTI_STEPS.popitem(last=False)
+    _MULTI_STEPS.move_to_end(key)
+    return kept[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _accumulated_jit(loss_fn, k, graphdef, state, batch):
+    # Every nnx object is merged inside the trace that uses it (the eval_shape and the two scan bodies), from
+    # arrays that enter that trace as its arguments or carry: a model merged out here, or from arrays closed over,
+    # fails in any nnx transform the model applies itself (nnx.scan over stacked layers: "Cannot extract graph
+    # node from different trace level", issue #34).
     micro = split_batch(batch, k)
-    model, _ = nnx.merge(graphdef, state)
-    weights = jax.eval_shape(lambda: loss_terms(loss_fn, model, jax.tree.map(lambda a: a[0], micro))[1])
+
+    def weight_of(state, micro_batch):
+        model, _ = nnx.merge(graphdef, state)
+        return loss_terms(loss_fn, model, micro_batch)[1]
+
+    weights = jax.eval_shape(weight_of, state, jax.tree.map(lambda a: a[0], micro))
     if weights is not None:  # a (loss_sum, weight) loss: the batch's total weight, computed first
-        weights = jax.lax.map(lambda b: loss_terms(loss_fn, model, b)[1], micro)
+        weights = jax.lax.scan(lambda s, b: (s, weight_of(s, b)), state, micro)[1]
     total_weight = k if weights is None else jnp.sum(weights)
     scale = k / total_weight
 
@@ -70,7 +101,7 @@ def _accumulated_jit(loss_fn, k, graphdef, state, batch):
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         return (nnx.state((model, optimizer)), acc), total
 
-    params = nnx.state(model, nnx.Param)
+    params = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     (state, acc), totals = jax.lax.scan(micro_step, (state, zeros), micro)
     # the mean of the k micro-gradients, which MultiSteps applies: the full batch's gradient
