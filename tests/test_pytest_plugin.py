@@ -45,6 +45,13 @@ def test_too_few_devices(shardcheck_mesh):
 """
 
 
+@pytest.fixture(autouse=True)
+def not_in_ci(monkeypatch):
+    """The pytester runs inherit the environment: without ``CI`` a short mesh skips (the tests that need ``CI``
+    set it themselves)."""
+    monkeypatch.delenv("CI", raising=False)
+
+
 def documented_example() -> str:
     text = DOC.read_text()
     marker = text.index("<!-- the file below is the one tests/test_pytest_plugin.py runs under pytester -->")
@@ -66,7 +73,7 @@ def test_the_documented_example_passes_on_four_fake_devices(pytester):
     out = result.stdout.str()
     for needed, mesh in ((8, "data=2 x fsdp=4"), (16, "data=16")):
         assert (
-            f"the mesh {mesh} needs {needed} devices, 4 available; on CPU run pytest --shardcheck-devices {needed}"
+            f"the mesh {mesh} needs {needed} devices, 4 available; run pytest --shardcheck-devices {needed}"
         ) in out
 
 
@@ -97,3 +104,54 @@ def test_a_bad_device_count_is_a_usage_error(pytester, value):
             f"*shardcheck pytest plugin: --shardcheck-devices='{value}' is not a device count; give an integer >= 1*"
         ]
     )
+
+
+NO_OPTION = """
+import jax
+
+
+def test_mesh_of_8(shardcheck_mesh):
+    mesh = shardcheck_mesh({"data": 2, "fsdp": 4})
+    assert mesh.size == 8 and {d.platform for d in mesh.devices.flat} == {"cpu"}
+
+
+def test_devices(shardcheck_devices):
+    assert len(shardcheck_devices) == jax.device_count() == 8
+"""
+
+STARTED_EARLY = """
+import jax
+
+STARTED = jax.devices()  # JAX starts at import, with one CPU device: too late to create more
+
+
+def test_mesh_of_4(shardcheck_mesh):
+    shardcheck_mesh(4)
+"""
+
+
+def test_without_the_option_the_mesh_fixtures_create_their_devices(pytester):
+    """A plain `pytest` run checks its meshes: the first fixture creates max(needed, 8) fake CPU devices."""
+    pytester.makepyfile(test_no_option=NO_OPTION)
+    result = pytester.runpytest_subprocess(*NO_XDIST, "-rs", timeout=120)
+    result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("ci", [None, "true"])
+def test_too_few_devices_skip_or_under_ci_fail_loudly(pytester, monkeypatch, ci):
+    pytester.makepyfile(test_started=STARTED_EARLY)
+    if ci is not None:
+        monkeypatch.setenv("CI", ci)
+    result = pytester.runpytest_subprocess(*NO_XDIST, "-rs", timeout=120)
+    why = (
+        "the mesh data=4 needs 4 devices, 1 available; run pytest --shardcheck-devices 4 (JAX started before this "
+        "test asked, so the plugin could not create them)"
+    )
+    if ci is None:
+        result.assert_outcomes(skipped=1)
+        assert why in " ".join(result.stdout.str().split())
+    else:
+        result.assert_outcomes(failed=1)
+        assert f"shardcheck pytest plugin (CI is set, so no skip): {why}" in " ".join(
+            result.stdout.str().split()
+        )

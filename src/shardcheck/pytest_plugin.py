@@ -5,15 +5,21 @@ with ``-p no:shardcheck``). It imports nothing from JAX until a test asks for a 
 asks for devices.
 
 * ``--shardcheck-devices N`` (or the ini value ``shardcheck_devices = N``): JAX gets N CPU devices
-  (``jax_num_cpu_devices``), set in ``pytest_configure``, before any test runs. Without it the plugin changes
-  nothing, so a suite that fakes its own devices (a ``conftest.py`` calling
-  ``jax.config.update("jax_num_cpu_devices", 8)``) keeps them.
-* ``shardcheck_devices``: the fixture giving the first N devices of ``jax.devices()`` (all of them without the
-  option); the test is skipped, with a reason, when fewer exist.
+  (``jax_num_cpu_devices``), set in ``pytest_configure``, before any test runs. Without it a suite that fakes its
+  own devices (a ``conftest.py`` calling ``jax.config.update("jax_num_cpu_devices", 8)``) keeps them.
+* Without the option, the first fixture that needs more devices than are configured creates them, when JAX's
+  backends have not started yet: ``max(needed, 8)`` fake CPU devices (:data:`DEFAULT_FAKE_DEVICES`), so a suite
+  run as plain ``pytest`` checks its meshes instead of skipping them.
+* The devices come from :func:`shardcheck.devices.select_devices`: the default backend's when it has enough (8
+  GPUs for an 8-device mesh), else the fake CPU devices beside it (a one-GPU host), never a mix.
+* Too few devices all the same (JAX started before the fixture, with fewer): the test is skipped, with a reason
+  and the fix, or, when the ``CI`` environment variable is set (``CI=true``, as GitHub Actions, GitLab CI and
+  most CI services set it), it **fails** with that message, so a CI run never stays green with nothing checked.
+* ``shardcheck_devices``: the fixture giving N devices (N from the option; without it, every device of the
+  default backend).
 * ``shardcheck_mesh``: a factory fixture, ``shardcheck_mesh(4)`` (a 1-D ``"data"`` mesh of 4 devices) or
   ``shardcheck_mesh({"data": 2, "fsdp": 4})`` (those axes, in that order), built by
-  :func:`shardcheck.make_mesh` (``AxisType.Auto`` axes); the test is skipped, with a reason, when the mesh
-  needs more devices than exist.
+  :func:`shardcheck.make_mesh` (``AxisType.Auto`` axes) on the selected devices.
 
 ``docs/testing.md`` has a complete example test file.
 """
@@ -21,12 +27,17 @@ asks for devices.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 
 import pytest
 
 OPTION = "--shardcheck-devices"
 INI = "shardcheck_devices"
+
+DEFAULT_FAKE_DEVICES = 8
+"""The fewest fake CPU devices a fixture creates when it creates them (more when its mesh needs more): later
+tests of the session, which cannot add devices once JAX has started, get up to 8."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,38 +87,73 @@ def pytest_configure(config: pytest.Config) -> None:
         ) from None
 
 
-def _skip_unless(needed: int, what: str) -> list:
+def in_ci() -> bool:
+    """Whether the ``CI`` environment variable says this is a CI run (set, and not ``0`` / ``false`` / ``no``)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _create_devices(needed: int) -> None:
+    """Ask JAX for ``max(needed, 8)`` fake CPU devices when fewer are configured and its backends have not
+    started (``jax_num_cpu_devices`` cannot change after that: then nothing happens)."""
     import jax
 
-    devices = jax.devices()
-    if needed > len(devices):
-        fix = f"on CPU run pytest {OPTION} {needed}"
-        if jax.process_count() > 1:
-            fix = "launch more processes or devices per process"
-        pytest.skip(f"{what} needs {needed} devices, {len(devices)} available; {fix}")
-    return devices[:needed]
+    if jax.config.jax_num_cpu_devices >= needed:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", max(needed, DEFAULT_FAKE_DEVICES))
+    except RuntimeError:  # JAX already started (a computation at import time, an earlier test): too late
+        pass
+
+
+def _devices_or_skip(config: pytest.Config, needed: int, what: str) -> list:
+    """``needed`` devices (:func:`shardcheck.devices.select_devices`; without ``--shardcheck-devices``, created
+    first when JAX has not started), or a skip, or under ``CI`` a failure, naming the fix."""
+    import jax
+
+    from shardcheck.devices import select_devices
+
+    given = requested_devices(config)
+    if given is None:
+        _create_devices(needed)
+    try:
+        return list(select_devices(needed, what=what, fn="shardcheck pytest plugin").devices)
+    except ValueError:
+        available = len(jax.devices("cpu"))
+    fix = f"run pytest {OPTION} {needed}"
+    if given is None:  # the plugin would have created them: JAX had started before the first fixture asked
+        fix += " (JAX started before this test asked, so the plugin could not create them)"
+    if jax.process_count() > 1:
+        fix = "launch more processes or devices per process"
+    message = f"{what} needs {needed} devices, {available} available; {fix}"
+    if in_ci():
+        pytest.fail(f"shardcheck pytest plugin (CI is set, so no skip): {message}", pytrace=False)
+    pytest.skip(message)
 
 
 @pytest.fixture
 def shardcheck_devices(request: pytest.FixtureRequest) -> list:
-    """The first N devices of ``jax.devices()`` (N from ``--shardcheck-devices``; every device without it).
+    """N devices (N from ``--shardcheck-devices``; without it every device of the default backend, after
+    creating 8 fake CPU devices when JAX has not started): the default backend's when it has N, else N fake CPU
+    devices (a one-GPU host).
 
-    Skips the test when fewer than N devices exist (``--shardcheck-devices`` fakes CPU devices only: on an
-    accelerator JAX lists the real ones).
+    Skips the test when fewer than N devices exist, or fails it when ``CI`` is set.
     """
     import jax
 
     n = requested_devices(request.config)
-    return _skip_unless(len(jax.devices()) if n is None else n, "this test")
+    if n is None:
+        _create_devices(DEFAULT_FAKE_DEVICES)
+    return _devices_or_skip(request.config, len(jax.devices()) if n is None else n, "this test")
 
 
 @pytest.fixture
-def shardcheck_mesh():
+def shardcheck_mesh(request: pytest.FixtureRequest):
     """A factory: ``shardcheck_mesh(shape)`` is ``shardcheck.make_mesh(shape)``, or a skip.
 
     ``shape`` is a device count N (a 1-D mesh on axis ``"data"``) or a mapping of axis names to sizes such as
-    ``{"data": 2, "fsdp": 4}``. The test is skipped, with a reason, when the mesh needs more devices than
-    exist; bad shapes raise :func:`shardcheck.make_mesh`'s ``TypeError`` / ``ValueError``.
+    ``{"data": 2, "fsdp": 4}``. The mesh's fake CPU devices are created when JAX has not started yet; when it has,
+    with too few, the test is skipped with a reason, or fails when ``CI`` is set. Bad shapes raise
+    :func:`shardcheck.make_mesh`'s ``TypeError`` / ``ValueError``.
     """
 
     def build(shape, axis_name: str = "data"):
@@ -121,7 +167,8 @@ def shardcheck_mesh():
             needed = shape if isinstance(shape, int) and not isinstance(shape, bool) else 0
             listed = f"{axis_name}={shape}"
         if needed > 0:
-            _skip_unless(needed, f"the mesh {listed}")
+            devices = _devices_or_skip(request.config, needed, f"the mesh {listed}")
+            return shardcheck.make_mesh(shape, axis_name=axis_name, devices=devices)
         return shardcheck.make_mesh(shape, axis_name=axis_name)
 
     return build

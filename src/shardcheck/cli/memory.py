@@ -19,7 +19,14 @@ import argparse
 import sys
 
 from shardcheck._catalog import DEFAULT_STRATEGY, OPTIMIZERS, TINY_LM_SIZES, xla_partitioned
-from shardcheck.cli._common import HelpFormatter, configure_devices, console_for, write_atomic, write_json
+from shardcheck.cli._common import (
+    HelpFormatter,
+    add_platform_argument,
+    configure_devices,
+    console_for,
+    write_atomic,
+    write_json,
+)
 from shardcheck.partitioning import LAYOUTS, STRATEGIES
 
 STRATEGY_CHOICES = ("all", *STRATEGIES)
@@ -171,8 +178,10 @@ def _add_output_arguments(p) -> None:
         "--devices",
         type=int,
         default=None,
-        help="fake CPU devices to create when no accelerator is present (default with --measure: S)",
+        help="fake CPU devices to create (beside any accelerator; used when it has too few devices for the "
+        "mesh, or with --platform cpu) (default with --measure: S)",
     )
+    add_platform_argument(p)
     p.add_argument(
         "--json", default=None, metavar="PATH|-", help="also write the results as JSON ('-': stdout)"
     )
@@ -254,15 +263,15 @@ def main(args) -> int:
 
 
 def _measure_devices(args, estimates, strategies) -> str | None:
-    """The problem when ``--measure`` has fewer devices than the strategies need, or None."""
-    import jax
+    """The problem when ``--measure`` has too few devices for the strategies on every usable platform, or None;
+    the devices chosen (:func:`shardcheck.cli._common.select_for`, ``--platform``) are named in the report."""
+    from shardcheck.cli._common import select_for
 
     needed = max(estimates[s].num_devices for s in strategies)
-    if len(jax.devices()) < needed:
-        return (
-            f"shardcheck memory: --measure with --shards {args.shards} needs {needed} devices, but "
-            f"{len(jax.devices())} exist; pass --devices {needed} or fewer shards"
-        )
+    try:
+        select_for("shardcheck memory: --measure", args, needed)
+    except ValueError as err:
+        return str(err)
     return None
 
 
@@ -320,6 +329,7 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         return 0  # under `shardcheck launch` every process computed the same figures; process 0 alone reports
     console = console_for(args)
     console.print(render_table(args, estimates, task, mesh))
+    choice = getattr(args, "device_choice", None)  # None: nothing ran on a device (estimates only)
     if aot:
         console.print(render_aot(estimates, aot))
         note = next(iter(aot.values())).backend_note
@@ -353,7 +363,10 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         style="dim",
         highlight=False,
     )
-    write_json(report_json(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh), args.json)
+    if choice is not None:
+        console.print(choice.line(), highlight=False)
+    document = report_json(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
+    write_json(document | ({} if choice is None else {"devices": choice.to_dict()}), args.json)
     if args.plot:
         memory_plot(estimates, measured, args.plot, title=_title(args, task, mesh), aot=aot)
     return 0
@@ -487,13 +500,13 @@ def main_mesh(args) -> int:
     except ValueError as e:
         return _fail(f"{name}: {e}")
     from shardcheck import ahead_of_time, device_memory, memory
-    from shardcheck.mesh import make_mesh
+    from shardcheck.cli._common import mesh_from_args
 
     strategy = args.strategy or DEFAULT_STRATEGY
     strategies = STRATEGY_CHOICES[1:] if strategy == "all" else (strategy,)
     task = None
     try:
-        mesh = make_mesh(axes)
+        mesh = mesh_from_args(args, size, command=name)
         task = _build_task(args)
         batch = args.batch_size or _default_batch_size(task, mesh.size)
         estimates = {s: memory.estimate_memory(task, mesh=mesh, strategy=s) for s in strategies}

@@ -9,9 +9,11 @@ from shardcheck._catalog import COMPARED, DEFAULT_STRATEGY, REFERENCE, SUMMARIES
 from shardcheck.cli._common import (
     HelpFormatter,
     add_mesh_argument,
+    add_platform_argument,
     apply_mesh,
     configure_devices,
     console_for,
+    device_choice,
     library_to_flags,
     needed_mesh,
     write_json,
@@ -79,6 +81,7 @@ def add_parser(sub) -> None:
         help="S: shards per step, and fake CPU devices to create (default: every device of a launched run, else 2)",
     )
     add_mesh_argument(p)
+    add_platform_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shuffling")
     p.add_argument("--out", required=True, metavar="PATH.npz", help="the recording to write")
     p.set_defaults(func=main)
@@ -198,6 +201,7 @@ def main(args) -> int:
             f"recorded {meta['run']} on task {meta['task']}{where} (S={meta['num_shards']}): {recording.num_steps} "
             f"step(s), {len(recording.names)} leaves a step -> {args.out} ({size} bytes)"
         )
+        print(device_choice(args).line())
     return 0
 
 
@@ -332,6 +336,7 @@ def _print(args, task, comparisons, recording, ok: bool) -> None:
     )
     for label, comparison in comparisons.items():
         console.print(render_comparison(label, comparison, args.against, setup))
+    console.print(device_choice(args).line(), highlight=False)
     document = {
         "command": "verify",
         "against": args.against,
@@ -342,5 +347,6 @@ def _print(args, task, comparisons, recording, ok: bool) -> None:
             for k in ("run", "run_kind", "steps", "mesh", "num_shards", "settings", "versions", "platform")
         },
         "runs": {label: c.to_dict() for label, c in comparisons.items()},
+        "devices": device_choice(args).to_dict(),
     }
     write_json(document, args.json)

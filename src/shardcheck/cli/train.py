@@ -18,9 +18,11 @@ from shardcheck.cli._common import (
     TRAIN_FLAGS,
     HelpFormatter,
     add_mesh_argument,
+    add_platform_argument,
     apply_mesh,
     configure_devices,
     console_for,
+    device_choice,
     library_to_flags,
     write_atomic,
     write_json,
@@ -85,6 +87,7 @@ def _add_run_arguments(p) -> None:
         "'shardcheck launch'; 2 otherwise)",
     )
     add_mesh_argument(p)
+    add_platform_argument(p)
     p.add_argument(
         "--epochs", type=int, default=30, help="passes over the training split (--task: its batches)"
     )
@@ -177,6 +180,12 @@ def main(args) -> int:
             configure_devices(num_shards)
     except ValueError as err:
         return _fail(f"shardcheck train: {err}")
+    from shardcheck.cli._common import select_for
+
+    try:  # the mesh's devices (or the one device of a strategy without one), named in the report
+        select_for("shardcheck train", args, num_shards if STRATEGIES[args.strategy].uses_mesh else 1)
+    except ValueError as err:
+        return _fail(str(err))
     return (_main_task if args.task is not None else _main_dataset)(args, num_shards)
 
 
@@ -270,13 +279,14 @@ def _run_and_report(args, run, table, plot, to_json) -> int:
     if not main_process:
         return 0
     console.print(table(report))
+    console.print(device_choice(args).line(), highlight=False)
     if args.plot is not None:
         plot(report, args.plot)
         console.print(f"plot: {args.plot}", highlight=False)
     if args.log is not None:
         write_atomic(Path(args.log), log_csv(report).encode())
         console.print(f"log: {args.log} ({report.num_steps} steps)", highlight=False)
-    write_json(to_json(report), args.json)
+    write_json(to_json(report) | {"devices": device_choice(args).to_dict()}, args.json)
     return 0
 
 

@@ -11,9 +11,11 @@ from shardcheck._catalog import CANDIDATES, COMPARED, REFERENCE, STRATEGY_SPECS
 from shardcheck.cli._common import (
     HelpFormatter,
     add_mesh_argument,
+    add_platform_argument,
     apply_mesh,
     configure_devices,
     console_for,
+    device_choice,
     library_to_flags,
     needed_mesh,
     shard_words,
@@ -104,6 +106,7 @@ def _add_run_arguments(p) -> None:
         help="S: shards per step, and fake CPU devices to create (default: every device of a launched run, else 2)",
     )
     add_mesh_argument(p)
+    add_platform_argument(p)
     p.add_argument(
         "--candidate",
         default=None,
@@ -445,6 +448,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
+    console.print(device_choice(args).line(), highlight=False)
     optimizer = args.optimizer or ("sgd" if args.task is None else None)
     lr = None if optimizer is None else (DEFAULT_LR[optimizer] if args.lr is None else args.lr)
     document = {
@@ -461,6 +465,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "num_shards": num_shards,
         "seed": args.seed,
         "process_count": jax.process_count(),
+        "devices": device_choice(args).to_dict(),
         "strategies": {name: r.to_dict() for name, r in reports.items()},
     }
     # what every strategy was compared with (the report's own name for it: "gspmd on data=2,model=4")

@@ -315,12 +315,20 @@ def _versions() -> dict:
     return out
 
 
-def _platform() -> dict:
-    device = jax.devices()[0]
+def _platform(mesh=None) -> dict:
+    """Where the run ran: the mesh's devices (a CPU mesh on a GPU host records ``cpu``), else the default
+    device's; ``host_backend`` is JAX's default backend."""
+    devices = list(mesh.devices.flat) if mesh is not None else None
+    if devices is None:
+        from shardcheck.devices import _preferred_platform
+
+        devices = jax.devices(_preferred_platform())[:1]
+    device = devices[0]
     return {
-        "backend": jax.default_backend(),
+        "backend": device.platform,
+        "host_backend": jax.default_backend(),
         "device_kind": device.device_kind,
-        "devices": jax.device_count(),
+        "devices": len(devices) if mesh is not None else jax.device_count(device.platform),
         "processes": jax.process_count(),
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -480,7 +488,7 @@ def _recording(fn, task, data, candidate, cand, mesh, digests, settings) -> Reco
         "steps": len(data),
         "settings": settings,
         "versions": _versions(),
-        "platform": _platform(),
+        "platform": _platform(mesh),
     }
     return Recording(
         meta=meta,

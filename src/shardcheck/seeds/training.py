@@ -340,12 +340,12 @@ def _check_mesh(fn: str, o: _Options, mesh):
     strategy = STRATEGIES[o.strategy]
     if not strategy.uses_mesh:
         return None
-    if mesh is None and o.num_shards > len(jax.devices()):
-        raise ValueError(
-            f"{fn}: strategy={o.strategy!r} with S={o.num_shards} needs {o.num_shards} devices, but "
-            f"{len(jax.devices())} exist; use num_shards <= {len(jax.devices())} (on CPU, fake more devices "
-            "with --devices N, or jax.config.update('jax_num_cpu_devices', N) before JAX initializes)"
-        )
+    if mesh is None:  # the default backend's devices when enough, else the CPU devices beside it
+        from shardcheck.devices import select_devices
+        from shardcheck.mesh import make_mesh
+
+        what = f"strategy={o.strategy!r} with S={o.num_shards}"
+        mesh = make_mesh(o.num_shards, devices=select_devices(o.num_shards, what=what, fn=fn).devices)
     return mesh_for(fn, strategy, o.num_shards, mesh)
 
 

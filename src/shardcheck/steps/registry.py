@@ -158,14 +158,11 @@ def mesh_for(fn: str, strategy: Strategy, num_shards: int, mesh: Mesh | None) ->
     if not strategy.uses_mesh:
         return None
     if mesh is None:
+        from shardcheck.devices import select_devices
         from shardcheck.mesh import make_mesh
 
-        if len(jax.devices()) < num_shards:
-            raise ValueError(
-                f"{fn}: strategy {strategy.name!r} with num_shards={num_shards} needs {num_shards} devices, but "
-                f"{len(jax.devices())} exist; use fewer shards or more devices (jax_num_cpu_devices on CPU)"
-            )
-        return make_mesh(num_shards)
+        what = f"strategy {strategy.name!r} with num_shards={num_shards}"
+        return make_mesh(num_shards, devices=select_devices(num_shards, what=what, fn=fn).devices)
     check_mesh(fn, mesh)
     shards = data_shards(mesh)
     if shards != num_shards:
