@@ -499,6 +499,183 @@ def test_a_replayed_step_that_returns_no_gradients_is_compared_on_the_rest(tmp_p
     assert any("holds gradients; this run's step returns none" in note for note in run["notes"])
 
 
+def placed_step(loss_fn, split: bool, factor: float = 1.0):
+    """A correct user step (``factor`` 1) that places the whole state itself on ``mesh``: every leaf ``P()``, or
+    (``split``) each 2-D leaf whose columns divide by the fsdp axis ``P(None, 'fsdp')``; the same values either
+    way. ``factor`` 2 on fsdp=2 is a planted sum for a mean."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def step(model, optimizer, batch, mesh):
+        import jax
+
+        def spec(x):
+            return P(None, "fsdp") if split and x.ndim == 2 and x.shape[1] % mesh.shape["fsdp"] == 0 else P()
+
+        state = nnx.state((model, optimizer))
+        placed = jax.device_put(state, jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), state))
+        nnx.update((model, optimizer), placed)
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch))(model)
+        grads = jax.tree.map(lambda g: factor * g, grads)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def placement_runs():
+    """diabetes' MLP under Adam on fsdp=2, 2 steps: the recording of the step placing every leaf P(); replays of
+    the same values placed P(None, 'fsdp'), and of that placement with its gradients summed (x2)."""
+    from shardcheck.mesh import make_mesh
+    from shardcheck.parity.recorded import record_run
+    from shardcheck.tasks import load_task
+
+    task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=2)
+    mesh = make_mesh({"fsdp": 2})
+
+    def run(split, factor=1.0):
+        return record_run(task, placed_step(task.loss_fn, split, factor), mesh=mesh, steps=2)
+
+    return run(False), run(True), run(True, 2.0)
+
+
+@require_devices(2)
+def test_a_placement_only_change_passes_with_a_note_naming_the_leaves(placement_runs):
+    """A refactor that moves leaves from P() to P(None, 'fsdp') computes the same values: PASS, the changed
+    leaves listed (recorded spec -> replayed spec) in a note and in placement_changes (issue #34: it FAILed with
+    "changed sharding")."""
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, moved, _ = placement_runs
+    comparison = compare_run(recorded, moved)
+    assert comparison.ok and comparison.first_failure is None and comparison.cause is None
+    assert all(e.ok and e.evidence != "sharding" for e in comparison.leaves)
+    changes = comparison.placement_changes
+    assert ("param hidden.kernel", "P()", "P(None, 'fsdp')") in changes
+    assert ("grad hidden.kernel", "P()", "P(None, 'fsdp')") in changes
+    assert all(was == "P()" and now != "P()" for _, was, now in changes)
+    note = next(n for n in comparison.notes if n.startswith("Placement changed"))
+    assert note.startswith(f"Placement changed on {len(changes)} leaf/leaves, values compared")
+    assert "pin_placement=True, fails on it" in note
+    assert "grad hidden.kernel: P() -> P(None, 'fsdp')" in note
+    assert comparison.to_dict()["placement_changes"][0] == dict(
+        zip(("leaf", "recorded", "replayed"), changes[0], strict=True)
+    )
+    # the same run against itself: nothing moved, no note
+    same = compare_run(recorded, recorded)
+    assert same.ok and same.placement_changes == () and not any("Placement" in n for n in same.notes)
+
+
+@require_devices(2)
+def test_a_pinned_placement_fails_naming_the_leaves_that_moved(placement_runs):
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, moved, _ = placement_runs
+    comparison = compare_run(recorded, moved, pin_placement=True)
+    first = comparison.first_failure
+    assert not comparison.ok and comparison.pin_placement and first.evidence == "sharding"
+    assert first.step == 0 and first.recorded == "P()" and first.replayed != "P()"
+    assert {e.name for e in comparison.failures} == {name for name, _, _ in comparison.placement_changes}
+    assert comparison.cause.startswith("the placement is pinned (--pin-placement, pin_placement=True) and ")
+    assert "grad hidden.kernel: P() -> P(None, 'fsdp')" in comparison.cause
+    assert not any(n.startswith("Placement changed") for n in comparison.notes)
+    with pytest.raises(TypeError, match=r"compare_run: pin_placement must be True or False, got 'yes'"):
+        compare_run(recorded, moved, pin_placement="yes")
+
+
+@require_devices(2)
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_value_fault_beside_a_placement_change_fails_either_way(placement_runs, pin):
+    """The gradients summed (x S = 2) and the placement changed: FAIL on the gradients, a sum for a mean named
+    first, pinned or not."""
+    from shardcheck.parity.recorded_compare import compare_run
+
+    recorded, _, summed = placement_runs
+    comparison = compare_run(recorded, summed, pin_placement=pin)
+    first = comparison.first_failure
+    assert not comparison.ok and (first.step, first.name.split(" ")[0]) == (0, "grad")
+    assert first.evidence != "sharding" and first.ratio == pytest.approx(2.0, rel=1e-3)
+    assert comparison.cause.startswith(
+        "the gradients are 2x the recorded ones (S = 2): a sum where a mean was"
+    )
+    assert ("and the placement is pinned" in comparison.cause) is pin
+
+
+PLACED_STEPS = textwrap.dedent(
+    """
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shardcheck.tasks.tiny_lm import lm_loss
+
+
+    @nnx.jit
+    def _update(model, optimizer, batch):
+        def mean_loss(model):
+            loss_sum, count = lm_loss(model, batch)
+            return loss_sum / count
+
+        loss, grads = nnx.value_and_grad(mean_loss)(model)
+        optimizer.update(model, grads)
+        return loss, grads
+
+
+    def _placed(model, optimizer, batch, mesh, split):
+        def spec(x):
+            return P(None, "fsdp") if split and x.ndim == 2 and x.shape[1] % mesh.shape["fsdp"] == 0 else P()
+
+        state = nnx.state((model, optimizer))
+        shardings = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), state)
+        nnx.update((model, optimizer), jax.device_put(state, shardings))
+        loss, grads = _update(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("fsdp"))))
+        return {"loss": loss, "grads": grads}  # the gradients set the allowance of the attention key bias
+
+
+    def replicated_step(model, optimizer, batch, mesh):
+        return _placed(model, optimizer, batch, mesh, split=False)
+
+
+    def split_step(model, optimizer, batch, mesh):
+        return _placed(model, optimizer, batch, mesh, split=True)
+    """
+)
+
+
+@require_devices(4)
+def test_verify_against_passes_a_placement_change_and_pin_placement_fails_it(tmp_path, capsys):
+    steps = tmp_path / "placed_steps.py"
+    steps.write_text(PLACED_STEPS)
+    recording = tmp_path / "replicated.npz"
+    args = ["--task", "tiny-lm", "--steps", "2", "--mesh", "fsdp=4"]
+    assert main(["record", *args, "--candidate", f"{steps}:replicated_step", "--out", str(recording)]) == 0
+    out = tmp_path / "against.json"
+    verify = ["verify", *args, "--against", str(recording), "--candidate", f"{steps}:split_step"]
+    assert main([*verify, "--json", str(out)]) == 0
+    run = _json(out)["runs"]["candidate"]
+    changes = run["placement_changes"]
+    assert run["verdict"] == "PASS" and run["pin_placement"] is False and changes
+    assert all(c["recorded"] == "P()" and c["replayed"] != "P()" for c in changes)
+    assert any(n.startswith(f"Placement changed on {len(changes)} leaf/leaves") for n in run["notes"])
+    capsys.readouterr()
+    assert main([*verify, "--pin-placement", "--json", str(out)]) == 1
+    run = _json(out)["runs"]["candidate"]
+    assert run["verdict"] == "FAIL" and run["pin_placement"] is True
+    assert run["first_failure"]["evidence"] == "sharding"
+    assert run["cause"].startswith("the placement is pinned (--pin-placement, pin_placement=True) and ")
+    first = changes[0]
+    assert f"{first['leaf']}: P() -> {first['replayed']}" in run["cause"]
+    capsys.readouterr()
+    assert main(["verify", *args, "--pin-placement"]) == 2
+    assert (
+        "shardcheck verify: --pin-placement pins a replay's placement to a recording's; pass --against"
+        in (_one_line_error(capsys))
+    )
+
+
 @require_devices(4)
 def test_a_user_task_file_records_and_replays(tmp_path):
     recording = tmp_path / "annotated.npz"

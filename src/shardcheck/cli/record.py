@@ -280,7 +280,9 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
         replayed = record_run(
             task, candidate, steps=args.steps, num_shards=num_shards, mesh=mesh, settings=settings
         )
-        comparisons[label] = compare_run(recording, replayed, rtol=args.rtol, atol=args.atol)
+        comparisons[label] = compare_run(
+            recording, replayed, rtol=args.rtol, atol=args.atol, pin_placement=args.pin_placement
+        )
     ok = all(c.ok for c in comparisons.values())
     if distributed.is_main_process():
         _print(args, task, comparisons, recording, ok)

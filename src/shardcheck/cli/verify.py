@@ -146,6 +146,12 @@ def _add_check_arguments(p) -> None:
         "reference (its mesh, steps and strategy are the defaults); names the first step and leaf that left its "
         "tolerance",
     )
+    p.add_argument(
+        "--pin-placement",
+        action="store_true",
+        help="with --against: a leaf whose sharding differs from the recording's fails (default: values are "
+        "compared and a changed placement, a refactor's P() -> P(None, 'fsdp'), is listed in a note)",
+    )
 
 
 def _fail(message: str) -> int:
@@ -378,6 +384,11 @@ def main(args) -> int:
             against = record.recorded_defaults(args)
         except ValueError as err:
             return record._fail(err)
+    elif args.pin_placement:
+        return _fail(
+            "shardcheck verify: --pin-placement pins a replay's placement to a recording's; pass --against "
+            "RUN.npz, or drop --pin-placement"
+        )
     try:
         strategies, devices = _check_args(args)
     except (TypeError, ValueError) as err:

@@ -15,7 +15,12 @@ here too):
   float32 norms (``eps32 * sqrt(size) * (||c|| + ||r||)``, the random-walk model of the harness's own rule);
 - a parameter's update size ``|max|c_t - c_{t-1}| - max|r_t - r_{t-1}|| <= tol_t + tol_{t-1}`` (plus its
   float32 rounding);
-- integer counters exactly; a shape, a dtype or, for the same run, a sharding that changed fails by itself.
+- integer counters exactly; a shape or a dtype that changed fails by itself.
+
+A leaf's placement (its sharding) is not a value: a refactor that moves a leaf from ``P()`` to ``P(None, 'fsdp')``
+computes the same numbers, so a changed placement is listed in the notes (``path: recorded spec -> replayed
+spec``) and fails only when the placement is pinned (``pin_placement=True``, ``verify --against --pin-placement``)
+or the run was replayed on another mesh than the recorded one.
 
 ``a``: where the recording holds a parameter's gradient and its ``max|g| <= atol_t``, the gradient is rounding
 noise and Adam turns noise into an lr-sized step of either sign, so the two runs' updates may differ by twice the
@@ -106,6 +111,10 @@ class RunComparison:
             dtype and sharding).
         bitwise: every leaf's hash matched at every point: the replay is bitwise identical (the same machine and
             XLA, in practice).
+        placement_changes: ``(leaf, recorded spec, replayed spec)`` of every leaf both runs hold whose sharding
+            differs at some point (the first such point's), in the recording's leaf order; a failure only when
+            the placement was pinned (:func:`compare_run`'s ``pin_placement``).
+        pin_placement: whether a changed placement failed (``compare_run(..., pin_placement=True)``).
     """
 
     run: str
@@ -120,6 +129,8 @@ class RunComparison:
     hashes_matched: int
     hashes_compared: int
     bitwise: bool
+    placement_changes: tuple[tuple[str, str, str], ...] = ()
+    pin_placement: bool = False
 
     @property
     def verdict(self) -> str:
@@ -157,6 +168,10 @@ class RunComparison:
             "bitwise": self.bitwise,
             "hashes_matched": self.hashes_matched,
             "hashes_compared": self.hashes_compared,
+            "placement_changes": [
+                {"leaf": leaf, "recorded": was, "replayed": now} for leaf, was, now in self.placement_changes
+            ],
+            "pin_placement": self.pin_placement,
             "failures": len(self.failures),
             "worst_by_kind": {k: leaf(e) for k, e in self.worst_by_kind().items()},
         }
@@ -234,11 +249,9 @@ def _ratio(c: float, r: float) -> float | None:
     return c / r if r != 0 and math.isfinite(r) and math.isfinite(c) else None
 
 
-def _structural(t: int, name: str, r: _Leaf, c: _Leaf, same_placement: bool) -> DigestError | None:
-    """A change no tolerance covers: the leaf missing, another shape or dtype, or for the same run a sharding."""
+def _structural(t: int, name: str, r: _Leaf, c: _Leaf) -> DigestError | None:
+    """A change no tolerance covers and no value can be compared across: the leaf missing, another shape or dtype."""
     changed = [("shape", r.shape, c.shape), ("dtype", r.dtype, c.dtype)]
-    if same_placement:
-        changed.append(("sharding", r.sharding, c.sharding))
     if not c.present:
         return DigestError(t, name, "missing", "recorded", "absent", math.inf, 0.0, False)
     for evidence, was, now in changed:
@@ -281,10 +294,19 @@ def _nan_mismatch(t: int, name: str, r: _Leaf, c: _Leaf, base: float, samples: b
 
 
 def _leaf_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair) -> DigestError:
-    """The worst evidence of one leaf at one point (:func:`_structural`, then exactness or the tolerances)."""
-    structural = _structural(t, name, r, c, pair.same_placement)
+    """The worst evidence of one leaf at one point: :func:`_structural`, then its value (:func:`_value_error`),
+    then, where the placement is pinned and the value passed, a changed sharding."""
+    structural = _structural(t, name, r, c)
     if structural is not None:
         return structural
+    value = _value_error(t, name, r, c, base, update_base, pair)
+    if value.ok and pair.pinned and r.sharding != c.sharding:
+        return DigestError(t, name, "sharding", r.sharding, c.sharding, math.inf, 0.0, False)
+    return value
+
+
+def _value_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair) -> DigestError:
+    """The worst value evidence of one leaf at one point: a NaN in one run only, exactness, or the tolerances."""
     nan = _nan_mismatch(t, name, r, c, base, pair.one_process)
     if nan is not None:
         return nan
@@ -337,20 +359,20 @@ def _eps(dtype: str) -> float:
 
 
 class _Pair(NamedTuple):
-    """The two runs, and each leaf name's column in each."""
+    """The two runs, and each leaf name's column in each; ``pinned``: a changed sharding fails."""
 
     recording: Recording
     replayed: Recording
-    same_placement: bool
+    pinned: bool
     columns: tuple[dict[str, int], dict[str, int]]
     full: (
         Recording  # the recording before leaves the replay lacks were left out: its gradients set allowances
     )
 
     @staticmethod
-    def of(recording: Recording, replayed: Recording, same_placement: bool, full: Recording) -> _Pair:
+    def of(recording: Recording, replayed: Recording, pinned: bool, full: Recording) -> _Pair:
         columns = tuple({n: i for i, n in enumerate(r.names)} for r in (recording, replayed))
-        return _Pair(recording, replayed, same_placement, columns, full)
+        return _Pair(recording, replayed, pinned, columns, full)
 
     def gradient(self, t: int, name: str) -> _Leaf:
         """The gradient digest ``name`` at step t: the recording's, else (a step that returned none) the
@@ -415,6 +437,19 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
     return out
 
 
+def _placement_changes(pair: _Pair, steps: int) -> tuple[tuple[str, str, str], ...]:
+    """``(leaf, recorded spec, replayed spec)`` of each leaf both runs hold whose sharding differs somewhere (the
+    first point where it does), in the recording's leaf order."""
+    out = []
+    for name in pair.recording.names:
+        for t in range(-1, steps):
+            r, c = pair.leaf("recorded", t, name), pair.leaf("replayed", t, name)
+            if r.present and c.present and r.sharding != c.sharding:
+                out.append((name, r.sharding, c.sharding))
+                break
+    return tuple(out)
+
+
 def _hashes(pair: _Pair, steps: int) -> tuple[int, int, bool]:
     """``(matched, compared, bitwise)`` over every point of the recorded leaves."""
     matched = compared = 0
@@ -433,7 +468,12 @@ def _hashes(pair: _Pair, steps: int) -> tuple[int, int, bool]:
 
 
 def compare_run(
-    recording: Recording, replayed: Recording, *, rtol: float | None = None, atol: float | None = None
+    recording: Recording,
+    replayed: Recording,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    pin_placement: bool = False,
 ) -> RunComparison:
     """Compare a replayed run with a recording, leaf by leaf and step by step (module docstring: the rules and
     why they are sound).
@@ -442,26 +482,36 @@ def compare_run(
         recording: the recorded run (:func:`~shardcheck.parity.recorded.load_recording`).
         replayed: the replay (:func:`~shardcheck.parity.recorded.record_run` of the same task, mesh and batches).
         rtol, atol: fixed tolerances for every step instead of the derived ones.
+        pin_placement: a leaf whose sharding differs from the recording's fails (evidence ``"sharding"``).
+            Default False: a recording checks a refactor's values, and a changed placement (``P()`` recorded,
+            ``P(None, 'fsdp')`` replayed) is listed in the notes and in ``placement_changes``, not a failure.
 
     Returns:
         A :class:`RunComparison`: the verdict, the first failing step and leaf, its cause where the digests show
         one, the evidence used and the hashes' agreement.
 
-    The runs' shardings are compared (a change fails) when both are the same strategy, or both user steps; a
-    recording of another strategy is compared value by value, its placement differing by design. Leaves only
-    one run has fail when the runs are of the same kind, and are left out (and counted in the notes) otherwise.
+    The runs are compared value by value; a leaf's sharding fails only with ``pin_placement=True``, or when the
+    same strategy (or two user steps) was replayed on another mesh than the recorded one (the cause says so).
+    Leaves only one run has fail when the runs are of the same kind (the same strategy, or two user steps), and
+    are left out (and counted in the notes) otherwise.
 
     A loss or gradients the recording holds but the replayed step returns none of (a step that changed what it
     returns) are not compared, and the notes say so.
 
     Raises:
-        TypeError: either argument not a :class:`~shardcheck.parity.recorded.Recording`.
+        TypeError: either argument not a :class:`~shardcheck.parity.recorded.Recording`; ``pin_placement`` not a
+            bool.
         ValueError: the two are runs of different tasks; ``rtol`` / ``atol`` not a number >= 0.
         KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.recorded.load_recording`
             checks (one built by hand).
     """
     _check_pair(recording, replayed)
     _check_tolerances("compare_run", rtol, atol)
+    if not isinstance(pin_placement, bool):
+        raise TypeError(
+            f"compare_run: pin_placement must be True or False, got {pin_placement!r}; pass pin_placement=True "
+            "to fail on a changed sharding"
+        )
     steps = min(recording.num_steps, replayed.num_steps)
     kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
     same = kinds == ("candidate", "candidate") or (
@@ -471,10 +521,12 @@ def compare_run(
     kept = _only(recording, [n for n in recording.names if n.split(" ", 1)[0] in returned])
     if not same:  # another strategy: only the leaves both runs have are compared
         kept = _only(kept, [n for n in kept.names if n in set(replayed.names)])
-    pair = _Pair.of(kept, replayed, same, recording)
+    other_mesh = same and recording.meta.get("mesh") != replayed.meta.get("mesh")
+    pair = _Pair.of(kept, replayed, pin_placement or other_mesh, recording)
     bounds = _Bounds(rtol, atol)
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
     matched, compared, bitwise = _hashes(pair, steps)
+    moved = _placement_changes(pair, steps)
     first, cause = _first_failure(leaves, recording, replayed)
     return RunComparison(
         run=str(replayed.meta["run"]),
@@ -485,11 +537,38 @@ def compare_run(
         first_failure=first,
         cause=cause,
         evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
-        notes=tuple(_notes(recording, replayed, first, steps, same, returned)),
+        notes=tuple(
+            _notes(recording, replayed, first, steps, same, returned) + _placement_note(pair, moved, same)
+        ),
         hashes_matched=matched,
         hashes_compared=compared,
         bitwise=bitwise,
+        placement_changes=moved,
+        pin_placement=pin_placement,
     )
+
+
+PLACEMENTS_SHOWN = 8
+"""Leaves a placement note or cause lists by name (the rest counted)."""
+
+
+def _placement_list(moved: Sequence[tuple[str, str, str]]) -> str:
+    """``"param w: P() -> P(None, 'fsdp'); ..."``, the first :data:`PLACEMENTS_SHOWN`, the rest counted."""
+    text = "; ".join(f"{name}: {was} -> {now}" for name, was, now in moved[:PLACEMENTS_SHOWN])
+    more = len(moved) - PLACEMENTS_SHOWN
+    return text + (f"; and {more} more" if more > 0 else "")
+
+
+def _placement_note(pair: _Pair, moved: Sequence[tuple[str, str, str]], same: bool) -> list[str]:
+    """The note of a placement that changed and was not pinned (values compared, not the shardings); none for
+    another strategy's replay, whose placement differs by design (its own note says so)."""
+    if not moved or pair.pinned or not same:
+        return []
+    return [
+        f"Placement changed on {len(moved)} leaf/leaves, values compared (a recording checks what a refactor "
+        f"computes, not where it keeps it; --pin-placement, pin_placement=True, fails on it): "
+        f"{_placement_list(moved)}."
+    ]
 
 
 def _check_pair(recording, replayed) -> None:
@@ -531,7 +610,8 @@ def _first_failure(leaves: list[DigestError], recording, replayed) -> tuple[Dige
     t = min(e.step for e in failing)
     at_t = [e for e in failing if e.step == t]
     order = {k: i for i, k in enumerate(KINDS)}
-    first = min(at_t, key=lambda e: (order.get(e.kind, len(KINDS)), -e.badness))
+    # a value that left its tolerance before a pinned placement that changed: the value is the fault to name
+    first = min(at_t, key=lambda e: (order.get(e.kind, len(KINDS)), e.evidence == "sharding", -e.badness))
     grads_recorded = any(n.startswith("grad ") for n in recording.names)
     return first, _cause(t, at_t, recording.meta, replayed.meta, grads_recorded)
 
@@ -591,14 +671,28 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
             f"places the leaves elsewhere ({e.name}: {e.recorded} -> {e.replayed}{tail}); replay on the "
             "recorded mesh (load_recording(path, task=..., mesh=...) refuses another)"
         )
+    if all(x.evidence == "sharding" for x in structural):
+        moved = [(x.name, str(x.recorded), str(x.replayed)) for x in structural]
+        return (
+            f"the placement is pinned (--pin-placement, pin_placement=True) and {len(moved)} leaf/leaves changed "
+            f"sharding: {_placement_list(moved)}"
+        )
     return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
 
 
 def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_recorded: bool) -> str:
-    """What the failing digests of the first failing point say, where they share a factor or a change."""
+    """What the failing digests of the first failing point say: a structural change, else what the values say,
+    then a pinned placement that changed too."""
     structural = [e for e in at_t if e.evidence in STRUCTURAL]
-    if structural:
+    values = [e for e in at_t if e.evidence not in STRUCTURAL]
+    if structural and (not values or any(e.evidence != "sharding" for e in structural)):
         return _structural_cause(structural, was, now)
+    text = _value_cause(t, values, was, now, grads_recorded)
+    return text + (f"; and {_structural_cause(structural, was, now)}" if structural else "")
+
+
+def _value_cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_recorded: bool) -> str:
+    """What the failing values of the first failing point say, where they share a factor or a change."""
     if t < 0:
         return (
             "the initial state differs from the recorded one: another seed, initializer or model; every later step "
