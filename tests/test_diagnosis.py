@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from shardcheck.parity.diagnosis import (
     RULES,
     Diagnosis,
@@ -294,6 +296,41 @@ def test_weak_check():
     assert _codes(both) == ["parity", "weak_check"]  # merged into one finding
     assert "too loose" in both[1].message and "param b" in both[1].message
     assert "weak_check" not in _codes(diagnose(_passing()))
+
+
+def _with_b(record: StepRecord, change: float) -> StepRecord:
+    """``record`` with one more param leaf ``b2`` whose reference update is ``change`` (its tolerance TOL)."""
+    return dataclasses.replace(
+        record, leaves=(*record.leaves, _leaf("param", "b2", step=record.step, change=change))
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "weak"),
+    [
+        (
+            (0.0, 10 * TOL, 10 * TOL),
+            False,
+        ),  # a warm-up from lr 0: the first update is 0, the later ones are seen
+        ((0.0, TOL / 10, 10 * TOL), False),  # seen at one step suffices
+        ((0.0, TOL / 10, TOL / 10), True),  # below tolerance at every step: blind to that leaf
+        ((TOL / 10,), True),  # one step below
+        ((10 * TOL, 0.0), False),
+    ],
+)
+def test_weak_check_needs_an_update_below_tolerance_at_every_step(changes, weak):
+    """Issue #34: every PASS of a run warming up linearly from lr 0 warned that the first update is not larger
+    than the tolerance. The warning names a leaf whose update is below its tolerance at every step."""
+    out = diagnose([_with_b(_record(t), c) for t, c in enumerate(changes)])
+    assert _codes(out) == (["parity", "weak_check"] if weak else ["parity"])
+    if weak:
+        which = (
+            "first update" if len(changes) == 1 else f"update at every one of the run's {len(changes)} steps"
+        )
+        assert out[1].message.startswith(
+            f"The reference's {which} of param b2 is not larger than the tolerance"
+        )
+        assert out[1].leaf == "param b2"
 
 
 def test_diverged_trajectory():

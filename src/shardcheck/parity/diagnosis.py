@@ -27,7 +27,7 @@ in order, with their codes:
 - :func:`loss_only` (``loss_only``): an unexplained failure at step 0 while the loss matches (seed 001).
 - :func:`update_differs` (``update_differs``): any other unexplained failure of the update.
 - :func:`loose_tolerance` (``weak_check``): rtol too loose to tell a x2 error from rounding.
-- :func:`weak_update` (``weak_check``): a reference update not above its tolerance.
+- :func:`weak_update` (``weak_check``): a reference update not above its tolerance at any step.
 - :func:`diverged_trajectory` (``diverged_trajectory``): the runs separated, the step itself matches.
 - :func:`rounding_level` (``rounding_level``): informational, leaves whose update cannot be resolved.
 """
@@ -864,34 +864,43 @@ def loose_tolerance(ctx: DiagnosisContext) -> Finding:
 
 
 def weak_update(ctx: DiagnosisContext) -> Finding:
-    """``weak_check``: a passing param leaf whose step-0 reference update is not above its tolerance.
+    """``weak_check``: a passing param leaf whose reference update is not above its tolerance at any step.
 
-    Leaves at rounding level (``StepRecord.unresolved``) are left to :func:`rounding_level`. A passing report's
-    caveat only: a failing one has found its error.
+    One step's update below its tolerance says nothing of the check when the learning rate is 0 there: a linear
+    warm-up from 0 (``optax.linear_schedule(0, lr, n)``, ``optax.warmup_cosine_decay_schedule(0.0, ...)``)
+    makes the first update exactly 0. The check is blind to a leaf only when none of the run's steps moved it
+    by more than its tolerance. Leaves at rounding level at a step (``StepRecord.unresolved``) are left to
+    :func:`rounding_level`; a leaf missing from a step's record counts as seen. A passing report's caveat
+    only: a failing one has found its error.
     """
-    if ctx.failing:
+    if ctx.failing or not ctx.records:
         return None
-    leaves = ctx.records[0].leaves if ctx.records else ()
-    unresolved = set(ctx.records[0].unresolved) if ctx.records else set()
-    weak = next(
-        (
-            e
-            for e in leaves
+
+    def below(record: StepRecord) -> set[str]:
+        unresolved = set(record.unresolved)
+        return {
+            e.name
+            for e in record.leaves
             if e.kind == "param"
             and e.name not in unresolved
             and e.ok
             and e.reference_change is not None
             and e.reference_change <= e.tolerance
-        ),
-        None,
-    )
-    if weak is None:
+        }
+
+    weak = below(ctx.records[0])
+    for record in ctx.records[1:]:
+        weak &= below(record)
+    name = next((e.name for e in ctx.records[0].leaves if e.name in weak), None)
+    if name is None:
         return None
+    n = len(ctx.records)
+    which = "first update" if n == 1 else f"update at every one of the run's {n} steps"
     return Diagnosis(
         "weak_check",
-        f"The reference's first update of {weak.name} is not larger than the tolerance: a wrong update of "
-        "that leaf could pass unseen. Raise the learning rate or lower rtol/atol.",
-        weak.name,
+        f"The reference's {which} of {name} is not larger than the tolerance: a wrong update of that leaf "
+        "could pass unseen. Raise the learning rate or lower rtol/atol.",
+        name,
     )
 
 
@@ -1010,8 +1019,8 @@ def diagnose(
     - ``drift``: unexplained failure at a step t > 0 after steps that agreed.
     - ``loss_only``: unexplained failure at step 0 while the loss matches (not parity, seed 001).
     - ``update_differs``: any other unexplained failure (not one reduced step).
-    - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance (passing
-      reports only).
+    - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance at every
+      step (passing reports only).
     - ``diverged_trajectory``: ``diverged`` is the trajectory record of the first failing step t > 0 whose
       step, re-run from the reference's pre-step state, matched (``records`` from t on are then synchronized).
     - ``rounding_level``: informational, param leaves whose gradient is at rounding level (``unresolved``);
