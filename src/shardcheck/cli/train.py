@@ -238,11 +238,15 @@ def _main_task(args, num_shards: int) -> int:
 
     def run(callback):
         from shardcheck.cli._common import mesh_from_args
+        from shardcheck.mesh import data_shards
         from shardcheck.steps import STRATEGIES
 
         mesh = mesh_from_args(args, num_shards) if STRATEGIES[args.strategy].uses_mesh else None
+        # --mesh sets num_shards to its devices; a mesh with model axes (data=2,expert=4) splits the batch over
+        # its data axes only, so S is theirs (as verify and record count it)
+        shards = num_shards if mesh is None else data_shards(mesh)
         return train_task(
-            task, args.strategy, num_shards=num_shards, mesh=mesh, epochs=args.epochs, callback=callback
+            task, args.strategy, num_shards=shards, mesh=mesh, epochs=args.epochs, callback=callback
         )
 
     return _run_and_report(args, run, render_task_table, plot_task_training, task_report_json)
