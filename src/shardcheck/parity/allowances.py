@@ -28,6 +28,7 @@ from flax import nnx
 
 from shardcheck.parity import compare
 from shardcheck.parity.compare import flatten_state, host_tree
+from shardcheck.parity.matmul import gradients_at
 from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance, output_rounding
 from shardcheck.parity.propagation import gradient_tolerance, shadow_spread, update_sensitivity
 from shardcheck.parity.state import _default_view, _PreStep, _Run
@@ -366,10 +367,19 @@ def _precision_rule(precision: Precision) -> str:
         return ""
     parts = []
     if precision.compute_eps > 0:
+        what = (
+            f"matmuls {precision.matmul}"
+            if precision.matmul_coarser
+            else f"compute {precision.compute_dtype.name}"
+        )
+        g_r, measured = (
+            ("g_M", "the reference's gradient with its matmuls at the other precision")
+            if precision.matmul_coarser
+            else ("g_S", "a correct S-shard split in this precision")
+        )
         parts.append(
-            f"compute {precision.compute_dtype.name}: gradients + {COMPUTE_SAFETY:g} * (max|g_S - g| + "
-            "|g(p_cand) - g|) (measured: a correct S-shard split in this precision, and the gradient at the "
-            f"candidate's parameters) + eps_c * (|g| + sum_s|g_s|) (its output roundings; "
+            f"{what}: gradients + {COMPUTE_SAFETY:g} * (max|{g_r} - g| + |g(p_cand) - g|) (measured: {measured}, "
+            "and the gradient at the candidate's parameters) + eps_c * (|g| + sum_s|g_s|) (its output roundings; "
             f"eps_c={precision.compute_eps:.3g})"
         )
     if precision.param_eps > 0:
@@ -394,6 +404,7 @@ def split_gradients(run: _Run, pre: _PreStep, batch):
         # a correct split reduces its shards' gradients in float32 (shard_map) or, as GSPMD's partitioned
         # backward pass may, in the compute dtype: both realizations bound the compute noise
         low = run.precision.compute_dtype
+        low = None if _storage_eps(low) == 0 else low  # float32 compute under a coarser matmul precision
         return _shard_magnitude(run.task.loss_fn, shards, pre.graphdef, pre.params, pre.rest, batch, low)
     return None
 
@@ -407,9 +418,15 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
         magnitude, split_grads, split_low = split
         shadow = _shadow_inputs(run, pre, batch)
         drifted = None if shadow is None else shadow[0]
-        realizations = [split_grads, split_low]
+        realizations = [g for g in (split_grads, split_low) if g is not None]
         if run.graphdef32 is not None:
             realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
+        if run.matmul_realization is not None:  # the reference's gradient at the other matmul precision
+            realizations.append(
+                gradients_at(
+                    run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch, run.matmul_realization
+                )
+            )
         noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
         noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
     delta, grad_max, extra = gradient_tolerance(grads, noise, rtol, atol)

@@ -495,6 +495,7 @@ def check_parity(
     name: str | None = None,
     compute_dtype=None,
     param_dtype=None,
+    matmul_precision: str | None = None,
     leaf_tolerance=None,
     accept_weak: bool = False,
     initial_state: tuple[nnx.Module, nnx.Optimizer] | None = None,
@@ -538,6 +539,11 @@ def check_parity(
         compute_dtype: override the compute dtype read from the model's layers (``dtype``), for the tolerance
             (``shardcheck.parity.precision``).
         param_dtype: override the parameters' dtype read from the model, for the tolerance.
+        matmul_precision: the precision of the steps' float32 matmuls and convolutions, for the tolerance:
+            ``"float32"``, ``"tf32"`` (a 10-bit mantissa: a GPU's default since Ampere) or ``"bfloat16"`` (one
+            bfloat16 pass: a TPU's default). ``None``: the coarsest that the two sides' backends use for the
+            task's gradient (``jax_default_matmul_precision`` and the ``precision`` the step's matmuls set;
+            ``shardcheck.parity.matmul``). The report states it (``ParityReport.matmul_precision``).
         leaf_tolerance: per-leaf ``(rtol, atol)`` for the cases a rule cannot know: a mapping from a leaf name
             (``"param hidden.kernel"``, ``"opt_state 0.mu.bias"``, ``"loss"``; or its path alone) or a callable
             ``name -> (rtol, atol) | None``, called once per leaf name before the run.
@@ -557,7 +563,8 @@ def check_parity(
             non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
             not split into S equal shards (the message names the leaf and the fix); an unknown strategy; a
             ``reference`` strategy that does not run on a mesh, or one without ``mesh``/``num_shards``; negative
-            ``rtol``/``atol``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
+            ``rtol``/``atol``; ``matmul_precision`` not one of ``None``, ``"float32"``, ``"tf32"``,
+            ``"bfloat16"``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
             that is not a pair of numbers >= 0, or a callable that raises. All checked before any step runs.
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``), or returned
             gradients whose leaves are not the model's parameters' (naming the missing and extra leaf paths).
@@ -577,7 +584,11 @@ def check_parity(
         mesh=mesh,
         reference=reference,
         name=name,
-        dtypes={"compute_dtype": compute_dtype, "param_dtype": param_dtype},
+        dtypes={
+            "compute_dtype": compute_dtype,
+            "param_dtype": param_dtype,
+            "matmul_precision": matmul_precision,
+        },
         leaf_tolerance=leaf_tolerance,
         initial_state=initial_state,
     )
@@ -644,6 +655,8 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         diverged_at=diverged_at,
         diverged=diverged,
         reference_diverged_at=reference_diverged_at,
+        matmul_precision=run.precision.matmul,
+        matmul_precision_source=run.matmul_source,
         **_footprint_fields(run),
     )
 

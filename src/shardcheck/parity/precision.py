@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck.parity.matmul import policy_eps
+
 ACCUMULATION_DTYPE = jnp.dtype(jnp.float32)
 # The measured noise is one realization: another split's maximum over a leaf was up to 0.96 of it on tiny-lm
 # (below), and XLA's GSPMD partitioning (the feature contractions of annotated or FSDP-placed parameters rounded
@@ -76,13 +78,23 @@ class Precision:
         param_dtype: the least precise floating dtype among the ``nnx.Param`` leaves.
         compute_dtype: the least precise compute dtype of the model's layers (a Flax layer's ``dtype``; a layer
             without one computes in its parameters' dtype).
+        matmul: the precision the step's matmuls and convolutions use on float32 operands
+            (``shardcheck.parity.matmul``: ``"float32"``, ``"tf32"``, ``"bfloat16"``).
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
+    matmul: str = "float32"
 
     @staticmethod
-    def of(model: nnx.Module, *, compute_dtype=None, param_dtype=None, fn: str = "check_parity") -> Precision:
+    def of(
+        model: nnx.Module,
+        *,
+        compute_dtype=None,
+        param_dtype=None,
+        matmul: str = "float32",
+        fn: str = "check_parity",
+    ) -> Precision:
         """The policy of ``model``, with ``compute_dtype`` / ``param_dtype`` overriding what is read from it.
 
         Read from the model: the parameters' least precise dtype, and as the compute dtype the least precise of
@@ -113,12 +125,20 @@ class Precision:
         params = stored if params is None else params
         if compute is None:
             compute = _least_precise([*layer, params]) or params
-        return Precision(jnp.dtype(params), jnp.dtype(compute))
+        return Precision(jnp.dtype(params), jnp.dtype(compute), matmul)
 
     @property
     def compute_eps(self) -> float:
-        """eps of the compute rounding beyond float32 accumulation (0 when the compute dtype is float32+)."""
-        return _eps(self.compute_dtype) if _eps(self.compute_dtype) > _eps(ACCUMULATION_DTYPE) else 0.0
+        """eps of the compute rounding beyond float32 accumulation: the coarser of the compute dtype's and the
+        matmul precision's (``2**-10`` for TF32 matmuls on float32 compute); 0 when both are float32 or finer."""
+        eps = max(_eps(self.compute_dtype), policy_eps(self.matmul))
+        return eps if eps > _eps(ACCUMULATION_DTYPE) else 0.0
+
+    @property
+    def matmul_coarser(self) -> bool:
+        """The matmul precision rounds more than the compute dtype does (TF32 or a bfloat16 pass on float32
+        compute): its rounding is measured by a realization of its own (``shardcheck.parity.matmul``)."""
+        return policy_eps(self.matmul) > max(_eps(self.compute_dtype), _eps(ACCUMULATION_DTYPE))
 
     @property
     def param_eps(self) -> float:
@@ -131,8 +151,10 @@ class Precision:
         return self.compute_eps > 0 or self.param_eps > 0
 
     def describe(self) -> str:
-        """``"params float32, compute bfloat16"``."""
-        return f"params {self.param_dtype.name}, compute {self.compute_dtype.name}"
+        """``"params float32, compute bfloat16"``; ``", matmuls tf32"`` added under a matmul precision other than
+        float32."""
+        matmul = "" if self.matmul == "float32" else f", matmuls {self.matmul}"
+        return f"params {self.param_dtype.name}, compute {self.compute_dtype.name}{matmul}"
 
 
 def float32_compute(graphdef, params, rest):

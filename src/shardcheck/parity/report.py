@@ -42,6 +42,12 @@ class ParityReport:
         allocator_peak_bytes: in that mode, the largest ``peak_bytes_in_use`` of the devices'
             ``memory_stats()`` (GPU, TPU: the process's peak since it started, the compiled calls' temporaries
             included); ``None`` on CPU devices and in the other modes.
+        matmul_precision: the precision of the steps' float32 matmuls the tolerances assumed (``"float32"``,
+            ``"tf32"``, ``"bfloat16"``; ``shardcheck.parity.matmul``).
+        matmul_precision_source: how it was chosen: ``"set by the caller"``, or ``"the backend's (gpu) for this
+            step"``.
+        precision_recheck: on an accelerator, the outcome of re-checking a FAIL within a few tolerances with both
+            sides at ``"highest"`` (``shardcheck.parity.recheck``); ``None`` when there was none.
     """
 
     strategy: str
@@ -60,6 +66,9 @@ class ParityReport:
     peak_bytes_per_device: int | None = None
     state_bytes_per_device: int | None = None
     allocator_peak_bytes: int | None = None
+    matmul_precision: str = "float32"
+    matmul_precision_source: str = ""
+    precision_recheck: str | None = None
 
     @property
     def step_ok(self) -> bool:
@@ -134,7 +143,8 @@ class ParityReport:
         """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
-        ``state_bytes_per_device``, ``allocator_peak_bytes``.
+        ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
+        ``precision_recheck``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -145,6 +155,9 @@ class ParityReport:
             "peak_bytes_per_device": self.peak_bytes_per_device,
             "state_bytes_per_device": self.state_bytes_per_device,
             "allocator_peak_bytes": self.allocator_peak_bytes,
+            "matmul_precision": self.matmul_precision,
+            "matmul_precision_source": self.matmul_precision_source,
+            "precision_recheck": self.precision_recheck,
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
@@ -215,6 +228,10 @@ class ParityReport:
             lines.append(f"  evidence: {self.scale_evidence}")
         if self.tolerance_rule:
             lines.append(f"  tolerance: {self.tolerance_rule}")
+        source = f" ({self.matmul_precision_source})" if self.matmul_precision_source else ""
+        lines.append(f"  matmul precision assumed: {self.matmul_precision}{source}")
+        if self.precision_recheck is not None:
+            lines.append(f"  precision re-check: {self.precision_recheck}")
         if self.peak_bytes_per_device is not None:
             lines.append(f"  memory: {self.footprint_text()}")
         return "\n".join(lines)

@@ -15,6 +15,7 @@ from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.mesh import check_mesh, data_shards
+from shardcheck.parity import matmul
 from shardcheck.parity.candidates import as_candidate, check_step_signature
 from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
 from shardcheck.parity.precision import Precision, float32_compute
@@ -79,7 +80,9 @@ def _setup(
     if cand.make_optimizer is not None:
         cand_opt = cand.make_optimizer(cand_model, cand_opt)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
-    precision = Precision.of(model, fn=fn, **dtypes)
+    dtypes = dict(dtypes)
+    policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, data[0], mesh)
+    precision = Precision.of(model, fn=fn, matmul=policy[0], **dtypes)
     overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     # the model's structure is fixed over the run: its float32-compute graph is built once
     graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
@@ -98,6 +101,8 @@ def _setup(
         graphdef32,
         ref_strategy=ref_strategy,
         reference_name=ref_name,
+        matmul_source=policy[1],
+        matmul_realization=policy[2] if precision.matmul_coarser else None,
     )
     return run, data
 

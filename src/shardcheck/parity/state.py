@@ -99,6 +99,10 @@ class _Run:
     deferred: Any = None
     # how the allowances' lower bound fared, shared with the synchronized runs
     bound_stats: BoundStats = dataclasses.field(default_factory=BoundStats)
+    # how the matmul precision was chosen, and the policy at which the reference's gradient is recomputed to
+    # measure its rounding (parity.matmul.resolve), or None where the matmuls round no more than the compute dtype
+    matmul_source: str = ""
+    matmul_realization: str | None = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""

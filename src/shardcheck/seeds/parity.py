@@ -164,6 +164,7 @@ def check_parity(
     name=None,
     compute_dtype=None,
     param_dtype=None,
+    matmul_precision=None,
     leaf_tolerance=None,
     accept_weak=False,
 ):
@@ -178,8 +179,8 @@ def check_parity(
         candidate: as the engine's, or a ``(model, optimizer, x, y[, mesh][, weights=])`` step.
         task: a :class:`~shardcheck.Task`, or the ``nnx.Module`` of the ``(model, optimizer, batches)`` form.
         *seed_args: the optimizer and the batches of that form (nothing beside a Task).
-        steps, num_shards, mesh, reference, rtol, atol, name, compute_dtype, param_dtype, leaf_tolerance,
-            accept_weak: as the engine's.
+        steps, num_shards, mesh, reference, rtol, atol, name, compute_dtype, param_dtype, matmul_precision,
+            leaf_tolerance, accept_weak: as the engine's.
 
     Raises:
         TypeError: model, optimizer and batches not all given; a model, optimizer or batches beside a Task; as the
@@ -203,7 +204,7 @@ def check_parity(
         raise TypeError(
             f"{fn}: with a Task, pass no model, optimizer or batches beside it (got {len(seed_args)})"
         )
-    dtypes = {"compute_dtype": compute_dtype, "param_dtype": param_dtype}
+    dtypes = {"compute_dtype": compute_dtype, "param_dtype": param_dtype, "matmul_precision": matmul_precision}
     return harness.check_parity(
         candidate,
         task,

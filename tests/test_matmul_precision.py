@@ -1,0 +1,225 @@
+"""The matmul precision a backend really uses: the policy model, its tolerances, and TF32 / bfloat16 emulated on CPU.
+
+A GPU's float32 matmuls default to TF32 (10 mantissa bits), a TPU's to one bfloat16 pass (7); ``"highest"`` and a
+CPU compute float32 (``shardcheck.parity.matmul``). On the CPU the tests round every matmul operand with
+``lax.reduce_precision`` (:func:`~shardcheck.parity.matmul.rounded_matmuls`): a correct dp / fsdp step computing
+so PASSes under its own policy and FAILs under float32's; planted faults still FAIL, by name.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import require_devices, small_lm_config
+from jax import lax
+
+import shardcheck
+from shardcheck import check_parity
+from shardcheck.parity import matmul
+from shardcheck.parity.matmul import (
+    backend_policy,
+    coarsest,
+    matmul_precisions,
+    policy_eps,
+    rounded_loss,
+    rounded_matmuls,
+)
+from shardcheck.parity.precision import Precision, loss_compute_allowance
+from shardcheck.steps import Candidate
+from shardcheck.steps.sharded import mesh_step
+from shardcheck.tasks import tiny_lm_task
+
+EPS32 = 2.0**-23
+
+
+@functools.cache
+def lm():
+    """The one-block tiny-lm with Adam, B = 16 rows of T = 16 tokens, 2 steps."""
+    return tiny_lm_task(config=small_lm_config(), steps=2, seed=0)
+
+
+# --------------------------------------------------------------------------------------------- the policy model
+
+
+@pytest.mark.parametrize(
+    ("platform", "setting", "policy"),
+    [
+        ("cpu", None, "float32"),
+        ("cpu", "bfloat16", "float32"),  # a CPU computes float32 whatever is asked
+        ("gpu", None, "tf32"),
+        ("cuda", "default", "tf32"),
+        ("gpu", "high", "tf32"),
+        ("gpu", "tensorfloat32", "tf32"),
+        ("gpu", "highest", "float32"),
+        ("gpu", "float32", "float32"),
+        ("gpu", "bfloat16", "bfloat16"),
+        ("tpu", None, "bfloat16"),
+        ("tpu", "high", "tf32"),
+        ("tpu", "highest", "float32"),
+        ("gpu", (lax.Precision.HIGHEST, lax.Precision.HIGHEST), "float32"),
+        ("gpu", (lax.Precision.DEFAULT, lax.Precision.HIGHEST), "tf32"),  # the coarser operand decides
+        ("tpu", lax.Precision.HIGH, "tf32"),
+    ],
+)
+def test_the_backend_policy_follows_the_platform_and_the_precision(platform, setting, policy):
+    assert backend_policy(platform, setting) == policy
+
+
+def test_a_gpu_before_ampere_computes_float32():
+    assert backend_policy("gpu", None, compute_capability="7.0") == "float32"
+    assert backend_policy("gpu", None, compute_capability="9.0") == "tf32"
+
+
+def test_the_jaxpr_shows_the_config_and_the_steps_own_precision():
+    x = jnp.ones((4, 4))
+    assert matmul_precisions(jax.make_jaxpr(jnp.matmul)(x, x)) == [None]
+    with jax.default_matmul_precision("highest"):
+        traced = matmul_precisions(jax.make_jaxpr(jnp.matmul)(x, x))
+    assert traced == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
+    own = jax.make_jaxpr(jax.jit(lambda a: jnp.dot(a, a, precision="highest") @ a))(x)  # nested in a jit
+    assert matmul_precisions(own) == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST), None]
+    assert (
+        matmul.step_policy(lambda a: jnp.dot(a, a, precision="highest"), (x,), [("gpu", None)]) == "float32"
+    )
+    assert matmul.step_policy(lambda a: a @ a, (x,), [("cpu", None), ("gpu", None)]) == "tf32"
+    assert coarsest("float32", "bfloat16", "tf32") == "bfloat16" and coarsest() == "float32"
+
+
+def test_the_effective_eps_is_the_coarser_of_the_compute_dtype_and_the_matmuls():
+    model = lm().model()
+    assert Precision.of(model).compute_eps == 0.0 and not Precision.of(model).low
+    tf32 = Precision.of(model, matmul="tf32")
+    assert (tf32.compute_eps, tf32.matmul_coarser, tf32.describe()) == (
+        2.0**-10,
+        True,
+        "params float32, compute float32, matmuls tf32",
+    )
+    assert Precision.of(model, matmul="bfloat16").compute_eps == 2.0**-7
+    bf16 = Precision.of(model, compute_dtype="bfloat16", matmul="tf32")  # bfloat16 compute is the coarser
+    assert (bf16.compute_eps, bf16.matmul_coarser) == (2.0**-7, False)
+    assert [policy_eps(p) for p in matmul.POLICIES] == [EPS32, 2.0**-10, 2.0**-7]
+
+
+@pytest.mark.parametrize(
+    ("platform", "setting", "policy", "eps"),
+    [
+        ("gpu", None, "tf32", 2.0**-10),
+        ("gpu", "highest", "float32", 0.0),
+        ("tpu", None, "bfloat16", 2.0**-7),
+        ("cpu", None, "float32", 0.0),
+        ("cpu", "high", "float32", 0.0),
+    ],
+)
+def test_the_derived_tolerances_per_platform(monkeypatch, platform, setting, policy, eps):
+    """The policy a check resolves on each (platform, jax_default_matmul_precision), and what it derives: the loss
+    allowance ``eps_c |loss| / sqrt(n)`` and the output rounding ``eps_c (|g| + A)`` (precision.py's formulas), 0
+    in float32 where the float32 rule alone applies."""
+    monkeypatch.setattr(matmul, "platforms_of", lambda devices: {(platform, None)})
+    task = lm()
+    model = task.model()
+    with jax.default_matmul_precision(setting):
+        resolved, source, realization = matmul.resolve(
+            "check_parity", None, task.loss_fn, model, task.batches[0], None
+        )
+    assert resolved == policy and source == f"the backend's ({platform}) for this step"
+    # the reference's own backend rounds at the policy: its realization is the float32 one ("highest")
+    assert realization == "float32"
+    precision = Precision.of(model, matmul=resolved)
+    assert precision.compute_eps == eps
+    assert loss_compute_allowance(precision, 4.0, 256) == pytest.approx(eps * 4.0 / 16)
+    g, a = jnp.array([0.5, -2.0]), jnp.array([1.0, 3.0])
+    from shardcheck.parity.precision import output_rounding
+
+    assert np.allclose(output_rounding({"w": g}, {"w": a}, precision.compute_eps)["w"], eps * (np.abs(g) + a))
+
+
+def test_a_requested_policy_is_validated_and_emulated_on_cpu():
+    task = lm()
+    args = (task.loss_fn, task.model(), task.batches[0], None)
+    assert matmul.resolve("check_parity", "TF32", *args) == ("tf32", "set by the caller", "tf32")
+    for bad in ("fp16", 10, "highest"):
+        with pytest.raises(
+            ValueError, match=rf"check_parity: matmul_precision={bad!r} is not a matmul precision"
+        ):
+            matmul.resolve("check_parity", bad, *args)
+    with pytest.raises(ValueError, match="matmul_precision='tf16'"):
+        check_parity("dp", task, num_shards=2, matmul_precision="tf16")
+
+
+# --------------------------------------------------------------------------------------------- the emulation
+
+
+def test_reduce_precision_emulates_tf32_and_bf16_matmuls():
+    """The H200's float32 2048^3 matmul has a relative error of 2.94e-4 against float64 under TF32 (docs/parity.md):
+    at 512^3 the emulation's is the same, float32's ~4e-7, a bfloat16 pass's ~2.4e-3."""
+    a = jax.random.normal(jax.random.key(0), (512, 512))
+    b = jax.random.normal(jax.random.key(1), (512, 512))
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+
+    def err(policy):
+        out = np.asarray(rounded_matmuls(jnp.matmul, policy)(a, b), np.float64)
+        return np.linalg.norm(out - exact) / np.linalg.norm(exact)
+
+    assert err(None) < 1e-6
+    assert 2.5e-4 < err("tf32") < 3.4e-4
+    assert 1.8e-3 < err("bfloat16") < 3e-3
+    # the gradient's matmuls round their operands too (the cotangent included)
+    w = jnp.array([[1.0 + 2.0**-12]])
+    grad = jax.grad(lambda v: jnp.sum(rounded_matmuls(jnp.matmul, "tf32")(w, v)))(jnp.ones((1, 1)))
+    assert float(grad[0, 0]) == 1.0
+
+
+def rounded_candidate(strategy, policy, num_shards, mesh, fault=None):
+    """The task's ``strategy`` step on ``mesh`` with every matmul rounded to ``policy``; ``fault``: ``"sum"`` (the
+    loss sum x S) or ``"per_shard"`` (each shard's mean, then averaged)."""
+    loss = rounded_loss(lm().loss_fn, policy)
+
+    def loss_fn(model, batch):
+        total, weight = loss(model, batch)
+        if fault == "sum":
+            return total * num_shards, weight
+        return total / weight if fault == "per_shard" else (total, weight)
+
+    def step(model, optimizer, batch):
+        return mesh_step(strategy, loss_fn, model, optimizer, batch, mesh, with_grads=True)
+
+    return Candidate(f"{strategy} at {policy}", step, num_shards)
+
+
+@require_devices(2)
+@pytest.mark.parametrize(("strategy", "policy"), [("dp", "tf32"), ("fsdp", "tf32"), ("dp", "bfloat16")])
+def test_a_correct_step_at_a_coarse_precision_passes_under_it_and_fails_under_float32(strategy, policy):
+    mesh = shardcheck.make_mesh(2)
+    candidate = rounded_candidate(strategy, policy, 2, mesh)
+    report = check_parity(candidate, lm(), mesh=mesh, num_shards=2, matmul_precision=policy)
+    assert report.verdict == "PASS", str(report)
+    assert report.matmul_precision == policy and f"matmuls {policy}: gradients + 4" in report.tolerance_rule
+    assert report.to_dict()["matmul_precision"] == policy
+    assert f"matmul precision assumed: {policy} (set by the caller)" in str(report)
+    wrong = check_parity(candidate, lm(), mesh=mesh, num_shards=2)  # the CPU's own: float32
+    assert wrong.verdict == "FAIL" and wrong.matmul_precision == "float32", str(wrong)
+    assert "the backend's (cpu)" in wrong.matmul_precision_source
+    assert wrong.worst.max_abs_err > 10 * wrong.worst.tolerance
+
+
+@require_devices(2)
+@pytest.mark.parametrize(
+    ("policy", "fault", "code"),
+    [
+        ("tf32", "sum", "summed"),
+        ("tf32", "per_shard", "normalization"),
+        ("bfloat16", "per_shard", "normalization"),
+    ],
+)
+def test_planted_faults_fail_by_name_under_the_coarse_policies(policy, fault, code):
+    mesh = shardcheck.make_mesh(2)
+    report = check_parity(
+        rounded_candidate("dp", policy, 2, mesh, fault),
+        lm(),
+        mesh=mesh,
+        num_shards=2,
+        matmul_precision=policy,
+    )
+    assert report.verdict == "FAIL" and code in report.codes, str(report)
