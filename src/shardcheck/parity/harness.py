@@ -584,11 +584,7 @@ def check_parity(
         mesh=mesh,
         reference=reference,
         name=name,
-        dtypes={
-            "compute_dtype": compute_dtype,
-            "param_dtype": param_dtype,
-            "matmul_precision": matmul_precision,
-        },
+        dtypes=dict(compute_dtype=compute_dtype, param_dtype=param_dtype, matmul_precision=matmul_precision),
         leaf_tolerance=leaf_tolerance,
         initial_state=initial_state,
     )
