@@ -32,7 +32,7 @@ def _platform_devices(platform: str) -> list:
     return list(jax.devices(platform))
 
 
-def _preferred_platform() -> str:
+def preferred_platform() -> str:
     """The platform of ``jax_default_device`` when it is set (a device or a platform name), else the host's."""
     device = jax.config.jax_default_device
     if device is None:
@@ -166,7 +166,7 @@ def select_devices(
     what = what or f"a mesh of {needed} devices"
     host = _host_platform()
     host_count = len(_platform_devices(host))
-    preferred = platform or _preferred_platform()
+    preferred = platform or preferred_platform()
     devices = _devices_of(fn, preferred, host, host_count, platform_flag)
     on_host = dict(host_platform=host, host_count=host_count, requested=platform)
     if len(devices) >= needed:
@@ -199,5 +199,5 @@ def select_devices(
 def use_platform_of(choice: DeviceChoice) -> None:
     """Make the mesh's first device the default device (``jax_default_device``) when the mesh is not on the
     default backend, so a step that runs alone runs beside the mesh, at its precision; a no-op otherwise."""
-    if choice.platform != choice.host_platform or choice.platform != _preferred_platform():
+    if choice.platform != choice.host_platform or choice.platform != preferred_platform():
         jax.config.update("jax_default_device", choice.devices[0])

@@ -86,11 +86,11 @@ def make_mesh(
         ('data', 'fsdp')
     """
     fn = "make_mesh"
-    from shardcheck.devices import _platform_devices, _preferred_platform, select_devices
+    from shardcheck.devices import _platform_devices, preferred_platform, select_devices
 
     every = list(devices) if devices is not None else None
     if every is None and shape is None:
-        every = _platform_devices(_preferred_platform())
+        every = _platform_devices(preferred_platform())
     axes = _check_shape(fn, shape, axis_name, len(every or ()))
     size = math.prod(axes.values())
     listed = " x ".join(f"{name}={n}" for name, n in axes.items())

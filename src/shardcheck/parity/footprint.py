@@ -78,10 +78,18 @@ class Footprint:
 
 
 def allocator_peak_bytes() -> int | None:
-    """The largest ``peak_bytes_in_use`` of this process's devices (``Device.memory_stats()``: GPU, TPU), or
-    ``None`` where the devices keep no such statistics (CPU)."""
+    """The largest ``peak_bytes_in_use`` of this process's devices of the preferred platform
+    (:mod:`shardcheck.devices`: the default device's, which the command line moves to a CPU mesh's platform, so a
+    CPU check on a GPU host never reports the GPU's allocator), from ``Device.memory_stats()`` (GPU, TPU); ``None``
+    where the devices keep no such statistics (CPU)."""
+    from shardcheck.devices import preferred_platform
+
+    try:
+        devices = jax.local_devices(backend=preferred_platform())
+    except RuntimeError:  # no such backend in this process
+        devices = jax.local_devices()
     peaks = []
-    for device in jax.local_devices():
+    for device in devices:
         try:
             stats = device.memory_stats()
         except Exception:  # a backend without allocator statistics

@@ -317,18 +317,19 @@ def _versions() -> dict:
 
 def _platform(mesh=None) -> dict:
     """Where the run ran: the mesh's devices (a CPU mesh on a GPU host records ``cpu``), else the default
-    device's; ``host_backend`` is JAX's default backend."""
-    devices = list(mesh.devices.flat) if mesh is not None else None
-    if devices is None:
-        from shardcheck.devices import _preferred_platform
+    device's platform; ``host_backend`` is JAX's default backend."""
+    from shardcheck.devices import _host_platform, _platform_devices, preferred_platform
 
-        devices = jax.devices(_preferred_platform())[:1]
+    if mesh is not None:
+        devices = list(mesh.devices.flat)
+    else:
+        devices = _platform_devices(preferred_platform())
     device = devices[0]
     return {
         "backend": device.platform,
-        "host_backend": jax.default_backend(),
+        "host_backend": _host_platform(),
         "device_kind": device.device_kind,
-        "devices": len(devices) if mesh is not None else jax.device_count(device.platform),
+        "devices": len(devices),
         "processes": jax.process_count(),
         "python": platform.python_version(),
         "machine": platform.machine(),
