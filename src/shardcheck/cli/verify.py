@@ -136,6 +136,14 @@ def _add_check_arguments(p) -> None:
     p.add_argument("--rtol", type=float, default=None, help="fixed relative tolerance (default: derived)")
     p.add_argument("--atol", type=float, default=None, help="fixed absolute tolerance (default: derived)")
     p.add_argument(
+        "--matmul-precision",
+        default=None,
+        choices=("float32", "tf32", "bfloat16"),
+        help="the precision of the steps' float32 matmuls, for the tolerance: tf32 (a GPU's default), bfloat16 "
+        "(one pass: a TPU's default), float32 (a CPU, or 'highest') (default: what the backend uses for the steps; "
+        "the report names it)",
+    )
+    p.add_argument(
         "--json", default=None, metavar="PATH|-", help="also write the reports as JSON ('-': stdout)"
     )
     p.add_argument(
@@ -304,6 +312,8 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
     options = dict(
         num_shards=num_shards, mesh=mesh, rtol=args.rtol, atol=args.atol, accept_weak=args.accept_weak
     ) | precision_overrides(args)
+    if getattr(args, "matmul_precision", None) is not None:
+        options["matmul_precision"] = args.matmul_precision
     if args.reference != REFERENCE:
         options.update(reference=args.reference)
     reports = {}
@@ -456,6 +466,9 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
             setup += f" (batch over {', '.join(batch)}; model over {', '.join(model)})"
     if args.reference != REFERENCE:
         setup += f", against {next(iter(reports.values())).reference}" if reports else ""
+    if reports:  # the matmul precision the tolerances assumed (one for every check of a run)
+        first = next(iter(reports.values()))
+        setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
     for report in reports.values():
         console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
