@@ -245,3 +245,27 @@ def test_memory_measure_on_one_gpu_measures_on_cpu_devices(gpu_host, capsys):
     assert report["devices"]["host_platform"] == "gpu"
     assert main([*args, "--strategy", "zero2", "--json", "-"]) == 0  # estimates only: no device ran anything
     assert "devices" not in json.loads(capsys.readouterr().out)
+
+
+def test_memory_mesh_on_one_gpu_compiles_on_the_cpu_mesh(gpu_host, capsys):
+    assert (
+        main(["memory", "--task", "diabetes", "--mesh", "data=2,fsdp=2", "--strategy", "fsdp", "--json", "-"])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == {"data": 2, "fsdp": 2}
+    assert report["devices"]["platform"] == "cpu" and report["devices"]["count"] == 4
+    assert report["devices"]["why"].startswith(
+        "fake CPU devices; the host's 1 x gpu is too few for the mesh data=2,fsdp=2"
+    )
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="this host has an accelerator")
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_a_platform_this_cpu_host_lacks_exits_2(platform, capsys):
+    assert main(["run", "--strategy", "dp", "--platform", platform]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"shardcheck run: --platform {platform}: this host has no {platform} devices (JAX's default backend is 8 x "
+        "cpu); omit it to run on fake CPU devices"
+    ) in err

@@ -24,8 +24,9 @@ MAX_FAKE_DEVICES = 512
 def configure_devices(num_devices: int | None) -> None:
     """Ask for ``num_devices`` fake CPU devices; must run before JAX initializes its backend.
 
-    On a machine with an accelerator JAX uses the devices that exist and this only affects the CPU backend.
-    In a process started by ``shardcheck launch`` the launcher has already configured the devices.
+    On a machine with an accelerator the CPU devices are created beside it; a mesh the accelerator is too small
+    for is built from them (:func:`shardcheck.devices.select_devices`). In a process started by
+    ``shardcheck launch`` the launcher has already configured the devices.
 
     Raises:
         ValueError: ``num_devices`` above :data:`MAX_FAKE_DEVICES`.
@@ -45,11 +46,15 @@ def configure_devices(num_devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", int(num_devices))
     except RuntimeError:
         # JAX already initialized in this process (shardcheck called as a library, as the tests do):
-        # fine when enough devices exist already.
-        if len(jax.devices()) < num_devices:
+        # fine when enough devices exist already, on the default backend or as CPU devices beside it.
+        from shardcheck.devices import select_devices
+
+        try:
+            select_devices(int(num_devices))
+        except ValueError:
             raise ValueError(
-                f"--devices {num_devices}: JAX is already initialized with {len(jax.devices())} devices in this "
-                "process; set jax_num_cpu_devices before JAX initializes"
+                f"--devices {num_devices}: JAX is already initialized with {len(jax.devices('cpu'))} CPU devices "
+                "in this process; set jax_num_cpu_devices before JAX initializes"
             ) from None
 
 
