@@ -82,8 +82,8 @@ def _add_run_arguments(p) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="the shard count S: mesh devices for dp/fsdp (fake CPU devices are created when no accelerator is "
-        "present), shards or micro-batches otherwise (default: 4 on a mesh, or every device under "
+        help="the shard count S: mesh devices for dp/fsdp (fake CPU devices are created, beside any accelerator, "
+        "and used when it has too few), shards or micro-batches otherwise (default: 4 on a mesh, or every device under "
         "'shardcheck launch'; 2 otherwise)",
     )
     add_mesh_argument(p)
