@@ -77,6 +77,7 @@ def test_one_gpu_and_a_mesh_of_8_gives_8_cpu_devices(gpu_host):
     )
     assert choice.to_dict() == {
         "platform": "cpu",
+        "device_kind": "cpu",
         "count": 8,
         "fake": True,
         "host_platform": "gpu",
@@ -86,7 +87,7 @@ def test_one_gpu_and_a_mesh_of_8_gives_8_cpu_devices(gpu_host):
         "why": choice.why(),
     }
     one = select_devices(1)  # a step that runs alone: the GPU is enough
-    assert one.platform == "gpu" and one.line() == "devices: 1 x gpu"
+    assert one.platform == "gpu" and one.line() == "devices: 1 x gpu (NVIDIA H200)"
 
 
 def test_make_mesh_on_a_gpu_host_never_mixes_in_the_gpu(gpu_host):
@@ -96,7 +97,7 @@ def test_make_mesh_on_a_gpu_host_never_mixes_in_the_gpu(gpu_host):
 
 
 def test_platform_cpu_forces_cpu_where_the_gpus_are_enough(eight_gpu_host):
-    assert select_devices(8).platform == "gpu"
+    assert select_devices(8).line() == "devices: 8 x gpu (NVIDIA H200)"
     choice = select_devices(8, platform="cpu")
     assert choice.platform == "cpu" and choice.requested == "cpu"
     assert "platform='cpu'; the host's default is 8 x gpu" in choice.line()
@@ -164,6 +165,7 @@ def test_verify_on_one_gpu_with_8_devices_passes_on_a_cpu_mesh(gpu_host, capsys)
     assert report["ok"] and set(report["strategies"]) == {"dp", "fsdp"}
     assert report["devices"] == {
         "platform": "cpu",
+        "device_kind": "cpu",
         "count": 8,
         "fake": True,
         "host_platform": "gpu",

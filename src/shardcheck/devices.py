@@ -75,9 +75,17 @@ class DeviceChoice:
         """Where a step that runs alone runs: the mesh's platform (the command line sets the default device so)."""
         return f"{self.platform}:0"
 
+    @property
+    def device_kind(self) -> str:
+        """The devices' kind as JAX names it (``"NVIDIA H200"``, ``"TPU v5p"``, ``"cpu"``)."""
+        return str(getattr(self.devices[0], "device_kind", self.platform))
+
     def why(self) -> str:
-        """The reason in words: ``"fake CPU devices; the host's 1 x gpu is too few for data=2,fsdp=4; ..."``."""
+        """The reason in words: ``"fake CPU devices; the host's 1 x gpu is too few for data=2,fsdp=4; ..."``; the
+        kind of an accelerator (``"NVIDIA H200"``)."""
         parts = ["fake CPU devices"] if self.fake else []
+        if self.platform != "cpu":
+            parts.append(self.device_kind)
         if self.reason:
             parts.append(self.reason)
         if self.platform != self.host_platform:
@@ -91,10 +99,11 @@ class DeviceChoice:
         return f"devices: {self.count} x {self.platform}" + (f" ({why})" if why else "")
 
     def to_dict(self) -> dict:
-        """The ``--json`` form: ``{"platform", "count", "fake", "host_platform", "host_count", "requested",
-        "single_device", "why"}``."""
+        """The ``--json`` form: ``{"platform", "device_kind", "count", "fake", "host_platform", "host_count",
+        "requested", "single_device", "why"}``."""
         return {
             "platform": self.platform,
+            "device_kind": self.device_kind,
             "count": self.count,
             "fake": self.fake,
             "host_platform": self.host_platform,
