@@ -517,3 +517,124 @@ def test_a_typo_in_the_task_loss_is_bad_input_not_a_crash(mistake, tmp_path, cap
         err = " ".join(capsys.readouterr().err.split())
         kind = "KeyError" if "batch" in mistake else "AttributeError"
         assert f"loss_fn raised {kind} on batch 0" in err and "Traceback" not in err, (argv, err)
+
+
+# --------------------------------------------------------------- one strategy's failure never hides the others (#34)
+def _raising_strategy(monkeypatch, name: str, where: str):
+    """Make the built-in ``name`` raise a two-line RuntimeError: in its step (at step 0), or while it is built
+    (before any step)."""
+    import dataclasses
+
+    from shardcheck.steps import STRATEGIES
+
+    strategy = STRATEGIES[name]
+
+    def build(loss_fn, num_shards, mesh):
+        if where == "build":
+            raise RuntimeError("planted limitation\nsecond line")
+        candidate = strategy.build(loss_fn, num_shards, mesh)
+
+        def step(model, optimizer, batch):
+            raise RuntimeError("planted limitation\nsecond line")
+
+        return dataclasses.replace(candidate, step=step)
+
+    monkeypatch.setitem(STRATEGIES, name, dataclasses.replace(strategy, build=build))
+
+
+def _rows(text: str) -> dict[str, str]:
+    """The summary table's verdict per strategy."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 7 and cells[0] in ("dp", "fsdp", "simulation", "accumulation", "gspmd", "candidate"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+@require_devices(2)
+@pytest.mark.parametrize(("where", "step"), [("step", 0), ("build", None)])
+def test_a_built_in_that_raises_gets_its_own_error_row_and_the_others_theirs(
+    where, step, monkeypatch, tmp_path, capsys
+):
+    """From the new-user trial: a built-in strategy that could not run the model was reported as "the candidate
+    step raised ... fix the step", exit 2, and no row was printed. Now it is its own ERROR row naming the strategy
+    and the exception's type and first line; every other row is printed and in the JSON; the exit status is the
+    worst row's (2)."""
+    _raising_strategy(monkeypatch, "fsdp", where)
+    out = tmp_path / "r.json"
+    argv = [
+        "verify",
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--strategies",
+        "dp,fsdp,simulation",
+    ]
+    assert main([*argv, "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    at = "" if step is None else f" at step {step}"
+    assert (
+        f"error: shardcheck verify: the built-in strategy 'fsdp' could not run this task{at}: RuntimeError: "
+        "planted limitation. A limitation or a bug of shardcheck's fsdp step, not a fault of your model or step"
+    ) in err
+    assert "candidate" not in err and "second line" not in err
+    assert _rows(captured.out) == {"dp": "PASS", "fsdp": "ERROR", "simulation": "PASS"}
+    assert "RuntimeError: planted limitation" in captured.out  # the summary row's reason
+    report = json.loads(out.read_text())
+    assert report["ok"] is False
+    rows = report["strategies"]
+    assert [rows[k]["verdict"] for k in ("dp", "fsdp", "simulation")] == ["PASS", "ERROR", "PASS"]
+    assert rows["dp"]["ok"] is True and rows["simulation"]["ok"] is True and rows["fsdp"]["ok"] is False
+    assert rows["fsdp"]["codes"] == ["error"]
+    assert rows["fsdp"]["error"] == {
+        "type": "RuntimeError",
+        "message": "planted limitation",
+        "step": step,
+        "builtin": True,
+    }
+
+
+@require_devices(2)
+def test_a_raising_candidate_keeps_its_message_in_its_own_row(steps_file, monkeypatch, tmp_path, capsys):
+    """The user's candidate that raises: its message as before ("the candidate step raised ... fix the step"), in
+    its own row; the built-ins' rows beside it, one of them an ERROR of its own; exit 2."""
+    _raising_strategy(monkeypatch, "simulation", "step")
+    out = tmp_path / "r.json"
+    argv = ["verify", "--devices", "2", "--steps", "2", "--batch-size", "8", "--strategies", "dp,simulation"]
+    assert main([*argv, "--candidate", f"{steps_file}:raises", "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    assert (
+        "shardcheck verify: the candidate step raised ValueError: planted failure at step 0; fix the step"
+        in err
+    )
+    assert "the built-in strategy 'simulation' could not run this task at step 0: RuntimeError" in err
+    assert _rows(captured.out) == {"dp": "PASS", "simulation": "ERROR", "candidate": "ERROR"}
+    rows = json.loads(out.read_text())["strategies"]
+    assert rows["dp"]["verdict"] == "PASS"
+    assert rows["candidate"]["error"] == {
+        "type": "ValueError",
+        "message": "planted failure",
+        "step": 0,
+        "builtin": False,
+    }
+    assert rows["candidate"]["diagnosis"].startswith(
+        "shardcheck verify: the candidate step raised ValueError"
+    )
+
+
+@require_devices(2)
+def test_an_error_row_beside_a_fail_exits_2_and_a_fail_alone_1(steps_file, monkeypatch, capsys):
+    """The worst row's status: FAIL (1) below ERROR (2)."""
+    argv = ["verify", "--devices", "4", "--steps", "1", "--batch-size", "8", "--strategies", "dp"]
+    argv += ["--candidate", f"{steps_file}:summed_step"]
+    assert main(argv) == 1
+    assert _rows(capsys.readouterr().out) == {"dp": "PASS", "candidate": "FAIL"}
+    _raising_strategy(monkeypatch, "dp", "step")
+    assert main(argv) == 2
+    assert _rows(capsys.readouterr().out) == {"dp": "ERROR", "candidate": "FAIL"}

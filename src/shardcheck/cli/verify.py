@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import sys
@@ -51,8 +52,9 @@ DESCRIPTION = (
     "--param-dtype / --compute-dtype), the reduction length and the step. Prints a table per strategy "
     "with its worst leaf, error, tolerance, verdict and diagnosis. Exit status: 0 when every strategy passes "
     "(PASS, or PASS (per step): the trajectories diverged through a non-smooth op but every step matched from "
-    "the reference's state), 1 when any fails, 2 on bad input, a candidate that raises, or a reference run that "
-    "diverges (lower --lr)."
+    "the reference's state), 1 when any fails or cannot verify, 2 on bad input, a reference run that diverges "
+    "(lower --lr), or a strategy or candidate whose check raised: its row reads ERROR with the exception's type "
+    "and first line, and every other strategy's row is still printed (the exit status is the worst row's)."
 )
 EPILOG = (
     "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "
@@ -160,6 +162,48 @@ def _add_check_arguments(p) -> None:
         help="with --against: a leaf whose sharding differs from the recording's fails (default: values are "
         "compared and a changed placement, a refactor's P() -> P(None, 'fsdp'), is listed in a note)",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorRow:
+    """The row of a strategy (or the user's candidate) whose check raised instead of giving a report.
+
+    Attributes:
+        strategy: the row's name: a built-in strategy, or ``"candidate"``.
+        message: the whole one-paragraph message printed on stderr (a candidate's as before: "the candidate step
+            raised ...").
+        error_type: the exception's class name (the step's own exception when the check wrapped it).
+        reason: the exception's first line.
+        step: the 0-based step at which the step raised, or ``None`` when it raised before any step.
+        builtin: a built-in strategy (a limitation or a bug of shardcheck's step), not the user's step.
+    """
+
+    strategy: str
+    message: str
+    error_type: str
+    reason: str
+    step: int | None
+    builtin: bool
+    verdict = "ERROR"
+    ok = False
+    step_ok = False
+
+    def to_dict(self) -> dict:
+        """``ok`` (False), ``verdict`` (``"ERROR"``), ``codes`` (``["error"]``), ``diagnosis`` (the message) and
+        ``error``: ``type``, ``message`` (the first line), ``step`` and ``builtin``."""
+        return {
+            "ok": False,
+            "verdict": self.verdict,
+            "step_ok": False,
+            "codes": ["error"],
+            "diagnosis": self.message,
+            "error": {
+                "type": self.error_type,
+                "message": self.reason,
+                "step": self.step,
+                "builtin": self.builtin,
+            },
+        }
 
 
 def _fail(message: str) -> int:
@@ -319,8 +363,59 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
     reports = {}
     with parity.shared_reference():  # every check runs against the same reference steps: they run once
         for label, cand in runs:
-            reports[label] = _check_one(args, task, label, cand, steps, options)
+            try:
+                reports[label] = _check_one(args, task, label, cand, steps, options)
+            except Exception as err:  # one strategy's failure never hides the others' rows
+                row = _error_row(args, label, err)
+                if row is None:
+                    raise
+                reports[label] = row
     return reports
+
+
+def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
+    """The row of a check that raised; ``None`` for what is no row's own: the run's bad input (a ``check_parity:``
+    refusal, which every check would give: :func:`main` says it once, exit 2), or an error of the user's candidate
+    raised outside its step (as before)."""
+    from shardcheck import parity
+
+    wrapped = isinstance(err, parity.CandidateError)
+    cause = err.__cause__ if wrapped and err.__cause__ is not None else err
+    step = err.step if wrapped else None
+    if label == "candidate":
+        if not wrapped:
+            return None
+        return ErrorRow(
+            label, _candidate_message(args, err), type(cause).__name__, _first_line(cause), step, False
+        )
+    if not wrapped and isinstance(err, (ValueError, TypeError)) and str(err).startswith("check_parity"):
+        return None
+    reason = f"{type(cause).__name__}: {_first_line(cause)}"
+    where = "" if step is None else f" at step {step}"
+    message = (
+        f"shardcheck verify: the built-in strategy {label!r} could not run this task{where}: {reason}. A "
+        f"limitation or a bug of shardcheck's {label} step, not a fault of your model or step; the other rows "
+        f"stand (leave {label} out with --strategies)"
+    )
+    return ErrorRow(label, message, type(cause).__name__, _first_line(cause), step, True)
+
+
+def _first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message (its class name when it has none)."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+def _candidate_message(args, err) -> str:
+    """What a :class:`~shardcheck.parity.CandidateError` of the user's candidate says on the command line."""
+    cause = err.__cause__
+    if cause is None:  # the step ran; what it returned cannot be compared (the message says what and why)
+        return library_to_flags(str(err), "verify", args=args)
+    return (
+        f"shardcheck verify: the candidate step raised {type(cause).__name__}: {_short(str(cause))} at step "
+        f"{err.step}; "
+        + (f"{err.hint}" if err.hint else "fix the step")
+        + " (shardcheck.check_parity in Python shows the traceback)"
+    )
 
 
 def _check_one(args, task, label, cand, steps, options):
@@ -335,7 +430,8 @@ def _check_one(args, task, label, cand, steps, options):
 
 
 def _diverged_message(args, task, reports) -> str | None:
-    diverged = next((r for r in reports.values() if r.reference_diverged_at is not None), None)
+    done = (r for r in reports.values() if not isinstance(r, ErrorRow))
+    diverged = next((r for r in done if r.reference_diverged_at is not None), None)
     if diverged is None:
         return None
     from shardcheck.optimizers import DEFAULT_LR
@@ -410,7 +506,6 @@ def main(args) -> int:
     from shardcheck import parity
     from shardcheck.steps import STRATEGIES
 
-    label = "candidate"
     try:
         task = task_from_args(args, default_optimizer="sgd", batch_size=args.batch_size, steps=args.steps)
         _check_builtin_batch(args, task, num_shards)
@@ -426,15 +521,7 @@ def main(args) -> int:
             return verify_against(args, task, runs, num_shards, mesh, against)
         reports = _check_all(args, task, runs, num_shards, mesh)
     except parity.CandidateError as err:
-        cause = err.__cause__
-        if cause is None:  # the step ran; what it returned cannot be compared (the message says what and why)
-            return _fail(library_to_flags(str(err), "verify", args=args))
-        return _fail(
-            f"shardcheck verify: the {label} step raised {type(cause).__name__}: {_short(str(cause))} at step "
-            f"{err.step}; "
-            + (f"{err.hint}" if err.hint else "fix the step")
-            + " (shardcheck.check_parity in Python shows the traceback)"
-        )
+        return _fail(_candidate_message(args, err))
     except (ValueError, TypeError) as err:
         return _fail(library_to_flags(str(err), "verify", args=args))
     message = _diverged_message(args, task, reports)
@@ -443,7 +530,8 @@ def main(args) -> int:
     ok = all(r.step_ok for r in reports.values())
     if distributed.is_main_process():  # every process computed the same reports; process 0 alone prints them
         _print(args, task, reports, num_shards, ok)
-    return 0 if ok else 1
+    # the worst row's: an ERROR row 2, a FAIL or CANNOT VERIFY 1, PASS 0
+    return 2 if any(isinstance(r, ErrorRow) for r in reports.values()) else 0 if ok else 1
 
 
 def _print(args, task, reports, num_shards: int, ok: bool) -> None:
@@ -453,7 +541,8 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     from shardcheck.task import batch_size
 
     console = console_for(args)
-    steps = len(next(iter(reports.values())).steps) if reports else 0
+    done = {name: r for name, r in reports.items() if not isinstance(r, ErrorRow)}
+    steps = len(next(iter(done.values())).steps) if done else 0
     b = batch_size(task.batches[0])
     setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
     if args.mesh is not None:
@@ -465,12 +554,15 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         if model:  # tensor / expert parallelism: say which axes split the batch and which the model
             setup += f" (batch over {', '.join(batch)}; model over {', '.join(model)})"
     if args.reference != REFERENCE:
-        setup += f", against {next(iter(reports.values())).reference}" if reports else ""
-    if reports:  # the matmul precision the tolerances assumed (one for every check of a run)
-        first = next(iter(reports.values()))
+        setup += f", against {next(iter(done.values())).reference}" if done else ""
+    if done:  # the matmul precision the tolerances assumed (one for every check of a run)
+        first = next(iter(done.values()))
         setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
     for report in reports.values():
-        console.print(render_report(report, setup))
+        if isinstance(report, ErrorRow):  # on stderr, as a candidate that raised always was
+            _fail(report.message)
+        else:
+            console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
     console.print(device_choice(args).line(), highlight=False)
     optimizer = args.optimizer or ("sgd" if args.task is None else None)
@@ -493,13 +585,15 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "strategies": {name: r.to_dict() for name, r in reports.items()},
     }
     # what every strategy was compared with (the report's own name for it: "gspmd on data=2,model=4")
-    document.update(reference=next(iter(reports.values())).reference if reports else args.reference)
+    document.update(reference=next(iter(done.values())).reference if done else args.reference)
     write_json(document, args.json)
 
 
 def _verdict(ok: bool | str) -> str:
     """A leaf's ``ok`` or a report's verdict, coloured: PASS green, FAIL red, every qualified verdict yellow
-    (``PASS (per step)``, ``PASS (weak check accepted)``, ``CANNOT VERIFY``, ``NO VERDICT``)."""
+    (``PASS (per step)``, ``PASS (weak check accepted)``, ``CANNOT VERIFY``, ``NO VERDICT``), ERROR red."""
+    if ok == "ERROR":
+        return "[bold red]ERROR[/]"
     if isinstance(ok, str) and ok not in ("PASS", "FAIL"):
         return f"[bold yellow]{ok}[/]"
     if isinstance(ok, str):
@@ -538,7 +632,8 @@ def render_report(report, setup: str):
 
 
 def render_summary(reports, setup: str):
-    """One row per strategy: verdict, worst leaf, its error and tolerance, the diagnosis codes."""
+    """One row per strategy: verdict, worst leaf, its error and tolerance, the diagnosis codes; a check that raised
+    (:class:`ErrorRow`): ERROR and the exception's type and first line."""
     from rich.table import Table
 
     table = Table(title="shardcheck verify: summary", caption=setup)
@@ -550,6 +645,9 @@ def render_summary(reports, setup: str):
     table.add_column("allowed abs err", justify="right")
     table.add_column("diagnosis")
     for name, r in reports.items():
+        if isinstance(r, ErrorRow):
+            table.add_row(name, _verdict("ERROR"), "-", "-", "-", "-", f"{r.error_type}: {r.reason}")
+            continue
         worst = r.worst
         table.add_row(
             name,
