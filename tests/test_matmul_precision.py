@@ -6,6 +6,7 @@ CPU compute float32 (``shardcheck.parity.matmul``). On the CPU the tests round e
 so PASSes under its own policy and FAILs under float32's; planted faults still FAIL, by name.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -17,7 +18,8 @@ from jax import lax
 
 import shardcheck
 from shardcheck import check_parity
-from shardcheck.parity import matmul
+from shardcheck.parity import matmul, recheck
+from shardcheck.parity.diagnosis import LeafError, StepRecord
 from shardcheck.parity.matmul import (
     backend_policy,
     coarsest,
@@ -27,6 +29,9 @@ from shardcheck.parity.matmul import (
     rounded_matmuls,
 )
 from shardcheck.parity.precision import Precision, loss_compute_allowance
+from shardcheck.parity.recorded import record_run
+from shardcheck.parity.recorded_compare import compare_run
+from shardcheck.parity.report import ParityReport
 from shardcheck.steps import Candidate
 from shardcheck.steps.sharded import mesh_step
 from shardcheck.tasks import tiny_lm_task
@@ -223,3 +228,97 @@ def test_planted_faults_fail_by_name_under_the_coarse_policies(policy, fault, co
         matmul_precision=policy,
     )
     assert report.verdict == "FAIL" and code in report.codes, str(report)
+
+
+# --------------------------------------------------------------------------------------------- recordings
+
+
+@require_devices(2)
+def test_a_replay_compares_within_the_looser_of_the_two_runs_precisions():
+    """A GPU's TF32 run (emulated) recorded, replayed on the CPU in float32: it passes within TF32's rounding
+    (the recording says tf32) and fails where the recording claims float32; a sum for a mean still fails."""
+    mesh = shardcheck.make_mesh(2)
+    task = lm()
+    recorded = record_run(task, rounded_candidate("dp", "tf32", 2, mesh), mesh=mesh, matmul_precision="tf32")
+    replayed = record_run(task, "dp", mesh=mesh)
+    assert (recorded.meta["matmul_precision"], replayed.meta["matmul_precision"]) == ("tf32", "float32")
+    within = compare_run(recorded, replayed)
+    assert within.ok and within.matmul_precision == "tf32", str(within)
+    assert any(
+        n.startswith("Compared within tf32 matmul rounding (recorded tf32, replayed float32)")
+        for n in within.notes
+    )
+    assert within.to_dict()["matmul_precision"] == "tf32"
+    claimed = dataclasses.replace(recorded, meta={**recorded.meta, "matmul_precision": "float32"})
+    tight = compare_run(claimed, replayed)
+    assert (
+        not tight.ok
+        and tight.matmul_precision == "float32"
+        and not any("Compared within" in n for n in tight.notes)
+    )
+    summed = record_run(task, rounded_candidate("dp", "float32", 2, mesh, "sum"), mesh=mesh)
+    assert not compare_run(recorded, summed).ok
+    with pytest.raises(ValueError, match=r"record_run: matmul_precision='fp8' is not a matmul precision"):
+        record_run(task, "dp", mesh=mesh, matmul_precision="fp8")
+
+
+# --------------------------------------------------------------------------------------------- the re-check
+
+
+def report_with(ratio: float, **fields):
+    """A one-step report whose worst leaf is ``ratio`` times its tolerance (1e-3)."""
+    leaf = LeafError(0, "param", "w", ratio * 1e-3, ratio * 1e-3, 1e-3, ratio <= 1)
+    record = StepRecord(0, 1e-5, 1e-6, 1.0, 1.0, (leaf,), 1, 1)
+    return ParityReport(strategy="dp", ok=ratio <= 1, steps=(record,), diagnoses=(), **fields)
+
+
+GPU, CPU = {("gpu", "9.0")}, {("cpu", None)}
+
+
+@pytest.mark.parametrize(
+    ("ratio", "platforms", "setting", "fields", "expected"),
+    [
+        (3.0, GPU, None, {}, True),  # a FAIL within a few tolerances on a GPU
+        (recheck.RECHECK_WITHIN, {("tpu", None), ("cpu", None)}, None, {}, True),  # one side on a TPU
+        (recheck.RECHECK_WITHIN * 1.01, GPU, None, {}, False),  # far past it: a bug's size
+        (3.0, CPU, None, {}, False),  # a CPU computes float32 whatever is asked
+        (3.0, GPU, "highest", {}, False),  # already at "highest": nothing to learn
+        (0.5, GPU, None, {}, False),  # a PASS
+        (3.0, GPU, None, {"cannot_verify": "weak"}, False),
+        (3.0, GPU, None, {"reference_diverged_at": 0}, False),
+    ],
+)
+def test_the_recheck_decision(ratio, platforms, setting, fields, expected):
+    assert recheck.wanted(report_with(ratio, **fields), platforms, setting or "default") is expected
+
+
+def test_the_recheck_runs_the_check_at_highest_and_says_whether_precision_explains_it(monkeypatch):
+    from shardcheck.parity import harness
+
+    seen = []
+
+    def check(**call):
+        seen.append((call["matmul_precision"], jax.config.jax_default_matmul_precision, call["steps"]))
+        return report_with(0.5 if call["candidate"] == "good" else 2.0)
+
+    monkeypatch.setattr(harness, "check_parity", check)
+    monkeypatch.setattr(recheck, "platforms_of", lambda devices: GPU)
+    explained = recheck.at_highest(
+        report_with(3.0), [], {"candidate": "good", "steps": 2, "matmul_precision": None}
+    )
+    assert seen == [("float32", "highest", 2)]
+    assert explained.precision_recheck.startswith(
+        "precision explains it: with both sides' matmuls at 'highest'"
+    )
+    assert "precision re-check: precision explains it" in str(explained)
+    assert explained.to_dict()["precision_recheck"] == explained.precision_recheck
+    kept = recheck.at_highest(
+        report_with(3.0), [], {"candidate": "bad", "steps": 2, "matmul_precision": None}
+    )
+    assert kept.precision_recheck == (
+        "precision does not explain it: with both sides' matmuls at 'highest' (float32) the check gives FAIL "
+        "(worst param w at 2 x its tolerance)"
+    )
+    monkeypatch.setattr(recheck, "platforms_of", lambda devices: CPU)
+    assert recheck.at_highest(report_with(3.0), [], {"candidate": "good"}).precision_recheck is None
+    assert len(seen) == 2

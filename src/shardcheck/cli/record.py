@@ -83,6 +83,14 @@ def add_parser(sub) -> None:
     add_mesh_argument(p)
     add_platform_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shuffling")
+    p.add_argument(
+        "--matmul-precision",
+        default=None,
+        choices=("float32", "tf32", "bfloat16"),
+        help="the precision of the run's float32 matmuls, stored in the recording (default: what the backend "
+        "uses: tf32 on a GPU, bfloat16 on a TPU, float32 on a CPU); verify --against compares within the "
+        "looser of the recording's and the replay's",
+    )
     p.add_argument("--out", required=True, metavar="PATH.npz", help="the recording to write")
     p.set_defaults(func=main)
 
@@ -181,7 +189,13 @@ def main(args) -> int:
             "shardcheck record", args, devices, strategy is None or STRATEGIES[strategy].uses_mesh
         )
         recording = record_run(
-            task, candidate, steps=args.steps, num_shards=num_shards, mesh=mesh, settings=run_settings(args)
+            task,
+            candidate,
+            steps=args.steps,
+            num_shards=num_shards,
+            mesh=mesh,
+            settings=run_settings(args),
+            matmul_precision=args.matmul_precision,
         )
     except parity.CandidateError as err:
         return _fail(f"shardcheck record: {str(err).removeprefix('record_run: ')}")
@@ -278,7 +292,13 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
     comparisons = {}
     for label, candidate in runs:
         replayed = record_run(
-            task, candidate, steps=args.steps, num_shards=num_shards, mesh=mesh, settings=settings
+            task,
+            candidate,
+            steps=args.steps,
+            num_shards=num_shards,
+            mesh=mesh,
+            settings=settings,
+            matmul_precision=getattr(args, "matmul_precision", None),
         )
         comparisons[label] = compare_run(
             recording, replayed, rtol=args.rtol, atol=args.atol, pin_placement=args.pin_placement

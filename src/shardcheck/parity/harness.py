@@ -41,7 +41,7 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
 from shardcheck.datasets import minibatch_indices
-from shardcheck.parity import allowances, compare, first_pass
+from shardcheck.parity import allowances, compare, first_pass, matmul, recheck
 from shardcheck.parity.allowances import (
     Undecided,
     _param_dtype,
@@ -569,6 +569,7 @@ def check_parity(
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``), or returned
             gradients whose leaves are not the model's parameters' (naming the missing and extra leaf paths).
     """
+    call = dict(locals())  # the arguments, for a re-check at "highest" (recheck.py)
     fn = "check_parity"
     num_shards = check_options(
         fn, rtol=rtol, atol=atol, accept_weak=accept_weak, mesh=mesh, num_shards=num_shards
@@ -591,7 +592,7 @@ def check_parity(
     run.footprint = None if run.ref_strategy is None else footprint
     if run.reference is None and run.ref_strategy is None and not run.precision.low:
         # one reference trajectory for the checks of a verify
-        run.shared = trajectory_for(task, (len(data),), run.ref_model, run.ref_opt)
+        run.shared = trajectory_for(task, (len(data), recheck.setting()), run.ref_model, run.ref_opt)
     # float32 accumulation under low-precision parameters; their own rounding is added per leaf (precision.py)
     dtype = ACCUMULATION_DTYPE if run.precision.param_eps > 0 else _param_dtype(run.ref_model)
 
@@ -605,15 +606,15 @@ def check_parity(
 
     with compare.on_devices(run.ref_strategy is not None):  # a sharded check compares where its leaves live
         outcome = _run_steps(run, data, tolerances)
-    records = outcome[0]
-    derived = tolerances(data[0], max(len(records) - 1, 0))
+    derived = tolerances(data[0], max(len(outcome[0]) - 1, 0))
     if rtol is None and atol is None:
         rule = derived[2].rule + _precision_rule(run.precision)
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
     accepted = accept_weak or rtol is not None or atol is not None
-    weak = unresolvable(records, run.cand.num_shards, run.precision, accepted=accepted)
-    return _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
+    weak = unresolvable(outcome[0], run.cand.num_shards, run.precision, accepted=accepted)
+    report = _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
+    return recheck.at_highest(report, matmul.devices_of(run.ref_model, mesh), call)
 
 
 def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], mesh) -> ParityReport:

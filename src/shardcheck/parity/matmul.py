@@ -35,6 +35,10 @@ MANTISSA = {"float32": 23, "tf32": 10, "bfloat16": 7}
 
 POLICIES = tuple(MANTISSA)
 
+EPS_DTYPE = {"float32": "float32", "tf32": "float16", "bfloat16": "bfloat16"}
+"""The dtype whose eps is each policy's unit roundoff (TF32's 10 mantissa bits are float16's), for
+:func:`~shardcheck.parity.tolerance.derive_tolerance`."""
+
 _MATMULS = ("dot_general", "conv_general_dilated")
 # call-like primitives whose body runs once, as written: evaluated inline (a rounded matmul inside stays one)
 _INLINE = (
@@ -307,7 +311,7 @@ def gradients_at(loss_fn, graphdef, params, rest, batch, policy: str | None):
     return grads if weight is None else jax.tree.map(lambda g: g / weight, grads)
 
 
-def _devices(model, mesh) -> set:
+def devices_of(model, mesh) -> set:
     """The devices a check's sides run on: where the model's arrays are, and the candidate's mesh (the default
     backend's first device without one)."""
     found = {
@@ -349,8 +353,8 @@ def resolve(fn: str, requested, loss_fn, model, batch, mesh) -> tuple[str, str, 
         ValueError: ``requested`` names no policy (:func:`check_policy`).
     """
     requested = check_policy(fn, requested)
-    ref_platforms = platforms_of(_devices(model, None))
-    platforms = ref_platforms | platforms_of(_devices(model, mesh))
+    ref_platforms = platforms_of(devices_of(model, None))
+    platforms = ref_platforms | platforms_of(devices_of(model, mesh))
     ref_policy = backend_default(loss_fn, model, batch, ref_platforms)
     if requested is None:
         policy = backend_default(loss_fn, model, batch, platforms)

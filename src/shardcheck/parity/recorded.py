@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck.parity import _digest
+from shardcheck.parity import _digest, matmul
 from shardcheck.parity.candidates import as_candidate, unpack
 from shardcheck.parity.compare import device_snapshot, flatten_state
 from shardcheck.parity.report import CandidateError
@@ -114,7 +114,8 @@ class Recording:
             ``batches`` (per step its leaves' ``[path, shape, dtype]`` and the sha256 of its data), ``terms`` (the
             reduction length of each batch, for the tolerance), ``tolerance_dtype``, ``settings`` (the caller's:
             optimizer, lr, seed ... when known), ``versions`` (jax, jaxlib, flax, optax, shardcheck),
-            ``platform``.
+            ``platform``, ``matmul_precision`` (the precision of the run's float32 matmuls:
+            ``shardcheck.parity.matmul``; absent from recordings made before it was stored: float32).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
         shapes: each leaf's shape; dtypes: each leaf's dtype name.
@@ -392,6 +393,7 @@ def record_run(
     mesh=None,
     name: str | None = None,
     settings: Mapping[str, Any] | None = None,
+    matmul_precision: str | None = None,
 ) -> Recording:
     """Run ``candidate`` on ``task`` for ``steps`` steps and digest every leaf after each one.
 
@@ -416,6 +418,9 @@ def record_run(
             registered name, the one a replay runs.
         settings: JSON-able facts of the run to keep in the metadata (``optimizer``, ``lr``, ``seed`` ...):
             :func:`compare_run` names a changed ``lr`` as a cause.
+        matmul_precision: the precision of the run's float32 matmuls, stored in the metadata (``"float32"``,
+            ``"tf32"``, ``"bfloat16"``; default: what the backend uses for the task's step:
+            ``shardcheck.parity.matmul``); :func:`compare_run` compares within the looser of two runs'.
 
     Returns:
         The :class:`Recording` (in memory; :meth:`Recording.save` writes it).
@@ -430,12 +435,14 @@ def record_run(
     """
     fn = "record_run"
     settings = _check_settings(fn, settings)
+    matmul_precision = matmul.check_policy(fn, matmul_precision)
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise TypeError(
             f"record_run: name must be a non-empty str (the run's name in the recording), got {name!r}"
         )
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
+    policy = matmul.resolve(fn, matmul_precision, task.loss_fn, model, data[0], mesh)[0]
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     indices: dict[str, np.ndarray] = {}
 
@@ -455,7 +462,9 @@ def record_run(
         leaves = _step_leaves(loss, grads, model, optimizer)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
-    return _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
+    recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
+    recording.meta["matmul_precision"] = policy
+    return recording
 
 
 def _check_settings(fn: str, settings) -> dict:

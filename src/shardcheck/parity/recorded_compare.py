@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from shardcheck.parity import matmul
 from shardcheck.parity._digest import SAMPLES
 from shardcheck.parity.recorded import KINDS, Digests, Recording, settings_diff
 from shardcheck.parity.setup import _check_tolerances
@@ -115,6 +116,8 @@ class RunComparison:
             differs at some point (the first such point's), in the recording's leaf order; a failure only when
             the placement was pinned (:func:`compare_run`'s ``pin_placement``).
         pin_placement: whether a changed placement failed (``compare_run(..., pin_placement=True)``).
+        matmul_precision: the looser of the two runs' matmul precisions, the one the tolerance assumed
+            (:func:`looser_precision`).
     """
 
     run: str
@@ -131,6 +134,7 @@ class RunComparison:
     bitwise: bool
     placement_changes: tuple[tuple[str, str, str], ...] = ()
     pin_placement: bool = False
+    matmul_precision: str = "float32"
 
     @property
     def verdict(self) -> str:
@@ -172,6 +176,7 @@ class RunComparison:
                 {"leaf": leaf, "recorded": was, "replayed": now} for leaf, was, now in self.placement_changes
             ],
             "pin_placement": self.pin_placement,
+            "matmul_precision": self.matmul_precision,
             "failures": len(self.failures),
             "worst_by_kind": {k: leaf(e) for k, e in self.worst_by_kind().items()},
         }
@@ -331,12 +336,14 @@ class _Bounds:
 
     rtol: float | None
     atol: float | None
+    # the tolerance's eps as a dtype, where a matmul precision is looser (looser_precision)
+    dtype: str | None = None
     allowance: dict[str, float] = dataclasses.field(default_factory=dict)  # by parameter name, accumulated
     last_base: dict[str, float] = dataclasses.field(default_factory=dict)  # each parameter's base at t - 1
 
     def derived(self, meta: Mapping, t: int) -> tuple[float, float]:
         tol = derive_tolerance(
-            meta["tolerance_dtype"], batch_size=int(meta["terms"][max(t, 0)]), step=max(t, 0)
+            self.dtype or meta["tolerance_dtype"], batch_size=int(meta["terms"][max(t, 0)]), step=max(t, 0)
         )
         return (tol.rtol if self.rtol is None else self.rtol), (tol.atol if self.atol is None else self.atol)
 
@@ -523,7 +530,8 @@ def compare_run(
         kept = _only(kept, [n for n in kept.names if n in set(replayed.names)])
     other_mesh = same and recording.meta.get("mesh") != replayed.meta.get("mesh")
     pair = _Pair.of(kept, replayed, pin_placement or other_mesh, recording)
-    bounds = _Bounds(rtol, atol)
+    policy, dtype = looser_precision(recording.meta, replayed.meta)
+    bounds = _Bounds(rtol, atol, dtype)
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
     matched, compared, bitwise = _hashes(pair, steps)
     moved = _placement_changes(pair, steps)
@@ -538,14 +546,37 @@ def compare_run(
         cause=cause,
         evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
         notes=tuple(
-            _notes(recording, replayed, first, steps, same, returned) + _placement_note(pair, moved, same)
+            _notes(recording, replayed, first, steps, same, returned)
+            + _placement_note(pair, moved, same)
+            + _precision_note(recording.meta, replayed.meta, policy, dtype)
         ),
         hashes_matched=matched,
         hashes_compared=compared,
         bitwise=bitwise,
         placement_changes=moved,
         pin_placement=pin_placement,
+        matmul_precision=policy,
     )
+
+
+def looser_precision(was: Mapping, now: Mapping) -> tuple[str, str | None]:
+    """The looser of two runs' matmul precisions (``meta["matmul_precision"]``, float32 where a recording has
+    none), and the dtype whose eps the comparison's derived tolerance uses: the recording's ``tolerance_dtype``
+    or, where the matmuls round more, that precision's (``matmul.EPS_DTYPE``: TF32 as float16's 2**-10, one
+    bfloat16 pass as bfloat16's 2**-7); ``None`` when the ``tolerance_dtype`` stands."""
+    policy = matmul.coarsest(was.get("matmul_precision", "float32"), now.get("matmul_precision", "float32"))
+    eps = matmul.policy_eps(policy)
+    return policy, matmul.EPS_DTYPE[policy] if eps > _eps(was["tolerance_dtype"]) else None
+
+
+def _precision_note(was: Mapping, now: Mapping, policy: str, dtype: str | None) -> list[str]:
+    if dtype is None:
+        return []
+    sides = f"recorded {was.get('matmul_precision', 'float32')}, replayed {now.get('matmul_precision', 'float32')}"
+    return [
+        f"Compared within {policy} matmul rounding ({sides}): the derived tolerance uses eps = "
+        f"{matmul.policy_eps(policy):.3g} in place of {was['tolerance_dtype']}'s (verify --matmul-precision)."
+    ]
 
 
 PLACEMENTS_SHOWN = 8
