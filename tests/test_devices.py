@@ -221,7 +221,7 @@ def test_train_on_one_gpu_builds_a_cpu_mesh(gpu_host, capsys):
 
 def test_record_and_replay_on_one_gpu_name_the_cpu_mesh(gpu_host, tmp_path, capsys):
     recording = tmp_path / "run.npz"
-    args = ["--task", "tiny-lm", "--steps", "1", "--batch-size", "8"]
+    args = ["--steps", "2", "--batch-size", "8"]
     assert main(["record", *args, "--mesh", "fsdp=4", "--out", str(recording)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "devices: 4 x cpu (fake CPU devices; the host's 1 x gpu is too few for the mesh fsdp=4;" in out
