@@ -21,6 +21,11 @@ The rules (``docs/parity.md``, "Precision"):
   reference does, so its rounding is correlated with the reference's; a GSPMD step also partitions the feature
   contractions and rounds independently, which the float32 realization covers. The measurements behind these
   choices (and the bound they replaced): ``docs/parity.md``, "Precision".
+* **Matmul precision** (a backend whose float32 matmuls round their operands: TF32 on a GPU, one bfloat16 pass
+  on a TPU; ``shardcheck.parity.matmul``): the compute eps is the coarser of the compute dtype's and the matmul
+  precision's, and where the matmuls round more than the compute dtype the rule above takes one more
+  realization, ``g_M``: the reference's gradient with its matmuls at the other precision (operands rounded by
+  ``lax.reduce_precision`` where the reference's backend computes float32, else at ``"highest"``).
 * **Parameter rounding** (parameters less precise than float32): each side rounds the stored parameter once, by
   at most ``eps_p |p| / 2``; together ``eps_p max|p|`` per step.
 * **Propagation**: the gradient's tolerance is carried through ``tx.update`` (the update's and the optimizer
