@@ -176,6 +176,31 @@ def test_reduce_precision_emulates_tf32_and_bf16_matmuls():
     assert float(grad[0, 0]) == 1.0
 
 
+def test_the_emulation_reaches_matmuls_inside_loops_branches_and_remat():
+    """A matmul inside ``lax.scan``, ``lax.cond`` and ``jax.checkpoint`` is rounded too: the gradient moves by the
+    policy's rounding (not 0, not more than a few eps), and ``None`` computes exactly the plain function."""
+    w = jax.random.normal(jax.random.key(0), (3, 64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+
+    def f(w, x):
+        def body(h, wi):
+            h = jnp.tanh(h @ wi)
+            return lax.cond(h.sum() > 0, lambda h: h @ wi.T, lambda h: -h, h), None
+
+        h, _ = lax.scan(body, x, w)
+        return jnp.sum(jax.checkpoint(lambda h: h @ h.T)(h))
+
+    exact = jax.grad(f)(w, x)
+
+    def moved(policy):
+        g = jax.jit(jax.grad(rounded_matmuls(f, policy)))(w, x)
+        return float(jnp.abs(g - exact).max() / jnp.abs(exact).max())
+
+    assert moved(None) == 0.0
+    assert policy_eps("tf32") / 8 < moved("tf32") < 4 * policy_eps("tf32")
+    assert policy_eps("bfloat16") / 8 < moved("bfloat16") < 4 * policy_eps("bfloat16")
+
+
 def rounded_candidate(strategy, policy, num_shards, mesh, fault=None):
     """The task's ``strategy`` step on ``mesh`` with every matmul rounded to ``policy``; ``fault``: ``"sum"`` (the
     loss sum x S) or ``"per_shard"`` (each shard's mean, then averaged)."""
