@@ -11,8 +11,11 @@ compilation cache and the copy of the bundled data sets first (:mod:`shardcheck.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
+import math
+import os
 import sys
 import textwrap
 from collections.abc import Iterable, Sequence
@@ -98,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "launch":  # launch's workers are shardcheck processes: each does this itself
         from shardcheck import distributed
         from shardcheck.cli._cache import enable_compilation_cache, enable_dataset_cache
-        from shardcheck.cli._xla import use_cpu_compile_flags
+        from shardcheck.cli._xla import use_cpu_compile_flags, use_cpu_thread_pool
 
         use_cpu_compile_flags()  # before JAX starts a backend: a CPU-only run compiles for compile time
+        use_cpu_thread_pool(_requested_devices(args))  # enough XLA:CPU threads for back-to-back collectives
         enable_compilation_cache()  # before any compilation; a folder it cannot use only prints a warning
         enable_dataset_cache()  # a repeated run reads the bundled data without importing scikit-learn
         try:  # join a multi-process run when SHARDCHECK_COORDINATOR etc. describe one
@@ -109,10 +113,59 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardcheck {args.command}: {err}", file=sys.stderr)
             return getattr(err, "exit_status", 2)
     try:
-        return int(args.func(args) or 0)
+        guard = _watchdog(command, args)
+    except ValueError as err:  # SHARDCHECK_COLLECTIVE_TIMEOUT that is not a number of seconds
+        print(f"error: {command}: {err}", file=sys.stderr)
+        return 2
+    try:
+        with guard:  # a wait on a hung collective ends in one line and exit status 3, not XLA's SIGABRT
+            return int(args.func(args) or 0)
     except OSError as err:  # a write that failed all the same (disk full, permissions changed meanwhile)
         print(f"error: {command}: {err}", file=sys.stderr)
         return 2
+
+
+def _requested_devices(args: argparse.Namespace) -> int:
+    """The most CPU devices the command may create: its ``--devices``, its ``--mesh``'s product, at least 8."""
+    counts = [8]
+    devices = getattr(args, "devices", None)
+    if isinstance(devices, int) and devices > 0:
+        counts.append(devices)
+    mesh = getattr(args, "mesh", None)
+    if isinstance(mesh, str):  # memory keeps --mesh as text
+        from shardcheck.mesh import parse_mesh
+
+        try:
+            mesh = parse_mesh(mesh)
+        except ValueError:  # the subcommand reports it
+            mesh = None
+    if isinstance(mesh, dict) and mesh:
+        counts.append(math.prod(mesh.values()))
+    return max(counts)
+
+
+def _watchdog(command: str, args: argparse.Namespace):
+    """A :class:`~shardcheck.cli._watchdog.Watchdog` around a compiling subcommand on a CPU-only machine,
+    single-process (a launched worker may wait on its peers); otherwise a context that does nothing. A bound
+    of 40 s or more also raises XLA:CPU's own termination timeout above it, before JAX starts its backends.
+
+    Raises:
+        ValueError: ``SHARDCHECK_COLLECTIVE_TIMEOUT`` is not a number of seconds or ``off``.
+    """
+    from shardcheck.cli._watchdog import Watchdog, timeout_from_env, xla_terminate_flag
+    from shardcheck.cli._xla import _backends_started, accelerator_installed
+
+    timeout_s = timeout_from_env()
+    launched = any(
+        os.environ.get(name) for name in ("SHARDCHECK_COORDINATOR", "SHARDCHECK_DEVICES_PER_PROCESS")
+    )
+    if timeout_s is None or args.command not in COMPILING or launched or accelerator_installed():
+        return contextlib.nullcontext()
+    flag = xla_terminate_flag(timeout_s)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag and flag.split("=")[0] not in flags and not _backends_started():
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return Watchdog(command, timeout_s)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,13 @@ commands both ways. A machine with an accelerator plugin installed (CUDA, ROCm, 
 ``xla_backend_optimization_level`` applies to every backend, and so does any run with
 ``SHARDCHECK_XLA_CPU=default``.
 
+XLA:CPU runs a program on several CPU devices with one thread of its client's thread pool per device, and sizes
+that pool to the larger of the core count and the device count. On a machine with fewer cores than devices, a
+program with collectives launched again before its previous launch finished can then leave one device without a
+thread: the others wait at the collective until XLA aborts the process (docs/known_issues.md). The command line
+gives the pool :data:`THREADS_PER_DEVICE` threads per device (``PJRT_NPROC``, which XLA reads when its CPU
+client starts) unless ``PJRT_NPROC`` or ``NPROC`` is already set.
+
 Nothing here imports JAX: the flags must be in the environment before JAX starts its first backend.
 """
 
@@ -79,4 +86,36 @@ def use_cpu_compile_flags(environ: MutableMapping[str, str] = os.environ) -> boo
     if _backends_started():  # called as a library after JAX started: the flags could no longer apply
         return False
     environ["XLA_FLAGS"] = with_cpu_compile_flags(environ.get("XLA_FLAGS", ""))
+    return True
+
+
+THREADS_PER_DEVICE = 4
+"""XLA:CPU client threads per (fake) CPU device. Two were enough in the minimal repro of docs/known_issues.md
+(3,000 back-to-back launches on 8 devices, where 9 threads hung within 30 launches); four leave a margin."""
+
+ENV_THREADS = ("PJRT_NPROC", "NPROC")
+"""The environment variables XLA reads for its CPU client's thread count (``DefaultThreadPoolSize``), in order."""
+
+
+def cpu_thread_pool_size(num_devices: int, cpu_count: int | None = None) -> int:
+    """Threads for XLA:CPU's client with ``num_devices`` CPU devices: ``max(cores, 4 * num_devices)``.
+
+    Raises:
+        ValueError: ``num_devices`` < 1.
+    """
+    if num_devices < 1:
+        raise ValueError(f"cpu_thread_pool_size: num_devices={num_devices!r} must be >= 1")
+    cores = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    return max(cores, THREADS_PER_DEVICE * num_devices)
+
+
+def use_cpu_thread_pool(num_devices: int, environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Set ``environ["PJRT_NPROC"]`` to :func:`cpu_thread_pool_size` of ``num_devices``; returns whether it did.
+
+    Call before JAX starts its backends (XLA reads the variable when it creates its CPU client). Does nothing
+    when ``PJRT_NPROC`` or ``NPROC`` is set (the user's choice), or once JAX has started its backends.
+    """
+    if any(environ.get(name, "").strip() for name in ENV_THREADS) or _backends_started():
+        return False
+    environ["PJRT_NPROC"] = str(cpu_thread_pool_size(num_devices))
     return True
