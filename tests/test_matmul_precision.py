@@ -140,6 +140,21 @@ def test_the_derived_tolerances_per_platform(monkeypatch, platform, setting, pol
     assert np.allclose(output_rounding({"w": g}, {"w": a}, precision.compute_eps)["w"], eps * (np.abs(g) + a))
 
 
+@require_devices(2)
+def test_a_check_on_a_gpu_assumes_tf32_and_measures_at_highest(monkeypatch):
+    """On a GPU (monkeypatched) a float32 check assumes TF32 and names the backend; the reference rounds at TF32
+    itself, so its realization is the gradient at "highest" (on this CPU: the reference's own, noise 0) and the
+    rule's derived part, ``eps_c (|g| + A)`` with eps_c = 2**-10, is what widens the tolerance."""
+    monkeypatch.setattr(matmul, "platforms_of", lambda devices: {("gpu", "9.0")})
+    report = check_parity("dp", lm(), num_shards=2, steps=1)
+    assert report.verdict == "PASS", str(report)
+    assert (report.matmul_precision, report.matmul_precision_source) == (
+        "tf32",
+        "the backend's (gpu) for this step",
+    )
+    assert "eps_c=0.000977" in report.tolerance_rule and report.precision_recheck is None
+
+
 def test_a_requested_policy_is_validated_and_emulated_on_cpu():
     task = lm()
     args = (task.loss_fn, task.model(), task.batches[0], None)
