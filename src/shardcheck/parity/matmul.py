@@ -312,12 +312,15 @@ def gradients_at(loss_fn, graphdef, params, rest, batch, policy: str | None):
 
 
 def devices_of(model, mesh) -> set:
-    """The devices a check's sides run on: where the model's arrays are, and the candidate's mesh (the default
-    backend's first device without one)."""
+    """The devices a check's sides run on: where the model's arrays are, and the candidate's mesh (without one,
+    the first device of the preferred platform, :func:`shardcheck.devices.preferred_platform`: the default
+    device's, which the command line moves to ``cpu:0`` under ``--platform cpu`` on a GPU host)."""
+    from shardcheck.devices import preferred_platform
+
     found = {
         d for leaf in jax.tree.leaves(nnx.state(model)) if isinstance(leaf, jax.Array) for d in leaf.devices()
     }
-    found |= set(mesh.devices.flat) if mesh is not None else {jax.devices()[0]}
+    found |= set(mesh.devices.flat) if mesh is not None else {jax.devices(preferred_platform())[0]}
     return found
 
 
