@@ -8,6 +8,7 @@ so PASSes under its own policy and FAILs under float32's; planted faults still F
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -362,3 +363,21 @@ def test_the_recheck_runs_the_check_at_highest_and_says_whether_precision_explai
     monkeypatch.setattr(recheck, "platforms_of", lambda devices: CPU)
     assert recheck.at_highest(report_with(3.0), [], {"candidate": "good"}).precision_recheck is None
     assert len(seen) == 2
+
+
+# --------------------------------------------------------------------------------------------- the command line
+
+
+@require_devices(2)
+def test_verify_takes_the_matmul_precision_and_names_it(tmp_path, capsys):
+    from shardcheck.cli import main
+
+    out = tmp_path / "verify.json"
+    args = ["verify", "--devices", "2", "--strategies", "dp", "--steps", "2", "--matmul-precision", "tf32"]
+    assert main([*args, "--json", str(out)]) == 0
+    dp = json.loads(out.read_text())["strategies"]["dp"]
+    assert (dp["matmul_precision"], dp["matmul_precision_source"]) == ("tf32", "set by the caller")
+    assert "matmul precision tf32 (set by the caller)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["verify", "--matmul-precision", "fp16"])
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
