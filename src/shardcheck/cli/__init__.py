@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardcheck {args.command}: {err}", file=sys.stderr)
             return getattr(err, "exit_status", 2)
     try:
-        guard = _watchdog(command, args)
+        guard = _command_watchdog(command, args)
     except ValueError as err:  # SHARDCHECK_COLLECTIVE_TIMEOUT that is not a number of seconds
         print(f"error: {command}: {err}", file=sys.stderr)
         return 2
@@ -144,7 +144,7 @@ def _requested_devices(args: argparse.Namespace) -> int:
     return max(counts)
 
 
-def _watchdog(command: str, args: argparse.Namespace):
+def _command_watchdog(command: str, args: argparse.Namespace):
     """A :class:`~shardcheck.cli._watchdog.Watchdog` around a compiling subcommand on a CPU-only machine,
     single-process (a launched worker may wait on its peers); otherwise a context that does nothing. A bound
     of 40 s or more also raises XLA:CPU's own termination timeout above it, before JAX starts its backends.
