@@ -1,0 +1,225 @@
+"""The model zoo (``examples/zoo/*.py``) through every command, in-process (issue #34).
+
+Each zoo file is a user's task file: ``task``, the user's correct ``step``, its ``MESH`` and ``FAULTS``
+(``{name: (faulty_step, expected diagnosis code)}``). Every file found is checked by each test here:
+
+- ``verify`` of every built-in strategy and ``--candidate step`` in one run on ``MESH``: each built-in row PASSes
+  or is an ERROR row of its own naming in one line why it cannot run the model; the user's step PASSes; the exit
+  status is the worst row's;
+- each planted fault FAILs and its first diagnosis is the expected code (``check_parity``, one shared reference);
+- ``verify --reference gspmd --strategies none --candidate step``: PASS against XLA's partitioning;
+- ``memory --measure``: the estimate of the persistent state equals the live bytes and the compiled arguments;
+- ``record --candidate step`` then ``verify --against``: the replay matches its recording;
+- ``train``: the strategy and the baseline stay within tolerance at every step;
+- the pytest plugin: one generated test file, ``shardcheck_mesh`` and ``assert_step_parity`` on every zoo step.
+
+The CLI runs in this process (``shardcheck.cli.main``), so the tests share JAX's caches; the suite's conftest
+turns the CLI's persistent compilation cache off.
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import require_devices
+
+from shardcheck import check_parity, make_mesh
+from shardcheck.cli import main
+from shardcheck.parity import shared_reference
+
+ZOO = Path(__file__).resolve().parents[1] / "examples" / "zoo"
+FILES = sorted(p for p in ZOO.glob("*.py") if not p.name.startswith("_"))
+BUILTINS = ("simulation", "dp", "fsdp", "gspmd", "accumulation")
+MAX_DEVICES = 8
+
+pytest_plugins = ["pytester"]
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"zoo_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MODULES = {path.stem: _load(path) for path in FILES}
+zoo = pytest.mark.parametrize("name", sorted(MODULES))
+needs_devices = require_devices(MAX_DEVICES)
+
+
+def _mesh_arg(name: str) -> str:
+    return ",".join(f"{axis}={size}" for axis, size in MODULES[name].MESH.items())
+
+
+def _task(name: str) -> str:
+    return f"{ZOO / name}.py:task"
+
+
+def _step(name: str) -> str:
+    return f"{ZOO / name}.py:step"
+
+
+def test_every_zoo_file_follows_the_layout():
+    assert {"rng_lm", "scan_lm", "stacked_lm", "tied_lm"} <= set(MODULES)
+    for name, module in MODULES.items():
+        assert module.__doc__ and f"--task examples/zoo/{name}.py:task" in module.__doc__, name
+        assert callable(module.step) and module.FAULTS, name
+        assert math.prod(module.MESH.values()) <= MAX_DEVICES, name
+        for fault, (faulty_step, code) in module.FAULTS.items():
+            assert callable(faulty_step) and isinstance(code, str), (name, fault)
+
+
+def _verify_json(argv: list[str], out: Path) -> tuple[int, dict]:
+    code = main([*argv, "--json", str(out)])
+    return code, json.loads(out.read_text())
+
+
+def _assert_rows(code: int, report: dict, expected: tuple[str, ...]) -> None:
+    """Every expected row is there; a built-in PASSes or is an ERROR row with a one-line reason; the user's step
+    PASSes; the exit status is the worst row's."""
+    rows = report["strategies"]
+    assert set(rows) == set(expected), rows.keys()
+    errors = []
+    for label, row in rows.items():
+        if row["ok"]:
+            assert row["verdict"].startswith("PASS") and row["codes"][0] == "parity", (label, row["codes"])
+            continue
+        assert label in BUILTINS, (label, row.get("verdict"), row.get("diagnosis"))  # never the user's step
+        assert row["verdict"] == "ERROR", (label, row["verdict"], row["diagnosis"])
+        assert row["error"]["builtin"] is True and "\n" not in row["error"]["message"], row["error"]
+        errors.append(label)
+    assert code == (2 if errors else 0), (code, errors)
+
+
+@needs_devices
+@zoo
+def test_verify_every_builtin_and_the_users_step_in_one_run(name, tmp_path):
+    argv = ["verify", "--task", _task(name), "--mesh", _mesh_arg(name), "--candidate", _step(name)]
+    code, report = _verify_json(argv, tmp_path / "v.json")
+    _assert_rows(code, report, (*BUILTINS, "candidate"))
+    assert report["strategies"]["candidate"]["ok"] is True
+
+
+@needs_devices
+@pytest.mark.parametrize("placement", [["--devices", "8"], ["--mesh", "data=2,fsdp=4"]], ids=["1d", "2d"])
+def test_every_builtin_on_a_model_holding_rng_streams(placement, tmp_path):
+    """Regression (fixed in db54fe6): with a model holding RNG keys (Dropout and MultiHeadAttention built with
+    ``rngs``), the shared reference compared starting states through NumPy and ``verify`` of every built-in
+    exited 2 with "JAX array with PRNGKey dtype cannot be converted to a NumPy array"."""
+    code, report = _verify_json(["verify", "--task", _task("rng_lm"), *placement], tmp_path / "r.json")
+    assert code == 0, report
+    assert report["num_shards"] == 8
+    assert set(report["strategies"]) == set(BUILTINS)
+    assert all(row["verdict"] == "PASS" for row in report["strategies"].values()), report["strategies"]
+
+
+@needs_devices
+@zoo
+def test_each_planted_fault_fails_with_its_cause(name):
+    module = MODULES[name]
+    mesh = make_mesh(module.MESH)
+    with shared_reference():  # one reference run for all the faults of a model
+        for fault, (faulty_step, expected) in module.FAULTS.items():
+            report = check_parity(faulty_step, module.task, mesh=mesh, name=fault)
+            codes = [d.code for d in report.diagnoses]
+            assert report.verdict == "FAIL" and codes[0] == expected, (
+                fault,
+                codes,
+                report.diagnoses[0].message,
+            )
+
+
+@needs_devices
+@zoo
+def test_the_users_step_against_xlas_partitioning(name, tmp_path):
+    argv = ["verify", "--task", _task(name), "--mesh", _mesh_arg(name), "--candidate", _step(name)]
+    code, report = _verify_json([*argv, "--reference", "gspmd", "--strategies", "none"], tmp_path / "g.json")
+    _assert_rows(code, report, ("candidate",))
+
+
+@needs_devices
+@zoo
+def test_memory_estimate_equals_the_measured_state(name, tmp_path):
+    out = tmp_path / "m.json"
+    assert (
+        main(["memory", "--task", _task(name), "--mesh", _mesh_arg(name), "--measure", "--json", str(out)])
+        == 0
+    )
+    (row,) = json.loads(out.read_text())["strategies"].values()
+    persistent, measured, compiled = row["persistent_bytes"], row["measured"], row["ahead_of_time"]
+    assert measured["estimated_persistent_bytes"] == persistent == measured["state_bytes"]
+    assert measured["state_bytes_per_device"] == [persistent] * math.prod(MODULES[name].MESH.values())
+    assert measured["accuracy_ratio"] == 1.0
+    assert compiled["state_argument_bytes"] == compiled["persistent_bytes"] == persistent
+
+
+@needs_devices
+@zoo
+def test_record_then_verify_against_the_recording(name, tmp_path):
+    """The user's step replayed against its own recording matches bit for bit; against a recording of the
+    built-in ``fsdp`` (a refactor that changed the placement, not the values) it PASSes, the placement a note."""
+    mesh = ["--mesh", _mesh_arg(name)]
+    for recorded in (["--candidate", _step(name)], ["--strategy", "fsdp"]):
+        run = tmp_path / f"{recorded[-1].rsplit(':', 1)[-1]}.npz"
+        assert main(["record", "--task", _task(name), *mesh, *recorded, "--out", str(run)]) == 0
+        argv = ["verify", "--task", _task(name), "--against", str(run), "--candidate", _step(name)]
+        code, report = _verify_json(argv, tmp_path / "a.json")
+        (row,) = report["runs"].values()
+        assert code == 0 and row["ok"] is True, (recorded, row["verdict"], row["cause"])
+        if recorded[0] == "--candidate":
+            assert row["bitwise"] is True
+
+
+@needs_devices
+@zoo
+def test_train_stays_within_tolerance(name, capsys):
+    argv = ["train", "--task", _task(name), "--mesh", _mesh_arg(name), "--epochs", "1", "--json", "-"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["steps"]) == len(MODULES[name].task.batches)
+    assert report["loss_curves_agree"] is True and report["first_exceeded_step"] is None
+    assert not any(s["drift_exceeded"] for s in report["steps"])
+
+
+PLUGIN_TEST = """
+import importlib.util
+
+import pytest
+
+import shardcheck
+
+FILES = {files!r}
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location("zoo_" + path.rsplit("/", 1)[-1][:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_zoo_step(path, shardcheck_mesh):
+    zoo = _load(path)
+    shardcheck.assert_step_parity(zoo.step, zoo.task, mesh=shardcheck_mesh(zoo.MESH))
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_zoo_fault(path, shardcheck_mesh):
+    zoo = _load(path)
+    fault, (faulty_step, code) = next(iter(zoo.FAULTS.items()))
+    with pytest.raises(AssertionError) as failed:
+        shardcheck.assert_step_parity(faulty_step, zoo.task, mesh=shardcheck_mesh(zoo.MESH))
+    assert failed.value.report.diagnoses[0].code == code, (fault, failed.value.report.diagnoses)
+"""
+
+
+def test_the_pytest_plugin_checks_every_zoo_step(pytester):
+    """A user's own test file, run by ``pytest -p shardcheck`` in a fresh process: every zoo step PASSes, each
+    model's first fault fails the test with its diagnosis."""
+    pytester.makepyfile(test_zoo_steps=PLUGIN_TEST.format(files=[str(p) for p in FILES]))
+    flags = ("-p", "shardcheck", "-p", "no:xdist", "-p", "no:cacheprovider", "--shardcheck-devices", "8")
+    result = pytester.runpytest_subprocess(*flags, timeout=1200)
+    result.assert_outcomes(passed=2 * len(FILES))
