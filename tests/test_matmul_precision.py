@@ -67,6 +67,10 @@ def lm():
         ("gpu", (lax.Precision.HIGHEST, lax.Precision.HIGHEST), "float32"),
         ("gpu", (lax.Precision.DEFAULT, lax.Precision.HIGHEST), "tf32"),  # the coarser operand decides
         ("tpu", lax.Precision.HIGH, "tf32"),
+        ("gpu", "BF16_BF16_F32_X3", "tf32"),  # dot algorithm presets, by name
+        ("gpu", "F16_F16_F32", "tf32"),
+        ("gpu", "ANY_F8_ANY_F8_F32", "bfloat16"),
+        ("gpu", "F32_F32_F32", "float32"),
     ],
 )
 def test_the_backend_policy_follows_the_platform_and_the_precision(platform, setting, policy):

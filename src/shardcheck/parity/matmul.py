@@ -124,7 +124,9 @@ def _level(precision) -> str:
         return "highest"
     if name in ("HIGH", "TENSORFLOAT32", "BFLOAT16_3X") or "TF32" in name or "X3" in name or "X6" in name:
         return "high"
-    if "BF16" in name or name == "BFLOAT16":
+    if name.startswith("F16_F16"):  # float16 operands: float16's 10 mantissa bits, as TF32's
+        return "high"
+    if "BF16" in name or "F8" in name or name == "BFLOAT16":  # float8 operands: taken as the coarsest policy
         return "bfloat16"
     return "default"
 
