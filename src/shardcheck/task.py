@@ -328,12 +328,20 @@ def _probe_loss(loss_fn, model, batch):
     return loss_fn(model, batch)
 
 
-def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
+def _other_state(model: nnx.Module) -> dict[str, np.ndarray]:
+    """``{dotted path: value}`` of the model's state that is neither a parameter nor an RNG stream."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))))
+    return {".".join(map(str, p)): np.array(v[...]) for p, v in flat}
+
+
+def check_model(fn: str, model: nnx.Module, loss_fn, batch, *, updated: list | None = None) -> bool:
     """Refuse models whose sharded and full-batch steps differ (C7); returns whether the loss is weighted.
 
     ``nnx.BatchStat`` variables (BatchNorm) are refused. RNG streams are accepted when the forward pass does not
     draw from them (Dropout at rate 0, ``model.eval()``, ``deterministic=True``): ``loss_fn`` runs once on a
     clone and any stream whose counter moved is named in the refusal. The loss at step 0 is checked too.
+    ``updated``: a list that receives the dotted paths of the other non-parameter state the forward pass wrote
+    (an ``nnx.Variable`` counter incremented in ``__call__``), for the strategies that cannot carry it.
 
     Raises:
         TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
@@ -350,6 +358,7 @@ def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
         )
     clone = nnx.clone(model)
     before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
+    state_before = _other_state(clone)
     try:
         out = _probe_loss(loss_fn, clone, batch)
     except (TypeError, ValueError) as err:
@@ -361,6 +370,9 @@ def check_model(fn: str, model: nnx.Module, loss_fn, batch) -> bool:
         ) from err
     after = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
     drawn = [".".join(map(str, p)) for p in before if not np.array_equal(before[p], after[p])]
+    if updated is not None:
+        state_after = _other_state(clone)
+        updated += [p for p, a in state_before.items() if not np.array_equal(a, state_after.get(p))]
     if drawn:
         raise ValueError(
             f"{fn}: model {type(model).__name__} draws random numbers in its forward pass (RNG stream(s) "

@@ -10,6 +10,7 @@ in order, with their codes:
 - :func:`reference_diverged` (``reference_diverged``): the reference went non-finite; no verdict.
 - :func:`wrong_axis_reduction` (``wrong_axis_reduction``): copies differ along some mesh axes only.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
+- :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
@@ -456,7 +457,9 @@ class DiagnosisContext:
             f, ev = _gradient_factor(first)
             if f is not None and not _close(f, 1.0) and not _model_axis_subset(first, f, mesh_shape):
                 factor, evidence = f, ev
-        counters = [e for r in records for e in r.leaves if e.kind == "counter" and not e.ok]
+        counters = [
+            e for r in records for e in r.leaves if e.kind == "counter" and not e.ok and not _of_model(e)
+        ]
         counter_fail = next((e for e in counters if e.path == "step"), None) or next(
             (e for e in counters if _ahead(e)), None
         )
@@ -605,6 +608,39 @@ def replicated_reduced(ctx: DiagnosisContext) -> Finding:
                 f"param {off[0]}",
             )
     return None
+
+
+def _of_model(e: LeafError) -> bool:
+    """A leaf of the model's non-parameter state (``parity.model_state``: path ``model.<path>``)."""
+    return e.kind == "counter" and e.path.startswith("model.")
+
+
+def model_state(ctx: DiagnosisContext) -> Finding:
+    """``model_state``: an integer leaf of the model's own state (an ``nnx.Variable`` counter its forward pass
+    writes) is not the single-device step's."""
+    fail = next((e for r in ctx.records for e in r.leaves if _of_model(e) and not e.ok), None)
+    if fail is None:
+        return None
+    path = fail.path.removeprefix("model.")
+    head = (
+        f"The model's state {path} (not a parameter: an nnx.Variable its forward pass writes) differs from the "
+        f"single-device step's after {fail.step + 1} step(s) (max abs err {fail.max_abs_err:.6g})"
+    )
+    if fail.ratio is not None and fail.ratio >= 2 and abs(fail.ratio - round(fail.ratio)) < 1e-9:
+        k = round(fail.ratio)
+        why = (
+            f": it is {k} times the reference's. The step runs the forward pass {k} times a step (an extra "
+            "forward pass, such as a logging or evaluation one, or one per shard or micro-batch, writes it "
+            "again); write it once per step."
+        )
+    elif fail.ratio == 0:
+        why = (
+            ": the step left it as it was. The forward pass's writes were dropped (jax.grad of a function of "
+            "nnx.split parts discards them): return and nnx.update them, or use nnx.value_and_grad."
+        )
+    else:
+        why = "; the step must write it as one forward pass over the full batch does."
+    return Diagnosis("model_state", head + why, fail.name)
 
 
 def step_counter(ctx: DiagnosisContext) -> Finding:
@@ -956,6 +992,7 @@ RULES: tuple[Rule, ...] = (
     reference_diverged,
     wrong_axis_reduction,
     replicas_differ,
+    model_state,
     step_counter,
     shard_factor,
     replicated_reduced,

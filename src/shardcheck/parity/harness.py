@@ -66,6 +66,7 @@ from shardcheck.parity.compare import (
 from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.footprint import Footprint, allocator_peak_bytes, state_bytes
 from shardcheck.parity.hypotheses import _explained
+from shardcheck.parity.model_state import model_state_leaves
 from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowance
 from shardcheck.parity.reference_trajectory import trajectory_for
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
@@ -330,6 +331,7 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     ref_count = int(np.asarray(run.ref_opt.step[...]))
     leaves += params + opt_leaves
     leaves.append(counter_error(t, "step", ref_count, after.cand_count))
+    leaves += model_state_leaves(t, run.ref_model, run.cand_model)  # a counter the forward pass writes
     leaves += _extra_checks(run, t, completed, rtol, atol)
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]

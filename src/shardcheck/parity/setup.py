@@ -70,11 +70,14 @@ def _setup(
     ref_strategy, ref_mesh, ref_name = reference_strategy(fn, reference, task, num_shards, mesh)
     model, optimizer, data = _initial(fn, task, reference, steps, initial_state, ref_mesh)
     cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
-    weighted = check_model(fn, model, task.loss_fn, data[0])
+    updated: list[str] = []  # the non-parameter state the forward pass writes (a counter)
+    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated)
     _check_weights_accepted(fn, cand, data)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
+    _check_state_carried(fn, candidate, updated)
     if ref_strategy is not None:
         _check_strategy(fn, reference, ref_strategy, model, optimizer, ref_mesh, data, weighted)
+        _check_state_carried(fn, reference, updated)
     ref_model, ref_opt = copy_state(model, optimizer)
     cand_model, cand_opt = copy_state(model, optimizer)
     if cand.make_optimizer is not None:
@@ -172,6 +175,27 @@ def _initial(fn, task, reference, steps, initial_state, ref_mesh=None):
     else:
         model, optimizer = initial_state
     return model, optimizer, _task_batches(fn, task, steps)
+
+
+# The strategies whose step writes back what the forward pass writes to the model's non-parameter state, once.
+CARRY_MODEL_STATE = ("reference", "gspmd")
+
+
+def _check_state_carried(fn, candidate, updated: list[str]) -> None:
+    """A named strategy that cannot carry the forward pass's writes to the model's state is refused, naming why
+    (the single-device step writes them once per step: ``shardcheck.steps.reference``)."""
+    if not updated or not isinstance(candidate, str) or candidate in CARRY_MODEL_STATE:
+        return
+    why = {
+        "simulation": "runs the forward pass once per shard",
+        "accumulation": "runs the forward pass once per micro-batch",
+    }.get(candidate, "runs the forward pass per device in jax.shard_map and does not carry that state out")
+    # named by the strategy, not by check_parity: a limitation of this strategy, not bad input to the whole run
+    raise ValueError(
+        f"{candidate}: cannot run this model: its forward pass writes non-parameter state ({', '.join(updated)}), "
+        f"once a step in the single-device step, and {candidate} {why}; check it with gspmd or your own step "
+        f"({fn}, strategy {candidate!r})"
+    )
 
 
 def _check_strategy(fn, candidate, cand: Candidate, model, optimizer, mesh, data, weighted: bool) -> None:

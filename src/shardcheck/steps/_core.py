@@ -66,24 +66,32 @@ class Candidate:
     pass_mesh: bool = False
 
 
-def shard_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch):
+def shard_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch, *, update_state: bool = False):
     """``(loss_sum, weight, d loss_sum / d params)`` of ``loss_fn`` on one shard (traceable).
 
     Differentiates the ``nnx.Param`` leaves only; the rest of the model's state (RNG streams of a deterministic
-    model) is held fixed.
+    model, an ``nnx.Variable`` counter) is held fixed. With ``update_state``, what the forward pass wrote to that
+    state (``self.count[...] += 1``) is written back to ``model``, as ``nnx.value_and_grad`` does.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return params_value_and_grad(loss_fn, graphdef, params, rest, batch)
+    out = params_value_and_grad(loss_fn, graphdef, params, rest, batch, with_state=update_state)
+    if update_state:
+        nnx.update(model, out[3])
+    return out[:3]
 
 
-def params_value_and_grad(loss_fn: LossFn, graphdef, params, rest, batch):
-    """As :func:`shard_value_and_grad`, for a model given as ``nnx.split(model, nnx.Param, ...)`` parts."""
+def params_value_and_grad(loss_fn: LossFn, graphdef, params, rest, batch, *, with_state: bool = False):
+    """As :func:`shard_value_and_grad`, for a model given as ``nnx.split(model, nnx.Param, ...)`` parts;
+    ``with_state``: a 4th output, the non-parameter state ``rest`` as the forward pass left it."""
 
     def terms(p):
-        return loss_terms(loss_fn, nnx.merge(graphdef, p, rest), batch)
+        # new Variables (copy=True): the forward pass may write to its state (a counter) inside this trace
+        model = nnx.merge(graphdef, p, rest, copy=True)
+        total, weight = loss_terms(loss_fn, model, batch)
+        return total, (weight, nnx.split(model, nnx.Param, ...)[2] if with_state else None)
 
-    (total, weight), grads = jax.value_and_grad(terms, has_aux=True)(params)
-    return total, weight, grads
+    (total, (weight, after)), grads = jax.value_and_grad(terms, has_aux=True)(params)
+    return (total, weight, grads, after) if with_state else (total, weight, grads)
 
 
 def run_in_place(jitted, static: tuple, model: nnx.Module, optimizer: nnx.Optimizer, *args):

@@ -19,7 +19,7 @@ from shardcheck.task import Batch, LossFn, divide
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _reference_jit(loss_fn, graphdef, state, batch):
     model, optimizer = nnx.merge(graphdef, state)
-    total, weight, grads = shard_value_and_grad(loss_fn, model, batch)
+    total, weight, grads = shard_value_and_grad(loss_fn, model, batch, update_state=True)
     if weight is not None:
         total, grads = total / weight, divide(grads, weight)
     optimizer.update(model, grads)

@@ -162,9 +162,13 @@ def sharded_value_and_grad(
 
 
 def _plain_loss_and_grads(loss_fn, model, batch):
-    """The single-device step's loss and gradients of the full batch (GSPMD partitions it)."""
+    """The single-device step's loss and gradients of the full batch (GSPMD partitions it); what the forward
+    pass writes to the model's non-parameter state (a counter) is written back, as in the reference step."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, batch)
+    total, weight, grads, after = params_value_and_grad(
+        loss_fn, graphdef, params, rest, batch, with_state=True
+    )
+    nnx.update(model, after)
     if weight is None:
         return total, grads
     return total / weight, divide(grads, weight)
