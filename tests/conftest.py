@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from shardcheck.cli._xla import with_cpu_compile_flags
+from shardcheck.cli._xla import use_cpu_thread_pool, with_cpu_compile_flags
 
 # Compile time is most of the suite's time, and XLA:CPU's defaults are tuned for running programs, not compiling
 # them. The suite compiles as the command line does on a CPU-only machine (shardcheck.cli._xla, which says why):
@@ -22,6 +22,10 @@ from shardcheck.cli._xla import with_cpu_compile_flags
 # one of them pins that configuration's rounding: none may (tests/kinked.py plants its rounding instead). An
 # XLA_FLAGS that sets any of these wins.
 os.environ["XLA_FLAGS"] = with_cpu_compile_flags(os.environ.get("XLA_FLAGS", ""))
+# XLA:CPU's client threads, as the command line sizes them (shardcheck.cli._xla.use_cpu_thread_pool): with
+# max(cores, 8) threads for the 8 devices below, a collective program launched again before its previous launch
+# finished could hang at its rendezvous until XLA aborted the worker (docs/known_issues.md).
+use_cpu_thread_pool(8)
 
 import jax  # noqa: E402  (XLA reads XLA_FLAGS when its first backend starts)
 
