@@ -7,8 +7,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import require_devices
+from flax import nnx
 
 from shardcheck import check_parity, make_mesh
 from shardcheck.cli import main
@@ -143,3 +146,21 @@ def test_the_model_state_rule_names_a_model_counter_and_not_the_optimizer(ratio,
     assert codes[0] == "model_state" and "step_counter" not in codes  # not the optimizer's counter
     assert phrase in found[0].message
     assert found[0].leaf == "counter model.calls"
+
+
+def test_check_model_reads_a_prng_key_the_forward_pass_writes_through_its_raw_data():
+    """A key kept in a plain ``nnx.Variable`` and split in ``__call__`` is named (NumPy cannot hold a key)."""
+
+    class KeyHolder(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            self.key = nnx.Variable(jax.random.key(1))
+            self.fixed = nnx.Variable(jax.random.key(2))
+
+        def __call__(self, x):
+            self.key[...] = jax.random.split(self.key[...])[0]
+            return self.linear(x)
+
+    written: list[str] = []
+    check_model("f", KeyHolder(), lambda m, b: jnp.mean(m(b) ** 2), jnp.ones((4, 2)), updated=written)
+    assert written == ["key"]

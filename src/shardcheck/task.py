@@ -331,7 +331,14 @@ def _probe_loss(loss_fn, model, batch):
 def _other_state(model: nnx.Module) -> dict[str, np.ndarray]:
     """``{dotted path: value}`` of the model's state that is neither a parameter nor an RNG stream."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))))
-    return {".".join(map(str, p)): np.array(v[...]) for p, v in flat}
+    return {".".join(map(str, p)): np.array(_raw(v[...])) for p, v in flat}
+
+
+def _raw(a):
+    """``a``, or a PRNG key's raw ``uint32`` data (NumPy cannot hold a key)."""
+    if hasattr(a, "dtype") and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(a)
+    return a
 
 
 def check_model(fn: str, model: nnx.Module, loss_fn, batch, *, updated: list | None = None) -> bool:
