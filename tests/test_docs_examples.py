@@ -223,7 +223,8 @@ def check_listings(command: str, output: str, listings: dict[str, list[Block]] =
 
 def environment(tmp_path: Path) -> dict[str, str]:
     """The environment of a block: this Python's scripts first on PATH, the session's compilation cache."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "JAX_NUM_CPU"))}
+    # a user's shell: no pytest or CI variables (under CI=true the plugin fails where the page's pytest skips)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "JAX_NUM_CPU")) and k != "CI"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     session = os.environ.get("SHARDCHECK_TEST_XLA_CACHE", "off")
     env["SHARDCHECK_COMPILATION_CACHE"] = session  # a folder, or "off"
