@@ -160,7 +160,16 @@ def _add_mesh_arguments(p) -> None:
         default=None,
         metavar="SIZE|KIND",
         help="memory of one device, e.g. 80GiB, 80GB, 16e9, or a kind (h100, h200, a100-40gb, a100-80gb, l4, "
-        "tpu-v4, tpu-v5e, tpu-v5p): says whether the --mesh step fits, and finds the largest batch that does",
+        "tpu-v4, tpu-v5e, tpu-v5p): says whether the --mesh step fits, and finds the largest batch that does; a "
+        "GPU kind also compiles for that GPU, as --target does",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        metavar="KIND",
+        help="compile the --mesh step with XLA:GPU for this GPU (h100, h200, a100-80gb, a100-40gb, l4) without "
+        "one (deviceless; needs the jax CUDA plugin: pip install 'shardcheck[gpu-aot]'), without a fit question; "
+        "without the plugin the figure is XLA:CPU's, and the report says how far that has been from XLA:GPU's",
     )
 
 
@@ -233,7 +242,11 @@ def _check_arguments(args) -> str | None:
             return f"{name}: --{flag} must be a positive int, got {value}"
     if args.size is not None and args.task not in (None, "tiny-lm"):
         return f"{name}: --size is a size of the tiny-lm task; drop --task {args.task} or --size"
-    for flag, dest in (("--batch-size", "batch_size"), ("--device-memory", "device_memory")):
+    for flag, dest in (
+        ("--batch-size", "batch_size"),
+        ("--device-memory", "device_memory"),
+        ("--target", "target"),
+    ):
         if getattr(args, dest) is not None and args.mesh is None:
             return (
                 f"{name}: {flag} applies to the ahead-of-time compile; pass --mesh too (e.g. --mesh fsdp=8)"
@@ -334,6 +347,9 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         console.print(render_aot(estimates, aot))
         note = next(iter(aot.values())).backend_note
         console.print(f"[bold]backend[/]: {next(iter(aot.values())).backend}: {note}", highlight=False)
+        compiler = getattr(args, "compiler", None) or {}
+        if compiler.get("note"):
+            console.print(f"[bold]compiler[/]: {compiler['name']}: {compiler['note']}", highlight=False)
         compiled = next(iter(aot.values())).batch_size
         own = _task_batch_size(task)
         if getattr(args, "batch_size", None) is None and compiled != own:
@@ -468,33 +484,49 @@ def _default_batch_size(task, num_devices: int) -> int:
     return -(-_task_batch_size(task) // num_devices) * num_devices
 
 
+def _mesh_arguments(args):
+    """``(axes, device)`` of ``--mesh`` and ``--device-memory`` (None when not given); raises ValueError with the
+    problem of these or of a flag that does not apply with ``--mesh``."""
+    name = "shardcheck memory"
+    from shardcheck.mesh import parse_mesh
+
+    axes = parse_mesh(args.mesh)
+    device = None
+    if args.device_memory is not None:
+        from shardcheck.device_memory import parse_device_memory
+
+        device = parse_device_memory(args.device_memory)
+    for flag, dest in (("--shards", "shards"), ("--in", "in_features"), ("--out", "out_features")):
+        if getattr(args, dest) is not None:
+            raise ValueError(f"{name}: {flag} does not apply with --mesh (the mesh sets the device count)")
+    if args.dtype is not None:
+        raise ValueError(
+            f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
+        )
+    return axes, device
+
+
 def main_mesh(args) -> int:
     """``shardcheck memory --task SPEC --mesh AXES``: placement on the mesh, the step compiled ahead of time."""
     import math
 
     name = "shardcheck memory"
-    from shardcheck.mesh import parse_mesh
-
     try:
-        axes = parse_mesh(args.mesh)
+        axes, device = _mesh_arguments(args)
+    except ValueError as e:
+        msg = str(e)
+        return _fail(msg if msg.startswith(name) else f"{name}: {msg}")
+    size = math.prod(axes.values())
+    try:
+        kind = _gpu_target_kind(args)
     except ValueError as e:
         return _fail(f"{name}: {e}")
-    device = None
-    if args.device_memory is not None:
-        from shardcheck.device_memory import parse_device_memory
+    from shardcheck import gpu_target
 
-        try:
-            device = parse_device_memory(args.device_memory)
-        except ValueError as e:
-            return _fail(f"{name}: {e}")
-    for flag, dest in (("--shards", "shards"), ("--in", "in_features"), ("--out", "out_features")):
-        if getattr(args, dest) is not None:
-            return _fail(f"{name}: {flag} does not apply with --mesh (the mesh sets the device count)")
-    if args.dtype is not None:
-        return _fail(
-            f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
-        )
-    size = math.prod(axes.values())
+    deviceless = kind is not None and gpu_target.unavailable_reason() is None
+    if deviceless:
+        gpu_target.prepare_environment()  # before JAX starts: the CUDA plugin registers without CUDA
+    args.compiler = _compiler(kind, deviceless)
     try:
         configure_devices(max(size, args.devices or 0))
     except ValueError as e:
@@ -506,7 +538,8 @@ def main_mesh(args) -> int:
     strategies = STRATEGY_CHOICES[1:] if strategy == "all" else (strategy,)
     task = None
     try:
-        mesh = mesh_from_args(args, size, command=name)
+        run_mesh = mesh_from_args(args, size, command=name) if args.measure or not deviceless else None
+        mesh = gpu_target.target_mesh(kind, axes) if deviceless else run_mesh
         task = _build_task(args)
         batch = args.batch_size or _default_batch_size(task, mesh.size)
         estimates = {s: memory.estimate_memory(task, mesh=mesh, strategy=s) for s in strategies}
@@ -516,11 +549,13 @@ def main_mesh(args) -> int:
         }
         measured = {}
         if args.measure:
-            measured = {s: memory.measure_memory(task, strategy=s, mesh=mesh) for s in strategies}
+            measured = {s: memory.measure_memory(task, strategy=s, mesh=run_mesh) for s in strategies}
         fits = {}
         if device is not None:
             for s in strategies:
-                largest, peaks = ahead_of_time.largest_batch_that_fits(task, mesh, device[0], strategy=s)
+                largest, peaks = ahead_of_time.largest_batch_that_fits(
+                    task, mesh, device[0], strategy=s, known={batch: aot[s].peak_bytes}
+                )
                 fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
@@ -533,6 +568,51 @@ def main_mesh(args) -> int:
         )
     args.shards = mesh.size
     return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
+
+
+def _gpu_target_kind(args) -> str | None:
+    """The GPU the ``--mesh`` step is compiled for: ``--target``, else a GPU kind named by ``--device-memory``.
+
+    Raises:
+        ValueError: ``--target`` names no GPU shardcheck can compile for.
+    """
+    from shardcheck.gpu_target import GPU_TARGETS
+
+    if args.target is not None:
+        key = args.target.strip().lower().replace("_", "-")
+        if key not in GPU_TARGETS:
+            raise ValueError(
+                f"--target {args.target!r} is not a GPU shardcheck can compile for; use one of "
+                f"{', '.join(GPU_TARGETS)} (TPU kinds size with --device-memory, compiled by XLA:CPU)"
+            )
+        return key
+    key = (args.device_memory or "").strip().lower().replace("_", "-").replace(" ", "")
+    return key if key in GPU_TARGETS else None
+
+
+def _compiler(kind: str | None, deviceless: bool) -> dict:
+    """Which compiler gives the figures, as the report's ``compiler`` line and ``--json``'s ``compiler``."""
+    from shardcheck import gpu_target
+
+    if deviceless:
+        return {
+            "name": "XLA:GPU",
+            "target": kind,
+            "deviceless": True,
+            "note": f"compiled by XLA:GPU for {kind} without a GPU (the jax CUDA plugin, from shardcheck's target "
+            "config gpu_targets/"
+            + f"{kind}.txtpb): the target's own fusion, scheduling and buffer assignment; "
+            "nothing ran",
+        }
+    if kind is not None:
+        reason = gpu_target.unavailable_reason()
+        return {
+            "name": "XLA:CPU",
+            "target": kind,
+            "deviceless": False,
+            "note": f"{gpu_target.cpu_figure_note()} ({reason})",
+        }
+    return {"name": "XLA:CPU", "target": None, "deviceless": False, "note": ""}
 
 
 def _raised_in(err: BaseException, fn) -> bool:
@@ -760,6 +840,7 @@ def report_json(args, estimates, measured, task=None, *, aot=None, fits=None, me
     if mesh is not None:
         report["mesh"] = {str(a): int(n) for a, n in mesh.shape.items()}
         report["size"] = args.size
+        report["compiler"] = getattr(args, "compiler", None)
     return report
 
 

@@ -1,0 +1,134 @@
+"""Compile for a named GPU without one: XLA:GPU's own memory figures from a CPU-only machine (deviceless).
+
+With the jax CUDA plugin installed (``pip install "shardcheck[gpu-aot]"``: ``jax-cuda12-plugin`` and
+``jax-cuda12-pjrt`` of the jaxlib in use), ``jax.experimental.topologies.get_topology_desc(platform="cuda",
+target_config=<text proto>, topology="1x1xN")`` describes N compile-only devices of that GPU: a mesh of them
+(``topologies.make_mesh``) takes ``jax.ShapeDtypeStruct`` inputs, and ``jit(...).lower(...).compile()`` runs
+XLA:GPU's whole pipeline (fusion, scheduling, buffer assignment) for the target, without a GPU or a CUDA driver.
+Nothing can run on those devices; ``memory_analysis()`` gives the GPU's own figures.
+
+The targets are text protos of XLA's ``stream_executor.GpuTargetConfigProto``, shipped in
+``shardcheck/gpu_targets/`` (:data:`GPU_TARGETS`); each was written from the card's public specification, and
+names its sources in a comment.
+
+Measured (tiny-lm 350m, batch 3 x 2048, Adam, one device; jax 0.10.2 with the 0.10.2 plugin): the deviceless
+compile for ``h200`` gives a peak of 56,983,531,212 B, the card's own compile on an H200 56,987,433,420 B
+(0.007% apart); XLA:CPU's compile of the same step gives 80,546,861,492 B (:data:`RECORDED_CPU_OVER_GPU`).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import os
+from collections.abc import Mapping, MutableMapping
+
+GPU_TARGETS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4")
+"""The GPUs shardcheck can compile for without one; each is ``gpu_targets/<name>.txtpb`` and a key of
+:data:`shardcheck.device_memory.DEVICE_KINDS`."""
+
+PLUGIN_MODULE = "jax_plugins.xla_cuda12"
+"""The module of the jax CUDA plugin (``jax-cuda12-plugin``), whose PJRT library compiles for a target config."""
+
+EXTRA = "shardcheck[gpu-aot]"
+"""The install that brings the plugin, pinned to the jaxlib shardcheck supports (pyproject's optional deps)."""
+
+RECORDED_CPU_OVER_GPU = (
+    (
+        "tiny-lm 350m, batch 3 x 2048, Adam, one device, H200 (jax 0.10.2 / 0.11.2)",
+        80_546_861_492,
+        56_987_433_420,
+    ),
+)
+"""Recorded cases of XLA:CPU's peak against XLA:GPU's for the same step: ``(case, cpu_peak_bytes,
+gpu_peak_bytes)``; the GPU figure is the card's own compile (``shared/GPU.md``)."""
+
+
+def plugin_installed() -> bool:
+    """Whether the jax CUDA plugin is importable (without importing it or JAX)."""
+    try:
+        return importlib.util.find_spec(PLUGIN_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def target_config(kind: str) -> str:
+    """The text proto (``GpuTargetConfigProto``) of a named GPU: ``target_config("h200")``.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`GPU_TARGETS` (the message lists them).
+    """
+    key = str(kind).strip().lower().replace("_", "-")
+    if key not in GPU_TARGETS:
+        raise ValueError(
+            f"target_config: kind={kind!r} is not a GPU shardcheck can compile for; use one of "
+            f"{', '.join(GPU_TARGETS)}"
+        )
+    return importlib.resources.files("shardcheck").joinpath("gpu_targets", f"{key}.txtpb").read_text()
+
+
+def cpu_figure_note() -> str:
+    """The plain statement printed beside an XLA:CPU figure when no deviceless GPU compile was possible."""
+    case, cpu, gpu = RECORDED_CPU_OVER_GPU[0]
+    return (
+        f"this figure is XLA:CPU's, not the GPU's: on the recorded case ({case}) XLA:CPU's peak was "
+        f"{cpu / gpu:.2f}x XLA:GPU's ({cpu:,} B against {gpu:,} B), mostly temporaries; install {EXTRA} "
+        "(the jax CUDA plugin of the jaxlib in use) for XLA:GPU's own figure, compiled without a GPU"
+    )
+
+
+def prepare_environment(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Let the CUDA plugin register on a machine without CUDA; call before JAX starts its backends.
+
+    The plugin checks the CUDA runtime's version when JAX starts it, and without CUDA it refuses to register (it
+    logs a traceback), so no target can be described. ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` skips that check:
+    the plugin registers, JAX starts the CPU backend as usual, and the compile-only GPU devices exist. Does
+    nothing when the variable is set already or when ``JAX_PLATFORMS`` names the platforms without CUDA
+    (the plugin then skips the check itself).
+    """
+    environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def unavailable_reason(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why a deviceless GPU compile cannot run in this process, or None when it can (the plugin installed)."""
+    if not plugin_installed():
+        return f"the jax CUDA plugin is not installed (pip install {EXTRA!r})"
+    return None
+
+
+def target_mesh(kind: str, axes: Mapping[str, int]):
+    """A mesh of compile-only devices of the GPU ``kind``, shaped ``axes`` (``{"fsdp": 8}``).
+
+    The devices are those of ``jax.experimental.topologies.get_topology_desc(platform="cuda",
+    target_config=target_config(kind), topology=f"1x1x{n}")`` (one slice, one host, ``n = prod(axes)`` GPUs),
+    arranged by ``topologies.make_mesh``. A step lowered on them with ``jax.ShapeDtypeStruct`` arguments compiles
+    with XLA:GPU for that GPU; nothing runs.
+
+    Args:
+        kind: one of :data:`GPU_TARGETS`.
+        axes: axis name -> size, each >= 1.
+
+    Returns:
+        A ``jax.sharding.Mesh`` whose devices have platform ``"gpu"`` and the target's ``device_kind``.
+
+    Raises:
+        ValueError: an unknown kind; the plugin not installed (the message says how to install it); the plugin
+            refusing the topology (the message quotes it).
+    """
+    import math
+
+    text = target_config(kind)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"target_mesh: cannot compile for {kind} without a GPU: {reason}")
+    from jax.experimental import topologies
+
+    n = math.prod(int(v) for v in axes.values())
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=text, topology=f"1x1x{n}")
+    except (NotImplementedError, RuntimeError) as err:
+        raise ValueError(
+            f"target_mesh: the CUDA plugin did not describe {n} x {kind} ({err}); was JAX started before "
+            "shardcheck.gpu_target.prepare_environment() ran, without CUDA on this machine?"
+        ) from err
+    return topologies.make_mesh(topology, tuple(int(v) for v in axes.values()), tuple(axes))
