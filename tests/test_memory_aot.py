@@ -398,3 +398,28 @@ def test_a_tensor_parallel_batch_is_split_over_the_data_axes_only():
     )
     with pytest.raises(ValueError, match=r"batch_size=5 does not split into the mesh's 2 batch shards"):
         ahead_of_time.compile_ahead_of_time(example.task, mesh, strategy="fsdp", batch_size=5)
+
+
+@pytest.mark.parametrize(
+    "state, per_row, memory, largest, compiled",
+    [
+        # the 1b step for an H100 (peaks 33,676,253,908 B at one row, 55,672,464,340 B at two; 80 GiB)
+        (11_679_843_476, 21_996_210_432, 80 * 2**30, 3, [1, 2, 3, 4]),
+        (1_000, 10, 1_000 + 10 * 37, 37, [1, 2, 37, 38]),  # exactly on the line: 1_370 fits at 37 rows
+        (1_000, 10, 999, 0, [1, 2]),  # the state alone does not fit (2 rows compiled beside 1, at once)
+    ],
+)
+def test_largest_batch_search_follows_the_line_through_two_peaks(
+    monkeypatch, state, per_row, memory, largest, compiled
+):
+    """A peak linear in the batch: two compiles for the line, two for its crossing and the size above it."""
+    calls = []
+
+    def fake_compile(task, mesh, *, strategy, batch_size):
+        calls.append(batch_size)
+        return type("Compiled", (), {"peak_bytes": state + per_row * batch_size})()
+
+    monkeypatch.setattr(ahead_of_time, "compile_ahead_of_time", fake_compile)
+    found, peaks = ahead_of_time.largest_batch_that_fits(None, None, memory, strategy="replicated")
+    assert found == largest and sorted(calls) == compiled and set(peaks) <= set(calls)
+    assert all((p <= memory) == (b <= largest) for b, p in peaks.items())

@@ -230,14 +230,15 @@ def largest_batch_that_fits(
 
     Batches are multiples of ``n``, the mesh's batch shards (:func:`shardcheck.mesh.data_shards`; one row per
     shard at least; ``n = 1`` for ``"replicated"``). The step is compiled ahead of time
-    (:func:`compile_ahead_of_time`) at ``n`` and ``2n``; a step's peak grows about linearly with the batch
-    (the state is fixed, activations and the batch are per row), so the line through those two peaks predicts
-    the largest fitting multiple of ``n``, which is compiled with the next multiple above it. Where the
-    prediction misses, the sizes are doubled until one does not fit and the last gap is bisected over
-    multiples of ``n``; at most ``max_compiles`` compiles in all (``known`` peaks are not compiled again).
+    (:func:`compile_ahead_of_time`) at ``n`` and ``2n``. A step's peak grows about linearly with the batch (the
+    state is fixed; activations and the batch grow by the row), so the line through the two largest fitting
+    peaks predicts the largest fitting multiple of ``n``; it is compiled with the next multiple above it. Once a
+    size fails, the line through the largest fitting and the smallest failing peak predicts again (regula falsi
+    over multiples of ``n``), until the two are ``n`` apart; the two sizes of each round compile at once (XLA
+    compiles outside the GIL), at most ``max_compiles`` compiles in all (``known`` peaks are not compiled again).
     The answer is exact within the sizes tried: every size up to it that was compiled fits, and the next
     multiple of ``n`` above it was compiled and does not fit, unless the compile budget ran out first (then it
-    is a lower bound). On the 1b tiny-lm for an H100 target this takes 4 compiles (``benchmarks/``).
+    is a lower bound). The 1b tiny-lm for an H100 target takes 4 compiles in two rounds.
 
     Args:
         task, mesh, strategy: as :func:`compile_ahead_of_time` (``mesh`` may be a target GPU's,
@@ -293,29 +294,27 @@ def largest_batch_that_fits(
     compile_all([n, 2 * n] if max_compiles > 1 else [n])
     if not fits(n):
         return 0, {n: peaks[n]}
-    good, bad = n, None
-    if 2 * n in peaks:
-        if fits(2 * n):
-            good = 2 * n
-        else:
-            bad = 2 * n
-    per_row = (peaks[2 * n] - peaks[n]) / n if 2 * n in peaks else 0.0
-    if bad is None and per_row > 0 and budget():  # the line through the two peaks: its largest fitting size
-        guess = max(good, n + int((device_memory_bytes - peaks[n]) / per_row / n) * n)
-        compile_all([guess, guess + n])
-        if guess > good:
-            good, bad = (guess, None) if fits(guess) else (good, guess)
-        if bad is None and good + n in peaks:
-            good, bad = (good + n, None) if fits(good + n) else (good, good + n)
-    while bad is None and budget():
-        if fits(2 * good):
-            good *= 2
-        else:
-            bad = 2 * good
-    while bad is not None and bad - good > n and budget():
-        mid = (good + bad) // (2 * n) * n
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, peaks
+    while True:
+        good = max(b for b, p in peaks.items() if p <= device_memory_bytes)
+        bad = min((b for b, p in peaks.items() if p > device_memory_bytes and b > good), default=None)
+        if (bad is not None and bad - good <= n) or not budget():
+            return good, peaks
+        compile_all(_next_sizes(peaks, good, bad, n, device_memory_bytes))
+
+
+def _next_sizes(peaks: dict[int, int], good: int, bad: int | None, n: int, memory: int) -> list[int]:
+    """The next two batch sizes to compile: the multiple of ``n`` where the line through the two nearest peaks
+    crosses ``memory`` (through the two largest fitting sizes when none fails yet: an extrapolation; through the
+    largest fitting and the smallest failing one otherwise), and the multiple above it."""
+    if bad is None:
+        below = [b for b in sorted(peaks) if b < good and peaks[b] <= memory]
+        lo = below[-1] if below else None
+        slope = (peaks[good] - peaks[lo]) / (good - lo) if lo is not None else 0.0
+        if slope <= 0:
+            return [2 * good]
+        guess = max(good + n, good + int((memory - peaks[good]) / slope / n) * n)
+        return [guess, guess + n]
+    slope = (peaks[bad] - peaks[good]) / (bad - good)
+    guess = good + int((memory - peaks[good]) / slope / n) * n if slope > 0 else (good + bad) // (2 * n) * n
+    guess = min(max(guess, good + n), bad - n)
+    return [guess, guess + n] if guess + n < bad else [guess]
