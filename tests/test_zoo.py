@@ -165,8 +165,9 @@ def test_record_then_verify_against_the_recording(name, tmp_path):
         run = tmp_path / f"{recorded[-1].rsplit(':', 1)[-1]}.npz"
         assert main(["record", "--task", _task(name), *mesh, *recorded, "--out", str(run)]) == 0
         argv = ["verify", "--task", _task(name), "--against", str(run), "--candidate", _step(name)]
-        code, report = _verify_json(argv, tmp_path / "a.json")
-        (row,) = report["runs"].values()
+        code, report = _verify_json([*argv, "--strategies", "none"], tmp_path / f"{run.stem}.json")
+        assert set(report["runs"]) == {"candidate"}, report["runs"].keys()
+        row = report["runs"]["candidate"]
         assert code == 0 and row["ok"] is True, (recorded, row["verdict"], row["cause"])
         if recorded[0] == "--candidate":
             assert row["bitwise"] is True
