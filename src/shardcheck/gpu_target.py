@@ -121,7 +121,12 @@ def target_mesh(kind: str, axes: Mapping[str, int]):
     reason = unavailable_reason()
     if reason is not None:
         raise ValueError(f"target_mesh: cannot compile for {kind} without a GPU: {reason}")
+    import jax
     from jax.experimental import topologies
+
+    # A compile-only executable cannot be loaded back from JAX's persistent cache (the plugin's compiler has no
+    # client to load it into: a warning, then a recompile), so the cache is off for the rest of this process.
+    jax.config.update("jax_enable_compilation_cache", False)
 
     n = math.prod(int(v) for v in axes.values())
     try:
