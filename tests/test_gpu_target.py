@@ -104,6 +104,20 @@ def test_cli_refuses_a_target_it_cannot_compile_for(capsys):
     assert "--target 'tpu-v5e' is not a GPU shardcheck can compile for; use one of h100, h200" in err
 
 
+@pytest.mark.parametrize(
+    "target, device_memory, kind",
+    [(None, "H100", "h100"), (None, "a100_80gb", "a100-80gb"), (None, "80GiB", None), (None, "tpu-v5e", None)]
+    + [("L4", None, "l4"), ("h200", "h100", "h200"), (None, None, None)],
+)
+def test_which_gpu_the_step_is_compiled_for(target, device_memory, kind):
+    """``--target``, else a GPU kind named by ``--device-memory``; a size or a TPU kind compiles on XLA:CPU."""
+    from argparse import Namespace
+
+    from shardcheck.cli.memory import _gpu_target_kind
+
+    assert _gpu_target_kind(Namespace(target=target, device_memory=device_memory)) == kind
+
+
 def test_target_needs_a_mesh(capsys):
     assert main(["memory", "--task", "digits", "--target", "h100"]) == 2
     assert "pass --mesh too" in capsys.readouterr().err
