@@ -213,7 +213,8 @@ def main(args) -> int:
         )
         print(
             f"recorded {meta['run']} on task {meta['task']}{where} (S={meta['num_shards']}): {recording.num_steps} "
-            f"step(s), {len(recording.names)} leaves a step -> {args.out} ({size} bytes)"
+            f"step(s), {len(recording.names)} leaves a step, matmul precision {meta['matmul_precision']} -> "
+            f"{args.out} ({size} bytes)"
         )
         print(device_choice(args).line())
     return 0
