@@ -403,7 +403,7 @@ def test_a_tensor_parallel_batch_is_split_over_the_data_axes_only():
 @pytest.mark.parametrize(
     "state, per_row, memory, largest, compiled",
     [
-        # the 1b step for an H100 (peaks 33,676,253,908 B at one row, 55,672,464,340 B at two; 80 GiB)
+        # the line through the 1b step's peaks for an H100 at one and two rows (33,676,253,908 B, 55,672,464,340 B)
         (11_679_843_476, 21_996_210_432, 80 * 2**30, 3, [1, 2, 3, 4]),
         (1_000, 10, 1_000 + 10 * 37, 37, [1, 2, 37, 38]),  # exactly on the line: 1_370 fits at 37 rows
         (1_000, 10, 999, 0, [1, 2]),  # the state alone does not fit (2 rows compiled beside 1, at once)
@@ -423,3 +423,23 @@ def test_largest_batch_search_follows_the_line_through_two_peaks(
     found, peaks = ahead_of_time.largest_batch_that_fits(None, None, memory, strategy="replicated")
     assert found == largest and sorted(calls) == compiled and set(peaks) <= set(calls)
     assert all((p <= memory) == (b <= largest) for b, p in peaks.items())
+
+
+def test_largest_batch_search_on_the_1b_steps_peaks_for_an_h100(monkeypatch):
+    """The peaks XLA:GPU gave for the 1b step (tiny-lm, Adam, one device) compiled for an H100 without one
+    (jax 0.10.2, shardcheck's h100 target): it rematerializes as the step nears 80 GiB, so the peaks flatten
+    (3 rows: 63.0 GB, 4: 64.3 GB) before 6 rows exceed it. The search, given the report's compile at 1 row,
+    compiles 2, then 3 and 4, then 5 and 6: 5 rows fit."""
+    peaks_1b = {1: 33_676_253_908, 2: 55_672_464_340, 3: 63_032_404_940, 4: 64_346_264_524}
+    peaks_1b.update({5: 71_712_857_804, 6: 91_129_112_268})
+    calls = []
+
+    def fake_compile(task, mesh, *, strategy, batch_size):
+        calls.append(batch_size)
+        return type("Compiled", (), {"peak_bytes": peaks_1b[batch_size]})()
+
+    monkeypatch.setattr(ahead_of_time, "compile_ahead_of_time", fake_compile)
+    found, peaks = ahead_of_time.largest_batch_that_fits(
+        None, None, 80 * 2**30, strategy="replicated", known={1: peaks_1b[1]}
+    )
+    assert found == 5 and calls == [2, 3, 4, 5, 6] and peaks == peaks_1b
