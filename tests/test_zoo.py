@@ -206,21 +206,13 @@ def test_zoo_step(path, shardcheck_mesh):
     zoo = _load(path)
     shardcheck.assert_step_parity(zoo.step, zoo.task, mesh=shardcheck_mesh(zoo.MESH))
 
-
-@pytest.mark.parametrize("path", FILES)
-def test_zoo_fault(path, shardcheck_mesh):
-    zoo = _load(path)
-    fault, (faulty_step, code) = next(iter(zoo.FAULTS.items()))
-    with pytest.raises(AssertionError) as failed:
-        shardcheck.assert_step_parity(faulty_step, zoo.task, mesh=shardcheck_mesh(zoo.MESH))
-    assert failed.value.report.diagnoses[0].code == code, (fault, failed.value.report.diagnoses)
 """
 
 
 def test_the_pytest_plugin_checks_every_zoo_step(pytester):
-    """A user's own test file, run by ``pytest -p shardcheck`` in a fresh process: every zoo step PASSes, each
-    model's first fault fails the test with its diagnosis."""
+    """A user's own test file, run by ``pytest -p shardcheck`` in a fresh process: every zoo step PASSes (the
+    faults are checked in-process above: a fresh process compiles everything again)."""
     pytester.makepyfile(test_zoo_steps=PLUGIN_TEST.format(files=[str(p) for p in FILES]))
     flags = ("-p", "shardcheck", "-p", "no:xdist", "-p", "no:cacheprovider", "--shardcheck-devices", "8")
     result = pytester.runpytest_subprocess(*flags, timeout=1200)
-    result.assert_outcomes(passed=2 * len(FILES))
+    result.assert_outcomes(passed=len(FILES))

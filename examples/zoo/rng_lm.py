@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import shardcheck
 from shardcheck.tasks.tiny_lm import lm_batches, lm_loss, vocab_size
 
-D, HEADS, MLP, SEQ, LAYERS = 16, 2, 32, 16, 2
+D, HEADS, MLP, SEQ, LAYERS = 16, 2, 32, 16, 1
 MESH = {"data": 2, "fsdp": 4}
 BATCH_AXES = ("data", "fsdp")
 
@@ -117,12 +117,8 @@ def _shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum
 
 
 FAULTS = {
-    # the token count averaged over the shards, not summed: every gradient x S
-    "count_averaged": (_shard_map_step(count=jax.lax.pmean), "summed"),
     # a pmean of gradients already divided by the global count: x 1/S
     "averaged_twice": (_shard_map_step(mean=jax.lax.pmean), "averaged_twice"),
-    # each shard divides by its own token count, then the shards are averaged: a mean of per-shard means
-    "per_shard_mean": (_shard_map_step(mean=jax.lax.pmean, own_count=True), "normalization"),
     # the gradients reduced over 'data' only: the copies along 'fsdp' differ
     "missed_fsdp": (_shard_map_step(grads_over=("data",)), "wrong_axis_reduction"),
 }
