@@ -80,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardcheck`` console script; returns the process exit status.
 
     Without ``argv`` (the ``shardcheck`` process itself: its console script, ``python -m shardcheck``) it first
-    sets the garbage collector's thresholds to :data:`CLI_GC_THRESHOLD`; a program that passes ``argv`` keeps its
-    own.
+    sets the garbage collector's thresholds to :data:`CLI_GC_THRESHOLD` and watches for a hung collective
+    (:func:`_command_watchdog`, which ends the process); a program that passes ``argv`` keeps its own thresholds
+    and is never ended by shardcheck.
     """
     from shardcheck.cli._common import OUTPUT_FLAGS, check_output_path, check_outputs_apart
 
-    if argv is None:
+    own_process = argv is None
+    if own_process:
         gc.set_threshold(*CLI_GC_THRESHOLD)
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_in(argv))  # only the module of the subcommand that runs
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardcheck {args.command}: {err}", file=sys.stderr)
             return getattr(err, "exit_status", 2)
     try:
-        guard = _command_watchdog(command, args)
+        guard = _command_watchdog(command, args) if own_process else contextlib.nullcontext()
     except ValueError as err:  # SHARDCHECK_COLLECTIVE_TIMEOUT that is not a number of seconds
         print(f"error: {command}: {err}", file=sys.stderr)
         return 2
