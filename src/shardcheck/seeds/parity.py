@@ -204,7 +204,11 @@ def check_parity(
         raise TypeError(
             f"{fn}: with a Task, pass no model, optimizer or batches beside it (got {len(seed_args)})"
         )
-    dtypes = {"compute_dtype": compute_dtype, "param_dtype": param_dtype, "matmul_precision": matmul_precision}
+    dtypes = {
+        "compute_dtype": compute_dtype,
+        "param_dtype": param_dtype,
+        "matmul_precision": matmul_precision,
+    }
     return harness.check_parity(
         candidate,
         task,
