@@ -49,9 +49,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_OPENING_LINE = 4  # the first code line of the README's first block, right under its title
 TIMEOUT_S = 600  # each command or script of a block
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*(not run|continues|file|output of)\s*(?::\s*(.*?))?\s*-->$")
+
+
+OPENING = (
+    "the README's two opening commands install the package and run the whole test suite: .ci/run runs them"
+)
+"""Why the README's first block is not run here (the page opens with it, with no marker above it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +73,14 @@ class Block:
     markers: tuple[tuple[str, str], ...]  # (kind, argument) of the HTML comments just above the fence
 
     def marker(self, kind: str) -> str | None:
+        if kind == "not run" and self.opens_the_readme:
+            return OPENING
         return next((arg for k, arg in self.markers if k == kind), None)
+
+    @property
+    def opens_the_readme(self) -> bool:
+        """The README's first block, its two commands (install and main job; install and the test suite)."""
+        return self.page == "README.md" and self.line == README_OPENING_LINE
 
     @property
     def where(self) -> str:
@@ -461,3 +475,14 @@ def test_a_listing_number_the_command_does_not_print_fails():
     check_listings("cmd  --x", "loss 0.45418, drift 5.96e-08 in 9.1 s", listings)  # times and pids differ
     with pytest.raises(AssertionError, match=r"x\.md:5: the listing shows \['5\.96e-08'\]"):
         check_listings("cmd --x", "loss 0.45418, drift 6e-08", listings)
+
+
+def test_the_readme_opens_with_its_two_commands():
+    """The README's first block is the install-and-run and install-and-test pair, skipped here by rule."""
+    first = next(b for b in EXAMPLES if b.page == "README.md")
+    assert first.line == README_OPENING_LINE and first.lang == "bash"
+    assert first.code.splitlines() == [
+        "python -m pip install -e . && shardcheck run",
+        'python -m pip install -e ".[test]" && python -m pytest',
+    ]
+    assert first.marker("not run") == OPENING
