@@ -271,3 +271,45 @@ def test_a_platform_this_cpu_host_lacks_exits_2(platform, capsys):
         f"shardcheck run: --platform {platform}: this host has no {platform} devices (JAX's default backend is 8 x "
         "cpu); omit it to run on fake CPU devices"
     ) in err
+
+
+def test_describe_names_each_platform_with_its_count_and_an_accelerators_kind():
+    cpus = list(jax.devices("cpu"))
+    assert devices_module.describe(cpus[:1]) == "1 x cpu"
+    assert devices_module.describe(cpus[:8]) == "8 x cpu"
+    assert devices_module.describe([FakeGpu()]) == "1 x gpu (NVIDIA H200)"
+    assert devices_module.describe([*cpus[:2], FakeGpu()]) == "2 x cpu + 1 x gpu (NVIDIA H200)"
+
+
+def test_a_report_says_where_each_side_ran():
+    """The reference steps on one device, the candidate on its mesh: both named in the report and its JSON; the
+    text says it only when the sides' platforms differ."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardcheck
+    from shardcheck.losses import mse_batch_loss
+    from shardcheck.models import MLP
+    from shardcheck.parity.report import ParityReport
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32))]
+    task = shardcheck.Task(
+        model=lambda: MLP(3, 4, 1, rngs=nnx.Rngs(0)),
+        optimizer=optax.sgd(0.1),
+        loss_fn=mse_batch_loss,
+        batches=batches,
+    )
+    report = shardcheck.check_parity("dp", task, mesh=make_mesh(4))
+    assert report.ok and report.devices == {"reference": "1 x cpu", "candidate": "4 x cpu"}
+    assert report.to_dict()["devices"] == report.devices
+    assert "ran on:" not in str(report)
+    mixed = ParityReport(
+        "dp",
+        True,
+        report.steps,
+        report.diagnoses,
+        devices={"reference": "1 x gpu (NVIDIA H200)", "candidate": "4 x cpu"},
+    )
+    assert "  ran on: reference 1 x gpu (NVIDIA H200), candidate 4 x cpu" in str(mixed).splitlines()

@@ -205,6 +205,19 @@ def select_devices(
     )
 
 
+def describe(devices) -> str:
+    """Devices in words, for a report: ``"1 x cpu"``, ``"8 x cpu"``, ``"1 x gpu (NVIDIA H200)"``; several
+    platforms joined with ``" + "`` (largest first)."""
+    by_platform: dict[str, list] = {}
+    for device in devices:
+        by_platform.setdefault(device.platform, []).append(device)
+    parts = []
+    for platform, group in sorted(by_platform.items(), key=lambda item: -len(item[1])):
+        kind = str(getattr(group[0], "device_kind", platform))
+        parts.append(f"{len(group)} x {platform}" + (f" ({kind})" if platform != "cpu" else ""))
+    return " + ".join(parts)
+
+
 def use_platform_of(choice: DeviceChoice) -> None:
     """Make the mesh's first device the default device (``jax_default_device``) when the mesh is not on the
     default backend, so a step that runs alone runs beside the mesh, at its precision; a no-op otherwise."""

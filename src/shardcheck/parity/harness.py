@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -656,8 +657,27 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         reference_diverged_at=reference_diverged_at,
         matmul_precision=run.precision.matmul,
         matmul_precision_source=run.matmul_source,
+        devices=_sides_devices(run, mesh),
         **_footprint_fields(run),
     )
+
+
+def _sides_devices(run: _Run, mesh) -> dict[str, str]:
+    """Where each side ran, in words: the reference's arrays' devices (the mesh's, for a strategy on it), the
+    candidate's mesh (its arrays' devices without one)."""
+    from shardcheck.devices import describe
+
+    def placed(model) -> set:
+        return {
+            d
+            for leaf in jax.tree.leaves(nnx.state(model))
+            if isinstance(leaf, jax.Array)
+            for d in leaf.devices()
+        }
+
+    candidate = set(mesh.devices.flat) if mesh is not None else placed(run.cand_model)
+    reference = candidate if run.ref_strategy is not None and mesh is not None else placed(run.ref_model)
+    return {"reference": describe(reference), "candidate": describe(candidate)}
 
 
 def _footprint_fields(run: _Run) -> dict:

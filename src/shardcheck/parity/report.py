@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from shardcheck.parity.diagnosis import KINDS, Diagnosis, LeafError, StepRecord
 
@@ -48,6 +49,8 @@ class ParityReport:
             step"``.
         precision_recheck: on an accelerator, the outcome of re-checking a FAIL within a few tolerances with both
             sides at ``"highest"`` (``shardcheck.parity.recheck``); ``None`` when there was none.
+        devices: where each side ran, ``{"reference": "1 x gpu (NVIDIA H200)", "candidate": "8 x cpu"}``
+            (:func:`shardcheck.devices.describe`); empty for a report not made by a check.
     """
 
     strategy: str
@@ -69,6 +72,7 @@ class ParityReport:
     matmul_precision: str = "float32"
     matmul_precision_source: str = ""
     precision_recheck: str | None = None
+    devices: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def step_ok(self) -> bool:
@@ -144,7 +148,7 @@ class ParityReport:
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
-        ``precision_recheck``.
+        ``precision_recheck``, ``devices``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -158,6 +162,7 @@ class ParityReport:
             "matmul_precision": self.matmul_precision,
             "matmul_precision_source": self.matmul_precision_source,
             "precision_recheck": self.precision_recheck,
+            "devices": dict(self.devices),
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
@@ -232,6 +237,8 @@ class ParityReport:
         lines.append(f"  matmul precision assumed: {self.matmul_precision}{source}")
         if self.precision_recheck is not None:
             lines.append(f"  precision re-check: {self.precision_recheck}")
+        if len({_platforms(where) for where in self.devices.values()}) > 1:  # sides on different platforms
+            lines.append("  ran on: " + ", ".join(f"{side} {where}" for side, where in self.devices.items()))
         if self.peak_bytes_per_device is not None:
             lines.append(f"  memory: {self.footprint_text()}")
         return "\n".join(lines)
@@ -279,3 +286,8 @@ class ParityError(AssertionError):
     def __init__(self, report: ParityReport):
         super().__init__(str(report))
         self.report = report
+
+
+def _platforms(where: str) -> frozenset[str]:
+    """The platforms named in :func:`shardcheck.devices.describe`'s words (``"8 x cpu"`` -> ``{"cpu"}``)."""
+    return frozenset(re.findall(r"\d+ x (\w+)", where))
