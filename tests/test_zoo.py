@@ -20,6 +20,7 @@ turns the CLI's persistent compilation cache off.
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,15 @@ pytest_plugins = ["pytester"]
 
 
 def _load(path: Path):
+    """A zoo file as its module, its folder importable while it loads (as ``--task FILE.py:task`` loads it: the
+    language models import their shared steps from the sibling ``_lm_steps.py``)."""
     spec = importlib.util.spec_from_file_location(f"zoo_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 
@@ -186,12 +193,14 @@ def test_train_stays_within_tolerance(name, capsys):
 
 PLUGIN_TEST = """
 import importlib.util
+import sys
 
 import pytest
 
 import shardcheck
 
 FILES = {files!r}
+sys.path.insert(0, {folder!r})  # the zoo's shared steps, _lm_steps.py
 
 
 def _load(path):
@@ -212,7 +221,7 @@ def test_zoo_step(path, shardcheck_mesh):
 def test_the_pytest_plugin_checks_every_zoo_step(pytester):
     """A user's own test file, run by ``pytest -p shardcheck`` in a fresh process: every zoo step PASSes (the
     faults are checked in-process above: a fresh process compiles everything again)."""
-    pytester.makepyfile(test_zoo_steps=PLUGIN_TEST.format(files=[str(p) for p in FILES]))
+    pytester.makepyfile(test_zoo_steps=PLUGIN_TEST.format(files=[str(p) for p in FILES], folder=str(ZOO)))
     flags = ("-p", "shardcheck", "-p", "no:xdist", "-p", "no:cacheprovider", "--shardcheck-devices", "8")
     result = pytester.runpytest_subprocess(*flags, timeout=1200)
     result.assert_outcomes(passed=len(FILES))

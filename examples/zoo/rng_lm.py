@@ -15,16 +15,14 @@ collectives. ``FAULTS`` are the same step written by hand with ``jax.shard_map``
 
 import jax
 import optax
+from _lm_steps import gspmd_step, shard_map_step  # the zoo's shared LM steps (a sibling file)
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import shardcheck
 from shardcheck.tasks.tiny_lm import lm_batches, lm_loss, vocab_size
 
 D, HEADS, MLP, SEQ, LAYERS = 16, 2, 32, 16, 1
 MESH = {"data": 2, "fsdp": 4}
-BATCH_AXES = ("data", "fsdp")
 
 
 class TransformerBlock(nnx.Module):
@@ -69,56 +67,11 @@ task = shardcheck.Task(
 )
 
 
-@nnx.jit
-def _train_step(model, optimizer, batch):
-    def mean_loss(model):
-        loss_sum, count = lm_loss(model, batch)
-        return loss_sum / count
-
-    loss, grads = nnx.value_and_grad(mean_loss)(model)
-    optimizer.update(model, grads)
-    return {"loss": loss, "grads": grads}
-
-
-def step(model, optimizer, batch, mesh):
-    """The user's GSPMD step: state replicated, the batch split over ``data`` and ``fsdp``."""
-    state = nnx.state((model, optimizer))
-    nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
-    batch = jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
-    return _train_step(model, optimizer, batch)
-
-
-def _shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum, own_count=False):
-    """A data-parallel step by hand: each shard's gradient of its loss sum, reduced with ``mean`` over
-    ``grads_over`` and divided by the token count reduced with ``count``. The right choice: psum both over every
-    batch axis. ``own_count``: each shard divides by its own token count before the reduction."""
-
-    def faulty_step(model, optimizer, batch, mesh):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def body(params, rest, batch):
-            def local(p):
-                return lm_loss(nnx.merge(graphdef, p, rest), batch)
-
-            (loss_sum, n), grads = jax.value_and_grad(local, has_aux=True)(params)
-            total = count(n, BATCH_AXES)
-            scale = n if own_count else total
-            grads = jax.tree.map(lambda g: mean(g / scale, grads_over), grads)
-            return jax.lax.psum(loss_sum, BATCH_AXES) / jax.lax.psum(n, BATCH_AXES), grads
-
-        mapped = jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), P(), P(BATCH_AXES)), out_specs=P(), check_vma=False
-        )
-        loss, grads = jax.jit(mapped)(params, rest, batch)
-        optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
-
-    return faulty_step
-
+step = gspmd_step  # the user's correct step (_lm_steps.py)
 
 FAULTS = {
     # a pmean of gradients already divided by the global count: x 1/S
-    "averaged_twice": (_shard_map_step(mean=jax.lax.pmean), "averaged_twice"),
+    "averaged_twice": (shard_map_step(mean=jax.lax.pmean), "averaged_twice"),
     # the gradients reduced over 'data' only: the copies along 'fsdp' differ
-    "missed_fsdp": (_shard_map_step(grads_over=("data",)), "wrong_axis_reduction"),
+    "missed_fsdp": (shard_map_step(grads_over=("data",)), "wrong_axis_reduction"),
 }

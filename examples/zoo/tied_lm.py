@@ -16,16 +16,14 @@ batch split over ``data`` and ``fsdp``. ``FAULTS`` are a data-parallel step writ
 import jax
 import jax.numpy as jnp
 import optax
+from _lm_steps import gspmd_step, shard_map_step  # the zoo's shared LM steps (a sibling file)
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import shardcheck
 from shardcheck.tasks.tiny_lm import lm_batches, lm_loss, vocab_size
 
 D, HEADS, MLP, SEQ = 16, 2, 32, 16
 MESH = {"data": 2, "fsdp": 2}
-BATCH_AXES = ("data", "fsdp")
 init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
 
 
@@ -78,55 +76,11 @@ task = shardcheck.Task(
 )
 
 
-@nnx.jit
-def _train_step(model, optimizer, batch):
-    def mean_loss(model):
-        loss_sum, count = lm_loss(model, batch)
-        return loss_sum / count
-
-    loss, grads = nnx.value_and_grad(mean_loss)(model)
-    optimizer.update(model, grads)
-    return {"loss": loss, "grads": grads}
-
-
-def step(model, optimizer, batch, mesh):
-    """The user's GSPMD step: state placed from its annotations, the batch over ``data`` and ``fsdp``."""
-    state = nnx.state((model, optimizer))
-    nnx.update((model, optimizer), jax.device_put(state, nnx.get_named_sharding(state, mesh)))
-    batch = jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
-    return _train_step(model, optimizer, batch)
-
-
-def _shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum, own_count=False):
-    """A data-parallel step by hand: each shard's gradient of its loss sum, reduced with ``mean`` over
-    ``grads_over`` and divided by the token count reduced with ``count``. The right choice: psum both over every
-    batch axis. ``own_count``: each shard divides by its own token count before the reduction."""
-
-    def faulty_step(model, optimizer, batch, mesh):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def body(params, rest, batch):
-            def local(p):
-                return lm_loss(nnx.merge(graphdef, p, rest), batch)
-
-            (loss_sum, n), grads = jax.value_and_grad(local, has_aux=True)(params)
-            scale = n if own_count else count(n, BATCH_AXES)
-            grads = jax.tree.map(lambda g: mean(g / scale, grads_over), grads)
-            return jax.lax.psum(loss_sum, BATCH_AXES) / jax.lax.psum(n, BATCH_AXES), grads
-
-        mapped = jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), P(), P(BATCH_AXES)), out_specs=P(), check_vma=False
-        )
-        loss, grads = jax.jit(mapped)(params, rest, batch)
-        optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
-
-    return faulty_step
-
+step = gspmd_step  # the user's correct step (_lm_steps.py)
 
 FAULTS = {
     # the token count averaged over the shards, not summed: every gradient x S
-    "count_averaged": (_shard_map_step(count=jax.lax.pmean), "summed"),
+    "count_averaged": (shard_map_step(count=jax.lax.pmean), "summed"),
     # each shard divides by its own token count, then the shards are averaged: a mean of per-shard means
-    "per_shard_mean": (_shard_map_step(mean=jax.lax.pmean, own_count=True), "normalization"),
+    "per_shard_mean": (shard_map_step(mean=jax.lax.pmean, own_count=True), "normalization"),
 }
