@@ -77,6 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     import jax
 
+    _thread_pool(n)
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as err:  # a conftest or plugin already ran a JAX computation
@@ -85,6 +86,15 @@ def pytest_configure(config: pytest.Config) -> None:
             f"({err}); remove the JAX computation from import time (conftest.py, a plugin), or set the "
             "devices there with jax.config.update('jax_num_cpu_devices', N) and drop the option"
         ) from None
+
+
+def _thread_pool(num_devices: int) -> None:
+    """Give XLA:CPU the command line's thread pool for ``num_devices`` fake devices (``PJRT_NPROC``; not when the
+    user set it or JAX has started): with one thread per device, collective programs launched back to back can
+    hang until XLA aborts the test process (``docs/known_issues.md``)."""
+    from shardcheck.cli._xla import use_cpu_thread_pool
+
+    use_cpu_thread_pool(num_devices)
 
 
 def in_ci() -> bool:
@@ -99,6 +109,7 @@ def _create_devices(needed: int) -> None:
 
     if jax.config.jax_num_cpu_devices >= needed:
         return
+    _thread_pool(max(needed, DEFAULT_FAKE_DEVICES))
     try:
         jax.config.update("jax_num_cpu_devices", max(needed, DEFAULT_FAKE_DEVICES))
     except RuntimeError:  # JAX already started (a computation at import time, an earlier test): too late
