@@ -256,9 +256,11 @@ def test_factors_that_differ_by_leaf_group_are_a_local_clip_norm():
     message = found[0].message
     assert "x1: b.bias; x1.7: a.bias, a.kernel; x2.2: b.kernel" in message
     assert found[0].leaf == "param b.kernel"
-    # a factor below 1 is no clip by a smaller (local) norm: the generic finding stays
+    # a factor below 1 is no clip by a smaller (local) norm: the generic finding stays, naming the optimizer state
+    # as the first stage that differs (the gradients match: not "only the loss matches", issue #36)
     found = diagnose([_record({"a.kernel": 0.6, "b.kernel": 1.7})], 2)
-    assert found[0].code == "loss_only", found
+    assert found[0].code == "localized", found
+    assert "the loss and the gradients match; the optimizer state differs (2 of 2 leaves)" in found[0].message
     # gradients that differ are not this fault
     found = diagnose([_record({"a.kernel": 1.7, "b.kernel": 2.2}, grads_ok=False)], 2)
     assert not {"local_clip_norm", "clip_coefficient"} & {d.code for d in found}, found

@@ -30,7 +30,7 @@ RATIO_RTOL = 3 * 2.0**-24
 
 
 def _fields(e):
-    return dataclasses.astuple(dataclasses.replace(e, ratio=None))
+    return dataclasses.astuple(dataclasses.replace(e, ratio=None, spread=None))
 
 
 def _same_ratio(d, h):
@@ -38,6 +38,13 @@ def _same_ratio(d, h):
         assert d == h or (d is not None and math.isnan(d) and math.isnan(h)), (d, h)
     else:
         assert abs(d - h) <= RATIO_RTOL * abs(h) + 1e-37, (d, h)
+
+
+def _same_spread(d, h):
+    """The ratio's 10th/90th percentiles: order statistics of the same quotients, each to float32's rounding."""
+    assert (d is None) == (h is None), (d, h)
+    for a, b in zip(d or (), h or (), strict=True):
+        _same_ratio(a, b)
 
 
 def _same(items):
@@ -59,6 +66,7 @@ def _same(items):
     for d, h in zip(on_device, host, strict=True):
         np.testing.assert_equal(_fields(d), _fields(h))
         _same_ratio(d.ratio, h.ratio)
+        _same_spread(d.spread, h.spread)
     return device
 
 
@@ -190,6 +198,7 @@ def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
         np.testing.assert_equal([_fields(e) for e in d.leaves], [_fields(e) for e in h.leaves])
         for de, he in zip(d.leaves, h.leaves, strict=True):
             _same_ratio(de.ratio, he.ratio)
+            _same_spread(de.spread, he.spread)
         assert d.replica_mismatches == h.replica_mismatches
 
 

@@ -68,7 +68,7 @@ def _one(findings: list[Diagnosis], code: str) -> Diagnosis:
 
 
 UPDATE = ("grad w", "grad b", "param w", "param b")
-FALLBACKS = {"scaled", "update_differs", "loss_only", "drift"}
+FALLBACKS = {"scaled", "update_differs", "loss_only", "localized", "drift"}
 
 
 def test_rules_are_named_functions():
@@ -137,7 +137,8 @@ def test_an_optimizers_own_counter_ahead_is_named_per_micro_batch():
     )
     assert "optax.MultiSteps(tx, every_k_schedule=k)" in d.message and d.leaf == "counter 0.count"
     assert not FALLBACKS & set(_codes(out))  # not loss_only
-    assert "loss_only" in _codes(diagnose([dataclasses.replace(record, leaves=record.leaves[:-1])], 2))
+    # without the count: the gradients match, so not "only the loss matches" but the stage that differs
+    assert "localized" in _codes(diagnose([dataclasses.replace(record, leaves=record.leaves[:-1])], 2))
     per_shard = _one(diagnose([record], 2), "step_counter")
     assert (
         "stepped 2 times per step: the counter 0.count of its state is 2 after 1 step(s)" in per_shard.message
@@ -261,14 +262,17 @@ def test_drift():
 
 
 def test_loss_only():
-    out = diagnose([_record(bad=("param w", "param b"))])
+    out = diagnose([_record(bad=(*UPDATE, "opt_state 0.mu.w"))])
     d = _one(out, "loss_only")
-    assert (
-        "Only the loss matches" in d.message and "(param w: max abs err 0.1 > tolerance 0.001)" in d.message
-    )
+    assert "Only the loss matches" in d.message and "(grad w: max abs err 0.1 > tolerance 0.001)" in d.message
     assert "this is not parity" in d.message
     assert _codes(out) == ["loss_only"]
     assert "loss_only" not in _codes(diagnose(_passing()))
+    # the gradients and the optimizer state match: "only the loss matches" would be false (issue #36)
+    assert _codes(diagnose([_record(bad=("param w", "param b"))])) == ["localized"]
+    assert _codes(diagnose([_record(bad=("grad w", "param w", "param b", "opt_state 0.mu.w"))])) == [
+        "localized"
+    ]
 
 
 def test_update_differs():

@@ -46,7 +46,7 @@ def _meshes():
 
 
 def _fields(e):
-    return dataclasses.astuple(dataclasses.replace(e, ratio=None))
+    return dataclasses.astuple(dataclasses.replace(e, ratio=None, spread=None))
 
 
 def _compared(items, median: bool):
@@ -124,8 +124,12 @@ def test_split_leaves_give_the_float64_fields(r, noise, r0, special, where, shif
             np.testing.assert_equal(_fields(d), _fields(h))
             if median and d.ratio is not None and h.ratio is not None and math.isfinite(h.ratio):
                 assert abs(d.ratio - h.ratio) <= RATIO_RTOL * abs(h.ratio) + 1e-37, (d.ratio, h.ratio)
+                # the ratio's 10th/90th percentiles: order statistics of the same quotients, to float32's rounding
+                for a, b in zip(d.spread, h.spread, strict=True):
+                    assert abs(a - b) <= RATIO_RTOL * abs(b) + 1e-37, (d.spread, h.spread)
             else:
                 np.testing.assert_equal(d.ratio, h.ratio)
+                np.testing.assert_equal(d.spread, h.spread)
 
 
 def _split_and_packed(shardings, fields, tol):

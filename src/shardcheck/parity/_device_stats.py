@@ -96,12 +96,9 @@ def _max_exact(red, s, e):
     return m, red.max(jnp.where(mag == red.each(m), jnp.where(s >= 0, e, -e), -jnp.inf))
 
 
-def _middle(red, x, k):
-    """Per leaf, the two middle values of its ``k`` smallest valid elements (``sort(x)[(k - 1) // 2]`` and
-    ``sort(x)[k // 2]``) exactly: the first by bisection over the 2**32 float32 order keys (32 counting
-    passes), the second from it (one pass). ``red``: a :class:`_Rows` or :class:`_Blocks`."""
-    key = _order_key(x)
-    rank = jnp.maximum(k - 1, 0) // 2
+def _order_stat(red, key, rank):
+    """Per leaf, the order key of its valid element of 0-based ``rank`` in sorted order, exactly: bisection over
+    the 2**32 float32 order keys (32 counting passes). ``red``: a :class:`_Rows` or :class:`_Blocks`."""
 
     def halve(_, bounds):
         lo, hi = bounds
@@ -110,12 +107,30 @@ def _middle(red, x, k):
         return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
 
     start = (jnp.zeros_like(rank, jnp.uint32), jnp.full_like(rank, 0xFFFFFFFF, jnp.uint32))
-    low, _ = jax.lax.fori_loop(0, 32, halve, start)
+    return jax.lax.fori_loop(0, 32, halve, start)[0]
+
+
+def _middle(red, x, k):
+    """Per leaf, the two middle values of its ``k`` smallest valid elements (``sort(x)[(k - 1) // 2]`` and
+    ``sort(x)[k // 2]``) exactly: the first by :func:`_order_stat`, the second from it (one pass). ``red``: a
+    :class:`_Rows` or :class:`_Blocks`."""
+    key = _order_key(x)
+    low = _order_stat(red, key, jnp.maximum(k - 1, 0) // 2)
     # the next order statistic: the same key when enough elements share it, else the smallest key above
     repeated = red.count_true(key <= red.each(low)) >= k // 2 + 1
     above = red.min(jnp.where(key > red.each(low), x, jnp.inf))
     low_value = _from_order_key(low)
     return low_value, jnp.where(repeated, low_value, above)
+
+
+def _spread(red, x, k):
+    """Per leaf, the 10th and 90th percentile of its ``k`` smallest valid elements as order statistics
+    (``sort(x)[(k - 1) // 10]`` and ``sort(x)[ceil(9 (k - 1) / 10)]``, ``compare.spread_ranks``), exactly."""
+    key = _order_key(x)
+    n = jnp.maximum(k - 1, 0)
+    low = _order_stat(red, key, n // 10)
+    high = _order_stat(red, key, (9 * n + 9) // 10)
+    return _from_order_key(low), _from_order_key(high)
 
 
 class _Rows(NamedTuple):
@@ -148,6 +163,9 @@ class _Rows(NamedTuple):
 
     def middle(self, x, k):
         return _middle(self, x, k)
+
+    def spread(self, x, k):
+        return _spread(self, x, k)
 
     def largest(self, key, values):
         """``values`` at each leaf's :data:`CANDIDATES` valid elements of largest ``key``: ``(leaves,
@@ -196,7 +214,8 @@ def device_stats(layout: Layout, group: dict, row_leaf, row_len, tol, median: bo
     Returns:
         ``{name: (leaves,) array}``: ``scale`` (max|r|), ``diff``/``diff_e`` and ``change``/``change_e`` (the
         exact max |c - r| and |r - r0| as float32 pairs), ``low``/``high`` (the median update ratio's two middle
-        float32 quotients) and ``unsure`` (float32 cannot settle that ratio), with ``median`` only; the
+        float32 quotients), ``p10``/``p90`` (its 10th and 90th percentile quotients) and ``unsure`` (float32
+        cannot settle that ratio), with ``median`` only; the
         badness statistics ``top``, ``near``, ``max_extra``, ``min_allowed`` and ``at_s``/``at_e``/``at_extra``
         ``(leaves, CANDIDATES)``; and ``finite`` (every input finite and not tiny, every float32 difference
         finite).
@@ -223,7 +242,9 @@ def _statistics(red, flat: dict, tol, median: bool) -> dict:
         q = dc / change
         unsure = (jnp.abs(mag - threshold) <= BORDER * threshold) | (used & ~jnp.isfinite(q))
         out["unsure"] = red.count_true(unsure) > 0
-        out["low"], out["high"] = red.middle(jnp.where(used, q, jnp.inf), red.count_true(used))
+        used_q, count = jnp.where(used, q, jnp.inf), red.count_true(used)
+        out["low"], out["high"] = red.middle(used_q, count)
+        out["p10"], out["p90"] = red.spread(used_q, count)
     # the elementwise badness against the allowance
     allowed = red.each(tol[:, 0]) + red.each(tol[:, 1]) * red.each(out["scale"]) + extra
     bad = jnp.abs(s) / allowed
@@ -312,6 +333,9 @@ class _Blocks(NamedTuple):
 
     def middle(self, x, k):
         return _middle(self, x, k)
+
+    def spread(self, x, k):
+        return _spread(self, x, k)
 
     def largest(self, key, values):
         """``values`` at each leaf's :data:`CANDIDATES` elements of largest ``key``, ``(leaves, CANDIDATES)``

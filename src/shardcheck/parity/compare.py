@@ -62,13 +62,34 @@ def replica_mismatch(a) -> bool:
 def _ratio(dr: np.ndarray, dc: np.ndarray, top: float | None = None) -> float | None:
     """The median elementwise ratio ``dc / dr`` over elements where ``|dr|`` is at least 1% of its largest
     (``top``: that largest, when already known)."""
+    return _ratio_stats(dr, dc, top)[0]
+
+
+def spread_ranks(n: int) -> tuple[int, int]:
+    """The 0-based ranks of the update ratio's 10th and 90th percentile among its ``n >= 1`` sorted elements:
+    ``floor(0.1 (n - 1))`` and ``ceil(0.9 (n - 1))`` (order statistics, no interpolation, so that the device's
+    float32 quotients give the same elements)."""
+    return (n - 1) // 10, -(-9 * (n - 1) // 10)
+
+
+def _ratio_stats(
+    dr: np.ndarray, dc: np.ndarray, top: float | None = None
+) -> tuple[float | None, tuple[float, float] | None]:
+    """``(median, (p10, p90))`` of the elementwise ratio ``dc / dr`` over the elements where ``|dr|`` is at least
+    1% of its largest (``top``: that largest, when already known); ``(None, None)`` where ``dr`` is all 0. The
+    percentiles are the order statistics of :func:`spread_ranks` (``LeafError.spread``)."""
     big = np.abs(dr)
     top = float(np.max(big, initial=0.0)) if top is None else top
     if top == 0:
-        return None
+        return None, None
     mask = big >= 0.01 * top
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return float(np.median(dc[mask] / dr[mask]))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = (dc[mask] / dr[mask]).ravel()
+    if q.size == 0:
+        return math.nan, None
+    lo, hi = spread_ranks(q.size)
+    ordered = np.partition(q, [lo, hi])  # NaN last, as in a sort
+    return float(np.median(q)), (float(ordered[lo]), float(ordered[hi]))
 
 
 def leaf_error(
@@ -85,7 +106,7 @@ def leaf_error(
     scale = float(np.max(np.abs(r), initial=0.0))
     base = atol + rtol * scale
     if r.shape != c.shape:
-        return LeafError(step, kind, path, math.inf, math.inf, base, False)
+        return LeafError(step, kind, path, math.inf, math.inf, base, False, shape=r.shape)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(c - r)
     nan = bool(np.isnan(diff).any())
@@ -108,7 +129,8 @@ def leaf_error(
         change = float(np.max(np.abs(dr), initial=0.0))
     else:
         dr, dc, change = r, c, None
-    return LeafError(step, kind, path, max_abs, rel, tol, ok, _ratio(dr, dc), change)
+    ratio, spread = _ratio_stats(dr, dc)
+    return LeafError(step, kind, path, max_abs, rel, tol, ok, ratio, change, spread, r.shape)
 
 
 def counter_error(step, path, ref, cand) -> LeafError:
@@ -218,6 +240,8 @@ def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
     the float32 quotients of the float32 differences: each quotient is within ``3 * 2**-24`` relative of its
     float64 value, and so is the median (an order statistic moves no more than its elements); the elements it is
     taken over are float64's (a leaf with an element within ``1e-5`` of the threshold gets its ratio on the host).
+    The ratio's spread (``LeafError.spread``, its 10th and 90th percentile order statistics) comes from the same
+    elements and quotients, two more bisections, to the same float32 rounding.
     On CPU devices it is NumPy's float64 median, exactly :func:`leaf_error`'s. Leaves the device cannot settle
     (non-finite or tiny values, many ties at the top, tiny allowances, other dtypes, arrays spread over
     processes) are compared on the host by :func:`leaf_error`, and so is every leaf on CPU devices
@@ -346,20 +370,25 @@ def _from_stats(item: LeafInput, st: dict) -> LeafError:
     change = _exact(st["change"], st["change_e"]) if item.before_ref is not None else None
     top = scale if change is None else change
     if top == 0:
-        ratio = None
+        ratio, spread = None, None
     elif "low" not in st or st["unsure"] or top < _device_stats.TINY:
-        ratio = _host_ratio(item, top)
+        ratio, spread = _host_ratio(item, top)
     else:
         ratio = 0.5 * (float(st["low"]) + float(st["high"]))
-    return LeafError(item.step, item.kind, item.path, max_abs, rel, tol, bool(ok), ratio, change)
+        spread = (float(st["p10"]), float(st["p90"]))
+    shape = tuple(item.ref.shape)
+    return LeafError(
+        item.step, item.kind, item.path, max_abs, rel, tol, bool(ok), ratio, change, spread, shape
+    )
 
 
-def _host_ratio(item: LeafInput, top: float) -> float | None:
-    """:func:`_ratio` from float64 host copies of the leaf (where float32 cannot settle the median's elements)."""
+def _host_ratio(item: LeafInput, top: float) -> tuple[float | None, tuple[float, float] | None]:
+    """:func:`_ratio_stats` from float64 host copies of the leaf (where float32 cannot settle the median's
+    elements)."""
     r, c = to_host(item.ref).astype(np.float64), to_host(item.cand).astype(np.float64)
     if item.before_ref is None:
-        return _ratio(r, c, top)
-    return _ratio(r - to_host(item.before_ref), c - to_host(item.before_cand), top)
+        return _ratio_stats(r, c, top)
+    return _ratio_stats(r - to_host(item.before_ref), c - to_host(item.before_cand), top)
 
 
 # ------------------------------------------------------------------------------------ per-leaf device scalars

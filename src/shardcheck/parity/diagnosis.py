@@ -25,7 +25,10 @@ in order, with their codes:
 - :func:`loss_differs` (``loss_differs``): only the returned loss differs.
 - :func:`grads_differ` (``grads_differ``): only the exposed gradients differ.
 - :func:`drift` (``drift``): an unexplained failure after steps that agreed.
-- :func:`loss_only` (``loss_only``): an unexplained failure at step 0 while the loss matches (seed 001).
+- :func:`loss_only` (``loss_only``): an unexplained failure at step 0 while the loss matches (seed 001) and no
+  gradient and no optimizer-state leaf does.
+- :func:`localized` (``localized``): an unexplained failure at step 0 while the loss and some gradient or
+  optimizer-state leaves match: the first stage that differs, and what its failing leaves share.
 - :func:`update_differs` (``update_differs``): any other unexplained failure of the update.
 - :func:`loose_tolerance` (``weak_check``): rtol too loose to tell a x2 error from rounding.
 - :func:`weak_update` (``weak_check``): a reference update not above its tolerance at any step.
@@ -63,6 +66,9 @@ SHARP = 10.0
 # An active clip scaled by a norm sqrt(R) too large is exactly 1/sqrt(R): named only within 0.1% (a factor 0.7
 # that is a user's own constant is not 1/sqrt(2) = 0.7071).
 CLIP_RTOL = 1e-3
+# A leaf's median ratio is a constant factor only when its 10th and 90th percentile (``LeafError.spread``) lie within
+# this many of the ratio's own tolerances of it (or within RATIO_RTOL of it, whichever is wider).
+SPREAD_TOLS = 3.0
 # Above this rtol, a factor-2 error (a mean taken twice at S=2 is off by 50%) may hide in the tolerance.
 LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
@@ -92,6 +98,12 @@ class LeafError:
             reference change is at least 1% of its largest; ``None`` when undefined (counters, no change).
         reference_change: ``param``/``opt_state``: ``max |reference after - reference before|``, the size of the
             reference's update of this leaf in this step; else ``None``.
+        spread: ``(p10, p90)``, the 10th and 90th percentile (order statistics,
+            ``shardcheck.parity.compare.spread_ranks``) of the same elementwise ratios whose median is ``ratio``,
+            from the same pass; ``None`` where ``ratio`` is, or not computed (a leaf the first pass cleared, a
+            hand-built record). A factor is read from ``ratio`` only where they agree with it
+            (:func:`constant_ratio`).
+        shape: the reference leaf's shape, where known (read by :func:`shared_property` to group leaves).
     """
 
     step: int
@@ -103,6 +115,8 @@ class LeafError:
     ok: bool
     ratio: float | None = None
     reference_change: float | None = None
+    spread: tuple[float, float] | None = None
+    shape: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -192,7 +206,7 @@ class Diagnosis:
     Attributes:
         code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``normalization``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
-            ``grads_differ``, ``update_differs``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
+            ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
             ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weak_check`` or ``rounding_level``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).
@@ -216,6 +230,115 @@ def _consensus(ratios: list[float]) -> float | None:
     if mid == 0 or not all(_close(r, mid) for r in ratios):
         return None
     return mid
+
+
+def _ratio_tolerance(e: LeafError) -> float:
+    """How far one element's ratio ``dc / dr`` may sit from the leaf's factor by rounding alone: the leaf's
+    tolerance (scaled by the factor, at least 1) over the smallest change the ratio reads, 1% of the largest
+    (``reference_change``, or for values ``max |reference| = max_abs_err / max_rel_err``); ``inf`` where that
+    largest is unknown."""
+    top = e.reference_change
+    if top is None and e.max_rel_err > 0 and math.isfinite(e.max_rel_err):
+        top = e.max_abs_err / e.max_rel_err
+    if not top or not math.isfinite(top):
+        return math.inf
+    return e.tolerance * max(1.0, abs(e.ratio or 0.0)) / (0.01 * top)
+
+
+def constant_ratio(e: LeafError) -> bool:
+    """Whether ``e``'s median ratio is one factor across the leaf: its 10th-90th percentile (``e.spread``) lies
+    within ``max(RATIO_RTOL |ratio|, SPREAD_TOLS x`` the ratio's rounding tolerance``)`` of the median. ``True``
+    where no spread was measured (the median stands, as before it was)."""
+    if e.ratio is None or e.spread is None:
+        return True
+    lo, hi = e.spread
+    if not all(math.isfinite(v) for v in (lo, hi, e.ratio)):
+        return False
+    width = max(RATIO_RTOL * abs(e.ratio), SPREAD_TOLS * _ratio_tolerance(e))
+    return abs(lo - e.ratio) <= width and abs(hi - e.ratio) <= width
+
+
+def spread_phrase(e: LeafError) -> str:
+    """``"no constant factor: its elementwise ratio runs from p10 to p90 (10th-90th percentile), median m"``."""
+    lo, hi = e.spread
+    return (
+        f"no constant factor: its elementwise ratio runs from {lo:.4g} to {hi:.4g} (10th-90th percentile), "
+        f"median {e.ratio:.4g}"
+    )
+
+
+def _ndim_class(ndims: set[int], others: set[int]) -> str:
+    """``"ndim >= 2"``, ``"ndim <= 1"`` or ``"another ndim"`` for the ``others`` leaves beside ``ndims``."""
+    if min(others) > max(ndims):
+        return f"ndim >= {min(others)}"
+    if max(others) < min(ndims):
+        return f"ndim <= {max(others)}"
+    return "another ndim"
+
+
+def shared_property(
+    failing: dict[str, tuple[int, ...] | None], matching: dict[str, tuple[int, ...] | None]
+) -> str:
+    """The sentence naming what the failing leaves share and the matching ones lack.
+
+    Tries, in order: one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
+    one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
+    and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
+    leaf matches"``).
+
+    Args:
+        failing: ``{dotted path: shape or None}`` of the leaves out of tolerance (at least one).
+        matching: the same for the leaves within tolerance, of the same kind.
+
+    Returns:
+        The sentence, without a final period; where no property separates the two sets, the failing leaf's
+        name (``"only a.kernel differs; every other leaf matches"``) or the failing leaves' names (``"the
+        failing leaves (a.kernel, b.bias) share no ndim, name or module that the matching ones lack"``).
+
+    Raises:
+        ValueError: ``failing`` is empty.
+    """
+    if not failing:
+        raise ValueError(
+            "shared_property: failing is empty; pass the paths (and shapes) of the failing leaves"
+        )
+    suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
+    names = ", ".join(sorted({suffix[p] for p in failing}))
+    shapes = [failing[p] for p in failing]
+    if all(shape is not None for shape in shapes):
+        ndims = {len(shape) for shape in shapes}
+        other = {len(s) for s in matching.values() if s is not None}
+        if len(ndims) == 1 and not other & ndims:
+            (d,) = ndims
+            head = f"every failing leaf is {d}-D ({names})"
+            if not matching:
+                return head
+            if all(s is not None for s in matching.values()):
+                return f"{head}; every leaf of {_ndim_class(ndims, other)} matches"
+    mine = {suffix[p] for p in failing}
+    theirs = {suffix[p] for p in matching}
+    if matching and not mine & theirs:
+        which = " or ".join(sorted(mine))
+        rest = ", ".join(sorted(theirs))
+        return f"every failing leaf is a {which}; every {rest} matches"
+    prefix = _common_prefix(list(failing))
+    if prefix and matching and not any(p == prefix or p.startswith(prefix + ".") for p in matching):
+        return f"every failing leaf is under {prefix}; every other leaf matches"
+    if len(failing) == 1 and matching:
+        return f"only {next(iter(failing))} differs; every other leaf matches"
+    listed = ", ".join(sorted(failing)[:6]) + (", ..." if len(failing) > 6 else "")
+    return f"the failing leaves ({listed}) share no ndim, name or module that the matching ones lack"
+
+
+def _common_prefix(paths: list[str]) -> str:
+    """The longest dotted module prefix of every path (not a whole path), ``""`` where none."""
+    parts = [p.split(".")[:-1] for p in paths]
+    common = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
 
 
 def _within_tolerance_of_zero(e: LeafError) -> bool:
@@ -268,6 +391,8 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     # leaf's whose reference gradient lies within its tolerance of 0, even when it fails (that noise times S)
     grads = [e for e in leaves if e.kind == "grad" and not _within_tolerance_of_zero(e)]
     failing = [e for e in grads if not e.ok]
+    if not all(constant_ratio(e) for e in failing or grads):
+        return None, ""  # a leaf's ratio is no one factor: no factor is claimed (LeafError.spread)
     f = _consensus([e.ratio for e in failing or grads])
     if f is not None:
         return f, "gradients"
@@ -275,6 +400,8 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     # tolerance, they alone vote (under bfloat16 compute a bias's first moment moved by 3.5 times its tolerance
     # and its ratio by 4% of a sum's x4, past RATIO_RTOL, while the well-resolved leaves agreed to 1%)
     state = _sharp([e for e in leaves if e.kind == "opt_state"])
+    if not all(constant_ratio(e) for e in state if not e.ok):
+        return None, ""
     first = [e.ratio for e in state if ".nu." not in f".{e.path}."]
     second = [e.ratio for e in state if ".nu." in f".{e.path}."]
     second = [math.sqrt(r) for r in second if r is not None and r > 0]
@@ -285,7 +412,10 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
             adam = any(m in f".{e.path}." for e in state for m in (".mu.", ".nu."))
             return f, "optimizer moments" if second or adam else "momentum trace"
         return None, ""
-    f = _consensus([e.ratio for e in _sharp([e for e in leaves if e.kind == "param"])])
+    params = _sharp([e for e in leaves if e.kind == "param"])
+    if not all(constant_ratio(e) for e in params if not e.ok):
+        return None, ""
+    f = _consensus([e.ratio for e in params])
     return (f, "parameter updates") if f is not None else (None, "")
 
 
@@ -380,6 +510,8 @@ def _applied_factors(
             return None, "", ()
         first_moments = evidence == "optimizer moments" and any(".mu." in f".{e.path}." for e in rest.leaves)
         return f, "Adam's first moments" if first_moments else evidence, ()
+    if not all(constant_ratio(e) for e in bad):
+        return None, "", ()
     factors = leaf_factors(rest.leaves, first.unresolved, grads=False)
     groups = factor_groups(factors, RATIO_RTOL)
     if len(groups) < 2 or groups[0][0] < 1 - RATIO_RTOL:
@@ -531,9 +663,14 @@ class DiagnosisContext:
     def detail(self) -> str:
         """The worst leaf's error, for the fallback messages."""
         worst = self.worst
-        return f"{worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}" + (
-            "" if worst.ratio is None else f", update ratio {worst.ratio:.4g}"
+        ratio = (
+            ""
+            if worst.ratio is None
+            else f", update ratio {worst.ratio:.4g}"
+            if constant_ratio(worst)
+            else f", {spread_phrase(worst)}"
         )
+        return f"{worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}{ratio}"
 
 
 Finding = list[Diagnosis] | Diagnosis | None
@@ -593,6 +730,8 @@ def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
 def replicated_reduced(ctx: DiagnosisContext) -> Finding:
     """``replicated_reduced``: some leaves' gradient factor is a replica count while the others match."""
     if ctx.first is None or ctx.factor is not None or not ctx.update_kinds:
+        return None
+    if not all(constant_ratio(e) for e in ctx.bad):
         return None
     factors = leaf_factors(ctx.first.leaves, ctx.first.unresolved)
     right = [p for p, f in factors.items() if _close(f, 1.0)]
@@ -841,9 +980,16 @@ def _loss_ok(ctx: DiagnosisContext) -> bool:
     return loss is not None and loss.ok
 
 
+def _some_match(ctx: DiagnosisContext) -> bool:
+    """Some gradient or optimizer-state leaf of the first failing step matched (then "only the loss matches" is
+    false)."""
+    return any(e.ok for e in ctx.first.leaves if e.kind in ("grad", "opt_state"))
+
+
 def loss_only(ctx: DiagnosisContext) -> Finding:
-    """``loss_only``: an unexplained failure of the update at step 0 while the loss matches (seed 001)."""
-    if not (ctx.unexplained and not ctx.drifted and _loss_ok(ctx)):
+    """``loss_only``: an unexplained failure of the update at step 0 while the loss matches (seed 001) and no
+    gradient and no optimizer-state leaf matches where compared (else :func:`localized` says which do)."""
+    if not (ctx.unexplained and not ctx.drifted and _loss_ok(ctx)) or _some_match(ctx):
         return None
     return Diagnosis(
         "loss_only",
@@ -852,6 +998,69 @@ def loss_only(ctx: DiagnosisContext) -> Finding:
         "communication (seed 001): this is not parity.",
         ctx.worst_name,
     )
+
+
+# the stages of an update, in order: (kind, plural noun, verb agreeing with it, what a first difference there means)
+STAGES = (
+    (
+        "grad",
+        "the gradients",
+        "differ",
+        "the gradients were computed or reduced differently for these leaves",
+    ),
+    (
+        "opt_state",
+        "the optimizer state",
+        "differs",
+        "the optimizer was given other gradients for these leaves, or updated its state differently",
+    ),
+    ("param", "the parameters", "differ", "the update was applied differently"),
+)
+
+
+def localized(ctx: DiagnosisContext) -> Finding:
+    """``localized``: an unexplained failure at step 0 while the loss and some gradient or optimizer-state leaves
+    match: names the first stage (gradients, optimizer state, parameters) with failing leaves, the earlier stages
+    that match, and what the failing leaves of that stage share (:func:`shared_property`)."""
+    if not (ctx.unexplained and not ctx.drifted and _loss_ok(ctx)) or not _some_match(ctx):
+        return None
+    leaves = ctx.first.leaves
+    matched = []
+    for kind, noun, verb, meaning in STAGES:
+        of_kind = [e for e in leaves if e.kind == kind]
+        bad = [e for e in of_kind if not e.ok]
+        if not bad:
+            if of_kind:
+                matched.append(noun)
+            continue
+        worst = max(bad, key=lambda e: e.badness)
+        good = {e.path: e.shape for e in of_kind if e.ok}
+        group = shared_property({e.path: e.shape for e in bad}, good)
+        agree = ["the loss", *matched]
+        verb_ = "matches" if len(agree) == 1 else "match"
+        agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"
+        head = f"At step {ctx.first.step} {agree} {verb_}"
+        count = f"{len(bad)} of {len(of_kind)} leaves"
+        form = _stage_form(bad)
+        return Diagnosis(
+            "localized",
+            f"{head}; {noun} {verb} ({count}): {meaning}. {group[0].upper()}{group[1:]}. {form} "
+            f"({worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}).",
+            worst.name,
+        )
+    return None
+
+
+def _stage_form(bad: list[LeafError]) -> str:
+    """What the failing leaves' ratios say: one constant factor, per-leaf factors, or no constant factor (with
+    the first non-constant leaf's spread)."""
+    blurred = next((e for e in bad if e.ratio is not None and not constant_ratio(e)), None)
+    if blurred is not None:
+        return f"{blurred.name} has {spread_phrase(blurred)}."
+    f = _consensus([e.ratio for e in bad])
+    if f is not None:
+        return f"Their changes are {f:.4g} x the reference's, a constant factor on each."
+    return "Their changes differ from the reference's by no one factor."
 
 
 def update_differs(ctx: DiagnosisContext) -> Finding:
@@ -1005,6 +1214,7 @@ RULES: tuple[Rule, ...] = (
     grads_differ,
     drift,
     loss_only,
+    localized,
     update_differs,
     loose_tolerance,
     weak_update,
@@ -1054,7 +1264,10 @@ def diagnose(
     - ``loss_differs``: only the returned loss differs.
     - ``grads_differ``: only the exposed gradients differ.
     - ``drift``: unexplained failure at a step t > 0 after steps that agreed.
-    - ``loss_only``: unexplained failure at step 0 while the loss matches (not parity, seed 001).
+    - ``loss_only``: unexplained failure at step 0 while the loss matches (not parity, seed 001) and no
+      gradient and no optimizer-state leaf does.
+    - ``localized``: as ``loss_only``, but some gradient or optimizer-state leaves match: the first stage with
+      failing leaves (gradients, optimizer state, parameters) and what those leaves share.
     - ``update_differs``: any other unexplained failure (not one reduced step).
     - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance at every
       step (passing reports only).

@@ -113,7 +113,8 @@ def _cleared(item, st: dict) -> LeafError | None:
         return None
     rel = (diff / scale) if scale > 0 else (0.0 if diff == 0 else math.inf)
     change = float(st["change"]) if "change" in st else None
-    return LeafError(item.step, item.kind, item.path, diff, rel, widest, True, None, change)
+    shape = tuple(item.ref.shape)
+    return LeafError(item.step, item.kind, item.path, diff, rel, widest, True, None, change, None, shape)
 
 
 def _moved(arrays: list, places: list) -> list:
