@@ -662,15 +662,19 @@ class DiagnosisContext:
     @property
     def detail(self) -> str:
         """The worst leaf's error, for the fallback messages."""
-        worst = self.worst
-        ratio = (
-            ""
-            if worst.ratio is None
-            else f", update ratio {worst.ratio:.4g}"
-            if constant_ratio(worst)
-            else f", {spread_phrase(worst)}"
-        )
-        return f"{worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}{ratio}"
+        return _detail(self.worst)
+
+
+def _detail(worst: LeafError, ratio: bool = True) -> str:
+    """A failing leaf's error and (``ratio``) its update ratio, or where that is no constant factor its spread."""
+    ratio = (
+        ""
+        if worst.ratio is None or not ratio
+        else f", update ratio {worst.ratio:.4g}"
+        if constant_ratio(worst)
+        else f", {spread_phrase(worst)}"
+    )
+    return f"{worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}{ratio}"
 
 
 Finding = list[Diagnosis] | Diagnosis | None
@@ -1041,11 +1045,11 @@ def localized(ctx: DiagnosisContext) -> Finding:
         agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"
         head = f"At step {ctx.first.step} {agree} {verb_}"
         count = f"{len(bad)} of {len(of_kind)} leaves"
-        form = _stage_form(bad)
+        form = _stage_form([worst, *bad])
         return Diagnosis(
             "localized",
             f"{head}; {noun} {verb} ({count}): {meaning}. {group[0].upper()}{group[1:]}. {form} "
-            f"({worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}).",
+            f"({_detail(worst, ratio=constant_ratio(worst))}).",
             worst.name,
         )
     return None
