@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import shardcheck
-from shardcheck import make_model
+from shardcheck import make_model, seeds
 from shardcheck.losses import mse_batch_loss
 from shardcheck.runner import run_task, to_host
 
@@ -75,7 +75,7 @@ def test_reduced_sgd_step_is_the_simulation(engine, keep):
 def test_mesh_steps_are_the_registered_mesh_strategies(engine, name):
     report, factory, x, y, num_shards = engine
     model, optimizer = _fresh(factory)
-    step = shardcheck.data_parallel_sgd_step if name == "dp" else shardcheck.fsdp_sgd_step
+    step = shardcheck.data_parallel_sgd_step if name == "dp" else seeds.fsdp_sgd_step
     loss = step(model, optimizer, x, y, shardcheck.make_mesh(num_shards))
     want = report.outcomes[name]
     assert _bits(np.float32(want.loss)) == _bits(loss)
@@ -132,8 +132,14 @@ def test_run_strategies_is_run_task_on_the_seed_task():
 
 
 def test_old_module_paths_are_aliases():
-    from shardcheck import accumulation, baseline, reductions, seeds, simulation, spmd
+    from shardcheck import accumulation, baseline, reductions, simulation, spmd
 
+    # each old path warns (tests/test_deprecations.py pins the text) and gives the canonical object
+    with pytest.warns(DeprecationWarning):
+        _assert_old_module_paths_are_aliases(accumulation, baseline, reductions, simulation, spmd)
+
+
+def _assert_old_module_paths_are_aliases(accumulation, baseline, reductions, simulation, spmd):
     assert baseline.sgd_step is seeds.sgd_step and baseline.fsdp_step is seeds.fsdp_step
     assert simulation.reduced_sgd_step is seeds.reduced_sgd_step
     assert simulation.simulated_data_parallel_step is seeds.simulated_data_parallel_step
@@ -191,7 +197,7 @@ def test_one_admission_rule_for_the_adapters_and_the_engine():
     steps = {
         "reference": shardcheck.sgd_step,
         "dp": lambda m, o, x, y: shardcheck.data_parallel_sgd_step(m, o, x, y, shardcheck.make_mesh(2)),
-        "fsdp": lambda m, o, x, y: shardcheck.fsdp_sgd_step(m, o, x, y, shardcheck.make_mesh(2)),
+        "fsdp": lambda m, o, x, y: seeds.fsdp_sgd_step(m, o, x, y, shardcheck.make_mesh(2)),
     }
     for name, step in steps.items():
         model = _DropoutNet(0.0)
@@ -251,10 +257,13 @@ def test_train_is_train_task_on_the_regression_task():
 
 
 def test_train_keeps_its_old_paths():
-    from shardcheck import seeds, training
+    from shardcheck import training
 
-    assert training.train is seeds.training.train is shardcheck.train
-    assert training.TrainReport is seeds.training.TrainReport is shardcheck.TrainReport
-    assert training.select_features is seeds.training.select_features
+    with pytest.warns(DeprecationWarning, match="shardcheck.training.train is deprecated"):
+        assert training.train is seeds.training.train is shardcheck.train
+    with pytest.warns(DeprecationWarning, match="shardcheck.training.TrainReport is deprecated"):
+        assert training.TrainReport is seeds.training.TrainReport is shardcheck.TrainReport
+    with pytest.warns(DeprecationWarning, match="use shardcheck.seeds.training.select_features"):
+        assert training.select_features is seeds.training.select_features
     with pytest.raises(AttributeError, match="module 'shardcheck.training' has no attribute 'trian'"):
         training.trian  # noqa: B018

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
+from shardcheck import _deprecations
+
 __version__ = "0.1.0"
 
 # Each export and the module it comes from: imported on first use (PEP 562), so that `import shardcheck`
@@ -55,18 +57,15 @@ _EXPORTS = {
     "reduced_sgd_step": "shardcheck.seeds",
     "simulated_data_parallel_step": "shardcheck.seeds",
     "data_parallel_sgd_step": "shardcheck.seeds",
-    "fsdp_sgd_step": "shardcheck.seeds",
     "make_mesh": "shardcheck.mesh",
     "STRATEGIES": "shardcheck.steps",
     "StepResult": "shardcheck.steps",
     "Strategy": "shardcheck.steps",
-    "reference_step": "shardcheck.steps.reference",
     "Task": "shardcheck.task",
     "load_task": "shardcheck.tasks",
     "run_task": "shardcheck.runner",
     "TrainReport": "shardcheck.seeds.training",
     "train": "shardcheck.seeds.training",
-    "train_task": "shardcheck.training",
 }
 
 if TYPE_CHECKING:
@@ -107,7 +106,6 @@ if TYPE_CHECKING:
     from shardcheck.seeds import ReducedStep as ReducedStep
     from shardcheck.seeds import accumulated_sgd_step as accumulated_sgd_step
     from shardcheck.seeds import data_parallel_sgd_step as data_parallel_sgd_step
-    from shardcheck.seeds import fsdp_sgd_step as fsdp_sgd_step
     from shardcheck.seeds import fsdp_step as fsdp_step
     from shardcheck.seeds import (
         make_accumulation_optimizer as make_accumulation_optimizer,
@@ -126,13 +124,11 @@ if TYPE_CHECKING:
     from shardcheck.steps import STRATEGIES as STRATEGIES
     from shardcheck.steps import StepResult as StepResult
     from shardcheck.steps import Strategy as Strategy
-    from shardcheck.steps.reference import reference_step as reference_step
     from shardcheck.task import Task as Task
     from shardcheck.tasks import load_task as load_task
-    from shardcheck.training import train_task as train_task
 
 
-def __getattr__(name: str):
+def _export(name: str):
     module = _EXPORTS.get(name)
     if module is None:  # a submodule used as an attribute (shardcheck.spmd) was imported by the eager version
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
@@ -141,6 +137,11 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+# The other name of a pair (reference_step beside sgd_step, train_task beside train, fsdp_sgd_step beside
+# fsdp_step) is imported from its own module; its old path here warns through the one deprecation table.
+__getattr__ = _deprecations.module_getattr(__name__, fallback=_export)
 
 
 def __dir__():
@@ -178,7 +179,6 @@ __all__ = [
     "data_parallel_sgd_step",
     "derive_tolerance",
     "estimate_memory",
-    "fsdp_sgd_step",
     "fsdp_step",
     "load_recording",
     "load_task",
@@ -194,13 +194,11 @@ __all__ = [
     "placement_summary",
     "record_run",
     "reduced_sgd_step",
-    "reference_step",
     "run_task",
     "sgd_step",
     "simulated_data_parallel_step",
     "strategy_candidate",
     "train",
-    "train_task",
     "tree_mean",
     "tree_sum",
     "weighted_squared_error",

@@ -1,7 +1,13 @@
-"""Deprecated alias of :mod:`shardcheck.seeds.accumulation` (gradient accumulation, C9), kept for one release.
+"""Deprecated alias of :mod:`shardcheck.seeds.accumulation` (gradient accumulation, C9), removed in shardcheck 0.2.0.
 
-Import from :mod:`shardcheck.seeds` (or ``shardcheck``) instead.
+Every name here resolves on first use through the one deprecation table, :data:`shardcheck._deprecations.MOVED`,
+with a ``DeprecationWarning`` that names its canonical import path.
 """
 
-from shardcheck.seeds.accumulation import accumulated_sgd_step as accumulated_sgd_step
-from shardcheck.seeds.accumulation import make_accumulation_optimizer as make_accumulation_optimizer
+from shardcheck import _deprecations
+
+__getattr__ = _deprecations.module_getattr(__name__)
+
+
+def __dir__():
+    return sorted(_deprecations.MOVED[__name__])

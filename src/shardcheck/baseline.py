@@ -1,11 +1,13 @@
-"""Deprecated alias of :mod:`shardcheck.seeds.reference` (seed 001's baseline), kept for one release.
+"""Deprecated alias of :mod:`shardcheck.seeds.reference` (seed 001's baseline), removed in shardcheck 0.2.0.
 
-Import from :mod:`shardcheck.seeds` (or ``shardcheck``) instead.
+Every name here resolves on first use through the one deprecation table, :data:`shardcheck._deprecations.MOVED`,
+with a ``DeprecationWarning`` that names its canonical import path.
 """
 
-from shardcheck.seeds.reference import _fsdp_step_jit as _fsdp_step_jit
-from shardcheck.seeds.reference import _sgd_step_jit as _sgd_step_jit
-from shardcheck.seeds.reference import fresh_linear as fresh_linear
-from shardcheck.seeds.reference import fsdp_step as fsdp_step
-from shardcheck.seeds.reference import sgd_step as sgd_step
-from shardcheck.seeds.reference import validate_entrypoint as validate_entrypoint
+from shardcheck import _deprecations
+
+__getattr__ = _deprecations.module_getattr(__name__)
+
+
+def __dir__():
+    return sorted(_deprecations.MOVED[__name__])

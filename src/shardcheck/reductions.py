@@ -1,7 +1,13 @@
-"""Deprecated alias of :mod:`shardcheck.seeds.reductions` (seed 000's leafwise reduction), kept for one release.
+"""Deprecated alias of :mod:`shardcheck.seeds.reductions` (seed 000's leafwise reduction), removed in shardcheck 0.2.0.
 
-Import from :mod:`shardcheck.seeds` (or ``shardcheck``) instead.
+Every name here resolves on first use through the one deprecation table, :data:`shardcheck._deprecations.MOVED`,
+with a ``DeprecationWarning`` that names its canonical import path.
 """
 
-from shardcheck.seeds.reductions import tree_mean as tree_mean
-from shardcheck.seeds.reductions import tree_sum as tree_sum
+from shardcheck import _deprecations
+
+__getattr__ = _deprecations.module_getattr(__name__)
+
+
+def __dir__():
+    return sorted(_deprecations.MOVED[__name__])

@@ -1,12 +1,13 @@
-"""Deprecated alias of :mod:`shardcheck.seeds.simulation` (seed 000's reduction), kept for one release.
+"""Deprecated alias of :mod:`shardcheck.seeds.simulation` (seed 000's reduction), removed in shardcheck 0.2.0.
 
-Import from :mod:`shardcheck.seeds` (or ``shardcheck``) instead.
+Every name here resolves on first use through the one deprecation table, :data:`shardcheck._deprecations.MOVED`,
+with a ``DeprecationWarning`` that names its canonical import path.
 """
 
-from shardcheck.seeds.simulation import ReducedStep as ReducedStep
-from shardcheck.seeds.simulation import _reduced_step_jit as _reduced_step_jit
-from shardcheck.seeds.simulation import _simulated_step_jit as _simulated_step_jit
-from shardcheck.seeds.simulation import apply_reduced_update as apply_reduced_update
-from shardcheck.seeds.simulation import reduced_sgd_step as reduced_sgd_step
-from shardcheck.seeds.simulation import simulated_data_parallel_step as simulated_data_parallel_step
-from shardcheck.seeds.simulation import split_shards as split_shards
+from shardcheck import _deprecations
+
+__getattr__ = _deprecations.module_getattr(__name__)
+
+
+def __dir__():
+    return sorted(_deprecations.MOVED[__name__])

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardcheck import _validate
+from shardcheck import _deprecations, _validate
 from shardcheck._catalog import COMPARED, REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.distributed import gather_to_host
@@ -545,16 +545,8 @@ def train_task(
 
 # ------------------------------------------------------------------------------------------------ moved names
 
-MOVED_TO_SEEDS = ("EpochRecord", "TrainReport", "select_features", "split_and_standardize", "train")
-"""The seeds' ``(x, y)`` training and its report, now in :mod:`shardcheck.seeds.training` (import them from there
-or from ``shardcheck``). They stay importable from here for one release, as deprecated aliases resolved on first
-use, so that this module (the engine) imports nothing of the seeds' adapters; ``tests/test_import_rules.py``
-allows this one alias by name."""
-
-
-def __getattr__(name: str):
-    if name in MOVED_TO_SEEDS:
-        import importlib
-
-        return getattr(importlib.import_module("shardcheck.seeds.training"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The seeds' ``(x, y)`` training and its report (``train``, ``TrainReport``, ``EpochRecord``, ...) live in
+# :mod:`shardcheck.seeds.training`; their old paths here resolve through the one deprecation table
+# (:data:`shardcheck._deprecations.MOVED`), with a ``DeprecationWarning``, so that this module (the engine)
+# imports nothing of the seeds' adapters.
+__getattr__ = _deprecations.module_getattr(__name__)

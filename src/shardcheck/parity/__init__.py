@@ -2,12 +2,12 @@
 
 :func:`check_parity` (``harness``) runs both sides; ``compare`` holds the leaf comparisons, ``tolerance`` the
 derived rule, ``diagnosis`` the rules that name a failure's cause, ``report`` the result objects.
-``check_parity`` and ``assert_step_parity`` here also take the seeds' ``(model, optimizer, batches)`` form: they
-are the seeds' adapter over the engine's (:mod:`shardcheck.seeds.parity`), imported on first use.
+``shardcheck.check_parity`` and ``shardcheck.assert_step_parity`` (the seeds' adapter over the engine's,
+:mod:`shardcheck.seeds.parity`, which also takes the ``(model, optimizer, batches)`` form) are imported from
+``shardcheck``; their old paths here are deprecated (:mod:`shardcheck._deprecations`).
 """
 
-from typing import TYPE_CHECKING
-
+from shardcheck import _deprecations
 from shardcheck.parity.candidates import strategy_candidate as strategy_candidate
 from shardcheck.parity.compare import flatten_state as flatten_state
 from shardcheck.parity.compare import replica_mismatch as replica_mismatch
@@ -27,19 +27,6 @@ from shardcheck.parity.tolerance import Tolerance as Tolerance
 from shardcheck.parity.tolerance import derive_tolerance as derive_tolerance
 from shardcheck.steps import Candidate as Candidate
 
-if TYPE_CHECKING:
-    from shardcheck.seeds.parity import assert_step_parity as assert_step_parity
-    from shardcheck.seeds.parity import check_parity as check_parity
-
-_ADAPTED = ("assert_step_parity", "check_parity")
-
-
-def __getattr__(name: str):
-    # the adapter imports this package (its engine): it is imported on first use, not with the package
-    if name not in _ADAPTED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from shardcheck.seeds import parity as adapter
-
-    value = getattr(adapter, name)
-    globals()[name] = value
-    return value
+# ``check_parity`` and ``assert_step_parity`` are ``shardcheck.check_parity`` / ``shardcheck.assert_step_parity``;
+# their old paths here resolve through the one deprecation table, with a ``DeprecationWarning``.
+__getattr__ = _deprecations.module_getattr(__name__)

@@ -1,8 +1,13 @@
-"""The ``(model, optimizer, batches)`` form of :func:`~shardcheck.parity.check_parity`: an alias of
-:mod:`shardcheck.seeds.parity`, where the seeds' adapters live."""
+"""Deprecated alias of :mod:`shardcheck.seeds.parity` (the ``(model, optimizer, batches)`` form of ``check_parity``), removed in shardcheck 0.2.0.
 
-from shardcheck.seeds.parity import adapt_candidate as adapt_candidate
-from shardcheck.seeds.parity import adapt_step as adapt_step
-from shardcheck.seeds.parity import regression_batches as regression_batches
-from shardcheck.seeds.parity import regression_loss as regression_loss
-from shardcheck.seeds.parity import regression_task as regression_task
+Every name here resolves on first use through the one deprecation table, :data:`shardcheck._deprecations.MOVED`,
+with a ``DeprecationWarning`` that names its canonical import path.
+"""
+
+from shardcheck import _deprecations
+
+__getattr__ = _deprecations.module_getattr(__name__)
+
+
+def __dir__():
+    return sorted(_deprecations.MOVED[__name__])
