@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck._tree import path_str
+
 
 def _as_array(fn: str, name: str, a) -> jax.Array | np.ndarray:
     if isinstance(a, jax.Array | np.ndarray):
@@ -282,4 +284,33 @@ def check_optimizer(fn: str, optimizer, model) -> None:
         raise ValueError(
             f"{fn}: optimizer was built with wrt={optimizer.wrt!r}; shardcheck steps differentiate nnx.Param, so "
             "build it with nnx.Optimizer(model, tx, wrt=nnx.Param)"
+        )
+
+
+def check_batch_divisible(fn: str, batch: int, num_shards: int, axis_name: str) -> None:
+    """Every device needs an equal, non-empty shard of the batch (:func:`check_divisible`)."""
+    check_divisible(
+        fn,
+        batch,
+        num_shards,
+        by=f"the {num_shards} devices of mesh axis {axis_name!r}",
+        counts="device counts",
+        fix=f"padding or dropping examples would change the loss: pass a batch whose size is a multiple of "
+        f"{num_shards}",
+    )
+
+
+def check_params_only(fn: str, model) -> None:
+    """Refuse any variable but ``nnx.Param`` and RNG streams: the steps neither shard nor synchronise other state.
+
+    RNG streams are judged by the one admission rule (:func:`check_model`): accepted when
+    the forward pass draws nothing from them, and then placed as they are, replicated.
+    """
+    others = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
+    if others:
+        listed = ", ".join(f"{path_str(path)} ({type(var).__name__})" for path, var in others)
+        raise ValueError(
+            f"{fn}: model {type(model).__name__} holds non-Param state the step cannot shard or keep in sync "
+            f"across devices: {listed}. The sharded steps differentiate and distribute nnx.Param variables only; "
+            "make these nnx.Param (if trainable), or constants outside the module"
         )

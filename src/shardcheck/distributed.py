@@ -400,7 +400,7 @@ def _batch_sharding(fn: str, mesh, axis_name: str):
 def process_batch_indices(global_batch_size: int, mesh, axis_name: str = "data") -> np.ndarray:
     """The rows of a global batch this process must load: those its devices hold when the batch is split.
 
-    With :func:`shardcheck.spmd.make_mesh` the devices of one process are contiguous, so process p of P gets
+    With :func:`shardcheck.make_mesh` the devices of one process are contiguous, so process p of P gets
     the rows ``[p * B / P, (p + 1) * B / P)``; other meshes may give several ranges, returned in global order,
     which is the order ``jax.make_array_from_process_local_data`` expects. In a single process: all B rows.
 

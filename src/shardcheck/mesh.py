@@ -188,6 +188,17 @@ def check_mesh(fn: str, mesh) -> Mesh:
     return mesh
 
 
+def check_mesh_axis(fn: str, mesh, axis_name) -> int:
+    """``mesh`` must be a ``Mesh`` with an axis ``axis_name``; returns that axis's size S."""
+    check_mesh(fn, mesh)
+    if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"{fn}: mesh has axes {tuple(mesh.axis_names)}, not axis_name={axis_name!r}; build the mesh with "
+            f"make_mesh(N, axis_name={axis_name!r}) or pass axis_name= one of {tuple(mesh.axis_names)}"
+        )
+    return int(mesh.shape[axis_name])
+
+
 def batch_axis_names(names) -> tuple[str, ...]:
     """The batch axes among mesh axis ``names`` (a mesh's or ``--mesh``'s): those named ``"data"`` or
     ``"fsdp"``, in order; every name when none is."""

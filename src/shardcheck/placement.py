@@ -1,7 +1,7 @@
 """Where each parameter and optimizer-state leaf lives: its spec, global shape, and each device's shard.
 
 Reads the arrays' actual shardings (``jax.Array.sharding``), so it reports what a step left behind, not what a
-rule predicts: after :func:`~shardcheck.fsdp_sgd_step` the split leaves show ``1/S`` shards, after
+rule predicts: after :func:`~shardcheck.seeds.fsdp_sgd_step` the split leaves show ``1/S`` shards, after
 :func:`~shardcheck.data_parallel_sgd_step` every leaf is replicated, before any step the arrays sit on one device.
 """
 

@@ -316,18 +316,18 @@ def _model_task(fn: str, model: nnx.Module, optimizer: nnx.Optimizer, x, y) -> T
 def _measure_model(fn, model, optimizer, x, y, strategy, mesh) -> MemoryMeasurement:
     """``measure_memory(model, optimizer, x, y, ...)``: validated as the seeds' steps validate, then measured as
     the task of :func:`_model_task` (the caller's model and optimizer are not touched)."""
-    from shardcheck import spmd
+    from shardcheck import mesh as mesh_lib
 
     check_strategy(fn, strategy, STRATEGIES)
     x, y = _validate.check_batch(fn, x, y)
     _validate.check_model(fn, model, x, y)
-    spmd.check_params_only(fn, model)
+    _validate.check_params_only(fn, model)
     _validate.check_optimizer(fn, optimizer, model)
     if mesh is None:
-        mesh = spmd.make_mesh()
-    num_shards = spmd.check_mesh(fn, mesh, "data")
+        mesh = mesh_lib.make_mesh()
+    num_shards = mesh_lib.check_mesh_axis(fn, mesh, "data")
     if not one_device(strategy):
-        spmd.check_batch_divisible(fn, x.shape[0], num_shards, "data")
+        _validate.check_batch_divisible(fn, x.shape[0], num_shards, "data")
     return _measure_task(fn, _model_task(fn, model, optimizer, x, y), strategy, mesh)
 
 
@@ -461,7 +461,7 @@ def measure_strategies(
 
     The model is :func:`~shardcheck.memory.make_memory_model` (seed ``seed``) with ``nnx.Optimizer(model,
     make_tx(optimizer), wrt=nnx.Param)``, the batch standard-normal float32 ``x: (batch_size, D)``, ``y:
-    (batch_size, K)`` from ``jax.random.key(seed)``, the mesh :func:`shardcheck.spmd.make_mesh` of the first
+    (batch_size, K)`` from ``jax.random.key(seed)``, the mesh :func:`shardcheck.make_mesh` of the first
     ``num_shards`` devices.
 
     Returns:
@@ -474,7 +474,7 @@ def measure_strategies(
             and the errors of :func:`measure_memory`.
     """
     from shardcheck.memory.models import make_memory_model
-    from shardcheck.spmd import check_batch_divisible, make_mesh
+    from shardcheck.mesh import make_mesh
 
     fn = "measure_strategies"
     num_shards = _validate.check_num_shards(fn, num_shards)
@@ -484,7 +484,7 @@ def measure_strategies(
     _check_devices(fn, num_shards)
     _validate.check_int(fn, "batch_size", batch_size, example="batch_size=8 * num_shards")
     if not all(one_device(s) for s in strategies):
-        check_batch_divisible(fn, batch_size, num_shards, "data")
+        _validate.check_batch_divisible(fn, batch_size, num_shards, "data")
     model = make_memory_model(
         in_features, out_features, hidden=hidden, layers=layers, param_dtype=param_dtype, seed=seed
     )

@@ -34,7 +34,6 @@ from jax.sharding import Mesh
 from shardcheck import _validate
 from shardcheck import mesh as mesh_lib
 from shardcheck._catalog import STRATEGY_SPECS, seed_form
-from shardcheck._tree import path_str
 from shardcheck.losses import mse_batch_loss
 from shardcheck.steps import sharded
 
@@ -46,45 +45,10 @@ STRATEGIES = tuple(
 
 # ----------------------------------------------------------------------------------------------- validation
 
-
-def check_mesh(fn: str, mesh, axis_name) -> int:
-    """``mesh`` must be a ``Mesh`` with an axis ``axis_name``; returns that axis's size S."""
-    mesh_lib.check_mesh(fn, mesh)
-    if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"{fn}: mesh has axes {tuple(mesh.axis_names)}, not axis_name={axis_name!r}; build the mesh with "
-            f"make_mesh(N, axis_name={axis_name!r}) or pass axis_name= one of {tuple(mesh.axis_names)}"
-        )
-    return int(mesh.shape[axis_name])
-
-
-def check_batch_divisible(fn: str, batch: int, num_shards: int, axis_name: str) -> None:
-    """Every device needs an equal, non-empty shard of the batch (:func:`shardcheck._validate.check_divisible`)."""
-    _validate.check_divisible(
-        fn,
-        batch,
-        num_shards,
-        by=f"the {num_shards} devices of mesh axis {axis_name!r}",
-        counts="device counts",
-        fix=f"padding or dropping examples would change the loss: pass a batch whose size is a multiple of "
-        f"{num_shards}",
-    )
-
-
-def check_params_only(fn: str, model) -> None:
-    """Refuse any variable but ``nnx.Param`` and RNG streams: the steps neither shard nor synchronise other state.
-
-    RNG streams are judged by the one admission rule (:func:`shardcheck._validate.check_model`): accepted when
-    the forward pass draws nothing from them, and then placed as they are, replicated.
-    """
-    others = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
-    if others:
-        listed = ", ".join(f"{path_str(path)} ({type(var).__name__})" for path, var in others)
-        raise ValueError(
-            f"{fn}: model {type(model).__name__} holds non-Param state the step cannot shard or keep in sync "
-            f"across devices: {listed}. The sharded steps differentiate and distribute nnx.Param variables only; "
-            "make these nnx.Param (if trainable), or constants outside the module"
-        )
+# The mesh steps' checks, shared with the engine (``memory``'s seeds form): defined in ``mesh`` and ``_validate``.
+check_mesh = mesh_lib.check_mesh_axis
+check_batch_divisible = _validate.check_batch_divisible
+check_params_only = _validate.check_params_only
 
 
 def check_min_size(fn: str, min_size) -> int:
