@@ -10,10 +10,15 @@ import pytest
 from flax import nnx
 
 import shardcheck
-from shardcheck import make_model, make_tx, mse_loss
-from shardcheck.accumulation import accumulated_sgd_step, make_accumulation_optimizer
+from shardcheck import (
+    accumulated_sgd_step,
+    check_parity,
+    make_accumulation_optimizer,
+    make_model,
+    make_tx,
+    mse_loss,
+)
 from shardcheck.losses import mse_batch_loss
-from shardcheck.parity import check_parity
 from shardcheck.steps.accumulation import accumulation_candidate
 
 # Fixture L: full batch loss 7.5; after one SGD(0.1) step from zero: kernel [[0.6], [0.25]], bias [0.5].

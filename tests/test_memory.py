@@ -285,7 +285,7 @@ PERSISTENT_16_6_ADAM = {"replicated": 1232, "dp": 1232, "zero1": 656, "zero2": 6
 
 @pytest.fixture(scope="module")
 def mesh4():
-    from shardcheck.spmd import make_mesh
+    from shardcheck import make_mesh
 
     return make_mesh(4)
 
@@ -473,7 +473,7 @@ def test_task_form_bad_input():
         measure_memory(task, None, np.ones((4, 64)), strategy="dp")
     with pytest.raises(ValueError, match=r"measure_memory: strategy='zero3' is unknown"):
         measure_memory(task, strategy="zero3")
-    from shardcheck.spmd import make_mesh
+    from shardcheck import make_mesh
 
     with pytest.raises(
         ValueError, match=r"measure_memory: batch size 64 \(batch leaf 'label'\) is not divisible"

@@ -23,14 +23,9 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import shardcheck
-from shardcheck import make_model, make_tx, mse_loss, parity
-from shardcheck.parity import (
-    ParityError,
-    assert_step_parity,
-    check_parity,
-    derive_tolerance,
-    minibatches,
-)
+from shardcheck import assert_step_parity, check_parity, make_model, make_tx, mse_loss, parity
+from shardcheck.parity import ParityError, derive_tolerance, minibatches
+from shardcheck.steps.reference import reference_step
 
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 # One optax transformation object per optimizer: the jitted steps cache on the optimizer's static structure,
@@ -253,7 +248,7 @@ def _unsynced_step(mesh):
 @require_devices(4)
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_replicas_that_differ_are_named(opt):
-    from shardcheck.spmd import make_mesh
+    from shardcheck import make_mesh
 
     model, optimizer = fresh("mlp", opt)
     report = check_parity(_unsynced_step(make_mesh(4)), model, optimizer, BATCHES[:2], num_shards=4)
@@ -292,7 +287,7 @@ def _c2_trap_step(mesh):
 
 @require_devices(4)
 def test_shard_map_c2_trap_is_diagnosed_as_a_sum():
-    from shardcheck.spmd import make_mesh
+    from shardcheck import make_mesh
 
     model, optimizer = fresh("linear", "momentum")
     report = check_parity(_c2_trap_step(make_mesh(4)), model, optimizer, BATCHES[:2], num_shards=4)
@@ -371,7 +366,7 @@ def make_user_dp_step(mesh):
 
 @require_devices(4)
 def test_users_own_shard_map_step_passes():
-    from shardcheck.spmd import make_mesh
+    from shardcheck import make_mesh
 
     mesh = make_mesh(4)
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -382,14 +377,14 @@ def test_users_own_shard_map_step_passes():
 
 @require_devices(4)
 def test_mesh_is_passed_to_a_candidate_that_takes_it():
-    from shardcheck.spmd import make_mesh
+    from shardcheck import make_mesh
 
     mesh = make_mesh(4)
     seen = []
 
     def step(model, optimizer, x, y, mesh):
         seen.append(mesh)
-        return shardcheck.spmd.data_parallel_sgd_step(model, optimizer, x, y, mesh)
+        return shardcheck.data_parallel_sgd_step(model, optimizer, x, y, mesh)
 
     model, optimizer = fresh("linear", "sgd")
     assert check_parity(step, model, optimizer, BATCHES[:2], mesh=mesh).ok
@@ -749,7 +744,7 @@ def test_weighted_loss_reproduces_the_full_batch_values(
     np.testing.assert_allclose(report.steps[0].candidate_loss, loss, rtol=1e-6)
     model = zero_linear()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    result = shardcheck.reference_step(weighted_mse, model, optimizer, task.batches[0])
+    result = reference_step(weighted_mse, model, optimizer, task.batches[0])
     np.testing.assert_allclose(result.loss, loss, rtol=1e-6)
     np.testing.assert_allclose(result.grads["bias"][...], [bias], rtol=1e-6)
     np.testing.assert_allclose(model.bias[...], [-0.1 * bias], rtol=1e-6)  # exactly one SGD step

@@ -9,10 +9,11 @@ from conftest import require_devices
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardcheck import make_model, placement, sgd_step, spmd
+import shardcheck
+from shardcheck import data_parallel_sgd_step, make_mesh, make_model, placement, sgd_step
 from shardcheck.partitioning import fsdp_partition_spec
 from shardcheck.placement import LeafPlacement, placement_report, placement_summary
-from shardcheck.spmd import data_parallel_sgd_step, fsdp_sgd_step, make_mesh
+from shardcheck.seeds import fsdp_sgd_step
 
 P = PartitionSpec
 SPLIT = ("kernel", "opt_state.0.mu.kernel", "opt_state.0.nu.kernel")
@@ -165,8 +166,8 @@ def test_type_errors_and_reexports():
         placement_report(model, optax.adam(0.1))
     with pytest.raises(TypeError, match="placement_summary: model must be an nnx.Module, got dict"):
         placement_summary({}, optimizer)
-    assert spmd.placement_summary is placement.placement_summary
-    assert spmd.placement_report is placement.placement_report
+    assert shardcheck.placement_summary is placement.placement_summary
+    assert shardcheck.placement_report is placement.placement_report
     assert jax.tree.leaves(nnx.state(model))  # untouched
 
 

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import shardcheck
-from shardcheck import baseline, simulation
+from shardcheck.seeds import reference as baseline
+from shardcheck.seeds import simulation
 
 
 def test_seed_001_worked_example_verbatim():

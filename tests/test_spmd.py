@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from shardcheck import make_model, make_tx, mse_loss, sgd_step, spmd
+from shardcheck import data_parallel_sgd_step, make_mesh, make_model, make_tx, mse_loss, sgd_step
 from shardcheck.losses import mse_batch_loss
 from shardcheck.partitioning import fsdp_partition_spec
-from shardcheck.spmd import data_parallel_sgd_step, fsdp_sgd_step, make_mesh
+from shardcheck.seeds import fsdp_sgd_step, mesh_steps
 from shardcheck.steps import sharded as sharded_steps
 
 P = PartitionSpec
@@ -192,7 +192,7 @@ def test_consecutive_steps_equal_baseline_without_retrace_or_reshard(strategy):
     losses = [float(STEPS[strategy](model, optimizer, x, y, mesh))]
     fn = STEPS[strategy].__name__
     # The jitted step (lru-cached per structure, placement and mesh): one compiled entry after the first call.
-    step = spmd._prepare(fn, strategy, model, optimizer, x, y, mesh, "data", 0)[0]
+    step = mesh_steps._prepare(fn, strategy, model, optimizer, x, y, mesh, "data", 0)[0]
     assert step._cache_size() == 1
     kernel = model.hidden.kernel[...]
     want_spec = P() if strategy == "dp" else fsdp_partition_spec(kernel.shape, 4)
@@ -201,7 +201,7 @@ def test_consecutive_steps_equal_baseline_without_retrace_or_reshard(strategy):
         losses.append(float(STEPS[strategy](model, optimizer, jnp.asarray(x), y, mesh)))
         k = model.hidden.kernel[...]
         assert k.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), k.ndim)
-    again = spmd._prepare(fn, strategy, model, optimizer, jnp.asarray(x), y, mesh, "data", 0)[0]
+    again = mesh_steps._prepare(fn, strategy, model, optimizer, jnp.asarray(x), y, mesh, "data", 0)[0]
     assert again is step, "a repeated call built a new step"
     assert step._cache_size() == 1, "a repeated call re-traced the step"
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
@@ -485,7 +485,7 @@ def test_c3_one_gradient_reduction_per_leaf_in_jaxpr_and_hlo(strategy, num_shard
     """MLP(8, 16, 4) with Adam: jaxpr and compiled HLO hold exactly one reduction per gradient leaf + the loss."""
     model, optimizer = fresh("mlp", "adam")
     x, y = problem()
-    traced = spmd.trace_sgd_step(strategy, model, optimizer, x, y, make_mesh(num_shards))
+    traced = mesh_steps.trace_sgd_step(strategy, model, optimizer, x, y, make_mesh(num_shards))
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     specs = [fsdp_partition_spec(p.shape, num_shards) for p in params]
     sharded = [p for p, s in zip(params, specs, strict=True) if strategy == "fsdp" and s != P()]
@@ -656,4 +656,4 @@ def test_dp_accepts_non_elementwise_optimizers():
 def test_trace_sgd_step_rejects_unknown_strategy():
     model, optimizer = zero_linear()
     with pytest.raises(ValueError, match="trace_sgd_step: strategy='zero3' is unknown; use one of dp, fsdp"):
-        spmd.trace_sgd_step("zero3", model, optimizer, XL, YL, make_mesh(1))
+        mesh_steps.trace_sgd_step("zero3", model, optimizer, XL, YL, make_mesh(1))

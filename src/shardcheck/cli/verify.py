@@ -419,14 +419,14 @@ def _candidate_message(args, err) -> str:
 
 
 def _check_one(args, task, label, cand, steps, options):
-    from shardcheck import parity
+    from shardcheck import check_parity
 
     if args.task is None and label == "candidate":
         # the (model, optimizer, x, y) form of a candidate, on the regression task's own batches
         model = task.new_model()
         optimizer = task.new_optimizer(model)
-        return parity.check_parity(cand, model, optimizer, list(task.batches), name=label, **options)
-    return parity.check_parity(cand, task, steps=steps, name=label, **options)
+        return check_parity(cand, model, optimizer, list(task.batches), name=label, **options)
+    return check_parity(cand, task, steps=steps, name=label, **options)
 
 
 def _diverged_message(args, task, reports) -> str | None:
