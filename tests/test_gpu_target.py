@@ -139,6 +139,7 @@ def test_without_the_plugin_the_figure_is_xla_cpus_and_says_so(monkeypatch, caps
     out = capsys.readouterr()
     text = " ".join((out.out + out.err).split())
     assert "compiler: XLA:CPU: this figure is XLA:CPU's, not the GPU's" in text
+    assert "pip install 'shardcheck[gpu-aot]'" in text  # printed as written, not read as rich markup
 
 
 # ------------------------------------------------------------------------- deviceless XLA:GPU compiles (plugin)

@@ -68,7 +68,7 @@ def timeout_from_env(environ: Mapping[str, str] = os.environ) -> float | None:
     if not seconds > 0 or seconds == float("inf"):
         raise ValueError(
             f"{ENV_TIMEOUT}={value!r}: expected a positive number of seconds a command may wait without progress "
-            f"(default {DEFAULT_TIMEOUT_S:g}), or off"
+            f"(default {DEFAULT_TIMEOUT_S:g}), or off (or 0) to turn the watchdog off"
         )
     return seconds
 

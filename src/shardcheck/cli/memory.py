@@ -349,7 +349,11 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         console.print(f"[bold]backend[/]: {next(iter(aot.values())).backend}: {note}", highlight=False)
         compiler = getattr(args, "compiler", None) or {}
         if compiler.get("note"):
-            console.print(f"[bold]compiler[/]: {compiler['name']}: {compiler['note']}", highlight=False)
+            from rich.markup import escape  # the note names the extra as shardcheck[gpu-aot]: not markup
+
+            console.print(
+                f"[bold]compiler[/]: {escape(compiler['name'])}: {escape(compiler['note'])}", highlight=False
+            )
         compiled = next(iter(aot.values())).batch_size
         own = _task_batch_size(task)
         if getattr(args, "batch_size", None) is None and compiled != own:
