@@ -878,3 +878,24 @@ def test_record_and_verify_against_under_launch(tmp_path, task, mesh):
     run = report["runs"]["fsdp"]
     assert run["verdict"] == "PASS" and run["bitwise"] and report["recorded"]["platform"]["processes"] == 2
     assert any("the shards process 0 holds" in note for note in run["notes"])
+
+
+@require_devices(4)
+def test_a_recorded_step_is_named_as_the_command_line_names_it(tmp_path):
+    """``--candidate FILE.py:ATTR`` is recorded as ``ATTR`` (the function's own ``__name__`` may be a factory's
+    inner name): the zoo's ``step`` is ``_lm_steps.gspmd_step``. Its replay carries the same name, so the
+    recording and the replay are one run (no 'placements differ by design' note)."""
+    from shardcheck.parity.recorded import load_recording
+
+    zoo = Path(__file__).resolve().parents[1] / "examples" / "zoo" / "tied_lm.py"
+    run = tmp_path / "tied.npz"
+    task, mesh = ["--task", f"{zoo}:task"], ["--mesh", "data=2,fsdp=2"]
+    assert (
+        main(["record", *task, *mesh, "--candidate", f"{zoo}:step", "--out", str(run), "--steps", "1"]) == 0
+    )
+    assert load_recording(run).meta["run"] == "step"
+    out = tmp_path / "replay.json"
+    argv = ["verify", *task, "--against", str(run), "--candidate", f"{zoo}:step", "--strategies", "none"]
+    assert main([*argv, "--steps", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["runs"]["candidate"]
+    assert row["bitwise"] is True and not any("by design" in note for note in row["notes"])

@@ -169,6 +169,12 @@ def _load_step(args):
         raise ValueError(str(err).replace("shardcheck verify:", "shardcheck record:", 1)) from None
 
 
+def _step_name(args) -> str:
+    """The recorded name of ``--candidate FILE.py:ATTR``: ``ATTR`` as the command line named it (the function's own
+    ``__name__`` may be a factory's inner name)."""
+    return args.candidate.rsplit(":", 1)[-1]
+
+
 def main(args) -> int:
     from shardcheck import distributed
 
@@ -196,6 +202,7 @@ def main(args) -> int:
             mesh=mesh,
             settings=run_settings(args),
             matmul_precision=args.matmul_precision,
+            name=_step_name(args) if strategy is None else None,
         )
     except parity.CandidateError as err:
         return _fail(f"shardcheck record: {str(err).removeprefix('record_run: ')}")
@@ -300,6 +307,7 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
             mesh=mesh,
             settings=settings,
             matmul_precision=getattr(args, "matmul_precision", None),
+            name=_step_name(args) if label == "candidate" else None,
         )
         comparisons[label] = compare_run(
             recording, replayed, rtol=args.rtol, atol=args.atol, pin_placement=args.pin_placement

@@ -546,7 +546,7 @@ def compare_run(
         cause=cause,
         evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
         notes=tuple(
-            _notes(recording, replayed, first, steps, same, returned)
+            _notes(recording, replayed, first, steps, same or pair.pinned, returned)
             + _placement_note(pair, moved, same)
             + _precision_note(recording.meta, replayed.meta, policy, dtype)
         ),
