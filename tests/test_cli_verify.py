@@ -31,7 +31,7 @@ WRONG_STEP = textwrap.dedent(
 
 
     def mesh_step(model, optimizer, x, y, mesh):
-        from shardcheck.spmd import data_parallel_sgd_step
+        from shardcheck import data_parallel_sgd_step
 
         return data_parallel_sgd_step(model, optimizer, x, y, mesh)
 

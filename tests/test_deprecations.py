@@ -14,6 +14,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import pytest
@@ -26,8 +27,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "shardcheck"
 ALIAS_MODULES = tuple(m for m in MOVED if m not in ("shardcheck", "shardcheck.parity", "shardcheck.training"))
 OLD_PATHS = [(module, name) for module, names in MOVED.items() for name in names]
-# The files that use old paths on purpose: this one, and the seeds' adapters' test of the aliases.
-USES_OLD_PATHS = {"tests/test_deprecations.py", "tests/test_seed_adapters.py"}
+# The files that use old paths on purpose: this one, the seeds' adapters' test of the aliases, and the import
+# rules' planted sources (text only, never imported).
+USES_OLD_PATHS = {"tests/test_deprecations.py", "tests/test_seed_adapters.py", "tests/test_import_rules.py"}
 
 
 def _canonical(path: str):
@@ -137,9 +139,15 @@ def test_module_getattr_refuses_a_module_without_deprecated_names():
 
 
 def _old_uses_in_python(source: str) -> list[str]:
-    """Old paths ``source`` names: ``from M import N`` / ``import M`` / ``M.N`` for an entry of the table."""
+    """Old paths ``source`` names: ``from M import N`` / ``import M`` / ``M.N`` for an entry of the table, also
+    in a string constant that is Python source itself (a test writes a candidate module from one)."""
     found = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "shardcheck" in node.value:
+            try:
+                found += _old_uses_in_python(textwrap.dedent(node.value))
+            except SyntaxError:
+                pass
         if isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 if node.module in ALIAS_MODULES or f"{node.module}.{alias.name}" in ALIAS_MODULES:
@@ -195,6 +203,10 @@ def test_the_project_imports_every_name_from_its_canonical_path():
         ),
         ("import shardcheck\nshardcheck.reference_step\n", ["2: shardcheck.reference_step"]),
         ("from shardcheck import check_parity, make_mesh\nfrom shardcheck.seeds import fsdp_sgd_step\n", []),
+        (
+            'STEPS = """\n    from shardcheck.baseline import sgd_step\n"""\n',
+            ["2: from shardcheck.baseline import sgd_step"],
+        ),
     ],
 )
 def test_the_scan_finds_a_planted_old_path(source, expected):
