@@ -385,3 +385,145 @@ def test_verify_takes_the_matmul_precision_and_names_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["verify", "--matmul-precision", "fp16"])
     assert "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- custom rules
+
+
+@jax.custom_vjp
+def straight_through(x):
+    """``round(x)`` with the identity's gradient (a straight-through estimator): its primal's gradient is 0."""
+    return jnp.round(x)
+
+
+straight_through.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+
+def test_custom_rules_without_a_matmul_keep_jaxs_own_gradient():
+    """``jax.nn.relu`` (a ``custom_jvp``) and a user's ``custom_vjp`` keep their rules under the emulation: with
+    the matmuls at float32 the gradient is JAX's own, bit for bit (ratio exactly 1). The rule shows: relu's
+    derivative at exactly 0 is its rule's 0 (its primal ``max(x, 0)`` would give 0.5), the straight-through
+    estimator's is 1 (its primal ``round`` would give 0). Under tf32 they stay (only the matmuls move)."""
+    w = jnp.array([[0.0, 1.5, -2.0], [0.25, -0.5, 3.0]])  # an exact 0 where relu's rule decides
+    x = jax.random.normal(jax.random.key(0), (4, 2))
+
+    def f(w, x):
+        h = x @ w
+        return jnp.sum(jax.nn.relu(h) ** 2) + jnp.sum(jax.nn.relu(w)) + jnp.sum(straight_through(3 * h))
+
+    exact = jax.grad(f)(w, x)
+    for policy in (None, "float32"):
+        got = jax.jit(jax.grad(rounded_matmuls(f, policy)))(w, x)
+        assert np.array_equal(np.asarray(got), np.asarray(exact)), policy
+    assert float(jax.grad(rounded_matmuls(lambda w: jnp.sum(jax.nn.relu(w)), None))(w)[0, 0]) == 0.0
+    assert float(jax.grad(rounded_matmuls(lambda w: jnp.sum(straight_through(w)), None))(w)[0, 0]) == 1.0
+    tf32 = jax.jit(jax.grad(rounded_matmuls(f, "tf32")))(w, x)
+    assert 0 < float(jnp.abs(tf32 - exact).max() / jnp.abs(exact).max()) < 8 * policy_eps("tf32")
+
+
+def test_a_custom_rule_around_a_matmul_is_differentiated_through_its_primal():
+    """A ``custom_vjp`` around a matmul runs its primal (so the matmul inside is rounded): with a rule that is the
+    true derivative, the gradient at float32 is JAX's own (ratio 1); under tf32 it moves by TF32's rounding."""
+
+    @jax.custom_vjp
+    def project(x, w):
+        return x @ w
+
+    project.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+
+    def f(w):
+        return jnp.sum(jnp.tanh(project(x, w)))
+
+    exact = jax.grad(f)(w)
+    got = jax.jit(jax.grad(rounded_matmuls(f, None)))(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(exact), rtol=4 * EPS32, atol=0)
+    moved = float(jnp.abs(jax.grad(rounded_matmuls(f, "tf32"))(w) - exact).max() / jnp.abs(exact).max())
+    assert policy_eps("tf32") / 16 < moved < 8 * policy_eps("tf32")
+
+
+def test_an_emulation_failure_names_its_policy_and_primitive(monkeypatch):
+    """An equation the emulation cannot evaluate raises :class:`EmulationError`, which names the policy, the
+    primitive and the original error (its ``__cause__``): never JAX's bare message."""
+
+    def broken(primitive, invals, params):
+        raise TypeError("planted bind failure")
+
+    monkeypatch.setattr(matmul, "_bind", broken)
+    with pytest.raises(matmul.EmulationError) as info:
+        rounded_matmuls(lambda x: jnp.sum(jax.nn.relu(x @ x)), "tf32")(jnp.ones((2, 2)))
+    message = str(info.value)
+    assert message.startswith("shardcheck's tf32 matmul emulation (shardcheck.parity.matmul.rounded_matmuls")
+    assert (
+        "could not evaluate a 'custom_jvp_call' equation of the loss: TypeError: planted bind failure"
+        in message
+    )
+    assert isinstance(info.value.__cause__, TypeError) and info.value.primitive == "custom_jvp_call"
+
+
+def mlp_task():
+    """The bundled diabetes regression with the ReLU MLP (``--model mlp``), Adam, B = 64, 2 steps."""
+    from shardcheck.tasks import regression_task
+
+    return regression_task("diabetes", model="mlp", hidden=32, optimizer="adam", steps=2)
+
+
+@require_devices(2)
+def test_a_relu_mlp_under_tf32_passes_and_a_summed_fault_fails():
+    """The ReLU MLP's built-in dp step (``verify --model mlp --matmul-precision tf32``: the reference's gradient
+    recomputed with TF32 matmuls, relu's rule kept) PASSes under ``matmul_precision="tf32"``; a dp step whose loss
+    is summed over the shards (x S) FAILs, diagnosed ``summed``."""
+    mesh = shardcheck.make_mesh(2)
+    task = mlp_task()
+    report = check_parity("dp", task, mesh=mesh, num_shards=2, matmul_precision="tf32")
+    assert report.verdict == "PASS" and report.matmul_precision == "tf32", str(report)
+
+    def summed(model, optimizer, batch):
+        loss_fn = lambda model, batch: task.loss_fn(model, batch) * 2  # noqa: E731
+        return mesh_step("dp", loss_fn, model, optimizer, batch, mesh, with_grads=True)
+
+    fault = check_parity(
+        Candidate("dp summed", summed, 2), task, mesh=mesh, num_shards=2, matmul_precision="tf32"
+    )
+    assert fault.verdict == "FAIL" and "summed" in fault.codes, str(fault)
+
+
+@require_devices(2)
+def test_verify_says_where_an_emulation_failure_of_a_candidate_check_came_from(tmp_path, monkeypatch, capsys):
+    """``verify --candidate`` on the ReLU MLP at tf32 PASSes; where the emulation fails, the candidate's row says
+    it is shardcheck's tf32 emulation that failed, on which primitive, with the cause: not a bare JAX line."""
+    from shardcheck.cli import main
+
+    path = tmp_path / "mlp_steps.py"
+    path.write_text(
+        "from shardcheck.seeds.mesh_steps import data_parallel_sgd_step\n\n\n"
+        "def step(model, optimizer, x, y, mesh):\n"
+        "    return data_parallel_sgd_step(model, optimizer, x, y, mesh)\n"
+    )
+    args = ["verify", "--model", "mlp", "--devices", "2", "--strategies", "none", "--steps", "2"]
+    args += ["--matmul-precision", "tf32", "--candidate", f"{path}:step"]
+    assert main(args) == 0, capsys.readouterr()
+    capsys.readouterr()
+
+    bind = matmul._bind
+
+    def broken(primitive, invals, params):  # relu's custom_jvp_call, as before the fix
+        if primitive.name == "custom_jvp_call":
+            raise TypeError(f"planted failure binding {primitive}")
+        return bind(primitive, invals, params)
+
+    monkeypatch.setattr(matmul, "_bind", broken)
+    matmul.gradients_at.clear_cache()  # the realization is traced anew, through the planted failure
+    out = tmp_path / "verify.json"
+    assert main([*args, "--json", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "shardcheck verify: checking the candidate: shardcheck's tf32 matmul emulation "
+        "(shardcheck.parity.matmul.rounded_matmuls, which recomputes the reference's gradient at that precision) "
+        "could not evaluate a 'custom_jvp_call' equation of the loss: TypeError: planted failure binding "
+        "custom_jvp_call. A limitation or a bug of shardcheck, not a fault of the step"
+    ) in err, err
+    row = json.loads(out.read_text())["strategies"]["candidate"]
+    assert row["verdict"] == "ERROR" and row["error"]["type"] == "TypeError"
+    assert row["error"]["message"] == "planted failure binding custom_jvp_call"

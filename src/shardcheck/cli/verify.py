@@ -383,6 +383,13 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
     cause = err.__cause__ if wrapped and err.__cause__ is not None else err
     step = err.step if wrapped else None
     if label == "candidate":
+        from shardcheck.parity.matmul import EmulationError
+
+        if isinstance(err, EmulationError):  # the harness's matmul emulation failed, not the candidate
+            message = f"shardcheck verify: checking the candidate: {err}"
+            return ErrorRow(
+                label, message, type(err.__cause__).__name__, _first_line(err.__cause__), None, False
+            )
         if not wrapped:
             return None
         return ErrorRow(

@@ -40,7 +40,10 @@ EPS_DTYPE = {"float32": "float32", "tf32": "float16", "bfloat16": "bfloat16"}
 :func:`~shardcheck.parity.tolerance.derive_tolerance`."""
 
 _MATMULS = ("dot_general", "conv_general_dilated")
-# call-like primitives whose body runs once, as written: evaluated inline (a rounded matmul inside stays one)
+# call-like primitives whose body runs once, as written: evaluated inline (a rounded matmul inside stays one). A
+# custom_jvp / custom_vjp function with no matmul inside (jax.nn.relu, a user's rule) is bound as it was, its rule
+# kept; one around a matmul runs its primal function's jaxpr, so its gradient is the primal's (JAX's own
+# differentiation of those ops), its custom rule set aside: the rule's matmuls could not be rounded
 _INLINE = (
     "jit",
     "pjit",
@@ -52,6 +55,23 @@ _INLINE = (
     "custom_vjp_call",
     "custom_vjp_call_jaxpr",
 )
+
+
+class EmulationError(RuntimeError):
+    """:func:`rounded_matmuls` could not evaluate an equation of the function it emulates: a limitation or a bug
+    of shardcheck's matmul emulation, not of the function. ``primitive``: the equation's primitive name;
+    ``policy``: the emulated policy; the original exception is ``__cause__``."""
+
+    def __init__(self, primitive: str, policy: str | None, cause: BaseException):
+        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+        super().__init__(
+            f"shardcheck's {policy or 'float32'} matmul emulation (shardcheck.parity.matmul.rounded_matmuls, "
+            f"which recomputes the reference's gradient at that precision) could not evaluate a {primitive!r} "
+            f"equation of the loss: {type(cause).__name__}: {first}. A limitation or a bug of shardcheck, not a "
+            "fault of the step"
+        )
+        self.primitive = primitive
+        self.policy = policy
 
 
 def policy_eps(policy: str) -> float:
@@ -222,7 +242,13 @@ def _evaluate(jaxpr, consts, args, mantissa):
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
-        outs = _apply(eqn, [read(v) for v in eqn.invars], mantissa)
+        try:
+            outs = _apply(eqn, [read(v) for v in eqn.invars], mantissa)
+        except EmulationError:
+            raise
+        except Exception as err:  # named, with its policy and primitive: never a bare JAX message
+            policy = next((p for p, m in MANTISSA.items() if m == mantissa), None)
+            raise EmulationError(eqn.primitive.name, policy, err) from err
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
@@ -248,8 +274,9 @@ def _apply(eqn, invals, mantissa):
 
 
 def _bind(primitive, invals, params):
-    params = dict(primitive.get_bind_params(params))
-    return primitive.bind(*params.pop("subfuns", ()), *invals, **params)
+    # as ``jax.core.eval_jaxpr`` binds an equation: a call-like primitive's bind parameters carry its functions
+    # (``subfuns``: a custom_jvp_call's primal and rule) in place of its jaxprs, which ``bind`` does not take
+    return primitive.bind(*invals, **primitive.get_bind_params(params))
 
 
 def _rewritten(value, mantissa):
@@ -264,11 +291,16 @@ def _rewritten(value, mantissa):
 def rounded_matmuls(fun, policy: str | None):
     """``fun`` with every floating ``dot_general`` / ``conv_general_dilated`` computed at ``"highest"`` on
     operands rounded to ``policy``'s mantissa (``lax.reduce_precision(x, exponent_bits=8, mantissa_bits=m)``), in
-    its gradient too; ``policy`` ``None`` or ``"float32"`` computes them at ``"highest"`` unrounded.
+    its gradient too; ``policy`` ``None`` or ``"float32"`` computes them at ``"highest"`` unrounded. A
+    ``jax.custom_jvp`` / ``jax.custom_vjp`` function without a matmul inside keeps its rule (``jax.nn.relu``'s
+    gradient is JAX's own, exactly); one around a matmul is differentiated through its primal function.
 
     On a CPU it emulates a GPU's TF32 matmuls (``"tf32"``: reproduces the H200's float32 2048^3 matmul error,
     2.946e-4 against 2.94e-4) or a TPU's one bfloat16 pass (``"bfloat16"``). Traceable; ``fun``'s arguments and
     result are pytrees of arrays. Operands of an integer matmul are left alone.
+
+    Raises:
+        EmulationError: an equation of ``fun`` could not be evaluated (its primitive and cause named).
 
     Example::
 
