@@ -34,7 +34,10 @@ def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_
 
     def shard_grad(shard):
         def mean(p):
-            total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest), shard)
+            # new Variables (copy=True): merged from ``rest`` as it is, the model's Variables would belong to the
+            # outer jit's trace, and an nnx transform inside the model (nnx.scan over stacked layers holding an
+            # RNG count) would raise "Cannot extract graph node from different trace level" (issue #34)
+            total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest, copy=True), shard)
             return total / weight
 
         return jax.grad(mean)(params)

@@ -339,7 +339,7 @@ def gradients_at(loss_fn, graphdef, params, rest, batch, policy: str | None):
     a realization of the reference's gradient under another matmul precision. A tree like ``params``."""
 
     def terms(p):
-        return loss_terms(rounded_loss(loss_fn, policy), nnx.merge(graphdef, p, rest), batch)
+        return loss_terms(rounded_loss(loss_fn, policy), nnx.merge(graphdef, p, rest, copy=True), batch)
 
     (_, weight), grads = jax.value_and_grad(terms, has_aux=True)(params)
     return grads if weight is None else jax.tree.map(lambda g: g / weight, grads)
@@ -371,7 +371,7 @@ def backend_default(loss_fn, model, batch, platforms) -> str:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def grads(p):
-        return jax.grad(lambda q: loss_terms(loss_fn, nnx.merge(graphdef, q, rest), batch)[0])(p)
+        return jax.grad(lambda q: loss_terms(loss_fn, nnx.merge(graphdef, q, rest, copy=True), batch)[0])(p)
 
     return step_policy(grads, (params,), platforms)
 
