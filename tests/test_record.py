@@ -251,6 +251,187 @@ def test_a_rounding_level_gradient_of_either_run_sets_the_allowance(identical_pa
     assert not compare_run(recorded, _changed(replayed, samples=moved)).ok
 
 
+@require_devices(2)
+def test_a_rounding_level_allowance_is_both_runs_update_and_names_no_learning_rate(identical_pair):
+    """Adam's update of a rounding-level gradient is lr * noise / (|noise| + eps): its size is each run's own, so
+    a correct run whose noise is larger moves 2.46x as far as the recording. The allowance is the two runs' update
+    sizes added (not twice the recording's), and a move past it is never read as "a changed learning rate"."""
+    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.tolerance import derive_tolerance
+
+    recorded, replayed = identical_pair
+    param = next(n for n in recorded.names if n.startswith("param ") and n.endswith("bias"))
+    grad, p = recorded.names.index("grad " + param.removeprefix("param ")), recorded.names.index(param)
+    update = float(recorded.steps.update[0, p])
+
+    def rounding_level(a):
+        a[:, grad] = 0.0
+        return a
+
+    def larger(a):  # the replay's noise-driven update is 2.46x the recording's
+        a[0, p] *= 2.46
+        return a
+
+    def moved(by):
+        def move(a):
+            a[0, p, 0] += by * update
+            return a
+
+        return move
+
+    noisy = {"max": rounding_level, "norm": rounding_level}
+    recording = _changed(recorded, **noisy)
+    # 3.1x the recorded update apart: within 1 + 2.46 (the sum), past 2 (twice the recording's, the old rule)
+    assert compare_run(recording, _changed(replayed, update=larger, samples=moved(3.1), **noisy)).ok
+    comparison = compare_run(recording, _changed(replayed, update=larger, samples=moved(5.0), **noisy))
+    first = comparison.first_failure
+    assert not comparison.ok and (first.step, first.name, first.evidence) == (0, param, "sample")
+    assert first.ratio == pytest.approx(2.46, rel=1e-6)
+    tol = derive_tolerance(
+        recorded.meta["tolerance_dtype"], batch_size=int(recorded.meta["terms"][0]), step=0
+    )
+    r_max = float(recorded.steps.max[0, p])
+    assert first.allowed == pytest.approx(tol.atol + tol.rtol * r_max + (1 + 2.46) * update, rel=1e-6)
+    assert comparison.cause.startswith(
+        f"only parameters whose gradient is at rounding level differ ({param})"
+    )
+    assert "learning rate" not in comparison.cause
+
+
+ATTENTION_STEPS = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    import shardcheck
+
+    V, D, T = 32, 16, 8
+
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(D, rngs=rngs)
+            # its key bias has a true gradient of 0: the softmax ignores a shift of a query's every score
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, rngs=rngs)
+            self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm(x))
+            return x + nnx.relu(self.mlp(x))
+
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, D, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+            self.head = nnx.Linear(D, 4, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x.mean(axis=1))
+
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {"tokens": rng.integers(0, V, (64, T)).astype(np.int32), "label": rng.integers(0, 4, (64,)).astype(np.int32)}
+        for _ in range(2)
+    ]
+
+
+    def loss_fn(model, batch):
+        ce = optax.softmax_cross_entropy_with_integer_labels(model(batch["tokens"]), batch["label"])
+        return jnp.sum(ce), jnp.asarray(ce.size, jnp.float32)
+
+
+    task = shardcheck.Task(
+        model=lambda: Model(nnx.Rngs(params=0)), optimizer=optax.adamw(1e-2), loss_fn=loss_fn, batches=batches,
+        name="attention",
+    )
+
+
+    def _shard_map_step(kind):
+        def step(model, optimizer, batch, mesh):
+            axes = tuple(mesh.axis_names)
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+            def body(params, rest, batch):
+                def local(p):
+                    loss_sum, count = loss_fn(nnx.merge(graphdef, p, rest), batch)
+                    if kind == "summed":  # each shard's mean, then a psum where a pmean was meant
+                        return loss_sum / count
+                    return loss_sum / jax.lax.psum(count, axes)
+
+                loss, grads = jax.value_and_grad(local)(params)
+                return jax.lax.psum(loss, axes), jax.lax.psum(grads, axes)
+
+            mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=P(), check_vma=False)
+            loss, grads = jax.jit(mapped)(params, rest, batch)
+            before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+            optimizer.update(model, grads)
+            if kind == "doubled":  # the update taken twice: a doubled learning rate
+                after = nnx.state(model, nnx.Param)
+                nnx.update(model, jax.tree.map(lambda b, a: b + 2 * (a - b), before, after))
+            return loss if kind == "loss_only" else {"loss": loss, "grads": grads}
+
+        return step
+
+
+    good = _shard_map_step("good")
+    loss_only = _shard_map_step("loss_only")
+    summed = _shard_map_step("summed")
+    doubled = _shard_map_step("doubled")
+    """
+)
+
+
+@require_devices(8)
+def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp_path):
+    """The new-user trial's false FAIL: a correct shard_map step (returning its gradients, or only its loss)
+    against a recording of the built-in fsdp strategy, whose attention key biases' rounding noise Adam turns into
+    updates 2.46x smaller than the step's. Both directions PASS; a sum for a mean and a doubled learning rate FAIL
+    with their causes, named on a leaf whose gradient is not at rounding level."""
+    steps = tmp_path / "attention_steps.py"
+    steps.write_text(ATTENTION_STEPS)
+    args = ["--task", f"{steps}:task", "--mesh", "data=2,fsdp=4", "--steps", "2"]
+    fsdp, good = tmp_path / "fsdp.npz", tmp_path / "good.npz"
+    assert main(["record", *args, "--out", str(fsdp)]) == 0
+    assert main(["record", *args, "--candidate", f"{steps}:good", "--out", str(good)]) == 0
+    out = tmp_path / "against.json"
+
+    def verify(against, *more):
+        rc = main(["verify", *args, "--against", str(against), "--json", str(out), *more])
+        return rc, _json(out)["runs"]["candidate" if "--candidate" in more else "fsdp"]
+
+    for candidate in ("good", "loss_only"):
+        rc, run = verify(fsdp, "--candidate", f"{steps}:{candidate}")
+        worst = run["worst_by_kind"]["param"]
+        assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
+        assert worst["name"].endswith(".attn.key.bias") and worst["err"] > 2 * worst["recorded"] != 0
+    rc, run = verify(good, "--strategies", "fsdp")  # the other way round
+    assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
+    rc, run = verify(good, "--candidate", f"{steps}:good")
+    assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", True)
+
+    rc, run = verify(fsdp, "--candidate", f"{steps}:summed")
+    assert (rc, run["verdict"], run["first_failure"]["step"]) == (1, "FAIL", 0)
+    assert run["cause"].startswith(
+        "the gradients are 8x the recorded ones (S = 8): a sum where a mean was meant"
+    )
+    assert "learning rate" not in run["cause"]
+    rc, run = verify(fsdp, "--candidate", f"{steps}:doubled")
+    first = run["first_failure"]
+    assert (rc, run["verdict"], first["step"]) == (1, "FAIL", 0)
+    assert first["name"].startswith("param ") and not first["name"].endswith(".attn.key.bias")
+    assert first["ratio"] == pytest.approx(2.0, rel=1e-3)
+    assert run["cause"].startswith("the update is 2x the recorded one: a changed learning rate?")
+
+
 @require_devices(8)
 def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
     """The Megatron step without its psum over ``model``, replayed against a recording of the correct one."""

@@ -22,10 +22,12 @@ computes the same numbers, so a changed placement is listed in the notes (``path
 spec``) and fails only when the placement is pinned (``pin_placement=True``, ``verify --against --pin-placement``)
 or the run was replayed on another mesh than the recorded one.
 
-``a``: where the recording holds a parameter's gradient and its ``max|g| <= atol_t``, the gradient is rounding
-noise and Adam turns noise into an lr-sized step of either sign, so the two runs' updates may differ by twice the
-recorded update size; that is added to the parameter's tolerance at t and every later step (the harness's
-``floor``). The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum sqrt(size)
+``a``: where the recording holds a parameter's gradient (else the replay's) and its ``max|g| <= atol_t``, the
+gradient is rounding noise and Adam turns noise into an lr-sized step of either sign, its size set by that run's
+own noise against Adam's eps, so the two runs' updates may differ by the sum of their update sizes
+``max|u_r| + max|u_c|`` (neither run's bounds the other's: a correct step whose noise is 2.5x the recorded
+strategy's moves 2.5x as far); that is added to the parameter's tolerance at t and every later step (the
+harness's ``floor``), and no cause is read from such a leaf's update ratio. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum sqrt(size)
 ||g||_2 a`` (first order, as the harness's ``drift``). Parameters or moments stored below float32 add one rounding
 of their own per step (``eps * max|r|``), as the harness does.
 
@@ -340,6 +342,8 @@ class _Bounds:
     dtype: str | None = None
     allowance: dict[str, float] = dataclasses.field(default_factory=dict)  # by parameter name, accumulated
     last_base: dict[str, float] = dataclasses.field(default_factory=dict)  # each parameter's base at t - 1
+    # parameters whose gradient was at rounding level, by the first step it was (their update is normalized noise)
+    rounding: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def derived(self, meta: Mapping, t: int) -> tuple[float, float]:
         tol = derive_tolerance(
@@ -417,9 +421,14 @@ def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
             continue
         drift += math.sqrt(max(g.size, 1)) * g.norm * bounds.allowance.get(param, 0.0)
         if g.max <= atol:
-            p = pair.leaf("recorded", t, param)
+            bounds.rounding.setdefault(param, t)
+            p, q = pair.leaf("recorded", t, param), pair.leaf("replayed", t, param)
             if p.present and math.isfinite(p.update):
-                grown[param] = 2.0 * p.update
+                # |c_t - r_t| grows by at most max|u_c| + max|u_r|: each run's own noise sets its update's size
+                # (Adam's g / (sqrt(v) + eps) is lr-sized or less by the noise against eps), so neither run's
+                # update bounds the other's
+                theirs = q.update if q.present and math.isfinite(q.update) else p.update
+                grown[param] = p.update + theirs
     for param, a in grown.items():
         bounds.allowance[param] = bounds.allowance.get(param, 0.0) + a
     return drift
@@ -535,7 +544,7 @@ def compare_run(
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
     matched, compared, bitwise = _hashes(pair, steps)
     moved = _placement_changes(pair, steps)
-    first, cause = _first_failure(leaves, recording, replayed)
+    first, cause = _first_failure(leaves, recording, replayed, bounds.rounding)
     return RunComparison(
         run=str(replayed.meta["run"]),
         recorded_run=str(recording.meta["run"]),
@@ -634,17 +643,25 @@ def _only(recording: Recording, names: Sequence[str]) -> Recording:
     )
 
 
-def _first_failure(leaves: list[DigestError], recording, replayed) -> tuple[DigestError | None, str | None]:
+def _first_failure(
+    leaves: list[DigestError], recording, replayed, rounding: Mapping[str, int]
+) -> tuple[DigestError | None, str | None]:
+    """The first failing leaf and its cause; ``rounding``: the parameters at rounding level, by the first step they
+    were (:attr:`_Bounds.rounding`), named after any other failing leaf of their kind."""
     failing = [e for e in leaves if not e.ok]
     if not failing:
         return None, None
     t = min(e.step for e in failing)
     at_t = [e for e in failing if e.step == t]
     order = {k: i for i, k in enumerate(KINDS)}
+    noise = {n for n, first in rounding.items() if first <= t}
     # a value that left its tolerance before a pinned placement that changed: the value is the fault to name
-    first = min(at_t, key=lambda e: (order.get(e.kind, len(KINDS)), e.evidence == "sharding", -e.badness))
+    first = min(
+        at_t,
+        key=lambda e: (order.get(e.kind, len(KINDS)), e.evidence == "sharding", e.name in noise, -e.badness),
+    )
     grads_recorded = any(n.startswith("grad ") for n in recording.names)
-    return first, _cause(t, at_t, recording.meta, replayed.meta, grads_recorded)
+    return first, _cause(t, at_t, recording.meta, replayed.meta, grads_recorded, noise)
 
 
 def _factor(ratios: Sequence[float | None]) -> float | None:
@@ -711,19 +728,34 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
     return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
 
 
-def _cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_recorded: bool) -> str:
+def _cause(
+    t: int,
+    at_t: list[DigestError],
+    was: Mapping,
+    now: Mapping,
+    grads_recorded: bool,
+    noise: frozenset | set = frozenset(),
+) -> str:
     """What the failing digests of the first failing point say: a structural change, else what the values say,
     then a pinned placement that changed too."""
     structural = [e for e in at_t if e.evidence in STRUCTURAL]
     values = [e for e in at_t if e.evidence not in STRUCTURAL]
     if structural and (not values or any(e.evidence != "sharding" for e in structural)):
         return _structural_cause(structural, was, now)
-    text = _value_cause(t, values, was, now, grads_recorded)
+    text = _value_cause(t, values, was, now, grads_recorded, noise)
     return text + (f"; and {_structural_cause(structural, was, now)}" if structural else "")
 
 
-def _value_cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, grads_recorded: bool) -> str:
-    """What the failing values of the first failing point say, where they share a factor or a change."""
+def _value_cause(
+    t: int,
+    at_t: list[DigestError],
+    was: Mapping,
+    now: Mapping,
+    grads_recorded: bool,
+    noise: frozenset | set = frozenset(),
+) -> str:
+    """What the failing values of the first failing point say, where they share a factor or a change; ``noise``:
+    the parameters whose gradient is at rounding level, whose update ratio is normalized noise and says nothing."""
     if t < 0:
         return (
             "the initial state differs from the recorded one: another seed, initializer or model; every later step "
@@ -739,7 +771,7 @@ def _value_cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, gr
         if grad is not None:
             words = "the optimizer's first moments (mu), and so the gradients it was given, are"
             parts.append(_gradient_words(grad, s).replace("the gradients are", words, 1))
-    update = _scale([e.ratio for e in at_t if e.kind == "param"])
+    update = _scale([e.ratio for e in at_t if e.kind == "param" and e.name not in noise])
     lr_differs = _lr(was) is not None and _lr(now) is not None and _lr(was) != _lr(now)
     # gradients off by a factor explain any update (a normalizing optimizer's is not k times); only a changed
     # learning rate is named beside them
@@ -759,6 +791,12 @@ def _value_cause(t: int, at_t: list[DigestError], was: Mapping, now: Mapping, gr
         return (
             f"the run's settings differ from the recording's ({', '.join(differ)}): it is another run, compared "
             "as if it were the same"
+        )
+    if at_t and all(e.name in noise for e in at_t):
+        return (
+            f"only parameters whose gradient is at rounding level differ ({at_t[0].name}): their update is Adam's "
+            "normalized rounding noise, beyond the sum of both runs' update sizes; the gradients, moments and other "
+            "parameters match"
         )
     if {e.kind for e in at_t} == {"loss"}:
         return "only the loss differs (its gradients and updates match): the loss's reduction or its normalization"
