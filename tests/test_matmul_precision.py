@@ -527,3 +527,68 @@ def test_verify_says_where_an_emulation_failure_of_a_candidate_check_came_from(t
     row = json.loads(out.read_text())["strategies"]["candidate"]
     assert row["verdict"] == "ERROR" and row["error"]["type"] == "TypeError"
     assert row["error"]["message"] == "planted failure binding custom_jvp_call"
+
+
+def tf32_mlp_candidate(task, mesh, fault=None):
+    """A dp step on ``mesh`` whose loss's matmuls are rounded to TF32 (a GPU's default, emulated); ``fault``:
+    ``"loss"`` (it returns its loss x 1.01, its update correct) or ``"sum"`` (the loss sum x S)."""
+    loss = rounded_loss(task.loss_fn, "tf32")
+    loss_fn = (lambda model, batch: loss(model, batch) * 2) if fault == "sum" else loss  # noqa: E731
+
+    def step(model, optimizer, batch):
+        result = mesh_step("dp", loss_fn, model, optimizer, batch, mesh, with_grads=True)
+        return dataclasses.replace(result, loss=result.loss * 1.01) if fault == "loss" else result
+
+    return Candidate(f"dp at tf32 ({fault or 'correct'})", step, 2)
+
+
+@require_devices(2)
+def test_a_tf32_candidates_loss_is_within_the_measured_matmul_allowance():
+    """Issue #35: a dp step computing its matmuls at TF32 on the ReLU MLP returned a loss 3.17e-4 off the
+    reference's (float32) at step 0, past ``eps_c |loss| / sqrt(n)`` (2.66e-4 with the float32 rule's): its
+    rounding is the weights', shared by every row. The loss now also gets ``4 |loss_M - loss|``, ``loss_M`` the
+    reference's loss with its matmuls at TF32 (computed here on its own): PASS under tf32, FAIL under float32."""
+    from shardcheck.task import mean_loss
+
+    mesh = shardcheck.make_mesh(2)
+    task = mlp_task()
+    candidate = tf32_mlp_candidate(task, mesh)
+    report = check_parity(candidate, task, mesh=mesh, num_shards=2, matmul_precision="tf32")
+    assert report.verdict == "PASS", str(report)
+    assert "4 * |loss_M - loss|" in report.tolerance_rule
+    wrong = check_parity(candidate, task, mesh=mesh, num_shards=2, matmul_precision="float32")
+    assert wrong.verdict == "FAIL", str(wrong)
+
+    def loss_leaf(r):
+        return next(e for e in r.steps[0].leaves if e.kind == "loss")
+
+    model, batch = task.model(), task.batches[0]
+    ref = float(mean_loss(task.loss_fn, model, batch))
+    ref_m = float(mean_loss(rounded_loss(task.loss_fn, "tf32"), model, batch))
+    assert report.steps[0].loss == pytest.approx(ref, rel=1e-6)
+    n = task.terms(batch)
+    added = 2.0**-10 * abs(ref) / np.sqrt(n) + 4 * abs(ref_m - ref)
+    assert loss_leaf(report).tolerance - loss_leaf(wrong).tolerance == pytest.approx(added, rel=1e-3)
+    # the realization reproduces the candidate's own loss error: it is the same TF32 rounding
+    assert abs(ref_m - ref) == pytest.approx(loss_leaf(report).max_abs_err, rel=0.05)
+    assert loss_leaf(report).max_abs_err < 0.3 * loss_leaf(report).tolerance
+
+
+@require_devices(2)
+@pytest.mark.parametrize(("fault", "code"), [("loss", "loss_differs"), ("sum", "summed")])
+def test_a_loss_fault_still_fails_under_tf32(fault, code):
+    """A TF32 candidate returning its loss x 1.01 (12.8 times the loss's step-0 tolerance), or summing its loss
+    over the shards, FAILs under ``matmul_precision="tf32"`` with its code."""
+    mesh = shardcheck.make_mesh(2)
+    task = mlp_task()
+    report = check_parity(
+        tf32_mlp_candidate(task, mesh, fault), task, mesh=mesh, num_shards=2, matmul_precision="tf32"
+    )
+    assert report.verdict == "FAIL" and code in report.codes, str(report)
+
+
+def test_the_loss_allowance_adds_four_times_the_measured_realization():
+    tf32 = Precision.of(lm().model(), matmul="tf32")
+    assert loss_compute_allowance(tf32, 4.0, 256, (4.01,)) == pytest.approx(2.0**-10 * 4.0 / 16 + 4 * 0.01)
+    assert loss_compute_allowance(tf32, 4.0, 256, (float("nan"),)) == pytest.approx(2.0**-10 * 4.0 / 16)
+    assert loss_compute_allowance(Precision.of(lm().model()), 4.0, 256, (5.0,)) == 0.0  # float32: none

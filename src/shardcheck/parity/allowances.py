@@ -82,7 +82,10 @@ class _Bounds:
     ``grad``: the compute-rounding allowance of each gradient element (``{}`` at float32); ``update`` and
     ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance (computed on
     first read, :class:`_Sensitivity`); ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's
-    gradient, by path and as its tree (``grad_tree``, for :func:`_scale_evidence`).
+    gradient, by path and as its tree (``grad_tree``, for :func:`_scale_evidence`); ``loss_realizations``: the
+    reference's loss in each measured realization (0-d device arrays: under a coarse matmul precision, its loss
+    with the matmuls at the other precision), for the loss's allowance
+    (``shardcheck.parity.precision.loss_compute_allowance``).
     """
 
     grad: dict
@@ -90,6 +93,7 @@ class _Bounds:
     grads: dict
     grad_tree: Any
     sensitivity: _Sensitivity
+    loss_realizations: tuple = ()
 
     @property
     def update(self) -> dict:
@@ -382,6 +386,10 @@ def _precision_rule(precision: Precision) -> str:
             "and the gradient at the candidate's parameters) + eps_c * (|g| + sum_s|g_s|) (its output roundings; "
             f"eps_c={precision.compute_eps:.3g})"
         )
+        loss = "eps_c * |loss| / sqrt(n)"
+        if precision.matmul_coarser:
+            loss += f" + {COMPUTE_SAFETY:g} * |loss_M - loss| (loss_M: the reference's loss at the other precision)"
+        parts.append(f"loss + {loss}")
     if precision.param_eps > 0:
         parts.append(
             f"params {precision.param_dtype.name}: +eps_p * max|p| per step (eps_p={precision.param_eps:.3g})"
@@ -414,6 +422,7 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
     correct split ``split`` (:func:`split_gradients`) at low-precision compute."""
     noise = None
     shadow = None
+    losses = ()
     if run.precision.compute_eps > 0:
         magnitude, split_grads, split_low = split
         shadow = _shadow_inputs(run, pre, batch)
@@ -421,12 +430,12 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
         realizations = [g for g in (split_grads, split_low) if g is not None]
         if run.graphdef32 is not None:
             realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
-        if run.matmul_realization is not None:  # the reference's gradient at the other matmul precision
-            realizations.append(
-                gradients_at(
-                    run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch, run.matmul_realization
-                )
+        if run.matmul_realization is not None:  # the reference's loss and gradient at the other precision
+            loss_m, grads_m = gradients_at(
+                run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch, run.matmul_realization
             )
+            realizations.append(grads_m)
+            losses = (loss_m,)
         noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
         noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
     delta, grad_max, extra = gradient_tolerance(grads, noise, rtol, atol)
@@ -438,4 +447,5 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
         flatten_state(grads),
         grads,
         _Sensitivity(run.ref_opt.tx, grads, pre, delta, shadow),
+        losses,
     )

@@ -423,7 +423,8 @@ def _loss_leaves(
     drift = 0.0
     if bounds is not None:
         drift = compare.abs_dot(bounds.grads, {p: a for p, a in run.allowance.items() if p in bounds.grads})
-    drift += loss_compute_allowance(run.precision, ref_loss_f, run.task.terms(batch))
+    measured = () if bounds is None else tuple(float(to_host(r)) for r in bounds.loss_realizations)
+    drift += loss_compute_allowance(run.precision, ref_loss_f, run.task.terms(batch), measured)
     r_tol, a_tol = run.tol("loss", "loss", rtol, atol)
     leaf = leaf_error(t, "loss", "loss", ref_loss_f, cand_loss_f, r_tol, a_tol, allowance=drift)
     return [leaf], ref_loss_f, cand_loss_f

@@ -15,7 +15,8 @@ on the platform of each side (:func:`backend_policy`). Its unit roundoff is ``2*
 :func:`rounded_matmuls` computes a function with every matmul's operands rounded to a policy's mantissa (forward
 and backward: a ``custom_vjp`` rounds the cotangent too) and the products taken at ``"highest"``: on a CPU it
 emulates TF32 or one bfloat16 pass, which is how the harness measures the reference's own rounding under a
-policy coarser than float32 (:func:`gradients_at`), and how the tests build a TF32 candidate on a CPU.
+policy coarser than float32 (:func:`gradients_at`: its gradient and its loss), and how the tests build a TF32
+candidate on a CPU.
 """
 
 from __future__ import annotations
@@ -335,14 +336,17 @@ def rounded_loss(loss_fn, policy: str | None):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 5))
 def gradients_at(loss_fn, graphdef, params, rest, batch, policy: str | None):
-    """The task's mean-loss gradient at ``params`` with every matmul at ``policy`` (:func:`rounded_matmuls`):
-    a realization of the reference's gradient under another matmul precision. A tree like ``params``."""
+    """``(loss, grads)``: the task's mean loss (0-d) and its gradient (a tree like ``params``) at ``params`` with
+    every matmul at ``policy`` (:func:`rounded_matmuls`): a realization of the reference's loss and gradient
+    under another matmul precision, in one program (the loss is the forward pass the gradient runs anyway)."""
 
     def terms(p):
         return loss_terms(rounded_loss(loss_fn, policy), nnx.merge(graphdef, p, rest, copy=True), batch)
 
-    (_, weight), grads = jax.value_and_grad(terms, has_aux=True)(params)
-    return grads if weight is None else jax.tree.map(lambda g: g / weight, grads)
+    (total, weight), grads = jax.value_and_grad(terms, has_aux=True)(params)
+    if weight is None:
+        return total, grads
+    return total / weight, jax.tree.map(lambda g: g / weight, grads)
 
 
 def devices_of(model, mesh) -> set:

@@ -192,8 +192,9 @@ def float32_compute(graphdef, params, rest):
     return nnx.split(model, nnx.Param, ...)[0] if changed else None
 
 
-def loss_compute_allowance(precision: Precision, loss: float, terms: int) -> float:
-    """The loss's allowance under a low-precision compute dtype: ``eps_c * |loss| / sqrt(n)``; 0 in float32.
+def loss_compute_allowance(precision: Precision, loss: float, terms: int, realizations=()) -> float:
+    """The loss's allowance under a low-precision compute dtype or a coarse matmul precision:
+    ``eps_c * |loss| / sqrt(n) + COMPUTE_SAFETY * max_r |loss_r - loss|``; 0 in float32.
 
     A correct step that partitions the model's feature dimensions (GSPMD, or a user's jitted step on annotated
     parameters) rounds the forward contractions in another order than the single-device step, so each of the n
@@ -201,10 +202,30 @@ def loss_compute_allowance(precision: Precision, loss: float, terms: int) -> flo
     ``eps_c |loss| / sqrt(n)`` (independent roundings, Higham 2002 ch. 4). Measured on the tiny-lm task (bfloat16
     compute, S = 8, n = 512, gspmd): 0.26 of it. A wrong loss (post-update, one shard's, an unweighted mean) is
     off by far more.
+
+    That term assumes the per-term roundings independent, which a coarse matmul precision's are not: TF32 rounds
+    each weight once for every row, so the rows' errors share a sign. The second term is measured, as the
+    gradients' is (:func:`compute_allowance`): ``loss_r`` is the reference's loss recomputed with its matmuls at
+    the other precision (``shardcheck.parity.matmul.gradients_at``, the forward pass of the gradient's
+    realization ``g_M``), and a correct candidate computing its matmuls there differs from the reference's loss by
+    about ``|loss_r - loss|``. Measured on the ReLU MLP (diabetes, hidden 32, B = 64, TF32 emulated, dp at
+    S = 2, step 0): a correct candidate's loss differed by 3.17e-4, 1.19 times the first term plus the float32
+    rule's (2.66e-4), and ``|loss_r - loss|`` was 3.17e-4 too: the error used 0.21 of the new tolerance.
+
+    Args:
+        precision: the check's policy.
+        loss: the reference's loss (a float).
+        terms: n, the batch's per-term losses (``Task.terms``).
+        realizations: the reference's loss in each measured realization (floats; none but under a coarse matmul
+            precision).
     """
     if precision.compute_eps <= 0 or not math.isfinite(loss):
         return 0.0
-    return precision.compute_eps * abs(loss) / math.sqrt(max(int(terms), 1))
+    derived = precision.compute_eps * abs(loss) / math.sqrt(max(int(terms), 1))
+    measured = [abs(float(r) - loss) for r in realizations]
+    if not all(math.isfinite(m) for m in measured):
+        return derived  # a non-finite realization measures nothing (the reference's own loss is finite)
+    return derived + COMPUTE_SAFETY * max(measured, default=0.0)
 
 
 @jax.jit
