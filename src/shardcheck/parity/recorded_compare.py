@@ -792,6 +792,12 @@ def _value_cause(
             f"the run's settings differ from the recording's ({', '.join(differ)}): it is another run, compared "
             "as if it were the same"
         )
+    return _unscaled_cause(t, at_t, noise)
+
+
+def _unscaled_cause(t: int, at_t: list[DigestError], noise: frozenset | set) -> str:
+    """What failing values that share no factor say: rounding-level parameters alone, the loss alone, the loss
+    and more (a forward change), or nothing in common."""
     if at_t and all(e.name in noise for e in at_t):
         return (
             f"only parameters whose gradient is at rounding level differ ({at_t[0].name}): their update is Adam's "
