@@ -111,8 +111,7 @@ def without_sensitivity(task: shardcheck.Task, strategy: str, num_shards: int) -
     costs, measured by dropping it rather than read from a profile, whose attribution an asynchronous dispatch
     blurs (a call that reads a result waits there for the device's work). A timing only: without the pass the
     tolerances are not the check's, so its verdicts are not read."""
-    from shardcheck.parity import allowances
-
+    from shardcheck.parity.tolerance import allowances
     real = allowances.update_sensitivity
     allowances.update_sensitivity = _zero_sensitivity
     try:
@@ -133,34 +132,34 @@ def _zero_sensitivity(tx, grads, opt_state, params, delta):
 # Where a warm check_parity's time goes: (category, module path suffix, function name) of the functions whose
 # cumulative time is reported. They nest (leaf_error calls the host copies of its inputs), so they do not add up.
 PROFILE_ROWS = (
-    ("whole check_parity", "parity/harness.py", "check_parity"),
-    ("reference steps + sensitivity (_step_reference)", "parity/harness.py", "_step_reference"),
-    ("candidate steps (_step_candidate)", "parity/harness.py", "_step_candidate"),
-    ("on-device leaf comparisons, one call per step (leaf_errors)", "parity/compare.py", "leaf_errors"),
-    ("float64 host comparisons (leaf_error: the loss, fallbacks)", "parity/compare.py", "leaf_error"),
-    ("  of which the median update ratio (_ratio)", "parity/compare.py", "_ratio"),
-    ("host copies of leaves (to_host: np.asarray / gather)", "parity/compare.py", "to_host"),
-    ("the rules' per-leaf maxima (max_abs)", "parity/compare.py", "max_abs"),
-    ("the loss's drift allowance (abs_dot)", "parity/compare.py", "abs_dot"),
-    ("before-step snapshots on the device (device_snapshot)", "parity/compare.py", "device_snapshot"),
-    ("replica agreement (replica_mismatches)", "parity/compare.py", "replica_mismatches"),
+    ("whole check_parity", "parity/harness/check.py", "check_parity"),
+    ("reference steps + sensitivity (_step_reference)", "parity/harness/check.py", "_step_reference"),
+    ("candidate steps (_step_candidate)", "parity/harness/check.py", "_step_candidate"),
+    ("on-device leaf comparisons, one call per step (leaf_errors)", "parity/comparison/live.py", "leaf_errors"),
+    ("float64 host comparisons (leaf_error: the loss, fallbacks)", "parity/comparison/live.py", "leaf_error"),
+    ("  of which the median update ratio (_ratio)", "parity/comparison/live.py", "_ratio"),
+    ("host copies of leaves (to_host: np.asarray / gather)", "parity/comparison/live.py", "to_host"),
+    ("the rules' per-leaf maxima (max_abs)", "parity/comparison/live.py", "max_abs"),
+    ("the loss's drift allowance (abs_dot)", "parity/comparison/live.py", "abs_dot"),
+    ("before-step snapshots on the device (device_snapshot)", "parity/comparison/live.py", "device_snapshot"),
+    ("replica agreement (replica_mismatches)", "parity/comparison/live.py", "replica_mismatches"),
     ("state copies for the re-check (copy_state)", "shardcheck/_tree.py", "copy_state"),
-    ("reference finiteness check (_reference_finite)", "parity/harness.py", "_reference_finite"),
+    ("reference finiteness check (_reference_finite)", "parity/harness/check.py", "_reference_finite"),
     (
         "the step's bounds: tolerance, low-precision noise (step_bounds)",
-        "parity/allowances.py",
+        "parity/tolerance/allowances.py",
         "step_bounds",
     ),
-    ("update sensitivity, where a step reads it (_Sensitivity.get)", "parity/allowances.py", "get"),
-    ("deferred passes computed and replayed (settle)", "parity/allowances.py", "settle"),
+    ("update sensitivity, where a step reads it (_Sensitivity.get)", "parity/tolerance/allowances.py", "get"),
+    ("deferred passes computed and replayed (settle)", "parity/tolerance/allowances.py", "settle"),
     (
         "per-shard gradient split for the sensitivity (split_gradients)",
-        "parity/allowances.py",
+        "parity/tolerance/allowances.py",
         "split_gradients",
     ),
-    ("first pass (first_pass.clear)", "parity/first_pass.py", "clear"),
-    ("scale evidence (_scale_evidence)", "parity/scale_evidence.py", "_scale_evidence"),
-    ("hypothesis reruns of a failure (_explained)", "parity/hypotheses.py", "_explained"),
+    ("first pass (first_pass.clear)", "parity/comparison/first_pass.py", "clear"),
+    ("scale evidence (_scale_evidence)", "parity/diagnosis/scale_evidence.py", "_scale_evidence"),
+    ("hypothesis reruns of a failure (_explained)", "parity/diagnosis/hypotheses.py", "_explained"),
     ("nnx.state / graph flatten", "flax/nnx/graphlib.py", "state"),
 )
 

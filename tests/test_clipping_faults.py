@@ -17,8 +17,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import check_parity, make_mesh
-from shardcheck.parity.diagnosis import LeafError, StepRecord, diagnose
-from shardcheck.parity.topology import factor_groups
+from shardcheck.parity.diagnosis.rules import LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis.topology import factor_groups
 from shardcheck.tasks import load_task
 
 MAX_NORM = 0.05  # the digits MLP's gradient norm at step 0 is about 0.43: the clip binds

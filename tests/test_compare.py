@@ -13,8 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shardcheck.parity import compare
-from shardcheck.parity.compare import LeafInput, leaf_error, leaf_errors, replica_mismatch, replica_mismatches
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import (
+    LeafInput,
+    leaf_error,
+    leaf_errors,
+    replica_mismatch,
+    replica_mismatches,
+)
 
 SHAPE = (4, 16)
 SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, 3e38, -3e38]
@@ -176,8 +182,7 @@ def _mlp_task():
 def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
     """check_parity with the device comparison and with the host one: equal reports, leaf for leaf."""
     import shardcheck
-    from shardcheck.parity import harness
-
+    from shardcheck.parity.harness import check as harness
     task = _mlp_task()
     monkeypatch.setattr(compare, "DEVICE_STATS", True)  # the device's statistics, also on CPU devices
     monkeypatch.setattr(harness, "FIRST_PASS", False)  # every leaf through leaf_errors
@@ -215,8 +220,7 @@ def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
 )
 def test_the_two_middle_values_are_the_sorted_ones(leaves):
     """The bisection that replaces a sort: ties, infinities and even and odd counts, several leaves and rows."""
-    from shardcheck.parity import _device_stats as ds
-
+    from shardcheck.parity.comparison import _device_stats as ds
     sizes = [a.size for a in leaves]
     layout = ds.Layout.of(sizes)
     row_leaf, row_len = layout.row_arrays(sizes)

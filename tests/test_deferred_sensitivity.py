@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardcheck
-from shardcheck.parity import allowances, propagation, shared_reference
+from shardcheck.parity import shared_reference
+from shardcheck.parity.tolerance import allowances, propagation
 from shardcheck.tasks import digits_task
 
 STEPS = 4

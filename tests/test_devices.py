@@ -225,7 +225,7 @@ def test_record_and_replay_on_one_gpu_name_the_cpu_mesh(gpu_host, tmp_path, caps
     assert main(["record", *args, "--mesh", "fsdp=4", "--out", str(recording)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "devices: 4 x cpu (fake CPU devices; the host's 1 x gpu is too few for the mesh fsdp=4;" in out
-    from shardcheck.parity.recorded import load_recording
+    from shardcheck.parity.harness.recorded import load_recording
 
     platform = load_recording(recording).meta["platform"]
     assert (platform["backend"], platform["devices"]) == ("cpu", 4)

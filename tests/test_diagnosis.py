@@ -1,4 +1,4 @@
-"""The rules of :func:`shardcheck.parity.diagnosis.diagnose`, on hand-built records (no JAX).
+"""The rules of :func:`shardcheck.parity.diagnosis.rules.diagnose`, on hand-built records (no JAX).
 
 Each rule is checked on both sides: it fires on its planted evidence, and it stays silent on a passing record
 (where the findings are ``parity`` first, then possibly ``rounding_level``).
@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from shardcheck.parity.diagnosis import (
+from shardcheck.parity.diagnosis.rules import (
     RULES,
     Diagnosis,
     LeafError,

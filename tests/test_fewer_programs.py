@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardcheck._tree import copy_arrays
-from shardcheck.parity.allowances import _accumulate, _accumulated
-from shardcheck.parity.propagation import grad_delta, gradient_tolerance, update_sensitivity
+from shardcheck.parity.tolerance.allowances import _accumulate, _accumulated
+from shardcheck.parity.tolerance.propagation import grad_delta, gradient_tolerance, update_sensitivity
 
 _COMPILES = []
 monitoring.register_event_duration_secs_listener(

@@ -14,8 +14,10 @@ from hypothesis.extra import numpy as hnp
 import shardcheck
 from shardcheck.losses import mse_batch_loss
 from shardcheck.models import MLP
-from shardcheck.parity import _device_stats, compare, first_pass, harness
-from shardcheck.parity.compare import LeafInput, leaf_error
+from shardcheck.parity.comparison import _device_stats, first_pass
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import LeafInput, leaf_error
+from shardcheck.parity.harness import check as harness
 
 SHAPE = (4, 16)
 SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, 3e38]

@@ -139,7 +139,7 @@ def test_the_package_keeps_its_import_rules():
 
 def test_the_rules_read_every_module_of_the_package():
     names = {module_name(p) for p in _package_modules()}
-    assert {"shardcheck.steps.sharded", "shardcheck.launcher", "shardcheck.parity.harness"} <= names
+    assert {"shardcheck.steps.sharded", "shardcheck.launcher", "shardcheck.parity.harness.check"} <= names
 
 
 @pytest.mark.parametrize(
@@ -148,10 +148,10 @@ def test_the_rules_read_every_module_of_the_package():
         # a planted forbidden import at the top, inside a function, and relative
         (
             "shardcheck.steps.sharded",
-            "from shardcheck.parity import compare\n",
+            "from shardcheck.parity.comparison import live\n",
             [
-                "shardcheck.steps.sharded imports shardcheck.parity",
-                "shardcheck.steps.sharded imports shardcheck.parity.compare",
+                "shardcheck.steps.sharded imports shardcheck.parity.comparison",
+                "shardcheck.steps.sharded imports shardcheck.parity.comparison.live",
             ],
         ),
         (
@@ -176,24 +176,24 @@ def test_the_rules_read_every_module_of_the_package():
             ],
         ),
         (
-            "shardcheck.parity.harness",
+            "shardcheck.parity.harness.check",
             "from shardcheck.seeds import fsdp_step\n",
             [
-                "shardcheck.parity.harness imports shardcheck.seeds",
-                "shardcheck.parity.harness imports shardcheck.seeds.fsdp_step",
+                "shardcheck.parity.harness.check imports shardcheck.seeds",
+                "shardcheck.parity.harness.check imports shardcheck.seeds.fsdp_step",
             ],
         ),
         (
-            "shardcheck.parity.harness",
+            "shardcheck.parity.harness.check",
             "from shardcheck.parity import compare, legacy\n",
-            ["shardcheck.parity.harness imports shardcheck.parity.legacy"],
+            ["shardcheck.parity.harness.check imports shardcheck.parity.legacy"],
         ),
         (
-            "shardcheck.parity.compare",
+            "shardcheck.parity.comparison.live",
             "def f():\n    from shardcheck.seeds.parity import regression_task\n",
             [
-                "shardcheck.parity.compare imports shardcheck.seeds.parity",
-                "shardcheck.parity.compare imports shardcheck.seeds.parity.regression_task",
+                "shardcheck.parity.comparison.live imports shardcheck.seeds.parity",
+                "shardcheck.parity.comparison.live imports shardcheck.seeds.parity.regression_task",
             ],
         ),
         # an import by name is an import; the training module's alias names its one adapter module only

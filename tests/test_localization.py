@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import check_parity, make_mesh
-from shardcheck.parity.compare import leaf_error, spread_ranks
-from shardcheck.parity.diagnosis import LeafError, constant_ratio, shared_property
+from shardcheck.parity.comparison.live import leaf_error, spread_ranks
+from shardcheck.parity.diagnosis.rules import LeafError, constant_ratio, shared_property
 from shardcheck.task import Task
 
 LR, WD = 0.05, 0.1

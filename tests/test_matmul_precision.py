@@ -1,8 +1,8 @@
 """The matmul precision a backend really uses: the policy model, its tolerances, and TF32 / bfloat16 emulated on CPU.
 
 A GPU's float32 matmuls default to TF32 (10 mantissa bits), a TPU's to one bfloat16 pass (7); ``"highest"`` and a
-CPU compute float32 (``shardcheck.parity.matmul``). On the CPU the tests round every matmul operand with
-``lax.reduce_precision`` (:func:`~shardcheck.parity.matmul.rounded_matmuls`): a correct dp / fsdp step computing
+CPU compute float32 (``shardcheck.parity.tolerance.matmul``). On the CPU the tests round every matmul operand with
+``lax.reduce_precision`` (:func:`~shardcheck.parity.tolerance.matmul.rounded_matmuls`): a correct dp / fsdp step computing
 so PASSes under its own policy and FAILs under float32's; planted faults still FAIL, by name.
 """
 
@@ -19,9 +19,12 @@ from jax import lax
 
 import shardcheck
 from shardcheck import check_parity
-from shardcheck.parity import matmul, recheck
-from shardcheck.parity.diagnosis import LeafError, StepRecord
-from shardcheck.parity.matmul import (
+from shardcheck.parity.comparison.digest import compare_run
+from shardcheck.parity.diagnosis.rules import LeafError, StepRecord
+from shardcheck.parity.harness.recorded import record_run
+from shardcheck.parity.report import ParityReport
+from shardcheck.parity.tolerance import matmul, recheck
+from shardcheck.parity.tolerance.matmul import (
     backend_policy,
     coarsest,
     matmul_precisions,
@@ -29,10 +32,7 @@ from shardcheck.parity.matmul import (
     rounded_loss,
     rounded_matmuls,
 )
-from shardcheck.parity.precision import Precision, loss_compute_allowance
-from shardcheck.parity.recorded import record_run
-from shardcheck.parity.recorded_compare import compare_run
-from shardcheck.parity.report import ParityReport
+from shardcheck.parity.tolerance.precision import Precision, loss_compute_allowance
 from shardcheck.steps import Candidate
 from shardcheck.steps.sharded import mesh_step
 from shardcheck.tasks import tiny_lm_task
@@ -140,7 +140,7 @@ def test_the_derived_tolerances_per_platform(monkeypatch, platform, setting, pol
     assert precision.compute_eps == eps
     assert loss_compute_allowance(precision, 4.0, 256) == pytest.approx(eps * 4.0 / 16)
     g, a = jnp.array([0.5, -2.0]), jnp.array([1.0, 3.0])
-    from shardcheck.parity.precision import output_rounding
+    from shardcheck.parity.tolerance.precision import output_rounding
 
     assert np.allclose(output_rounding({"w": g}, {"w": a}, precision.compute_eps)["w"], eps * (np.abs(g) + a))
 
@@ -338,8 +338,7 @@ def test_the_recheck_decision(ratio, platforms, setting, fields, expected):
 
 
 def test_the_recheck_runs_the_check_at_highest_and_says_whether_precision_explains_it(monkeypatch):
-    from shardcheck.parity import harness
-
+    from shardcheck.parity.harness import check as harness
     seen = []
 
     def check(**call):
@@ -454,7 +453,7 @@ def test_an_emulation_failure_names_its_policy_and_primitive(monkeypatch):
     with pytest.raises(matmul.EmulationError) as info:
         rounded_matmuls(lambda x: jnp.sum(jax.nn.relu(x @ x)), "tf32")(jnp.ones((2, 2)))
     message = str(info.value)
-    assert message.startswith("shardcheck's tf32 matmul emulation (shardcheck.parity.matmul.rounded_matmuls")
+    assert message.startswith("shardcheck's tf32 matmul emulation (shardcheck.parity.tolerance.matmul.rounded_matmuls")
     assert (
         "could not evaluate a 'custom_jvp_call' equation of the loss: TypeError: planted bind failure"
         in message
@@ -520,7 +519,7 @@ def test_verify_says_where_an_emulation_failure_of_a_candidate_check_came_from(t
     err = " ".join(capsys.readouterr().err.split())
     assert (
         "shardcheck verify: checking the candidate: shardcheck's tf32 matmul emulation "
-        "(shardcheck.parity.matmul.rounded_matmuls, which recomputes the reference's gradient at that precision) "
+        "(shardcheck.parity.tolerance.matmul.rounded_matmuls, which recomputes the reference's gradient at that precision) "
         "could not evaluate a 'custom_jvp_call' equation of the loss: TypeError: planted failure binding "
         "custom_jvp_call. A limitation or a bug of shardcheck, not a fault of the step"
     ) in err, err

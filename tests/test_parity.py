@@ -443,7 +443,7 @@ def test_a_sum_for_a_mean_under_a_binding_clip_passes_only_as_an_accepted_weak_c
     """From the trial: under a global-norm clip that binds, g and 2 g give one update, so a loss-only step with a
     sum for a mean matches the reference in every parameter. CANNOT VERIFY; with accept_weak the report passes and
     its verdict, JSON and text say that the check was weak and accepted."""
-    from shardcheck.parity.scale_evidence import ACCEPTED
+    from shardcheck.parity.diagnosis.scale_evidence import ACCEPTED
 
     tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
     model = make_model("linear", 3, 2, seed=1)

@@ -20,7 +20,7 @@ from test_task_parity import per_shard_optimizer_step, reduce_in, user_dp_step
 
 import shardcheck
 from shardcheck import check_parity
-from shardcheck.parity.precision import (
+from shardcheck.parity.tolerance.precision import (
     COMPUTE_SAFETY,
     Precision,
     compute_allowance,
@@ -138,7 +138,7 @@ def test_the_float32_realization_is_the_same_model_computing_in_float32():
 
 
 def test_the_loss_allowance_is_eps_c_times_the_loss_over_sqrt_n():
-    from shardcheck.parity.precision import loss_compute_allowance
+    from shardcheck.parity.tolerance.precision import loss_compute_allowance
 
     bf16 = Precision.of(nnx.Linear(2, 1, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     assert loss_compute_allowance(bf16, 4.0, 256) == pytest.approx(2.0**-7 * 4.0 / 16)  # 2^-7 * 4 / sqrt(256)
@@ -311,7 +311,7 @@ def test_a_bf16_all_reduce_under_bf16_compute_is_not_told_apart():
 def test_a_low_precision_stored_leaf_allows_one_rounding_of_its_own():
     """Each side stores a bfloat16 optimizer moment rounded by at most half an ulp: eps * max|s| per step (the
     parameters' rule, for the optimizer state)."""
-    from shardcheck.parity.harness import storage_rounding
+    from shardcheck.parity.harness.check import storage_rounding
 
     x = jnp.array([0.5, -3.0, 1.0])
     assert storage_rounding(x.astype(jnp.bfloat16)) == EPS_BF16 * 3.0

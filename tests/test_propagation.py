@@ -1,4 +1,4 @@
-"""How a gradient's tolerance and scale carry through an optimizer (``shardcheck.parity.propagation``), against
+"""How a gradient's tolerance and scale carry through an optimizer (``shardcheck.parity.tolerance.propagation``), against
 the closed forms of SGD and of global-norm clipping, in float64 NumPy."""
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from shardcheck.parity.propagation import scale_change, update_sensitivity
+from shardcheck.parity.tolerance.propagation import scale_change, update_sensitivity
 
 G = {"w": jnp.asarray([[0.5, -2.0], [1.0, 0.25]], jnp.float32), "b": jnp.asarray([3.0, -1.0], jnp.float32)}
 P = {k: jnp.ones_like(v) for k, v in G.items()}

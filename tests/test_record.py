@@ -1,4 +1,4 @@
-"""Recorded runs (``shardcheck.parity.recorded``, ``shardcheck record``, ``verify --against``).
+"""Recorded runs (``shardcheck.parity.harness.recorded``, ``shardcheck record``, ``verify --against``).
 
 ``record`` then ``verify --against`` of the same run PASSes bitwise on one machine; a planted change (the learning
 rate doubled, a sum for a mean) FAILs at step 0 naming the leaf and the factor; a recording of another task or
@@ -87,7 +87,7 @@ def tiny_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def identical_pair():
     """Two recordings of the same run (diabetes, the MLP under Adam, fsdp over 2 devices, 2 steps)."""
-    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.harness.recorded import record_run
     from shardcheck.tasks import load_task
 
     def run():
@@ -99,7 +99,7 @@ def identical_pair():
 
 @require_devices(2)
 def test_two_identical_runs_compare_pass_and_bitwise(identical_pair):
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, replayed = identical_pair
     comparison = compare_run(recorded, replayed)
@@ -136,7 +136,7 @@ def test_a_digest_moved_past_its_tolerance_fails_there_and_within_it_passes(
 ):
     """Move one float leaf's digest by ``factor`` times what it is allowed: under 1 it passes (not bitwise: its hash
     is kept, the values not), over 1 it fails at that step and leaf, with that evidence."""
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, replayed = identical_pair
     floats = [i for i, n in enumerate(recorded.names) if not n.startswith("counter")]
@@ -174,7 +174,7 @@ def _changed(recording, **fields):
 
 @require_devices(2)
 def test_a_nan_where_the_recording_has_a_number_fails_as_nan(identical_pair):
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, replayed = identical_pair
     j = recorded.names.index(next(n for n in recorded.names if n.startswith("param ")))
@@ -198,7 +198,7 @@ def test_a_nan_where_the_recording_has_a_number_fails_as_nan(identical_pair):
 def test_a_loss_off_with_gradients_at_ratio_1_is_named_a_forward_change(identical_pair):
     """A missing reduction in the forward pass (a psum over a tensor axis) moves the loss and the gradients' values
     but not their scale: the cause names the forward pass, never "a changed learning rate" at a ratio of 1."""
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, replayed = identical_pair
     loss = recorded.names.index("loss")
@@ -225,7 +225,7 @@ def test_a_rounding_level_gradient_of_either_run_sets_the_allowance(identical_pa
     """A parameter whose gradient is at rounding level under Adam may move by twice its update between two
     correct runs: the allowance is read from the recording's gradients, or from the replay's where the
     recording's step returned none (and the other way round)."""
-    from shardcheck.parity.recorded_compare import _only, compare_run
+    from shardcheck.parity.comparison.digest import _only, compare_run
 
     recorded, replayed = identical_pair
     param = next(n for n in recorded.names if n.startswith("param ") and n.endswith("bias"))
@@ -256,8 +256,8 @@ def test_a_rounding_level_allowance_is_both_runs_update_and_names_no_learning_ra
     """Adam's update of a rounding-level gradient is lr * noise / (|noise| + eps): its size is each run's own, so
     a correct run whose noise is larger moves 2.46x as far as the recording. The allowance is the two runs' update
     sizes added (not twice the recording's), and a move past it is never read as "a changed learning rate"."""
-    from shardcheck.parity.recorded_compare import compare_run
-    from shardcheck.parity.tolerance import derive_tolerance
+    from shardcheck.parity.comparison.digest import compare_run
+    from shardcheck.parity.tolerance.derive import derive_tolerance
 
     recorded, replayed = identical_pair
     param = next(n for n in recorded.names if n.startswith("param ") and n.endswith("bias"))
@@ -438,8 +438,8 @@ def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
     from test_tensor_parallel import TP_MESH, _megatron_task, megatron_step
 
     from shardcheck.mesh import make_mesh
-    from shardcheck.parity.recorded import record_run
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
+    from shardcheck.parity.harness.recorded import record_run
 
     mesh, task = make_mesh(TP_MESH), _megatron_task()
     recorded = record_run(task, megatron_step(), mesh=mesh, steps=2)
@@ -453,8 +453,8 @@ def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
 @require_devices(2)
 def test_a_replay_on_another_mesh_or_of_more_steps_is_named_so(identical_pair):
     from shardcheck.mesh import make_mesh
-    from shardcheck.parity.recorded import record_run
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
+    from shardcheck.parity.harness.recorded import record_run
     from shardcheck.tasks import load_task
 
     recorded, replayed = identical_pair
@@ -482,8 +482,8 @@ def test_a_replay_on_another_mesh_or_of_more_steps_is_named_so(identical_pair):
 @require_devices(2)
 def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp_path):
     from shardcheck.mesh import make_mesh
-    from shardcheck.parity.recorded import load_recording
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
+    from shardcheck.parity.harness.recorded import load_recording
     from shardcheck.tasks import load_task
 
     recorded, replayed = identical_pair
@@ -548,7 +548,7 @@ def test_the_recording_api_refuses_bad_arguments_naming_them(identical_pair, tmp
 
 
 def test_record_run_refuses_settings_that_are_not_json_before_any_step():
-    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.harness.recorded import record_run
 
     for settings in ([1, 2], "abc", {"lr": object()}, {1: 2}):
         with pytest.raises(TypeError, match="record_run: settings must be a mapping of str to JSON values"):
@@ -560,7 +560,7 @@ def test_record_run_refuses_settings_that_are_not_json_before_any_step():
 
 def test_record_run_names_itself_when_a_step_returns_no_loss():
     """A step whose return value holds no loss is refused by ``record_run`` in its own name, the step named."""
-    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.harness.recorded import record_run
     from shardcheck.tasks import load_task
 
     task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=1)
@@ -577,7 +577,7 @@ def test_record_run_names_itself_when_a_step_returns_no_loss():
 @require_devices(2)
 def test_first_moments_off_by_s_name_a_sum_for_a_mean_without_gradients(identical_pair):
     """A recording without gradients: Adam's first moments x S carry the gradients' scale."""
-    from shardcheck.parity.recorded_compare import _only, compare_run
+    from shardcheck.parity.comparison.digest import _only, compare_run
 
     recorded, replayed = identical_pair
     mu = [i for i, n in enumerate(recorded.names) if ".mu." in f".{n}."]
@@ -710,7 +710,7 @@ def placement_runs():
     """diabetes' MLP under Adam on fsdp=2, 2 steps: the recording of the step placing every leaf P(); replays of
     the same values placed P(None, 'fsdp'), and of that placement with its gradients summed (x2)."""
     from shardcheck.mesh import make_mesh
-    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.harness.recorded import record_run
     from shardcheck.tasks import load_task
 
     task = load_task("diabetes", model="mlp", hidden=8, optimizer="adam", batch_size=16, steps=2)
@@ -727,7 +727,7 @@ def test_a_placement_only_change_passes_with_a_note_naming_the_leaves(placement_
     """A refactor that moves leaves from P() to P(None, 'fsdp') computes the same values: PASS, the changed
     leaves listed (recorded spec -> replayed spec) in a note and in placement_changes (issue #34: it FAILed with
     "changed sharding")."""
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, moved, _ = placement_runs
     comparison = compare_run(recorded, moved)
@@ -751,7 +751,7 @@ def test_a_placement_only_change_passes_with_a_note_naming_the_leaves(placement_
 
 @require_devices(2)
 def test_a_pinned_placement_fails_naming_the_leaves_that_moved(placement_runs):
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, moved, _ = placement_runs
     comparison = compare_run(recorded, moved, pin_placement=True)
@@ -771,7 +771,7 @@ def test_a_pinned_placement_fails_naming_the_leaves_that_moved(placement_runs):
 def test_a_value_fault_beside_a_placement_change_fails_either_way(placement_runs, pin):
     """The gradients summed (x S = 2) and the placement changed: FAIL on the gradients, a sum for a mean named
     first, pinned or not."""
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
 
     recorded, _, summed = placement_runs
     comparison = compare_run(recorded, summed, pin_placement=pin)
@@ -1066,7 +1066,7 @@ def test_a_recorded_step_is_named_as_the_command_line_names_it(tmp_path):
     """``--candidate FILE.py:ATTR`` is recorded as ``ATTR`` (the function's own ``__name__`` may be a factory's
     inner name): the zoo's ``step`` is ``_lm_steps.gspmd_step``. Its replay carries the same name, so the
     recording and the replay are one run (no 'placements differ by design' note)."""
-    from shardcheck.parity.recorded import load_recording
+    from shardcheck.parity.harness.recorded import load_recording
 
     zoo = Path(__file__).resolve().parents[1] / "examples" / "zoo" / "tied_lm.py"
     run = tmp_path / "tied.npz"

@@ -22,8 +22,10 @@ from hypothesis.extra import numpy as hnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardcheck.parity import _device_stats, compare, footprint
-from shardcheck.parity.compare import LeafInput, leaf_error, leaf_errors
+from shardcheck.parity.comparison import _device_stats
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import LeafInput, leaf_error, leaf_errors
+from shardcheck.parity.harness import footprint
 from shardcheck.parity.report import ParityReport
 
 SHAPE = (8, 16)
@@ -243,9 +245,9 @@ SCRIPT = textwrap.dedent(
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     from flax import nnx
     import shardcheck
-    from shardcheck.parity import harness
-    from shardcheck.parity._device_stats import split_axes
-    from shardcheck.parity.compare import flatten_state
+    from shardcheck.parity.harness import check as harness
+    from shardcheck.parity.comparison._device_stats import split_axes
+    from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.tasks.tiny_lm import TinyLMConfig, tiny_lm_task
 
     axes, candidate, sizes = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])

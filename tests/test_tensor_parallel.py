@@ -442,8 +442,8 @@ def test_a_psum_over_data_for_a_pmean_is_summed_over_the_data_shards():
 
 
 def test_a_uniform_factor_of_a_model_axis_size_names_the_axis():
-    from shardcheck.parity.diagnosis import _name_factor
-    from shardcheck.parity.topology import name_leaves
+    from shardcheck.parity.diagnosis.rules import _name_factor
+    from shardcheck.parity.diagnosis.topology import name_leaves
 
     code, phrase = _name_factor(4.0, 2, TP_MESH)
     assert code == "summed" and phrase.startswith("x4: the size of mesh axis 'model', which splits the model")
@@ -462,7 +462,7 @@ def test_a_uniform_factor_of_a_model_axis_size_names_the_axis():
 
 
 def test_the_wrong_axis_message_follows_which_axes_split_the_batch():
-    from shardcheck.parity.topology import missed_axes_message
+    from shardcheck.parity.diagnosis.topology import missed_axes_message
 
     leaves = ["param ln.scale", "opt_state 0.mu.ln.scale"]
     hybrid = missed_axes_message(0, leaves, ("fsdp",), {"data": 2, "fsdp": 4})
@@ -477,7 +477,7 @@ def test_the_wrong_axis_message_follows_which_axes_split_the_batch():
 
 
 def test_a_replica_count_that_is_both_s_and_a_model_axis_names_both_causes():
-    from shardcheck.parity.topology import replicated_reduced_message
+    from shardcheck.parity.diagnosis.topology import replicated_reduced_message
 
     both = replicated_reduced_message(0, ["b.bias"], 3, 2, {"data": 2, "model": 2}, num_shards=2)
     assert "x2 is the size of mesh axis 'model'" in both and "also the number of batch shards S" in both

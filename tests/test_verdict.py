@@ -206,7 +206,7 @@ def test_an_optimizer_stepped_per_micro_batch_is_named(k, report_micro_steps):
 
 
 def _step(t, evidence, *, blind=False, moved=1e-3, ok=True):
-    from shardcheck.parity.diagnosis import LeafError, StepRecord
+    from shardcheck.parity.diagnosis.rules import LeafError, StepRecord
 
     leaves = (LeafError(t, "param", "w", 0.0 if ok else 1.0, 0.0, 1e-6, ok, None, moved),)
     return StepRecord(
@@ -215,8 +215,8 @@ def _step(t, evidence, *, blind=False, moved=1e-3, ok=True):
 
 
 def test_the_verdict_names_the_hidden_factor_and_its_cause():
-    from shardcheck.parity.harness import scale_evidence_text, unresolvable
-    from shardcheck.parity.precision import Precision
+    from shardcheck.parity.harness.check import scale_evidence_text, unresolvable
+    from shardcheck.parity.tolerance.precision import Precision
 
     policy = Precision.of(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
     shown = [_step(0, ((), ("opt_state 0.mu.w",))), _step(1, (("grad w", "grad b"), ()))]

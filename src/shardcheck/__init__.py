@@ -43,11 +43,11 @@ _EXPORTS = {
     "check_parity": "shardcheck.seeds.parity",
     "derive_tolerance": "shardcheck.parity",
     "strategy_candidate": "shardcheck.parity",
-    "Recording": "shardcheck.parity.recorded",
-    "load_recording": "shardcheck.parity.recorded",
-    "record_run": "shardcheck.parity.recorded",
-    "RunComparison": "shardcheck.parity.recorded_compare",
-    "compare_run": "shardcheck.parity.recorded_compare",
+    "Recording": "shardcheck.parity.harness.recorded",
+    "load_recording": "shardcheck.parity.harness.recorded",
+    "record_run": "shardcheck.parity.harness.recorded",
+    "RunComparison": "shardcheck.parity.comparison.digest",
+    "compare_run": "shardcheck.parity.comparison.digest",
     "LeafPlacement": "shardcheck.placement",
     "placement_report": "shardcheck.placement",
     "placement_summary": "shardcheck.placement",
@@ -94,11 +94,11 @@ if TYPE_CHECKING:
     from shardcheck.parity import Tolerance as Tolerance
     from shardcheck.parity import derive_tolerance as derive_tolerance
     from shardcheck.parity import strategy_candidate as strategy_candidate
-    from shardcheck.parity.recorded import Recording as Recording
-    from shardcheck.parity.recorded import load_recording as load_recording
-    from shardcheck.parity.recorded import record_run as record_run
-    from shardcheck.parity.recorded_compare import RunComparison as RunComparison
-    from shardcheck.parity.recorded_compare import compare_run as compare_run
+    from shardcheck.parity.comparison.digest import RunComparison as RunComparison
+    from shardcheck.parity.comparison.digest import compare_run as compare_run
+    from shardcheck.parity.harness.recorded import Recording as Recording
+    from shardcheck.parity.harness.recorded import load_recording as load_recording
+    from shardcheck.parity.harness.recorded import record_run as record_run
     from shardcheck.placement import LeafPlacement as LeafPlacement
     from shardcheck.placement import placement_report as placement_report
     from shardcheck.placement import placement_summary as placement_summary

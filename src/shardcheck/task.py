@@ -47,7 +47,7 @@ class Task:
             leaf of a batch has the same leading (batch) size B. Dtypes are kept: int token ids stay int.
         name: shown in reports.
         reduction_size: the number of terms the loss sums over in one batch, for the parity tolerance
-            (``shardcheck.parity.tolerance``); default: the element count of the batch's largest leaf (B * T for
+            (``shardcheck.parity.tolerance.derive``); default: the element count of the batch's largest leaf (B * T for
             ``(B, T)`` token ids, B * K for ``(B, K)`` targets).
 
     Raises (on construction):

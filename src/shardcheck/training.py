@@ -31,8 +31,8 @@ from shardcheck import _deprecations, _validate
 from shardcheck._catalog import COMPARED, REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.distributed import gather_to_host
-from shardcheck.parity.propagation import grad_delta, update_sensitivity
-from shardcheck.parity.tolerance import Tolerance, derive_tolerance
+from shardcheck.parity.tolerance.derive import Tolerance, derive_tolerance
+from shardcheck.parity.tolerance.propagation import grad_delta, update_sensitivity
 from shardcheck.steps.registry import STRATEGIES, Strategy, mesh_for
 from shardcheck.task import Batch, LossFn, Task, check_batch, check_divisible, mean_loss
 from shardcheck.task import batch_size as leading_size
@@ -202,7 +202,7 @@ class TrainProgress:
 
 
 def step_tolerance(batch_size: int, out_features: int, step: int, dtype="float32") -> Tolerance:
-    """The parity harness's tolerance (:func:`~shardcheck.parity.tolerance.derive_tolerance`) after ``step`` steps (1-based).
+    """The parity harness's tolerance (:func:`~shardcheck.parity.tolerance.derive.derive_tolerance`) after ``step`` steps (1-based).
 
     A value passes when ``|sharded - baseline| <= atol + rtol * |baseline|`` (max over elements); for the
     parameter drift the scale is ``max|params_baseline|`` over the whole model. For a task, pass its reduction
@@ -453,7 +453,7 @@ def _task_step(pair: _Lockstep, batch, t: int, epoch: int, tol: Tolerance, allow
     """One :func:`train_task` step: both runs, the drift checked element by element; returns the new allowance.
 
     An element passes when ``|sharded - reference| <= atol + rtol * max|params_reference| + allowance``, the
-    allowance accumulating over the steps :func:`~shardcheck.parity.propagation.update_sensitivity` of the reference's update.
+    allowance accumulating over the steps :func:`~shardcheck.parity.tolerance.propagation.update_sensitivity` of the reference's update.
     """
     params0 = nnx.as_pure(nnx.state(pair.ref_model, nnx.Param))
     opt_state0 = nnx.as_pure(pair.ref_opt.opt_state)

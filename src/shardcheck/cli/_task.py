@@ -91,7 +91,7 @@ PRECISION_TASKS = ("digits", "tiny-lm")
 
 
 def add_precision_arguments(p, *, harness: bool) -> None:
-    """``--compute-dtype`` and ``--param-dtype``: the precision policy (``shardcheck.parity.precision``).
+    """``--compute-dtype`` and ``--param-dtype``: the precision policy (``shardcheck.parity.tolerance.precision``).
 
     ``harness``: whether the subcommand runs the parity harness, which can apply them to a user's task file.
     """

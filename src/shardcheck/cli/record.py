@@ -126,7 +126,7 @@ def _check_args(args) -> tuple[str | None, int]:
     configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
     import jax
 
-    from shardcheck.parity.recorded import check_out_path
+    from shardcheck.parity.harness.recorded import check_out_path
 
     check_out_path("shardcheck record", args.out, f"--out {args.out}")
     devices = args.devices or (jax.device_count() if distributed.is_multiprocess() else 2)
@@ -184,7 +184,7 @@ def main(args) -> int:
         return _fail(err)
     from shardcheck import parity
     from shardcheck.mesh import data_shards
-    from shardcheck.parity.recorded import record_run
+    from shardcheck.parity.harness.recorded import record_run
     from shardcheck.steps import STRATEGIES
 
     num_shards = devices if args.mesh is None else data_shards(args.mesh)
@@ -235,10 +235,10 @@ def recorded_defaults(args):
     its mesh (or shard count), its steps, and its run (its strategy; a user step needs ``--candidate``).
 
     Raises:
-        ValueError: one line: a file that is no recording (:func:`~shardcheck.parity.recorded.load_recording`),
+        ValueError: one line: a file that is no recording (:func:`~shardcheck.parity.harness.recorded.load_recording`),
             a recorded user step without ``--candidate``, ``--reference`` given.
     """
-    from shardcheck.parity.recorded import load_recording
+    from shardcheck.parity.harness.recorded import load_recording
 
     fn = "shardcheck verify"
     recording = load_recording(args.against, fn=fn, name=f"--against {args.against}")
@@ -280,8 +280,8 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
     run (process 0) and returns the exit status: 0 when all pass, 1 when one fails, 2 when the recording cannot
     be compared with this run (another task, mesh, steps, batches or state: one line)."""
     from shardcheck import distributed
-    from shardcheck.parity.recorded import check_replayable, record_run
-    from shardcheck.parity.recorded_compare import compare_run
+    from shardcheck.parity.comparison.digest import compare_run
+    from shardcheck.parity.harness.recorded import check_replayable, record_run
 
     settings = run_settings(args)
     try:

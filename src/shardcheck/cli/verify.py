@@ -383,7 +383,7 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
     cause = err.__cause__ if wrapped and err.__cause__ is not None else err
     step = err.step if wrapped else None
     if label == "candidate":
-        from shardcheck.parity.matmul import EmulationError
+        from shardcheck.parity.tolerance.matmul import EmulationError
 
         if isinstance(err, EmulationError):  # the harness's matmul emulation failed, not the candidate
             message = f"shardcheck verify: checking the candidate: {err}"

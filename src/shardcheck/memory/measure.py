@@ -257,7 +257,7 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
             with batch statistics or a random forward pass (as ``verify`` refuses them), a step that sets
             another mesh than ``mesh`` with ``jax.set_mesh``.
     """
-    from shardcheck.parity.candidates import accepts, check_step_signature
+    from shardcheck.parity.harness.candidates import accepts, check_step_signature
     from shardcheck.task import check_divisible, check_model
 
     fn = "measure_step"

@@ -8,23 +8,23 @@ derived rule, ``diagnosis`` the rules that name a failure's cause, ``report`` th
 """
 
 from shardcheck import _deprecations
-from shardcheck.parity.candidates import strategy_candidate as strategy_candidate
-from shardcheck.parity.compare import flatten_state as flatten_state
-from shardcheck.parity.compare import replica_mismatch as replica_mismatch
-from shardcheck.parity.compare import to_host as to_host
-from shardcheck.parity.diagnosis import KINDS as KINDS
-from shardcheck.parity.diagnosis import Diagnosis as Diagnosis
-from shardcheck.parity.diagnosis import LeafError as LeafError
-from shardcheck.parity.diagnosis import StepRecord as StepRecord
-from shardcheck.parity.diagnosis import diagnose as diagnose
-from shardcheck.parity.harness import minibatches as minibatches
-from shardcheck.parity.reference_trajectory import shared_reference as shared_reference
+from shardcheck.parity.comparison.live import flatten_state as flatten_state
+from shardcheck.parity.comparison.live import replica_mismatch as replica_mismatch
+from shardcheck.parity.comparison.live import to_host as to_host
+from shardcheck.parity.diagnosis.rules import KINDS as KINDS
+from shardcheck.parity.diagnosis.rules import Diagnosis as Diagnosis
+from shardcheck.parity.diagnosis.rules import LeafError as LeafError
+from shardcheck.parity.diagnosis.rules import StepRecord as StepRecord
+from shardcheck.parity.diagnosis.rules import diagnose as diagnose
+from shardcheck.parity.harness.candidates import strategy_candidate as strategy_candidate
+from shardcheck.parity.harness.check import minibatches as minibatches
+from shardcheck.parity.harness.reference_trajectory import shared_reference as shared_reference
 from shardcheck.parity.report import CandidateError as CandidateError
 from shardcheck.parity.report import ParityError as ParityError
 from shardcheck.parity.report import ParityReport as ParityReport
-from shardcheck.parity.tolerance import MOMENT_FACTOR as MOMENT_FACTOR
-from shardcheck.parity.tolerance import Tolerance as Tolerance
-from shardcheck.parity.tolerance import derive_tolerance as derive_tolerance
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR as MOMENT_FACTOR
+from shardcheck.parity.tolerance.derive import Tolerance as Tolerance
+from shardcheck.parity.tolerance.derive import derive_tolerance as derive_tolerance
 from shardcheck.steps import Candidate as Candidate
 
 # ``check_parity`` and ``assert_step_parity`` are ``shardcheck.check_parity`` / ``shardcheck.assert_step_parity``;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardcheck.parity.diagnosis import KINDS, Diagnosis, LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import KINDS, Diagnosis, LeafError, StepRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,18 +37,18 @@ class ParityReport:
         peak_bytes_per_device: in a check against a strategy on the candidate's mesh, the most bytes any device
             held in the check's arrays (every live ``jax.Array``'s addressable shards, sampled after each
             reference step, candidate step and comparison, less what the device held when the check began:
-            :mod:`shardcheck.parity.footprint`); ``None`` otherwise.
+            :mod:`shardcheck.parity.harness.footprint`); ``None`` otherwise.
         state_bytes_per_device: in that mode, the larger of the two sides' own states (parameters and optimizer
             state) on the device holding most of it: the yardstick of ``peak_bytes_per_device``; else ``None``.
         allocator_peak_bytes: in that mode, the largest ``peak_bytes_in_use`` of the devices'
             ``memory_stats()`` (GPU, TPU: the process's peak since it started, the compiled calls' temporaries
             included); ``None`` on CPU devices and in the other modes.
         matmul_precision: the precision of the steps' float32 matmuls the tolerances assumed (``"float32"``,
-            ``"tf32"``, ``"bfloat16"``; ``shardcheck.parity.matmul``).
+            ``"tf32"``, ``"bfloat16"``; ``shardcheck.parity.tolerance.matmul``).
         matmul_precision_source: how it was chosen: ``"set by the caller"``, or ``"the backend's (gpu) for this
             step"``.
         precision_recheck: on an accelerator, the outcome of re-checking a FAIL within a few tolerances with both
-            sides at ``"highest"`` (``shardcheck.parity.recheck``); ``None`` when there was none.
+            sides at ``"highest"`` (``shardcheck.parity.tolerance.recheck``); ``None`` when there was none.
         devices: where each side ran, ``{"reference": "1 x gpu (NVIDIA H200)", "candidate": "8 x cpu"}``
             (:func:`shardcheck.devices.describe`); empty for a report not made by a check.
     """

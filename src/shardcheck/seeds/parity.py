@@ -20,10 +20,10 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.losses import regression_batch_loss as regression_loss  # MSE, weighted with (x, y, w)
-from shardcheck.parity import harness
-from shardcheck.parity.candidates import accepts, check_step_signature
+from shardcheck.parity.harness import check as harness
+from shardcheck.parity.harness.candidates import accepts, check_step_signature
+from shardcheck.parity.harness.setup import check_options, check_reference
 from shardcheck.parity.report import ParityError
-from shardcheck.parity.setup import check_options, check_reference
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
 
@@ -168,7 +168,7 @@ def check_parity(
     leaf_tolerance=None,
     accept_weak=False,
 ):
-    """:func:`shardcheck.parity.harness.check_parity`, also in the ``(model, optimizer, batches)`` form.
+    """:func:`shardcheck.parity.harness.check.check_parity`, also in the ``(model, optimizer, batches)`` form.
 
     ``check_parity(candidate, model, optimizer, batches)`` checks the seeds' regression task (MSE on ``(x, y)``
     batches, weighted with ``(x, y, weights)``; :func:`regression_task`) from that model and optimizer state; its

@@ -64,7 +64,7 @@ def gradient_tolerance(grads, extra, rtol, atol):
     float32 scalar per leaf, or per element where ``extra`` is per element); ``max |g|``: a 0-d array per leaf, in
     the gradient's dtype; ``allowance = delta - grad_delta(grads, None, rtol, atol, 0)``, the part of ``delta``
     that ``extra`` adds (``None`` when ``extra`` is ``None``). The sensitivity itself is a separate call, made only
-    where a verdict reads it (``shardcheck.parity.allowances``).
+    where a verdict reads it (``shardcheck.parity.tolerance.allowances``).
     """
     delta = grad_delta(grads, extra, rtol, atol, 1.0)
     grad_max = jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
@@ -108,7 +108,7 @@ def grad_delta(grads, extra, rtol, atol, scale):
     """The gradient's elementwise tolerance: ``atol + rtol max|g|`` (per leaf) plus ``scale * extra``.
 
     ``extra``: ``None`` or a tree like ``grads`` of per-element or per-leaf allowances (the measured compute
-    noise of ``shardcheck.parity.precision``; a bfloat16 all-reduce's bound).
+    noise of ``shardcheck.parity.tolerance.precision``; a bfloat16 all-reduce's bound).
     """
     base = jax.tree.map(lambda g: atol + rtol * jnp.max(jnp.abs(g.astype(jnp.float32))), grads)
     if extra is None:

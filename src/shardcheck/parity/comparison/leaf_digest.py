@@ -105,7 +105,7 @@ def _device_set(a) -> tuple[int, ...]:
 def on_host(a: jax.Array) -> bool:
     """Whether ``a`` is reduced on the host: every shard in this process, on CPU devices (whose memory is the
     host's: NumPy's float64 pass over the shards the hash reads anyway compiles nothing, as
-    :mod:`shardcheck.parity.compare` does on CPU)."""
+    :mod:`shardcheck.parity.comparison.live` does on CPU)."""
     return a.is_fully_addressable and all(d.platform == "cpu" for d in a.sharding.device_set)
 
 

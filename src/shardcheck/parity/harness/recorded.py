@@ -1,12 +1,12 @@
 """Recorded runs: a run's per-step digests, saved small enough to commit, and a replay compared with them.
 
 :func:`record_run` runs a strategy (or a user's step) on a task for N steps and keeps, after every step, the
-digest of every leaf (:mod:`shardcheck.parity._digest`: shape, dtype, sharding, L2 norm, ``max|x|``, the update
+digest of every leaf (:mod:`shardcheck.parity.comparison.leaf_digest`: shape, dtype, sharding, L2 norm, ``max|x|``, the update
 size of each parameter, 8 fixed-index samples and a sha256) of the loss, the gradients (when the step returns
 them), the parameters, the optimizer state and the integer counters. :meth:`Recording.save` writes them as one
 ``.npz`` (NumPy only, no pickles) with a JSON metadata string; :func:`load_recording` reads one back and refuses a
 file that is not one, or that another task, mesh or data made (:func:`check_replayable`). :func:`compare_run`
-compares a replay with a recording (``shardcheck.parity.recorded_compare``), within the parity harness's own
+compares a replay with a recording (``shardcheck.parity.comparison.digest``), within the parity harness's own
 derived tolerances: across machines and XLA versions never bitwise; the hashes only say "bitwise identical"
 where every one matched.
 """
@@ -31,11 +31,12 @@ import numpy as np
 from flax import nnx
 
 from shardcheck import _validate
-from shardcheck.parity import _digest, matmul
-from shardcheck.parity.candidates import as_candidate, unpack
-from shardcheck.parity.compare import device_snapshot, flatten_state
+from shardcheck.parity.comparison import leaf_digest as _digest
+from shardcheck.parity.comparison.live import device_snapshot, flatten_state
+from shardcheck.parity.harness.candidates import as_candidate, unpack
+from shardcheck.parity.harness.setup import _check_strategy, _task_batches, check_options
 from shardcheck.parity.report import CandidateError
-from shardcheck.parity.setup import _check_strategy, _task_batches, check_options
+from shardcheck.parity.tolerance import matmul
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded_init import sharded_training_state
@@ -115,7 +116,7 @@ class Recording:
             reduction length of each batch, for the tolerance), ``tolerance_dtype``, ``settings`` (the caller's:
             optimizer, lr, seed ... when known), ``versions`` (jax, jaxlib, flax, optax, shardcheck),
             ``platform``, ``matmul_precision`` (the precision of the run's float32 matmuls:
-            ``shardcheck.parity.matmul``; absent from recordings made before it was stored: float32).
+            ``shardcheck.parity.tolerance.matmul``; absent from recordings made before it was stored: float32).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
         shapes: each leaf's shape; dtypes: each leaf's dtype name.
@@ -403,7 +404,7 @@ def record_run(
     ``make_optimizer``). Each step is the strategy's step
     (``STRATEGIES[name].build(task.loss_fn, S, mesh).step(model, optimizer, batch)``, which returns the loss and
     the gradients it applied) or the user's (its loss, and its gradients when it returns ``{"loss", "grads"}``).
-    Digested (:mod:`shardcheck.parity._digest`): the initial state, then after every step the loss, the gradients,
+    Digested (:mod:`shardcheck.parity.comparison.leaf_digest`): the initial state, then after every step the loss, the gradients,
     every parameter (with its update size), every optimizer-state leaf and every integer counter.
 
     Args:
@@ -420,7 +421,7 @@ def record_run(
             :func:`compare_run` names a changed ``lr`` as a cause.
         matmul_precision: the precision of the run's float32 matmuls, stored in the metadata (``"float32"``,
             ``"tf32"``, ``"bfloat16"``; default: what the backend uses for the task's step:
-            ``shardcheck.parity.matmul``); :func:`compare_run` compares within the looser of two runs'.
+            ``shardcheck.parity.tolerance.matmul``); :func:`compare_run` compares within the looser of two runs'.
 
     Returns:
         The :class:`Recording` (in memory; :meth:`Recording.save` writes it).

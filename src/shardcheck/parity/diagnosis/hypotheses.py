@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardcheck.parity import compare
-from shardcheck.parity.allowances import _reference_grads, _shard_magnitude
-from shardcheck.parity.compare import flatten_state, host_tree, is_int, leaf_error, to_host
-from shardcheck.parity.diagnosis import StepRecord, _gradient_factor
-from shardcheck.parity.matmul import rounded_loss
-from shardcheck.parity.propagation import grad_delta, scale_change, update_sensitivity
-from shardcheck.parity.state import _default_view, _opt_state, _PreStep, _Run
-from shardcheck.parity.tolerance import MOMENT_FACTOR
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
+from shardcheck.parity.diagnosis.rules import StepRecord, _gradient_factor
+from shardcheck.parity.harness.state import _default_view, _opt_state, _PreStep, _Run
+from shardcheck.parity.tolerance.allowances import _reference_grads, _shard_magnitude
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
+from shardcheck.parity.tolerance.matmul import rounded_loss
+from shardcheck.parity.tolerance.propagation import grad_delta, scale_change, update_sensitivity
 from shardcheck.task import loss_terms, split_batch
 
 

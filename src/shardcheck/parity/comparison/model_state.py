@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from shardcheck.parity.compare import counter_error, is_int
-from shardcheck.parity.diagnosis import LeafError
+from shardcheck.parity.comparison.live import counter_error, is_int
+from shardcheck.parity.diagnosis.rules import LeafError
 
 PREFIX = "model."
 """The path prefix of a model-state leaf in a report (``counter model.calls``), beside the optimizer's counters."""

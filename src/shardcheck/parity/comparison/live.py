@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardcheck._tree import path_str
 from shardcheck.distributed import gather_to_host
-from shardcheck.parity import _device_stats
-from shardcheck.parity.diagnosis import LeafError
+from shardcheck.parity.comparison import _device_stats
+from shardcheck.parity.diagnosis.rules import LeafError
 
 PyTree = Any
 
@@ -98,7 +98,7 @@ def leaf_error(
     """Compare one leaf: passes when every ``|cand - ref| <= atol + rtol * max|ref| + allowance`` (elementwise).
 
     ``allowance``: an optional array of ``ref``'s shape (or a scalar) widening the tolerance element by element
-    (the propagated sensitivity of a normalizing optimizer's update; ``shardcheck.parity.harness``).
+    (the propagated sensitivity of a normalizing optimizer's update; ``shardcheck.parity.harness.check``).
     ``before_*``: the leaf before the step, to report the ratio of the changes rather than of the values.
     """
     r = np.asarray(ref, dtype=np.float64)
@@ -229,7 +229,7 @@ def _devices(item: LeafInput) -> tuple[int, ...]:
 
 def leaf_errors(items: Sequence[LeafInput]) -> list[LeafError]:
     """:func:`leaf_error` of every item, with one compiled call for all the leaves on one set of devices
-    (``shardcheck.parity._device_stats``).
+    (``shardcheck.parity.comparison._device_stats``).
 
     On the device, in float32, per leaf: ``max |c - r|`` and ``max |r - r0|`` exactly (each element's float32
     difference and its rounding error, Knuth's TwoSum; the float64 value is their sum), ``max |r|``, and with an
@@ -477,7 +477,7 @@ def _max_abs_diff(a: dict, b: dict) -> dict:
 def max_abs_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:
     """``{name: max |a - b|}`` of float arrays of equal shapes, exactly as float64 computes it. On the devices
     (:data:`DEVICE_SCALARS`), each element's float32 difference and its rounding error (Knuth's TwoSum,
-    ``shardcheck.parity._device_stats.two_diff``) are reduced there and their sum taken in float64 on the host
+    ``shardcheck.parity.comparison._device_stats.two_diff``) are reduced there and their sum taken in float64 on the host
     (a leaf whose float32 difference overflows or holds NaN, or with an element below ``_device_stats.TINY``,
     is taken on the host). ``b[name]`` is moved onto
     ``a[name]``'s devices."""

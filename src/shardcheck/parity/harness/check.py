@@ -6,9 +6,9 @@ Matching a single loss value alone does not verify that update". :func:`check_pa
 single-device step (:func:`~shardcheck.steps.reference.reference_step`) and a candidate step from copies of one
 model and optimizer over the task's batches, and records for every step the error of the loss, of every gradient
 leaf (where the candidate exposes them), of every updated parameter, of every optimizer-state leaf and of the
-step counters. When parity fails, :mod:`shardcheck.parity.diagnosis` says why.
+step counters. When parity fails, :mod:`shardcheck.parity.diagnosis.rules` says why.
 
-Tolerance (:func:`~shardcheck.parity.tolerance.derive_tolerance`, ``docs/parity.md``)::
+Tolerance (:func:`~shardcheck.parity.tolerance.derive.derive_tolerance`, ``docs/parity.md``)::
 
     rtol_t = 16 * eps * sqrt(n) * sqrt(t + 1)      atol_t = eps * sqrt(n) * sqrt(t + 1)
     leaf passes at step t  <=>  |cand - ref| <= atol_t + rtol_t * max|ref| + allowance      (moments: x2)
@@ -19,13 +19,13 @@ steps: negligible for SGD and for Adam on ordinary leaves, about ``lr`` for a le
 a normalizing optimizer (the gradient is rounding noise, and Adam turns noise into lr-sized steps). Such leaves
 are reported (``rounding_level``) and remain checked through their gradients and optimizer state. A step is
 compared against a lower bound of the allowance first, where its verdict may not need the exact one; the
-sensitivity pass runs when a step needs it (:mod:`shardcheck.parity.allowances`, ``docs/parity.md``).
+sensitivity pass runs when a step needs it (:mod:`shardcheck.parity.tolerance.allowances`, ``docs/parity.md``).
 
 This module is the step loop and each step's comparison; the run's admission and setup are
-:mod:`shardcheck.parity.setup`, its state :mod:`shardcheck.parity.state`, the tolerance bookkeeping
-:mod:`shardcheck.parity.allowances` (per-leaf overrides: :mod:`shardcheck.parity.leaf_tolerance`), the hypothesis
-reruns that explain a failure :mod:`shardcheck.parity.hypotheses` and the gradient-scale evidence
-:mod:`shardcheck.parity.scale_evidence`.
+:mod:`shardcheck.parity.harness.setup`, its state :mod:`shardcheck.parity.harness.state`, the tolerance bookkeeping
+:mod:`shardcheck.parity.tolerance.allowances` (per-leaf overrides: :mod:`shardcheck.parity.tolerance.overrides`), the hypothesis
+reruns that explain a failure :mod:`shardcheck.parity.diagnosis.hypotheses` and the gradient-scale evidence
+:mod:`shardcheck.parity.diagnosis.scale_evidence`.
 """
 
 from __future__ import annotations
@@ -42,18 +42,9 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
 from shardcheck.datasets import minibatch_indices
-from shardcheck.parity import allowances, compare, first_pass, matmul, recheck
-from shardcheck.parity.allowances import (
-    Undecided,
-    _param_dtype,
-    _precision_rule,
-    _state_allowances,
-    split_gradients,
-    step_bounds,
-)
-from shardcheck.parity.allowances import storage_rounding as storage_rounding
-from shardcheck.parity.candidates import unpack
-from shardcheck.parity.compare import (
+from shardcheck.parity.comparison import first_pass
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import (
     LeafInput,
     counter_error,
     device_snapshot,
@@ -64,18 +55,34 @@ from shardcheck.parity.compare import (
     replica_mismatches,
     to_host,
 )
-from shardcheck.parity.diagnosis import Diagnosis, LeafError, StepRecord, diagnose
-from shardcheck.parity.footprint import Footprint, allocator_peak_bytes, state_bytes
-from shardcheck.parity.hypotheses import _explained
-from shardcheck.parity.model_state import model_state_leaves
-from shardcheck.parity.precision import ACCUMULATION_DTYPE, loss_compute_allowance
-from shardcheck.parity.reference_trajectory import trajectory_for
+from shardcheck.parity.comparison.model_state import model_state_leaves
+from shardcheck.parity.diagnosis.hypotheses import _explained
+from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis.scale_evidence import (
+    _scale_evidence,
+    scale_evidence_text,
+    scale_shown,
+    unresolvable,
+)
+from shardcheck.parity.diagnosis.topology import mismatch_axes
+from shardcheck.parity.harness.candidates import unpack
+from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
+from shardcheck.parity.harness.reference_trajectory import trajectory_for
+from shardcheck.parity.harness.setup import _setup, check_options
+from shardcheck.parity.harness.state import StepFn, _After, _kept_state, _PreStep, _Run
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
-from shardcheck.parity.scale_evidence import _scale_evidence, scale_evidence_text, scale_shown, unresolvable
-from shardcheck.parity.setup import _setup, check_options
-from shardcheck.parity.state import StepFn, _After, _kept_state, _PreStep, _Run
-from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
-from shardcheck.parity.topology import mismatch_axes
+from shardcheck.parity.tolerance import allowances, matmul, recheck
+from shardcheck.parity.tolerance.allowances import (
+    Undecided,
+    _param_dtype,
+    _precision_rule,
+    _state_allowances,
+    split_gradients,
+    step_bounds,
+)
+from shardcheck.parity.tolerance.allowances import storage_rounding as storage_rounding
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
+from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE, loss_compute_allowance
 from shardcheck.steps import Candidate
 from shardcheck.steps.reference import reference_step
 from shardcheck.task import Task
@@ -83,7 +90,7 @@ from shardcheck.task import batch_size as leading_size
 from shardcheck.task import check_model as check_model
 
 FIRST_PASS = True
-"""Whether a step's leaves go through the cheap first pass (:mod:`shardcheck.parity.first_pass`) before the full
+"""Whether a step's leaves go through the cheap first pass (:mod:`shardcheck.parity.comparison.first_pass`) before the full
 comparison; ``False`` compares every leaf in full (the tests check that both give the same verdicts)."""
 
 
@@ -346,7 +353,7 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
 
 def _measure(run: _Run, after: _After | None = None) -> None:
     """One sample of what the devices hold (``run.footprint``: a check on the candidate's mesh only); with
-    ``after``, both sides' own states per device too (:mod:`shardcheck.parity.footprint`)."""
+    ``after``, both sides' own states per device too (:mod:`shardcheck.parity.harness.footprint`)."""
     if run.footprint is None:
         return
     run.footprint.sample()
@@ -541,13 +548,13 @@ def check_parity(
         atol: fixed absolute tolerance for every step (default: derived).
         name: the candidate's name in the report.
         compute_dtype: override the compute dtype read from the model's layers (``dtype``), for the tolerance
-            (``shardcheck.parity.precision``).
+            (``shardcheck.parity.tolerance.precision``).
         param_dtype: override the parameters' dtype read from the model, for the tolerance.
         matmul_precision: the precision of the steps' float32 matmuls and convolutions, for the tolerance:
             ``"float32"``, ``"tf32"`` (a 10-bit mantissa: a GPU's default since Ampere) or ``"bfloat16"`` (one
             bfloat16 pass: a TPU's default). ``None``: the coarsest that the two sides' backends use for the
             task's gradient (``jax_default_matmul_precision`` and the ``precision`` the step's matmuls set;
-            ``shardcheck.parity.matmul``). The report states it (``ParityReport.matmul_precision``).
+            ``shardcheck.parity.tolerance.matmul``). The report states it (``ParityReport.matmul_precision``).
         leaf_tolerance: per-leaf ``(rtol, atol)`` for the cases a rule cannot know: a mapping from a leaf name
             (``"param hidden.kernel"``, ``"opt_state 0.mu.bias"``, ``"loss"``; or its path alone) or a callable
             ``name -> (rtol, atol) | None``, called once per leaf name before the run.

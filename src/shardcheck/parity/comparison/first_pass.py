@@ -6,15 +6,15 @@ reference's change, read by the rules) and ``min`` / ``max`` of the allowance. A
 
     (max_f32 |c - r| + TINY) * (1 + 2**-22)  <=  atol + rtol * max|r| + min(allowance)
 
-which implies :func:`~shardcheck.parity.compare.leaf_error`'s elementwise rule ``|c - r| <= atol + rtol * max|r| +
+which implies :func:`~shardcheck.parity.comparison.live.leaf_error`'s elementwise rule ``|c - r| <= atol + rtol * max|r| +
 allowance`` in float64: the float32 difference of each element is within half an ulp (``2**-24`` relative) of the
 exact one, ``max|r|`` of float32 elements is exact, every allowance element is at least its minimum, and ``TINY``
 covers a difference that the device flushed to zero (XLA:CPU treats subnormal inputs as zero). A NaN or an
 infinity anywhere clears nothing. The statistics, the float64 re-check of the largest elements and the update
-ratio's median (:func:`~shardcheck.parity.compare.leaf_errors`, the second pass) are computed only for the leaves
+ratio's median (:func:`~shardcheck.parity.comparison.live.leaf_errors`, the second pass) are computed only for the leaves
 this pass cannot clear, and for every leaf of a step that fails.
 
-A cleared leaf's :class:`~shardcheck.parity.diagnosis.LeafError` holds ``max_abs_err`` (the float32 maximum:
+A cleared leaf's :class:`~shardcheck.parity.diagnosis.rules.LeafError` holds ``max_abs_err`` (the float32 maximum:
 exact where the two sides' elements are within a factor 2, Sterbenz's lemma; 0 where the device flushed a
 subnormal difference, below ``TINY``), ``tolerance`` (``atol + rtol *
 max|r| + max(allowance)``: the widest the rule allows, where the second pass reports the one its worst element
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from shardcheck.parity import _device_stats
-from shardcheck.parity.diagnosis import LeafError
+from shardcheck.parity.comparison import _device_stats
+from shardcheck.parity.diagnosis.rules import LeafError
 
 # float32's rounding of one difference is at most 2**-24 relative; twice that leaves a margin for the comparison
 _ROUNDING = 2.0**-22
@@ -129,8 +129,8 @@ def _moved(arrays: list, places: list) -> list:
 
 
 def clear(items: Sequence) -> list[LeafError | None]:
-    """The first pass over ``items`` (:class:`~shardcheck.parity.compare.LeafInput`): per item, its cleared
-    :class:`~shardcheck.parity.diagnosis.LeafError`, or ``None`` where the second pass must decide.
+    """The first pass over ``items`` (:class:`~shardcheck.parity.comparison.live.LeafInput`): per item, its cleared
+    :class:`~shardcheck.parity.diagnosis.rules.LeafError`, or ``None`` where the second pass must decide.
 
     Only per-leaf scalars come to the host; each leaf's arrays are moved onto the reference's placement first, or
     onto the candidate's where the reference's leaf is whole on every device and the candidate's is split

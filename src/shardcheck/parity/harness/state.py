@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 
 from shardcheck._tree import copy_state
-from shardcheck.parity.compare import flatten_state
-from shardcheck.parity.precision import Precision
+from shardcheck.parity.comparison.live import flatten_state
+from shardcheck.parity.tolerance.precision import Precision
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
 

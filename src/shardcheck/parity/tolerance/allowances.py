@@ -3,7 +3,7 @@
 Each reference step gives its :class:`_Bounds` (:func:`step_bounds`): the gradient's compute-rounding allowance
 (measured at low precision from a correct S-shard split, :func:`split_gradients`) and the update's and the
 optimizer state's sensitivity to the gradient's tolerance, propagated through the optimizer
-(``shardcheck.parity.propagation``). :func:`_accumulated` sums them over the steps, with each stored leaf's own
+(``shardcheck.parity.tolerance.propagation``). :func:`_accumulated` sums them over the steps, with each stored leaf's own
 rounding (:func:`storage_rounding`); :func:`_precision_rule` is the rule's text at low precision.
 
 The sensitivity pass (the reference's optimizer at 16 points of the gradient's tolerance) runs only where a
@@ -26,12 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardcheck.parity import compare
-from shardcheck.parity.compare import flatten_state, host_tree
-from shardcheck.parity.matmul import gradients_at
-from shardcheck.parity.precision import COMPUTE_SAFETY, Precision, compute_allowance, output_rounding
-from shardcheck.parity.propagation import gradient_tolerance, shadow_spread, update_sensitivity
-from shardcheck.parity.state import _default_view, _PreStep, _Run
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import flatten_state, host_tree
+from shardcheck.parity.harness.state import _default_view, _PreStep, _Run
+from shardcheck.parity.tolerance.matmul import gradients_at
+from shardcheck.parity.tolerance.precision import (
+    COMPUTE_SAFETY,
+    Precision,
+    compute_allowance,
+    output_rounding,
+)
+from shardcheck.parity.tolerance.propagation import gradient_tolerance, shadow_spread, update_sensitivity
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.task import batch_size as leading_size
 from shardcheck.task import split_batch
@@ -43,7 +48,7 @@ optimizer state and parameters before its step); a step past it settles them (:f
 
 class _Sensitivity:
     """The update's and the optimizer state's sensitivity to the gradient's tolerance (``{dotted path: array}``
-    each, :func:`~shardcheck.parity.propagation.update_sensitivity`, plus the shadow spread at low-precision
+    each, :func:`~shardcheck.parity.tolerance.propagation.update_sensitivity`, plus the shadow spread at low-precision
     compute), computed on first read (:meth:`get`). Until then it holds its inputs, ``nbytes`` bytes of device
     arrays; ``shapes``: the two trees' ``{path: jax.ShapeDtypeStruct}``, known without computing them."""
 
@@ -85,7 +90,7 @@ class _Bounds:
     gradient, by path and as its tree (``grad_tree``, for :func:`_scale_evidence`); ``loss_realizations``: the
     reference's loss in each measured realization (0-d device arrays: under a coarse matmul precision, its loss
     with the matmuls at the other precision), for the loss's allowance
-    (``shardcheck.parity.precision.loss_compute_allowance``).
+    (``shardcheck.parity.tolerance.precision.loss_compute_allowance``).
     """
 
     grad: dict
@@ -123,7 +128,7 @@ def _shard_magnitude(loss_fn, num_shards, graphdef, params, rest, batch, reduce_
     """``(A, g_S, g_S')``: ``A = sum_s |grad loss_sum_s| / W`` (W the total weight, or S for a scalar loss), the
     scale of the terms a sharded step reorders; ``g_S = sum_s grad loss_sum_s / W``, the gradient of a correct
     S-shard split computed in the model's own precision, its sum over shards in the gradients' dtype
-    (``shardcheck.parity.precision``); and ``g_S'``, the same split with each shard's gradient rounded to
+    (``shardcheck.parity.tolerance.precision``); and ``g_S'``, the same split with each shard's gradient rounded to
     ``reduce_dtype`` and summed in it (how a GSPMD-partitioned bfloat16 backward pass all-reduces its partial
     products; ``None`` when ``reduce_dtype`` is ``None``). float32 trees."""
     low = jnp.float32 if reduce_dtype is None else reduce_dtype

@@ -1,4 +1,4 @@
-"""The compiled half of :func:`shardcheck.parity.compare.leaf_errors`: every leaf's float32 reductions in one call.
+"""The compiled half of :func:`shardcheck.parity.comparison.live.leaf_errors`: every leaf's float32 reductions in one call.
 
 Leaves of any sizes are laid into the rows of one ``(rows, width)`` float32 matrix (each leaf padded to whole
 rows), reduced per row, then per leaf over its rows. The compiled function is one set of kernels whatever the

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from flax import nnx
 
-from shardcheck.parity import compare
-from shardcheck.parity.allowances import _reference_grads
-from shardcheck.parity.compare import flatten_state, is_int
-from shardcheck.parity.precision import Precision
-from shardcheck.parity.propagation import scale_change
-from shardcheck.parity.state import _After, _PreStep, _Run
-from shardcheck.parity.tolerance import MOMENT_FACTOR
+from shardcheck.parity.comparison import live as compare
+from shardcheck.parity.comparison.live import flatten_state, is_int
+from shardcheck.parity.harness.state import _After, _PreStep, _Run
+from shardcheck.parity.tolerance.allowances import _reference_grads
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
+from shardcheck.parity.tolerance.precision import Precision
+from shardcheck.parity.tolerance.propagation import scale_change
 
 # The optimizer is blind to the gradient's scale (global-norm clipping that binds) where a gradient off by a factor
 # c moves no leaf by more than this share of |1 - c| times the reference's own change of it (SGD: all of it).

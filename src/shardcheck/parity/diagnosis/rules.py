@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from shardcheck.parity.topology import (
+from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
     factor_groups,
@@ -99,7 +99,7 @@ class LeafError:
         reference_change: ``param``/``opt_state``: ``max |reference after - reference before|``, the size of the
             reference's update of this leaf in this step; else ``None``.
         spread: ``(p10, p90)``, the 10th and 90th percentile (order statistics,
-            ``shardcheck.parity.compare.spread_ranks``) of the same elementwise ratios whose median is ``ratio``,
+            ``shardcheck.parity.comparison.live.spread_ranks``) of the same elementwise ratios whose median is ``ratio``,
             from the same pass; ``None`` where ``ratio`` is, or not computed (a leaf the first pass cleared, a
             hand-built record). A factor is read from ``ratio`` only where they agree with it
             (:func:`constant_ratio`).
@@ -161,7 +161,7 @@ class StepRecord:
             includes the update's sensitivity to the gradient's tolerance, propagated through the optimizer;
             their gradients and optimizer state are still compared at the usual tolerance.
         replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
-            (:func:`shardcheck.parity.topology.mismatch_axes`): the axes a reduction missed.
+            (:func:`shardcheck.parity.diagnosis.topology.mismatch_axes`): the axes a reduction missed.
         scale_hidden: this step cannot show a gradient off by the shard count, one way or both: for the
             gradient times S, or times 1/S, no compared leaf of ``scale_evidence`` would leave its tolerance
             (global-norm clipping that binds rescales it away; an update below its tolerance). ``False`` where
@@ -344,7 +344,7 @@ def _common_prefix(paths: list[str]) -> str:
 def _within_tolerance_of_zero(e: LeafError) -> bool:
     """Whether the reference's leaf, ``max|ref| = max_abs_err / max_rel_err``, is within the leaf's tolerance of
     0: a gradient that is rounding noise (an attention key bias's under bfloat16 compute: the tolerance holds
-    several times the reference's own rounding, ``shardcheck.parity.precision``)."""
+    several times the reference's own rounding, ``shardcheck.parity.tolerance.precision``)."""
     if not (e.max_rel_err > 0 and math.isfinite(e.max_rel_err)):
         return False
     return e.max_abs_err / e.max_rel_err <= e.tolerance
@@ -448,7 +448,7 @@ def _name_factor(
 ) -> tuple[str, str] | None:
     """``(code, phrase)`` for a gradient factor that is a power of S (or of an integer when S is unknown), or
     1/sqrt(R) for a replica count R (a clipping norm counted once per replica); first, the size of a model axis
-    (a sum over an axis the batch is replicated on: :func:`~shardcheck.parity.topology.model_axis_factor`)."""
+    (a sum over an axis the batch is replicated on: :func:`~shardcheck.parity.diagnosis.topology.model_axis_factor`)."""
     on_model = model_axis_factor(f, num_shards, mesh_shape, _close)
     if on_model is not None:
         return on_model
@@ -546,7 +546,7 @@ class DiagnosisContext:
             updates without the gradients (a clip applied after them); else ``None``.
         applied_evidence: what ``applied_factor`` was read from, else ``""``.
         applied_groups: where the gradients match and no one factor explains the update, the per-leaf factors
-            of the optimizer's gradient grouped (:func:`~shardcheck.parity.topology.factor_groups`), when there
+            of the optimizer's gradient grouped (:func:`~shardcheck.parity.diagnosis.topology.factor_groups`), when there
             are at least two groups and every factor is >= 1 (a per-shard clip norm); else ``()``.
     """
 

@@ -2,7 +2,7 @@
 the same single-device steps, so inside :func:`shared_reference` each reference step runs once.
 
 Per step ``t`` and tolerance ``(rtol, atol)``, the first check of a task stores the reference's loss, gradients,
-:class:`~shardcheck.parity.allowances._Bounds` (the update's sensitivity) and state after the step; a later check
+:class:`~shardcheck.parity.tolerance.allowances._Bounds` (the update's sensitivity) and state after the step; a later check
 of the same task, batches and starting state takes them instead of stepping. The reference's state before step t
 is always its own trajectory's (a candidate never changes it; a re-check and the synchronized steps after a
 divergence start from it), and at float32 the bounds depend on nothing else, so every report is the one a check
@@ -20,7 +20,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from shardcheck.parity import compare
+from shardcheck.parity.comparison import live as compare
 
 MAX_BYTES = 512 * 2**20
 """The most bytes of device arrays one task's shared trajectory holds; later steps are not stored."""

@@ -38,7 +38,7 @@ POLICIES = tuple(MANTISSA)
 
 EPS_DTYPE = {"float32": "float32", "tf32": "float16", "bfloat16": "bfloat16"}
 """The dtype whose eps is each policy's unit roundoff (TF32's 10 mantissa bits are float16's), for
-:func:`~shardcheck.parity.tolerance.derive_tolerance`."""
+:func:`~shardcheck.parity.tolerance.derive.derive_tolerance`."""
 
 _MATMULS = ("dot_general", "conv_general_dilated")
 # call-like primitives whose body runs once, as written: evaluated inline (a rounded matmul inside stays one). A
@@ -66,7 +66,7 @@ class EmulationError(RuntimeError):
     def __init__(self, primitive: str, policy: str | None, cause: BaseException):
         first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
         super().__init__(
-            f"shardcheck's {policy or 'float32'} matmul emulation (shardcheck.parity.matmul.rounded_matmuls, "
+            f"shardcheck's {policy or 'float32'} matmul emulation (shardcheck.parity.tolerance.matmul.rounded_matmuls, "
             f"which recomputes the reference's gradient at that precision) could not evaluate a {primitive!r} "
             f"equation of the loss: {type(cause).__name__}: {first}. A limitation or a bug of shardcheck, not a "
             "fault of the step"
@@ -386,7 +386,7 @@ def resolve(fn: str, requested, loss_fn, model, batch, mesh) -> tuple[str, str, 
     Returns ``(policy, source, realization)``: ``requested`` (validated) or the coarsest that the backends of the
     two sides use for the task's gradient (:func:`backend_default`); ``source``, ``"set by the caller"`` or
     ``"the backend's (gpu) for this step"``; ``realization``, the policy at which the harness recomputes the reference's
-    gradient to measure the rounding (``shardcheck.parity.allowances.step_bounds``): ``"float32"``
+    gradient to measure the rounding (``shardcheck.parity.tolerance.allowances.step_bounds``): ``"float32"``
     (``"highest"``) where the reference's own backend already rounds at ``policy``, else ``policy`` (emulated by
     :func:`rounded_matmuls`).
 

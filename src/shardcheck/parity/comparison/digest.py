@@ -45,11 +45,11 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from shardcheck.parity import matmul
-from shardcheck.parity._digest import SAMPLES
-from shardcheck.parity.recorded import KINDS, Digests, Recording, settings_diff
-from shardcheck.parity.setup import _check_tolerances
-from shardcheck.parity.tolerance import MOMENT_FACTOR, derive_tolerance
+from shardcheck.parity.comparison.leaf_digest import SAMPLES
+from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
+from shardcheck.parity.harness.setup import _check_tolerances
+from shardcheck.parity.tolerance import matmul
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
 
 EPS32 = float(np.finfo(np.float32).eps)
 # leaves whose digests agree to this relative distance are read as sharing one factor (as the harness's 2%)
@@ -495,8 +495,8 @@ def compare_run(
     why they are sound).
 
     Args:
-        recording: the recorded run (:func:`~shardcheck.parity.recorded.load_recording`).
-        replayed: the replay (:func:`~shardcheck.parity.recorded.record_run` of the same task, mesh and batches).
+        recording: the recorded run (:func:`~shardcheck.parity.harness.recorded.load_recording`).
+        replayed: the replay (:func:`~shardcheck.parity.harness.recorded.record_run` of the same task, mesh and batches).
         rtol, atol: fixed tolerances for every step instead of the derived ones.
         pin_placement: a leaf whose sharding differs from the recording's fails (evidence ``"sharding"``).
             Default False: a recording checks a refactor's values, and a changed placement (``P()`` recorded,
@@ -515,10 +515,10 @@ def compare_run(
     returns) are not compared, and the notes say so.
 
     Raises:
-        TypeError: either argument not a :class:`~shardcheck.parity.recorded.Recording`; ``pin_placement`` not a
+        TypeError: either argument not a :class:`~shardcheck.parity.harness.recorded.Recording`; ``pin_placement`` not a
             bool.
         ValueError: the two are runs of different tasks; ``rtol`` / ``atol`` not a number >= 0.
-        KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.recorded.load_recording`
+        KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.harness.recorded.load_recording`
             checks (one built by hand).
     """
     _check_pair(recording, replayed)

@@ -9,7 +9,7 @@ so it runs the same policy on one device.
 The rules (``docs/parity.md``, "Precision"):
 
 * **Accumulation** (as today): reordering an n-term float32 sum: ``rtol = 16 eps32 sqrt(n) sqrt(t+1)``,
-  ``atol = eps32 sqrt(n) sqrt(t+1)`` (:func:`~shardcheck.parity.tolerance.derive_tolerance`).
+  ``atol = eps32 sqrt(n) sqrt(t+1)`` (:func:`~shardcheck.parity.tolerance.derive.derive_tolerance`).
 * **Compute rounding** (compute dtype less precise than float32): measured, not derived from the reduction
   length. Every gradient element may differ by the largest of three realizations of :func:`compute_allowance`,
   ``COMPUTE_SAFETY * (max|g_r - g| + |g(p_cand) - g|)``, plus :func:`output_rounding`,
@@ -22,7 +22,7 @@ The rules (``docs/parity.md``, "Precision"):
   contractions and rounds independently, which the float32 realization covers. The measurements behind these
   choices (and the bound they replaced): ``docs/parity.md``, "Precision".
 * **Matmul precision** (a backend whose float32 matmuls round their operands: TF32 on a GPU, one bfloat16 pass
-  on a TPU; ``shardcheck.parity.matmul``): the compute eps is the coarser of the compute dtype's and the matmul
+  on a TPU; ``shardcheck.parity.tolerance.matmul``): the compute eps is the coarser of the compute dtype's and the matmul
   precision's, and where the matmuls round more than the compute dtype the rule above takes one more
   realization, ``g_M``: the reference's gradient with its matmuls at the other precision (operands rounded by
   ``lax.reduce_precision`` where the reference's backend computes float32, else at ``"highest"``).
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardcheck.parity.matmul import policy_eps
+from shardcheck.parity.tolerance.matmul import policy_eps
 
 ACCUMULATION_DTYPE = jnp.dtype(jnp.float32)
 # The measured noise is one realization: another split's maximum over a leaf was up to 0.96 of it on tiny-lm
@@ -84,7 +84,7 @@ class Precision:
         compute_dtype: the least precise compute dtype of the model's layers (a Flax layer's ``dtype``; a layer
             without one computes in its parameters' dtype).
         matmul: the precision the step's matmuls and convolutions use on float32 operands
-            (``shardcheck.parity.matmul``: ``"float32"``, ``"tf32"``, ``"bfloat16"``).
+            (``shardcheck.parity.tolerance.matmul``: ``"float32"``, ``"tf32"``, ``"bfloat16"``).
     """
 
     param_dtype: np.dtype
@@ -142,7 +142,7 @@ class Precision:
     @property
     def matmul_coarser(self) -> bool:
         """The matmul precision rounds more than the compute dtype does (TF32 or a bfloat16 pass on float32
-        compute): its rounding is measured by a realization of its own (``shardcheck.parity.matmul``)."""
+        compute): its rounding is measured by a realization of its own (``shardcheck.parity.tolerance.matmul``)."""
         return policy_eps(self.matmul) > max(_eps(self.compute_dtype), _eps(ACCUMULATION_DTYPE))
 
     @property
@@ -206,7 +206,7 @@ def loss_compute_allowance(precision: Precision, loss: float, terms: int, realiz
     That term assumes the per-term roundings independent, which a coarse matmul precision's are not: TF32 rounds
     each weight once for every row, so the rows' errors share a sign. The second term is measured, as the
     gradients' is (:func:`compute_allowance`): ``loss_r`` is the reference's loss recomputed with its matmuls at
-    the other precision (``shardcheck.parity.matmul.gradients_at``, the forward pass of the gradient's
+    the other precision (``shardcheck.parity.tolerance.matmul.gradients_at``, the forward pass of the gradient's
     realization ``g_M``), and a correct candidate computing its matmuls there differs from the reference's loss by
     about ``|loss_r - loss|``. Measured on the ReLU MLP (diabetes, hidden 32, B = 64, TF32 emulated, dp at
     S = 2, step 0): a correct candidate's loss differed by 3.17e-4, 1.19 times the first term plus the float32

@@ -1,6 +1,6 @@
 """A FAIL within a few tolerances on an accelerator, checked again with both sides' matmuls at ``"highest"``.
 
-On a GPU or TPU a float32 matmul rounds its operands (TF32, a bfloat16 pass: ``shardcheck.parity.matmul``); a
+On a GPU or TPU a float32 matmul rounds its operands (TF32, a bfloat16 pass: ``shardcheck.parity.tolerance.matmul``); a
 check whose worst leaf is just past its tolerance may be that rounding, not a bug. JAX's advice for telling the two
 apart is to run at ``"highest"`` (float32) precision, as projects comparing sharded runs pin it: the check is run
 again under ``jax.default_matmul_precision("highest")`` with the float32 policy, and the report says whether the
@@ -15,7 +15,7 @@ import math
 
 import jax
 
-from shardcheck.parity.matmul import _platform_family, platforms_of
+from shardcheck.parity.tolerance.matmul import _platform_family, platforms_of
 
 RECHECK_WITHIN = 8.0
 """A FAIL whose worst leaf is at most this many times its tolerance is re-checked (a bug's error is usually far
@@ -65,7 +65,7 @@ def at_highest(report, devices, call: dict):
     under ``jax.default_matmul_precision("highest")``."""
     if not wanted(report, platforms_of(devices)):
         return report
-    from shardcheck.parity.harness import check_parity  # the harness imports this module
+    from shardcheck.parity.harness.check import check_parity  # the harness imports this module
 
     with jax.default_matmul_precision("highest"):
         again = check_parity(**{**call, "matmul_precision": "float32"})

@@ -2,7 +2,7 @@
 
 :func:`check_options` (tolerances, ``accept_weak``, the mesh, the shard count), the model (the admission rule
 of the Task, :func:`shardcheck.task.check_model`, C7), the task's batches, the reference and the candidate; :func:`_setup` builds the
-:class:`~shardcheck.parity.state._Run` from copies of the initial state: nothing of the caller's changes.
+:class:`~shardcheck.parity.harness.state._Run` from copies of the initial state: nothing of the caller's changes.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.mesh import check_mesh, data_shards
-from shardcheck.parity import matmul
-from shardcheck.parity.candidates import as_candidate, check_step_signature
-from shardcheck.parity.leaf_tolerance import _check_leaf_tolerance, _leaf_names
-from shardcheck.parity.precision import Precision, float32_compute
-from shardcheck.parity.state import _Run
+from shardcheck.parity.harness.candidates import as_candidate, check_step_signature
+from shardcheck.parity.harness.state import _Run
+from shardcheck.parity.tolerance import matmul
+from shardcheck.parity.tolerance.overrides import _check_leaf_tolerance, _leaf_names
+from shardcheck.parity.tolerance.precision import Precision, float32_compute
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs

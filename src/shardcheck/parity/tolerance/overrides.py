@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 from flax import nnx
 
-from shardcheck.parity.compare import flatten_state, is_int
-from shardcheck.parity.state import _opt_state
+from shardcheck.parity.comparison.live import flatten_state, is_int
+from shardcheck.parity.harness.state import _opt_state
 
 
 def _leaf_names(model: nnx.Module, optimizer: nnx.Optimizer) -> list[str]:
