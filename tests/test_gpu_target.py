@@ -26,6 +26,9 @@ from shardcheck.device_memory import DEVICE_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_350M_PEAK = 56_987_433_420  # the H200's own compile of the 350m step (jax 0.11.2; shared/GPU.md)
+# the H200's own compile of tiny-lm's tiny size, batch 16, fsdp=1 (jax 0.11.2, 2026-12-04;
+# benchmarks/gpu_results.json "memory_tiny_fsdp1_h200"): (argument, output, alias, temp, peak) bytes
+H200_TINY = (384_164, 378_960, 378_020, 3_199_264, 3_584_368)
 
 
 def _plugin_folder() -> str | None:
@@ -169,3 +172,39 @@ def test_deviceless_h200_peak_of_the_350m_step_is_the_cards_own():
     assert report["compiler"]["name"] == "XLA:GPU" and aot["backend"] == "gpu (NVIDIA H200)"
     assert abs(aot["peak_bytes"] / H200_350M_PEAK - 1) < 0.01
     assert aot["argument_bytes"] == 4_439_792_648  # the card's own: the state and the batch, exactly
+
+
+@needs_plugin
+def test_deviceless_h200_figures_of_a_small_step_are_the_cards_own():
+    """tiny-lm tiny, batch 16, one device, compiled for an H200 without one (jax 0.10.2 here), against the same
+    step compiled on a real H200 under jax 0.11.2 (``benchmarks/gpu.py``'s ``memory`` part): the state and batch
+    bytes are the card's exactly, the temporaries and the peak within 1% (they were equal to the byte)."""
+    report = memory_json("--size", "tiny", "--mesh", "fsdp=1", "--target", "h200")
+    aot = report["strategies"]["fsdp"]["ahead_of_time"]
+    argument, output, alias, temp, peak = H200_TINY
+    assert aot["batch_size"] == 16 and aot["backend"] == "gpu (NVIDIA H200)"
+    assert (aot["argument_bytes"], aot["output_bytes"], aot["alias_bytes"]) == (argument, output, alias)
+    assert abs(aot["temp_bytes"] / temp - 1) < 0.01 and abs(aot["peak_bytes"] / peak - 1) < 0.01
+
+
+def test_a_plugin_of_another_version_than_jaxlib_is_named_with_the_install_that_fits(monkeypatch):
+    """The plugin does not name jaxlib among its requirements, so pip can leave one of another version: the
+    reason names both versions and the install of the jaxlib's own."""
+    from importlib import metadata
+
+    versions = {"jaxlib": "0.11.2", "jax-cuda12-plugin": "0.10.2"}
+    monkeypatch.setattr(metadata, "version", lambda name: versions[name])
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: True)
+    assert gpu_target.unavailable_reason() == (
+        "the jax CUDA plugin is 0.10.2 but jaxlib is 0.11.2; install the same version: "
+        'pip install "jax-cuda12-plugin==0.11.2" "jax-cuda12-pjrt==0.11.2"'
+    )
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: False)
+    assert gpu_target.unavailable_reason() == (
+        'the jax CUDA plugin is not installed (pip install "jax-cuda12-plugin==0.11.2" "jax-cuda12-pjrt==0.11.2")'
+    )
+    versions["jaxlib"] = gpu_target.GPU_AOT_PIN
+    assert (
+        gpu_target.unavailable_reason()
+        == "the jax CUDA plugin is not installed (pip install 'shardcheck[gpu-aot]')"
+    )

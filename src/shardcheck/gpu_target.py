@@ -30,6 +30,9 @@ GPU_TARGETS = ("h100", "h200", "a100-80gb", "a100-40gb", "l4")
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 """The module of the jax CUDA plugin (``jax-cuda12-plugin``), whose PJRT library compiles for a target config."""
 
+GPU_AOT_PIN = "0.10.2"
+"""The plugin version the ``gpu-aot`` extra pins (pyproject's optional dependencies): the jaxlib CI tests."""
+
 EXTRA = "shardcheck[gpu-aot]"
 """The install that brings the plugin, pinned to the jaxlib shardcheck supports (pyproject's optional deps)."""
 
@@ -89,10 +92,33 @@ def prepare_environment(environ: MutableMapping[str, str] = os.environ) -> None:
     environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
+def plugin_version() -> str | None:
+    """The installed ``jax-cuda12-plugin``'s version (from its metadata: nothing imported), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jax-cuda12-plugin")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _pip_install(version: str) -> str:
+    return f'pip install "jax-cuda12-plugin=={version}" "jax-cuda12-pjrt=={version}"'
+
+
 def unavailable_reason(environ: Mapping[str, str] = os.environ) -> str | None:
-    """Why a deviceless GPU compile cannot run in this process, or None when it can (the plugin installed)."""
+    """Why a deviceless GPU compile cannot run in this process, or None when it can: the plugin installed, at the
+    jaxlib's own version (the plugin's PJRT library must be built with the jaxlib that loads it; pip does not
+    check it, since the plugin does not name jaxlib among its requirements)."""
+    from importlib import metadata
+
+    jaxlib = metadata.version("jaxlib")
     if not plugin_installed():
-        return f"the jax CUDA plugin is not installed (pip install {EXTRA!r})"
+        extra = f"pip install {EXTRA!r}" if jaxlib == GPU_AOT_PIN else _pip_install(jaxlib)
+        return f"the jax CUDA plugin is not installed ({extra})"
+    plugin = plugin_version()
+    if plugin is not None and plugin != jaxlib:
+        return f"the jax CUDA plugin is {plugin} but jaxlib is {jaxlib}; install the same version: {_pip_install(jaxlib)}"
     return None
 
 
