@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import check_parity, make_mesh
-from shardcheck.parity.diagnosis.rules import LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.topology import factor_groups
 from shardcheck.tasks import load_task
 

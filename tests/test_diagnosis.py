@@ -10,13 +10,8 @@ import dataclasses
 
 import pytest
 
-from shardcheck.parity.diagnosis.rules import (
-    RULES,
-    Diagnosis,
-    LeafError,
-    StepRecord,
-    diagnose,
-)
+from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import RULES, diagnose
 
 TOL = 1e-3
 

@@ -20,7 +20,7 @@ from jax import lax
 import shardcheck
 from shardcheck import check_parity
 from shardcheck.parity.comparison.digest import compare_run
-from shardcheck.parity.diagnosis.rules import LeafError, StepRecord
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.harness.recorded import record_run
 from shardcheck.parity.report import ParityReport
 from shardcheck.parity.tolerance import matmul, recheck

@@ -206,7 +206,7 @@ def test_an_optimizer_stepped_per_micro_batch_is_named(k, report_micro_steps):
 
 
 def _step(t, evidence, *, blind=False, moved=1e-3, ok=True):
-    from shardcheck.parity.diagnosis.rules import LeafError, StepRecord
+    from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 
     leaves = (LeafError(t, "param", "w", 0.0 if ok else 1.0, 0.0, 1e-6, ok, None, moved),)
     return StepRecord(

@@ -15,7 +15,8 @@ from flax import nnx
 
 from shardcheck import check_parity, make_mesh
 from shardcheck.cli import main
-from shardcheck.parity.diagnosis.rules import LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.steps.reference import reference_step
 from shardcheck.task import check_model
 

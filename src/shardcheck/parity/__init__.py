@@ -11,10 +11,10 @@ from shardcheck import _deprecations
 from shardcheck.parity.comparison.live import flatten_state as flatten_state
 from shardcheck.parity.comparison.live import replica_mismatch as replica_mismatch
 from shardcheck.parity.comparison.live import to_host as to_host
-from shardcheck.parity.diagnosis.rules import KINDS as KINDS
-from shardcheck.parity.diagnosis.rules import Diagnosis as Diagnosis
-from shardcheck.parity.diagnosis.rules import LeafError as LeafError
-from shardcheck.parity.diagnosis.rules import StepRecord as StepRecord
+from shardcheck.parity.diagnosis.evidence import KINDS as KINDS
+from shardcheck.parity.diagnosis.evidence import Diagnosis as Diagnosis
+from shardcheck.parity.diagnosis.evidence import LeafError as LeafError
+from shardcheck.parity.diagnosis.evidence import StepRecord as StepRecord
 from shardcheck.parity.diagnosis.rules import diagnose as diagnose
 from shardcheck.parity.harness.candidates import strategy_candidate as strategy_candidate
 from shardcheck.parity.harness.check import minibatches as minibatches

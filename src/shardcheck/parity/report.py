@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from shardcheck.parity.diagnosis.rules import KINDS, Diagnosis, LeafError, StepRecord
+from shardcheck.parity.diagnosis.evidence import KINDS, Diagnosis, LeafError, StepRecord
 
 
 @dataclasses.dataclass(frozen=True)

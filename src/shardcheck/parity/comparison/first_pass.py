@@ -14,7 +14,7 @@ infinity anywhere clears nothing. The statistics, the float64 re-check of the la
 ratio's median (:func:`~shardcheck.parity.comparison.live.leaf_errors`, the second pass) are computed only for the leaves
 this pass cannot clear, and for every leaf of a step that fails.
 
-A cleared leaf's :class:`~shardcheck.parity.diagnosis.rules.LeafError` holds ``max_abs_err`` (the float32 maximum:
+A cleared leaf's :class:`~shardcheck.parity.diagnosis.evidence.LeafError` holds ``max_abs_err`` (the float32 maximum:
 exact where the two sides' elements are within a factor 2, Sterbenz's lemma; 0 where the device flushed a
 subnormal difference, below ``TINY``), ``tolerance`` (``atol + rtol *
 max|r| + max(allowance)``: the widest the rule allows, where the second pass reports the one its worst element
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from shardcheck.parity.comparison import _device_stats
-from shardcheck.parity.diagnosis.rules import LeafError
+from shardcheck.parity.diagnosis.evidence import LeafError
 
 # float32's rounding of one difference is at most 2**-24 relative; twice that leaves a margin for the comparison
 _ROUNDING = 2.0**-22
@@ -130,7 +130,7 @@ def _moved(arrays: list, places: list) -> list:
 
 def clear(items: Sequence) -> list[LeafError | None]:
     """The first pass over ``items`` (:class:`~shardcheck.parity.comparison.live.LeafInput`): per item, its cleared
-    :class:`~shardcheck.parity.diagnosis.rules.LeafError`, or ``None`` where the second pass must decide.
+    :class:`~shardcheck.parity.diagnosis.evidence.LeafError`, or ``None`` where the second pass must decide.
 
     Only per-leaf scalars come to the host; each leaf's arrays are moved onto the reference's placement first, or
     onto the candidate's where the reference's leaf is whole on every device and the candidate's is split

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from shardcheck._tree import path_str
 from shardcheck.distributed import gather_to_host
 from shardcheck.parity.comparison import _device_stats
-from shardcheck.parity.diagnosis.rules import LeafError
+from shardcheck.parity.diagnosis.evidence import LeafError
 
 PyTree = Any
 

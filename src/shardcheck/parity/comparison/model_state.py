@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck.parity.comparison.live import counter_error, is_int
-from shardcheck.parity.diagnosis.rules import LeafError
+from shardcheck.parity.diagnosis.evidence import LeafError
 
 PREFIX = "model."
 """The path prefix of a model-state leaf in a report (``counter model.calls``), beside the optimizer's counters."""

@@ -18,7 +18,8 @@ from flax import nnx
 
 from shardcheck.parity.comparison import live as compare
 from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
-from shardcheck.parity.diagnosis.rules import StepRecord, _gradient_factor
+from shardcheck.parity.diagnosis.evidence import StepRecord
+from shardcheck.parity.diagnosis.rules import _gradient_factor
 from shardcheck.parity.harness.state import _default_view, _opt_state, _PreStep, _Run
 from shardcheck.parity.tolerance.allowances import _reference_grads, _shard_magnitude
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR

@@ -1,6 +1,6 @@
-"""What a parity comparison found: per-leaf errors, per-step records, and the diagnosis of a failure.
+"""The catalog of rules that explain a failure, on top of its localization.
 
-:func:`diagnose` reads the records of :func:`~shardcheck.check_parity` and names the usual faults of a sharded
+:func:`diagnose` reads the records (:mod:`~shardcheck.parity.diagnosis.evidence`) of :func:`~shardcheck.check_parity` and names the usual faults of a sharded
 step. It builds one immutable :class:`DiagnosisContext` from the records, runs the rules of :data:`RULES` in
 order (each a short function ``(ctx) -> list[Diagnosis] | Diagnosis | None`` that reads only the context) and
 merges the findings that share a code. Adding a rule is one function and one entry of :data:`RULES`. The rules,
@@ -44,6 +44,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from shardcheck.parity.diagnosis.evidence import (
+    RATIO_RTOL,
+    Diagnosis,
+    LeafError,
+    StepRecord,
+    constant_ratio,
+    spread_phrase,
+)
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
@@ -58,17 +66,11 @@ from shardcheck.parity.diagnosis.topology import (
     replicated_reduced_message,
 )
 
-KINDS = ("loss", "grad", "param", "opt_state", "counter")
-# Two update ratios "agree" when within 2% of each other.
-RATIO_RTOL = 0.02
 # Update ratios are read from the leaves that moved by more than this many times their tolerance, where some did.
 SHARP = 10.0
 # An active clip scaled by a norm sqrt(R) too large is exactly 1/sqrt(R): named only within 0.1% (a factor 0.7
 # that is a user's own constant is not 1/sqrt(2) = 0.7071).
 CLIP_RTOL = 1e-3
-# A leaf's median ratio is a constant factor only when its 10th and 90th percentile (``LeafError.spread``) lie within
-# this many of the ratio's own tolerances of it (or within RATIO_RTOL of it, whichever is wider).
-SPREAD_TOLS = 3.0
 # Above this rtol, a factor-2 error (a mean taken twice at S=2 is off by 50%) may hide in the tolerance.
 LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
@@ -77,144 +79,6 @@ LOOSE_RTOL = 0.1
 NAMED_REDUCTIONS = ("per_shard_mean", "bf16_reduction")
 # The verdict findings: first in the list when nothing failed.
 VERDICTS = ("parity", "diverged_trajectory")
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafError:
-    """The error of one leaf at one step.
-
-    Attributes:
-        step: the 0-based step index t.
-        kind: ``"loss"``, ``"grad"``, ``"param"``, ``"opt_state"`` or ``"counter"`` (exact integer leaves: the
-            NNX step counter, Adam's ``count``).
-        path: the leaf's dotted path, e.g. ``"hidden.kernel"`` or ``"0.mu.bias"`` (``"loss"``, ``"step"``).
-        max_abs_err: ``max |candidate - reference|`` over the leaf's elements (float64 arithmetic).
-        max_rel_err: ``max_abs_err / max |reference|`` (normwise over the leaf: robust to elements that cancel
-            to ~0); ``0`` when both are zero, ``inf`` when only the reference is.
-        tolerance: the allowed ``max_abs_err``: ``atol + rtol * max |reference|`` (``0`` for counters).
-        ok: ``max_abs_err <= tolerance`` (NaN fails).
-        ratio: the median elementwise ratio candidate / reference of the leaf's change in this step (``param``
-            and ``opt_state``: after minus before; ``grad`` and ``loss``: the values), over elements where the
-            reference change is at least 1% of its largest; ``None`` when undefined (counters, no change).
-        reference_change: ``param``/``opt_state``: ``max |reference after - reference before|``, the size of the
-            reference's update of this leaf in this step; else ``None``.
-        spread: ``(p10, p90)``, the 10th and 90th percentile (order statistics,
-            ``shardcheck.parity.comparison.live.spread_ranks``) of the same elementwise ratios whose median is ``ratio``,
-            from the same pass; ``None`` where ``ratio`` is, or not computed (a leaf the first pass cleared, a
-            hand-built record). A factor is read from ``ratio`` only where they agree with it
-            (:func:`constant_ratio`).
-        shape: the reference leaf's shape, where known (read by :func:`shared_property` to group leaves).
-    """
-
-    step: int
-    kind: str
-    path: str
-    max_abs_err: float
-    max_rel_err: float
-    tolerance: float
-    ok: bool
-    ratio: float | None = None
-    reference_change: float | None = None
-    spread: tuple[float, float] | None = None
-    shape: tuple[int, ...] | None = None
-
-    @property
-    def name(self) -> str:
-        """``"<kind> <path>"``, e.g. ``"param hidden.kernel"``; ``"loss"`` for the loss."""
-        return self.kind if self.kind == "loss" else f"{self.kind} {self.path}"
-
-    @property
-    def badness(self) -> float:
-        """``max_abs_err / tolerance``: above 1 fails; used to rank leaves."""
-        if math.isnan(self.max_abs_err):
-            return math.inf
-        if self.tolerance > 0:
-            return self.max_abs_err / self.tolerance
-        return 0.0 if self.max_abs_err == 0 else math.inf
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """Everything compared at one step.
-
-    Attributes:
-        step: the 0-based step index t.
-        rtol: the relative tolerance used at this step.
-        atol: the absolute tolerance used at this step.
-        loss: the reference's pre-update loss (float).
-        candidate_loss: the candidate's returned loss, or ``None`` when it returned none.
-        leaves: one :class:`LeafError` per compared leaf.
-        step_count: the reference optimizer's step counter after the step.
-        candidate_step_count: the candidate optimizer's update counter after the step (for gradient accumulation:
-            the number of applied updates, ``MultiSteps.gradient_step``).
-        replica_mismatches: paths of candidate leaves whose replicas hold different bytes on different devices.
-        synchronized: the candidate ran this step from a copy of the reference's pre-step state (model and
-            optimizer), not from its own trajectory (after a ``diverged_trajectory`` finding), and was compared
-            at the step-0 tolerance.
-        matches: the known faulty reductions whose update the candidate's parameters reproduce at this step,
-            recomputed by the harness from the reference's pre-step state (``"per_shard_mean"``: each shard's
-            ``loss_sum / weight`` averaged over the shards, the mean of per-shard means); checked only when the
-            step fails.
-        unresolved: ``param`` leaves whose update cannot be resolved from the gradient under this optimizer:
-            their reference gradient is at rounding level (a true gradient of 0, such as an attention key bias)
-            and a normalizing optimizer (Adam, RMSProp) turns that noise into an update of ~lr. Their tolerance
-            includes the update's sensitivity to the gradient's tolerance, propagated through the optimizer;
-            their gradients and optimizer state are still compared at the usual tolerance.
-        replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
-            (:func:`shardcheck.parity.diagnosis.topology.mismatch_axes`): the axes a reduction missed.
-        scale_hidden: this step cannot show a gradient off by the shard count, one way or both: for the
-            gradient times S, or times 1/S, no compared leaf of ``scale_evidence`` would leave its tolerance
-            (global-norm clipping that binds rescales it away; an update below its tolerance). ``False`` where
-            not checked.
-        scale_evidence: ``(leaves that a gradient times S would have failed, leaves that one times 1/S would
-            have failed)``, by ``LeafError.name``, from this step's pre-step state: the compared gradients
-            (``|c - 1| |g|`` beyond their tolerance) and, where they show nothing, the parameters and optimizer
-            state after the reference's optimizer rerun on ``c g``. ``None`` where not checked: the harness asks
-            only while the earlier steps have not shown both factors (the verdict needs each shown once).
-        scale_blind: some factor showed in no leaf and moved none by more than 1% of its reference change
-            times ``|1 - c|``: the optimizer rescales the gradient away (global-norm clipping that binds), rather
-            than moving the leaves by less than their tolerance.
-    """
-
-    step: int
-    rtol: float
-    atol: float
-    loss: float
-    candidate_loss: float | None
-    leaves: tuple[LeafError, ...]
-    step_count: int
-    candidate_step_count: int
-    replica_mismatches: tuple[str, ...] = ()
-    synchronized: bool = False
-    matches: tuple[str, ...] = ()
-    unresolved: tuple[str, ...] = ()
-    replica_axes: tuple[str, ...] = ()
-    scale_hidden: bool = False
-    scale_evidence: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-    scale_blind: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """Every leaf within tolerance and every replica consistent."""
-        return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
-
-
-@dataclasses.dataclass(frozen=True)
-class Diagnosis:
-    """One finding of the harness.
-
-    Attributes:
-        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``normalization``, ``scaled``,
-            ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
-            ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
-            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weak_check`` or ``rounding_level``.
-        message: the sentence shown to the user.
-        leaf: the leaf the finding names, if any (``LeafError.name``).
-    """
-
-    code: str
-    message: str
-    leaf: str | None = None
 
 
 def _close(a: float, b: float, rel: float = RATIO_RTOL) -> bool:
@@ -230,41 +94,6 @@ def _consensus(ratios: list[float]) -> float | None:
     if mid == 0 or not all(_close(r, mid) for r in ratios):
         return None
     return mid
-
-
-def _ratio_tolerance(e: LeafError) -> float:
-    """How far one element's ratio ``dc / dr`` may sit from the leaf's factor by rounding alone: the leaf's
-    tolerance (scaled by the factor, at least 1) over the smallest change the ratio reads, 1% of the largest
-    (``reference_change``, or for values ``max |reference| = max_abs_err / max_rel_err``); ``inf`` where that
-    largest is unknown."""
-    top = e.reference_change
-    if top is None and e.max_rel_err > 0 and math.isfinite(e.max_rel_err):
-        top = e.max_abs_err / e.max_rel_err
-    if not top or not math.isfinite(top):
-        return math.inf
-    return e.tolerance * max(1.0, abs(e.ratio or 0.0)) / (0.01 * top)
-
-
-def constant_ratio(e: LeafError) -> bool:
-    """Whether ``e``'s median ratio is one factor across the leaf: its 10th-90th percentile (``e.spread``) lies
-    within ``max(RATIO_RTOL |ratio|, SPREAD_TOLS x`` the ratio's rounding tolerance``)`` of the median. ``True``
-    where no spread was measured (the median stands, as before it was)."""
-    if e.ratio is None or e.spread is None:
-        return True
-    lo, hi = e.spread
-    if not all(math.isfinite(v) for v in (lo, hi, e.ratio)):
-        return False
-    width = max(RATIO_RTOL * abs(e.ratio), SPREAD_TOLS * _ratio_tolerance(e))
-    return abs(lo - e.ratio) <= width and abs(hi - e.ratio) <= width
-
-
-def spread_phrase(e: LeafError) -> str:
-    """``"no constant factor: its elementwise ratio runs from p10 to p90 (10th-90th percentile), median m"``."""
-    lo, hi = e.spread
-    return (
-        f"no constant factor: its elementwise ratio runs from {lo:.4g} to {hi:.4g} (10th-90th percentile), "
-        f"median {e.ratio:.4g}"
-    )
 
 
 def _ndim_class(ndims: set[int], others: set[int]) -> str:

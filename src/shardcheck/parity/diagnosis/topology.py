@@ -96,7 +96,7 @@ def leaf_factors(leaves, unresolved: Sequence[str] = (), grads: bool = True) -> 
     level (``unresolved``), carry no factor.
 
     Args:
-        leaves: the step's :class:`~shardcheck.parity.diagnosis.rules.LeafError` records.
+        leaves: the step's :class:`~shardcheck.parity.diagnosis.evidence.LeafError` records.
         unresolved: the record's ``unresolved`` names (``"param PATH"``).
         grads: read the exposed gradients; ``False``: the factor of the gradient the optimizer was given (its
             state and updates only), for a step whose exposed gradients match (a clip applied after them).

@@ -56,8 +56,9 @@ from shardcheck.parity.comparison.live import (
     to_host,
 )
 from shardcheck.parity.comparison.model_state import model_state_leaves
+from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.hypotheses import _explained
-from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.scale_evidence import (
     _scale_evidence,
     scale_evidence_text,
