@@ -400,6 +400,21 @@ def test_a_tensor_parallel_batch_is_split_over_the_data_axes_only():
         ahead_of_time.compile_ahead_of_time(example.task, mesh, strategy="fsdp", batch_size=5)
 
 
+def _replay(monkeypatch, peak_of, rounds=None) -> list[int]:
+    """Replace the compiles with recorded peaks, ``peak_of(batch_size)``; returns the sizes compiled, in order
+    (and appends each round's sizes to ``rounds``)."""
+    calls = []
+
+    def fake_compile_batch_sizes(task, mesh, sizes, *, strategy):
+        calls.extend(sizes)
+        if rounds is not None:
+            rounds.append(list(sizes))
+        return {b: type("Compiled", (), {"peak_bytes": peak_of(b)})() for b in sizes}
+
+    monkeypatch.setattr(ahead_of_time, "compile_batch_sizes", fake_compile_batch_sizes)
+    return calls
+
+
 @pytest.mark.parametrize(
     "state, per_row, memory, largest, compiled",
     [
@@ -413,13 +428,7 @@ def test_largest_batch_search_follows_the_line_through_two_peaks(
     monkeypatch, state, per_row, memory, largest, compiled
 ):
     """A peak linear in the batch: two compiles for the line, two for its crossing and the size above it."""
-    calls = []
-
-    def fake_compile(task, mesh, *, strategy, batch_size):
-        calls.append(batch_size)
-        return type("Compiled", (), {"peak_bytes": state + per_row * batch_size})()
-
-    monkeypatch.setattr(ahead_of_time, "compile_ahead_of_time", fake_compile)
+    calls = _replay(monkeypatch, lambda b: state + per_row * b)
     found, peaks = ahead_of_time.largest_batch_that_fits(None, None, memory, strategy="replicated")
     assert found == largest and sorted(calls) == compiled and set(peaks) <= set(calls)
     assert all((p <= memory) == (b <= largest) for b, p in peaks.items())
@@ -432,13 +441,7 @@ def test_largest_batch_search_on_the_1b_steps_peaks_for_an_h100(monkeypatch):
     compiles 2, then 3 and 4, then 5 and 6: 5 rows fit."""
     peaks_1b = {1: 33_676_253_908, 2: 55_672_464_340, 3: 63_032_404_940, 4: 64_346_264_524}
     peaks_1b.update({5: 71_712_857_804, 6: 91_129_112_268})
-    calls = []
-
-    def fake_compile(task, mesh, *, strategy, batch_size):
-        calls.append(batch_size)
-        return type("Compiled", (), {"peak_bytes": peaks_1b[batch_size]})()
-
-    monkeypatch.setattr(ahead_of_time, "compile_ahead_of_time", fake_compile)
+    calls = _replay(monkeypatch, peaks_1b.__getitem__)
     found, peaks = ahead_of_time.largest_batch_that_fits(
         None, None, 80 * 2**30, strategy="replicated", known={1: peaks_1b[1]}
     )

@@ -177,6 +177,22 @@ def compile_ahead_of_time(
     """
     fn = "compile_ahead_of_time"
     _check_aot_args(fn, task, mesh, strategy, batch_size)
+    return _compile_prepared(_prepare(fn, task, mesh, strategy), batch_size)
+
+
+def _prepare(fn: str, task: Task, mesh, strategy: str) -> tuple:
+    """What every batch size's compile shares: ``(fn, task, mesh, strategy, model, optimizer, estimate)``.
+
+    The abstract state (``nnx.eval_shape``) and the placement estimate do not depend on the batch: traced once,
+    they serve every size compiled (each is a trace of the model, about as long as the step's own).
+    """
+    model, optimizer = abstract_training_state(fn, task)
+    return fn, task, mesh, strategy, model, optimizer, estimate_memory(task, mesh=mesh, strategy=strategy)
+
+
+def _compile_prepared(prepared: tuple, batch_size: int | None) -> AheadOfTimeMemory:
+    """The step of ``prepared`` (:func:`_prepare`) lowered and compiled for ``batch_size`` rows."""
+    fn, task, mesh, strategy, model, optimizer, estimate = prepared
     batch = abstract_batch(fn, task, batch_size)
     if not one_device(strategy):
         b, s = jax.tree.leaves(batch)[0].shape[0], data_shards(mesh)
@@ -185,10 +201,13 @@ def compile_ahead_of_time(
                 f"{fn}: the task's batch of {b} rows does not split into the mesh's {s} batch shards; pass "
                 f"batch_size= a multiple of {s}"
             )
-    model, optimizer = abstract_training_state(fn, task)
-    estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
-    lowered, args, _ = lower_step(strategy, task.loss_fn, model, optimizer, batch, mesh)
+    lowered, _, _ = lower_step(strategy, task.loss_fn, model, optimizer, batch, mesh)
     stats = memory_stats(lowered.compile())
+    return _aot_memory(strategy, mesh, batch, estimate, stats)
+
+
+def _aot_memory(strategy, mesh, batch, estimate, stats) -> AheadOfTimeMemory:
+    """The :class:`AheadOfTimeMemory` of one compile: the estimate's state by category and XLA's figures."""
     num_devices = 1 if one_device(strategy) else mesh.size
     shards = 1 if one_device(strategy) else data_shards(mesh)  # the batch is replicated over the model axes
     data = sum(math.prod(a.shape) // shards * itemsize(a.dtype) for a in jax.tree.leaves(batch))
@@ -215,6 +234,50 @@ def compile_ahead_of_time(
         state_argument_bytes=stats["argument_bytes"] - data,
         peak_bytes=stats["peak_bytes"],
     )
+
+
+def compile_batch_sizes(
+    task: Task, mesh: jax.sharding.Mesh, sizes: list[int], *, strategy: str = "fsdp"
+) -> dict[int, AheadOfTimeMemory]:
+    """:func:`compile_ahead_of_time` at each batch size of ``sizes``, two compiled at once, the state traced once.
+
+    The abstract state and its placement estimate are built once for all sizes; each size's step is traced,
+    lowered and compiled on its own (XLA compiles outside the GIL, so two compiles share two cores). The figures
+    are those of :func:`compile_ahead_of_time` at each size.
+
+    Args:
+        task, mesh, strategy: as :func:`compile_ahead_of_time`.
+        sizes: global batch sizes (each a multiple of the mesh's batch shards); repeats are compiled once.
+
+    Returns:
+        ``{batch_size: AheadOfTimeMemory}`` for every size of ``sizes``.
+
+    Raises:
+        The errors of :func:`compile_ahead_of_time`, for the first size that raises.
+    """
+    fn = "compile_batch_sizes"
+    sizes = list(dict.fromkeys(sizes))
+    for b in sizes:
+        _check_aot_args(fn, task, mesh, strategy, b)
+    if not sizes:
+        return {}
+    prepared = _prepare(fn, task, mesh, strategy)
+    if len(sizes) == 1:
+        return {sizes[0]: _compile_prepared(prepared, sizes[0])}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(sizes, pool.map(lambda b: _compile_prepared(prepared, b), sizes), strict=True))
+
+
+def first_probe_sizes(mesh: jax.sharding.Mesh, strategy: str = "fsdp") -> list[int]:
+    """The batch sizes :func:`largest_batch_that_fits` compiles first: ``[n, 2n]``, ``n`` the batch shards.
+
+    Compile them with the report's own size (:func:`compile_batch_sizes`) and pass their peaks as ``known``, so
+    the search's first round runs beside the report's compile.
+    """
+    n = 1 if one_device(strategy) else data_shards(mesh)
+    return [n, 2 * n]
 
 
 def largest_batch_that_fits(
@@ -271,18 +334,9 @@ def largest_batch_that_fits(
             : max_compiles - compiles
         ]
         peaks.update({b: known[b] for b in sizes if b in known})
-        if len(todo) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(len(todo)) as pool:
-                found = pool.map(
-                    lambda b: compile_ahead_of_time(task, mesh, strategy=strategy, batch_size=b), todo
-                )
-                peaks.update({b: m.peak_bytes for b, m in zip(todo, found, strict=True)})
-        elif todo:
-            peaks[todo[0]] = compile_ahead_of_time(
-                task, mesh, strategy=strategy, batch_size=todo[0]
-            ).peak_bytes
+        if todo:
+            found = compile_batch_sizes(task, mesh, todo, strategy=strategy)
+            peaks.update({b: found[b].peak_bytes for b in todo})
         compiles += len(todo)
 
     def fits(b: int) -> bool:
@@ -292,7 +346,7 @@ def largest_batch_that_fits(
     def budget() -> bool:
         return compiles < max_compiles
 
-    compile_all([n, 2 * n] if max_compiles > 1 else [n])
+    compile_all(first_probe_sizes(mesh, strategy) if max_compiles > 1 else [n])
     if not fits(n):
         return 0, {n: peaks[n]}
     while True:

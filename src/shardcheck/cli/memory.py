@@ -547,18 +547,17 @@ def main_mesh(args) -> int:
         task = _build_task(args)
         batch = args.batch_size or _default_batch_size(task, mesh.size)
         estimates = {s: memory.estimate_memory(task, mesh=mesh, strategy=s) for s in strategies}
-        aot = {
-            s: ahead_of_time.compile_ahead_of_time(task, mesh, strategy=s, batch_size=batch)
-            for s in strategies
-        }
+        compiled = {s: _compile_report_and_probes(task, mesh, s, batch, device) for s in strategies}
+        aot = {s: compiled[s][batch] for s in strategies}
         measured = {}
         if args.measure:
             measured = {s: memory.measure_memory(task, strategy=s, mesh=run_mesh) for s in strategies}
         fits = {}
         if device is not None:
             for s in strategies:
+                known = {b: m.peak_bytes for b, m in compiled[s].items()}
                 largest, peaks = ahead_of_time.largest_batch_that_fits(
-                    task, mesh, device[0], strategy=s, known={batch: aot[s].peak_bytes}
+                    task, mesh, device[0], strategy=s, known=known
                 )
                 fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
     except (ValueError, TypeError) as e:
@@ -572,6 +571,15 @@ def main_mesh(args) -> int:
         )
     args.shards = mesh.size
     return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
+
+
+def _compile_report_and_probes(task, mesh, strategy, batch, device) -> dict:
+    """The report's compile at ``batch`` and, with ``--device-memory``, the largest-batch search's first probes
+    beside it (:func:`shardcheck.ahead_of_time.first_probe_sizes`), two at once: ``{batch_size: AOT memory}``."""
+    from shardcheck import ahead_of_time
+
+    probes = ahead_of_time.first_probe_sizes(mesh, strategy) if device is not None else []
+    return ahead_of_time.compile_batch_sizes(task, mesh, [batch, *probes], strategy=strategy)
 
 
 def _gpu_target_kind(args) -> str | None:
