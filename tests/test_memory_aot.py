@@ -406,6 +406,7 @@ def _replay(monkeypatch, peak_of, rounds=None) -> list[int]:
     calls = []
 
     def fake_compile_batch_sizes(task, mesh, sizes, *, strategy):
+        sizes = list(dict.fromkeys(sizes))
         calls.extend(sizes)
         if rounds is not None:
             rounds.append(list(sizes))
@@ -446,3 +447,52 @@ def test_largest_batch_search_on_the_1b_steps_peaks_for_an_h100(monkeypatch):
         None, None, 80 * 2**30, strategy="replicated", known={1: peaks_1b[1]}
     )
     assert found == 5 and calls == [2, 3, 4, 5, 6] and peaks == peaks_1b
+
+
+@require_devices(4)
+def test_compile_batch_sizes_traces_the_state_once_with_the_same_figures(monkeypatch):
+    """Every size of one call shares one abstract state and estimate; each size's figures equal its own compile."""
+    from shardcheck.mesh import make_mesh
+
+    mesh, task = make_mesh({"data": 2, "fsdp": 2}), linear_task()
+    alone = {b: ahead_of_time.compile_ahead_of_time(task, mesh, batch_size=b) for b in (4, 8, 12)}
+    prepared = []
+    real_prepare = ahead_of_time._prepare
+    monkeypatch.setattr(ahead_of_time, "_prepare", lambda *a: prepared.append(a[-1]) or real_prepare(*a))
+    together = ahead_of_time.compile_batch_sizes(task, mesh, [4, 8, 4, 12])
+    assert prepared == ["fsdp"] and list(together) == [4, 8, 12]
+    assert together == alone  # every field, peak bytes included
+    assert ahead_of_time.first_probe_sizes(mesh) == [4, 8]
+    assert ahead_of_time.first_probe_sizes(mesh, "replicated") == [1, 2]
+
+
+# XLA:GPU's peaks of the 1b step (tiny-lm, Adam) with fsdp=8, compiled for an H100 without one (jax 0.10.2,
+# shardcheck's h100 target): remat holds 24-40 rows near its 60.87 GiB limit, 48 rows fit at 77.2 GB, 56 don't.
+PEAKS_1B_FSDP8_H100 = {
+    8: 28_086_999_516,
+    16: 52_362_871_516,
+    24: 64_931_637_980,
+    32: 65_215_820_508,
+    40: 65_854_200_540,
+    48: 77_205_103_580,
+    56: 93_730_204_636,
+    64: 116_546_655_196,
+}
+
+
+def test_largest_batch_for_the_1b_fsdp8_step_on_an_h100_from_its_replayed_peaks(monkeypatch):
+    """The CLI's rounds: the report's 8 rows with the first probes 8 and 16 (one compile pair), then the search's
+    three pairs; 48 rows is exact: every size compiled up to it fits and 56 was compiled and does not."""
+    rounds = []
+    _replay(monkeypatch, PEAKS_1B_FSDP8_H100.__getitem__, rounds)
+    monkeypatch.setattr(ahead_of_time, "data_shards", lambda mesh: 8)  # the fsdp=8 mesh's batch shards
+    memory = 80 * 2**30
+    first = ahead_of_time.compile_batch_sizes(
+        None, None, [8, *ahead_of_time.first_probe_sizes(None)], strategy="fsdp"
+    )
+    found, peaks = ahead_of_time.largest_batch_that_fits(
+        None, None, memory, strategy="fsdp", known={b: m.peak_bytes for b, m in first.items()}
+    )
+    assert rounds == [[8, 16], [24, 32], [40, 48], [56, 64]]
+    assert found == 48 and peaks == PEAKS_1B_FSDP8_H100
+    assert all(p <= memory for b, p in peaks.items() if b <= found) and peaks[found + 8] > memory
