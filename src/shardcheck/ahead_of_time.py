@@ -361,7 +361,9 @@ def _next_sizes(peaks: dict[int, int], good: int, bad: int | None, n: int, memor
     """The next two batch sizes to compile: the multiple of ``n`` where a line from the largest fitting peak
     crosses ``memory``, and the multiple above it. When none fails yet the line is the steepest seen between
     consecutive fitting sizes (XLA:GPU rematerializes as a step nears its target's memory, which flattens the
-    last peaks: their slope would overshoot); otherwise it runs through the smallest failing peak."""
+    last peaks: their slope would overshoot); otherwise it runs through the smallest failing peak. The size above
+    is left out when the crossing is the next multiple and even the latest slope (the flattest likely) has it
+    fail: it would be compiled only to be discarded (a failing XLA:GPU compile is the slowest, remat trying)."""
     if bad is None:
         fit = [b for b in sorted(peaks) if peaks[b] <= memory]
         slopes = [(peaks[b] - peaks[a]) / (b - a) for a, b in zip(fit, fit[1:], strict=False)]
@@ -369,6 +371,10 @@ def _next_sizes(peaks: dict[int, int], good: int, bad: int | None, n: int, memor
         if slope <= 0:
             return [2 * good]
         guess = max(good + n, good + int((memory - peaks[good]) / slope / n) * n)
+        if guess == good + n and slopes and peaks[good] + slopes[-1] * n > memory:
+            return [
+                guess
+            ]  # even the latest slope says it fails: the size above it would be compiled for nothing
         return [guess, guess + n]
     slope = (peaks[bad] - peaks[good]) / (bad - good)
     guess = good + int((memory - peaks[good]) / slope / n) * n if slope > 0 else (good + bad) // (2 * n) * n
