@@ -208,14 +208,16 @@ def test_a_loss_off_with_gradients_at_ratio_1_is_named_a_forward_change(identica
         a[0, loss] *= 1.3
         return a
 
-    def shuffled(a):  # the same norm and max, other values at the sampled indices
-        a[0, grads] = -a[0, grads]
+    def shuffled(a):  # the same norm and max, other values at the sampled indices (no one factor)
+        a[0, grads] *= np.array([1.0, -1.0, 1.5, 0.5, 1.0, -1.0, 2.0, 0.3])
         return a
 
     comparison = compare_run(recorded, _changed(replayed, max=off, norm=off, samples=shuffled))
     assert comparison.first_failure.name == "loss" and comparison.first_failure.step == 0
-    assert "the loss at step 0 differs, from the initial parameters" in comparison.cause
-    assert "forward pass computes another value" in comparison.cause
+    # the live check's rule: the loss differs too, and no one factor (not one reduced step)
+    assert comparison.codes[0] == "update_differs", comparison.cause
+    assert "The update differs from the reference at step 0" in comparison.cause
+    assert "a wrong loss" in comparison.cause
     assert "learning rate" not in comparison.cause
 
 
@@ -292,9 +294,10 @@ def test_a_rounding_level_allowance_is_both_runs_update_and_names_no_learning_ra
     )
     r_max = float(recorded.steps.max[0, p])
     assert first.allowed == pytest.approx(tol.atol + tol.rtol * r_max + (1 + 2.46) * update, rel=1e-6)
-    assert comparison.cause.startswith(
-        f"only parameters whose gradient is at rounding level differ ({param})"
-    )
+    # the live check's rules: the parameters stage alone, that leaf, and its gradient at rounding level
+    assert comparison.codes[:1] == ("localized",) and "rounding_level" in comparison.codes, comparison.cause
+    assert "the parameters differ (1 of 4 leaves)" in comparison.cause and param in comparison.cause
+    assert f"have a gradient at rounding level (e.g. {param}" in comparison.cause
     assert "learning rate" not in comparison.cause
 
 
@@ -420,8 +423,8 @@ def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp
 
     rc, run = verify(fsdp, "--candidate", f"{steps}:summed")
     assert (rc, run["verdict"], run["first_failure"]["step"]) == (1, "FAIL", 0)
-    assert run["cause"].startswith(
-        "the gradients are 8x the recorded ones (S = 8): a sum where a mean was meant"
+    assert run["codes"][0] == "summed" and run["cause"].startswith(
+        "At step 0, gradients are 8 x the reference's: the gradient reduction summed instead of averaged (x8"
     )
     assert "learning rate" not in run["cause"]
     rc, run = verify(fsdp, "--candidate", f"{steps}:doubled")
@@ -429,7 +432,9 @@ def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp
     assert (rc, run["verdict"], first["step"]) == (1, "FAIL", 0)
     assert first["name"].startswith("param ") and not first["name"].endswith(".attn.key.bias")
     assert first["ratio"] == pytest.approx(2.0, rel=1e-3)
-    assert run["cause"].startswith("the update is 2x the recorded one: a changed learning rate?")
+    # the live check's rules: the loss, gradients and moments match, the parameters' update is x2
+    assert run["codes"][0] == "localized", run["cause"]
+    assert "the loss, the gradients and the optimizer state match; the parameters differ" in run["cause"]
 
 
 @require_devices(8)
@@ -446,7 +451,10 @@ def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
     comparison = compare_run(recorded, record_run(task, megatron_step("no_psum"), mesh=mesh, steps=2))
     first = comparison.first_failure
     assert not comparison.ok and (first.step, first.name) == (0, "loss")
-    assert "a reduction missing over a tensor-parallel axis" in comparison.cause
+    # the live check's rule: the loss differs on a mesh that splits the model: the sharded forward pass
+    assert comparison.codes[0] == "update_differs", comparison.cause
+    assert "the sharded forward pass computes another function" in comparison.cause
+    assert "a row-parallel output not psum-ed over 'model'" in comparison.cause
     assert "learning rate" not in comparison.cause
 
 
@@ -462,7 +470,8 @@ def test_a_replay_on_another_mesh_or_of_more_steps_is_named_so(identical_pair):
     elsewhere = record_run(task, "fsdp", mesh=make_mesh({"fsdp": 2}), settings={"lr": 0.01})
     comparison = compare_run(recorded, elsewhere)
     assert not comparison.ok and comparison.first_failure.evidence == "sharding"
-    assert comparison.cause.startswith("recorded on mesh data=2, replayed on fsdp=2: another mesh")
+    assert comparison.cause.startswith("Recorded on mesh data=2, replayed on fsdp=2: another mesh")
+    assert comparison.codes[0] == "structure"
     one = dataclasses.replace(
         recorded,
         meta=recorded.meta | {"steps": 1},
@@ -591,10 +600,16 @@ def test_first_moments_off_by_s_name_a_sum_for_a_mean_without_gradients(identica
         return change
 
     without = [n for n in recorded.names if not n.startswith("grad ")]
-    scaled = _changed(_changed(replayed, norm=times(2.0, mu)), norm=times(4.0, nu))
+    # each digest of a moment x k (its norm, max and samples), as the moments of gradients x 2 are
+    scaled = replayed
+    for k, cols in ((2.0, mu), (4.0, nu)):
+        scaled = _changed(scaled, norm=times(k, cols), max=times(k, cols), samples=times(k, cols))
     comparison = compare_run(_only(recorded, without), _only(scaled, without))
-    assert "first moments (mu), and so the gradients it was given, are 2x" in comparison.cause
-    assert "(S = 2): a sum where a mean was meant" in comparison.cause
+    # the live check's rule reads the moments' factor (sqrt of the second's) when no gradient is compared
+    assert comparison.codes[0] == "summed", comparison.cause
+    assert "optimizer moments are 2 x the reference's: the gradient reduction summed instead of averaged" in (
+        comparison.cause
+    )
 
 
 # ---------------------------------------------------------------------------------------- the command line
@@ -626,10 +641,11 @@ def test_a_doubled_learning_rate_fails_at_step_0_on_a_parameter_update_of_2x(tin
     first = run["first_failure"]
     assert run["verdict"] == "FAIL" and first["step"] == 0 and first["name"].startswith("param ")
     assert first["ratio"] == pytest.approx(2.0, rel=0.01)
-    assert (
-        "the update is 2x the recorded one: the learning rate differs (recorded 0.01, this run 0.02)"
-        in run["cause"]
-    )
+    # the live check's rules name the stage (the parameters: the loss, gradients and moments match); the
+    # settings that differ from the recording's are named beside them
+    assert run["codes"][0] == "localized", run["cause"]
+    assert "the loss, the gradients and the optimizer state match; the parameters differ" in run["cause"]
+    assert "The run's settings differ from the recording's (lr 0.01 -> 0.02)" in run["cause"]
     # the first failure is the first kind a step computes: the step-0 loss, gradients and Adam moments, which do
     # not depend on the rate, matched; the gradients differ from step 1 on (other parameters)
     assert run["worst_by_kind"]["grad"]["step"] >= 1
@@ -655,7 +671,11 @@ def test_a_user_step_summing_for_a_mean_fails_at_step_0_on_a_gradient_of_s(tmp_p
         and first["name"].startswith("grad ")
         and first["ratio"] == pytest.approx(4.0, rel=1e-3)
     )
-    assert "the gradients are 4x the recorded ones (S = 4): a sum where a mean was meant" in run["cause"]
+    assert run["codes"][0] == "summed", run["cause"]
+    assert (
+        "gradients are 4 x the reference's: the gradient reduction summed instead of averaged (x4: a sum over 4 "
+        "shards)" in run["cause"]
+    )
     assert "learning rate" not in run["cause"]  # Adam's update is not 4x; the gradients explain it
     # the recording keeps the step's spec: a replay without --candidate is told which to pass
     assert main(["verify", *args, "--against", str(recording)]) == 2
@@ -759,7 +779,7 @@ def test_a_pinned_placement_fails_naming_the_leaves_that_moved(placement_runs):
     assert not comparison.ok and comparison.pin_placement and first.evidence == "sharding"
     assert first.step == 0 and first.recorded == "P()" and first.replayed != "P()"
     assert {e.name for e in comparison.failures} == {name for name, _, _ in comparison.placement_changes}
-    assert comparison.cause.startswith("the placement is pinned (--pin-placement, pin_placement=True) and ")
+    assert comparison.cause.startswith("The placement is pinned (--pin-placement, pin_placement=True) and ")
     assert "grad hidden.kernel: P() -> P(None, 'fsdp')" in comparison.cause
     assert not any(n.startswith("Placement changed") for n in comparison.notes)
     with pytest.raises(TypeError, match=r"compare_run: pin_placement must be True or False, got 'yes'"):
@@ -778,10 +798,10 @@ def test_a_value_fault_beside_a_placement_change_fails_either_way(placement_runs
     first = comparison.first_failure
     assert not comparison.ok and (first.step, first.name.split(" ")[0]) == (0, "grad")
     assert first.evidence != "sharding" and first.ratio == pytest.approx(2.0, rel=1e-3)
-    assert comparison.cause.startswith(
-        "the gradients are 2x the recorded ones (S = 2): a sum where a mean was"
+    assert comparison.codes[0] == "summed" and comparison.cause.startswith(
+        "At step 0, gradients are 2 x the reference's: the gradient reduction summed instead of averaged (x2"
     )
-    assert ("and the placement is pinned" in comparison.cause) is pin
+    assert ("The placement is pinned" in comparison.cause) is pin
 
 
 PLACED_STEPS = textwrap.dedent(
@@ -846,7 +866,7 @@ def test_verify_against_passes_a_placement_change_and_pin_placement_fails_it(tmp
     run = _json(out)["runs"]["candidate"]
     assert run["verdict"] == "FAIL" and run["pin_placement"] is True
     assert run["first_failure"]["evidence"] == "sharding"
-    assert run["cause"].startswith("the placement is pinned (--pin-placement, pin_placement=True) and ")
+    assert run["cause"].startswith("The placement is pinned (--pin-placement, pin_placement=True) and ")
     first = changes[0]
     assert f"{first['leaf']}: P() -> {first['replayed']}" in run["cause"]
     capsys.readouterr()

@@ -276,97 +276,54 @@ def recorded_defaults(args):
 
 
 def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
-    """Replay each ``(label, strategy or step)`` of ``runs`` and compare it with ``recording``; prints a table per
-    run (process 0) and returns the exit status: 0 when all pass, 1 when one fails, 2 when the recording cannot
-    be compared with this run (another task, mesh, steps, batches or state: one line)."""
+    """Replay each ``(label, strategy or step)`` of ``runs`` against ``recording``: ``check_parity(..., reference=
+    recording)`` (:func:`~shardcheck.parity.harness.replay.check_against_recording`), whose report is diagnosed
+    by the live check's rules and rendered by ``verify``'s renderer. Prints a table per run (process 0) and returns
+    the exit status: 0 when all pass, 1 when one fails, 2 when the recording cannot be compared with this run
+    (another task, mesh, steps, batches or state: one line)."""
     from shardcheck import distributed
-    from shardcheck.parity.comparison.digest import compare_run
-    from shardcheck.parity.harness.recorded import check_replayable, record_run
+    from shardcheck.parity.harness.recorded import check_replayable
+    from shardcheck.parity.harness.replay import check_against_recording
 
     settings = run_settings(args)
+    where = dict(
+        fn="shardcheck verify", mesh=mesh, num_shards=num_shards, steps=args.steps, settings=settings
+    )
     try:
-        check_replayable(
-            recording,
-            task,
-            fn="shardcheck verify",
-            path=f"--against {args.against}",
-            mesh=mesh,
-            num_shards=num_shards,
-            steps=args.steps,
-            settings=settings,
-        )
+        check_replayable(recording, task, path=f"--against {args.against}", **where)
     except ValueError as err:
         return _fail(err)
-    comparisons = {}
+    reports = {}
     for label, candidate in runs:
-        replayed = record_run(
-            task,
+        reports[label] = check_against_recording(
             candidate,
-            steps=args.steps,
-            num_shards=num_shards,
-            mesh=mesh,
-            settings=settings,
-            matmul_precision=getattr(args, "matmul_precision", None),
+            task,
+            recording,
+            rtol=args.rtol,
+            atol=args.atol,
             name=_step_name(args) if label == "candidate" else None,
+            matmul_precision=getattr(args, "matmul_precision", None),
+            pin_placement=args.pin_placement,
+            shown=f"--against {args.against}",
+            **where,
         )
-        comparisons[label] = compare_run(
-            recording, replayed, rtol=args.rtol, atol=args.atol, pin_placement=args.pin_placement
-        )
-    ok = all(c.ok for c in comparisons.values())
+    ok = all(r.ok for r in reports.values())
     if distributed.is_main_process():
-        _print(args, task, comparisons, recording, ok)
+        _print(args, task, reports, recording, ok)
     return 0 if ok else 1
 
 
-def _cell(x) -> str:
-    return x if isinstance(x, str) else f"{x:.6g}"
-
-
-def render_comparison(label: str, comparison, path: str, setup: str):
-    """One replayed run's table: the first failing leaf, then the worst leaf of each kind, with the evidence that
-    decided, both values, the error and what was allowed; the cause, the evidence and the notes below."""
-    from rich.table import Table
-
-    from shardcheck.cli.verify import _verdict
-
-    bitwise = " (bitwise identical)" if comparison.bitwise else ""
-    caption = [setup]
-    if comparison.cause:
-        caption.append(f"cause: {comparison.cause}")
-    caption += [comparison.evidence, *comparison.notes]
-    table = Table(
-        title=f"shardcheck verify {label} against {path}: {_verdict(comparison.verdict)}{bitwise}",
-        caption="\n".join(caption),
-        caption_justify="left",
-    )
-    for column in ("", "leaf", "step", "evidence", "recorded", "replayed", "abs err", "allowed", "verdict"):
-        table.add_column(column, justify="right" if column in ("step", "abs err", "allowed") else "left")
-    rows = [("first failure", comparison.first_failure)] if comparison.first_failure else []
-    rows += [(f"worst {kind}", e) for kind, e in comparison.worst_by_kind().items()]
-    for what, e in rows:
-        step = "initial" if e.step < 0 else str(e.step)
-        cells = (
-            e.name,
-            step,
-            e.evidence,
-            _cell(e.recorded),
-            _cell(e.replayed),
-            f"{e.err:.3g}",
-            f"{e.allowed:.3g}",
-        )
-        table.add_row(what, *cells, _verdict(e.ok))
-    return table
-
-
-def _print(args, task, comparisons, recording, ok: bool) -> None:
+def _print(args, task, reports, recording, ok: bool) -> None:
     meta = recording.meta
+    from shardcheck.cli.verify import render_report
+
     console = console_for(args)
     mesh = "" if not meta["mesh"] else " on mesh " + ",".join(f"{k}={v}" for k, v in meta["mesh"].items())
     setup = (
         f"task {task.name}, {meta['steps']} recorded step(s) of {meta['run']}{mesh}, S={meta['num_shards']}"
     )
-    for label, comparison in comparisons.items():
-        console.print(render_comparison(label, comparison, args.against, setup))
+    for report in reports.values():
+        console.print(render_report(report, setup, against=args.against))
     console.print(device_choice(args).line(), highlight=False)
     document = {
         "command": "verify",
@@ -377,7 +334,8 @@ def _print(args, task, comparisons, recording, ok: bool) -> None:
             k: meta.get(k)
             for k in ("run", "run_kind", "steps", "mesh", "num_shards", "settings", "versions", "platform")
         },
-        "runs": {label: c.to_dict() for label, c in comparisons.items()},
+        # each run: its digest comparison, and the diagnosis of its records (the live check's rules)
+        "runs": {label: r.replay.to_dict() | {"diagnosis": r.diagnosis} for label, r in reports.items()},
         "devices": device_choice(args).to_dict(),
     }
     write_json(document, args.json)

@@ -608,14 +608,23 @@ def _verdict(ok: bool | str) -> str:
     return "[bold green]PASS[/]" if ok else "[bold red]FAIL[/]"
 
 
-def render_report(report, setup: str):
-    """One strategy's table: the worst leaf of each compared kind, with its error, tolerance and verdict."""
+def render_report(report, setup: str, against: str | None = None):
+    """One strategy's table: the worst leaf of each compared kind, with its error, tolerance and verdict; the
+    diagnosis below. A replay against a recording (``against``: its path; ``report.replay``, the same
+    renderer) adds whether it is bitwise identical, the digests' evidence and what a recording cannot tell."""
     from rich.table import Table
 
+    replay = report.replay
+    title = f"shardcheck verify {report.strategy}" + (f" against {against}" if against else "")
+    bitwise = " (bitwise identical)" if replay is not None and replay.bitwise else ""
+    caption = [setup, report.diagnosis]
+    if report.weak_accepted is not None:
+        caption.append(f"weak check accepted: {report.weak_accepted}")
+    if replay is not None:
+        caption += [replay.evidence, *replay.notes]
     table = Table(
-        title=f"shardcheck verify {report.strategy}: {_verdict(report.verdict)}",
-        caption=f"{setup}\n{report.diagnosis}"
-        + ("" if report.weak_accepted is None else f"\nweak check accepted: {report.weak_accepted}"),
+        title=f"{title}: {_verdict(report.verdict)}{bitwise}",
+        caption="\n".join(caption),
         caption_justify="left",
     )
     table.add_column("compared")

@@ -46,14 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardcheck.parity.comparison.leaf_digest import SAMPLES
+from shardcheck.parity.comparison.live import spread_ranks
+from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
 from shardcheck.parity.harness.setup import _check_tolerances
+from shardcheck.parity.report import ParityReport
 from shardcheck.parity.tolerance import matmul
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
 
 EPS32 = float(np.finfo(np.float32).eps)
-# leaves whose digests agree to this relative distance are read as sharing one factor (as the harness's 2%)
-FACTOR_AGREEMENT = 0.02
 STRUCTURAL = ("missing", "shape", "dtype", "sharding")
 
 
@@ -106,8 +107,8 @@ class RunComparison:
         leaves: one :class:`DigestError` per compared leaf and point (the initial state first, then the steps).
         first_failure: the first failing leaf: the earliest step, then the first kind of :data:`KINDS` (the order
             a step computes them), then the worst; ``None`` when it passes.
-        cause: what the digests say about the first failing step (a factor S or 1/S of the gradients, an update
-            k times the recorded one, a changed sharding ...), or ``None`` when it passes.
+        cause: the messages of :attr:`diagnoses` that name a cause, joined (``None`` when it passes): the
+            live check's own diagnosis of the replay's records, with a changed structure or setting.
         evidence: which digests were compared, and how (one paragraph).
         notes: what the comparison cannot tell, and what differs between the two runs' settings.
         hashes_matched, hashes_compared: how many leaf digests' sha256 agreed, of those comparable (same shape,
@@ -120,6 +121,13 @@ class RunComparison:
         pin_placement: whether a changed placement failed (``compare_run(..., pin_placement=True)``).
         matmul_precision: the looser of the two runs' matmul precisions, the one the tolerance assumed
             (:func:`looser_precision`).
+        num_shards: the recording's S.
+        records: one :class:`~shardcheck.parity.diagnosis.rules.StepRecord` per compared step (the initial
+            state's, step -1, only where it differs), of :class:`~shardcheck.parity.diagnosis.rules.LeafError`
+            as the live check's: the recording is the reference, the replay the candidate.
+        diagnoses: :func:`~shardcheck.parity.diagnosis.rules.diagnose` of ``records`` (the live check's
+            rules), with ``initial_state``, ``structure`` (a leaf missing, of another shape, dtype or pinned
+            sharding) and ``settings_differ`` where they apply.
     """
 
     run: str
@@ -137,10 +145,35 @@ class RunComparison:
     placement_changes: tuple[tuple[str, str, str], ...] = ()
     pin_placement: bool = False
     matmul_precision: str = "float32"
+    num_shards: int | None = None
+    records: tuple[StepRecord, ...] = ()
+    diagnoses: tuple[Diagnosis, ...] = ()
 
     @property
     def verdict(self) -> str:
         return "PASS" if self.ok else "FAIL"
+
+    @property
+    def codes(self) -> tuple[str, ...]:
+        """The :attr:`Diagnosis.code` of every finding, in order (as :attr:`ParityReport.codes`)."""
+        return tuple(d.code for d in self.diagnoses)
+
+    def report(self) -> ParityReport:
+        """The :class:`~shardcheck.ParityReport` of this replay, as :func:`~shardcheck.check_parity` returns it
+        with ``reference=`` a recording: :attr:`records`, :attr:`diagnoses`, and this comparison as its
+        ``replay`` (the digests' evidence, hashes and notes)."""
+        return ParityReport(
+            strategy=self.run,
+            ok=self.ok,
+            steps=self.records,
+            diagnoses=self.diagnoses,
+            num_shards=self.num_shards,
+            tolerance_rule=self.evidence.removeprefix("evidence: "),
+            reference=f"the recording of {self.recorded_run}",
+            matmul_precision=self.matmul_precision,
+            matmul_precision_source="the looser of the recording's and the replay's",
+            replay=self,
+        )
 
     @property
     def failures(self) -> tuple[DigestError, ...]:
@@ -180,6 +213,7 @@ class RunComparison:
             "pin_placement": self.pin_placement,
             "matmul_precision": self.matmul_precision,
             "failures": len(self.failures),
+            "codes": list(self.codes),
             "worst_by_kind": {k: leaf(e) for k, e in self.worst_by_kind().items()},
         }
 
@@ -514,6 +548,29 @@ def compare_run(
     A loss or gradients the recording holds but the replayed step returns none of (a step that changed what it
     returns) are not compared, and the notes say so.
 
+    The comparison emits the live check's records (``records``), diagnosed by the live check's
+    :func:`~shardcheck.parity.diagnosis.rules.diagnose` (``diagnoses``, ``cause``): the recording is the
+    reference, the replay the candidate. Each leaf's :class:`~shardcheck.parity.diagnosis.rules.LeafError` holds
+    what a digest gives, and a digest is not every element:
+
+    - ``max_abs_err``: the deciding digest's error (max, norm, a sample, the update size), not the largest
+      elementwise error; ``max_rel_err`` that over the recorded ``max|x|``; ``tolerance``: what it was held to;
+    - ``ratio`` and ``spread``: the median and the 10th-90th percentile of the elementwise ratio over the (up to
+      8) fixed-index samples, of the step's change for a parameter or an optimizer-state leaf, of the value for
+      the loss and a gradient: a factor is claimed constant across those samples, not across every element.
+      Where no sample is usable, the whole leaf's ratio (update size, norm; a counter's value) with no spread;
+    - ``reference_change``: the recorded update size ``max|r_t - r_{t-1}|`` of a parameter; ``None`` for an
+      optimizer-state leaf (a digest keeps no update size of it);
+    - ``shape``: the recorded shape.
+
+    Not measured by a digest, and so never read by a rule for a replay: the replicas' agreement
+    (``replica_mismatches``, ``replica_axes``), the reruns of the known faulty reductions (``matches``), the
+    re-check of a late failure from identical state (``synchronized``) and the scale evidence.
+
+    To compare a candidate step with a recording, ``check_parity(candidate, task, reference=recording)`` (or
+    ``verify --against FILE``) replays it and returns this comparison's :meth:`RunComparison.report`; this
+    function compares two recordings.
+
     Raises:
         TypeError: either argument not a :class:`~shardcheck.parity.harness.recorded.Recording`; ``pin_placement`` not a
             bool.
@@ -544,7 +601,10 @@ def compare_run(
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
     matched, compared, bitwise = _hashes(pair, steps)
     moved = _placement_changes(pair, steps)
-    first, cause = _first_failure(leaves, recording, replayed, bounds.rounding)
+    first = _first_failure(leaves, bounds.rounding)
+    records = _records(pair, bounds, leaves, steps)
+    findings = _diagnoses(recording, replayed, records, leaves, first)
+    cause = None if first is None else " ".join(d.message for d in findings if d.code not in QUIET)
     return RunComparison(
         run=str(replayed.meta["run"]),
         recorded_run=str(recording.meta["run"]),
@@ -565,6 +625,9 @@ def compare_run(
         placement_changes=moved,
         pin_placement=pin_placement,
         matmul_precision=policy,
+        num_shards=recording.meta.get("num_shards"),
+        records=records,
+        diagnoses=findings,
     )
 
 
@@ -643,68 +706,20 @@ def _only(recording: Recording, names: Sequence[str]) -> Recording:
     )
 
 
-def _first_failure(
-    leaves: list[DigestError], recording, replayed, rounding: Mapping[str, int]
-) -> tuple[DigestError | None, str | None]:
-    """The first failing leaf and its cause; ``rounding``: the parameters at rounding level, by the first step they
-    were (:attr:`_Bounds.rounding`), named after any other failing leaf of their kind."""
+def _first_failure(leaves: list[DigestError], rounding: Mapping[str, int]) -> DigestError | None:
+    """The first failing leaf: the earliest point, then the first kind of :data:`KINDS`, then a value before a
+    pinned placement that changed, then a leaf not at rounding level (``rounding``: the parameters at rounding
+    level, by the first step they were: :attr:`_Bounds.rounding`), then the worst."""
     failing = [e for e in leaves if not e.ok]
     if not failing:
-        return None, None
+        return None
     t = min(e.step for e in failing)
-    at_t = [e for e in failing if e.step == t]
     order = {k: i for i, k in enumerate(KINDS)}
     noise = {n for n, first in rounding.items() if first <= t}
-    # a value that left its tolerance before a pinned placement that changed: the value is the fault to name
-    first = min(
-        at_t,
+    return min(
+        (e for e in failing if e.step == t),
         key=lambda e: (order.get(e.kind, len(KINDS)), e.evidence == "sharding", e.name in noise, -e.badness),
     )
-    grads_recorded = any(n.startswith("grad ") for n in recording.names)
-    return first, _cause(t, at_t, recording.meta, replayed.meta, grads_recorded, noise)
-
-
-def _factor(ratios: Sequence[float | None]) -> float | None:
-    """The one factor the ratios share (each within :data:`FACTOR_AGREEMENT` of their median), or None."""
-    known = [r for r in ratios if r is not None and math.isfinite(r) and r > 0]
-    if not known:
-        return None
-    median = float(np.median(known))
-    return median if all(abs(r / median - 1) <= FACTOR_AGREEMENT for r in known) else None
-
-
-def _scale(ratios: Sequence[float | None]) -> float | None:
-    """The factor the ratios share (:func:`_factor`) when it is a change of scale (not 1), else None."""
-    f = _factor(ratios)
-    return None if f is None or _near(f, 1.0) else f
-
-
-def _near(value: float, target: float) -> bool:
-    return target > 0 and abs(value / target - 1) <= FACTOR_AGREEMENT
-
-
-def _gradient_words(f: float, s: int | None) -> str:
-    text = f"the gradients are {f:.3g}x the recorded ones"
-    if s and s > 1 and _near(f, s):
-        return f"{text} (S = {s}): a sum where a mean was meant (the shards' gradients added, not averaged)"
-    if s and s > 1 and _near(f, 1 / s):
-        return f"{text} (1/S, S = {s}): a mean taken twice (the averaged gradient divided by S again)"
-    return f"{text}: the loss's scale or its reduction changed"
-
-
-def _lr(meta: Mapping):
-    return (meta.get("settings") or {}).get("lr")
-
-
-def _update_words(k: float, was: Mapping, now: Mapping, grads_recorded: bool, s: int | None) -> str:
-    text = f"the update is {k:.3g}x the recorded one"
-    lr_was, lr_now = _lr(was), _lr(now)
-    if lr_was is not None and lr_now is not None and lr_was != lr_now:
-        return f"{text}: the learning rate differs (recorded {lr_was:g}, this run {lr_now:g})"
-    text += ": a changed learning rate?"
-    if not grads_recorded and s and s > 1 and (_near(k, s) or _near(k, 1 / s)):
-        text += f" Or, under SGD or momentum, gradients {k:.3g}x too large (S = {s}: a sum for a mean, or a mean twice)"
-    return text
 
 
 def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping) -> str:
@@ -728,97 +743,143 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
     return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
 
 
-def _cause(
-    t: int,
-    at_t: list[DigestError],
-    was: Mapping,
-    now: Mapping,
-    grads_recorded: bool,
-    noise: frozenset | set = frozenset(),
-) -> str:
-    """What the failing digests of the first failing point say: a structural change, else what the values say,
-    then a pinned placement that changed too."""
-    structural = [e for e in at_t if e.evidence in STRUCTURAL]
-    values = [e for e in at_t if e.evidence not in STRUCTURAL]
-    if structural and (not values or any(e.evidence != "sharding" for e in structural)):
-        return _structural_cause(structural, was, now)
-    text = _value_cause(t, values, was, now, grads_recorded, noise)
-    return text + (f"; and {_structural_cause(structural, was, now)}" if structural else "")
+# ------------------------------------------------------------------ the harness's records, and its diagnosis
 
 
-def _value_cause(
-    t: int,
-    at_t: list[DigestError],
-    was: Mapping,
-    now: Mapping,
-    grads_recorded: bool,
-    noise: frozenset | set = frozenset(),
-) -> str:
-    """What the failing values of the first failing point say, where they share a factor or a change; ``noise``:
-    the parameters whose gradient is at rounding level, whose update ratio is normalized noise and says nothing."""
-    if t < 0:
-        return (
-            "the initial state differs from the recorded one: another seed, initializer or model; every later step "
-            "starts elsewhere"
+def _sample_ratio(pair: _Pair, t: int, name: str) -> tuple[float | None, tuple[float, float] | None]:
+    """``(median, (p10, p90))`` of the replay's over the recording's elementwise ratio at the leaf's fixed-index
+    samples, as :func:`shardcheck.parity.comparison.live.leaf_error` reads it over every element: of the change
+    in step t for a parameter or an optimizer-state leaf (the point before: the initial state at t = 0), of the
+    value for the loss and a gradient; over the samples whose recorded change is at least 1% of the largest
+    sampled one. ``(None, None)`` where no sample is usable (none taken, a change of 0)."""
+    kind = name.split(" ", 1)[0]
+    r, c = pair.leaf("recorded", t, name), pair.leaf("replayed", t, name)
+    if not (r.present and c.present) or r.shape != c.shape:
+        return None, None
+    dr, dc = r.samples, c.samples
+    if kind in ("param", "opt_state"):
+        r0, c0 = pair.leaf("recorded", t - 1, name), pair.leaf("replayed", t - 1, name)
+        if not (r0.present and c0.present):
+            return None, None
+        dr, dc = dr - r0.samples, dc - c0.samples
+    usable = r.sampled & np.isfinite(dr) & np.isfinite(dc)
+    top = float(np.max(np.abs(dr[usable]), initial=0.0))
+    keep = usable & (np.abs(dr) >= 0.01 * top) & (top > 0)
+    if not keep.any():
+        return None, None
+    q = np.sort(dc[keep] / dr[keep])
+    lo, hi = spread_ranks(len(q))
+    return float(np.median(q)), (float(q[lo]), float(q[hi]))
+
+
+def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
+    """The harness's :class:`~shardcheck.parity.diagnosis.rules.LeafError` of one digest error (what a digest
+    gives of each field: :func:`compare_run`'s docstring)."""
+    kind, _, path = e.name.partition(" ")
+    col = pair.columns[0].get(e.name)
+    shape = None if col is None else tuple(pair.recording.shapes[col])
+    if e.evidence in STRUCTURAL or e.evidence == "nan":
+        return LeafError(e.step, kind, path or "loss", e.err, math.inf, e.allowed, e.ok, shape=shape)
+    ratio, spread = (None, None) if kind == "counter" or e.step < 0 else _sample_ratio(pair, e.step, e.name)
+    if ratio is None:  # no usable sample: the whole leaf's ratio (update size, norm, counter value)
+        ratio = e.ratio
+    top = pair.leaf("recorded", e.step, e.name).max
+    rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
+    r = pair.leaf("recorded", e.step, e.name)
+    change = r.update if kind == "param" and e.step >= 0 and math.isfinite(r.update) else None
+    return LeafError(e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape)
+
+
+def _scalar(leaf: _Leaf, default):
+    """A scalar leaf's value (its first sample), or ``default`` where the run has none."""
+    return float(leaf.samples[0]) if leaf.present and math.isfinite(float(leaf.samples[0])) else default
+
+
+def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int) -> tuple[StepRecord, ...]:
+    """One :class:`~shardcheck.parity.diagnosis.rules.StepRecord` per compared step, as the live harness's: the
+    recorded run is the reference, the replay the candidate; the initial state's record (step -1) only where
+    it differs. Not measured by a digest, so left at their defaults: ``replica_mismatches``, ``replica_axes``,
+    ``matches``, ``synchronized``, ``scale_evidence``."""
+    meta = pair.recording.meta
+    out = []
+    for t in range(-1, steps):
+        at_t = [e for e in leaves if e.step == t]
+        if t < 0 and all(e.ok for e in at_t):
+            continue
+        rtol, atol = bounds.derived(meta, t)
+        count = (pair.leaf(w, t, "counter step") for w in ("recorded", "replayed"))
+        step_count, candidate_count = (int(_scalar(x, t + 1)) for x in count)
+        out.append(
+            StepRecord(
+                step=t,
+                rtol=rtol,
+                atol=atol,
+                loss=_scalar(pair.leaf("recorded", t, "loss"), math.nan),
+                candidate_loss=_scalar(pair.leaf("replayed", t, "loss"), None),
+                leaves=tuple(_leaf_record(pair, e) for e in at_t),
+                step_count=step_count,
+                candidate_step_count=candidate_count,
+                unresolved=tuple(n for n, first in bounds.rounding.items() if 0 <= first <= t),
+            )
         )
+    return tuple(out)
+
+
+def _value_records(records: Sequence[StepRecord], structural: set[tuple[int, str]]) -> list[StepRecord]:
+    """The step records (not the initial state's) less their structural leaves, which no rule reads."""
+    return [
+        dataclasses.replace(r, leaves=tuple(e for e in r.leaves if (e.step, e.name) not in structural))
+        for r in records
+        if r.step >= 0
+    ]
+
+
+def _diagnoses(
+    recording: Recording, replayed: Recording, records, leaves: list[DigestError], first
+) -> tuple[Diagnosis, ...]:
+    """The findings of a replay: those of :func:`~shardcheck.parity.diagnosis.rules.diagnose` on its value
+    records (the live check's rules, the same code), with what only a recording can show around them: an
+    initial state that differs, a leaf missing or of another shape, dtype or (pinned) sharding, and settings
+    that differ from the recorded ones."""
+    was, now = recording.meta, replayed.meta
     s = was.get("num_shards")
-    parts = []
-    grad = _scale([e.ratio for e in at_t if e.kind == "grad"])
-    if grad is not None:
-        parts.append(_gradient_words(grad, s))
-    else:  # no gradients compared: the first moments (Adam's mu, a momentum's trace) carry their scale
-        grad = _scale([e.ratio for e in at_t if e.kind == "opt_state" and ".mu." in f".{e.name}."])
-        if grad is not None:
-            words = "the optimizer's first moments (mu), and so the gradients it was given, are"
-            parts.append(_gradient_words(grad, s).replace("the gradients are", words, 1))
-    update = _scale([e.ratio for e in at_t if e.kind == "param" and e.name not in noise])
-    lr_differs = _lr(was) is not None and _lr(now) is not None and _lr(was) != _lr(now)
-    # gradients off by a factor explain any update (a normalizing optimizer's is not k times); only a changed
-    # learning rate is named beside them
-    if update is not None and (grad is None or lr_differs) and not (grad is not None and _near(update, grad)):
-        parts.append(_update_words(update, was, now, grads_recorded, s))
-    counters = [e for e in at_t if e.kind == "counter" and e.ratio is not None]
-    if counters:
-        e = counters[0]
-        parts.append(
-            f"{e.name} reads {e.replayed:g} where the recording has {e.recorded:g}: the optimizer stepped "
-            f"{e.ratio:g} times per step"
-        )
-    differ = settings_diff(was.get("settings"), now.get("settings"), skip=("lr", "candidate"))
-    if parts:
-        return "; ".join(parts) + (f" (the settings differ: {', '.join(differ)})" if differ else "")
+    structural = [e for e in leaves if not e.ok and e.evidence in STRUCTURAL]
+    findings = diagnose(
+        _value_records(records, {(e.step, e.name) for e in structural}),
+        s,
+        mesh_shape=was.get("mesh") or None,
+        micro_batches=s if was.get("run") == "accumulation" else None,
+    )
+    if first is None:
+        return tuple(findings)
+    at_t = [e for e in structural if e.step == first.step]
+    if first.step < 0 and first.evidence not in STRUCTURAL:
+        findings = [Diagnosis("initial_state", _INITIAL, first.name)]
+    if at_t:
+        text = _structural_cause(at_t, was, now)
+        found = Diagnosis("structure", text[0].upper() + text[1:] + ".", at_t[0].name)
+        values = any(not e.ok and e.evidence not in STRUCTURAL and e.step == first.step for e in leaves)
+        ahead = not values or any(e.evidence != "sharding" for e in at_t)
+        findings = [found, *findings] if ahead else [*findings, found]
+    differ = settings_diff(was.get("settings"), now.get("settings"), skip=("candidate",))
     if differ:
-        return (
-            f"the run's settings differ from the recording's ({', '.join(differ)}): it is another run, compared "
-            "as if it were the same"
+        findings.append(
+            Diagnosis(
+                "settings_differ",
+                f"The run's settings differ from the recording's ({', '.join(differ)}): it is another run, "
+                "compared as if it were the same.",
+            )
         )
-    return _unscaled_cause(t, at_t, noise)
+    return tuple(d for d in findings if d.code != "parity")
 
 
-def _unscaled_cause(t: int, at_t: list[DigestError], noise: frozenset | set) -> str:
-    """What failing values that share no factor say: rounding-level parameters alone, the loss alone, the loss
-    and more (a forward change), or nothing in common."""
-    if at_t and all(e.name in noise for e in at_t):
-        return (
-            f"only parameters whose gradient is at rounding level differ ({at_t[0].name}): their update is Adam's "
-            "normalized rounding noise, beyond the sum of both runs' update sizes; the gradients, moments and other "
-            "parameters match"
-        )
-    if {e.kind for e in at_t} == {"loss"}:
-        return "only the loss differs (its gradients and updates match): the loss's reduction or its normalization"
-    if any(e.kind == "loss" for e in at_t):
-        start = (
-            "the initial parameters"
-            if t == 0
-            else f"parameters that matched the recording after step {t - 1}"
-        )
-        return (
-            f"the loss at step {t} differs, from {start}, and the gradients and updates share no factor: the forward "
-            "pass computes another value (a reduction missing over a tensor-parallel axis, another mask, model or "
-            "loss)"
-        )
-    worst = max(at_t, key=lambda e: e.badness)
-    return f"{len(at_t)} leaf/leaves left the tolerance with no factor in common (the worst: {worst.name})"
+_INITIAL = (
+    "The initial state differs from the recorded one: another seed, initializer or model; every later step starts "
+    "elsewhere."
+)
+
+QUIET = ("weak_check",)
+"""Findings that say no cause: left out of :attr:`RunComparison.cause`."""
 
 
 def _evidence_text(

@@ -145,3 +145,37 @@ def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity")
             f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}"
         )
     return loss, grads
+
+
+def run_step(fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int) -> tuple:
+    """One step of ``cand`` on ``(model, optimizer)`` in place: ``(loss, grads)``, either ``None`` when the step
+    does not return it (:func:`unpack`). The one step call of the harness's loop and of a recorded run
+    (:func:`~shardcheck.parity.harness.recorded.record_run`); ``fn`` names the caller in its errors.
+
+    Raises:
+        CandidateError: the step raised (the original error is its ``__cause__``), with the likely cause first
+            where the harness sees one (a batch whose rows do not split over the mesh's devices).
+        TypeError: as :func:`unpack`.
+    """
+    from shardcheck.parity.report import CandidateError
+    from shardcheck.task import batch_size
+
+    try:
+        out = cand.step(model, optimizer, batch, **kwargs)
+    except Exception as err:
+        s, rows = cand.num_shards, batch_size(batch)
+        hint = (
+            f"the batch's {rows} rows do not split over the {s} devices of the mesh: a likely cause; give a "
+            "batch size divisible by the device count, or fewer devices"
+            if s and s > 1 and rows % s
+            else ""
+        )
+        # the likely cause first: a JAX error's own text can run to several lines
+        cause = f" ({hint})" if hint else ""
+        raise CandidateError(
+            f"{fn}: the candidate step {cand.name!r} raised {type(err).__name__} at step {t}{cause}: {err}",
+            t,
+            hint,
+        ) from err
+    who = f"candidate {cand.name!r}" if fn == "check_parity" else repr(cand.name)
+    return unpack(out, who, t, fn=fn)

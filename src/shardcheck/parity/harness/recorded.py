@@ -5,10 +5,15 @@ digest of every leaf (:mod:`shardcheck.parity.comparison.leaf_digest`: shape, dt
 size of each parameter, 8 fixed-index samples and a sha256) of the loss, the gradients (when the step returns
 them), the parameters, the optimizer state and the integer counters. :meth:`Recording.save` writes them as one
 ``.npz`` (NumPy only, no pickles) with a JSON metadata string; :func:`load_recording` reads one back and refuses a
-file that is not one, or that another task, mesh or data made (:func:`check_replayable`). :func:`compare_run`
-compares a replay with a recording (``shardcheck.parity.comparison.digest``), within the parity harness's own
-derived tolerances: across machines and XLA versions never bitwise; the hashes only say "bitwise identical"
-where every one matched.
+file that is not one, or that another task, mesh or data made (:func:`check_replayable`).
+
+A recording is a kind of reference: ``check_parity(candidate, task, reference=recording)``
+(:mod:`shardcheck.parity.harness.replay`; ``shardcheck verify --against FILE``) replays the candidate with
+:func:`record_run`, whose step call is the harness's own (:func:`~shardcheck.parity.harness.candidates.run_step`)
+and whose admission is the harness's (:mod:`shardcheck.parity.harness.setup`), and compares the two runs digest
+by digest (``shardcheck.parity.comparison.digest``) within the parity harness's own derived tolerances: across
+machines and XLA versions never bitwise; the hashes only say "bitwise identical" where every one matched. The
+comparison's records are the live check's, diagnosed by the same rules.
 """
 
 from __future__ import annotations
@@ -33,9 +38,8 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
 from shardcheck.parity.comparison.live import device_snapshot, flatten_state
-from shardcheck.parity.harness.candidates import as_candidate, unpack
+from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.setup import _check_strategy, _task_batches, check_options
-from shardcheck.parity.report import CandidateError
 from shardcheck.parity.tolerance import matmul
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -360,17 +364,6 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     return model, optimizer, data, cand, mesh
 
 
-def _step(cand: Candidate, model, optimizer, batch, kwargs: dict, t: int):
-    """One step of the recorded run: ``(loss, grads)`` (either ``None`` when the step does not return it)."""
-    try:
-        out = cand.step(model, optimizer, batch, **kwargs)
-    except Exception as err:
-        raise CandidateError(
-            f"record_run: the step {cand.name!r} raised {type(err).__name__} at step {t}: {err}", t
-        ) from err
-    return unpack(out, repr(cand.name), t, fn="record_run")
-
-
 def _step_leaves(loss, grads, model, optimizer) -> dict[str, Any]:
     leaves = {} if loss is None else {"loss": loss}
     if grads is not None:
@@ -418,10 +411,10 @@ def record_run(
         name: a user step's name in the recording (default: the step function's); a strategy is recorded by its
             registered name, the one a replay runs.
         settings: JSON-able facts of the run to keep in the metadata (``optimizer``, ``lr``, ``seed`` ...):
-            :func:`compare_run` names a changed ``lr`` as a cause.
+            a replay whose settings differ from these is told so (``settings_differ``).
         matmul_precision: the precision of the run's float32 matmuls, stored in the metadata (``"float32"``,
             ``"tf32"``, ``"bfloat16"``; default: what the backend uses for the task's step:
-            ``shardcheck.parity.tolerance.matmul``); :func:`compare_run` compares within the looser of two runs'.
+            ``shardcheck.parity.tolerance.matmul``); a replay is compared within the looser of the two runs'.
 
     Returns:
         The :class:`Recording` (in memory; :meth:`Recording.save` writes it).
@@ -459,7 +452,7 @@ def record_run(
     initial = digest(first, {})
     for t, batch in enumerate(data):
         before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
-        loss, grads = _step(cand, model, optimizer, batch, kwargs, t)
+        loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
         leaves = _step_leaves(loss, grads, model, optimizer)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))

@@ -1,0 +1,154 @@
+"""A recording as the reference: ``check_parity(candidate, task, reference=Recording or "run.npz")``.
+
+A recording (:mod:`shardcheck.parity.harness.recorded`) is a kind of reference: the candidate runs on the recorded
+task, mesh and batches (:func:`~shardcheck.parity.harness.recorded.record_run`, the harness's own admission and
+step), its digests are compared with the recorded ones step by step within the harness's derived tolerances
+(:func:`~shardcheck.parity.comparison.digest.compare_run`), and the comparison's records, the same
+:class:`~shardcheck.parity.diagnosis.rules.LeafError` and :class:`~shardcheck.parity.diagnosis.rules.StepRecord` a
+live check makes, are diagnosed by the live check's :func:`~shardcheck.parity.diagnosis.rules.diagnose`. The
+result is a :class:`~shardcheck.ParityReport` whose ``replay`` holds the digest comparison. ``shardcheck verify
+--against FILE`` is the command-line form.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
+from shardcheck.parity.report import ParityReport
+from shardcheck.task import Task
+
+UNSUPPORTED = ("compute_dtype", "param_dtype", "leaf_tolerance", "initial_state")
+"""``check_parity`` options a recording cannot honour: it holds digests of one recorded run, not a step to
+re-run at another dtype, per-leaf tolerances of its own or another initial state."""
+
+
+def is_recording(reference) -> bool:
+    """Whether ``reference`` names a recording: a :class:`Recording`, an ``os.PathLike``, or a str ending in
+    ``.npz`` (no strategy's name does)."""
+    return (
+        isinstance(reference, Recording | os.PathLike)
+        or isinstance(reference, str)
+        and reference.endswith(".npz")
+    )
+
+
+def _recorded_mesh(recording: Recording, mesh, num_shards):
+    """``(mesh, num_shards)`` of the replay: the caller's, else the recording's (its mesh rebuilt over the first
+    devices, or its shard count)."""
+    if mesh is not None or num_shards is not None:
+        return mesh, num_shards
+    axes = recording.meta.get("mesh")
+    if axes:
+        from shardcheck.mesh import make_mesh
+
+        return make_mesh(dict(axes)), None
+    return None, recording.meta["num_shards"]
+
+
+def check_against_recording(
+    candidate,
+    task: Task,
+    reference: Recording | str | os.PathLike,
+    *,
+    steps: int | None = None,
+    num_shards: int | None = None,
+    mesh=None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    name: str | None = None,
+    matmul_precision: str | None = None,
+    pin_placement: bool = False,
+    settings: Mapping[str, Any] | None = None,
+    fn: str = "check_parity",
+    shown: str | None = None,
+    **unsupported,
+) -> ParityReport:
+    """Replay ``candidate`` on ``task`` and compare it with the recording ``reference``, as a live check compares
+    it with the task's reference step.
+
+    Args:
+        candidate: as :func:`~shardcheck.check_parity` (a strategy's name, a Candidate, a user step).
+        task: the recorded task.
+        reference: a :class:`Recording` (:func:`load_recording`, :func:`record_run`) or the path of the ``.npz``
+            :meth:`Recording.save` wrote.
+        steps: the steps to replay (default: every recorded one).
+        num_shards, mesh: the replay's (default: the recording's mesh, rebuilt over the first devices, or its
+            shard count).
+        rtol, atol: fixed tolerances in place of the derived ones.
+        name: the candidate's name (a user step's).
+        matmul_precision: as :func:`~shardcheck.check_parity`; the comparison assumes the looser of the
+            recording's and the replay's.
+        pin_placement: a leaf whose sharding differs from the recorded one fails (default: values compared).
+        settings: the replay's settings (``record_run(settings=)``): those that differ are named.
+        fn: how messages name the caller; shown: how they name the recording (default: its path, or
+            ``"reference"``).
+        **unsupported: ``check_parity`` options of :data:`UNSUPPORTED`: refused unless None.
+
+    Returns:
+        A :class:`~shardcheck.ParityReport`: the replay's records diagnosed by the live check's rules; its
+        ``replay`` is the :class:`~shardcheck.parity.comparison.digest.RunComparison`.
+
+    Raises:
+        TypeError: ``task`` not a Task; as :func:`record_run` and
+            :func:`~shardcheck.parity.comparison.digest.compare_run`.
+        ValueError: an option of :data:`UNSUPPORTED` given; as :func:`load_recording` (a file that is no
+            recording, or a damaged one) and :func:`check_replayable` (another task, mesh, batches or state,
+            more steps than recorded), before any step.
+        CandidateError: the candidate raised during a step.
+    """
+    from shardcheck.parity.comparison.digest import compare_run
+
+    given = sorted(k for k, v in unsupported.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"{fn}: {', '.join(given)} cannot apply against a recording (it holds the digests of one recorded "
+            "run); drop them, or check against the task's reference step (reference=None)"
+        )
+    if not isinstance(task, Task):
+        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+    recording = reference
+    if not isinstance(reference, Recording):
+        shown = shown or f"reference {str(reference)!r}"
+        recording = load_recording(Path(reference), fn=fn, name=shown)
+    mesh, num_shards = _recorded_mesh(recording, mesh, num_shards)
+    check_replayable(
+        recording,
+        task,
+        fn=fn,
+        path=shown or "the recording",
+        mesh=mesh,
+        num_shards=num_shards,
+        steps=steps,
+        settings=settings,
+    )
+    replayed = record_run(
+        task,
+        candidate,
+        steps=recording.num_steps if steps is None else steps,
+        num_shards=num_shards,
+        mesh=mesh,
+        name=name,
+        settings=settings,
+        matmul_precision=matmul_precision,
+    )
+    return compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement).report()
+
+
+def against_recording(call: Mapping[str, Any]) -> ParityReport:
+    """:func:`check_against_recording` of ``check_parity``'s arguments ``call`` (its ``locals()``), whose
+    ``reference`` is a recording (:func:`is_recording`); ``accept_weak`` is moot (a replay's verdict does not
+    read the scale evidence a live check measures)."""
+    options = {
+        k: call[k] for k in ("steps", "num_shards", "mesh", "rtol", "atol", "name", "matmul_precision")
+    }
+    unsupported = {k: call[k] for k in UNSUPPORTED}
+    return check_against_recording(
+        call["candidate"], call["task"], call["reference"], **options, **unsupported
+    )
+
+
+__all__ = ["against_recording", "check_against_recording", "is_recording"]

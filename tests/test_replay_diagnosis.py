@@ -1,0 +1,123 @@
+"""A recording is a kind of reference, and a replay is diagnosed by the live check's code (issue #36).
+
+Planted in the small model of ``tests/test_localization.py`` on a data-parallel mesh of 2, each fault is checked
+twice: live (``check_parity(step, task, mesh=...)``, against the task's single-device step) and replayed
+(``check_parity(step, task, reference=recording)``, against a recording of the right step, which
+``verify --against FILE`` runs). Both must give the same verdict and the same diagnosis codes:
+
+- the right step PASSes both ways;
+- a gradient summed over the shards instead of averaged: ``summed``, x S = 2, both ways;
+- a doubled learning rate (the update applied twice: every parameter's update x2, gradients and Adam's moments
+  right): the same codes both ways;
+- a decoupled weight decay applied to the 1-D leaves too: ``localized``, the parameters stage and the 1-D group.
+"""
+
+import jax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_localization import LR, WD, _loss, _task
+
+from shardcheck import check_parity, make_mesh
+from shardcheck.parity.harness.recorded import record_run
+
+FAULTS = ("none", "summed", "lr2", "decay_1d")
+
+
+def _step(fault: str):
+    """A user's data-parallel AdamW step (per-device gradients in ``jax.shard_map``); ``fault``: ``"summed"``
+    psums the gradients instead of pmean-ing them, ``"lr2"`` applies the optimizer's update twice (a doubled
+    learning rate under Adam), ``"decay_1d"`` decays the 1-D leaves too, ``"none"`` is the right step."""
+
+    def step(model, optimizer, batch, mesh):
+        axis = mesh.axis_names[0]
+        reduce = jax.lax.psum if fault == "summed" else jax.lax.pmean
+        loss = _loss(model, batch)
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def body(params, b):
+            g = jax.grad(lambda p: _loss(nnx.merge(graphdef, p), b))(params)
+            return jax.tree.map(lambda a: reduce(a, axis), g)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(), check_vma=False)
+        grads = jax.jit(mapped)(params, batch)
+        before = {k: v[...] for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        optimizer.update(model, grads)
+        for key, p in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            if fault == "lr2":
+                p[...] = before[key] + 2 * (p[...] - before[key])
+            if fault == "decay_1d" and p[...].ndim == 1:
+                p[...] = p[...] - LR * WD * p[...]
+        return {"loss": loss, "grads": grads}
+
+    step.__name__ = f"dp_{fault}"
+    return step
+
+
+@pytest.fixture(scope="module")
+def recording():
+    """A recording of the right step on a mesh of 2 (what ``shardcheck record`` saves)."""
+    require_devices(2)
+    return record_run(_task(), _step("none"), mesh=make_mesh(2))
+
+
+@require_devices(2)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_is_named_the_same_way_live_and_replayed(fault, recording, tmp_path):
+    task, mesh = _task(), make_mesh(2)
+    live = check_parity(_step(fault), task, mesh=mesh)
+    path = tmp_path / "right.npz"
+    recording.save(path)
+    replayed = check_parity(_step(fault), task, mesh=mesh, reference=path)
+    assert replayed.replay is not None and replayed.reference == "the recording of dp_none"
+    assert (live.verdict, replayed.verdict) == (("PASS",) * 2 if fault == "none" else ("FAIL",) * 2)
+    assert replayed.codes == live.codes, (live.diagnosis, replayed.diagnosis)
+    # the same records: the failing leaves, by name, at the first step
+    bad = [sorted(e.name for e in r.steps[0].leaves if not e.ok) for r in (live, replayed)]
+    assert bad[0] == bad[1]
+
+
+@require_devices(2)
+def test_a_summed_gradient_is_named_summed_x_s_both_ways(recording):
+    task, mesh = _task(), make_mesh(2)
+    for report in (
+        check_parity(_step("summed"), task, mesh=mesh),
+        check_parity(_step("summed"), task, mesh=mesh, reference=recording),
+    ):
+        assert report.codes[0] == "summed", report.diagnosis
+        grads = [e for e in report.steps[0].leaves if e.kind == "grad"]
+        assert all(e.ratio == pytest.approx(2.0, rel=1e-4) for e in grads)
+        assert all(e.spread == pytest.approx((2.0, 2.0), rel=1e-4) for e in grads)
+
+
+@require_devices(2)
+def test_a_doubled_learning_rate_is_an_update_of_2x_from_equal_gradients_both_ways(recording):
+    task, mesh = _task(), make_mesh(2)
+    live = check_parity(_step("lr2"), task, mesh=mesh)
+    replayed = check_parity(_step("lr2"), task, mesh=mesh, reference=recording)
+    for report in (live, replayed):
+        step = report.steps[0]
+        assert all(e.ok for e in step.leaves if e.kind in ("loss", "grad", "opt_state", "counter"))
+        params = [e for e in step.leaves if e.kind == "param"]
+        assert params and not any(e.ok for e in params)
+        assert all(e.ratio == pytest.approx(2.0, rel=1e-3) for e in params), [e.ratio for e in params]
+    assert replayed.codes == live.codes
+
+
+@require_devices(2)
+def test_a_weight_decay_of_the_1d_leaves_is_localized_the_same_way_replayed(recording):
+    replayed = check_parity(_step("decay_1d"), _task(), mesh=make_mesh(2), reference=recording)
+    assert replayed.codes[0] == "localized", replayed.diagnosis
+    message = replayed.diagnoses[0].message
+    assert "the update was applied differently" in message
+    assert "Every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches." in message
+    assert "Only the loss matches" not in replayed.diagnosis
+
+
+@require_devices(2)
+def test_a_recording_reference_refuses_options_it_cannot_honour(recording):
+    with pytest.raises(ValueError, match=r"check_parity: leaf_tolerance cannot apply against a recording"):
+        check_parity(_step("none"), _task(), reference=recording, leaf_tolerance={"loss": (0, 0)})
+    with pytest.raises(ValueError, match=r"check_parity: reference 'missing.npz' does not exist"):
+        check_parity(_step("none"), _task(), reference="missing.npz")
