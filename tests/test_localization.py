@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from shardcheck import check_parity, make_mesh
 from shardcheck.parity.comparison.live import leaf_error, spread_ranks
 from shardcheck.parity.diagnosis.evidence import LeafError, constant_ratio
-from shardcheck.parity.diagnosis.rules import shared_property
+from shardcheck.parity.diagnosis.grouping import shared_property
 from shardcheck.task import Task
 
 LR, WD = 0.05, 0.1

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
 
 from shardcheck.parity.diagnosis.evidence import KINDS, Diagnosis, LeafError, StepRecord
+from shardcheck.parity.diagnosis.localization import Localization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +50,11 @@ class ParityReport:
             step"``.
         precision_recheck: on an accelerator, the outcome of re-checking a FAIL within a few tolerances with both
             sides at ``"highest"`` (``shardcheck.parity.tolerance.recheck``); ``None`` when there was none.
+        localization: a failing run's localization by stage, group and form
+            (:func:`~shardcheck.parity.diagnosis.localization.localize`), shown first in the diagnosis; ``None``
+            when every step passed.
         devices: where each side ran, ``{"reference": "1 x gpu (NVIDIA H200)", "candidate": "8 x cpu"}``
             (:func:`shardcheck.devices.describe`); empty for a report not made by a check.
-        replay: against a recording (``check_parity(..., reference=Recording)``, ``verify --against``), the
-            digest comparison the records came from
-            (:class:`~shardcheck.parity.comparison.digest.RunComparison`: each leaf's deciding digest, the
-            hashes' agreement, what a recording cannot tell); ``None`` for a live check.
     """
 
     strategy: str
@@ -78,7 +77,7 @@ class ParityReport:
     matmul_precision_source: str = ""
     precision_recheck: str | None = None
     devices: dict[str, str] = dataclasses.field(default_factory=dict)
-    replay: Any = None
+    localization: Localization | None = None
 
     @property
     def step_ok(self) -> bool:
@@ -137,8 +136,10 @@ class ParityReport:
 
     @property
     def diagnosis(self) -> str:
-        """All findings' messages, joined into one paragraph."""
-        return " ".join(d.message for d in self.diagnoses)
+        """The localization's text first (a failing run's), then all findings' messages, joined into one
+        paragraph: what the command line prints below its table."""
+        first = [] if self.localization is None else [f"Localization: {self.localization.text()}"]
+        return " ".join([*first, *(d.message for d in self.diagnoses)])
 
     def worst_by_kind(self) -> dict[str, LeafError]:
         """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps."""
@@ -154,7 +155,7 @@ class ParityReport:
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
-        ``precision_recheck``, ``devices``.
+        ``precision_recheck``, ``devices``, ``localization``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -169,6 +170,7 @@ class ParityReport:
             "matmul_precision_source": self.matmul_precision_source,
             "precision_recheck": self.precision_recheck,
             "devices": dict(self.devices),
+            "localization": None if self.localization is None else self.localization.to_dict(),
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
@@ -200,21 +202,25 @@ class ParityReport:
                 }
                 for kind, e in self.worst_by_kind().items()
             },
-            "per_step": [
-                {
-                    "step": r.step,
-                    "ok": r.ok,
-                    "synchronized": r.synchronized,
-                    "loss": r.loss,
-                    "candidate_loss": r.candidate_loss,
-                    "rtol": r.rtol,
-                    "atol": r.atol,
-                    "worst_leaf": max(r.leaves, key=lambda e: e.badness).name if r.leaves else None,
-                    "max_abs_err": max(r.leaves, key=lambda e: e.badness).max_abs_err if r.leaves else 0.0,
-                }
-                for r in self.steps
-            ],
+            "per_step": self._per_step(),
         }
+
+    def _per_step(self) -> list[dict]:
+        """``to_dict``'s ``per_step``: each step's verdict, losses, tolerances and worst leaf."""
+        return [
+            {
+                "step": r.step,
+                "ok": r.ok,
+                "synchronized": r.synchronized,
+                "loss": r.loss,
+                "candidate_loss": r.candidate_loss,
+                "rtol": r.rtol,
+                "atol": r.atol,
+                "worst_leaf": max(r.leaves, key=lambda e: e.badness).name if r.leaves else None,
+                "max_abs_err": max(r.leaves, key=lambda e: e.badness).max_abs_err if r.leaves else 0.0,
+            }
+            for r in self.steps
+        ]
 
     def __str__(self) -> str:
         verdict = self.verdict
@@ -231,6 +237,8 @@ class ParityReport:
                 f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {e.max_rel_err:<10.3g} "
                 f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}"
             )
+        if self.localization is not None:  # first in the diagnosis: the catalog's rules explain on top of it
+            lines.append(f"  [localization] {self.localization.text()}")
         for d in self.diagnoses:
             lines.append(f"  [{d.code}] {d.message}")
         if self.weak_accepted is not None:
@@ -239,8 +247,6 @@ class ParityReport:
             lines.append(f"  evidence: {self.scale_evidence}")
         if self.tolerance_rule:
             lines.append(f"  tolerance: {self.tolerance_rule}")
-        if self.replay is not None:
-            lines += [f"  {note}" for note in self.replay.notes]
         source = f" ({self.matmul_precision_source})" if self.matmul_precision_source else ""
         lines.append(f"  matmul precision assumed: {self.matmul_precision}{source}")
         if self.precision_recheck is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 KINDS = ("loss", "grad", "param", "opt_state", "counter")
 # Two update ratios "agree" when within 2% of each other.
@@ -115,6 +116,12 @@ class StepRecord:
         scale_blind: some factor showed in no leaf and moved none by more than 1% of its reference change
             times ``|1 - c|``: the optimizer rescales the gradient away (global-norm clipping that binds), rather
             than moving the leaves by less than their tolerance.
+        optimizer_rerun: the reference's optimizer rerun on the candidate's own gradients and pre-step state,
+            compared with the candidate's state after the step: one ``param`` / ``opt_state`` LeafError per leaf
+            (``shardcheck.parity.harness.optimizer_rerun``); ``None`` where not run (a passing step, a candidate
+            that returned no gradients, a replay).
+        forms: ``((stage, Form), ...)``: the functional form of the difference of a stage's failing leaves, fitted
+            on their arrays (``shardcheck.parity.diagnosis.form.fit_form``); ``()`` where none was fitted.
     """
 
     step: int
@@ -133,6 +140,8 @@ class StepRecord:
     scale_hidden: bool = False
     scale_evidence: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     scale_blind: bool = False
+    optimizer_rerun: tuple[LeafError, ...] | None = None
+    forms: tuple[tuple[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:

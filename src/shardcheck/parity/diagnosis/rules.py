@@ -52,6 +52,7 @@ from shardcheck.parity.diagnosis.evidence import (
     constant_ratio,
     spread_phrase,
 )
+from shardcheck.parity.diagnosis.grouping import shared_property
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
@@ -94,80 +95,6 @@ def _consensus(ratios: list[float]) -> float | None:
     if mid == 0 or not all(_close(r, mid) for r in ratios):
         return None
     return mid
-
-
-def _ndim_class(ndims: set[int], others: set[int]) -> str:
-    """``"ndim >= 2"``, ``"ndim <= 1"`` or ``"another ndim"`` for the ``others`` leaves beside ``ndims``."""
-    if min(others) > max(ndims):
-        return f"ndim >= {min(others)}"
-    if max(others) < min(ndims):
-        return f"ndim <= {max(others)}"
-    return "another ndim"
-
-
-def shared_property(
-    failing: dict[str, tuple[int, ...] | None], matching: dict[str, tuple[int, ...] | None]
-) -> str:
-    """The sentence naming what the failing leaves share and the matching ones lack.
-
-    Tries, in order: one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
-    one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
-    and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
-    leaf matches"``).
-
-    Args:
-        failing: ``{dotted path: shape or None}`` of the leaves out of tolerance (at least one).
-        matching: the same for the leaves within tolerance, of the same kind.
-
-    Returns:
-        The sentence, without a final period; where no property separates the two sets, the failing leaf's
-        name (``"only a.kernel differs; every other leaf matches"``) or the failing leaves' names (``"the
-        failing leaves (a.kernel, b.bias) share no ndim, name or module that the matching ones lack"``).
-
-    Raises:
-        ValueError: ``failing`` is empty.
-    """
-    if not failing:
-        raise ValueError(
-            "shared_property: failing is empty; pass the paths (and shapes) of the failing leaves"
-        )
-    suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
-    names = ", ".join(sorted({suffix[p] for p in failing}))
-    shapes = [failing[p] for p in failing]
-    if all(shape is not None for shape in shapes):
-        ndims = {len(shape) for shape in shapes}
-        other = {len(s) for s in matching.values() if s is not None}
-        if len(ndims) == 1 and not other & ndims:
-            (d,) = ndims
-            head = f"every failing leaf is {d}-D ({names})"
-            if not matching:
-                return head
-            if all(s is not None for s in matching.values()):
-                return f"{head}; every leaf of {_ndim_class(ndims, other)} matches"
-    mine = {suffix[p] for p in failing}
-    theirs = {suffix[p] for p in matching}
-    if matching and not mine & theirs:
-        which = " or ".join(sorted(mine))
-        rest = ", ".join(sorted(theirs))
-        return f"every failing leaf is a {which}; every {rest} matches"
-    prefix = _common_prefix(list(failing))
-    if prefix and matching and not any(p == prefix or p.startswith(prefix + ".") for p in matching):
-        return f"every failing leaf is under {prefix}; every other leaf matches"
-    if len(failing) == 1 and matching:
-        return f"only {next(iter(failing))} differs; every other leaf matches"
-    listed = ", ".join(sorted(failing)[:6]) + (", ..." if len(failing) > 6 else "")
-    return f"the failing leaves ({listed}) share no ndim, name or module that the matching ones lack"
-
-
-def _common_prefix(paths: list[str]) -> str:
-    """The longest dotted module prefix of every path (not a whole path), ``""`` where none."""
-    parts = [p.split(".")[:-1] for p in paths]
-    common = []
-    for names in zip(*parts, strict=False):
-        if len(set(names)) != 1:
-            break
-        common.append(names[0])
-    return ".".join(common)
 
 
 def _within_tolerance_of_zero(e: LeafError) -> bool:

@@ -1,0 +1,324 @@
+"""The functional form of a failing step's difference: what the candidate's change is, as a function of the
+reference's.
+
+:func:`fit_form` reads the arrays (float64, on the host) of the failing leaves of one stage at the first failing
+step: the reference's value before and after the step and the candidate's after it (for gradients, ``before`` is
+0). With ``dr = ref_after - before`` and ``dc = cand_after - before`` it tries, in order:
+
+- ``zero``: the candidate did not move the leaves (``max |dc| <= ZERO_RTOL max |dr|``);
+- ``sign_flip``: ``dc = -dr`` (within :data:`FIT_RTOL`);
+- ``factor``: ``dc = f dr`` with ``f`` constant across every leaf (its elementwise ratio's 10th-90th percentile
+  within :data:`FIT_RTOL` of its median, never one median alone) and one ``f`` over all the leaves (a factor
+  that is an integer k >= 2 is also what k optimizer steps instead of one produce; below 1 on every leaf of an
+  optimizer stage whose optimizer state shows it too, a clip coefficient, a common norm ratio), or ``per_group`` when the constant factors differ
+  by group;
+- ``decay``: ``dc - dr = a param`` (one coefficient ``a`` over the leaves, residual within :data:`FIT_RTOL`): a
+  decoupled weight decay applied or skipped, of coefficient ``a / lr`` where the learning rate is known;
+- ``none``: no simple form (the worst leaf's ratio spread said).
+
+:func:`form_from_leaves` says what the per-leaf records alone allow (a replay, which holds no arrays): a constant
+factor where every failing leaf's ratio is one factor and they agree, else no simple form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, constant_ratio
+
+# an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
+# within this fraction of its size
+FIT_RTOL = 0.02
+# a leaf "did not move" when its change is below this fraction of the reference's
+ZERO_RTOL = 1e-3
+# elements whose reference change is below this fraction of the leaf's largest carry no ratio
+FLOOR = 0.01
+FORMS = ("zero", "sign_flip", "factor", "per_group", "clip", "extra_step", "decay", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """The fitted form of a difference.
+
+    Attributes:
+        kind: one of :data:`FORMS`.
+        sentence: the form in words, with its numbers.
+        factor: the common factor (``factor``, ``clip``, ``extra_step``, ``sign_flip``: -1, ``zero``: 0), else
+            ``None``.
+        spread: ``(lo, hi)``: the widest 10th-90th percentile of the per-leaf ratios (``factor``), else ``None``.
+        coefficient: the decay coefficient (``decay``: ``a / lr``, or ``a`` where ``lr`` is unknown), else
+            ``None``.
+        groups: ``per_group``: ``((factor, (paths...)), ...)``, else ``()``.
+        leaves: how many leaves the fit read.
+    """
+
+    kind: str
+    sentence: str
+    factor: float | None = None
+    spread: tuple[float, float] | None = None
+    coefficient: float | None = None
+    groups: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    leaves: int = 0
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of the fields."""
+        out = dataclasses.asdict(self)
+        out["groups"] = [[f, list(p)] for f, p in self.groups]
+        return out
+
+
+def _ratio_stats(dr: np.ndarray, dc: np.ndarray) -> tuple[float, float, float] | None:
+    """``(median, p10, p90)`` of ``dc / dr`` over the elements whose ``|dr|`` is at least :data:`FLOOR` of the
+    largest; ``None`` where ``dr`` is all zero."""
+    top = float(np.max(np.abs(dr), initial=0.0))
+    if top == 0 or not math.isfinite(top):
+        return None
+    keep = np.abs(dr) >= FLOOR * top
+    r = dc[keep] / dr[keep]
+    return float(np.median(r)), float(np.percentile(r, 10)), float(np.percentile(r, 90))
+
+
+def _check(fn: str, arrays: Mapping, name: str, paths) -> None:
+    missing = [p for p in paths if p not in arrays]
+    if missing:
+        raise ValueError(
+            f"{fn}: {name} lacks the leaves {missing[:4]}; pass one array per failing leaf, keyed by its path"
+        )
+
+
+def fit_form(
+    before: Mapping[str, np.ndarray],
+    ref_after: Mapping[str, np.ndarray],
+    cand_after: Mapping[str, np.ndarray],
+    *,
+    lr: float | None = None,
+    optimizer_stage: bool = False,
+    update: bool = True,
+) -> Form:
+    """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
+
+    Args:
+        before: ``{path: array}``, each leaf before the step (any float dtype, any shape; read as float64); for
+            gradients, zeros (or empty: a missing leaf is taken as 0).
+        ref_after: the reference's leaves after the step, same paths and shapes as ``cand_after``.
+        cand_after: the candidate's leaves after the step (the failing leaves of one stage).
+        lr: the learning rate of the step, where known: the decay coefficient is then ``a / lr``.
+        optimizer_stage: the leaves are an optimizer's output from equal gradients: a common factor below 1 that
+            optimizer-state leaves (paths ``"opt_state <path>"``) show too is then named as a clip coefficient.
+        update: the leaves are a step's update (parameters, optimizer state), not values (gradients): an integer
+            factor k >= 2 is then named as k optimizer steps instead of one.
+
+    Returns:
+        The :class:`Form`.
+
+    Raises:
+        ValueError: ``cand_after`` empty, or ``ref_after`` lacking one of its leaves.
+    """
+    fn = "fit_form"
+    if not cand_after:
+        raise ValueError(f"{fn}: cand_after is empty; pass the failing leaves' arrays, {{path: array}}")
+    _check(fn, ref_after, "ref_after", cand_after)
+    paths = sorted(cand_after)
+    f64 = {}
+    for p in paths:
+        c = np.asarray(cand_after[p], np.float64)
+        b = np.asarray(before[p], np.float64) if p in before else np.zeros_like(c)
+        f64[p] = (b, np.asarray(ref_after[p], np.float64) - b, c - b)
+    return _zero_or_flip(f64) or _factor(f64, optimizer_stage, update) or _decay(f64, lr) or _no_form(f64)
+
+
+def _zero_or_flip(f64: dict) -> Form | None:
+    n = len(f64)
+    top_r = max(float(np.max(np.abs(dr), initial=0.0)) for _, dr, _ in f64.values())
+    if top_r == 0:
+        return None
+    top_c = max(float(np.max(np.abs(dc), initial=0.0)) for _, _, dc in f64.values())
+    if top_c <= ZERO_RTOL * top_r:
+        return Form(
+            "zero",
+            f"a zero update: the candidate left these {n} leaves as they were (change at most {top_c:.3g}; the "
+            f"reference moved them by up to {top_r:.3g}): an update that was skipped or not applied",
+            factor=0.0,
+            leaves=n,
+        )
+    flip = max(float(np.max(np.abs(dc + dr), initial=0.0)) for _, dr, dc in f64.values())
+    if flip <= FIT_RTOL * top_r:
+        return Form(
+            "sign_flip",
+            f"a sign flip: the candidate's change is minus the reference's on all {n} leaves (|dc + dr| at most "
+            f"{flip / top_r:.2g} of the largest change): a gradient ascended, or an update subtracted twice",
+            factor=-1.0,
+            leaves=n,
+        )
+    return None
+
+
+def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
+    stats = {p: _ratio_stats(dr, dc) for p, (_, dr, dc) in f64.items()}
+    if any(s is None for s in stats.values()):
+        return None
+    if not all(hi - lo <= FIT_RTOL * max(abs(m), 1e-30) for m, lo, hi in stats.values()):
+        return None  # some leaf's ratio is not one factor across it
+    factors = {p: m for p, (m, _, _) in stats.items()}
+    lo = min(s[1] for s in stats.values())
+    hi = max(s[2] for s in stats.values())
+    mid = float(np.median(list(factors.values())))
+    n = len(f64)
+    if all(abs(f - mid) <= RATIO_RTOL * abs(mid) for f in factors.values()):
+        state = any(p.startswith("opt_state ") for p in f64)
+        return _one_factor(mid, (lo, hi), n, optimizer_stage, state, update)
+    return _per_group(factors, stats, n)
+
+
+def _one_factor(
+    f: float, spread: tuple[float, float], n: int, optimizer_stage: bool, state: bool, update: bool
+) -> Form:
+    lo, hi = spread
+    head = (
+        f"a constant factor {f:.4g} on all {n} failing leaves (each leaf's elementwise ratio within "
+        f"{lo:.4g}..{hi:.4g}, 10th-90th percentile)"
+    )
+    k = round(f)
+    if update and k >= 2 and abs(f - k) <= RATIO_RTOL * k:
+        return Form(
+            "extra_step",
+            f"{head}: the update is {k} x the reference's, as {k} optimizer steps instead of one produce (an extra "
+            "step, or the update applied twice)",
+            f,
+            spread,
+            leaves=n,
+        )
+    if optimizer_stage and 0 < f < 1 and state:
+        return Form(
+            "clip",
+            f"{head}: a clip coefficient {f:.4g}, one norm ratio on every leaf (the gradient scaled by a norm "
+            "other than the global one)",
+            f,
+            spread,
+            leaves=n,
+        )
+    what = (
+        "one scale of the whole update (a learning rate or its schedule, a loss scale)"
+        if update
+        else "these values scaled by one factor (a scale applied to these leaves only)"
+    )
+    return Form(
+        "factor",
+        f"{head}: {what}",
+        f,
+        spread,
+        leaves=n,
+    )
+
+
+def _per_group(factors: dict[str, float], stats: dict, n: int) -> Form:
+    groups: list[tuple[float, list[str]]] = []
+    for p, f in sorted(factors.items(), key=lambda kv: kv[1]):
+        if groups and abs(f - groups[-1][0]) <= RATIO_RTOL * abs(groups[-1][0]):
+            groups[-1][1].append(p)
+        else:
+            groups.append((f, [p]))
+    parts = "; ".join(
+        f"x{f:.4g} on {', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''} ({len(ps)} leaves)"
+        for f, ps in groups
+    )
+    lo = min(s[1] for s in stats.values())
+    hi = max(s[2] for s in stats.values())
+    return Form(
+        "per_group",
+        f"a constant factor per group, each constant across its leaves (ratios within {lo:.4g}..{hi:.4g}, "
+        f"10th-90th percentile per leaf): {parts}",
+        spread=(lo, hi),
+        groups=tuple((f, tuple(ps)) for f, ps in groups),
+        leaves=n,
+    )
+
+
+def _decay(f64: dict, lr: float | None) -> Form | None:
+    num = sum(float(np.sum((dc - dr) * b)) for b, dr, dc in f64.values())
+    den = sum(float(np.sum(b * b)) for b, _, _ in f64.values())
+    if den == 0:
+        return None
+    a = num / den
+    size = max(float(np.max(np.abs(dc - dr), initial=0.0)) for _, dr, dc in f64.values())
+    resid = max(float(np.max(np.abs(dc - dr - a * b), initial=0.0)) for b, dr, dc in f64.values())
+    if a == 0 or size == 0 or resid > FIT_RTOL * size:
+        return None
+    n = len(f64)
+    coef = a / lr if lr else a
+    term = f"{abs(coef):.4g} lr param" if lr else f"{abs(a):.4g} param"
+    which = (
+        "a decoupled weight decay the reference applies and the candidate skipped"
+        if a > 0
+        else "a decoupled weight decay the candidate applies and the reference does not"
+    )
+    return Form(
+        "decay",
+        f"an additive term {'+' if a > 0 else '-'}{term} on all {n} failing leaves (residual {resid / size:.2g} of "
+        f"the difference): {which} (coefficient {abs(coef):.4g}{'' if lr else ' x lr, the learning rate unknown'})",
+        coefficient=abs(coef),
+        leaves=n,
+    )
+
+
+def _no_form(f64: dict) -> Form:
+    worst, worst_stats = None, None
+    for p, (_, dr, dc) in f64.items():
+        s = _ratio_stats(dr, dc)
+        if s is not None and (worst_stats is None or s[2] - s[1] > worst_stats[2] - worst_stats[1]):
+            worst, worst_stats = p, s
+    tail = (
+        ""
+        if worst is None
+        else f"; {worst}'s elementwise ratio runs from {worst_stats[1]:.4g} to {worst_stats[2]:.4g} (10th-90th "
+        f"percentile), median {worst_stats[0]:.4g}"
+    )
+    return Form(
+        "none",
+        f"no simple form: no zero update, sign flip, constant factor or decay term fits the {len(f64)} leaves{tail}",
+        leaves=len(f64),
+    )
+
+
+def form_from_leaves(bad: list[LeafError]) -> Form:
+    """The form the records alone allow (no arrays: a replay, or a step the harness fitted nothing for): a constant
+    factor where every failing leaf's ratio is constant across it (``constant_ratio``) and they agree within
+    ``RATIO_RTOL``, a zero update where every ratio is 0, else no simple form.
+
+    Raises:
+        ValueError: ``bad`` is empty.
+    """
+    if not bad:
+        raise ValueError("form_from_leaves: bad is empty; pass the failing LeafErrors of one stage")
+    ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
+    n = len(bad)
+    if len(ratios) < n or not all(constant_ratio(e) for e in ratios):
+        blurred = next((e for e in ratios if not constant_ratio(e)), None)
+        tail = (
+            ""
+            if blurred is None
+            else (
+                f"; {blurred.name}'s elementwise ratio runs from {blurred.spread[0]:.4g} to {blurred.spread[1]:.4g} "
+                f"(10th-90th percentile), median {blurred.ratio:.4g}"
+            )
+        )
+        return Form("none", f"no simple form read from the records of the {n} failing leaves{tail}", leaves=n)
+    values = [e.ratio for e in ratios]
+    mid = float(np.median(values))
+    if all(v == 0 for v in values):
+        return Form(
+            "zero", f"a zero update: the candidate left these {n} leaves as they were", factor=0.0, leaves=n
+        )
+    if mid != 0 and all(abs(v - mid) <= RATIO_RTOL * abs(mid) for v in values):
+        spreads = [e.spread for e in ratios if e.spread is not None]
+        spread = (min(s[0] for s in spreads), max(s[1] for s in spreads)) if spreads else None
+        within = "" if spread is None else f" (each leaf's ratio within {spread[0]:.4g}..{spread[1]:.4g})"
+        return Form(
+            "factor", f"a constant factor {mid:.4g} on all {n} failing leaves{within}", mid, spread, leaves=n
+        )
+    listed = ", ".join(f"{e.path} x{e.ratio:.4g}" for e in ratios[:4])
+    return Form("none", f"no one factor: the failing leaves' ratios differ ({listed})", leaves=n)

@@ -1,0 +1,173 @@
+"""What the failing leaves of a stage share, and what the matching ones do.
+
+:func:`shared_property` names the property that separates the failing leaves from the matching ones: one ndim,
+one set of name suffixes, a module path prefix; with :class:`LeafFacts` (where the harness knows them) also the
+leaf's role (embedding, norm, bias, kernel), its dtype, the mesh axes of its placement, and whether it is tied
+(shared by several modules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+# a module whose name holds one of these is a normalization layer
+NORM_NAMES = ("norm", "ln")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafFacts:
+    """What the harness knows of a parameter leaf beside its path.
+
+    Attributes:
+        shape: the leaf's global shape.
+        dtype: its dtype's name, e.g. ``"float32"``.
+        axes: the mesh axes its placement splits it over (``()``: replicated on every device).
+        tied: the leaf is shared by several modules (one ``nnx.Param`` reached by two paths).
+    """
+
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    axes: tuple[str, ...] = ()
+    tied: bool = False
+
+
+def role(path: str) -> str:
+    """A leaf's role from its dotted path: ``"embedding"``, ``"norm scale"`` / ``"norm bias"`` (its module's name
+    holds ``norm`` or ``ln``), ``"bias"``, ``"kernel"``, or the last name."""
+    parts = path.split(".")
+    last = parts[-1]
+    module = parts[-2].lower() if len(parts) > 1 else ""
+    if last == "embedding" or "embed" in module:
+        return "embedding"
+    if any(n in module for n in NORM_NAMES) and last in ("scale", "bias"):
+        return f"norm {last}"
+    if last in ("kernel", "weight"):
+        return "kernel"
+    return last
+
+
+def param_path(path: str, params) -> str:
+    """The parameter path an optimizer-state path ends in (``"0.mu.a.kernel"`` -> ``"a.kernel"``), the path
+    itself where none of ``params`` is its tail."""
+    if path in params:
+        return path
+    tails = [p for p in params if path.endswith("." + p)]
+    return max(tails, key=len) if tails else path
+
+
+def _ndim_class(ndims: set[int], others: set[int]) -> str:
+    """``"ndim >= 2"``, ``"ndim <= 1"`` or ``"another ndim"`` for the ``others`` leaves beside ``ndims``."""
+    if min(others) > max(ndims):
+        return f"ndim >= {min(others)}"
+    if max(others) < min(ndims):
+        return f"ndim <= {max(others)}"
+    return "another ndim"
+
+
+def shared_property(
+    failing: dict[str, tuple[int, ...] | None],
+    matching: dict[str, tuple[int, ...] | None],
+    facts: Mapping[str, LeafFacts] | None = None,
+) -> str:
+    """The sentence naming what the failing leaves share and the matching ones lack.
+
+    Tries, in order: one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
+    one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
+    and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
+    leaf matches"``).
+    Between the last two, with ``facts``: one role (``"every failing leaf is a norm scale; every leaf that is a bias or a kernel
+    matches"``), one dtype, one placement (``"every failing leaf is split over ('model',)"``), tied or not.
+
+    Args:
+        failing: ``{dotted path: shape or None}`` of the leaves out of tolerance (at least one).
+        matching: the same for the leaves within tolerance, of the same kind.
+        facts: ``{parameter path: LeafFacts}``, where known (an optimizer-state path is read as the parameter
+            path it ends in).
+
+    Returns:
+        The sentence, without a final period; where no property separates the two sets, the failing leaf's
+        name (``"only a.kernel differs; every other leaf matches"``) or the failing leaves' names (``"the
+        failing leaves (a.kernel, b.bias) share no ndim, name or module that the matching ones lack"``).
+
+    Raises:
+        ValueError: ``failing`` is empty.
+    """
+    if not failing:
+        raise ValueError(
+            "shared_property: failing is empty; pass the paths (and shapes) of the failing leaves"
+        )
+    suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
+    names = ", ".join(sorted({suffix[p] for p in failing}))
+    shapes = [failing[p] for p in failing]
+    if all(shape is not None for shape in shapes):
+        ndims = {len(shape) for shape in shapes}
+        other = {len(s) for s in matching.values() if s is not None}
+        if len(ndims) == 1 and not other & ndims:
+            (d,) = ndims
+            head = f"every failing leaf is {d}-D ({names})"
+            if not matching:
+                return head
+            if all(s is not None for s in matching.values()):
+                return f"{head}; every leaf of {_ndim_class(ndims, other)} matches"
+    mine = {suffix[p] for p in failing}
+    theirs = {suffix[p] for p in matching}
+    if matching and not mine & theirs:
+        which = " or ".join(sorted(mine))
+        rest = ", ".join(sorted(theirs))
+        return f"every failing leaf is a {which}; every {rest} matches"
+    found = _facts_property(list(failing), list(matching), facts) if facts and matching else None
+    if found is not None:
+        return found
+    prefix = _common_prefix(list(failing))
+    if prefix and matching and not any(p == prefix or p.startswith(prefix + ".") for p in matching):
+        return f"every failing leaf is under {prefix}; every other leaf matches"
+    if not matching:
+        return f"all {len(failing)} leaves differ"
+    if matching and len(matching) <= 2 and len(failing) > 2 * len(matching):
+        return f"all {len(failing)} leaves but {' and '.join(sorted(matching))} differ"
+    if len(failing) == 1 and matching:
+        return f"only {next(iter(failing))} differs; every other leaf matches"
+    listed = ", ".join(sorted(failing)[:6]) + (", ..." if len(failing) > 6 else "")
+    return f"the failing leaves ({listed}) share no ndim, name or module that the matching ones lack"
+
+
+def _common_prefix(paths: list[str]) -> str:
+    """The longest dotted module prefix of every path (not a whole path), ``""`` where none."""
+    parts = [p.split(".")[:-1] for p in paths]
+    common = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts]) -> str | None:
+    """The first of role, dtype, placement axes and tying that all the failing leaves share and no matching leaf
+    has, as a sentence; ``None`` where none does."""
+
+    def fact(name: str, p: str):
+        f = facts.get(param_path(p, facts))
+        if name == "role":
+            return role(param_path(p, facts))
+        return None if f is None else getattr(f, name)
+
+    words = {
+        "role": lambda v: f"a {v}",
+        "dtype": lambda v: f"{v}",
+        "axes": lambda v: f"split over {tuple(v)}" if v else "replicated on every device",
+        "tied": lambda v: "tied (shared by several modules)" if v else "untied",
+    }
+    for name, say in words.items():
+        mine = {fact(name, p) for p in failing}
+        if len(mine) != 1 or None in mine:
+            continue
+        (v,) = mine
+        theirs = {fact(name, p) for p in matching}
+        if v in theirs:
+            continue
+        rest = sorted({say(t) for t in theirs if t is not None})
+        head = f"every failing leaf is {say(v)}"
+        return head if not rest else f"{head}; every leaf that is {' or '.join(rest)} matches"
+    return None

@@ -1,0 +1,172 @@
+"""The extra evidence of a failing step for its localization (:mod:`shardcheck.parity.diagnosis.localization`).
+
+:func:`optimizer_rerun`: the reference's optimizer (the task's optax transformation) rerun on the candidate's own
+gradients, parameters and optimizer state before the step, compared leaf by leaf with the candidate's state after
+it, at the step's tolerances: equal gradients giving a different update or state place the mistake in how the
+update was computed or applied. :func:`stage_forms`: the form of the difference of each stage's failing leaves
+(:func:`~shardcheck.parity.diagnosis.form.fit_form`, float64 on the host). :func:`leaf_facts`: what the grouping
+reads of each parameter (shape, dtype, the mesh axes of its placement). All run on a failing step only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.form import Form, fit_form
+from shardcheck.parity.diagnosis.grouping import LeafFacts
+from shardcheck.parity.diagnosis.localization import localize
+from shardcheck.parity.harness.state import _opt_state, _Run
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _rerun(tx, params, opt_state, grads):
+    """``(params, opt_state)`` after one step of ``tx`` on ``grads`` (compiled once per transformation)."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _rebuild(like, flat: dict):
+    """``like``'s structure holding ``flat``'s leaves by path, or ``None`` where a path is missing."""
+    paths = list(flatten_state(like))
+    if any(p not in flat for p in paths):
+        return None
+    return jax.tree.unflatten(jax.tree.structure(like), [flat[p] for p in paths])
+
+
+def optimizer_rerun(
+    run: _Run, t: int, snapshots, cand_grads, after, rtol, atol
+) -> tuple[LeafError, ...] | None:
+    """The reference's optimizer rerun from the candidate's own inputs, compared with the candidate's output.
+
+    Args:
+        run: the parity run, after the step.
+        t: the step.
+        snapshots: both sides' state before the step (``check._snapshots``: reference params, candidate params,
+            reference optimizer state, candidate optimizer state; flat ``{path: array}``).
+        cand_grads: the gradients the candidate returned, or ``None``.
+        after: both sides' state after the step (``state._After``).
+        rtol, atol: the step's tolerances (optimizer-state leaves: ``MOMENT_FACTOR`` times them).
+
+    Returns:
+        One ``param`` / ``opt_state`` :class:`LeafError` per float leaf (reference: the rerun; candidate: its
+        state after the step; the ratio of the changes from its own state before), or ``None`` where it cannot
+        run: no gradients returned, a user's reference step, or a state whose leaves are not the reference's.
+    """
+    if cand_grads is None or run.reference is not None:
+        return None
+    like_params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
+    like_state = nnx.as_pure(run.ref_opt.opt_state)
+    _, cand_params0, _, cand_state0 = snapshots
+    params = _rebuild(like_params, cand_params0)
+    state = _rebuild(like_state, cand_state0)
+    grads = _rebuild(like_params, flatten_state(nnx.as_pure(cand_grads)))
+    if params is None or state is None or grads is None:
+        return None
+    try:
+        new_params, new_state = _rerun(run.ref_opt.tx, params, state, grads)
+    except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params): not observed
+        return None
+    out = []
+    sides = (
+        ("param", new_params, after.cand_params, cand_params0, 1.0),
+        ("opt_state", new_state, after.cand_state, cand_state0, MOMENT_FACTOR),
+    )
+    for kind, rerun, cand, before, factor in sides:
+        for path, value in flatten_state(rerun).items():
+            if path not in cand or is_int(value):
+                continue
+            r_tol, a_tol = run.tol(kind, path, factor * rtol, factor * atol)
+            allowance = run.allowance.get(path) if kind == "param" else run.state_allowance.get(path)
+            allowance = None if allowance is None else to_host(allowance)
+            b = to_host(before[path])
+            out.append(
+                leaf_error(t, kind, path, to_host(value), to_host(cand[path]), r_tol, a_tol, b, b, allowance)
+            )
+    return tuple(out)
+
+
+def known_lr(opt_state) -> float | None:
+    """The learning rate an ``optax.inject_hyperparams`` state holds (``hyperparams["learning_rate"]``), else
+    ``None``."""
+    found = [
+        leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        if any(getattr(k, "key", None) in ("learning_rate", "lr") for k in path)
+    ]
+    if len(found) != 1:
+        return None
+    value = float(np.asarray(to_host(found[0])).reshape(-1)[0])
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def stage_forms(
+    run: _Run, record: StepRecord, snapshots, stepped, after, stage: str
+) -> tuple[tuple[str, Form], ...]:
+    """``((stage, Form),)``: the form of ``stage``'s failing leaves (``gradients``: the two sides' gradients;
+    ``optimizer`` / ``parameters``: the reference's state before and after the step and the candidate's after
+    it), or ``()`` where the stage has no arrays (the loss, the replicas, the counters)."""
+    ref_params0, _, ref_state0, _ = snapshots
+    _, ref_grads, _, cand_grads, _ = stepped
+    if stage == "gradients":
+        bad = [e.path for e in record.leaves if e.kind == "grad" and not e.ok]
+        ref, cand = flatten_state(nnx.as_pure(ref_grads)), flatten_state(nnx.as_pure(cand_grads))
+        before: dict = {}
+    elif stage in ("optimizer", "parameters"):
+        bad_params = [e.path for e in record.leaves if e.kind == "param" and not e.ok]
+        bad_state = [e.path for e in record.leaves if e.kind == "opt_state" and not e.ok]
+        bad = bad_params + [f"opt_state {p}" for p in bad_state]
+        ref = {**after.ref_params, **{f"opt_state {p}": after.ref_state[p] for p in bad_state}}
+        cand = {**after.cand_params, **{f"opt_state {p}": after.cand_state[p] for p in bad_state}}
+        before = {**ref_params0, **{f"opt_state {p}": ref_state0[p] for p in bad_state}}
+    else:
+        return ()
+    bad = [p for p in bad if p in ref and p in cand and not is_int(cand[p])]
+    if not bad:
+        return ()
+    lr = known_lr(nnx.as_pure(_opt_state(run.ref_opt)))
+    form = fit_form(
+        {p: to_host(before[p]) for p in bad if p in before},
+        {p: to_host(ref[p]) for p in bad},
+        {p: to_host(cand[p]) for p in bad},
+        lr=lr,
+        optimizer_stage=stage == "optimizer",
+        update=stage != "gradients",
+    )
+    return ((stage, form),)
+
+
+def leaf_facts(model: nnx.Module) -> dict[str, LeafFacts]:
+    """``{parameter path: LeafFacts}`` of a model: each leaf's shape, dtype and the mesh axes its placement splits
+    it over (read from its ``NamedSharding``; ``()`` where it is replicated or not on a mesh)."""
+    out = {}
+    for path, leaf in flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))).items():
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        axes: list[str] = []
+        for entry in spec or ():
+            if entry is None:
+                continue
+            axes += list(entry) if isinstance(entry, tuple) else [entry]
+        out[path] = LeafFacts(tuple(np.shape(leaf)), str(np.dtype(leaf.dtype)), tuple(axes))
+    return out
+
+
+def localization_evidence(run: _Run, record: StepRecord, snapshots, stepped, after, rtol, atol) -> StepRecord:
+    """A failing record with the localization's extra evidence: the optimizer rerun on the candidate's own
+    gradients (``optimizer_rerun``) and the form of the first differing stage's failing leaves (``forms``)."""
+    cand_grads = stepped[3]
+    rerun = optimizer_rerun(run, record.step, snapshots, cand_grads, after, rtol, atol)
+    record = dataclasses.replace(record, optimizer_rerun=rerun)
+    found = localize([record])
+    if found is None or found.stage is None:
+        return record
+    return dataclasses.replace(record, forms=stage_forms(run, record, snapshots, stepped, after, found.stage))
