@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from shardcheck.parity.diagnosis.evidence import KINDS, Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.localization import Localization
@@ -55,6 +56,10 @@ class ParityReport:
             when every step passed.
         devices: where each side ran, ``{"reference": "1 x gpu (NVIDIA H200)", "candidate": "8 x cpu"}``
             (:func:`shardcheck.devices.describe`); empty for a report not made by a check.
+        replay: against a recording (``check_parity(..., reference=Recording)``, ``verify --against``), the
+            digest comparison the records came from
+            (:class:`~shardcheck.parity.comparison.digest.RunComparison`: each leaf's deciding digest, the
+            hashes' agreement, what a recording cannot tell); ``None`` for a live check.
     """
 
     strategy: str
@@ -78,6 +83,7 @@ class ParityReport:
     precision_recheck: str | None = None
     devices: dict[str, str] = dataclasses.field(default_factory=dict)
     localization: Localization | None = None
+    replay: Any = None
 
     @property
     def step_ok(self) -> bool:
@@ -247,6 +253,8 @@ class ParityReport:
             lines.append(f"  evidence: {self.scale_evidence}")
         if self.tolerance_rule:
             lines.append(f"  tolerance: {self.tolerance_rule}")
+        if self.replay is not None:
+            lines += [f"  {note}" for note in self.replay.notes]
         source = f" ({self.matmul_precision_source})" if self.matmul_precision_source else ""
         lines.append(f"  matmul precision assumed: {self.matmul_precision}{source}")
         if self.precision_recheck is not None:

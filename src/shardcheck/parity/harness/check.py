@@ -67,10 +67,11 @@ from shardcheck.parity.diagnosis.scale_evidence import (
     unresolvable,
 )
 from shardcheck.parity.diagnosis.topology import mismatch_axes
-from shardcheck.parity.harness.candidates import unpack
+from shardcheck.parity.harness.candidates import run_step, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
 from shardcheck.parity.harness.optimizer_rerun import leaf_facts, localization_evidence
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
+from shardcheck.parity.harness.replay import against_recording, is_recording
 from shardcheck.parity.harness.setup import _setup, check_options
 from shardcheck.parity.harness.state import StepFn, _After, _kept_state, _PreStep, _Run
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
@@ -89,7 +90,6 @@ from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE, loss_compu
 from shardcheck.steps import Candidate
 from shardcheck.steps.reference import reference_step
 from shardcheck.task import Task
-from shardcheck.task import batch_size as leading_size
 from shardcheck.task import check_model as check_model
 
 FIRST_PASS = True
@@ -132,25 +132,8 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
 
 
 def _step_candidate(run: _Run, t: int, batch):
-    try:
-        out = run.cand.step(run.cand_model, run.cand_opt, batch, **run.kwargs)
-    except Exception as err:
-        s, rows = run.cand.num_shards, leading_size(batch)
-        hint = (
-            f"the batch's {rows} rows do not split over the {s} devices of the mesh: a likely cause; give a "
-            "batch size divisible by the device count, or fewer devices"
-            if s and s > 1 and rows % s
-            else ""
-        )
-        # the likely cause first: a JAX error's own text can run to several lines
-        cause = f" ({hint})" if hint else ""
-        raise CandidateError(
-            f"check_parity: the candidate step {run.cand.name!r} raised {type(err).__name__} at step {t}{cause}: "
-            f"{err}",
-            t,
-            hint,
-        ) from err
-    return unpack(out, f"candidate {run.cand.name!r}", t)
+    """The candidate's step ``t`` in place: ``(loss, grads)`` (:func:`run_step`, which a recorded run shares)."""
+    return run_step("check_parity", run.cand, run.cand_model, run.cand_opt, batch, run.kwargs, t)
 
 
 def _compare_params(
@@ -546,7 +529,11 @@ def check_parity(
             device: :func:`~shardcheck.steps.sharded_init.sharded_training_state`) and compared on the devices;
             tolerances, sensitivity and diagnoses as against the single-device step; the report names it
             (``ParityReport.reference``). A step function (same signature as a candidate): gradients are compared
-            only when it returns ``.grads``, and no update sensitivity is derived.
+            only when it returns ``.grads``, and no update sensitivity is derived. A recording (a
+            :class:`~shardcheck.Recording`, or the path of its ``.npz``): the candidate is replayed on the
+            recorded task, mesh and batches and its digests compared with the recorded ones, its records diagnosed
+            by the same rules (:mod:`shardcheck.parity.harness.replay`; ``compute_dtype``, ``param_dtype``,
+            ``leaf_tolerance`` and ``initial_state`` do not apply).
         rtol: fixed relative tolerance for every step (default: derived from the parameters' dtype, the
             reduction length and the step).
         atol: fixed absolute tolerance for every step (default: derived).
@@ -585,14 +572,15 @@ def check_parity(
             gradients whose leaves are not the model's parameters' (naming the missing and extra leaf paths).
     """
     call = dict(locals())  # the arguments, for a re-check at "highest" (recheck.py)
-    fn = "check_parity"
+    if is_recording(reference):  # a recording is a kind of reference, replayed and diagnosed alike
+        return against_recording(call)
     num_shards = check_options(
-        fn, rtol=rtol, atol=atol, accept_weak=accept_weak, mesh=mesh, num_shards=num_shards
+        "check_parity", rtol=rtol, atol=atol, accept_weak=accept_weak, mesh=mesh, num_shards=num_shards
     )
     # on one mesh, what the devices hold is measured from before the state is created (footprint.py)
     footprint = Footprint.start() if isinstance(reference, str) and reference != REFERENCE else None
     run, data = _setup(
-        fn,
+        "check_parity",
         candidate,
         task,
         steps=steps,
