@@ -9,6 +9,13 @@ Writes ``benchmarks/memory_aot.json`` (``--out`` to change) and prints a table o
 the goals. Usage::
 
     python benchmarks/memory_aot.py [--size 1b] [--mesh fsdp=64] [--batch-size 64] [--out PATH]
+
+With ``--device-memory h100`` the run also finds the largest batch that fits (the search compiles several batch
+sizes); it is recorded as a row of the JSON's ``largest_batch_searches`` (one per command, compiler and ``--label``, e.g.
+``before`` / ``after`` a change), the rest of the file kept. With the jax CUDA plugin on ``PYTHONPATH`` the
+compiles are XLA:GPU's for that GPU (deviceless), else XLA:CPU's::
+
+    PYTHONPATH=<gpu-aot> python benchmarks/memory_aot.py --mesh fsdp=8 --device-memory h100 --label after
 """
 
 from __future__ import annotations
@@ -31,12 +38,18 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="fsdp=64")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--out", default=str(Path(__file__).with_name("memory_aot.json")))
+    p.add_argument(
+        "--device-memory", default=None, help="find the largest batch that fits this device (h100)"
+    )
+    p.add_argument("--label", default="", help="names the largest-batch row (before / after a change)")
     args = p.parse_args(argv)
 
     cmd = [sys.executable, "-m", "shardcheck", "memory", "--task", "tiny-lm", "--size", args.size]
     cmd += ["--mesh", args.mesh, "--json", "-"]
     if args.batch_size is not None:
         cmd += ["--batch-size", str(args.batch_size)]
+    if args.device_memory is not None:
+        cmd += ["--device-memory", args.device_memory]
     env = dict(os.environ, SHARDCHECK_COMPILATION_CACHE="off")  # a cold compile, as a first run would be
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -44,7 +57,8 @@ def main(argv=None) -> int:
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
         return done.returncode
-    rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss_bytes = usage.ru_maxrss * 1024  # KiB on Linux
     report = json.loads(done.stdout)
     strategy, entry = next(iter(report["strategies"].items()))
     aot = entry["ahead_of_time"]
@@ -69,6 +83,9 @@ def main(argv=None) -> int:
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
+    cpu_seconds = usage.ru_utime + usage.ru_stime  # the child's CPU time: less sensitive to a loaded machine
+    if args.device_memory is not None:
+        return _record_search(args, dict(result, cpu_seconds_s=cpu_seconds), report, entry, seconds)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     rows = [
         ("parameters", f"{params:,}", ""),
@@ -87,6 +104,37 @@ def main(argv=None) -> int:
     for name, value, ratio in rows:
         print(f"{name:<20} {value:>16}  {ratio}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def _record_search(args, result, report, entry, seconds) -> int:
+    """Add the largest-batch search's row to ``--out`` (replacing one of the same command, compiler and label)."""
+    fit = entry["device_memory"]
+    row = {
+        "label": args.label,
+        "command": result["command"],
+        "compiler": report.get("compiler", {}).get("name", ""),
+        "seconds_to_answer_s": round(seconds, 2),
+        "cpu_seconds_s": round(result["cpu_seconds_s"], 2),
+        "goal_s": GOAL_S,
+        "largest_batch_size": fit["largest_batch_size"],
+        "sizes_compiled": len(fit["peak_bytes_by_batch_size"]),
+        "peak_bytes_by_batch_size": fit["peak_bytes_by_batch_size"],
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": result["load_average_1min"],
+    }
+    out = Path(args.out)
+    document = json.loads(out.read_text()) if out.exists() else {}
+    key = ("command", "compiler", "label")
+    rows = [
+        r for r in document.get("largest_batch_searches", []) if [r[k] for k in key] != [row[k] for k in key]
+    ]
+    document["largest_batch_searches"] = [*rows, row]
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print(
+        f"{row['label'] or 'search'}: largest batch {row['largest_batch_size']} ({row['compiler']}, "
+        f"{row['sizes_compiled']} sizes) in {seconds:.1f} s, load {row['load_average_1min']}; wrote {out}"
+    )
     return 0
 
 

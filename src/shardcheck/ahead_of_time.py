@@ -297,8 +297,10 @@ def largest_batch_that_fits(
     state is fixed; activations and the batch grow by the row), so the line through the two largest fitting
     peaks predicts the largest fitting multiple of ``n``; it is compiled with the next multiple above it. Once a
     size fails, the line through the largest fitting and the smallest failing peak predicts again (regula falsi
-    over multiples of ``n``), until the two are ``n`` apart; the two sizes of each round compile at once (XLA
-    compiles outside the GIL), at most ``max_compiles`` compiles in all (``known`` peaks are not compiled again).
+    over multiples of ``n``), until the two are ``n`` apart; the two sizes of each round compile at once
+    (:func:`compile_batch_sizes`: XLA compiles outside the GIL, the abstract state is traced once), the size above
+    left out when it could only confirm a failure, at most ``max_compiles`` compiles in all (``known`` peaks are
+    not compiled again: the CLI compiles :func:`first_probe_sizes` beside the report's own size and passes them).
     The answer is exact within the sizes tried: every size up to it that was compiled fits, and the next
     multiple of ``n`` above it was compiled and does not fit, unless the compile budget ran out first (then it
     is a lower bound). The 1b tiny-lm for an H100 target (deviceless) takes 5 compiles in three rounds beside
