@@ -11,6 +11,10 @@ just above a block's fence steer it:
   the page's heading ``ANCHOR`` (GitHub's anchor of the heading) instead.
 * ``<!-- file: PATH -->``: the block is a file the page's commands use (``my_check.py``, a test file); it is
   written to ``PATH`` in the working folder of every block of the page and run by those commands.
+* ``<!-- tested as: FROM => TO; REASON -->``: a bash block whose commands run with the text ``FROM`` replaced by
+  ``TO`` (a smaller size of the same command: the same flags and code path, minutes less of compiling); the
+  test names the substitution and its reason, ``FROM`` must occur in the block, and no output listing may show
+  what such a command prints (its numbers would be the page's command's, not the smaller one's).
 * ``<!-- output of: COMMAND -->`` above an output listing (or a listing whose first line is ``$ COMMAND``): the
   listing is what ``COMMAND`` prints. Every number the listing shows must appear in the command's output, except
   on lines that report a time or a process id, which differ from run to run. A listing marked ``not run`` (the
@@ -29,7 +33,9 @@ the same text, is not run twice: the test names the block that runs it.
 Every block runs in a fresh temporary folder holding a copy of ``examples/`` (commands write ``run.npz``,
 ``loss.png``, ... there, never into the repository), with the command line's compilation cache in the test
 session's cache folder (``SHARDCHECK_COMPILATION_CACHE``, shared with the other tests; off when the session's is
-off) and a timeout.
+off), JAX's own persistent cache in that folder for python blocks and pytest runs (``JAX_COMPILATION_CACHE_DIR``:
+a chained block runs the blocks it continues again, and loads their programs instead of compiling them), and a
+timeout.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_OPENING_LINE = 4  # the first code line of the README's first block, right under its title
 TIMEOUT_S = 600  # each command or script of a block
 FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"^<!--\s*(not run|continues|file|output of)\s*(?::\s*(.*?))?\s*-->$")
+MARKER = re.compile(r"^<!--\s*(not run|continues|file|output of|tested as)\s*(?::\s*(.*?))?\s*-->$")
+TESTED_AS = re.compile(r"^(.+?)\s+=>\s+(.+?);\s*(\S.*)$")
 
 
 OPENING = (
@@ -76,6 +83,17 @@ class Block:
         if kind == "not run" and self.opens_the_readme:
             return OPENING
         return next((arg for k, arg in self.markers if k == kind), None)
+
+    def tested_as(self) -> tuple[str, str, str] | None:
+        """``(FROM, TO, REASON)`` of the block's ``<!-- tested as: FROM => TO; REASON -->``, or None."""
+        text = self.marker("tested as")
+        if text is None:
+            return None
+        match = TESTED_AS.match(text)
+        assert match, (
+            f"{self.where}: <!-- tested as: {text} --> is not <!-- tested as: FROM => TO; REASON -->"
+        )
+        return match.group(1), match.group(2), match.group(3)
 
     @property
     def opens_the_readme(self) -> bool:
@@ -242,6 +260,10 @@ def environment(tmp_path: Path) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     session = os.environ.get("SHARDCHECK_TEST_XLA_CACHE", "off")
     env["SHARDCHECK_COMPILATION_CACHE"] = session  # a folder, or "off"
+    if session != "off":  # python blocks and pytest runs too: what a block compiled loads in the next one
+        env["JAX_COMPILATION_CACHE_DIR"] = session
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     env["COLUMNS"] = "200"  # rich's tables as a terminal shows them (a pipe's width is 80)
     env["MPLBACKEND"] = "Agg"
     env.pop("PYTHONPATH", None)
@@ -354,19 +376,37 @@ def run_python(block: Block, tmp_path: Path) -> None:
         assert re.search(r"\b\d+ passed\b", done.stdout) and "failed" not in done.stdout, done.stdout
 
 
+def as_tested(block: Block, command: str) -> str:
+    """``command`` as the block's ``<!-- tested as: FROM => TO; REASON -->`` runs it (itself without one)."""
+    substitution = block.tested_as()
+    if substitution is None or substitution[0] not in command:
+        return command
+    assert normalized(command) not in LISTINGS, (
+        f"{block.where}: a listing shows what `{command}` prints, but the block runs it as <!-- tested as -->"
+    )
+    text = command.replace(substitution[0], substitution[1])
+    print(f"{block.where}: `{command}` runs as `{text}`: {substitution[2]}")
+    return text
+
+
 def run_bash(block: Block, tmp_path: Path) -> list[str]:
     """Runs the block's commands in order; returns those left to the block that runs them first."""
     cwd, env = workdir(tmp_path, block), environment(tmp_path)
     elsewhere = []
+    if substitution := block.tested_as():
+        assert any(substitution[0] in c.text for c in commands(block)), (
+            f"{block.where}: <!-- tested as --> replaces {substitution[0]!r}, which no command of the block has"
+        )
     for command in commands(block):
         runner = FIRST_RUNS[normalized(command.text)]
         if runner != block.where:
             elsewhere.append(f"`{command.text}` runs in {runner}")
             continue
-        done = run(["bash", "-c", command.text], cwd, env, f"{block.where}: {command.text}")
+        text = as_tested(block, command.text)
+        done = run(["bash", "-c", text], cwd, env, f"{block.where}: {text}")
         output = done.stdout + done.stderr
         assert done.returncode == command.exit_status, (
-            f"{block.where}: `{command.text}` exited {done.returncode}, the page says {command.exit_status}:\n{output}"
+            f"{block.where}: `{text}` exited {done.returncode}, the page says {command.exit_status}:\n{output}"
         )
         if command.summary:
             assert pytest_counts(command.summary) == pytest_counts(done.stdout.strip().splitlines()[-1]), (
@@ -449,6 +489,16 @@ def test_comments_give_exit_statuses_summaries_and_values():
     assert literal_comment("the baseline step") is None
     assert anchor(" Check your own step") == "#check-your-own-step"
     assert anchor(" Memory per device, before it runs") == "#memory-per-device-before-it-runs"
+
+
+def test_a_tested_as_marker_gives_the_substitution_and_its_reason():
+    marker = ("tested as", "--size 1b => --size tiny; the same flags at the default size")
+    block = Block("x.md", 3, "bash", "a --size 1b --mesh fsdp=64\n", "#", (marker,))
+    assert block.tested_as() == ("--size 1b", "--size tiny", "the same flags at the default size")
+    assert Block("x.md", 3, "bash", "a\n", "#", ()).tested_as() is None
+    bad = Block("x.md", 3, "bash", "a --size 1b\n", "#", (("tested as", "--size 1b --size tiny"),))
+    with pytest.raises(AssertionError, match=r"x\.md:3: <!-- tested as: --size 1b --size tiny --> is not"):
+        bad.tested_as()
 
 
 def test_a_value_the_code_does_not_give_fails_its_block():
