@@ -76,6 +76,20 @@ def test_a_fault_is_named_the_same_way_live_and_replayed(fault, recording, tmp_p
     # the same records: the failing leaves, by name, at the first step
     bad = [sorted(e.name for e in r.steps[0].leaves if not e.ok) for r in (live, replayed)]
     assert bad[0] == bad[1]
+    # the same localization where a digest holds the stage's evidence: a replay cannot rerun the optimizer on
+    # the candidate's own gradients, so an update applied differently from equal gradients and moments is the
+    # parameters' stage replayed (the stage its digests show), the optimizer's live (the rerun shows it)
+    if fault == "none":
+        assert live.localization is None and replayed.localization is None
+    else:
+        stages = {"summed": ("gradients",) * 2, "lr2": ("optimizer", "parameters")}
+        stages["decay_1d"] = stages["lr2"]
+        where = tuple(r.localization.stage for r in (live, replayed))
+        assert where == stages[fault], (live.localization.text(), replayed.localization.text())
+        assert live.localization.step == replayed.localization.step == 0
+        if fault == "decay_1d":  # the same group both ways
+            group = "every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"
+            assert group in live.localization.group and group in replayed.localization.group
 
 
 @require_devices(2)
@@ -89,6 +103,9 @@ def test_a_summed_gradient_is_named_summed_x_s_both_ways(recording):
         grads = [e for e in report.steps[0].leaves if e.kind == "grad"]
         assert all(e.ratio == pytest.approx(2.0, rel=1e-4) for e in grads)
         assert all(e.spread == pytest.approx((2.0, 2.0), rel=1e-4) for e in grads)
+        where = report.localization
+        assert (where.stage, where.form.kind) == ("gradients", "factor"), where.text()
+        assert where.form.factor == pytest.approx(2.0, rel=1e-4)
 
 
 @require_devices(2)

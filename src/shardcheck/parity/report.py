@@ -161,7 +161,7 @@ class ParityReport:
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
-        ``precision_recheck``, ``devices``, ``localization``.
+        ``precision_recheck``, ``devices``, ``localization``, ``replay`` (a replay's digest comparison).
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
@@ -177,6 +177,7 @@ class ParityReport:
             "precision_recheck": self.precision_recheck,
             "devices": dict(self.devices),
             "localization": None if self.localization is None else self.localization.to_dict(),
+            "replay": None if self.replay is None else self.replay.to_dict(),
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,

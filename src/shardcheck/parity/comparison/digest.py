@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -47,6 +48,8 @@ import numpy as np
 
 from shardcheck.parity.comparison.leaf_digest import SAMPLES
 from shardcheck.parity.comparison.live import spread_ranks
+from shardcheck.parity.diagnosis.grouping import LeafFacts
+from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
 from shardcheck.parity.harness.setup import _check_tolerances
@@ -125,6 +128,8 @@ class RunComparison:
         records: one :class:`~shardcheck.parity.diagnosis.rules.StepRecord` per compared step (the initial
             state's, step -1, only where it differs), of :class:`~shardcheck.parity.diagnosis.rules.LeafError`
             as the live check's: the recording is the reference, the replay the candidate.
+        facts: ``(parameter path, LeafFacts)`` of each recorded parameter: its shape, dtype and the mesh axes of
+            its recorded placement (the localization's grouping reads them).
         diagnoses: :func:`~shardcheck.parity.diagnosis.rules.diagnose` of ``records`` (the live check's
             rules), with ``initial_state``, ``structure`` (a leaf missing, of another shape, dtype or pinned
             sharding) and ``settings_differ`` where they apply.
@@ -148,6 +153,7 @@ class RunComparison:
     num_shards: int | None = None
     records: tuple[StepRecord, ...] = ()
     diagnoses: tuple[Diagnosis, ...] = ()
+    facts: tuple[tuple[str, LeafFacts], ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -172,8 +178,16 @@ class RunComparison:
             reference=f"the recording of {self.recorded_run}",
             matmul_precision=self.matmul_precision,
             matmul_precision_source="the looser of the recording's and the replay's",
+            localization=self.localization(),
             replay=self,
         )
+
+    def localization(self):
+        """The :func:`~shardcheck.parity.diagnosis.localization.localize` of the step records, as a live check's
+        (the replicas not observed: a digest holds no device's own copy), with each parameter's recorded shape,
+        dtype and placement axes; ``None`` when every step passed."""
+        steps = [r for r in self.records if r.step >= 0]
+        return localize(steps, facts=dict(self.facts), replicas_observed=False)
 
     @property
     def failures(self) -> tuple[DigestError, ...]:
@@ -628,6 +642,7 @@ def compare_run(
         num_shards=recording.meta.get("num_shards"),
         records=records,
         diagnoses=findings,
+        facts=_facts(recording),
     )
 
 
@@ -790,6 +805,19 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     return LeafError(e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape)
 
 
+def _facts(recording: Recording) -> tuple[tuple[str, LeafFacts], ...]:
+    """Each recorded parameter's :class:`~shardcheck.parity.diagnosis.grouping.LeafFacts`: shape, dtype and the
+    mesh axes named in its initial ``PartitionSpec`` text (``"P(None, 'fsdp')"`` -> ``("fsdp",)``)."""
+    out = []
+    for col, name in enumerate(recording.names):
+        if name.startswith("param "):
+            spec = str(recording.initial.sharding[0, col])
+            axes = tuple(re.findall(r"'([^']+)'", spec))
+            leaf = LeafFacts(tuple(recording.shapes[col]), recording.dtypes[col], axes)
+            out.append((name.removeprefix("param "), leaf))
+    return tuple(out)
+
+
 def _scalar(leaf: _Leaf, default):
     """A scalar leaf's value (its first sample), or ``default`` where the run has none."""
     return float(leaf.samples[0]) if leaf.present and math.isfinite(float(leaf.samples[0])) else default
@@ -844,12 +872,14 @@ def _diagnoses(
     was, now = recording.meta, replayed.meta
     s = was.get("num_shards")
     structural = [e for e in leaves if not e.ok and e.evidence in STRUCTURAL]
+    values = _value_records(records, {(e.step, e.name) for e in structural})
     findings = diagnose(
-        _value_records(records, {(e.step, e.name) for e in structural}),
+        values,
         s,
         mesh_shape=was.get("mesh") or None,
         micro_batches=s if was.get("run") == "accumulation" else None,
     )
+    findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
     if first is None:
         return tuple(findings)
     at_t = [e for e in structural if e.step == first.step]
