@@ -76,20 +76,25 @@ def test_a_fault_is_named_the_same_way_live_and_replayed(fault, recording, tmp_p
     # the same records: the failing leaves, by name, at the first step
     bad = [sorted(e.name for e in r.steps[0].leaves if not e.ok) for r in (live, replayed)]
     assert bad[0] == bad[1]
-    # the same localization where a digest holds the stage's evidence: a replay cannot rerun the optimizer on
-    # the candidate's own gradients, so an update applied differently from equal gradients and moments is the
-    # parameters' stage replayed (the stage its digests show), the optimizer's live (the rerun shows it)
+    # the same localization: the first stage at which the steps part (an update applied differently from equal
+    # gradients: the optimizer's, where the replay reruns the task's optimizer on the candidate's own gradients
+    # as the live check does), and the decay's group
     if fault == "none":
         assert live.localization is None and replayed.localization is None
     else:
-        stages = {"summed": ("gradients",) * 2, "lr2": ("optimizer", "parameters")}
-        stages["decay_1d"] = stages["lr2"]
-        where = tuple(r.localization.stage for r in (live, replayed))
-        assert where == stages[fault], (live.localization.text(), replayed.localization.text())
-        assert live.localization.step == replayed.localization.step == 0
-        if fault == "decay_1d":  # the same group both ways
-            group = "every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"
-            assert group in live.localization.group and group in replayed.localization.group
+        stages = {"summed": "gradients", "lr2": "optimizer", "decay_1d": "optimizer"}
+        where = [(r.localization.step, r.localization.stage) for r in (live, replayed)]
+        assert where == [(0, stages[fault])] * 2, (live.localization.text(), replayed.localization.text())
+        assert (live.localization.group == replayed.localization.group) or fault != "decay_1d"
+        # the form: the same kind, except that a replay holds no arrays to fit an update of k optimizer steps to
+        # (its form is read from the leaves' ratios): the doubled rate is 'extra_step' live, a factor replayed,
+        # both with the factor 2
+        forms = [r.localization.form for r in (live, replayed)]
+        if fault == "lr2":
+            assert [f.kind for f in forms] == ["extra_step", "factor"], [f.sentence for f in forms]
+            assert [f.factor for f in forms] == [pytest.approx(2.0, rel=1e-3)] * 2
+        else:
+            assert forms[0].kind == forms[1].kind, [f.sentence for f in forms]
 
 
 @require_devices(2)

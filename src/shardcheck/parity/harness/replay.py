@@ -5,17 +5,23 @@ task, mesh and batches (:func:`~shardcheck.parity.harness.recorded.record_run`, 
 step), its digests are compared with the recorded ones step by step within the harness's derived tolerances
 (:func:`~shardcheck.parity.comparison.digest.compare_run`), and the comparison's records, the same
 :class:`~shardcheck.parity.diagnosis.rules.LeafError` and :class:`~shardcheck.parity.diagnosis.rules.StepRecord` a
-live check makes, are diagnosed by the live check's :func:`~shardcheck.parity.diagnosis.rules.diagnose`. The
-result is a :class:`~shardcheck.ParityReport` whose ``replay`` holds the digest comparison. ``shardcheck verify
---against FILE`` is the command-line form.
+live check makes, are localized and diagnosed by the live check's code
+(:func:`~shardcheck.parity.diagnosis.localization.localize`, :func:`~shardcheck.parity.diagnosis.rules.diagnose`),
+with the live check's optimizer rerun where the localization needs it (:func:`with_optimizer_rerun`). The result
+is a :class:`~shardcheck.ParityReport` whose ``replay`` holds the digest comparison. ``shardcheck verify --against
+FILE`` is the command-line form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
 from shardcheck.parity.report import ParityReport
@@ -135,7 +141,83 @@ def check_against_recording(
         settings=settings,
         matmul_precision=matmul_precision,
     )
-    return compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement).report()
+    report = compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement).report()
+    return with_optimizer_rerun(report, candidate, task, mesh=mesh, num_shards=num_shards, name=name, fn=fn)
+
+
+def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, num_shards, name, fn: str):
+    """``report`` with the live check's optimizer evidence at its localized step, where it names the optimizer
+    or the parameters: the candidate is run again from a fresh state up to that step, and the task's optimizer
+    rerun on its own gradients and pre-step state is compared with its state after the step
+    (``StepRecord.optimizer_rerun``, as :mod:`shardcheck.parity.harness.optimizer_rerun` does live), so that an
+    update applied differently from equal inputs is localized to the optimizer's update, replayed as live.
+    Unchanged where the step returns no gradients, the candidate brings its own optimizer, the run spans several
+    processes, or the rerun cannot run."""
+    where = report.localization
+    if report.replay is None or where is None or where.stage not in ("optimizer", "parameters"):
+        return report
+    if jax.process_count() > 1:  # a step of collectives that every process would have to decide to run
+        return report
+    record = next(r for r in report.steps if r.step == where.step)
+    rerun = _rerun_at(record, candidate, task, mesh, num_shards, name, fn)
+    if rerun is None:
+        return report
+    steps = tuple(dataclasses.replace(r, optimizer_rerun=rerun) if r is record else r for r in report.steps)
+    replay = dataclasses.replace(report.replay, records=steps)
+    return dataclasses.replace(report, steps=steps, replay=replay, localization=replay.localization())
+
+
+def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
+    """The optimizer rerun's :class:`~shardcheck.parity.diagnosis.rules.LeafError` at ``record``'s step (the
+    rerun the reference, the candidate's state after the step the candidate), or ``None`` where it cannot run."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.harness.candidates import run_step
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _rerun
+    from shardcheck.parity.harness.recorded import _start
+
+    t = record.step
+    model, optimizer, data, cand, mesh = _start(fn, task, candidate, t + 1, num_shards, mesh, name)
+    if cand.make_optimizer is not None:  # its own optimizer (an accumulation): not the task's transformation
+        return None
+    kwargs = {"mesh": mesh} if cand.pass_mesh else {}
+    for s in range(t):
+        run_step(fn, cand, model, optimizer, data[s], kwargs, s)
+    params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))  # the step may donate them
+    state = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state))
+    _, grads = run_step(fn, cand, model, optimizer, data[t], kwargs, t)
+    grads = None if grads is None else _rebuild(params, flatten_state(nnx.as_pure(grads)))
+    if grads is None:
+        return None
+    try:
+        rerun = _rerun(optimizer.tx, params, state, grads)
+    except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params)
+        return None
+    after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state))
+    return _compared(record, rerun, after, (params, state))
+
+
+def _compared(record, rerun, after, before) -> tuple:
+    """Each float leaf of the rerun ``(params, opt_state)`` against the candidate's ``after``, from ``before``,
+    at ``record``'s tolerances (optimizer state: x ``MOMENT_FACTOR``), as the live check's rerun."""
+    from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
+    from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
+
+    out = []
+    for kind, ref, cand, was, factor in zip(
+        ("param", "opt_state"), rerun, after, before, (1.0, MOMENT_FACTOR), strict=True
+    ):
+        cand, was = flatten_state(cand), flatten_state(was)
+        for path, value in flatten_state(ref).items():
+            if path not in cand or is_int(value):
+                continue
+            b = to_host(was[path])
+            rtol, atol = factor * record.rtol, factor * record.atol
+            out.append(
+                leaf_error(record.step, kind, path, to_host(value), to_host(cand[path]), rtol, atol, b, b)
+            )
+    return tuple(out)
 
 
 def against_recording(call: Mapping[str, Any]) -> ParityReport:
@@ -151,4 +233,4 @@ def against_recording(call: Mapping[str, Any]) -> ParityReport:
     )
 
 
-__all__ = ["against_recording", "check_against_recording", "is_recording"]
+__all__ = ["against_recording", "check_against_recording", "is_recording", "with_optimizer_rerun"]
