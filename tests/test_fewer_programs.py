@@ -7,6 +7,10 @@ what it replaces, bit for bit.
 - ``allowances._accumulated``: ``before + max(step, floor) + rounding`` with entries missing, one program per tree.
 """
 
+import collections
+import logging
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,3 +175,99 @@ def test_a_second_check_of_a_task_compiles_nothing(strategy):
     assert [[(e.path, e.max_abs_err) for e in r.leaves] for r in second.steps] == [
         [(e.path, e.max_abs_err) for e in r.leaves] for r in first.steps
     ]
+
+
+class _CompileNames(logging.Handler):
+    """The names of the programs JAX compiles while attached (``jax_log_compiles``'s "Compiling NAME" records)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.names: list[str] = []
+
+    def emit(self, record):
+        found = re.match(r"Compiling (?:jit\()?(\w+)\)? ", record.getMessage())
+        if found:
+            self.names.append(found.group(1))
+
+
+def _cold_check_programs(strategy: str, num_shards: int, **kwargs) -> collections.Counter:
+    """``{program name: compilations}`` of one ``check_parity`` of a small MLP task after ``jax.clear_caches()``,
+    the task's own construction (model, optimizer) compiled before counting."""
+    from flax import nnx
+
+    import shardcheck
+    from shardcheck.losses import mse_batch_loss
+    from shardcheck.models import MLP
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))] * 3
+    task = shardcheck.Task(
+        model=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=mse_batch_loss,
+        batches=batches,
+    )
+    jax.clear_caches()
+    nnx.Optimizer(task.model(), task.optimizer, wrt=nnx.Param)  # the user's eager construction, not counted
+    handler, logger = _CompileNames(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    saved = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        report = shardcheck.check_parity(strategy, task, num_shards=num_shards, **kwargs)
+    finally:
+        jax.config.update("jax_log_compiles", saved)
+        logger.removeHandler(handler)
+    assert report.verdict == "PASS", str(report)
+    return collections.Counter(handler.names)
+
+
+# the steps themselves: the reference's and the candidate's (not the check's own)
+_STEPS = {"_reference_jit", "_simulation_jit", "_accumulated_jit", "step"}
+# float32: the loss probe, the snapshot copy, the first pass's statistics, the gradient's tolerance and its
+# sensitivity, the accumulated allowance of the parameters and of the optimizer state (the accumulation strategy's
+# optimizer wrapper adds two eager casts)
+_F32 = {
+    "_probe_loss": 1,
+    "_copy": 1,
+    "_stats": 1,
+    "gradient_tolerance": 1,
+    "update_sensitivity": 1,
+    "_accumulate": 2,
+}
+# tf32 matmuls (a GPU's default): also the correct split, the gradient at the other matmul precision, the
+# gradient at the candidate's parameters, the measured noise, the output rounding, the two tree additions
+# (noise + rounding, sensitivity + shadow spread) and the shadow's spread
+_TF32 = {
+    **_F32,
+    "_shard_magnitude": 1,
+    "gradients_at": 1,
+    "_grads_at": 1,
+    "measured_noise": 1,
+    "output_rounding": 1,
+    "map": 2,
+    "shadow_spread": 1,
+}
+
+
+@require_devices(4)
+@pytest.mark.parametrize(
+    ("strategy", "kwargs", "expected"),
+    [
+        ("simulation", {}, _F32),
+        ("simulation", {"matmul_precision": "tf32"}, _TF32),
+        ("accumulation", {}, {**_F32, "convert_element_type": 2}),
+        ("accumulation", {"matmul_precision": "tf32"}, {**_TF32, "convert_element_type": 2}),
+        ("dp", {}, _F32),
+        ("dp", {"matmul_precision": "tf32"}, _TF32),
+    ],
+)
+def test_a_cold_check_compiles_each_of_its_own_programs_once(strategy, kwargs, expected):
+    """#35: the check's own programs of a cold check (3 steps), counted by name: each compiled once. Before, the
+    candidate's snapshots compiled one program per tree (2; 4 on a mesh, whose first snapshot is uncommitted), the
+    deferred sensitivity's zeros one per tree (2), and under tf32 a step whose candidate drifted brought committed
+    arrays that compiled the tolerance's programs again (simulation: 26 programs of its own, now 15; dp: 29, now
+    16)."""
+    names = _cold_check_programs(strategy, 4, **kwargs)
+    own = {k: v for k, v in names.items() if k not in _STEPS}
+    assert own == expected, names

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardcheck._tree import path_str
+from shardcheck._tree import copy_arrays, path_str
 from shardcheck.distributed import gather_to_host
 from shardcheck.parity.comparison import _device_stats
 from shardcheck.parity.diagnosis.evidence import LeafError
@@ -696,13 +696,21 @@ def replica_mismatches(arrays: Mapping[str, Any]) -> set[str]:
 def device_snapshot(tree: PyTree) -> dict[str, Any]:
     """:func:`flatten_state` with every array leaf copied on its own devices (a later step may donate it), in one
     jitted call: one program per tree and placement, whose warm call costs a quarter of a runtime copy's
-    (:func:`shardcheck._tree.copy_arrays`: 1.3 ms against 5 ms for the tiny-lm's 116 leaves; this copy runs
-    twice a step)."""
-    flat = flatten_state(tree)
-    arrays = {k: v for k, v in flat.items() if isinstance(v, jax.Array)}
-    return {**flat, **(_copy(arrays) if arrays else {})}
+    (:func:`shardcheck._tree.copy_arrays`: 1.3 ms against 5 ms for the tiny-lm's 116 leaves)."""
+    return device_snapshots(tree)[0]
+
+
+def device_snapshots(*trees: PyTree, once: bool = False) -> tuple[dict[str, Any], ...]:
+    """:func:`device_snapshot` of each tree, all copied in one jitted call: the trees copied together at every
+    step (a candidate's parameters and optimizer state) compile one program, not one per tree. ``once``: a copy
+    made once per check (the state before its first step, whose placement the candidate's step may change) is
+    made by the runtime (:func:`shardcheck._tree.copy_arrays`), which compiles nothing."""
+    flats = [flatten_state(tree) for tree in trees]
+    arrays = [{k: v for k, v in flat.items() if isinstance(v, jax.Array)} for flat in flats]
+    copies = copy_arrays(arrays) if once else _copy(arrays) if any(arrays) else arrays
+    return tuple({**flat, **copy} for flat, copy in zip(flats, copies, strict=True))
 
 
 @jax.jit
-def _copy(arrays: dict) -> dict:
+def _copy(arrays: list) -> list:
     return jax.tree.map(jnp.copy, arrays)

@@ -47,7 +47,7 @@ from shardcheck.parity.comparison import live as compare
 from shardcheck.parity.comparison.live import (
     LeafInput,
     counter_error,
-    device_snapshot,
+    device_snapshots,
     flatten_state,
     is_int,
     leaf_error,
@@ -395,13 +395,11 @@ def _snapshots(run: _Run) -> tuple[dict, dict, dict, dict]:
     pre-step state of the sensitivity, the hypotheses and a re-check), so a copy would hold them twice."""
     # the state after this run's last step is the state before this one: nothing steps the models in between
     last = run.last if run.last is not None else _After.of(run)
-    ref = device_snapshot if run.reference is not None else dict
-    return (
-        ref(last.ref_params),
-        device_snapshot(last.cand_params),
-        ref(last.ref_state),
-        device_snapshot(last.cand_state),
-    )
+    once = run.last is None  # before the first step: a runtime copy (no program for a placement seen once)
+    if run.reference is not None:  # every tree copied in one call (one program)
+        return device_snapshots(last.ref_params, last.cand_params, last.ref_state, last.cand_state, once=once)
+    cand_params, cand_state = device_snapshots(last.cand_params, last.cand_state, once=once)
+    return dict(last.ref_params), cand_params, dict(last.ref_state), cand_state
 
 
 def _loss_leaves(

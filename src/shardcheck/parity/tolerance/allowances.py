@@ -33,7 +33,7 @@ from shardcheck.parity.tolerance.matmul import gradients_at
 from shardcheck.parity.tolerance.precision import (
     COMPUTE_SAFETY,
     Precision,
-    compute_allowance,
+    measured_noise,
     output_rounding,
 )
 from shardcheck.parity.tolerance.propagation import gradient_tolerance, shadow_spread, update_sensitivity
@@ -174,6 +174,15 @@ def _like(tree, values: dict):
     return jax.tree.unflatten(treedef, out)
 
 
+def _committed(tree):
+    """``tree``'s arrays committed to their own placement (the same buffers, no copy). The gradient's tolerance
+    takes the reference's gradient committed at every step: a step whose candidate drifted brings committed
+    arrays (:func:`_like`), and a program called with committed arguments after uncommitted ones compiles again
+    (``measured_noise``, ``gradient_tolerance``, ``update_sensitivity``, ``_accumulate``: once each, not twice)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, jax.device_put(leaves, [a.sharding for a in leaves]))
+
+
 def _shadow_inputs(run: _Run, pre: _PreStep, batch):
     """The candidate's pre-step ``(gradient, optimizer state, parameters)`` as the reference would compute them
     (its gradient at the candidate's parameters), or ``None`` when the candidate's state is the reference's.
@@ -208,9 +217,6 @@ def _reference_grads(loss_fn, pre: _PreStep, batch):
 # Tree arithmetic in one compiled call per tree: eagerly, each operation on a new leaf shape compiles a program
 # of its own (XLA:CPU: 40-80 ms each; 60 leaves' additions took 4.6 s eagerly, 1.2 s as one jitted tree).
 _tree_add = jax.jit(functools.partial(jax.tree.map, jnp.add))
-
-
-_tree_max = jax.jit(functools.partial(jax.tree.map, jnp.maximum))
 
 
 def _accumulated(before: dict, step: dict, floor: dict, rounding: dict) -> dict:
@@ -326,19 +332,13 @@ def accumulate(run: _Run, kind: str, bounds: _Bounds, paths: list, floor: dict, 
     ledger = run.allowance if kind == "param" else run.state_allowance
     if run.deferred is not None and run.deferred.trying is not None:
         shapes = bounds.sensitivity.shapes[0 if kind == "param" else 1]
-        zeros = _zeros(tuple((shapes[p].shape, np.dtype(shapes[p].dtype)) for p in paths))
-        step = dict(zip(paths, zeros, strict=True))
+        # host zeros: :func:`_accumulate` takes them as it takes the device's (no program of their own)
+        step = {p: np.zeros(shapes[p].shape, shapes[p].dtype) for p in paths}
         run.deferred.steps.append((kind, bounds, paths, floor, rounding))
     else:
         sensitivity = bounds.update if kind == "param" else bounds.state
         step = {p: sensitivity[p] for p in paths}
     ledger.update(_accumulated(ledger, step, floor, rounding))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _zeros(specs: tuple) -> list:
-    """Zeros of each ``(shape, dtype)``: a deferred sensitivity's stand-in (one program per tree)."""
-    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
 
 
 def storage_rounding(leaf) -> float:
@@ -431,7 +431,8 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
     if run.precision.compute_eps > 0:
         magnitude, split_grads, split_low = split
         shadow = _shadow_inputs(run, pre, batch)
-        drifted = None if shadow is None else shadow[0]
+        grads = _committed(grads)
+        drifted = grads if shadow is None else _committed(shadow[0])
         realizations = [g for g in (split_grads, split_low) if g is not None]
         if run.graphdef32 is not None:
             realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
@@ -441,7 +442,7 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
             )
             realizations.append(grads_m)
             losses = (loss_m,)
-        noise = functools.reduce(_tree_max, [compute_allowance(g, grads, drifted) for g in realizations])
+        noise = measured_noise(realizations, grads, drifted)
         noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
     delta, grad_max, extra = gradient_tolerance(grads, noise, rtol, atol)
     grad_allowance = {} if extra is None else flatten_state(extra)

@@ -35,6 +35,7 @@ The rules (``docs/parity.md``, "Precision"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -263,6 +264,29 @@ def compute_allowance(split, grads, drifted=None):
         return COMPUTE_SAFETY * (noise + jnp.abs(d.astype(jnp.float32) - g))
 
     return jax.tree.map(one, split, grads, drifted)
+
+
+@jax.jit
+def measured_noise(realizations: list, grads, drifted):
+    """The largest :func:`compute_allowance` over the realizations, element by element, in one compiled program.
+
+    Args:
+        realizations: the measured gradients ``g_r``, a non-empty list of trees of float arrays like ``grads``.
+        grads: ``g``, the reference's gradient.
+        drifted: ``g(p_cand)`` like ``grads`` (``grads`` itself where the candidate's parameters are the
+            reference's: the same values as ``None``, and the same program as a drifted step's).
+
+    Returns:
+        A float32 tree like ``grads``: ``max_r compute_allowance(g_r, g, g(p_cand))`` (maxima are exact, so it
+        equals the separate calls' bit for bit).
+
+    Raises:
+        ValueError: ``realizations`` is empty.
+    """
+    if not realizations:
+        raise ValueError("measured_noise: realizations is empty; pass at least one measured gradient tree")
+    allowances = [compute_allowance(g, grads, drifted) for g in realizations]
+    return functools.reduce(lambda a, b: jax.tree.map(jnp.maximum, a, b), allowances)
 
 
 @jax.jit
