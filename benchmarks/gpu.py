@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,7 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run")
     parser.add_argument(
-        "--pytest", default="", help="also run these test paths with JAX_PLATFORMS=cpu (-n 14)"
+        "--pytest",
+        default="",
+        help="also run these test paths with JAX_PLATFORMS=cpu (-n 8, without the project's addopts), beside the other parts",
     )
     parser.add_argument("--pytest-timeout", type=float, default=200.0)
     parser.add_argument("--only", default="", help="comma-separated parts to run (default: all)")
@@ -146,6 +149,33 @@ def main(argv=None) -> int:
         return list(dict.fromkeys(ln.strip() for ln in out.splitlines() if any(k in ln for k in keys)))[:8]
 
     py = sys.executable
+
+    def run_tests() -> None:
+        rec, out = proc(
+            "pytest",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-n",
+                "8",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                "addopts=",
+                *args.pytest.split(),
+            ],
+            args.pytest_timeout,
+            {"JAX_PLATFORMS": "cpu"},
+        )
+        tail = [ln for ln in out.splitlines() if " passed" in ln or "FAILED" in ln or "ERROR" in ln]
+        emit("pytest", {**rec, "summary": tail[-12:]})
+
+    # the test slice runs on 8 of the host's CPU cores while the parts below use the GPU (and the other cores)
+    tests = threading.Thread(target=run_tests) if args.pytest else None
+    if tests is not None:
+        tests.start()
     rec, out = proc(
         "env",
         [
@@ -203,26 +233,8 @@ def main(argv=None) -> int:
         rec, out = proc(part, [py, "-c", COUNT + body], timeout, {"SHARDCHECK_COMPILATION_CACHE": "off"})
         got = [ln for ln in out.splitlines() if ln.startswith("PART ")]
         emit(part, {**rec, **(json.loads(got[-1][5:]) if got else {"tail": out[-1500:]})})
-    if args.pytest:
-        rec, out = proc(
-            "pytest",
-            [
-                py,
-                "-m",
-                "pytest",
-                "-q",
-                "-x",
-                "-n",
-                "14",
-                "-p",
-                "no:cacheprovider",
-                *args.pytest.split(),
-            ],
-            args.pytest_timeout,
-            {"JAX_PLATFORMS": "cpu"},
-        )
-        tail = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or "error" in ln.lower()]
-        emit("pytest", {**rec, "summary": tail[-5:]})
+    if tests is not None:
+        tests.join()
     emit("total", {"wall_s": round(time.perf_counter() - start, 1)})
     return 0
 

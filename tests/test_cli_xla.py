@@ -81,3 +81,19 @@ def test_the_suite_compiles_as_the_command_line_does():
 
     flags = os.environ["XLA_FLAGS"]
     assert all(f"--{name}={value}" in flags for name, value in CPU_COMPILE_FLAGS.items())
+
+
+def test_a_jaxlib_the_flags_were_not_checked_on_keeps_xla_defaults(monkeypatch):
+    """XLA ends the process on a flag it does not know, so a jaxlib other than the checked release (0.10.x) gets
+    no flags; the checked one gets all three."""
+    import importlib.metadata
+
+    from shardcheck.cli import _xla
+
+    versions = {"jaxlib": "0.11.2"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    assert _xla.cpu_compile_flags() == {}
+    assert with_cpu_compile_flags("--xla_dump_to=/tmp/x") == "--xla_dump_to=/tmp/x"
+    versions["jaxlib"] = "0.10.2"
+    assert _xla.cpu_compile_flags() == CPU_COMPILE_FLAGS
+    assert with_cpu_compile_flags("") == ALL_THREE

@@ -65,10 +65,26 @@ def _backends_started() -> bool:
     return bridge is not None and bridge.backends_are_initialized()
 
 
+CHECKED_JAXLIB = "0.10."
+"""The jaxlib releases :data:`CPU_COMPILE_FLAGS` were checked on (a version prefix)."""
+
+
+def cpu_compile_flags() -> dict[str, str]:
+    """:data:`CPU_COMPILE_FLAGS` when the installed jaxlib is one they were checked on (:data:`CHECKED_JAXLIB`),
+    else ``{}`` (XLA's defaults). XLA ends the process on a flag it does not know (status 1; on jaxlib 0.11.2,
+    under ``JAX_PLATFORMS=cpu``, the test suite exited so at its first backend, printing nothing), and flags
+    come and go between releases."""
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    return dict(CPU_COMPILE_FLAGS) if version.startswith(CHECKED_JAXLIB) else {}
+
+
 def with_cpu_compile_flags(xla_flags: str) -> str:
-    """``xla_flags`` (an ``XLA_FLAGS`` value) with every flag of :data:`CPU_COMPILE_FLAGS` it does not name."""
+    """``xla_flags`` (an ``XLA_FLAGS`` value) with every flag of :func:`cpu_compile_flags` it does not name."""
     flags = xla_flags.strip()
-    for name, value in CPU_COMPILE_FLAGS.items():
+    for name, value in cpu_compile_flags().items():
         if name not in flags:
             flags = f"{flags} --{name}={value}".strip()
     return flags
