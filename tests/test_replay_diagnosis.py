@@ -86,15 +86,17 @@ def test_a_fault_is_named_the_same_way_live_and_replayed(fault, recording, tmp_p
         where = [(r.localization.step, r.localization.stage) for r in (live, replayed)]
         assert where == [(0, stages[fault])] * 2, (live.localization.text(), replayed.localization.text())
         assert (live.localization.group == replayed.localization.group) or fault != "decay_1d"
-        # the form: the same kind, except that a replay holds no arrays to fit an update of k optimizer steps to
-        # (its form is read from the leaves' ratios): the doubled rate is 'extra_step' live, a factor replayed,
-        # both with the factor 2
+        # the form: the same kind both ways. The doubled rate is a factor 2, live and replayed; live, where the
+        # arrays fit "2 optimizer steps instead of one", the counters match, so that is not said: "every update
+        # is 2 x the reference's: a learning rate 2 x, or the update applied 2 times"
         forms = [r.localization.form for r in (live, replayed)]
+        assert forms[0].kind == forms[1].kind, [f.sentence for f in forms]
         if fault == "lr2":
-            assert [f.kind for f in forms] == ["extra_step", "factor"], [f.sentence for f in forms]
+            assert [f.kind for f in forms] == ["factor", "factor"], [f.sentence for f in forms]
             assert [f.factor for f in forms] == [pytest.approx(2.0, rel=1e-3)] * 2
-        else:
-            assert forms[0].kind == forms[1].kind, [f.sentence for f in forms]
+            assert "every update is 2 x the reference's" in forms[0].sentence
+            assert "a learning rate 2 x, or the update applied 2 times" in forms[0].sentence
+            assert "optimizer steps instead of one" not in live.diagnosis
 
 
 @require_devices(2)

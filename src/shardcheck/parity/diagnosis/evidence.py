@@ -167,6 +167,20 @@ class Diagnosis:
     leaf: str | None = None
 
 
+def would_show(e: LeafError, factor: float) -> bool:
+    """Whether the matching leaf ``e`` would have failed, had its value (a gradient) or its change (a parameter,
+    an optimizer-state leaf: ``reference_change``) been ``factor`` x the reference's: ``size |factor - 1| >
+    tolerance``, the size ``reference_change`` or ``max |reference| = max_abs_err / max_rel_err``. A leaf whose
+    reference is rounding noise (an attention key bias's gradient) matches under any factor and is no evidence
+    against one; ``True`` where the size cannot be read."""
+    size = e.reference_change
+    if size is None and e.max_rel_err > 0 and math.isfinite(e.max_rel_err):
+        size = e.max_abs_err / e.max_rel_err
+    if size is None or not math.isfinite(size):
+        return True
+    return size * abs(factor - 1.0) > e.tolerance
+
+
 def _ratio_tolerance(e: LeafError) -> float:
     """How far one element's ratio ``dc / dr`` may sit from the leaf's factor by rounding alone: the leaf's
     tolerance (scaled by the factor, at least 1) over the smallest change the ratio reads, 1% of the largest

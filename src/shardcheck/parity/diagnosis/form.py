@@ -37,6 +37,11 @@ FIT_RTOL = 0.02
 ZERO_RTOL = 1e-3
 # elements whose reference change is below this fraction of the leaf's largest carry no ratio
 FLOOR = 0.01
+# what a zero update means (fit_form's and form_from_leaves's ``zero``)
+ZERO_MEANING = (
+    "the candidate's update is zero: a learning rate of 0 at this step (a schedule read one step early), or an "
+    "update computed and not applied"
+)
 FORMS = ("zero", "sign_flip", "factor", "per_group", "clip", "extra_step", "decay", "none")
 
 
@@ -128,10 +133,15 @@ def fit_form(
         c = np.asarray(cand_after[p], np.float64)
         b = np.asarray(before[p], np.float64) if p in before else np.zeros_like(c)
         f64[p] = (b, np.asarray(ref_after[p], np.float64) - b, c - b)
-    return _zero_or_flip(f64) or _factor(f64, optimizer_stage, update) or _decay(f64, lr) or _no_form(f64)
+    return (
+        _zero_or_flip(f64, update)
+        or _factor(f64, optimizer_stage, update)
+        or _decay(f64, lr)
+        or _no_form(f64)
+    )
 
 
-def _zero_or_flip(f64: dict) -> Form | None:
+def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
     n = len(f64)
     top_r = max(float(np.max(np.abs(dr), initial=0.0)) for _, dr, _ in f64.values())
     if top_r == 0:
@@ -141,7 +151,7 @@ def _zero_or_flip(f64: dict) -> Form | None:
         return Form(
             "zero",
             f"a zero update: the candidate left these {n} leaves as they were (change at most {top_c:.3g}; the "
-            f"reference moved them by up to {top_r:.3g}): an update that was skipped or not applied",
+            f"reference moved them by up to {top_r:.3g}): {ZERO_MEANING if update else 'these values are zero'}",
             factor=0.0,
             leaves=n,
         )
@@ -311,7 +321,10 @@ def form_from_leaves(bad: list[LeafError]) -> Form:
     mid = float(np.median(values))
     if all(v == 0 for v in values):
         return Form(
-            "zero", f"a zero update: the candidate left these {n} leaves as they were", factor=0.0, leaves=n
+            "zero",
+            f"a zero update: the candidate left these {n} leaves as they were: {ZERO_MEANING}",
+            factor=0.0,
+            leaves=n,
         )
     if mid != 0 and all(abs(v - mid) <= RATIO_RTOL * abs(mid) for v in values):
         spreads = [e.spread for e in ratios if e.spread is not None]

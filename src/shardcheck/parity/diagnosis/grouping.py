@@ -119,7 +119,7 @@ def shared_property(
     found = _facts_property(list(failing), list(matching), facts) if facts and matching else None
     if found is not None:
         return found
-    prefix = _common_prefix(list(failing))
+    prefix = common_prefix(list(failing))
     if prefix and matching and not any(p == prefix or p.startswith(prefix + ".") for p in matching):
         return f"every failing leaf is under {prefix}; every other leaf matches"
     if not matching:
@@ -132,7 +132,7 @@ def shared_property(
     return f"the failing leaves ({listed}) share no ndim, name or module that the matching ones lack"
 
 
-def _common_prefix(paths: list[str]) -> str:
+def common_prefix(paths: list[str]) -> str:
     """The longest dotted module prefix of every path (not a whole path), ``""`` where none."""
     parts = [p.split(".")[:-1] for p in paths]
     common = []

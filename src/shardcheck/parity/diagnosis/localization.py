@@ -24,11 +24,13 @@ differs; an earlier stage is never blamed when it matched; a stage that was not 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Mapping, Sequence
 
-from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
 from shardcheck.parity.diagnosis.form import Form, form_from_leaves
-from shardcheck.parity.diagnosis.grouping import LeafFacts, shared_property
+from shardcheck.parity.diagnosis.grouping import LeafFacts, common_prefix, shared_property
 
 STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")
 DIFFERS, MATCHES, NOT_OBSERVED = "differs", "matches", "not observed"
@@ -267,7 +269,10 @@ def localize(
     else:
         bad = [e for e in leaves if not e.ok]
         group = _group(bad, leaves, facts or {})
+        if first.stage == "forward":
+            group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         form = dict(record.forms).get(first.stage) or form_from_leaves(bad)
+        form = checked_form(form, first.stage, bad, leaves, record)
     return Localization(record.step, first.stage, results, group, form, record.synchronized)
 
 
@@ -287,8 +292,91 @@ def _group(bad: list[LeafError], leaves: list[LeafError], facts: Mapping[str, Le
     return sentence
 
 
+def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str:
+    """Where the loss differs at equal parameters and only some gradient leaves differ: which parameters the
+    differing part of the loss reaches ("the loss's difference reaches the gradients of router.kernel only (1 of
+    5 ...): a term of the loss whose gradient reaches only these parameters ..."); ``""`` where every gradient
+    differs, none does, or none was observed."""
+    bad = [e for e in grads if not e.ok]
+    if not bad or len(bad) == len(grads):
+        return ""
+    which = common_prefix([e.path for e in bad])
+    good = [e.path for e in grads if e.ok]
+    if which and not any(p == which or p.startswith(which + ".") for p in good):
+        which += ".*"
+    else:
+        which = ", ".join(sorted(e.path for e in bad)[:4]) + (", ..." if len(bad) > 4 else "")
+    shared = shared_property({e.path: e.shape for e in bad}, {e.path: e.shape for e in grads if e.ok}, facts)
+    return (
+        f"the loss's difference reaches the gradients of {which} only ({len(bad)} of {len(grads)} gradient "
+        f"leaves; every other gradient matches; {shared}): a term of the loss whose gradient reaches only these "
+        "parameters (an auxiliary term such as a load-balancing or regularization loss, or their module's output) "
+        "is computed differently"
+    )
+
+
 def _kinds(record: StepRecord, ok: bool) -> set[str]:
     return {e.kind for e in record.leaves if e.ok is ok}
+
+
+def _counters_match(record: StepRecord) -> bool:
+    counters = [e for e in record.leaves if e.kind == "counter" and not e.path.startswith("model.")]
+    return bool(counters) and all(e.ok for e in counters)
+
+
+def _whole_update_refuted(record: StepRecord, text: str) -> bool:
+    """ "one scale of the whole update" (of "a constant factor F") while some parameter matches that would have
+    shown F (:func:`~shardcheck.parity.diagnosis.evidence.would_show`)."""
+    said = re.search(r"constant factor (-?[\d.]+(?:e-?\d+)?)", text)
+    f = float(said.group(1)) if said else math.inf
+    params = [e for e in record.leaves if e.kind == "param"]
+    return any(not e.ok for e in params) and any(e.ok and would_show(e, f) for e in params)
+
+
+def checked_form(
+    form: Form | None, stage: str, bad: list[LeafError], leaves: list[LeafError], record: StepRecord
+) -> Form | None:
+    """``form`` with no claim that ``record`` contradicts: an update that is k x the reference's is said to be
+    k optimizer steps only where the counters do not match, and to be "the whole update" only where every
+    update leaf of its kinds fails. Otherwise it is said as a factor on the failing group ("every update is
+    2.000 x the reference's (spread ...): a learning rate 2 x, or the update applied 2 times"), scoped to the
+    group where some update leaves match.
+
+    Args:
+        form: the stage's fitted form, or ``None``.
+        stage: the stage the form describes (:data:`STAGES`); only ``optimizer`` and ``parameters`` are read.
+        bad: the stage's failing leaves; ``leaves``: all of the stage's leaves.
+        record: the first failing step's record (its counters are read).
+
+    Returns:
+        ``form`` itself, or a ``factor`` form whose sentence the record does not contradict.
+    """
+    if form is None or form.kind not in ("extra_step", "factor") or stage not in ("optimizer", "parameters"):
+        return form
+    kinds = {e.kind for e in bad}
+    subset = any(e.ok and would_show(e, form.factor) for e in leaves if e.kind in kinds)
+    if not subset and not (form.kind == "extra_step" and _counters_match(record)):
+        return form
+    f = form.factor
+    spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
+    k = round(f)
+    twice = f", or the update applied {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else ""
+    steps = " (not an extra optimizer step: the counters match)" if _counters_match(record) else ""
+    if subset:
+        which = common_prefix([e.path for e in bad])
+        which = f"{which}.*" if which else ", ".join(sorted(e.path for e in bad)[:4])
+        sentence = (
+            f"the update of {which} is {f:.4g} x the reference's{spread}; every other update matches: a learning "
+            f"rate {f:.4g} x for these leaves (a parameter group's learning rate or multiplier){twice}{steps}"
+        )
+    else:
+        sentence = (
+            f"every update is {f:.4g} x the reference's{spread}: a learning rate {f:.4g} x{twice}{steps}"
+        )
+    return dataclasses.replace(form, kind="factor", sentence=sentence)
+
+
+_SCALED_GRADIENTS = re.compile(r"\bgradients are (-?[\d.]+(?:e-?\d+)?) x the reference")
 
 
 # sentences a finding may say, each with the test of the first failing record that contradicts it
@@ -298,6 +386,7 @@ CLAIMS: tuple[tuple[str, object], ...] = (
     ("the update matches", lambda r: "param" in _kinds(r, False)),
     ("the exposed gradients differ", lambda r: "grad" not in _kinds(r, False)),
     ("the exposed gradients match", lambda r: "grad" in _kinds(r, False)),
+    ("optimizer steps instead of one", _counters_match),
 )
 
 
@@ -309,7 +398,21 @@ def contradiction(message: str, records: Sequence[StepRecord]) -> str | None:
     if record is None:
         return None
     text = message.lower()
-    return next((claim for claim, refuted in CLAIMS if claim in text and refuted(record)), None)
+    found = next((claim for claim, refuted in CLAIMS if claim in text and refuted(record)), None)
+    if found is None and "one scale of the whole update" in text and _whole_update_refuted(record, text):
+        found = "one scale of the whole update"
+    return found or _scaled_gradients_refuted(text, record)
+
+
+def _scaled_gradients_refuted(text: str, record: StepRecord) -> str | None:
+    """ "gradients are f x the reference's" (every gradient) while some gradient leaf matches that would have
+    shown the factor f (:func:`~shardcheck.parity.diagnosis.evidence.would_show`)."""
+    said = _SCALED_GRADIENTS.search(text)
+    if said is None:
+        return None
+    f = float(said.group(1))
+    refuted = any(e.ok and would_show(e, f) for e in record.leaves if e.kind == "grad")
+    return "gradients are f x the reference's" if refuted else None
 
 
 def consistent(findings: Sequence, records: Sequence[StepRecord]) -> list:

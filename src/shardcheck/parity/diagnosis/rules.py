@@ -51,8 +51,9 @@ from shardcheck.parity.diagnosis.evidence import (
     StepRecord,
     constant_ratio,
     spread_phrase,
+    would_show,
 )
-from shardcheck.parity.diagnosis.grouping import shared_property
+from shardcheck.parity.diagnosis.grouping import common_prefix, shared_property
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
@@ -585,6 +586,30 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
     )
 
 
+# a leaf whose change is at most this fraction of the reference's did not move (its ratio reads as 0)
+ZERO_RATIO = 1e-3
+
+
+def scoped_gradients(first: StepRecord, evidence: str, factor: float) -> str:
+    """``evidence`` ("gradients ...") scoped to the failing gradient leaves where some gradient leaves match that
+    would have shown ``factor`` (:func:`would_show`: not rounding noise): ``"the gradients of experts.* (2 of 5
+    gradient leaves; every other gradient matches)"``; ``evidence`` unchanged otherwise."""
+    grads = [e for e in first.leaves if e.kind == "grad"]
+    bad = [e.path for e in grads if not e.ok]
+    resolved = [e for e in grads if e.ok and would_show(e, factor)]
+    if not evidence.startswith("gradients") or not bad or not resolved:
+        return evidence
+    prefix = common_prefix(bad)
+    good = [e.path for e in grads if e.ok]
+    if prefix and not any(p == prefix or p.startswith(prefix + ".") for p in good):
+        which = f"{prefix}.*"
+    else:
+        which = ", ".join(sorted(bad)[:4]) + (", ..." if len(bad) > 4 else "")
+    return (
+        f"the gradients of {which} ({len(bad)} of {len(grads)} gradient leaves; every other gradient matches)"
+    )
+
+
 def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
     hidden = (
         " The parameters and optimizer state match all the same: an optimizer blind to the gradient's scale "
@@ -594,7 +619,8 @@ def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
     )
     return Diagnosis(
         code,
-        f"At step {ctx.first.step}, {ctx.evidence} are {ctx.factor:.4g} x the reference's: {phrase}.{hidden}",
+        f"At step {ctx.first.step}, {scoped_gradients(ctx.first, ctx.evidence, ctx.factor)} are {ctx.factor:.4g} x the "
+        f"reference's: {phrase}.{hidden}",
         ctx.worst_name,
     )
 
@@ -817,7 +843,13 @@ def _stage_form(bad: list[LeafError]) -> str:
     blurred = next((e for e in bad if e.ratio is not None and not constant_ratio(e)), None)
     if blurred is not None:
         return f"{blurred.name} has {spread_phrase(blurred)}."
-    f = _consensus([e.ratio for e in bad])
+    ratios = [e.ratio for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
+    if len(ratios) == len(bad) and all(abs(r) <= ZERO_RATIO for r in ratios):
+        return (
+            "The candidate's update of these leaves is zero (their change is 0 x the reference's): a learning "
+            "rate of 0 at this step (a schedule read one step early), or an update computed and not applied."
+        )
+    f = _consensus(ratios)
     if f is not None:
         return f"Their changes are {f:.4g} x the reference's, a constant factor on each."
     return "Their changes differ from the reference's by no one factor."

@@ -1,0 +1,187 @@
+"""General rules that keep a diagnosis true to its records (issue #36, the public bug reports' lessons), each
+tested both ways on synthetic records or arrays: the sentence appears where the records support it and not where
+they contradict it.
+
+- a zero update is said as one (a learning rate of 0 at this step), never as "no one factor";
+- a factor claimed for the gradients is scoped to the group that has it where other gradients match;
+- an update k x the reference's is k optimizer steps only where the counters do not match, and "the whole update"
+  only where every update leaf fails; :func:`contradiction` catches both claims;
+- a loss that differs at equal parameters while only some gradients do names the parameters its difference
+  reaches.
+"""
+
+import numpy as np
+
+from shardcheck.parity.diagnosis import rules
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.form import Form, fit_form
+from shardcheck.parity.diagnosis.localization import checked_form, contradiction, forward_group, localize
+
+
+def _leaf(kind, path, ok, ratio=None, spread=None, shape=(4, 4)):
+    return LeafError(
+        0, kind, path, 0.0 if ok else 1.0, 0.0 if ok else 1.0, 1e-3, ok, ratio, None, spread, shape
+    )
+
+
+def _record(leaves, forms=()):
+    return StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, tuple(leaves), 1, 1, forms=tuple(forms))
+
+
+COUNTERS_MATCH = [_leaf("counter", "step", True, shape=())]
+COUNTERS_DIFFER = [_leaf("counter", "step", False, 2.0, shape=())]
+
+# ---------------------------------------------------------------------------------------------- a zero update
+
+
+def test_a_zero_update_is_said_as_a_learning_rate_of_0_not_as_no_one_factor():
+    rng = np.random.default_rng(0)
+    before = {"w": rng.normal(size=(4, 4)), "b": rng.normal(size=4)}
+    ref = {k: v + 0.01 * rng.normal(size=v.shape) for k, v in before.items()}
+    form = fit_form(before, ref, dict(before))
+    assert form.kind == "zero" and form.factor == 0.0
+    assert "learning rate of 0 at this step" in form.sentence
+    # gradients (values, not an update) that are zero: no learning rate is blamed
+    grads = fit_form({}, ref, {k: np.zeros_like(v) for k, v in ref.items()}, update=False)
+    assert grads.kind == "zero" and "learning rate" not in grads.sentence
+    # the catalog's stage sentence: every failing leaf's ratio 0 -> zero; a constant 2 -> no zero claimed
+    zero = rules._stage_form(
+        [_leaf("param", "w", False, 0.0, (0.0, 0.0)), _leaf("param", "b", False, 0.0, (0.0, 0.0))]
+    )
+    assert "update of these leaves is zero" in zero and "no one factor" not in zero
+    two = rules._stage_form(
+        [_leaf("param", "w", False, 2.0, (2.0, 2.0)), _leaf("param", "b", False, 2.0, (2.0, 2.0))]
+    )
+    assert two == "Their changes are 2 x the reference's, a constant factor on each."
+
+
+# ------------------------------------------------------------------------------------ a factor on some gradients
+
+
+def test_a_gradient_factor_is_scoped_to_its_group_where_other_gradients_match():
+    leaves = [
+        _leaf("grad", "experts.w_in", False, 2.0, (2.0, 2.0)),
+        _leaf("grad", "experts.w_out", False, 2.0, (2.0, 2.0)),
+        _leaf("grad", "router.kernel", True),
+        _leaf("grad", "head.kernel", True),
+    ]
+    assert rules.scoped_gradients(_record(leaves), "gradients", 2.0) == (
+        "the gradients of experts.* (2 of 4 gradient leaves; every other gradient matches)"
+    )
+    # every gradient fails: "gradients" stands, and claiming it is true
+    every = [_failing(e) for e in leaves]
+    assert rules.scoped_gradients(_record(every), "gradients", 2.0) == "gradients"
+    claim = "At step 0, gradients are 2 x the reference's: a constant factor."
+    assert contradiction(claim, [_record(every)]) is None
+    assert contradiction(claim, [_record(leaves)]) == "gradients are f x the reference's"
+    # a matching gradient that is rounding noise (|reference| 1.4e-10, tolerance 1e-3) would match x2 too: no
+    # evidence against the factor, so "gradients" stands and is no contradiction
+    noise = LeafError(0, "grad", "attn.key.bias", 1e-9, 7.0, 1e-3, True, shape=(4,))
+    assert rules.scoped_gradients(_record([*every, noise]), "gradients", 2.0) == "gradients"
+    assert contradiction(claim, [_record([*every, noise])]) is None
+    scoped = (
+        f"At step 0, {rules.scoped_gradients(_record(leaves), 'gradients', 2.0)} are 2 x the reference's."
+    )
+    assert contradiction(scoped, [_record(leaves)]) is None
+
+
+def _failing(e):
+    return LeafError(e.step, e.kind, e.path, 1.0, 1.0, e.tolerance, False, 2.0, None, (2.0, 2.0), e.shape)
+
+
+# ---------------------------------------------------------------------- k optimizer steps only where counters say so
+
+
+def _extra_step(f=2.0):
+    return Form("extra_step", f"... {int(f)} optimizer steps instead of one produce", f, (f, f), leaves=2)
+
+
+def test_an_extra_optimizer_step_is_not_said_where_the_counters_match():
+    params = [
+        _leaf("param", "a.kernel", False, 2.0, (2.0, 2.0)),
+        _leaf("param", "b.kernel", False, 2.0, (2.0, 2.0)),
+    ]
+    # the counters match: a learning rate 2 x, or the update applied twice
+    form = checked_form(_extra_step(), "optimizer", params, params, _record(params + COUNTERS_MATCH))
+    assert form.kind == "factor" and form.factor == 2.0
+    assert form.sentence == (
+        "every update is 2 x the reference's (spread 2..2): a learning rate 2 x, or the update applied 2 times "
+        "(not an extra optimizer step: the counters match)"
+    )
+    assert contradiction("optimizer steps instead of one", [_record(params + COUNTERS_MATCH)]) is not None
+    # the counters differ: the extra step stands, and is no contradiction
+    kept = checked_form(_extra_step(), "optimizer", params, params, _record(params + COUNTERS_DIFFER))
+    assert kept.kind == "extra_step"
+    assert contradiction(kept.sentence, [_record(params + COUNTERS_DIFFER)]) is None
+
+
+def test_a_factor_on_one_group_of_the_update_is_said_for_that_group():
+    bad = [_leaf("param", "embed.embedding", False, 10.0, (10.0, 10.0))]
+    leaves = bad + [_leaf("param", "head.kernel", True), _leaf("param", "hidden.kernel", True)]
+    record = _record(leaves + COUNTERS_MATCH)
+    form = checked_form(_extra_step(10.0), "parameters", bad, leaves, record)
+    assert form.sentence.startswith(
+        "the update of embed.* is 10 x the reference's (spread 10..10); every other update matches: a learning "
+        "rate 10 x for these leaves (a parameter group's learning rate or multiplier)"
+    )
+    whole = Form(
+        "factor",
+        "a constant factor 0.5 on all 3 leaves: one scale of the whole update",
+        0.5,
+        (0.5, 0.5),
+        leaves=1,
+    )
+    assert "whole update" not in checked_form(whole, "parameters", bad, leaves, record).sentence
+    assert contradiction(whole.sentence, [record]) == "one scale of the whole update"
+    # a matching parameter whose change is rounding noise (reference_change 1e-6 x |0.5 - 1| < tolerance 1e-3)
+    # is no evidence against the factor: the whole update stands
+    noise = LeafError(0, "param", "attn.key.bias", 0.0, 0.0, 1e-3, True, reference_change=1e-6, shape=(4,))
+    every = [_failing(e) for e in leaves]
+    assert checked_form(whole, "parameters", every, [*every, noise], _record([*every, noise])) is whole
+    assert contradiction(whole.sentence, [_record([*every, noise, *COUNTERS_MATCH])]) is None
+    # every parameter fails by the factor: "the whole update" is true and kept
+    every = [_failing(e) for e in leaves]
+    assert checked_form(whole, "parameters", every, every, _record(every + COUNTERS_MATCH)) is whole
+    assert contradiction(whole.sentence, [_record(every + COUNTERS_MATCH)]) is None
+    # gradients are not an update: a form there is left alone
+    assert checked_form(_extra_step(), "gradients", bad, leaves, record).kind == "extra_step"
+
+
+def test_localize_rewrites_a_harness_form_the_counters_contradict():
+    params = [
+        _leaf("param", "a.kernel", False, 2.0, (2.0, 2.0)),
+        _leaf("param", "b.bias", False, 2.0, (2.0, 2.0), (4,)),
+    ]
+    leaves = [
+        _leaf("loss", "loss", True, shape=()),
+        _leaf("grad", "a.kernel", True),
+        *params,
+        *COUNTERS_MATCH,
+    ]
+    loc = localize([_record(leaves, forms=[("parameters", _extra_step())])])
+    assert loc.stage == "optimizer" or loc.stage == "parameters"
+    assert "optimizer steps instead of one" not in loc.text()
+    assert "every update is 2 x the reference's" in loc.text()
+
+
+# ------------------------------------------------------------------------ a loss that differs, reaching some leaves
+
+
+def test_a_differing_loss_names_the_parameters_its_difference_reaches():
+    grads = [
+        _leaf("grad", "router.kernel", False, 0.6, (0.2, 1.0)),
+        _leaf("grad", "experts.w_in", True),
+        _leaf("grad", "head.kernel", True),
+    ]
+    sentence = forward_group(grads, {})
+    assert sentence.startswith(
+        "the loss's difference reaches the gradients of router.* only (1 of 3 gradient leaves; every other "
+        "gradient matches;"
+    )
+    assert "an auxiliary term" in sentence
+    loc = localize([_record([_leaf("loss", "loss", False, 0.6, shape=()), *grads])])
+    assert loc.stage == "forward" and loc.group == sentence
+    # every gradient differs too (or none): no term is singled out
+    assert forward_group([_failing(e) for e in grads], {}) == ""
+    assert forward_group([_leaf("grad", "a", True)], {}) == ""
+    assert forward_group([], {}) == ""
