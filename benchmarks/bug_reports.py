@@ -11,8 +11,10 @@ correct one and the faulty one. :func:`run_case` checks both with :func:`shardch
 - ``localized``: it names the first stage at which the steps part (``Expect.stage``) and the failing leaf group
   (``Expect.group``), and says nothing false;
 - ``false``: a sentence the evidence contradicts (:func:`contradictions`: "Only the loss matches" while a
-  gradient or optimizer-state leaf matched, "only the returned loss differs" while more did, a catalog cause
-  that this case does not have, or a regex of ``Expect.false``);
+  gradient or optimizer-state leaf matched, "only the returned loss differs" while more did, "no one factor"
+  while one factor fits, a factor claimed for every gradient while some match, "k optimizer steps instead of
+  one" while the step counters match, a catalog cause that this case does not have, or a regex of
+  ``Expect.false``);
 - ``generic``: anything else.
 
 Run it with::
@@ -22,7 +24,7 @@ Run it with::
 
 It creates 8 fake CPU devices before JAX starts; each check uses 4 of them (``data=4``). About a minute on 2
 cores. ``tests/test_bug_reports.py`` checks the verdicts (each correct step PASSes, each faulty one FAILs at step
-0); the grades are this script's measure, not a test.
+0) and the grades (named or localized in at least 7 of 8, none false).
 """
 
 from __future__ import annotations
@@ -616,6 +618,9 @@ def contradictions(report, expect: Expect) -> list[str]:
                 + " differ"
             )
         found += _false_forms(report, first)
+        counters = [e for e in first.leaves if e.kind == "counter" and not e.path.startswith("model.")]
+        if "optimizer steps instead of one" in text and counters and all(e.ok for e in counters):
+            found.append("'k optimizer steps instead of one' while the step counters match")
     for code in report.codes:
         if code in CAUSE_CODES and code not in expect.allowed_codes:
             found.append(f"claims the catalog cause {code!r}, which this case does not have")
