@@ -104,7 +104,13 @@ def test_gradient_tolerance_is_grad_delta_and_the_allowance_extra_adds(seed, wit
     assert float(jnp.max(updates["b"])) > 1e-3 > float(jnp.max(updates["w"]))
 
 
-_ENTRY = hnp.arrays(np.float32, (3,), elements=st.floats(0, 4, width=32))
+# normal float32 values only: XLA:CPU flushes subnormals to zero, NumPy keeps them (a clean environment's
+# hypothesis found step 1.03e-39 -> 0 against NumPy's 1.03e-39), and no allowance is that small
+def _normal(top):
+    return st.floats(0, float(np.float32(top)), width=32, allow_subnormal=False)
+
+
+_ENTRY = hnp.arrays(np.float32, (3,), elements=_normal(4))
 
 
 @settings(max_examples=40, deadline=None)
@@ -112,9 +118,9 @@ _ENTRY = hnp.arrays(np.float32, (3,), elements=st.floats(0, 4, width=32))
     step=st.tuples(_ENTRY, _ENTRY),
     before=st.tuples(_ENTRY, _ENTRY),
     has_before=st.tuples(st.booleans(), st.booleans()),
-    floor=st.tuples(st.floats(0, 4), st.floats(0, 4)),
+    floor=st.tuples(_normal(4), _normal(4)),
     has_floor=st.tuples(st.booleans(), st.booleans()),
-    rounding=st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-3)),
+    rounding=st.tuples(_normal(1e-3), _normal(1e-3)),
 )
 def test_accumulated_is_before_plus_floored_step_plus_rounding(
     step, before, has_before, floor, has_floor, rounding
