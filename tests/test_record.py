@@ -895,7 +895,7 @@ def test_a_user_task_file_records_and_replays(tmp_path):
     [
         (
             ["--task", ANNOTATED],
-            "records task 'tiny-lm', not 'annotated-lm'; replay it with the task it was recorded",
+            "(it records task 'tiny-lm', this run's is 'annotated-lm'); replay with the recorded batch size",
         ),
         (
             ["--task", "tiny-lm", "--mesh", "data=2,fsdp=2"],

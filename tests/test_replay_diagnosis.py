@@ -12,6 +12,8 @@ twice: live (``check_parity(step, task, mesh=...)``, against the task's single-d
 - a decoupled weight decay applied to the 1-D leaves too: ``localized``, the parameters stage and the 1-D group.
 """
 
+import dataclasses
+
 import jax
 import pytest
 from conftest import require_devices
@@ -145,3 +147,23 @@ def test_a_recording_reference_refuses_options_it_cannot_honour(recording):
         check_parity(_step("none"), _task(), reference=recording, leaf_tolerance={"loss": (0, 0)})
     with pytest.raises(ValueError, match=r"check_parity: reference 'missing.npz' does not exist"):
         check_parity(_step("none"), _task(), reference="missing.npz")
+
+
+@require_devices(2)
+def test_the_same_task_under_another_name_replays_and_too_few_batches_are_refused(recording):
+    """A task's name is how it was spelled (``record --task dir/t.py:task`` against ``Task(name="task")``): the
+    same task under another name replays and PASSes; asked for more steps than the task has batches (the command
+    line asks for every recorded step), the replay is refused before any step, naming both counts and both names
+    (a new user's 2-batch task against a 3-step recording raised IndexError)."""
+    task = _task()
+    renamed = dataclasses.replace(task, name="another spelling")
+    assert check_parity(_step("none"), renamed, mesh=make_mesh(2), reference=recording).ok
+    two = record_run(
+        dataclasses.replace(task, batches=[*task.batches, *task.batches]), _step("none"), mesh=make_mesh(2)
+    )
+    with pytest.raises(ValueError) as err:
+        check_parity(_step("none"), renamed, mesh=make_mesh(2), reference=two, steps=2)
+    assert f"holds 2 step(s), but the task has {len(task.batches)} batch(es)" in str(err.value)
+    assert f"(it records task {task.name!r}, this run's is 'another spelling'); pass steps=1 or fewer" in str(
+        err.value
+    )

@@ -332,6 +332,15 @@ def test_a_stage_not_observed_is_never_claimed_to_match():
     assert loc.status("gradients") == "not observed" and loc.stage == "optimizer"
     assert loc.unobserved_before == ("gradients",) and "Not observed: the gradients" in loc.text()
     assert "the gradients match" not in loc.text()
+    # nor cleared: without the candidate's gradients no equal inputs were seen (a new user's loss-only summed step
+    # read "... not in the gradients" while the cause was a sum for a mean)
+    assert "not in the gradients" not in loc.text()
+    assert (
+        "First difference at step 0: the optimizer state (the state the optimizer kept differs; the gradients"
+        in (loc.text())
+    )
+    seen = localize([_record({"param", "opt_state"})])
+    assert seen.stage == "optimizer" and "not in the gradients" in seen.text()
 
 
 FAULTS = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")

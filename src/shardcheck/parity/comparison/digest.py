@@ -696,11 +696,7 @@ def _check_pair(recording, replayed) -> None:
                 f"compare_run: {arg} must be a Recording, got {type(value).__name__}; read a file with "
                 "load_recording(path), make a run's with record_run(task, ...)"
             )
-    if recording.meta["task"] != replayed.meta["task"]:
-        raise ValueError(
-            f"compare_run: recording is of task {recording.meta['task']!r}, replayed of "
-            f"{replayed.meta['task']!r}; replay the recorded task"
-        )
+    # the task's name is how it was spelled; another task shows in the structure and the initial state
 
 
 def _only(recording: Recording, names: Sequence[str]) -> Recording:

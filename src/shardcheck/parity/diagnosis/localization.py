@@ -44,6 +44,12 @@ MEANING = {
     "parameters": "the update was applied differently",
     "counters": "the optimizer was stepped another number of times",
 }
+# the optimizer stage where the candidate's gradients were not observed (its step returns none)
+UNSEEN_GRADIENTS = (
+    "the optimizer state",
+    "the state the optimizer kept differs; the gradients it was given were not observed, so the mistake may be "
+    "in them or in how the update was computed",
+)
 NOUNS = {
     "forward": "the forward pass (loss)",
     "gradients": "the gradients",
@@ -151,7 +157,10 @@ class Localization:
             before = [s for s in self.stages[: STAGES.index(self.stage)] if s.status == MATCHES]
             names = [NOUNS[s.stage] for s in before]
             agree = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
-            head = f"First difference at {where}: {NOUNS[self.stage]} ({MEANING[self.stage]})."
+            noun, meaning = NOUNS[self.stage], MEANING[self.stage]
+            if self.stage == "optimizer" and self.status("gradients") == NOT_OBSERVED:
+                noun, meaning = UNSEEN_GRADIENTS  # no equal inputs were seen: the gradients are not cleared
+            head = f"First difference at {where}: {noun} ({meaning})."
             if agree:
                 head += f" Before it, {agree} {'match' if len(before) > 1 else 'matches'}."
             if self.unobserved_before:

@@ -719,10 +719,11 @@ def check_replayable(
 ):
     """Refuse, before any step, a replay that cannot be compared with ``recording``.
 
-    In this order: another task name; another shard count S, or another mesh (when both runs have one: a
-    single-device strategy's replay compares with a mesh strategy's recording at the same S); more steps than
-    recorded; other batch shapes; another state structure (the fingerprint: leaf names, shapes, dtypes); other
-    batch data (its sha256).
+    In this order: another shard count S, or another mesh (when both runs have one: a single-device strategy's
+    replay compares with a mesh strategy's recording at the same S); more steps than recorded; fewer batches than
+    steps; other batch shapes; another state structure (the fingerprint: leaf names, shapes, dtypes); other batch
+    data (its sha256). A task's name is how it was spelled (a file path, ``Task(name=)``): it refuses nothing, and
+    a refusal names both tasks when their names differ.
 
     Args:
         recording: the recording; task: the replay's task.
@@ -736,11 +737,13 @@ def check_replayable(
         ValueError: one line naming the file, what differs and the fix.
     """
     meta = recording.meta
-    if meta["task"] != task.name:
-        raise ValueError(
-            f"{fn}: {path} records task {meta['task']!r}, not {task.name!r}; replay it with the task it was recorded "
-            f"on ({_flag(fn, '--task', 'task=')}), or record this task again"
-        )
+    # a task's name is how it was spelled (a file path, a Task's name=): the same task under another spelling
+    # replays; another task is refused below by its batches, state or data, naming both
+    named = (
+        ""
+        if meta["task"] == task.name
+        else f" (it records task {meta['task']!r}, this run's is {task.name!r})"
+    )
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     axes = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
     # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
@@ -755,16 +758,11 @@ def check_replayable(
         else:
             flag = _flag(fn, f"--devices {meta['num_shards']}", f"num_shards={meta['num_shards']}")
         raise ValueError(
-            f"{fn}: {path} was recorded on mesh {was}, not {now}; replay it with {flag}, or record again"
+            f"{fn}: {path} was recorded on mesh {was}, not {now}{named}; replay it with {flag}, or record again"
         )
-    steps = recording.num_steps if steps is None else steps
-    if steps > recording.num_steps:
-        raise ValueError(
-            f"{fn}: {path} holds {recording.num_steps} step(s), not {steps}; pass "
-            f"{_flag(fn, '--steps ', 'steps=')}{recording.num_steps} or fewer, or record more"
-        )
+    steps = _replay_steps(fn, path, recording, task, steps, named)
     now = task_facts(fn, task, list(task.batches[:steps]))
-    differ = _settings_words(meta.get("settings"), settings)
+    differ = _settings_words(meta.get("settings"), settings) + named
     for t in range(steps):
         if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"]:
             raise ValueError(
@@ -785,6 +783,23 @@ def check_replayable(
                 f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded data, or record "
                 "again"
             )
+
+
+def _replay_steps(fn: str, path, recording: Recording, task: Task, steps, named: str) -> int:
+    """The replay's step count (``steps``, or the recorded number when None); refuses more than recorded or more
+    than the task's batches."""
+    steps = recording.num_steps if steps is None else steps
+    if steps > recording.num_steps:
+        raise ValueError(
+            f"{fn}: {path} holds {recording.num_steps} step(s), not {steps}; pass "
+            f"{_flag(fn, '--steps ', 'steps=')}{recording.num_steps} or fewer, or record more"
+        )
+    if steps > len(task.batches):
+        raise ValueError(
+            f"{fn}: {path} holds {steps} step(s), but the task has {len(task.batches)} batch(es){named}; pass "
+            f"{_flag(fn, '--steps ', 'steps=')}{len(task.batches)} or fewer, or give the task more batches"
+        )
+    return steps
 
 
 def _batch_text(leaves: list) -> str:

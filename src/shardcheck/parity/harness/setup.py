@@ -130,7 +130,8 @@ def reference_strategy(fn, reference, task, num_shards, mesh) -> tuple[Candidate
     if reference not in STRATEGIES:
         raise ValueError(
             f"{fn}: reference={reference!r} is unknown; use None (the task's single-device step), a mesh "
-            f"strategy ({', '.join(usable)}) or a step function"
+            f"strategy ({', '.join(usable)}), a step function, or a recording (a shardcheck.Recording, or the "
+            "path of an .npz file `shardcheck record` wrote)"
         )
     strategy = STRATEGIES[reference]
     if reference not in usable:
@@ -216,8 +217,8 @@ def _check_strategy(fn, candidate, cand: Candidate, model, optimizer, mesh, data
 def check_reference(fn, reference):
     if not callable(reference):
         raise TypeError(
-            f"{fn}: reference must be None (the task's single-device step), a mesh strategy's name or an in-place "
-            "step, got "
+            f"{fn}: reference must be None (the task's single-device step), a mesh strategy's name, an in-place "
+            "step or a recording (a shardcheck.Recording, or an .npz path from `shardcheck record`), got "
             f"{type(reference).__name__} {reference!r}"
         )
 
