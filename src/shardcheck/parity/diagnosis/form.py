@@ -76,6 +76,11 @@ class Form:
         return out
 
 
+def _on_all(n: int, noun: str = "failing leaves") -> str:
+    """``"on all 3 failing leaves"``; ``"on the one failing leaf"`` for one."""
+    return f"on the one {noun[:-3]}f" if n == 1 else f"on all {n} {noun}"
+
+
 def _ratio_stats(dr: np.ndarray, dc: np.ndarray) -> tuple[float, float, float] | None:
     """``(median, p10, p90)`` of ``dc / dr`` over the elements whose ``|dr|`` is at least :data:`FLOOR` of the
     largest; ``None`` where ``dr`` is all zero."""
@@ -159,7 +164,7 @@ def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
     if flip <= FIT_RTOL * top_r:
         return Form(
             "sign_flip",
-            f"a sign flip: the candidate's change is minus the reference's on all {n} leaves (|dc + dr| at most "
+            f"a sign flip: the candidate's change is minus the reference's {_on_all(n, 'leaves')} (|dc + dr| at most "
             f"{flip / top_r:.2g} of the largest change): a gradient ascended, or an update subtracted twice",
             factor=-1.0,
             leaves=n,
@@ -189,7 +194,7 @@ def _one_factor(
 ) -> Form:
     lo, hi = spread
     head = (
-        f"a constant factor {f:.4g} on all {n} failing leaves (each leaf's elementwise ratio within "
+        f"a constant factor {f:.4g} {_on_all(n)} (each leaf's elementwise ratio within "
         f"{lo:.4g}..{hi:.4g}, 10th-90th percentile)"
     )
     k = round(f)
@@ -268,7 +273,7 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
     )
     return Form(
         "decay",
-        f"an additive term {'+' if a > 0 else '-'}{term} on all {n} failing leaves (residual {resid / size:.2g} of "
+        f"an additive term {'+' if a > 0 else '-'}{term} {_on_all(n)} (residual {resid / size:.2g} of "
         f"the difference): {which} (coefficient {abs(coef):.4g}{'' if lr else ' x lr, the learning rate unknown'})",
         coefficient=abs(coef),
         leaves=n,
@@ -330,8 +335,6 @@ def form_from_leaves(bad: list[LeafError]) -> Form:
         spreads = [e.spread for e in ratios if e.spread is not None]
         spread = (min(s[0] for s in spreads), max(s[1] for s in spreads)) if spreads else None
         within = "" if spread is None else f" (each leaf's ratio within {spread[0]:.4g}..{spread[1]:.4g})"
-        return Form(
-            "factor", f"a constant factor {mid:.4g} on all {n} failing leaves{within}", mid, spread, leaves=n
-        )
+        return Form("factor", f"a constant factor {mid:.4g} {_on_all(n)}{within}", mid, spread, leaves=n)
     listed = ", ".join(f"{e.path} x{e.ratio:.4g}" for e in ratios[:4])
     return Form("none", f"no one factor: the failing leaves' ratios differ ({listed})", leaves=n)
