@@ -14,10 +14,13 @@ budget is skipped and says so. The parts:
 - ``check_cold`` / ``bare_cold``: ``check_parity`` of ``simulation`` and ``accumulation`` (S=4) on the GPU in a
   fresh process (nothing compiled before), against the same steps bare in another fresh process, with the
   backend compilations of each (``/jax/core/compile/backend_compile_duration`` events);
-- ``check_warm``: the same checks warm against the bare steps (``benchmarks/overhead.py`` ``measure``), the
-  matmul precision the tolerances assumed and the verdict, and the verdict when the tolerances are told float32;
+- ``check_warm``: three calls of each check, each followed by the bare steps (``benchmarks/overhead.py``
+  ``_bare_steps``): seconds and compilations per call (call 0 compiles), the warm ratio (the best of calls 1-2),
+  the matmul precision the tolerances assumed and the verdict, and the verdict when told float32;
 - ``memory``: ``shardcheck memory --size tiny --mesh fsdp=1 --platform gpu``: XLA:GPU's compile on the card
-  (compare with the deviceless ``--target h200`` figure of the same step, ``tests/test_gpu_target.py``).
+  (compare with the deviceless ``--target h200`` figure of the same step, ``tests/test_gpu_target.py``);
+- ``pytest`` (with ``--pytest PATHS``): those tests under ``JAX_PLATFORMS=cpu`` on 8 worker processes, in a
+  thread beside the other parts (``-o addopts=``: the GPU image may lack the project's pytest plugins).
 """
 
 from __future__ import annotations
