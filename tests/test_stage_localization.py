@@ -29,6 +29,7 @@ from shardcheck.parity.diagnosis.form import fit_form, form_from_leaves
 from shardcheck.parity.diagnosis.grouping import LeafFacts, shared_property
 from shardcheck.parity.diagnosis.localization import STAGES, consistent, contradiction, localize
 from shardcheck.parity.harness.candidates import as_candidate
+from shardcheck.parity.harness.recorded import record_run
 from shardcheck.steps import Candidate
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.tasks import TinyLMConfig, load_task
@@ -126,6 +127,43 @@ def _unreduced_step(loss_fn, mesh, prefix: str):
     return Candidate("unreduced", nnx.jit(step), num_shards=2)
 
 
+@functools.cache
+def _recording(task, candidate, num_shards=None, mesh=None):
+    """A one-step recording of the right step ``candidate`` (what ``shardcheck record`` saves), one per task."""
+    return record_run(task, candidate, num_shards=num_shards, mesh=mesh)
+
+
+def _replayed_as_live(live, candidate, task, right, *, num_shards=None, mesh=None):
+    """The fault replayed against a recording of the ``right`` step (``check_parity(..., reference=recording)``,
+    what ``verify --against`` runs) is localized as ``live`` is: the same step, stage, group and form (kind,
+    sentence and numbers). The replicas are the one stage a replay cannot observe (a digest holds no device's own
+    copy): where they differ live, replayed they are "not observed", never "agree". Returns the replay's
+    localization."""
+    rec = _recording(task, right, num_shards, mesh)
+    replayed = _loc(check_parity(candidate, task, num_shards=num_shards, mesh=mesh, reference=rec))
+    assert (replayed.step, replayed.stage, replayed.group) == (live.step, live.stage, live.group), (
+        live.text(),
+        replayed.text(),
+    )
+    same = ("kind", "leaves", "groups")
+    assert [getattr(replayed.form, k) for k in same] == [getattr(live.form, k) for k in same], (
+        live.form,
+        replayed.form,
+    )
+    for k in ("factor", "coefficient"):
+        want = getattr(live.form, k)
+        assert getattr(replayed.form, k) == (want if want is None else pytest.approx(want, rel=1e-3)), k
+    assert replayed.status("replicas") == "not observed"
+    if STAGES.index(live.stage) > STAGES.index("replicas"):  # said where the difference may begin before it
+        assert "Not observed: the replicas; the difference may begin there" in replayed.text()
+    # every stage up to the localized one reads the same (a later one may be read otherwise: a replay reruns the
+    # optimizer only where it localizes the optimizer or the parameters)
+    for stage in STAGES[: STAGES.index(live.stage) + 1]:
+        if stage != "replicas":
+            assert replayed.status(stage) == live.status(stage), stage
+    return replayed
+
+
 def _loc(report):
     assert not report.ok
     loc = report.localization
@@ -158,6 +196,9 @@ def test_a_norm_scale_left_out_of_the_decay_mask_is_the_optimizer_stage_with_its
     assert loc.form.kind == "decay" and loc.form.coefficient == pytest.approx(WD, rel=1e-3)
     assert loc.form.leaves == 3  # ln1, ln2, ln_f
     assert "coefficient 0.1" in loc.text() and "skipped" in loc.text()
+    # replayed: the task's optimizer rerun on the candidate's gradients (its own optimizer beside), the decay
+    # fitted on the rerun's arrays as live
+    _replayed_as_live(loc, cand, _task(), "dp", num_shards=2)
 
 
 @require_devices(2)
@@ -169,6 +210,7 @@ def test_an_adam_epsilon_of_one_module_under_fsdp_is_the_optimizer_stage_under_t
     assert loc.form.kind == "none"
     lo, hi = (float(v) for v in loc.form.sentence.split("runs from ")[1].split(" (")[0].split(" to "))
     assert 0 < lo < hi < 1  # a larger epsilon shrinks each element's step by its own amount: no one factor
+    assert _replayed_as_live(loc, cand, _task(), "fsdp", num_shards=2).form.sentence == loc.form.sentence
 
 
 @require_devices(4)
@@ -183,6 +225,9 @@ def test_one_modules_gradients_scaled_on_a_data_x_model_mesh_is_the_gradient_sta
     assert loc.form.kind == "factor" and loc.form.factor == pytest.approx(3.0, rel=1e-3)
     lo, hi = loc.form.spread
     assert 2.99 < lo <= hi < 3.01 and "constant factor 3 on all 2 failing leaves" in loc.text()
+    right = as_candidate("t", "dp", task, 2, mesh, None)
+    replayed = _replayed_as_live(loc, cand, task, right, mesh=mesh)
+    assert "constant factor 3 on all 2 failing leaves" in replayed.text()
 
 
 def test_a_learning_rate_schedule_one_step_ahead_under_accumulation_is_the_optimizer_stage_x_one_half():
@@ -195,6 +240,8 @@ def test_a_learning_rate_schedule_one_step_ahead_under_accumulation_is_the_optim
     # every parameter but the attention key bias, whose gradient is rounding noise; the optimizer state matches
     assert loc.group.startswith("all 21 leaves but blocks.0.attn.key.bias differ")
     assert "every optimizer-state leaf of this stage matches" in loc.group
+    # replayed: the key bias's rerun update (of a rounding-level gradient) within the digests' allowance, as live
+    assert _replayed_as_live(loc, cand, task, "accumulation", num_shards=4).form.sentence == loc.form.sentence
 
 
 @require_devices(2)
@@ -209,6 +256,9 @@ def test_a_gradient_left_unreduced_over_data_for_one_module_is_the_gradient_stag
     replicas = next(s for s in loc.stages if s.stage == "replicas")
     assert "along 'data'" in replicas.note
     assert loc.form.kind in ("none", "factor", "per_group") and loc.form.leaves == 2
+    # replayed: the same stage, group and form; the replicas, which only a live check sees, "not observed"
+    replayed = _replayed_as_live(loc, cand, task, "dp", num_shards=2)
+    assert "the replicas: not observed" in replayed.text() and "along 'data'" not in replayed.text()
 
 
 # ------------------------------------------------------------------------------------- the form, on arrays

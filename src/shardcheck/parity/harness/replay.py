@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
 from shardcheck.parity.report import ParityReport
@@ -148,62 +149,107 @@ def check_against_recording(
 def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, num_shards, name, fn: str):
     """``report`` with the live check's optimizer evidence at its localized step, where it names the optimizer
     or the parameters: the candidate is run again from a fresh state up to that step, and the task's optimizer
-    rerun on its own gradients and pre-step state is compared with its state after the step
+    (``task.optimizer``, also for a candidate that brings its own) rerun on its own gradients and pre-step state
+    (the candidate's view of it, ``Candidate.view_optimizer``) is compared with its state after the step
     (``StepRecord.optimizer_rerun``, as :mod:`shardcheck.parity.harness.optimizer_rerun` does live), so that an
-    update applied differently from equal inputs is localized to the optimizer's update, replayed as live.
-    Unchanged where the step returns no gradients, the candidate brings its own optimizer, the run spans several
-    processes, or the rerun cannot run."""
+    update applied differently from equal inputs is localized to the optimizer's update, replayed as live. Where
+    it is, the form of that stage is fitted on the arrays (``StepRecord.forms``,
+    :func:`~shardcheck.parity.diagnosis.form.fit_form`, the rerun as the reference), as live.
+    Unchanged where the step returns no gradients, the candidate's optimizer state is not the task's by path,
+    the run spans several processes, or the rerun cannot run."""
     where = report.localization
     if report.replay is None or where is None or where.stage not in ("optimizer", "parameters"):
         return report
     if jax.process_count() > 1:  # a step of collectives that every process would have to decide to run
         return report
     record = next(r for r in report.steps if r.step == where.step)
-    rerun = _rerun_at(record, candidate, task, mesh, num_shards, name, fn)
-    if rerun is None:
+    found = _rerun_at(record, candidate, task, mesh, num_shards, name, fn)
+    if found is None:
         return report
-    steps = tuple(dataclasses.replace(r, optimizer_rerun=rerun) if r is record else r for r in report.steps)
+    rerun, arrays = found
+    with_rerun = dataclasses.replace(record, optimizer_rerun=rerun)
+    forms = _optimizer_form(with_rerun, arrays)
+    with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
+    steps = tuple(with_rerun if r is record else r for r in report.steps)
     replay = dataclasses.replace(report.replay, records=steps)
     return dataclasses.replace(report, steps=steps, replay=replay, localization=replay.localization())
 
 
 def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
-    """The optimizer rerun's :class:`~shardcheck.parity.diagnosis.rules.LeafError` at ``record``'s step (the
-    rerun the reference, the candidate's state after the step the candidate), or ``None`` where it cannot run."""
+    """``(LeafErrors, arrays)`` of the optimizer rerun at ``record``'s step (the rerun the reference, the
+    candidate's state after the step the candidate; ``arrays``: ``(before, rerun, after)`` flat ``{path: array}``
+    of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds or ``None``), or
+    ``None`` where it cannot run."""
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.parity.harness.candidates import run_step
-    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _rerun
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _rerun, known_lr
     from shardcheck.parity.harness.recorded import _start
+    from shardcheck.parity.harness.state import _default_view
 
     t = record.step
     model, optimizer, data, cand, mesh = _start(fn, task, candidate, t + 1, num_shards, mesh, name)
-    if cand.make_optimizer is not None:  # its own optimizer (an accumulation): not the task's transformation
-        return None
+    view = cand.view_optimizer or _default_view  # the candidate's optimizer state as the task's
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     for s in range(t):
         run_step(fn, cand, model, optimizer, data[s], kwargs, s)
     params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))  # the step may donate them
-    state = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state))
+    like = jax.eval_shape(task.optimizer.init, params)  # the task's optimizer state, by path
+    state = _rebuild(like, flatten_state(jax.tree.map(jnp.copy, nnx.as_pure(view(optimizer)[0]))))
     _, grads = run_step(fn, cand, model, optimizer, data[t], kwargs, t)
     grads = None if grads is None else _rebuild(params, flatten_state(nnx.as_pure(grads)))
-    if grads is None:
+    if grads is None or state is None:
         return None
     try:
-        rerun = _rerun(optimizer.tx, params, state, grads)
+        rerun = _rerun(task.optimizer, params, state, grads)
     except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params)
         return None
-    after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(optimizer.opt_state))
-    return _compared(record, rerun, after, (params, state))
+    after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
+    arrays = tuple(
+        {**flatten_state(p), **{f"opt_state {k}": v for k, v in flatten_state(o).items()}}
+        for p, o in ((params, state), rerun, after)
+    )
+    return _compared(record, rerun, after, (params, state)), (*arrays, known_lr(state))
+
+
+def _optimizer_form(record, arrays) -> tuple:
+    """``(("optimizer", Form),)``: the form of the optimizer stage's failing leaves, fitted on the rerun's
+    arrays as the live check fits them (:func:`~shardcheck.parity.harness.optimizer_rerun.stage_forms`), where
+    the record is localized there; else ``()``."""
+    from shardcheck.parity.comparison.live import is_int, to_host
+    from shardcheck.parity.diagnosis.form import fit_form
+    from shardcheck.parity.diagnosis.localization import localize
+
+    found = localize([record])
+    if found is None or found.stage != "optimizer":
+        return ()
+    before, rerun, after, lr = arrays
+    keys = [
+        e.path if e.kind == "param" else f"opt_state {e.path}" for e in record.optimizer_rerun if not e.ok
+    ]
+    keys = [k for k in keys if k in rerun and k in after and not is_int(after[k])]
+    if not keys:
+        return ()
+    form = fit_form(
+        {k: to_host(before[k]) for k in keys},
+        {k: to_host(rerun[k]) for k in keys},
+        {k: to_host(after[k]) for k in keys},
+        lr=lr,
+        optimizer_stage=True,
+    )
+    return (("optimizer", form),)
 
 
 def _compared(record, rerun, after, before) -> tuple:
     """Each float leaf of the rerun ``(params, opt_state)`` against the candidate's ``after``, from ``before``,
-    at ``record``'s tolerances (optimizer state: x ``MOMENT_FACTOR``), as the live check's rerun."""
+    at ``record``'s tolerances (optimizer state: x ``MOMENT_FACTOR``), as the live check's rerun. A parameter
+    whose gradient is at rounding level (``record.unresolved``) gets, as the digest comparison gives it, an
+    allowance of both sides' largest update (a normalizing optimizer's update of rounding noise)."""
     from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
     from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 
+    noise = {name.removeprefix("param ") for name in record.unresolved}
     out = []
     for kind, ref, cand, was, factor in zip(
         ("param", "opt_state"), rerun, after, before, (1.0, MOMENT_FACTOR), strict=True
@@ -212,11 +258,12 @@ def _compared(record, rerun, after, before) -> tuple:
         for path, value in flatten_state(ref).items():
             if path not in cand or is_int(value):
                 continue
-            b = to_host(was[path])
+            b, r, c = to_host(was[path]), to_host(value), to_host(cand[path])
             rtol, atol = factor * record.rtol, factor * record.atol
-            out.append(
-                leaf_error(record.step, kind, path, to_host(value), to_host(cand[path]), rtol, atol, b, b)
-            )
+            allowance = None
+            if kind == "param" and path in noise:
+                allowance = float(np.max(np.abs(r - b), initial=0.0) + np.max(np.abs(c - b), initial=0.0))
+            out.append(leaf_error(record.step, kind, path, r, c, rtol, atol, b, b, allowance))
     return tuple(out)
 
 
