@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
 from shardcheck.parity.diagnosis.form import Form, form_from_leaves
 from shardcheck.parity.diagnosis.grouping import LeafFacts, common_prefix, shared_property
+from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
 
 STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")
 DIFFERS, MATCHES, NOT_OBSERVED = "differs", "matches", "not observed"
@@ -124,6 +125,9 @@ class Localization:
         group: what the failing leaves of ``stage`` share, and what the matching ones do (a sentence).
         form: the form of their difference (:class:`~shardcheck.parity.diagnosis.form.Form`), else ``None``.
         synchronized: the step ran from the reference's pre-step state.
+        module: where ``stage`` is the forward pass, the first module whose output differs at equal parameters
+            under the candidate's placement, or that none does (:class:`ModuleFinding`, a live check's); else
+            ``None``.
     """
 
     step: int
@@ -132,6 +136,7 @@ class Localization:
     group: str = ""
     form: Form | None = None
     synchronized: bool = False
+    module: ModuleFinding | None = None
 
     def status(self, stage: str) -> str:
         """The status of ``stage``."""
@@ -146,8 +151,8 @@ class Localization:
         return tuple(s.stage for s in earlier if s.status == NOT_OBSERVED)
 
     def text(self) -> str:
-        """The localization in words: the first stage that differs and its meaning, the group, the form, then
-        every stage's status."""
+        """The localization in words: the first stage that differs and its meaning, the first module whose output
+        differs (a forward stage's, where probed), the group, the form, then every stage's status."""
         where = f"step {self.step}" + (
             " (run from the reference's pre-step state)" if self.synchronized else ""
         )
@@ -167,6 +172,8 @@ class Localization:
                 names = ", ".join(NOUNS[s] for s in self.unobserved_before)
                 head += f" Not observed: {names}; the difference may begin there."
         parts = [head]
+        if self.module is not None:
+            parts.append(f"Module: {self.module.text()}.")
         if self.group:
             parts.append(f"Group: {self.group}.")
         if self.form is not None:
@@ -175,7 +182,8 @@ class Localization:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict: ``step``, ``stage``, ``group``, ``form``, ``stages``, ``text``."""
+        """A JSON-ready dict: ``step``, ``stage``, ``group``, ``form``, ``stages``, ``synchronized``, ``module``
+        (:meth:`ModuleFinding.to_dict`, or ``None``), ``text``."""
         return {
             "step": self.step,
             "stage": self.stage,
@@ -183,6 +191,7 @@ class Localization:
             "form": None if self.form is None else self.form.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "synchronized": self.synchronized,
+            "module": None if self.module is None else self.module.to_dict(),
             "text": self.text(),
         }
 
@@ -282,7 +291,8 @@ def localize(
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         form = dict(record.forms).get(first.stage) or form_from_leaves(bad)
         form = checked_form(form, first.stage, bad, leaves, record)
-    return Localization(record.step, first.stage, results, group, form, record.synchronized)
+    module = record.module if first.stage == "forward" else None
+    return Localization(record.step, first.stage, results, group, form, record.synchronized, module)
 
 
 def _group(bad: list[LeafError], leaves: list[LeafError], facts: Mapping[str, LeafFacts]) -> str:

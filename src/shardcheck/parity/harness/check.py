@@ -69,6 +69,7 @@ from shardcheck.parity.diagnosis.scale_evidence import (
 from shardcheck.parity.diagnosis.topology import mismatch_axes
 from shardcheck.parity.harness.candidates import run_step, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
+from shardcheck.parity.harness.module_probe import module_evidence
 from shardcheck.parity.harness.optimizer_rerun import leaf_facts, localization_evidence
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
@@ -278,6 +279,7 @@ def _compare_step(
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
+            record = module_evidence(run, record, snapshots, batch)  # a forward-stage FAIL only
     run.last = after
     return record, _reference_finite(record, after)
 
