@@ -174,21 +174,25 @@ def _captured(graphdef, loss_fn, params, rest, batch) -> tuple[dict, list]:
 
 
 def _error(ref: list, cand: list, rtol: float, atol: float) -> tuple[float, float]:
-    """``(max abs err, tolerance)`` of one module output over its arrays: ``inf`` where the shapes or the
-    non-finite entries differ; integers and booleans are held to exact equality."""
-    err, scale, exact = 0.0, 0.0, False
-    for r, c in zip(ref, cand, strict=True):
-        if r.shape != c.shape:
-            return float("inf"), 0.0
-        exact = exact or not np.issubdtype(r.dtype, np.inexact)
-        r, c = r.astype(np.float64), c.astype(np.float64)
-        finite = np.isfinite(r)
-        if not np.array_equal(finite, np.isfinite(c)) or not np.array_equal(r[~finite], c[~finite]):
-            return float("inf"), 0.0
-        if r.size:
-            err = max(err, float(np.max(np.abs(r[finite] - c[finite]), initial=0.0)))
-            scale = max(scale, float(np.max(np.abs(r[finite]), initial=0.0)))
-    return err, 0.0 if exact else atol + rtol * scale
+    """``(max abs err, tolerance)`` of one module output: of its array that exceeds its tolerance the most (or
+    comes nearest to it). Each array normwise, ``atol + rtol max|r|``; integers and booleans exactly; ``inf``
+    where the shapes or the non-finite entries differ."""
+    pairs = [_array_error(r, c, rtol, atol) for r, c in zip(ref, cand, strict=True)]
+    return max(pairs, key=lambda p: p[0] - p[1], default=(0.0, 0.0))
+
+
+def _array_error(r: np.ndarray, c: np.ndarray, rtol: float, atol: float) -> tuple[float, float]:
+    if r.shape != c.shape:
+        return float("inf"), 0.0
+    exact = not np.issubdtype(r.dtype, np.inexact)
+    r, c = r.astype(np.float64), c.astype(np.float64)
+    finite = np.isfinite(r)
+    if not np.array_equal(finite, np.isfinite(c)) or not np.array_equal(
+        r[~finite], c[~finite], equal_nan=True
+    ):
+        return float("inf"), 0.0
+    err = float(np.max(np.abs(r[finite] - c[finite]), initial=0.0))
+    return err, 0.0 if exact else atol + rtol * float(np.max(np.abs(r[finite]), initial=0.0))
 
 
 def _name(key: tuple[str, int]) -> str:
