@@ -32,6 +32,7 @@ localization stays at the stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -142,9 +143,11 @@ def _as_candidate(run: _Run, mesh, params, rest, batch):
     return params, jax.device_put(rest, whole), jax.device_put(batch, whole)
 
 
-def _captured(graphdef, loss_fn, params, rest, batch) -> tuple[dict, list]:
-    """Every module method's outputs of one jitted forward, ``{(module.method, call): [host arrays]}``, and those
-    keys in the order they finished (the traced program's producing operation; deeper first on a tie)."""
+@functools.lru_cache(maxsize=8)
+def _forward(graphdef, loss_fn):
+    """The jitted forward of ``loss_fn`` on the model ``graphdef`` that returns every module method's captured
+    outputs, ``{"module.path.method": (output of each call, ...)}`` (one per graph and loss: a later failing step
+    of the same run reuses its programs)."""
 
     def forward(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
@@ -152,12 +155,17 @@ def _captured(graphdef, loss_fn, params, rest, batch) -> tuple[dict, list]:
         _, sown = capture(model, batch)
         return {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(sown)}
 
-    args = (
-        nnx.as_pure(params),
-        nnx.as_pure(rest),
-        batch,
-    )  # arrays only: nothing of the callers' trees changes
-    jitted = jax.jit(forward)
+    return jax.jit(forward)
+
+
+def _captured(graphdef, loss_fn, params, rest, batch) -> tuple[dict, list]:
+    """Every module method's outputs of one jitted forward, ``{(module.method, call): [host arrays]}``, and those
+    keys in the order they finished (the traced program's producing operation; deeper first on a tie)."""
+    args = (nnx.as_pure(params), nnx.as_pure(rest), batch)  # arrays only: the callers' trees stay as they are
+    try:
+        jitted = _forward(graphdef, loss_fn)
+    except TypeError:  # an unhashable loss callable: its own program, not kept
+        jitted = _forward.__wrapped__(graphdef, loss_fn)
     traced = jitted.trace(*args)  # the order in which the outputs were made; the call below runs the program
     out = jitted(*args)
     jaxpr = traced.jaxpr.jaxpr
