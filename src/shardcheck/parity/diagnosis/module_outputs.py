@@ -31,7 +31,8 @@ class ModuleFinding:
         matched_before: how many module outputs finished before it and matched (``"matches"``: all of them).
         compared: how many module outputs were compared in all.
         where: the candidate side's placement in words (``"mesh data=2 x model=2"``, ``"one device"``).
-        error: the exception's type name when the capture failed, else ``""``.
+        error: why nothing was compared (``"not captured"``): the exception's type name when the capture or a
+            forward raised, or ``"no module output on both sides"``; else ``""``.
     """
 
     status: str

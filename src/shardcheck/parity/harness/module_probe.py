@@ -212,8 +212,8 @@ def _first_difference(
 ) -> ModuleFinding:
     """The :class:`ModuleFinding` of the outputs both sides captured, read in ``order``."""
     keys = [k for k in order if k in ref and len(ref[k]) == len(cand[k])]
-    if not keys:
-        raise LookupError("no module output was captured on both sides")
+    if not keys:  # the forward called no module method that capture wraps, or the two sides none in common
+        return ModuleFinding(NOT_CAPTURED, error="no module output on both sides", where=where)
     worst = None
     for i, key in enumerate(keys):
         err, bound = _error(ref[key], cand[key], *tol)
