@@ -24,12 +24,14 @@ class LeafFacts:
         dtype: its dtype's name, e.g. ``"float32"``.
         axes: the mesh axes its placement splits it over (``()``: replicated on every device).
         tied: the leaf is shared by several modules (one ``nnx.Param`` reached by two paths).
+        shared_by: the paths that reach a tied leaf (``("embed.embedding", "head.kernel")``), else ``()``.
     """
 
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     axes: tuple[str, ...] = ()
     tied: bool = False
+    shared_by: tuple[str, ...] = ()
 
 
 def role(path: str) -> str:
@@ -72,7 +74,9 @@ def shared_property(
 ) -> str:
     """The sentence naming what the failing leaves share and the matching ones lack.
 
-    Tries, in order: one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
+    Tries, in order: with ``facts``, tying (``"every failing leaf is tied: embed.embedding is shared by
+    embed.embedding and head.kernel; every untied leaf matches"``, where every failing leaf is tied and no
+    matching one is); one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
     one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
     and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
     leaf matches"``).
@@ -97,6 +101,9 @@ def shared_property(
         raise ValueError(
             "shared_property: failing is empty; pass the paths (and shapes) of the failing leaves"
         )
+    tied = _tied(list(failing), list(matching), facts) if facts else None
+    if tied is not None:
+        return tied
     suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
     names = ", ".join(sorted({suffix[p] for p in failing}))
     shapes = [failing[p] for p in failing]
@@ -141,6 +148,24 @@ def common_prefix(paths: list[str]) -> str:
             break
         common.append(names[0])
     return ".".join(common)
+
+
+def _tied(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts]) -> str | None:
+    """``"every failing leaf is tied: a is shared by a and b; every untied leaf matches"`` where every failing
+    leaf is tied and no matching leaf is, else ``None``."""
+
+    def of(p: str) -> LeafFacts | None:
+        return facts.get(param_path(p, facts))
+
+    mine = [of(p) for p in failing]
+    if not all(f is not None and f.tied for f in mine) or any((of(p) or LeafFacts()).tied for p in matching):
+        return None
+    params = sorted({param_path(p, facts) for p in failing})
+    said = "; ".join(
+        f"{p} is shared by {' and '.join(facts[p].shared_by) or 'several modules'}" for p in params
+    )
+    head = f"every failing leaf is tied: {said}"
+    return f"{head}; every untied leaf matches" if matching else head
 
 
 def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts]) -> str | None:

@@ -74,7 +74,7 @@ def optimizer_rerun(
         return None
     try:
         new_params, new_state = _rerun(run.ref_opt.tx, params, state, grads)
-    except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params): not observed
+    except (TypeError, ValueError):  # a transformation needing more than (grads, state, params): not observed
         return None
     out = []
     sides = (
@@ -145,10 +145,31 @@ def stage_forms(
     return ((stage, form),)
 
 
+def shared_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
+    """``{parameter path: every path that reaches it}`` for each ``nnx.Param`` that two or more module paths hold
+    (one Variable object referenced twice, a tied or shared leaf: ``self.head.kernel = self.embed.embedding``);
+    its path in ``nnx.state`` is the first of them. Read from the graph (``nnx.iter_graph`` visits each node once;
+    each node's own attributes, ``get_node_impl(node).node_dict``, give every path to a Variable). A table used
+    twice through one module (``nnx.Embed.attend``) is one path, not shared."""
+    paths: dict[int, list[tuple]] = {}
+    for path, node in nnx.iter_graph(model):
+        impl = None if isinstance(node, nnx.Variable) else nnx.graph.get_node_impl(node)
+        if impl is None:
+            continue
+        for key, child in impl.node_dict(node).items():
+            if isinstance(child, nnx.Param):
+                paths.setdefault(id(child), []).append((*path, key))
+    dotted = [sorted(".".join(str(k) for k in p) for p in ps) for ps in paths.values() if len(ps) > 1]
+    state = set(flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))))
+    return {next((p for p in ps if p in state), ps[0]): tuple(ps) for ps in dotted}
+
+
 def leaf_facts(model: nnx.Module) -> dict[str, LeafFacts]:
-    """``{parameter path: LeafFacts}`` of a model: each leaf's shape, dtype and the mesh axes its placement splits
-    it over (read from its ``NamedSharding``; ``()`` where it is replicated or not on a mesh)."""
+    """``{parameter path: LeafFacts}`` of a model: each leaf's shape, dtype, the mesh axes its placement splits
+    it over (read from its ``NamedSharding``; ``()`` where it is replicated or not on a mesh), and the paths that
+    share it where several do (:func:`shared_paths`)."""
     out = {}
+    shared = shared_paths(model)
     for path, leaf in flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))).items():
         spec = getattr(getattr(leaf, "sharding", None), "spec", None)
         axes: list[str] = []
@@ -156,7 +177,10 @@ def leaf_facts(model: nnx.Module) -> dict[str, LeafFacts]:
             if entry is None:
                 continue
             axes += list(entry) if isinstance(entry, tuple) else [entry]
-        out[path] = LeafFacts(tuple(np.shape(leaf)), str(np.dtype(leaf.dtype)), tuple(axes))
+        paths = shared.get(path, ())
+        out[path] = LeafFacts(
+            tuple(np.shape(leaf)), str(np.dtype(leaf.dtype)), tuple(axes), bool(paths), paths
+        )
     return out
 
 
