@@ -189,13 +189,25 @@ def test_a_correct_dp_step_passes_with_no_localization():
 @require_devices(2)
 def test_a_norm_scale_left_out_of_the_decay_mask_is_the_optimizer_stage_with_its_decay_coefficient():
     cand = _with_tx(as_candidate("t", "dp", _task(), 2, None, None), _adamw(keep_scale=False))
-    loc = _loc(check_parity(cand, _task(), num_shards=2))
+    report = check_parity(cand, _task(), num_shards=2)
+    loc = _loc(report)
     assert loc.stage == "optimizer"
     assert [loc.status(s) for s in STAGES[:3]] == ["matches", "matches", "matches"]
     assert loc.group.startswith("every failing leaf is a scale; every bias, embedding, kernel matches")
     assert loc.form.kind == "decay" and loc.form.coefficient == pytest.approx(WD, rel=1e-3)
     assert loc.form.leaves == 3  # ln1, ln2, ln_f
-    assert "coefficient 0.1" in loc.text() and "skipped" in loc.text()
+    # one true sentence for the decay, said the same by the localization and the [localized] finding (a new
+    # user's trial read "coefficient 0.1 x lr" in one and "a constant factor" in the other)
+    said = (
+        "Form: a decoupled weight decay term c*lr*param with c = 0.1 on all 3 failing leaves (the difference"
+    )
+    assert said in loc.text() and "the reference applies it and the candidate skipped it" in loc.text()
+    localized = next(d.message for d in report.diagnoses if d.code == "localized")
+    assert said in localized and "factor" not in localized and " x lr" not in report.diagnosis
+    # the stages of parameters and optimizer state count each kind (the applied parameters read "3 of 72
+    # leaves": 22 parameters and 50 optimizer-state leaves)
+    for stage in ("the optimizer's update from equal inputs", "the applied parameters"):
+        assert f"{stage}: differs (3 of 22 parameters and 0 of 50 optimizer-state leaves; worst" in loc.text()
     # replayed: the task's optimizer rerun on the candidate's gradients (its own optimizer beside), the decay
     # fitted on the rerun's arrays as live
     _replayed_as_live(loc, cand, _task(), "dp", num_shards=2)
@@ -227,7 +239,13 @@ def test_one_modules_gradients_scaled_on_a_data_x_model_mesh_is_the_gradient_sta
     assert 2.99 < lo <= hi < 3.01 and "constant factor 3 on all 2 failing leaves" in loc.text()
     right = as_candidate("t", "dp", task, 2, mesh, None)
     replayed = _replayed_as_live(loc, cand, task, right, mesh=mesh)
-    assert "constant factor 3 on all 2 failing leaves" in replayed.text()
+    # the same sentence as live, its spread read from the recorded samples (a trial's replay said less)
+    head = (
+        "a constant factor 3 on all 2 failing leaves (each leaf's elementwise ratio within 3..3, 10th-90th "
+    )
+    meaning = "these values scaled by one factor (a scale applied to these leaves only)"
+    assert head in loc.form.sentence and meaning in loc.form.sentence
+    assert head in replayed.form.sentence and meaning in replayed.form.sentence
 
 
 def test_a_learning_rate_schedule_one_step_ahead_under_accumulation_is_the_optimizer_stage_x_one_half():
@@ -297,6 +315,18 @@ def test_the_form_from_records_claims_a_factor_only_when_each_leaf_is_constant()
     )
     blurred = form_from_leaves([e("a", 2.0, (0.5, 3.5))])
     assert blurred.kind == "none" and "runs from 0.5 to 3.5" in blurred.sentence
+    # constant factors that differ by leaf: every group listed, as fit_form lists them on arrays
+    leaves = [
+        e("a", 3.0, (3.0, 3.0)),
+        e("b", 1.5, (1.5, 1.5)),
+        e("c", 1.5, (1.5, 1.5)),
+        e("d", 0.5, (0.5, 0.5)),
+    ]
+    grouped = form_from_leaves(leaves, update=False)
+    assert grouped.kind == "per_group" and grouped.groups == ((0.5, ("d",)), (1.5, ("b", "c")), (3.0, ("a",)))
+    assert "x0.5 on d (1 leaves); x1.5 on b, c (2 leaves); x3 on a (1 leaves)" in grouped.sentence
+    # a constant 2 on an update: as fit_form says it (the localization then checks it against the counters)
+    assert form_from_leaves([e("a", 2.0, (2.0, 2.0))]).kind == "extra_step"
 
 
 def test_the_grouping_reads_the_placement_and_dtype_of_each_leaf():

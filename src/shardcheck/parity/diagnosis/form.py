@@ -13,7 +13,8 @@ step: the reference's value before and after the step and the candidate's after 
   optimizer stage whose optimizer state shows it too, a clip coefficient, a common norm ratio), or ``per_group`` when the constant factors differ
   by group;
 - ``decay``: ``dc - dr = a param`` (one coefficient ``a`` over the leaves, residual within :data:`FIT_RTOL`): a
-  decoupled weight decay applied or skipped, of coefficient ``a / lr`` where the learning rate is known;
+  decoupled weight decay term ``c*lr*param`` applied or skipped, said with ``c = a / lr`` where the learning rate
+  is known, else with ``c*lr = a``;
 - ``none``: no simple form (the worst leaf's ratio spread said).
 
 :func:`form_from_leaves` says what the per-leaf records alone allow (a replay, which holds no arrays): a constant
@@ -265,16 +266,16 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
         return None
     n = len(f64)
     coef = a / lr if lr else a
-    term = f"{abs(coef):.4g} lr param" if lr else f"{abs(a):.4g} param"
     which = (
-        "a decoupled weight decay the reference applies and the candidate skipped"
+        "the reference applies it and the candidate skipped it"
         if a > 0
-        else "a decoupled weight decay the candidate applies and the reference does not"
+        else "the candidate applies it and the reference does not"
     )
+    value = f"c = {abs(coef):.4g}" if lr else f"c*lr = {abs(a):.4g} (the learning rate unknown)"
     return Form(
         "decay",
-        f"an additive term {'+' if a > 0 else '-'}{term} {_on_all(n)} (residual {resid / size:.2g} of "
-        f"the difference): {which} (coefficient {abs(coef):.4g}{'' if lr else ' x lr, the learning rate unknown'})",
+        f"a decoupled weight decay term c*lr*param with {value} {_on_all(n)} (the difference is "
+        f"{'+' if a > 0 else '-'}c*lr*param, residual {resid / size:.2g} of it): {which}",
         coefficient=abs(coef),
         leaves=n,
     )
@@ -299,10 +300,14 @@ def _no_form(f64: dict) -> Form:
     )
 
 
-def form_from_leaves(bad: list[LeafError]) -> Form:
-    """The form the records alone allow (no arrays: a replay, or a step the harness fitted nothing for): a constant
-    factor where every failing leaf's ratio is constant across it (``constant_ratio``) and they agree within
-    ``RATIO_RTOL``, a zero update where every ratio is 0, else no simple form.
+def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
+    """The form the records alone allow (no arrays: a replay, or a step the harness fitted nothing for), said as
+    :func:`fit_form` says it, from each leaf's ratio and 10th-90th percentile spread (``LeafError.ratio`` /
+    ``spread``; a replay's, over its samples): a zero update where every ratio is 0; a constant factor where
+    every failing leaf's ratio is constant across it (``constant_ratio``) and they agree within ``RATIO_RTOL``
+    (an integer k >= 2 of an ``update``: k optimizer steps, as live); a constant factor per group where they
+    are constant but differ (every group listed, as live); else no simple form, naming the leaf of the widest
+    spread.
 
     Raises:
         ValueError: ``bad`` is empty.
@@ -312,29 +317,26 @@ def form_from_leaves(bad: list[LeafError]) -> Form:
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     n = len(bad)
     if len(ratios) < n or not all(constant_ratio(e) for e in ratios):
-        blurred = next((e for e in ratios if not constant_ratio(e)), None)
+        spread = [e for e in ratios if e.spread is not None]
+        widest = max(spread, key=lambda e: e.spread[1] - e.spread[0], default=None)
         tail = (
             ""
-            if blurred is None
-            else (
-                f"; {blurred.name}'s elementwise ratio runs from {blurred.spread[0]:.4g} to {blurred.spread[1]:.4g} "
-                f"(10th-90th percentile), median {blurred.ratio:.4g}"
-            )
+            if widest is None
+            else f"; {widest.path}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
+            f"(10th-90th percentile), median {widest.ratio:.4g}"
         )
         return Form("none", f"no simple form read from the records of the {n} failing leaves{tail}", leaves=n)
-    values = [e.ratio for e in ratios]
-    mid = float(np.median(values))
-    if all(v == 0 for v in values):
+    if all(e.ratio == 0 for e in ratios):
         return Form(
             "zero",
             f"a zero update: the candidate left these {n} leaves as they were: {ZERO_MEANING}",
             factor=0.0,
             leaves=n,
         )
-    if mid != 0 and all(abs(v - mid) <= RATIO_RTOL * abs(mid) for v in values):
-        spreads = [e.spread for e in ratios if e.spread is not None]
-        spread = (min(s[0] for s in spreads), max(s[1] for s in spreads)) if spreads else None
-        within = "" if spread is None else f" (each leaf's ratio within {spread[0]:.4g}..{spread[1]:.4g})"
-        return Form("factor", f"a constant factor {mid:.4g} {_on_all(n)}{within}", mid, spread, leaves=n)
-    listed = ", ".join(f"{e.path} x{e.ratio:.4g}" for e in ratios[:4])
-    return Form("none", f"no one factor: the failing leaves' ratios differ ({listed})", leaves=n)
+    stats = {e.path: (e.ratio, *(e.spread or (e.ratio, e.ratio))) for e in ratios}
+    factors = {p: m for p, (m, _, _) in stats.items()}
+    mid = float(np.median(list(factors.values())))
+    if mid != 0 and all(abs(f - mid) <= RATIO_RTOL * abs(mid) for f in factors.values()):
+        lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
+        return _one_factor(mid, (lo, hi), n, False, False, update)
+    return _per_group(factors, stats, n)

@@ -72,6 +72,8 @@ class StageResult:
         failing: how many of them are out of tolerance.
         worst: the worst failing leaf, else ``None``.
         note: what else the stage showed (the axes replicas differ along; how the optimizer stage was read).
+        kinds: ``((kind, compared, failing), ...)`` per leaf kind where the stage holds several (the parameters
+            and the optimizer state beside an optimizer rerun), else ``()``: the phrase counts each.
     """
 
     stage: str
@@ -80,9 +82,12 @@ class StageResult:
     failing: int = 0
     worst: LeafError | None = None
     note: str = ""
+    kinds: tuple[tuple[str, int, int], ...] = ()
 
     def phrase(self) -> str:
-        """``"the gradients differ (3 of 22 leaves; worst grad a.kernel: ...)"`` and the like."""
+        """``"the gradients differ (3 of 22 leaves; worst grad a.kernel: ...)"`` and the like; a stage of
+        parameters and optimizer state counts each (``"3 of 22 parameters and 0 of 50 optimizer-state
+        leaves"``)."""
         noun = NOUNS[self.stage]
         if self.status == NOT_OBSERVED:
             return f"{noun}: not observed{f' ({self.note})' if self.note else ''}"
@@ -90,10 +95,9 @@ class StageResult:
             return f"{noun}: {'agree' if self.status == MATCHES else 'differ'}" + (
                 f" ({self.note})" if self.note else ""
             )
-        n = self.compared
-        count = f"{n} leaf" if n == 1 else f"{n} leaves"
-        if self.status == DIFFERS:
-            count = f"{self.failing} of {count}"
+        count = _count(self.compared, self.failing, "leaf", self.status == DIFFERS)
+        if len(self.kinds) > 1:
+            count = " and ".join(_count(n, bad, k, self.status == DIFFERS) for k, n, bad in self.kinds)
         worst = "" if self.worst is None else f"; worst {_detail(self.worst)}"
         note = f"; {self.note}" if self.note else ""
         return f"{noun}: {self.status} ({count}{worst}{note})"
@@ -107,7 +111,23 @@ class StageResult:
             "failing": self.failing,
             "worst": None if self.worst is None else self.worst.name,
             "note": self.note,
+            "kinds": {k: {"compared": n, "failing": bad} for k, n, bad in self.kinds},
         }
+
+
+# how a stage's count names the leaves of one kind: (one, several)
+KIND_NOUNS = {
+    "leaf": ("leaf", "leaves"),
+    "param": ("parameter", "parameters"),
+    "opt_state": ("optimizer-state leaf", "optimizer-state leaves"),
+}
+
+
+def _count(n: int, failing: int, kind: str, differs: bool) -> str:
+    """``"3 of 22 parameters"`` (``differs``) or ``"22 parameters"``; ``"1 leaf"``."""
+    one, several = KIND_NOUNS.get(kind, (f"{kind} leaf", f"{kind} leaves"))
+    noun = one if n == 1 else several
+    return f"{failing} of {n} {noun}" if differs else f"{n} {noun}"
 
 
 def _detail(e: LeafError) -> str:
@@ -239,7 +259,12 @@ def _stage_result(
             if record.optimizer_rerun is not None
             else "the optimizer state against the reference's; not rerun on the candidate's gradients"
         )
-    return StageResult(stage, DIFFERS if bad else MATCHES, len(leaves), len(bad), worst, note)
+    kinds = tuple(
+        (k, sum(e.kind == k for e in leaves), sum(e.kind == k for e in bad))
+        for k in dict.fromkeys(e.kind for e in leaves)
+    )
+    kinds = kinds if len(kinds) > 1 else ()
+    return StageResult(stage, DIFFERS if bad else MATCHES, len(leaves), len(bad), worst, note, kinds)
 
 
 def localize(
@@ -289,7 +314,7 @@ def localize(
         group = _group(bad, leaves, facts or {})
         if first.stage == "forward":
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
-        form = dict(record.forms).get(first.stage) or form_from_leaves(bad)
+        form = dict(record.forms).get(first.stage) or form_from_leaves(bad, update=first.stage != "gradients")
         form = checked_form(form, first.stage, bad, leaves, record)
     module = record.module if first.stage == "forward" else None
     return Localization(record.step, first.stage, results, group, form, record.synchronized, module)

@@ -827,7 +827,7 @@ def localized(ctx: DiagnosisContext) -> Finding:
         agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"
         head = f"At step {ctx.first.step} {agree} {verb_}"
         count = f"{len(bad)} of {len(of_kind)} leaves"
-        form = _stage_form([worst, *bad])
+        form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad])
         return Diagnosis(
             "localized",
             f"{head}; {noun} {verb} ({count}): {meaning}. {group[0].upper()}{group[1:]}. {form} "
@@ -835,6 +835,22 @@ def localized(ctx: DiagnosisContext) -> Finding:
             worst.name,
         )
     return None
+
+
+def _fitted_form(record: StepRecord, bad: list[LeafError]) -> str | None:
+    """The localization's form of these failing leaves (``Form: a decoupled weight decay term c*lr*param with c =
+    0.1 ...``), where the localization's first differing stage fails on exactly them and the form has a name (not
+    "no simple form", which the rule's own sentence says with its leaf's spread): one sentence for both findings
+    (a decay fitted on the arrays is not then called "no one factor" or a constant factor); else ``None``."""
+    from shardcheck.parity.diagnosis.localization import localize, stage_leaves
+
+    found = localize([record])
+    if found is None or found.stage is None or found.form is None or found.form.kind == "none":
+        return None
+    failing = {e.name for e in stage_leaves(record)[found.stage] or [] if not e.ok}
+    if failing != {e.name for e in bad}:
+        return None
+    return f"Form: {found.form.sentence}."
 
 
 def _stage_form(bad: list[LeafError]) -> str:
