@@ -28,6 +28,7 @@ from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecor
 from shardcheck.parity.diagnosis.form import fit_form, form_from_leaves
 from shardcheck.parity.diagnosis.grouping import LeafFacts, shared_property
 from shardcheck.parity.diagnosis.localization import STAGES, consistent, contradiction, localize
+from shardcheck.parity.diagnosis.replica_form import fit_replicas
 from shardcheck.parity.harness.candidates import as_candidate
 from shardcheck.parity.harness.recorded import record_run
 from shardcheck.steps import Candidate
@@ -102,9 +103,10 @@ def _scaled_grads(loss_fn, module: str, factor: float):
     return scaled
 
 
-def _unreduced_step(loss_fn, mesh, prefix: str):
+def _unreduced_step(loss_fn, mesh, prefix: str, returns_grads: bool = True):
     """A dp step whose gradients of the leaves under ``prefix`` are not psum-ed over ``data`` (each device keeps
-    its own shard's), returned and applied: ``shard_map`` with ``check_vma=False`` calls them replicated."""
+    its own shard's), returned (``returns_grads``) and applied: ``shard_map`` with ``check_vma=False`` calls them
+    replicated."""
 
     def step(model, optimizer, batch):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -122,7 +124,7 @@ def _unreduced_step(loss_fn, mesh, prefix: str):
             body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False
         )(params, batch)
         optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
+        return {"loss": loss, "grads": grads} if returns_grads else loss
 
     return Candidate("unreduced", nnx.jit(step), num_shards=2)
 
@@ -277,6 +279,57 @@ def test_a_gradient_left_unreduced_over_data_for_one_module_is_the_gradient_stag
     # replayed: the same stage, group and form; the replicas, which only a live check sees, "not observed"
     replayed = _replayed_as_live(loc, cand, task, "dp", num_shards=2)
     assert "the replicas: not observed" in replayed.text() and "along 'data'" not in replayed.text()
+
+
+@require_devices(2)
+def test_the_replicas_stage_gives_the_form_of_the_copies_disagreement():
+    """The unreduced fault from a step that returns no gradients: the first stage that differs is the replicas.
+    Adam's first moment is linear in the gradient, so its two copies' changes sum to the reference's (their mean
+    is 1/2 of it); the parameters (a normalized update) and the second moment (squares) have no simple form."""
+    task = _task()
+    cand = _unreduced_step(task.loss_fn, make_mesh({"data": 2}), "blocks.0.fc1", returns_grads=False)
+    loc = _loc(check_parity(cand, task, num_shards=2))
+    assert (loc.stage, loc.status("gradients")) == ("replicas", "not observed")
+    # the optimizer-state leaves read as the parameters they belong to
+    assert loc.group == "every failing leaf is under blocks.0.fc1; every other leaf matches"
+    assert loc.form.kind == "replicas" and loc.form.leaves == 6 and loc.form.factor is None
+    lo, hi = loc.form.spread
+    assert 0 < lo <= hi  # the copies differ, by up to this fraction of the reference's largest change
+    text = loc.form.sentence
+    assert text.startswith(
+        f"the copies along 'data' differ by up to {hi:.3g} of the reference's largest change"
+    )
+    mu = "inner_state.0.mu.blocks.0.fc1.bias, inner_state.0.mu.blocks.0.fc1.kernel (2 leaves)"
+    assert (
+        f"on opt_state {mu.replace(', ', ', opt_state ')} the copies' changes sum to the reference's" in text
+    )
+    assert (
+        "(their mean is 1/2 of it, within 0.5..0.5)" in text or "(their mean is 1/2 of it, within 0.4" in text
+    )
+    assert "each device kept its own shard's part, a sum over 'data' missed" in text
+    assert "(4 leaves) no simple form" in text and "param blocks.0.fc1.bias" in text
+    assert f"Form: {text}." in loc.text()
+
+
+def test_the_replicas_form_on_arrays_sum_mean_and_none():
+    rng = np.random.default_rng(0)
+    before, dr = rng.normal(size=(4, 3)), rng.normal(size=(4, 3))
+    ref = before + dr
+    parts = rng.uniform(0.2, 0.8, size=(4, 3))
+    halves = [before + parts * dr, before + (1 - parts) * dr]  # two shards' parts of a sum
+    f = fit_replicas({"opt_state mu.a": ([((slice(None),) * 2, halves)], before, ref)}, ("data",))
+    assert f.kind == "replicas" and f.factor == pytest.approx(0.5)
+    assert (
+        "sum to the reference's (their mean is 1/2 of it" in f.sentence and "over 'data' missed" in f.sentence
+    )
+    spread = [before + 2 * parts * dr, before + 2 * (1 - parts) * dr]  # two copies averaging to the reference
+    g = fit_replicas({"param a": ([((slice(None),) * 2, spread)], before, ref)}, ("data",))
+    assert g.factor == pytest.approx(1.0) and "average to the reference's" in g.sentence
+    noise = [before + rng.normal(size=(4, 3)), before + rng.normal(size=(4, 3))]
+    h = fit_replicas({"param a": ([((slice(None),) * 2, noise)], before, ref)})
+    assert h.factor is None and "no simple form" in h.sentence
+    with pytest.raises(ValueError, match="fit_replicas: leaves is empty"):
+        fit_replicas({})
 
 
 # ------------------------------------------------------------------------------------- the form, on arrays

@@ -43,7 +43,7 @@ ZERO_MEANING = (
     "the candidate's update is zero: a learning rate of 0 at this step (a schedule read one step early), or an "
     "update computed and not applied"
 )
-FORMS = ("zero", "sign_flip", "factor", "per_group", "clip", "extra_step", "decay", "none")
+FORMS = ("zero", "sign_flip", "factor", "per_group", "clip", "extra_step", "decay", "replicas", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +53,12 @@ class Form:
     Attributes:
         kind: one of :data:`FORMS`.
         sentence: the form in words, with its numbers.
-        factor: the common factor (``factor``, ``clip``, ``extra_step``, ``sign_flip``: -1, ``zero``: 0), else
-            ``None``.
-        spread: ``(lo, hi)``: the widest 10th-90th percentile of the per-leaf ratios (``factor``), else ``None``.
+        factor: the common factor (``factor``, ``clip``, ``extra_step``, ``sign_flip``: -1, ``zero``: 0;
+            ``replicas``: the mean of the copies' changes over the reference's, where one form holds on every
+            leaf), else ``None``.
+        spread: ``(lo, hi)``: the widest 10th-90th percentile of the per-leaf ratios (``factor``; ``replicas``:
+            the copies' largest disagreement over the reference's largest change, least and most over the leaves),
+            else ``None``.
         coefficient: the decay coefficient (``decay``: ``a / lr``, or ``a`` where ``lr`` is unknown), else
             ``None``.
         groups: ``per_group``: ``((factor, (paths...)), ...)``, else ``()``.

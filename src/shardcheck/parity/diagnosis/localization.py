@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
 from shardcheck.parity.diagnosis.form import Form, form_from_leaves
-from shardcheck.parity.diagnosis.grouping import LeafFacts, common_prefix, shared_property
+from shardcheck.parity.diagnosis.grouping import LeafFacts, common_prefix, param_path, shared_property
 from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
 
 STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")
@@ -304,11 +304,8 @@ def localize(
     group, form = "", None
     leaves = by_stage[first.stage]
     if first.stage == "replicas":
-        differ = set(record.replica_mismatches)
-        named = [e for e in record.leaves if e.kind in ("param", "opt_state")]
-        failing = {e.path: e.shape for e in named if e.name in differ}
-        matching = {e.path: e.shape for e in named if e.name not in differ}
-        group = shared_property(failing, matching, facts) if failing else ""
+        group = _replicas_group(record, facts)
+        form = dict(record.forms).get("replicas")
     else:
         bad = [e for e in leaves if not e.ok]
         group = _group(bad, leaves, facts or {})
@@ -318,6 +315,21 @@ def localize(
         form = checked_form(form, first.stage, bad, leaves, record)
     module = record.module if first.stage == "forward" else None
     return Localization(record.step, first.stage, results, group, form, record.synchronized, module)
+
+
+def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -> str:
+    """What the parameters whose copies disagree share (an optimizer-state leaf read as the parameter it ends
+    in: ``inner_state.0.mu.a.kernel`` is ``a.kernel``'s), and what the others do; ``""`` where none is named."""
+    differ = set(record.replica_mismatches)
+    params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
+    named = [e for e in record.leaves if e.kind in ("param", "opt_state")]
+    failing = {
+        param_path(e.path, params): params.get(param_path(e.path, params), e.shape)
+        for e in named
+        if e.name in differ
+    }
+    matching = {p: shape for p, shape in params.items() if p not in failing}
+    return shared_property(failing, matching, facts) if failing else ""
 
 
 def _group(bad: list[LeafError], leaves: list[LeafError], facts: Mapping[str, LeafFacts]) -> str:

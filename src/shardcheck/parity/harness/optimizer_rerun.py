@@ -24,6 +24,7 @@ from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.form import Form, fit_form
 from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.localization import localize
+from shardcheck.parity.diagnosis.replica_form import fit_replicas, replica_blocks
 from shardcheck.parity.harness.state import _opt_state, _Run
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 
@@ -114,9 +115,11 @@ def stage_forms(
 ) -> tuple[tuple[str, Form], ...]:
     """``((stage, Form),)``: the form of ``stage``'s failing leaves (``gradients``: the two sides' gradients;
     ``optimizer`` / ``parameters``: the reference's state before and after the step and the candidate's after
-    it), or ``()`` where the stage has no arrays (the loss, the replicas, the counters)."""
+    it; ``replicas``: :func:`replicas_form`), or ``()`` where the stage has no arrays (the loss, the counters)."""
     ref_params0, _, ref_state0, _ = snapshots
     _, ref_grads, _, cand_grads, _ = stepped
+    if stage == "replicas":
+        return replicas_form(record, snapshots, after)
     if stage == "gradients":
         bad = [e.path for e in record.leaves if e.kind == "grad" and not e.ok]
         ref, cand = flatten_state(nnx.as_pure(ref_grads)), flatten_state(nnx.as_pure(cand_grads))
@@ -143,6 +146,28 @@ def stage_forms(
         update=stage != "gradients",
     )
     return ((stage, form),)
+
+
+def replicas_form(record: StepRecord, snapshots, after) -> tuple[tuple[str, Form], ...]:
+    """``(("replicas", Form),)``: the form of the copies of each mismatched leaf (``record.replica_mismatches``)
+    against the reference (:func:`~shardcheck.parity.diagnosis.replica_form.fit_replicas`: the candidate's
+    copies after the step, its value before it, the reference's after it), or ``()`` where no leaf has copies to
+    read (one process's devices hold none of them twice)."""
+    _, cand_params0, _, cand_state0 = snapshots
+    sides = {
+        "param": (after.cand_params, cand_params0, after.ref_params),
+        "opt_state": (after.cand_state, cand_state0, after.ref_state),
+    }
+    leaves = {}
+    for name in record.replica_mismatches:
+        kind, _, path = name.partition(" ")
+        cand, before, ref = sides.get(kind, ({}, {}, {}))
+        if path not in cand or path not in before or path not in ref or is_int(cand[path]):
+            continue
+        blocks = replica_blocks(cand[path])
+        if blocks:
+            leaves[name] = (blocks, to_host(before[path]), to_host(ref[path]))
+    return (("replicas", fit_replicas(leaves, record.replica_axes)),) if leaves else ()
 
 
 def shared_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:

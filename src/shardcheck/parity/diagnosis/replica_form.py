@@ -1,0 +1,129 @@
+"""The form of a replicas disagreement: how the copies of a replicated leaf differ, against the reference.
+
+A leaf that should be replicated along a mesh axis but whose copies differ (``StepRecord.replica_mismatches``)
+was stepped by each device from a part of what the reference's step reduced. :func:`fit_replicas` reads each
+mismatched leaf's copies (float64, on the host) with the candidate's value before the step and the reference's
+after it; with ``dc_k = copy_k - before`` (k over the ``n`` copies of one block) and ``dr = ref_after - before``
+it fits, per leaf, the mean of the copies' changes to the reference's change:
+
+- ``sum``: ``mean_k dc_k = dr / n``: the copies' changes sum to the reference's (each device kept its own shard's
+  part of a sum: a ``psum`` over the axis missed, on a quantity linear in the gradient such as a first moment);
+- ``mean``: ``mean_k dc_k = dr``: the copies average to the reference's (a ``pmean`` missed);
+- ``factor``: another constant ratio ``f`` of the mean to ``dr``;
+- otherwise no simple form (a normalizing update, a second moment: not linear in each shard's part).
+
+Each within :data:`~shardcheck.parity.diagnosis.form.FIT_RTOL` (the 10th-90th percentile of the elementwise
+ratio), with the copies' largest disagreement against the reference's change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from shardcheck.parity.diagnosis.form import FIT_RTOL, FLOOR, Form
+
+
+def replica_blocks(a) -> list[tuple[tuple, list[np.ndarray]]]:
+    """``[(index, [copy, ...]), ...]``: the addressable copies of each block of the ``jax.Array`` ``a`` (one
+    block for a fully replicated leaf), in device order; ``[]`` for an array on one device or not a jax.Array."""
+    if not isinstance(a, jax.Array) or len(a.addressable_shards) < 2:
+        return []
+    blocks: dict[tuple, tuple[tuple, list]] = {}
+    for shard in sorted(a.addressable_shards, key=lambda s: s.device.id):
+        key = tuple((s.start, s.stop, s.step) for s in shard.index)
+        blocks.setdefault(key, (shard.index, []))[1].append(np.asarray(shard.data, np.float64))
+    return [(index, copies) for index, copies in blocks.values() if len(copies) > 1]
+
+
+def _mean_ratio(blocks, before: np.ndarray, ref_after: np.ndarray) -> tuple[int, float, float, float, float]:
+    """``(n, median, p10, p90, spread)`` of ``mean_k dc_k / dr`` over the elements whose ``|dr|`` is at least
+    :data:`FLOOR` of the largest, ``spread`` the copies' largest disagreement over ``max |dr|``."""
+    means, refs, gap, n = [], [], 0.0, 0
+    for index, copies in blocks:
+        b, r = before[index], ref_after[index]
+        n = len(copies)
+        means.append((np.mean(copies, axis=0) - b).ravel())
+        refs.append((r - b).ravel())
+        gap = max(gap, float(np.max(np.ptp(np.stack(copies), axis=0), initial=0.0)))
+    mean, dr = np.concatenate(means), np.concatenate(refs)
+    top = float(np.max(np.abs(dr), initial=0.0))
+    if top == 0:
+        return n, float("nan"), float("nan"), float("nan"), float("inf")
+    keep = np.abs(dr) >= FLOOR * top
+    ratio = mean[keep] / dr[keep]
+    return n, float(np.median(ratio)), *np.percentile(ratio, [10, 90]).tolist(), gap / top
+
+
+def _kind(n: int, median: float, lo: float, hi: float) -> str:
+    if not np.isfinite(median) or hi - lo > FIT_RTOL * max(abs(median), 1e-30):
+        return "none"
+    if abs(median * n - 1) <= FIT_RTOL:
+        return "sum"
+    return "mean" if abs(median - 1) <= FIT_RTOL else "factor"
+
+
+SAY = {
+    "sum": "the copies' changes sum to the reference's (their mean is 1/{n} of it, within {lo:.4g}..{hi:.4g}): "
+    "each device kept its own shard's part, a sum over {axes} missed",
+    "mean": "the copies' changes average to the reference's (within {lo:.4g}..{hi:.4g}): a mean over {axes} "
+    "missed",
+    "factor": "the mean of the copies' changes is {median:.4g} x the reference's (within {lo:.4g}..{hi:.4g})",
+}
+
+
+def fit_replicas(
+    leaves: Mapping[str, tuple[Sequence, np.ndarray, np.ndarray]], axes: Sequence[str] = ()
+) -> Form:
+    """Fit each mismatched leaf's copies against the reference (module docstring).
+
+    Args:
+        leaves: ``{name: (blocks, before, ref_after)}``: the leaf's :func:`replica_blocks` (each block's copies),
+            the candidate's value before the step and the reference's after it (global arrays, any float dtype).
+        axes: the mesh axes along which the copies differ (``StepRecord.replica_axes``), for the sentence.
+
+    Returns:
+        A ``replicas`` :class:`~shardcheck.parity.diagnosis.form.Form`: its sentence names, per form, the leaves
+        and numbers; ``factor`` the mean's ratio where one form holds on every leaf, ``spread`` the copies'
+        largest disagreement over the reference's largest change (min, max over the leaves).
+
+    Raises:
+        ValueError: ``leaves`` is empty or a leaf has no two copies of a block.
+    """
+    if not leaves:
+        raise ValueError("fit_replicas: leaves is empty; pass {name: (replica_blocks(a), before, ref_after)}")
+    where = " and ".join(repr(a) for a in axes) or "the replicated axes"
+    fits: dict[str, list] = {}
+    gaps = []
+    for name, (blocks, before, ref_after) in sorted(leaves.items()):
+        if not blocks:
+            raise ValueError(
+                f"fit_replicas: leaf {name!r} has no two copies of a block; pass replica_blocks(a)"
+            )
+        b, r = np.asarray(before, np.float64), np.asarray(ref_after, np.float64)
+        n, median, lo, hi, gap = _mean_ratio(blocks, b, r)
+        gaps.append(gap)
+        fits.setdefault(_kind(n, median, lo, hi), []).append((name, n, median, lo, hi))
+    parts = []
+    for kind, found in fits.items():
+        names = ", ".join(f[0] for f in found[:3]) + (", ..." if len(found) > 3 else "")
+        if kind == "none":
+            worst = max(found, key=lambda f: f[4] - f[3])
+            parts.append(
+                f"on {names} ({len(found)} leaves) no simple form (the mean of the copies' changes against the "
+                f"reference's runs from {worst[3]:.4g} to {worst[4]:.4g} on {worst[0]}, 10th-90th percentile)"
+            )
+            continue
+        name, n, median, lo, hi = found[0]
+        lo, hi = min(f[3] for f in found), max(f[4] for f in found)
+        said = SAY[kind].format(n=n, lo=lo, hi=hi, median=median, axes=where)
+        parts.append(f"on {names} ({len(found)} leaves) {said}")
+    head = (
+        f"the copies along {where} differ by up to {max(gaps):.3g} of the reference's largest change; "
+        + "; ".join(parts)
+    )
+    (only,) = fits if len(fits) == 1 else (None,)
+    factor = None if only in (None, "none") else float(np.median([f[2] for f in fits[only]]))
+    return Form("replicas", head, factor=factor, spread=(min(gaps), max(gaps)), leaves=len(leaves))
