@@ -50,6 +50,8 @@ def test_every_verdict_is_right_and_the_cause_is_named_or_localized_in_7_of_8_wi
     assert not false, false
     found = [name for name, g in grades.items() if g in ("named", "localized")]
     assert len(found) >= 7, grades
+    # the tied table, read by a lookup and by the head's matmul, is named by its two uses in the loss
+    assert grades["tied_embedding_unsynced"] == "named", rows["tied_embedding_unsynced"]["diagnosis"]
 
 
 # ------------------------------------------------------------------------------------------------ the grading rule

@@ -5,7 +5,8 @@ self.embed.embedding``: one Variable, two paths). Planted fault: the head's use 
 gradient (``stop_gradient``), as a tied table whose two copies' gradients are never summed (a pipeline's
 unsynchronized tied embedding): only the table's gradient differs, and the localization says it is tied and by
 which paths. Both sides: the same model with its own head table (untied) never says "tied", nor does any leaf
-of an untied model.
+of an untied model. A table read by two operations through one path (the head reading ``embed.embedding``, as
+``nnx.Embed.attend`` does) is named by its uses in the loss instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from flax import nnx
 
 from shardcheck import Task, check_parity
 from shardcheck.parity.harness.candidates import as_candidate
-from shardcheck.parity.harness.optimizer_rerun import leaf_facts, shared_paths
+from shardcheck.parity.harness.leaf_facts import leaf_facts, shared_paths
 
 V, D, N, T = 12, 8, 8, 6
 
@@ -34,14 +35,17 @@ class LM(nnx.Module):
     """``(N, T)`` int32 tokens -> ``(N, T, V)`` logits ``tanh(hidden(embed(tokens))) @ head.table.T``; the head's
     ``(V, D)`` table is the embedding's own Variable (``tied``) or its own."""
 
-    def __init__(self, tied: bool, rngs: nnx.Rngs):
+    def __init__(self, tied: bool | str, rngs: nnx.Rngs):
         self.embed = nnx.Embed(V, D, embedding_init=nnx.initializers.normal(0.5), rngs=rngs)
         self.hidden = nnx.Linear(D, D, rngs=rngs)
+        if tied == "one path":  # the head reads the embedding's table itself, as nnx.Embed.attend does
+            self.head = None
+            return
         table = self.embed.embedding if tied else nnx.Param(0.5 * jax.random.normal(rngs.params(), (V, D)))
         self.head = Head(table)
 
     def __call__(self, tokens, cut: bool = False):
-        table = self.head.table[...]
+        table = self.embed.embedding[...] if self.head is None else self.head.table[...]
         table = jax.lax.stop_gradient(table) if cut else table
         return jnp.tanh(self.hidden(self.embed(tokens))) @ table.T
 
@@ -54,7 +58,7 @@ def _loss(cut: bool):
     return loss
 
 
-def _task(tied: bool) -> Task:
+def _task(tied: bool | str) -> Task:
     tokens = jax.random.randint(jax.random.key(1), (N, T + 1), 0, V)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     return Task(
@@ -62,7 +66,7 @@ def _task(tied: bool) -> Task:
         optimizer=optax.adam(1e-2),
         loss_fn=_loss(False),
         batches=[batch],
-        name="tied" if tied else "untied",
+        name=str(tied),
     )
 
 
@@ -108,3 +112,20 @@ def test_the_same_fault_on_an_untied_head_never_says_tied():
     assert bad == ["head.table"]  # its gradient is cut whole: zero
     assert "tied" not in report.diagnosis and "shared by" not in report.diagnosis
     assert loc.form.kind == "zero"
+
+
+@require_devices(2)
+def test_a_table_read_twice_through_one_path_is_named_by_its_uses_in_the_loss():
+    task = _task("one path")
+    assert shared_paths(LM("one path", nnx.Rngs(0))) == {}  # one path: the graph shows no sharing
+    facts = leaf_facts(LM("one path", nnx.Rngs(0)), task)
+    assert facts["embed.embedding"].uses == ("gather", "transpose")  # looked up, then multiplied as the head
+    assert facts["hidden.kernel"].uses == ("dot_general",)
+    loc = check_parity(_cut(task), task, num_shards=2).localization
+    assert loc.stage == "gradients"
+    assert loc.group == (
+        "every failing leaf is read by several operations of the loss, one weight with several uses (shared or "
+        "tied): embed.embedding by gather and transpose; every leaf read by one operation matches"
+    )
+    # without the task, the uses are not known and nothing is said of them
+    assert leaf_facts(LM("one path", nnx.Rngs(0)))["embed.embedding"].uses is None

@@ -25,6 +25,8 @@ class LeafFacts:
         axes: the mesh axes its placement splits it over (``()``: replicated on every device).
         tied: the leaf is shared by several modules (one ``nnx.Param`` reached by two paths).
         shared_by: the paths that reach a tied leaf (``("embed.embedding", "head.kernel")``), else ``()``.
+        uses: the operations of the loss that read the leaf (primitive names: ``("gather", "transpose")`` for a
+            table both looked up and multiplied), ``None`` where not known.
     """
 
     shape: tuple[int, ...] | None = None
@@ -32,6 +34,7 @@ class LeafFacts:
     axes: tuple[str, ...] = ()
     tied: bool = False
     shared_by: tuple[str, ...] = ()
+    uses: tuple[str, ...] | None = None
 
 
 def role(path: str) -> str:
@@ -76,7 +79,8 @@ def shared_property(
 
     Tries, in order: with ``facts``, tying (``"every failing leaf is tied: embed.embedding is shared by
     embed.embedding and head.kernel; every untied leaf matches"``, where every failing leaf is tied and no
-    matching one is); one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
+    matching one is), then several uses in the loss (every failing leaf read by two or more operations, every
+    matching one by one: a table both looked up and multiplied); one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
     one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
     and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
     leaf matches"``).
@@ -101,7 +105,9 @@ def shared_property(
         raise ValueError(
             "shared_property: failing is empty; pass the paths (and shapes) of the failing leaves"
         )
-    tied = _tied(list(failing), list(matching), facts) if facts else None
+    tied = (
+        (_tied(list(failing), list(matching), facts) or _reused(failing, matching, facts)) if facts else None
+    )
     if tied is not None:
         return tied
     suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
@@ -166,6 +172,27 @@ def _tied(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts
     )
     head = f"every failing leaf is tied: {said}"
     return f"{head}; every untied leaf matches" if matching else head
+
+
+def _reused(failing, matching, facts: Mapping[str, LeafFacts]) -> str | None:
+    """``"every failing leaf is read by several operations of the loss, one weight with several uses (shared or
+    tied): embed.embedding by gather and transpose; every leaf read by one operation matches"`` where that holds
+    of every failing leaf and of no matching one whose uses are known (at least one), else ``None``."""
+
+    def uses(p: str):
+        f = facts.get(param_path(p, facts))
+        return None if f is None else f.uses
+
+    mine = {p: uses(p) for p in failing}
+    theirs = [uses(p) for p in matching if uses(p) is not None]
+    if any(u is None or len(u) < 2 for u in mine.values()) or not theirs or any(len(u) > 1 for u in theirs):
+        return None
+    params = sorted({param_path(p, facts): mine[p] for p in failing}.items())
+    said = "; ".join(f"{p} by {' and '.join(u) if len(u) == 2 else ', '.join(u)}" for p, u in params)
+    return (
+        "every failing leaf is read by several operations of the loss, one weight with several uses (shared or "
+        f"tied): {said}; every leaf read by one operation matches"
+    )
 
 
 def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts]) -> str | None:

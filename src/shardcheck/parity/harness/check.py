@@ -69,8 +69,9 @@ from shardcheck.parity.diagnosis.scale_evidence import (
 from shardcheck.parity.diagnosis.topology import mismatch_axes
 from shardcheck.parity.harness.candidates import run_step, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
+from shardcheck.parity.harness.leaf_facts import leaf_facts
 from shardcheck.parity.harness.module_probe import module_evidence
-from shardcheck.parity.harness.optimizer_rerun import leaf_facts, localization_evidence
+from shardcheck.parity.harness.optimizer_rerun import localization_evidence
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
 from shardcheck.parity.harness.setup import _setup, check_options
@@ -659,7 +660,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         matmul_precision=run.precision.matmul,
         matmul_precision_source=run.matmul_source,
         devices=_sides_devices(run, mesh),
-        localization=localize(records, facts=leaf_facts(run.cand_model)),
+        localization=localize(records, facts=leaf_facts(run.cand_model, run.task)),
         **_footprint_fields(run),
     )
 

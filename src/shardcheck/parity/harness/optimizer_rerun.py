@@ -4,8 +4,7 @@
 gradients, parameters and optimizer state before the step, compared leaf by leaf with the candidate's state after
 it, at the step's tolerances: equal gradients giving a different update or state place the mistake in how the
 update was computed or applied. :func:`stage_forms`: the form of the difference of each stage's failing leaves
-(:func:`~shardcheck.parity.diagnosis.form.fit_form`, float64 on the host). :func:`leaf_facts`: what the grouping
-reads of each parameter (shape, dtype, the mesh axes of its placement). All run on a failing step only.
+(:func:`~shardcheck.parity.diagnosis.form.fit_form`, float64 on the host). All run on a failing step only.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from flax import nnx
 from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.form import Form, fit_form
-from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.localization import localize
 from shardcheck.parity.diagnosis.replica_form import fit_replicas, replica_blocks
 from shardcheck.parity.harness.state import _opt_state, _Run
@@ -168,45 +166,6 @@ def replicas_form(record: StepRecord, snapshots, after) -> tuple[tuple[str, Form
         if blocks:
             leaves[name] = (blocks, to_host(before[path]), to_host(ref[path]))
     return (("replicas", fit_replicas(leaves, record.replica_axes)),) if leaves else ()
-
-
-def shared_paths(model: nnx.Module) -> dict[str, tuple[str, ...]]:
-    """``{parameter path: every path that reaches it}`` for each ``nnx.Param`` that two or more module paths hold
-    (one Variable object referenced twice, a tied or shared leaf: ``self.head.kernel = self.embed.embedding``);
-    its path in ``nnx.state`` is the first of them. Read from the graph (``nnx.iter_graph`` visits each node once;
-    each node's own attributes, ``get_node_impl(node).node_dict``, give every path to a Variable). A table used
-    twice through one module (``nnx.Embed.attend``) is one path, not shared."""
-    paths: dict[int, list[tuple]] = {}
-    for path, node in nnx.iter_graph(model):
-        impl = None if isinstance(node, nnx.Variable) else nnx.graph.get_node_impl(node)
-        if impl is None:
-            continue
-        for key, child in impl.node_dict(node).items():
-            if isinstance(child, nnx.Param):
-                paths.setdefault(id(child), []).append((*path, key))
-    dotted = [sorted(".".join(str(k) for k in p) for p in ps) for ps in paths.values() if len(ps) > 1]
-    state = set(flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))))
-    return {next((p for p in ps if p in state), ps[0]): tuple(ps) for ps in dotted}
-
-
-def leaf_facts(model: nnx.Module) -> dict[str, LeafFacts]:
-    """``{parameter path: LeafFacts}`` of a model: each leaf's shape, dtype, the mesh axes its placement splits
-    it over (read from its ``NamedSharding``; ``()`` where it is replicated or not on a mesh), and the paths that
-    share it where several do (:func:`shared_paths`)."""
-    out = {}
-    shared = shared_paths(model)
-    for path, leaf in flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))).items():
-        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
-        axes: list[str] = []
-        for entry in spec or ():
-            if entry is None:
-                continue
-            axes += list(entry) if isinstance(entry, tuple) else [entry]
-        paths = shared.get(path, ())
-        out[path] = LeafFacts(
-            tuple(np.shape(leaf)), str(np.dtype(leaf.dtype)), tuple(axes), bool(paths), paths
-        )
-    return out
 
 
 def localization_evidence(run: _Run, record: StepRecord, snapshots, stepped, after, rtol, atol) -> StepRecord:
