@@ -74,6 +74,19 @@ def _bare_steps(task: shardcheck.Task, strategy: str, num_shards: int) -> float:
     return time.perf_counter() - t0
 
 
+def _bare_reference(task: shardcheck.Task) -> float:
+    """Wall seconds of the task's reference step alone over every batch (a fresh model)."""
+    model = task.model()
+    opt = nnx.Optimizer(model, task.optimizer, wrt=nnx.Param)
+    batches = [jax.tree.map(jax.numpy.asarray, b) for b in task.batches]
+    jax.block_until_ready(batches)
+    t0 = time.perf_counter()
+    for b in batches:
+        reference_step(task.loss_fn, model, opt, b)
+    jax.block_until_ready(nnx.state(model))
+    return time.perf_counter() - t0
+
+
 def _parity(task, strategy, num_shards) -> tuple[float, bool]:
     t0 = time.perf_counter()
     report = shardcheck.check_parity(strategy, task, num_shards=num_shards)
@@ -103,6 +116,30 @@ def measure(task: shardcheck.Task, strategy: str, num_shards: int, repeats: int 
         "ratio": parity / min(bare),
         "ok": all(ok for _, ok in runs),
         "without_sensitivity_s": min(dropped),
+    }
+
+
+def measure_against_reference(
+    task: shardcheck.Task, strategy: str, num_shards: int, repeats: int = 3
+) -> dict:
+    """Issue #35's accumulation row: warm ``check_parity(strategy)`` / twice the bare reference steps (the check
+    runs the reference and a candidate whose arithmetic is the reference's, ``num_shards`` micro-batches of it).
+    Best of ``repeats`` each after one warm-up of each, interleaved round by round. The keys of :func:`measure`,
+    ``bare_steps_s`` being twice ``bare_reference_s`` and ``without_sensitivity_s`` not measured (``None``)."""
+    # round 0 warms up
+    rounds = [(_bare_reference(task), _parity(task, strategy, num_shards)) for _ in range(repeats + 1)][1:]
+    ref = min(r[0] for r in rounds)
+    parity = min(r[1][0] for r in rounds)
+    return {
+        "strategy": strategy,
+        "num_shards": num_shards,
+        "steps": len(task.batches),
+        "check_parity_s": parity,
+        "bare_reference_s": ref,
+        "bare_steps_s": 2 * ref,
+        "ratio": parity / (2 * ref),
+        "ok": all(r[1][1] for r in rounds),
+        "without_sensitivity_s": None,
     }
 
 
@@ -187,3 +224,59 @@ def profile(task: shardcheck.Task, strategy: str, num_shards: int, *, warm: bool
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
     return {"profiled_s": wall, "cumulative_s": by_category, "top": out.getvalue()}
+
+
+ROWS = ("dp", "fsdp", "tiny_lm", "tiny_lm_accumulation")
+"""The harness rows of ``benchmarks/run.py`` (``harness.rows``): dp and fsdp on the MLP, dp on tiny-lm, and
+issue #35's accumulation row (tiny-lm, S=4: the check over twice the bare reference steps)."""
+
+
+def harness_row(name: str, steps: int, repeats: int, mlp_size=(512, 1024, 512, 256)) -> tuple[dict, tuple]:
+    """``(row, (task, strategy))`` of one of :data:`ROWS` (4 shards)."""
+    if name in ("dp", "fsdp"):
+        task = mlp_task(*mlp_size, steps)
+        return measure(task, name, 4, repeats), (task, name)
+    from shardcheck.tasks import load_task
+
+    lm = load_task("tiny-lm", optimizer="adam", steps=steps)
+    if name == "tiny_lm":
+        return measure(lm, "dp", 4, repeats), (lm, "dp")
+    return measure_against_reference(lm, "accumulation", 4, repeats), (lm, "accumulation")
+
+
+def main(argv=None) -> int:
+    """Only the harness rows, quickly: ``python benchmarks/overhead.py --rows tiny_lm,tiny_lm_accumulation
+    --profile --json OUT`` (8 fake CPU devices, the compilation cache off, as ``benchmarks/run.py``)."""
+    import argparse
+    import json
+    import os
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--steps", type=int, default=10, help="steps of every row (benchmarks/run.py: 10)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (best of)")
+    p.add_argument("--profile", action="store_true", help="also one cProfile run of each row, printed")
+    p.add_argument("--json", default=None, help="write the rows (and profiles) to this JSON file")
+    args = p.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_compilation_cache", False)
+    out = {"loadavg_start": list(os.getloadavg()), "rows": {}, "profiles": {}}
+    for name in args.rows.split(","):
+        row, (task, strategy) = harness_row(name, args.steps, args.repeats)
+        out["rows"][name] = row
+        print(f"{name}: check {row['check_parity_s']:.3f} s / bare {row['bare_steps_s']:.3f} s = "
+              f"{row['ratio']:.2f} (ok {row['ok']})", flush=True)  # fmt: skip
+        if args.profile:
+            prof = profile(task, strategy, 4, warm=True)
+            out["profiles"][name] = {k: prof[k] for k in ("profiled_s", "cumulative_s")}
+            print(prof["top"], flush=True)
+    out["loadavg_end"] = list(os.getloadavg())
+    print("load average", out["loadavg_start"][0], "->", out["loadavg_end"][0])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

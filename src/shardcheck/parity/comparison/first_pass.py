@@ -55,10 +55,15 @@ def _reduce(r, c, r0, extra, axis) -> dict:
     return out
 
 
+# the columns of :func:`_stats`'s matrix; a leaf without a before-state or an allowance has 0 in those columns
+_FIELDS = ("diff", "scale", "change", "min_extra", "max_extra")
+
+
 @functools.partial(jax.jit, static_argnums=4)
-def _stats(r: list, c: list, r0: list, extra: list, groups: tuple) -> list:
-    """Per leaf, the reductions: one compiled call for every leaf on one set of devices; ``groups`` (static): the
-    indices reduced as one stack, the others one by one (:func:`_groups`)."""
+def _stats(r: list, c: list, r0: list, extra: list, groups: tuple) -> jax.Array:
+    """The reductions of every leaf on one set of devices, in one compiled call: a ``(leaves, 5)`` float32 matrix
+    (columns :data:`_FIELDS`), read back in one transfer; ``groups`` (static): the indices reduced as one stack,
+    the others one by one (:func:`_groups`)."""
     out: list = [None] * len(r)
     for members in groups:
         if len(members) == 1:
@@ -74,7 +79,8 @@ def _stats(r: list, c: list, r0: list, extra: list, groups: tuple) -> list:
         reduced = _reduce(stack(r), stack(c), stack(r0), stack(extra), -1)
         for j, i in enumerate(members):
             out[i] = {k: v[j] for k, v in reduced.items()}
-    return out
+    zero = jnp.zeros((), jnp.float32)
+    return jnp.stack([jnp.stack([st.get(k, zero) for k in _FIELDS]) for st in out])
 
 
 def _groups(r: list, r0: list, extra: list) -> tuple[tuple[int, ...], ...]:
@@ -119,8 +125,11 @@ def _cleared(item, st: dict) -> LeafError | None:
 
 def _moved(arrays: list, places: list) -> list:
     """``arrays`` (``None`` kept) each moved onto its place, in one call (a call per leaf costs more than the
-    reduction); an array already there is not copied."""
-    present = [j for j, a in enumerate(arrays) if a is not None]
+    reduction); an array already there is not copied, and one committed there already is passed as it is (the
+    same placement and committedness: the statistics' program is the same one)."""
+    present = [
+        j for j, a in enumerate(arrays) if a is not None and not (a.committed and a.sharding == places[j])
+    ]
     out = list(arrays)
     moved = jax.device_put([arrays[j] for j in present], [places[j] for j in present])
     for j, a in zip(present, moved, strict=True):
@@ -151,6 +160,8 @@ def clear(items: Sequence) -> list[LeafError | None]:
         }
         r, c, r0, extra = fields["r"], fields["c"], fields["r0"], fields["extra"]
         stats = jax.device_get(_stats(r, c, r0, extra, _groups(r, r0, extra)))
-        for i, st in zip(members, stats, strict=True):
+        for j, i in enumerate(members):
+            present = (True, True, r0[j] is not None, extra[j] is not None, extra[j] is not None)
+            st = {k: v for k, v, here in zip(_FIELDS, stats[j], present, strict=True) if here}
             out[i] = _cleared(items[i], st)
     return out

@@ -107,6 +107,9 @@ def leaf_error(
     base = atol + rtol * scale
     if r.shape != c.shape:
         return LeafError(step, kind, path, math.inf, math.inf, base, False, shape=r.shape)
+    if allowance is None and before_ref is None and not r.any() and not c.any():
+        # both all zeros (an accumulator emptied after its step): every field below, without its passes
+        return LeafError(step, kind, path, 0.0, 0.0, base + 0.0, True, None, None, None, r.shape)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(c - r)
     nan = bool(np.isnan(diff).any())

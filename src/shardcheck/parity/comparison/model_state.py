@@ -19,16 +19,27 @@ PREFIX = "model."
 """The path prefix of a model-state leaf in a report (``counter model.calls``), beside the optimizer's counters."""
 
 
-def model_state(model: nnx.Module) -> dict:
-    """``{dotted path: array}`` of the model's integer state that is neither a parameter nor an RNG stream."""
-    flat = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))))
-    return {".".join(map(str, p)): v[...] for p, v in flat if is_int(v[...])}
+def model_state(model: nnx.Module, found: dict | None = None, key: str = "model_state") -> dict:
+    """``{dotted path: array}`` of the model's integer state that is neither a parameter nor an RNG stream.
+
+    ``found``: where the model's steps write into its Variables in place, a mapping in which the Variables are
+    kept under ``key`` when first found (one graph traversal), and read at every later call without another."""
+    entry = None if found is None else found.get(key)
+    if entry is None or entry[0] is not model:
+        flat = nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))))
+        entry = (model, [(".".join(map(str, p)), v) for p, v in flat])
+        if found is not None:
+            found[key] = entry
+    return {path: v[...] for path, v in entry[1] if is_int(v[...])}
 
 
-def model_state_leaves(step: int, ref_model: nnx.Module, cand_model: nnx.Module) -> list[LeafError]:
+def model_state_leaves(
+    step: int, ref_model: nnx.Module, cand_model: nnx.Module, found: dict | None = None
+) -> list[LeafError]:
     """One exact ``counter`` leaf per integer model-state leaf both models hold (path ``model.<path>``); an
-    array leaf's error is its largest elementwise difference."""
-    ref, cand = model_state(ref_model), model_state(cand_model)
+    array leaf's error is its largest elementwise difference. ``found``: as :func:`model_state`'s."""
+    ref = model_state(ref_model, found, "model_state ref")
+    cand = model_state(cand_model, found, "model_state cand")
     out = []
     for path, r in ref.items():
         if path not in cand:

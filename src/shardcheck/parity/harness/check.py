@@ -111,7 +111,7 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
     """Step the reference: the task's single-device step, or the run's reference strategy on the candidate's mesh
     (``run.ref_strategy``), or a user's step (no bounds); or take step ``t`` from the task's shared trajectory
     (:mod:`.reference_trajectory`). Returns ``(loss, grads, pre-step state, _Bounds or None)``."""
-    pre = _PreStep.of(run.ref_model, run.ref_opt)
+    pre = _PreStep.of(run.ref_model, run.ref_opt, run)
     if run.reference is not None:
         loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
         return loss, grads, pre, None
@@ -200,7 +200,7 @@ def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _Af
         if np.dtype(r.dtype).kind in "iub":
             leaves.append(counter_error(t, path, r, c))
         else:
-            before = cand0.get(path, jnp.zeros_like(r))
+            before = cand0[path] if path in cand0 else jnp.zeros_like(r)  # no eager op per leaf
             tracked = bounds is not None and path in bounds.state_paths
             allowance = run.state_allowance.get(path) if tracked else None
             r_tol, a_tol = run.tol("opt_state", path, MOMENT_FACTOR * rtol, MOMENT_FACTOR * atol)
@@ -329,7 +329,8 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     ref_count = int(np.asarray(run.ref_opt.step[...]))
     leaves += params + opt_leaves
     leaves.append(counter_error(t, "step", ref_count, after.cand_count))
-    leaves += model_state_leaves(t, run.ref_model, run.cand_model)  # a counter the forward pass writes
+    # a counter the forward pass writes (its Variables found once where the steps update in place)
+    leaves += model_state_leaves(t, run.ref_model, run.cand_model, run.found if run.in_place else None)
     leaves += _extra_checks(run, t, completed, rtol, atol)
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]
@@ -703,7 +704,11 @@ def _run_steps(run: _Run, data, tolerances):
         if diverged_at is None:
             # the reference's state before the step, for a re-check; the task's reference step donates nothing
             keep = not rechecked
-            pre = _kept_state(run.ref_model, run.ref_opt, copy=run.reference is not None) if keep else None
+            pre = (
+                _kept_state(run.ref_model, run.ref_opt, copy=run.reference is not None, run=run)
+                if keep
+                else None
+            )
             r_tol, a_tol, _ = tolerances(batch, t)
             recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
             record, finite = _compare_step(

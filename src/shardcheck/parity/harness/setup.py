@@ -106,6 +106,8 @@ def _setup(
         reference_name=ref_name,
         matmul_source=policy[1],
         matmul_realization=policy[2] if precision.matmul_coarser else None,
+        # the task's step and the registered strategies write their new state into the Variables in place
+        in_place=isinstance(candidate, str) and (reference is None or isinstance(reference, str)),
     )
     return run, data
 

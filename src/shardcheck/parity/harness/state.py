@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -23,15 +24,94 @@ PyTree = Any
 StepFn = Callable[..., Any]
 
 
-def _kept_state(
-    model: nnx.Module, optimizer: nnx.Optimizer, *, copy: bool
-) -> tuple[nnx.Module, nnx.Optimizer]:
-    """A model and optimizer holding the given ones' state as it is now: new graph objects over the same buffers
-    (nothing is copied: a later step that does not donate them leaves them as they are), or copies with
-    ``copy`` (a step that may donate them: a user's reference step)."""
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass
+class _Found:
+    """The Variables of one graph object's state (``nnx.state(obj, ...)``, or ``nnx.split`` of it), found by one
+    graph traversal and read at every later step without another (an NNX graph flatten of the tiny-lm's model
+    and optimizer takes milliseconds, and the harness read both sides several times a step). Valid while the
+    object's steps write their new values into the same Variables, as ``nnx.update`` and
+    ``nnx.Optimizer.update`` do: the steps of the task and of the registered strategies (:attr:`_Run.in_place`).
+
+    ``paths``: :func:`flatten_state`'s dotted paths, in the order of ``variables``; ``treedef``: the state's
+    structure with a Variable at each leaf; ``graphdef``: ``nnx.split``'s, where the state came from it."""
+
+    obj: Any
+    paths: list[str]
+    variables: list[nnx.Variable]
+    treedef: Any
+    graphdef: Any = None
+
+    @staticmethod
+    def of(obj, state, graphdef=None) -> _Found | None:
+        """``None`` where a Variable is not one leaf of ``state`` (its paths would not pair with the Variables)."""
+        variables, treedef = jax.tree.flatten(state, is_leaf=_is_variable)
+        paths = list(flatten_state(state))
+        if len(paths) != len(variables) or not all(map(_is_variable, variables)):
+            return None
+        return _Found(obj, paths, variables, treedef, graphdef)
+
+    def values(self) -> list:
+        return [v.get_raw_value() for v in self.variables]
+
+    def flat(self) -> dict[str, Any]:
+        """``flatten_state(nnx.state(obj, ...))`` as the state is now: ``{dotted path: array}``."""
+        return dict(zip(self.paths, self.values(), strict=True))
+
+
+def _found(run: _Run | None, key: str, obj, state_fn: Callable[[], Any]) -> dict[str, Any]:
+    """``flatten_state(state_fn())``, ``state_fn`` reading ``obj``'s state: found once per object and ``key`` in
+    ``run.found`` where the run's steps update in place (:attr:`_Run.in_place`), else traversed every time."""
+    if run is None or not run.in_place:
+        return flatten_state(state_fn())
+    entry = run.found.get(key)
+    if entry is None or entry.obj is not obj:
+        state = state_fn()
+        entry = _Found.of(obj, state)
+        if entry is None:
+            return flatten_state(state)
+        run.found[key] = entry
+    return entry.flat()
+
+
+class _Kept:
+    """A model and optimizer holding given ones' state as it was when kept (:func:`_kept_state`): the graph
+    objects are built from the kept arrays when first unpacked (``model, optimizer = kept``), which a step loop
+    does only to re-check a failing step."""
+
+    def __init__(self, graphdef, state):
+        self._parts = (graphdef, state)
+        self._objects = None
+
+    def __iter__(self):
+        if self._objects is None:
+            self._objects = nnx.merge(*self._parts)
+        return iter(self._objects)
+
+
+def _kept_state(model: nnx.Module, optimizer: nnx.Optimizer, *, copy: bool, run: _Run | None = None):
+    """A model and optimizer holding the given ones' state as it is now (unpack it: ``model, optimizer =
+    kept``): new graph objects with new Variables over the same buffers (nothing is copied: a later step that
+    does not donate them leaves them as they are, and writes its new values into the given ones' Variables, not
+    these), or copies with ``copy`` (a step that may donate them: a user's reference step). The graph objects are
+    built when first unpacked, which a step loop does only to re-check a failing step.
+
+    With ``run`` (whose steps update in place, :attr:`_Run.in_place`) the pair's Variables are found once and
+    their arrays read at each later call."""
     if copy:
         return copy_state(model, optimizer)
-    return nnx.merge(*nnx.split((model, optimizer)))
+    entry = None if run is None or not run.in_place else run.found.get("kept")
+    if entry is None or entry.obj is not model or entry.graphdef is None:
+        graphdef, state = nnx.split((model, optimizer))
+        entry = _Found.of(model, state, graphdef)
+        if entry is None:  # (not seen: a Variable of several leaves) its arrays as they are now
+            return _Kept(graphdef, nnx.as_pure(state))
+        if run is not None and run.in_place:
+            run.found["kept"] = entry
+    return _Kept(entry.graphdef, jax.tree.unflatten(entry.treedef, entry.values()))
 
 
 def _opt_state(optimizer: nnx.Optimizer) -> PyTree:
@@ -54,9 +134,20 @@ class _PreStep:
     opt_state: PyTree
 
     @staticmethod
-    def of(model, optimizer) -> _PreStep:
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return _PreStep(graphdef, nnx.as_pure(params), rest, nnx.as_pure(optimizer.opt_state))
+    def of(model, optimizer, run: _Run | None = None) -> _PreStep:
+        """The state of ``model`` and ``optimizer`` now; with ``run`` (whose steps update in place,
+        :attr:`_Run.in_place`) the model's graph is traversed at its first call only: its graph definition and
+        the State of its other Variables (the same Variables at every step) are kept, its parameters read."""
+        entry = None if run is None or not run.in_place else run.found.get("pre_step")
+        if entry is None or entry[0] is not model:
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            found = _Found.of(model, params, graphdef)
+            if run is not None and run.in_place and found is not None:
+                run.found["pre_step"] = (model, found, rest)
+            return _PreStep(graphdef, nnx.as_pure(params), rest, nnx.as_pure(optimizer.opt_state))
+        _, found, rest = entry
+        params = jax.tree.unflatten(found.treedef, found.values())
+        return _PreStep(found.graphdef, params, rest, nnx.as_pure(optimizer.opt_state))
 
 
 @dataclasses.dataclass
@@ -103,6 +194,10 @@ class _Run:
     # measure its rounding (parity.matmul.resolve), or None where the matmuls round no more than the compute dtype
     matmul_source: str = ""
     matmul_realization: str | None = None
+    # whether both sides' steps write their new state into their Variables in place (the task's step, the
+    # registered strategies): their Variables are then found once and read at each step (_Found, by key)
+    in_place: bool = False
+    found: dict = dataclasses.field(default_factory=dict)
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
@@ -133,6 +228,7 @@ class _Run:
             state_allowance={},
             last=None,
             deferred=None,
+            found={},
         )
 
 
@@ -150,12 +246,16 @@ class _After:
 
     @staticmethod
     def of(run: _Run) -> _After:
-        view = run.cand.view_optimizer or _default_view
-        cand_view, cand_count = view(run.cand_opt)
+        if run.cand.view_optimizer is None:
+            cand_state = _found(run, "cand_state", run.cand_opt, lambda: _opt_state(run.cand_opt))
+            cand_count = run.cand_opt.step[...]
+        else:
+            cand_view, cand_count = run.cand.view_optimizer(run.cand_opt)
+            cand_state = flatten_state(cand_view)
         return _After(
-            flatten_state(nnx.state(run.ref_model, nnx.Param)),
-            flatten_state(nnx.state(run.cand_model, nnx.Param)),
-            flatten_state(_opt_state(run.ref_opt)),
-            flatten_state(cand_view),
+            _found(run, "ref_params", run.ref_model, lambda: nnx.state(run.ref_model, nnx.Param)),
+            _found(run, "cand_params", run.cand_model, lambda: nnx.state(run.cand_model, nnx.Param)),
+            _found(run, "ref_state", run.ref_opt, lambda: _opt_state(run.ref_opt)),
+            cand_state,
             cand_count,
         )

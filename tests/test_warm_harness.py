@@ -1,0 +1,109 @@
+"""The harness's host work per step (issue #35): each side's Variables found once and read at every step, the
+reference's state kept for a re-check without another graph traversal, and what these keep exactly.
+
+- ``state._kept_state`` holds the state as it was when kept, whatever a later in-place step writes;
+- a re-check of a failing step starts from the reference's state before that step (``tests/kinked.py``);
+- a check that finds its Variables once reports what a check traversing both graphs at every step reports.
+"""
+
+import kinked
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+
+import shardcheck
+from shardcheck.parity.comparison.live import leaf_error
+from shardcheck.parity.harness import state
+
+
+class _InPlaceRun:
+    """What ``_kept_state`` reads of a run: whether its steps update in place, and its found Variables."""
+
+    in_place = True
+
+    def __init__(self):
+        self.found = {}
+
+
+def _pair():
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+
+
+def _step(model, optimizer):
+    grads = nnx.grad(lambda m: (m(np.ones((4, 3), np.float32)) ** 2).sum())(model)
+    optimizer.update(model, grads)
+
+
+@pytest.mark.parametrize("run", [None, _InPlaceRun()], ids=["traversed", "found once"])
+def test_kept_state_is_the_state_before_a_later_step(run):
+    model, optimizer = _pair()
+    kernel0, mu0 = model.kernel[...], optimizer.opt_state[0].mu["kernel"][...]
+    kept = state._kept_state(model, optimizer, copy=False, run=run)
+    _step(model, optimizer)  # writes into model's and optimizer's Variables
+    assert int(optimizer.step[...]) == 1 and not np.array_equal(model.kernel[...], kernel0)
+    k_model, k_opt = kept
+    assert k_model.kernel is not model.kernel  # its own Variables...
+    assert k_model.kernel[...] is kernel0 and k_opt.opt_state[0].mu["kernel"][...] is mu0  # ...same buffers
+    assert int(k_opt.step[...]) == 0
+    again = state._kept_state(model, optimizer, copy=False, run=run)  # now: the state after the step
+    a_model, a_opt = again
+    assert a_model.kernel[...] is model.kernel[...] and int(a_opt.step[...]) == 1
+    if run is not None:
+        assert run.found["kept"].obj is model  # found at the first call, read at the second
+
+
+def test_a_recheck_starts_from_the_reference_state_before_the_failing_step():
+    """The trajectories split at step t; the re-check of step t steps both sides once from the reference's state
+    before step t: its reference loss is the trajectory's own at step t, bit for bit, and its counter t + 1."""
+    report = shardcheck.check_parity(kinked.rounded_step, kinked.task, num_shards=2)
+    t = kinked.DIVERGES_AT
+    assert report.diverged_at == t and report.steps[t].synchronized
+    assert report.steps[t].loss == report.diverged.loss
+    assert report.steps[t].step_count == report.diverged.step_count == t + 1
+    assert report.steps[t].candidate_step_count == t + 1
+
+
+def test_all_zero_leaves_compare_as_the_full_rule_does():
+    """An emptied accumulator (both sides all zeros) skips the rule's passes; the record is the full rule's (an
+    all-zero allowance takes the full path)."""
+    zeros = np.zeros((3, 4), np.float32)
+    fast = leaf_error(2, "opt_state", "acc_grads.w", zeros, -zeros, 1e-6, 1e-7)
+    full = leaf_error(2, "opt_state", "acc_grads.w", zeros, -zeros, 1e-6, 1e-7, allowance=zeros)
+    assert fast == full
+    assert (fast.max_abs_err, fast.tolerance, fast.ok, fast.ratio, fast.shape) == (
+        0.0,
+        1e-7,
+        True,
+        None,
+        (3, 4),
+    )
+    nan = zeros.copy()
+    nan[1, 2] = np.nan
+    assert not leaf_error(2, "opt_state", "acc_grads.w", zeros, nan, 1e-6, 1e-7).ok
+
+
+@require_devices(2)
+@pytest.mark.parametrize("strategy", ["dp", "accumulation"])
+def test_variables_found_once_report_what_a_traversal_at_every_step_does(strategy, monkeypatch):
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))
+        for _ in range(3)
+    ]
+    task = shardcheck.Task(
+        model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+        optimizer=optax.adam(0.05),
+        loss_fn=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(),
+        batches=batches,
+    )
+    found = shardcheck.check_parity(strategy, task, num_shards=2)
+    monkeypatch.setattr(state._Found, "of", staticmethod(lambda *a, **k: None))  # traverse every time
+    traversed = shardcheck.check_parity(strategy, task, num_shards=2)
+    assert found.verdict == traversed.verdict == "PASS"
+    assert [r.leaves for r in found.steps] == [r.leaves for r in traversed.steps]
+    assert [(r.loss, r.candidate_loss) for r in found.steps] == [
+        (r.loss, r.candidate_loss) for r in traversed.steps
+    ]
