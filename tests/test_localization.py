@@ -201,3 +201,31 @@ def test_a_gradient_scaled_on_part_of_a_leaf_claims_no_factor_and_names_the_spre
     assert (
         "grad inp.kernel has no constant factor: its elementwise ratio runs from 1 to 2 (10th-90th" in message
     )
+
+
+def test_failing_leaves_of_two_kinds_that_share_nothing_together_are_grouped_per_kind():
+    """A clip coefficient from a mean of per-device norms (``tests/test_clipping_faults.py``): Adam's first
+    moments and one kernel fail from equal gradients, the second moments and the other parameters match. Taken
+    together the failing leaves share no ndim, name or module; each kind's do, and that is said."""
+    from shardcheck.parity.diagnosis.evidence import StepRecord
+    from shardcheck.parity.diagnosis.localization import localize
+
+    def leaf(kind, path, shape, ok):
+        err = 1e-4 if ok else 1.0
+        return LeafError(0, kind, path, err, err, 1e-3, ok, None if ok else 1.415, None, None, shape)
+
+    params = [leaf("param", "a.kernel", (4, 4), False), leaf("param", "b.kernel", (4, 4), True)]
+    params.append(leaf("param", "b.bias", (4,), True))
+    state = [leaf("opt_state", f"0.{m}.{p}", s, m == "nu") for m in ("mu", "nu") for p, s in SHAPES.items()]
+    grads = [leaf("grad", p, s, True) for p, s in SHAPES.items()]
+    leaves = (leaf("loss", "loss", (), True), *grads, *params, *state)
+    record = StepRecord(0, 1e-5, 1e-6, 1.0, 1.0, leaves, 1, 1, optimizer_rerun=(*params, *state))
+    loc = localize([record])
+    assert loc.stage == "optimizer"
+    assert loc.group == (
+        "optimizer-state leaves: every failing leaf is under 0.mu; every other leaf matches; and parameter leaves: "
+        "every failing leaf is under a; every other leaf matches"
+    )
+
+
+SHAPES = {"a.kernel": (4, 4), "b.kernel": (4, 4), "b.bias": (4,)}

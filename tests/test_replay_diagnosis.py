@@ -167,3 +167,26 @@ def test_the_same_task_under_another_name_replays_and_too_few_batches_are_refuse
     assert f"(it records task {task.name!r}, this run's is 'another spelling'); pass steps=1 or fewer" in str(
         err.value
     )
+
+
+@require_devices(2)
+def test_an_optimizer_stepped_per_micro_batch_is_read_through_its_view_replayed_as_live():
+    """A candidate with an optimizer of its own (``optax.apply_every`` stepping Adam on each of 2 micro-batches)
+    is recorded through its ``view_optimizer``, as the live check reads it: replayed against a recording of the
+    built-in accumulation, Adam's count is compared (2 against 1) and the step is localized to the optimizer
+    state with the live check's code, not to the parameters with "Only the loss matches" (its state, named
+    otherwise, was left out) nor with a changed counter dtype."""
+    from test_verdict import adam_lm, apply_every_candidate
+
+    task = adam_lm()
+    cand = apply_every_candidate(task.loss_fn, 2, False)
+    recording = record_run(task, "accumulation", num_shards=2)
+    live = check_parity(cand, task)
+    replayed = check_parity(cand, task, reference=recording)
+    for report in (live, replayed):
+        assert report.verdict == "FAIL" and report.codes[0] == "step_counter", report.diagnosis
+        assert "stepped per micro-batch (k = 2)" in report.diagnosis
+        count = next(e for e in report.steps[0].leaves if e.name == "counter 0.count")
+        assert (count.ok, count.ratio) == (False, 2.0)
+        assert report.localization.stage == "optimizer"
+    assert not {"loss_only", "structure"} & set(replayed.codes), replayed.codes

@@ -51,6 +51,8 @@ UNSEEN_GRADIENTS = (
     "the state the optimizer kept differs; the gradients it was given were not observed, so the mistake may be "
     "in them or in how the update was computed",
 )
+# the forward stage where the loss matches and a counter the forward pass writes (``model.*``) differs
+FORWARD_STATE = "the forward pass writes the model's state another way at equal parameters; the loss matches"
 NOUNS = {
     "forward": "the forward pass (loss)",
     "gradients": "the gradients",
@@ -185,6 +187,8 @@ class Localization:
             noun, meaning = NOUNS[self.stage], MEANING[self.stage]
             if self.stage == "optimizer" and self.status("gradients") == NOT_OBSERVED:
                 noun, meaning = UNSEEN_GRADIENTS  # no equal inputs were seen: the gradients are not cleared
+            if self.stage == "forward" and self._loss_matches():
+                meaning = FORWARD_STATE  # only a counter the forward pass writes differs: not "another loss"
             head = f"First difference at {where}: {noun} ({meaning})."
             if agree:
                 head += f" Before it, {agree} {'match' if len(before) > 1 else 'matches'}."
@@ -200,6 +204,11 @@ class Localization:
             parts.append(f"Form: {self.form.sentence}.")
         parts.append("Stages: " + "; ".join(s.phrase() for s in self.stages) + ".")
         return " ".join(parts)
+
+    def _loss_matches(self) -> bool:
+        """Whether the forward stage's loss leaf matches (its failing leaves are model-state counters)."""
+        forward = next(s for s in self.stages if s.stage == "forward")
+        return any(k == "loss" and bad == 0 for k, _, bad in forward.kinds)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict: ``step``, ``stage``, ``group``, ``form``, ``stages``, ``synchronized``, ``module``
@@ -311,8 +320,11 @@ def localize(
         group = _group(bad, leaves, facts or {})
         if first.stage == "forward":
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
-        form = dict(record.forms).get(first.stage) or form_from_leaves(bad, update=first.stage != "gradients")
+        update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
+        form = dict(record.forms).get(first.stage) or form_from_leaves(bad, update=update)
         form = checked_form(form, first.stage, bad, leaves, record)
+        if first.stage == "forward":
+            form = forward_form(form, bad, by_stage["gradients"])
     module = record.module if first.stage == "forward" else None
     return Localization(record.step, first.stage, results, group, form, record.synchronized, module)
 
@@ -332,18 +344,32 @@ def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -
     return shared_property(failing, matching, facts) if failing else ""
 
 
+# how the grouping names a kind of leaf
+GROUP_WORDS = {"opt_state": "optimizer-state", "param": "parameter", "grad": "gradient", "loss": "loss"}
+# the grouping's sentence where no property separates the failing leaves from the matching ones
+NO_PROPERTY = "share no ndim, name or module that the matching ones lack"
+
+
 def _group(bad: list[LeafError], leaves: list[LeafError], facts: Mapping[str, LeafFacts]) -> str:
     """What the failing leaves share among the stage's leaves of their own kinds, and whether the other kinds
-    of the stage all match."""
+    of the stage all match. Where the failing leaves are of several kinds and share nothing together, what the
+    failing leaves of each kind share among that kind (``"optimizer-state leaves: every failing leaf is under 1.0.mu; every other
+    leaf matches; and parameter leaves: only hidden.kernel differs; every other leaf matches"``)."""
     kinds = {e.kind for e in bad}
     same = [e for e in leaves if e.kind in kinds]
     failing = {e.path: e.shape for e in bad}
     matching = {e.path: e.shape for e in same if e.ok}
     sentence = shared_property(failing, matching, facts)
+    if len(bad) == 1 and not matching:  # one leaf of its kind: named ("all 1 leaves differ" said nothing)
+        sentence = f"only {bad[0].name} differs"
+    if len(kinds) > 1 and NO_PROPERTY in sentence:  # mixed kinds: what each kind's failing leaves share
+        sentence = "; and ".join(
+            f"{GROUP_WORDS[k]} leaves: {_group([e for e in bad if e.kind == k], same, facts)}"
+            for k in sorted(kinds)
+        )
     others = sorted({e.kind for e in leaves} - kinds)
     if others and all(e.ok for e in leaves if e.kind not in kinds):
-        words = {"opt_state": "optimizer-state", "param": "parameter", "grad": "gradient", "loss": "loss"}
-        listed = " and ".join(words.get(k, k) for k in others)
+        listed = " and ".join(GROUP_WORDS.get(k, k) for k in others)
         sentence += f"; every {listed} leaf of this stage matches"
     return sentence
 
@@ -356,6 +382,15 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
     bad = [e for e in grads if not e.ok]
     if not bad or len(bad) == len(grads):
         return ""
+    scaled = whole_loss_factor(grads)
+    if scaled is not None:
+        quiet = sorted(e.path for e in grads if e.ok)
+        listed = ", ".join(quiet[:4]) + (", ..." if len(quiet) > 4 else "")
+        return (
+            f"the loss's difference reaches every gradient that can show it: {len(bad)} of {len(grads)} gradient "
+            f"leaves are {scaled:.4g} x the reference's; the other {len(quiet)} ({listed}) are too small to show "
+            f"a factor {scaled:.4g} (rounding level)"
+        )
     which = common_prefix([e.path for e in bad])
     good = [e.path for e in grads if e.ok]
     if which and not any(p == which or p.startswith(which + ".") for p in good):
@@ -369,6 +404,65 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
         "parameters (an auxiliary term such as a load-balancing or regularization loss, or their module's output) "
         "is computed differently"
     )
+
+
+def whole_loss_factor(grads: list[LeafError]) -> float | None:
+    """The one constant factor of every failing gradient leaf where no matching gradient leaf could have shown it
+    (:func:`~shardcheck.parity.diagnosis.evidence.would_show`: a rounding-level gradient matches under any
+    factor), as a scale of the whole loss gives; ``None`` otherwise (no gradient fails, or the factor is not
+    one, or a matching gradient would show it: a term of the loss differs)."""
+    bad = [e for e in grads if not e.ok]
+    if not bad:
+        return None
+    form = form_from_leaves(bad, update=False)
+    if form.kind != "factor" or any(would_show(e, form.factor) for e in grads if e.ok):
+        return None
+    return form.factor
+
+
+def forward_form(
+    form: Form | None, bad: list[LeafError], grads: list[LeafError] | None = None
+) -> Form | None:
+    """A forward stage's constant factor said of what it scales, never of an update (no optimizer step, no
+    learning rate): the loss at equal parameters (``"... : the loss at equal parameters is 4 x the reference's"``
+    and what the gradients show of it: the whole loss scaled where every gradient that can show it carries the same
+    factor, one term of it where only some gradients differ, a loss computed apart from the one differentiated
+    where every gradient matches, else unknown), or a counter the forward pass writes (``"... : the forward pass's
+    counter model.calls is 2 x the reference's: the forward pass ran 2 times a step"``). Any other form is
+    returned as it is.
+
+    Args:
+        form: the forward stage's form (fitted with ``update=False``), or ``None``.
+        bad: the forward stage's failing leaves (the loss, ``counter model.*``).
+        grads: the gradient leaves of the step (``None`` or empty: not observed).
+    """
+    if form is None or form.kind != "factor" or len({e.kind for e in bad}) != 1:
+        return form
+    f, head = form.factor, form.sentence.split(": ", 1)[0]
+    if bad[0].kind != "loss":
+        k = round(f)
+        ran = f"ran {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else "ran another number of times"
+        names = ", ".join(sorted(e.path for e in bad))
+        meaning = (
+            f"the forward pass's counter {names} is {f:.4g} x the reference's: the forward pass {ran} a step"
+        )
+        return dataclasses.replace(form, sentence=f"{head}: {meaning}")
+    scaled = whole_loss_factor(grads or [])
+    if not grads:
+        why = "its scale, its normalization or one of its terms differs (the gradients were not observed)"
+    elif all(e.ok for e in grads):
+        why = "every gradient matches: the loss returned is computed apart from the one differentiated"
+    elif scaled is not None and abs(scaled - f) <= 0.02 * abs(f):
+        why = (
+            f"every gradient that can show it is {scaled:.4g} x too: the whole loss is scaled, its normalization "
+            "differs (a sum for a mean, another count or divisor, a loss scale not undone)"
+        )
+    elif scaled is None:
+        why = "only some gradients differ: one term of the loss differs (the group)"
+    else:
+        why = f"the gradients are {scaled:.4g} x the reference's: the loss and its gradients are scaled apart"
+    meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
+    return dataclasses.replace(form, sentence=f"{head}: {meaning}")
 
 
 def _kinds(record: StepRecord, ok: bool) -> set[str]:

@@ -38,6 +38,8 @@ from flax import nnx
 from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
 from shardcheck.parity.comparison.live import device_snapshot, flatten_state
+from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
+from shardcheck.parity.comparison.model_state import model_state
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.setup import _check_strategy, _task_batches, check_options
 from shardcheck.parity.tolerance import matmul
@@ -249,12 +251,19 @@ def _kind(a) -> str:
     return "counter" if integer else "opt_state"
 
 
-def state_leaves(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+def state_leaves(model: nnx.Module, optimizer: nnx.Optimizer, view=None) -> dict[str, Any]:
     """``{name: leaf}`` of the parameters, the optimizer state and the counters (names as :class:`Recording`'s).
 
-    Works on concrete and abstract (``nnx.eval_shape``) state alike.
+    ``view``: a candidate's ``view_optimizer`` (``optimizer -> (state as the task's optimizer's, update
+    count)``), where it steps an optimizer of its own: its state and count are recorded as the task's optimizer's
+    would be (``"opt_state 0.mu.w"``, ``"counter step"``), what a live check compares. Works on concrete and
+    abstract (``nnx.eval_shape``) state alike.
     """
     out = {f"param {p}": a for p, a in flatten_state(nnx.state(model, nnx.Param)).items()}
+    if view is not None:
+        state, count = view(optimizer)
+        out["counter step"] = jnp.asarray(count, optimizer.step[...].dtype)  # an nnx.Optimizer's step dtype
+        return out | {f"{_kind(a)} {p}": a for p, a in flatten_state(state).items()}
     for path, a in flatten_state(nnx.state(optimizer)).items():
         if path == "step":
             out["counter step"] = a
@@ -364,11 +373,14 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     return model, optimizer, data, cand, mesh
 
 
-def _step_leaves(loss, grads, model, optimizer) -> dict[str, Any]:
+def _step_leaves(loss, grads, model, optimizer, view=None) -> dict[str, Any]:
+    """A step's leaves: the loss, the gradients, the state (through ``view``: :func:`state_leaves`), and the
+    integer model state the forward pass writes (``"counter model.calls"``, compared exactly as live)."""
     leaves = {} if loss is None else {"loss": loss}
     if grads is not None:
         leaves.update({f"grad {p}": g for p, g in flatten_state(grads).items()})
-    return leaves | state_leaves(model, optimizer)
+    written = {f"counter {MODEL_PREFIX}{p}": a for p, a in model_state(model).items()}
+    return leaves | state_leaves(model, optimizer, view) | written
 
 
 def _run_name(candidate, cand: Candidate) -> tuple[str, str]:
@@ -398,7 +410,9 @@ def record_run(
     (``STRATEGIES[name].build(task.loss_fn, S, mesh).step(model, optimizer, batch)``, which returns the loss and
     the gradients it applied) or the user's (its loss, and its gradients when it returns ``{"loss", "grads"}``).
     Digested (:mod:`shardcheck.parity.comparison.leaf_digest`): the initial state, then after every step the loss, the gradients,
-    every parameter (with its update size), every optimizer-state leaf and every integer counter.
+    every parameter (with its update size), every optimizer-state leaf and every integer counter (a Candidate's
+    own optimizer through its ``view_optimizer``, as the task's optimizer's state and count, what a live check
+    compares), and every integer model state the forward pass writes (``"counter model.calls"``).
 
     Args:
         task: the :class:`~shardcheck.Task`.
@@ -446,14 +460,14 @@ def record_run(
                 indices[leaf_name] = _digest.sample_indices(leaf_name, tuple(np.shape(a)))
         return _digest.digest_leaves(leaves, before, indices)
 
-    first = state_leaves(model, optimizer)
+    first = state_leaves(model, optimizer, cand.view_optimizer)  # a wrapped optimizer as the task's, as live
     shapes = _leaf_list(first)
     rows = []
     initial = digest(first, {})
     for t, batch in enumerate(data):
         before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
         loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
-        leaves = _step_leaves(loss, grads, model, optimizer)
+        leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)

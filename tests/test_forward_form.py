@@ -1,0 +1,139 @@
+"""The forward stage's form is said of what it scales, never as an update (issue #36, from the FAIL audit,
+``benchmarks/fail_audit.py``).
+
+A loss at equal parameters k x the reference's was said "the update is k x the reference's, as k optimizer steps
+instead of one produce" (a contradiction where the counters match: the zoo's conv ``count_pmeaned``, the summed
+micro-gradient of ``tests/test_verdict.py``) or "one scale of the whole update" (``aux_loss_over_dp`` of the bug
+reports); a forward pass run twice (the zoo's counter ``counted_twice``) read "another loss" while the loss
+matched, and its replay PASSed (a recording kept no counter the forward pass writes). Hand-built records (no
+JAX), then the counter model live and replayed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from conftest import require_devices
+
+from shardcheck import check_parity, make_mesh
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.localization import contradiction, localize
+from shardcheck.parity.harness.recorded import record_run
+
+TOL = 1e-3
+
+
+def _leaf(kind, path, ratio=None, *, ok=True, size=1.0):
+    """A leaf of reference size ``size``: within tolerance, or off by ``ratio`` (a constant factor, spread 0)."""
+    if ok:
+        return LeafError(0, kind, path, TOL / 2, TOL / 2 / size, TOL, True, None, None, None, (4,))
+    err = abs(ratio - 1) * size
+    return LeafError(0, kind, path, err, err / size, TOL, False, ratio, None, (ratio, ratio), (4,))
+
+
+def _record(loss, grads, counters=()):
+    leaves = (loss, *grads, _leaf("param", "a.kernel"), _leaf("counter", "step"), *counters)
+    return StepRecord(0, 1e-5, 1e-6, 1.0, 1.0, leaves, 1, 1)
+
+
+def _said(loc, records):
+    text = loc.text()
+    assert "optimizer steps instead of one" not in text and "update" not in loc.form.sentence
+    assert contradiction(text, records) is None
+    return text
+
+
+def test_a_loss_scaled_with_every_gradient_that_can_show_it_is_the_whole_loss_scaled():
+    """The loss x2 and 3 of 4 gradients x2; the 4th is rounding noise (size 1e-5: a factor 2 moves it 1e-5,
+    below the tolerance 1e-3), so it is no evidence of a term."""
+    grads = [_leaf("grad", f"{m}.kernel", 2.0, ok=False) for m in "abc"] + [
+        _leaf("grad", "k.bias", size=1e-5)
+    ]
+    records = [_record(_leaf("loss", "loss", 2.0, ok=False), grads)]
+    loc = localize(records)
+    assert (loc.stage, loc.form.kind, loc.form.factor) == ("forward", "factor", 2.0)
+    assert loc.group == (
+        "the loss's difference reaches every gradient that can show it: 3 of 4 gradient leaves are 2 x the "
+        "reference's; the other 1 (k.bias) are too small to show a factor 2 (rounding level)"
+    )
+    assert loc.form.sentence.endswith(
+        ": the loss at equal parameters is 2 x the reference's; every gradient that can show it is 2 x too: the "
+        "whole loss is scaled, its normalization differs (a sum for a mean, another count or divisor, a loss "
+        "scale not undone)"
+    )
+    assert "the forward pass computes another loss at equal parameters" in _said(loc, records)
+
+
+def test_a_loss_factor_with_some_gradients_matching_is_one_term_and_unseen_gradients_say_so():
+    # a gradient of size 1 matches: it would have shown a factor 0.631 (0.369 > 1e-3); only router differs
+    grads = [_leaf("grad", "router.kernel", 3.0, ok=False), _leaf("grad", "expert.kernel")]
+    records = [_record(_leaf("loss", "loss", 0.631, ok=False), grads)]
+    loc = localize(records)
+    assert loc.group.startswith("the loss's difference reaches the gradients of router.* only (1 of 2")
+    assert loc.form.sentence.endswith(
+        ": the loss at equal parameters is 0.631 x the reference's; only some gradients differ: one term of the "
+        "loss differs (the group)"
+    )
+    assert "one scale of the whole update" not in _said(loc, records)
+    # the candidate returned no gradients: nothing is told apart
+    records = [_record(_leaf("loss", "loss", 4.0, ok=False), [])]
+    loc = localize(records)
+    assert loc.form.sentence.endswith(
+        ": the loss at equal parameters is 4 x the reference's; its scale, its normalization or one of its terms "
+        "differs (the gradients were not observed)"
+    )
+    assert (loc.group, loc.form.factor) == ("only loss differs", 4.0)
+    _said(loc, records)
+
+
+def test_a_counter_the_forward_pass_writes_twice_is_named_and_the_loss_is_not_said_to_differ():
+    counter = _leaf("counter", "model.calls", 2.0, ok=False)
+    records = [_record(_leaf("loss", "loss"), [_leaf("grad", "a.kernel")], (counter,))]
+    loc = localize(records)
+    assert (
+        loc.stage == "forward"
+        and loc.group == "only counter model.calls differs; every loss leaf of this stage matches"
+    )
+    assert loc.form.sentence == (
+        "a constant factor 2 on the one failing leaf (each leaf's elementwise ratio within 2..2, 10th-90th "
+        "percentile): the forward pass's counter model.calls is 2 x the reference's: the forward pass ran 2 times "
+        "a step"
+    )
+    text = _said(loc, records)
+    assert "computes another loss" not in text
+    assert (
+        "First difference at step 0: the forward pass (loss) (the forward pass writes the model's state another "
+        "way at equal parameters; the loss matches)." in text
+    )
+
+
+def _counter_zoo():
+    path = Path(__file__).resolve().parents[1] / "examples" / "zoo" / "counter.py"
+    spec = importlib.util.spec_from_file_location("zoo_counter_forward_form", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+@require_devices(4)
+def test_a_forward_pass_run_twice_fails_replayed_as_live_on_its_counter():
+    counter = _counter_zoo()
+    mesh = make_mesh(counter.MESH)
+    recording = record_run(counter.task, counter.step, mesh=mesh, steps=1)
+    assert "counter model.calls" in recording.names
+    live = check_parity(counter.counted_twice, counter.task, mesh=mesh, steps=1)
+    replayed = check_parity(counter.counted_twice, counter.task, mesh=mesh, reference=recording)
+    for report in (live, replayed):
+        assert report.verdict == "FAIL" and report.codes[0] == "model_state", report.diagnosis
+        calls = next(e for e in report.steps[0].leaves if e.name == "counter model.calls")
+        assert (calls.ok, calls.max_abs_err, calls.ratio) == (False, 1.0, 2.0)  # 2 forward passes against 1
+        assert report.localization.form.sentence == live.localization.form.sentence
+        assert "the forward pass ran 2 times a step" in report.localization.form.sentence
+    # the right step replayed against its own recording still passes
+    assert check_parity(counter.step, counter.task, mesh=mesh, reference=recording).verdict == "PASS"
