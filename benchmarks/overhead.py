@@ -149,6 +149,7 @@ def without_sensitivity(task: shardcheck.Task, strategy: str, num_shards: int) -
     blurs (a call that reads a result waits there for the device's work). A timing only: without the pass the
     tolerances are not the check's, so its verdicts are not read."""
     from shardcheck.parity.tolerance import allowances
+
     real = allowances.update_sensitivity
     allowances.update_sensitivity = _zero_sensitivity
     try:
@@ -172,7 +173,11 @@ PROFILE_ROWS = (
     ("whole check_parity", "parity/harness/check.py", "check_parity"),
     ("reference steps + sensitivity (_step_reference)", "parity/harness/check.py", "_step_reference"),
     ("candidate steps (_step_candidate)", "parity/harness/check.py", "_step_candidate"),
-    ("on-device leaf comparisons, one call per step (leaf_errors)", "parity/comparison/live.py", "leaf_errors"),
+    (
+        "on-device leaf comparisons, one call per step (leaf_errors)",
+        "parity/comparison/live.py",
+        "leaf_errors",
+    ),
     ("float64 host comparisons (leaf_error: the loss, fallbacks)", "parity/comparison/live.py", "leaf_error"),
     ("  of which the median update ratio (_ratio)", "parity/comparison/live.py", "_ratio"),
     ("host copies of leaves (to_host: np.asarray / gather)", "parity/comparison/live.py", "to_host"),
@@ -198,6 +203,16 @@ PROFILE_ROWS = (
     ("scale evidence (_scale_evidence)", "parity/diagnosis/scale_evidence.py", "_scale_evidence"),
     ("hypothesis reruns of a failure (_explained)", "parity/diagnosis/hypotheses.py", "_explained"),
     ("nnx.state / graph flatten", "flax/nnx/graphlib.py", "state"),
+    (
+        "every NNX graph traversal, the steps' own included (graphlib.flatten)",
+        "flax/nnx/graphlib.py",
+        "flatten",
+    ),
+    (
+        "first pass: committing every leaf to its place (first_pass._moved: device_put)",
+        "first_pass.py",
+        "_moved",
+    ),
 )
 
 

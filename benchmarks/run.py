@@ -76,6 +76,11 @@ TARGETS = {
         1.5,
         "check_parity('dp') / bare steps on the tiny-lm task, {lmsetup} (warm)",
     ),
+    "parity_over_steps_tiny_lm_accumulation": (
+        3.0,
+        "check_parity('accumulation') / twice the bare reference steps on the tiny-lm task, {lmsetup} (warm; "
+        "issue #35)",
+    ),
     "cli_run_s": (2.5, "repeated `shardcheck run` (diabetes), caches warm, median of {cr} (s)"),
     "cli_verify_s": (
         3.0,
@@ -95,6 +100,7 @@ TARGETS = {
 # Rows that --quick does not measure (minutes of compiling): recorded as None with the reason.
 HEAVY_ROWS = (
     "parity_over_steps_tiny_lm",
+    "parity_over_steps_tiny_lm_accumulation",
     "cli_run_s",
     "cli_verify_s",
     "cold_verify_tiny_lm_s",
@@ -657,12 +663,15 @@ def harness_rows(args) -> dict:
     rows = {s: overhead.measure(task, s, 4, args.harness_repeats) for s in ("dp", "fsdp")}
     lm_setup = f"{args.harness_steps} steps of B=16 x T=32 tokens, Adam, S=4"
     if args.quick:
-        rows["tiny_lm"] = None
+        rows["tiny_lm"] = rows["tiny_lm_accumulation"] = None
     else:
         from shardcheck.tasks import load_task
 
         lm = load_task("tiny-lm", optimizer="adam", steps=args.harness_steps)
         rows["tiny_lm"] = overhead.measure(lm, "dp", 4, args.harness_repeats)
+        rows["tiny_lm_accumulation"] = overhead.measure_against_reference(
+            lm, "accumulation", 4, args.harness_repeats
+        )
     prof = overhead.profile(task, "dp", 4, warm=True)
     out = {
         "setup": f"MLP {d} -> {h} -> {k}, Adam, B={b}, {args.harness_steps} steps, 4 CPU devices",
