@@ -212,6 +212,16 @@ def constant_ratio(e: LeafError) -> bool:
     return abs(lo - e.ratio) <= width and abs(hi - e.ratio) <= width
 
 
+def one_factor_across(e: LeafError) -> bool:
+    """Whether a sentence may call ``e``'s ratio one factor across the leaf: :func:`constant_ratio`, and its 10th-90th
+    percentile within ``RATIO_RTOL`` of the median as a fitted array's must be
+    (:data:`shardcheck.parity.diagnosis.form.FIT_RTOL`). A rounding-level leaf's wide ratio tolerance keeps it
+    "constant" for the rules' purposes, yet its ratio (e.g. 1..6) is no factor to state."""
+    if not constant_ratio(e):
+        return False
+    return e.spread is None or e.spread[1] - e.spread[0] <= RATIO_RTOL * max(abs(e.ratio), 1e-30)
+
+
 def spread_phrase(e: LeafError) -> str:
     """``"no constant factor: its elementwise ratio runs from p10 to p90 (10th-90th percentile), median m"``."""
     lo, hi = e.spread

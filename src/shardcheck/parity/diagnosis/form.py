@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, constant_ratio
+from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, one_factor_across
 
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
 # within this fraction of its size
@@ -307,7 +307,7 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
     """The form the records alone allow (no arrays: a replay, or a step the harness fitted nothing for), said as
     :func:`fit_form` says it, from each leaf's ratio and 10th-90th percentile spread (``LeafError.ratio`` /
     ``spread``; a replay's, over its samples): a zero update where every ratio is 0; a constant factor where
-    every failing leaf's ratio is constant across it (``constant_ratio``) and they agree within ``RATIO_RTOL``
+    every failing leaf's ratio is constant across it (``one_factor_across``) and they agree within ``RATIO_RTOL``
     (an integer k >= 2 of an ``update``: k optimizer steps, as live); a constant factor per group where they
     are constant but differ (every group listed, as live); else no simple form, naming the leaf of the widest
     spread.
@@ -319,7 +319,7 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
         raise ValueError("form_from_leaves: bad is empty; pass the failing LeafErrors of one stage")
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     n = len(bad)
-    if len(ratios) < n or not all(constant_ratio(e) for e in ratios):
+    if len(ratios) < n or not all(one_factor_across(e) for e in ratios):
         spread = [e for e in ratios if e.spread is not None]
         widest = max(spread, key=lambda e: e.spread[1] - e.spread[0], default=None)
         tail = (

@@ -50,6 +50,7 @@ from shardcheck.parity.diagnosis.evidence import (
     LeafError,
     StepRecord,
     constant_ratio,
+    one_factor_across,
     spread_phrase,
     would_show,
 )
@@ -856,7 +857,7 @@ def _fitted_form(record: StepRecord, bad: list[LeafError]) -> str | None:
 def _stage_form(bad: list[LeafError]) -> str:
     """What the failing leaves' ratios say: one constant factor, per-leaf factors, or no constant factor (with
     the first non-constant leaf's spread)."""
-    blurred = next((e for e in bad if e.ratio is not None and not constant_ratio(e)), None)
+    blurred = next((e for e in bad if e.ratio is not None and not one_factor_across(e)), None)
     if blurred is not None:
         return f"{blurred.name} has {spread_phrase(blurred)}."
     ratios = [e.ratio for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
