@@ -10,6 +10,7 @@ own compile gives a peak of 56,987,433,420 B, XLA:CPU's 80,546,861,492 B.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -36,12 +37,15 @@ def _plugin_folder() -> str | None:
     if gpu_target.plugin_installed():
         return ""
     folder = Path(os.environ.get("SHARDCHECK_TEST_GPU_AOT", ROOT / ".ci" / "gpu-aot"))
-    return str(folder) if (folder / "jax_plugins" / "xla_cuda12").is_dir() else None
+    jaxlib = importlib.metadata.version("jaxlib")  # the plugin loads only beside the jaxlib it was built with
+    same = (folder / f"jax_cuda12_plugin-{jaxlib}.dist-info").is_dir()
+    return str(folder) if same and (folder / "jax_plugins" / "xla_cuda12").is_dir() else None
 
 
 needs_plugin = pytest.mark.skipif(
     _plugin_folder() is None,
-    reason="the gpu-aot extra (jax-cuda12-plugin, jax-cuda12-pjrt of the jaxlib in use) is not installed in "
+    reason="the gpu-aot extra (jax-cuda12-plugin, jax-cuda12-pjrt of the jaxlib in use, at its version) is not "
+    "installed in "
     ".ci/gpu-aot, SHARDCHECK_TEST_GPU_AOT or this environment (.ci/run installs it)",
 )
 
@@ -136,13 +140,15 @@ def test_without_the_plugin_the_figure_is_xla_cpus_and_says_so(monkeypatch, caps
     compiler = report["compiler"]
     assert compiler["name"] == "XLA:CPU" and compiler["target"] == "h100" and compiler["deviceless"] is False
     assert "1.41x XLA:GPU's (80,546,861,492 B against 56,987,433,420 B)" in compiler["note"]
-    assert "shardcheck[gpu-aot]" in compiler["note"]
+    assert gpu_target.install_hint() in compiler["note"]
     assert report["strategies"]["fsdp"]["ahead_of_time"]["backend"].startswith("cpu")
     assert main(args) == 0
     out = capsys.readouterr()
     text = " ".join((out.out + out.err).split())
     assert "compiler: XLA:CPU: this figure is XLA:CPU's, not the GPU's" in text
-    assert "pip install 'shardcheck[gpu-aot]'" in text  # printed as written, not read as rich markup
+    assert gpu_target.install_hint() in text  # printed as written, not read as rich markup
+    if importlib.metadata.version("jaxlib") == gpu_target.GPU_AOT_PIN:
+        assert "pip install 'shardcheck[gpu-aot]'" in text
 
 
 # ------------------------------------------------------------------------- deviceless XLA:GPU compiles (plugin)

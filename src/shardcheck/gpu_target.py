@@ -75,9 +75,19 @@ def cpu_figure_note() -> str:
     case, cpu, gpu = RECORDED_CPU_OVER_GPU[0]
     return (
         f"this figure is XLA:CPU's, not the GPU's: on the recorded case ({case}) XLA:CPU's peak was "
-        f"{cpu / gpu:.2f}x XLA:GPU's ({cpu:,} B against {gpu:,} B), mostly temporaries; install {EXTRA} "
+        f"{cpu / gpu:.2f}x XLA:GPU's ({cpu:,} B against {gpu:,} B), mostly temporaries; {install_hint()} "
         "(the jax CUDA plugin of the jaxlib in use) for XLA:GPU's own figure, compiled without a GPU"
     )
+
+
+def install_hint() -> str:
+    """How to install the jax CUDA plugin of the installed jaxlib: ``pip install 'shardcheck[gpu-aot]'`` on the
+    jaxlib the extra pins (:data:`GPU_AOT_PIN`), else the plugin wheels of that jaxlib's version (the extra's
+    would not load)."""
+    from importlib import metadata
+
+    jaxlib = metadata.version("jaxlib")
+    return f"pip install {EXTRA!r}" if jaxlib == GPU_AOT_PIN else _pip_install(jaxlib)
 
 
 def prepare_environment(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -114,8 +124,7 @@ def unavailable_reason(environ: Mapping[str, str] = os.environ) -> str | None:
 
     jaxlib = metadata.version("jaxlib")
     if not plugin_installed():
-        extra = f"pip install {EXTRA!r}" if jaxlib == GPU_AOT_PIN else _pip_install(jaxlib)
-        return f"the jax CUDA plugin is not installed ({extra})"
+        return f"the jax CUDA plugin is not installed ({install_hint()})"
     plugin = plugin_version()
     if plugin is not None and plugin != jaxlib:
         return f"the jax CUDA plugin is {plugin} but jaxlib is {jaxlib}; install the same version: {_pip_install(jaxlib)}"
