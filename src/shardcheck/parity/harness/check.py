@@ -76,6 +76,7 @@ from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
 from shardcheck.parity.harness.setup import _setup, check_options
 from shardcheck.parity.harness.state import StepFn, _After, _kept_state, _PreStep, _Run
+from shardcheck.parity.harness.state_reset import ignores_optimizer_state
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.tolerance import allowances, matmul, recheck
 from shardcheck.parity.tolerance.allowances import (
@@ -694,6 +695,17 @@ def _footprint_fields(run: _Run) -> dict:
     }
 
 
+def _explained_trajectory(
+    run: _Run, record: StepRecord, synced: StepRecord, pre, batch, rtol, atol
+) -> StepRecord:
+    """The trajectory's failing ``record`` of a step whose candidate ignores the optimizer state it is given,
+    with the faulty reductions it reproduces: the re-check's (its candidate started from the reference's state
+    before this step, as the hypotheses do), else found from that state (``pre``)."""
+    if synced.matches:
+        return dataclasses.replace(record, matches=synced.matches)
+    return _explained(run, _PreStep.of(*pre), batch, record, rtol, atol)
+
+
 def _run_steps(run: _Run, data, tolerances):
     """The step loop: trajectory mode, a re-check of the first late failure, then synchronized mode."""
     records: list[StepRecord] = []
@@ -725,11 +737,11 @@ def _run_steps(run: _Run, data, tolerances):
                 )
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
-                elif synced.matches:  # a real failure, explained like for like: the re-check's candidate
-                    # started from the reference's state before this step, as the hypotheses do
-                    record = dataclasses.replace(record, matches=synced.matches)
-                else:  # explained from the reference's state before this step
-                    record = _explained(run, _PreStep.of(*pre), batch, record, r_tol, a_tol)
+                elif ignores_optimizer_state(run, *pre, t, batch):  # state not carried between steps (drift)
+                    record = _explained_trajectory(run, record, synced, pre, batch, r_tol, a_tol)
+                else:  # the step itself differs from identical state: it stands for step t with all its
+                    # evidence (the hypotheses, the optimizer rerun, the forms, the module probe), as at step 0
+                    record = synced
         else:
             # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
             r_tol, a_tol, _ = tolerances(batch, 0)

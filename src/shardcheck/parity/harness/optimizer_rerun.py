@@ -95,12 +95,14 @@ def optimizer_rerun(
 
 
 def known_lr(opt_state) -> float | None:
-    """The learning rate an ``optax.inject_hyperparams`` state holds (``hyperparams["learning_rate"]``), else
-    ``None``."""
+    """The learning rate an ``optax.inject_hyperparams`` state holds (``hyperparams["learning_rate"]``: after a
+    step, the one that step applied), else ``None``. A schedule's own state (``hyperparams_states``, its count)
+    is not a learning rate."""
     found = [
         leaf
         for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
         if any(getattr(k, "key", None) in ("learning_rate", "lr") for k in path)
+        and not any(getattr(k, "key", getattr(k, "name", None)) == "hyperparams_states" for k in path)
     ]
     if len(found) != 1:
         return None
