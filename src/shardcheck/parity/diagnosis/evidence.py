@@ -91,8 +91,9 @@ class StepRecord:
             the number of applied updates, ``MultiSteps.gradient_step``).
         replica_mismatches: paths of candidate leaves whose replicas hold different bytes on different devices.
         synchronized: the candidate ran this step from a copy of the reference's pre-step state (model and
-            optimizer), not from its own trajectory (after a ``diverged_trajectory`` finding), and was compared
-            at the step-0 tolerance.
+            optimizer), not from its own trajectory, and was compared at the step-0 tolerance: every step after a
+            ``diverged_trajectory`` finding, and the re-check of a step t > 0 that first failed and fails from
+            that state too (the step itself is faulty: it is then localized as at step 0).
         matches: the known faulty reductions whose update the candidate's parameters reproduce at this step,
             recomputed by the harness from the reference's pre-step state (``"per_shard_mean"``: each shard's
             ``loss_sum / weight`` averaged over the shards, the mean of per-shard means); checked only when the
