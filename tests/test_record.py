@@ -895,7 +895,8 @@ def test_a_user_task_file_records_and_replays(tmp_path):
     [
         (
             ["--task", ANNOTATED],
-            "(it records task 'tiny-lm', this run's is 'annotated-lm'); replay with the recorded batch size",
+            "records another task (it records task 'tiny-lm', this run's is 'annotated-lm'): another model or "
+            "optimizer state (",
         ),
         (
             ["--task", "tiny-lm", "--mesh", "data=2,fsdp=2"],

@@ -190,3 +190,52 @@ def test_an_optimizer_stepped_per_micro_batch_is_read_through_its_view_replayed_
         assert (count.ok, count.ratio) == (False, 2.0)
         assert report.localization.stage == "optimizer"
     assert not {"loss_only", "structure"} & set(replayed.codes), replayed.codes
+
+
+def _stages(report):
+    """``(noun, status, compared, failing, kinds)`` of each stage but the replicas (a replay does not observe
+    them): what the localization counts, live or replayed."""
+    return [
+        (s.noun, s.status, s.compared, s.failing, s.kinds)
+        for s in report.localization.stages
+        if s.stage != "replicas"
+    ]
+
+
+@require_devices(2)
+def test_a_summed_gradient_reads_the_same_stages_and_counts_live_and_replayed(recording):
+    """A replay reruns the optimizer on the candidate's gradients at any localized stage, as a live check does:
+    the trial's sum-for-mean read 'optimizer: matches; applied parameters: differs (0 of 35 parameters and 66 of
+    70 optimizer-state leaves)' live and 'optimizer: differs (66 of 70); applied parameters: matches' replayed."""
+    task, mesh = _task(), make_mesh(2)
+    live = check_parity(_step("summed"), task, mesh=mesh)
+    replayed = check_parity(_step("summed"), task, mesh=mesh, reference=recording)
+    assert _stages(live) == _stages(replayed), (live.localization.text(), replayed.localization.text())
+    stages = {s[0]: s for s in _stages(live)}
+    assert stages["the optimizer's update from equal inputs"][1] == "matches"
+    applied = stages["the applied parameters and the optimizer state"]
+    assert applied[1] == "differs" and dict((k, bad) for k, _, bad in applied[4])["opt_state"] > 0
+
+
+@require_devices(2)
+def test_without_returned_gradients_the_optimizer_stage_is_the_optimizer_state_live_and_replayed(recording):
+    """A step that returns only its loss: the optimizer stage had no equal inputs, so it is 'the optimizer state'
+    in the head and in the stages' list, both ways (it was 'the optimizer's update from equal inputs' there)."""
+
+    def loss_only(model, optimizer, batch, mesh):
+        return _step("summed")(model, optimizer, batch, mesh)["loss"]
+
+    task, mesh = _task(), make_mesh(2)
+    reports = [
+        check_parity(loss_only, task, mesh=mesh),
+        check_parity(loss_only, task, mesh=mesh, reference=recording),
+    ]
+    assert _stages(reports[0]) == _stages(reports[1])
+    for report in reports:
+        text = report.localization.text()
+        assert report.localization.stage == "optimizer", text
+        assert text.startswith(
+            "First difference at step 0: the optimizer state (the state the optimizer kept"
+        )
+        assert "; the optimizer state: differs (" in text and "from equal inputs" not in text
+        assert "the gradients: not observed (the candidate returned no gradients)" in text

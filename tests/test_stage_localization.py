@@ -208,7 +208,10 @@ def test_a_norm_scale_left_out_of_the_decay_mask_is_the_optimizer_stage_with_its
     assert said in localized and "factor" not in localized and " x lr" not in report.diagnosis
     # the stages of parameters and optimizer state count each kind (the applied parameters read "3 of 72
     # leaves": 22 parameters and 50 optimizer-state leaves)
-    for stage in ("the optimizer's update from equal inputs", "the applied parameters"):
+    for stage in (
+        "the optimizer's update from equal inputs",
+        "the applied parameters and the optimizer state",
+    ):
         assert f"{stage}: differs (3 of 22 parameters and 0 of 50 optimizer-state leaves; worst" in loc.text()
     # replayed: the task's optimizer rerun on the candidate's gradients (its own optimizer beside), the decay
     # fitted on the rerun's arrays as live

@@ -51,7 +51,14 @@ UNSEEN_GRADIENTS = (
     "the state the optimizer kept differs; the gradients it was given were not observed, so the mistake may be "
     "in them or in how the update was computed",
 )
+# the optimizer stage's note where no rerun on the candidate's gradients was made
+NO_RERUN = "the optimizer state against the reference's"
 # the forward stage where the loss matches and a counter the forward pass writes (``model.*``) differs
+# a replay's forward stage: no module probe
+NOT_PROBED = (
+    "not probed (a replay has no live model to run module by module; a live check of this step names the first "
+    "module whose output differs)"
+)
 FORWARD_STATE = "the forward pass writes the model's state another way at equal parameters; the loss matches"
 NOUNS = {
     "forward": "the forward pass (loss)",
@@ -86,11 +93,23 @@ class StageResult:
     note: str = ""
     kinds: tuple[tuple[str, int, int], ...] = ()
 
+    @property
+    def noun(self) -> str:
+        """The stage's name in words (:data:`NOUNS`): the optimizer stage without a rerun on the candidate's
+        gradients is ``"the optimizer state"`` (no equal inputs were given to it), the parameters stage beside
+        one, which also holds the optimizer state against the reference's, ``"the applied parameters and the
+        optimizer state"``."""
+        if self.stage == "optimizer" and self.note.startswith(NO_RERUN):
+            return UNSEEN_GRADIENTS[0]
+        if self.stage == "parameters" and any(k == "opt_state" for k, _, _ in self.kinds):
+            return "the applied parameters and the optimizer state"
+        return NOUNS[self.stage]
+
     def phrase(self) -> str:
         """``"the gradients differ (3 of 22 leaves; worst grad a.kernel: ...)"`` and the like; a stage of
         parameters and optimizer state counts each (``"3 of 22 parameters and 0 of 50 optimizer-state
         leaves"``)."""
-        noun = NOUNS[self.stage]
+        noun = self.noun
         if self.status == NOT_OBSERVED:
             return f"{noun}: not observed{f' ({self.note})' if self.note else ''}"
         if self.stage == "replicas":
@@ -150,6 +169,8 @@ class Localization:
         module: where ``stage`` is the forward pass, the first module whose output differs at equal parameters
             under the candidate's placement, or that none does (:class:`ModuleFinding`, a live check's); else
             ``None``.
+        live: a live check's (``False``: a replay's, which has no live model to probe module by module nor
+            each device's copy of a replica: the text says so where the forward pass differs).
     """
 
     step: int
@@ -159,6 +180,7 @@ class Localization:
     form: Form | None = None
     synchronized: bool = False
     module: ModuleFinding | None = None
+    live: bool = True
 
     def status(self, stage: str) -> str:
         """The status of ``stage``."""
@@ -182,9 +204,9 @@ class Localization:
             head = f"At {where} no stage of the update shows the failure."
         else:
             before = [s for s in self.stages[: STAGES.index(self.stage)] if s.status == MATCHES]
-            names = [NOUNS[s.stage] for s in before]
+            names = [s.noun for s in before]
             agree = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
-            noun, meaning = NOUNS[self.stage], MEANING[self.stage]
+            noun, meaning = self._first().noun, MEANING[self.stage]
             if self.stage == "optimizer" and self.status("gradients") == NOT_OBSERVED:
                 noun, meaning = UNSEEN_GRADIENTS  # no equal inputs were seen: the gradients are not cleared
             if self.stage == "forward" and self._loss_matches():
@@ -193,17 +215,22 @@ class Localization:
             if agree:
                 head += f" Before it, {agree} {'match' if len(before) > 1 else 'matches'}."
             if self.unobserved_before:
-                names = ", ".join(NOUNS[s] for s in self.unobserved_before)
+                names = ", ".join(s.noun for s in self.stages if s.stage in self.unobserved_before)
                 head += f" Not observed: {names}; the difference may begin there."
         parts = [head]
         if self.module is not None:
             parts.append(f"Module: {self.module.text()}.")
+        elif self.stage == "forward" and not self.live:
+            parts.append(f"Module: {NOT_PROBED}.")
         if self.group:
             parts.append(f"Group: {self.group}.")
         if self.form is not None:
             parts.append(f"Form: {self.form.sentence}.")
         parts.append("Stages: " + "; ".join(s.phrase() for s in self.stages) + ".")
         return " ".join(parts)
+
+    def _first(self) -> StageResult:
+        return next(s for s in self.stages if s.stage == self.stage)
 
     def _loss_matches(self) -> bool:
         """Whether the forward stage's loss leaf matches (its failing leaves are model-state counters)."""
@@ -266,7 +293,7 @@ def _stage_result(
         note = (
             "the reference's optimizer rerun on the candidate's gradients and pre-step state"
             if record.optimizer_rerun is not None
-            else "the optimizer state against the reference's; not rerun on the candidate's gradients"
+            else f"{NO_RERUN}; not rerun on the candidate's gradients"
         )
     kinds = tuple(
         (k, sum(e.kind == k for e in leaves), sum(e.kind == k for e in bad))
@@ -309,7 +336,9 @@ def localize(
     results = tuple(_stage_result(s, by_stage[s], record, replicas_observed) for s in STAGES)
     first = next((s for s in results if s.status == DIFFERS), None)
     if first is None:
-        return Localization(record.step, None, results, synchronized=record.synchronized)
+        return Localization(
+            record.step, None, results, synchronized=record.synchronized, live=replicas_observed
+        )
     group, form = "", None
     leaves = by_stage[first.stage]
     if first.stage == "replicas":
@@ -326,7 +355,8 @@ def localize(
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
     module = record.module if first.stage == "forward" else None
-    return Localization(record.step, first.stage, results, group, form, record.synchronized, module)
+    live = replicas_observed
+    return Localization(record.step, first.stage, results, group, form, record.synchronized, module, live)
 
 
 def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -> str:

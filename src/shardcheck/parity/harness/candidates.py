@@ -77,8 +77,50 @@ def strategy_candidate(task_or_loss, name: str, *, num_shards: int, mesh=None) -
     return strategy.build(loss_fn, num_shards, mesh_for(fn, strategy, num_shards, mesh))
 
 
+class _Hook:
+    """A candidate's ``make_optimizer`` or ``view_optimizer`` whose exceptions name the candidate, the hook and
+    the step (:func:`run_step` sets ``step`` before each step: ``None`` until the first)."""
+
+    def __init__(self, fn: str, name: str, hook: str, call: Callable):
+        self.fn, self.name, self.hook = fn, name, hook
+        self.call = call.call if isinstance(call, _Hook) else call
+        self.step: int | None = None
+
+    def __call__(self, *args):
+        try:
+            return self.call(*args)
+        except Exception as err:
+            when = "before step 0" if self.step is None else f"at step {self.step}"
+            what = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            kind = TypeError if isinstance(err, TypeError) else ValueError
+            raise kind(
+                f"{self.fn}: {self.hook} of the candidate {self.name!r} raised {type(err).__name__} {when}"
+                f"{': ' + what if what else ''}; fix {self.hook} (the original error, with its traceback, is "
+                "this one's __cause__)"
+            ) from err
+
+
+def _with_hooks(fn: str, cand: Candidate, name: str) -> Candidate:
+    """``cand`` with its optimizer hooks wrapped in :class:`_Hook` (their errors name ``name``, the hook and the
+    step)."""
+    hooks = {
+        hook: _Hook(fn, name, hook, getattr(cand, hook))
+        for hook in ("make_optimizer", "view_optimizer")
+        if getattr(cand, hook) is not None
+    }
+    return dataclasses.replace(cand, **hooks) if hooks else cand
+
+
 def as_candidate(fn, candidate, task: Task, num_shards, mesh, name) -> Candidate:
-    """A :class:`Candidate` from a strategy name, a Candidate, or a user step (signature checked)."""
+    """A :class:`Candidate` from a strategy name, a Candidate, or a user step (signature checked); its
+    ``make_optimizer`` / ``view_optimizer`` raise a ValueError or TypeError naming the candidate, the hook and the
+    step (the hook's own error its ``__cause__``)."""
+    cand = _as_candidate(fn, candidate, task, num_shards, mesh, name)
+    # its errors name the user's Candidate by its own name (a command line names every candidate "candidate")
+    return _with_hooks(fn, cand, candidate.name if isinstance(candidate, Candidate) else cand.name)
+
+
+def _as_candidate(fn, candidate, task: Task, num_shards, mesh, name) -> Candidate:
     if isinstance(candidate, Candidate):
         if not callable(candidate.step):
             raise TypeError(
@@ -160,6 +202,9 @@ def run_step(fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping,
     from shardcheck.parity.report import CandidateError
     from shardcheck.task import batch_size
 
+    for hook in (cand.make_optimizer, cand.view_optimizer):
+        if isinstance(hook, _Hook):
+            hook.step = t  # what its error names
     try:
         out = cand.step(model, optimizer, batch, **kwargs)
     except Exception as err:

@@ -41,7 +41,12 @@ from shardcheck.parity.comparison.live import device_snapshot, flatten_state
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import model_state
 from shardcheck.parity.harness.candidates import as_candidate, run_step
-from shardcheck.parity.harness.setup import _check_strategy, _task_batches, check_options
+from shardcheck.parity.harness.setup import (
+    _check_state_carried,
+    _check_strategy,
+    _task_batches,
+    check_options,
+)
 from shardcheck.parity.tolerance import matmul
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -366,8 +371,10 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     else:
         model = task.new_model(fn)
         optimizer = task.new_optimizer(model)
-    weighted = check_model(fn, model, task.loss_fn, data[0])
+    updated: list[str] = []  # the non-parameter state the forward pass writes: refused as the live check does
+    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
+    _check_state_carried(fn, candidate, updated)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh

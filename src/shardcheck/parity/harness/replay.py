@@ -142,13 +142,34 @@ def check_against_recording(
         settings=settings,
         matmul_precision=matmul_precision,
     )
-    report = compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement).report()
+    comparison = compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement)
+    if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
+        comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
+    report = comparison.report()
     return with_optimizer_rerun(report, candidate, task, mesh=mesh, num_shards=num_shards, name=name, fn=fn)
 
 
+def model_facts(fn: str, facts: tuple, task: Task) -> tuple:
+    """The recorded ``(parameter path, LeafFacts)`` with what the task's model shows beside them, as a live check
+    reads it (:func:`~shardcheck.parity.harness.leaf_facts.leaf_facts` of its abstract model, nothing allocated):
+    the paths that share a tied leaf and the operations of the loss that read each leaf."""
+    from shardcheck.memory.state import abstract_training_state
+    from shardcheck.parity.harness.leaf_facts import leaf_facts
+
+    model, _ = abstract_training_state(fn, task)
+    live = leaf_facts(model, task)
+    return tuple(
+        (p, dataclasses.replace(f, tied=live[p].tied, shared_by=live[p].shared_by, uses=live[p].uses))
+        if p in live
+        else (p, f)
+        for p, f in facts
+    )
+
+
 def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, num_shards, name, fn: str):
-    """``report`` with the live check's optimizer evidence at its localized step, where it names the optimizer
-    or the parameters: the candidate is run again from a fresh state up to that step, and the task's optimizer
+    """``report`` with the live check's optimizer evidence at its localized step, whatever stage it names (a live
+    check reruns the optimizer on every failing step, so that the later stages read alike): the candidate is
+    run again from a fresh state up to that step, and the task's optimizer
     (``task.optimizer``, also for a candidate that brings its own) rerun on its own gradients and pre-step state
     (the candidate's view of it, ``Candidate.view_optimizer``) is compared with its state after the step
     (``StepRecord.optimizer_rerun``, as :mod:`shardcheck.parity.harness.optimizer_rerun` does live), so that an
@@ -158,7 +179,7 @@ def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, n
     Unchanged where the step returns no gradients, the candidate's optimizer state is not the task's by path,
     the run spans several processes, or the rerun cannot run."""
     where = report.localization
-    if report.replay is None or where is None or where.stage not in ("optimizer", "parameters"):
+    if report.replay is None or where is None or where.stage is None:
         return report
     if jax.process_count() > 1:  # a step of collectives that every process would have to decide to run
         return report
