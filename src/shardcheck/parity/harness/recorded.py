@@ -784,14 +784,19 @@ def check_replayable(
     steps = _replay_steps(fn, path, recording, task, steps, named)
     now = task_facts(fn, task, list(task.batches[:steps]))
     differ = _settings_words(meta.get("settings"), settings) + named
+    state = meta["fingerprint"] != fingerprint(now["state_leaves"], meta["batches"])
     for t in range(steps):
+        if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"] and state:  # another model and data
+            raise _another_task(
+                fn, path, meta, now, t, named, _settings_words(meta.get("settings"), settings)
+            )
         if meta["batches"][t]["leaves"] != now["batches"][t]["leaves"]:
             raise ValueError(
                 f"{fn}: {path} recorded batch {t} as {_batch_text(meta['batches'][t]['leaves'])}, this run's is "
                 f"{_batch_text(now['batches'][t]['leaves'])}{differ}; replay with the recorded batch size, "
                 "sequence length and data, or record again"
             )
-    if meta["fingerprint"] != fingerprint(now["state_leaves"], meta["batches"]):
+    if state:
         why = _first_difference(meta["state_leaves"], now["state_leaves"], "leaf")
         raise ValueError(
             f"{fn}: {path} records another model or optimizer state: {why}{differ}; replay with the recorded "
@@ -804,6 +809,20 @@ def check_replayable(
                 f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded data, or record "
                 "again"
             )
+
+
+def _another_task(
+    fn: str, path, meta: Mapping, now: Mapping, t: int, named: str, settings: str
+) -> ValueError:
+    """The refusal of a recording whose model or optimizer state and batches both differ from the task's: another
+    task, said first (not a batch size to change)."""
+    why = _first_difference(meta["state_leaves"], now["state_leaves"], "leaf")
+    return ValueError(
+        f"{fn}: {path} records another task{named}: another model or optimizer state ({why}) and other batches "
+        f"(batch {t} recorded as {_batch_text(meta['batches'][t]['leaves'])}, this run's is "
+        f"{_batch_text(now['batches'][t]['leaves'])}){settings}; replay it with the task it records, or record "
+        "this task"
+    )
 
 
 def _replay_steps(fn: str, path, recording: Recording, task: Task, steps, named: str) -> int:
