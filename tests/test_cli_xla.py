@@ -91,17 +91,21 @@ def test_the_suite_compiles_as_the_command_line_does(monkeypatch):
 
 
 def test_a_jaxlib_the_flags_were_not_checked_on_keeps_xla_defaults(monkeypatch):
-    """XLA ends the process on a flag it does not know, so a jaxlib other than the checked release (0.10.x) gets
-    no flags; the checked one gets all three."""
+    """XLA ends the process on a flag it does not know, so a jaxlib release the flags were not checked on gets
+    none, 0.11.x the two its XLA knows, and the checked one (0.10.x) all three."""
     import importlib.metadata
 
     from shardcheck.cli import _xla
 
     monkeypatch.setattr(_xla, "CHECKED_JAXLIB", "0.10.")
-    versions = {"jaxlib": "0.11.2"}
+    versions = {"jaxlib": "0.12.0"}
     monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
     assert _xla.cpu_compile_flags() == {}
     assert with_cpu_compile_flags("--xla_dump_to=/tmp/x") == "--xla_dump_to=/tmp/x"
+    versions["jaxlib"] = "0.11.2"  # its XLA ends the process on xla_cpu_use_fusion_emitters: the other two
+    assert with_cpu_compile_flags("") == (
+        "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+    )
     versions["jaxlib"] = "0.10.2"
     assert _xla.cpu_compile_flags() == CPU_COMPILE_FLAGS
     assert with_cpu_compile_flags("") == ALL_THREE
