@@ -93,7 +93,7 @@ def test_replicas_differ():
     out = diagnose(records)
     d = _one(out, "replicas_differ")
     assert out[0] is d
-    assert "Replicas differ" in d.message and "after step 1 (2 leaf/leaves)" in d.message
+    assert "Replicas differ" in d.message and "after step 1 (2 leaves)" in d.message
     assert d.leaf == "param w"
     assert "replicas_differ" not in _codes(diagnose(_passing()))
 
@@ -356,7 +356,7 @@ def test_rounding_level():
     assert all(r.ok for r in records)
     assert _codes(out) == ["parity", "rounding_level"]
     d = out[1]
-    assert "2 leaf/leaves have a gradient at rounding level (e.g. param a.bias:" in d.message
+    assert "2 leaves have a gradient at rounding level (e.g. param a.bias:" in d.message
     assert d.leaf == "param a.bias"
     failing = diagnose([_record(bad=UPDATE, ratio=4.0, unresolved=("param b",))], 4)
     assert _codes(failing) == ["summed", "rounding_level"]

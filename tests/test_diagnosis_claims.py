@@ -7,8 +7,12 @@ they contradict it.
 - an update k x the reference's is k optimizer steps only where the counters do not match, and "the whole update"
   only where every update leaf fails; :func:`contradiction` catches both claims;
 - a loss that differs at equal parameters while only some gradients do names the parameters its difference
-  reaches.
+  reaches;
+- failing optimizer state is grouped by the parameters it belongs to, and the ``localized`` finding never says
+  "share no ... module" where the localization's group names one; counts and articles read right.
 """
+
+import dataclasses
 
 import numpy as np
 
@@ -185,3 +189,81 @@ def test_a_differing_loss_names_the_parameters_its_difference_reaches():
     assert forward_group([_failing(e) for e in grads], {}) == ""
     assert forward_group([_leaf("grad", "a", True)], {}) == ""
     assert forward_group([], {}) == ""
+
+
+# ------------------------------------------------------------- optimizer state grouped as the parameters it is of
+
+PARAMS = (
+    "blocks.0.attn.kernel",
+    "blocks.0.mlp.down.bias",
+    "blocks.1.mlp.down.bias",
+    "blocks.1.mlp.down.kernel",
+)
+
+
+def _state_record(failing):
+    """Every parameter matches; the optimizer state (Adam's mu, nu) of the parameters ``failing`` differs."""
+    state = [_leaf("opt_state", f"0.{m}.{p}", p not in failing) for m in ("mu", "nu") for p in PARAMS]
+    params = [_leaf("param", p, True) for p in PARAMS]
+    return _record([_leaf("loss", "loss", True, shape=()), *params, *state, *COUNTERS_MATCH])
+
+
+def test_failing_optimizer_state_is_grouped_by_its_parameters_as_the_localization_groups_it():
+    """The trial's shard_map step that reduced blocks.1.mlp.down's gradients over 'data' only: the localization's
+    group named blocks.1.mlp.down, the ``localized`` finding said its state leaves (all under ``0``, as every state
+    leaf is) "share no ndim, name or module"."""
+    record = _state_record({"blocks.1.mlp.down.bias", "blocks.1.mlp.down.kernel"})
+    found = rules.localized(rules.DiagnosisContext.build([record]))
+    group = "every failing leaf is under blocks.1.mlp.down; every other leaf matches"
+    assert found.code == "localized" and f"{group[0].upper()}{group[1:]}." in found.message
+    assert "share no" not in found.message and "the optimizer state differs (4 of 8 leaves)" in found.message
+    assert localize([record]).group == group
+    # parameters that share nothing either: the failing leaves are listed, as before
+    record = _state_record({"blocks.0.mlp.down.bias", "blocks.1.mlp.down.kernel"})
+    found = rules.localized(rules.DiagnosisContext.build([record]))
+    assert "share no ndim, name or module that the matching ones lack" in found.message
+    # the state of one parameter both fails and matches (nu of the bias): no parameter split; the localization's
+    # group, read from the copies that disagree, names the module and the finding says it too
+    leaves = [
+        e if e.path != "0.nu.blocks.1.mlp.down.bias" else _leaf("opt_state", e.path, True)
+        for e in _state_record({"blocks.1.mlp.down.bias", "blocks.1.mlp.down.kernel"}).leaves
+    ]
+    record = _record(leaves)
+    assert "share no ndim" in rules.localized(rules.DiagnosisContext.build([record])).message
+    differ = ("opt_state 0.mu.blocks.1.mlp.down.bias", "opt_state 0.mu.blocks.1.mlp.down.kernel")
+    record = dataclasses.replace(record, replica_mismatches=differ, replica_axes=("data",))
+    assert localize([record]).group == group
+    found = rules.localized(rules.DiagnosisContext.build([record]))
+    assert f"{group[0].upper()}{group[1:]}." in found.message and "share no" not in found.message
+    # a property of the state's own paths is kept: only mu differs
+    mu = [_leaf("opt_state", f"0.{m}.{p}", m == "nu") for m in ("mu", "nu") for p in PARAMS]
+    record = _record([_leaf("loss", "loss", True, shape=()), *mu, *COUNTERS_MATCH])
+    assert (
+        "Every failing leaf is under 0.mu.blocks; every other leaf matches."
+        in rules.localized(rules.DiagnosisContext.build([record])).message
+    )
+
+
+def test_wording_counts_leaves_and_articles():
+    from shardcheck.parity.diagnosis.grouping import n_leaves, shared_property
+    from shardcheck.parity.diagnosis.topology import name_leaves
+
+    failing = {f"m{i}.kernel": (4, 4) for i in range(5)}
+    matching = {"k.bias": (4,), "q.bias": (4,)}
+    # the two that match are counted with the rest: 7 leaves, 5 of them differ
+    assert shared_property(failing, {**matching, "x.kernel": (4, 4)}).startswith("the failing leaves")
+    assert (
+        shared_property({**failing, "z.bias": (4,)}, matching) == "all 8 leaves but k.bias and q.bias differ"
+    )
+    assert (
+        shared_property({"embed.embedding": (8, 4)}, {"a.kernel": (4, 4)})
+        == "every failing leaf is an embedding; every kernel matches"
+    )
+    assert (
+        shared_property({"a.bias": (4,)}, {"a.kernel": (4,)})
+        == "every failing leaf is a bias; every kernel matches"
+    )
+    assert (n_leaves(1), n_leaves(2)) == ("1 leaf", "2 leaves")
+    state = [f"opt_state 0.mu.blocks.{i}.bias" for i in range(6)]
+    assert name_leaves(state).startswith("the 6 leaves (opt_state 0.mu.blocks.0.bias,")
+    assert name_leaves([f"param block.{i}.bias" for i in range(6)]).startswith("the 6 leaves under 'block' (")

@@ -137,3 +137,31 @@ def test_a_forward_pass_run_twice_fails_replayed_as_live_on_its_counter():
         assert "the forward pass ran 2 times a step" in report.localization.form.sentence
     # the right step replayed against its own recording still passes
     assert check_parity(counter.step, counter.task, mesh=mesh, reference=recording).verdict == "PASS"
+
+
+def test_a_loss_that_differs_in_every_gradient_but_the_rounding_level_ones_is_no_term_nor_an_update_scale():
+    """The trial's tensor-parallel MLP whose output was not psum-ed over 'model': the loss 1.008 x and every
+    gradient but the two attention key biases (rounding noise) differs, by several factors. It read "a term of
+    the loss whose gradient reaches only these parameters (an auxiliary term ...)", and before 41dee08 "one scale
+    of the whole update (a learning rate ...)"."""
+    grads = [_leaf("grad", f"{m}.kernel", r, ok=False) for m, r in zip("abc", (1.5, 0.7, 2.2), strict=True)]
+    quiet = [_leaf("grad", "k.bias", size=1e-5), _leaf("grad", "q.bias", size=1e-5)]
+    records = [_record(_leaf("loss", "loss", 1.008, ok=False), grads + quiet)]
+    loc = localize(records)
+    assert loc.group == (
+        "the loss's difference reaches every gradient but the rounding-level ones: 3 of 5 gradient leaves "
+        "differ; the other 2 (k.bias, q.bias) are at rounding level (a true gradient of 0, such as an attention "
+        "key bias's), too small to show a difference: the loss differs as a whole, not in a term that reaches "
+        "only some parameters"
+    )
+    assert loc.form.sentence.endswith(
+        ": the loss at equal parameters is 1.008 x the reference's; every gradient but the rounding-level ones "
+        "differs, by no one factor: the forward pass computes another function of the parameters, not a scaled loss"
+    )
+    text = _said(loc, records)
+    assert "auxiliary" not in text and "one term" not in text and "whole update" not in text
+    # a matching gradient of size 1 would have shown the difference: then one term of the loss differs
+    records = [_record(_leaf("loss", "loss", 1.008, ok=False), [*grads, _leaf("grad", "k.bias")])]
+    loc = localize(records)
+    assert "a term of the loss whose gradient reaches only these parameters" in loc.group
+    assert loc.form.sentence.endswith("only some gradients differ: one term of the loss differs (the group)")

@@ -489,7 +489,7 @@ def test_a_too_small_update_cannot_be_verified_unless_accepted():
     assert shown.steps[0].scale_evidence == (("grad bias", "grad kernel"),) * 2
     assert (
         shown.scale_evidence
-        == "a gradient x2 or x1/2 would have failed 2 leaf/leaves at step 0 (grad bias, grad kernel)."
+        == "a gradient x2 or x1/2 would have failed 2 leaves at step 0 (grad bias, grad kernel)."
     )
 
 

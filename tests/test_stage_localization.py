@@ -261,7 +261,7 @@ def test_a_learning_rate_schedule_one_step_ahead_under_accumulation_is_the_optim
     assert loc.stage == "optimizer" and loc.status("gradients") == "matches"
     assert loc.form.kind == "factor" and loc.form.factor == pytest.approx(0.5, rel=1e-3)
     # every parameter but the attention key bias, whose gradient is rounding noise; the optimizer state matches
-    assert loc.group.startswith("all 21 leaves but blocks.0.attn.key.bias differ")
+    assert loc.group.startswith("all 22 leaves but blocks.0.attn.key.bias differ")
     assert "every optimizer-state leaf of this stage matches" in loc.group
     # replayed: the key bias's rerun update (of a rounding-level gradient) within the digests' allowance, as live
     assert _replayed_as_live(loc, cand, task, "accumulation", num_shards=4).form.sentence == loc.form.sentence
@@ -380,7 +380,7 @@ def test_the_form_from_records_claims_a_factor_only_when_each_leaf_is_constant()
     ]
     grouped = form_from_leaves(leaves, update=False)
     assert grouped.kind == "per_group" and grouped.groups == ((0.5, ("d",)), (1.5, ("b", "c")), (3.0, ("a",)))
-    assert "x0.5 on d (1 leaves); x1.5 on b, c (2 leaves); x3 on a (1 leaves)" in grouped.sentence
+    assert "x0.5 on d (1 leaf); x1.5 on b, c (2 leaves); x3 on a (1 leaf)" in grouped.sentence
     # a constant 2 on an update: as fit_form says it (the localization then checks it against the counters)
     assert form_from_leaves([e("a", 2.0, (2.0, 2.0))]).kind == "extra_step"
 

@@ -415,7 +415,7 @@ def test_a_replicated_bias_added_before_the_psum_is_named_per_leaf():
     assert report.verdict == "FAIL"
     assert report.codes[0] == "replicated_reduced", report.diagnoses
     message = report.diagnoses[0].message
-    assert "2 leaf/leaves (block.down.bias, block.out_bias) is x4 the reference's" in message
+    assert "2 leaves (block.down.bias, block.out_bias) is x4 the reference's" in message
     assert "x4 is the size of mesh axis 'model'" in message
     assert "added before the psum over 'model' counts once per shard" in message
     ratios = {e.path: e.ratio for e in report.steps[0].leaves if e.kind == "opt_state" and ".mu." in e.path}

@@ -222,8 +222,8 @@ def test_the_verdict_names_the_hidden_factor_and_its_cause():
     shown = [_step(0, ((), ("opt_state 0.mu.w",))), _step(1, (("grad w", "grad b"), ()))]
     assert unresolvable(shown, 4, policy) is None  # each factor shown by some step
     assert scale_evidence_text(shown, 4) == (
-        "a gradient x4 would have failed 2 leaf/leaves at step 1 (grad w, grad b); "
-        "a gradient x1/4 would have failed 1 leaf/leaves at step 0 (opt_state 0.mu.w)."
+        "a gradient x4 would have failed 2 leaves at step 1 (grad w, grad b); "
+        "a gradient x1/4 would have failed 1 leaf at step 0 (opt_state 0.mu.w)."
     )
     assert unresolvable([_step(0, ((), ()), ok=False)], 4, policy) is None  # a failing run found its error
     clip = unresolvable([_step(0, ((), ("param w",)), blind=True)], 4, policy)

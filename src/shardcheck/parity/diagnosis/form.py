@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, one_factor_across
+from shardcheck.parity.diagnosis.grouping import n_leaves
 
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
 # within this fraction of its size
@@ -87,13 +88,18 @@ def _on_all(n: int, noun: str = "failing leaves") -> str:
 
 def _ratio_stats(dr: np.ndarray, dc: np.ndarray) -> tuple[float, float, float] | None:
     """``(median, p10, p90)`` of ``dc / dr`` over the elements whose ``|dr|`` is at least :data:`FLOOR` of the
-    largest; ``None`` where ``dr`` is all zero."""
+    largest, the percentiles the order statistics of ``LeafError.spread``
+    (:func:`~shardcheck.parity.comparison.live.spread_ranks`: one leaf's range is said alike by the form and the
+    findings); ``None`` where ``dr`` is all zero."""
+    from shardcheck.parity.comparison.live import spread_ranks
+
     top = float(np.max(np.abs(dr), initial=0.0))
     if top == 0 or not math.isfinite(top):
         return None
     keep = np.abs(dr) >= FLOOR * top
-    r = dc[keep] / dr[keep]
-    return float(np.median(r)), float(np.percentile(r, 10)), float(np.percentile(r, 90))
+    r = np.sort((dc[keep] / dr[keep]).ravel())
+    lo, hi = spread_ranks(r.size)
+    return float(np.median(r)), float(r[lo]), float(r[hi])
 
 
 def _check(fn: str, arrays: Mapping, name: str, paths) -> None:
@@ -242,7 +248,7 @@ def _per_group(factors: dict[str, float], stats: dict, n: int) -> Form:
         else:
             groups.append((f, [p]))
     parts = "; ".join(
-        f"x{f:.4g} on {', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''} ({len(ps)} leaves)"
+        f"x{f:.4g} on {', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''} ({n_leaves(len(ps))})"
         for f, ps in groups
     )
     lo = min(s[1] for s in stats.values())
@@ -298,7 +304,7 @@ def _no_form(f64: dict) -> Form:
     )
     return Form(
         "none",
-        f"no simple form: no zero update, sign flip, constant factor or decay term fits the {len(f64)} leaves{tail}",
+        f"no simple form: no zero update, sign flip, constant factor or decay term fits the {n_leaves(len(f64))}{tail}",
         leaves=len(f64),
     )
 

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 
 # a module whose name holds one of these is a normalization layer
 NORM_NAMES = ("norm", "ln")
+# the grouping's sentence where no property separates the failing leaves from the matching ones
+NO_PROPERTY = "share no ndim, name or module that the matching ones lack"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,16 @@ def role(path: str) -> str:
     return last
 
 
+def n_leaves(n: int) -> str:
+    """``"1 leaf"``, ``"2 leaves"``."""
+    return f"{n} leaf" if n == 1 else f"{n} leaves"
+
+
+def article(noun: str) -> str:
+    """``noun`` with its indefinite article: ``"an embedding"``, ``"a bias or kernel"``."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def param_path(path: str, params) -> str:
     """The parameter path an optimizer-state path ends in (``"0.mu.a.kernel"`` -> ``"a.kernel"``), the path
     itself where none of ``params`` is its tail."""
@@ -59,6 +71,28 @@ def param_path(path: str, params) -> str:
         return path
     tails = [p for p in params if path.endswith("." + p)]
     return max(tails, key=len) if tails else path
+
+
+def as_parameters(
+    failing: dict[str, tuple[int, ...] | None],
+    matching: dict[str, tuple[int, ...] | None],
+    params: Mapping[str, tuple[int, ...] | None],
+) -> tuple[dict, dict] | None:
+    """Optimizer-state leaves read as the parameters they belong to (``"0.mu.a.kernel"`` -> ``"a.kernel"``):
+    ``(failing parameters, the matching ones)`` with their shapes from ``params``, so that a
+    module or name is read from the parameter's path (``"0.mu.blocks.1.mlp.down.bias"`` is under
+    ``blocks.1.mlp.down``, which its ``0.`` prefix hid). ``None`` where some leaf of ``failing`` or ``matching``
+    is no parameter's state (its path ends in none of ``params``), or where some parameter's state both fails and
+    matches (Adam's mu of a.kernel failing, its nu matching)."""
+    paths = [*failing, *matching]
+    of = {p: param_path(p, params) for p in paths}
+    if not params or any(of[p] not in params for p in paths):
+        return None
+    bad = {of[p]: params[of[p]] for p in failing}
+    # one parameter's state both fails and matches: the parameters do not split
+    if any(of[p] in bad for p in matching):
+        return None
+    return bad, {of[p]: params[of[p]] for p in matching}
 
 
 def _ndim_class(ndims: set[int], others: set[int]) -> str:
@@ -128,7 +162,7 @@ def shared_property(
     if matching and not mine & theirs:
         which = " or ".join(sorted(mine))
         rest = ", ".join(sorted(theirs))
-        return f"every failing leaf is a {which}; every {rest} matches"
+        return f"every failing leaf is {article(which)}; every {rest} matches"
     found = _facts_property(list(failing), list(matching), facts) if facts and matching else None
     if found is not None:
         return found
@@ -137,12 +171,30 @@ def shared_property(
         return f"every failing leaf is under {prefix}; every other leaf matches"
     if not matching:
         return f"all {len(failing)} leaves differ"
-    if matching and len(matching) <= 2 and len(failing) > 2 * len(matching):
-        return f"all {len(failing)} leaves but {' and '.join(sorted(matching))} differ"
+    if matching and len(matching) <= 2 and len(failing) > 2 * len(matching):  # counted with the exceptions
+        return f"all {len(failing) + len(matching)} leaves but {' and '.join(sorted(matching))} differ"
     if len(failing) == 1 and matching:
         return f"only {next(iter(failing))} differs; every other leaf matches"
     listed = ", ".join(sorted(failing)[:6]) + (", ..." if len(failing) > 6 else "")
-    return f"the failing leaves ({listed}) share no ndim, name or module that the matching ones lack"
+    return f"the failing leaves ({listed}) {NO_PROPERTY}"
+
+
+def state_property(
+    failing: dict[str, tuple[int, ...] | None],
+    matching: dict[str, tuple[int, ...] | None],
+    params: Mapping[str, tuple[int, ...] | None],
+    facts: Mapping[str, LeafFacts] | None = None,
+) -> str:
+    """:func:`shared_property` of leaves that may be optimizer state; where their own paths share nothing
+    (:data:`NO_PROPERTY`: ``0.mu.blocks.1.mlp.down.bias`` lies under ``0``, as every other state leaf does), what
+    the parameters they belong to share (:func:`as_parameters`): ``"every failing leaf is under blocks.1.mlp.down;
+    every other leaf matches"``. ``params``: ``{parameter path: shape}``; the rest as :func:`shared_property`."""
+    sentence = shared_property(failing, matching, facts)
+    mapped = as_parameters(failing, matching, params) if NO_PROPERTY in sentence else None
+    if mapped is None:
+        return sentence
+    said = shared_property(*mapped, facts)
+    return sentence if NO_PROPERTY in said else said
 
 
 def common_prefix(paths: list[str]) -> str:
@@ -206,7 +258,7 @@ def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str,
         return None if f is None else getattr(f, name)
 
     words = {
-        "role": lambda v: f"a {v}",
+        "role": article,
         "dtype": lambda v: f"{v}",
         "axes": lambda v: f"split over {tuple(v)}" if v else "replicated on every device",
         "tied": lambda v: "tied (shared by several modules)" if v else "untied",

@@ -30,7 +30,14 @@ from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
 from shardcheck.parity.diagnosis.form import Form, form_from_leaves
-from shardcheck.parity.diagnosis.grouping import LeafFacts, common_prefix, param_path, shared_property
+from shardcheck.parity.diagnosis.grouping import (
+    NO_PROPERTY,
+    LeafFacts,
+    common_prefix,
+    param_path,
+    shared_property,
+    state_property,
+)
 from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
 
 STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")
@@ -346,7 +353,8 @@ def localize(
         form = dict(record.forms).get("replicas")
     else:
         bad = [e for e in leaves if not e.ok]
-        group = _group(bad, leaves, facts or {})
+        params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
+        group = _group(bad, leaves, facts or {}, params)
         if first.stage == "forward":
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
@@ -376,25 +384,30 @@ def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -
 
 # how the grouping names a kind of leaf
 GROUP_WORDS = {"opt_state": "optimizer-state", "param": "parameter", "grad": "gradient", "loss": "loss"}
-# the grouping's sentence where no property separates the failing leaves from the matching ones
-NO_PROPERTY = "share no ndim, name or module that the matching ones lack"
 
 
-def _group(bad: list[LeafError], leaves: list[LeafError], facts: Mapping[str, LeafFacts]) -> str:
-    """What the failing leaves share among the stage's leaves of their own kinds, and whether the other kinds
-    of the stage all match. Where the failing leaves are of several kinds and share nothing together, what the
-    failing leaves of each kind share among that kind (``"optimizer-state leaves: every failing leaf is under 1.0.mu; every other
-    leaf matches; and parameter leaves: only hidden.kernel differs; every other leaf matches"``)."""
+def _group(
+    bad: list[LeafError],
+    leaves: list[LeafError],
+    facts: Mapping[str, LeafFacts],
+    params: Mapping | None = None,
+) -> str:
+    """What the failing leaves share among the stage's leaves of their own kinds (optimizer state read as its
+    parameters, ``params``: ``{path: shape}``, where its own paths share nothing: :func:`state_property`), and
+    whether the other kinds of the stage all match. Where the failing leaves are of several kinds and share
+    nothing together, what the failing leaves of each kind share among that kind (``"optimizer-state leaves:
+    every failing leaf is under 1.0.mu; every other leaf matches; and parameter leaves: only hidden.kernel
+    differs; every other leaf matches"``)."""
     kinds = {e.kind for e in bad}
     same = [e for e in leaves if e.kind in kinds]
     failing = {e.path: e.shape for e in bad}
     matching = {e.path: e.shape for e in same if e.ok}
-    sentence = shared_property(failing, matching, facts)
+    sentence = state_property(failing, matching, params or {}, facts)
     if len(bad) == 1 and not matching:  # one leaf of its kind: named ("all 1 leaves differ" said nothing)
         sentence = f"only {bad[0].name} differs"
     if len(kinds) > 1 and NO_PROPERTY in sentence:  # mixed kinds: what each kind's failing leaves share
         sentence = "; and ".join(
-            f"{GROUP_WORDS[k]} leaves: {_group([e for e in bad if e.kind == k], same, facts)}"
+            f"{GROUP_WORDS[k]} leaves: {_group([e for e in bad if e.kind == k], same, facts, params)}"
             for k in sorted(kinds)
         )
     others = sorted({e.kind for e in leaves} - kinds)
@@ -407,8 +420,9 @@ def _group(bad: list[LeafError], leaves: list[LeafError], facts: Mapping[str, Le
 def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str:
     """Where the loss differs at equal parameters and only some gradient leaves differ: which parameters the
     differing part of the loss reaches ("the loss's difference reaches the gradients of router.kernel only (1 of
-    5 ...): a term of the loss whose gradient reaches only these parameters ..."); ``""`` where every gradient
-    differs, none does, or none was observed."""
+    5 ...): a term of the loss whose gradient reaches only these parameters ..."); where the matching gradients
+    are all at rounding level (:func:`at_rounding`), that it reaches every other one (the loss differs as a
+    whole); ``""`` where every gradient differs, none does, or none was observed."""
     bad = [e for e in grads if not e.ok]
     if not bad or len(bad) == len(grads):
         return ""
@@ -420,6 +434,15 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
             f"the loss's difference reaches every gradient that can show it: {len(bad)} of {len(grads)} gradient "
             f"leaves are {scaled:.4g} x the reference's; the other {len(quiet)} ({listed}) are too small to show "
             f"a factor {scaled:.4g} (rounding level)"
+        )
+    quiet = sorted(e.path for e in grads if e.ok)
+    if all(at_rounding(e) for e in grads if e.ok):
+        listed = ", ".join(quiet[:4]) + (", ..." if len(quiet) > 4 else "")
+        return (
+            f"the loss's difference reaches every gradient but the rounding-level ones: {len(bad)} of "
+            f"{len(grads)} gradient leaves differ; the other {len(quiet)} ({listed}) are at rounding level (a "
+            "true gradient of 0, such as an attention key bias's), too small to show a difference: the loss "
+            "differs as a whole, not in a term that reaches only some parameters"
         )
     which = common_prefix([e.path for e in bad])
     good = [e.path for e in grads if e.ok]
@@ -434,6 +457,14 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
         "parameters (an auxiliary term such as a load-balancing or regularization loss, or their module's output) "
         "is computed differently"
     )
+
+
+def at_rounding(e: LeafError) -> bool:
+    """Whether the matching gradient leaf ``e`` is at rounding level: the reference's largest element lies within
+    the leaf's tolerance (a true gradient of 0, such as an attention key bias's), so that it would match under
+    any difference of the loss (it would not show even a factor 2:
+    :func:`~shardcheck.parity.diagnosis.evidence.would_show`)."""
+    return not would_show(e, 2.0)
 
 
 def whole_loss_factor(grads: list[LeafError]) -> float | None:
@@ -486,6 +517,11 @@ def forward_form(
         why = (
             f"every gradient that can show it is {scaled:.4g} x too: the whole loss is scaled, its normalization "
             "differs (a sum for a mean, another count or divisor, a loss scale not undone)"
+        )
+    elif scaled is None and all(at_rounding(e) for e in grads if e.ok):
+        why = (
+            "every gradient but the rounding-level ones differs, by no one factor: the forward pass computes "
+            "another function of the parameters, not a scaled loss"
         )
     elif scaled is None:
         why = "only some gradients differ: one term of the loss differs (the group)"

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from shardcheck.parity.diagnosis.form import FIT_RTOL, FLOOR, Form
+from shardcheck.parity.diagnosis.grouping import n_leaves
 
 
 def replica_blocks(a) -> list[tuple[tuple, list[np.ndarray]]]:
@@ -112,14 +113,14 @@ def fit_replicas(
         if kind == "none":
             worst = max(found, key=lambda f: f[4] - f[3])
             parts.append(
-                f"on {names} ({len(found)} leaves) no simple form (the mean of the copies' changes against the "
+                f"on {names} ({n_leaves(len(found))}) no simple form (the mean of the copies' changes against the "
                 f"reference's runs from {worst[3]:.4g} to {worst[4]:.4g} on {worst[0]}, 10th-90th percentile)"
             )
             continue
         name, n, median, lo, hi = found[0]
         lo, hi = min(f[3] for f in found), max(f[4] for f in found)
         said = SAY[kind].format(n=n, lo=lo, hi=hi, median=median, axes=where)
-        parts.append(f"on {names} ({len(found)} leaves) {said}")
+        parts.append(f"on {names} ({n_leaves(len(found))}) {said}")
     head = (
         f"the copies along {where} differ by up to {max(gaps):.3g} of the reference's largest change; "
         + "; ".join(parts)

@@ -54,7 +54,7 @@ from shardcheck.parity.diagnosis.evidence import (
     spread_phrase,
     would_show,
 )
-from shardcheck.parity.diagnosis.grouping import common_prefix, shared_property
+from shardcheck.parity.diagnosis.grouping import NO_PROPERTY, common_prefix, n_leaves, state_property
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
@@ -347,8 +347,14 @@ class DiagnosisContext:
             f, ev = _gradient_factor(first)
             if f is not None and not _close(f, 1.0) and not _model_axis_subset(first, f, mesh_shape):
                 factor, evidence = f, ev
+        # the trajectory's own counters: a synchronized re-check starts the candidate's counters (a MultiSteps'
+        # own) from the reference's state, so its count is not the run's
         counters = [
-            e for r in records for e in r.leaves if e.kind == "counter" and not e.ok and not _of_model(e)
+            e
+            for r in records
+            if not r.synchronized
+            for e in r.leaves
+            if e.kind == "counter" and not e.ok and not _of_model(e)
         ]
         counter_fail = next((e for e in counters if e.path == "step"), None) or next(
             (e for e in counters if _ahead(e)), None
@@ -469,7 +475,7 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "replicas_differ",
         f"Replicas differ across devices: {leaf} holds different values on different devices after "
-        f"step {r.step} ({len(r.replica_mismatches)} leaf/leaves), though its sharding says replicated; "
+        f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding says replicated; "
         "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
         "check_vma=False and out_specs=P()).",
         leaf,
@@ -808,7 +814,8 @@ STAGES = (
 def localized(ctx: DiagnosisContext) -> Finding:
     """``localized``: an unexplained failure at step 0 while the loss and some gradient or optimizer-state leaves
     match: names the first stage (gradients, optimizer state, parameters) with failing leaves, the earlier stages
-    that match, and what the failing leaves of that stage share (:func:`shared_property`)."""
+    that match, and what the failing leaves of that stage share (:func:`state_property`: optimizer state read
+    as its parameters where its own paths share nothing, as the localization's group reads it)."""
     if not (ctx.unexplained and not ctx.drifted and _loss_ok(ctx)) or not _some_match(ctx):
         return None
     leaves = ctx.first.leaves
@@ -822,7 +829,8 @@ def localized(ctx: DiagnosisContext) -> Finding:
             continue
         worst = max(bad, key=lambda e: e.badness)
         good = {e.path: e.shape for e in of_kind if e.ok}
-        group = shared_property({e.path: e.shape for e in bad}, good)
+        params = {e.path: e.shape for e in leaves if e.kind == "param"}
+        group = _as_localized(ctx.first, kind, state_property({e.path: e.shape for e in bad}, good, params))
         agree = ["the loss", *matched]
         verb_ = "matches" if len(agree) == 1 else "match"
         agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"
@@ -836,6 +844,34 @@ def localized(ctx: DiagnosisContext) -> Finding:
             worst.name,
         )
     return None
+
+
+# the localization's stages whose group may stand for the failing leaves of a kind (the replicas' group reads
+# the leaves whose copies disagree as their parameters)
+_GROUP_STAGES = {
+    "grad": ("gradients", "replicas"),
+    "opt_state": ("optimizer", "parameters", "replicas"),
+    "param": ("parameters", "replicas"),
+}
+
+
+def _as_localized(record: StepRecord, kind: str, group: str) -> str:
+    """``group``, or where it names nothing (:data:`NO_PROPERTY`) the localization's group of the same failing
+    step where that names a property (``"every failing leaf is under blocks.0.attn"``) and its stage holds this
+    kind's leaves or their replicas: one report never says both."""
+    from shardcheck.parity.diagnosis.localization import localize
+
+    if NO_PROPERTY not in group:
+        return group
+    found = localize([record])
+    if (
+        found is None
+        or not found.group
+        or NO_PROPERTY in found.group
+        or found.stage not in _GROUP_STAGES[kind]
+    ):
+        return group
+    return found.group
 
 
 def _fitted_form(record: StepRecord, bad: list[LeafError]) -> str | None:
@@ -996,9 +1032,9 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     first = leaves[0]
     return Diagnosis(
         "rounding_level",
-        f"{len(leaves)} leaf/leaves have a gradient at rounding level (e.g. {first}: a true gradient of 0, such "
-        "as an attention key bias): under this optimizer their update is the normalized rounding noise and "
-        "cannot be compared; they were checked through their gradients and optimizer state, with the "
+        f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level (e.g. "
+        f"{first}: a true gradient of 0, such as an attention key bias): under this optimizer their update is the "
+        "normalized rounding noise and cannot be compared; they were checked through their gradients and optimizer state, with the "
         "parameter tolerance propagated through the update.",
         first,
     )

@@ -9,6 +9,7 @@ from flax import nnx
 
 from shardcheck.parity.comparison import live as compare
 from shardcheck.parity.comparison.live import flatten_state, is_int
+from shardcheck.parity.diagnosis.grouping import n_leaves
 from shardcheck.parity.harness.state import _After, _PreStep, _Run
 from shardcheck.parity.tolerance.allowances import _reference_grads
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
@@ -171,6 +172,6 @@ def scale_evidence_text(records, num_shards: int | None) -> str | None:
     for (step, names), labels in found.items():
         listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         parts.append(
-            f"a gradient {' or '.join(labels)} would have failed {len(names)} leaf/leaves at step {step} ({listed})"
+            f"a gradient {' or '.join(labels)} would have failed {n_leaves(len(names))} at step {step} ({listed})"
         )
     return None if not parts else "; ".join(parts) + "."

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardcheck.mesh import batch_axis_names
+from shardcheck.parity.diagnosis.grouping import n_leaves
 
 
 def mismatch_axes(a) -> tuple[str, ...]:
@@ -198,7 +199,8 @@ def name_leaves(names: Sequence[str], limit: int = 4) -> str:
         if len(set(level)) > 1:
             break
         common.append(level[0])
-    under = f" under {'.'.join(common)!r}" if common else ""
+    # a module prefix, not an optimizer-state index ("0" of "0.mu.a.bias", which every state leaf lies under)
+    under = f" under {'.'.join(common)!r}" if common and not common[0].isdigit() else ""
     return f"the {len(names)} leaves{under} ({listed})"
 
 
@@ -299,9 +301,7 @@ def replicated_reduced_message(
 ) -> str:
     """The ``replicated_reduced`` message: the gradients of ``off`` are x``r``, the other ``right`` match."""
     axes = model_axes_of_size(mesh_shape, r)
-    head = (
-        f"At step {step} the gradient of {len(off)} leaf/leaves ({name_leaves(off)}) is x{r} the reference's"
-    )
+    head = f"At step {step} the gradient of {n_leaves(len(off))} ({name_leaves(off)}) is x{r} the reference's"
     if not axes:
         return (
             f"{head} while the other {right} match: those leaves were reduced twice. In jax.shard_map the gradient "
