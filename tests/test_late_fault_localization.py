@@ -87,3 +87,17 @@ def test_a_decay_mask_fault_first_seen_at_step_1_is_localized_as_at_step_0():
     assert "c = 0.1 on all 3 failing leaves" in text and "not rerun" not in text
     assert "drift" not in report.codes and "localized" in report.codes
     assert "state not carried between steps" not in report.diagnosis
+
+
+@require_devices(2)
+def test_the_same_fault_replayed_against_a_recording_is_localized_not_drift():
+    """A replay re-runs nothing from the reference's state, yet its optimizer rerun at step 1 differs: the step
+    is faulty from equal inputs, so no "state not carried between steps" is said of it (a user's trial)."""
+    from shardcheck.parity.harness.recorded import record_run
+
+    recording = record_run(_task(), "dp", num_shards=2)
+    report = check_parity(_scales_left_out(), _task(), num_shards=2, reference=recording)
+    loc = report.localization
+    assert (loc.step, loc.stage) == (1, "optimizer") and loc.form.kind == "decay"
+    assert "drift" not in report.codes and "localized" in report.codes, report.codes
+    assert "state not carried between steps" not in report.diagnosis

@@ -420,8 +420,14 @@ class DiagnosisContext:
 
     @property
     def drifted(self) -> bool:
-        """:attr:`first` is a later step of the candidate's own trajectory (not a synchronized re-run)."""
-        return self.first is not None and self.first.step > 0 and not self.first.synchronized
+        """:attr:`first` is a later step of the candidate's own trajectory (not a synchronized re-run) whose own
+        update is not shown faulty: where the reference's optimizer rerun on the candidate's own gradients and
+        pre-step state differs from the candidate's (a replay's rerun at that step), the step computes another
+        update from equal inputs, whatever the steps before it did."""
+        first = self.first
+        if first is None or first.step == 0 or first.synchronized:
+            return False
+        return all(e.ok for e in first.optimizer_rerun or ())
 
     @property
     def detail(self) -> str:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardcheck.parity.comparison.digest import QUIET
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
 from shardcheck.parity.report import ParityReport
 from shardcheck.task import Task
@@ -192,8 +193,31 @@ def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, n
     forms = _optimizer_form(with_rerun, arrays)
     with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
     steps = tuple(with_rerun if r is record else r for r in report.steps)
-    replay = dataclasses.replace(report.replay, records=steps)
-    return dataclasses.replace(report, steps=steps, replay=replay, localization=replay.localization())
+    found = _without_refuted_drift(report.diagnoses, steps, report.num_shards)
+    cause = " ".join(d.message for d in found if d.code not in QUIET) if found != report.diagnoses else None
+    replay = dataclasses.replace(
+        report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
+    )
+    return dataclasses.replace(
+        report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
+    )
+
+
+def _without_refuted_drift(diagnoses: tuple, steps: tuple, num_shards) -> tuple:
+    """``diagnoses`` where a ``drift`` ("state not carried between steps") said before the optimizer rerun is
+    refuted by it (the rerun at that step differs: the step is faulty from equal inputs, ``DiagnosisContext.
+    drifted``): replaced by the findings the live rules give the records with the rerun (``localized``)."""
+    if not any(d.code == "drift" for d in diagnoses):
+        return diagnoses
+    from shardcheck.parity.diagnosis.localization import consistent
+    from shardcheck.parity.diagnosis.rules import diagnose
+
+    fresh = [d for d in consistent(diagnose(steps, num_shards), steps) if d.code != "parity"]
+    if any(d.code == "drift" for d in fresh):
+        return diagnoses
+    codes = {d.code for d in diagnoses}
+    added = [d for d in fresh if d.code not in codes]
+    return tuple(f for d in diagnoses for f in (added if d.code == "drift" else [d]))
 
 
 def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
