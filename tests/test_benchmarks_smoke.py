@@ -25,6 +25,7 @@ RATIOS = (
     "parity_over_steps_dp",
     "parity_over_steps_fsdp",
     "parity_over_steps_tiny_lm",
+    "parity_over_steps_tiny_lm_accumulation",
     "cli_run_s",
     "cli_verify_s",
     "cli_help_s",
@@ -34,6 +35,7 @@ RATIOS = (
 )
 NOT_QUICK = (  # minutes of compiling: full runs only
     "parity_over_steps_tiny_lm",
+    "parity_over_steps_tiny_lm_accumulation",
     "cli_run_s",
     "cli_verify_s",
     "cold_verify_tiny_lm_s",
