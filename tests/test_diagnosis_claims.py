@@ -267,3 +267,17 @@ def test_wording_counts_leaves_and_articles():
     state = [f"opt_state 0.mu.blocks.{i}.bias" for i in range(6)]
     assert name_leaves(state).startswith("the 6 leaves (opt_state 0.mu.blocks.0.bias,")
     assert name_leaves([f"param block.{i}.bias" for i in range(6)]).startswith("the 6 leaves under 'block' (")
+
+
+def test_a_gradient_factor_names_no_learning_rate_and_an_update_factor_may():
+    """A constant factor read from the exposed gradients is upstream of the optimizer (a loss normalization); one
+    read from the update alone may also be a learning rate (a user's trial: 'a wrong loss normalization or
+    learning rate?' was said of gradients 43 x the reference's)."""
+    grads = [_leaf("grad", p, False, 3.0, (3.0, 3.0)) for p in ("w", "b")]
+    params = [_leaf("param", p, False, 3.0, (3.0, 3.0)) for p in ("w", "b")]
+    from_grads = rules.diagnose([_record([*grads, *params, *COUNTERS_MATCH])], 2)
+    scaled = next(d for d in from_grads if d.code == "scaled")
+    assert "(a wrong loss normalization?)" in scaled.message and "learning rate" not in scaled.message
+    from_update = rules.diagnose([_record([*params, *COUNTERS_MATCH])], 2)
+    scaled = next(d for d in from_update if d.code == "scaled")
+    assert "(a wrong loss normalization or learning rate?)" in scaled.message

@@ -716,7 +716,13 @@ def scaled(ctx: DiagnosisContext) -> Finding:
     """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
     if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced:
         return None
-    phrase = "a constant factor that is not a shard count (a wrong loss normalization or learning rate?)"
+    # a factor of the exposed gradients is upstream of the optimizer: no learning rate scales them
+    cause = (
+        "a wrong loss normalization?"
+        if ctx.evidence == "gradients"
+        else "a wrong loss normalization or learning rate?"
+    )
+    phrase = f"a constant factor that is not a shard count ({cause})"
     return _factor_finding(ctx, "scaled", phrase)
 
 
