@@ -281,3 +281,20 @@ def test_a_gradient_factor_names_no_learning_rate_and_an_update_factor_may():
     from_update = rules.diagnose([_record([*params, *COUNTERS_MATCH])], 2)
     scaled = next(d for d in from_update if d.code == "scaled")
     assert "(a wrong loss normalization or learning rate?)" in scaled.message
+
+
+def test_rounding_level_leaves_are_said_checked_through_what_was_observed():
+    """Where the candidate returned no gradients, the rounding-level note does not say those leaves were checked
+    through their gradients (a user's trial: it did, beside 'the gradients: not observed')."""
+    state = [
+        _leaf("opt_state", "0.mu.w", False, 3.0, (3.0, 3.0)),
+        _leaf("param", "w", False, 3.0, (3.0, 3.0)),
+    ]
+    grads = [_leaf("grad", "w", False, 3.0, (3.0, 3.0))]
+
+    def note(leaves):
+        record = dataclasses.replace(_record([*leaves, *COUNTERS_MATCH]), unresolved=("param key.bias",))
+        return next(d for d in rules.diagnose([record], 2) if d.code == "rounding_level").message
+
+    assert "checked through their optimizer state (no gradients returned)" in note(state)
+    assert "checked through their gradients and optimizer state" in note([*grads, *state])

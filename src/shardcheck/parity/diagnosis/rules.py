@@ -1042,11 +1042,16 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     if not leaves:
         return None
     first = leaves[0]
+    # what they were checked through: the gradients only where the candidate returned them
+    seen = any(e.kind == "grad" for r in ctx.records for e in r.leaves)
+    through = (
+        "their gradients and optimizer state" if seen else "their optimizer state (no gradients returned)"
+    )
     return Diagnosis(
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level (e.g. "
         f"{first}: a true gradient of 0, such as an attention key bias): under this optimizer their update is the "
-        "normalized rounding noise and cannot be compared; they were checked through their gradients and optimizer state, with the "
+        f"normalized rounding noise and cannot be compared; they were checked through {through}, with the "
         "parameter tolerance propagated through the update.",
         first,
     )
