@@ -13,11 +13,10 @@ faulty and is localized as at step 0.
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 from flax import nnx
 
 from shardcheck._tree import copy_state
+from shardcheck.parity.comparison.live import equal, flatten_state
 from shardcheck.parity.harness.candidates import run_step
 from shardcheck.parity.harness.state import _After, _opt_state, _Run
 
@@ -39,10 +38,10 @@ def ignores_optimizer_state(run: _Run, model: nnx.Module, optimizer: nnx.Optimiz
     """
     initial = nnx.Optimizer(copy_state(model), optimizer.tx, wrt=optimizer.wrt)
     initial.step[...] = optimizer.step[...]
-    if _same(_opt_state(optimizer), _opt_state(initial)):
+    if _same(flatten_state(_opt_state(optimizer)), flatten_state(_opt_state(initial))):
         return False
     carried, reset = (_stepped(run, model, opt, t, batch) for opt in (optimizer, initial))
-    return _same(carried, reset)
+    return all(_same(a, b) for a, b in zip(carried, reset, strict=True))
 
 
 def _stepped(run: _Run, model: nnx.Module, optimizer: nnx.Optimizer, t: int, batch) -> tuple[dict, dict]:
@@ -54,8 +53,7 @@ def _stepped(run: _Run, model: nnx.Module, optimizer: nnx.Optimizer, t: int, bat
     return after.cand_params, after.cand_state
 
 
-def _same(a, b) -> bool:
-    """Both trees hold the same structure and bitwise the same leaves."""
-    la, ta = jax.tree.flatten(nnx.as_pure(a))
-    lb, tb = jax.tree.flatten(nnx.as_pure(b))
-    return ta == tb and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True))
+def _same(a: dict, b: dict) -> bool:
+    """Both flat states (``{dotted path: leaf}``) hold the same paths and bitwise the same leaves
+    (:func:`~shardcheck.parity.comparison.live.equal`: on the devices, PRNG keys through their raw data)."""
+    return a.keys() == b.keys() and equal(a, b)
