@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import sys
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
-import conftest  # noqa: E402,F401  (8 fake CPU devices and the suite's compile flags, before JAX starts)
+import conftest  # noqa: E402  (8 fake CPU devices and the suite's compile flags, before JAX starts)
 
 from shardcheck import check_parity, make_mesh  # noqa: E402
 from shardcheck.parity.diagnosis.localization import contradiction  # noqa: E402
@@ -149,23 +148,12 @@ def _accumulation_faults() -> list[Fault]:
     ]
 
 
-def _zoo_module(path: Path):
-    spec = importlib.util.spec_from_file_location(f"zoo_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
-
-
 def _zoo_faults() -> list[Fault]:
     out = []
     for path in sorted((ROOT / "examples" / "zoo").glob("*.py")):
         if path.name.startswith("_"):
             continue
-        module = _zoo_module(path)
+        module = conftest.zoo_module(path)
         for fault, (faulty, _code) in module.FAULTS.items():
 
             def build(module=module, faulty=faulty):

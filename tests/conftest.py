@@ -54,6 +54,21 @@ settings.register_profile("shardcheck", deadline=None, max_examples=15, derandom
 settings.load_profile("shardcheck")
 
 
+def zoo_module(path: Path):
+    """An ``examples/zoo`` file as its module, its folder importable while it loads (as ``--task FILE.py:task``
+    loads it: the language models import their shared steps from the sibling ``_lm_steps.py``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"zoo_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
 def require_devices(n: int):
     """A pytest skip marker for tests needing ``n`` devices."""
     import pytest

@@ -11,11 +11,9 @@ JAX), then the counter model live and replayed.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-from conftest import require_devices
+from conftest import require_devices, zoo_module
 
 from shardcheck import check_parity, make_mesh
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
@@ -110,15 +108,7 @@ def test_a_counter_the_forward_pass_writes_twice_is_named_and_the_loss_is_not_sa
 
 
 def _counter_zoo():
-    path = Path(__file__).resolve().parents[1] / "examples" / "zoo" / "counter.py"
-    spec = importlib.util.spec_from_file_location("zoo_counter_forward_form", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+    return zoo_module(Path(__file__).resolve().parents[1] / "examples" / "zoo" / "counter.py")
 
 
 @require_devices(4)

@@ -17,15 +17,13 @@ The CLI runs in this process (``shardcheck.cli.main``), so the tests share JAX's
 turns the CLI's persistent compilation cache off.
 """
 
-import importlib.util
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_devices
+from conftest import require_devices, zoo_module
 
 from shardcheck import check_parity, make_mesh
 from shardcheck.cli import main
@@ -39,20 +37,7 @@ MAX_DEVICES = 8
 pytest_plugins = ["pytester"]
 
 
-def _load(path: Path):
-    """A zoo file as its module, its folder importable while it loads (as ``--task FILE.py:task`` loads it: the
-    language models import their shared steps from the sibling ``_lm_steps.py``)."""
-    spec = importlib.util.spec_from_file_location(f"zoo_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
-
-
-MODULES = {path.stem: _load(path) for path in FILES}
+MODULES = {path.stem: zoo_module(path) for path in FILES}
 zoo = pytest.mark.parametrize("name", sorted(MODULES))
 needs_devices = require_devices(MAX_DEVICES)
 
@@ -183,7 +168,10 @@ def test_record_then_verify_against_the_recording(name, tmp_path, capsys):
         code = main(["record", "--task", _task(name), *mesh, *recorded, "--out", str(run)])
         if name == "counter" and recorded[0] == "--strategy":
             err = " ".join(capsys.readouterr().err.split())
-            assert code == 2 and "fsdp: cannot run this model: its forward pass writes non-parameter state" in err
+            assert (
+                code == 2
+                and "fsdp: cannot run this model: its forward pass writes non-parameter state" in err
+            )
             assert not run.exists()
             continue
         assert code == 0
