@@ -279,6 +279,14 @@ def test_update_differs():
     synced = diagnose([_record(0), _record(1, bad=("loss", "param w"), synchronized=True)])
     assert "(run from the reference's pre-step state)" in _one(synced, "update_differs").message
     assert "update_differs" not in _codes(diagnose(_passing()))
+    # every parameter matches at that step (Adam's first step hides a gradient's size): "the update differs"
+    # would be false; the sentence names what does differ (issue #36)
+    hidden = _one(diagnose([_record(bad=("loss", "grad w", "opt_state 0.mu.w"))]), "update_differs").message
+    assert hidden.startswith(
+        "The loss, the gradients and the optimizer state differ from the reference at step 0"
+    )
+    assert "though the applied parameters match at this step (2 leaves)" in hidden
+    assert "The update differs" not in hidden
 
 
 def test_weak_check():

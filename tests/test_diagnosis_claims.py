@@ -18,7 +18,7 @@ import numpy as np
 
 from shardcheck.parity.diagnosis import rules
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
-from shardcheck.parity.diagnosis.form import Form, fit_form
+from shardcheck.parity.diagnosis.form import Form, fit_form, form_from_leaves
 from shardcheck.parity.diagnosis.localization import checked_form, contradiction, forward_group, localize
 
 
@@ -57,6 +57,30 @@ def test_a_zero_update_is_said_as_a_learning_rate_of_0_not_as_no_one_factor():
         [_leaf("param", "w", False, 2.0, (2.0, 2.0)), _leaf("param", "b", False, 2.0, (2.0, 2.0))]
     )
     assert two == "Their changes are 2 x the reference's, a constant factor on each."
+
+
+def test_an_update_where_the_reference_makes_none_is_said_as_a_learning_rate_of_0_in_the_reference():
+    """A warm-up from 0 read one step ahead by the candidate (a user's trial: "no simple form", "no one
+    factor"): the reference does not move the leaves at step 0, the candidate does."""
+    rng = np.random.default_rng(0)
+    before = {"w": rng.normal(size=(4, 4)), "b": rng.normal(size=4)}
+    moved = {k: v + 0.01 * rng.normal(size=v.shape) for k, v in before.items()}
+    form = fit_form(before, dict(before), moved)
+    assert form.kind == "reference_zero"
+    assert "the reference left these 2 leaves as they were (change at most 0)" in form.sentence
+    assert "a learning rate of 0 at this step in the reference and not in the candidate" in form.sentence
+    # the other way round stays the candidate's zero update; values (gradients) are not an update
+    assert fit_form(before, moved, dict(before)).kind == "zero"
+    assert fit_form({}, {k: np.zeros_like(v) for k, v in moved.items()}, moved, update=False).kind != (
+        "reference_zero"
+    )
+    # from the records alone (a replay): every failing parameter's reference change is 0
+    still = [dataclasses.replace(_leaf("param", p, False), reference_change=0.0) for p in ("w", "b")]
+    assert form_from_leaves(still).kind == "reference_zero"
+    assert form_from_leaves([dataclasses.replace(still[0], reference_change=0.1)]).kind != "reference_zero"
+    assert "The reference did not move these leaves at this step and the candidate did" in rules._stage_form(
+        still
+    )
 
 
 # ------------------------------------------------------------------------------------ a factor on some gradients
@@ -298,3 +322,38 @@ def test_rounding_level_leaves_are_said_checked_through_what_was_observed():
 
     assert "checked through their optimizer state (no gradients returned)" in note(state)
     assert "checked through their gradients and optimizer state" in note([*grads, *state])
+
+
+def test_rounding_level_leaves_that_fail_beyond_the_propagated_tolerance_are_said_to():
+    """A rounding-level leaf's parameter compared within the propagated tolerance can still fail it (a learning
+    rate of 0 in the reference, not in the candidate): the note then does not leave "cannot be compared" beside
+    a group that counts it as failing (a user's trial)."""
+    leaves = [_leaf("param", "w", False, 3.0, (3.0, 3.0)), _leaf("param", "key.bias", False)]
+
+    def note(leaves):
+        record = dataclasses.replace(_record([*leaves, *COUNTERS_MATCH]), unresolved=("param key.bias",))
+        return next(d for d in rules.diagnose([record], 2) if d.code == "rounding_level").message
+
+    failing = note(leaves)
+    assert (
+        "Even so, param key.bias differs beyond that tolerance (step 0, param key.bias: max abs err 1 > "
+        in failing
+    )
+    assert "more than rounding noise, counted with the failing leaves" in failing
+    assert "Even so" not in note([leaves[0], _leaf("param", "key.bias", True)])
+
+
+def test_the_rounding_level_note_names_its_steps_where_not_every_step_had_them():
+    """A reference at a learning rate of 0 resolves nothing at step 0 (every leaf compared, and failing where
+    the candidate moved it): the note about later steps' rounding-level leaves says which steps it means."""
+    leaves = [_leaf("param", "w", False, 3.0, (3.0, 3.0)), *COUNTERS_MATCH]
+    quiet = ("param key.bias",)
+    records = [
+        _record(leaves),
+        *(dataclasses.replace(_record(leaves), step=t, unresolved=quiet) for t in (1, 2)),
+    ]
+    note = next(d for d in rules.diagnose(records, 2) if d.code == "rounding_level").message
+    assert note.startswith("1 leaf has a gradient at rounding level at steps 1 and 2 (e.g. param key.bias")
+    every = [dataclasses.replace(r, unresolved=quiet) for r in records]
+    note = next(d for d in rules.diagnose(every, 2) if d.code == "rounding_level").message
+    assert note.startswith("1 leaf has a gradient at rounding level (e.g. param key.bias")

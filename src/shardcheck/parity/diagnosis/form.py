@@ -5,6 +5,8 @@ reference's.
 step: the reference's value before and after the step and the candidate's after it (for gradients, ``before`` is
 0). With ``dr = ref_after - before`` and ``dc = cand_after - before`` it tries, in order:
 
+- ``reference_zero`` (an update): the reference did not move the leaves and the candidate did
+  (``max |dr| <= ZERO_RTOL max |dc|``; a warm-up from a learning rate of 0 read one step ahead);
 - ``zero``: the candidate did not move the leaves (``max |dc| <= ZERO_RTOL max |dr|``);
 - ``sign_flip``: ``dc = -dr`` (within :data:`FIT_RTOL`);
 - ``factor``: ``dc = f dr`` with ``f`` constant across every leaf (its elementwise ratio's 10th-90th percentile
@@ -44,7 +46,23 @@ ZERO_MEANING = (
     "the candidate's update is zero: a learning rate of 0 at this step (a schedule read one step early), or an "
     "update computed and not applied"
 )
-FORMS = ("zero", "sign_flip", "factor", "per_group", "clip", "extra_step", "decay", "replicas", "none")
+# what a zero update of the reference's alone means (``reference_zero``)
+REFERENCE_ZERO_MEANING = (
+    "a learning rate of 0 at this step in the reference and not in the candidate (a warm-up from 0 that the "
+    "candidate's schedule reads one step ahead), or an update the reference skips at this step"
+)
+FORMS = (
+    "zero",
+    "reference_zero",
+    "sign_flip",
+    "factor",
+    "per_group",
+    "clip",
+    "extra_step",
+    "decay",
+    "replicas",
+    "none",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +177,11 @@ def fit_form(
 def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
     n = len(f64)
     top_r = max(float(np.max(np.abs(dr), initial=0.0)) for _, dr, _ in f64.values())
+    top_c = max(float(np.max(np.abs(dc), initial=0.0)) for _, _, dc in f64.values())
+    if update and top_c > 0 and top_r <= ZERO_RTOL * top_c:
+        return _reference_zero(n, top_r, top_c)
     if top_r == 0:
         return None
-    top_c = max(float(np.max(np.abs(dc), initial=0.0)) for _, _, dc in f64.values())
     if top_c <= ZERO_RTOL * top_r:
         return Form(
             "zero",
@@ -180,6 +200,16 @@ def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
             leaves=n,
         )
     return None
+
+
+def _reference_zero(n: int, top_r: float, top_c: float | None) -> Form:
+    moved = "" if top_c is None else f" by up to {top_c:.3g}"
+    return Form(
+        "reference_zero",
+        f"a zero update in the reference alone: the reference left these {n_leaves(n)} as they were (change at "
+        f"most {top_r:.3g}) and the candidate moved them{moved}: {REFERENCE_ZERO_MEANING}",
+        leaves=n,
+    )
 
 
 def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
@@ -323,6 +353,8 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
     """
     if not bad:
         raise ValueError("form_from_leaves: bad is empty; pass the failing LeafErrors of one stage")
+    if update and all(e.reference_change == 0 for e in bad):
+        return _reference_zero(len(bad), 0.0, None)
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     n = len(bad)
     if len(ratios) < n or not all(one_factor_across(e) for e in ratios):

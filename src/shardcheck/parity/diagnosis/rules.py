@@ -54,6 +54,7 @@ from shardcheck.parity.diagnosis.evidence import (
     spread_phrase,
     would_show,
 )
+from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING
 from shardcheck.parity.diagnosis.grouping import NO_PROPERTY, common_prefix, n_leaves, state_property
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
@@ -905,6 +906,8 @@ def _fitted_form(record: StepRecord, bad: list[LeafError]) -> str | None:
 def _stage_form(bad: list[LeafError]) -> str:
     """What the failing leaves' ratios say: one constant factor, per-leaf factors, or no constant factor (with
     the first non-constant leaf's spread)."""
+    if all(e.kind == "param" and e.reference_change == 0 for e in bad):
+        return f"The reference did not move these leaves at this step and the candidate did: {REFERENCE_ZERO_MEANING}."
     blurred = next((e for e in bad if e.ratio is not None and not one_factor_across(e)), None)
     if blurred is not None:
         return f"{blurred.name} has {spread_phrase(blurred)}."
@@ -927,13 +930,40 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
     first = ctx.first
     return Diagnosis(
         "update_differs",
-        f"The update differs from the reference at step {first.step}"
+        f"{_what_differs(first)} from the reference at step {first.step}"
         + (" (run from the reference's pre-step state)" if first.synchronized else "")
-        + f" ({ctx.detail}): not a single reduced step "
+        + f" ({ctx.detail}){_params_match(first)}: not a single reduced step "
         "(shards applied one after another, gradients taken at different parameters, or a wrong "
         "loss)." + _forward_hint(ctx),
         ctx.worst_name,
     )
+
+
+_KIND_NOUNS = {"loss": "the loss", "grad": "the gradients", "opt_state": "the optimizer state"}
+
+
+def _what_differs(record: StepRecord) -> str:
+    """``"The update differs"`` where a parameter fails at this step; else the kinds that do (``"The loss and the
+    gradients differ"``): the update is not called different where every parameter matches."""
+    bad = [e for e in record.leaves if not e.ok]
+    if any(e.kind == "param" for e in bad):
+        return "The update differs"
+    kinds = [noun for kind, noun in _KIND_NOUNS.items() if any(e.kind == kind for e in bad)]
+    if not kinds:
+        return "The step differs"
+    words = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
+    verb = "differ" if len(kinds) > 1 or kinds[0] == "the gradients" else "differs"
+    return f"{words[0].upper()}{words[1:]} {verb}"
+
+
+def _params_match(record: StepRecord) -> str:
+    """``", though the applied parameters match at this step (35 leaves)"`` where every parameter leaf of the
+    step is within tolerance (under Adam a first step moves each parameter by about the learning rate whatever the
+    gradient's size), else ``""``."""
+    params = [e for e in record.leaves if e.kind == "param"]
+    if not params or not all(e.ok for e in params):
+        return ""
+    return f", though the applied parameters match at this step ({n_leaves(len(params))})"
 
 
 def _forward_hint(ctx: DiagnosisContext) -> str:
@@ -946,7 +976,7 @@ def _forward_hint(ctx: DiagnosisContext) -> str:
         return ""
     axis = model[0]
     return (
-        f" The loss differs too, on a mesh that splits the model over {tuple(model)}: the sharded forward pass "
+        f" A loss that differs on a mesh that splits the model over {tuple(model)} says the sharded forward pass "
         f"computes another function, e.g. a replicated bias added on every shard before the psum over {axis!r} "
         f"(it counts {shape[axis]} times; add it after the psum), or a row-parallel output not psum-ed over "
         f"{axis!r}."
@@ -1047,13 +1077,38 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     through = (
         "their gradients and optimizer state" if seen else "their optimizer state (no gradients returned)"
     )
+    at = [r.step for r in ctx.records if r.unresolved]
+    when = "" if len(at) == len(ctx.records) else f" at step{'s' if len(at) > 1 else ''} {_steps_list(at)}"
     return Diagnosis(
         "rounding_level",
-        f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level (e.g. "
+        f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
         f"{first}: a true gradient of 0, such as an attention key bias): under this optimizer their update is the "
         f"normalized rounding noise and cannot be compared; they were checked through {through}, with the "
-        "parameter tolerance propagated through the update.",
+        "parameter tolerance propagated through the update." + _beyond_rounding(ctx),
         first,
+    )
+
+
+def _steps_list(steps: list[int]) -> str:
+    """``"1, 2 and 4"``; ``"3"``."""
+    words = [str(t) for t in steps]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _beyond_rounding(ctx: DiagnosisContext) -> str:
+    """Where a rounding-level leaf's parameter fails even the propagated tolerance (a learning rate that differs
+    moves it where the reference's does not), the note says so rather than that it could not be compared."""
+    bad = [
+        e for r in ctx.records for e in r.leaves if e.kind == "param" and not e.ok and e.name in r.unresolved
+    ]
+    if not bad:
+        return ""
+    names = sorted({e.name for e in bad})
+    return (
+        f" Even so, {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} "
+        f"{'differs' if len(names) == 1 else 'differ'} beyond that tolerance (step {bad[0].step}, {bad[0].name}: max abs err "
+        f"{bad[0].max_abs_err:.3g} > tolerance {bad[0].tolerance:.3g}): more "
+        "than rounding noise, counted with the failing leaves."
     )
 
 
