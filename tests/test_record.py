@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardcheck.cli import main
+from shardcheck.parity.comparison.digest import REPLAY_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 ANNOTATED = f"{ROOT / 'examples' / 'annotated_lm.py'}:task"
@@ -409,7 +410,7 @@ def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp
 
     def verify(against, *more):
         rc = main(["verify", *args, "--against", str(against), "--json", str(out), *more])
-        return rc, _json(out)["runs"]["candidate" if "--candidate" in more else "fsdp"]
+        return rc, _json(out)["strategies"]["candidate" if "--candidate" in more else "fsdp"]
 
     for candidate in ("good", "loss_only"):
         rc, run = verify(fsdp, "--candidate", f"{steps}:{candidate}")
@@ -622,8 +623,9 @@ def test_record_then_verify_against_passes_bitwise(tiny_run, tmp_path, capsys):
     out = tmp_path / "against.json"
     assert main(["verify", "--task", "tiny-lm", "--against", str(tiny_run), "--json", str(out)]) == 0
     report = _json(out)
-    assert report["ok"] is True and list(report["runs"]) == ["fsdp"]  # the recorded run and mesh by default
-    run = report["runs"]["fsdp"]
+    # the recorded run and mesh by default
+    assert report["ok"] is True and list(report["strategies"]) == ["fsdp"]
+    run = report["strategies"]["fsdp"]
     assert run["verdict"] == "PASS" and run["bitwise"] is True and run["steps"] == 3
     assert run["hashes_matched"] == run["hashes_compared"] > 3 * 40
     assert report["recorded"]["mesh"] == {"fsdp": 4} and report["recorded"]["settings"]["lr"] == 0.01
@@ -637,7 +639,7 @@ def test_a_doubled_learning_rate_fails_at_step_0_on_a_parameter_update_of_2x(tin
     out = tmp_path / "against.json"
     args = ["verify", "--task", "tiny-lm", "--lr", "0.02", "--against", str(tiny_run), "--json", str(out)]
     assert main(args) == 1
-    run = _json(out)["runs"]["fsdp"]
+    run = _json(out)["strategies"]["fsdp"]
     first = run["first_failure"]
     assert run["verdict"] == "FAIL" and first["step"] == 0 and first["name"].startswith("param ")
     assert first["ratio"] == pytest.approx(2.0, rel=0.01)
@@ -662,9 +664,9 @@ def test_a_user_step_summing_for_a_mean_fails_at_step_0_on_a_gradient_of_s(tmp_p
     out = tmp_path / "against.json"
     same = ["verify", *args, "--against", str(recording), "--json", str(out)]
     assert main([*same, "--candidate", f"{steps}:mean_step"]) == 0
-    assert _json(out)["runs"]["candidate"]["bitwise"] is True
+    assert _json(out)["strategies"]["candidate"]["bitwise"] is True
     assert main([*same, "--candidate", f"{steps}:summed_step"]) == 1
-    run = _json(out)["runs"]["candidate"]
+    run = _json(out)["strategies"]["candidate"]
     first = run["first_failure"]
     assert (
         first["step"] == 0
@@ -682,6 +684,96 @@ def test_a_user_step_summing_for_a_mean_fails_at_step_0_on_a_gradient_of_s(tmp_p
     assert f"pass it with --candidate {steps}:mean_step" in _one_line_error(capsys)
 
 
+LINEAR_TASK = """
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import shardcheck
+from shardcheck.losses import mse_batch_loss
+
+rng = np.random.default_rng(0)
+task = shardcheck.Task(
+    model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+    optimizer=optax.sgd(0.1),
+    loss_fn=mse_batch_loss,
+    batches=[(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))],
+    name="linear",
+)
+
+
+def _step(model, optimizer, batch, scale):
+    loss, grads = nnx.value_and_grad(mse_batch_loss)(model, batch)
+    grads = jax.tree.map(lambda g: scale * g, grads)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+def mean_step(model, optimizer, batch):
+    return _step(model, optimizer, batch, 1.0)
+
+
+def summed_step(model, optimizer, batch):  # the 2 shards' gradients added where their mean was meant
+    return _step(model, optimizer, batch, 2.0)
+"""
+
+# the fields a live check and a replay both give for the same facts (issue #36: one report type)
+LIVE_FIELDS = {
+    "ok",
+    "verdict",
+    "codes",
+    "diagnosis",
+    "localization",
+    "worst_by_kind",
+    "worst_leaf",
+    "worst_step",
+    "max_abs_err",
+    "max_rel_err",
+    "tolerance",
+    "matmul_precision",
+    "steps",
+    "per_step",
+}
+
+
+@require_devices(2)
+def test_a_live_check_and_a_replay_write_one_json_shape(tmp_path):
+    """The same planted fault (a sum for a mean over 2 shards) checked live and replayed against a recording of the
+    correct step: both documents hold ``strategies``, each entry with the live names, and agree on the verdict."""
+    path = tmp_path / "linear.py"
+    path.write_text(LINEAR_TASK)
+    task = ["--task", f"{path}:task", "--devices", "2"]
+    recording, live, replay = (tmp_path / n for n in ("mean.npz", "live.json", "replay.json"))
+    assert main(["record", *task, "--candidate", f"{path}:mean_step", "--out", str(recording)]) == 0
+    summed = ["--candidate", f"{path}:summed_step"]
+    assert main(["verify", *task, *summed, "--strategies", "none", "--json", str(live)]) == 1
+    assert main(["verify", *task, *summed, "--against", str(recording), "--json", str(replay)]) == 1
+    documents = _json(live), _json(replay)
+    assert all("runs" not in d and list(d["strategies"]) == ["candidate"] for d in documents)
+    a, b = (d["strategies"]["candidate"] for d in documents)
+    assert LIVE_FIELDS <= set(a) & set(b), LIVE_FIELDS - set(b)
+    # one shape: every field of the live entry, and the replay's own fields beside
+    assert set(a) <= set(b) and set(b) - set(a) == set(REPLAY_FIELDS), set(a) ^ set(b)
+    assert (a["ok"], a["verdict"], a["codes"][0], a["steps"]) == (False, "FAIL", "summed", 1)
+    assert (b["ok"], b["verdict"], b["codes"][0], b["steps"]) == (a["ok"], a["verdict"], a["codes"][0], 1)
+    assert "summed instead of averaged (x2: a sum over 2 shards)" in a["diagnosis"]
+    assert "summed instead of averaged (x2: a sum over 2 shards)" in b["diagnosis"]
+    # the replay's worst leaf is its worst failing record's, with the live names; its digest evidence beside
+    worst = b["worst_by_kind"][b["worst_leaf"].split(" ")[0]]
+    assert (worst["leaf"], worst["step"], worst["ok"]) == (b["worst_leaf"], b["worst_step"], False)
+    assert worst["max_abs_err"] == worst["err"] == b["max_abs_err"] > worst["tolerance"] == worst["allowed"]
+    assert b["max_rel_err"] > 0 and b["worst_step"] == a["worst_step"] == 0
+    # gradients x2: |max|2g| - max|g|| = max|g| = max|2g - g|, so the digest's error is the live one
+    assert b["worst_leaf"] == a["worst_leaf"] == "grad kernel"
+    assert b["max_abs_err"] == pytest.approx(a["max_abs_err"], rel=1e-6)
+    # the replay's own fields stay: the first failure is a gradient of 2x at step 0
+    first = b["first_failure"]
+    assert first["step"] == 0 and first["name"].startswith("grad ") and first["ratio"] == pytest.approx(2.0)
+    assert b["bitwise"] is False and b["recorded_run"] == "mean_step" and b["hashes_compared"] > 0
+    assert {"bitwise", "first_failure", "cause", "placement_changes"}.isdisjoint(a)
+
+
 @require_devices(4)
 def test_a_replayed_step_that_returns_no_gradients_is_compared_on_the_rest(tmp_path):
     """The recording's step returned its gradients, the replayed one returns only its loss: the gradients are left
@@ -694,7 +786,7 @@ def test_a_replayed_step_that_returns_no_gradients_is_compared_on_the_rest(tmp_p
     out = tmp_path / "against.json"
     verify = ["verify", *args, "--against", str(recording), "--json", str(out)]
     assert main([*verify, "--candidate", f"{steps}:loss_only_step"]) == 0
-    run = _json(out)["runs"]["candidate"]
+    run = _json(out)["strategies"]["candidate"]
     assert run["verdict"] == "PASS" and "grad" not in run["worst_by_kind"]
     assert set(run["worst_by_kind"]) == {"loss", "param", "opt_state", "counter"}
     assert any("holds gradients; this run's step returns none" in note for note in run["notes"])
@@ -856,14 +948,14 @@ def test_verify_against_passes_a_placement_change_and_pin_placement_fails_it(tmp
     out = tmp_path / "against.json"
     verify = ["verify", *args, "--against", str(recording), "--candidate", f"{steps}:split_step"]
     assert main([*verify, "--json", str(out)]) == 0
-    run = _json(out)["runs"]["candidate"]
+    run = _json(out)["strategies"]["candidate"]
     changes = run["placement_changes"]
     assert run["verdict"] == "PASS" and run["pin_placement"] is False and changes
     assert all(c["recorded"] == "P()" and c["replayed"] != "P()" for c in changes)
     assert any(n.startswith(f"Placement changed on {len(changes)} leaf/leaves") for n in run["notes"])
     capsys.readouterr()
     assert main([*verify, "--pin-placement", "--json", str(out)]) == 1
-    run = _json(out)["runs"]["candidate"]
+    run = _json(out)["strategies"]["candidate"]
     assert run["verdict"] == "FAIL" and run["pin_placement"] is True
     assert run["first_failure"]["evidence"] == "sharding"
     assert run["cause"].startswith("The placement is pinned (--pin-placement, pin_placement=True) and ")
@@ -885,7 +977,7 @@ def test_a_user_task_file_records_and_replays(tmp_path):
     out = tmp_path / "against.json"
     assert main(["verify", "--task", ANNOTATED, "--against", str(recording), "--json", str(out)]) == 0
     report = _json(out)
-    assert report["task"] == "annotated-lm" and report["runs"]["fsdp"]["bitwise"] is True
+    assert report["task"] == "annotated-lm" and report["strategies"]["fsdp"]["bitwise"] is True
     assert report["recorded"]["mesh"] == {"data": 2, "fsdp": 2} and report["recorded"]["steps"] == 2
 
 
@@ -1023,7 +1115,7 @@ def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_nam
     out = tmp_path / "against.json"
     args = ["verify", "--task", "tiny-lm", "--compute-dtype", "bfloat16", "--against", str(tiny_run)]
     assert main([*args, "--json", str(out)]) == 1
-    run = _json(out)["runs"]["fsdp"]
+    run = _json(out)["strategies"]["fsdp"]
     assert "compute_dtype default -> 'bfloat16'" in run["cause"]
     assert any(
         "The settings differ from the recording's: compute_dtype default -> 'bfloat16'" in n
@@ -1077,7 +1169,7 @@ def test_record_and_verify_against_under_launch(tmp_path, task, mesh):
         done = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
     report = _json(out)
-    run = report["runs"]["fsdp"]
+    run = report["strategies"]["fsdp"]
     assert run["verdict"] == "PASS" and run["bitwise"] and report["recorded"]["platform"]["processes"] == 2
     assert any("the shards process 0 holds" in note for note in run["notes"])
 
@@ -1099,5 +1191,5 @@ def test_a_recorded_step_is_named_as_the_command_line_names_it(tmp_path):
     out = tmp_path / "replay.json"
     argv = ["verify", *task, "--against", str(run), "--candidate", f"{zoo}:step", "--strategies", "none"]
     assert main([*argv, "--steps", "1", "--json", str(out)]) == 0
-    row = json.loads(out.read_text())["runs"]["candidate"]
+    row = json.loads(out.read_text())["strategies"]["candidate"]
     assert row["bitwise"] is True and not any("by design" in note for note in row["notes"])

@@ -177,8 +177,8 @@ def test_record_then_verify_against_the_recording(name, tmp_path, capsys):
         assert code == 0
         argv = ["verify", "--task", _task(name), "--against", str(run), "--candidate", _step(name)]
         code, report = _verify_json([*argv, "--strategies", "none"], tmp_path / f"{run.stem}.json")
-        assert set(report["runs"]) == {"candidate"}, report["runs"].keys()
-        row = report["runs"]["candidate"]
+        assert set(report["strategies"]) == {"candidate"}, report["strategies"].keys()
+        row = report["strategies"]["candidate"]
         assert code == 0 and row["ok"] is True, (recorded, row["verdict"], row["cause"])
         if recorded[0] == "--candidate":
             assert row["bitwise"] is True

@@ -313,15 +313,6 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
     return 0 if ok else 1
 
 
-def _run_json(report) -> dict:
-    """A replayed run in ``--json``: its digest comparison's fields, and its report's diagnosis and localization."""
-    where = report.localization
-    return report.replay.to_dict() | {
-        "diagnosis": report.diagnosis,
-        "localization": None if where is None else where.to_dict(),
-    }
-
-
 def _print(args, task, reports, recording, ok: bool) -> None:
     meta = recording.meta
     from shardcheck.cli.verify import render_report
@@ -343,8 +334,10 @@ def _print(args, task, reports, recording, ok: bool) -> None:
             k: meta.get(k)
             for k in ("run", "run_kind", "steps", "mesh", "num_shards", "settings", "versions", "platform")
         },
-        # each run: its digest comparison, and the diagnosis of its records (the live check's rules)
-        "runs": {label: _run_json(r) for label, r in reports.items()},
+        # each run as a live check's entry (ParityReport.to_dict: the diagnosis of its records by the live
+        # check's rules), with its digest comparison's own fields beside
+        "strategies": {label: r.to_dict() for label, r in reports.items()},
         "devices": device_choice(args).to_dict(),
+        "reference": next(iter(reports.values())).reference if reports else None,
     }
     write_json(document, args.json)

@@ -161,11 +161,16 @@ class ParityReport:
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
-        ``precision_recheck``, ``devices``, ``localization``, ``replay`` (a replay's digest comparison).
+        ``precision_recheck``, ``devices``, ``localization``. A replay against a recording (:attr:`replay`) has
+        the same fields, read from its records, and its digest comparison's own beside them
+        (:meth:`~shardcheck.parity.comparison.digest.RunComparison.report_dict`: ``run``, ``recorded_run``,
+        ``first_failure``, ``cause``, ``evidence``, ``notes``, ``bitwise``, ``hashes_matched``,
+        ``hashes_compared``, ``placement_changes``, ``pin_placement``, ``failures``, and each ``worst_by_kind``
+        entry's digest evidence): one shape for ``verify --json`` live and ``verify --against --json``.
         """
         worst = self.worst
         record_last = self.steps[-1] if self.steps else None
-        return {
+        out = {
             "ok": self.ok,
             "verdict": self.verdict,
             "reference": self.reference,
@@ -177,7 +182,6 @@ class ParityReport:
             "precision_recheck": self.precision_recheck,
             "devices": dict(self.devices),
             "localization": None if self.localization is None else self.localization.to_dict(),
-            "replay": None if self.replay is None else self.replay.to_dict(),
             "step_ok": self.step_ok,
             "diverged_at": self.diverged_at,
             "reference_diverged_at": self.reference_diverged_at,
@@ -211,6 +215,7 @@ class ParityReport:
             },
             "per_step": self._per_step(),
         }
+        return out if self.replay is None else self.replay.report_dict(out)
 
     def _per_step(self) -> list[dict]:
         """``to_dict``'s ``per_step``: each step's verdict, losses, tolerances and worst leaf."""

@@ -204,17 +204,13 @@ class RunComparison:
 
     def to_dict(self) -> dict:
         """JSON-ready: the verdict, the first failure, the cause, the evidence, the notes, the worst per kind."""
-
-        def leaf(e: DigestError | None):
-            return None if e is None else dataclasses.asdict(e) | {"badness": e.badness}
-
         return {
             "run": self.run,
             "recorded_run": self.recorded_run,
             "verdict": self.verdict,
             "ok": self.ok,
             "steps": self.steps,
-            "first_failure": leaf(self.first_failure),
+            "first_failure": _digest_dict(self.first_failure),
             "cause": self.cause,
             "evidence": self.evidence,
             "notes": list(self.notes),
@@ -228,8 +224,25 @@ class RunComparison:
             "matmul_precision": self.matmul_precision,
             "failures": len(self.failures),
             "codes": list(self.codes),
-            "worst_by_kind": {k: leaf(e) for k, e in self.worst_by_kind().items()},
+            "worst_by_kind": {k: _digest_dict(e) for k, e in self.worst_by_kind().items()},
         }
+
+    def report_dict(self, report: dict) -> dict:
+        """The ``--json`` entry of this replay: ``report``, the
+        :meth:`~shardcheck.ParityReport.to_dict` of its records (the live check's fields: ``ok``, ``verdict``,
+        ``codes``, ``diagnosis``, ``localization``, ``worst_leaf``, ``worst_step``, ``max_abs_err``,
+        ``max_rel_err``, ``tolerance``, ``worst_by_kind``, ...), with this comparison's own fields beside them
+        (:data:`REPLAY_FIELDS`), ``steps`` the steps compared (the initial state's record is no step), and each
+        ``worst_by_kind`` entry (``leaf``, ``step``, ``max_abs_err``, ``max_rel_err``, ``tolerance``, ``ok``)
+        with its digest's evidence (``name``, ``evidence``, ``recorded``, ``replayed``, ``err``, ``allowed``,
+        ``ratio``, ``badness``)."""
+        own = self.to_dict()
+        digests = {(e.step, e.name): e for e in self.leaves}
+        worst = {
+            kind: entry | (_digest_dict(digests.get((entry["step"], entry["leaf"]))) or {})
+            for kind, entry in report["worst_by_kind"].items()
+        }
+        return report | {k: own[k] for k in REPLAY_FIELDS} | {"steps": self.steps, "worst_by_kind": worst}
 
     def __str__(self) -> str:
         head = f"{self.run} against the recorded {self.recorded_run}: {self.verdict}"
@@ -245,6 +258,29 @@ class RunComparison:
             )
             lines.append(f"cause: {self.cause}")
         return "\n".join([*lines, self.evidence, *self.notes])
+
+
+REPLAY_FIELDS = (
+    "run",
+    "recorded_run",
+    "first_failure",
+    "cause",
+    "evidence",
+    "notes",
+    "bitwise",
+    "hashes_matched",
+    "hashes_compared",
+    "placement_changes",
+    "pin_placement",
+    "failures",
+)
+"""The fields of a replay's ``--json`` entry that a live check has no counterpart of
+(:meth:`RunComparison.report_dict`)."""
+
+
+def _digest_dict(e: DigestError | None) -> dict | None:
+    """A :class:`DigestError` JSON-ready, with its ``badness`` (``None`` for none)."""
+    return None if e is None else dataclasses.asdict(e) | {"badness": e.badness}
 
 
 class _Leaf(NamedTuple):
