@@ -990,6 +990,13 @@ def test_a_user_task_file_records_and_replays(tmp_path):
             "records another task (it records task 'tiny-lm', this run's is 'annotated-lm'): another model or "
             "optimizer state (",
         ),
+        # another task on another mesh: the task is the cause, said first; no --mesh that cannot make it replay
+        (
+            ["--task", ANNOTATED, "--mesh", "data=2,fsdp=2"],
+            "records another task (it records task 'tiny-lm', this run's is 'annotated-lm'): another model or "
+            "optimizer state (",
+        ),
+        # the same task on another mesh: the mesh, and the flag that replays it
         (
             ["--task", "tiny-lm", "--mesh", "data=2,fsdp=2"],
             "was recorded on mesh fsdp=4 (S=4), not data=2,fsdp=2 (S=4); replay it with --mesh fsdp=4",
@@ -1002,7 +1009,10 @@ def test_a_user_task_file_records_and_replays(tmp_path):
 def test_a_recording_of_another_run_is_refused_in_one_line(tiny_run, args, message, capsys):
     assert main(["verify", *args, "--against", str(tiny_run)]) == 2
     err = _one_line_error(capsys)
-    assert err.startswith(f"error: shardcheck verify: --against {tiny_run} ") and message in err
+    # the first sentence names the cause
+    assert err.startswith(f"error: shardcheck verify: --against {tiny_run} {message}"), err
+    if "--mesh" in args and args[1] != "tiny-lm":  # another task: no mesh advice at all
+        assert "--mesh" not in err and "mesh" not in err.split(";")[0], err
 
 
 def _rewritten(source: Path, target: Path, **meta) -> Path:

@@ -740,11 +740,13 @@ def check_replayable(
 ):
     """Refuse, before any step, a replay that cannot be compared with ``recording``.
 
-    In this order: another shard count S, or another mesh (when both runs have one: a single-device strategy's
-    replay compares with a mesh strategy's recording at the same S); more steps than recorded; fewer batches than
-    steps; other batch shapes; another state structure (the fingerprint: leaf names, shapes, dtypes); other batch
-    data (its sha256). A task's name is how it was spelled (a file path, ``Task(name=)``): it refuses nothing, and
-    a refusal names both tasks when their names differ.
+    In this order, what the run is before where it runs: more steps than recorded; fewer batches than steps;
+    another task (both the state structure and the batch shapes differ); other batch shapes; another state
+    structure (the fingerprint: leaf names, shapes, dtypes); other batch data (its sha256); then another shard
+    count S, or another mesh (when both runs have one: a single-device strategy's replay compares with a mesh
+    strategy's recording at the same S), so that a recording of another task on another mesh is refused as
+    another task, not told a ``--mesh`` that cannot make it replay. A task's name is how it was spelled (a file
+    path, ``Task(name=)``): it refuses nothing, and a refusal names both tasks when their names differ.
 
     Args:
         recording: the recording; task: the replay's task.
@@ -766,21 +768,6 @@ def check_replayable(
         else f" (it records task {meta['task']!r}, this run's is {task.name!r})"
     )
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
-    axes = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
-    # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
-    if num_shards != meta["num_shards"] or (axes and meta["mesh"] and axes != meta["mesh"]):
-        was, now = _mesh_text(meta["mesh"], meta["num_shards"]), _mesh_text(axes, num_shards)
-        if meta["mesh"] and axes == meta["mesh"]:  # the mesh given, another S asked for
-            flag = _flag(
-                fn, f"--mesh {was.split(' ')[0]} alone", f"num_shards={meta['num_shards']} (or None)"
-            )
-        elif meta["mesh"]:
-            flag = _flag(fn, f"--mesh {was.split(' ')[0]}", f"a mesh of {was.split(' ')[0]}")
-        else:
-            flag = _flag(fn, f"--devices {meta['num_shards']}", f"num_shards={meta['num_shards']}")
-        raise ValueError(
-            f"{fn}: {path} was recorded on mesh {was}, not {now}{named}; replay it with {flag}, or record again"
-        )
     steps = _replay_steps(fn, path, recording, task, steps, named)
     now = task_facts(fn, task, list(task.batches[:steps]))
     differ = _settings_words(meta.get("settings"), settings) + named
@@ -809,6 +796,26 @@ def check_replayable(
                 f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded data, or record "
                 "again"
             )
+    _check_mesh(fn, path, meta, mesh, num_shards, named)
+
+
+def _check_mesh(fn: str, path, meta: Mapping, mesh, num_shards: int, named: str) -> None:
+    """Refuse a replay on another shard count S or another mesh than the recording's (:func:`check_replayable`'s
+    last refusal: the task is the recorded one, so the flag it names can make the run replay)."""
+    axes = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
+    # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
+    if num_shards == meta["num_shards"] and not (axes and meta["mesh"] and axes != meta["mesh"]):
+        return
+    was, now = _mesh_text(meta["mesh"], meta["num_shards"]), _mesh_text(axes, num_shards)
+    if meta["mesh"] and axes == meta["mesh"]:  # the mesh given, another S asked for
+        flag = _flag(fn, f"--mesh {was.split(' ')[0]} alone", f"num_shards={meta['num_shards']} (or None)")
+    elif meta["mesh"]:
+        flag = _flag(fn, f"--mesh {was.split(' ')[0]}", f"a mesh of {was.split(' ')[0]}")
+    else:
+        flag = _flag(fn, f"--devices {meta['num_shards']}", f"num_shards={meta['num_shards']}")
+    raise ValueError(
+        f"{fn}: {path} was recorded on mesh {was}, not {now}{named}; replay it with {flag}, or record again"
+    )
 
 
 def _another_task(
