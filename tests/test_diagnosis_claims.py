@@ -357,3 +357,31 @@ def test_the_rounding_level_note_names_its_steps_where_not_every_step_had_them()
     every = [dataclasses.replace(r, unresolved=quiet) for r in records]
     note = next(d for d in rules.diagnose(every, 2) if d.code == "rounding_level").message
     assert note.startswith("1 leaf has a gradient at rounding level (e.g. param key.bias")
+
+
+def test_a_factor_on_every_gradient_is_one_scale_of_the_loss_and_its_weight_is_named():
+    """A loss sum not divided by its token count (a user's trial: factor 43, said as "a scale applied to these
+    leaves only" although every gradient but the rounding-level ones had it): every gradient that can show the
+    factor carries it, so it is one scale of the whole loss, and a factor equal to the batch's total loss weight
+    is named as that weight."""
+    bad = [_leaf("grad", p, False, 43.0, (43.0, 43.0)) for p in ("w", "b")]
+    # a rounding-level gradient: its reference (|g| = 1e-9) could not show x43 beyond its tolerance
+    quiet = LeafError(0, "grad", "key.bias", 1e-9, 1.0, 1e-3, True, 0.4, None, (-2.0, 5.0), (4,))
+    form = Form("factor", "a constant factor 43 ...: these values scaled by one factor", 43.0, (43.0, 43.0))
+    record = dataclasses.replace(_record([*bad, quiet, *COUNTERS_MATCH]), loss_weight=43.0)
+    said = checked_form(form, "gradients", bad, [*bad, quiet], record).sentence
+    assert said.startswith("every gradient but the 1 too small to show it (at rounding level) is 43 x")
+    assert "43 is this batch's total loss weight (43: the count the (loss_sum, weight) loss returns" in said
+    assert "the loss sum was not divided by its weight" in said
+    unweighted = checked_form(form, "gradients", bad, [*bad, quiet], _record([*bad, quiet])).sentence
+    assert "a loss sum not divided by its count" in unweighted and "total loss weight" not in unweighted
+    # a gradient that would show the factor matches: the factor is these leaves' own, as fitted
+    shows = _leaf("grad", "head.kernel", True)
+    assert checked_form(form, "gradients", bad, [*bad, shows], record) is form
+    # the catalog's sentence names it too, and a factor that is not the weight is not called it
+    state = [_leaf("opt_state", f"0.mu.{p}", False, 43.0, (43.0, 43.0)) for p in ("w", "b")]
+    stepped = dataclasses.replace(_record([*bad, quiet, *state, *COUNTERS_MATCH]), loss_weight=43.0)
+    scaled = next(d for d in rules.diagnose([stepped], 2) if d.code == "scaled").message
+    assert "43 is this batch's total loss weight" in scaled
+    other = dataclasses.replace(stepped, loss_weight=40.0)
+    assert "loss weight" not in next(d for d in rules.diagnose([other], 2) if d.code == "scaled").message

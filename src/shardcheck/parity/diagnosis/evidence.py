@@ -132,6 +132,10 @@ class StepRecord:
     step: int
     rtol: float
     atol: float
+        loss_weight: a failing step of a ``(loss_sum, weight)`` loss: the batch's total weight (the count the loss
+            returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
+            equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
+            passing step, a replay).
     loss: float
     candidate_loss: float | None
     leaves: tuple[LeafError, ...]
@@ -154,6 +158,7 @@ class StepRecord:
         """Every leaf within tolerance and every replica consistent."""
         return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
 
+    loss_weight: float | None = None
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:

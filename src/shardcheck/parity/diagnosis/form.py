@@ -381,3 +381,22 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
         lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
         return _one_factor(mid, (lo, hi), n, False, False, update)
     return _per_group(factors, stats, n)
+
+
+def weight_phrase(factor: float, weight: float | None) -> str | None:
+    """A gradient factor that is the batch's total loss weight W (or 1/W) of a ``(loss_sum, weight)`` loss, said
+    as such (``StepRecord.loss_weight``); else ``None`` (no weight known, W = 1, or another factor)."""
+    if not weight or weight == 1:
+        return None
+    if abs(factor - weight) <= RATIO_RTOL * weight:
+        return (
+            f"{factor:.4g} is this batch's total loss weight ({weight:.4g}: the count the (loss_sum, weight) loss "
+            "returns, e.g. its unmasked tokens): the loss sum was not divided by its weight (divide the psum of "
+            "the sums by the psum of the weights)"
+        )
+    if abs(factor * weight - 1) <= RATIO_RTOL:
+        return (
+            f"{factor:.4g} is 1 over this batch's total loss weight ({weight:.4g}): the mean loss was divided by "
+            "its weight once more"
+        )
+    return None

@@ -176,7 +176,21 @@ def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) 
         # gradients that were not the ones applied
         if _blind_to_scale(run, pre, reference_grads(), record.leaves):
             matches += ("scale_blind",)
-    return dataclasses.replace(record, matches=matches)
+    weight = (
+        _batch_weight(run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch) if run.weighted else None
+    )
+    return dataclasses.replace(record, matches=matches, loss_weight=weight)
+
+
+def _batch_weight(loss_fn, graphdef, params, rest, batch) -> float:
+    """The batch's total weight under a ``(loss_sum, weight)`` loss (the count it divides the sum by)."""
+    return float(_weight_of(loss_fn, graphdef, params, rest, batch))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _weight_of(loss_fn, graphdef, params, rest, batch):
+    _, weight = loss_terms(loss_fn, nnx.merge(graphdef, params, rest, copy=True), batch)
+    return weight
 
 
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:

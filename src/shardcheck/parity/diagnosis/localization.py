@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
-from shardcheck.parity.diagnosis.form import Form, form_from_leaves
+from shardcheck.parity.diagnosis.form import Form, form_from_leaves, weight_phrase
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
@@ -556,6 +556,26 @@ def checked_form(
     k optimizer steps only where the counters do not match, and to be "the whole update" only where every
     update leaf of its kinds fails. Otherwise it is said as a factor on the failing group ("every update is
     2.000 x the reference's (spread ...): a learning rate 2 x, or the update applied 2 times"), scoped to the
+def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], record: StepRecord) -> Form:
+    """A factor on the gradients that every gradient able to show it has (the rest too small: at rounding
+    level) is one scale of the loss, named by the batch's loss weight where it is that; a factor that some
+    gradients that would show it lack stays a scale of these leaves only."""
+    f = form.factor
+    grads = [e for e in leaves if e.kind == "grad"]
+    if any(e.ok and would_show(e, f) for e in grads):
+        return form
+    spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
+    quiet = sum(e.ok for e in grads)
+    but = f" but the {quiet} too small to show it (at rounding level)" if quiet else ""
+    cause = weight_phrase(f, record.loss_weight) or (
+        "a loss sum not divided by its count, or divided by another count (a wrong normalization)"
+    )
+    sentence = (
+        f"every gradient{but} is {f:.4g} x the reference's{spread}: one scale of the whole loss: {cause}"
+    )
+    return dataclasses.replace(form, sentence=sentence)
+
+
     group where some update leaves match.
 
     Args:
@@ -574,6 +594,8 @@ def checked_form(
     if not subset and not (form.kind == "extra_step" and _counters_match(record)):
         return form
     f = form.factor
+    if form is not None and form.kind == "factor" and stage == "gradients":
+        return _gradient_factor(form, bad, leaves, record)
     spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
     k = round(f)
     twice = f", or the update applied {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else ""

@@ -54,7 +54,7 @@ from shardcheck.parity.diagnosis.evidence import (
     spread_phrase,
     would_show,
 )
-from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING
+from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING, weight_phrase
 from shardcheck.parity.diagnosis.grouping import NO_PROPERTY, common_prefix, n_leaves, state_property
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
@@ -723,7 +723,9 @@ def scaled(ctx: DiagnosisContext) -> Finding:
         if ctx.evidence == "gradients"
         else "a wrong loss normalization or learning rate?"
     )
-    phrase = f"a constant factor that is not a shard count ({cause})"
+    phrase = weight_phrase(ctx.factor, ctx.first.loss_weight) or (
+        f"a constant factor that is not a shard count ({cause})"
+    )
     return _factor_finding(ctx, "scaled", phrase)
 
 
