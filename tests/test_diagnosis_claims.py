@@ -385,3 +385,19 @@ def test_a_factor_on_every_gradient_is_one_scale_of_the_loss_and_its_weight_is_n
     assert "43 is this batch's total loss weight" in scaled
     other = dataclasses.replace(stepped, loss_weight=40.0)
     assert "loss weight" not in next(d for d in rules.diagnose([other], 2) if d.code == "scaled").message
+
+
+def test_a_replays_ratio_range_says_it_was_read_from_its_recorded_samples():
+    """A replay reads a leaf's ratio over its few recorded samples, a live check over every element: the range
+    says which (a user's trial: one leaf's range differed between the two reports, unsaid)."""
+    live = _leaf("opt_state", "0.mu.w", False, 2.3, (-3.0, 7.5))
+    replayed = dataclasses.replace(live, samples=8)
+    assert "(10th-90th percentile), median 2.3" in rules._stage_form([live])
+    assert "(10th-90th percentile of its 8 recorded samples), median 2.3" in rules._stage_form([replayed])
+    assert "of its 8 recorded samples" in form_from_leaves([replayed]).sentence
+    factor = [dataclasses.replace(_leaf("param", p, False, 2.0, (2.0, 2.0)), samples=8) for p in ("w", "b")]
+    assert "2..2, 10th-90th percentile of its 8 recorded samples)" in form_from_leaves(factor).sentence
+    assert (
+        "recorded samples"
+        not in form_from_leaves([dataclasses.replace(f, samples=None) for f in factor]).sentence
+    )

@@ -46,6 +46,8 @@ class LeafError:
             hand-built record). A factor is read from ``ratio`` only where they agree with it
             (:func:`constant_ratio`).
         shape: the reference leaf's shape, where known (read by :func:`shared_property` to group leaves).
+        samples: a replay's: how many recorded elements (its fixed-index samples) ``ratio`` and ``spread`` were
+            read from; ``None`` where they were read over every element (a live check).
     """
 
     step: int
@@ -59,6 +61,7 @@ class LeafError:
     reference_change: float | None = None
     spread: tuple[float, float] | None = None
     shape: tuple[int, ...] | None = None
+    samples: int | None = None
 
     @property
     def name(self) -> str:
@@ -232,6 +235,12 @@ def spread_phrase(e: LeafError) -> str:
     """``"no constant factor: its elementwise ratio runs from p10 to p90 (10th-90th percentile), median m"``."""
     lo, hi = e.spread
     return (
-        f"no constant factor: its elementwise ratio runs from {lo:.4g} to {hi:.4g} (10th-90th percentile), "
+        f"no constant factor: its elementwise ratio runs from {lo:.4g} to {hi:.4g} ({percentiles(e)}), "
         f"median {e.ratio:.4g}"
     )
+
+
+def percentiles(e: LeafError) -> str:
+    """``"10th-90th percentile"``, of a replay's ``"10th-90th percentile of its 8 recorded samples"`` (a
+    range read from a few elements, not every one as a live check's)."""
+    return "10th-90th percentile" + (f" of its {e.samples} recorded samples" if e.samples else "")

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, one_factor_across
+from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, one_factor_across, percentiles
 from shardcheck.parity.diagnosis.grouping import n_leaves
 
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
@@ -230,13 +230,16 @@ def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
 
 
 def _one_factor(
-    f: float, spread: tuple[float, float], n: int, optimizer_stage: bool, state: bool, update: bool
+    f: float,
+    spread: tuple[float, float],
+    n: int,
+    optimizer_stage: bool,
+    state: bool,
+    update: bool,
+    basis: str = "10th-90th percentile",
 ) -> Form:
     lo, hi = spread
-    head = (
-        f"a constant factor {f:.4g} {_on_all(n)} (each leaf's elementwise ratio within "
-        f"{lo:.4g}..{hi:.4g}, 10th-90th percentile)"
-    )
+    head = f"a constant factor {f:.4g} {_on_all(n)} (each leaf's elementwise ratio within {lo:.4g}..{hi:.4g}, {basis})"
     k = round(f)
     if update and k >= 2 and abs(f - k) <= RATIO_RTOL * k:
         return Form(
@@ -270,7 +273,7 @@ def _one_factor(
     )
 
 
-def _per_group(factors: dict[str, float], stats: dict, n: int) -> Form:
+def _per_group(factors: dict[str, float], stats: dict, n: int, basis: str = "10th-90th percentile") -> Form:
     groups: list[tuple[float, list[str]]] = []
     for p, f in sorted(factors.items(), key=lambda kv: kv[1]):
         if groups and abs(f - groups[-1][0]) <= RATIO_RTOL * abs(groups[-1][0]):
@@ -286,7 +289,7 @@ def _per_group(factors: dict[str, float], stats: dict, n: int) -> Form:
     return Form(
         "per_group",
         f"a constant factor per group, each constant across its leaves (ratios within {lo:.4g}..{hi:.4g}, "
-        f"10th-90th percentile per leaf): {parts}",
+        f"{basis} per leaf): {parts}",
         spread=(lo, hi),
         groups=tuple((f, tuple(ps)) for f, ps in groups),
         leaves=n,
@@ -364,7 +367,7 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
             ""
             if widest is None
             else f"; {widest.path}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
-            f"(10th-90th percentile), median {widest.ratio:.4g}"
+            f"({percentiles(widest)}), median {widest.ratio:.4g}"
         )
         return Form("none", f"no simple form read from the records of the {n} failing leaves{tail}", leaves=n)
     if all(e.ratio == 0 for e in ratios):
@@ -379,8 +382,8 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
     mid = float(np.median(list(factors.values())))
     if mid != 0 and all(abs(f - mid) <= RATIO_RTOL * abs(mid) for f in factors.values()):
         lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
-        return _one_factor(mid, (lo, hi), n, False, False, update)
-    return _per_group(factors, stats, n)
+        return _one_factor(mid, (lo, hi), n, False, False, update, percentiles(ratios[0]))
+    return _per_group(factors, stats, n, percentiles(ratios[0]))
 
 
 def weight_phrase(factor: float, weight: float | None) -> str | None:
