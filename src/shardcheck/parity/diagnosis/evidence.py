@@ -106,6 +106,11 @@ class StepRecord:
             and a normalizing optimizer (Adam, RMSProp) turns that noise into an update of ~lr. Their tolerance
             includes the update's sensitivity to the gradient's tolerance, propagated through the optimizer;
             their gradients and optimizer state are still compared at the usual tolerance.
+        rounding_level: ``param`` leaves whose reference gradient is at rounding level at this step (within its
+            tolerance of 0), ``unresolved`` among them (a live check's allowance may still resolve the update of
+            the rest): they match under any difference of the gradients, so the grouping does not read their
+            matching leaves as contradicting what the failing ones share
+            (:func:`~shardcheck.parity.diagnosis.grouping.state_property`'s ``quiet``).
         replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
             (:func:`shardcheck.parity.diagnosis.topology.mismatch_axes`): the axes a reduction missed.
         scale_hidden: this step cannot show a gradient off by the shard count, one way or both: for the
@@ -130,15 +135,15 @@ class StepRecord:
             equal parameters under the candidate's placement
             (:class:`~shardcheck.parity.diagnosis.module_outputs.ModuleFinding`, from
             ``shardcheck.parity.harness.module_probe``); ``None`` where not probed (any other stage, a replay).
+        loss_weight: a failing step of a ``(loss_sum, weight)`` loss: the batch's total weight (the count the loss
+            returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
+            equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
+            passing step, a replay).
     """
 
     step: int
     rtol: float
     atol: float
-        loss_weight: a failing step of a ``(loss_sum, weight)`` loss: the batch's total weight (the count the loss
-            returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
-            equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
-            passing step, a replay).
     loss: float
     candidate_loss: float | None
     leaves: tuple[LeafError, ...]
@@ -148,6 +153,7 @@ class StepRecord:
     synchronized: bool = False
     matches: tuple[str, ...] = ()
     unresolved: tuple[str, ...] = ()
+    rounding_level: tuple[str, ...] = ()
     replica_axes: tuple[str, ...] = ()
     scale_hidden: bool = False
     scale_evidence: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -155,13 +161,13 @@ class StepRecord:
     optimizer_rerun: tuple[LeafError, ...] | None = None
     forms: tuple[tuple[str, Any], ...] = ()
     module: Any = None
+    loss_weight: float | None = None
 
     @property
     def ok(self) -> bool:
         """Every leaf within tolerance and every replica consistent."""
         return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
 
-    loss_weight: float | None = None
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:

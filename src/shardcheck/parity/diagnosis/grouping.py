@@ -9,7 +9,7 @@ leaf's role (embedding, norm, bias, kernel), its dtype, the mesh axes of its pla
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 # a module whose name holds one of these is a normalization layer
 NORM_NAMES = ("norm", "ln")
@@ -95,6 +95,12 @@ def as_parameters(
     return bad, {of[p]: params[of[p]] for p in matching}
 
 
+def rounding_params(unresolved: Collection[str]) -> frozenset[str]:
+    """The parameter paths of a record's ``rounding_level`` and ``unresolved`` names (``"param PATH"``: a
+    gradient at rounding level), the ``quiet`` of :func:`state_property`."""
+    return frozenset(u.split(" ", 1)[-1] for u in unresolved)
+
+
 def _ndim_class(ndims: set[int], others: set[int]) -> str:
     """``"ndim >= 2"``, ``"ndim <= 1"`` or ``"another ndim"`` for the ``others`` leaves beside ``ndims``."""
     if min(others) > max(ndims):
@@ -108,6 +114,7 @@ def shared_property(
     failing: dict[str, tuple[int, ...] | None],
     matching: dict[str, tuple[int, ...] | None],
     facts: Mapping[str, LeafFacts] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> str:
     """The sentence naming what the failing leaves share and the matching ones lack.
 
@@ -126,6 +133,8 @@ def shared_property(
         matching: the same for the leaves within tolerance, of the same kind.
         facts: ``{parameter path: LeafFacts}``, where known (an optimizer-state path is read as the parameter
             path it ends in).
+        names: ``{dotted path: the name a leaf is listed by}`` where the sentence lists leaves (the stage table's
+            ``"opt_state 0.mu.a.kernel"``); a path not in it is listed as itself.
 
     Returns:
         The sentence, without a final period; where no property separates the two sets, the failing leaf's
@@ -145,14 +154,14 @@ def shared_property(
     if tied is not None:
         return tied
     suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
-    names = ", ".join(sorted({suffix[p] for p in failing}))
+    suffixes = ", ".join(sorted({suffix[p] for p in failing}))
     shapes = [failing[p] for p in failing]
     if all(shape is not None for shape in shapes):
         ndims = {len(shape) for shape in shapes}
         other = {len(s) for s in matching.values() if s is not None}
         if len(ndims) == 1 and not other & ndims:
             (d,) = ndims
-            head = f"every failing leaf is {d}-D ({names})"
+            head = f"every failing leaf is {d}-D ({suffixes})"
             if not matching:
                 return head
             if all(s is not None for s in matching.values()):
@@ -169,14 +178,24 @@ def shared_property(
     prefix = common_prefix(list(failing))
     if prefix and matching and not any(p == prefix or p.startswith(prefix + ".") for p in matching):
         return f"every failing leaf is under {prefix}; every other leaf matches"
+    return _no_property(failing, matching, names or {})
+
+
+def _no_property(failing, matching, names: Mapping[str, str]) -> str:
+    """:func:`shared_property`'s sentence where no property separates the leaves: the leaves named (``names``)."""
     if not matching:
         return f"all {len(failing)} leaves differ"
-    if matching and len(matching) <= 2 and len(failing) > 2 * len(matching):  # counted with the exceptions
-        return f"all {len(failing) + len(matching)} leaves but {' and '.join(sorted(matching))} differ"
-    if len(failing) == 1 and matching:
-        return f"only {next(iter(failing))} differs; every other leaf matches"
-    listed = ", ".join(sorted(failing)[:6]) + (", ..." if len(failing) > 6 else "")
+    if len(matching) <= 2 and len(failing) > 2 * len(matching):  # counted with the exceptions
+        return f"all {len(failing) + len(matching)} leaves but {' and '.join(_named(matching, names))} differ"
+    if len(failing) == 1:
+        return f"only {_named(failing, names)[0]} differs; every other leaf matches"
+    listed = ", ".join(_named(failing, names)[:6]) + (", ..." if len(failing) > 6 else "")
     return f"the failing leaves ({listed}) {NO_PROPERTY}"
+
+
+def _named(paths, names: Mapping[str, str]) -> list[str]:
+    """``paths`` sorted, each by its name in ``names`` (itself where none)."""
+    return [names.get(p, p) for p in sorted(paths)]
 
 
 def state_property(
@@ -184,17 +203,72 @@ def state_property(
     matching: dict[str, tuple[int, ...] | None],
     params: Mapping[str, tuple[int, ...] | None],
     facts: Mapping[str, LeafFacts] | None = None,
+    names: Mapping[str, str] | None = None,
+    quiet: Collection[str] = (),
 ) -> str:
     """:func:`shared_property` of leaves that may be optimizer state; where their own paths share nothing
     (:data:`NO_PROPERTY`: ``0.mu.blocks.1.mlp.down.bias`` lies under ``0``, as every other state leaf does), what
     the parameters they belong to share (:func:`as_parameters`): ``"every failing leaf is under blocks.1.mlp.down;
-    every other leaf matches"``. ``params``: ``{parameter path: shape}``; the rest as :func:`shared_property`."""
-    sentence = shared_property(failing, matching, facts)
+    every other leaf matches"``. ``params``: ``{parameter path: shape}``; ``facts`` and ``names`` as
+    :func:`shared_property`.
+
+    ``quiet``: the parameter paths whose gradient is at rounding level (``StepRecord.unresolved``, a true gradient
+    of 0 such as an attention key bias's), which match under any difference of the gradients. Where the sentence
+    names nothing (:data:`NO_PROPERTY`, ``"all 9 leaves but ... differ"``) and such matching leaves (a parameter
+    or its optimizer state, ``"0.mu.<path>"``) are all that contradict a property, that property, with them
+    named: ``"every failing leaf is under blocks.0.attn; the other leaves under it are at rounding level (a true
+    gradient of 0 shows no difference): blocks.0.attn.key.bias; every other leaf matches"``."""
+    sentence = _state_property(failing, matching, params, facts, names)
+    if not quiet or not _names_nothing(sentence):
+        return sentence
+    noise = sorted(p for p in matching if param_path(p, params) in quiet)
+    rest = {p: shape for p, shape in matching.items() if p not in noise}
+    said = _state_property(failing, rest, params, facts, names) if noise and rest else sentence
+    if _names_nothing(said):
+        return sentence
+    aside = []  # only the leaves that contradict it are named (not a rounding-level leaf of another module)
+    for p in noise:
+        back = {**rest, p: matching[p]}
+        if _state_property(failing, back, params, facts, names) == said:
+            rest = back
+        else:
+            aside.append(p)
+    return _with_rounding(said, sorted({param_path(p, params) for p in aside}))
+
+
+def _state_property(failing, matching, params, facts, names) -> str:
+    sentence = shared_property(failing, matching, facts, names)
     mapped = as_parameters(failing, matching, params) if NO_PROPERTY in sentence else None
     if mapped is None:
         return sentence
     said = shared_property(*mapped, facts)
     return sentence if NO_PROPERTY in said else said
+
+
+def _names_nothing(sentence: str) -> bool:
+    """Whether a grouping sentence names no property: it lists the leaves, or counts all but a few."""
+    return NO_PROPERTY in sentence or (sentence.startswith("all ") and " but " in sentence)
+
+
+ROUNDING_SHOWN = 4
+"""The rounding-level parameters a group sentence lists by name (the rest counted)."""
+
+
+def _with_rounding(said: str, noise: list[str]) -> str:
+    """``said`` (``"head; every other leaf matches"``) with the rounding-level parameters ``noise`` named after
+    its head: under a module prefix, the other leaves under it; else the matching leaves that share the
+    property."""
+    listed = ", ".join(noise[:ROUNDING_SHOWN])
+    if len(noise) > ROUNDING_SHOWN:
+        listed += f" and {len(noise) - ROUNDING_SHOWN} more"
+    head, _, rest = said.partition("; ")
+    which = (
+        "the other leaves under it"
+        if head.startswith("every failing leaf is under ")
+        else ("the matching leaves that share it")
+    )
+    clause = f"{which} are at rounding level (a true gradient of 0 shows no difference): {listed}"
+    return "; ".join(x for x in (head, clause, rest) if x)
 
 
 def common_prefix(paths: list[str]) -> str:

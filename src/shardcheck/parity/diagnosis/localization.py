@@ -35,6 +35,7 @@ from shardcheck.parity.diagnosis.grouping import (
     LeafFacts,
     common_prefix,
     param_path,
+    rounding_params,
     shared_property,
     state_property,
 )
@@ -354,7 +355,9 @@ def localize(
     else:
         bad = [e for e in leaves if not e.ok]
         params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
-        group = _group(bad, leaves, facts or {}, params)
+        group = _group(
+            bad, leaves, facts or {}, params, rounding_params((*record.rounding_level, *record.unresolved))
+        )
         if first.stage == "forward":
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
@@ -391,23 +394,27 @@ def _group(
     leaves: list[LeafError],
     facts: Mapping[str, LeafFacts],
     params: Mapping | None = None,
+    quiet: frozenset[str] = frozenset(),
 ) -> str:
     """What the failing leaves share among the stage's leaves of their own kinds (optimizer state read as its
-    parameters, ``params``: ``{path: shape}``, where its own paths share nothing: :func:`state_property`), and
-    whether the other kinds of the stage all match. Where the failing leaves are of several kinds and share
-    nothing together, what the failing leaves of each kind share among that kind (``"optimizer-state leaves:
-    every failing leaf is under 1.0.mu; every other leaf matches; and parameter leaves: only hidden.kernel
-    differs; every other leaf matches"``)."""
+    parameters, ``params``: ``{path: shape}``, where its own paths share nothing: :func:`state_property`; the
+    matching leaves of the rounding-level parameters ``quiet`` set aside where only they contradict a property),
+    and whether the other kinds of the stage all match; optimizer-state leaves listed by name, as the stage table
+    lists them (``"opt_state 0.mu.a.kernel"``). Where the failing leaves are of several kinds and share nothing
+    together, what the failing leaves of each kind share among that kind (``"optimizer-state leaves: every failing
+    leaf is under 1.0.mu; every other leaf matches; and parameter leaves: only hidden.kernel differs; every other
+    leaf matches"``)."""
     kinds = {e.kind for e in bad}
     same = [e for e in leaves if e.kind in kinds]
     failing = {e.path: e.shape for e in bad}
     matching = {e.path: e.shape for e in same if e.ok}
-    sentence = state_property(failing, matching, params or {}, facts)
+    names = {e.path: e.name for e in same if e.kind == "opt_state"}  # "opt_state 0.mu.a", as the stage table
+    sentence = state_property(failing, matching, params or {}, facts, names, quiet)
     if len(bad) == 1 and not matching:  # one leaf of its kind: named ("all 1 leaves differ" said nothing)
         sentence = f"only {bad[0].name} differs"
     if len(kinds) > 1 and NO_PROPERTY in sentence:  # mixed kinds: what each kind's failing leaves share
         sentence = "; and ".join(
-            f"{GROUP_WORDS[k]} leaves: {_group([e for e in bad if e.kind == k], same, facts, params)}"
+            f"{GROUP_WORDS[k]} leaves: {_group([e for e in bad if e.kind == k], same, facts, params, quiet)}"
             for k in sorted(kinds)
         )
     others = sorted({e.kind for e in leaves} - kinds)
@@ -549,13 +556,6 @@ def _whole_update_refuted(record: StepRecord, text: str) -> bool:
     return any(not e.ok for e in params) and any(e.ok and would_show(e, f) for e in params)
 
 
-def checked_form(
-    form: Form | None, stage: str, bad: list[LeafError], leaves: list[LeafError], record: StepRecord
-) -> Form | None:
-    """``form`` with no claim that ``record`` contradicts: an update that is k x the reference's is said to be
-    k optimizer steps only where the counters do not match, and to be "the whole update" only where every
-    update leaf of its kinds fails. Otherwise it is said as a factor on the failing group ("every update is
-    2.000 x the reference's (spread ...): a learning rate 2 x, or the update applied 2 times"), scoped to the
 def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], record: StepRecord) -> Form:
     """A factor on the gradients that every gradient able to show it has (the rest too small: at rounding
     level) is one scale of the loss, named by the batch's loss weight where it is that; a factor that some
@@ -576,6 +576,13 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     return dataclasses.replace(form, sentence=sentence)
 
 
+def checked_form(
+    form: Form | None, stage: str, bad: list[LeafError], leaves: list[LeafError], record: StepRecord
+) -> Form | None:
+    """``form`` with no claim that ``record`` contradicts: an update that is k x the reference's is said to be
+    k optimizer steps only where the counters do not match, and to be "the whole update" only where every
+    update leaf of its kinds fails. Otherwise it is said as a factor on the failing group ("every update is
+    2.000 x the reference's (spread ...): a learning rate 2 x, or the update applied 2 times"), scoped to the
     group where some update leaves match.
 
     Args:
@@ -587,6 +594,8 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     Returns:
         ``form`` itself, or a ``factor`` form whose sentence the record does not contradict.
     """
+    if form is not None and form.kind == "factor" and stage == "gradients":
+        return _gradient_factor(form, bad, leaves, record)
     if form is None or form.kind not in ("extra_step", "factor") or stage not in ("optimizer", "parameters"):
         return form
     kinds = {e.kind for e in bad}
@@ -594,8 +603,6 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     if not subset and not (form.kind == "extra_step" and _counters_match(record)):
         return form
     f = form.factor
-    if form is not None and form.kind == "factor" and stage == "gradients":
-        return _gradient_factor(form, bad, leaves, record)
     spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
     k = round(f)
     twice = f", or the update applied {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else ""

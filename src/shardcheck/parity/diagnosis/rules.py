@@ -55,7 +55,13 @@ from shardcheck.parity.diagnosis.evidence import (
     would_show,
 )
 from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING, weight_phrase
-from shardcheck.parity.diagnosis.grouping import NO_PROPERTY, common_prefix, n_leaves, state_property
+from shardcheck.parity.diagnosis.grouping import (
+    NO_PROPERTY,
+    common_prefix,
+    n_leaves,
+    rounding_params,
+    state_property,
+)
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
@@ -845,7 +851,11 @@ def localized(ctx: DiagnosisContext) -> Finding:
         worst = max(bad, key=lambda e: e.badness)
         good = {e.path: e.shape for e in of_kind if e.ok}
         params = {e.path: e.shape for e in leaves if e.kind == "param"}
-        group = _as_localized(ctx.first, kind, state_property({e.path: e.shape for e in bad}, good, params))
+        # optimizer state listed as the stage table lists it: "opt_state 0.mu.a"
+        names = {e.path: e.name for e in of_kind if kind == "opt_state"}
+        quiet = rounding_params((*ctx.first.rounding_level, *ctx.first.unresolved))
+        group = state_property({e.path: e.shape for e in bad}, good, params, names=names, quiet=quiet)
+        group = _as_localized(ctx.first, kind, group)
         agree = ["the loss", *matched]
         verb_ = "matches" if len(agree) == 1 else "match"
         agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"

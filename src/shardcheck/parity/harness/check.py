@@ -141,9 +141,10 @@ def _step_candidate(run: _Run, t: int, batch):
 
 def _compare_params(
     run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After, lower: bool
-) -> tuple[list, list, list]:
+) -> tuple[list, list, list, list]:
     """Param leaf errors (tolerance widened by the accumulated sensitivity and, for low-precision parameters,
-    one rounding per step), replica mismatches, and the leaves whose gradient is at rounding level.
+    one rounding per step), replica mismatches, the leaves whose update the allowance leaves unresolved, and every
+    leaf whose gradient is at rounding level (``"param PATH"``).
 
     Raises:
         Undecided: against the lower bound (``lower``), a leaf at rounding level that the bound resolves (the
@@ -186,7 +187,7 @@ def _compare_params(
             raise Undecided
     differ = replica_mismatches(cand_params)
     mismatches = [f"param {p}" for p in ref_params if p in differ]
-    return leaves, mismatches, unresolved
+    return leaves, mismatches, unresolved, [f"param {p}" for p in at_rounding]
 
 
 def _compare_opt_state(run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After) -> tuple[list, list]:
@@ -255,7 +256,7 @@ def _compare_step(
     completed = t + 1 if completed is None else completed
     args = (run, t, rtol, atol, batch, stepped, snapshots, after, completed)
     compared = _against_the_bound_first(args, bounds, exact=t == 0 or check_scale)
-    leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count = compared
+    leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count, rounding = compared
     evidence, blind = None, False
     if check_scale:
         evidence, blind = _scale_evidence(run, pre, batch, rtol, atol, bounds, after, compared_grads, leaves)
@@ -272,6 +273,7 @@ def _compare_step(
         replica_mismatches=tuple(mismatches),
         synchronized=synced,
         unresolved=tuple(unresolved),
+        rounding_level=tuple(rounding),
         scale_hidden=evidence is not None and not all(evidence),
         scale_evidence=evidence,
         scale_blind=blind,
@@ -309,8 +311,8 @@ def _against_the_bound_first(args: tuple, bounds, exact: bool):
 
 def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: _After, completed, lower):
     """Every leaf of a stepped pair compared, ``(leaves, reference loss, candidate loss, compared reference
-    gradients, replica mismatches, unresolved leaves, the reference's step count)``; each float leaf through the
-    first pass and, where it cannot clear it, the full comparison (:func:`_two_pass`).
+    gradients, replica mismatches, unresolved leaves, the reference's step count, the leaves at rounding level)``;
+    each float leaf through the first pass and, where it cannot clear it, the full comparison (:func:`_two_pass`).
 
     ``stepped``: ``(reference loss, reference grads, candidate loss, candidate grads, bounds)``; ``snapshots``:
     :func:`_snapshots` before the step; ``completed``: the candidate's full steps (``extra_checks``).
@@ -323,7 +325,7 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     leaves, ref_loss_f, cand_loss_f = _loss_leaves(run, t, batch, ref_loss, cand_loss, bounds, rtol, atol)
     grad_leaves, compared_grads = _grad_inputs(run, t, ref_grads, cand_grads, bounds, rtol, atol)
     leaves += grad_leaves
-    params, mismatches, unresolved = _compare_params(
+    params, mismatches, unresolved, rounding = _compare_params(
         run, t, ref_params0, cand_params0, rtol, atol, bounds, after, lower
     )
     opt_leaves, opt_mismatches = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol, bounds, after)
@@ -340,7 +342,8 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
         raise Undecided
     compared = iter(_two_pass([e for e in leaves if isinstance(e, LeafInput)], full, lower))
     leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
-    return leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches + opt_mismatches, unresolved, ref_count
+    mismatches += opt_mismatches
+    return leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count, rounding
 
 
 def _measure(run: _Run, after: _After | None = None) -> None:
