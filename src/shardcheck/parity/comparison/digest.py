@@ -22,14 +22,17 @@ computes the same numbers, so a changed placement is listed in the notes (``path
 spec``) and fails only when the placement is pinned (``pin_placement=True``, ``verify --against --pin-placement``)
 or the run was replayed on another mesh than the recorded one.
 
-``a``: where the recording holds a parameter's gradient (else the replay's) and its ``max|g| <= atol_t``, the
-gradient is rounding noise and Adam turns noise into an lr-sized step of either sign, its size set by that run's
-own noise against Adam's eps, so the two runs' updates may differ by the sum of their update sizes
-``max|u_r| + max|u_c|`` (neither run's bounds the other's: a correct step whose noise is 2.5x the recorded
-strategy's moves 2.5x as far); that is added to the parameter's tolerance at t and every later step (the
-harness's ``floor``), and no cause is read from such a leaf's update ratio. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum sqrt(size)
-||g||_2 a`` (first order, as the harness's ``drift``). Parameters or moments stored below float32 add one rounding
-of their own per step (``eps * max|r|``), as the harness does.
+``a``: where the recording holds a parameter's gradient (else the replay's; where neither step returns one, the
+task's own gradient the replay took beside its step, ``record_run(true_gradients=True)``, as a live check reads the
+reference's) and its ``max|g| <= atol_t``, the gradient is rounding noise and Adam turns noise into an lr-sized
+step of either sign, its size set by that run's own noise against Adam's eps, so the two runs' updates may differ
+by the sum of their update sizes ``max|u_r| + max|u_c|`` (neither run's bounds the other's: a correct step whose
+noise is 2.5x the recorded strategy's moves 2.5x as far); that is added to the parameter's tolerance at t and every
+later step (the harness's ``floor``), and no cause is read from such a leaf's update ratio; the leaf is
+``unresolved`` at a step (the ``rounding_level`` note) where that allowance exceeds its own tolerance, as the
+harness decides it. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
+sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``). Parameters or moments stored below float32 add
+one rounding of their own per step (``eps * max|r|``), as the harness does.
 
 What a digest cannot do is re-run a step from identical state (the harness re-checks a late failure that way):
 a first failure at step t > 0 may be rounding divergence through a non-smooth op, and the report says so.
@@ -51,6 +54,7 @@ from shardcheck.parity.comparison.live import spread_ranks
 from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
+from shardcheck.parity.harness import true_gradients
 from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
 from shardcheck.parity.harness.setup import _check_tolerances
 from shardcheck.parity.report import ParityReport
@@ -428,6 +432,9 @@ class _Bounds:
     last_base: dict[str, float] = dataclasses.field(default_factory=dict)  # each parameter's base at t - 1
     # parameters whose gradient was at rounding level, by the first step it was (their update is normalized noise)
     rounding: dict[str, int] = dataclasses.field(default_factory=dict)
+    # by step, those whose allowance exceeds their own tolerance there: the update cannot be resolved (the live
+    # check's StepRecord.unresolved rule)
+    unresolved: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def derived(self, meta: Mapping, t: int) -> tuple[float, float]:
         tol = derive_tolerance(
@@ -477,6 +484,22 @@ class _Pair(NamedTuple):
                 g = _Leaf.at(rec, rec.steps, t, rec.names.index(name))
                 if g.present:
                     return g
+        return self.true_gradient(t, name.removeprefix("grad "))
+
+    def true_gradient(self, t: int, path: str) -> _Leaf:
+        """Where neither run returned parameter ``path``'s gradient at step t: the task's own gradient there, as
+        a run kept its ``max|g|`` and norm (:mod:`shardcheck.parity.harness.true_gradients`: a replay keeps it,
+        so that it tells a rounding-level gradient as a live check's reference does); else not present."""
+        name = "param " + path
+        for rec in (self.full, self.replayed):
+            found = true_gradients.read(rec.meta, t, path)
+            if found is not None and name in rec.names:
+                top, norm = found
+                none = np.full(SAMPLES, np.nan)
+                shape = rec.shapes[rec.names.index(name)]
+                return _Leaf(
+                    True, shape, "float32", "", norm, top, math.nan, none, b"", np.zeros(SAMPLES, bool)
+                )
         return _Leaf.at(self.full, self.full.steps, t, None)
 
     @property
@@ -522,6 +545,12 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
     """Every recorded leaf at point t (``-1``: the initial state, at step 0's tolerance)."""
     rtol, atol = bounds.derived(pair.recording.meta, t)
     drift = _grow_allowance(pair, bounds, t, atol) if t >= 0 else 0.0
+    if t >= 0:
+        bounds.unresolved[t] = tuple(
+            n
+            for n, first in bounds.rounding.items()
+            if first <= t and bounds.allowance.get(n, 0.0) > atol + rtol * pair.leaf("recorded", t, n).max
+        )
     out = []
     for name in pair.recording.names:
         r = pair.leaf("recorded", t, name)
@@ -879,7 +908,8 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 leaves=tuple(_leaf_record(pair, e) for e in at_t),
                 step_count=step_count,
                 candidate_step_count=candidate_count,
-                unresolved=tuple(n for n, first in bounds.rounding.items() if 0 <= first <= t),
+                unresolved=bounds.unresolved.get(t, ()),
+                rounding_level=tuple(n for n, first in bounds.rounding.items() if 0 <= first <= t),
             )
         )
     return tuple(out)

@@ -47,6 +47,8 @@ from shardcheck.parity.harness.setup import (
     _task_batches,
     check_options,
 )
+from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
+from shardcheck.parity.harness.true_gradients import true_gradient_digest
 from shardcheck.parity.tolerance import matmul
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -407,6 +409,7 @@ def record_run(
     name: str | None = None,
     settings: Mapping[str, Any] | None = None,
     matmul_precision: str | None = None,
+    true_gradients: bool = False,
 ) -> Recording:
     """Run ``candidate`` on ``task`` for ``steps`` steps and digest every leaf after each one.
 
@@ -436,6 +439,10 @@ def record_run(
         matmul_precision: the precision of the run's float32 matmuls, stored in the metadata (``"float32"``,
             ``"tf32"``, ``"bfloat16"``; default: what the backend uses for the task's step:
             ``shardcheck.parity.tolerance.matmul``); a replay is compared within the looser of the two runs'.
+        true_gradients: where the step returns no gradients, also keep ``max|g|`` and the L2 norm of the task's
+            own gradient before each step (:mod:`shardcheck.parity.harness.true_gradients`, one more forward and
+            backward pass a step) in ``meta["true_gradients"]``: what tells a parameter whose gradient is at
+            rounding level, as a live check reads it from the reference's (a replay asks for it).
 
     Returns:
         The :class:`Recording` (in memory; :meth:`Recording.save` writes it).
@@ -469,16 +476,24 @@ def record_run(
 
     first = state_leaves(model, optimizer, cand.view_optimizer)  # a wrapped optimizer as the task's, as live
     shapes = _leaf_list(first)
-    rows = []
+    rows, truth = [], {}
+    returned = isinstance(candidate, str)  # a registered strategy returns the gradients it applied
     initial = digest(first, {})
     for t, batch in enumerate(data):
         before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
+        if true_gradients and not returned:  # before the step, until it is seen to return gradients
+            truth[t] = true_gradient_digest(task.loss_fn, model, batch)
         loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
+        returned = grads is not None
+        if returned:
+            truth.pop(t, None)
         leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta["matmul_precision"] = policy
+    for t, found in truth.items():
+        keep_true_gradients(recording.meta, t, len(data), found)
     return recording
 
 

@@ -142,6 +142,7 @@ def check_against_recording(
         name=name,
         settings=settings,
         matmul_precision=matmul_precision,
+        true_gradients=True,  # where it returns none: which gradients are at rounding level, as a live check
     )
     comparison = compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement)
     if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
