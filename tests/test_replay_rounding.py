@@ -204,6 +204,8 @@ def test_a_replay_names_the_module_and_the_rounding_level_leaves_as_live(live_an
     assert messages[0]["rounding_level"] == messages[1]["rounding_level"]
     assert replayed.localization.group == group[0].lower() + group[1:-1]
     assert NO_PROPERTY not in replayed.replay.cause
+    # a leaf of the optimizer state named as the stage table names it
+    assert "failing leaves; opt_state 0." in replayed.localization.form.sentence
     # the replay's steps know the key biases at rounding level from the task's own gradient, as live
     assert {p for r in replayed.steps for p in r.rounding_level} == {
         "param blocks.0.attn.key.bias",

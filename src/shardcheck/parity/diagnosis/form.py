@@ -366,7 +366,7 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
         tail = (
             ""
             if widest is None
-            else f"; {widest.path}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
+            else f"; {widest.name}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
             f"({percentiles(widest)}), median {widest.ratio:.4g}"
         )
         return Form("none", f"no simple form read from the records of the {n} failing leaves{tail}", leaves=n)
