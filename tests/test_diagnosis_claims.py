@@ -149,8 +149,8 @@ def test_a_factor_on_one_group_of_the_update_is_said_for_that_group():
     record = _record(leaves + COUNTERS_MATCH)
     form = checked_form(_extra_step(10.0), "parameters", bad, leaves, record)
     assert form.sentence.startswith(
-        "the update of embed.* is 10 x the reference's (spread 10..10); every other update matches: a learning "
-        "rate 10 x for these leaves (a parameter group's learning rate or multiplier)"
+        "the update of embed.embedding is 10 x the reference's (spread 10..10); every other update matches: a "
+        "learning rate 10 x for these leaves (a parameter group's learning rate or multiplier)"
     )
     whole = Form(
         "factor",

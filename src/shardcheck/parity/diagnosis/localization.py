@@ -496,8 +496,9 @@ def forward_form(
     and what the gradients show of it: the whole loss scaled where every gradient that can show it carries the same
     factor, one term of it where only some gradients differ, a loss computed apart from the one differentiated
     where every gradient matches, else unknown), or a counter the forward pass writes (``"... : the forward pass's
-    counter model.calls is 2 x the reference's: the forward pass ran 2 times a step"``). Any other form is
-    returned as it is.
+    counter model.calls is 2 x the reference's: the forward pass ran 2 times a step"``). A loss factor that prints
+    as 1 is no scale: said by the loss's relative difference (:func:`_loss_nudged`). Any other form is returned
+    as it is.
 
     Args:
         form: the forward stage's form (fitted with ``update=False``), or ``None``.
@@ -516,6 +517,8 @@ def forward_form(
         )
         return dataclasses.replace(form, sentence=f"{head}: {meaning}")
     scaled = whole_loss_factor(grads or [])
+    if f"{f:.4g}" == "1":  # a factor that prints as 1 is no scale: the loss's relative difference is said
+        return _loss_nudged(form, f, grads or [])
     if not grads:
         why = "its scale, its normalization or one of its terms differs (the gradients were not observed)"
     elif all(e.ok for e in grads):
@@ -536,6 +539,30 @@ def forward_form(
         why = f"the gradients are {scaled:.4g} x the reference's: the loss and its gradients are scaled apart"
     meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
     return dataclasses.replace(form, sentence=f"{head}: {meaning}")
+
+
+def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:
+    """A loss at equal parameters whose ratio to the reference's prints as 1 to 4 digits (``|f - 1| < 5e-4``):
+    said by its relative difference (``"the loss at equal parameters differs by 7.6e-05 of its value (above the
+    reference's): not a scale of the loss; ..."``) and what the gradients show, never as "1 x the reference's";
+    a ``none`` form (no factor)."""
+    side = "above" if f > 1 else "below"
+    head = (
+        f"the loss at equal parameters differs by {abs(f - 1):.2g} of its value ({side} the reference's): not "
+        "a scale of the loss"
+    )
+    if not grads:
+        why = "the loss is computed another way (the gradients were not observed)"
+    elif all(e.ok for e in grads):
+        why = "every gradient matches: the loss returned is computed apart from the one differentiated"
+    elif all(at_rounding(e) for e in grads if e.ok):
+        why = (
+            "every gradient but the rounding-level ones differs: the forward pass computes another function of "
+            "the parameters"
+        )
+    else:
+        why = "only some gradients differ: one term of the loss differs (the group)"
+    return dataclasses.replace(form, kind="none", sentence=f"{head}; {why}", factor=None, spread=None)
 
 
 def _kinds(record: StepRecord, ok: bool) -> set[str]:
@@ -583,7 +610,9 @@ def checked_form(
     k optimizer steps only where the counters do not match, and to be "the whole update" only where every
     update leaf of its kinds fails. Otherwise it is said as a factor on the failing group ("every update is
     2.000 x the reference's (spread ...): a learning rate 2 x, or the update applied 2 times"), scoped to the
-    group where some update leaves match.
+    group where some update leaves match, the group named as the grouping names it (one leaf by itself). A
+    factor on failing optimizer-state leaves alone is never a learning rate (which does not move the state): it
+    is said as the state's own update differing (:func:`_state_factor`: a moment decay rate such as Adam's b2).
 
     Args:
         form: the stage's fitted form, or ``None``.
@@ -600,25 +629,83 @@ def checked_form(
         return form
     kinds = {e.kind for e in bad}
     subset = any(e.ok and would_show(e, form.factor) for e in leaves if e.kind in kinds)
-    if not subset and not (form.kind == "extra_step" and _counters_match(record)):
+    state = kinds == {"opt_state"}
+    if state and form.kind == "extra_step" and not _counters_match(record):
+        return form  # k optimizer steps, as the counters say: they move the state too
+    if not (subset or state) and not (form.kind == "extra_step" and _counters_match(record)):
         return form
     f = form.factor
     spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
     k = round(f)
     twice = f", or the update applied {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else ""
     steps = " (not an extra optimizer step: the counters match)" if _counters_match(record) else ""
-    if subset:
-        which = common_prefix([e.path for e in bad])
-        which = f"{which}.*" if which else ", ".join(sorted(e.path for e in bad)[:4])
+    if state:  # a learning rate never moves optimizer state
+        sentence = _state_factor(f, spread, bad, leaves, record) + steps
+    elif subset:
         sentence = (
-            f"the update of {which} is {f:.4g} x the reference's{spread}; every other update matches: a learning "
-            f"rate {f:.4g} x for these leaves (a parameter group's learning rate or multiplier){twice}{steps}"
+            f"the update of {_which(bad, leaves)} is {f:.4g} x the reference's{spread}; every other update "
+            f"matches: a learning rate {f:.4g} x for these leaves (a parameter group's learning rate or "
+            f"multiplier){twice}{steps}"
         )
     else:
         sentence = (
             f"every update is {f:.4g} x the reference's{spread}: a learning rate {f:.4g} x{twice}{steps}"
         )
     return dataclasses.replace(form, kind="factor", sentence=sentence)
+
+
+def _which(bad: list[LeafError], leaves: list[LeafError]) -> str:
+    """The failing leaves as the group names them: one by itself (``"opt_state 1.0.nu.moe.b_out"``, a parameter
+    by its path), several as their common module (``"moe.*"``) where no matching leaf of the stage lies under it,
+    else listed (4 at most)."""
+
+    def name(e: LeafError) -> str:
+        return e.name if e.kind == "opt_state" else e.path
+
+    if len(bad) == 1:
+        return name(bad[0])
+    prefix = common_prefix([e.path for e in bad])
+    under = [e for e in leaves if e.ok and (e.path == prefix or e.path.startswith(prefix + "."))]
+    if prefix and not under:
+        return f"{'opt_state ' if all(e.kind == 'opt_state' for e in bad) else ''}{prefix}.*"
+    return ", ".join(sorted(name(e) for e in bad)[:4]) + (", ..." if len(bad) > 4 else "")
+
+
+# a moment of the optimizer state, the decay rate of its update, and common reference values of that rate
+_MOMENTS = {"mu": ("(1 - b1)(g - mu)", "b1", (0.9, 0.95)), "nu": ("(1 - b2)(g^2 - nu)", "b2", (0.999, 0.99))}
+
+
+def _state_factor(
+    f: float, spread: str, bad: list[LeafError], leaves: list[LeafError], record: StepRecord
+) -> str:
+    """Failing optimizer-state leaves alone whose change is ``f`` x the reference's: the state's own update
+    differs (a learning rate scales the parameters' update, never the state's); a moment (``mu``, ``nu`` in the
+    paths) named with its update and the decay rates that give ``f``, e.g. ``nu``'s ``(1 - b2)(g^2 - nu)``: a b2
+    of 0.9 for 0.99 is 10 x."""
+    every = all(not e.ok for e in leaves if e.kind == "opt_state")
+    head = f"the change of {'every optimizer-state leaf' if every else _which(bad, leaves)} in this step is "
+    head += f"{f:.4g} x the reference's{spread}" + ("" if every else "; every other leaf matches")
+    one = "this leaf" if len(bad) == 1 else "these leaves"
+    cause = (
+        f"the optimizer state's own update differs for {one}, not a learning rate (which scales the "
+        f"parameters' update and never moves the state)"
+    )
+    moments = {m for e in bad for m in _MOMENTS if m in e.path.split(".")}
+    if len(moments) == 1:
+        m = moments.pop()
+        update, rate, refs = _MOMENTS[m]
+        pairs = [(round(1 - f * (1 - b), 6), b) for b in refs]
+        said = [f"{c:.4g} for {b:.4g}" for c, b in pairs if 0 <= c < 1 and f"{c:.4g}" != f"{b:.4g}"]
+        example = f" ({rate} = {', or '.join(said)})" if said else ""
+        cause += (
+            f": a decay rate such as Adam's {rate} differing: the change of {m} is {update}, {f:.4g} x where "
+            f"1 - {rate} is {f:.4g} x the reference's{example}"
+        )
+    else:
+        cause += ": a decay rate of the state (such as Adam's b1 or b2) or the term it accumulates differs"
+    if not any(e.kind == "grad" for e in record.leaves):
+        cause += "; or the gradients it was given differ (they were not observed)"
+    return f"{head}: {cause}"
 
 
 _SCALED_GRADIENTS = re.compile(r"\bgradients are (-?[\d.]+(?:e-?\d+)?) x the reference")
