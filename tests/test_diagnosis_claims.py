@@ -401,3 +401,73 @@ def test_a_replays_ratio_range_says_it_was_read_from_its_recorded_samples():
         "recorded samples"
         not in form_from_leaves([dataclasses.replace(f, samples=None) for f in factor]).sentence
     )
+
+
+# ------------------------------------------------------------------- a third user's trial: sentences the records refute
+
+
+def _codes_of(records, **kw):
+    return {d.code: d.message for d in rules.diagnose(records, 2, **kw)}
+
+
+def test_a_bfloat16_reduction_is_not_said_where_the_gradients_match_or_the_update_is_computed_otherwise():
+    """A weight decay applied to norm scales moved them by less than bfloat16's rounding bound: the hypothesis
+    matched, yet the gradients all match (a reduction's rounding would show there) -- a user's trial read
+    'the gradients were all-reduced in bfloat16' beside 'the gradients: matches'."""
+    params = [_leaf("param", "ln.scale", False, 1.1, (0.9, 1.3)), _leaf("param", "w", True)]
+    grads_ok = [_leaf("grad", "ln.scale", True), _leaf("grad", "w", True)]
+    refuted = dataclasses.replace(_record([*grads_ok, *params, *COUNTERS_MATCH]), matches=("bf16_reduction",))
+    assert "low_precision_reduction" not in _codes_of([refuted])
+    grads_off = [_leaf("grad", "ln.scale", False, 1.001, (0.99, 1.01)), _leaf("grad", "w", True)]
+    shown = dataclasses.replace(_record([*grads_off, *params, *COUNTERS_MATCH]), matches=("bf16_reduction",))
+    assert "low_precision_reduction" in _codes_of([shown])
+    # the optimizer on the candidate's own gradients gives another update: downstream of any reduction
+    rerun = (_leaf("param", "ln.scale", False),)
+    assert "low_precision_reduction" not in _codes_of([dataclasses.replace(shown, optimizer_rerun=rerun)])
+
+
+def test_gradients_that_differ_under_a_matching_update_are_the_applied_ones_where_the_optimizer_rerun_says_so():
+    """A replay with a clip that binds (a user's trial): 'the reported gradients are not the ones applied' is
+    false where the reference's optimizer on those gradients gives the candidate's update."""
+    grads = [_leaf("grad", "router", False, 0.8, (-0.1, 1.6)), _leaf("grad", "w", True)]
+    record = _record([*grads, _leaf("param", "router", True), *COUNTERS_MATCH])
+    assert "are not the ones applied" in _codes_of([record])["grads_differ"]
+    applied = dataclasses.replace(record, optimizer_rerun=(_leaf("param", "router", True),))
+    said = _codes_of([applied])["grads_differ"]
+    assert "they are the ones applied, and the optimizer hides their difference" in said
+    assert "not the ones applied" not in said
+
+
+def test_a_factor_is_not_claimed_for_a_gradient_whose_ratio_is_not_constant_across_it():
+    """A psum over one of two batch axes for one module: its gradient's median ratio 0.78 runs -0.07..1.62
+    (a user's trial read '0.7833 x the reference's: a constant factor')."""
+    spread = [_leaf("grad", "router", False, 0.7833, (-0.07, 1.62)), _leaf("grad", "w", True)]
+    state = [_leaf("opt_state", "0.mu.router", False, 0.78, (-0.07, 1.62))]
+    codes = _codes_of([_record([*spread, *state, *COUNTERS_MATCH])])
+    assert "scaled" not in codes and not any("0.7833 x" in m for m in codes.values())
+
+
+def test_a_factor_on_some_gradients_is_not_blamed_on_the_loss_and_blindness_needs_its_evidence():
+    """A factor on one module's gradients: not 'a wrong loss normalization?' (every other gradient matches);
+    'an optimizer blind to the gradient's scale' only where the harness's rerun showed it (scale_blind)."""
+    grads = [
+        _leaf("grad", "head.kernel", False, 3.0, (3.0, 3.0)),
+        LeafError(0, "grad", "w", 0.0, 0.0, 1e-3, True, 1.0, None, (1.0, 1.0), (4, 4)),
+    ]
+    grads[1] = dataclasses.replace(grads[1], max_rel_err=1e-6, max_abs_err=1e-6)  # |ref| = 1: would show x3
+    state = [_leaf("opt_state", "0.mu.head.kernel", False, 3.0, (3.0, 3.0))]
+    scaled = _codes_of([_record([*grads, *state, *COUNTERS_MATCH])])["scaled"]
+    assert "a scale applied to these gradients only" in scaled and "loss normalization" not in scaled
+    blind = dataclasses.replace(_record([*grads, *COUNTERS_MATCH]), matches=("scale_blind",))
+    assert "an optimizer blind to the gradient's scale" in _codes_of([blind])["scaled"]
+
+
+def test_an_optimizer_stepped_k_times_for_k_other_than_the_shard_count_is_not_said_once_per_shard():
+    """Stepped per micro-batch (k = 2) on S = 4 shards: 'once per shard' would be false (a user's trial)."""
+    record = _record([_leaf("param", "w", False, 2.0, (2.0, 2.0)), *COUNTERS_DIFFER])
+    record = dataclasses.replace(record, candidate_step_count=2)
+    said = {d.code: d.message for d in rules.diagnose([record], 4)}["step_counter"]
+    assert "stepped 2 times per step" in said and "once per micro-batch of an accumulation loop" in said
+    assert "once per shard (S=" not in said
+    four = dataclasses.replace(record, candidate_step_count=4)
+    assert "once per shard (S=4)" in {d.code: d.message for d in rules.diagnose([four], 4)}["step_counter"]

@@ -158,6 +158,8 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     failing = [e for e in grads if not e.ok]
     if not all(constant_ratio(e) for e in failing or grads):
         return None, ""  # a leaf's ratio is no one factor: no factor is claimed (LeafError.spread)
+    if not all(one_factor_across(e) for e in failing if e.badness > SHARP):
+        return None, ""  # a leaf off by far more than rounding, its ratio spread past 2%: no factor either
     f = _consensus([e.ratio for e in failing or grads])
     if f is not None:
         return f, "gradients"
@@ -368,6 +370,8 @@ class DiagnosisContext:
         )
         matches = () if first is None else first.matches
         reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
+        if first is not None and _reduction_refuted(first):
+            reproduced = tuple(m for m in reproduced if m != "bf16_reduction")
         scaled = {"times_S": num_shards, "times_1/S": 1 / num_shards if num_shards else None}
         for name, f in scaled.items():
             if name in matches and f:
@@ -590,12 +594,16 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
         )
     if expected and got % expected == 0:
         k = got // expected
-        shards = f" (S={ctx.num_shards})" if k == ctx.num_shards else ""
+        where = (
+            f"once per shard (S={ctx.num_shards}) instead of once after the reduction"
+            if k == ctx.num_shards
+            else f"{k} times a step: once per micro-batch of an accumulation loop, or per shard of a group of {k}, "
+            "instead of once on the accumulated, reduced gradient (optax.MultiSteps applies it once)"
+        )
         return Diagnosis(
             "step_counter",
             f"The optimizer was stepped {k} times per step: {_counter_phrase(fail)} is {got} after {expected} "
-            "step(s) "
-            f"(optimizer.update called once per shard{shards} instead of once after the reduction).",
+            f"step(s) (optimizer.update called {where}).",
             fail.name,
         )
     return Diagnosis(
@@ -631,12 +639,14 @@ def scoped_gradients(first: StepRecord, evidence: str, factor: float) -> str:
 
 
 def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
-    hidden = (
-        " The parameters and optimizer state match all the same: an optimizer blind to the gradient's scale "
-        "(global-norm clipping that binds) hides the factor in the update."
-        if ctx.bad_kinds == {"grad"}
-        else ""
-    )
+    hidden = ""
+    if ctx.bad_kinds == {"grad"}:
+        hidden = " The parameters and optimizer state match at this step all the same" + (
+            ": an optimizer blind to the gradient's scale (global-norm clipping that binds) hides the factor in "
+            "the update."
+            if "scale_blind" in ctx.first.matches
+            else "."
+        )
     return Diagnosis(
         code,
         f"At step {ctx.first.step}, {scoped_gradients(ctx.first, ctx.evidence, ctx.factor)} are {ctx.factor:.4g} x the "
@@ -719,6 +729,16 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def _reduction_refuted(record: StepRecord) -> bool:
+    """Whether the records refute a faulty gradient reduction at this step: the returned gradients all match, or
+    the reference's optimizer on the candidate's own gradients and state gives another update (the difference
+    lies in the update, downstream of any reduction)."""
+    grads = [e for e in record.leaves if e.kind == "grad"]
+    if grads and all(e.ok for e in grads):
+        return True
+    return bool(record.optimizer_rerun) and not all(e.ok for e in record.optimizer_rerun)
+
+
 def scaled(ctx: DiagnosisContext) -> Finding:
     """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
     if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced:
@@ -729,6 +749,10 @@ def scaled(ctx: DiagnosisContext) -> Finding:
         if ctx.evidence == "gradients"
         else "a wrong loss normalization or learning rate?"
     )
+    if scoped_gradients(ctx.first, ctx.evidence, ctx.factor) != ctx.evidence:  # a subset: not the whole loss
+        cause = (
+            "a scale applied to these gradients only: a per-module multiplier, or a loss term only they reach"
+        )
     phrase = weight_phrase(ctx.factor, ctx.first.loss_weight) or (
         f"a constant factor that is not a shard count ({cause})"
     )
@@ -767,6 +791,17 @@ def grads_differ(ctx: DiagnosisContext) -> Finding:
     constant factor (which the factor rules name: an optimizer blind to the gradient's scale hides it)."""
     if ctx.bad_kinds != {"grad"} or ctx.factor is not None:
         return None
+    rerun = ctx.first.optimizer_rerun
+    if rerun and all(e.ok for e in rerun):  # the optimizer on the returned gradients gives the applied update
+        return Diagnosis(
+            "grads_differ",
+            f"The exposed gradients differ ({ctx.worst_name}, step {ctx.first.step}) while the update matches, "
+            "and the reference's optimizer run on these gradients gives the candidate's update: they are the "
+            "ones applied, and the optimizer hides their difference (global-norm clipping that binds rescales "
+            "the gradient; a normalizing optimizer's first step keeps only its sign). It may show at a later "
+            "step; the gradients themselves differ.",
+            ctx.worst_name,
+        )
     return Diagnosis(
         "grads_differ",
         f"The exposed gradients differ ({ctx.worst_name}, step {ctx.first.step}) while the update matches: "
