@@ -276,6 +276,43 @@ def mean_loss(loss_fn: LossFn, model: nnx.Module, batch: Batch) -> jax.Array:
     return total if weight is None else total / weight
 
 
+def batch_weight(loss_fn: LossFn, graphdef, params, rest, batch: Batch) -> float | None:
+    """The batch's total weight under a ``(loss_sum, weight)`` loss (the count it divides the sum by, e.g. the
+    unmasked tokens), a Python float; ``None`` for a scalar mean loss.
+
+    ``graphdef, params, rest`` is the model as ``nnx.split(model, nnx.Param, ...)`` gives it (any parameter values:
+    the weight is a count, not a function of them, :func:`loss_terms`); ``batch`` the whole batch (not a shard).
+    Runs ``loss_fn`` once, jitted (compiled once per loss and model structure)."""
+    weight = _weight_of(loss_fn, graphdef, params, rest, batch)
+    return None if weight is None else float(weight)
+
+
+def task_batch_weight(task: Task, batch: Batch) -> float | None:
+    """:func:`batch_weight` of ``task``'s loss on ``batch``, on a model its factory builds inside the jit: the
+    compiled computation keeps only what the weight reads (a count of the batch), so no parameter of the model's
+    size is allocated (a model too large for one device included). A factory that reads concrete values as it
+    builds the model (it cannot be traced) builds it eagerly instead (:meth:`Task.new_model`)."""
+    try:
+        weight = _fresh_weight(task.model, task.loss_fn, batch)
+    except jax.errors.JAXTypeError:  # a concretization or a tracer converted to NumPy in the factory
+        return batch_weight(task.loss_fn, *nnx.split(task.new_model(), nnx.Param, ...), batch)
+    return None if weight is None else float(weight)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _weight_of(loss_fn, graphdef, params, rest, batch):
+    # new Variables (copy=True): the model's own would belong to the caller's trace (issue #34)
+    _, weight = loss_terms(loss_fn, nnx.merge(graphdef, params, rest, copy=True), batch)
+    return weight
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _fresh_weight(factory, loss_fn, batch):
+    with nnx.use_eager_sharding(False):
+        graphdef, params, rest = nnx.split(factory(), nnx.Param, ...)
+    return _weight_of(loss_fn, graphdef, params, rest, batch)
+
+
 def divide(tree, weight):
     """Every leaf divided by ``weight`` and cast back to its own dtype (bf16 gradients stay bf16)."""
     return jax.tree.map(lambda g: (g / weight).astype(g.dtype), tree)

@@ -25,7 +25,7 @@ from shardcheck.parity.tolerance.allowances import _reference_grads, _shard_magn
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 from shardcheck.parity.tolerance.matmul import rounded_loss
 from shardcheck.parity.tolerance.propagation import grad_delta, scale_change, update_sensitivity
-from shardcheck.task import loss_terms, split_batch
+from shardcheck.task import batch_weight, loss_terms, split_batch
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -177,20 +177,9 @@ def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) 
         if _blind_to_scale(run, pre, reference_grads(), record.leaves):
             matches += ("scale_blind",)
     weight = (
-        _batch_weight(run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch) if run.weighted else None
+        batch_weight(run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch) if run.weighted else None
     )
     return dataclasses.replace(record, matches=matches, loss_weight=weight)
-
-
-def _batch_weight(loss_fn, graphdef, params, rest, batch) -> float:
-    """The batch's total weight under a ``(loss_sum, weight)`` loss (the count it divides the sum by)."""
-    return float(_weight_of(loss_fn, graphdef, params, rest, batch))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _weight_of(loss_fn, graphdef, params, rest, batch):
-    _, weight = loss_terms(loss_fn, nnx.merge(graphdef, params, rest, copy=True), batch)
-    return weight
 
 
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
