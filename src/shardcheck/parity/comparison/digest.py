@@ -35,15 +35,18 @@ sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``). Parameters or 
 one rounding of their own per step (``eps * max|r|``), as the harness does.
 
 What a digest cannot do is re-run a step from identical state (the harness re-checks a late failure that way):
-a first failure at step t > 0 may be rounding divergence through a non-smooth op, and the report says so.
+a first failure at step t > 0 may be rounding divergence through a non-smooth op, and the report says so, unless
+its records refute it (:func:`divergence_refuted`: the optimizer rerun from equal inputs differs, or the failing
+stage's difference has a constant factor, decay or zero form).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -603,6 +606,7 @@ def compare_run(
     rtol: float | None = None,
     atol: float | None = None,
     pin_placement: bool = False,
+    loss_weight: Callable[[int], float | None] | None = None,
 ) -> RunComparison:
     """Compare a replayed run with a recording, leaf by leaf and step by step (module docstring: the rules and
     why they are sound).
@@ -614,6 +618,11 @@ def compare_run(
         pin_placement: a leaf whose sharding differs from the recording's fails (evidence ``"sharding"``).
             Default False: a recording checks a refactor's values, and a changed placement (``P()`` recorded,
             ``P(None, 'fsdp')`` replayed) is listed in the notes and in ``placement_changes``, not a failure.
+        loss_weight: ``step -> the batch's total weight`` of a ``(loss_sum, weight)`` loss (``None`` for a mean
+            loss), called once, for the first failing step: its record's ``loss_weight``, as a live check sets it
+            (a gradient factor equal to it is named as the loss sum not divided by its weight). ``None``: no
+            weight known (two recordings compared; :func:`~shardcheck.parity.harness.replay.
+            check_against_recording` passes the replayed task's).
 
     Returns:
         A :class:`RunComparison`: the verdict, the first failing step and leaf, its cause where the digests show
@@ -652,18 +661,12 @@ def compare_run(
 
     Raises:
         TypeError: either argument not a :class:`~shardcheck.parity.harness.recorded.Recording`; ``pin_placement`` not a
-            bool.
+            bool; ``loss_weight`` neither None nor callable.
         ValueError: the two are runs of different tasks; ``rtol`` / ``atol`` not a number >= 0.
         KeyError: a recording whose metadata lacks a field :func:`~shardcheck.parity.harness.recorded.load_recording`
             checks (one built by hand).
     """
-    _check_pair(recording, replayed)
-    _check_tolerances("compare_run", rtol, atol)
-    if not isinstance(pin_placement, bool):
-        raise TypeError(
-            f"compare_run: pin_placement must be True or False, got {pin_placement!r}; pass pin_placement=True "
-            "to fail on a changed sharding"
-        )
+    _check_options(recording, replayed, rtol, atol, pin_placement, loss_weight)
     steps = min(recording.num_steps, replayed.num_steps)
     kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
     same = kinds == ("candidate", "candidate") or (
@@ -681,10 +684,10 @@ def compare_run(
     matched, compared, bitwise = _hashes(pair, steps)
     moved = _placement_changes(pair, steps)
     first = _first_failure(leaves, bounds.rounding)
-    records = _records(pair, bounds, leaves, steps)
+    records = _weighted(_records(pair, bounds, leaves, steps), loss_weight)
     findings = _diagnoses(recording, replayed, records, leaves, first)
     cause = None if first is None else " ".join(d.message for d in findings if d.code not in QUIET)
-    return RunComparison(
+    comparison = RunComparison(
         run=str(replayed.meta["run"]),
         recorded_run=str(recording.meta["run"]),
         ok=first is None,
@@ -694,7 +697,7 @@ def compare_run(
         cause=cause,
         evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
         notes=tuple(
-            _notes(recording, replayed, first, steps, same or pair.pinned, returned)
+            _notes(recording, replayed, steps, same or pair.pinned, returned)
             + _placement_note(pair, moved, same)
             + _precision_note(recording.meta, replayed.meta, policy, dtype)
         ),
@@ -709,6 +712,23 @@ def compare_run(
         diagnoses=findings,
         facts=_facts(recording),
     )
+    return with_divergence_note(comparison)
+
+
+def _check_options(recording, replayed, rtol, atol, pin_placement, loss_weight) -> None:
+    """:func:`compare_run`'s arguments checked, in the order its errors are listed."""
+    _check_pair(recording, replayed)
+    _check_tolerances("compare_run", rtol, atol)
+    if not isinstance(pin_placement, bool):
+        raise TypeError(
+            f"compare_run: pin_placement must be True or False, got {pin_placement!r}; pass pin_placement=True "
+            "to fail on a changed sharding"
+        )
+    if loss_weight is not None and not callable(loss_weight):
+        raise TypeError(
+            f"compare_run: loss_weight must be None or a callable step -> weight, got {type(loss_weight).__name__}; "
+            "pass lambda t: the weight of batch t, or None"
+        )
 
 
 def looser_precision(was: Mapping, now: Mapping) -> tuple[str, str | None]:
@@ -994,21 +1014,15 @@ def _evidence_text(
     return text
 
 
-def _notes(recording: Recording, replayed: Recording, first, steps: int, same: bool, returned) -> list[str]:
+def _notes(recording: Recording, replayed: Recording, steps: int, same: bool, returned) -> list[str]:
     was, now = recording.meta, replayed.meta
-    notes = []
+    notes = _candidate_note(was, now)
     for kind, what in (("loss", "a loss"), ("grad", "gradients")):
         if kind not in returned and any(n.startswith(f"{kind} ") or n == kind for n in recording.names):
             notes.append(
                 f"The recording holds {what}; this run's step returns none, so they were not compared (the "
                 "parameters and optimizer state were)."
             )
-    if first is not None and first.step > 0:
-        notes.append(
-            f"The first failure is at step {first.step} > 0: a recording cannot re-run that step from identical "
-            "state (shardcheck verify against the reference can), so it may be rounding divergence through a "
-            "non-smooth op rather than a faulty step."
-        )
     if not any(n.startswith("grad ") for n in recording.names):
         notes.append(
             "The recording holds no gradients (its step returned none): under a normalizing optimizer (Adam) a "
@@ -1047,6 +1061,97 @@ def _notes(recording: Recording, replayed: Recording, first, steps: int, same: b
     return notes
 
 
+def _candidate_note(was: Mapping, now: Mapping) -> list[str]:
+    """``[note]`` naming both user steps where the replay runs another one than the recorded (its ``--candidate``
+    spec, ``settings["candidate"]``, where both runs keep one; else its name): not a refusal, two implementations
+    of the step may be compared. ``[]`` for the same step, and where either run is a strategy (the notes name
+    both runs there)."""
+    if (was["run_kind"], now["run_kind"]) != ("candidate", "candidate"):
+        return []
+    recorded, replayed = ((m.get("settings") or {}).get("candidate") for m in (was, now))
+    if not (recorded and replayed):
+        recorded, replayed = was["run"], now["run"]
+    if _same_step(str(recorded), str(replayed)):
+        return []
+    return [
+        f"The recording was made with candidate {recorded}; this replay runs {replayed}: two steps compared "
+        "(the verdict says whether this one reproduces the recorded run)."
+    ]
+
+
+def _same_step(a: str, b: str) -> bool:
+    """Whether two step specs (``FILE.py:ATTR``, ``MODULE:ATTR`` or a name) name one step: equal once their paths
+    are normalized (``./step.py:f`` is ``step.py:f``), or the same attribute of one existing file (a relative and
+    an absolute path to it)."""
+    (fa, _, xa), (fb, _, xb) = a.rpartition(":"), b.rpartition(":")
+    if xa != xb:
+        return False
+    if (fa and os.path.normpath(fa)) == (fb and os.path.normpath(fb)):
+        return True
+    try:
+        return bool(fa and fb) and os.path.samefile(fa, fb)
+    except OSError:  # a file that is not here (recorded elsewhere), a module's name
+        return False
+
+
+DIVERGENCE = "a recording cannot re-run that step from identical state"
+"""What the note of a late first failure says (:func:`with_divergence_note`)."""
+
+REFUTING_FORMS = ("zero", "reference_zero", "sign_flip", "decay")
+"""Forms of a stage's difference that no rounding divergence makes, on any number of leaves."""
+
+FACTOR_FORMS = ("factor", "per_group", "clip", "extra_step")
+"""Forms of one constant factor (per group) across each leaf: no rounding divergence makes one on several
+leaves (a single leaf's ratio, the loss's, is a number, not a form)."""
+
+
+def with_divergence_note(comparison: RunComparison) -> RunComparison:
+    """``comparison`` with the note that its first failure, at a step t > 0, may be rounding divergence through a
+    non-smooth op (a recording cannot re-run that step from identical state) first among its notes, where its
+    records do not refute that (:func:`divergence_refuted`), and without it elsewhere; read again where the
+    records change (a replay's optimizer rerun, :func:`~shardcheck.parity.harness.replay.with_optimizer_rerun`)."""
+    notes = tuple(n for n in comparison.notes if DIVERGENCE not in n)
+    first = comparison.first_failure
+    if first is not None and first.step > 0:
+        if not divergence_refuted(comparison.localization(), comparison.records):
+            notes = (
+                f"The first failure is at step {first.step} > 0: {DIVERGENCE} (shardcheck verify against the "
+                "reference can), so it may be rounding divergence through a non-smooth op rather than a faulty "
+                "step.",
+                *notes,
+            )
+    return dataclasses.replace(comparison, notes=notes)
+
+
+def divergence_refuted(where, records: Sequence[StepRecord]) -> bool:
+    """Whether the :class:`~shardcheck.parity.diagnosis.localization.Localization` ``where`` of ``records`` (``None``
+    where every step passed) refutes a late first failure as rounding divergence: its stage is the optimizer's
+    update rerun from equal inputs (the candidate's own gradients and pre-step state, ``StepRecord.
+    optimizer_rerun``, give another update: the step itself is faulty), or the failing stage's difference has a
+    form no divergence makes (:data:`REFUTING_FORMS`; :data:`FACTOR_FORMS` on 2 or more leaves, outside the forward
+    pass)."""
+    if where is None or where.stage is None:
+        return False
+    record = next((r for r in records if r.step == where.step), None)
+    if where.stage == "optimizer" and record is not None and record.optimizer_rerun is not None:
+        return True
+    form = where.form
+    if form is None:
+        return False
+    several = form.leaves >= 2 and where.stage != "forward"
+    return form.kind in REFUTING_FORMS or (form.kind in FACTOR_FORMS and several)
+
+
+def _weighted(records: tuple[StepRecord, ...], loss_weight) -> tuple[StepRecord, ...]:
+    """``records`` with the first failing step's ``loss_weight`` (:func:`compare_run`'s ``loss_weight`` of its
+    step), where one is given."""
+    first = next((r for r in records if r.step >= 0 and not r.ok), None)
+    if loss_weight is None or first is None:
+        return records
+    weight = loss_weight(first.step)
+    return tuple(dataclasses.replace(r, loss_weight=weight) if r is first else r for r in records)
+
+
 def _axes(mesh: Mapping | None) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "none (one device a shard)"
 
@@ -1061,4 +1166,4 @@ def _short(facts: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in facts.items())
 
 
-__all__ = ["DigestError", "RunComparison", "compare_run"]
+__all__ = ["DigestError", "RunComparison", "compare_run", "divergence_refuted", "with_divergence_note"]

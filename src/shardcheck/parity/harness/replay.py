@@ -15,6 +15,7 @@ FILE`` is the command-line form.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardcheck.parity.comparison.digest import QUIET
+from shardcheck.parity.comparison.digest import QUIET, with_divergence_note
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
 from shardcheck.parity.report import ParityReport
 from shardcheck.task import Task
@@ -97,8 +98,11 @@ def check_against_recording(
         **unsupported: ``check_parity`` options of :data:`UNSUPPORTED`: refused unless None.
 
     Returns:
-        A :class:`~shardcheck.ParityReport`: the replay's records diagnosed by the live check's rules; its
-        ``replay`` is the :class:`~shardcheck.parity.comparison.digest.RunComparison`.
+        A :class:`~shardcheck.ParityReport`: the replay's records diagnosed by the live check's rules (the first
+        failing step's record with its batch's total weight, ``StepRecord.loss_weight``, under a ``(loss_sum,
+        weight)`` loss: :func:`loss_weight`); its ``replay`` is the
+        :class:`~shardcheck.parity.comparison.digest.RunComparison`, whose notes name the recorded and the
+        replayed step where they differ.
 
     Raises:
         TypeError: ``task`` not a Task; as :func:`record_run` and
@@ -110,14 +114,7 @@ def check_against_recording(
     """
     from shardcheck.parity.comparison.digest import compare_run
 
-    given = sorted(k for k, v in unsupported.items() if v is not None)
-    if given:
-        raise ValueError(
-            f"{fn}: {', '.join(given)} cannot apply against a recording (it holds the digests of one recorded "
-            "run); drop them, or check against the task's reference step (reference=None)"
-        )
-    if not isinstance(task, Task):
-        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+    _check_call(fn, task, unsupported)
     recording = reference
     if not isinstance(reference, Recording):
         shown = shown or f"reference {str(reference)!r}"
@@ -144,11 +141,36 @@ def check_against_recording(
         matmul_precision=matmul_precision,
         true_gradients=True,  # where it returns none: which gradients are at rounding level, as a live check
     )
-    comparison = compare_run(recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement)
+    weight = functools.partial(loss_weight, task)  # the first failing step's, as a live check reads it
+    comparison = compare_run(
+        recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement, loss_weight=weight
+    )
     if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
         comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
     report = comparison.report()
     return with_optimizer_rerun(report, candidate, task, mesh=mesh, num_shards=num_shards, name=name, fn=fn)
+
+
+def _check_call(fn: str, task, unsupported: Mapping[str, Any]) -> None:
+    """Refuse an option of :data:`UNSUPPORTED` given (ValueError) and a ``task`` that is no Task (TypeError)."""
+    given = sorted(k for k, v in unsupported.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"{fn}: {', '.join(given)} cannot apply against a recording (it holds the digests of one recorded "
+            "run); drop them, or check against the task's reference step (reference=None)"
+        )
+    if not isinstance(task, Task):
+        raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
+
+
+def loss_weight(task: Task, step: int) -> float | None:
+    """The total weight of ``task``'s batch at ``step`` under its ``(loss_sum, weight)`` loss, as a live check
+    reads it for a failing step (:func:`~shardcheck.task.batch_weight`, on a model built inside the jit: the
+    weight is a count, not a function of the parameters, and no state is allocated,
+    :func:`~shardcheck.task.task_batch_weight`); ``None`` for a mean loss."""
+    from shardcheck.task import task_batch_weight
+
+    return task_batch_weight(task, task.batches[step])
 
 
 def model_facts(fn: str, facts: tuple, task: Task) -> tuple:
@@ -177,7 +199,9 @@ def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, n
     (``StepRecord.optimizer_rerun``, as :mod:`shardcheck.parity.harness.optimizer_rerun` does live), so that an
     update applied differently from equal inputs is localized to the optimizer's update, replayed as live. Where
     it is, the form of that stage is fitted on the arrays (``StepRecord.forms``,
-    :func:`~shardcheck.parity.diagnosis.form.fit_form`, the rerun as the reference), as live.
+    :func:`~shardcheck.parity.diagnosis.form.fit_form`, the rerun as the reference), as live, and a late failure
+    that the rerun shows faulty from equal inputs is no longer called possible rounding divergence
+    (:func:`~shardcheck.parity.comparison.digest.with_divergence_note`).
     Unchanged where the step returns no gradients, the candidate's optimizer state is not the task's by path,
     the run spans several processes, or the rerun cannot run."""
     where = report.localization
@@ -199,6 +223,7 @@ def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, n
     replay = dataclasses.replace(
         report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
     )
+    replay = with_divergence_note(replay)  # the rerun may refute a late failure as rounding divergence
     return dataclasses.replace(
         report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
     )
@@ -326,4 +351,10 @@ def against_recording(call: Mapping[str, Any]) -> ParityReport:
     )
 
 
-__all__ = ["against_recording", "check_against_recording", "is_recording", "with_optimizer_rerun"]
+__all__ = [
+    "against_recording",
+    "check_against_recording",
+    "is_recording",
+    "loss_weight",
+    "with_optimizer_rerun",
+]
