@@ -28,7 +28,7 @@ from shardcheck.task import task_batch_weight
 MASKS = ([1, 1, 1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 1, 1, 0, 1])
 
 
-def _task(weighted: bool) -> Task:
+def _task(weighted: bool, clip: bool = False) -> Task:
     rng = np.random.default_rng(0)
     batches = []
     for mask in MASKS:
@@ -36,7 +36,8 @@ def _task(weighted: bool) -> Task:
         batches.append((x, y, np.asarray(mask, np.float32)) if weighted else (x, y))
     return Task(
         model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
-        optimizer=optax.sgd(0.1),
+        # a global-norm clip that binds: the update is blind to the gradient's scale
+        optimizer=optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1)) if clip else optax.sgd(0.1),
         loss_fn=regression_batch_loss if weighted else mse_batch_loss,
         batches=batches,
         name="weighted" if weighted else "mean",
@@ -52,7 +53,7 @@ def _step(fault: str | None = None):
     """The reference's step (the gradient of the task's mean loss, then SGD) until step 1, then ``fault``:
     ``nodiv`` the loss sum not divided by its weight, ``times5`` the gradient times 5, ``noisy_grads`` the
     gradient plus an offset (applied and returned), ``noisy_update`` the update plus an offset (the gradient
-    right)."""
+    right), ``reports5`` the right update with 5 x its gradient returned."""
 
     def step(model, optimizer, batch):
         late = int(optimizer.step[...]) >= 1
@@ -69,6 +70,8 @@ def _step(fault: str | None = None):
         if late and fault == "noisy_grads":
             grads = jax.tree.map(lambda g: g + 0.05 * _pattern(g), grads)
         optimizer.update(model, grads)
+        if late and fault == "reports5":  # the right update; the gradients returned are 5 x the applied ones
+            grads = jax.tree.map(lambda g: 5.0 * g, grads)
         if late and fault == "noisy_update":
             params = nnx.state(model, nnx.Param)
             nnx.update(model, jax.tree.map(lambda p: p + 0.01 * _pattern(p), params))
@@ -80,13 +83,20 @@ def _step(fault: str | None = None):
 @pytest.fixture(scope="module")
 def replays():
     """``{fault: report}``: each faulty step (and the correct one) replayed against a recording of the correct
-    step, on the weighted task (``times5``: the mean one), 2 shards."""
+    step, on the weighted task (``times5``: the mean one; ``clipped times5``: the mean one under a binding
+    global-norm clip), 2 shards."""
     out = {}
-    for weighted, faults in ((True, (None, "nodiv", "noisy_grads", "noisy_update")), (False, ("times5",))):
-        task = _task(weighted)
+    runs = {
+        (True, False): (None, "nodiv", "noisy_grads", "noisy_update", "reports5"),
+        (False, False): ("times5",),
+        (False, True): ("times5",),
+    }
+    for (weighted, clip), faults in runs.items():
+        task = _task(weighted, clip)
         recording = record_run(task, _step(), num_shards=2, name="good")
         for fault in faults:
-            out[fault] = check_parity(
+            key = f"clipped {fault}" if clip else fault
+            out[key] = check_parity(
                 _step(fault), task, num_shards=2, name=fault or "good", reference=recording
             )
     return out
@@ -198,3 +208,20 @@ def test_the_batch_weight_is_read_without_the_model_and_from_a_factory_that_need
     batch = weighted.batches[1]
     concrete = Task(model=_Concrete, optimizer=optax.sgd(0.1), loss_fn=regression_batch_loss, batches=[batch])
     assert task_batch_weight(concrete, batch) == 6.0
+
+
+@require_devices(2)
+def test_gradients_alone_off_are_called_applied_or_not_by_the_replays_optimizer_rerun(replays):
+    """Only the returned gradients differ (x5 at step 1) while the update matches: under a binding clip the
+    optimizer rerun on them gives the candidate's update (they were applied, the clip hid them); without one it
+    does not (they are not the ones applied). The replay reads the rerun as a live check does."""
+    hidden, reported = replays["clipped times5"], replays["reports5"]
+    for report in (hidden, reported):
+        assert report.codes[0] == "grads_differ" and report.localization.stage == "gradients"
+    assert all(e.ok for e in hidden.steps[1].optimizer_rerun)
+    assert "gives the candidate's update: they are the ones applied" in hidden.replay.cause
+    assert "not the ones applied" not in hidden.replay.cause
+    assert not all(e.ok for e in reported.steps[1].optimizer_rerun)
+    assert (
+        "while the update matches: the reported gradients are not the ones applied" in reported.replay.cause
+    )

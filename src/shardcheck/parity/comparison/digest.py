@@ -985,6 +985,16 @@ def _diagnoses(
     return tuple(d for d in findings if d.code != "parity")
 
 
+def rediagnosed(
+    comparison: RunComparison, recording: Recording, replayed: Recording, records: Sequence[StepRecord]
+) -> tuple[Diagnosis, ...]:
+    """The findings :func:`compare_run` gives ``comparison`` of ``recording`` and ``replayed``, for ``records``:
+    its records with what a replay learns after the comparison (the optimizer rerun at the localized step,
+    :func:`~shardcheck.parity.harness.replay.with_optimizer_rerun`), read by the live check's rules as a live
+    check reads them."""
+    return _diagnoses(recording, replayed, records, list(comparison.leaves), comparison.first_failure)
+
+
 _INITIAL = (
     "The initial state differs from the recorded one: another seed, initializer or model; every later step starts "
     "elsewhere."
@@ -1166,4 +1176,11 @@ def _short(facts: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in facts.items())
 
 
-__all__ = ["DigestError", "RunComparison", "compare_run", "divergence_refuted", "with_divergence_note"]
+__all__ = [
+    "DigestError",
+    "RunComparison",
+    "compare_run",
+    "divergence_refuted",
+    "rediagnosed",
+    "with_divergence_note",
+]

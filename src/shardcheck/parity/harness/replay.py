@@ -112,7 +112,7 @@ def check_against_recording(
             more steps than recorded), before any step.
         CandidateError: the candidate raised during a step.
     """
-    from shardcheck.parity.comparison.digest import compare_run
+    from shardcheck.parity.comparison.digest import compare_run, rediagnosed
 
     _check_call(fn, task, unsupported)
     recording = reference
@@ -147,8 +147,9 @@ def check_against_recording(
     )
     if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
         comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
-    report = comparison.report()
-    return with_optimizer_rerun(report, candidate, task, mesh=mesh, num_shards=num_shards, name=name, fn=fn)
+    rules = functools.partial(rediagnosed, comparison, recording, replayed)  # read again with the rerun
+    where = {"mesh": mesh, "num_shards": num_shards, "name": name, "fn": fn}
+    return with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
 
 
 def _check_call(fn: str, task, unsupported: Mapping[str, Any]) -> None:
@@ -190,7 +191,9 @@ def model_facts(fn: str, facts: tuple, task: Task) -> tuple:
     )
 
 
-def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, num_shards, name, fn: str):
+def with_optimizer_rerun(
+    report: ParityReport, candidate, task: Task, *, mesh, num_shards, name, fn: str, rules=None
+):
     """``report`` with the live check's optimizer evidence at its localized step, whatever stage it names (a live
     check reruns the optimizer on every failing step, so that the later stages read alike): the candidate is
     run again from a fresh state up to that step, and the task's optimizer
@@ -201,7 +204,10 @@ def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, n
     it is, the form of that stage is fitted on the arrays (``StepRecord.forms``,
     :func:`~shardcheck.parity.diagnosis.form.fit_form`, the rerun as the reference), as live, and a late failure
     that the rerun shows faulty from equal inputs is no longer called possible rounding divergence
-    (:func:`~shardcheck.parity.comparison.digest.with_divergence_note`).
+    (:func:`~shardcheck.parity.comparison.digest.with_divergence_note`). ``rules``: ``records -> findings``, the
+    replay's diagnosis (:func:`~shardcheck.parity.comparison.digest.rediagnosed`), rerun on the records with the
+    rerun as a live check's rules read them (the optimizer on the returned gradients giving the applied update
+    refutes "not the ones applied"); ``None``: only a ``drift`` the rerun refutes is replaced.
     Unchanged where the step returns no gradients, the candidate's optimizer state is not the task's by path,
     the run spans several processes, or the rerun cannot run."""
     where = report.localization
@@ -218,7 +224,7 @@ def with_optimizer_rerun(report: ParityReport, candidate, task: Task, *, mesh, n
     forms = _optimizer_form(with_rerun, arrays)
     with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
     steps = tuple(with_rerun if r is record else r for r in report.steps)
-    found = _without_refuted_drift(report.diagnoses, steps, report.num_shards)
+    found = rules(steps) if rules else _without_refuted_drift(report.diagnoses, steps, report.num_shards)
     cause = " ".join(d.message for d in found if d.code not in QUIET) if found != report.diagnoses else None
     replay = dataclasses.replace(
         report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
