@@ -435,7 +435,12 @@ def test_gradients_that_differ_under_a_matching_update_are_the_applied_ones_wher
     applied = dataclasses.replace(record, optimizer_rerun=(_leaf("param", "router", True),))
     said = _codes_of([applied])["grads_differ"]
     assert "they are the ones applied, and the optimizer hides their difference" in said
-    assert "not the ones applied" not in said
+    assert "not the ones applied" not in said and "loss weight" not in said
+    # gradients one factor across that is the batch's loss weight: the cause is named (a replay of a sum for a mean)
+    summed = [_leaf("grad", "router", False, 89.0, (89.0, 89.0)), _leaf("grad", "w", False, 89.0, (89.0, 89.0))]
+    weighted = dataclasses.replace(applied, leaves=(*summed, *applied.leaves[2:]), loss_weight=89.0)
+    said = _codes_of([weighted])["grads_differ"]
+    assert "They are 89 x the reference's: 89 is this batch's total loss weight" in said
 
 
 def test_a_factor_is_not_claimed_for_a_gradient_whose_ratio_is_not_constant_across_it():

@@ -138,7 +138,7 @@ class StepRecord:
         loss_weight: a failing step of a ``(loss_sum, weight)`` loss: the batch's total weight (the count the loss
             returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
             equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
-            passing step, a replay).
+            passing step, a replay's steps after its first failing one).
     """
 
     step: int

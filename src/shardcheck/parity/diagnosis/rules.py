@@ -799,7 +799,7 @@ def grads_differ(ctx: DiagnosisContext) -> Finding:
             "and the reference's optimizer run on these gradients gives the candidate's update: they are the "
             "ones applied, and the optimizer hides their difference (global-norm clipping that binds rescales "
             "the gradient; a normalizing optimizer's first step keeps only its sign). It may show at a later "
-            "step; the gradients themselves differ.",
+            f"step; the gradients themselves differ.{_weight_factor(ctx)}",
             ctx.worst_name,
         )
     return Diagnosis(
@@ -808,6 +808,17 @@ def grads_differ(ctx: DiagnosisContext) -> Finding:
         "the reported gradients are not the ones applied.",
         ctx.worst_name,
     )
+
+
+def _weight_factor(ctx: DiagnosisContext) -> str:
+    """``" They are 89 x the reference's: 89 is this batch's total loss weight ..."``, where every failing
+    gradient is one factor across it and that factor is the batch's loss weight (or 1 over it); else ``""``."""
+    bad = [e for e in ctx.first.leaves if e.kind == "grad" and not e.ok]
+    if not bad or not all(e.ratio is not None and one_factor_across(e) for e in bad):
+        return ""
+    f = _consensus([e.ratio for e in bad])
+    phrase = None if f is None else weight_phrase(f, ctx.first.loss_weight)
+    return "" if phrase is None else f" They are {f:.4g} x the reference's: {phrase}."
 
 
 def drift(ctx: DiagnosisContext) -> Finding:
