@@ -54,7 +54,7 @@ def test_a_loss_scaled_with_every_gradient_that_can_show_it_is_the_whole_loss_sc
     assert (loc.stage, loc.form.kind, loc.form.factor) == ("forward", "factor", 2.0)
     assert loc.group == (
         "the loss's difference reaches every gradient that can show it: 3 of 4 gradient leaves are 2 x the "
-        "reference's; the other 1 (k.bias) are too small to show a factor 2 (rounding level)"
+        "reference's; the other 1 (k.bias) is too small to show a factor 2 (rounding level)"
     )
     assert loc.form.sentence.endswith(
         ": the loss at equal parameters is 2 x the reference's; every gradient that can show it is 2 x too: the "

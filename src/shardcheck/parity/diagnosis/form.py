@@ -369,7 +369,11 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
             else f"; {widest.name}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
             f"({percentiles(widest)}), median {widest.ratio:.4g}"
         )
-        return Form("none", f"no simple form read from the records of the {n} failing leaves{tail}", leaves=n)
+        return Form(
+            "none",
+            f"no simple form read from the records of {'the one failing leaf' if n == 1 else f'the {n} failing leaves'}{tail}",
+            leaves=n,
+        )
     if all(e.ratio == 0 for e in ratios):
         return Form(
             "zero",

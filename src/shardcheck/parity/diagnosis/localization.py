@@ -439,7 +439,7 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
         listed = ", ".join(quiet[:4]) + (", ..." if len(quiet) > 4 else "")
         return (
             f"the loss's difference reaches every gradient that can show it: {len(bad)} of {len(grads)} gradient "
-            f"leaves are {scaled:.4g} x the reference's; the other {len(quiet)} ({listed}) are too small to show "
+            f"leaves are {scaled:.4g} x the reference's; the other {len(quiet)} ({listed}) {_are(quiet)} too small to show "
             f"a factor {scaled:.4g} (rounding level)"
         )
     quiet = sorted(e.path for e in grads if e.ok)
@@ -447,7 +447,7 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
         listed = ", ".join(quiet[:4]) + (", ..." if len(quiet) > 4 else "")
         return (
             f"the loss's difference reaches every gradient but the rounding-level ones: {len(bad)} of "
-            f"{len(grads)} gradient leaves differ; the other {len(quiet)} ({listed}) are at rounding level (a "
+            f"{len(grads)} gradient leaves differ; the other {len(quiet)} ({listed}) {_are(quiet)} at rounding level (a "
             "true gradient of 0, such as an attention key bias's), too small to show a difference: the loss "
             "differs as a whole, not in a term that reaches only some parameters"
         )
@@ -601,6 +601,10 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
         f"every gradient{but} is {f:.4g} x the reference's{spread}: one scale of the whole loss: {cause}"
     )
     return dataclasses.replace(form, sentence=sentence)
+
+
+def _are(items) -> str:
+    return "is" if len(items) == 1 else "are"
 
 
 def checked_form(

@@ -798,7 +798,7 @@ def grads_differ(ctx: DiagnosisContext) -> Finding:
             f"The exposed gradients differ ({ctx.worst_name}, step {ctx.first.step}) while the update matches, "
             "and the reference's optimizer run on these gradients gives the candidate's update: they are the "
             "ones applied, and the optimizer hides their difference (global-norm clipping that binds rescales "
-            "the gradient; a normalizing optimizer's first step keeps only its sign). It may show at a later "
+            f"the gradient{_first_step_hiders(ctx.first.step)}). It may show at a later "
             f"step; the gradients themselves differ.{_weight_factor(ctx)}",
             ctx.worst_name,
         )
@@ -808,6 +808,13 @@ def grads_differ(ctx: DiagnosisContext) -> Finding:
         "the reported gradients are not the ones applied.",
         ctx.worst_name,
     )
+
+
+def _first_step_hiders(step: int) -> str:
+    """What else hides a gradient's difference at a run's first step (none later)."""
+    if step:
+        return ""
+    return "; a normalizing optimizer's first step keeps only its sign; a warm-up's learning rate of 0"
 
 
 def _weight_factor(ctx: DiagnosisContext) -> str:
