@@ -20,6 +20,7 @@ from flax import nnx
 from shardcheck import Task, check_parity
 from shardcheck.losses import mse_batch_loss, regression_batch_loss
 from shardcheck.parity.comparison.digest import DIVERGENCE, _candidate_note
+from shardcheck.parity.diagnosis.evidence import percentiles
 from shardcheck.parity.harness.recorded import record_run
 from shardcheck.parity.harness.replay import check_against_recording, loss_weight
 from shardcheck.task import task_batch_weight
@@ -225,3 +226,13 @@ def test_gradients_alone_off_are_called_applied_or_not_by_the_replays_optimizer_
     assert (
         "while the update matches: the reported gradients are not the ones applied" in reported.replay.cause
     )
+
+
+@require_devices(2)
+def test_a_replays_leaf_ratios_say_how_many_recorded_samples_they_were_read_from(replays):
+    """A replay reads a leaf's ratio at its fixed-index samples: each failing LeafError carries their count, and a
+    spread it quotes says so (a live check's spread is over every element)."""
+    open_ = replays["noisy_grads"]
+    failing = [e for r in open_.steps for e in r.leaves if not e.ok and e.spread is not None]
+    assert failing and all(e.samples is not None and 1 <= e.samples <= 8 for e in failing)
+    assert f"of its {failing[0].samples} recorded samples" in percentiles(failing[0])

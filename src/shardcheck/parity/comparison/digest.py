@@ -842,30 +842,32 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
 # ------------------------------------------------------------------ the harness's records, and its diagnosis
 
 
-def _sample_ratio(pair: _Pair, t: int, name: str) -> tuple[float | None, tuple[float, float] | None]:
-    """``(median, (p10, p90))`` of the replay's over the recording's elementwise ratio at the leaf's fixed-index
+def _sample_ratio(
+    pair: _Pair, t: int, name: str
+) -> tuple[float | None, tuple[float, float] | None, int | None]:
+    """``(median, (p10, p90), n)`` of the replay's over the recording's elementwise ratio at the leaf's fixed-index
     samples, as :func:`shardcheck.parity.comparison.live.leaf_error` reads it over every element: of the change
     in step t for a parameter or an optimizer-state leaf (the point before: the initial state at t = 0), of the
     value for the loss and a gradient; over the samples whose recorded change is at least 1% of the largest
-    sampled one. ``(None, None)`` where no sample is usable (none taken, a change of 0)."""
+    sampled one, ``n`` of them. ``(None, None, None)`` where no sample is usable (none taken, a change of 0)."""
     kind = name.split(" ", 1)[0]
     r, c = pair.leaf("recorded", t, name), pair.leaf("replayed", t, name)
     if not (r.present and c.present) or r.shape != c.shape:
-        return None, None
+        return None, None, None
     dr, dc = r.samples, c.samples
     if kind in ("param", "opt_state"):
         r0, c0 = pair.leaf("recorded", t - 1, name), pair.leaf("replayed", t - 1, name)
         if not (r0.present and c0.present):
-            return None, None
+            return None, None, None
         dr, dc = dr - r0.samples, dc - c0.samples
     usable = r.sampled & np.isfinite(dr) & np.isfinite(dc)
     top = float(np.max(np.abs(dr[usable]), initial=0.0))
     keep = usable & (np.abs(dr) >= 0.01 * top) & (top > 0)
     if not keep.any():
-        return None, None
+        return None, None, None
     q = np.sort(dc[keep] / dr[keep])
     lo, hi = spread_ranks(len(q))
-    return float(np.median(q)), (float(q[lo]), float(q[hi]))
+    return float(np.median(q)), (float(q[lo]), float(q[hi])), len(q)
 
 
 def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
@@ -876,14 +878,17 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     shape = None if col is None else tuple(pair.recording.shapes[col])
     if e.evidence in STRUCTURAL or e.evidence == "nan":
         return LeafError(e.step, kind, path or "loss", e.err, math.inf, e.allowed, e.ok, shape=shape)
-    ratio, spread = (None, None) if kind == "counter" or e.step < 0 else _sample_ratio(pair, e.step, e.name)
+    sampled = (None, None, None) if kind == "counter" or e.step < 0 else _sample_ratio(pair, e.step, e.name)
+    ratio, spread, samples = sampled
     if ratio is None:  # no usable sample: the whole leaf's ratio (update size, norm, counter value)
         ratio = e.ratio
     top = pair.leaf("recorded", e.step, e.name).max
     rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
     r = pair.leaf("recorded", e.step, e.name)
     change = r.update if kind == "param" and e.step >= 0 and math.isfinite(r.update) else None
-    return LeafError(e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape)
+    return LeafError(
+        e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape, samples
+    )
 
 
 def _facts(recording: Recording) -> tuple[tuple[str, LeafFacts], ...]:

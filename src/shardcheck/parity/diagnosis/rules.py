@@ -451,7 +451,7 @@ def _detail(worst: LeafError, ratio: bool = True) -> str:
     ratio = (
         ""
         if worst.ratio is None or not ratio
-        else f", update ratio {worst.ratio:.4g}"
+        else f", {'update ratio' if worst.kind in ('param', 'opt_state') else 'ratio'} {worst.ratio:.4g}"
         if constant_ratio(worst)
         else f", {spread_phrase(worst)}"
     )
