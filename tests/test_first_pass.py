@@ -88,6 +88,32 @@ def test_a_difference_the_device_flushes_is_cleared_and_reads_zero():
     assert quick is not None and quick.ok and _same_maximum(quick.max_abs_err, full.max_abs_err)
 
 
+@require_devices(2)
+def test_arrays_at_their_place_are_passed_as_they_are_committed_or_not():
+    """#35: an uncommitted leaf already at its place (the reference's state, from ``task.model()`` on) is not
+    committed by a ``device_put`` at every step; a leaf elsewhere is moved. The records are those of committed
+    inputs, bit for bit."""
+    import jax
+
+    r = np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(SHAPE)
+    c = (r * np.float32(1 + 2e-7)).astype(np.float32)
+    loose = jnp.asarray(r)
+    here, there = jax.devices()[0], jax.devices()[1]
+    assert not loose.committed and loose.sharding.device_set == {here}
+    elsewhere = jax.device_put(c, there)
+    out = first_pass._moved([loose, elsewhere, None], [loose.sharding] * 3)
+    assert out[0] is loose and out[2] is None
+    assert out[1].committed and out[1].sharding.device_set == {here}
+    np.testing.assert_array_equal(np.asarray(out[1]), c)
+
+    def items(put):
+        return [LeafInput(1, "param", "w", put(r), put(c), 1e-6, 1e-7, put(r), put(r), put(np.abs(c - r)))]
+
+    uncommitted = first_pass.clear(items(jnp.asarray))
+    committed = first_pass.clear(items(lambda a: jax.device_put(a, here)))
+    assert uncommitted == committed and uncommitted[0] is not None and uncommitted[0].ok
+
+
 def test_what_the_first_pass_clears_and_what_it_leaves():
     """Values: a leaf at rounding level is cleared, one 2 ulps over a zero-allowance tolerance is not, one within
     its allowance only is cleared by the allowance's minimum, and NaN, inf and a missing allowance shape are not."""

@@ -107,3 +107,25 @@ def test_variables_found_once_report_what_a_traversal_at_every_step_does(strateg
     assert [(r.loss, r.candidate_loss) for r in found.steps] == [
         (r.loss, r.candidate_loss) for r in traversed.steps
     ]
+
+
+def test_the_accumulation_view_reads_the_state_as_it_is_now():
+    """#35: the accumulation candidate's view and extra checks find its optimizer's state once and read its
+    Variables after: after a step they give what a fresh traversal gives, and another optimizer is found anew."""
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.steps.accumulation import accumulation_candidate
+
+    model, optimizer = _pair()
+    cand = accumulation_candidate(lambda m, b: (m(b) ** 2).sum(), 2)
+    acc = cand.make_optimizer(model, optimizer)
+    before = flatten_state(cand.view_optimizer(acc)[0])
+    cand.step(model, acc, np.ones((4, 3), np.float32))
+    view, count = cand.view_optimizer(acc)
+    fresh = flatten_state(nnx.state(acc)["opt_state"]["inner_opt_state"])
+    assert all(np.array_equal(v, fresh[k]) for k, v in flatten_state(view).items()) and int(count) == 1
+    assert not np.array_equal(flatten_state(view)["0.mu.kernel"], before["0.mu.kernel"])
+    checks = {path: np.asarray(value) for path, value, _ in cand.extra_checks(acc, 1)}
+    assert int(checks["step (NNX micro-steps)"]) == 2 and int(checks["mini_step"]) == 0
+    other = cand.make_optimizer(model, optimizer)  # a new optimizer: its own state, at count 0
+    assert int(cand.view_optimizer(other)[1]) == 0
+    assert np.array_equal(flatten_state(cand.view_optimizer(other)[0])["0.mu.kernel"], before["0.mu.kernel"])

@@ -406,12 +406,18 @@ buffers are host memory: NumPy reads them in place, where XLA:CPU would compile 
 ``True``/``False`` force one place. Arrays spread over several processes reduce on the devices."""
 
 
+def _array(a) -> jax.Array:
+    """``a`` as a ``jax.Array``: itself where it is one (``jnp.asarray`` of one costs tens of microseconds, and
+    the harness asks it of every leaf several times a step), else ``jnp.asarray(a)``."""
+    return a if isinstance(a, jax.Array) else jnp.asarray(a)
+
+
 def _on_devices(arrays: Mapping[str, Any]) -> dict[tuple, dict[str, Any]]:
     """``arrays`` grouped by the devices they live on (one jitted call per group: a call takes one device set).
     Arrays spread over several processes are grouped too: every process makes the same calls."""
     groups: dict[tuple, dict[str, Any]] = {}
     for name, a in arrays.items():
-        a = jnp.asarray(a)
+        a = _array(a)
         groups.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), {})[name] = a
     return groups
 
@@ -573,7 +579,7 @@ def _all_finite(arrays: list) -> jax.Array:
 def all_finite(arrays: Sequence[Any]) -> bool:
     """Whether every element of every floating array is finite (integer arrays are), where
     :data:`DEVICE_SCALARS` says."""
-    floats = {str(i): a for i, a in enumerate(arrays) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact)}
+    floats = {str(i): a for i, a in enumerate(arrays) if jnp.issubdtype(_array(a).dtype, jnp.inexact)}
     for group in _on_devices(floats).values():
         if _on_host(group):
             if not all(np.all(np.isfinite(to_host(a))) for a in group.values()):
