@@ -190,6 +190,14 @@ def test_an_optimizer_stepped_per_micro_batch_is_read_through_its_view_replayed_
         assert (count.ok, count.ratio) == (False, 2.0)
         assert report.localization.stage == "optimizer"
     assert not {"loss_only", "structure"} & set(replayed.codes), replayed.codes
+    # a user's step with its own optimizer records its k, so a replay of it against a recording of another user
+    # step (not the built-in accumulation) still reads its counter as per micro-batch (a user's trial: "once
+    # per shard (S=2)")
+    assert record_run(task, cand, num_shards=2).meta["micro_batches"] == 2
+    assert (
+        recording.meta["micro_batches"] == 2
+        and record_run(task, "simulation", num_shards=2).meta["micro_batches"] is None
+    )
 
 
 def _stages(report):

@@ -964,7 +964,7 @@ def _diagnoses(
         values,
         s,
         mesh_shape=was.get("mesh") or None,
-        micro_batches=s if was.get("run") == "accumulation" else None,
+        micro_batches=now.get("micro_batches") or (s if was.get("run") == "accumulation" else None),
     )
     findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
     if first is None:

@@ -122,7 +122,8 @@ class Recording:
 
     Attributes:
         meta: the JSON metadata: ``format``, ``version``, ``task``, ``run`` (the strategy's name or the user step's),
-            ``run_kind`` (``"strategy"`` or ``"candidate"``), ``num_shards``, ``mesh`` (``{axis: size}`` or
+            ``run_kind`` (``"strategy"`` or ``"candidate"``), ``num_shards``, ``micro_batches`` (k of a step with an
+            optimizer of its own, which it steps once per k micro-batches; ``None`` or absent otherwise), ``mesh`` (``{axis: size}`` or
             ``None``), ``steps``, ``fingerprint`` (sha256 of ``state_leaves`` and ``batches``' shapes),
             ``state_leaves`` (``[name, shape, dtype]`` of the task's parameters, optimizer state and counters),
             ``batches`` (per step its leaves' ``[path, shape, dtype]`` and the sha256 of its data), ``terms`` (the
@@ -524,6 +525,8 @@ def _recording(fn, task, data, candidate, cand, mesh, digests, settings) -> Reco
         "run": run,
         "run_kind": run_kind,
         "num_shards": cand.num_shards,
+        # a step with its own optimizer (accumulation) steps it once per k = num_shards micro-batches
+        "micro_batches": cand.num_shards if cand.make_optimizer is not None else None,
         "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
         "steps": len(data),
         "settings": settings,
