@@ -15,6 +15,7 @@ they contradict it.
 import dataclasses
 
 import numpy as np
+import pytest
 
 from shardcheck.parity.diagnosis import rules
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
@@ -437,7 +438,10 @@ def test_gradients_that_differ_under_a_matching_update_are_the_applied_ones_wher
     assert "they are the ones applied, and the optimizer hides their difference" in said
     assert "not the ones applied" not in said and "loss weight" not in said
     # gradients one factor across that is the batch's loss weight: the cause is named (a replay of a sum for a mean)
-    summed = [_leaf("grad", "router", False, 89.0, (89.0, 89.0)), _leaf("grad", "w", False, 89.0, (89.0, 89.0))]
+    summed = [
+        _leaf("grad", "router", False, 89.0, (89.0, 89.0)),
+        _leaf("grad", "w", False, 89.0, (89.0, 89.0)),
+    ]
     weighted = dataclasses.replace(applied, leaves=(*summed, *applied.leaves[2:]), loss_weight=89.0)
     said = _codes_of([weighted])["grads_differ"]
     assert "They are 89 x the reference's: 89 is this batch's total loss weight" in said
@@ -476,3 +480,66 @@ def test_an_optimizer_stepped_k_times_for_k_other_than_the_shard_count_is_not_sa
     assert "once per shard (S=" not in said
     four = dataclasses.replace(record, candidate_step_count=4)
     assert "once per shard (S=4)" in {d.code: d.message for d in rules.diagnose([four], 4)}["step_counter"]
+
+
+def test_small_gradients_are_not_called_zero_and_matching_parameters_are_not_only_the_loss():
+    """A fourth user's trial (each shard's gradient clipped to a tiny norm before the psum, a warm-up's lr 0 at
+    step 0): gradients 7e-4 x the reference's were called 'a zero update ... these values are zero', and 'Only
+    the loss matches' was said beside 12 of 12 matching parameters."""
+    rng = np.random.default_rng(1)
+    ref = {"w": rng.normal(size=(4, 4)), "b": rng.normal(size=4)}
+    small = {k: 7e-4 * v * (1 + 0.3 * rng.normal(size=v.shape)) for k, v in ref.items()}
+    form = fit_form({}, ref, small, update=False)
+    assert form.kind == "none" and "these values are zero" not in form.sentence
+    assert fit_form({}, ref, {k: np.zeros_like(v) for k, v in ref.items()}, update=False).kind == "zero"
+    # an update that small is still a zero update (the candidate did not move the parameters)
+    before = {k: v + 1.0 for k, v in ref.items()}
+    moved = {k: before[k] + 1e-2 * v for k, v in ref.items()}
+    assert fit_form(before, moved, {k: before[k] + 1e-6 * v for k, v in ref.items()}).kind == "zero"
+    # the gradients and the optimizer state differ, every parameter matches: not "only the loss matches"
+    leaves = [
+        _leaf("loss", "loss", True, shape=()),
+        _leaf("grad", "w", False, 7e-4, (4e-4, 1e-3)),
+        _leaf("opt_state", "0.mu.w", False, 7e-4, (4e-4, 1e-3)),
+        _leaf("param", "w", True),
+        *COUNTERS_MATCH,
+    ]
+    codes = _codes_of([_record(leaves)])
+    assert "loss_only" not in codes and "the gradients differ (1 of 1 leaf" in codes["localized"]
+    every = [_failing(e) if e.kind == "param" else e for e in leaves]
+    assert "Only the loss matches" in _codes_of([_record(every)])["loss_only"]
+
+
+def test_an_unexplained_update_names_the_forward_pass_where_the_module_probe_found_a_module():
+    """A tensor-parallel output not psum-ed (a fourth user's trial): 'shards applied one after another,
+    gradients taken at different parameters' is false where a module's output already differs at equal
+    parameters; the finding says the forward pass as sharded, from that module on."""
+    from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
+
+    leaves = [
+        _leaf("loss", "loss", False, 1.01, (1.01, 1.01), shape=()),
+        _leaf("grad", "w", False, 0.9, (-0.5, 2.0)),
+        _leaf("param", "w", False, 0.9, (-0.5, 2.0)),
+        *COUNTERS_MATCH,
+    ]
+    plain = _codes_of([_record(leaves)])["update_differs"]
+    assert "shards applied one after another" in plain
+    found = ModuleFinding("differs", "blocks.0.mlp.__call__", 2.3, 4e-5, 9, 13, "mesh data=2 x model=2")
+    probed = _codes_of([dataclasses.replace(_record(leaves), module=found)])["update_differs"]
+    assert (
+        "a wrong loss: at equal parameters the forward pass as sharded computes another function, from "
+        in probed
+    )
+    assert "blocks.0.mlp.__call__" in probed and "shards applied one after another" not in probed
+
+
+def test_a_decay_form_says_it_cannot_show_on_leaves_of_zeros():
+    """A decay applied to biases and norm scales after a warm-up step at lr 0 (a fourth user's trial): the
+    biases are still 0, so only the scales differ, and 'every bias matches' must not read as 'not decayed'."""
+    rng = np.random.default_rng(2)
+    before = {"scale": 1 + 0.1 * rng.normal(size=8)}
+    ref = {"scale": before["scale"] + 1e-3 * rng.normal(size=8)}
+    cand = {"scale": ref["scale"] - 5e-4 * before["scale"]}
+    form = fit_form(before, ref, cand, lr=5e-3)
+    assert form.kind == "decay" and form.coefficient == pytest.approx(0.1, rel=1e-6)
+    assert "a decay moves no leaf whose value is 0" in form.sentence

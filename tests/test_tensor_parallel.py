@@ -401,7 +401,7 @@ def test_a_missing_psum_over_model_is_named_with_the_affected_leaves():
     assert report.codes[0] == "wrong_axis_reduction", report.diagnoses
     message = report.diagnoses[0].message
     assert "differ along mesh axis 'model' and agree along 'data'" in message
-    assert "'model' splits the model, not the batch" in message
+    assert "by its name 'model' splits the model, not the batch" in message
     assert "the row-parallel layer's output was not psum-ed over 'model'" in message
     assert "Affected: the " in message and "block.down.bias" in message
     assert "though the batch is split over every axis" not in message
@@ -466,13 +466,17 @@ def test_the_wrong_axis_message_follows_which_axes_split_the_batch():
 
     leaves = ["param ln.scale", "opt_state 0.mu.ln.scale"]
     hybrid = missed_axes_message(0, leaves, ("fsdp",), {"data": 2, "fsdp": 4})
-    assert "reduced over 'data' only, not over 'fsdp', though the batch is split over every axis" in hybrid
+    assert "the gradients were not reduced over 'fsdp' (reduced over 'data' only" in hybrid
+    assert "though the batch is split over every axis" in hybrid
     assert hybrid.endswith("Affected: param ln.scale, opt_state 0.mu.ln.scale.")
     mesh = {"data": 2, "fsdp": 2, "model": 2}
     on_batch = missed_axes_message(0, leaves, ("fsdp",), mesh)
     assert "though the batch is split over 'data', 'fsdp' (and replicated over 'model')" in on_batch
     on_model = missed_axes_message(0, leaves, ("model",), mesh)
-    assert "'model' splits the model, not the batch (the batch is split over 'data', 'fsdp'" in on_model
+    assert (
+        "by its name 'model' splits the model, not the batch (the batch is split over 'data', 'fsdp'"
+        in on_model
+    )
     assert "sequence parallelism" in on_model and "every axis" not in on_model
 
 

@@ -182,11 +182,19 @@ def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
         return _reference_zero(n, top_r, top_c)
     if top_r == 0:
         return None
-    if top_c <= ZERO_RTOL * top_r:
+    if update and top_c <= ZERO_RTOL * top_r:
         return Form(
             "zero",
             f"a zero update: the candidate left these {n} leaves as they were (change at most {top_c:.3g}; the "
-            f"reference moved them by up to {top_r:.3g}): {ZERO_MEANING if update else 'these values are zero'}",
+            f"reference moved them by up to {top_r:.3g}): {ZERO_MEANING}",
+            factor=0.0,
+            leaves=n,
+        )
+    if not update and top_c == 0:  # values (gradients): zero only where they are, not where they are small
+        return Form(
+            "zero",
+            f"zero values: the candidate's {n_leaves(n)} are 0 (the reference's up to {top_r:.3g}): these values "
+            "are zero",
             factor=0.0,
             leaves=n,
         )
@@ -317,7 +325,9 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
     return Form(
         "decay",
         f"a decoupled weight decay term c*lr*param with {value} {_on_all(n)} (the difference is "
-        f"{'+' if a > 0 else '-'}c*lr*param, residual {resid / size:.2g} of it): {which}",
+        f"{'+' if a > 0 else '-'}c*lr*param, residual {resid / size:.2g} of it): {which} (a decay moves no "
+        "leaf whose value is 0, such as a bias still at its zero init: matching leaves of zeros may be decayed "
+        "too)",
         coefficient=abs(coef),
         leaves=n,
     )

@@ -848,9 +848,10 @@ def _loss_ok(ctx: DiagnosisContext) -> bool:
 
 
 def _some_match(ctx: DiagnosisContext) -> bool:
-    """Some gradient or optimizer-state leaf of the first failing step matched (then "only the loss matches" is
-    false)."""
-    return any(e.ok for e in ctx.first.leaves if e.kind in ("grad", "opt_state"))
+    """Some gradient, optimizer-state or parameter leaf of the first failing step matched (then "only the loss
+    matches" is false: a warm-up's learning rate of 0 leaves every parameter matching while the gradients
+    differ)."""
+    return any(e.ok for e in ctx.first.leaves if e.kind in ("grad", "opt_state", "param"))
 
 
 def loss_only(ctx: DiagnosisContext) -> Finding:
@@ -913,7 +914,7 @@ def localized(ctx: DiagnosisContext) -> Finding:
         verb_ = "matches" if len(agree) == 1 else "match"
         agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"
         head = f"At step {ctx.first.step} {agree} {verb_}"
-        count = f"{len(bad)} of {len(of_kind)} leaves"
+        count = f"{len(bad)} of {len(of_kind)} {'leaf' if len(of_kind) == 1 else 'leaves'}"
         form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad])
         return Diagnosis(
             "localized",
@@ -997,10 +998,26 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
         "update_differs",
         f"{_what_differs(first)} from the reference at step {first.step}"
         + (" (run from the reference's pre-step state)" if first.synchronized else "")
-        + f" ({ctx.detail}){_params_match(first)}: not a single reduced step "
-        "(shards applied one after another, gradients taken at different parameters, or a wrong "
-        "loss)." + _forward_hint(ctx),
+        + f" ({ctx.detail}){_params_match(first)}: {_not_one_step(first)}"
+        + _forward_hint(ctx),
         ctx.worst_name,
+    )
+
+
+def _not_one_step(record: StepRecord) -> str:
+    """What an unexplained update says: not a single reduced step, with its usual causes; where the module probe
+    found a module whose output differs at equal parameters, the one cause it shows (the forward pass as sharded
+    computes another function), since shards applied one after another or gradients taken at other parameters
+    would leave every module's output at equal parameters as it is."""
+    found = record.module
+    if found is not None and getattr(found, "status", "") == "differs":
+        return (
+            f"a wrong loss: at equal parameters the forward pass as sharded computes another function, from "
+            f"{found.module} on (the module whose output differs first)."
+        )
+    return (
+        "not a single reduced step (shards applied one after another, gradients taken at different parameters, "
+        "or a wrong loss)."
     )
 
 

@@ -258,19 +258,20 @@ def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str],
             else f"{_axes_text(batch)} (and replicated over {_axes_text(model)})"
         )
         return (
-            f"{head}: the gradients were reduced over {done} only, not over {_axes_text(missed)}, though the batch "
-            f"is split over {where}. Reduce over all of the batch axes (jax.lax.psum(g, {batch!r}), or a "
+            f"{head}: the gradients were not reduced over {_axes_text(missed)} (reduced over {done} only, or over "
+            f"no axis where the step does not split the batch over {done}), though the batch is split over "
+            f"{where}. Reduce over all of the batch axes (jax.lax.psum(g, {batch!r}), or a "
             f"psum_scatter over the split axis and a psum over the others).{affected}"
         )
     m = _axes_text(on_model)
     return (
-        f"{head}: {m} splits the model, not the batch (the batch is split over {_axes_text(batch)} and "
-        f"replicated over {m}), so its devices hold partial results of a tensor-parallel layer that were never "
-        f"summed: the row-parallel layer's output was not psum-ed over {m} (Megatron's g: y = "
+        f"{head}: by its name {m} splits the model, not the batch (the batch is split over {_axes_text(batch)} "
+        f"and replicated over {m}); if so, its devices hold partial results of a tensor-parallel layer that were "
+        f"never summed: the row-parallel layer's output was not psum-ed over {m} (Megatron's g: y = "
         f"jax.lax.psum(h @ w, {on_model[0]!r}) + b), or the gradient of a column-parallel layer's input was not "
         f"all-reduced over {m} (Megatron's f; jax.shard_map inserts it with check_vma=True, not with "
-        f"check_vma=False); or, if the step splits the sequence over {m} (sequence parallelism: the rows over "
-        f"{_axes_text(batch)}, the tokens over {m}), the gradients were not psum-ed over {m} too.{affected}"
+        f"check_vma=False); or, if the step splits the batch or the sequence over {m} too (the rows or the "
+        f"tokens: data or sequence parallelism over {m}), the gradients were not psum-ed over {m}.{affected}"
     )
 
 
