@@ -397,7 +397,7 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         )
     if not wrapped and isinstance(err, (ValueError, TypeError)) and str(err).startswith("check_parity"):
         return None
-    reason = f"{type(cause).__name__}: {_first_line(cause)}"
+    reason = f"{type(cause).__name__}: {_first_line(cause).rstrip('.')}"  # one period before "A limitation"
     where = "" if step is None else f" at step {step}"
     message = (
         f"shardcheck verify: the built-in strategy {label!r} could not run this task{where}: {reason}. A "

@@ -11,7 +11,8 @@ and ``fsdp``, or every axis of a mesh with neither), replicates it over the mode
   divisible dimension (:func:`~shardcheck.partitioning.fsdp_partition_spec`) and replicated over the other axes.
 
 ``dp`` and ``fsdp`` compute the gradients in one ``jax.shard_map`` with explicit collectives: each parameter is
-``all_gather``-ed (tiled) over the axes its spec splits it on, the local shard's ``loss_sum`` is differentiated,
+``all_gather``-ed (tiled) over the axes its spec splits it on (and so is the model's other state, such as the
+``(L,)`` RNG keys of layers stacked for an ``nnx.scan``), the local shard's ``loss_sum`` is differentiated,
 and its gradient is ``psum``-ed over the axes the leaf is replicated on and ``psum_scatter``-ed (tiled) over the
 axes it is split on, then divided once by the total weight. On a ``("data", "fsdp")`` mesh this is hybrid
 sharding: reduce-scatter over ``fsdp``, all-reduce over ``data`` (ZeRO-3 / FSDP: Rajbhandari et al., "ZeRO",
@@ -70,15 +71,37 @@ def _replicated_axes(spec: PartitionSpec, mesh_axes: tuple[str, ...]) -> tuple[s
     return tuple(a for a in mesh_axes if a not in split)
 
 
+def _all_gathered(a, spec: PartitionSpec):
+    """This device's shard -> the whole leaf: a tiled ``all_gather`` along every dimension ``spec`` splits."""
+    for dim, entry in enumerate(spec):
+        if entry is not None:
+            a = jax.lax.all_gather(a, entry, axis=dim, tiled=True)
+    return a
+
+
 def _gather(a, spec: PartitionSpec, mesh_axes):
     """This device's shard -> the whole leaf, device-varying over every axis (no implicit psum, C2)."""
     replicated = _replicated_axes(spec, mesh_axes)
     if replicated:
         a = jax.lax.pcast(a, replicated, to="varying")
-    for dim, entry in enumerate(spec):
-        if entry is not None:
-            a = jax.lax.all_gather(a, entry, axis=dim, tiled=True)
-    return a
+    return _all_gathered(a, spec)
+
+
+def _whole_model_state(leaves, specs, treedef) -> list:
+    """The ``(model, optimizer)`` state leaves with the model's variables other than ``nnx.Param`` whole.
+
+    The forward pass reads the model's other state (RNG stream keys and counts, a counter) as the single-device
+    step does: whole. Under ``fsdp`` such a leaf may be split: the per-layer RNG keys that ``nnx.split_rngs`` and
+    ``nnx.vmap`` stack for an ``nnx.scan`` over layers are ``(L,)``, split over the FSDP axis like any unannotated
+    leaf, and a forward pass given its shard would scan over ``L / S`` keys beside ``L`` layers. Each such leaf is
+    ``all_gather``-ed (tiled) along the dimensions its spec splits; parameters and the optimizer's state are left
+    as they are (the parameters are gathered where they are differentiated, :func:`sharded_value_and_grad`).
+    """
+    flat = nnx.to_flat_state(jax.tree.unflatten(treedef, leaves))
+    return [
+        _all_gathered(a, spec) if path[0] == 0 and not isinstance(var, nnx.Param) else a
+        for (path, var), a, spec in zip(flat, leaves, specs, strict=True)
+    ]
 
 
 def _reduce(g, spec: PartitionSpec, mesh_axes):
@@ -193,6 +216,7 @@ def compiled_step(
     batch_spec = PartitionSpec(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
 
     def grads_body(leaves, batch):
+        leaves = _whole_model_state(leaves, specs, treedef)
         model, _ = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         loss, grads = sharded_value_and_grad(loss_fn, model, batch, param_specs, mesh_axes, tensor_axes)
         return loss, jax.tree.leaves(grads)

@@ -64,7 +64,7 @@ class EmulationError(RuntimeError):
     ``policy``: the emulated policy; the original exception is ``__cause__``."""
 
     def __init__(self, primitive: str, policy: str | None, cause: BaseException):
-        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "").rstrip(".")
         super().__init__(
             f"shardcheck's {policy or 'float32'} matmul emulation (shardcheck.parity.tolerance.matmul.rounded_matmuls, "
             f"which recomputes the reference's gradient at that precision) could not evaluate a {primitive!r} "
