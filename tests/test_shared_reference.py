@@ -42,14 +42,17 @@ def _fields(report):
 
 
 def _counted(monkeypatch):
+    """The reference steps the harness runs: ``reference_step``, or ``stepped_in_place`` where both sides' steps
+    update in place (the Variables found once)."""
     calls = [0]
-    step = harness.reference_step
+    for name in ("reference_step", "stepped_in_place"):
+        step = getattr(harness, name)
 
-    def counted(*args):
-        calls[0] += 1
-        return step(*args)
+        def counted(*args, step=step):
+            calls[0] += 1
+            return step(*args)
 
-    monkeypatch.setattr(harness, "reference_step", counted)
+        monkeypatch.setattr(harness, name, counted)
     return calls
 
 
@@ -111,6 +114,7 @@ def test_starting_states_holding_prng_keys_are_compared_through_their_data():
     """Regression: a model holding RNG streams (``nnx.Dropout(rngs=...)``, the Flax tutorials' models) keeps typed
     PRNG keys in its state; the shared reference compared the starting states through NumPy and raised."""
     from shardcheck.parity.comparison import live as compare
+
     key = {"rngs.dropout.key": jax.random.key(1), "w": jax.numpy.ones(3)}
     assert compare.equal(key, {"rngs.dropout.key": jax.random.key(1), "w": jax.numpy.ones(3)})
     assert not compare.equal(key, {"rngs.dropout.key": jax.random.key(2), "w": jax.numpy.ones(3)})

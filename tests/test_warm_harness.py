@@ -6,6 +6,7 @@ reference's state kept for a re-check without another graph traversal, and what 
 - a check that finds its Variables once reports what a check traversing both graphs at every step reports.
 """
 
+import jax
 import kinked
 import numpy as np
 import optax
@@ -129,3 +130,26 @@ def test_the_accumulation_view_reads_the_state_as_it_is_now():
     other = cand.make_optimizer(model, optimizer)  # a new optimizer: its own state, at count 0
     assert int(cand.view_optimizer(other)[1]) == 0
     assert np.array_equal(flatten_state(cand.view_optimizer(other)[0])["0.mu.kernel"], before["0.mu.kernel"])
+
+
+def _mse(model, batch):
+    return ((model(batch[0]) - batch[1]) ** 2).mean()
+
+
+def test_a_reference_step_on_found_variables_is_the_step_bit_for_bit():
+    """#35: the harness steps the reference on its Variables found once (no ``nnx.split`` / ``nnx.update`` a
+    step): after two steps the state, the loss and the gradients are ``reference_step``'s, bit for bit."""
+    from shardcheck.steps.reference import _reference_jit, reference_step
+
+    run = _InPlaceRun()
+    (a_model, a_opt), (b_model, b_opt) = _pair(), _pair()
+    batch = (np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3), np.ones((4, 2), np.float32))
+    for _ in range(2):
+        plain = reference_step(_mse, a_model, a_opt, batch)
+        found = state.stepped_in_place(run, "ref_step", _reference_jit, (_mse,), b_model, b_opt, batch)
+    assert run.found["ref_step"].obj is b_model and int(b_opt.step[...]) == 2
+    assert float(plain.loss) == float(found.loss)
+    for x, y in zip(jax.tree.leaves(plain.grads), jax.tree.leaves(found.grads), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    a, b = jax.tree.leaves(nnx.state((a_model, a_opt))), jax.tree.leaves(nnx.state((b_model, b_opt)))
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))

@@ -75,7 +75,7 @@ from shardcheck.parity.harness.optimizer_rerun import localization_evidence
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
 from shardcheck.parity.harness.setup import _setup, check_options
-from shardcheck.parity.harness.state import StepFn, _After, _kept_state, _PreStep, _Run
+from shardcheck.parity.harness.state import StepFn, _After, _kept_state, _PreStep, _Run, stepped_in_place
 from shardcheck.parity.harness.state_reset import ignores_optimizer_state
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
 from shardcheck.parity.tolerance import allowances, matmul, recheck
@@ -91,7 +91,7 @@ from shardcheck.parity.tolerance.allowances import storage_rounding as storage_r
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
 from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE, loss_compute_allowance
 from shardcheck.steps import Candidate
-from shardcheck.steps.reference import reference_step
+from shardcheck.steps.reference import _reference_jit, reference_step
 from shardcheck.task import Task
 from shardcheck.task import check_model as check_model
 
@@ -122,7 +122,10 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
         nnx.update((run.ref_model, run.ref_opt), after)
         return loss, grads, pre, bounds
     split = split_gradients(run, pre, batch)  # before the step, from the pre-step state
-    if run.ref_strategy is None:
+    if run.ref_strategy is None and run.in_place:  # its Variables found once, no graph traversal a step
+        pair = (run.ref_model, run.ref_opt)
+        result = stepped_in_place(run, "ref_step", _reference_jit, (run.task.loss_fn,), *pair, batch)
+    elif run.ref_strategy is None:
         result = reference_step(run.task.loss_fn, run.ref_model, run.ref_opt, batch)
     else:  # a mesh strategy on the candidate's mesh; the sensitivity and hypotheses read its state as above
         result = run.ref_strategy.step(run.ref_model, run.ref_opt, batch)
