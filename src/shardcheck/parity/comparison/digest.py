@@ -24,15 +24,19 @@ or the run was replayed on another mesh than the recorded one.
 
 ``a``: where the recording holds a parameter's gradient (else the replay's; where neither step returns one, the
 task's own gradient the replay took beside its step, ``record_run(true_gradients=True)``, as a live check reads the
-reference's) and its ``max|g| <= atol_t``, the gradient is rounding noise and Adam turns noise into an lr-sized
-step of either sign, its size set by that run's own noise against Adam's eps, so the two runs' updates may differ
-by the sum of their update sizes ``max|u_r| + max|u_c|`` (neither run's bounds the other's: a correct step whose
-noise is 2.5x the recorded strategy's moves 2.5x as far); that is added to the parameter's tolerance at t and every
-later step (the harness's ``floor``), and no cause is read from such a leaf's update ratio; the leaf is
-``unresolved`` at a step (the ``rounding_level`` note) where that allowance exceeds its own tolerance, as the
-harness decides it. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
-sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``). Parameters or moments stored below float32 add
-one rounding of their own per step (``eps * max|r|``), as the harness does.
+reference's) and its ``max|g| <= atol_t``, or some of its elements have had ``|g| <= atol_t`` at every step so far
+(a fused qkv bias whose key third's true gradient is 0: the least of the elementwise largest ``|g|``, which the
+replay keeps, :class:`~shardcheck.parity.harness.true_gradients.Peaks`), the gradient (or those elements) is
+rounding noise and Adam turns noise into an lr-sized step of either sign, its size set by that run's own noise
+against Adam's eps, so the two runs' updates may differ by the sum of their update sizes ``max|u_r| + max|u_c|``
+(neither run's bounds the other's: a correct step whose noise is 2.5x the recorded strategy's moves 2.5x as far;
+a digest cannot tell which elements, so the whole leaf is allowed it); that is added to the parameter's tolerance
+at t and every later step (the harness's ``floor``), and no cause is read from such a leaf's update ratio; the
+leaf is ``unresolved`` at a step (the ``rounding_level`` note) where that allowance exceeds its own tolerance, as
+the harness decides it. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
+sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``; ``size * atol_t * a`` of a leaf only part of whose
+gradient is at rounding level: only those elements, each ``|g| <= atol_t``, may differ by it). Parameters or
+moments stored below float32 add one rounding of their own per step (``eps * max|r|``), as the harness does.
 
 What a digest cannot do is re-run a step from identical state (the harness re-checks a late failure that way):
 a first failure at step t > 0 may be rounding divergence through a non-smooth op, and the report says so, unless
@@ -435,6 +439,8 @@ class _Bounds:
     last_base: dict[str, float] = dataclasses.field(default_factory=dict)  # each parameter's base at t - 1
     # parameters whose gradient was at rounding level, by the first step it was (their update is normalized noise)
     rounding: dict[str, int] = dataclasses.field(default_factory=dict)
+    # those of them whose whole gradient was at rounding level at some step (the others' only in part)
+    whole: set[str] = dataclasses.field(default_factory=set)
     # by step, those whose allowance exceeds their own tolerance there: the update cannot be resolved (the live
     # check's StepRecord.unresolved rule)
     unresolved: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
@@ -505,6 +511,16 @@ class _Pair(NamedTuple):
                 )
         return _Leaf.at(self.full, self.full.steps, t, None)
 
+    def least(self, t: int, path: str) -> float:
+        """The least over parameter ``path``'s elements of each one's largest ``|g|`` up to step t, as a run kept
+        it (:class:`~shardcheck.parity.harness.true_gradients.Peaks`: a replay keeps it), the recording's first;
+        ``inf`` where neither holds it (an older recording replayed by an older version)."""
+        for rec in (self.full, self.replayed):
+            found = true_gradients.read_least(rec.meta, t, path)
+            if found is not None:
+                return found
+        return math.inf
+
     @property
     def one_process(self) -> bool:
         """Both runs ran as one process (every sample read; in a launched run, only process 0's)."""
@@ -518,6 +534,16 @@ class _Pair(NamedTuple):
         return _Leaf.at(rec, digests, max(row, 0), self.columns[mine].get(name))
 
 
+def _loss_moves(bounds: _Bounds, param: str, g: _Leaf, atol: float) -> float:
+    """How far the loss moves per unit of ``param``'s allowance, to first order: ``sqrt(size) ||g||_2``; of a leaf
+    only part of whose gradient has been at rounding level, at most ``size * atol``: only those elements, each
+    ``|g| <= atol``, carry the allowance (a digest allows it the whole leaf)."""
+    moves = math.sqrt(max(g.size, 1)) * g.norm
+    if param in bounds.rounding and param not in bounds.whole:
+        return min(moves, max(g.size, 1) * atol)
+    return moves
+
+
 def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
     """Add step t's rounding-level allowance to every parameter whose gradient (:meth:`_Pair.gradient`) is within
     ``atol`` of 0 (module docstring); returns the loss's drift bound from the allowance before this step."""
@@ -529,8 +555,12 @@ def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
         g = pair.gradient(t, "grad " + param.removeprefix("param "))
         if not g.present:
             continue
-        drift += math.sqrt(max(g.size, 1)) * g.norm * bounds.allowance.get(param, 0.0)
-        if g.max <= atol:
+        drift += _loss_moves(bounds, param, g, atol) * bounds.allowance.get(param, 0.0)
+        # the whole gradient at rounding level, or some of its elements at every step so far (a fused qkv bias's
+        # key third): its largest update bounds theirs
+        if g.max <= atol or pair.least(t, param.removeprefix("param ")) <= atol:
+            if g.max <= atol:
+                bounds.whole.add(param)
             bounds.rounding.setdefault(param, t)
             p, q = pair.leaf("recorded", t, param), pair.leaf("replayed", t, param)
             if p.present and math.isfinite(p.update):

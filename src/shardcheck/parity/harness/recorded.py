@@ -47,8 +47,8 @@ from shardcheck.parity.harness.setup import (
     _task_batches,
     check_options,
 )
+from shardcheck.parity.harness.true_gradients import Peaks, keep_least, true_gradient_digest
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
-from shardcheck.parity.harness.true_gradients import true_gradient_digest
 from shardcheck.parity.tolerance import matmul
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -443,7 +443,9 @@ def record_run(
         true_gradients: where the step returns no gradients, also keep ``max|g|`` and the L2 norm of the task's
             own gradient before each step (:mod:`shardcheck.parity.harness.true_gradients`, one more forward and
             backward pass a step) in ``meta["true_gradients"]``: what tells a parameter whose gradient is at
-            rounding level, as a live check reads it from the reference's (a replay asks for it).
+            rounding level, as a live check reads it from the reference's (a replay asks for it); and at every
+            step the least of each parameter's elementwise largest ``|g|`` so far (``"least"``: a leaf only part of
+            whose gradient is at rounding level), from the gradients the step returns, else the task's.
 
     Returns:
         The :class:`Recording` (in memory; :meth:`Recording.save` writes it).
@@ -477,17 +479,20 @@ def record_run(
 
     first = state_leaves(model, optimizer, cand.view_optimizer)  # a wrapped optimizer as the task's, as live
     shapes = _leaf_list(first)
-    rows, truth = [], {}
+    rows, truth, least = [], {}, {}
     returned = isinstance(candidate, str)  # a registered strategy returns the gradients it applied
+    peaks = Peaks() if true_gradients else None
     initial = digest(first, {})
     for t, batch in enumerate(data):
         before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
         if true_gradients and not returned:  # before the step, until it is seen to return gradients
-            truth[t] = true_gradient_digest(task.loss_fn, model, batch)
+            truth[t] = true_gradient_digest(task.loss_fn, model, batch, peaks)
         loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
         returned = grads is not None
         if returned:
             truth.pop(t, None)
+        if peaks is not None and (t in truth or returned):  # the task's gradient where taken, else the step's
+            least[t] = peaks.least if t in truth else peaks.raise_by(flatten_state(grads))
         leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
@@ -495,6 +500,8 @@ def record_run(
     recording.meta["matmul_precision"] = policy
     for t, found in truth.items():
         keep_true_gradients(recording.meta, t, len(data), found)
+    for t, found in least.items():
+        keep_least(recording.meta, t, len(data), found)
     return recording
 
 

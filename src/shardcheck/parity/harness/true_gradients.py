@@ -6,6 +6,13 @@ recorded run has no reference: where its step returns no gradients, :func:`true_
 task's own gradient of the loss at the run's state before the step, on the step's batch (the reference step's
 ``value_and_grad``, divided by the loss's weight), and keeps only its ``max|g|`` and L2 norm per parameter, what
 the digest comparison reads of a gradient to decide it (:mod:`shardcheck.parity.comparison.digest`).
+
+A leaf may be at rounding level only in part: a fused attention projection's bias (``(3D,)``, q, k and v) has a
+key third whose true gradient is 0 while the q and v thirds' are not, so its ``max|g|`` tells nothing. A live
+check allows such elements one by one; a digest cannot, so a replay keeps, per parameter and step, the least over
+the elements of each element's largest ``|g|`` so far, 0 left out (:class:`Peaks`: an element at rounding level
+at every step up to t, as Adam's moments of a true gradient of 0 are, shows as a least within ``atol_t``; one
+element small at one step by chance does not), read from the gradients the step returns, else from the task's.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from shardcheck.task import divide
 META_KEY = "true_gradients"
 """The metadata field of a :class:`~shardcheck.parity.harness.recorded.Recording` that holds the true gradients'
 digests: ``{"max": {path: [per step]}, "norm": {path: [per step]}}`` (``None`` at a step whose step returned
-gradients)."""
+gradients) and ``"least": {path: [per step]}`` (:class:`Peaks`; absent from a recording made before it was kept)."""
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -34,23 +41,58 @@ def _stats(loss_fn, graphdef, params, rest, batch):
         grads = divide(grads, weight)
     flat = flatten_state(grads)
     as32 = {p: g.astype(jnp.float32) for p, g in flat.items()}
-    return {p: (jnp.max(jnp.abs(g), initial=0.0), jnp.sqrt(jnp.sum(g * g))) for p, g in as32.items()}
+    stats = {p: (jnp.max(jnp.abs(g), initial=0.0), jnp.sqrt(jnp.sum(g * g))) for p, g in as32.items()}
+    return stats, as32
 
 
-def true_gradient_digest(loss_fn, model: nnx.Module, batch) -> dict[str, tuple[float, float]]:
+def true_gradient_digest(
+    loss_fn, model: nnx.Module, batch, peaks: Peaks | None = None
+) -> dict[str, tuple[float, float]]:
     """``{parameter path: (max|g|, ||g||_2)}`` of the task's gradient of ``loss_fn`` at ``model``'s state on
     ``batch`` (the mean loss's: a ``(loss_sum, weight)`` loss divided by its weight), in float32, computed
     where the parameters lie (one jitted program; nothing but two scalars per leaf comes back). ``model`` is
-    not changed (what the forward pass writes to its state is dropped)."""
+    not changed (what the forward pass writes to its state is dropped). ``peaks``: also raised by this
+    gradient (:meth:`Peaks.raise_by`, on the devices)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    out = _stats(loss_fn, graphdef, params, rest, batch)
+    out, grads = _stats(loss_fn, graphdef, params, rest, batch)
+    if peaks is not None:
+        peaks.raise_by(grads)
     return {p: (float(m), float(n)) for p, (m, n) in jax.device_get(out).items()}
+
+
+@jax.jit
+def _raised(peaks, grads):
+    up = {p: jnp.abs(g.astype(jnp.float32)) for p, g in grads.items() if jnp.issubdtype(g.dtype, jnp.inexact)}
+    up = {p: jnp.maximum(peaks[p], a) if p in peaks else a for p, a in up.items()}
+    return up, {p: jnp.min(jnp.where(a > 0, a, jnp.inf), initial=jnp.inf) for p, a in up.items()}
+
+
+class Peaks:
+    """Each parameter's elementwise largest ``|g|`` over the gradients seen so far (float32 device arrays, where
+    the gradients lie) and, after each, its least positive element: ``least[path]`` is at most ``atol_t`` where
+    some element has been at rounding level throughout, ``inf`` where none is positive. An element whose gradient
+    has been exactly 0 at every step (an embedding row no batch used) is left out: Adam's update of it is exactly
+    0 in any run, nothing to allow."""
+
+    def __init__(self):
+        self._peaks: dict = {}
+        self.least: dict[str, float] = {}
+
+    def raise_by(self, grads) -> dict[str, float]:
+        """Raise the peaks by ``grads`` (``{dotted path: array}``, :func:`flatten_state` of a gradient tree;
+        non-float leaves skipped) and return ``{path: least positive element of its peaks}`` (floats, one scalar
+        per leaf to the host)."""
+        self._peaks, least = _raised(self._peaks, dict(grads))
+        self.least = {p: float(v) for p, v in jax.device_get(least).items()}
+        return self.least
 
 
 def keep(meta: dict, t: int, steps: int, digest: dict[str, tuple[float, float]]) -> None:
     """Store step ``t``'s :func:`true_gradient_digest` in ``meta[META_KEY]`` (of ``steps`` steps; a value that is
     not finite as ``None``, which tells nothing: the metadata is strict JSON)."""
     held = meta.setdefault(META_KEY, {"max": {}, "norm": {}})
+    held.setdefault("max", {})
+    held.setdefault("norm", {})
     for path, (top, norm) in digest.items():
         for field, value in (("max", top), ("norm", norm)):
             held[field].setdefault(path, [None] * steps)[t] = value if math.isfinite(value) else None
@@ -66,3 +108,21 @@ def read(meta, t: int, path: str) -> tuple[float, float] | None:
     if top is None or norm is None or t >= len(top) or top[t] is None or norm[t] is None:
         return None
     return float(top[t]), float(norm[t])
+
+
+def keep_least(meta: dict, t: int, steps: int, least: dict[str, float]) -> None:
+    """Store step ``t``'s :attr:`Peaks.least` in ``meta[META_KEY]["least"]`` (of ``steps`` steps; a value that is
+    not finite as ``None``)."""
+    held = meta.setdefault(META_KEY, {"max": {}, "norm": {}}).setdefault("least", {})
+    for path, value in least.items():
+        held.setdefault(path, [None] * steps)[t] = value if math.isfinite(value) else None
+
+
+def read_least(meta, t: int, path: str) -> float | None:
+    """Parameter ``path``'s :attr:`Peaks.least` at step ``t`` from a recording's metadata, ``None`` where it holds
+    none (a recording made before it was kept, or without ``true_gradients``)."""
+    held = meta.get(META_KEY) if isinstance(meta, dict) else None
+    values = held.get("least", {}).get(path) if isinstance(held, dict) else None
+    if not values or t >= len(values) or values[t] is None:
+        return None
+    return float(values[t])
