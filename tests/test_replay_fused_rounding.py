@@ -6,7 +6,8 @@ is far above rounding, yet Adam turns the key third's rounding noise into lr-siz
 correct steps of different reduction order take differently. A live check allows those elements one by one; a
 replay kept only ``max|g|`` and failed such a pair (the trial: ``param blocks.qkv.bias | 2 | 0.00159 | allowed
 2.05e-06 | FAIL``). It now keeps the least over the elements of each one's largest ``|g|`` so far
-(``true_gradients.Peaks``) and allows the leaf both runs' update sizes where that is within ``atol_t``.
+(``true_gradients.Peaks``) and allows the leaf both runs' update sizes where that is within ``atol_t``, but for
+its digest samples whose gradient was above it (the peaks at the samples: a fault on the q and v thirds shows).
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def _dotted(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-def _shard_map_step(scale: float):
+def _shard_map_step(scale: float, twice: bool = False):
     """A hand-written data-parallel step (each shard's loss sum and gradient, then a psum); ``scale`` multiplies
-    the fused bias's gradient (3: a planted fault on the partly rounding-level leaf)."""
+    the fused bias's gradient (3: a planted fault on the partly rounding-level leaf); ``twice``: the fused bias's
+    update applied twice (a fault only its parameter shows)."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -112,7 +114,10 @@ def _shard_map_step(scale: float):
             body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P(), check_vma=False
         )
         loss, grads = jax.jit(mapped)(params, rest, batch)
+        before = model.blocks.qkv.bias[...]
         optimizer.update(model, grads)
+        if twice:
+            model.blocks.qkv.bias[...] = 2 * model.blocks.qkv.bias[...] - before
         return {"loss": loss, "grads": grads}
 
     return step
@@ -198,6 +203,35 @@ def test_a_planted_fault_on_the_fused_bias_still_fails(runs):
     first = report.replay.first_failure
     assert (first.name, first.step) == (f"grad {QKV}", 0)
     assert first.ratio == pytest.approx(3.0, rel=1e-4)
+
+
+@require_devices(2)
+def test_a_fault_only_its_q_and_v_elements_show_fails_on_their_samples(runs):
+    """The allowance covers the key third's samples alone: the bias's update applied twice passes its max|x|,
+    norm and update size (each within the allowance) but not the samples on its q and v thirds, at step 0;
+    without the peaks at the samples (a replay keeping only ``least``) step 0 passes unseen."""
+    from shardcheck.parity.harness.recorded import record_run
+
+    task, mesh, recordings = runs
+    replayed = record_run(
+        task, _shard_map_step(1.0, twice=True), mesh=mesh, name="twice", true_gradients=True
+    )
+    peaks = true_gradients.read_sampled(replayed.meta, 0, QKV)
+    atol = derive_tolerance("float32", batch_size=B, step=0).atol
+    assert any(p <= atol for p in peaks) and any(p > 1e3 * atol for p in peaks), peaks
+    found = compare_run(recordings["gspmd"], replayed)
+    assert not found.ok
+    assert (found.first_failure.name, found.first_failure.step) == (f"param {QKV}", 0)
+    assert found.first_failure.evidence == "sample"
+    assert found.first_failure.allowed < found.first_failure.err / 100  # the err: lr, 0.01
+    held = dict(replayed.meta[true_gradients.META_KEY])
+    del held["sampled"]
+    unseen = compare_run(
+        recordings["gspmd"],
+        dataclasses.replace(replayed, meta=dict(replayed.meta, **{true_gradients.META_KEY: held})),
+    )
+    assert unseen.first_failure.step > 0  # only once the changed parameters move the next step's gradients
+    assert [e.ok for e in unseen.leaves if (e.step, e.name) == (0, f"param {QKV}")] == [True]
 
 
 def test_an_older_recordings_true_gradients_read_without_least():

@@ -30,8 +30,9 @@ replay keeps, :class:`~shardcheck.parity.harness.true_gradients.Peaks`), the gra
 rounding noise and Adam turns noise into an lr-sized step of either sign, its size set by that run's own noise
 against Adam's eps, so the two runs' updates may differ by the sum of their update sizes ``max|u_r| + max|u_c|``
 (neither run's bounds the other's: a correct step whose noise is 2.5x the recorded strategy's moves 2.5x as far;
-a digest cannot tell which elements, so the whole leaf is allowed it); that is added to the parameter's tolerance
-at t and every later step (the harness's ``floor``), and no cause is read from such a leaf's update ratio; the
+a digest cannot tell which elements, so the whole leaf is allowed it but for its samples whose gradient the
+replay saw above ``atol_t``, ``Peaks.sampled``); that is added to the parameter's tolerance at t and every later
+step (the harness's ``floor``), and no cause is read from such a leaf's update ratio; the
 leaf is ``unresolved`` at a step (the ``rounding_level`` note) where that allowance exceeds its own tolerance, as
 the harness decides it. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
 sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``; ``size * atol_t * a`` of a leaf only part of whose
@@ -362,8 +363,10 @@ def _structural(t: int, name: str, r: _Leaf, c: _Leaf) -> DigestError | None:
     return None
 
 
-def _evidence(r: _Leaf, c: _Leaf, base: float, update_base: float | None) -> list[tuple]:
-    """``[(evidence, recorded, replayed, err, allowed)]`` of a floating leaf (module docstring)."""
+def _evidence(r: _Leaf, c: _Leaf, base: float, update_base: float | None, sample_base=None) -> list[tuple]:
+    """``[(evidence, recorded, replayed, err, allowed)]`` of a floating leaf (module docstring); ``sample_base``:
+    each sample's own tolerance where they differ (``(SAMPLES,)``: a leaf only part of whose gradient is at
+    rounding level allows its allowance to those samples alone), else ``base``."""
     root = math.sqrt(max(r.size, 1))
     rows = [
         ("max", r.max, c.max, abs(c.max - r.max), base),
@@ -372,8 +375,9 @@ def _evidence(r: _Leaf, c: _Leaf, base: float, update_base: float | None) -> lis
     both = r.sampled & ~(np.isnan(r.samples) | np.isnan(c.samples))
     if both.any():
         diff = np.where(both, np.abs(c.samples - r.samples), -1.0)
-        i = int(np.argmax(diff))
-        rows.append(("sample", float(r.samples[i]), float(c.samples[i]), float(diff[i]), base))
+        allowed = np.full(SAMPLES, base) if sample_base is None else np.asarray(sample_base, float)
+        i = max(np.flatnonzero(both), key=lambda k: (diff[k] > allowed[k], _badness(diff[k], allowed[k])))
+        rows.append(("sample", float(r.samples[i]), float(c.samples[i]), float(diff[i]), float(allowed[i])))
     if update_base is not None and math.isfinite(r.update) and math.isfinite(c.update):
         allowed = update_base + EPS32 * (r.update + c.update)
         rows.append(("update", r.update, c.update, abs(c.update - r.update), allowed))
@@ -395,19 +399,21 @@ def _nan_mismatch(t: int, name: str, r: _Leaf, c: _Leaf, base: float, samples: b
     return None
 
 
-def _leaf_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair) -> DigestError:
+def _leaf_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair, sample_base=None) -> DigestError:
     """The worst evidence of one leaf at one point: :func:`_structural`, then its value (:func:`_value_error`),
     then, where the placement is pinned and the value passed, a changed sharding."""
     structural = _structural(t, name, r, c)
     if structural is not None:
         return structural
-    value = _value_error(t, name, r, c, base, update_base, pair)
+    value = _value_error(t, name, r, c, base, update_base, pair, sample_base)
     if value.ok and pair.pinned and r.sharding != c.sharding:
         return DigestError(t, name, "sharding", r.sharding, c.sharding, math.inf, 0.0, False)
     return value
 
 
-def _value_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair) -> DigestError:
+def _value_error(
+    t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair, sample_base=None
+) -> DigestError:
     """The worst value evidence of one leaf at one point: a NaN in one run only, exactness, or the tolerances."""
     nan = _nan_mismatch(t, name, r, c, base, pair.one_process)
     if nan is not None:
@@ -420,7 +426,7 @@ def _value_error(t, name, r: _Leaf, c: _Leaf, base, update_base, pair: _Pair) ->
             float(np.nanmax(np.abs(c.samples - r.samples), initial=0)),
         )
         return DigestError(t, name, "exact", value_r, value_c, err, 0.0, err == 0, _ratio(value_c, value_r))
-    rows = _evidence(r, c, base, update_base)
+    rows = _evidence(r, c, base, update_base, sample_base)
     worst = max(rows, key=lambda row: (row[3] > row[4], _badness(row[3], row[4])))
     evidence, was, now, err, allowed = worst
     ratio = _ratio(c.update, r.update) if name.startswith("param ") else _ratio(c.norm, r.norm)
@@ -521,6 +527,16 @@ class _Pair(NamedTuple):
                 return found
         return math.inf
 
+    def sampled(self, t: int, path: str) -> list[float | None] | None:
+        """Parameter ``path``'s gradient peaks at its digest samples up to step t, as a run kept them
+        (:attr:`~shardcheck.parity.harness.true_gradients.Peaks.sampled`), the recording's first; ``None`` where
+        neither holds them."""
+        for rec in (self.full, self.replayed):
+            found = true_gradients.read_sampled(rec.meta, t, path)
+            if found is not None:
+                return found
+        return None
+
     @property
     def one_process(self) -> bool:
         """Both runs ran as one process (every sample read; in a launched run, only process 0's)."""
@@ -532,6 +548,20 @@ class _Pair(NamedTuple):
         rec = self.replayed if mine else self.recording
         digests = rec.initial if row < 0 else rec.steps
         return _Leaf.at(rec, digests, max(row, 0), self.columns[mine].get(name))
+
+
+def _sample_base(pair: _Pair, bounds: _Bounds, t: int, name: str, base: float, atol: float):
+    """Each digest sample's tolerance of a parameter only part of whose gradient has been at rounding level, where
+    the run kept its gradient's peaks at those samples (:attr:`~shardcheck.parity.harness.true_gradients.Peaks.
+    sampled`): ``base`` at a sample within ``atol``, ``base`` less the allowance at the others (their gradient
+    is not noise, so Adam's update of them is not either); ``None`` (every sample at ``base``) otherwise."""
+    if name not in bounds.rounding or name in bounds.whole or t < 0:
+        return None
+    peaks = pair.sampled(t, name.removeprefix("param "))
+    if peaks is None:
+        return None
+    resolved = base - bounds.allowance.get(name, 0.0)
+    return np.array([base if p is None or p <= atol else resolved for p in peaks])
 
 
 def _loss_moves(bounds: _Bounds, param: str, g: _Leaf, atol: float) -> float:
@@ -595,7 +625,11 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
         if name.startswith("param "):
             update_base = base + bounds.last_base.get(name, base)
             bounds.last_base[name] = base
-        out.append(_leaf_error(t, name, r, c, base, update_base, pair))
+        out.append(
+            _leaf_error(
+                t, name, r, c, base, update_base, pair, _sample_base(pair, bounds, t, name, base, atol)
+            )
+        )
     return out
 
 

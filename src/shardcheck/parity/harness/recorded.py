@@ -492,7 +492,7 @@ def record_run(
         if returned:
             truth.pop(t, None)
         if peaks is not None and (t in truth or returned):  # the task's gradient where taken, else the step's
-            least[t] = peaks.least if t in truth else peaks.raise_by(flatten_state(grads))
+            least[t] = (peaks.least if t in truth else peaks.raise_by(flatten_state(grads))), peaks.sampled
         leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
@@ -500,8 +500,8 @@ def record_run(
     recording.meta["matmul_precision"] = policy
     for t, found in truth.items():
         keep_true_gradients(recording.meta, t, len(data), found)
-    for t, found in least.items():
-        keep_least(recording.meta, t, len(data), found)
+    for t, (found, sampled) in least.items():
+        keep_least(recording.meta, t, len(data), found, sampled)
     return recording
 
 

@@ -22,8 +22,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from shardcheck.parity.comparison.leaf_digest import sample_indices
 from shardcheck.parity.comparison.live import flatten_state
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.task import divide
@@ -61,29 +63,43 @@ def true_gradient_digest(
 
 
 @jax.jit
-def _raised(peaks, grads):
+def _raised(peaks, grads, where):
     up = {p: jnp.abs(g.astype(jnp.float32)) for p, g in grads.items() if jnp.issubdtype(g.dtype, jnp.inexact)}
     up = {p: jnp.maximum(peaks[p], a) if p in peaks else a for p, a in up.items()}
-    return up, {p: jnp.min(jnp.where(a > 0, a, jnp.inf), initial=jnp.inf) for p, a in up.items()}
+    least = {p: jnp.min(jnp.where(a > 0, a, jnp.inf), initial=jnp.inf) for p, a in up.items()}
+    return up, least, {p: jnp.take(a.ravel(), where[p], mode="clip") for p, a in up.items()}
 
 
 class Peaks:
     """Each parameter's elementwise largest ``|g|`` over the gradients seen so far (float32 device arrays, where
     the gradients lie) and, after each, its least positive element: ``least[path]`` is at most ``atol_t`` where
-    some element has been at rounding level throughout, ``inf`` where none is positive. An element whose gradient
+    some element has been at rounding level throughout, ``inf`` where none is positive; ``sampled[path]``: the
+    peaks at the parameter's digest samples (:func:`~shardcheck.parity.comparison.leaf_digest.sample_indices` of
+    ``"param <path>"``; ``None`` past its size), which tell the samples at rounding level from the others. An element whose gradient
     has been exactly 0 at every step (an embedding row no batch used) is left out: Adam's update of it is exactly
     0 in any run, nothing to allow."""
 
     def __init__(self):
         self._peaks: dict = {}
+        self._where: dict[str, np.ndarray] = {}
         self.least: dict[str, float] = {}
+        self.sampled: dict[str, list[float | None]] = {}
 
     def raise_by(self, grads) -> dict[str, float]:
         """Raise the peaks by ``grads`` (``{dotted path: array}``, :func:`flatten_state` of a gradient tree;
         non-float leaves skipped) and return ``{path: least positive element of its peaks}`` (floats, one scalar
         per leaf to the host)."""
-        self._peaks, least = _raised(self._peaks, dict(grads))
+        grads = {p: g for p, g in grads.items() if jnp.issubdtype(g.dtype, jnp.inexact)}
+        for p, g in grads.items():
+            if p not in self._where:
+                self._where[p] = sample_indices(f"param {p}", tuple(g.shape))
+        where = {p: np.maximum(self._where[p], 0) for p in grads}
+        self._peaks, least, sampled = _raised(self._peaks, grads, where)
         self.least = {p: float(v) for p, v in jax.device_get(least).items()}
+        self.sampled = {
+            p: [float(v) if i >= 0 else None for v, i in zip(np.asarray(values), self._where[p], strict=True)]
+            for p, values in jax.device_get(sampled).items()
+        }
         return self.least
 
 
@@ -110,12 +126,17 @@ def read(meta, t: int, path: str) -> tuple[float, float] | None:
     return float(top[t]), float(norm[t])
 
 
-def keep_least(meta: dict, t: int, steps: int, least: dict[str, float]) -> None:
-    """Store step ``t``'s :attr:`Peaks.least` in ``meta[META_KEY]["least"]`` (of ``steps`` steps; a value that is
-    not finite as ``None``)."""
-    held = meta.setdefault(META_KEY, {"max": {}, "norm": {}}).setdefault("least", {})
+def keep_least(meta: dict, t: int, steps: int, least: dict[str, float], sampled=None) -> None:
+    """Store step ``t``'s :attr:`Peaks.least` in ``meta[META_KEY]["least"]`` and its :attr:`Peaks.sampled` in
+    ``meta[META_KEY]["sampled"]`` (of ``steps`` steps; a value that is not finite as ``None``)."""
+    held = meta.setdefault(META_KEY, {"max": {}, "norm": {}})
     for path, value in least.items():
-        held.setdefault(path, [None] * steps)[t] = value if math.isfinite(value) else None
+        held.setdefault("least", {}).setdefault(path, [None] * steps)[t] = (
+            value if math.isfinite(value) else None
+        )
+    for path, values in (sampled or {}).items():
+        finite = [v if v is not None and math.isfinite(v) else None for v in values]
+        held.setdefault("sampled", {}).setdefault(path, [None] * steps)[t] = finite
 
 
 def read_least(meta, t: int, path: str) -> float | None:
@@ -126,3 +147,13 @@ def read_least(meta, t: int, path: str) -> float | None:
     if not values or t >= len(values) or values[t] is None:
         return None
     return float(values[t])
+
+
+def read_sampled(meta, t: int, path: str) -> list[float | None] | None:
+    """Parameter ``path``'s :attr:`Peaks.sampled` at step ``t`` from a recording's metadata (one value or ``None``
+    per digest sample), ``None`` where it holds none."""
+    held = meta.get(META_KEY) if isinstance(meta, dict) else None
+    values = held.get("sampled", {}).get(path) if isinstance(held, dict) else None
+    if not values or t >= len(values) or values[t] is None:
+        return None
+    return list(values[t])
