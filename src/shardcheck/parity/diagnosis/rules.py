@@ -1164,7 +1164,8 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
-        f"{first}: a true gradient of 0, such as an attention key bias): under this optimizer their update is the "
+        f"{first}: a true gradient of 0 in all or some of its elements, such as an attention key bias or the key "
+        f"third of a fused qkv bias): under this optimizer their update is the "
         f"normalized rounding noise and cannot be compared; they were checked through {through}, with the "
         "parameter tolerance propagated through the update." + _beyond_rounding(ctx),
         first,
