@@ -211,7 +211,8 @@ def test_a_differing_loss_names_the_parameters_its_difference_reaches():
     loc = localize([_record([_leaf("loss", "loss", False, 0.6, shape=()), *grads])])
     assert loc.stage == "forward" and loc.group == sentence
     # every gradient differs too (or none): no term is singled out
-    assert forward_group([_failing(e) for e in grads], {}) == ""
+    every = forward_group([_failing(e) for e in grads], {})
+    assert every == f"the loss's difference reaches every gradient: all {len(grads)} gradient leaves differ"
     assert forward_group([_leaf("grad", "a", True)], {}) == ""
     assert forward_group([], {}) == ""
 

@@ -429,10 +429,13 @@ def forward_group(grads: list[LeafError], facts: Mapping[str, LeafFacts]) -> str
     differing part of the loss reaches ("the loss's difference reaches the gradients of router.kernel only (1 of
     5 ...): a term of the loss whose gradient reaches only these parameters ..."); where the matching gradients
     are all at rounding level (:func:`at_rounding`), that it reaches every other one (the loss differs as a
-    whole); ``""`` where every gradient differs, none does, or none was observed."""
+    whole), and where every gradient differs, that too (``"the loss's difference reaches every gradient: all 12
+    gradient leaves differ"``); ``""`` where none does, or none was observed."""
     bad = [e for e in grads if not e.ok]
-    if not bad or len(bad) == len(grads):
+    if not bad:
         return ""
+    if len(bad) == len(grads):
+        return f"the loss's difference reaches every gradient: all {len(grads)} gradient leaves differ"
     scaled = whole_loss_factor(grads)
     if scaled is not None:
         quiet = sorted(e.path for e in grads if e.ok)
