@@ -356,6 +356,13 @@ def test_diverged_trajectory():
     assert _codes(failing) == ["update_differs", "diverged_trajectory"]
     assert "but a later step did not" in failing[1].message
     assert "diverged_trajectory" not in _codes(diagnose(_passing()))
+    # step 0 itself failed: "parity holds per step" would be false, whatever step 1's re-check says
+    first = [
+        _record(0, bad=("loss", "param w")),
+        _record(1, synchronized=True),
+        _record(2, synchronized=True),
+    ]
+    assert "diverged_trajectory" not in _codes(diagnose(first, diverged=diverged))
 
 
 def test_rounding_level():

@@ -1122,6 +1122,8 @@ def diverged_trajectory(ctx: DiagnosisContext) -> Finding:
     """``diverged_trajectory``: the runs separated at step t, but the step re-run from identical state matched."""
     if ctx.diverged is None or not ctx.records:
         return None
+    if any(not r.ok for r in ctx.records if r.step < ctx.diverged.step and not r.synchronized):
+        return None  # an earlier step failed: "parity holds per step" would be false (a fifth user's trial)
     bad = [e for e in ctx.diverged.leaves if not e.ok]
     worst = max(bad, key=lambda e: e.badness) if bad else None
     t = ctx.diverged.step
