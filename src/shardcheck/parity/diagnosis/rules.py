@@ -1167,9 +1167,10 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
         f"{first}: a true gradient of 0 in all or some of its elements, such as an attention key bias or the key "
-        f"third of a fused qkv bias): under this optimizer their update is the "
-        f"normalized rounding noise and cannot be compared; they were checked through {through}, with the "
-        "parameter tolerance propagated through the update." + _beyond_rounding(ctx),
+        f"third of a fused qkv bias): the update of those elements follows that gradient's rounding noise (a "
+        "normalizing optimizer such as Adam makes it lr-sized) and cannot be compared element by element; they "
+        f"were checked through {through}, with the parameter tolerance propagated through the update."
+        + _beyond_rounding(ctx),
         first,
     )
 
