@@ -521,18 +521,19 @@ class _Pair(NamedTuple):
         """The least over parameter ``path``'s elements of each one's largest ``|g|`` up to step t, as a run kept
         it (:class:`~shardcheck.parity.harness.true_gradients.Peaks`: a replay keeps it), the recording's first;
         ``inf`` where neither holds it (an older recording replayed by an older version)."""
-        for rec in (self.full, self.replayed):
-            found = true_gradients.read_least(rec.meta, t, path)
-            if found is not None:
-                return found
-        return math.inf
+        found = self._kept(true_gradients.read_least, t, path)
+        return math.inf if found is None else found
 
     def sampled(self, t: int, path: str) -> list[float | None] | None:
         """Parameter ``path``'s gradient peaks at its digest samples up to step t, as a run kept them
         (:attr:`~shardcheck.parity.harness.true_gradients.Peaks.sampled`), the recording's first; ``None`` where
         neither holds them."""
+        return self._kept(true_gradients.read_sampled, t, path)
+
+    def _kept(self, read, t: int, path: str):
+        """What ``read(meta, t, path)`` finds in the recording's metadata, else the replay's; ``None`` in neither."""
         for rec in (self.full, self.replayed):
-            found = true_gradients.read_sampled(rec.meta, t, path)
+            found = read(rec.meta, t, path)
             if found is not None:
                 return found
         return None

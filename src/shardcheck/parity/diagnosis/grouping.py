@@ -59,6 +59,12 @@ def n_leaves(n: int) -> str:
     return f"{n} leaf" if n == 1 else f"{n} leaves"
 
 
+def words_and(words) -> str:
+    """``"a, b and c"``; ``"a"``; ``""`` for none."""
+    words = [str(w) for w in words]
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
+
+
 def article(noun: str) -> str:
     """``noun`` with its indefinite article: ``"an embedding"``, ``"a bias or kernel"``."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"

@@ -38,6 +38,7 @@ from shardcheck.parity.diagnosis.grouping import (
     rounding_params,
     shared_property,
     state_property,
+    words_and,
 )
 from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
 
@@ -213,7 +214,7 @@ class Localization:
         else:
             before = [s for s in self.stages[: STAGES.index(self.stage)] if s.status == MATCHES]
             names = [s.noun for s in before]
-            agree = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+            agree = words_and(names)
             noun, meaning = self._first().noun, MEANING[self.stage]
             if self.stage == "optimizer" and self.status("gradients") == NOT_OBSERVED:
                 noun, meaning = UNSEEN_GRADIENTS  # no equal inputs were seen: the gradients are not cleared

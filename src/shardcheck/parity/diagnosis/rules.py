@@ -61,6 +61,7 @@ from shardcheck.parity.diagnosis.grouping import (
     n_leaves,
     rounding_params,
     state_property,
+    words_and,
 )
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
@@ -912,7 +913,7 @@ def localized(ctx: DiagnosisContext) -> Finding:
         group = _as_localized(ctx.first, kind, group)
         agree = ["the loss", *matched]
         verb_ = "matches" if len(agree) == 1 else "match"
-        agree = agree[0] if len(agree) == 1 else f"{', '.join(agree[:-1])} and {agree[-1]}"
+        agree = words_and(agree)
         head = f"At step {ctx.first.step} {agree} {verb_}"
         count = f"{len(bad)} of {len(of_kind)} {'leaf' if len(of_kind) == 1 else 'leaves'}"
         form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad])
@@ -1033,7 +1034,7 @@ def _what_differs(record: StepRecord) -> str:
     kinds = [noun for kind, noun in _KIND_NOUNS.items() if any(e.kind == kind for e in bad)]
     if not kinds:
         return "The step differs"
-    words = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
+    words = words_and(kinds)
     verb = "differ" if len(kinds) > 1 or kinds[0] == "the gradients" else "differs"
     return f"{words[0].upper()}{words[1:]} {verb}"
 
@@ -1162,7 +1163,7 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
         "their gradients and optimizer state" if seen else "their optimizer state (no gradients returned)"
     )
     at = [r.step for r in ctx.records if r.unresolved]
-    when = "" if len(at) == len(ctx.records) else f" at step{'s' if len(at) > 1 else ''} {_steps_list(at)}"
+    when = "" if len(at) == len(ctx.records) else f" at step{'s' if len(at) > 1 else ''} {words_and(at)}"
     return Diagnosis(
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
@@ -1173,12 +1174,6 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
         + _beyond_rounding(ctx),
         first,
     )
-
-
-def _steps_list(steps: list[int]) -> str:
-    """``"1, 2 and 4"``; ``"3"``."""
-    words = [str(t) for t in steps]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def _beyond_rounding(ctx: DiagnosisContext) -> str:
