@@ -27,8 +27,10 @@ class LeafError:
 
     Attributes:
         step: the 0-based step index t.
-        kind: ``"loss"``, ``"grad"``, ``"param"``, ``"opt_state"`` or ``"counter"`` (exact integer leaves: the
-            NNX step counter, Adam's ``count``).
+        kind: ``"loss"``, ``"grad"``, ``"param"``, ``"opt_state"``, ``"counter"`` (exact integer leaves: the
+            NNX step counter, Adam's ``count``, the model's integer state ``model.<path>``) or ``"state"`` (the
+            model's floating state that is not a parameter, ``model.<path>``, compared exactly where one side's
+            step leaves it as it was: :mod:`shardcheck.parity.comparison.model_state`).
         path: the leaf's dotted path, e.g. ``"hidden.kernel"`` or ``"0.mu.bias"`` (``"loss"``, ``"step"``).
         max_abs_err: ``max |candidate - reference|`` over the leaf's elements (float64 arithmetic).
         max_rel_err: ``max_abs_err / max |reference|`` (normwise over the leaf: robust to elements that cancel
@@ -38,8 +40,8 @@ class LeafError:
         ratio: the median elementwise ratio candidate / reference of the leaf's change in this step (``param``
             and ``opt_state``: after minus before; ``grad`` and ``loss``: the values), over elements where the
             reference change is at least 1% of its largest; ``None`` when undefined (counters, no change).
-        reference_change: ``param``/``opt_state``: ``max |reference after - reference before|``, the size of the
-            reference's update of this leaf in this step; else ``None``.
+        reference_change: ``param``/``opt_state``/``state``: ``max |reference after - reference before|``, the
+            size of the reference's update of this leaf in this step; else ``None``.
         spread: ``(p10, p90)``, the 10th and 90th percentile (order statistics,
             ``shardcheck.parity.comparison.live.spread_ranks``) of the same elementwise ratios whose median is ``ratio``,
             from the same pass; ``None`` where ``ratio`` is, or not computed (a leaf the first pass cleared, a

@@ -220,6 +220,34 @@ def _reference_zero(n: int, top_r: float, top_c: float | None) -> Form:
     )
 
 
+def _state_form(bad: list[LeafError]) -> Form:
+    """The form of failing non-parameter floating state (``state model.<path>``,
+    :mod:`shardcheck.parity.comparison.model_state`): moved where the reference's step leaves it (a frozen weight
+    trained), or left where the reference's forward pass writes it (the writes dropped)."""
+    n, top = len(bad), max(e.max_abs_err for e in bad)
+    what, it = ("this leaf", "it") if n == 1 else (f"these {n} leaves", "them")
+    was = "was" if n == 1 else "were"
+    if all(e.reference_change == 0 for e in bad):
+        return Form(
+            "reference_zero",
+            f"a change where the reference makes none: the reference's step leaves {what} of non-parameter state "
+            f"as {it} {was} (a Variable that is not an nnx.Param: the task's optimizer updates wrt=nnx.Param only, "
+            f"and the forward pass does not write {it}) and the candidate's step moved {it} by up to {top:.3g}: a "
+            "weight meant to stay frozen was trained",
+            leaves=n,
+        )
+    if all(e.reference_change for e in bad):
+        wrote = max(e.reference_change for e in bad)
+        return Form(
+            "zero",
+            f"a zero update: the candidate's step left {what} of non-parameter state as {it} {was} while the "
+            f"reference's forward pass wrote {it} (by up to {wrote:.3g}): the forward pass's writes were dropped",
+            factor=0.0,
+            leaves=n,
+        )
+    return Form("none", f"no simple form: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n)
+
+
 def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
     stats = {p: _ratio_stats(dr, dc) for p, (_, dr, dc) in f64.items()}
     if any(s is None for s in stats.values()):
@@ -366,6 +394,8 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
     """
     if not bad:
         raise ValueError("form_from_leaves: bad is empty; pass the failing LeafErrors of one stage")
+    if all(e.kind == "state" for e in bad):
+        return _state_form(bad)
     if update and all(e.reference_change == 0 for e in bad):
         return _reference_zero(len(bad), 0.0, None)
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]

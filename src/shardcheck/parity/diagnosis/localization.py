@@ -150,6 +150,7 @@ KIND_NOUNS = {
     "leaf": ("leaf", "leaves"),
     "param": ("parameter", "parameters"),
     "opt_state": ("optimizer-state leaf", "optimizer-state leaves"),
+    "state": ("non-parameter state leaf", "non-parameter state leaves"),
 }
 
 
@@ -265,17 +266,22 @@ def stage_leaves(record: StepRecord) -> dict[str, list[LeafError] | None]:
     """The record's leaves by stage (``replicas``: ``[]``; its evidence is ``replica_mismatches``). With an
     optimizer rerun the ``optimizer`` stage holds its leaves and ``parameters`` the parameters and optimizer
     state against the reference's; without one, the optimizer state is the ``optimizer`` stage."""
-    kinds: dict[str, list[LeafError]] = {k: [] for k in ("loss", "grad", "param", "opt_state", "counter")}
+    kinds: dict[str, list[LeafError]] = {
+        k: [] for k in ("loss", "grad", "param", "opt_state", "counter", "state")
+    }
     model = []
     for e in record.leaves:
         (model if e.kind == "counter" and e.path.startswith("model.") else kinds[e.kind]).append(e)
     rerun = record.optimizer_rerun
+    # floating model state the reference left as it was is written by an update, not by the forward pass
+    updated = [e for e in kinds["state"] if e.reference_change == 0.0]
+    model += [e for e in kinds["state"] if e.reference_change != 0.0]
     return {
         "forward": kinds["loss"] + model,
         "gradients": kinds["grad"],
         "replicas": [],
         "optimizer": list(rerun) if rerun is not None else kinds["opt_state"],
-        "parameters": kinds["param"] + (kinds["opt_state"] if rerun is not None else []),
+        "parameters": kinds["param"] + (kinds["opt_state"] if rerun is not None else []) + updated,
         "counters": kinds["counter"],
     }
 
@@ -362,7 +368,8 @@ def localize(
         if first.stage == "forward":
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
-        form = dict(record.forms).get(first.stage) or form_from_leaves(bad, update=update)
+        fitted = None if all(e.kind == "state" for e in bad) else dict(record.forms).get(first.stage)
+        form = fitted or form_from_leaves(bad, update=update)
         form = checked_form(form, first.stage, bad, leaves, record)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
@@ -387,7 +394,13 @@ def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -
 
 
 # how the grouping names a kind of leaf
-GROUP_WORDS = {"opt_state": "optimizer-state", "param": "parameter", "grad": "gradient", "loss": "loss"}
+GROUP_WORDS = {
+    "opt_state": "optimizer-state",
+    "param": "parameter",
+    "grad": "gradient",
+    "loss": "loss",
+    "state": "non-parameter state",
+}
 
 
 def _group(

@@ -11,6 +11,7 @@ in order, with their codes:
 - :func:`wrong_axis_reduction` (``wrong_axis_reduction``): copies differ along some mesh axes only.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
+- :func:`frozen_state` (``frozen_state``): a frozen non-parameter weight the candidate moved.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
@@ -566,6 +567,50 @@ def model_state(ctx: DiagnosisContext) -> Finding:
     else:
         why = "; the step must write it as one forward pass over the full batch does."
     return Diagnosis("model_state", head + why, fail.name)
+
+
+def frozen_state(ctx: DiagnosisContext) -> Finding:
+    """``frozen_state``: floating model state that is not a parameter (``state model.<path>``,
+    :mod:`shardcheck.parity.comparison.model_state`) moved where the reference's step leaves it as it was (a
+    weight meant to stay frozen, trained), or was left as it was where the reference's forward pass writes it."""
+    record = next((r for r in ctx.records if any(e.kind == "state" and not e.ok for e in r.leaves)), None)
+    if record is None:
+        return None
+    bad = [e for e in record.leaves if e.kind == "state" and not e.ok]
+    trained = [e for e in bad if e.reference_change == 0]
+    dropped = [e for e in bad if e.reference_change]
+    out = []
+    if trained:
+        names = words_and(sorted(e.path.removeprefix("model.") for e in trained))
+        worst = max(e.max_abs_err for e in trained)
+        one = len(trained) == 1
+        out.append(
+            Diagnosis(
+                "frozen_state",
+                f"The candidate's step changed the model's state {names} at step {record.step} (max abs err "
+                f"{worst:.6g}), which the reference's step leaves as it was: "
+                f"{'it is' if one else 'they are'} not an nnx.Param (a Variable class of the model's own), the "
+                "task's optimizer updates wrt=nnx.Param only, and the forward pass does not write "
+                f"{'it' if one else 'them'}. A weight meant to stay frozen was trained: the step differentiates "
+                "or updates more than the nnx.Param leaves (an argnums=nnx.DiffState(0, nnx.Any(nnx.Param, ...)) "
+                "filter, an nnx.Optimizer with wrt=nnx.Variable, or an update written by hand). Update nnx.Param "
+                f"only; a weight meant to train is an nnx.Param.",
+                trained[0].name,
+            )
+        )
+    if dropped:
+        names = words_and(sorted(e.path.removeprefix("model.") for e in dropped))
+        out.append(
+            Diagnosis(
+                "model_state",
+                f"The candidate's step left the model's state {names} (not a parameter: floating state the "
+                f"reference's forward pass writes) as it was at step {record.step}. The forward pass's writes were "
+                "dropped (jax.grad of a function of nnx.split parts discards them): return and nnx.update them, or "
+                "use nnx.value_and_grad.",
+                dropped[0].name,
+            )
+        )
+    return out
 
 
 def step_counter(ctx: DiagnosisContext) -> Finding:
@@ -1200,6 +1245,7 @@ RULES: tuple[Rule, ...] = (
     wrong_axis_reduction,
     replicas_differ,
     model_state,
+    frozen_state,
     step_counter,
     shard_factor,
     replicated_reduced,
@@ -1246,6 +1292,8 @@ def diagnose(
     - ``wrong_axis_reduction``: replicated copies differ along some mesh axes and agree along the others
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
+    - ``frozen_state``: floating non-parameter state moved where the reference leaves it (a frozen weight
+      trained); ``model_state`` where the reference's forward pass writes it and the candidate left it.
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
       times per step); also the optimizer's own counter running a whole factor ahead, named "per micro-batch
       (k = ...)" when that factor is ``micro_batches`` (a gradient accumulation's k).

@@ -55,7 +55,7 @@ from shardcheck.parity.comparison.live import (
     replica_mismatches,
     to_host,
 )
-from shardcheck.parity.comparison.model_state import model_state_leaves
+from shardcheck.parity.comparison.model_state import floating_state, model_state_leaves
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -250,6 +250,7 @@ def _compare_step(
     once).
     """
     snapshots = _snapshots(run)
+    run.state_before = floating_state(run.ref_model, run.found if run.in_place else None, "floating_state ref")
     ref_loss, ref_grads, pre, bounds = _step_reference(run, t, batch, rtol, atol)
     _measure(run)
     cand_loss, cand_grads = _step_candidate(run, t, batch)
@@ -335,8 +336,9 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     ref_count = int(np.asarray(run.ref_opt.step[...]))
     leaves += params + opt_leaves
     leaves.append(counter_error(t, "step", ref_count, after.cand_count))
-    # a counter the forward pass writes (its Variables found once where the steps update in place)
-    leaves += model_state_leaves(t, run.ref_model, run.cand_model, run.found if run.in_place else None)
+    # the model's state beside its parameters (its Variables found once where the steps update in place)
+    found = run.found if run.in_place else None
+    leaves += model_state_leaves(t, run.ref_model, run.cand_model, found, run.state_before)
     leaves += _extra_checks(run, t, completed, rtol, atol)
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]

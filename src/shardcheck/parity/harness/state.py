@@ -221,6 +221,9 @@ class _Run:
     # registered strategies): their Variables are then found once and read at each step (_Found, by key)
     in_place: bool = False
     found: dict = dataclasses.field(default_factory=dict)
+    # the reference's floating non-parameter state before the step being compared (host copies,
+    # parity.comparison.model_state.floating_state), or None
+    state_before: dict | None = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
