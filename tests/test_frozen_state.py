@@ -97,7 +97,10 @@ def test_a_trained_frozen_weight_is_named_at_the_parameters_stage_and_never_as_a
     where = localize([record])
     assert where.stage == "parameters"
     assert where.group == "only state model.base differs; every parameter leaf of this stage matches"
-    assert where.form.kind == "reference_zero" and "a weight meant to stay frozen was trained" in where.form.sentence
+    assert (
+        where.form.kind == "reference_zero"
+        and "a weight meant to stay frozen was trained" in where.form.sentence
+    )
     assert "warm-up" not in where.form.sentence and "schedule" not in where.text()
     assert "0 of 1 parameter and 1 of 1 non-parameter state leaf" in where.text()
     # the same record with the state matching: no finding about it, and parity

@@ -241,3 +241,33 @@ def test_an_older_recordings_true_gradients_read_without_least():
     true_gradients.keep_least(meta, 1, 2, {"w": 0.0, "v": float("nan")})
     assert true_gradients.read_least(meta, 1, "w") == 0.0
     assert true_gradients.read_least(meta, 0, "w") is None and true_gradients.read_least(meta, 1, "v") is None
+
+
+@require_devices(2)
+def test_under_sgd_a_partly_rounding_level_leaf_is_held_to_its_own_tolerance():
+    """Under SGD an element whose gradient is rounding noise moves by lr x that noise, far below any tolerance:
+    the fused bias is not allowed both runs' whole update sizes, which hid its update applied twice at step 0
+    (where the samples' peaks do not show it); an older recording without ``meta["normalized"]`` still is. Under
+    Adam every leaf is normalized."""
+    from shardcheck.mesh import make_mesh
+    from shardcheck.parity.harness.recorded import record_run
+
+    task = dataclasses.replace(_task(), optimizer=optax.sgd(0.1, momentum=0.9), name="fused qkv, sgd")
+    mesh = make_mesh({"data": 2})
+    recorded = record_run(task, gspmd_step, mesh=mesh, name="gspmd")
+    assert recorded.meta["normalized"] == []
+    correct = record_run(task, _shard_map_step(1.0), mesh=mesh, name="shard_map", true_gradients=True)
+    assert compare_run(recorded, correct).ok
+    atol = derive_tolerance("float32", batch_size=B, step=0).atol
+    assert true_gradients.read_least(correct.meta, 0, QKV) <= atol  # partly at rounding level, as under Adam
+    twice = record_run(task, _shard_map_step(1.0, twice=True), mesh=mesh, name="twice", true_gradients=True)
+    held = dict(twice.meta[true_gradients.META_KEY])
+    del held["sampled"]  # the samples' peaks set aside: the rule alone decides step 0
+    twice = dataclasses.replace(twice, meta=dict(twice.meta, **{true_gradients.META_KEY: held}))
+    failed = compare_run(recorded, twice)
+    assert (failed.first_failure.name, failed.first_failure.step) == (f"param {QKV}", 0)
+    older = dataclasses.replace(recorded, meta={k: v for k, v in recorded.meta.items() if k != "normalized"})
+    hidden = compare_run(older, twice)
+    assert [e.ok for e in hidden.leaves if (e.step, e.name) == (0, f"param {QKV}")] == [True]
+    adam = record_run(_task(), gspmd_step, mesh=mesh, name="gspmd")
+    assert {QKV, "head.kernel"} <= set(adam.meta["normalized"])

@@ -26,7 +26,9 @@ or the run was replayed on another mesh than the recorded one.
 task's own gradient the replay took beside its step, ``record_run(true_gradients=True)``, as a live check reads the
 reference's) and its ``max|g| <= atol_t``, or some of its elements have had ``|g| <= atol_t`` at every step so far
 (a fused qkv bias whose key third's true gradient is 0: the least of the elementwise largest ``|g|``, which the
-replay keeps, :class:`~shardcheck.parity.harness.true_gradients.Peaks`), the gradient (or those elements) is
+replay keeps, :class:`~shardcheck.parity.harness.true_gradients.Peaks`) under an optimizer that normalizes that
+leaf's update (``meta["normalized"]``: under SGD those elements move by ``lr`` times their noise, below any
+tolerance, and the leaf is held to its own), the gradient (or those elements) is
 rounding noise and Adam turns noise into an lr-sized step of either sign, its size set by that run's own noise
 against Adam's eps, so the two runs' updates may differ by the sum of their update sizes ``max|u_r| + max|u_c|``
 (neither run's bounds the other's: a correct step whose noise is 2.5x the recorded strategy's moves 2.5x as far;
@@ -575,6 +577,14 @@ def _loss_moves(bounds: _Bounds, param: str, g: _Leaf, atol: float) -> float:
     return moves
 
 
+def _normalized(pair: _Pair, path: str) -> bool:
+    """Whether the recorded task's optimizer normalizes ``path``'s update (``meta["normalized"]``,
+    :func:`~shardcheck.parity.harness.recorded.normalized_params`): only then is an element whose gradient is
+    rounding noise moved lr-far. A recording without the field (an older one) is read as normalizing."""
+    names = pair.recording.meta.get("normalized")
+    return names is None or path in names
+
+
 def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
     """Add step t's rounding-level allowance to every parameter whose gradient (:meth:`_Pair.gradient`) is within
     ``atol`` of 0 (module docstring); returns the loss's drift bound from the allowance before this step."""
@@ -588,8 +598,9 @@ def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
             continue
         drift += _loss_moves(bounds, param, g, atol) * bounds.allowance.get(param, 0.0)
         # the whole gradient at rounding level, or some of its elements at every step so far (a fused qkv bias's
-        # key third): its largest update bounds theirs
-        if g.max <= atol or pair.least(t, param.removeprefix("param ")) <= atol:
+        # key third) under an optimizer that normalizes them to an lr-sized update: its largest update bounds theirs
+        path = param.removeprefix("param ")
+        if g.max <= atol or (pair.least(t, path) <= atol and _normalized(pair, path)):
             if g.max <= atol:
                 bounds.whole.add(param)
             bounds.rounding.setdefault(param, t)

@@ -122,4 +122,6 @@ def _exact(step, kind, path, r, c, change) -> LeafError:
     err = float(np.max(diff, initial=0.0)) if not np.isnan(diff).any() else float("nan")
     top = float(np.max(np.abs(r), initial=0))
     rel = err / top if top else (0.0 if err == 0 else np.inf)
-    return LeafError(step, kind, PREFIX + path, err, rel, 0.0, err == 0, None, change, None, tuple(np.shape(r)))
+    return LeafError(
+        step, kind, PREFIX + path, err, rel, 0.0, err == 0, None, change, None, tuple(np.shape(r))
+    )

@@ -245,7 +245,9 @@ def _state_form(bad: list[LeafError]) -> Form:
             factor=0.0,
             leaves=n,
         )
-    return Form("none", f"no simple form: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n)
+    return Form(
+        "none", f"no simple form: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n
+    )
 
 
 def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:

@@ -250,7 +250,9 @@ def _compare_step(
     once).
     """
     snapshots = _snapshots(run)
-    run.state_before = floating_state(run.ref_model, run.found if run.in_place else None, "floating_state ref")
+    run.state_before = floating_state(
+        run.ref_model, run.found if run.in_place else None, "floating_state ref"
+    )
     ref_loss, ref_grads, pre, bounds = _step_reference(run, t, batch, rtol, atol)
     _measure(run)
     cand_loss, cand_grads = _step_candidate(run, t, batch)

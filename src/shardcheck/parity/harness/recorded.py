@@ -50,6 +50,7 @@ from shardcheck.parity.harness.setup import (
 from shardcheck.parity.harness.true_gradients import Peaks, keep_least, true_gradient_digest
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
+from shardcheck.parity.tolerance.propagation import normalized_leaves
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded_init import sharded_training_state
@@ -130,7 +131,9 @@ class Recording:
             reduction length of each batch, for the tolerance), ``tolerance_dtype``, ``settings`` (the caller's:
             optimizer, lr, seed ... when known), ``versions`` (jax, jaxlib, flax, optax, shardcheck),
             ``platform``, ``matmul_precision`` (the precision of the run's float32 matmuls:
-            ``shardcheck.parity.tolerance.matmul``; absent from recordings made before it was stored: float32).
+            ``shardcheck.parity.tolerance.matmul``; absent from recordings made before it was stored: float32),
+            ``normalized`` (the parameters whose update the task's optimizer normalizes, :func:`normalized_params`;
+            absent from older recordings: read as every parameter).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
         shapes: each leaf's shape; dtypes: each leaf's dtype name.
@@ -498,11 +501,24 @@ def record_run(
         rows.append(digest(leaves, before))
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta["matmul_precision"] = policy
+    recording.meta["normalized"] = normalized_params(task, model)
     for t, found in truth.items():
         keep_true_gradients(recording.meta, t, len(data), found)
     for t, (found, sampled) in least.items():
         keep_least(recording.meta, t, len(data), found, sampled)
     return recording
+
+
+def normalized_params(task: Task, model: nnx.Module) -> list[str]:
+    """The parameters (dotted paths) whose update the task's optimizer normalizes
+    (:func:`~shardcheck.parity.tolerance.propagation.normalized_leaves`), probed on stand-ins of the parameters
+    (each dimension cut to 4 at most: the tree, ranks and dtypes the optimizer's masks and labels read, no copy of
+    the model's state): where some of a leaf's gradient is rounding noise, a replay allows those elements an
+    lr-sized update only under such an optimizer (``meta["normalized"]``)."""
+    stand_in = jax.tree.map(
+        lambda a: jnp.ones(tuple(min(int(d), 4) for d in np.shape(a)), a.dtype), nnx.state(model, nnx.Param)
+    )
+    return sorted(normalized_leaves(task.optimizer, stand_in))
 
 
 def _check_settings(fn: str, settings) -> dict:

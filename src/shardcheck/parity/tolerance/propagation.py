@@ -114,3 +114,65 @@ def grad_delta(grads, extra, rtol, atol, scale):
     if extra is None:
         return base
     return jax.tree.map(lambda b, e: b + scale * e, base, extra)
+
+
+# the probe's gradient and its scale-down (both far above Adam's eps 1e-8, so eps does not decide the answer)
+PROBE_GRADIENT, PROBE_SCALE = 1e-2, 1e-3
+
+
+def normalized_leaves(tx, params) -> frozenset[str]:
+    """The parameters (dotted paths, as ``flatten_state`` names them) whose update ``tx`` normalizes: scaling the
+    gradient down by :data:`PROBE_SCALE` leaves the update's gradient-driven part at least a tenth as large (Adam,
+    Lion, Adafactor: ``g / sqrt(v)`` or ``sign(g)``), where a linear optimizer (SGD, momentum, a clip by a global
+    norm) scales it down too.
+
+    One step from ``tx.init(params)`` at a gradient of ``+-PROBE_GRADIENT`` per element (alternating signs), at
+    that gradient x ``PROBE_SCALE``, and at 0 (whose update, a weight decay ``-lr * wd * p``, is subtracted from
+    both); where a leaf's update is 0 there (a learning rate of 0 at step 0: a warm-up), from the state after up
+    to :data:`PROBE_ADVANCES` updates at a zero gradient. What it tells: a leaf whose gradient is rounding noise in
+    some elements gets an lr-sized update of those elements under a normalizing optimizer and a noise-sized one
+    under a linear optimizer (``shardcheck.parity.comparison.digest``). ``params``: a pytree of float arrays
+    (``nnx.State`` included).
+    """
+    from shardcheck.parity.comparison.live import flatten_state
+
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    found, seen = set(), set()
+    for _ in range(PROBE_ADVANCES + 1):
+        full, small = (flatten_state(t) for t in _probe(tx, params, state))
+        for p, f in full.items():
+            if p not in seen and float(f) > 0:
+                seen.add(p)
+                if float(small[p]) >= 0.1 * float(f):
+                    found.add(p)
+        if len(seen) == len(full):
+            break
+        state = _advance(tx, zeros, state, params)
+    return frozenset(found)
+
+
+PROBE_ADVANCES = 3
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _advance(tx, zeros, state, params):
+    return tx.update(zeros, state, params)[1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _probe(tx, params, state):
+    """``(max |u(g) - u(0)|, max |u(g * PROBE_SCALE) - u(0)|)`` per leaf, from ``state``."""
+
+    def signs(p):
+        pattern = jnp.where(jnp.arange(p.size) % 2 == 0, 1.0, -1.0).reshape(p.shape)
+        return (PROBE_GRADIENT * pattern).astype(p.dtype) if _inexact(p) else p
+
+    def size(u, z):
+        return jnp.max(jnp.abs(u.astype(jnp.float32) - z.astype(jnp.float32)), initial=0.0)
+
+    g = jax.tree.map(signs, params)
+    zero = tx.update(jax.tree.map(jnp.zeros_like, g), state, params)[0]
+    full = tx.update(g, state, params)[0]
+    small = tx.update(jax.tree.map(lambda a: a * PROBE_SCALE, g), state, params)[0]
+    return jax.tree.map(size, full, zero), jax.tree.map(size, small, zero)
