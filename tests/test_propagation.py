@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from shardcheck.parity.tolerance.propagation import scale_change, update_sensitivity
+from shardcheck.parity.tolerance.propagation import normalized_leaves, scale_change, update_sensitivity
 
 G = {"w": jnp.asarray([[0.5, -2.0], [1.0, 0.25]], jnp.float32), "b": jnp.asarray([3.0, -1.0], jnp.float32)}
 P = {k: jnp.ones_like(v) for k, v in G.items()}
@@ -44,3 +44,28 @@ def test_a_binding_clip_is_blind_to_the_gradients_scale(max_norm, hidden):
         else:
             assert change == pytest.approx(LR * abs(c - 1) * 3.0, rel=1e-6)  # the largest |g| is 3
             assert state_change == pytest.approx(abs(c - 1) * 3.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "tx", "expected"),
+    [
+        ("sgd", optax.sgd(0.1), set()),
+        ("momentum", optax.sgd(0.1, momentum=0.9), set()),
+        ("decay then sgd", optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1)), set()),
+        ("a binding global clip", optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1)), set()),
+        ("adam", optax.adam(1e-3), {"a.kernel", "b"}),
+        ("adamw", optax.adamw(1e-3, weight_decay=0.1), {"a.kernel", "b"}),
+        ("lion", optax.lion(1e-4), {"a.kernel", "b"}),
+        ("adam warmed up from 0", optax.adam(optax.linear_schedule(0.0, 1e-3, 10)), {"a.kernel", "b"}),
+        (
+            "adam on one leaf, sgd on the other",
+            optax.multi_transform(
+                {"x": optax.adam(1e-3), "y": optax.sgd(0.1)}, {"a": {"kernel": "x"}, "b": "y"}
+            ),
+            {"a.kernel"},
+        ),
+    ],
+)
+def test_normalized_leaves_are_those_whose_update_a_smaller_gradient_leaves_as_large(name, tx, expected):
+    params = {"a": {"kernel": jnp.ones((3, 4))}, "b": jnp.ones(5)}
+    assert set(normalized_leaves(tx, params)) == expected, name
