@@ -544,3 +544,34 @@ def test_a_decay_form_says_it_cannot_show_on_leaves_of_zeros():
     form = fit_form(before, ref, cand, lr=5e-3)
     assert form.kind == "decay" and form.coefficient == pytest.approx(0.1, rel=1e-6)
     assert "a decay moves no leaf whose value is 0" in form.sentence
+
+
+# ------------------------------------------------------------------------------------------- non-finite values
+
+
+def test_a_nan_in_the_candidate_is_said_as_nan_and_no_ratio_or_form_is_read_from_it():
+    nan = LeafError(
+        0, "loss", "loss", float("nan"), float("nan"), 3e-5, False, float("nan"), None, (np.nan, np.nan)
+    )
+    grad = LeafError(0, "grad", "h.bias", float("nan"), float("nan"), 6e-6, False, shape=(4,))
+    param = LeafError(0, "param", "h.bias", float("inf"), float("inf"), 1e-6, False, shape=(4,))
+    record = StepRecord(0, 1e-5, 1e-7, 1.5, float("nan"), (nan, grad, param, *COUNTERS_MATCH), 1, 1)
+    found = rules.diagnose([record])
+    codes = [d.code for d in found]
+    assert codes[0] == "non_finite" and not set(codes) & rules.NAN_BLIND, codes
+    assert found[0].message.startswith("The candidate's loss is nan at step 0, the reference's 1.5: NaN or ")
+    assert "first in loss (3 leaves in all)" in found[0].message and "jax_debug_nans" in found[0].message
+    where = localize([record])
+    assert where.form.sentence == "not finite (NaN or infinity) in the one failing leaf: no form is read"
+    assert "loss: not finite (max abs err nan)" in where.text() and "tolerance nan" not in where.text()
+    # the same step with finite errors: no non_finite, and the catalog reads it as before
+    finite = dataclasses.replace(
+        record,
+        candidate_loss=1.6,
+        leaves=tuple(
+            dataclasses.replace(e, max_abs_err=1.0, ratio=None, spread=None) if not e.ok else e
+            for e in record.leaves
+        ),
+    )
+    assert "non_finite" not in [d.code for d in rules.diagnose([finite])]
+    assert "not finite" not in localize([finite]).text()

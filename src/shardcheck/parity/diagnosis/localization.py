@@ -162,6 +162,8 @@ def _count(n: int, failing: int, kind: str, differs: bool) -> str:
 
 
 def _detail(e: LeafError) -> str:
+    if not math.isfinite(e.max_abs_err):
+        return f"{e.name}: not finite (max abs err {e.max_abs_err:.3g})"
     return f"{e.name}: max abs err {e.max_abs_err:.3g} > tolerance {e.tolerance:.3g}"
 
 
@@ -373,9 +375,21 @@ def localize(
         form = checked_form(form, first.stage, bad, leaves, record)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
+        blind = [e for e in bad if not math.isfinite(e.max_abs_err)]
+        if blind:  # no form is read from a NaN
+            form = Form(
+                "none", f"not finite (NaN or infinity) in {n_of(len(blind), len(bad))}: no form is read"
+            )
     module = record.module if first.stage == "forward" else None
     live = replicas_observed
     return Localization(record.step, first.stage, results, group, form, record.synchronized, module, live)
+
+
+def n_of(k: int, n: int) -> str:
+    """``"the one failing leaf"``, ``"all 4 failing leaves"``, ``"2 of its 4 failing leaves"``."""
+    if n == 1:
+        return "the one failing leaf"
+    return f"all {n} failing leaves" if k == n else f"{k} of its {n} failing leaves"
 
 
 def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -> str:

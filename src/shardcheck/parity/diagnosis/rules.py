@@ -9,6 +9,7 @@ in order, with their codes:
 - :func:`parity` (``parity``): every step within tolerance, neither run diverged.
 - :func:`reference_diverged` (``reference_diverged``): the reference went non-finite; no verdict.
 - :func:`wrong_axis_reduction` (``wrong_axis_reduction``): copies differ along some mesh axes only.
+- :func:`non_finite` (``non_finite``): the candidate's values are NaN or infinite at the first failing step.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
 - :func:`frozen_state` (``frozen_state``): a frozen non-parameter weight the candidate moved.
@@ -482,6 +483,42 @@ def reference_diverged(ctx: DiagnosisContext) -> Finding:
         f"The reference run diverged (non-finite loss or parameters at step {t}): "
         f"steps {t} and later were not compared, and this is no verdict about the "
         "candidate. Lower the learning rate.",
+    )
+
+
+def _non_finite(record: StepRecord | None) -> list[LeafError]:
+    """The leaves of ``record`` whose error is NaN or infinite: the candidate's values are not finite (a
+    reference that went non-finite stops the comparison: ``reference_diverged``)."""
+    if record is None:
+        return []
+    return [e for e in record.leaves if not e.ok and not math.isfinite(e.max_abs_err)]
+
+
+def non_finite(ctx: DiagnosisContext) -> Finding:
+    """``non_finite``: at the first failing step the candidate holds NaN or infinite values where the reference's
+    are finite; said as such, with the first stage's leaves that show it (no factor, form or ratio is read from a
+    NaN)."""
+    bad = _non_finite(ctx.first)
+    if not bad:
+        return None
+    t = ctx.first.step
+    loss = ctx.first.candidate_loss
+    head = (
+        f"The candidate's loss is {loss} at step {t}, the reference's {ctx.first.loss:.6g}"
+        if loss is not None and not math.isfinite(loss)
+        else f"The candidate's step produced non-finite values at step {t} where the reference's are finite"
+    )
+    order = {"loss": 0, "counter": 1, "state": 1, "grad": 2, "opt_state": 3, "param": 4}
+    earliest = min(order.get(e.kind, 5) for e in bad)
+    first = sorted(e.name for e in bad if order.get(e.kind, 5) == earliest)
+    shown = ", ".join(first[:4]) + (f" and {len(first) - 4} more" if len(first) > 4 else "")
+    return Diagnosis(
+        "non_finite",
+        f"{head}: NaN or infinity, first in {shown} ({len(bad)} leaves in all). The candidate's step computes a "
+        "NaN or an infinity the reference's step does not (a log, a division or a square root of 0, an "
+        "overflow in a lower precision, a softmax over a fully masked row, an uninitialized buffer); rerun the "
+        "candidate's step with jax.config.update('jax_debug_nans', True) to stop at the operation that makes it.",
+        bad[0].name,
     )
 
 
@@ -1239,9 +1276,24 @@ def _beyond_rounding(ctx: DiagnosisContext) -> str:
 
 
 # The rules in the order of their findings (before merging; when nothing failed, the VERDICTS come first).
+# the findings that read ratios, factors or forms of the first failing step: not said where it holds NaN
+NAN_BLIND = frozenset(
+    {
+        "update_differs",
+        "loss_only",
+        "localized",
+        "drift",
+        "scaled",
+        "grads_differ",
+        "loss_differs",
+        "weak_update",
+    }
+)
+
 RULES: tuple[Rule, ...] = (
     parity,
     reference_diverged,
+    non_finite,
     wrong_axis_reduction,
     replicas_differ,
     model_state,
@@ -1289,6 +1341,8 @@ def diagnose(
 
     - ``parity``: every leaf of every step within tolerance (not after a divergence of either run).
     - ``reference_diverged``: the reference went non-finite at ``reference_diverged_at``; no ``parity``.
+    - ``non_finite``: the first failing step holds NaN or infinite values where the reference's are finite
+      (the catalog's findings that read ratios, :data:`NAN_BLIND`, are then not said).
     - ``wrong_axis_reduction``: replicated copies differ along some mesh axes and agree along the others
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
@@ -1326,6 +1380,8 @@ def diagnose(
         records, num_shards, diverged, reference_diverged_at, mesh_shape, micro_batches
     )
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
+    if any(d.code == "non_finite" for d in found):  # no ratio, factor or form is read from a NaN
+        found = [d for d in found if d.code not in NAN_BLIND]
     if not ctx.failing:
         found.sort(key=lambda d: d.code not in VERDICTS)
     return _merge(found)
