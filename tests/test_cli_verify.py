@@ -638,3 +638,17 @@ def test_an_error_row_beside_a_fail_exits_2_and_a_fail_alone_1(steps_file, monke
     _raising_strategy(monkeypatch, "dp", "step")
     assert main(argv) == 2
     assert _rows(capsys.readouterr().out) == {"dp": "ERROR", "candidate": "FAIL"}
+
+
+@pytest.mark.parametrize("command", ["verify", "record"])
+def test_a_csv_target_column_beside_a_task_is_refused_not_ignored(command, tmp_path, capsys):
+    """``--target`` names --dataset's CSV target column; beside --task it was silently ignored (a user meaning
+    a GPU kind, as ``memory --target h100`` takes, got a check that never read it)."""
+    argv = [command, "--task", "tiny-lm", "--target", "h100", "--steps", "1"]
+    if command == "record":
+        argv += ["--out", str(tmp_path / "run.npz")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--target h100 is the CSV target column of --dataset and applies without --task only" in err
+    assert "shardcheck memory --target KIND" in err
+    assert not (tmp_path / "run.npz").exists()

@@ -205,6 +205,12 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
             raise ValueError(f"--size is a size of the tiny-lm task; drop --task {args.task} or --size")
         args.task = "tiny-lm"
 
+    if args.task is not None and getattr(args, "target", None) is not None:
+        raise ValueError(
+            f"--target {args.target} is the CSV target column of --dataset and applies without --task only; "
+            f"--task {args.task} brings its own batches (to size a step for a GPU kind, use shardcheck memory "
+            "--target KIND)"
+        )
     optimizer = args.optimizer
     lr = args.lr
     if _optimizer_options(args):
