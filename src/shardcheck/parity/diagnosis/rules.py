@@ -1249,8 +1249,8 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
-        f"{first}: a true gradient of 0 in all or some of its elements, such as an attention key bias or the key "
-        f"third of a fused qkv bias): the update of those elements follows that gradient's rounding noise (a "
+        f"{first}: a true gradient of 0 in all or some of its elements, such as an attention key bias, the key "
+        f"third of a fused qkv bias, or a LoRA factor A while its B is still 0): the update of those elements follows that gradient's rounding noise (a "
         "normalizing optimizer such as Adam makes it lr-sized) and cannot be compared element by element; they "
         f"were checked through {through}, with the parameter tolerance propagated through the update."
         + _beyond_rounding(ctx),
