@@ -87,6 +87,10 @@ def test_done_when_adam_20_steps_on_diabetes_passes_every_strategy(tmp_path, cap
         "allowed abs err",
     ):
         assert word in table
+    # a PASS says what it would have caught, as the report's own text and the JSON's scale_evidence say it
+    evidence = report["strategies"]["dp"]["scale_evidence"]
+    assert evidence == "a gradient x8 or x1/8 would have failed 2 leaves at step 0 (grad bias, grad kernel)."
+    assert f"evidence: {evidence}" in " ".join(table.split())
 
 
 @require_devices(4)

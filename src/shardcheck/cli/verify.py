@@ -620,6 +620,8 @@ def render_report(report, setup: str, against: str | None = None):
     caption = [setup, report.diagnosis]
     if report.weak_accepted is not None:
         caption.append(f"weak check accepted: {report.weak_accepted}")
+    if report.scale_evidence and all(r.ok for r in report.steps):  # as the report's own text says it
+        caption.append(f"evidence: {report.scale_evidence}")
     if replay is not None:
         caption += [replay.evidence, *replay.notes]
     table = Table(
