@@ -153,3 +153,56 @@ def test_a_reference_step_on_found_variables_is_the_step_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     a, b = jax.tree.leaves(nnx.state((a_model, a_opt))), jax.tree.leaves(nnx.state((b_model, b_opt)))
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _late_fault(real):
+    """``real`` (the accumulation step's program) with the hidden layer's kernel scaled by 1 + 1e-3 in the state
+    it returns once the optimizer has applied 2 updates (a late fault: steps 0 and 1 are correct)."""
+
+    def faulty(loss_fn, k, graphdef, state, batch):
+        result, new = real(loss_fn, k, graphdef, state, batch)
+        if int(state[1]["opt_state"]["gradient_step"][...]) >= 2:
+            new[0]["hidden"]["kernel"][...] = new[0]["hidden"]["kernel"][...] * (1 + 1e-3)
+        return result, new
+
+    return faulty
+
+
+@require_devices(2)
+@pytest.mark.parametrize("fault", [False, True], ids=["correct", "late fault"])
+def test_the_accumulation_step_on_found_variables_reports_what_its_step_does(fault, monkeypatch):
+    """#35: ``check_parity("accumulation")`` steps the candidate's program on its Variables found once (no
+    ``nnx.split`` / ``nnx.update`` a step); every StepRecord is the one of the same candidate given as a
+    :class:`Candidate`, whose step traverses both graphs at every step, bit for bit, in the same jitted program
+    (no new cache entry). A correct step PASSes; a kernel scaled by 1.001 from step 2 on FAILs there, alike."""
+    from shardcheck.losses import mse_batch_loss
+    from shardcheck.models import MLP
+    from shardcheck.parity.harness import check
+    from shardcheck.steps import accumulation
+
+    rng = np.random.default_rng(0)
+    task = shardcheck.Task(
+        model=lambda: MLP(3, 4, 2, rngs=nnx.Rngs(0)),
+        optimizer=optax.adam(0.05),
+        loss_fn=mse_batch_loss,
+        batches=[(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))]
+        * 4,
+    )
+    real = accumulation._accumulated_jit
+    if fault:
+        monkeypatch.setattr(accumulation, "_accumulated_jit", _late_fault(real))
+    traversed = shardcheck.check_parity(accumulation.accumulation_candidate(mse_batch_loss, 2), task)
+    programs = real._cache_size()
+    keys, stepped = [], state.stepped_in_place
+    monkeypatch.setattr(
+        check, "stepped_in_place", lambda run, key, *a: keys.append(key) or stepped(run, key, *a)
+    )
+    found = shardcheck.check_parity("accumulation", task, num_shards=2)
+    assert (
+        keys.count("cand_step") == 4 + fault
+    )  # its 4 steps, and the re-check of step 2 from identical state
+    assert real._cache_size() == programs
+    assert found.verdict == traversed.verdict == ("FAIL" if fault else "PASS"), str(found)
+    assert found.steps == traversed.steps
+    if fault:
+        assert [r.ok for r in found.steps] == [True, True, False, False] and found.codes == traversed.codes

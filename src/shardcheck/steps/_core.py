@@ -55,6 +55,12 @@ class Candidate:
         extra_checks: ``(optimizer, completed_steps) -> [(path, value, expected)]``: exact checks of the
             candidate's own counters and buffers, reported as ``counter``/``opt_state`` leaves.
         pass_mesh: pass ``mesh=`` to ``step``.
+        program: ``(jitted, static)`` where ``step(model, optimizer, batch)`` is
+            ``run_in_place(jitted, static, model, optimizer, batch)`` (:func:`run_in_place`: ``jitted(*static,
+            graphdef, state, batch) -> (result, state)``), or ``None``. Where the parity harness builds the
+            candidate from a strategy name and steps both sides in place, it calls ``jitted`` on the pair's
+            Variables found once instead of ``step`` (no ``nnx.split`` / ``nnx.update`` a step): the same
+            program on the same values.
     """
 
     name: str
@@ -64,6 +70,7 @@ class Candidate:
     view_optimizer: Callable[[nnx.Optimizer], tuple[PyTree, Any]] | None = None
     extra_checks: Callable[[nnx.Optimizer, int], list[tuple[str, Any, Any]]] | None = None
     pass_mesh: bool = False
+    program: tuple[Callable[..., Any], tuple] | None = None
 
 
 def shard_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch, *, update_state: bool = False):

@@ -27,7 +27,7 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck._tree import path_str
-from shardcheck.steps._core import Candidate, StepResult, shard_value_and_grad
+from shardcheck.steps._core import Candidate, StepResult, run_in_place, shard_value_and_grad
 from shardcheck.task import Batch, LossFn, loss_terms, split_batch
 
 
@@ -107,7 +107,7 @@ def _accumulated_jit(loss_fn, k, graphdef, state, batch):
     (state, acc), totals = jax.lax.scan(micro_step, (state, zeros), micro)
     # the mean of the k micro-gradients, which MultiSteps applies: the full batch's gradient
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-    return jnp.sum(totals) / total_weight, grads, state
+    return StepResult(jnp.sum(totals) / total_weight, grads), state
 
 
 def accumulated_step(
@@ -137,10 +137,8 @@ def accumulated_step(
         which the parity check compares like the other strategies' reduced gradients (an optimizer blind to the
         gradient's scale, such as a clip that binds, hides it in the update).
     """
-    graphdef, state = nnx.split((model, optimizer))
-    loss, grads, state = _accumulated_jit(loss_fn, num_micro_batches, graphdef, state, batch)
-    nnx.update((model, optimizer), state)
-    return StepResult(loss, grads) if with_grads else loss
+    result = run_in_place(_accumulated_jit, (loss_fn, num_micro_batches), model, optimizer, batch)
+    return result if with_grads else result.loss
 
 
 class _FoundState:
@@ -169,7 +167,8 @@ def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate
     reference's optimizer state and ``gradient_step`` with the reference's ``step``; it also checks, exactly, that
     the NNX counter is ``k * steps`` (it counts micro-steps), that ``mini_step`` is 0 and that ``acc_grads`` is
     zero after every full step. The step returns the gradient it applied (:func:`accumulated_step`'s
-    ``with_grads``), compared with the reference's.
+    ``with_grads``), compared with the reference's; its ``program`` is that step's jitted program, which the
+    harness calls on the pair's Variables found once where it steps in place (no graph traversal a step).
     """
     k = num_micro_batches
 
@@ -208,4 +207,5 @@ def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate
         make_optimizer=make_optimizer,
         view_optimizer=view,
         extra_checks=extra,
+        program=(_accumulated_jit, (loss_fn, k)),
     )

@@ -189,10 +189,13 @@ def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity")
     return loss, grads
 
 
-def run_step(fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int) -> tuple:
+def run_step(
+    fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int, step: Callable | None = None
+) -> tuple:
     """One step of ``cand`` on ``(model, optimizer)`` in place: ``(loss, grads)``, either ``None`` when the step
     does not return it (:func:`unpack`). The one step call of the harness's loop and of a recorded run
-    (:func:`~shardcheck.parity.harness.recorded.record_run`); ``fn`` names the caller in its errors.
+    (:func:`~shardcheck.parity.harness.recorded.record_run`); ``fn`` names the caller in its errors. ``step``:
+    called in place of ``cand.step`` (the same step on the pair's Variables found once), with its errors.
 
     Raises:
         CandidateError: the step raised (the original error is its ``__cause__``), with the likely cause first
@@ -206,7 +209,7 @@ def run_step(fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping,
         if isinstance(hook, _Hook):
             hook.step = t  # what its error names
     try:
-        out = cand.step(model, optimizer, batch, **kwargs)
+        out = (cand.step if step is None else step)(model, optimizer, batch, **kwargs)
     except Exception as err:
         s, rows = cand.num_shards, batch_size(batch)
         hint = (

@@ -31,6 +31,7 @@ reruns that explain a failure :mod:`shardcheck.parity.diagnosis.hypotheses` and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -138,8 +139,12 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
 
 
 def _step_candidate(run: _Run, t: int, batch):
-    """The candidate's step ``t`` in place: ``(loss, grads)`` (:func:`run_step`, which a recorded run shares)."""
-    return run_step("check_parity", run.cand, run.cand_model, run.cand_opt, batch, run.kwargs, t)
+    """The candidate's step ``t`` in place: ``(loss, grads)`` (:func:`run_step`, which a recorded run shares); a
+    registered strategy with a ``program``, where the run steps in place, on its Variables found once."""
+    step = None
+    if run.in_place and run.cand.program is not None and not run.kwargs:
+        step = functools.partial(stepped_in_place, run, "cand_step", *run.cand.program)
+    return run_step("check_parity", run.cand, run.cand_model, run.cand_opt, batch, run.kwargs, t, step)
 
 
 def _compare_params(
