@@ -10,8 +10,12 @@
   its relative difference, not as a scale.
 """
 
+import dataclasses
+
+import pytest
+
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
-from shardcheck.parity.diagnosis.form import Form
+from shardcheck.parity.diagnosis.form import Form, form_from_leaves
 from shardcheck.parity.diagnosis.localization import checked_form, contradiction, localize
 
 TOL = 1e-3
@@ -136,3 +140,21 @@ def test_a_loss_factor_that_prints_as_1_is_said_by_its_relative_difference_not_a
     assert scaled.form.kind == "factor" and ": the loss at equal parameters is 1.001 x the reference's; " in (
         scaled.form.sentence
     )
+
+
+def test_a_ratio_whose_spread_holds_1_is_no_factor_and_never_a_normalization():
+    """A new user's trial 6 (gradients all-reduced in bfloat16; a replay of a decay-mask fault): "every gradient
+    is 1 x the reference's (spread 0.9958..1.005): one scale of the whole loss ... a wrong normalization". A ratio
+    whose spread holds 1 scales nothing; a factor whose spread lies off 1, however close, is still one."""
+    near = [
+        LeafError(0, "grad", f"l{i}.kernel", 1e-3, 1e-3, 1e-5, False, 0.9998, None, (0.9922, 1.002), (4, 4))
+        for i in range(4)
+    ]
+    form = form_from_leaves(near, update=False)
+    assert form.kind == "none" and form.factor is None
+    assert form.sentence.startswith("no factor: the elementwise ratio on all 4 failing leaves lies around 1 ")
+    assert "0.9922..1.002" in form.sentence and "about 0.0078 of its value" in form.sentence
+    assert "normalization" not in form.sentence and "scale of the whole" not in form.sentence
+    off = [dataclasses.replace(e, ratio=0.9, spread=(0.899, 0.901)) for e in near]
+    scaled = form_from_leaves(off, update=False)
+    assert scaled.kind == "factor" and scaled.factor == pytest.approx(0.9)

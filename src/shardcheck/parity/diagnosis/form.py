@@ -267,6 +267,23 @@ def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
     return _per_group(factors, stats, n)
 
 
+def _around_one(f: float, spread: tuple[float, float], n: int, basis: str) -> Form:
+    """A ratio whose spread holds 1 (``0.9958..1.005``): no factor, a difference of each element by up to the
+    spread's distance from 1 (a reduction rounded another way, or a slightly different computation), never a
+    scale of the loss or a learning rate."""
+    lo, hi = spread
+    worst = max(1.0 - lo, hi - 1.0)
+    return Form(
+        "none",
+        f"no factor: the elementwise ratio {_on_all(n)} lies around 1 ({lo:.4g}..{hi:.4g}, {basis}; median "
+        f"{f:.4g}): each element differs by up to about {worst:.2g} of its value, which no scale explains (the "
+        "values rounded another way, such as a sum in a lower precision or in another order, or computed slightly "
+        "differently)",
+        spread=spread,
+        leaves=n,
+    )
+
+
 def _one_factor(
     f: float,
     spread: tuple[float, float],
@@ -277,6 +294,8 @@ def _one_factor(
     basis: str = "10th-90th percentile",
 ) -> Form:
     lo, hi = spread
+    if lo <= 1.0 <= hi:  # a "factor" whose own spread holds 1 scales nothing
+        return _around_one(f, spread, n, basis)
     head = f"a constant factor {f:.4g} {_on_all(n)} (each leaf's elementwise ratio within {lo:.4g}..{hi:.4g}, {basis})"
     k = round(f)
     if update and k >= 2 and abs(f - k) <= RATIO_RTOL * k:
