@@ -646,7 +646,16 @@ def render_report(report, setup: str, against: str | None = None):
             f"{e.tolerance:.3g}",
             _verdict(e.ok),
         )
+    replicas = report.replica_failure
+    if replicas is not None:  # no leaf's error shows it: each device's copy may be within tolerance
+        table.add_row("replicas", _replica_cell(replicas), str(replicas.step), "-", "-", "-", _verdict(False))
     return table
+
+
+def _replica_cell(replicas) -> str:
+    """The leaf cell of a replica failure (:class:`~shardcheck.parity.report.ReplicaFailure`):
+    ``"opt_state 1.0.mu.bias (40 leaves along 'model' differ across devices)"``."""
+    return f"{replicas.leaf} ({replicas.text()} differ across devices)"
 
 
 def render_summary(reports, setup: str):
@@ -666,14 +675,19 @@ def render_summary(reports, setup: str):
         if isinstance(r, ErrorRow):
             table.add_row(name, _verdict("ERROR"), "-", "-", "-", "-", f"{r.error_type}: {r.reason}")
             continue
-        worst = r.worst
-        table.add_row(
-            name,
-            _verdict(r.verdict),
-            r.worst_leaf or "-",
-            f"{r.max_abs_err:.3g}",
-            f"{r.max_rel_err:.3g}",
-            "-" if worst is None else f"{worst.tolerance:.3g}",
-            ", ".join(r.codes),
-        )
+        table.add_row(name, _verdict(r.verdict), *_worst_cells(r), ", ".join(r.codes))
     return table
+
+
+def _worst_cells(report) -> tuple[str, str, str, str]:
+    """The summary's worst leaf, its errors and tolerance; where the replicas' disagreement is the only failure
+    (every leaf within tolerance), the first mismatched replica, with no error of its own ("-")."""
+    if report.only_replicas_fail:
+        return f"replicas: {_replica_cell(report.replica_failure)}", "-", "-", "-"
+    worst = report.worst
+    return (
+        report.worst_leaf or "-",
+        f"{report.max_abs_err:.3g}",
+        f"{report.max_rel_err:.3g}",
+        "-" if worst is None else f"{worst.tolerance:.3g}",
+    )

@@ -11,6 +11,33 @@ from shardcheck.parity.diagnosis.localization import Localization
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaFailure:
+    """The first step whose replicated leaves hold different values on different devices
+    (``StepRecord.replica_mismatches``): a failure no leaf's error shows, each device's copy may be within tolerance.
+
+    Attributes:
+        step: the 0-based step of the first record with a mismatch.
+        leaf: the first mismatched leaf of that step, by ``LeafError.name`` (``"opt_state 1.0.mu.bias"``).
+        leaves: how many leaves of that step mismatch.
+        axes: the mesh axes along which their copies differ (``StepRecord.replica_axes``); ``()`` where unknown.
+    """
+
+    step: int
+    leaf: str
+    leaves: int
+    axes: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        """``"40 leaves along 'model'"`` (``"1 leaf"`` with no axes known)."""
+        count = f"{self.leaves} leaf" if self.leaves == 1 else f"{self.leaves} leaves"
+        return count + (f" along {', '.join(repr(a) for a in self.axes)}" if self.axes else "")
+
+    def to_dict(self) -> dict:
+        """``step``, ``leaf``, ``leaves`` and ``axes`` (a list)."""
+        return {"step": self.step, "leaf": self.leaf, "leaves": self.leaves, "axes": list(self.axes)}
+
+
+@dataclasses.dataclass(frozen=True)
 class ParityReport:
     """The result of :func:`check_parity`.
 
@@ -147,6 +174,21 @@ class ParityReport:
         first = [] if self.localization is None else [f"Localization: {self.localization.text()}"]
         return " ".join([*first, *(d.message for d in self.diagnoses)])
 
+    @property
+    def replica_failure(self) -> ReplicaFailure | None:
+        """The first step whose replicas differ across devices (:class:`ReplicaFailure`), or ``None`` where every
+        step's replicas agree (and in a replay, whose digests hold no device's own copy)."""
+        record = next((r for r in self.steps if r.replica_mismatches), None)
+        if record is None:
+            return None
+        mismatches = record.replica_mismatches
+        return ReplicaFailure(record.step, mismatches[0], len(mismatches), tuple(record.replica_axes))
+
+    @property
+    def only_replicas_fail(self) -> bool:
+        """The replicas' disagreement is the run's only failure: every compared leaf within its tolerance."""
+        return self.replica_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves)
+
     def worst_by_kind(self) -> dict[str, LeafError]:
         """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps."""
         out: dict[str, LeafError] = {}
@@ -161,7 +203,9 @@ class ParityReport:
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
-        ``precision_recheck``, ``devices``, ``localization``. A replay against a recording (:attr:`replay`) has
+        ``precision_recheck``, ``devices``, ``localization``, ``replica_failure`` (:attr:`replica_failure`'s
+        ``to_dict``, or ``None``: the first step whose replicas differ, beside ``replica_mismatches``, which lists
+        every mismatched leaf of every step). A replay against a recording (:attr:`replay`) has
         the same fields, read from its records, and its digest comparison's own beside them
         (:meth:`~shardcheck.parity.comparison.digest.RunComparison.report_dict`: ``run``, ``recorded_run``,
         ``first_failure``, ``cause``, ``evidence``, ``notes``, ``bitwise``, ``hashes_matched``,
@@ -201,6 +245,7 @@ class ParityReport:
             "step_count": None if record_last is None else record_last.step_count,
             "candidate_step_count": None if record_last is None else record_last.candidate_step_count,
             "replica_mismatches": sorted({p for r in self.steps for p in r.replica_mismatches}),
+            "replica_failure": None if self.replica_failure is None else self.replica_failure.to_dict(),
             "unresolved": sorted({p for r in self.steps for p in r.unresolved}),
             "worst_by_kind": {
                 kind: {
@@ -249,6 +294,9 @@ class ParityReport:
                 f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {e.max_rel_err:<10.3g} "
                 f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}"
             )
+        replicas = self.replica_failure
+        if replicas is not None:
+            lines.append(f"  {'replicas':<9} {replicas.leaf} at step {replicas.step}: {replicas.text()} FAIL")
         if self.localization is not None:  # first in the diagnosis: the catalog's rules explain on top of it
             lines.append(f"  [localization] {self.localization.text()}")
         for d in self.diagnoses:
