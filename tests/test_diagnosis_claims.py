@@ -575,3 +575,43 @@ def test_a_nan_in_the_candidate_is_said_as_nan_and_no_ratio_or_form_is_read_from
     )
     assert "non_finite" not in [d.code for d in rules.diagnose([finite])]
     assert "not finite" not in localize([finite]).text()
+
+
+# ------------------------------------------------------------------- causes the forward stage already rules out
+
+
+def test_a_loss_that_differs_first_is_said_as_a_loss_computed_another_way_or_at_other_parameters():
+    """Trial 6 (label smoothing dropped in the sharded step): "First difference ...: the forward pass" and "every
+    module's output matches", then the catalog's generic "(shards applied one after another, gradients taken at
+    different parameters, or a wrong loss)" read as if it ignored them. The loss a step returns can still differ
+    because it was taken at other parameters (tests/test_parity.py's sequential step: each shard after the
+    previous one's update), so that stays a cause; what the records show is said first, and where every module
+    matched, that the difference lies around the modules."""
+    from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
+
+    def leaf(kind, path, ok, ratio=None, spread=None):
+        err = 0.0 if ok else 1e-3
+        return LeafError(0, kind, path, err, err, 1e-5, ok, ratio, None, spread, (4, 4))
+
+    grads = [leaf("grad", f"l{i}.kernel", False, 1.02, (0.91, 1.09)) for i in range(4)]
+    params = [leaf("param", f"l{i}.kernel", True) for i in range(4)]
+    moments = [leaf("opt_state", f"0.mu.l{i}.kernel", False, 1.02, (0.9, 1.1)) for i in range(4)]
+    loss = leaf("loss", "loss", False, 0.9969, (0.9969, 0.9969))
+    record = StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (loss, *grads, *params, *moments, *COUNTERS_MATCH), 1, 1)
+    mesh = {"data": 2, "model": 2}
+    cleared = ModuleFinding(
+        status="matches", max_abs_err=1e-6, tolerance=1e-4, matched_before=26, compared=26
+    )
+    said = {}
+    for name, module in (("cleared", cleared), ("unprobed", None)):
+        found = rules.diagnose([dataclasses.replace(record, module=module)], mesh_shape=mesh)
+        said[name] = next(d.message for d in found if d.code == "update_differs")
+        assert "the loss it returns is not the full-batch loss at its starting parameters" in said[name], name
+        assert "or taken at other parameters (shards applied one after another)" in said[name], name
+        assert "gradients taken at different parameters" not in said[name], name
+    assert "every captured module's output matches" in said["cleared"]
+    assert "collectives the step runs around the modules itself" in said["cleared"]
+    assert "every captured module" not in said["unprobed"]
+    # the loss matching (a later stage first): not said as a loss that differs
+    later = dataclasses.replace(record, leaves=(leaf("loss", "loss", True), *grads, *params, *moments))
+    assert "the loss it returns" not in " ".join(d.message for d in rules.diagnose([later]))

@@ -1098,10 +1098,38 @@ def _not_one_step(record: StepRecord) -> str:
             f"a wrong loss: at equal parameters the forward pass as sharded computes another function, from "
             f"{found.module} on (the module whose output differs first)."
         )
+    if _forward_first(record):
+        around = (
+            " (every captured module's output matches, each module run under the candidate's placement at equal "
+            "parameters: the difference is in what the step does around them)"
+            if _modules_cleared(record)
+            else ""
+        )
+        itself = ", or collectives the step runs around the modules itself" if around else ""
+        return (
+            f"not a single reduced step: the loss it returns is not the full-batch loss at its starting "
+            f"parameters{around}: computed another way (the loss's terms, labels, weights or normalization"
+            f"{itself}), or taken at other parameters (shards applied one after another)."
+        )
     return (
         "not a single reduced step (shards applied one after another, gradients taken at different parameters, "
         "or a wrong loss)."
     )
+
+
+def _forward_first(record: StepRecord) -> bool:
+    """Whether the record's first differing stage is the forward pass (the loss at equal parameters)."""
+    from shardcheck.parity.diagnosis.localization import localize
+
+    found = localize([record])
+    return found is not None and found.stage == "forward"
+
+
+def _modules_cleared(record: StepRecord) -> bool:
+    """Whether the forward pass differs first while the module probe found every module's output matching: the
+    difference is then in the step's own forward or loss, not inside a module as the probe ran it."""
+    found = record.module
+    return found is not None and getattr(found, "status", "") == "matches" and _forward_first(record)
 
 
 _KIND_NOUNS = {"loss": "the loss", "grad": "the gradients", "opt_state": "the optimizer state"}
@@ -1142,7 +1170,8 @@ def _forward_hint(ctx: DiagnosisContext) -> str:
     axis = model[0]
     return (
         f" A loss that differs on a mesh that splits the model over {tuple(model)} says the sharded forward pass "
-        f"computes another function, e.g. a replicated bias added on every shard before the psum over {axis!r} "
+        f"computes another function, e.g. a loss sum each shard divides by its own count, a replicated bias "
+        f"added on every shard before the psum over {axis!r} "
         f"(it counts {shape[axis]} times; add it after the psum), or a row-parallel output not psum-ed over "
         f"{axis!r}."
     )
