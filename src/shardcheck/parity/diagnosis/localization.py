@@ -46,7 +46,8 @@ STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counte
 DIFFERS, MATCHES, NOT_OBSERVED = "differs", "matches", "not observed"
 # what a first difference at each stage means
 MEANING = {
-    "forward": "the forward pass computes another loss at equal parameters (the model or the loss, as sharded)",
+    "forward": "the forward pass computes another loss at equal parameters (the model or the loss, as sharded; "
+    "or the loss returned was taken at other parameters)",
     "gradients": "the gradients were computed or reduced differently for these leaves",
     "replicas": "a replicated leaf's copies disagree across devices: a reduction missed an axis",
     "optimizer": "equal gradients give a different update or state: the mistake is in how the update was "
