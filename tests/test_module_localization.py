@@ -1,12 +1,19 @@
-"""The forward stage one level down: the first module whose output differs (``parity/harness/module_probe.py``).
+"""The forward stage one level down: the first module whose output differs while its inputs matched
+(``parity/harness/module_probe.py``, ``parity/diagnosis/module_outputs.py``).
 
 A tiny model written the Flax NNX way: two blocks, each a head-parallel attention and a column/row-parallel MLP
 whose ``__call__`` runs a ``jax.shard_map`` over the mesh's ``model`` axis when the current mesh has one (else it
 computes directly, as on the reference's one device). A user's GSPMD step runs it under ``jax.set_mesh`` on a
 data=2 x model=2 mesh. Planted: the row-parallel ``psum`` over ``model`` left out of block 1's MLP only; the
-report FAILs at the forward stage and names exactly ``blocks.1.mlp.__call__`` with its numbers, every module
-output before it matching. Both sides: the correct model PASSes (no probe), and a fault outside every module (a
-step that scales its loss) FAILs at the forward stage with every module's output matching.
+report FAILs at the forward stage and names exactly ``blocks.1.mlp.__call__`` (a module that calls no other) with
+its numbers, every module output before it matching. Both sides: the correct model PASSes (no probe), and a fault
+outside every module (a step that scales its loss) FAILs at the forward stage with every module's output matching.
+
+A second tiny model puts the fault in a parent's own code, as trial 6 did (a wrong attention scale, a log of 0,
+between a child's call and the next child's): the probe names the parent, not the rate-0 ``Dropout`` child after
+the fault whose input already differs; where the fault is after the last child, the parent with every child
+matching; a NaN is said "not finite"; and a loss that changes the model's input under the mesh is said as a
+difference before every module.
 """
 
 from __future__ import annotations
@@ -123,16 +130,16 @@ def _task(unreduced: int | None = None) -> Task:
     )
 
 
-def _gspmd(loss_scale: float = 1.0):
+def _gspmd(loss_scale: float = 1.0, loss=_loss):
     """A user's GSPMD step, the Flax NNX guide's way: the state placed from its annotations, the batch split over
     ``data``, a jitted step under ``jax.set_mesh`` (so the modules see the ``model`` axis). ``loss_scale``: a
-    fault outside every module, the step's own loss scaled."""
+    fault outside every module, the step's own loss scaled; ``loss``: the loss the step differentiates."""
 
     @nnx.jit
     def train(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(lambda m: loss_scale * _loss(m, batch))(model)
+        value, grads = nnx.value_and_grad(lambda m: loss_scale * loss(m, batch))(model)
         optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
+        return {"loss": value, "grads": grads}
 
     def gspmd_step(model, optimizer, batch, mesh):
         with jax.set_mesh(mesh):
@@ -181,11 +188,13 @@ def test_a_psum_left_out_of_one_blocks_mlp_is_named_as_the_first_module_that_dif
     assert found.tolerance == pytest.approx(atol + rtol * _max_ref_mlp_output(task), rel=1e-6)
     # one model shard's partial sum instead of the whole: off by about the output itself, far beyond rounding
     assert found.max_abs_err > 0.1 and found.max_abs_err > 1e4 * found.tolerance
-    assert (
-        "the first module whose output differs under the candidate's placement (mesh data=2 x model=2) is "
-        in (found.text())
+    assert (found.input_of, found.children_matched, found.not_finite) == ("", (), 0)
+    assert found.text() == (
+        "the first module whose output differs while its inputs match, under the candidate's placement (mesh "
+        f"data=2 x model=2), is blocks.1.mlp.__call__ (max abs err {found.max_abs_err:.3g} > tolerance "
+        f"{found.tolerance:.3g}, at equal parameters): the difference begins in blocks.1.mlp.__call__'s own "
+        "computation as sharded (it calls no captured module)"
     )
-    assert "the 9 module outputs computed before it match" in found.text()
 
 
 @require_devices(4)
@@ -226,3 +235,145 @@ def _max_ref_mlp_output(task: Task) -> float:
     model = task.new_model()
     _, sown = nnx.capture(_loss, nnx.Intermediate, method_outputs=nnx.Intermediate)(model, task.batches[0])
     return float(jnp.max(jnp.abs(sown["blocks"][1]["mlp"]["__call__"][0])))
+
+
+# ------------------------------------------------------------------------- a fault in a parent's own code
+
+
+class Planted(nnx.Module):
+    """Three children, called in turn: ``up`` (column-parallel), a rate-0 ``drop`` (a no-op) and ``down``
+    (row-parallel, no bias). ``fault``, on the sharded path only (under a mesh with ``model``): ``"between"``
+    scales ``up``'s activation by 1.25 before ``drop`` (trial 6's attention scale), ``"nan"`` adds ``0 * log 0``
+    there (trial 6's NaN), ``"after"`` scales ``down``'s output by 1.25 (after every child)."""
+
+    def __init__(self, rngs: nnx.Rngs, fault: str = ""):
+        self.up = nnx.Linear(D, MLP_DIM, kernel_init=nnx.with_partitioning(INIT, (None, "model")), rngs=rngs)
+        self.drop = nnx.Dropout(0.0, rngs=rngs)
+        self.down = nnx.Linear(
+            MLP_DIM, D, use_bias=False, kernel_init=nnx.with_partitioning(INIT, ("model", None)), rngs=rngs
+        )
+        self.fault = fault
+
+    def __call__(self, x):
+        h = nnx.gelu(self.up(x))
+        planted = self.fault if _model_axis() else ""
+        if planted == "between":
+            h = 1.25 * h
+        if planted == "nan":
+            h = h + 0.0 * jnp.log(jnp.zeros_like(h))
+        y = self.down(self.drop(h))
+        return 1.25 * y if planted == "after" else y
+
+
+class PlantedNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, fault: str = ""):
+        self.embed = nnx.Linear(FEATURES, D, rngs=rngs)
+        self.mlp = Planted(rngs, fault)
+        self.head = nnx.Linear(D, FEATURES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.mlp(self.embed(x)))
+
+
+def _input_scaled_loss(model, batch):
+    """The loss with the model's input scaled by 1.25 under a mesh with ``model``: code outside every module."""
+    x, y = batch
+    return jnp.mean((model(1.25 * x if _model_axis() else x) - y) ** 2)
+
+
+def _planted_task(fault: str, loss=_loss) -> Task:
+    return dataclasses.replace(
+        _task(), model=lambda: PlantedNet(nnx.Rngs(0), fault), loss_fn=loss, name=f"planted-{fault}"
+    )
+
+
+def _reference_max(task: Task, key: str) -> float:
+    """``max |output|`` of the module method ``key`` (``"mlp.drop.__call__"``) in the reference's forward."""
+    model = task.new_model()
+    _, sown = nnx.capture(task.loss_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)(
+        model, task.batches[0]
+    )
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sown)}
+    return float(jnp.max(jnp.abs(flat[key][0])))
+
+
+@require_devices(4)
+@pytest.mark.parametrize("fault", ["between", "after"])
+def test_a_fault_in_a_parents_own_code_names_the_parent_and_the_children_around_it(mesh, fault):
+    """Trial 6: a wrong scale between ``up`` and the rate-0 ``drop`` was named ``mlp.drop.__call__`` (the first
+    output that differs, though its input differed already). The parent is named, with the child that got a
+    different input and the children before it that matched; after the last child, every child matches."""
+    task = _planted_task(fault)
+    found = _forward_module(check_parity(_gspmd(), task, mesh=mesh))
+    assert (found.status, found.module, found.compared) == ("differs", "mlp.__call__", 7)
+    # the output is 1.25 x the reference's (down has no bias): off by 0.25 of its largest entry
+    assert found.max_abs_err == pytest.approx(0.25 * _reference_max(task, "mlp.__call__"), rel=1e-4)
+    rtol, atol = module_tolerance_for(task)
+    assert found.tolerance == pytest.approx(atol + rtol * _reference_max(task, "mlp.__call__"), rel=1e-6)
+    head = (
+        "the first module whose output differs while its inputs match, under the candidate's placement (mesh "
+    )
+    head += f"data=2 x model=2), is mlp.__call__ (max abs err {found.max_abs_err:.3g} > tolerance "
+    head += f"{found.tolerance:.3g}, at equal parameters): the difference begins in mlp.__call__'s own code "
+    if fault == "after":
+        assert (found.input_of, found.matched_before) == ("", 4)  # embed, up, drop, down
+        assert found.children_matched == ("mlp.up.__call__", "mlp.drop.__call__", "mlp.down.__call__")
+        assert found.text() == head + (
+            "after its children's calls: every child's input and output matched (mlp.up.__call__, "
+            "mlp.drop.__call__, mlp.down.__call__)"
+        )
+        return
+    assert (found.input_of, found.children_matched, found.matched_before) == (
+        "mlp.drop.__call__",
+        ("mlp.up.__call__",),
+        2,  # embed and up; drop and down (inputs already different) differ before it
+    )
+    drop = _reference_max(task, "mlp.drop.__call__")  # the rate-0 dropout returns its input: gelu(up(x))
+    assert found.input_max_abs_err == pytest.approx(0.25 * drop, rel=1e-4)
+    assert found.input_tolerance == pytest.approx(atol + rtol * drop, rel=1e-6)
+    assert found.text() == head + (
+        "between its children's calls: its child mlp.drop.__call__ got a different input (max abs err "
+        f"{found.input_max_abs_err:.3g} > tolerance {found.input_tolerance:.3g}) while every earlier child's "
+        "output (mlp.up.__call__) matched"
+    )
+
+
+@require_devices(4)
+def test_a_nan_in_a_parents_own_code_is_said_not_finite_with_its_count(mesh):
+    """Trial 6's ``h + 0 * log(0)`` between ``up`` and ``drop`` was "max abs err inf > tolerance 0" at the
+    dropout; now the parent, every entry of the activation and of the output not finite, counted."""
+    found = _forward_module(check_parity(_gspmd(), _planted_task("nan"), mesh=mesh))
+    assert (found.status, found.module, found.input_of) == ("differs", "mlp.__call__", "mlp.drop.__call__")
+    assert (found.not_finite, found.input_not_finite) == (BATCH * SEQ * D, BATCH * SEQ * MLP_DIM)
+    assert found.text().endswith(
+        "is mlp.__call__ (not finite: 256 entries NaN or infinite where the reference's are finite, at equal "
+        "parameters): the difference begins in mlp.__call__'s own code between its children's calls: its child "
+        "mlp.drop.__call__ got a different input (not finite: 512 entries NaN or infinite where the reference's "
+        "are finite) while every earlier child's output (mlp.up.__call__) matched"
+    )
+    assert "inf >" not in found.text() and "tolerance 0" not in found.text()
+
+
+@require_devices(4)
+def test_a_loss_that_changes_the_models_input_is_a_difference_before_every_module(mesh):
+    """Every output that differs got a different input: no module is named as the place; the first (``embed``)
+    is said with its input's error, 0.25 x the batch's largest feature."""
+    task = _planted_task("", loss=_input_scaled_loss)
+    found = _forward_module(check_parity(_gspmd(loss=_input_scaled_loss), task, mesh=mesh))
+    assert (found.status, found.module, found.input_of, found.matched_before) == (
+        "input differs",
+        "embed.__call__",
+        "embed.__call__",
+        0,
+    )
+    x = task.batches[0][0]
+    assert found.input_max_abs_err == pytest.approx(0.25 * float(np.max(np.abs(x))), rel=1e-6)
+    assert found.text().startswith(
+        "no module's output differs while its inputs match under the candidate's placement (mesh data=2 x "
+        "model=2): the first module whose output differs, embed.__call__ (max abs err "
+    )
+    assert found.text().endswith(
+        f"got a different input already (max abs err {found.input_max_abs_err:.3g} > tolerance "
+        f"{found.input_tolerance:.3g}): the difference begins before it, in code outside every captured module "
+        "call (the step's own forward or loss)"
+    )

@@ -1,9 +1,10 @@
-"""The module probe: on a failing step localized to the forward pass, the first module whose output differs.
+"""The module probe: on a failing step localized to the forward pass, the first module whose output differs while
+its inputs matched.
 
 The task's forward, ``task.loss_fn(model, batch)``, runs twice at equal parameters (the reference's before the
-localized step; at step 0, the task's initial model) on that step's batch, wrapped in
-``nnx.capture(..., nnx.Intermediate, method_outputs=nnx.Intermediate)`` so that every module method's output is
-kept:
+localized step; at step 0, the task's initial model) on that step's batch, every module method call recorded
+(:func:`recorded_calls`: its array arguments, the array leaves of its output, its start and end in the call
+sequence and the call that made it; sown, collected with ``nnx.capture(..., ModuleCallRecord)``):
 
 - the reference side: the model on one device, as the reference runs;
 - the candidate side: the same parameter values placed with the shardings the candidate's model holds (read from
@@ -11,13 +12,11 @@ kept:
   (``jax.set_mesh``), so that annotated (GSPMD) modules and modules whose ``__call__`` runs a ``jax.shard_map``
   over the mesh execute their parallel logic.
 
-The outputs are compared in the order the modules finished: the index of the operation that produced each output
-in the candidate's traced program (its ``jaxpr``, which records the operations in the order Python ran them), a
-child before its parent where a parent returns its child's output unchanged. The first that differs is the
-deepest module whose output differs while every module output computed before it matched (Megatron's rule;
-:mod:`shardcheck.parity.diagnosis.module_outputs`).
+:func:`~shardcheck.parity.diagnosis.module_outputs.find_module` reads the calls in the order they finished (a
+child before its parent) and names the first whose output differs while its inputs matched (Megatron's rule),
+with where in its own code the difference begins (between two children's calls, or after them).
 
-Tolerance (:func:`module_tolerance`): each output, normwise, ``max|c - r| <= atol + rtol * max|r|`` with the rule
+Tolerance (:func:`module_tolerance`): each input and output, normwise, ``max|c - r| <= atol + rtol * max|r|`` with the rule
 the check itself assumes at equal parameters (step 0, :func:`~shardcheck.parity.tolerance.derive.derive_tolerance`
 for the task's reduction length, ``rtol = 16 eps sqrt(n)``, ``atol = eps sqrt(n)``, eps the parameters' unit
 roundoff or float32's), plus ``COMPUTE_SAFETY * eps_c`` relative under a compute dtype or matmul precision coarser
@@ -31,8 +30,11 @@ localization stays at the stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
+import itertools
 
 import jax
 import numpy as np
@@ -43,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from shardcheck.parity.comparison.live import flatten_state, to_host
 from shardcheck.parity.diagnosis.evidence import StepRecord
 from shardcheck.parity.diagnosis.localization import localize
-from shardcheck.parity.diagnosis.module_outputs import DIFFERS, MATCHES, NOT_CAPTURED, ModuleFinding
+from shardcheck.parity.diagnosis.module_outputs import NOT_CAPTURED, ModuleCall, ModuleFinding, find_module
 from shardcheck.parity.harness.state import _Run
 from shardcheck.parity.tolerance.derive import derive_tolerance
 from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE, COMPUTE_SAFETY
@@ -66,7 +68,8 @@ def module_evidence(run: _Run, record: StepRecord, snapshots, batch) -> StepReco
 
 
 def probe_modules(run: _Run, ref_params0: dict, batch) -> ModuleFinding:
-    """The first module whose output differs between the reference's forward and the candidate-placed one.
+    """The first module whose output differs while its inputs matched, between the reference's forward and the
+    candidate-placed one.
 
     Args:
         run: the parity run (its task, its reference model's graph and its candidate model's placement).
@@ -74,21 +77,18 @@ def probe_modules(run: _Run, ref_params0: dict, batch) -> ModuleFinding:
         batch: the step's batch.
 
     Returns:
-        A :class:`ModuleFinding`: ``"differs"`` with the module, its error, tolerance and how many outputs before
-        it matched; ``"matches"`` with the worst output; or ``"not captured"`` naming the exception's type when
-        the capture or a forward raised (never raised to the caller).
-    """
+        A :class:`ModuleFinding` (:func:`~shardcheck.parity.diagnosis.module_outputs.find_module`): ``"differs"``
+        with the module, its error and tolerance and where in its own code; ``"input differs"``; ``"matches"``
+        with the worst output; or ``"not captured"`` naming the exception's type when the capture or a forward
+        raised (never raised to the caller)."""
     try:
         graphdef, params, rest = _model_parts(run, ref_params0)
         mesh = _candidate_mesh(run)
-        ref, _ = _captured(graphdef, run.task.loss_fn, *_on_one_device(params, rest, batch))
+        ref = _captured(graphdef, run.task.loss_fn, *_on_one_device(params, rest, batch))
         placed = _as_candidate(run, mesh, params, rest, batch)
-        if mesh is None:
-            cand, order = _captured(graphdef, run.task.loss_fn, *placed)
-        else:
-            with jax.set_mesh(mesh):
-                cand, order = _captured(graphdef, run.task.loss_fn, *placed)
-        return _first_difference(ref, cand, order, module_tolerance(run, batch), _where(mesh))
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            cand = _captured(graphdef, run.task.loss_fn, *placed)
+        return find_module(ref, cand, module_tolerance(run, batch), _where(mesh))
     except Exception as err:  # noqa: BLE001  (the probe adds evidence; it never fails the check)
         return ModuleFinding(NOT_CAPTURED, error=type(err).__name__)
 
@@ -143,86 +143,94 @@ def _as_candidate(run: _Run, mesh, params, rest, batch):
     return params, jax.device_put(rest, whole), jax.device_put(batch, whole)
 
 
+class ModuleCallRecord(nnx.Intermediate):
+    """What :func:`recorded_calls` sows for one module method call: ``{"start", "end", "parent", "inputs",
+    "output"}`` (:class:`~shardcheck.parity.diagnosis.module_outputs.ModuleCall`'s fields, arrays)."""
+
+
+@contextlib.contextmanager
+def recorded_calls(model: nnx.Module):
+    """Within the block, every call of ``__call__`` or a public method that the classes of ``model``'s modules
+    define themselves (the methods ``nnx.capture(..., method_outputs=...)`` wraps) sows a
+    :class:`ModuleCallRecord`: its array arguments, the array leaves of its output, and its start, end and calling
+    call's start in one sequence (constants of the traced program). Collect them with
+    ``nnx.capture(fn, ModuleCallRecord)``; the classes are restored on leaving the block, raise or not."""
+    counter, stack, originals = itertools.count(), [], {}
+    for cls in {type(m) for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}:
+        for name, method in list(vars(cls).items()):
+            if inspect.isfunction(method) and (name == "__call__" or not name.startswith("_")):
+                originals[cls, name] = method
+                setattr(cls, name, _recording(method, name, counter, stack))
+    try:
+        yield
+    finally:
+        for (cls, name), method in originals.items():
+            setattr(cls, name, method)
+
+
+def _recording(method, name: str, counter, stack: list):
+    """``method`` sowing its call's :class:`ModuleCallRecord` after it returns (on a module being captured)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        start = next(counter)
+        parent = stack[-1] if stack else -1
+        stack.append(start)
+        try:
+            out = method(self, *args, **kwargs)
+        finally:
+            stack.pop()
+        if hasattr(self, "__captures__"):
+            numbers = {
+                k: np.int32(v) for k, v in (("start", start), ("end", next(counter)), ("parent", parent))
+            }
+            self.sow(
+                ModuleCallRecord, name, {**numbers, "inputs": _arrays((args, kwargs)), "output": _arrays(out)}
+            )
+        return out
+
+    return wrapper
+
+
+def _arrays(tree) -> list:
+    """The array leaves of ``tree`` (modules and variables not entered; no PRNG key)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (nnx.Module, nnx.Variable)))
+    return [
+        x
+        for x in leaves
+        if isinstance(x, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+    ]
+
+
 @functools.lru_cache(maxsize=8)
 def _forward(graphdef, loss_fn):
-    """The jitted forward of ``loss_fn`` on the model ``graphdef`` that returns every module method's captured
-    outputs, ``{"module.path.method": (output of each call, ...)}`` (one per graph and loss: a later failing step
-    of the same run reuses its programs)."""
+    """The jitted forward of ``loss_fn`` on the model ``graphdef`` that returns every module method call's record,
+    ``{"module.path.method": (record of each call, ...)}`` (one per graph and loss: a later failing step of the
+    same run reuses its programs)."""
 
     def forward(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
-        capture = nnx.capture(loss_fn, nnx.Intermediate, method_outputs=nnx.Intermediate)
-        _, sown = capture(model, batch)
+        with recorded_calls(model):
+            _, sown = nnx.capture(loss_fn, ModuleCallRecord)(model, batch)
         return {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(sown)}
 
     return jax.jit(forward)
 
 
-def _captured(graphdef, loss_fn, params, rest, batch) -> tuple[dict, list]:
-    """Every module method's outputs of one jitted forward, ``{(module.method, call): [host arrays]}``, and those
-    keys in the order they finished (the traced program's producing operation; deeper first on a tie)."""
+def _captured(graphdef, loss_fn, params, rest, batch) -> dict[str, ModuleCall]:
+    """Every module method call of one jitted forward, ``{name: ModuleCall}`` with host arrays."""
     args = (nnx.as_pure(params), nnx.as_pure(rest), batch)  # arrays only: the callers' trees stay as they are
     try:
         jitted = _forward(graphdef, loss_fn)
     except TypeError:  # an unhashable loss callable: its own program, not kept
         jitted = _forward.__wrapped__(graphdef, loss_fn)
-    traced = jitted.trace(*args)  # the order in which the outputs were made; the call below runs the program
-    out = jitted(*args)
-    jaxpr = traced.jaxpr.jaxpr
-    made = {id(v): i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
-    finished: dict[tuple[str, int], int] = {}
-    outputs: dict[tuple[str, int], list] = {}
-    flat = jax.tree_util.tree_flatten_with_path(out)[0]
-    for (path, value), var in zip(flat, jaxpr.outvars, strict=True):
-        key = (path[0].key, path[1].idx)
-        finished[key] = max(finished.get(key, -1), made.get(id(var), -1))
-        outputs.setdefault(key, []).append(np.asarray(to_host(value)))
-    order = sorted(finished, key=lambda k: (finished[k], -k[0].count("."), k[1]))
-    return outputs, order
-
-
-def _error(ref: list, cand: list, rtol: float, atol: float) -> tuple[float, float]:
-    """``(max abs err, tolerance)`` of one module output: of its array that exceeds its tolerance the most (or
-    comes nearest to it). Each array normwise, ``atol + rtol max|r|``; integers and booleans exactly; ``inf``
-    where the shapes or the non-finite entries differ."""
-    pairs = [_array_error(r, c, rtol, atol) for r, c in zip(ref, cand, strict=True)]
-    return max(pairs, key=lambda p: p[0] - p[1], default=(0.0, 0.0))
-
-
-def _array_error(r: np.ndarray, c: np.ndarray, rtol: float, atol: float) -> tuple[float, float]:
-    if r.shape != c.shape:
-        return float("inf"), 0.0
-    exact = not np.issubdtype(r.dtype, np.inexact)
-    r, c = r.astype(np.float64), c.astype(np.float64)
-    finite = np.isfinite(r)
-    if not np.array_equal(finite, np.isfinite(c)) or not np.array_equal(
-        r[~finite], c[~finite], equal_nan=True
-    ):
-        return float("inf"), 0.0
-    err = float(np.max(np.abs(r[finite] - c[finite]), initial=0.0))
-    return err, 0.0 if exact else atol + rtol * float(np.max(np.abs(r[finite]), initial=0.0))
-
-
-def _name(key: tuple[str, int]) -> str:
-    return key[0] if key[1] == 0 else f"{key[0]} (call {key[1] + 1})"
-
-
-def _first_difference(
-    ref: dict, cand: dict, order: list, tol: tuple[float, float], where: str
-) -> ModuleFinding:
-    """The :class:`ModuleFinding` of the outputs both sides captured, read in ``order``."""
-    keys = [k for k in order if k in ref and len(ref[k]) == len(cand[k])]
-    if not keys:  # the forward called no module method that capture wraps, or the two sides none in common
-        return ModuleFinding(NOT_CAPTURED, error="no module output on both sides", where=where)
-    worst = None
-    for i, key in enumerate(keys):
-        err, bound = _error(ref[key], cand[key], *tol)
-        if err > bound:
-            return ModuleFinding(DIFFERS, _name(key), err, bound, i, len(keys), where)
-        if worst is None or err / max(bound, 1e-300) > worst[1] / max(worst[2], 1e-300):
-            worst = (key, err, bound)
-    key, err, bound = worst
-    return ModuleFinding(MATCHES, _name(key), err, bound, len(keys), len(keys), where)
+    calls = {}
+    for key, records in jitted(*args).items():
+        for i, r in enumerate(records):
+            host = [tuple(np.asarray(to_host(a)) for a in r[part]) for part in ("inputs", "output")]
+            name = key if i == 0 else f"{key} (call {i + 1})"
+            calls[name] = ModuleCall(name, int(r["start"]), int(r["end"]), int(r["parent"]), *host)
+    return calls
 
 
 def _where(mesh) -> str:
