@@ -196,6 +196,29 @@ def test_a_nan_where_the_recording_has_a_number_fails_as_nan(identical_pair):
 
 
 @require_devices(2)
+def test_a_passing_replay_on_a_mesh_says_once_that_it_compared_no_replicas(identical_pair):
+    """From trial 6: a step whose only fault is replicas that differ (a clip per device) replayed against a correct
+    recording PASSes; the pass says once that a replay does not compare the copies and a live check does. A
+    failing replay (its localization says "the replicas: not observed") and a run on one device say nothing."""
+    from shardcheck.parity.comparison.digest import REPLICAS_UNSEEN, compare_run
+
+    recorded, replayed = identical_pair
+    passed = compare_run(recorded, replayed)
+    assert passed.ok and [n for n in passed.notes if REPLICAS_UNSEEN in n] == [
+        "A replay compares digests, which hold no device's own copy: the replicas' agreement was not compared "
+        "(whether each replicated leaf holds the same values on every device of mesh data=2). A live check "
+        "compares them (check_parity against the reference; verify without --against)."
+    ]
+    assert str(passed.report()).count(REPLICAS_UNSEEN) == 1
+    j = recorded.names.index(next(n for n in recorded.names if n.startswith("param ")))
+    failed = compare_run(recorded, _changed(replayed, max=lambda a: a + (np.arange(a.shape[1]) == j)))
+    assert not failed.ok and not any(REPLICAS_UNSEEN in n for n in failed.notes)
+    one = [dataclasses.replace(r, meta={**r.meta, "mesh": {"data": 1}}) for r in identical_pair]
+    alone = compare_run(*one)
+    assert alone.ok and not any(REPLICAS_UNSEEN in n for n in alone.notes)
+
+
+@require_devices(2)
 def test_a_loss_off_with_gradients_at_ratio_1_is_named_a_forward_change(identical_pair):
     """A missing reduction in the forward pass (a psum over a tensor axis) moves the loss and the gradients' values
     but not their scale: the cause names the forward pass, never "a changed learning rate" at a ratio of 1."""

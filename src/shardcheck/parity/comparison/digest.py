@@ -729,7 +729,9 @@ def compare_run(
 
     Not measured by a digest, and so never read by a rule for a replay: the replicas' agreement
     (``replica_mismatches``, ``replica_axes``), the reruns of the known faulty reductions (``matches``), the
-    re-check of a late failure from identical state (``synchronized``) and the scale evidence.
+    re-check of a late failure from identical state (``synchronized``) and the scale evidence. A passing replay on
+    a mesh of several devices says so in its notes (``REPLICAS_UNSEEN``): a fault whose only evidence is the
+    devices' copies (a clip per device) passes a replay, and a live check finds it.
 
     To compare a candidate step with a recording, ``check_parity(candidate, task, reference=recording)`` (or
     ``verify --against FILE``) replays it and returns this comparison's :meth:`RunComparison.report`; this
@@ -774,6 +776,7 @@ def compare_run(
         evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
         notes=tuple(
             _notes(recording, replayed, steps, same or pair.pinned, returned)
+            + _replicas_note(replayed.meta, first is None)
             + _placement_note(pair, moved, same)
             + _precision_note(recording.meta, replayed.meta, policy, dtype)
         ),
@@ -1150,6 +1153,24 @@ def _notes(recording: Recording, replayed: Recording, steps: int, same: bool, re
         if was.get(key) != now.get(key):
             notes.append(f"Recorded with {key} {_short(was.get(key))}; this run: {_short(now.get(key))}.")
     return notes
+
+
+REPLICAS_UNSEEN = "the replicas' agreement was not compared"
+"""What a passing replay on a mesh of several devices notes (:func:`_replicas_note`)."""
+
+
+def _replicas_note(now: Mapping, passed: bool) -> list[str]:
+    """``[note]`` that a passing replay did not compare the copies of the replicated leaves across the devices of
+    its mesh (a digest holds no device's own copy), and that a live check does; ``[]`` for a failing replay (its
+    localization says "the replicas: not observed") and for a run on one device (no copies to compare)."""
+    mesh = now.get("mesh") or {}
+    if not passed or math.prod(int(v) for v in mesh.values()) < 2:
+        return []
+    return [
+        f"A replay compares digests, which hold no device's own copy: {REPLICAS_UNSEEN} (whether each "
+        f"replicated leaf holds the same values on every device of mesh {_axes(mesh)}). A live check compares "
+        "them (check_parity against the reference; verify without --against)."
+    ]
 
 
 def _candidate_note(was: Mapping, now: Mapping) -> list[str]:
