@@ -478,6 +478,36 @@ def test_the_wrong_axis_message_follows_which_axes_split_the_batch():
         in on_model
     )
     assert "sequence parallelism" in on_model and "every axis" not in on_model
+    # trial 6: a clip by each device's local norm (shard_map, check_vma=False) while the loss and the gradients
+    # the step returns match: no forward psum (Megatron's g) nor backward one (f) is blamed
+    after = missed_axes_message(0, leaves, ("model",), mesh, after_gradients=True)
+    assert (
+        "while the loss and every gradient the step returns match the reference's: the copies parted after"
+        in (after)
+    )
+    assert "a clip by the norm of its local gradients" in after and "Megatron" not in after
+    assert after.endswith("Affected: param ln.scale, opt_state 0.mu.ln.scale.")
+
+
+def test_the_wrong_axis_finding_blames_no_gradient_reduction_where_the_gradients_match():
+    from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+    from shardcheck.parity.diagnosis.rules import diagnose
+
+    def leaf(kind, path, ok):
+        return LeafError(0, kind, path, 0.0 if ok else 1e-3, 0.0, 1e-5, ok, shape=(4,))
+
+    mismatch = {"replica_mismatches": ("opt_state 0.mu.ln.scale",), "replica_axes": ("model",)}
+    mesh = {"data": 2, "model": 2}
+    for grads_ok in (True, False):
+        leaves = (
+            leaf("loss", "loss", True),
+            leaf("grad", "ln.scale", grads_ok),
+            leaf("param", "ln.scale", True),
+        )
+        record = StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, leaves, 1, 1, **mismatch)
+        found = next(d for d in diagnose([record], mesh_shape=mesh) if d.code == "wrong_axis_reduction")
+        assert ("the copies parted after the gradients" in found.message) is grads_ok
+        assert ("Megatron's g" in found.message) is not grads_ok
 
 
 def test_a_replica_count_that_is_both_s_and_a_model_axis_names_both_causes():

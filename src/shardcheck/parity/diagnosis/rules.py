@@ -544,9 +544,11 @@ def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
     axes = tuple((ctx.mesh_shape or {}).keys())
     if r is None or len(axes) < 2 or set(r.replica_axes) >= set(axes):
         return None
+    grads = [e for e in r.leaves if e.kind == "grad"]
+    after = bool(grads) and all(e.ok for e in r.leaves if e.kind in ("loss", "grad"))
     return Diagnosis(
         "wrong_axis_reduction",
-        missed_axes_message(r.step, r.replica_mismatches, r.replica_axes, ctx.mesh_shape),
+        missed_axes_message(r.step, r.replica_mismatches, r.replica_axes, ctx.mesh_shape, after),
         r.replica_mismatches[0],
     )
 

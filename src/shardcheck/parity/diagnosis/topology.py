@@ -240,8 +240,12 @@ def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tu
     return None
 
 
-def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str], mesh_shape) -> str:
-    """The ``wrong_axis_reduction`` message: the copies of ``leaves`` differ along ``missed`` only."""
+def missed_axes_message(
+    step: int, leaves: Sequence[str], missed: Sequence[str], mesh_shape, after_gradients: bool = False
+) -> str:
+    """The ``wrong_axis_reduction`` message: the copies of ``leaves`` differ along ``missed`` only.
+    ``after_gradients``: the loss and every gradient the step returns matched the reference's at that step, so
+    the copies parted after them (no forward or gradient reduction is blamed)."""
     batch, model = axis_roles(mesh_shape)
     axes = tuple(mesh_shape or {})
     done = _axes_text(a for a in axes if a not in missed)
@@ -250,6 +254,16 @@ def missed_axes_message(step: int, leaves: Sequence[str], missed: Sequence[str],
         f"along {done}"
     )
     affected = f" Affected: {name_leaves(leaves)}."
+    if after_gradients:
+        m = _axes_text(missed)
+        return (
+            f"{head}, while the loss and every gradient the step returns match the reference's: the copies parted "
+            "after the gradients, in what each device did with them before or in the update: a value each device "
+            f"computed from its own shard of a leaf split over {m} (a clip by the norm of its local gradients, a "
+            "statistic of its local shard) under shard_map with check_vma=False, or an update applied from "
+            f"values not reduced over {m}. Compute such values from the whole gradient (psum the squared norms "
+            f"over {m} before the square root, or compute them outside shard_map).{affected}"
+        )
     on_model = tuple(a for a in missed if a in model)
     if not on_model:
         where = (
