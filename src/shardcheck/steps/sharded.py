@@ -263,8 +263,8 @@ def _annotation(var) -> tuple | None:
     return tuple(sharding) if sharding else None
 
 
-def _check_annotation(fn: str, path: str, spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
-    """An annotated spec must name mesh axes, fit the leaf's rank and split dimensions evenly."""
+def _check_axes(fn: str, path: str, spec: PartitionSpec, mesh: Mesh) -> None:
+    """An annotated spec must name axes of ``mesh`` (the message names the leaf, the annotation and the mesh)."""
     for axis in spec_axes(spec):
         if axis not in mesh.axis_names:
             raise ValueError(
@@ -272,6 +272,27 @@ def _check_annotation(fn: str, path: str, spec: PartitionSpec, shape, mesh: Mesh
                 f"{tuple(mesh.axis_names)}); build the mesh with that axis (e.g. --mesh {axis}=2 among its axes) or "
                 "change the annotation"
             )
+
+
+def check_annotated_axes(fn: str, model, mesh: Mesh) -> None:
+    """Every sharding annotation (``nnx.with_partitioning``) of ``model``'s Variables names an axis of ``mesh``:
+    what a user's step on ``mesh`` is checked for before its first step, as a registered strategy's placement is
+    (:func:`state_specs`), so that a misspelt ``--mesh`` axis is named before JAX's own error inside the step.
+
+    Works on concrete and abstract (``nnx.eval_shape``) models alike: only metadata is read.
+
+    Raises:
+        ValueError: a leaf annotated with an axis the mesh lacks; the message names the leaf (its dotted path),
+            the annotation, the mesh's axes and the fix.
+    """
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if _annotation(var) is not None:
+            _check_axes(fn, path_str(path), nnx.get_partition_spec(var).get_value(), mesh)
+
+
+def _check_annotation(fn: str, path: str, spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+    """An annotated spec must name mesh axes, fit the leaf's rank and split dimensions evenly."""
+    _check_axes(fn, path, spec, mesh)
     if len(spec) > len(shape):
         raise ValueError(
             f"{fn}: leaf {path!r} of shape {tuple(shape)} is annotated {spec}, which names more dimensions than "

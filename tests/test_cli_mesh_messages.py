@@ -1,0 +1,72 @@
+"""What a user's step on a mesh is told before its first step (issue #36, trial 6: a tensor-parallel ViT).
+
+A misspelt ``--mesh`` axis (``modle`` for ``model``) is named with the annotation that needs it before the
+candidate's first step, as a registered strategy's placement names it; the mesh with that axis runs the step.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from conftest import require_devices
+
+from shardcheck.cli import main
+
+ANNOTATED = textwrap.dedent(
+    """
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardcheck
+
+    MARK = {mark!r}
+
+
+    class Net(nnx.Module):
+        def __init__(self):
+            split = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+            self.lin = nnx.Linear(3, 4, kernel_init=split, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.lin(x)
+
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"]) - 1.0) ** 2).mean()
+
+
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    task = shardcheck.Task(model=Net, optimizer=optax.sgd(0.1), loss_fn=loss_fn, batches=[{{"x": x}}], name="tp")
+
+
+    def step(model, optimizer, batch, mesh):
+        open(MARK, "a").write("ran ")
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return {{"loss": loss, "grads": grads}}
+    """
+)
+
+
+@require_devices(4)
+@pytest.mark.parametrize("axes", ["data=2,modle=2", "data=2,model=2"])
+def test_a_misspelt_mesh_axis_is_named_before_the_candidates_first_step(axes, tmp_path, capsys):
+    """The typo: exit 2 naming the leaf, its annotation and the mesh's axes, the step never called (the trial got
+    JAX's "not found in mesh ... at step 0"); the right axis: the step runs and passes."""
+    mark = tmp_path / "ran.txt"
+    path = tmp_path / "tp_task.py"
+    path.write_text(ANNOTATED.format(mark=str(mark)))
+    argv = ["verify", "--task", f"{path}:task", "--mesh", axes, "--strategies", "none"]
+    code = main([*argv, "--candidate", f"{path}:step"])
+    err = " ".join(capsys.readouterr().err.split())
+    if axes == "data=2,model=2":
+        assert code == 0 and mark.read_text() == "ran " and err == ""
+        return
+    assert code == 2 and not mark.exists()
+    assert err == (
+        "error: shardcheck verify: leaf 'lin.kernel' is annotated P(None, 'model') but the mesh has no axis "
+        "'model' (its axes: ('data', 'modle')); build the mesh with that axis (e.g. --mesh model=2 among its "
+        "axes) or change the annotation"
+    )
