@@ -206,3 +206,42 @@ def test_the_accumulation_step_on_found_variables_reports_what_its_step_does(fau
     assert found.steps == traversed.steps
     if fault:
         assert [r.ok for r in found.steps] == [True, True, False, False] and found.codes == traversed.codes
+
+
+def test_the_sensitivity_shapes_are_traced_once_per_structure_and_shape(monkeypatch):
+    """#35: a step's sensitivity shapes (``update_sensitivity.eval_shape``, 1.6 ms a step on the tiny-lm) are
+    found once per ``tx`` and inputs' structure, shapes and dtypes, and read again: the same paths, shapes and
+    dtypes as ``eval_shape``'s; inputs of another shape are traced anew (no stale shapes)."""
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.tolerance import allowances
+    from shardcheck.parity.tolerance.propagation import update_sensitivity
+
+    traced = []
+
+    class Counted:
+        def eval_shape(self, *args):
+            traced.append(args)
+            return update_sensitivity.eval_shape(*args)
+
+    monkeypatch.setattr(allowances, "update_sensitivity", Counted())
+    monkeypatch.setattr(allowances, "_SHAPES", type(allowances._SHAPES)())
+    tx = optax.adam(0.1)
+
+    def inputs(n):
+        params = {"w": np.ones((n, 2), np.float32), "b": np.zeros((2,), np.float32)}
+        return params, tx.init(params), params, params
+
+    first = allowances._sensitivity_shapes(tx, inputs(3))
+    again = allowances._sensitivity_shapes(tx, inputs(3))
+    other = allowances._sensitivity_shapes(tx, inputs(5))
+    assert len(traced) == 2 and again is first
+    updates, states, _ = update_sensitivity.eval_shape(tx, *inputs(3))
+    assert first == (flatten_state(updates), flatten_state(states))
+    assert first[0]["w"].shape == (3, 2) and other[0]["w"].shape == (5, 2)
+    assert {p: (s.shape, s.dtype) for p, s in first[1].items()} == {
+        "0.count": ((), np.int32),
+        "0.mu.b": ((2,), np.float32),
+        "0.mu.w": ((3, 2), np.float32),
+        "0.nu.b": ((2,), np.float32),
+        "0.nu.w": ((3, 2), np.float32),
+    }
