@@ -1,17 +1,27 @@
-"""What a user's step on a mesh is told before its first step (issue #36, trial 6: a tensor-parallel ViT).
+"""What a user's step on a mesh is told before and at its first step (issue #36, trial 6: a tensor-parallel ViT).
 
 A misspelt ``--mesh`` axis (``modle`` for ``model``) is named with the annotation that needs it before the
-candidate's first step, as a registered strategy's placement names it; the mesh with that axis runs the step.
+candidate's first step, as a registered strategy's placement names it; the mesh with that axis runs the step. A
+batch that does not split into the batch shards is named by its shards and the mesh's devices where the mesh has
+more devices than shards (``data=3,model=2``: 3 shards of 6 devices); a mesh of batch axes alone keeps its words.
 """
 
 from __future__ import annotations
 
 import textwrap
 
+import jax
+import numpy as np
+import optax
 import pytest
 from conftest import require_devices
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from shardcheck import Task, check_parity, make_mesh
 from shardcheck.cli import main
+from shardcheck.parity import CandidateError
 
 ANNOTATED = textwrap.dedent(
     """
@@ -70,3 +80,46 @@ def test_a_misspelt_mesh_axis_is_named_before_the_candidates_first_step(axes, tm
         "'model' (its axes: ('data', 'modle')); build the mesh with that axis (e.g. --mesh model=2 among its "
         "axes) or change the annotation"
     )
+
+
+def _placing_step(model, optimizer, batch, mesh):
+    """A user's step that splits the batch's rows over the mesh's axis 'data' itself (8 rows do not split 3 ways)."""
+    x = jax.device_put(batch["x"], NamedSharding(mesh, P("data")))
+    loss, grads = nnx.value_and_grad(lambda m: m(x).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _task() -> Task:
+    return Task(
+        model=lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)),
+        optimizer=optax.sgd(0.1),
+        loss_fn=lambda m, b: m(b["x"]).mean(),
+        batches=[{"x": np.ones((8, 2), np.float32)}],
+        name="eight rows",
+    )
+
+
+@require_devices(6)
+@pytest.mark.parametrize(
+    ("shape", "hint"),
+    [
+        (
+            {"data": 3, "model": 2},
+            "the batch's 8 rows do not split into the 3 batch shards (axis data of the mesh's 6 devices): a likely "
+            "cause; give a batch size divisible by 3, or fewer batch shards (a size of axis data that divides 8)",
+        ),
+        (
+            {"data": 3},
+            "the batch's 8 rows do not split over the 3 devices of the mesh: a likely cause; give a batch size "
+            "divisible by the device count, or fewer devices",
+        ),
+    ],
+)
+def test_a_batch_that_does_not_split_names_its_shards_and_the_meshs_devices(shape, hint):
+    """data=3,model=2: 3 batch shards on 6 devices (the trial read "the 3 devices of the mesh"); data=3: its 3
+    devices are its 3 shards, said as before."""
+    with pytest.raises(CandidateError) as caught:
+        check_parity(_placing_step, _task(), mesh=make_mesh(shape))
+    assert caught.value.hint == hint and caught.value.step == 0
+    assert f"at step 0 ({hint}): " in str(caught.value)

@@ -189,6 +189,27 @@ def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity")
     return loss, grads
 
 
+def _split_hint(rows: int, s: int, mesh) -> str:
+    """The likely cause of a step that raised on a batch of ``rows`` rows that S = ``s`` does not divide: the
+    devices of the mesh where the batch is split over all of them (or the mesh is not known), else the batch
+    shards, named by the mesh's batch axes and its device count (``data=3,model=2``: 3 shards of 6 devices)."""
+    if mesh is None or mesh.size == s:
+        return (
+            f"the batch's {rows} rows do not split over the {s} devices of the mesh: a likely cause; give a "
+            "batch size divisible by the device count, or fewer devices"
+        )
+    from shardcheck.mesh import batch_axes
+
+    axes = batch_axes(mesh)
+    named = f"axis {axes[0]}" if len(axes) == 1 else f"axes {' x '.join(axes)}"
+    sizes = f"a size of {named} that" if len(axes) == 1 else f"sizes of {named} whose product"
+    return (
+        f"the batch's {rows} rows do not split into the {s} batch shards ({named} of the mesh's {mesh.size} "
+        f"devices): a likely cause; give a batch size divisible by {s}, or fewer batch shards ({sizes} divides "
+        f"{rows})"
+    )
+
+
 def run_step(
     fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int, step: Callable | None = None
 ) -> tuple:
@@ -199,7 +220,7 @@ def run_step(
 
     Raises:
         CandidateError: the step raised (the original error is its ``__cause__``), with the likely cause first
-            where the harness sees one (a batch whose rows do not split over the mesh's devices).
+            where the harness sees one (a batch whose rows do not split into the batch shards of the mesh).
         TypeError: as :func:`unpack`.
     """
     from shardcheck.parity.report import CandidateError
@@ -212,12 +233,7 @@ def run_step(
         out = (cand.step if step is None else step)(model, optimizer, batch, **kwargs)
     except Exception as err:
         s, rows = cand.num_shards, batch_size(batch)
-        hint = (
-            f"the batch's {rows} rows do not split over the {s} devices of the mesh: a likely cause; give a "
-            "batch size divisible by the device count, or fewer devices"
-            if s and s > 1 and rows % s
-            else ""
-        )
+        hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s else ""
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
         raise CandidateError(
