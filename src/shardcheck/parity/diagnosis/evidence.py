@@ -133,7 +133,7 @@ class StepRecord:
             that returned no gradients, a replay).
         forms: ``((stage, Form), ...)``: the functional form of the difference of a stage's failing leaves, fitted
             on their arrays (``shardcheck.parity.diagnosis.form.fit_form``); ``()`` where none was fitted.
-        module: where the step's first difference is the forward pass, the first module whose output differs at
+        module: where the step's first difference is the forward pass, the first module whose output differs while its inputs match, at
             equal parameters under the candidate's placement
             (:class:`~shardcheck.parity.diagnosis.module_outputs.ModuleFinding`, from
             ``shardcheck.parity.harness.module_probe``); ``None`` where not probed (any other stage, a replay).

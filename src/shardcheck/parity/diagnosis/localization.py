@@ -179,7 +179,7 @@ class Localization:
         group: what the failing leaves of ``stage`` share, and what the matching ones do (a sentence).
         form: the form of their difference (:class:`~shardcheck.parity.diagnosis.form.Form`), else ``None``.
         synchronized: the step ran from the reference's pre-step state.
-        module: where ``stage`` is the forward pass, the first module whose output differs at equal parameters
+        module: where ``stage`` is the forward pass, the first module whose output differs while its inputs match, at equal parameters
             under the candidate's placement, or that none does (:class:`ModuleFinding`, a live check's); else
             ``None``.
         live: a live check's (``False``: a replay's, which has no live model to probe module by module nor

@@ -1098,12 +1098,12 @@ def _not_one_step(record: StepRecord) -> str:
     if found is not None and getattr(found, "status", "") == "differs":
         return (
             f"a wrong loss: at equal parameters the forward pass as sharded computes another function, from "
-            f"{found.module} on (the module whose output differs first)."
+            f"{found.module} on (the first module whose output differs while its inputs match)."
         )
     if _forward_first(record):
         around = (
-            " (every captured module's output matches, each module run under the candidate's placement at equal "
-            "parameters: the difference is in what the step does around them)"
+            " (no captured module's output differs while its inputs match, each module run under the candidate's "
+            "placement at equal parameters: the difference is in what the step does around them)"
             if _modules_cleared(record)
             else ""
         )
@@ -1128,10 +1128,12 @@ def _forward_first(record: StepRecord) -> bool:
 
 
 def _modules_cleared(record: StepRecord) -> bool:
-    """Whether the forward pass differs first while the module probe found every module's output matching: the
-    difference is then in the step's own forward or loss, not inside a module as the probe ran it."""
+    """Whether the forward pass differs first while the module probe found no module whose output differs while
+    its inputs match (every output matches, or every differing one got a different input): the difference is
+    then in the step's own forward or loss, not inside a module as the probe ran it."""
     found = record.module
-    return found is not None and getattr(found, "status", "") == "matches" and _forward_first(record)
+    status = getattr(found, "status", "")
+    return found is not None and status in ("matches", "input differs") and _forward_first(record)
 
 
 _KIND_NOUNS = {"loss": "the loss", "grad": "the gradients", "opt_state": "the optimizer state"}
