@@ -510,15 +510,28 @@ def test_the_wrong_axis_finding_blames_no_gradient_reduction_where_the_gradients
         assert ("Megatron's g" in found.message) is not grads_ok
 
 
-def test_a_replica_count_that_is_both_s_and_a_model_axis_names_both_causes():
+def test_a_replica_count_that_is_also_s_names_the_model_axis_alone_beside_matching_leaves():
+    """Trial 6: x2 on the replicated leaves of a data=2,model=2 mesh was also offered as "the number of batch
+    shards S: a second psum over the batch axes", which would have doubled the matching (model-split) leaves too;
+    and "(their gradients and optimizer moments)" was said of leaves whose moments a binding clip had moved by
+    another factor. Neither is said; the leaves are named once."""
     from shardcheck.parity.diagnosis.topology import replicated_reduced_message
 
-    both = replicated_reduced_message(0, ["b.bias"], 3, 2, {"data": 2, "model": 2}, num_shards=2)
-    assert "x2 is the size of mesh axis 'model'" in both and "also the number of batch shards S" in both
-    only_model = replicated_reduced_message(0, ["b.bias"], 3, 4, TP_MESH, num_shards=2)
-    assert "x4 is the size of mesh axis 'model'" in only_model and "batch shards S" not in only_model
-    no_model = replicated_reduced_message(0, ["bias"], 1, 4, {"fsdp": 4}, num_shards=4)
-    assert "(bias) is x4 the reference's while the other 1 match: those leaves were reduced twice" in no_model
+    both = replicated_reduced_message(0, ["b.bias"], 3, 2, {"data": 2, "model": 2})
+    assert "x2 is the size of mesh axis 'model'" in both and "batch shards S" not in both
+    assert "optimizer moments" not in both
+    assert both.startswith(
+        "At step 0 the gradient of 1 leaf (b.bias) is x2 the reference's while the other 3 match"
+    )
+    many = replicated_reduced_message(0, [f"l{i}.bias" for i in range(6)], 3, 4, TP_MESH)
+    assert (
+        many.startswith("At step 0 the gradient of the 6 leaves (l0.bias, ") and "leaves (the 6" not in many
+    )
+    no_model = replicated_reduced_message(0, ["bias"], 1, 4, {"fsdp": 4})
+    assert no_model.startswith(
+        "At step 0 the gradient of 1 leaf (bias) is x4 the reference's while the other 1 match: those leaves were "
+        "reduced twice"
+    )
 
 
 @require_devices(8)

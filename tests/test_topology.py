@@ -421,6 +421,9 @@ def test_a_replicated_leaf_reduced_twice_is_named():
     assert (
         "(bias) is x4" in report.diagnoses[0].message and "the other 1 match" in report.diagnoses[0].message
     )
+    # the cause named for the subset: no generic fallback beside it (trial 6 read "share no ndim, name or module"
+    # beside it, against the localization's group)
+    assert not {"localized", "update_differs", "loss_only"} & set(_codes(report)), _codes(report)
 
 
 # -------------------------------------------------------------------------------------------------- bad input

@@ -567,9 +567,7 @@ def replicated_reduced(ctx: DiagnosisContext) -> Finding:
             expert = any(is_expert_axis(a) for a in model_axes_of_size(ctx.mesh_shape, r))
             return Diagnosis(
                 "expert_scaling" if expert else "replicated_reduced",
-                replicated_reduced_message(
-                    ctx.first.step, off, len(right), r, ctx.mesh_shape, ctx.num_shards
-                ),
+                replicated_reduced_message(ctx.first.step, off, len(right), r, ctx.mesh_shape),
                 f"param {off[0]}",
             )
     return None
@@ -1323,6 +1321,10 @@ NAN_BLIND = frozenset(
     }
 )
 
+# causes named for a subset of the leaves whose factors the generic fallbacks (GENERIC) cannot read as one
+NAMED_SUBSET = frozenset({"replicated_reduced", "expert_scaling", "frozen_state"})
+GENERIC = frozenset({"localized", "update_differs", "loss_only"})
+
 RULES: tuple[Rule, ...] = (
     parity,
     reference_diverged,
@@ -1415,6 +1417,8 @@ def diagnose(
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
     if any(d.code == "non_finite" for d in found):  # no ratio, factor or form is read from a NaN
         found = [d for d in found if d.code not in NAN_BLIND]
+    if any(d.code in NAMED_SUBSET for d in found):  # a cause named: the generic fallbacks add nothing true
+        found = [d for d in found if d.code not in GENERIC]
     if not ctx.failing:
         found.sort(key=lambda d: d.code not in VERDICTS)
     return _merge(found)

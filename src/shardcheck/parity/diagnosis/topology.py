@@ -294,29 +294,23 @@ def is_expert_axis(axis) -> bool:
     return "expert" in str(axis)
 
 
-def _expert_message(head: str, right: int, r: int, m: str, num_shards: int | None) -> str:
+def _expert_message(head: str, right: int, r: int, m: str) -> str:
     """``replicated_reduced`` on an expert axis: the expert leaves' gradients were not divided by the group."""
     return (
-        f"{head} (their gradients and optimizer moments) while the other {right} match: x{r} is the size of mesh "
-        f"axis {m}, the expert-parallel group. An expert-parallel scaling fault: these experts' gradients sum "
-        f"the contributions of the {r} ranks of the expert group (routing brings every rank's tokens to each "
-        f"expert) and were not divided by the group's size: normalize the experts' loss by the group's total "
-        f"token count, or divide their gradients by {r}."
-        + (
-            f" x{r} is also the number of batch shards S: a sum for a mean over the batch axes gives the same "
-            "factor."
-            if num_shards == r
-            else ""
-        )
+        f"{head} while the other {right} match: x{r} is the size of mesh axis {m}, the expert-parallel group. An "
+        f"expert-parallel scaling fault: these experts' gradients sum the contributions of the {r} ranks of the "
+        f"expert group (routing brings every rank's tokens to each expert) and were not divided by the group's "
+        f"size: normalize the experts' loss by the group's total token count, or divide their gradients by {r}."
     )
 
 
-def replicated_reduced_message(
-    step: int, off: Sequence[str], right: int, r: int, mesh_shape, num_shards: int | None = None
-) -> str:
-    """The ``replicated_reduced`` message: the gradients of ``off`` are x``r``, the other ``right`` match."""
+def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int, mesh_shape) -> str:
+    """The ``replicated_reduced`` message: the gradients of ``off`` are x``r``, the other ``right`` match (a
+    factor of the batch shards S would scale those too: not offered beside them)."""
     axes = model_axes_of_size(mesh_shape, r)
-    head = f"At step {step} the gradient of {n_leaves(len(off))} ({name_leaves(off)}) is x{r} the reference's"
+    named = name_leaves(off)  # "a, b" or, past 4, "the 20 leaves (a, ... and 16 more)"
+    which = named if len(off) > 4 else f"{n_leaves(len(off))} ({named})"
+    head = f"At step {step} the gradient of {which} is x{r} the reference's"
     if not axes:
         return (
             f"{head} while the other {right} match: those leaves were reduced twice. In jax.shard_map the gradient "
@@ -327,18 +321,12 @@ def replicated_reduced_message(
         )
     m = _axes_text(axes)
     if any(is_expert_axis(a) for a in axes):
-        return _expert_message(head, right, r, m, num_shards)
+        return _expert_message(head, right, r, m)
     return (
-        f"{head} (their gradients and optimizer moments) while the other {right} match: x{r} is the size of mesh "
-        f"axis {m}, which splits the model. A parameter replicated over {m} and added before the psum over {m} "
-        f"counts once per shard: each of the {r} shards adds it to its partial sum and the psum adds the {r} "
-        f"copies (its gradient comes back psum-ed over {m}); add a row-parallel layer's replicated bias after "
-        f"the reduction (y = jax.lax.psum(h @ w, {axes[0]!r}) + b), or, if its gradient was psum-ed over {m} "
-        "explicitly, drop that reduction: the batch is replicated over it."
-        + (
-            f" x{r} is also the number of batch shards S: a second psum over the batch axes of a gradient that "
-            "came back already psum-ed (docs/reduction_cases.md C2) gives the same factor."
-            if num_shards == r
-            else ""
-        )
+        f"{head} while the other {right} match: x{r} is the size of mesh axis {m}, which splits the model. A "
+        f"parameter replicated over {m} and added before the psum over {m} counts once per shard: each of the "
+        f"{r} shards adds it to its partial sum and the psum adds the {r} copies (its gradient comes back "
+        f"psum-ed over {m}); add a row-parallel layer's replicated bias after the reduction (y = "
+        f"jax.lax.psum(h @ w, {axes[0]!r}) + b), or, if its gradient was psum-ed over {m} explicitly, drop that "
+        "reduction: the batch is replicated over it."
     )
