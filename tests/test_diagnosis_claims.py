@@ -615,3 +615,30 @@ def test_a_loss_that_differs_first_is_said_as_a_loss_computed_another_way_or_at_
     # the loss matching (a later stage first): not said as a loss that differs
     later = dataclasses.replace(record, leaves=(leaf("loss", "loss", True), *grads, *params, *moments))
     assert "the loss it returns" not in " ".join(d.message for d in rules.diagnose([later]))
+
+
+def test_a_replays_late_failure_is_not_said_as_state_not_carried():
+    """Trial 6 (a decay-mask fault replayed): "drift: state not carried between steps correctly (optimizer state
+    reset or shared?)" of a replay, which cannot rerun the step from the reference's state to tell that from a
+    fault starting there or from differences within tolerance growing past it; the live check's drift keeps its
+    words."""
+
+    def leaf(kind, path, ok):  # a failing update of no one factor (its ratio runs 0.5..1.2)
+        if ok:
+            return LeafError(2, kind, path, 0.0, 0.0, 1.6e-4, True, shape=(4,))
+        return LeafError(2, kind, path, 2e-4, 2e-4, 1.6e-4, False, 0.93, 1.0, (0.5, 1.2), (4,))
+
+    leaves = (leaf("loss", "loss", True), leaf("grad", "ln.scale", True), leaf("param", "ln.scale", False))
+    rerun = (leaf("param", "ln.scale", True),)
+    live = StepRecord(2, 1e-5, 1e-7, 1.0, 1.0, leaves, 3, 3, optimizer_rerun=rerun)
+    earlier = [StepRecord(t, 1e-5, 1e-7, 1.0, 1.0, (), t + 1, t + 1) for t in range(2)]
+    said = {}
+    for replayed in (False, True):
+        records = [*earlier, dataclasses.replace(live, replayed=replayed)]
+        said[replayed] = next(d.message for d in rules.diagnose(records) if d.code == "drift")
+    assert "state not carried between steps correctly (optimizer state reset or shared?)" in said[False]
+    assert (
+        "reset" not in said[True]
+        and "A replay cannot rerun step 2 from the recorded run's state" in said[True]
+    )
+    assert "a live check (verify without --against) reruns the step" in said[True]

@@ -1014,6 +1014,7 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 candidate_step_count=candidate_count,
                 unresolved=bounds.unresolved.get(t, ()),
                 rounding_level=tuple(n for n, first in bounds.rounding.items() if 0 <= first <= t),
+                replayed=True,
             )
         )
     return tuple(out)

@@ -141,6 +141,8 @@ class StepRecord:
             returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
             equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
             passing step, a replay's steps after its first failing one).
+        replayed: a replay's record (read from a recording's digests: ``parity.comparison.digest``), whose steps
+            t > 0 were not rerun from the reference's state.
     """
 
     step: int
@@ -164,6 +166,7 @@ class StepRecord:
     forms: tuple[tuple[str, Any], ...] = ()
     module: Any = None
     loss_weight: float | None = None
+    replayed: bool = False
 
     @property
     def ok(self) -> bool:

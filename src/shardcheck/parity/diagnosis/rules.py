@@ -916,6 +916,15 @@ def drift(ctx: DiagnosisContext) -> Finding:
     if not (ctx.unexplained and ctx.drifted):
         return None
     t = ctx.first.step
+    if ctx.first.replayed:  # no rerun from the reference's state: which of the causes, a replay cannot tell
+        return Diagnosis(
+            "drift",
+            f"The first {t} step(s) agree; step {t} does not ({ctx.detail}). A replay cannot rerun step {t} from "
+            "the recorded run's state: a fault that starts at this step, state not carried between steps, or "
+            "differences within tolerance at the earlier steps growing past it; a live check (verify without "
+            "--against) reruns the step from the reference's pre-step state and tells them apart.",
+            ctx.worst_name,
+        )
     return Diagnosis(
         "drift",
         f"The first {t} step(s) agree; step {t} does not ({ctx.detail}): state not "
