@@ -1103,6 +1103,7 @@ def _evidence_text(
         f"fixed-index samples within atol + rtol max|x| (moments x{MOMENT_FACTOR:g}), the L2 norm within sqrt(size) "
         f"times that, each parameter's update size, counters exactly ({rule}); a digest comparison within "
         f"tolerances, never bitwise across machines. sha256 matched for {matched} of {compared}"
+        " (the leaf digests of equal shape, dtype and placement on both sides)"
     )
     if bitwise:
         text += ": every hash matched, bitwise identical"
