@@ -236,3 +236,31 @@ def test_a_replays_leaf_ratios_say_how_many_recorded_samples_they_were_read_from
     failing = [e for r in open_.steps for e in r.leaves if not e.ok and e.spread is not None]
     assert failing and all(e.samples is not None and 1 <= e.samples <= 8 for e in failing)
     assert f"of its {failing[0].samples} recorded samples" in percentiles(failing[0])
+
+
+def test_a_replays_placement_facts_are_read_after_the_first_step():
+    """Trial 6: a shard_map step that places the state itself (inside the step) recorded every leaf unplaced
+    before step 0, so the replay's group read "share no ndim, name or module" where the live check's said
+    "every failing leaf is replicated on every device; every leaf split over ('model',) matches"."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from shardcheck.parity.comparison.digest import _facts
+
+    names = ("param a.kernel", "param a.bias", "loss")
+    initial = SimpleNamespace(sharding=np.array([["", "", ""]], dtype=object))
+    placed = np.array([["P(None, 'model')", "P()", ""], ["P(None, 'model')", "P()", ""]], dtype=object)
+    recording = SimpleNamespace(
+        names=names,
+        shapes=((4, 8), (8,), ()),
+        dtypes=("float32", "float32", "float32"),
+        initial=initial,
+        steps=SimpleNamespace(sharding=placed),
+    )
+    facts = dict(_facts(recording))
+    assert facts["a.kernel"].axes == ("model",) and facts["a.bias"].axes == ()
+    before = dict(
+        _facts(SimpleNamespace(**{**vars(recording), "steps": SimpleNamespace(sharding=placed[:0])}))
+    )
+    assert before["a.kernel"].axes == ()  # no step recorded: the initial placement, as before

@@ -972,11 +972,14 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
 
 def _facts(recording: Recording) -> tuple[tuple[str, LeafFacts], ...]:
     """Each recorded parameter's :class:`~shardcheck.parity.diagnosis.grouping.LeafFacts`: shape, dtype and the
-    mesh axes named in its initial ``PartitionSpec`` text (``"P(None, 'fsdp')"`` -> ``("fsdp",)``)."""
+    mesh axes named in its ``PartitionSpec`` text (``"P(None, 'fsdp')"`` -> ``("fsdp",)``) after the first step,
+    where the step placed it (a step that places the state itself, as a GSPMD step under ``jax.set_mesh`` does,
+    starts from a state placed otherwise), else before it."""
     out = []
     for col, name in enumerate(recording.names):
         if name.startswith("param "):
-            spec = str(recording.initial.sharding[0, col])
+            placed = str(recording.steps.sharding[0, col]) if len(recording.steps.sharding) else ""
+            spec = placed or str(recording.initial.sharding[0, col])
             axes = tuple(re.findall(r"'([^']+)'", spec))
             leaf = LeafFacts(tuple(recording.shapes[col]), recording.dtypes[col], axes)
             out.append((name.removeprefix("param "), leaf))
