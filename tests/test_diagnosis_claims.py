@@ -58,6 +58,17 @@ def test_a_zero_update_is_said_as_a_learning_rate_of_0_not_as_no_one_factor():
         [_leaf("param", "w", False, 2.0, (2.0, 2.0)), _leaf("param", "b", False, 2.0, (2.0, 2.0))]
     )
     assert two == "Their changes are 2 x the reference's, a constant factor on each."
+    # trial 6 (bfloat16 all-reduce, replayed): a ratio whose spread holds 1 is no factor, and gradients are values
+    near = rules._stage_form(
+        [
+            _leaf("grad", "w", False, 0.9997, (0.9927, 1.009)),
+            _leaf("grad", "b", False, 0.9994, (0.995, 1.004)),
+        ]
+    )
+    assert near == (
+        "Their values lie around 1 x the reference's (elementwise 0.9927..1.009): each element differs by up to "
+        "about 0.009 of its value, which no factor explains."
+    )
 
 
 def test_an_update_where_the_reference_makes_none_is_said_as_a_learning_rate_of_0_in_the_reference():

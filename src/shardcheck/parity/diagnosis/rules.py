@@ -1075,10 +1075,18 @@ def _stage_form(bad: list[LeafError]) -> str:
             "The candidate's update of these leaves is zero (their change is 0 x the reference's): a learning "
             "rate of 0 at this step (a schedule read one step early), or an update computed and not applied."
         )
+    noun = "values" if all(e.kind in ("grad", "loss") for e in bad) else "changes"
+    spreads = [e.spread for e in bad if e.spread is not None]
+    if ratios and len(spreads) == len(bad) and all(lo <= 1.0 <= hi for lo, hi in spreads):
+        lo, hi = min(s[0] for s in spreads), max(s[1] for s in spreads)
+        return (
+            f"Their {noun} lie around 1 x the reference's (elementwise {lo:.4g}..{hi:.4g}): each element differs "
+            f"by up to about {max(1.0 - lo, hi - 1.0):.2g} of its value, which no factor explains."
+        )
     f = _consensus(ratios)
     if f is not None:
-        return f"Their changes are {f:.4g} x the reference's, a constant factor on each."
-    return "Their changes differ from the reference's by no one factor."
+        return f"Their {noun} are {f:.4g} x the reference's, a constant factor on each."
+    return f"Their {noun} differ from the reference's by no one factor."
 
 
 def update_differs(ctx: DiagnosisContext) -> Finding:
