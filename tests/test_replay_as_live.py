@@ -183,6 +183,6 @@ def test_a_replays_forward_stage_says_no_module_was_probed():
     assert replayed.stage == "forward" and not replayed.live
     assert (
         "Module: not probed (a replay has no live model to run module by module; a live check of this step names "
-        "the first module whose output differs)." in replayed.text()
+        "the first module whose output differs while its inputs match)." in replayed.text()
     )
     assert "Module:" not in localize([record]).text()  # live: the probe's finding, or nothing where none ran

@@ -67,7 +67,7 @@ NO_RERUN = "the optimizer state against the reference's"
 # a replay's forward stage: no module probe
 NOT_PROBED = (
     "not probed (a replay has no live model to run module by module; a live check of this step names the first "
-    "module whose output differs)"
+    "module whose output differs while its inputs match)"
 )
 FORWARD_STATE = "the forward pass writes the model's state another way at equal parameters; the loss matches"
 NOUNS = {

@@ -1099,7 +1099,7 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
         f"{_what_differs(first)} from the reference at step {first.step}"
         + (" (run from the reference's pre-step state)" if first.synchronized else "")
         + f" ({ctx.detail}){_params_match(first)}: {_not_one_step(first)}"
-        + _forward_hint(ctx),
+        + ("" if _module_found(first) else _forward_hint(ctx)),
         ctx.worst_name,
     )
 
@@ -1110,7 +1110,7 @@ def _not_one_step(record: StepRecord) -> str:
     computes another function), since shards applied one after another or gradients taken at other parameters
     would leave every module's output at equal parameters as it is."""
     found = record.module
-    if found is not None and getattr(found, "status", "") == "differs":
+    if _module_found(record):
         return (
             f"a wrong loss: at equal parameters the forward pass as sharded computes another function, from "
             f"{found.module} on (the first module whose output differs while its inputs match)."
@@ -1132,6 +1132,12 @@ def _not_one_step(record: StepRecord) -> str:
         "not a single reduced step (shards applied one after another, gradients taken at different parameters, "
         "or a wrong loss)."
     )
+
+
+def _module_found(record: StepRecord) -> bool:
+    """Whether the module probe named a module whose output differs while its inputs match (then the examples of
+    :func:`_forward_hint` are no more than what it shows)."""
+    return record.module is not None and getattr(record.module, "status", "") == "differs"
 
 
 def _forward_first(record: StepRecord) -> bool:
