@@ -653,3 +653,20 @@ def test_a_replays_late_failure_is_not_said_as_state_not_carried():
         and "A replay cannot rerun step 2 from the recorded run's state" in said[True]
     )
     assert "a live check (verify without --against) reruns the step" in said[True]
+
+
+def test_a_stage_whose_only_matching_leaves_are_at_rounding_level_says_so():
+    """Trial 6 (a schedule read one step ahead, replayed): "the failing leaves (...) share no ndim, name or module
+    that the matching ones lack", where the matching ones were the 7 leaves allowed their rounding noise."""
+    from shardcheck.parity.diagnosis.grouping import state_property
+
+    failing = {"a.kernel": (4, 4), "b.bias": (4,), "c.scale": (4,), "d.kernel": (4, 4)}
+    matching = {"q.bias": (4,), "up.kernel": (4, 4)}
+    params = {**failing, **matching}
+    said = state_property(failing, matching, params, quiet={"q.bias", "up.kernel"})
+    assert said == (
+        "every leaf differs but those at rounding level (a true gradient of 0 in all or some of their elements, "
+        "allowed its noise): q.bias, up.kernel"
+    )
+    # one matching leaf that is not at rounding level: not said
+    assert "every leaf differs" not in state_property(failing, matching, params, quiet={"q.bias"})

@@ -229,6 +229,15 @@ def state_property(
         return sentence
     noise = sorted(p for p in matching if param_path(p, params) in quiet)
     rest = {p: shape for p, shape in matching.items() if p not in noise}
+    if noise and not rest and NO_PROPERTY in sentence:  # every leaf differs but those at rounding level
+        quiet_params = sorted({param_path(p, params) for p in noise})
+        listed = ", ".join(quiet_params[:ROUNDING_SHOWN])
+        if len(quiet_params) > ROUNDING_SHOWN:
+            listed += f" and {len(quiet_params) - ROUNDING_SHOWN} more"
+        return (
+            f"every leaf differs but those at rounding level (a true gradient of 0 in all or some of their elements, "
+            f"allowed its noise): {listed}"
+        )
     said = _state_property(failing, rest, params, facts, names) if noise and rest else sentence
     if _names_nothing(said):
         return sentence
