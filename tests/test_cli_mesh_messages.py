@@ -1,7 +1,8 @@
 """What a user's step on a mesh is told before and at its first step (issue #36, trial 6: a tensor-parallel ViT).
 
-A misspelt ``--mesh`` axis (``modle`` for ``model``) is named with the annotation that needs it before the
-candidate's first step, as a registered strategy's placement names it; the mesh with that axis runs the step. A
+A misspelt ``--mesh`` axis (``modle`` for ``model``) is named with the annotation that needs it where a step that
+places the state by its annotations raises (a step that ignores them runs on that mesh); the mesh with that axis
+runs both. A
 batch that does not split into the batch shards is named by its shards and the mesh's devices where the mesh has
 more devices than shards (``data=3,model=2``: 3 shards of 6 devices); a mesh of batch axes alone keeps its words.
 """
@@ -25,9 +26,12 @@ from shardcheck.parity import CandidateError
 
 ANNOTATED = textwrap.dedent(
     """
+    import jax
     import numpy as np
     import optax
     from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import shardcheck
 
@@ -56,30 +60,44 @@ ANNOTATED = textwrap.dedent(
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
         return {{"loss": loss, "grads": grads}}
+
+
+    def placed_step(model, optimizer, batch, mesh):
+        # the state placed by its annotations, as the Flax NNX sharding guide places it
+        state = nnx.state((model, optimizer))
+        specs = nnx.get_partition_spec(state)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+        nnx.update((model, optimizer), jax.device_put(state, shardings))
+        return step(model, optimizer, batch, mesh)
     """
 )
 
 
 @require_devices(4)
 @pytest.mark.parametrize("axes", ["data=2,modle=2", "data=2,model=2"])
-def test_a_misspelt_mesh_axis_is_named_before_the_candidates_first_step(axes, tmp_path, capsys):
-    """The typo: exit 2 naming the leaf, its annotation and the mesh's axes, the step never called (the trial got
-    JAX's "not found in mesh ... at step 0"); the right axis: the step runs and passes."""
+@pytest.mark.parametrize("which", ["step", "placed_step"])
+def test_a_misspelt_mesh_axis_is_named_where_a_step_that_places_by_the_annotations_raises(
+    axes, which, tmp_path, capsys
+):
+    """The typo: a step that places the state by its annotations raises inside JAX ("not found in mesh"), and
+    the error names the leaf, its annotation and the mesh's axes first (exit 2); a step that ignores the
+    annotations runs on that mesh and PASSes (it is not refused); the right axis: both run and pass."""
     mark = tmp_path / "ran.txt"
     path = tmp_path / "tp_task.py"
     path.write_text(ANNOTATED.format(mark=str(mark)))
     argv = ["verify", "--task", f"{path}:task", "--mesh", axes, "--strategies", "none"]
-    code = main([*argv, "--candidate", f"{path}:step"])
+    code = main([*argv, "--candidate", f"{path}:{which}"])
     err = " ".join(capsys.readouterr().err.split())
-    if axes == "data=2,model=2":
+    if axes == "data=2,model=2" or which == "step":
         assert code == 0 and mark.read_text() == "ran " and err == ""
         return
-    assert code == 2 and not mark.exists()
-    assert err == (
-        "error: shardcheck verify: leaf 'lin.kernel' is annotated P(None, 'model') but the mesh has no axis "
-        "'model' (its axes: ('data', 'modle')); build the mesh with that axis (e.g. --mesh model=2 among its "
-        "axes) or change the annotation"
-    )
+    assert code == 2
+    assert err.startswith("error: shardcheck verify: the candidate step raised ValueError: ")
+    assert (
+        "at step 0; leaf 'lin.kernel' is annotated P(None, 'model') but the mesh has no axis 'model' (its axes: "
+        "('data', 'modle')); build the mesh with that axis (e.g. --mesh model=2 among its axes) or change the "
+        "annotation" in err
+    ), err
 
 
 def _placing_step(model, optimizer, batch, mesh):

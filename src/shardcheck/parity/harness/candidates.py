@@ -210,6 +210,21 @@ def _split_hint(rows: int, s: int, mesh) -> str:
     )
 
 
+def _annotation_hint(model, mesh) -> str:
+    """Where ``model``'s sharding annotations name an axis ``mesh`` lacks (a misspelt ``--mesh`` axis), that
+    mismatch in words (:func:`~shardcheck.steps.sharded.check_annotated_axes`), else ``""``: the likely cause of
+    a step that places the state by its annotations and raised. A step that ignores them runs on such a mesh."""
+    from shardcheck.steps.sharded import check_annotated_axes
+
+    if mesh is None:
+        return ""
+    try:
+        check_annotated_axes("", model, mesh)
+    except ValueError as err:
+        return str(err).removeprefix(": ")
+    return ""
+
+
 def run_step(
     fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int, step: Callable | None = None
 ) -> tuple:
@@ -220,7 +235,8 @@ def run_step(
 
     Raises:
         CandidateError: the step raised (the original error is its ``__cause__``), with the likely cause first
-            where the harness sees one (a batch whose rows do not split into the batch shards of the mesh).
+            where the harness sees one (a batch whose rows do not split into the batch shards of the mesh; the
+            model's annotations naming an axis the mesh lacks).
         TypeError: as :func:`unpack`.
     """
     from shardcheck.parity.report import CandidateError
@@ -234,6 +250,7 @@ def run_step(
     except Exception as err:
         s, rows = cand.num_shards, batch_size(batch)
         hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s else ""
+        hint = hint or _annotation_hint(model, kwargs.get("mesh"))
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
         raise CandidateError(
