@@ -118,3 +118,27 @@ def test_dropped_writes_of_floating_state_are_a_forward_stage_zero_update():
     assert where.stage == "forward" and where.form.kind == "zero"
     assert "writes were dropped" in where.form.sentence
     assert form_from_leaves([_state(False, 0.25)]).factor == 0.0
+
+
+def test_a_recording_holds_the_floating_state_and_a_replay_names_a_trained_frozen_weight():
+    """The zoo's LoRA model replayed (benchmarks/fail_audit.py read its one-step replay as a PASS, the frozen
+    weights not recorded): a recording now holds ``state model.<path>`` leaves with their update size, the
+    correct step PASSes against it and the planted fault FAILs at step 0 as ``frozen_state``, as live."""
+    from conftest import require_devices, zoo_module
+
+    from shardcheck import check_parity, make_mesh
+    from shardcheck.parity.harness.recorded import record_run
+
+    require_devices(4)
+    from pathlib import Path
+
+    lora = zoo_module(Path(__file__).resolve().parents[1] / "examples" / "zoo" / "lora.py")
+    mesh = make_mesh(lora.MESH)
+    recording = record_run(lora.task, lora.step, mesh=mesh, name="step")
+    frozen = [n for n in recording.names if n.startswith("state ")]
+    assert frozen == [f"state model.{m}.{p}" for m in ("hidden", "out") for p in ("bias", "kernel")]
+    assert check_parity(lora.step, lora.task, mesh=mesh, reference=recording).ok
+    faulty = check_parity(lora.frozen_trained, lora.task, mesh=mesh, reference=recording)
+    assert faulty.codes[0] == "frozen_state" and faulty.steps[0].replayed
+    assert faulty.localization.stage == "parameters" and faulty.localization.form.kind == "reference_zero"
+    assert "as they were" in faulty.localization.form.sentence

@@ -964,7 +964,7 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     top = pair.leaf("recorded", e.step, e.name).max
     rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
     r = pair.leaf("recorded", e.step, e.name)
-    change = r.update if kind == "param" and e.step >= 0 and math.isfinite(r.update) else None
+    change = r.update if kind in ("param", "state") and e.step >= 0 and math.isfinite(r.update) else None
     return LeafError(
         e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape, samples
     )

@@ -51,16 +51,21 @@ def model_state(model: nnx.Module, found: dict | None = None, key: str = "model_
     return {path: v[...] for path, v in _variables(model, found, key) if is_int(v[...])}
 
 
-def floating_state(model: nnx.Module, found: dict | None = None, key: str = "floating_state") -> dict:
-    """``{dotted path: np.ndarray}`` (host copies, float64) of the model's floating state that is neither a
-    parameter nor an RNG stream: a frozen weight in a Variable class of one's own. ``found``: as
+def floating_arrays(model: nnx.Module, found: dict | None = None, key: str = "floating_state") -> dict:
+    """``{dotted path: array}`` (the arrays as the Variables hold them) of the model's floating state that is
+    neither a parameter nor an RNG stream: a frozen weight in a Variable class of one's own. ``found``: as
     :func:`model_state`'s."""
     out = {}
     for path, v in _variables(model, found, key):
         a = v[...]
         if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating):  # bfloat16 too; no PRNG key
-            out[path] = np.asarray(to_host(a), np.float64)
+            out[path] = a
     return out
+
+
+def floating_state(model: nnx.Module, found: dict | None = None, key: str = "floating_state") -> dict:
+    """:func:`floating_arrays` as host copies (float64 ``np.ndarray``)."""
+    return {p: np.asarray(to_host(a), np.float64) for p, a in floating_arrays(model, found, key).items()}
 
 
 def model_state_leaves(

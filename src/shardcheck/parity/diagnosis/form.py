@@ -225,13 +225,13 @@ def _state_form(bad: list[LeafError]) -> Form:
     :mod:`shardcheck.parity.comparison.model_state`): moved where the reference's step leaves it (a frozen weight
     trained), or left where the reference's forward pass writes it (the writes dropped)."""
     n, top = len(bad), max(e.max_abs_err for e in bad)
-    what, it = ("this leaf", "it") if n == 1 else (f"these {n} leaves", "them")
+    what, it, they = ("this leaf", "it", "it") if n == 1 else (f"these {n} leaves", "them", "they")
     was = "was" if n == 1 else "were"
     if all(e.reference_change == 0 for e in bad):
         return Form(
             "reference_zero",
             f"a change where the reference makes none: the reference's step leaves {what} of non-parameter state "
-            f"as {it} {was} (a Variable that is not an nnx.Param: the task's optimizer updates wrt=nnx.Param only, "
+            f"as {they} {was} (a Variable that is not an nnx.Param: the task's optimizer updates wrt=nnx.Param only, "
             f"and the forward pass does not write {it}) and the candidate's step moved {it} by up to {top:.3g}: a "
             "weight meant to stay frozen was trained",
             leaves=n,
@@ -240,7 +240,7 @@ def _state_form(bad: list[LeafError]) -> Form:
         wrote = max(e.reference_change for e in bad)
         return Form(
             "zero",
-            f"a zero update: the candidate's step left {what} of non-parameter state as {it} {was} while the "
+            f"a zero update: the candidate's step left {what} of non-parameter state as {they} {was} while the "
             f"reference's forward pass wrote {it} (by up to {wrote:.3g}): the forward pass's writes were dropped",
             factor=0.0,
             leaves=n,

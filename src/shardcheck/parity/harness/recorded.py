@@ -39,7 +39,7 @@ from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
 from shardcheck.parity.comparison.live import device_snapshot, flatten_state
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
-from shardcheck.parity.comparison.model_state import model_state
+from shardcheck.parity.comparison.model_state import floating_arrays, model_state
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.setup import (
     _check_state_carried,
@@ -62,7 +62,7 @@ FORMAT = "shardcheck-recording"
 VERSION = 1
 """The recording format this shardcheck writes and reads."""
 
-KINDS = ("loss", "grad", "opt_state", "param", "counter")
+KINDS = ("loss", "grad", "opt_state", "param", "state", "counter")
 """The kinds of a recorded leaf, in the order a step computes them: the first failing leaf of a step is the first
 of these kinds (the worst leaf of it)."""
 
@@ -393,7 +393,14 @@ def _step_leaves(loss, grads, model, optimizer, view=None) -> dict[str, Any]:
     if grads is not None:
         leaves.update({f"grad {p}": g for p, g in flatten_state(grads).items()})
     written = {f"counter {MODEL_PREFIX}{p}": a for p, a in model_state(model).items()}
-    return leaves | state_leaves(model, optimizer, view) | written
+    return leaves | state_leaves(model, optimizer, view) | floating_leaves(model) | written
+
+
+def floating_leaves(model: nnx.Module) -> dict[str, Any]:
+    """``{"state model.<path>": array}``: the model's floating state beside its parameters (a frozen weight in a
+    Variable class of one's own), recorded with its update size as a parameter is, so that a replay compares it
+    (:mod:`shardcheck.parity.comparison.model_state`)."""
+    return {f"state {MODEL_PREFIX}{p}": a for p, a in floating_arrays(model).items()}
 
 
 def _run_name(candidate, cand: Candidate) -> tuple[str, str]:
@@ -480,7 +487,8 @@ def record_run(
                 indices[leaf_name] = _digest.sample_indices(leaf_name, tuple(np.shape(a)))
         return _digest.digest_leaves(leaves, before, indices)
 
-    first = state_leaves(model, optimizer, cand.view_optimizer)  # a wrapped optimizer as the task's, as live
+    # a wrapped optimizer as the task's, as live; the floating model state beside the parameters
+    first = state_leaves(model, optimizer, cand.view_optimizer) | floating_leaves(model)
     shapes = _leaf_list(first)
     rows, truth, least = [], {}, {}
     returned = isinstance(candidate, str)  # a registered strategy returns the gradients it applied
@@ -488,6 +496,7 @@ def record_run(
     initial = digest(first, {})
     for t, batch in enumerate(data):
         before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
+        before |= {n: a for n, a in device_snapshot(floating_leaves(model)).items()}
         if true_gradients and not returned:  # before the step, until it is seen to return gradients
             truth[t] = true_gradient_digest(task.loss_fn, model, batch, peaks)
         loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
