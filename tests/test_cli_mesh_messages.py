@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardcheck import Task, check_parity, make_mesh
+from shardcheck import Candidate, Task, check_parity, make_mesh
 from shardcheck.cli import main
 from shardcheck.parity import CandidateError
 
@@ -141,3 +141,30 @@ def test_a_batch_that_does_not_split_names_its_shards_and_the_meshs_devices(shap
         check_parity(_placing_step, _task(), mesh=make_mesh(shape))
     assert caught.value.hint == hint and caught.value.step == 0
     assert f"at step 0 ({hint}): " in str(caught.value)
+
+
+def test_a_candidate_with_an_optimizer_of_its_own_laid_out_otherwise_needs_a_view():
+    """Trial 7: a Candidate whose make_optimizer wraps the task's optax.MultiSteps, without view_optimizer, crashed
+    in the harness (KeyError: '0.count'); it is refused before any step, naming the fix; with the view it runs."""
+    import dataclasses
+
+    task = dataclasses.replace(_task(), optimizer=optax.adam(1e-2))
+
+    def wrapped(model, optimizer):
+        return nnx.Optimizer(model, optax.MultiSteps(task.optimizer, every_k_schedule=2), wrt=nnx.Param)
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: m(batch["x"]).mean())(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with pytest.raises(
+        TypeError,
+        match=r"candidate 'ms' steps an optimizer of its own \(make_optimizer\) whose "
+        r"state is not laid out as the task optimizer's \(it lacks opt_state ",
+    ):
+        check_parity(Candidate(name="ms", step=step, make_optimizer=wrapped), task)
+    view = lambda o: (nnx.state(o)["opt_state"]["inner_opt_state"], o.opt_state.gradient_step[...])  # noqa: E731
+    seen = check_parity(Candidate(name="ms", step=step, make_optimizer=wrapped, view_optimizer=view), task)
+    # it ran: MultiSteps(k=2) stepped once a batch applies no update at the first step, as the view tells
+    assert seen.codes[0] == "never_stepped" and seen.steps[0].candidate_step_count == 0

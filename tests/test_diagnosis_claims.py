@@ -571,7 +571,7 @@ def test_a_nan_in_the_candidate_is_said_as_nan_and_no_ratio_or_form_is_read_from
     codes = [d.code for d in found]
     assert codes[0] == "non_finite" and not set(codes) & rules.NAN_BLIND, codes
     assert found[0].message.startswith("The candidate's loss is nan at step 0, the reference's 1.5: NaN or ")
-    assert "first in loss (3 leaves in all)" in found[0].message and "jax_debug_nans" in found[0].message
+    assert "first in loss (2 leaves in all)" in found[0].message and "jax_debug_nans" in found[0].message
     where = localize([record])
     assert where.form.sentence == "not finite (NaN or infinity) in the one failing leaf: no form is read"
     assert "loss: not finite (max abs err nan)" in where.text() and "tolerance nan" not in where.text()
@@ -670,3 +670,22 @@ def test_a_stage_whose_only_matching_leaves_are_at_rounding_level_says_so():
     )
     # one matching leaf that is not at rounding level: not said
     assert "every leaf differs" not in state_property(failing, matching, params, quiet={"q.bias"})
+
+
+def test_an_infinite_error_of_a_missing_leaf_is_not_called_a_nan():
+    """Trial 7: a candidate's optimizer state laid out otherwise (no view_optimizer) gave every task state leaf an
+    infinite error (missing), and the report said "The candidate's step produced non-finite values ... NaN or
+    infinity": a NaN is read from a NaN error or a non-finite candidate loss only."""
+    missing = LeafError(0, "opt_state", "0.count", float("inf"), float("inf"), 0.0, False, shape=())
+    loss = LeafError(0, "loss", "loss", 0.0, 0.0, 1e-5, True)
+    record = StepRecord(0, 1e-5, 1e-7, 1.5, 1.5, (loss, missing, *COUNTERS_MATCH), 1, 1)
+    assert "non_finite" not in [d.code for d in rules.diagnose([record])]
+    nan = dataclasses.replace(missing, max_abs_err=float("nan"))
+    assert rules.diagnose([dataclasses.replace(record, leaves=(loss, nan))])[0].code == "non_finite"
+    lost = dataclasses.replace(
+        record,
+        candidate_loss=float("inf"),
+        leaves=(dataclasses.replace(loss, max_abs_err=float("inf"), ok=False), missing),
+    )
+    found = rules.diagnose([lost])[0]
+    assert found.code == "non_finite" and "first in loss (1 leaves in all)" in found.message

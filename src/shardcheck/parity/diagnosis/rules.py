@@ -487,11 +487,19 @@ def reference_diverged(ctx: DiagnosisContext) -> Finding:
 
 
 def _non_finite(record: StepRecord | None) -> list[LeafError]:
-    """The leaves of ``record`` whose error is NaN or infinite: the candidate's values are not finite (a
+    """The leaves of ``record`` whose error is NaN (NaN values: an infinite error may be a leaf missing or of
+    another shape) where the candidate's loss is NaN or infinite, or some leaf's error is NaN; else ``[]`` (a
     reference that went non-finite stops the comparison: ``reference_diverged``)."""
     if record is None:
         return []
-    return [e for e in record.leaves if not e.ok and not math.isfinite(e.max_abs_err)]
+    nan = [e for e in record.leaves if not e.ok and math.isnan(e.max_abs_err)]
+    loss = record.candidate_loss
+    lost = loss is not None and not math.isfinite(loss)
+    if not (nan or lost):
+        return []
+    return [
+        e for e in record.leaves if not e.ok and (math.isnan(e.max_abs_err) or (lost and e.kind == "loss"))
+    ]
 
 
 def non_finite(ctx: DiagnosisContext) -> Finding:

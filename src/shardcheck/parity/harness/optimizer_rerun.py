@@ -127,6 +127,10 @@ def stage_forms(
     elif stage in ("optimizer", "parameters"):
         bad_params = [e.path for e in record.leaves if e.kind == "param" and not e.ok]
         bad_state = [e.path for e in record.leaves if e.kind == "opt_state" and not e.ok]
+        # a candidate stepping an optimizer of its own holds other state paths (no view_optimizer): not fitted
+        bad_state = [
+            p for p in bad_state if p in after.cand_state and p in after.ref_state and p in ref_state0
+        ]
         bad = bad_params + [f"opt_state {p}" for p in bad_state]
         ref = {**after.ref_params, **{f"opt_state {p}": after.ref_state[p] for p in bad_state}}
         cand = {**after.cand_params, **{f"opt_state {p}": after.cand_state[p] for p in bad_state}}

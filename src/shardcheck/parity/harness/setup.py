@@ -82,6 +82,7 @@ def _setup(
     cand_model, cand_opt = copy_state(model, optimizer)
     if cand.make_optimizer is not None:
         cand_opt = cand.make_optimizer(cand_model, cand_opt)
+        _check_view(fn, cand, optimizer, cand_opt)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     dtypes = dict(dtypes)
     policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, data[0], mesh)
@@ -198,6 +199,35 @@ def _check_state_carried(fn, candidate, updated: list[str]) -> None:
         f"{candidate}: cannot run this model: its forward pass writes non-parameter state ({', '.join(updated)}), "
         f"once a step in the single-device step, and {candidate} {why}; check it with gspmd or your own step "
         f"({fn}, strategy {candidate!r})"
+    )
+
+
+def _check_view(fn: str, cand: Candidate, optimizer, cand_opt) -> None:
+    """A candidate stepping an optimizer of its own (``make_optimizer``) whose state is not laid out as the task
+    optimizer's needs a ``view_optimizer`` to read it as the task's (``optax.MultiSteps`` keeps it under
+    ``inner_opt_state`` and counts micro-steps); without one its state and counter cannot be compared.
+
+    Raises:
+        TypeError: no ``view_optimizer`` and the state's leaf paths differ, naming one of each and the fix.
+    """
+    if cand.view_optimizer is not None:
+        return
+    from shardcheck.parity.comparison.live import flatten_state
+
+    def paths(opt) -> set[str]:
+        state = nnx.state(opt)  # an optimizer without state (plain SGD) holds no "opt_state"
+        return set(flatten_state(state["opt_state"])) if "opt_state" in state else set()
+
+    theirs, mine = paths(optimizer), paths(cand_opt)
+    if mine == theirs:
+        return
+    lacks = sorted(theirs - mine)[:1] or ["(none)"]
+    raise TypeError(
+        f"{fn}: candidate {cand.name!r} steps an optimizer of its own (make_optimizer) whose state is not laid "
+        f"out as the task optimizer's (it lacks opt_state {lacks[0]}; it holds {len(mine)} state leaves, the "
+        f"task's {len(theirs)}), so its state and update count cannot be compared; give the Candidate "
+        "view_optimizer=lambda opt: (its state as the task optimizer's, the update count), e.g. for "
+        "optax.MultiSteps: lambda o: (nnx.state(o)['opt_state']['inner_opt_state'], o.opt_state.gradient_step[...])"
     )
 
 
