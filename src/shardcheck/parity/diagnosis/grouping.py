@@ -225,11 +225,11 @@ def state_property(
     named: ``"every failing leaf is under blocks.0.attn; the other leaves under it are at rounding level (a true
     gradient of 0 shows no difference): blocks.0.attn.key.bias; every other leaf matches"``."""
     sentence = _state_property(failing, matching, params, facts, names)
-    if not quiet or not _names_nothing(sentence):
-        return sentence
     noise = sorted(p for p in matching if param_path(p, params) in quiet)
     rest = {p: shape for p, shape in matching.items() if p not in noise}
-    if noise and not rest and NO_PROPERTY in sentence:  # every leaf differs but those at rounding level
+    # every leaf differs but those at rounding level: a property read against them alone says nothing ("every
+    # failing leaf is split over ('fsdp',); every replicated leaf matches" of one key bias), nor does "no property"
+    if noise and not rest and (NO_PROPERTY in sentence or not _names_nothing(sentence)):
         quiet_params = sorted({param_path(p, params) for p in noise})
         listed = ", ".join(quiet_params[:ROUNDING_SHOWN])
         if len(quiet_params) > ROUNDING_SHOWN:
@@ -238,6 +238,8 @@ def state_property(
             f"every leaf differs but those at rounding level (a true gradient of 0 in all or some of their elements, "
             f"allowed its noise): {listed}"
         )
+    if not quiet or not _names_nothing(sentence):
+        return sentence
     said = _state_property(failing, rest, params, facts, names) if noise and rest else sentence
     if _names_nothing(said):
         return sentence
