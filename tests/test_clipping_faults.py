@@ -219,6 +219,9 @@ def test_a_norm_counted_once_per_replica_is_still_clip_norm(s):
     first = report.diagnoses[0]
     assert first.code == "clip_norm", report.diagnoses
     assert f"sqrt({s})" in first.message and "once per replica" in first.message
+    # said where a clip is (the records hold no optimizer); x1/2 of S=4 also reads as a count applied twice
+    assert "where the gradients are clipped by a global norm" in first.message
+    assert ("without such a clip, x1/2: a gradient divided by 2 once too often" in first.message) is (s == 4)
     np.testing.assert_allclose(list(_first_moments(report).values()), 1 / math.sqrt(s), rtol=1e-4)
     assert not {"clip_coefficient", "local_clip_norm"} & {d.code for d in report.diagnoses}
 

@@ -345,7 +345,7 @@ def test_a_bf16_gradient_all_reduce_is_named_and_a_float32_one_passes(reverse):
     bad = check_parity(reduce_in(jnp.bfloat16, reverse), lm(steps=2), mesh=mesh, num_shards=8)
     assert bad.verdict == "FAIL" and bad.codes[0] == "low_precision_reduction", str(bad)
     message = " ".join(bad.diagnosis.split())
-    assert "the gradients were all-reduced in bfloat16" in message and "reduce in float32" in message
+    assert "the gradients were likely all-reduced in bfloat16" in message and "reduce in float32" in message
     good = check_parity(reduce_in(jnp.float32, reverse), lm(steps=2), mesh=mesh, num_shards=8)
     assert good.ok, str(good)
 

@@ -245,12 +245,15 @@ def _name_factor(
         if _close(f, value, CLIP_RTOL):
             k = math.isqrt(r)
             other = (
-                f" (or, x1/{k}: a sum over 1/{k} of the shards divided by all of them)" if k * k == r else ""
+                f"; without such a clip, x1/{k}: a gradient divided by {k} once too often (a micro-batch or shard "
+                f"count applied twice), or a sum over 1/{k} of the shards divided by all of them"
+                if k * k == r
+                else ""
             )
             return (
                 "clip_norm",
-                f"x1/sqrt({r}): the gradients were clipped with a global norm sqrt({r}) too large, the norm "
-                f"counted once per replica ({r} copies of each replicated gradient in the psum of squared "
+                f"x1/sqrt({r}): where the gradients are clipped by a global norm, that norm was sqrt({r}) too "
+                f"large, counted once per replica ({r} copies of each replicated gradient in the psum of squared "
                 "norms); sum the squares over the leaves each device owns, counting a replicated leaf once "
                 f"(or let jit/GSPMD compute optax.clip_by_global_norm on the global arrays){other}",
             )
@@ -813,9 +816,10 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
         "low_precision_reduction",
         f"At step {ctx.first.step} the update differs from the reference by about bfloat16's rounding of the "
         "shard gradients (within 2 eps_bf16 sqrt(S) sum_s |g_s|), not by a factor, while the model computes its "
-        "gradients in float32: the gradients were all-reduced in bfloat16. A bfloat16 sum of many shards rounds "
-        "small contributions away and depends on the reduction order; reduce in float32 (cast the gradients to "
-        "float32 before the psum / reduce-scatter).",
+        "gradients in float32: the gradients were likely all-reduced in bfloat16 (read from the error's size "
+        "alone: another change that small, such as a small term of the loss computed another way, reads the "
+        "same). A bfloat16 sum of many shards rounds small contributions away and depends on the reduction "
+        "order; reduce in float32 (cast the gradients to float32 before the psum / reduce-scatter).",
         ctx.worst_name,
     )
 
