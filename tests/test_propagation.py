@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from shardcheck.parity.tolerance.propagation import normalized_leaves, scale_change, update_sensitivity
+from shardcheck.parity.tolerance.propagation import GRID, normalized_leaves, scale_change, update_sensitivity
 
 G = {"w": jnp.asarray([[0.5, -2.0], [1.0, 0.25]], jnp.float32), "b": jnp.asarray([3.0, -1.0], jnp.float32)}
 P = {k: jnp.ones_like(v) for k, v in G.items()}
@@ -69,3 +69,34 @@ def test_a_binding_clip_is_blind_to_the_gradients_scale(max_norm, hidden):
 def test_normalized_leaves_are_those_whose_update_a_smaller_gradient_leaves_as_large(name, tx, expected):
     params = {"a": {"kernel": jnp.ones((3, 4))}, "b": jnp.ones(5)}
     assert set(normalized_leaves(tx, params)) == expected, name
+
+
+def test_adams_peak_near_a_zero_gradient_is_inside_the_sensitivity():
+    """A fused qkv bias's key third under bfloat16 compute (trial 7): a true gradient of 0 whose rounding noise is
+    far below delta / 8. Adam's update peaks at gradients on the scale of the element's own second moment (here
+    about lr at +3e-7, where it saturates at 0.74 lr beyond), which the grid of eighths missed (it allowed 1.24
+    learning rates where two correct runs were 1.6 apart). The points toward 0 find the peak: the sensitivity
+    holds the largest |f(x) - f(g)| of a dense scan of [g - delta, g + delta], and the grid alone does not."""
+    import jax
+    import optax
+
+    tx = optax.adam(1.0)
+    params = {"b": jnp.zeros(1, jnp.float32)}
+    _, state = tx.update(
+        {"b": jnp.asarray([3e-7], jnp.float32)}, tx.init(params), params
+    )  # one step of noise
+    g, delta = jnp.asarray([-3e-7], jnp.float32), jnp.asarray([1e-3], jnp.float32)
+    updates, _, _ = update_sensitivity(tx, {"b": g}, state, params, {"b": delta})
+
+    @jax.vmap
+    def f(x):
+        return tx.update({"b": x[None]}, state, params)[0]["b"][0]
+
+    base = float(f(g)[0])
+    xs = jnp.concatenate([jnp.linspace(-1e-3, 1e-3, 4001), jnp.geomspace(1e-9, 1e-3, 4000)])
+    xs = jnp.concatenate([xs, -xs]).astype(jnp.float32)
+    scan = float(jnp.max(jnp.abs(f(xs) - base)))
+    assert scan > 1.0  # the peak near +3e-7 (about 1 lr) against the update at g (about -0.06 lr)
+    assert float(updates["b"][0]) >= 0.97 * scan  # within a few percent, as the grid finds its points
+    grid_only = float(jnp.max(jnp.abs(f(g + jnp.asarray(GRID, jnp.float32) * delta) - base)))
+    assert grid_only < 0.85 * scan
