@@ -168,3 +168,26 @@ def test_a_candidate_with_an_optimizer_of_its_own_laid_out_otherwise_needs_a_vie
     seen = check_parity(Candidate(name="ms", step=step, make_optimizer=wrapped, view_optimizer=view), task)
     # it ran: MultiSteps(k=2) stepped once a batch applies no update at the first step, as the view tells
     assert seen.codes[0] == "never_stepped" and seen.steps[0].candidate_step_count == 0
+
+
+def test_the_header_says_model_over_an_axis_only_where_a_leaf_is_split_over_it():
+    """Trial 7: on mesh data=1,fsdp=2,model=2 the header said "model over model" where no leaf names 'model'; an
+    axis that splits neither the batch nor any leaf is said as the batch replicated over it."""
+    from shardcheck.cli.verify import _model_axes_text
+
+    def task(axes):
+        split = nnx.with_partitioning(nnx.initializers.lecun_normal(), axes)
+        return Task(
+            model=lambda: nnx.Linear(2, 4, kernel_init=split, rngs=nnx.Rngs(0)),
+            optimizer=optax.sgd(0.1),
+            loss_fn=lambda m, b: m(b["x"]).mean(),
+            batches=[{"x": np.ones((8, 2), np.float32)}],
+            name="annotated",
+        )
+
+    assert _model_axes_text(task((None, "model")), ["model"]) == "model over model"
+    assert _model_axes_text(task(("fsdp", None)), ["model"]) == "replicated over model"
+    assert (
+        _model_axes_text(task((None, "model")), ["model", "expert"])
+        == "model over model; replicated over expert"
+    )

@@ -559,7 +559,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         batch = batch_axis_names(args.mesh)
         model = [a for a in args.mesh if a not in batch]
         if model:  # tensor / expert parallelism: say which axes split the batch and which the model
-            setup += f" (batch over {', '.join(batch)}; model over {', '.join(model)})"
+            setup += f" (batch over {', '.join(batch)}; {_model_axes_text(task, model)})"
     if args.reference != REFERENCE:
         setup += f", against {next(iter(done.values())).reference}" if done else ""
     if done:  # the matmul precision the tolerances assumed (one for every check of a run)
@@ -594,6 +594,36 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     # what every strategy was compared with (the report's own name for it: "gspmd on data=2,model=4")
     document.update(reference=next(iter(done.values())).reference if done else args.reference)
     write_json(document, args.json)
+
+
+def _model_axes_text(task, axes: list[str]) -> str:
+    """``"model over model"`` for the axes some leaf of the task's model is annotated with, ``"replicated over
+    model"`` for the others (the batch is not split over them, and no leaf names them)."""
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from shardcheck.memory.state import abstract_training_state
+
+    try:
+        model, _ = abstract_training_state("shardcheck verify", task)
+        specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model)), is_leaf=lambda x: isinstance(x, P))
+        named = {a for spec in specs if isinstance(spec, P) for entry in spec for a in _entry(entry)}
+    except Exception:  # the header only: where the model cannot be traced abstractly, say what the mesh says
+        named = set(axes)
+    split = [a for a in axes if a in named]
+    replicated = [a for a in axes if a not in named]
+    parts = ([f"model over {', '.join(split)}"] if split else []) + (
+        [f"replicated over {', '.join(replicated)}"] if replicated else []
+    )
+    return "; ".join(parts)
+
+
+def _entry(entry) -> tuple:
+    """The axis names of one ``PartitionSpec`` entry (``None``, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _verdict(ok: bool | str) -> str:
