@@ -599,31 +599,19 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
 def _model_axes_text(task, axes: list[str]) -> str:
     """``"model over model"`` for the axes some leaf of the task's model is annotated with, ``"replicated over
     model"`` for the others (the batch is not split over them, and no leaf names them)."""
-    import jax
-    from flax import nnx
-    from jax.sharding import PartitionSpec as P
-
     from shardcheck.memory.state import abstract_training_state
+    from shardcheck.steps.sharded import annotated_axes
 
     try:
-        model, _ = abstract_training_state("shardcheck verify", task)
-        specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model)), is_leaf=lambda x: isinstance(x, P))
-        named = {a for spec in specs if isinstance(spec, P) for entry in spec for a in _entry(entry)}
+        named = annotated_axes(abstract_training_state("shardcheck verify", task)[0])
     except Exception:  # the header only: where the model cannot be traced abstractly, say what the mesh says
-        named = set(axes)
+        named = frozenset(axes)
     split = [a for a in axes if a in named]
     replicated = [a for a in axes if a not in named]
     parts = ([f"model over {', '.join(split)}"] if split else []) + (
         [f"replicated over {', '.join(replicated)}"] if replicated else []
     )
     return "; ".join(parts)
-
-
-def _entry(entry) -> tuple:
-    """The axis names of one ``PartitionSpec`` entry (``None``, a name, or a tuple of names)."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _verdict(ok: bool | str) -> str:

@@ -285,9 +285,21 @@ def check_annotated_axes(fn: str, model, mesh: Mesh) -> None:
         ValueError: a leaf annotated with an axis the mesh lacks; the message names the leaf (its dotted path),
             the annotation, the mesh's axes and the fix.
     """
+    for path, spec in _annotated_specs(model):
+        _check_axes(fn, path, spec, mesh)
+
+
+def annotated_axes(model) -> frozenset[str]:
+    """The mesh axes that ``model``'s sharding annotations (``nnx.with_partitioning``) split some leaf over;
+    concrete and abstract (``nnx.eval_shape``) models alike (only metadata is read)."""
+    return frozenset(a for _, spec in _annotated_specs(model) for a in spec_axes(spec))
+
+
+def _annotated_specs(model):
+    """``(dotted path, PartitionSpec)`` of every annotated Variable of ``model``."""
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if _annotation(var) is not None:
-            _check_axes(fn, path_str(path), nnx.get_partition_spec(var).get_value(), mesh)
+            yield path_str(path), nnx.get_partition_spec(var).get_value()
 
 
 def _check_annotation(fn: str, path: str, spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
