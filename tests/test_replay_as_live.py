@@ -182,7 +182,8 @@ def test_a_replays_forward_stage_says_no_module_was_probed():
     replayed = localize([record], replicas_observed=False)
     assert replayed.stage == "forward" and not replayed.live
     assert (
-        "Module: not probed (a replay has no live model to run module by module; a live check of this step names "
-        "the first module whose output differs while its inputs match)." in replayed.text()
+        "Module: not probed (a replay has no live model to run module by module; a live check of this step runs "
+        "the module probe, which looks for the first module whose output differs while its inputs match)."
+        in replayed.text()
     )
     assert "Module:" not in localize([record]).text()  # live: the probe's finding, or nothing where none ran

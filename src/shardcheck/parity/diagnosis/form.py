@@ -316,11 +316,12 @@ def _one_factor(
             spread,
             leaves=n,
         )
-    what = (
-        "one scale of the whole update (a learning rate or its schedule, a loss scale)"
-        if update
-        else "these values scaled by one factor (a scale applied to these leaves only)"
-    )
+    if update and optimizer_stage:  # from equal gradients: no loss scale
+        what = f"one scale of the whole update from equal gradients (a learning rate or its schedule{_nesterov(f)})"
+    elif update:
+        what = "one scale of the whole update (a learning rate or its schedule, a loss scale)"
+    else:
+        what = "these values scaled by one factor (a scale applied to these leaves only)"
     return Form(
         "factor",
         f"{head}: {what}",
@@ -328,6 +329,28 @@ def _one_factor(
         spread,
         leaves=n,
     )
+
+
+MOMENTA = (0.5, 0.8, 0.9, 0.95, 0.99)
+"""Momentum coefficients ``mu`` common enough to name in a factor ``1 + mu`` or ``1 / (1 + mu)``."""
+
+NESTEROV_RTOL = 1e-3
+"""How close a factor must be to ``1 + mu`` (or its inverse) to be read as one: tighter than :data:`RATIO_RTOL`, so
+that a factor 2 or 0.5 (within 0.5% of 1 + 0.99 and its inverse) is not."""
+
+
+def _nesterov(f: float) -> str:
+    """``"; 0.5263 = 1/(1 + 0.9): ..."``: Nesterov momentum on one side only, where ``f`` is ``1 + mu`` or its
+    inverse for a common ``mu`` (a first step's Nesterov update is ``1 + mu`` times plain momentum's,
+    ``optax.sgd(..., nesterov=True)``), else ``""``."""
+    for mu in MOMENTA:
+        for k, text in ((1 + mu, f"1 + {mu:g}"), (1 / (1 + mu), f"1/(1 + {mu:g})")):
+            if abs(f - k) <= NESTEROV_RTOL * k:
+                return (
+                    f"; or, as {f:.4g} = {text}, Nesterov momentum {mu:g} on one side only, whose first update is "
+                    "1 + mu times plain momentum's"
+                )
+    return ""
 
 
 def _per_group(factors: dict[str, float], stats: dict, n: int, basis: str = "10th-90th percentile") -> Form:
@@ -401,14 +424,14 @@ def _no_form(f64: dict) -> Form:
     )
 
 
-def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
+def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_stage: bool = False) -> Form:
     """The form the records alone allow (no arrays: a replay, or a step the harness fitted nothing for), said as
     :func:`fit_form` says it, from each leaf's ratio and 10th-90th percentile spread (``LeafError.ratio`` /
     ``spread``; a replay's, over its samples): a zero update where every ratio is 0; a constant factor where
     every failing leaf's ratio is constant across it (``one_factor_across``) and they agree within ``RATIO_RTOL``
     (an integer k >= 2 of an ``update``: k optimizer steps, as live); a constant factor per group where they
     are constant but differ (every group listed, as live); else no simple form, naming the leaf of the widest
-    spread.
+    spread. ``optimizer_stage``: as :func:`fit_form`'s (a factor from equal gradients names no loss scale).
 
     Raises:
         ValueError: ``bad`` is empty.
@@ -447,7 +470,7 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True) -> Form:
     mid = float(np.median(list(factors.values())))
     if mid != 0 and all(abs(f - mid) <= RATIO_RTOL * abs(mid) for f in factors.values()):
         lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
-        return _one_factor(mid, (lo, hi), n, False, False, update, percentiles(ratios[0]))
+        return _one_factor(mid, (lo, hi), n, optimizer_stage, False, update, percentiles(ratios[0]))
     return _per_group(factors, stats, n, percentiles(ratios[0]))
 
 

@@ -66,8 +66,8 @@ NO_RERUN = "the optimizer state against the reference's"
 # the forward stage where the loss matches and a counter the forward pass writes (``model.*``) differs
 # a replay's forward stage: no module probe
 NOT_PROBED = (
-    "not probed (a replay has no live model to run module by module; a live check of this step names the first "
-    "module whose output differs while its inputs match)"
+    "not probed (a replay has no live model to run module by module; a live check of this step runs the module "
+    "probe, which looks for the first module whose output differs while its inputs match)"
 )
 FORWARD_STATE = "the forward pass writes the model's state another way at equal parameters; the loss matches"
 NOUNS = {
@@ -372,7 +372,7 @@ def localize(
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
         fitted = None if all(e.kind == "state" for e in bad) else dict(record.forms).get(first.stage)
-        form = fitted or form_from_leaves(bad, update=update)
+        form = fitted or form_from_leaves(bad, update=update, optimizer_stage=first.stage == "optimizer")
         form = checked_form(form, first.stage, bad, leaves, record)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])

@@ -145,7 +145,9 @@ class ModuleFinding:
             return (
                 f"every module's output matches under the candidate's placement ({self.where}; {self.compared} "
                 f"captured outputs at equal parameters{worst}): the forward difference is in the step's own "
-                "forward or loss, not in a module whose output was captured"
+                "forward or loss, not in a module as the task's loss calls it (the probe runs the task's loss on "
+                "the candidate's placement, so code of the step's own inside its jax.shard_map, such as a "
+                "collective it leaves out or a batch statistic it computes per shard, is not seen by it)"
             )
         if self.status == INPUT_DIFFERS:
             return (

@@ -544,7 +544,8 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
         f"Replicas differ across devices: {leaf} holds different values on different devices after "
         f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding says replicated; "
         "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
-        "check_vma=False and out_specs=P()).",
+        "check_vma=False and out_specs=P()), or was scaled after its all-reduce by a quantity of each shard's own "
+        "(a local count or norm).",
         leaf,
     )
 
@@ -1020,6 +1021,9 @@ def localized(ctx: DiagnosisContext) -> Finding:
         head = f"At step {ctx.first.step} {agree} {verb_}"
         count = f"{len(bad)} of {len(of_kind)} {'leaf' if len(of_kind) == 1 else 'leaves'}"
         form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad])
+        # the gradients the optimizer was given are the reference's
+        if kind == "opt_state" and "the gradients" in matched:
+            meaning = "the optimizer updated its state differently from equal gradients"
         return Diagnosis(
             "localized",
             f"{head}; {noun} {verb} ({count}): {meaning}. {group[0].upper()}{group[1:]}. {form} "

@@ -328,5 +328,18 @@ def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int
         f"{r} shards adds it to its partial sum and the psum adds the {r} copies (its gradient comes back "
         f"psum-ed over {m}); add a row-parallel layer's replicated bias after the reduction (y = "
         f"jax.lax.psum(h @ w, {axes[0]!r}) + b), or, if its gradient was psum-ed over {m} explicitly, drop that "
-        "reduction: the batch is replicated over it."
+        f"reduction: the batch is replicated over it.{_batch_axis_too(mesh_shape, r)}"
+    )
+
+
+def _batch_axis_too(mesh_shape, r: int) -> str:
+    """The alternative where a batch axis has the factor's size too: a sum over it where the others average."""
+    batch, _ = axis_roles(mesh_shape)
+    same = tuple(a for a in batch if (mesh_shape or {}).get(a) == r)
+    if not same:
+        return ""
+    b = _axes_text(same)
+    return (
+        f" Or, as x{r} is also the size of the batch axis {b}: these gradients were summed over {b} where the "
+        f"others are averaged (a psum for a pmean, or a second reduction over {b} for these leaves only)."
     )

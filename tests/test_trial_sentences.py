@@ -1,0 +1,80 @@
+"""Sentences new users' trials found false or missing (issue #36), each tested both ways on hand-built records
+(no JAX): a CNN with SGD + Nesterov (trial 8) and a tensor-parallel VAE on a data=2 x model=2 mesh (trial 9).
+
+- Nesterov off in the candidate only: every update is 0.5263 x the reference's from equal gradients. The Form
+  offered "a loss scale" (the gradients matched, so no loss scale can be the cause) and did not say that
+  0.5263 = 1/(1 + 0.9), a first Nesterov step's signature.
+- An inverted weight-decay mask: the optimizer state differs while the gradients match, and the text said "the
+  optimizer was given other gradients for these leaves".
+- A LayerNorm gradient psum-ed over 'data' where the rest are averaged (x2 on a mesh whose 'data' and 'model'
+  axes both have 2 devices): the text offered 'model' only.
+"""
+
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.localization import localize
+from shardcheck.parity.diagnosis.rules import localized
+from shardcheck.parity.diagnosis.topology import replicated_reduced_message
+
+TOL = 1e-3
+PATHS = ("conv1.kernel", "conv2.kernel", "n0.scale", "n0.bias")
+
+
+def _leaf(kind, path, ratio=None):
+    """A matching leaf, or one off by the constant factor ``ratio`` on a reference change of size 1."""
+    if ratio is None:
+        return LeafError(0, kind, path, 0.0, 0.0, TOL, True, shape=(4,))
+    err = abs(ratio - 1)
+    return LeafError(0, kind, path, err, err, TOL, False, ratio, 1.0, (ratio, ratio), (4,))
+
+
+def _record(leaves, rerun=None):
+    counters = (LeafError(0, "counter", "1.count", 0.0, 0.0, 0.0, True, shape=()),)
+    return StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (*leaves, *counters), 1, 1, optimizer_rerun=rerun)
+
+
+def _update_factor(ratio):
+    params = [_leaf("param", p, ratio) for p in PATHS]
+    leaves = [_leaf("loss", "loss"), *(_leaf("grad", p) for p in PATHS), *params]
+    return localize([_record(leaves, rerun=params)])
+
+
+def test_a_first_nesterov_step_is_named_and_no_loss_scale_is_offered_where_the_gradients_match():
+    loc = _update_factor(1 / 1.9)
+    assert loc.stage == "optimizer" and loc.form.kind == "factor"
+    assert "one scale of the whole update from equal gradients (a learning rate or its schedule; or, as " in (
+        loc.form.sentence
+    )
+    assert "0.5263 = 1/(1 + 0.9), Nesterov momentum 0.9 on one side only" in loc.form.sentence
+    assert "loss scale" not in loc.form.sentence
+
+
+def test_a_factor_2_or_one_half_is_no_nesterov_signature():
+    for ratio in (2.0, 0.5, 4.0):
+        loc = _update_factor(ratio)
+        assert "Nesterov" not in loc.form.sentence, ratio
+
+
+def test_optimizer_state_that_differs_beside_matching_gradients_is_not_said_to_have_other_gradients():
+    state = [_leaf("opt_state", f"1.0.trace.{p}", 1.5 if "kernel" in p else None) for p in PATHS]
+    leaves = [_leaf("loss", "loss"), *(_leaf("grad", p) for p in PATHS), *(_leaf("param", p) for p in PATHS)]
+
+    class Ctx:  # the fields `localized` reads
+        first = _record([*leaves, *state])
+        records = (first,)
+        unexplained = True
+        drifted = False
+
+    found = localized(Ctx)
+    assert found is not None
+    assert "the optimizer updated its state differently from equal gradients" in found.message
+    assert "given other gradients" not in found.message
+
+
+def test_a_doubled_gradient_names_the_batch_axis_of_the_same_size_too():
+    both = replicated_reduced_message(0, ["decoder.ln.scale"], 15, 2, {"data": 2, "model": 2})
+    assert "x2 is the size of mesh axis 'model'" in both
+    assert (
+        "Or, as x2 is also the size of the batch axis 'data': these gradients were summed over 'data'" in both
+    )
+    other = replicated_reduced_message(0, ["decoder.ln.scale"], 15, 2, {"data": 4, "model": 2})
+    assert "batch axis" not in other
