@@ -10,6 +10,8 @@
   axes both have 2 devices): the text offered 'model' only.
 """
 
+import dataclasses
+
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.localization import localize
 from shardcheck.parity.diagnosis.rules import localized
@@ -78,3 +80,33 @@ def test_a_doubled_gradient_names_the_batch_axis_of_the_same_size_too():
     )
     other = replicated_reduced_message(0, ["decoder.ln.scale"], 15, 2, {"data": 4, "model": 2})
     assert "batch axis" not in other
+
+
+def test_the_replicas_example_is_a_leaf_whose_own_gradient_differs():
+    """Trial 9: a LayerNorm gradient left unreduced over 'data' under a global-norm clip: every leaf's copies
+    differ (the clip spreads it), and the example was decoder.fc1.bias, whose gradient was reduced."""
+    from shardcheck.parity.diagnosis.rules import replicas_differ
+
+    grads = [_leaf("grad", "decoder.fc1.bias"), _leaf("grad", "decoder.ln.scale", 1.5)]
+
+    class Ctx:
+        records = (
+            StepRecord(
+                0,
+                1e-5,
+                1e-7,
+                1.0,
+                1.0,
+                (_leaf("loss", "loss"), *grads),
+                1,
+                1,
+                replica_mismatches=("param decoder.fc1.bias", "param decoder.ln.scale"),
+            ),
+        )
+
+    found = replicas_differ(Ctx)
+    assert found.message.startswith("Replicas differ across devices: param decoder.ln.scale holds")
+    Ctx.records = (dataclasses.replace(Ctx.records[0], leaves=(_leaf("loss", "loss"), _leaf("grad", "x"))),)
+    assert replicas_differ(Ctx).message.startswith(
+        "Replicas differ across devices: param decoder.fc1.bias holds"
+    )

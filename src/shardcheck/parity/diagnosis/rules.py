@@ -538,7 +538,7 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
     r = next((r for r in ctx.records if r.replica_mismatches), None)
     if r is None:
         return None
-    leaf = r.replica_mismatches[0]
+    leaf = _replicas_root(r)[0]
     return Diagnosis(
         "replicas_differ",
         f"Replicas differ across devices: {leaf} holds different values on different devices after "
@@ -558,11 +558,24 @@ def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
         return None
     grads = [e for e in r.leaves if e.kind == "grad"]
     after = bool(grads) and all(e.ok for e in r.leaves if e.kind in ("loss", "grad"))
+    leaves = _replicas_root(r)
     return Diagnosis(
         "wrong_axis_reduction",
-        missed_axes_message(r.step, r.replica_mismatches, r.replica_axes, ctx.mesh_shape, after),
-        r.replica_mismatches[0],
+        missed_axes_message(r.step, leaves, r.replica_axes, ctx.mesh_shape, after),
+        leaves[0],
     )
+
+
+def _replicas_root(record: StepRecord) -> list[str]:
+    """The leaves whose copies differ, those whose own gradient differs at that step first: the copies of a leaf
+    whose gradient matched parted only through others (a global-norm clip of gradients that differ elsewhere),
+    so it is no example of the leaf that was left unreduced."""
+    bad = {e.path for e in record.leaves if e.kind == "grad" and not e.ok}
+
+    def own(name: str) -> bool:  # "param a.b", or optimizer state "opt_state 0.mu.a.b"
+        return any(name.endswith((" " + p, "." + p)) for p in bad)
+
+    return sorted(record.replica_mismatches, key=lambda n: not own(n))
 
 
 def replicated_reduced(ctx: DiagnosisContext) -> Finding:
@@ -1266,7 +1279,10 @@ def weak_update(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "weak_check",
         f"The reference's {which} of {name} is not larger than the tolerance: a wrong update of that leaf "
-        "could pass unseen. Raise the learning rate or lower rtol/atol.",
+        "could pass its own comparison unseen (its gradient and optimizer state are still compared). Where that "
+        "tolerance is a low-precision compute's rounding carried through a normalizing optimizer (Adam's update "
+        "is lr-sized whatever the gradient's size), it grows with the learning rate as the update does; "
+        "otherwise raise the learning rate or lower rtol/atol.",
         name,
     )
 
