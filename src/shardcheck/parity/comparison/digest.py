@@ -61,6 +61,7 @@ import numpy as np
 
 from shardcheck.parity.comparison.leaf_digest import SAMPLES
 from shardcheck.parity.comparison.live import spread_ranks
+from shardcheck.parity.comparison.state_digest import read_paths, state_evidence
 from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
@@ -73,6 +74,7 @@ from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
 
 EPS32 = float(np.finfo(np.float32).eps)
 STRUCTURAL = ("missing", "shape", "dtype", "sharding")
+_STATE_EVIDENCE = ("update", "change at a sample", "not compared")  # a state leaf's own rule (state_digest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +86,9 @@ class DigestError:
         name: the leaf (``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"``).
         evidence: what decided: ``"max"``, ``"norm"``, ``"sample"``, ``"update"`` (a parameter's update size),
-            ``"exact"`` (a counter), ``"nan"``, or a structural change: ``"missing"``, ``"shape"``, ``"dtype"``,
-            ``"sharding"``.
+            ``"exact"`` (a counter), ``"nan"``, a floating model-state leaf's own (``"update"``, ``"change at a
+            sample"``, ``"not compared"``: :mod:`~shardcheck.parity.comparison.state_digest`), or a structural
+            change: ``"missing"``, ``"shape"``, ``"dtype"``, ``"sharding"``.
         recorded, replayed: that evidence's two values (numbers, or text for a structural change).
         err: ``|replayed - recorded|`` (inf for a structural change); allowed: the tolerance it was held to.
         ok: within it.
@@ -637,12 +640,26 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
         if name.startswith("param "):
             update_base = base + bounds.last_base.get(name, base)
             bounds.last_base[name] = base
+        state = _state_error(pair, t, name, r, c)
+        if state is not None:
+            out.append(state)
+            continue
         out.append(
             _leaf_error(
                 t, name, r, c, base, update_base, pair, _sample_base(pair, bounds, t, name, base, atol)
             )
         )
     return out
+
+
+def _state_error(pair: _Pair, t: int, name: str, r: _Leaf, c: _Leaf) -> DigestError | None:
+    """A floating model-state leaf after a step by its own rule (:mod:`~shardcheck.parity.comparison.state_digest`:
+    not compared, or its change compared coarsely), or ``None`` where its value is compared as any leaf's."""
+    if not name.startswith("state ") or t < 0 or _structural(t, name, r, c) is not None:
+        return None
+    was = (pair.leaf("recorded", t - 1, name), pair.leaf("replayed", t - 1, name))
+    found = state_evidence(name, (r, c), was, read_paths(pair.recording.meta, pair.replayed.meta))
+    return None if found is None else DigestError(t, name, *found)
 
 
 def _placement_changes(pair: _Pair, steps: int) -> tuple[tuple[str, str, str], ...]:
@@ -957,7 +974,8 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     shape = None if col is None else tuple(pair.recording.shapes[col])
     if e.evidence in STRUCTURAL or e.evidence == "nan":
         return LeafError(e.step, kind, path or "loss", e.err, math.inf, e.allowed, e.ok, shape=shape)
-    sampled = (None, None, None) if kind == "counter" or e.step < 0 else _sample_ratio(pair, e.step, e.name)
+    whole = kind == "counter" or e.step < 0 or (kind == "state" and e.evidence in _STATE_EVIDENCE)
+    sampled = (None, None, None) if whole else _sample_ratio(pair, e.step, e.name)
     ratio, spread, samples = sampled
     if ratio is None:  # no usable sample: the whole leaf's ratio (update size, norm, counter value)
         ratio = e.ratio

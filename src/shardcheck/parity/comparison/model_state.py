@@ -6,25 +6,47 @@ Two kinds of it, as the Flax NNX docs write them:
   the single-device step writes back what the forward pass wrote, once a step
   (:func:`shardcheck.steps._core.shard_value_and_grad`), as ``nnx.value_and_grad`` does; a candidate must leave
   the same values, exactly (``counter model.<path>``);
-- floating state (a weight kept frozen in a Variable class of one's own, ``class Frozen(nnx.Variable)``, as
-  LoRA's base weights are): where the reference's step leaves a leaf bitwise as it was, the candidate must too,
-  exactly (``state model.<path>``, ``reference_change`` 0): a step that trains it by mistake FAILs at once.
-  Where the reference's step writes it and the candidate's leaves it as it was, the candidate dropped the writes
-  (``reference_change`` > 0). Floating state both steps write (a running statistic of the activations) is not
-  compared: its rounding has no derived tolerance.
+- floating state (``state model.<path>``), one rule live and in a replay, by what each step does to a leaf:
 
-RNG streams are not compared (their keys are the model's, drawn nowhere in a checked step), nor ``nnx.BatchStat``
-(refused: :func:`shardcheck.task.check_model`).
+  - the reference's step leaves it bitwise as it was, and the loss reads it (a weight kept frozen in a Variable
+    class of one's own, ``class Frozen(nnx.Variable)``, as LoRA's base weights are): the candidate must leave
+    it too, exactly (``reference_change`` 0): a step that trains it by mistake FAILs at once (``frozen_state``);
+  - the reference's step leaves it as it was, the loss does not read it, and the candidate's step writes it (an
+    EMA of the parameters, a shadow copy kept by the user's step after its update): not compared, since the
+    task's reference step does not write it (a leaf of tolerance ``inf``, named by the PASS); whether the loss
+    reads a leaf is decided once per check from the task's loss traced on the model's floating state
+    (:func:`loss_reads`);
+  - both steps write it (BatchNorm's running averages, ``nnx.BatchStat``): compared coarsely on its change in
+    the step (after minus before, each side from its own state): FAILs only where the candidate's change differs
+    from the reference's by more than :data:`COARSE` of the reference's largest change. No rounding tolerance is
+    derived for such state (a running average of batch statistics goes through reductions whose order a sharded
+    step changes, and rounds at each step), so only a difference no rounding can make is flagged: a momentum
+    0.99 in place of 0.9 (a tenth of the change), a statistic computed another way;
+  - the reference's step writes it and the candidate's leaves it exactly as it was: the writes were dropped.
+
+RNG streams are not compared. Where the forward pass draws from one (a VAE's ``eps``, Dropout), the reference
+and the candidate start from equal keys and counts, so equal draws are what a correct step makes, and a step that
+draws other numbers (the same key on every shard, or a count not written back, which repeats step 0's draws)
+shows in the loss, the gradients and the parameters (``shardcheck.parity.diagnosis.draws``): a count compared
+exactly would add nothing the values do not show.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from shardcheck.parity.comparison.live import counter_error, is_int, to_host
 from shardcheck.parity.diagnosis.evidence import LeafError
+
+COARSE = 0.5
+"""A both-written floating leaf FAILs where the candidate's change in a step differs from the reference's by more
+than this fraction of the reference's largest change (elementwise, max over the leaf)."""
 
 PREFIX = "model."
 """The path prefix of a model-state leaf in a report (``counter model.calls``, ``state model.l1.base``), beside
@@ -68,20 +90,64 @@ def floating_state(model: nnx.Module, found: dict | None = None, key: str = "flo
     return {p: np.asarray(to_host(a), np.float64) for p, a in floating_arrays(model, found, key).items()}
 
 
+def _is_floating_state(_path, x) -> bool:
+    """An ``nnx.split`` filter: a Variable that is neither a parameter nor an RNG stream, holding floating values."""
+    if isinstance(x, nnx.Param | nnx.RngState) or not isinstance(x, nnx.Variable):
+        return False
+    a = x[...]
+    return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def loss_reads(loss_fn, model: nnx.Module, batch) -> frozenset[str] | None:
+    """The dotted paths (as :func:`floating_arrays`') of the model's floating state that ``loss_fn(model, batch)``
+    reads: the task's loss traced once (``jax.make_jaxpr``, nothing computed) as a function of those leaves, a
+    leaf read where some equation of the program takes it or the program returns it. A leaf the forward pass
+    only writes from itself (a running average) counts as read; one no equation takes (an EMA of the parameters
+    the user's step keeps) does not.
+
+    Returns ``frozenset()`` for a model without floating state, and ``None`` where the loss cannot be traced on
+    abstract values (a loss that converts a traced value to a Python number): every leaf then counts as read,
+    so a frozen weight is still compared exactly."""
+    graphdef, floating, rest = nnx.split(model, _is_floating_state, ...)
+    flat = list(nnx.to_flat_state(floating))
+    if not flat:
+        return frozenset()
+
+    def loss_of(arrays):
+        state = nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, arrays, strict=True)])
+        return loss_fn(nnx.merge(graphdef, state, rest, copy=True), batch)
+
+    try:
+        program = jax.make_jaxpr(loss_of)([v[...] for _, v in flat]).jaxpr
+    except Exception:  # noqa: BLE001 -- undecidable here: every leaf counts as read (the exact rule stands)
+        return None
+    taken = {id(v) for eqn in program.eqns for v in eqn.invars} | {id(v) for v in program.outvars}
+    return frozenset(
+        ".".join(map(str, p)) for (p, _), v in zip(flat, program.invars, strict=True) if id(v) in taken
+    )
+
+
 def model_state_leaves(
     step: int,
     ref_model: nnx.Module,
     cand_model: nnx.Module,
     found: dict | None = None,
     before: dict | None = None,
+    cand_before: dict | None = None,
+    read: frozenset[str] | None = None,
 ) -> list[LeafError]:
     """The model-state leaves of one step, against the reference's.
 
     - One exact ``counter`` leaf per integer leaf both models hold (path ``model.<path>``); an array leaf's error
       is its largest elementwise difference.
-    - With ``before`` (:func:`floating_state` of the reference before the step), one exact ``state`` leaf per
-      floating leaf the reference left bitwise as it was (``reference_change`` 0) or the candidate did while the
-      reference wrote it (``reference_change`` its largest change); a leaf both wrote is not compared.
+    - With ``before`` (:func:`floating_state` of the reference before the step) one ``state`` leaf per floating
+      leaf both models hold, by the module docstring's rule: exact (tolerance 0, ``reference_change`` 0) where
+      the reference left it bitwise as it was and the loss reads it (``read``: :func:`loss_reads`'s paths;
+      ``None``: every leaf counts as read), not compared (tolerance ``inf``, ``ok``) where the loss does not read
+      it and the candidate's value differs, coarse on the change (tolerance :data:`COARSE` x the reference's
+      largest change, ``reference_change`` that change, ``ratio`` the candidate's largest change over it, 0 where
+      it is exactly 0) where the reference wrote it. ``cand_before``: the candidate's own floating state before
+      the step (its change is taken from it; default ``before``).
 
     ``found``: as :func:`model_state`'s."""
     ref = model_state(ref_model, found, "model_state ref")
@@ -96,31 +162,52 @@ def model_state_leaves(
         r64, c64 = np.asarray(r, np.int64), np.asarray(cand[path], np.int64)
         out.append(_exact(step, "counter", path, r64, c64, None))
     if before:
-        out += _floating_leaves(step, ref_model, cand_model, found, before)
+        sides = (floating_state(ref_model, found, "floating_state ref"), before)
+        cand_sides = (floating_state(cand_model, found, "floating_state cand"), cand_before or before)
+        out += _floating_leaves(step, sides, cand_sides, read)
     return out
 
 
-def _floating_leaves(step, ref_model, cand_model, found, before: dict) -> list[LeafError]:
-    ref = floating_state(ref_model, found, "floating_state ref")
-    cand = floating_state(cand_model, found, "floating_state cand")
+def _floating_leaves(step, sides: tuple, cand_sides: tuple, read) -> list[LeafError]:
+    (ref, before), (cand, cand_before) = sides, cand_sides
     out = []
     for path, r in ref.items():
-        r0, c = before.get(path), cand.get(path)
-        if r0 is None or c is None or r0.shape != r.shape or c.shape != r.shape:
+        r0, c, c0 = before.get(path), cand.get(path), cand_before.get(path)
+        if any(x is None or x.shape != r.shape for x in (r0, c, c0)):
             continue
-        if _same(r, r0):  # the reference left it as it was: so must the candidate
+        if not _same(r, r0):  # the reference wrote it: the candidate's change, coarsely
+            out.append(_both_written(step, path, (r0, r), (c0, c)))
+        elif read is None or path in read or _same(c, r):  # so must the candidate leave it
             out.append(_exact(step, "state", path, r, c, 0.0))
-        elif _same(c, r0):  # the reference wrote it; the candidate left it as it was
-            change = float(np.max(np.abs(r - r0), initial=0.0))
-            out.append(_exact(step, "state", path, r, c, change))
+        else:  # written by the candidate only, read by nothing the loss computes: not compared
+            out.append(
+                dataclasses.replace(_exact(step, "state", path, r, c, 0.0), tolerance=math.inf, ok=True)
+            )
     return out
+
+
+def _both_written(step, path, ref: tuple, cand: tuple) -> LeafError:
+    """A floating leaf the reference's step wrote: the candidate's change against the reference's, within
+    :data:`COARSE` of the reference's largest change; exact where the candidate left it as it was (dropped)."""
+    (r0, r), (c0, c) = ref, cand
+    with np.errstate(invalid="ignore", over="ignore"):
+        dr, dc = r - r0, c - c0
+        top, moved = float(np.max(np.abs(dr), initial=0.0)), float(np.max(np.abs(dc), initial=0.0))
+        if moved == 0:
+            return _exact(step, "state", path, r, c, top, ratio=0.0)
+        diff = np.abs(dc - dr)
+    err = float(np.max(diff, initial=0.0)) if not np.isnan(diff).any() else math.nan
+    allowed = COARSE * top
+    return LeafError(
+        step, "state", PREFIX + path, err, err / top, allowed, err <= allowed, moved / top, top, None, r.shape
+    )
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a, b, equal_nan=True))
 
 
-def _exact(step, kind, path, r, c, change) -> LeafError:
+def _exact(step, kind, path, r, c, change, ratio=None) -> LeafError:
     """An exact leaf: its error the largest elementwise difference, its tolerance 0 (NaN where it is: fails)."""
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(np.asarray(c, np.float64) - np.asarray(r, np.float64))
@@ -128,5 +215,5 @@ def _exact(step, kind, path, r, c, change) -> LeafError:
     top = float(np.max(np.abs(r), initial=0))
     rel = err / top if top else (0.0 if err == 0 else np.inf)
     return LeafError(
-        step, kind, PREFIX + path, err, rel, 0.0, err == 0, None, change, None, tuple(np.shape(r))
+        step, kind, PREFIX + path, err, rel, 0.0, err == 0, ratio, change, None, tuple(np.shape(r))
     )

@@ -61,6 +61,7 @@ FORMS = (
     "extra_step",
     "decay",
     "replicas",
+    "state_amount",
     "none",
 )
 
@@ -223,7 +224,8 @@ def _reference_zero(n: int, top_r: float, top_c: float | None) -> Form:
 def _state_form(bad: list[LeafError]) -> Form:
     """The form of failing non-parameter floating state (``state model.<path>``,
     :mod:`shardcheck.parity.comparison.model_state`): moved where the reference's step leaves it (a frozen weight
-    trained), or left where the reference's forward pass writes it (the writes dropped)."""
+    trained); left exactly as it was where the reference's step writes it (``ratio`` 0: the writes dropped);
+    written by both steps, by amounts further apart than the coarse bound (``state_amount``)."""
     n, top = len(bad), max(e.max_abs_err for e in bad)
     what, it, they = ("this leaf", "it", "it") if n == 1 else (f"these {n} leaves", "them", "they")
     was = "was" if n == 1 else "were"
@@ -231,18 +233,32 @@ def _state_form(bad: list[LeafError]) -> Form:
         return Form(
             "reference_zero",
             f"a change where the reference makes none: the reference's step leaves {what} of non-parameter state "
-            f"as {they} {was} (a Variable that is not an nnx.Param: the task's optimizer updates wrt=nnx.Param only, "
-            f"and the forward pass does not write {it}) and the candidate's step moved {it} by up to {top:.3g}: a "
-            "weight meant to stay frozen was trained",
+            f"as {they} {was} (a Variable that is not an nnx.Param and that the loss reads: the task's optimizer "
+            f"updates wrt=nnx.Param only) and the candidate's step moved {it} by up to {top:.3g}: a weight meant "
+            "to stay frozen was trained",
             leaves=n,
         )
-    if all(e.reference_change for e in bad):
-        wrote = max(e.reference_change for e in bad)
+    wrote = max((e.reference_change or 0.0) for e in bad)
+    if all(e.reference_change and e.ratio == 0 for e in bad):
         return Form(
             "zero",
-            f"a zero update: the candidate's step left {what} of non-parameter state as {they} {was} while the "
-            f"reference's forward pass wrote {it} (by up to {wrote:.3g}): the forward pass's writes were dropped",
+            f"a zero update: the candidate's step left {what} of non-parameter state exactly as {they} {was} while "
+            f"the reference's step wrote {it} (by up to {wrote:.3g}): the step's writes were dropped",
             factor=0.0,
+            leaves=n,
+        )
+    if all(e.reference_change and e.ratio for e in bad):
+        lo, hi = min(e.ratio for e in bad), max(e.ratio for e in bad)
+        size = f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g} to {hi:.3g}"
+        worst = max(bad, key=lambda e: e.badness)
+        return Form(
+            "state_amount",
+            f"written by both steps, by other amounts: the candidate's step changed {what} of non-parameter state "
+            f"by {size} times the reference's change (largest elementwise change over the reference's; the two "
+            f"changes differ by up to {top:.3g}, more than {worst.tolerance / worst.reference_change:g} of the "
+            f"reference's largest change, which no rounding makes): a running-average momentum or a statistic "
+            "computed another way",
+            spread=(lo, hi),
             leaves=n,
         )
     return Form(

@@ -39,11 +39,22 @@ class LeafFacts:
     uses: tuple[str, ...] | None = None
 
 
+def leaf_name(path: str) -> str:
+    """A leaf's name in a group sentence: its last path component, or where that is a bare index (an item of an
+    ``nnx.List``: ``model.ema.3``, ``ws.0``) its container's name with ``item`` (``"ema item"``): a sentence
+    never calls a leaf "a 3"."""
+    parts = path.split(".")
+    if not parts[-1].isdigit():
+        return parts[-1]
+    named = [n for n in parts if not n.isdigit()]
+    return f"{named[-1]} item" if named else "list item"
+
+
 def role(path: str) -> str:
     """A leaf's role from its dotted path: ``"embedding"``, ``"norm scale"`` / ``"norm bias"`` (its module's name
-    holds ``norm`` or ``ln``), ``"bias"``, ``"kernel"``, or the last name."""
+    holds ``norm`` or ``ln``), ``"bias"``, ``"kernel"``, or the last name (:func:`leaf_name`)."""
     parts = path.split(".")
-    last = parts[-1]
+    last = leaf_name(path)
     module = parts[-2].lower() if len(parts) > 1 else ""
     if last == "embedding" or "embed" in module:
         return "embedding"
@@ -159,7 +170,7 @@ def shared_property(
     )
     if tied is not None:
         return tied
-    suffix = {p: p.rsplit(".", 1)[-1] for p in [*failing, *matching]}
+    suffix = {p: leaf_name(p) for p in [*failing, *matching]}
     suffixes = ", ".join(sorted({suffix[p] for p in failing}))
     shapes = [failing[p] for p in failing]
     if all(shape is not None for shape in shapes):

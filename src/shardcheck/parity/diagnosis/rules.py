@@ -12,7 +12,8 @@ in order, with their codes:
 - :func:`non_finite` (``non_finite``): the candidate's values are NaN or infinite at the first failing step.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
-- :func:`frozen_state` (``frozen_state``): a frozen non-parameter weight the candidate moved.
+- :func:`frozen_state` (``frozen_state``, ``state_amount``): a frozen non-parameter weight the candidate moved,
+  or floating state both steps write changed by other amounts.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
@@ -56,6 +57,7 @@ from shardcheck.parity.diagnosis.evidence import (
     spread_phrase,
     would_show,
 )
+from shardcheck.parity.diagnosis.floating import not_compared, state_notes
 from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING, weight_phrase
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
@@ -472,8 +474,10 @@ def parity(ctx: DiagnosisContext) -> Finding:
     """``parity``: every step within tolerance (no trajectory divergence, the reference finite)."""
     if not ctx.records or ctx.failing or ctx.diverged is not None or ctx.reference_diverged_at is not None:
         return None
-    n = len({(e.kind, e.path) for r in ctx.records for e in r.leaves})
-    return Diagnosis("parity", f"Parity holds: {n} leaves over {len(ctx.records)} step(s) within tolerance.")
+    n = len({(e.kind, e.path) for r in ctx.records for e in r.leaves}) - not_compared(ctx.records)
+    state = state_notes(ctx.records)  # the floating model state not compared, or compared coarsely
+    text = f"Parity holds: {n} leaves over {len(ctx.records)} step(s) within tolerance."
+    return Diagnosis("parity", f"{text} {state}" if state else text)
 
 
 def reference_diverged(ctx: DiagnosisContext) -> Finding:
@@ -633,14 +637,17 @@ def model_state(ctx: DiagnosisContext) -> Finding:
 
 def frozen_state(ctx: DiagnosisContext) -> Finding:
     """``frozen_state``: floating model state that is not a parameter (``state model.<path>``,
-    :mod:`shardcheck.parity.comparison.model_state`) moved where the reference's step leaves it as it was (a
-    weight meant to stay frozen, trained), or was left as it was where the reference's forward pass writes it."""
+    :mod:`shardcheck.parity.comparison.model_state`) moved where the reference's step leaves it as it was and
+    the loss reads it (a weight meant to stay frozen, trained); ``model_state`` where the reference's step writes
+    it and the candidate's left it exactly as it was (``ratio`` 0); ``state_amount`` where both steps write it
+    and the changes differ by more than the coarse bound."""
     record = next((r for r in ctx.records if any(e.kind == "state" and not e.ok for e in r.leaves)), None)
     if record is None:
         return None
     bad = [e for e in record.leaves if e.kind == "state" and not e.ok]
     trained = [e for e in bad if e.reference_change == 0]
-    dropped = [e for e in bad if e.reference_change]
+    dropped = [e for e in bad if e.reference_change and e.ratio == 0]
+    amounts = [e for e in bad if e.reference_change and e.ratio != 0]
     out = []
     if trained:
         names = words_and(sorted(e.path.removeprefix("model.") for e in trained))
@@ -650,13 +657,12 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
             Diagnosis(
                 "frozen_state",
                 f"The candidate's step changed the model's state {names} at step {record.step} (max abs err "
-                f"{worst:.6g}), which the reference's step leaves as it was: "
-                f"{'it is' if one else 'they are'} not an nnx.Param (a Variable class of the model's own), the "
-                "task's optimizer updates wrt=nnx.Param only, and the forward pass does not write "
-                f"{'it' if one else 'them'}. A weight meant to stay frozen was trained: the step differentiates "
-                "or updates more than the nnx.Param leaves (an argnums=nnx.DiffState(0, nnx.Any(nnx.Param, ...)) "
-                "filter, an nnx.Optimizer with wrt=nnx.Variable, or an update written by hand). Update nnx.Param "
-                f"only; a weight meant to train is an nnx.Param.",
+                f"{worst:.6g}), which the reference's step leaves as it was and the loss reads: "
+                f"{'it is' if one else 'they are'} not an nnx.Param (a Variable class of the model's own), and the "
+                "task's optimizer updates wrt=nnx.Param only. A weight meant to stay frozen was trained: the step "
+                "differentiates or updates more than the nnx.Param leaves (an argnums=nnx.DiffState(0, "
+                "nnx.Any(nnx.Param, ...)) filter, an nnx.Optimizer with wrt=nnx.Variable, or an update written by "
+                "hand). Update nnx.Param only; a weight meant to train is an nnx.Param.",
                 trained[0].name,
             )
         )
@@ -666,13 +672,32 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
             Diagnosis(
                 "model_state",
                 f"The candidate's step left the model's state {names} (not a parameter: floating state the "
-                f"reference's forward pass writes) as it was at step {record.step}. The forward pass's writes were "
-                "dropped (jax.grad of a function of nnx.split parts discards them): return and nnx.update them, or "
-                "use nnx.value_and_grad.",
+                f"reference's step writes) exactly as it was at step {record.step}: the step's writes were dropped "
+                "(jax.grad of a function of nnx.split parts discards the forward pass's writes: return and "
+                "nnx.update them, or use nnx.value_and_grad).",
                 dropped[0].name,
             )
         )
+    if amounts:
+        out.append(_state_amount(record.step, amounts))
     return out
+
+
+def _state_amount(step: int, amounts: list[LeafError]) -> Diagnosis:
+    """``state_amount``: floating state both steps write (a running average), changed by other amounts."""
+    names = words_and(sorted(e.path.removeprefix("model.") for e in amounts))
+    worst = max(amounts, key=lambda e: e.badness)
+    ratio = "" if worst.ratio is None else f" (its largest change {worst.ratio:.3g} times the reference's)"
+    return Diagnosis(
+        "state_amount",
+        f"The candidate's step wrote the model's state {names} (not a parameter: floating state both steps write, "
+        f"such as BatchNorm's running averages) by other amounts at step {step}{ratio}: the two changes differ by "
+        f"up to {worst.max_abs_err:.3g}, more than {worst.tolerance:.3g}, half of the reference's largest change "
+        "(no rounding tolerance is derived for such state, so only a difference no rounding makes is flagged). A "
+        "running-average momentum differs (0.99 in place of 0.9), or the statistic is computed another way (each "
+        "shard's own batch statistics, not synced over the batch axes).",
+        worst.name,
+    )
 
 
 def step_counter(ctx: DiagnosisContext) -> Finding:

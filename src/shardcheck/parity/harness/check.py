@@ -56,7 +56,7 @@ from shardcheck.parity.comparison.live import (
     replica_mismatches,
     to_host,
 )
-from shardcheck.parity.comparison.model_state import floating_state, model_state_leaves
+from shardcheck.parity.comparison.model_state import floating_state, loss_reads, model_state_leaves
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -255,9 +255,7 @@ def _compare_step(
     once).
     """
     snapshots = _snapshots(run)
-    run.state_before = floating_state(
-        run.ref_model, run.found if run.in_place else None, "floating_state ref"
-    )
+    _floating_before(run)
     ref_loss, ref_grads, pre, bounds = _step_reference(run, t, batch, rtol, atol)
     _measure(run)
     cand_loss, cand_grads = _step_candidate(run, t, batch)
@@ -297,6 +295,17 @@ def _compare_step(
             record = module_evidence(run, record, snapshots, batch)  # a forward-stage FAIL only
     run.last = after
     return record, _reference_finite(record, after)
+
+
+def _floating_before(run: _Run) -> None:
+    """Both sides' floating non-parameter state before a step (``run.state_before``), and once per check which
+    of it the task's loss reads (``run.state_read``: ``model_state.loss_reads``); nothing for a model without."""
+    found = run.found if run.in_place else None
+    ref = floating_state(run.ref_model, found, "floating_state ref")
+    run.state_before = (ref, floating_state(run.cand_model, found, "floating_state cand") if ref else None)
+    if ref and run.state_read is None:
+        reads = loss_reads(run.task.loss_fn, run.ref_model, run.task.batches[0])
+        run.state_read = frozenset(ref) if reads is None else reads
 
 
 def _against_the_bound_first(args: tuple, bounds, exact: bool):
@@ -345,7 +354,8 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     leaves.append(counter_error(t, "step", ref_count, after.cand_count))
     # the model's state beside its parameters (its Variables found once where the steps update in place)
     found = run.found if run.in_place else None
-    leaves += model_state_leaves(t, run.ref_model, run.cand_model, found, run.state_before)
+    before = run.state_before
+    leaves += model_state_leaves(t, run.ref_model, run.cand_model, found, *before, read=run.state_read)
     leaves += _extra_checks(run, t, completed, rtol, atol)
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]

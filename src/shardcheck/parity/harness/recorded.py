@@ -39,7 +39,7 @@ from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
 from shardcheck.parity.comparison.live import device_snapshot, flatten_state
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
-from shardcheck.parity.comparison.model_state import floating_arrays, model_state
+from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads, model_state
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.setup import (
     _check_state_carried,
@@ -477,6 +477,7 @@ def record_run(
         )
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
+    reads = loss_reads(task.loss_fn, model, data[0])  # the floating state the loss reads (before any step)
     policy = matmul.resolve(fn, matmul_precision, task.loss_fn, model, data[0], mesh)[0]
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     indices: dict[str, np.ndarray] = {}
@@ -511,6 +512,7 @@ def record_run(
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta["matmul_precision"] = policy
     recording.meta["normalized"] = normalized_params(task, model)
+    recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_reads
     for t, found in truth.items():
         keep_true_gradients(recording.meta, t, len(data), found)
     for t, (found, sampled) in least.items():

@@ -221,9 +221,11 @@ class _Run:
     # registered strategies): their Variables are then found once and read at each step (_Found, by key)
     in_place: bool = False
     found: dict = dataclasses.field(default_factory=dict)
-    # the reference's floating non-parameter state before the step being compared (host copies,
-    # parity.comparison.model_state.floating_state), or None
-    state_before: dict | None = None
+    # the reference's and the candidate's floating non-parameter state before the step being compared (host
+    # copies, parity.comparison.model_state.floating_state), and the paths of it the task's loss reads
+    # (model_state.loss_reads, once per check)
+    state_before: tuple = (None, None)
+    state_read: frozenset | None = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""

@@ -1,0 +1,65 @@
+"""The replay's rule for the model's floating state (``state model.<path>``), from the digests: the live rule of
+:mod:`shardcheck.parity.comparison.model_state`, read from what a recording keeps of a leaf at each step (its
+update size ``max|x_t - x_{t-1}|`` and its fixed-index samples).
+
+- The recorded step left it as it was (update size 0) and the task's loss reads it (``meta["floating_read"]``,
+  :func:`~shardcheck.parity.comparison.model_state.loss_reads` at record time): compared on its value, as before
+  (a frozen weight trained FAILs as ``frozen_state``); :func:`state_evidence` returns ``None``.
+- The recorded step left it as it was, the loss does not read it and the replayed value differs: not compared
+  (``allowed`` inf): the recorded run's step does not write it (an EMA the user's step keeps).
+- The recorded step wrote it: its change compared coarsely (the update sizes, and the change at each sample),
+  within :data:`~shardcheck.parity.comparison.model_state.COARSE` of the recorded update size; a replayed
+  update size of exactly 0 is the writes dropped (ratio 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from shardcheck.parity.comparison.model_state import COARSE, PREFIX
+
+
+def read_paths(*metas: Mapping) -> frozenset[str] | None:
+    """The floating state the task's loss reads, as the first of ``metas`` that kept it (``"floating_read"``:
+    dotted paths under the model); ``None`` (every leaf counts as read) where none did (an older recording)."""
+    for meta in metas:
+        found = meta.get("floating_read")
+        if found is not None:
+            return frozenset(found)
+    return None
+
+
+def state_evidence(name: str, now: tuple, was: tuple, read: frozenset[str] | None) -> tuple | None:
+    """``(evidence, recorded, replayed, err, allowed, ok, ratio)`` of a ``state`` leaf at a step, or ``None``
+    where its value is compared as any leaf's (module docstring). ``now``: the recorded and replayed digests
+    (``_Leaf``) at the step; ``was``: at the point before it (the initial state before step 0)."""
+    (r, c), (r0, c0) = now, was
+    if not (math.isfinite(r.update) and math.isfinite(c.update)):
+        return None
+    if r.update == 0:
+        path = name.removeprefix("state ").removeprefix(PREFIX)
+        unread = read is not None and path not in read
+        differs = c.update != 0 or c.max != r.max or c.norm != r.norm
+        return (
+            ("not compared", r.max, c.max, abs(c.max - r.max), math.inf, True, None)
+            if unread and differs
+            else None
+        )
+    allowed, ratio = COARSE * r.update, c.update / r.update
+    if c.update == 0:  # left exactly as it was: the writes dropped
+        return ("update", r.update, 0.0, r.update, allowed, False, 0.0)
+    err, evidence, rec, rep = abs(c.update - r.update), "update", r.update, c.update
+    both = r.sampled & r0.sampled & np.isfinite(r.samples - r0.samples) & np.isfinite(c.samples - c0.samples)
+    if both.any():
+        diff = np.abs((c.samples - c0.samples) - (r.samples - r0.samples))
+        i = int(np.argmax(np.where(both, diff, -1.0)))
+        if diff[i] > err:
+            err, evidence = float(diff[i]), "change at a sample"
+            rec, rep = float(r.samples[i] - r0.samples[i]), float(c.samples[i] - c0.samples[i])
+    return (evidence, rec, rep, err, allowed, bool(err <= allowed), ratio)
+
+
+__all__ = ["read_paths", "state_evidence"]

@@ -1,0 +1,188 @@
+"""Floating model state beside the parameters in a user's step (issue #36, trial 8: a ResNet with BatchNorm and
+an EMA of its parameters): one rule live and replayed (``parity.comparison.model_state``,
+``parity.comparison.state_digest``), each side tested with values on a tiny model.
+
+- an EMA the user's step writes after its update, which the loss does not read: not compared, the PASS says so
+  (it FAILed as ``frozen_state``); a frozen weight the loss reads still FAILs (tests/test_frozen_state.py);
+- running averages both steps write: compared coarsely on their change; a momentum 0.99 in place of 0.9 FAILs
+  as ``state_amount`` live and replayed (live PASSed it, the replay FAILed it as dropped writes);
+- the grouping never names a leaf by a bare list index.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardcheck
+from shardcheck import check_parity, make_mesh
+from shardcheck.parity.comparison.model_state import COARSE, floating_state, loss_reads, model_state_leaves
+from shardcheck.parity.diagnosis.grouping import shared_property
+from shardcheck.parity.harness.recorded import record_run
+
+
+class EMA(nnx.Variable):
+    """The parameters' moving average: model state the user's step writes, the loss never reads."""
+
+
+class Frozen(nnx.Variable):
+    """A weight the loss reads and nothing trains."""
+
+
+class RunningStat(nnx.Variable):
+    """A running average the forward pass writes (BatchNorm's, in a Variable class of one's own)."""
+
+
+class Norm(nnx.Module):
+    """``x - mean(x)`` over the batch, its running average kept at ``momentum``."""
+
+    def __init__(self, n: int):
+        self.mean = RunningStat(jnp.zeros(n))
+        self.momentum = 0.9
+
+    def __call__(self, x):
+        mean = x.mean(0)
+        self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * mean
+        return x - mean
+
+
+class Net(nnx.Module):
+    def __init__(self, norm: bool = False):
+        self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        self.base = Frozen(jnp.full((3,), 0.5))
+        self.norm = Norm(3) if norm else None
+        self.ema = nnx.List([EMA(p) for p in jax.tree.leaves(nnx.state(self, nnx.Param))])
+
+    def __call__(self, x):
+        h = self.lin(x) * self.base[...]
+        return h if self.norm is None else self.norm(h)
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _task(norm: bool) -> shardcheck.Task:
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=(8, 3)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    return shardcheck.Task(
+        model=lambda: Net(norm), optimizer=optax.sgd(0.1), loss_fn=loss_fn, batches=batches
+    )
+
+
+def _step(momentum: float = 0.9):
+    """A user's GSPMD step (every leaf replicated, the batch split over ``data``) that updates the EMA after the
+    optimizer's update, the norm's running average at ``momentum``."""
+
+    @nnx.jit
+    def train(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        for e, p in zip(model.ema, jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):
+            e[...] = 0.9 * e[...] + 0.1 * p
+        return loss
+
+    def step(model, optimizer, batch, mesh):
+        if model.norm is not None:
+            model.norm.momentum = momentum
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+        return train(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh({"data": 2})
+
+
+def test_loss_reads_the_frozen_weight_and_the_running_average_not_the_ema():
+    """Traced once: the weight the forward pass multiplies by and the running average it updates from itself
+    are read; the EMA list no equation takes is not."""
+    assert loss_reads(loss_fn, Net(norm=True), _task(True).batches[0]) == {"base", "norm.mean"}
+    assert loss_reads(loss_fn, Net(), _task(False).batches[0]) == {"base"}
+
+
+def test_state_rules_on_arrays_both_sides():
+    ref, cand = Net(norm=True), Net(norm=True)
+    before = floating_state(ref)
+    read = frozenset({"base", "norm.mean"})
+
+    def leaves(c, ref_mean, cand_mean):
+        ref.norm.mean[...], c.norm.mean[...] = ref_mean, cand_mean
+        out = model_state_leaves(0, ref, c, None, before, floating_state(Net(norm=True)), read)
+        return {e.path: e for e in out}
+
+    cand.ema[0][...] = cand.ema[0][...] + 0.25  # written by the candidate only, read by nothing
+    got = leaves(cand, jnp.array([0.1, 0.2, 0.4]), jnp.array([0.1, 0.2, 0.4]) * (1 + 2**-20))
+    ema = got["model.ema.0"]
+    assert ema.ok and ema.tolerance == np.inf and ema.max_abs_err == pytest.approx(0.25)
+    mean = got["model.norm.mean"]  # rounded another way: within half of the reference's change
+    assert (
+        mean.ok
+        and mean.reference_change == pytest.approx(0.4)
+        and mean.tolerance == pytest.approx(COARSE * 0.4)
+    )
+    assert mean.ratio == pytest.approx(1.0)
+    # a tenth of the reference's change (momentum 0.99 for 0.9): 0.36 > 0.2
+    tenth = leaves(cand, jnp.array([0.1, 0.2, 0.4]), jnp.array([0.01, 0.02, 0.04]))["model.norm.mean"]
+    assert not tenth.ok and tenth.max_abs_err == pytest.approx(0.36) and tenth.ratio == pytest.approx(0.1)
+    dropped = leaves(cand, jnp.array([0.1, 0.2, 0.4]), jnp.zeros(3))["model.norm.mean"]
+    assert not dropped.ok and dropped.ratio == 0.0 and dropped.tolerance == 0.0
+    # a weight the loss reads is compared exactly however it moved
+    cand.base[...] = cand.base[...] + 1e-3
+    base = leaves(cand, jnp.zeros(3), jnp.zeros(3))["model.base"]
+    assert not base.ok and base.reference_change == 0.0 and base.max_abs_err == pytest.approx(1e-3, rel=1e-4)
+
+
+@require_devices(2)
+def test_an_ema_only_the_users_step_writes_passes_live_and_replayed_saying_it_was_not_compared(mesh):
+    task = _task(norm=False)
+    said = "The model's state model.ema.* (2 leaves) is written by the candidate's step only and not read by the loss"
+    live = check_parity(_step(), task, mesh=mesh)
+    assert live.ok and live.codes == ("parity",)
+    assert said in live.diagnoses[0].message and "Parity holds: 5 leaves" in live.diagnoses[0].message
+    recording = record_run(task, "gspmd", mesh=mesh)
+    assert recording.meta["floating_read"] == ["base"]
+    replayed = check_parity(_step(), task, mesh=mesh, reference=recording)
+    assert replayed.ok and said in replayed.diagnoses[0].message
+
+
+@require_devices(2)
+def test_a_running_average_momentum_of_its_own_fails_live_and_replayed_as_state_amount(mesh):
+    task = _task(norm=True)
+    right = check_parity(_step(), task, mesh=mesh)
+    assert right.ok and "1 leaf of floating state written by both steps (state model.norm.mean)" in str(right)
+    live = check_parity(_step(momentum=0.99), task, mesh=mesh)
+    recording = record_run(task, "gspmd", mesh=mesh)
+    assert check_parity(_step(), task, mesh=mesh, reference=recording).ok
+    replayed = check_parity(_step(momentum=0.99), task, mesh=mesh, reference=recording)
+    for report in (live, replayed):
+        assert not report.ok and report.codes[0] == "state_amount"
+        assert "(its largest change 0.1 times the reference's)" in report.diagnoses[0].message
+        assert report.localization.form.kind == "state_amount"
+        assert "written by both steps, by other amounts" in report.localization.form.sentence
+        assert (
+            "left" not in report.localization.form.sentence and "dropped" not in report.diagnoses[0].message
+        )
+
+
+def test_a_group_sentence_never_names_a_leaf_by_a_bare_index():
+    ema = {f"model.ema.{i}": (3,) for i in (0, 1, 10, 3)}
+    said = shared_property(ema, {"model.lin.kernel": (4, 3), "model.lin.bias": (3,)})
+    assert said == "every failing leaf is an ema item; every bias, kernel matches"
+    mixed = shared_property(
+        {"model.ema.0": (3,), "model.ema.1": (3,)}, {"model.ema.2": (3,), "model.ema.4": (3,)}
+    )
+    assert " a 0" not in mixed and "every 2" not in mixed and "model.ema.0, model.ema.1" in mixed
+    layers = shared_property({"layers.0.kernel": (3, 3)}, {"layers.0.bias": (3,), "layers.1.bias": (3,)})
+    assert layers == "every failing leaf is 2-D (kernel); every leaf of ndim <= 1 matches"
