@@ -1402,7 +1402,7 @@ NAN_BLIND = frozenset(
 )
 
 # causes named for a subset of the leaves whose factors the generic fallbacks (GENERIC) cannot read as one
-NAMED_SUBSET = frozenset({"replicated_reduced", "expert_scaling", "frozen_state"})
+NAMED_SUBSET = frozenset({"replicated_reduced", "expert_scaling", "frozen_state", "state_amount"})
 GENERIC = frozenset({"localized", "update_differs", "loss_only"})
 
 RULES: tuple[Rule, ...] = (
@@ -1461,8 +1461,9 @@ def diagnose(
     - ``wrong_axis_reduction``: replicated copies differ along some mesh axes and agree along the others
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
-    - ``frozen_state``: floating non-parameter state moved where the reference leaves it (a frozen weight
-      trained); ``model_state`` where the reference's forward pass writes it and the candidate left it.
+    - ``frozen_state``: floating non-parameter state the loss reads moved where the reference leaves it (a
+      frozen weight trained); ``model_state`` where the reference's step writes it and the candidate left it
+      exactly as it was; ``state_amount`` where both write it, by amounts further apart than the coarse bound.
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
       times per step); also the optimizer's own counter running a whole factor ahead, named "per micro-batch
       (k = ...)" when that factor is ``micro_batches`` (a gradient accumulation's k).
