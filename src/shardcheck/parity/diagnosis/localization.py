@@ -48,7 +48,9 @@ DIFFERS, MATCHES, NOT_OBSERVED = "differs", "matches", "not observed"
 MEANING = {
     "forward": "the forward pass computes another loss at equal parameters (the model or the loss, as sharded; "
     "or the loss returned was taken at other parameters)",
-    "gradients": "the gradients were computed or reduced differently for these leaves",
+    "gradients": "the gradients were computed or reduced differently for these leaves (or the forward pass "
+    "computes another function whose value at these parameters stays within the loss's tolerance: a clamp, a "
+    "mask or a stop_gradient that moves the gradient more than the loss)",
     "replicas": "a replicated leaf's copies disagree across devices: a reduction missed an axis",
     "optimizer": "equal gradients give a different update or state: the mistake is in how the update was "
     "computed or applied, not in the gradients",
