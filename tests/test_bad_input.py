@@ -173,8 +173,8 @@ def test_seed_validated(seed, err):
 
 
 def test_batch_dependent_models_refused_c7():
-    """C7: BatchNorm's per-shard statistics and Dropout's shared key break the equivalence: refused (the Task's
-    rule), unchanged."""
+    """C7: BatchNorm's per-shard statistics and Dropout's shared key break the equivalence: refused by the seeds'
+    steps (the Task's rule, without a GSPMD step among them to check a drawing model with), unchanged."""
 
     class WithBatchNorm(nnx.Module):
         def __init__(self):
@@ -197,7 +197,11 @@ def test_batch_dependent_models_refused_c7():
     assert xs[:2].mean() == 1 and xs[2:].mean() == 11 and xs.mean() == 6 and xs.var() == 26
     refusals = (
         (WithBatchNorm, r"is refused because it holds nnx.BatchStat .*own batch statistics.*C7"),
-        (WithDropout, r"draws random numbers in its forward pass \(RNG stream\(s\) drop.*seed 000"),
+        (
+            WithDropout,
+            r"draws random numbers in its forward pass \(RNG stream\(s\) drop\.rngs\), and the sharded steps run "
+            r"the forward pass per shard or per micro-batch, every shard drawing with the same key.*GSPMD step",
+        ),
     )
     for cls, msg in refusals:
         model = cls()

@@ -654,17 +654,35 @@ class DropoutNet(nnx.Module):
         return self.drop(self.lin(x))
 
 
-@pytest.mark.parametrize(
-    ("net", "reason"),
-    [(BatchNormNet, "is refused because it holds nnx.BatchStat"), (DropoutNet, "draws random numbers")],
-    ids=["batchnorm", "dropout"],
-)
-def test_batch_dependent_and_random_models_are_refused(net, reason):
-    model = net()
+def test_batch_dependent_models_are_refused():
+    model = BatchNormNet()
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(ValueError, match=f"check_parity: model {net.__name__} {reason}") as info:
+    with pytest.raises(
+        ValueError, match="check_parity: model BatchNormNet is refused because it holds nnx.BatchStat"
+    ):
         check_parity("simulation", model, optimizer, BATCHES[:1], num_shards=2)
-    assert "seed 000" in str(info.value) or "C7" in str(info.value)
+
+
+@require_devices(2)
+def test_dropout_at_a_nonzero_rate_passes_under_gspmd_and_is_refused_per_shard():
+    """Dropout(0.5) draws a mask in its forward pass: the gspmd step draws the full batch's mask however the batch
+    is split (parity over 2 steps, the mask drawn anew at each); simulation and dp run the forward pass per shard,
+    every shard drawing with the same key: refused, naming the strategy, why, and the GSPMD step that works."""
+    model = DropoutNet()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    report = check_parity("gspmd", model, optimizer, BATCHES[:2], num_shards=2)
+    assert report.ok and report.codes[0] == "parity", str(report)
+    counts = [e for r in report.steps for e in r.leaves if e.name == "counter model.drop.rngs.count"]
+    assert [(e.step, e.ok) for e in counts] == [(0, True), (1, True)]  # both sides drew once a step
+    for strategy, how in (("simulation", "once per shard"), ("dp", "per device in jax.shard_map")):
+        with pytest.raises(ValueError) as info:
+            check_parity(strategy, model, optimizer, BATCHES[:1], num_shards=2)
+        text = str(info.value)
+        assert text.startswith(
+            f"{strategy}: cannot run this model: model DropoutNet draws random numbers in its forward pass (RNG "
+            f"stream(s) drop.rngs), and {strategy} runs the forward pass {how}, every shard drawing with the same key"
+        ), text
+        assert "Check it with a GSPMD step (strategy gspmd" in text
 
 
 class DeterministicDropoutNet(nnx.Module):

@@ -188,7 +188,8 @@ class _DropoutNet(nnx.Module):
 
 def test_one_admission_rule_for_the_adapters_and_the_engine():
     """Dropout(0.0) is admitted by the seeds' steps and the engine alike (and they agree bitwise); Dropout(0.5),
-    which draws a mask in its forward pass, is refused by both with the same reason."""
+    which draws a mask in its forward pass, is refused by the seeds' steps and by the engine's dp (each shard draws
+    with the same key) for the same stream, each naming the GSPMD step that works; the engine runs its reference."""
     x, y = _data(8, 3, 2, seed=11)
     task = shardcheck.Task(
         model=lambda: _DropoutNet(0.0), optimizer=optax.sgd(0.1), loss_fn=mse_batch_loss, batches=[(x, y)]
@@ -206,13 +207,17 @@ def test_one_admission_rule_for_the_adapters_and_the_engine():
         _assert_bitwise(to_host(nnx.state(model, nnx.Param)), report.outcomes[name].params)
 
     drawing = dataclasses.replace(task, model=lambda: _DropoutNet(0.5))
-    with pytest.raises(ValueError, match="draws random numbers") as engine_err:
-        run_task(drawing, num_shards=2, strategies=["reference"])
+    assert set(run_task(drawing, num_shards=2, strategies=["reference"]).outcomes) == {"reference"}
+    reason = (
+        r"model _DropoutNet draws random numbers in its forward pass \(RNG stream\(s\) drop\.rngs\), and "
+    )
+    with pytest.raises(ValueError, match=f"^dp: cannot run this model: {reason}dp runs") as engine_err:
+        run_task(drawing, num_shards=2, strategies=["dp"])
     model = _DropoutNet(0.5)
-    with pytest.raises(ValueError, match="draws random numbers") as adapter_err:
+    with pytest.raises(ValueError, match=f"^sgd_step: {reason}the sharded steps run") as adapter_err:
         shardcheck.sgd_step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x, y)
-    reason = str(engine_err.value).removeprefix("run_task: ")
-    assert str(adapter_err.value).removeprefix("sgd_step: ") == reason
+    advice = "Check it with a GSPMD step (strategy gspmd"
+    assert advice in str(engine_err.value) and advice in str(adapter_err.value)
 
 
 def test_train_is_train_task_on_the_regression_task():

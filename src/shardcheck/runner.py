@@ -176,8 +176,9 @@ def run_task(
     Raises:
         TypeError: ``task`` not a Task; a loss of the wrong form; ``num_shards`` not an int.
         ValueError: an unknown strategy name; a batch that does not split into S shards; fewer devices than S
-            for a mesh strategy; a model the strategies cannot shard (BatchStat, RNG draws in the forward pass);
-            a named strategy whose check refuses the task. All checked before any step runs.
+            for a mesh strategy; a model the strategies cannot shard (BatchStat); a named strategy whose check
+            refuses the task, or that runs the forward pass per shard or per micro-batch (every one but gspmd)
+            where it draws random numbers (an unnamed one is skipped with the reason). All checked before any step runs.
     """
     fn = "run_task"
     if not isinstance(task, Task):
@@ -192,10 +193,11 @@ def run_task(
 
     batch = task.batches[0]
     initial = task.new_model(fn)
-    weighted = check_model(fn, initial, task.loss_fn, batch)
+    drawn: list[str] = []  # the RNG streams the forward pass draws: only a GSPMD step draws the full batch's
+    weighted = check_model(fn, initial, task.loss_fn, batch, drawn=drawn)
     if len(names) > 1:
         check_divisible(fn, batch, num_shards, weighted=weighted)
-    plan, skipped = _plan(fn, task, initial, names, num_shards, mesh, named=strategies is not None)
+    plan, skipped = _plan(fn, task, (initial, drawn), names, num_shards, mesh, named=strategies is not None)
     outcomes: dict[str, StepOutcome] = {}
     base = None  # the reference's (params, grads) on the host
     for name, strategy, step_mesh in plan:
@@ -221,20 +223,25 @@ def run_task(
     )
 
 
-def _plan(fn, task: Task, initial, names, num_shards: int, mesh, *, named: bool):
+def _plan(fn, task: Task, model, names, num_shards: int, mesh, *, named: bool):
     """``([(name, strategy, mesh or None)], {skipped name: reason})``: each strategy's check run first (a named
-    strategy's refusal raises, an unnamed one is skipped), one mesh shared by the mesh strategies."""
+    strategy's refusal raises, an unnamed one is skipped), one mesh shared by the mesh strategies. ``model``:
+    ``(initial model, the RNG streams its forward pass draws)``: a strategy that runs it per shard is refused."""
+    from shardcheck.parity.harness.setup import _check_state_carried
+
     plan, skipped, shared_mesh = [], {}, None
+    initial, drawn = model
     for name in names:
         strategy = STRATEGIES[name]
-        if strategy.check is not None:
-            try:
+        try:
+            _check_state_carried(fn, name, [], drawn, initial)
+            if strategy.check is not None:
                 strategy.check(fn, initial, task.new_optimizer(copy_state(initial)))
-            except ValueError as err:
-                if named:
-                    raise
-                skipped[name] = str(err)
-                continue
+        except ValueError as err:
+            if named:
+                raise
+            skipped[name] = str(err)
+            continue
         if strategy.uses_mesh and shared_mesh is None:
             shared_mesh = mesh_for(fn, strategy, num_shards, mesh)
         plan.append((name, strategy, shared_mesh if strategy.uses_mesh else None))

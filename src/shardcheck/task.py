@@ -378,19 +378,32 @@ def _raw(a):
     return a
 
 
-def check_model(fn: str, model: nnx.Module, loss_fn, batch, *, updated: list | None = None) -> bool:
+def check_model(
+    fn: str,
+    model: nnx.Module,
+    loss_fn,
+    batch,
+    *,
+    updated: list | None = None,
+    drawn: list | None = None,
+) -> bool:
     """Refuse models whose sharded and full-batch steps differ (C7); returns whether the loss is weighted.
 
-    ``nnx.BatchStat`` variables (BatchNorm) are refused. RNG streams are accepted when the forward pass does not
-    draw from them (Dropout at rate 0, ``model.eval()``, ``deterministic=True``): ``loss_fn`` runs once on a
-    clone and any stream whose counter moved is named in the refusal. The loss at step 0 is checked too.
-    ``updated``: a list that receives the dotted paths of the other non-parameter state the forward pass wrote
-    (an ``nnx.Variable`` counter incremented in ``__call__``), for the strategies that cannot carry it.
+    ``nnx.BatchStat`` variables (BatchNorm) are refused. ``loss_fn`` runs once on a clone; the loss at step 0 is
+    checked too. ``updated``: a list that receives the dotted paths of the other non-parameter state the forward
+    pass wrote (an ``nnx.Variable`` counter incremented in ``__call__``), for the strategies that cannot carry it.
+    ``drawn``: a list that receives the RNG streams the forward pass draws from (``rngs.noise``: a VAE's
+    ``eps = jax.random.normal(self.rngs.noise(), ...)``, Dropout at a nonzero rate), each a stream whose counter
+    moved. Such a model is accepted: a GSPMD step (the full-batch program under ``jax.jit`` on sharded inputs)
+    draws the full batch's numbers however the batch is split (``jax_threefry_partitionable``, on by default),
+    so the caller refuses only the strategies that run the forward pass per shard or per micro-batch
+    (:func:`draws_refusal`). Without ``drawn`` (a caller whose steps all run per shard) such a model is refused.
 
     Raises:
         TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
-        ValueError: BatchStat variables; RNG streams drawn in the forward pass; a non-finite loss at step 0; a
-            ``loss_fn`` that raises anything but a TypeError (named in the message).
+        ValueError: BatchStat variables; RNG streams drawn in the forward pass when ``drawn`` is not given; a
+            non-finite loss at step 0; a ``loss_fn`` that raises anything but a TypeError (named in the message;
+            a stream the model's ``nnx.Rngs`` lacks is said to be fixed in the model factory).
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
@@ -401,27 +414,71 @@ def check_model(fn: str, model: nnx.Module, loss_fn, batch, *, updated: list | N
             "(docs/reduction_cases.md C7); use LayerNorm, or a model without batch statistics"
         )
     clone = nnx.clone(model)
-    before = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
+    before = _rng_counts(clone)
     state_before = _other_state(clone)
-    try:
-        out = _probe_loss(loss_fn, clone, batch)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"{fn}: the task's loss_fn raised on batch 0: {err}") from err
-    except Exception as err:  # a KeyError, AttributeError ... in the user's loss: bad input, not a crash
-        raise ValueError(
-            f"{fn}: the task's loss_fn raised {type(err).__name__} on batch 0: {err}; fix the loss function "
-            "(a batch key or a model attribute it names?) and run again"
-        ) from err
-    after = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(clone, nnx.RngCount))}
-    drawn = [".".join(map(str, p)) for p in before if not np.array_equal(before[p], after[p])]
+    out = _run_loss(fn, loss_fn, clone, batch)
+    after = _rng_counts(clone)
+    streams = [p.removesuffix(".count") for p in before if not np.array_equal(before[p], after[p])]
     if updated is not None:
         state_after = _other_state(clone)
         updated += [p for p, a in state_before.items() if not np.array_equal(a, state_after.get(p))]
-    if drawn:
-        raise ValueError(
-            f"{fn}: model {type(model).__name__} draws random numbers in its forward pass (RNG stream(s) "
-            f"{', '.join(drawn)} advanced): every shard would draw its own mask, so no sharded step can equal the "
-            "full-batch one (seed 000). Make the forward pass deterministic (model.eval(), Dropout rate 0, "
-            "deterministic=True) for the check"
-        )
+    if streams and drawn is None:
+        raise ValueError(draws_refusal(fn, type(model).__name__, streams))
+    if drawn is not None:
+        drawn += streams
     return check_loss_output(fn, out)
+
+
+def _rng_counts(model: nnx.Module) -> dict[str, np.ndarray]:
+    """``{dotted path: count}`` of the model's RNG streams (``rngs.noise.count``)."""
+    return {
+        ".".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.RngCount))
+    }
+
+
+def _run_loss(fn: str, loss_fn, model: nnx.Module, batch):
+    """``loss_fn(model, batch)`` under ``nnx.jit``; what it raises is re-raised naming ``fn`` and the fix."""
+    try:
+        return _probe_loss(loss_fn, model, batch)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{fn}: the task's loss_fn raised on batch 0: {err}") from err
+    except AttributeError as err:
+        if "RngStream" not in str(err):
+            raise _loss_raised(fn, err) from err
+        raise ValueError(
+            f"{fn}: the model's forward pass draws from an RNG stream its nnx.Rngs lacks ({err}); the fix is in "
+            "the task's model factory, not the loss: name the stream there, e.g. model=lambda: "
+            "MyModel(rngs=nnx.Rngs(params=0, noise=1))"
+        ) from err
+    except Exception as err:  # a KeyError ... in the user's loss: bad input, not a crash
+        raise _loss_raised(fn, err) from err
+
+
+def _loss_raised(fn: str, err: Exception) -> ValueError:
+    return ValueError(
+        f"{fn}: the task's loss_fn raised {type(err).__name__} on batch 0: {err}; fix the loss function (a batch "
+        "key or a model attribute it names?) and run again"
+    )
+
+
+def draws_refusal(
+    fn: str, model: str, streams: Sequence[str], strategy: str | None = None, why: str = ""
+) -> str:
+    """Why a step that runs the forward pass per shard or per micro-batch cannot check a model that draws random
+    numbers in it (``streams``: ``["rngs.noise"]``), and what works: a GSPMD step, or keys folded per global row.
+
+    ``strategy``: the built-in strategy refused, ``why``: how it runs the forward pass and what it draws there
+    (``"runs the forward pass per device in jax.shard_map, every shard drawing with the same key"``); ``None``:
+    every step ``fn`` admits a model for may be of that kind (the message then names ``fn`` alone)."""
+    subject = strategy or "the sharded steps"
+    why = why or "run the forward pass per shard or per micro-batch, every shard drawing with the same key"
+    return (
+        f"{strategy or fn}: {'cannot run this model: ' if strategy else ''}model {model} draws random numbers in its "
+        f"forward pass (RNG stream(s) {', '.join(streams)}), and {subject} {why}, not the full batch's numbers, so "
+        "its step cannot equal the single-device one. Check it with a GSPMD step (strategy gspmd, or your own "
+        "step jitted over sharded inputs: it draws the full batch's numbers however the rows are split), or in a "
+        "step of your own draw with keys folded per global row index (jax.random.fold_in(key, row)), which give "
+        "the same numbers however the rows are split"
+        + (f" ({fn}, strategy {strategy!r})" if strategy else "")
+    )

@@ -358,6 +358,7 @@ def _check_evaluate(fn: str, evaluate) -> tuple[tuple[str, Batch], ...]:
 
 def _check_task_run(fn, task, strategy, num_shards, mesh, epochs, callback, evaluate, epoch_batches) -> _Run:
     """Validate a :func:`train_task` call and build its lock-step pair; nothing runs."""
+    from shardcheck.parity.harness.setup import _check_state_carried
     from shardcheck.task import check_model
 
     if not isinstance(task, Task):
@@ -375,7 +376,9 @@ def _check_task_run(fn, task, strategy, num_shards, mesh, epochs, callback, eval
     mesh = mesh_for(fn, chosen, num_shards, mesh)
     model = task.new_model(fn)
     optimizer = task.new_optimizer(model)
-    weighted = check_model(fn, model, task.loss_fn, task.batches[0])
+    drawn: list[str] = []  # the RNG streams the forward pass draws: only a GSPMD step draws the full batch's
+    weighted = check_model(fn, model, task.loss_fn, task.batches[0], drawn=drawn)
+    _check_state_carried(fn, chosen.name, [], drawn, model)
     for batch in task.batches:
         check_divisible(fn, batch, num_shards, weighted=weighted)
     pair = _lockstep(fn, chosen, task.loss_fn, model, optimizer, num_shards, mesh)
@@ -520,8 +523,9 @@ def train_task(
         TypeError: ``task`` not a Task; a malformed ``loss_fn`` output; ``callback`` or ``epoch_batches`` not
             callable; ``evaluate`` not a dict of named batches, or a malformed batch.
         ValueError: an unknown strategy; a non-positive count; fewer devices than S; a batch S does not split;
-            a model with batch statistics or random draws in its forward pass; an optimizer the strategy cannot
-            run; a malformed evaluation batch. All checked before any step, except a later epoch's batches from
+            a model with batch statistics, or with random draws in its forward pass under a strategy that runs it
+            per shard or per micro-batch (every one but gspmd, which draws the full batch's numbers); an optimizer
+            the strategy cannot run; a malformed evaluation batch. All checked before any step, except a later epoch's batches from
             ``epoch_batches`` (checked when drawn).
     """
     fn = "train_task"

@@ -132,8 +132,9 @@ def _check_task(fn, task: Task, strategy, mesh, model, optimizer, weighted) -> N
     from shardcheck.task import check_divisible, check_model
 
     batch = task.batches[0]
-    if weighted is None:  # BatchStat and RNG-drawing models refused, the loss's output checked on batch 0
-        weighted = check_model(fn, model, task.loss_fn, batch)
+    # BatchStat models refused, the loss's output checked on batch 0; random draws change no byte: accepted
+    if weighted is None:
+        weighted = check_model(fn, model, task.loss_fn, batch, drawn=[])
     if not one_device(strategy):
         check_divisible(fn, batch, mesh.size, weighted=weighted)
     layout = LAYOUTS.get(strategy)
@@ -278,7 +279,7 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
     model = task.new_model(fn)
     optimizer = task.new_optimizer(model)
     batch = task.batches[0]
-    weighted = check_model(fn, model, task.loss_fn, batch)
+    weighted = check_model(fn, model, task.loss_fn, batch, drawn=[])  # random draws change no byte
     check_divisible(fn, batch, mesh.size, weighted=weighted)
     if strategy != "placed":
         estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
@@ -440,7 +441,8 @@ def measure_task_strategies(
         check_strategy(fn, s, MEASURED)
     _check_devices(fn, num_shards)
     mesh = make_mesh(num_shards, axis_name)
-    weighted = check_model(fn, task.new_model(fn), task.loss_fn, task.batches[0])  # once for every strategy
+    # once for every strategy; random draws in the forward pass change no byte: accepted
+    weighted = check_model(fn, task.new_model(fn), task.loss_fn, task.batches[0], drawn=[])
     return {s: _measure_task(fn, task, s, mesh, weighted) for s in strategies}
 
 

@@ -24,11 +24,10 @@ Two kinds of it, as the Flax NNX docs write them:
     0.99 in place of 0.9 (a tenth of the change), a statistic computed another way;
   - the reference's step writes it and the candidate's leaves it exactly as it was: the writes were dropped.
 
-RNG streams are not compared. Where the forward pass draws from one (a VAE's ``eps``, Dropout), the reference
-and the candidate start from equal keys and counts, so equal draws are what a correct step makes, and a step that
-draws other numbers (the same key on every shard, or a count not written back, which repeats step 0's draws)
-shows in the loss, the gradients and the parameters (``shardcheck.parity.diagnosis.draws``): a count compared
-exactly would add nothing the values do not show.
+RNG streams are not compared here. The count of a stream the forward pass draws from (a VAE's ``eps``, Dropout) is
+compared exactly by :mod:`shardcheck.parity.comparison.rng_counts` (a step that does not write it back draws the
+same numbers again at the next step: a FAIL at the step that lost it, not a drifted trajectory); a stream nothing
+draws from is the model's, moved by no step.
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ from shardcheck.parity.comparison.live import (
     to_host,
 )
 from shardcheck.parity.comparison.model_state import floating_state, loss_reads, model_state_leaves
+from shardcheck.parity.comparison.rng_counts import rng_count_leaves
+from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -357,6 +359,7 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     before = run.state_before
     leaves += model_state_leaves(t, run.ref_model, run.cand_model, found, *before, read=run.state_read)
     leaves += _extra_checks(run, t, completed, rtol, atol)
+    leaves += rng_count_leaves(t, run.ref_model, run.cand_model, run.draws)  # the streams drawn from
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]
     full = t == 0 or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
@@ -589,8 +592,10 @@ def check_parity(
     Raises:
         TypeError: ``task`` not a Task; ``accept_weak`` not a bool; ``candidate`` not a name, Candidate or
             callable, or a callable whose signature fits neither form; a malformed ``loss_fn`` output.
-        ValueError: a model with batch statistics, or one drawing random numbers in its forward pass (C7); a
-            non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
+        ValueError: a model with batch statistics (C7); a model drawing random numbers in its forward pass with a
+            named strategy (candidate or reference) that runs it per shard or per micro-batch (``simulation``,
+            ``dp``, ``fsdp``, ``accumulation``, ``multiprocess``: the message names the strategy, why, and the
+            GSPMD step that works); a non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does
             not split into S equal shards (the message names the leaf and the fix); an unknown strategy; a
             ``reference`` strategy that does not run on a mesh, or one without ``mesh``/``num_shards``; negative
             ``rtol``/``atol``; ``matmul_precision`` not one of ``None``, ``"float32"``, ``"tf32"``,
@@ -664,6 +669,9 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         micro_batches=run.cand.num_shards if run.cand.make_optimizer is not None else None,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
+    localization = localize(records, facts=leaf_facts(run.cand_model, run.task))
+    first = next((r for r in records if not r.ok), None)
+    findings = with_draws(findings, localization and localization.stage, run.draws, first)
     if weak is not None:
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]
     return ParityReport(
@@ -687,7 +695,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         matmul_precision=run.precision.matmul,
         matmul_precision_source=run.matmul_source,
         devices=_sides_devices(run, mesh),
-        localization=localize(records, facts=leaf_facts(run.cand_model, run.task)),
+        localization=localization,
         **_footprint_fields(run),
     )
 

@@ -377,10 +377,12 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     else:
         model = task.new_model(fn)
         optimizer = task.new_optimizer(model)
-    updated: list[str] = []  # the non-parameter state the forward pass writes: refused as the live check does
-    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated)
+    # the non-parameter state the forward pass writes and the RNG streams it draws: refused as the live check does
+    updated: list[str] = []
+    drawn: list[str] = []
+    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
-    _check_state_carried(fn, candidate, updated)
+    _check_state_carried(fn, candidate, updated, drawn, model)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh

@@ -24,7 +24,7 @@ from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs
 from shardcheck.steps.sharded_init import sharded_training_state
-from shardcheck.task import Task, check_divisible, check_model
+from shardcheck.task import Task, check_divisible, check_model, draws_refusal
 
 
 def _check_tolerances(fn, rtol, atol):
@@ -71,13 +71,14 @@ def _setup(
     model, optimizer, data = _initial(fn, task, reference, steps, initial_state, ref_mesh)
     cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
     updated: list[str] = []  # the non-parameter state the forward pass writes (a counter)
-    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated)
+    drawn: list[str] = []  # the RNG streams it draws from (a VAE's eps, Dropout)
+    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn)
     _check_weights_accepted(fn, cand, data)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
-    _check_state_carried(fn, candidate, updated)
+    _check_state_carried(fn, candidate, updated, drawn, model)
     if ref_strategy is not None:
         _check_strategy(fn, reference, ref_strategy, model, optimizer, ref_mesh, data, weighted)
-        _check_state_carried(fn, reference, updated)
+        _check_state_carried(fn, reference, updated, drawn, model)
     ref_model, ref_opt = copy_state(model, optimizer)
     cand_model, cand_opt = copy_state(model, optimizer)
     if cand.make_optimizer is not None:
@@ -109,6 +110,7 @@ def _setup(
         matmul_realization=policy[2] if precision.matmul_coarser else None,
         # the task's step and the registered strategies write their new state into the Variables in place
         in_place=isinstance(candidate, str) and (reference is None or isinstance(reference, str)),
+        draws=tuple(drawn),
     )
     return run, data
 
@@ -181,23 +183,37 @@ def _initial(fn, task, reference, steps, initial_state, ref_mesh=None):
     return model, optimizer, _task_batches(fn, task, steps)
 
 
-# The strategies whose step writes back what the forward pass writes to the model's non-parameter state, once.
-CARRY_MODEL_STATE = ("reference", "gspmd")
+# The strategies that run the full-batch forward pass once a step (the single-device step, and GSPMD's jit of
+# it): they write back what it writes to the model's non-parameter state, once, and draw the full batch's random
+# numbers however the batch is split (jax_threefry_partitionable).
+FULL_BATCH_FORWARD = ("reference", "gspmd")
+
+# How each other strategy runs the forward pass, and what it draws there.
+_PER_SHARD = {
+    "simulation": ("runs the forward pass once per shard", "every shard drawing with the same key"),
+    "accumulation": (
+        "runs the forward pass once per micro-batch",
+        "each micro-batch drawing numbers of its own for its rows",
+    ),
+}
+_IN_SHARD_MAP = ("runs the forward pass per device in jax.shard_map", "every shard drawing with the same key")
 
 
-def _check_state_carried(fn, candidate, updated: list[str]) -> None:
-    """A named strategy that cannot carry the forward pass's writes to the model's state is refused, naming why
-    (the single-device step writes them once per step: ``shardcheck.steps.reference``)."""
-    if not updated or not isinstance(candidate, str) or candidate in CARRY_MODEL_STATE:
+def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (), model=None) -> None:
+    """A named strategy that cannot run the forward pass as the single-device step does is refused, naming why:
+    where the forward pass writes the model's state (``updated``; the single-device step writes it once per step:
+    ``shardcheck.steps.reference``), or draws from its RNG streams (``drawn``; ``model`` is named)."""
+    if not (updated or drawn) or not isinstance(candidate, str) or candidate in FULL_BATCH_FORWARD:
         return
-    why = {
-        "simulation": "runs the forward pass once per shard",
-        "accumulation": "runs the forward pass once per micro-batch",
-    }.get(candidate, "runs the forward pass per device in jax.shard_map and does not carry that state out")
+    how, draws = _PER_SHARD.get(candidate, _IN_SHARD_MAP)
     # named by the strategy, not by check_parity: a limitation of this strategy, not bad input to the whole run
+    if drawn:
+        raise ValueError(draws_refusal(fn, type(model).__name__, drawn, candidate, f"{how}, {draws}"))
+    if candidate not in _PER_SHARD:
+        how += " and does not carry that state out"
     raise ValueError(
         f"{candidate}: cannot run this model: its forward pass writes non-parameter state ({', '.join(updated)}), "
-        f"once a step in the single-device step, and {candidate} {why}; check it with gspmd or your own step "
+        f"once a step in the single-device step, and {candidate} {how}; check it with gspmd or your own step "
         f"({fn}, strategy {candidate!r})"
     )
 

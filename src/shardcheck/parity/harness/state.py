@@ -207,6 +207,8 @@ class _Run:
     # candidate; its sensitivity and hypotheses are the reference's), and how the report names the reference
     ref_strategy: Candidate | None = None
     reference_name: str = "reference"
+    # the RNG streams the model's forward pass draws from (task.check_model's drawn: "rngs.noise"), for the report
+    draws: tuple[str, ...] = ()
     # what the devices hold, sampled during a check on the candidate's mesh (parity.footprint.Footprint), or None
     footprint: Any = None
     # the accumulations whose sensitivity pass is deferred (parity.allowances._Deferred), or None

@@ -1,0 +1,41 @@
+"""The counts of the RNG streams a model's forward pass draws from, compared exactly after every step.
+
+A stream ``nnx.Rngs(noise=...)`` holds a key and a count; each draw (``self.rngs.noise()``) folds the count into
+the key and increments it. The reference and the candidate start from equal keys and counts, so a correct step
+leaves equal counts: the single-device step and GSPMD's jit of it write the forward pass's count back, as
+``nnx.value_and_grad`` does. A step that does not (a ``jax.shard_map`` step that splits the model and drops the
+rest) draws this step's numbers again at the next, which looks like a trajectory that drifted, and is not one;
+compared here (``counter model.rngs.noise.count``), it FAILs at the step that lost the count, at the forward stage.
+
+Only the streams the forward pass draws from (:func:`shardcheck.task.check_model`'s ``drawn``) are compared: the
+count of a stream nothing draws from (``params``, or Dropout at rate 0) is the model's, moved by no step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flax import nnx
+
+from shardcheck.parity.comparison.live import counter_error
+from shardcheck.parity.diagnosis.evidence import LeafError
+
+PREFIX = "model."
+
+
+def rng_counts(model: nnx.Module, streams: Sequence[str]) -> dict[str, int]:
+    """``{"rngs.noise": count}`` of the model's streams named in ``streams`` (dotted paths, ``"rngs.noise"``)."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.RngCount))
+    counts = {".".join(map(str, p)).removesuffix(".count"): v[...] for p, v in flat}
+    return {s: int(counts[s]) for s in streams if s in counts}
+
+
+def rng_count_leaves(
+    step: int, ref_model: nnx.Module, cand_model: nnx.Module, streams: Sequence[str]
+) -> list[LeafError]:
+    """One exact ``counter model.<stream>.count`` leaf per stream drawn (``streams``), the candidate's count
+    against the reference's after step ``step``; ``[]`` for a model whose forward pass draws nothing."""
+    if not streams:
+        return []
+    ref, cand = rng_counts(ref_model, streams), rng_counts(cand_model, streams)
+    return [counter_error(step, f"{PREFIX}{s}.count", ref[s], cand[s]) for s in ref if s in cand]

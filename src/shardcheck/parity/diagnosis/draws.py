@@ -1,0 +1,50 @@
+"""Random numbers drawn in the forward pass, named as a possible cause where a check's forward stage differs.
+
+A model that draws from its RNG streams in ``__call__`` (a VAE's ``eps = jax.random.normal(self.rngs.noise(),
+...)``, Dropout at a nonzero rate) is checked as any other (:func:`shardcheck.task.check_model`): a GSPMD step
+draws the full batch's numbers however the batch is split. A step that runs the forward pass per shard and draws
+there (the same key on every shard) computes another loss at equal parameters, and one that does not write a
+stream's count back (:mod:`shardcheck.parity.comparison.rng_counts`) draws the same numbers again at the next
+step: either way the forward stage differs first (:mod:`shardcheck.parity.diagnosis.localization`), and the
+report's leading finding then says that the draws may be why (issue #36, trial 9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from shardcheck.parity.diagnosis.evidence import Diagnosis, StepRecord
+
+
+def draws_clause(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
+    """The sentence naming the streams drawn (``("rngs.noise",)``) as a possible cause of a forward difference;
+    ``counts``: the names of the stream count leaves that differ (``counter model.rngs.noise.count``)."""
+    lost = (
+        f"; one that leaves a stream's count as it was ({', '.join(counts)}) draws this step's numbers again at the "
+        "next"
+        if counts
+        else ""
+    )
+    return (
+        f"The model draws random numbers in its forward pass ({', '.join(draws)}): a step that draws other numbers "
+        f"than the full batch's (the same key on every shard) differs here{lost}."
+    )
+
+
+def with_draws(
+    findings: Sequence[Diagnosis], stage: str | None, draws: Sequence[str], record: StepRecord | None
+) -> list[Diagnosis]:
+    """``findings`` with :func:`draws_clause` added to the first one's message where the model draws (``draws``,
+    the streams, non-empty) and the first stage that differs is the forward pass (``stage``); else as they are.
+    ``record``: the first failing step's, whose failing stream counts the clause names."""
+    findings = list(findings)
+    if not draws or stage != "forward" or not findings:
+        return findings
+    ends = tuple(f"{s}.count" for s in draws)
+    counts = [] if record is None else [e.name for e in record.leaves if not e.ok and e.path.endswith(ends)]
+    first = findings[0]
+    return [
+        dataclasses.replace(first, message=f"{first.message} {draws_clause(draws, counts)}"),
+        *findings[1:],
+    ]

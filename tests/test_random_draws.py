@@ -1,0 +1,199 @@
+"""A model that draws random numbers in its forward pass (a VAE's ``eps = normal(self.rngs.noise(), ...)``, Dropout at
+a nonzero rate), issue #36 trial 9.
+
+Under ``jax.jit`` on sharded inputs the draw gives the full batch's numbers however the batch is split
+(``jax_threefry_partitionable``, JAX's default), so a GSPMD step equals the single-device one: it PASSes, the count
+of the stream drawn advancing alike on both sides, compared exactly (a step that puts it back FAILs on it). A step
+that runs the forward pass per shard draws the same key on every shard: a user's ``jax.shard_map`` step FAILs at
+the forward stage, the report naming the random draws; the built-in ``dp`` is refused up front with that reason
+and what works, by ``check_parity``, ``train_task`` and ``run_task`` alike. A stream the model's ``nnx.Rngs`` lacks
+is said to be fixed in the model factory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardcheck import Task, check_parity, make_mesh
+from shardcheck.runner import run_task
+from shardcheck.task import check_model
+from shardcheck.training import train_task
+
+X = np.linspace(-1.0, 1.0, 2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)
+Y = np.cos(X[..., :3] * 2.0)
+BATCHES = [{"x": X[i], "y": Y[i]} for i in range(2)]
+SCALE = 0.5  # the noise's scale: large enough that another draw moves the loss far past its tolerance
+
+
+class Noisy(nnx.Module):
+    """A Linear plus noise drawn from the ``noise`` stream in ``__call__`` (a VAE's reparameterization)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        h = self.lin(x)
+        return h + SCALE * jax.random.normal(self.rngs.noise(), h.shape)
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+TASK = Task(
+    model=lambda: Noisy(nnx.Rngs(params=0, noise=1)),
+    optimizer=optax.adam(1e-2),
+    loss_fn=loss_fn,
+    batches=BATCHES,
+)
+
+
+def same_key_step(model, optimizer, batch, mesh):
+    """Data parallel in ``jax.shard_map``: each shard runs the forward pass on its rows, drawing from the same key."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def body(p, rest, b):
+        local = lambda p: loss_fn(nnx.merge(graphdef, p, rest, copy=True), b)  # noqa: E731
+        loss, grads = jax.value_and_grad(local)(
+            jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
+        )
+        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    loss, grads = jax.jit(mapped)(params, rest, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+def test_check_model_lists_the_streams_drawn_and_accepts_the_model():
+    drawn: list[str] = []
+    model = TASK.new_model()
+    count = model.rngs.noise.count[...]
+    assert check_model("f", model, loss_fn, BATCHES[0], drawn=drawn) is False
+    assert drawn == ["rngs.noise"] and model.rngs.noise.count[...] == count  # run on a clone: nothing moved
+    with pytest.raises(
+        ValueError, match=r"^f: model Noisy draws random numbers .*\(RNG stream\(s\) rngs.noise\)"
+    ):
+        check_model("f", model, loss_fn, BATCHES[0])  # a caller whose steps all run per shard still refuses
+
+
+@require_devices(2)
+def test_a_gspmd_step_draws_the_full_batchs_numbers_and_passes():
+    """The built-in gspmd step (the plain step jitted over the sharded batch) equals the single-device one for 2
+    steps: the loss to rounding, though each draw adds noise of variance SCALE**2 (the loss ~0.5)."""
+    assert jax.config.jax_threefry_partitionable  # JAX's default since 0.5: what makes the draws agree
+    report = check_parity("gspmd", TASK, mesh=make_mesh(2))
+    assert report.ok and report.codes[0] == "parity", str(report)
+    assert len(report.steps) == 2
+    loss = next(e for e in report.steps[1].leaves if e.kind == "loss")
+    assert loss.max_abs_err < 1e-6 < loss.tolerance
+
+
+@nnx.jit
+def _jitted_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss, grads
+
+
+def _gspmd_step(model, optimizer, batch, mesh):
+    """The user's GSPMD step: the plain step under nnx.jit, the batch split over 'data'."""
+    loss, grads = _jitted_step(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    return {"loss": loss, "grads": grads}
+
+
+def count_kept_step(model, optimizer, batch, mesh):
+    """A GSPMD step (the full batch's draws) that puts the RNG count back: the next step repeats this one's draws."""
+    count = model.rngs.noise.count[...]
+    loss, grads = _jitted_step(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    model.rngs.noise.count[...] = count
+    return {"loss": loss, "grads": grads}
+
+
+@require_devices(2)
+def test_a_step_that_does_not_write_the_rng_count_back_fails_on_the_count():
+    """Both sides advance the count of the stream drawn (1 after step 0, 2 after step 1), compared exactly: a GSPMD
+    step that puts it back draws the full batch's numbers at step 0 (the loss within 1e-6) and FAILs there on the
+    count, at the forward stage, not as a drifted trajectory (re-run from the reference's state it would match)."""
+    correct = check_parity(_gspmd_step, TASK, mesh=make_mesh(2))
+    assert correct.ok, str(correct)
+    counts = [next(e for e in r.leaves if e.name == "counter model.rngs.noise.count") for r in correct.steps]
+    assert [(e.ok, e.max_abs_err) for e in counts] == [(True, 0.0), (True, 0.0)]
+    assert not any(
+        "params" in e.name for e in correct.steps[0].leaves if e.kind == "counter"
+    )  # nothing draws it
+
+    report = check_parity(count_kept_step, TASK, mesh=make_mesh(2), steps=1)
+    (record,) = report.steps
+    count = next(e for e in record.leaves if e.name == "counter model.rngs.noise.count")
+    assert not count.ok and count.max_abs_err == 1.0 and count.ratio == 0.0  # 0 against the reference's 1
+    loss = next(e for e in record.leaves if e.kind == "loss")
+    assert loss.ok and loss.max_abs_err < 1e-6
+    assert report.localization.stage == "forward" and report.codes[0] != "diverged_trajectory"
+    assert (
+        "(the same key on every shard) differs here; one that leaves a stream's count as it was (counter "
+        "model.rngs.noise.count) draws this step's numbers again at the next." in report.diagnoses[0].message
+    ), report.diagnoses[0].message
+
+
+@require_devices(2)
+def test_a_shard_map_step_drawing_the_same_key_on_every_shard_fails_at_the_forward_stage():
+    report = check_parity(same_key_step, TASK, mesh=make_mesh(2), steps=1)
+    assert not report.ok
+    assert report.localization.stage == "forward" and report.localization.step == 0
+    loss = next(e for e in report.steps[0].leaves if e.kind == "loss")
+    assert loss.max_abs_err > 100 * loss.tolerance
+    text = report.diagnoses[0].message
+    assert (
+        "The model draws random numbers in its forward pass (rngs.noise): a step that draws other numbers than "
+        "the full batch's (the same key on every shard) differs here" in text
+    ), text
+
+
+@require_devices(2)
+def test_dp_is_refused_with_the_reason_and_what_works():
+    with pytest.raises(ValueError) as info:
+        check_parity("dp", TASK, mesh=make_mesh(2))
+    text = str(info.value)
+    assert text.startswith(
+        "dp: cannot run this model: model Noisy draws random numbers in its forward pass "
+        "(RNG stream(s) rngs.noise), and dp runs the forward pass per device in jax.shard_map, "
+        "every shard drawing with the same key"
+    ), text
+    assert "Check it with a GSPMD step (strategy gspmd" in text and "jax.random.fold_in(key, row)" in text
+    assert "(check_parity, strategy 'dp')" in text
+
+
+def test_a_stream_the_rngs_lack_is_fixed_in_the_model_factory():
+    model = Noisy(nnx.Rngs(params=0))
+    with pytest.raises(
+        ValueError,
+        match=r"^f: the model's forward pass draws from an RNG stream its nnx.Rngs lacks "
+        r"\(No RngStream named 'noise'.*the fix is in the task's model factory, not the loss",
+    ):
+        check_model("f", model, loss_fn, BATCHES[0])
+
+
+@require_devices(2)
+def test_train_and_run_task_refuse_only_the_strategies_that_draw_per_shard():
+    """``train_task`` trains gspmd beside the reference (the losses agree at every step) and refuses dp with the
+    reason; ``run_task`` runs the reference and gspmd (parameters within 1e-6) and skips the others, each with why."""
+    trained = train_task(TASK, "gspmd", num_shards=2)
+    assert trained.loss_curves_agree and trained.first_exceeded_step is None
+    with pytest.raises(ValueError, match=r"^dp: cannot run this model: model Noisy draws random numbers"):
+        train_task(TASK, "dp", num_shards=2)
+    ran = run_task(TASK, num_shards=2, mesh=make_mesh(2))
+    assert set(ran.outcomes) == {"reference", "gspmd"}
+    assert ran.outcomes["gspmd"].max_abs_param_diff_vs_baseline < 1e-6
+    for name in ("simulation", "dp", "fsdp", "accumulation"):
+        assert ran.skipped[name].startswith(f"{name}: cannot run this model: model Noisy draws random"), name
