@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -444,12 +445,13 @@ def _run_loss(fn: str, loss_fn, model: nnx.Module, batch):
     except (TypeError, ValueError) as err:
         raise type(err)(f"{fn}: the task's loss_fn raised on batch 0: {err}") from err
     except AttributeError as err:
-        if "RngStream" not in str(err):
+        missing = re.search(r"No RngStream named '([^']+)'", str(err))
+        if missing is None:
             raise _loss_raised(fn, err) from err
         raise ValueError(
             f"{fn}: the model's forward pass draws from an RNG stream its nnx.Rngs lacks ({err}); the fix is in "
-            "the task's model factory, not the loss: name the stream there, e.g. model=lambda: "
-            "MyModel(rngs=nnx.Rngs(params=0, noise=1))"
+            f"the task's model factory, not the loss: name the stream there, e.g. model=lambda: "
+            f"MyModel(rngs=nnx.Rngs(params=0, {missing[1]}=1))"
         ) from err
     except Exception as err:  # a KeyError ... in the user's loss: bad input, not a crash
         raise _loss_raised(fn, err) from err
