@@ -210,7 +210,8 @@ def check_model(fn: str, model, x=None, y=None) -> None:
     (:func:`shardcheck.losses.mse_batch_loss`): a model holding ``nnx.BatchStat`` variables (BatchNorm) is
     refused, since each shard would normalise with its own batch statistics; one holding RNG streams is
     accepted when its forward pass draws nothing from them (Dropout at rate 0, ``model.eval()``), and refused
-    when it draws (every shard would draw its own mask). The forward pass is run once, on a clone, only for a
+    when it draws: the seeds' sharded steps run the forward pass per shard, every shard drawing with the same key
+    (:func:`shardcheck.task.draws_refusal`; ``check_parity`` checks such a model against a GSPMD step). The forward pass is run once, on a clone, only for a
     model holding either kind of state. Without ``x`` and ``y`` (nothing to run) RNG streams are refused.
 
     With ``x`` and ``y`` given, first check that the model accepts ``x`` and maps it to ``y``'s shape: a target of
