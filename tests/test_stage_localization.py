@@ -294,7 +294,10 @@ def test_the_replicas_stage_gives_the_form_of_the_copies_disagreement():
     loc = _loc(check_parity(cand, task, num_shards=2))
     assert (loc.stage, loc.status("gradients")) == ("replicas", "not observed")
     # the optimizer-state leaves read as the parameters they belong to
-    assert loc.group == "every failing leaf is under blocks.0.fc1; every other leaf matches"
+    assert (
+        loc.group
+        == "every leaf whose copies differ is under blocks.0.fc1; every other leaf has copies that agree"
+    )
     assert loc.form.kind == "replicas" and loc.form.leaves == 6 and loc.form.factor is None
     lo, hi = loc.form.spread
     assert 0 < lo <= hi  # the copies differ, by up to this fraction of the reference's largest change
@@ -328,6 +331,11 @@ def test_the_replicas_form_on_arrays_sum_mean_and_none():
     spread = [before + 2 * parts * dr, before + 2 * (1 - parts) * dr]  # two copies averaging to the reference
     g = fit_replicas({"param a": ([((slice(None),) * 2, spread)], before, ref)}, ("data",))
     assert g.factor == pytest.approx(1.0) and "average to the reference's" in g.sentence
+    assert "a mean over 'data' missed" in g.sentence
+    # trial 9's clip by each device's local norm: the gradients matched, so no mean of them was missed
+    after = fit_replicas({"param a": ([((slice(None),) * 2, spread)], before, ref)}, ("data",), True)
+    assert "each copy moved by its own amount around it, from gradients that match" in after.sentence
+    assert "missed" not in after.sentence.replace("not a mean of the gradients missed", "")
     noise = [before + rng.normal(size=(4, 3)), before + rng.normal(size=(4, 3))]
     h = fit_replicas({"param a": ([((slice(None),) * 2, noise)], before, ref)})
     assert h.factor is None and "no simple form" in h.sentence

@@ -407,7 +407,17 @@ def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -
         if e.name in differ
     }
     matching = {p: shape for p, shape in params.items() if p not in failing}
-    return shared_property(failing, matching, facts) if failing else ""
+    if not failing:
+        return ""
+    # said of copies: a leaf of another stage (a row-parallel kernel's moments) may still differ
+    group = shared_property(failing, matching, facts).replace(
+        "every failing leaf", "every leaf whose copies differ"
+    )
+    return re.sub(
+        r"\bmatch(es)?\b",
+        lambda m: "has copies that agree" if m.group(1) else "have copies that agree",
+        group,
+    )
 
 
 # how the grouping names a kind of leaf

@@ -73,10 +73,18 @@ SAY = {
     "missed",
     "factor": "the mean of the copies' changes is {median:.4g} x the reference's (within {lo:.4g}..{hi:.4g})",
 }
+# where the loss and every returned gradient match: no reduction of the gradients was missed
+SAY_AFTER_GRADIENTS = SAY | {
+    "mean": "the copies' changes average to the reference's (within {lo:.4g}..{hi:.4g}): each copy moved by its "
+    "own amount around it, from gradients that match (a scale each device computed for itself, such as a clip by "
+    "its local norm), not a mean of the gradients missed",
+}
 
 
 def fit_replicas(
-    leaves: Mapping[str, tuple[Sequence, np.ndarray, np.ndarray]], axes: Sequence[str] = ()
+    leaves: Mapping[str, tuple[Sequence, np.ndarray, np.ndarray]],
+    axes: Sequence[str] = (),
+    gradients_match: bool = False,
 ) -> Form:
     """Fit each mismatched leaf's copies against the reference (module docstring).
 
@@ -84,6 +92,9 @@ def fit_replicas(
         leaves: ``{name: (blocks, before, ref_after)}``: the leaf's :func:`replica_blocks` (each block's copies),
             the candidate's value before the step and the reference's after it (global arrays, any float dtype).
         axes: the mesh axes along which the copies differ (``StepRecord.replica_axes``), for the sentence.
+        gradients_match: the loss and every gradient the step returns matched the reference's, so the copies
+            parted after the gradients: a ``mean`` is said as copies moved around the reference's, not as a mean
+            of the gradients missed.
 
     Returns:
         A ``replicas`` :class:`~shardcheck.parity.diagnosis.form.Form`: its sentence names, per form, the leaves
@@ -119,7 +130,9 @@ def fit_replicas(
             continue
         name, n, median, lo, hi = found[0]
         lo, hi = min(f[3] for f in found), max(f[4] for f in found)
-        said = SAY[kind].format(n=n, lo=lo, hi=hi, median=median, axes=where)
+        said = (SAY_AFTER_GRADIENTS if gradients_match else SAY)[kind].format(
+            n=n, lo=lo, hi=hi, median=median, axes=where
+        )
         parts.append(f"on {names} ({n_leaves(len(found))}) {said}")
     head = (
         f"the copies along {where} differ by up to {max(gaps):.3g} of the reference's largest change; "

@@ -171,7 +171,11 @@ def replicas_form(record: StepRecord, snapshots, after) -> tuple[tuple[str, Form
         blocks = replica_blocks(cand[path])
         if blocks:
             leaves[name] = (blocks, to_host(before[path]), to_host(ref[path]))
-    return (("replicas", fit_replicas(leaves, record.replica_axes)),) if leaves else ()
+    if not leaves:
+        return ()
+    grads = [e for e in record.leaves if e.kind == "grad"]
+    after_gradients = bool(grads) and all(e.ok for e in record.leaves if e.kind in ("loss", "grad"))
+    return (("replicas", fit_replicas(leaves, record.replica_axes, after_gradients)),)
 
 
 def localization_evidence(run: _Run, record: StepRecord, snapshots, stepped, after, rtol, atol) -> StepRecord:
