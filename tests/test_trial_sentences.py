@@ -110,3 +110,22 @@ def test_the_replicas_example_is_a_leaf_whose_own_gradient_differs():
     assert replicas_differ(Ctx).message.startswith(
         "Replicas differ across devices: param decoder.fc1.bias holds"
     )
+
+
+def test_the_tensor_parallel_examples_are_conditional_where_every_module_matched():
+    """Trial 9: beta applied twice in a GSPMD step: every module's output matched, the loss's difference reached
+    encoder.* only, and the report still offered a row-parallel output not psum-ed as an example."""
+    from shardcheck.parity.diagnosis.rules import _forward_hint
+
+    class Ctx:
+        mesh_shape = {"data": 2, "model": 2}
+
+    plain = _forward_hint(Ctx)
+    assert plain.startswith(" A loss that differs on a mesh that splits the model over ('model',)")
+    cleared = _forward_hint(Ctx, cleared=True)
+    assert cleared.startswith(
+        " If the step runs the model in a jax.shard_map of its own (which the module probe does not see into), a "
+        "loss that differs"
+    )
+    Ctx.mesh_shape = {"data": 4}
+    assert _forward_hint(Ctx, cleared=True) == ""

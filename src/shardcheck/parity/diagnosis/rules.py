@@ -1153,7 +1153,7 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
         f"{_what_differs(first)} from the reference at step {first.step}"
         + (" (run from the reference's pre-step state)" if first.synchronized else "")
         + f" ({ctx.detail}){_params_match(first)}: {_not_one_step(first)}"
-        + ("" if _module_found(first) else _forward_hint(ctx)),
+        + ("" if _module_found(first) else _forward_hint(ctx, _modules_cleared(first))),
         ctx.worst_name,
     )
 
@@ -1238,8 +1238,10 @@ def _params_match(record: StepRecord) -> str:
     return f", though the applied parameters match at this step ({n_leaves(len(params))})"
 
 
-def _forward_hint(ctx: DiagnosisContext) -> str:
-    """On a mesh with model axes, a loss that differs says the sharded forward pass computes something else."""
+def _forward_hint(ctx: DiagnosisContext, cleared: bool = False) -> str:
+    """On a mesh with model axes, a loss that differs says the sharded forward pass computes something else.
+    ``cleared``: the module probe found every module's output equal under the candidate's placement, so the
+    examples hold only for a step whose own ``jax.shard_map`` the probe cannot see into."""
     from shardcheck.mesh import batch_axis_names
 
     shape = dict(ctx.mesh_shape or {})
@@ -1247,8 +1249,13 @@ def _forward_hint(ctx: DiagnosisContext) -> str:
     if not model:
         return ""
     axis = model[0]
+    head = (
+        " If the step runs the model in a jax.shard_map of its own (which the module probe does not see into), a"
+        if cleared
+        else " A"
+    )
     return (
-        f" A loss that differs on a mesh that splits the model over {tuple(model)} says the sharded forward pass "
+        f"{head} loss that differs on a mesh that splits the model over {tuple(model)} says the sharded forward pass "
         f"computes another function, e.g. a loss sum each shard divides by its own count, a replicated bias "
         f"added on every shard before the psum over {axis!r} "
         f"(it counts {shape[axis]} times; add it after the psum), or a row-parallel output not psum-ed over "
