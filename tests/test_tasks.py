@@ -301,13 +301,16 @@ def test_load_task_errors(tmp_path):
     before = list(sys.path)
     with pytest.raises(
         ValueError,
-        match=r"load_task: importing task file '.*bad_task\.py' failed with RuntimeError: no data here",
+        match=r"load_task: importing task file '.*bad_task\.py' failed with RuntimeError: no data here; fix the "
+        r"file$",  # no note on sibling imports where nothing failed to import
     ):
         load_task(f"{broken}:task")
     assert sys.path == before
     missing_dep = _write(tmp_path, "import shardcheck_no_such_module\n", "dep_task.py")
     with pytest.raises(
-        ValueError, match=r"failed with ModuleNotFoundError: No module named 'shardcheck_no_such_module'"
+        ValueError,
+        match=r"failed with ModuleNotFoundError: No module named 'shardcheck_no_such_module'; fix the file \(its "
+        r"folder is on sys.path while it loads",
     ):
         load_task(f"{missing_dep}:task")
     with pytest.raises(

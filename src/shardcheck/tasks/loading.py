@@ -140,9 +140,14 @@ def _import_file(spec: str, path_text: str, fn: str = "load_task", kind: str = "
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as err:
         sys.modules.pop(name, None)
+        # only an import needs the note on where sibling modules are found
+        where = (
+            " (its folder is on sys.path while it loads, so sibling modules import by name)"
+            if isinstance(err, ImportError)
+            else ""
+        )
         raise ValueError(
-            f"{fn}: importing {kind} file {path_text!r} failed with {type(err).__name__}: {err}; fix the file "
-            "(its folder is on sys.path while it loads, so sibling modules import by name)"
+            f"{fn}: importing {kind} file {path_text!r} failed with {type(err).__name__}: {err}; fix the file{where}"
         ) from err
     finally:
         # Remove the entry inserted above (the file may have changed sys.path; remove ours, once).
