@@ -86,12 +86,14 @@ def _step(momentum: float = 0.9):
     def train(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
-        for e, p in zip(model.ema, jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True):
+        for e, p in zip(
+            getattr(model, "ema", ()), jax.tree.leaves(nnx.state(model, nnx.Param)), strict=False
+        ):
             e[...] = 0.9 * e[...] + 0.1 * p
         return loss
 
     def step(model, optimizer, batch, mesh):
-        if model.norm is not None:
+        if isinstance(getattr(model, "norm", None), Norm):
             model.norm.momentum = momentum
         state = nnx.state((model, optimizer))
         nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
@@ -174,6 +176,50 @@ def test_a_running_average_momentum_of_its_own_fails_live_and_replayed_as_state_
         assert (
             "left" not in report.localization.form.sentence and "dropped" not in report.diagnoses[0].message
         )
+
+
+class BatchNormed(nnx.Module):
+    """nnx.BatchNorm in training mode: its running averages are nnx.BatchStat the forward pass writes."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+def _unsynced_step(model, optimizer, batch, mesh):
+    """A shard_map step that averages the gradients and the loss over ``data`` but leaves BatchNorm's
+    ``axis_name`` unset: each shard normalizes with its own batch's statistics."""
+    graphdef, state = nnx.split((model, optimizer))
+
+    def body(state, batch):
+        m, o = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(loss_fn)(m, batch)
+        o.update(m, jax.lax.pmean(grads, "data"))
+        return jax.lax.pmean(loss, "data"), nnx.state((m, o))
+
+    specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False)
+    loss, state = jax.jit(jax.shard_map(body, **specs))(state, batch)
+    nnx.update((model, optimizer), state)
+    return loss
+
+
+@require_devices(2)
+def test_batchnorm_passes_under_a_gspmd_step_live_and_replayed_and_fails_unsynced_in_shard_map(mesh):
+    """nnx.BatchStat is accepted for a user's step (it was refused): a GSPMD step computes the full batch's
+    statistics; a shard_map step that does not sync them computes another loss, found at the forward stage."""
+    task = shardcheck.Task(
+        model=BatchNormed, optimizer=optax.sgd(0.1), loss_fn=loss_fn, batches=_task(False).batches
+    )
+    live = check_parity(_step(), task, mesh=mesh)
+    assert live.ok and "2 leaves of floating state written by both steps" in live.diagnoses[0].message
+    recording = record_run(task, "gspmd", mesh=mesh)
+    assert check_parity(_step(), task, mesh=mesh, reference=recording).ok
+    unsynced = check_parity(_unsynced_step, task, mesh=mesh)
+    assert not unsynced.ok and unsynced.localization.stage == "forward"
+    assert not next(e for e in unsynced.steps[0].leaves if e.kind == "loss").ok
 
 
 def test_a_group_sentence_never_names_a_leaf_by_a_bare_index():

@@ -387,10 +387,15 @@ def check_model(
     *,
     updated: list | None = None,
     drawn: list | None = None,
+    batch_stats: bool = False,
 ) -> bool:
     """Refuse models whose sharded and full-batch steps differ (C7); returns whether the loss is weighted.
 
-    ``nnx.BatchStat`` variables (BatchNorm) are refused. ``loss_fn`` runs once on a clone; the loss at step 0 is
+    ``nnx.BatchStat`` variables (BatchNorm) are refused unless ``batch_stats``: a check of a step of the user's
+    (``check_parity``, ``record_run``, the memory measurements) accepts them, since a GSPMD step computes the full
+    batch's statistics and a ``shard_map`` step can sync them (``axis_name``); a BatchNorm in training mode then
+    writes its running averages in the forward pass, ``updated`` names them, and a built-in strategy that computes
+    them per shard is refused by name (``parity.harness.setup``). ``loss_fn`` runs once on a clone; the loss at step 0 is
     checked too. ``updated``: a list that receives the dotted paths of the other non-parameter state the forward
     pass wrote (an ``nnx.Variable`` counter incremented in ``__call__``), for the strategies that cannot carry it.
     ``drawn``: a list that receives the RNG streams the forward pass draws from (``rngs.noise``: a VAE's
@@ -402,13 +407,13 @@ def check_model(
 
     Raises:
         TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
-        ValueError: BatchStat variables; RNG streams drawn in the forward pass when ``drawn`` is not given; a
+        ValueError: BatchStat variables (without ``batch_stats``); RNG streams drawn in the forward pass when ``drawn`` is not given; a
             non-finite loss at step 0; a ``loss_fn`` that raises anything but a TypeError (named in the message;
             a stream the model's ``nnx.Rngs`` lacks is said to be fixed in the model factory).
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
-    if jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
+    if not batch_stats and jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
         raise ValueError(
             f"{fn}: model {type(model).__name__} is refused because it holds nnx.BatchStat variables (e.g. "
             "BatchNorm): each shard would normalise with its own batch statistics, not the full batch's "

@@ -132,9 +132,9 @@ def _check_task(fn, task: Task, strategy, mesh, model, optimizer, weighted) -> N
     from shardcheck.task import check_divisible, check_model
 
     batch = task.batches[0]
-    # BatchStat models refused, the loss's output checked on batch 0; random draws change no byte: accepted
+    # the loss's output checked on batch 0; random draws and batch statistics change no byte: accepted
     if weighted is None:
-        weighted = check_model(fn, model, task.loss_fn, batch, drawn=[])
+        weighted = check_model(fn, model, task.loss_fn, batch, drawn=[], batch_stats=True)
     if not one_device(strategy):
         check_divisible(fn, batch, mesh.size, weighted=weighted)
     layout = LAYOUTS.get(strategy)
@@ -254,9 +254,9 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
     Raises:
         TypeError: ``step`` neither a name nor a callable, ``task`` not a Task, ``mesh`` not a Mesh, a step whose
             signature takes neither 3 nor 4 arguments.
-        ValueError: an unknown strategy, a first batch that does not split over ``mesh.size`` devices, a model
-            with batch statistics or a random forward pass (as ``verify`` refuses them), a step that sets
-            another mesh than ``mesh`` with ``jax.set_mesh``.
+        ValueError: an unknown strategy, a first batch that does not split over ``mesh.size`` devices, a step
+            that sets another mesh than ``mesh`` with ``jax.set_mesh`` (a model with batch statistics or a random
+            forward pass is measured: neither changes a byte of the step's memory).
     """
     from shardcheck.parity.harness.candidates import accepts, check_step_signature
     from shardcheck.task import check_divisible, check_model
@@ -279,7 +279,8 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
     model = task.new_model(fn)
     optimizer = task.new_optimizer(model)
     batch = task.batches[0]
-    weighted = check_model(fn, model, task.loss_fn, batch, drawn=[])  # random draws change no byte
+    # random draws and batch statistics change no byte of the step's memory
+    weighted = check_model(fn, model, task.loss_fn, batch, drawn=[], batch_stats=True)
     check_divisible(fn, batch, mesh.size, weighted=weighted)
     if strategy != "placed":
         estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
@@ -442,7 +443,7 @@ def measure_task_strategies(
     _check_devices(fn, num_shards)
     mesh = make_mesh(num_shards, axis_name)
     # once for every strategy; random draws in the forward pass change no byte: accepted
-    weighted = check_model(fn, task.new_model(fn), task.loss_fn, task.batches[0], drawn=[])
+    weighted = check_model(fn, task.new_model(fn), task.loss_fn, task.batches[0], drawn=[], batch_stats=True)
     return {s: _measure_task(fn, task, s, mesh, weighted) for s in strategies}
 
 

@@ -592,7 +592,7 @@ def check_parity(
     Raises:
         TypeError: ``task`` not a Task; ``accept_weak`` not a bool; ``candidate`` not a name, Candidate or
             callable, or a callable whose signature fits neither form; a malformed ``loss_fn`` output.
-        ValueError: a model with batch statistics (C7); a model drawing random numbers in its forward pass with a
+        ValueError: a model with batch statistics (C7) or drawing random numbers in its forward pass with a
             named strategy (candidate or reference) that runs it per shard or per micro-batch (``simulation``,
             ``dp``, ``fsdp``, ``accumulation``, ``multiprocess``: the message names the strategy, why, and the
             GSPMD step that works); a non-finite loss at step 0; ``steps`` larger than the batches; a named strategy with a batch that does

@@ -380,7 +380,7 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     # the non-parameter state the forward pass writes and the RNG streams it draws: refused as the live check does
     updated: list[str] = []
     drawn: list[str] = []
-    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn)
+    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
     if cand.make_optimizer is not None:
@@ -466,7 +466,8 @@ def record_run(
         TypeError: ``task`` not a Task; a candidate that is no name, Candidate or step of the right signature; a
             step returning no scalar loss, None or ``{"loss", "grads"}``.
         ValueError: as :func:`~shardcheck.check_parity` before any step: an unknown strategy, ``steps`` beyond the
-            task's batches, a batch that does not split into S shards, a model with batch statistics.
+            task's batches, a batch that does not split into S shards, a model with batch statistics or random
+            draws with a strategy that runs the forward pass per shard or per micro-batch.
         TypeError: ``settings`` not a mapping of str to JSON values.
         CandidateError: the step raised (the original error is its ``__cause__``).
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from flax import nnx
 
 from shardcheck import _validate
@@ -72,7 +73,7 @@ def _setup(
     cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
     updated: list[str] = []  # the non-parameter state the forward pass writes (a counter)
     drawn: list[str] = []  # the RNG streams it draws from (a VAE's eps, Dropout)
-    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn)
+    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
     _check_weights_accepted(fn, cand, data)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
@@ -213,8 +214,20 @@ def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (
         how += " and does not carry that state out"
     raise ValueError(
         f"{candidate}: cannot run this model: its forward pass writes non-parameter state ({', '.join(updated)}), "
-        f"once a step in the single-device step, and {candidate} {how}; check it with gspmd or your own step "
-        f"({fn}, strategy {candidate!r})"
+        f"once a step in the single-device step, and {candidate} {how}{_batch_stats_clause(model)}; check it "
+        f"with gspmd or your own step ({fn}, strategy {candidate!r})"
+    )
+
+
+def _batch_stats_clause(model) -> str:
+    """Where the model holds ``nnx.BatchStat`` variables (BatchNorm in training mode): why a strategy that runs
+    the forward pass per shard cannot check it at all, beside the writes it drops."""
+    if model is None or not jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
+        return ""
+    return (
+        ", so its batch statistics (nnx.BatchStat: BatchNorm) would be computed over part of the batch, not the "
+        "full batch (docs/reduction_cases.md C7): a GSPMD step computes the full batch's, a shard_map step of your "
+        "own syncs them over the batch axes (axis_name)"
     )
 
 
