@@ -29,8 +29,11 @@ class LeafError:
         step: the 0-based step index t.
         kind: ``"loss"``, ``"grad"``, ``"param"``, ``"opt_state"``, ``"counter"`` (exact integer leaves: the
             NNX step counter, Adam's ``count``, the model's integer state ``model.<path>``) or ``"state"`` (the
-            model's floating state that is not a parameter, ``model.<path>``, compared exactly where one side's
-            step leaves it as it was: :mod:`shardcheck.parity.comparison.model_state`).
+            model's floating state that is not a parameter, ``model.<path>``, by
+            :mod:`shardcheck.parity.comparison.model_state`'s rule: exact where the reference's step leaves it as
+            it was and the loss reads it; not compared, ``tolerance`` inf, where only the candidate's writes it
+            and the loss does not read it; on its change within half the reference's largest where both write
+            it).
         path: the leaf's dotted path, e.g. ``"hidden.kernel"`` or ``"0.mu.bias"`` (``"loss"``, ``"step"``).
         max_abs_err: ``max |candidate - reference|`` over the leaf's elements (float64 arithmetic).
         max_rel_err: ``max_abs_err / max |reference|`` (normwise over the leaf: robust to elements that cancel
@@ -39,7 +42,8 @@ class LeafError:
         ok: ``max_abs_err <= tolerance`` (NaN fails).
         ratio: the median elementwise ratio candidate / reference of the leaf's change in this step (``param``
             and ``opt_state``: after minus before; ``grad`` and ``loss``: the values), over elements where the
-            reference change is at least 1% of its largest; ``None`` when undefined (counters, no change).
+            reference change is at least 1% of its largest; ``None`` when undefined (counters, no change); for
+            ``state`` the candidate's largest change over the reference's (0: left exactly as it was).
         reference_change: ``param``/``opt_state``/``state``: ``max |reference after - reference before|``, the
             size of the reference's update of this leaf in this step; else ``None``.
         spread: ``(p10, p90)``, the 10th and 90th percentile (order statistics,
