@@ -222,6 +222,19 @@ def test_batchnorm_passes_under_a_gspmd_step_live_and_replayed_and_fails_unsynce
     assert not next(e for e in unsynced.steps[0].leaves if e.kind == "loss").ok
 
 
+@require_devices(2)
+def test_memory_measures_a_batchnorm_users_step(mesh):
+    """memory --measure refused a model holding nnx.BatchStat: it measures it now, the running averages counted
+    as model state. The step replicates everything: on each device 21 parameters (84 B), the mean and variance
+    (6 floats, 24 B) and the step counter (4 B)."""
+    from shardcheck.memory.measure import measure_step
+
+    task = shardcheck.Task(
+        model=BatchNormed, optimizer=optax.sgd(0.1), loss_fn=loss_fn, batches=_task(False).batches
+    )
+    assert measure_step(_step(), task, mesh).state_bytes_per_device == (112, 112)
+
+
 def test_a_group_sentence_never_names_a_leaf_by_a_bare_index():
     ema = {f"model.ema.{i}": (3,) for i in (0, 1, 10, 3)}
     said = shared_property(ema, {"model.lin.kernel": (4, 3), "model.lin.bias": (3,)})
