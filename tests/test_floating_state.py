@@ -235,6 +235,29 @@ def test_memory_measures_a_batchnorm_users_step(mesh):
     assert measure_step(_step(), task, mesh).state_bytes_per_device == (112, 112)
 
 
+def test_running_averages_that_differ_after_a_step_that_failed_elsewhere_are_no_cause():
+    """An lr x4 in a BatchNorm model (trial 8): step 0 fails on the parameters, and from step 1 the running
+    averages of the moved parameters differ by more than the coarse bound; they are a consequence, so no
+    state_amount finding (it had been the report's leading code, 'a momentum differs'); where they are the first
+    failure, it is."""
+    from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+    from shardcheck.parity.diagnosis.rules import diagnose
+
+    def record(t, param_ok, state_ok):
+        loss = LeafError(t, "loss", "loss", 0.0, 0.0, 1e-6, True)
+        param = LeafError(
+            t, "param", "w", 0.0 if param_ok else 0.3, 0.1, 1e-6, param_ok, 4.0, 0.1, shape=(3,)
+        )
+        err = 0.0 if state_ok else 0.36
+        state = LeafError(t, "state", "model.bn.mean", err, err / 0.4, 0.2, state_ok, 0.1, 0.4, shape=(3,))
+        return StepRecord(t, 1e-5, 1e-7, 1.0, 1.0, (loss, param, state), t + 1, t + 1)
+
+    later = [d.code for d in diagnose([record(0, False, True), record(1, False, False)])]
+    assert "state_amount" not in later
+    first = diagnose([record(0, True, False)])
+    assert first[0].code == "state_amount" and "at step 0 (its largest change 0.1 times" in first[0].message
+
+
 def test_a_group_sentence_never_names_a_leaf_by_a_bare_index():
     ema = {f"model.ema.{i}": (3,) for i in (0, 1, 10, 3)}
     said = shared_property(ema, {"model.lin.kernel": (4, 3), "model.lin.bias": (3,)})

@@ -641,10 +641,12 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
     the loss reads it (a weight meant to stay frozen, trained); ``model_state`` where the reference's step writes
     it and the candidate's left it exactly as it was (``ratio`` 0); ``state_amount`` where both steps write it
     and the changes differ by more than the coarse bound."""
-    record = next((r for r in ctx.records if any(e.kind == "state" and not e.ok for e in r.leaves)), None)
-    if record is None:
+    # the first failing step only: after a step that failed elsewhere (an lr x4), the running statistics of the
+    # parameters it moved differ by more than rounding, a consequence and no cause
+    record = ctx.first
+    bad = [] if record is None else [e for e in record.leaves if e.kind == "state" and not e.ok]
+    if not bad:
         return None
-    bad = [e for e in record.leaves if e.kind == "state" and not e.ok]
     trained = [e for e in bad if e.reference_change == 0]
     dropped = [e for e in bad if e.reference_change and e.ratio == 0]
     amounts = [e for e in bad if e.reference_change and e.ratio != 0]
