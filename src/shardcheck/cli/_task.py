@@ -147,8 +147,9 @@ def _precision_options(args, *, harness: bool) -> dict:
         )
     if not harness:
         raise ValueError(
-            f"--task {args.task}: {flag} applies to a task file in verify only (as the check's tolerance policy); "
-            "set the dtypes in the file's model"
+            f"--task {args.task}: {flag} applies to a task file in verify and record only (as the tolerance "
+            "policy); this command runs the file's model in the dtypes its layers set, which shardcheck reads: "
+            f"drop {flag}"
         )
     return {}
 

@@ -22,6 +22,7 @@ from shardcheck.cli._task import (
     add_precision_arguments,
     add_size_argument,
     add_task_arguments,
+    precision_overrides,
     task_from_args,
 )
 
@@ -51,7 +52,7 @@ def add_parser(sub) -> None:
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
     add_size_argument(p)
-    add_precision_arguments(p, harness=False)
+    add_precision_arguments(p, harness=True)
     p.add_argument(
         "--strategy",
         default=None,
@@ -160,6 +161,24 @@ def run_settings(args) -> dict:
     return {"optimizer": optimizer, "lr": lr} | {k: getattr(args, k, None) for k in keys}
 
 
+def _compute_override(args) -> str | None:
+    """``--compute-dtype`` for a task file: the compute dtype the recording's tolerance assumes, in place of the
+    one read from the file's model (its layers' ``dtype``, as verify reads it); a built-in task builds its model
+    in it instead. ``--param-dtype`` with a task file is refused: the recording holds its parameters as they are.
+
+    Raises:
+        ValueError: ``--param-dtype`` given with a task file.
+    """
+    given = precision_overrides(args)
+    if "param_dtype" in given:
+        raise ValueError(
+            f"shardcheck record: --param-dtype {given['param_dtype']} does not apply to a task file: its "
+            "parameters are recorded in the dtype its model holds them; drop --param-dtype (the compute dtype is "
+            "read from the model's layers, and --compute-dtype may name a less precise one)"
+        )
+    return given.get("compute_dtype")
+
+
 def _load_step(args):
     from shardcheck.cli.verify import load_candidate
 
@@ -203,6 +222,7 @@ def main(args) -> int:
             settings=run_settings(args),
             matmul_precision=args.matmul_precision,
             name=_step_name(args) if strategy is None else None,
+            compute_dtype=_compute_override(args),
         )
     except parity.CandidateError as err:
         return _fail(f"shardcheck record: {str(err).removeprefix('record_run: ')}")
@@ -303,6 +323,7 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
             atol=args.atol,
             name=_step_name(args) if label == "candidate" else None,
             matmul_precision=getattr(args, "matmul_precision", None),
+            compute_dtype=precision_overrides(args).get("compute_dtype"),
             pin_placement=args.pin_placement,
             shown=f"--against {args.against}",
             **where,

@@ -70,7 +70,7 @@ from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settin
 from shardcheck.parity.harness.setup import _check_tolerances
 from shardcheck.parity.report import ParityReport
 from shardcheck.parity.tolerance import matmul
-from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, SAFETY_FACTOR, derive_tolerance
 
 EPS32 = float(np.finfo(np.float32).eps)
 STRUCTURAL = ("missing", "shape", "dtype", "sharding")
@@ -455,6 +455,26 @@ class _Bounds:
     # by step, those whose allowance exceeds their own tolerance there: the update cannot be resolved (the live
     # check's StepRecord.unresolved rule)
     unresolved: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # eps of the looser compute dtype of the two runs, where coarser than float32 (compute_eps), else 0
+    compute: float = 0.0
+    # by parameter name, the compute-rounding allowance accumulated over the steps (compute_allowance)
+    compute_acc: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def compute_allowance(self, name: str, r: _Leaf, t: int) -> float:
+        """A leaf's allowance for the two runs' low-precision compute at step t (0 in float32, at the initial
+        state, and under fixed ``rtol`` / ``atol``): ``rho_t = SAFETY_FACTOR eps_c sqrt(t + 1)`` of its recorded
+        ``max|x|`` (optimizer state x MOMENT_FACTOR), and of a parameter (or floating model state) ``rho_t`` of
+        its recorded update size, summed over the steps: a correct run's values carry the compute dtype's
+        relative rounding, and a parameter's the rounding of each update that moved it, not of its size."""
+        if not self.compute or t < 0 or self.rtol is not None or self.atol is not None:
+            return 0.0
+        rho = SAFETY_FACTOR * self.compute * math.sqrt(t + 1)
+        if name.startswith(("param ", "state ")):
+            if math.isfinite(r.update):
+                self.compute_acc[name] = self.compute_acc.get(name, 0.0) + rho * r.update
+            return self.compute_acc.get(name, 0.0)
+        factor = MOMENT_FACTOR if name.startswith("opt_state ") else 1.0
+        return factor * rho * r.max if math.isfinite(r.max) else 0.0
 
     def derived(self, meta: Mapping, t: int) -> tuple[float, float]:
         tol = derive_tolerance(
@@ -588,6 +608,13 @@ def _normalized(pair: _Pair, path: str) -> bool:
     return names is None or path in names
 
 
+def _normalized_of(pair: _Pair, unresolved: Sequence[str]) -> tuple[str, ...] | None:
+    """The ``unresolved`` parameters (``"param PATH"``) whose update the recorded task's optimizer normalizes
+    (``StepRecord.normalized``); ``None`` for a recording without ``meta["normalized"]`` (an older one)."""
+    names = pair.recording.meta.get("normalized")
+    return None if names is None else tuple(n for n in unresolved if n.removeprefix("param ") in names)
+
+
 def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
     """Add step t's rounding-level allowance to every parameter whose gradient (:meth:`_Pair.gradient`) is within
     ``atol`` of 0 (module docstring); returns the loss's drift bound from the allowance before this step."""
@@ -636,6 +663,7 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
             continue
         c = pair.leaf("replayed", t, name)
         base = bounds.base(name, r, t, rtol, atol) + (drift if name == "loss" else 0.0)
+        base += bounds.compute_allowance(name, r, t)
         update_base = None
         if name.startswith("param "):
             update_base = base + bounds.last_base.get(name, base)
@@ -774,7 +802,7 @@ def compare_run(
     other_mesh = same and recording.meta.get("mesh") != replayed.meta.get("mesh")
     pair = _Pair.of(kept, replayed, pin_placement or other_mesh, recording)
     policy, dtype = looser_precision(recording.meta, replayed.meta)
-    bounds = _Bounds(rtol, atol, dtype)
+    bounds = _Bounds(rtol, atol, dtype, compute=compute_eps(recording.meta, replayed.meta))
     leaves = [e for t in range(-1, steps) for e in _compare_point(pair, bounds, t)]
     matched, compared, bitwise = _hashes(pair, steps)
     moved = _placement_changes(pair, steps)
@@ -796,6 +824,7 @@ def compare_run(
             + _replicas_note(replayed.meta, first is None)
             + _placement_note(pair, moved, same)
             + _precision_note(recording.meta, replayed.meta, policy, dtype)
+            + _compute_note(recording.meta, replayed.meta, bounds.compute)
         ),
         hashes_matched=matched,
         hashes_compared=compared,
@@ -835,6 +864,27 @@ def looser_precision(was: Mapping, now: Mapping) -> tuple[str, str | None]:
     policy = matmul.coarsest(was.get("matmul_precision", "float32"), now.get("matmul_precision", "float32"))
     eps = matmul.policy_eps(policy)
     return policy, matmul.EPS_DTYPE[policy] if eps > _eps(was["tolerance_dtype"]) else None
+
+
+def compute_eps(was: Mapping, now: Mapping) -> float:
+    """eps of the looser of two runs' compute dtypes (``meta["compute_dtype"]``, read from the model's layers as a
+    live check reads it: :meth:`~shardcheck.parity.tolerance.precision.Precision.of`), where coarser than
+    float32; 0 otherwise (a run recorded before it was stored counts as float32, so the replay's own stands)."""
+    eps = max(_eps(m.get("compute_dtype") or "float32") for m in (was, now))
+    return eps if eps > EPS32 else 0.0
+
+
+def _compute_note(was: Mapping, now: Mapping, eps: float) -> list[str]:
+    if not eps:
+        return []
+    sides = (
+        f"recorded {was.get('compute_dtype') or 'float32'}, replayed {now.get('compute_dtype') or 'float32'}"
+    )
+    return [
+        f"Compared within low-precision compute rounding ({sides}): each leaf is also allowed {SAFETY_FACTOR:g} "
+        f"eps_c sqrt(t + 1) (eps_c = {eps:.3g}) of its recorded max|x|, a parameter of its recorded update size "
+        "summed over the steps (verify --compute-dtype)."
+    ]
 
 
 def _precision_note(was: Mapping, now: Mapping, policy: str, dtype: str | None) -> list[str]:
@@ -1035,6 +1085,7 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 candidate_step_count=candidate_count,
                 unresolved=bounds.unresolved.get(t, ()),
                 rounding_level=tuple(n for n, first in bounds.rounding.items() if 0 <= first <= t),
+                normalized=_normalized_of(pair, bounds.unresolved.get(t, ())),
                 replayed=True,
             )
         )

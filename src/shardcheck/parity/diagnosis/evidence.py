@@ -117,6 +117,10 @@ class StepRecord:
             the rest): they match under any difference of the gradients, so the grouping does not read their
             matching leaves as contradicting what the failing ones share
             (:func:`~shardcheck.parity.diagnosis.grouping.state_property`'s ``quiet``).
+        normalized: the ``unresolved`` leaves whose update the task's optimizer normalizes (Adam's
+            ``g / sqrt(v)``: rounding noise becomes an lr-sized update;
+            :func:`~shardcheck.parity.tolerance.propagation.normalized_leaves`); ``None``: not known (the
+            ``rounding_level`` note then names both cases).
         replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
             (:func:`shardcheck.parity.diagnosis.topology.mismatch_axes`): the axes a reduction missed.
         scale_hidden: this step cannot show a gradient off by the shard count, one way or both: for the
@@ -162,6 +166,7 @@ class StepRecord:
     matches: tuple[str, ...] = ()
     unresolved: tuple[str, ...] = ()
     rounding_level: tuple[str, ...] = ()
+    normalized: tuple[str, ...] | None = None
     replica_axes: tuple[str, ...] = ()
     scale_hidden: bool = False
     scale_evidence: tuple[tuple[str, ...], tuple[str, ...]] | None = None

@@ -10,7 +10,8 @@ step: the reference's value before and after the step and the candidate's after 
 - ``zero``: the candidate did not move the leaves (``max |dc| <= ZERO_RTOL max |dr|``);
 - ``sign_flip``: ``dc = -dr`` (within :data:`FIT_RTOL`);
 - ``factor``: ``dc = f dr`` with ``f`` constant across every leaf (its elementwise ratio's 10th-90th percentile
-  within :data:`FIT_RTOL` of its median, never one median alone) and one ``f`` over all the leaves (a factor
+  within :data:`FIT_RTOL` of its median, or, given the leaves' tolerances, the residual ``|dc - f dr|`` within
+  ``SPREAD_TOLS (1 + |f|) tol`` on every element: :func:`factor_within`; never one median alone) and one ``f`` over all the leaves (a factor
   that is an integer k >= 2 is also what k optimizer steps instead of one produce; below 1 on every leaf of an
   optimizer stage whose optimizer state shows it too, a clip coefficient, a common norm ratio), or ``per_group`` when the constant factors differ
   by group;
@@ -31,7 +32,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, LeafError, one_factor_across, percentiles
+from shardcheck.parity.diagnosis.evidence import (
+    RATIO_RTOL,
+    SPREAD_TOLS,
+    LeafError,
+    one_factor_across,
+    percentiles,
+)
 from shardcheck.parity.diagnosis.grouping import n_leaves
 
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
@@ -137,6 +144,7 @@ def fit_form(
     lr: float | None = None,
     optimizer_stage: bool = False,
     update: bool = True,
+    tol: Mapping[str, float] | None = None,
 ) -> Form:
     """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
 
@@ -150,6 +158,10 @@ def fit_form(
             optimizer-state leaves (paths ``"opt_state <path>"``) show too is then named as a clip coefficient.
         update: the leaves are a step's update (parameters, optimizer state), not values (gradients): an integer
             factor k >= 2 is then named as k optimizer steps instead of one.
+        tol: ``{path: the leaf's tolerance}`` (its allowed absolute error, ``LeafError.tolerance``), where known:
+            a factor then fits a leaf whose ratio spreads by no more than that tolerance's rounding allows
+            (:func:`factor_within`); without it, only one whose 10th-90th percentile lies within
+            :data:`FIT_RTOL`.
 
     Returns:
         The :class:`Form`.
@@ -169,7 +181,7 @@ def fit_form(
         f64[p] = (b, np.asarray(ref_after[p], np.float64) - b, c - b)
     return (
         _zero_or_flip(f64, update)
-        or _factor(f64, optimizer_stage, update)
+        or _factor(f64, optimizer_stage, update, tol or {})
         or _decay(f64, lr)
         or _no_form(f64)
     )
@@ -266,12 +278,65 @@ def _state_form(bad: list[LeafError]) -> Form:
     )
 
 
-def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
-    stats = {p: _ratio_stats(dr, dc) for p, (_, dr, dc) in f64.items()}
-    if any(s is None for s in stats.values()):
+# how the spread of a factor fitted within rounding is said (factor_within)
+RESOLVED_BASIS = "10th-90th percentile; every element within its rounding of that factor"
+
+
+def factor_within(dr: np.ndarray, dc: np.ndarray, tol: float | None) -> tuple[float, float, float] | None:
+    """``(f, p10, p90)`` where one factor ``f`` fits the leaf's change ``dc = f dr`` across every element, or
+    ``None`` where none does.
+
+    Without a tolerance (``tol`` None or 0): the elementwise ratio's 10th-90th percentile (over the elements of
+    ``|dr|`` at least :data:`FLOOR` of the largest) lies within :data:`FIT_RTOL` of its median ``f``.
+
+    With the leaf's tolerance ``tol`` (a correct step's largest difference from the reference, e.g. a bfloat16
+    compute's rounding), where the percentiles spread wider: each side may sit up to ``tol`` (the candidate's
+    values, ``f`` times larger, up to ``|f| tol``) from the exact change, so a true ``dc = f dr`` leaves a
+    residual ``|dc - f dr| <= (1 + |f|) tol`` on every element, and an element's ratio sits up to
+    ``(1 + |f|) tol / |dr|`` from ``f``: its spread says nothing where ``|dr|`` is a few ``tol``. The median ``f``
+    fits when (1) ``max |dc - f dr| <= SPREAD_TOLS (1 + |f|) tol`` (the rules' constancy margin,
+    :data:`~shardcheck.parity.diagnosis.evidence.SPREAD_TOLS`), and (2) the factor is told from 1 by more than
+    that: ``|f - 1| max|dr| > SPREAD_TOLS (1 + |f|) tol``. The percentiles are returned as measured (said with
+    the factor). A difference that is no factor (a gradient of one shard's rows where the full batch's is
+    expected) leaves a residual of the size of the values themselves and fails (1) however wide the rounding.
+    Measured (trial 8, bfloat16 compute): an lr x4 update, residual 0.16 of the bound's (1 + f) tol; a loss
+    weight x6.75, 1.9; one module's unreduced gradient (ratio -0.22..0.57), 7.0.
+    """
+    stats = _ratio_stats(dr, dc)
+    if stats is None:
         return None
-    if not all(hi - lo <= FIT_RTOL * max(abs(m), 1e-30) for m, lo, hi in stats.values()):
-        return None  # some leaf's ratio is not one factor across it
+    m, lo, hi = stats
+    if hi - lo <= FIT_RTOL * max(abs(m), 1e-30):
+        return stats
+    if not tol or not math.isfinite(m) or not math.isfinite(tol):
+        return None
+    bound = SPREAD_TOLS * (1 + abs(m)) * tol
+    if float(np.max(np.abs(dc - m * dr), initial=0.0)) > bound:
+        return None
+    if abs(m - 1) * float(np.max(np.abs(dr))) <= bound:
+        return None  # within rounding of no factor at all
+    return stats
+
+
+def _resolved(f64: dict, tol: Mapping[str, float]) -> dict:
+    """The leaves whose reference change is told from rounding (``max|dr| > SPREAD_TOLS tol``; every leaf without
+    a tolerance), or all of them where none is: a leaf at rounding level (an attention key bias's gradient, its
+    noise x S) fits any factor and is checked against the others' (:func:`_factor`)."""
+    told = {p: v for p, v in f64.items() if not tol.get(p) or np.max(np.abs(v[1])) > SPREAD_TOLS * tol[p]}
+    return told or f64
+
+
+def _factor(f64: dict, optimizer_stage: bool, update: bool, tol: Mapping[str, float]) -> Form | None:
+    fit = _resolved(f64, tol)
+    stats = {p: factor_within(dr, dc, tol.get(p)) for p, (_, dr, dc) in fit.items()}
+    if any(s is None for s in stats.values()):
+        return None  # some leaf's ratio is not one factor across it, even within its tolerance
+    plain = {p: _ratio_stats(dr, dc) for p, (_, dr, dc) in fit.items()}
+    basis = "10th-90th percentile" if stats == plain else RESOLVED_BASIS
+    common = float(np.median([m for m, _, _ in stats.values()]))
+    for p, (_, dr, dc) in f64.items():  # the rounding-level leaves: within their rounding of that factor
+        if p not in fit and np.max(np.abs(dc - common * dr)) > SPREAD_TOLS * (1 + abs(common)) * tol[p]:
+            return None
     factors = {p: m for p, (m, _, _) in stats.items()}
     lo = min(s[1] for s in stats.values())
     hi = max(s[2] for s in stats.values())
@@ -279,8 +344,8 @@ def _factor(f64: dict, optimizer_stage: bool, update: bool) -> Form | None:
     n = len(f64)
     if all(abs(f - mid) <= RATIO_RTOL * abs(mid) for f in factors.values()):
         state = any(p.startswith("opt_state ") for p in f64)
-        return _one_factor(mid, (lo, hi), n, optimizer_stage, state, update)
-    return _per_group(factors, stats, n)
+        return _one_factor(mid, (lo, hi), n, optimizer_stage, state, update, basis)
+    return _per_group(factors, stats, n, basis)
 
 
 def _around_one(f: float, spread: tuple[float, float], n: int, basis: str) -> Form:

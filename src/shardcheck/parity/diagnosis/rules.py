@@ -58,7 +58,7 @@ from shardcheck.parity.diagnosis.evidence import (
     would_show,
 )
 from shardcheck.parity.diagnosis.floating import not_compared, state_notes
-from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING, weight_phrase
+from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING, form_from_leaves, weight_phrase
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     common_prefix,
@@ -189,6 +189,31 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         return None, ""
     f = _consensus([e.ratio for e in params])
     return (f, "parameter updates") if f is not None else (None, "")
+
+
+def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[float | None, str]:
+    """The gradient factor as the form fitted on the failing gradients' arrays says it, where one was fitted
+    (``StepRecord.forms["gradients"]``, :func:`~shardcheck.parity.diagnosis.form.fit_form`: every element within
+    its tolerance of one factor): its factor where it found one, none where it found none (a rule never claims a
+    constant factor the form refutes); without arrays (a replay), none where the failing gradients' records allow
+    no form of one factor (:func:`~shardcheck.parity.diagnosis.form.form_from_leaves`)."""
+    form = dict(record.forms).get("gradients")
+    noise = {
+        u.split(" ", 1)[-1] for u in record.unresolved
+    }  # as _gradient_factor: no rounding-level leaf votes
+    bad = [
+        e
+        for e in record.leaves
+        if e.kind == "grad" and not e.ok and e.path not in noise and not _within_tolerance_of_zero(e)
+    ]
+    if form is None and (f is None or evidence != "gradients" or not bad):
+        return f, evidence
+    if form is None:  # no arrays (a replay): the form its records allow, as the localization reads it
+        form = form_from_leaves(bad, update=False)
+        return (f, evidence) if form.kind == "factor" else (None, "")
+    if form.kind == "factor" and form.factor is not None:
+        return form.factor, "gradients"
+    return None, ""
 
 
 def _model_axis_subset(record: StepRecord, f: float, mesh_shape) -> bool:
@@ -361,7 +386,7 @@ class DiagnosisContext:
         # blind to the gradient's scale (the harness's "scale_blind"); elsewhere they are not the ones applied
         grads_only = {e.kind for e in bad} == {"grad"} and "scale_blind" not in first.matches
         if {e.kind for e in bad} - {"loss", "counter"} and not grads_only:
-            f, ev = _gradient_factor(first)
+            f, ev = _as_fitted(first, *_gradient_factor(first))
             if f is not None and not _close(f, 1.0) and not _model_axis_subset(first, f, mesh_shape):
                 factor, evidence = f, ev
         # the trajectory's own counters: a synchronized re-check starts the candidate's counters (a MultiSteps'
@@ -1370,12 +1395,24 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
         f"{first}: a true gradient of 0 in all or some of its elements, such as an attention key bias, the key "
-        f"third of a fused qkv bias, or a LoRA factor A while its B is still 0): the update of those elements follows that gradient's rounding noise (a "
-        "normalizing optimizer such as Adam makes it lr-sized) and cannot be compared element by element; they "
+        f"third of a fused qkv bias, or a LoRA factor A while its B is still 0): the update of those elements follows that gradient's rounding noise ("
+        f"{_noise_update(ctx)}) and cannot be compared element by element; they "
         f"were checked through {through}, with the parameter tolerance propagated through the update."
         + _beyond_rounding(ctx),
         first,
     )
+
+
+def _noise_update(ctx: DiagnosisContext) -> str:
+    """How large the update of a rounding-noise gradient is under the task's optimizer (``StepRecord.
+    normalized``): lr-sized where it normalizes the update (Adam), noise-sized where it is linear in the
+    gradient (SGD, momentum); both said where it is not known."""
+    known = [r.normalized for r in ctx.records if r.unresolved and r.normalized is not None]
+    if len(known) < sum(1 for r in ctx.records if r.unresolved):
+        return "a normalizing optimizer such as Adam makes it lr-sized"
+    if any(known):
+        return "this optimizer normalizes the update, as Adam does: lr-sized"
+    return "this optimizer is linear in the gradient, so the update is noise-sized"
 
 
 def _beyond_rounding(ctx: DiagnosisContext) -> str:

@@ -168,7 +168,9 @@ def _compare_params(
     # the per-leaf scalars the rules below read, each reduced on the device over every leaf at once
     eps = run.precision.param_eps
     scale = compare.max_abs({p: ref_params[p] for p in tracked}) if eps else {}
-    noise = compare.max_abs({p: bounds.grad[p] for p in tracked if p in bounds.grad})
+    # the compute rounding alone (allowances._Bounds.rounding): the drift of a diverged candidate's parameters
+    # widens the gradient's allowance, not the rounding noise of its true gradient
+    noise = compare.max_abs({p: bounds.rounding[p] for p in tracked if p in bounds.rounding})
     # at rounding level: the gradient is within its own tolerance of 0, and the update it drives is not
     # resolvable at the parameter's tolerance
     at_rounding = [p for p in tracked if bounds.grad_max[p] <= atol + noise.get(p, 0.0)]
@@ -285,6 +287,7 @@ def _compare_step(
         synchronized=synced,
         unresolved=tuple(unresolved),
         rounding_level=tuple(rounding),
+        normalized=_normalized(run, unresolved),
         scale_hidden=evidence is not None and not all(evidence),
         scale_evidence=evidence,
         scale_blind=blind,
@@ -297,6 +300,18 @@ def _compare_step(
             record = module_evidence(run, record, snapshots, batch)  # a forward-stage FAIL only
     run.last = after
     return record, _reference_finite(record, after)
+
+
+def _normalized(run: _Run, unresolved: list[str]) -> tuple[str, ...]:
+    """The ``unresolved`` parameters (``"param PATH"``) whose update the task's optimizer normalizes
+    (``StepRecord.normalized``: :func:`~shardcheck.parity.harness.recorded.normalized_params`, probed only where
+    some leaf is unresolved)."""
+    if not unresolved:
+        return ()
+    from shardcheck.parity.harness.recorded import normalized_params
+
+    names = set(normalized_params(run.task, run.ref_model))
+    return tuple(n for n in unresolved if n.removeprefix("param ") in names)
 
 
 def _floating_before(run: _Run) -> None:
@@ -563,8 +578,8 @@ def check_parity(
             only when it returns ``.grads``, and no update sensitivity is derived. A recording (a
             :class:`~shardcheck.Recording`, or the path of its ``.npz``): the candidate is replayed on the
             recorded task, mesh and batches and its digests compared with the recorded ones, its records diagnosed
-            by the same rules (:mod:`shardcheck.parity.harness.replay`; ``compute_dtype``, ``param_dtype``,
-            ``leaf_tolerance`` and ``initial_state`` do not apply).
+            by the same rules (:mod:`shardcheck.parity.harness.replay`; ``param_dtype``, ``leaf_tolerance`` and
+            ``initial_state`` do not apply; ``compute_dtype`` is the replay's).
         rtol: fixed relative tolerance for every step (default: derived from the parameters' dtype, the
             reduction length and the step).
         atol: fixed absolute tolerance for every step (default: derived).

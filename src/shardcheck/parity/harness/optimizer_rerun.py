@@ -148,8 +148,16 @@ def stage_forms(
         lr=lr,
         optimizer_stage=stage == "optimizer",
         update=stage != "gradients",
+        tol=leaf_tolerances(record.leaves),
     )
     return ((stage, form),)
+
+
+def leaf_tolerances(leaves) -> dict[str, float]:
+    """``{key: tolerance}`` of ``leaves`` (:class:`~shardcheck.parity.diagnosis.evidence.LeafError`), keyed as
+    :func:`~shardcheck.parity.diagnosis.form.fit_form` reads its arrays: a gradient or a parameter by its path, an
+    optimizer-state leaf as ``"opt_state <path>"``."""
+    return {(f"opt_state {e.path}" if e.kind == "opt_state" else e.path): e.tolerance for e in leaves}
 
 
 def replicas_form(record: StepRecord, snapshots, after) -> tuple[tuple[str, Form], ...]:

@@ -50,6 +50,7 @@ from shardcheck.parity.harness.setup import (
 from shardcheck.parity.harness.true_gradients import Peaks, keep_least, true_gradient_digest
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
+from shardcheck.parity.tolerance.precision import Precision
 from shardcheck.parity.tolerance.propagation import normalized_leaves
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -132,6 +133,8 @@ class Recording:
             optimizer, lr, seed ... when known), ``versions`` (jax, jaxlib, flax, optax, shardcheck),
             ``platform``, ``matmul_precision`` (the precision of the run's float32 matmuls:
             ``shardcheck.parity.tolerance.matmul``; absent from recordings made before it was stored: float32),
+            ``compute_dtype`` (the least precise compute dtype of the model's layers, read as a live check reads
+            it; absent from older recordings: the replay's own stands),
             ``normalized`` (the parameters whose update the task's optimizer normalizes, :func:`normalized_params`;
             absent from older recordings: read as every parameter).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
@@ -423,6 +426,7 @@ def record_run(
     settings: Mapping[str, Any] | None = None,
     matmul_precision: str | None = None,
     true_gradients: bool = False,
+    compute_dtype=None,
 ) -> Recording:
     """Run ``candidate`` on ``task`` for ``steps`` steps and digest every leaf after each one.
 
@@ -458,6 +462,10 @@ def record_run(
             rounding level, as a live check reads it from the reference's (a replay asks for it); and at every
             step the least of each parameter's elementwise largest ``|g|`` so far (``"least"``: a leaf only part of
             whose gradient is at rounding level), from the gradients the step returns, else the task's.
+        compute_dtype: the compute dtype the tolerance assumes, in place of the one read from the model's layers
+            as a live check reads it (:meth:`~shardcheck.parity.tolerance.precision.Precision.of`: the least
+            precise layer ``dtype``); stored as ``meta["compute_dtype"]``: a replay is compared within the looser
+            of the two runs' compute rounding.
 
     Returns:
         The :class:`Recording` (in memory; :meth:`Recording.save` writes it).
@@ -481,7 +489,7 @@ def record_run(
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
     reads = loss_reads(task.loss_fn, model, data[0])  # the floating state the loss reads (before any step)
-    policy = matmul.resolve(fn, matmul_precision, task.loss_fn, model, data[0], mesh)[0]
+    policy, compute = _precision(fn, task, model, data[0], mesh, matmul_precision, compute_dtype)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     indices: dict[str, np.ndarray] = {}
 
@@ -513,7 +521,7 @@ def record_run(
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
-    recording.meta["matmul_precision"] = policy
+    recording.meta.update(matmul_precision=policy, compute_dtype=compute)
     recording.meta["normalized"] = normalized_params(task, model)
     recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_reads
     for t, found in truth.items():
@@ -521,6 +529,18 @@ def record_run(
     for t, (found, sampled) in least.items():
         keep_least(recording.meta, t, len(data), found, sampled)
     return recording
+
+
+def _precision(fn: str, task: Task, model, batch, mesh, matmul_precision, compute_dtype) -> tuple[str, str]:
+    """``(matmul policy, compute dtype name)`` of a recorded run, as a live check reads them
+    (:func:`~shardcheck.parity.tolerance.matmul.resolve`, :meth:`~shardcheck.parity.tolerance.precision.
+    Precision.of`: the least precise layer ``dtype``, or ``compute_dtype`` where given).
+
+    Raises:
+        TypeError, ValueError: ``compute_dtype`` not a floating dtype, or more precise than the model's layers.
+    """
+    policy = matmul.resolve(fn, matmul_precision, task.loss_fn, model, batch, mesh)[0]
+    return policy, Precision.of(model, compute_dtype=compute_dtype, matmul=policy, fn=fn).compute_dtype.name
 
 
 def normalized_params(task: Task, model: nnx.Module) -> list[str]:

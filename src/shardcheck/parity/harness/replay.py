@@ -30,9 +30,10 @@ from shardcheck.parity.harness.recorded import Recording, check_replayable, load
 from shardcheck.parity.report import ParityReport
 from shardcheck.task import Task
 
-UNSUPPORTED = ("compute_dtype", "param_dtype", "leaf_tolerance", "initial_state")
+UNSUPPORTED = ("param_dtype", "leaf_tolerance", "initial_state")
 """``check_parity`` options a recording cannot honour: it holds digests of one recorded run, not a step to
-re-run at another dtype, per-leaf tolerances of its own or another initial state."""
+re-run at another parameter dtype, per-leaf tolerances of its own or another initial state (``compute_dtype``
+applies: the replay's compute rounding, compared within the looser of it and the recording's)."""
 
 
 def is_recording(reference) -> bool:
@@ -70,6 +71,7 @@ def check_against_recording(
     atol: float | None = None,
     name: str | None = None,
     matmul_precision: str | None = None,
+    compute_dtype=None,
     pin_placement: bool = False,
     settings: Mapping[str, Any] | None = None,
     fn: str = "check_parity",
@@ -91,6 +93,9 @@ def check_against_recording(
         name: the candidate's name (a user step's).
         matmul_precision: as :func:`~shardcheck.check_parity`; the comparison assumes the looser of the
             recording's and the replay's.
+        compute_dtype: the replay's compute dtype for the tolerance (default: read from the model's layers, as
+            a live check reads it); the comparison allows the looser of the recording's and the replay's compute
+            rounding (:func:`~shardcheck.parity.comparison.digest.compare_run`).
         pin_placement: a leaf whose sharding differs from the recorded one fails (default: values compared).
         settings: the replay's settings (``record_run(settings=)``): those that differ are named.
         fn: how messages name the caller; shown: how they name the recording (default: its path, or
@@ -139,6 +144,7 @@ def check_against_recording(
         name=name,
         settings=settings,
         matmul_precision=matmul_precision,
+        compute_dtype=compute_dtype,
         true_gradients=True,  # where it returns none: which gradients are at rounding level, as a live check
     )
     weight = functools.partial(loss_weight, task)  # the first failing step's, as a live check reads it
@@ -297,6 +303,7 @@ def _optimizer_form(record, arrays) -> tuple:
     from shardcheck.parity.comparison.live import is_int, to_host
     from shardcheck.parity.diagnosis.form import fit_form
     from shardcheck.parity.diagnosis.localization import localize
+    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances
 
     found = localize([record])
     if found is None or found.stage != "optimizer":
@@ -314,6 +321,7 @@ def _optimizer_form(record, arrays) -> tuple:
         {k: to_host(after[k]) for k in keys},
         lr=lr,
         optimizer_stage=True,
+        tol=leaf_tolerances(record.optimizer_rerun),
     )
     return (("optimizer", form),)
 
@@ -349,7 +357,8 @@ def against_recording(call: Mapping[str, Any]) -> ParityReport:
     ``reference`` is a recording (:func:`is_recording`); ``accept_weak`` is moot (a replay's verdict does not
     read the scale evidence a live check measures)."""
     options = {
-        k: call[k] for k in ("steps", "num_shards", "mesh", "rtol", "atol", "name", "matmul_precision")
+        k: call[k]
+        for k in ("steps", "num_shards", "mesh", "rtol", "atol", "name", "matmul_precision", "compute_dtype")
     }
     unsupported = {k: call[k] for k in UNSUPPORTED}
     return check_against_recording(

@@ -119,7 +119,10 @@ class _Bounds:
     gradient, by path and as its tree (``grad_tree``, for :func:`_scale_evidence`); ``loss_realizations``: the
     reference's loss in each measured realization (0-d device arrays: under a coarse matmul precision, its loss
     with the matmuls at the other precision), for the loss's allowance
-    (``shardcheck.parity.tolerance.precision.loss_compute_allowance``).
+    (``shardcheck.parity.tolerance.precision.loss_compute_allowance``); ``rounding``: the compute-rounding part
+    of ``grad`` alone, without the drift of the candidate's parameters (``|g(p_cand) - g|``, which a diverged
+    candidate makes as large as the gradient itself): what tells a gradient at rounding level (``{}`` at
+    float32).
     """
 
     grad: dict
@@ -128,6 +131,7 @@ class _Bounds:
     grad_tree: Any
     sensitivity: _Sensitivity
     loss_realizations: tuple = ()
+    rounding: dict = dataclasses.field(default_factory=dict)
 
     @property
     def update(self) -> dict:
@@ -454,7 +458,7 @@ def split_gradients(run: _Run, pre: _PreStep, batch):
 def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol: float) -> _Bounds:
     """The :class:`_Bounds` of the reference's step from ``pre`` whose gradient is ``grads`` (pure), with the
     correct split ``split`` (:func:`split_gradients`) at low-precision compute."""
-    noise = None
+    noise = rounding = None
     shadow = None
     losses = ()
     if run.precision.compute_eps > 0:
@@ -471,8 +475,10 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
             )
             realizations.append(grads_m)
             losses = (loss_m,)
-        noise = measured_noise(realizations, grads, drifted)
-        noise = _tree_add(noise, output_rounding(grads, magnitude, run.precision.compute_eps))
+        output = output_rounding(grads, magnitude, run.precision.compute_eps)
+        noise = _tree_add(measured_noise(realizations, grads, drifted), output)
+        # the rounding alone, without the candidate's parameter drift: what tells a gradient at rounding level
+        rounding = noise if shadow is None else _tree_add(measured_noise(realizations, grads, grads), output)
     delta, grad_max, extra = gradient_tolerance(grads, noise, rtol, atol)
     grad_allowance = {} if extra is None else flatten_state(extra)
     # the allowances stay on the device: the comparison reduces them there (compare.leaf_errors)
@@ -483,4 +489,5 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
         grads,
         _Sensitivity(run.ref_opt.tx, grads, pre, delta, shadow),
         losses,
+        {} if rounding is None else flatten_state(rounding),
     )
