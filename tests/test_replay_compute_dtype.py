@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import optax
 import pytest
@@ -27,8 +29,10 @@ from shardcheck.tasks.digits import digits_task
 LR = 0.05
 
 
-def _task():
-    return digits_task(hidden=8, optimizer=optax.sgd(LR), batch_size=16, steps=2, compute_dtype="bfloat16")
+def _task(steps: int = 2):
+    return digits_task(
+        hidden=8, optimizer=optax.sgd(LR), batch_size=16, steps=steps, compute_dtype="bfloat16"
+    )
 
 
 def _step_at(scale: float) -> Candidate:
@@ -60,18 +64,21 @@ def test_a_recording_holds_the_compute_dtype_and_a_correct_bf16_replay_passes(bf
 
 
 def test_an_lr_x4_fails_at_the_optimizer_stage_with_factor_4_live_and_replayed():
-    mine = record_run(_task(), _step_at(1.0), num_shards=1)  # a correct user step, recorded
-    assert check_parity(_step_at(1.0), _task(), reference=mine).ok
+    mine = record_run(_task(3), _step_at(1.0), num_shards=1)  # a correct user step, recorded
+    assert check_parity(_step_at(1.0), _task(3), reference=mine).ok
     for report in (
-        check_parity(_step_at(4.0), _task(), num_shards=1),
-        check_parity(_step_at(4.0), _task(), reference=mine),
+        check_parity(_step_at(4.0), _task(3), num_shards=1),
+        check_parity(_step_at(4.0), _task(3), reference=mine),
     ):
         assert not report.ok
         where = report.localization
         assert (where.step, where.stage) == (0, "optimizer")
         assert where.form.kind == "factor"
         assert where.form.factor == pytest.approx(4.0, rel=0.02)
-        assert "rounding_level" not in report.codes  # SGD, nonzero true gradients
+        # SGD, nonzero true gradients: the diverged candidate's parameter drift had made every leaf's gradient
+        # "at rounding level" at step 2 (3 leaves, the drift term in the noise that tells it)
+        assert "rounding_level" not in report.codes
+        assert not any(r.unresolved for r in report.steps)
 
 
 def test_a_factor_fits_within_the_leafs_rounding_and_a_non_factor_does_not():
@@ -155,3 +162,16 @@ def test_record_reads_a_task_files_compute_dtype_and_takes_compute_dtype_as_its_
     assert "is more precise than the model's own bfloat16" in capsys.readouterr().err
     assert main([*base, "--task", f"{f32}:task", "--param-dtype", "bfloat16", "--out", str(out)]) == 2
     assert "--param-dtype bfloat16 does not apply to a task file" in capsys.readouterr().err
+
+
+def test_the_rounding_level_note_says_the_adam_clause_only_where_the_optimizer_normalizes():
+    noise = LeafError(2, "param", "k.bias", 1e-3, 1.0, 1e-2, True, None, 1e-4, None, (4,))
+    base = StepRecord(2, 1e-5, 1e-6, 2.0, 2.0, (noise,), 3, 3, unresolved=("param k.bias",))
+    said = {}
+    for normalized in (None, (), ("param k.bias",)):
+        record = dataclasses.replace(base, normalized=normalized)
+        said[normalized] = next(d.message for d in diagnose([record], 2) if d.code == "rounding_level")
+    assert "(this optimizer is linear in the gradient, so the update is noise-sized)" in said[()]
+    assert "Adam" not in said[()]
+    assert "(this optimizer normalizes the update, as Adam does: lr-sized)" in said[("param k.bias",)]
+    assert "(a normalizing optimizer such as Adam makes it lr-sized)" in said[None]  # not known: both said
