@@ -129,3 +129,13 @@ def test_the_tensor_parallel_examples_are_conditional_where_every_module_matched
     )
     Ctx.mesh_shape = {"data": 4}
     assert _forward_hint(Ctx, cleared=True) == ""
+
+
+def test_a_factor_at_one_shard_is_no_sum_over_shards():
+    """An lr x4 with matching gradients at num_shards=1 read "sum-reduced twice (x4 = 2^2)": with one shard no
+    sum over shards exists; with S unknown or S=2 the reading stays."""
+    from shardcheck.parity.diagnosis.rules import _name_factor
+
+    assert _name_factor(4.0, 1) is None
+    assert _name_factor(4.0, 2)[1].startswith("the gradient was sum-reduced twice (x4 = 2^2")
+    assert _name_factor(4.0, None)[0] == "summed"

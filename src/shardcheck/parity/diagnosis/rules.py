@@ -249,7 +249,8 @@ def _name_factor(
     on_model = model_axis_factor(f, num_shards, mesh_shape, _close)
     if on_model is not None:
         return on_model
-    candidates = [num_shards] if num_shards and num_shards > 1 else list(range(2, 65))
+    # one shard: no sum or mean over shards to get wrong; S unknown: any count
+    candidates = [] if num_shards == 1 else [num_shards] if num_shards else list(range(2, 65))
     for s in candidates:
         if _close(f, s):
             return (
