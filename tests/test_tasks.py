@@ -338,3 +338,19 @@ def test_load_task_errors(tmp_path):
         match=r"load_task: wrong\(\) of '.*odd\.py:wrong' returned str, not a shardcheck\.task\.Task",
     ):
         load_task(f"{odd}:wrong")
+
+
+def test_one_command_loads_a_task_file_once_and_a_python_caller_afresh(tmp_path):
+    """Trial 10: `verify --task F.py:task --candidate F.py:step` ran the file twice, so a module-level switch the
+    task's code set was not the one the candidate's code read (planted faults silently PASSed). Within one
+    command the file is one module; a Python caller's second load still runs it afresh, and a changed file runs
+    again."""
+    from shardcheck.tasks.loading import import_attr, one_module_per_file
+
+    path = _write(tmp_path, "RUNS = []\nRUNS.append(1)\ndef step():\n    return len(RUNS)\n", "twice.py")
+    with one_module_per_file():
+        first = import_attr("t", f"{path}:RUNS")
+        assert import_attr("t", f"{path}:RUNS") is first and import_attr("t", f"{path}:step")() == 1
+        Path(path).write_text("RUNS = [1, 2]\n")  # changed: run again
+        assert import_attr("t", f"{path}:RUNS") == [1, 2]
+    assert import_attr("t", f"{path}:RUNS") is not import_attr("t", f"{path}:RUNS")  # outside: afresh

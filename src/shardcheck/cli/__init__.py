@@ -119,12 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # SHARDCHECK_COLLECTIVE_TIMEOUT that is not a number of seconds
         print(f"error: {command}: {err}", file=sys.stderr)
         return 2
-    try:
-        with guard:  # a wait on a hung collective ends in one line and exit status 3, not XLA's SIGABRT
+    try:  # a hung collective's wait ends in one line and exit status 3, not XLA's SIGABRT
+        with guard, _one_module_per_file(args.command):
             return int(args.func(args) or 0)
     except OSError as err:  # a write that failed all the same (disk full, permissions changed meanwhile)
         print(f"error: {command}: {err}", file=sys.stderr)
         return 2
+
+
+def _one_module_per_file(command: str):
+    """A task file named by both ``--task`` and ``--candidate`` runs once: one module, its globals shared
+    (:func:`shardcheck.tasks.loading.one_module_per_file`); ``launch`` loads no task (its workers do)."""
+    if command == "launch":
+        return contextlib.nullcontext()
+    from shardcheck.tasks.loading import one_module_per_file
+
+    return one_module_per_file()
 
 
 def _requested_devices(args: argparse.Namespace) -> int:

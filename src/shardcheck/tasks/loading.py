@@ -6,6 +6,7 @@ built-in reports a bad option the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -127,6 +128,10 @@ def _import_file(spec: str, path_text: str, fn: str = "load_task", kind: str = "
     path = path.resolve()
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
     name = f"_shardcheck_task_{path.stem}_{digest}"
+    content = hashlib.sha1(path.read_bytes()).hexdigest()
+    loaded = None if _LOADED is None else _LOADED.get(name)
+    if loaded is not None and loaded[0] == content and sys.modules.get(name) is loaded[1]:
+        return loaded[1]  # `--task F.py:task --candidate F.py:step`: one module, its globals shared
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise ValueError(
@@ -155,7 +160,29 @@ def _import_file(spec: str, path_text: str, fn: str = "load_task", kind: str = "
             if entry == folder:
                 del sys.path[i]
                 break
+    if _LOADED is not None:
+        _LOADED[name] = (content, module)
     return module
+
+
+_LOADED: dict[str, tuple[str, object]] | None = None
+"""Inside :func:`one_module_per_file`, the files :func:`_import_file` ran, by module name: ``(sha1 of the file's
+bytes, module)``; ``None`` outside it (every load runs the file afresh, as a Python caller changing an
+environment variable between loads expects)."""
+
+
+@contextlib.contextmanager
+def one_module_per_file():
+    """Within the block, a file loaded again unchanged (``--task F.py:task --candidate F.py:step`` of one command)
+    is the module loaded first, not a second run of the file: the task's and the candidate's code share its
+    globals (a module-level switch one sets is the one the other reads). The command line runs each command in
+    this block."""
+    global _LOADED
+    outer, _LOADED = _LOADED, ({} if _LOADED is None else _LOADED)
+    try:
+        yield
+    finally:
+        _LOADED = outer
 
 
 def _import_module(spec: str, module_name: str, fn: str = "load_task"):
