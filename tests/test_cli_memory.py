@@ -353,3 +353,19 @@ def test_named_size_estimate(capsys):
 def test_bad_mesh_options_exit_2(args, match, capsys):
     assert main(["memory", *args]) == 2
     assert match in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_fit_and_a_miss_that_round_to_the_limit_read_apart():
+    """Trial 10: the largest-batch search printed "745336: 80.00 GiB, 745340: 80.00 GiB", calling the first a
+    fit and the second not; peaks that print as the limit are given in exact bytes, with the limit."""
+    from shardcheck.cli.memory import render_fit
+    from shardcheck.device_memory import FitVerdict
+
+    limit = 80 * 2**30
+    verdict = FitVerdict(limit, "h100", limit - 1000, True, 1000, 1000 / limit, (("temp", 10),))
+    line = render_fit("gspmd", verdict, 745336, {8: 2**30, 745336: limit - 1000, 745340: limit + 3000}, 8)
+    assert (
+        "8: 1.00 GiB, 745336: 85,899,344,920 B, 745340: 85,899,348,920 B; the limit 85,899,345,920 B" in line
+    )
+    far = render_fit("gspmd", verdict, 8, {8: 2**30, 16: 2 * 2**30}, 8)
+    assert "(peaks compiled: 8: 1.00 GiB, 16: 2.00 GiB)" in far and "the limit" not in far

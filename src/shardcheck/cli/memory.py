@@ -438,7 +438,10 @@ def render_fit(strategy, verdict, largest, peaks, batch_size) -> str:
         else f"short by {human_bytes(-verdict.headroom_bytes)}"
     )
     parts = ", ".join(f"{part} {human_bytes(n)}" for part, n in verdict.largest)
-    tried = ", ".join(f"{b}: {human_bytes(p)}" for b, p in sorted(peaks.items()))
+    limit = verdict.device_memory_bytes
+    tried = ", ".join(f"{b}: {_beside(p, limit)}" for b, p in sorted(peaks.items()))
+    if any(human_bytes(p) == human_bytes(limit) for p in peaks.values()):
+        tried += f"; the limit {limit:,} B"
     if not largest:
         best = "no batch fits (even one row per device)"
     elif all(p <= verdict.device_memory_bytes for p in peaks.values()):
@@ -450,6 +453,13 @@ def render_fit(strategy, verdict, largest, peaks, batch_size) -> str:
         f"{human_bytes(verdict.device_memory_bytes)}, {headroom}; largest parts: {parts}. {best} (peaks compiled: "
         f"{tried})"
     )
+
+
+def _beside(peak: int, limit: int) -> str:
+    """A peak in binary units, or in exact bytes where those units print it as the limit (``80.00 GiB``
+    beside ``80.00 GiB``: a fit and a miss must read apart)."""
+    text = human_bytes(peak)
+    return f"{peak:,} B" if text == human_bytes(limit) else text
 
 
 def _task_args(args) -> argparse.Namespace:
