@@ -33,16 +33,22 @@ import jax  # noqa: E402  (XLA reads XLA_FLAGS when its first backend starts)
 # that folder (nor depend on what an earlier run left there).
 os.environ.setdefault("SHARDCHECK_COMPILATION_CACHE", "off")
 
-# One fresh folder per test session, shared by the pytest-xdist workers (they inherit this variable from the
-# controller, which creates the folder and removes it at exit): a program one test compiled loads in any later
-# test, in any worker. Many tests compile the same programs (a task's reference step, the harness's sensitivity
-# pass for a new but equal optax transformation), which JAX's in-memory caches cannot see are equal.
-# SHARDCHECK_TEST_XLA_CACHE=off compiles everything afresh.
+# One fresh folder per test session (the pytest-xdist workers inherit this variable from the controller, which
+# creates the folder and removes it at exit), and in it one folder per worker: a program one test compiled loads
+# in any later test of that worker. Many tests compile the same programs (a task's reference step, the harness's
+# sensitivity pass for a new but equal optax transformation), which JAX's in-memory caches cannot see are equal.
+# Not one folder for all workers: JAX writes an entry in place, unlocked (jax._src.lru_cache.LRUCache.put without
+# a size limit), so a worker could read another's entry half written and segfault deserializing it
+# (docs/known_issues.md). SHARDCHECK_TEST_XLA_CACHE=off compiles everything afresh.
 SESSION_CACHE = "SHARDCHECK_TEST_XLA_CACHE"
 if SESSION_CACHE not in os.environ:
     os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="shardcheck-tests-xla-")
     atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
 if os.environ[SESSION_CACHE] != "off":
+    # the worker's own folder, for this process and the processes its tests start (they run while it waits)
+    os.environ[SESSION_CACHE] = os.path.join(
+        os.environ[SESSION_CACHE], os.environ.get("PYTEST_XDIST_WORKER", "main")
+    )
     jax.config.update("jax_compilation_cache_dir", os.environ[SESSION_CACHE])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
