@@ -19,9 +19,11 @@ with where in its own code the difference begins (between two children's calls, 
 Tolerance (:func:`module_tolerance`): each input and output, normwise, ``max|c - r| <= atol + rtol * max|r|`` with the rule
 the check itself assumes at equal parameters (step 0, :func:`~shardcheck.parity.tolerance.derive.derive_tolerance`
 for the task's reduction length, ``rtol = 16 eps sqrt(n)``, ``atol = eps sqrt(n)``, eps the parameters' unit
-roundoff or float32's), plus ``COMPUTE_SAFETY * eps_c`` relative under a compute dtype or matmul precision coarser
-than float32 (:attr:`~shardcheck.parity.tolerance.precision.Precision.compute_eps`): a correctly sharded module
-reorders its contractions and, in a low-precision compute dtype, rounds each shard's partial result once.
+roundoff or float32's), plus ``OUTPUT_ROUNDING * eps_c`` (16 eps_c) relative under a compute dtype or matmul
+precision coarser than float32 (:attr:`~shardcheck.parity.tolerance.precision.Precision.compute_eps`): a correctly
+sharded module reorders its contractions and, in a low-precision compute dtype, rounds each shard's partial result
+and its own intermediates (:data:`~shardcheck.parity.diagnosis.module_outputs.OUTPUT_ROUNDING`); an output held in
+bfloat16 is allowed that much of its own dtype's rounding whatever the policy read.
 
 Runs only on a forward-stage FAIL (two programs compiled once each); nothing runs on PASS. A capture that fails
 (a tracer escaping a user's transform, a module run inside a ``shard_map`` body) is said as such and the
@@ -45,10 +47,16 @@ from jax.sharding import PartitionSpec as P
 from shardcheck.parity.comparison.live import flatten_state, to_host
 from shardcheck.parity.diagnosis.evidence import StepRecord
 from shardcheck.parity.diagnosis.localization import localize
-from shardcheck.parity.diagnosis.module_outputs import NOT_CAPTURED, ModuleCall, ModuleFinding, find_module
+from shardcheck.parity.diagnosis.module_outputs import (
+    NOT_CAPTURED,
+    OUTPUT_ROUNDING,
+    ModuleCall,
+    ModuleFinding,
+    find_module,
+)
 from shardcheck.parity.harness.state import _Run
 from shardcheck.parity.tolerance.derive import derive_tolerance
-from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE, COMPUTE_SAFETY
+from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE
 
 
 def module_evidence(run: _Run, record: StepRecord, snapshots, batch) -> StepRecord:
@@ -96,11 +104,11 @@ def probe_modules(run: _Run, ref_params0: dict, batch) -> ModuleFinding:
 def module_tolerance(run: _Run, batch) -> tuple[float, float]:
     """``(rtol, atol)`` of a module output (module docstring): the check's step-0 rule for the task's reduction
     length in the parameters' unit roundoff (float32's under low-precision parameters), plus
-    ``COMPUTE_SAFETY * compute_eps`` relative under a coarser compute dtype or matmul precision."""
+    ``OUTPUT_ROUNDING * compute_eps`` relative under a coarser compute dtype or matmul precision."""
     precision = run.precision
     dtype = ACCUMULATION_DTYPE if precision.param_eps > 0 else precision.param_dtype
     derived = derive_tolerance(dtype, batch_size=run.task.terms(batch), step=0)
-    return derived.rtol + COMPUTE_SAFETY * precision.compute_eps, derived.atol
+    return derived.rtol + OUTPUT_ROUNDING * precision.compute_eps, derived.atol
 
 
 def _model_parts(run: _Run, ref_params0: dict):
