@@ -666,8 +666,9 @@ def test_a_stage_whose_only_matching_leaves_are_at_rounding_level_says_so():
     params = {**failing, **matching}
     said = state_property(failing, matching, params, quiet={"q.bias", "up.kernel"})
     assert said == (
-        "every leaf differs but those at rounding level (a true gradient of 0 in all or some of their elements, "
-        "allowed its noise): q.bias, up.kernel"
+        "every leaf differs but those with elements whose gradient is at rounding level (near 0 at that step: a "
+        "true gradient of 0, such as an attention key bias's, or one small by chance), allowed their noise: "
+        "q.bias, up.kernel"
     )
     # one matching leaf that is not at rounding level: not said
     assert "every leaf differs" not in state_property(failing, matching, params, quiet={"q.bias"})

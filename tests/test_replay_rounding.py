@@ -89,8 +89,9 @@ def test_rounding_level_leaves_are_set_aside_only_where_they_alone_contradict():
     # the only matching leaf at rounding level: no property is read against it (trial 7: "every failing leaf is
     # split over ('fsdp',); every replicated leaf matches" of one fused qkv bias allowed its noise)
     assert outright == (
-        "every leaf differs but those at rounding level (a true gradient of 0 in all or some of their elements, "
-        "allowed its noise): c.kernel"
+        "every leaf differs but those with elements whose gradient is at rounding level (near 0 at that step: a "
+        "true gradient of 0, such as an attention key bias's, or one small by chance), allowed their noise: "
+        "c.kernel"
     )
     held = state_property(
         {"a.kernel": (4, 4), "a.bias": (4,)}, {"c.kernel": (4, 4), "c.bias": (4,)}, params, quiet={"c.kernel"}

@@ -222,6 +222,7 @@ def state_property(
     facts: Mapping[str, LeafFacts] | None = None,
     names: Mapping[str, str] | None = None,
     quiet: Collection[str] = (),
+    differ_later: Collection[str] = (),
 ) -> str:
     """:func:`shared_property` of leaves that may be optimizer state; where their own paths share nothing
     (:data:`NO_PROPERTY`: ``0.mu.blocks.1.mlp.down.bias`` lies under ``0``, as every other state leaf does), what
@@ -234,21 +235,17 @@ def state_property(
     names nothing (:data:`NO_PROPERTY`, ``"all 9 leaves but ... differ"``) and such matching leaves (a parameter
     or its optimizer state, ``"0.mu.<path>"``) are all that contradict a property, that property, with them
     named: ``"every failing leaf is under blocks.0.attn; the other leaves under it are at rounding level (a true
-    gradient of 0 shows no difference): blocks.0.attn.key.bias; every other leaf matches"``."""
+    gradient of 0 shows no difference): blocks.0.attn.key.bias; every other leaf matches"``. Where every failing
+    leaf's matching ones are such leaves, that every leaf differs but them (:data:`ROUNDING_ELEMENTS`); where each
+    of their parameters differs in the step's applied update (``differ_later``: parameter paths), that every leaf
+    differs, those only matching this stage within their noise allowance."""
     sentence = _state_property(failing, matching, params, facts, names)
     noise = sorted(p for p in matching if param_path(p, params) in quiet)
     rest = {p: shape for p, shape in matching.items() if p not in noise}
     # every leaf differs but those at rounding level: a property read against them alone says nothing ("every
     # failing leaf is split over ('fsdp',); every replicated leaf matches" of one key bias), nor does "no property"
     if noise and not rest and (NO_PROPERTY in sentence or not _names_nothing(sentence)):
-        quiet_params = sorted({param_path(p, params) for p in noise})
-        listed = ", ".join(quiet_params[:ROUNDING_SHOWN])
-        if len(quiet_params) > ROUNDING_SHOWN:
-            listed += f" and {len(quiet_params) - ROUNDING_SHOWN} more"
-        return (
-            f"every leaf differs but those at rounding level (a true gradient of 0 in all or some of their elements, "
-            f"allowed its noise): {listed}"
-        )
+        return _all_but_rounding(sorted({param_path(p, params) for p in noise}), differ_later)
     if not quiet or not _names_nothing(sentence):
         return sentence
     said = _state_property(failing, rest, params, facts, names) if noise and rest else sentence
@@ -280,6 +277,29 @@ def _names_nothing(sentence: str) -> bool:
 
 ROUNDING_SHOWN = 4
 """The rounding-level parameters a group sentence lists by name (the rest counted)."""
+
+ROUNDING_ELEMENTS = (
+    "elements whose gradient is at rounding level (near 0 at that step: a true gradient of 0, such as an attention "
+    "key bias's, or one small by chance)"
+)
+"""What a parameter "at rounding level" has, as the records show it: some elements whose reference gradient lies
+within its tolerance of 0 at that step, whether 0 by the model's structure or small by chance (a kernel whose
+smallest gradient element is 8.3e-8 while its largest is 0.032)."""
+
+
+def _all_but_rounding(quiet_params: list[str], differ_later: Collection[str]) -> str:
+    """Every leaf of a stage differs but the rounding-level parameters' ``quiet_params`` (their leaves match,
+    allowed their noise), listed; where each of those parameters differs in the applied update
+    (``differ_later``), every leaf is said to differ, those matching this stage only within their allowance."""
+    listed = ", ".join(quiet_params[:ROUNDING_SHOWN])
+    if len(quiet_params) > ROUNDING_SHOWN:
+        listed += f" and {len(quiet_params) - ROUNDING_SHOWN} more"
+    if all(p in differ_later for p in quiet_params):
+        return (
+            f"every leaf differs: those with {ROUNDING_ELEMENTS} match this stage only within their noise "
+            f"allowance, and their applied parameters differ: {listed}"
+        )
+    return f"every leaf differs but those with {ROUNDING_ELEMENTS}, allowed their noise: {listed}"
 
 
 def _with_rounding(said: str, noise: list[str]) -> str:
