@@ -139,9 +139,12 @@ def _low_precision_reduction(
     The bound of that rounding, ``2 eps_bf16 sqrt(S) A`` on each gradient element (``A = sum_s |g_s| / W``), is
     propagated through the optimizer like the gradient's own tolerance; the step matches when every failing leaf
     is within it and at least one is off by more than 1/64 of it (an error at bfloat16's scale, not float32's).
+    A step whose loss differs is never one: a reduction of the gradients cannot change the forward pass.
     """
     s = run.cand.num_shards
     if run.precision.compute_eps > 0 or not s or s < 2 or run.reference is not None:
+        return False
+    if any(e.kind == "loss" and not e.ok for e in record.leaves):
         return False
     magnitude, _, _ = _shard_magnitude(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
     grads = reference_grads()
