@@ -7,7 +7,8 @@ and ``fsdp``, or every axis of a mesh with neither), replicates it over the mode
 * ``dp`` (data parallel): every leaf replicated;
 * ``fsdp`` and ``gspmd``: a leaf the model annotates (``nnx.with_partitioning`` / ``out_sharding`` metadata, read
   with ``nnx.get_partition_spec``; the optimizer's state inherits its parameter's annotation) is placed as
-  annotated; an unannotated leaf is split over the FSDP axis (:func:`shardcheck.mesh.fsdp_axis`) along its first
+  annotated (an optimizer-state leaf shaped otherwise than its parameter, such as Adafactor's factored rank-1
+  moments, keeps only the entries that fit it: see :func:`fit_inherited_spec`); an unannotated leaf is split over the FSDP axis (:func:`shardcheck.mesh.fsdp_axis`) along its first
   divisible dimension (:func:`~shardcheck.partitioning.fsdp_partition_spec`) and replicated over the other axes.
 
 ``dp`` and ``fsdp`` compute the gradients in one ``jax.shard_map`` with explicit collectives: each parameter is
@@ -320,6 +321,31 @@ def _check_annotation(fn: str, path: str, spec: PartitionSpec, shape, mesh: Mesh
     return spec
 
 
+def fit_inherited_spec(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+    """The part of an annotation inherited from a parameter that fits an optimizer-state leaf of ``shape``.
+
+    ``nnx.Optimizer`` copies a parameter's annotation onto every state leaf made from it, but an optimizer may
+    keep state shaped otherwise (Adafactor's factored second moments: rank 1 for a 2-D kernel, ``(1,)``
+    placeholders where unfactored). The user cannot change that annotation, so it is fitted, not refused: a leaf
+    of lower rank than the spec has entries is replicated (``P()``: which dimension an entry meant is unknown),
+    and on any other leaf an entry whose mesh axes do not split its dimension evenly is
+    dropped (``None``: that dimension replicated). A leaf shaped like its parameter keeps the spec unchanged.
+
+    Args:
+        spec: the inherited ``PartitionSpec``; shape: the state leaf's shape (a tuple of ints); mesh: the mesh.
+
+    Returns:
+        the fitted ``PartitionSpec``.
+    """
+    if len(spec) > len(shape):
+        return PartitionSpec()
+    entries = [
+        entry if shape[dim] % math.prod(int(mesh.shape[a]) for a in _entry_axes(entry)) == 0 else None
+        for dim, entry in enumerate(spec)
+    ]
+    return PartitionSpec(*entries)
+
+
 def state_specs(
     strategy: str, model, optimizer, mesh: Mesh, *, min_size: int = 0, fn: str = "state_specs"
 ) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
@@ -339,8 +365,10 @@ def state_specs(
         one per leaf of ``jax.tree.leaves(nnx.state(model, nnx.Param))``.
 
     Raises:
-        ValueError: an annotation naming an axis the mesh lacks, with more entries than the leaf's rank, or
-            splitting a dimension unevenly (the leaf and the axis are named); an unannotated leaf under FSDP on a
+        ValueError: an annotation naming an axis the mesh lacks, or a parameter's (model leaf's) own annotation
+            with more entries than the leaf's rank or splitting a dimension unevenly (the leaf and the axis are
+            named; an optimizer-state leaf's inherited annotation is fitted instead, :func:`fit_inherited_spec`);
+            an unannotated leaf under FSDP on a
             several-axis mesh without an ``"fsdp"`` axis.
     """
 
@@ -350,8 +378,11 @@ def state_specs(
             return PartitionSpec()
         annotated = _annotation(var)
         if annotated is not None:
-            name = path_str(path)
-            return _check_annotation(fn, name, nnx.get_partition_spec(var).get_value(), shape, mesh)
+            name, spec = path_str(path), nnx.get_partition_spec(var).get_value()
+            if path[0] == "optimizer":  # inherited from its parameter, whose own annotation is checked
+                _check_axes(fn, name, spec, mesh)
+                return fit_inherited_spec(spec, shape, mesh)
+            return _check_annotation(fn, name, spec, shape, mesh)
         if not shape:  # a scalar (the optimizer's step counters) stays whole on any mesh
             return PartitionSpec()
         axis = fsdp_axis(mesh)

@@ -1023,7 +1023,10 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     col = pair.columns[0].get(e.name)
     shape = None if col is None else tuple(pair.recording.shapes[col])
     if e.evidence in STRUCTURAL or e.evidence == "nan":
-        return LeafError(e.step, kind, path or "loss", e.err, math.inf, e.allowed, e.ok, shape=shape)
+        other = tuple(pair.leaf("replayed", e.step, e.name).shape) if e.evidence == "shape" else None
+        return LeafError(
+            e.step, kind, path or "loss", e.err, math.inf, e.allowed, e.ok, shape=shape, cand_shape=other
+        )
     whole = kind == "counter" or e.step < 0 or (kind == "state" and e.evidence in _STATE_EVIDENCE)
     sampled = (None, None, None) if whole else _sample_ratio(pair, e.step, e.name)
     ratio, spread, samples = sampled

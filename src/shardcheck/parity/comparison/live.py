@@ -106,7 +106,7 @@ def leaf_error(
     scale = float(np.max(np.abs(r), initial=0.0))
     base = atol + rtol * scale
     if r.shape != c.shape:
-        return LeafError(step, kind, path, math.inf, math.inf, base, False, shape=r.shape)
+        return LeafError(step, kind, path, math.inf, math.inf, base, False, shape=r.shape, cand_shape=c.shape)
     if allowance is None and before_ref is None and not r.any() and not c.any():
         # both all zeros (an accumulator emptied after its step): every field below, without its passes
         return LeafError(step, kind, path, 0.0, 0.0, base + 0.0, True, None, None, None, r.shape)

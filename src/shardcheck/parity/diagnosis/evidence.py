@@ -54,6 +54,9 @@ class LeafError:
         shape: the reference leaf's shape, where known (read by :func:`shared_property` to group leaves).
         samples: a replay's: how many recorded elements (its fixed-index samples) ``ratio`` and ``spread`` were
             read from; ``None`` where they were read over every element (a live check).
+        cand_shape: the candidate leaf's shape where it differs from the reference's ``shape`` (an optimizer
+            configured otherwise: Adafactor's factored moments against full ones), else ``None``; such a leaf
+            fails with ``max_abs_err`` inf, and is said as shaped otherwise, never as not finite.
     """
 
     step: int
@@ -68,6 +71,7 @@ class LeafError:
     spread: tuple[float, float] | None = None
     shape: tuple[int, ...] | None = None
     samples: int | None = None
+    cand_shape: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:

@@ -20,6 +20,10 @@ step: the reference's value before and after the step and the candidate's after 
   is known, else with ``c*lr = a``;
 - ``none``: no simple form (the worst leaf's ratio spread said).
 
+A leaf whose candidate array is shaped otherwise than the reference's (an optimizer configured otherwise:
+Adafactor's factored second moments against full ones) holds no elementwise change to fit: it is left out of the
+fit, and where every failing leaf is one, the form is ``shape`` (:func:`shape_form`), never a number.
+
 :func:`form_from_leaves` says what the per-leaf records alone allow (a replay, which holds no arrays): a constant
 factor where every failing leaf's ratio is one factor and they agree, else no simple form.
 """
@@ -69,6 +73,7 @@ FORMS = (
     "decay",
     "replicas",
     "state_amount",
+    "shape",
     "none",
 )
 
@@ -168,12 +173,21 @@ def fit_form(
 
     Raises:
         ValueError: ``cand_after`` empty, or ``ref_after`` lacking one of its leaves.
+
+    A leaf whose arrays differ in shape (``before``, ``ref_after`` and ``cand_after``) is left out of the fit; where
+    every leaf is, the form is ``shape`` (:func:`shape_form`).
     """
     fn = "fit_form"
     if not cand_after:
         raise ValueError(f"{fn}: cand_after is empty; pass the failing leaves' arrays, {{path: array}}")
     _check(fn, ref_after, "ref_after", cand_after)
-    paths = sorted(cand_after)
+    shapes = {p: (np.shape(ref_after[p]), np.shape(cand_after[p])) for p in sorted(cand_after)}
+    other = {
+        p: (r, c) for p, (r, c) in shapes.items() if r != c or (p in before and np.shape(before[p]) != c)
+    }
+    paths = [p for p in shapes if p not in other]
+    if not paths:  # no elementwise change to fit: the leaves are shaped otherwise
+        return shape_form(other)
     f64 = {}
     for p in paths:
         c = np.asarray(cand_after[p], np.float64)
@@ -184,6 +198,35 @@ def fit_form(
         or _factor(f64, optimizer_stage, update, tol or {})
         or _decay(f64, lr)
         or _no_form(f64)
+    )
+
+
+def shape_form(shapes: Mapping[str, tuple[tuple, tuple]]) -> Form:
+    """The ``shape`` form: the failing leaves are shaped otherwise in the candidate, so no elementwise form exists.
+
+    Args:
+        shapes: ``{path: (reference shape, candidate shape)}`` of the leaves whose shapes differ (at least one;
+            paths as the stage names them, ``"opt_state <path>"`` for optimizer state).
+
+    Returns:
+        ``Form("shape", ...)``: e.g. ``"the optimizer state is shaped otherwise: 111 leaves differ in shape, e.g.
+        opt_state 0.v.k.kernel (32, 32) against the reference's (1,): ..."``.
+    """
+    path, (ref, cand) = next(iter(shapes.items()))
+    n = len(shapes)
+    state = all(p.startswith("opt_state") for p in shapes)
+    what = "the optimizer state is shaped otherwise" if state else "the leaves are shaped otherwise"
+    why = (
+        "another optimizer configuration (Adafactor's factored=False against factored second moments, another "
+        "min_dim_size_to_factor, or another optimizer) or state not carried over"
+        if state
+        else "another model or optimizer configuration"
+    )
+    return Form(
+        "shape",
+        f"{what}: {n_leaves(n)} differ{'s' if n == 1 else ''} in shape, e.g. {path} {tuple(cand)} against the "
+        f"reference's {tuple(ref)}: {why}, not a numerical difference (no elementwise form is read)",
+        leaves=n,
     )
 
 

@@ -171,11 +171,15 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     # a ratio's uncertainty is about tolerance / change: where some leaves moved by more than SHARP times their
     # tolerance, they alone vote (under bfloat16 compute a bias's first moment moved by 3.5 times its tolerance
     # and its ratio by 4% of a sum's x4, past RATIO_RTOL, while the well-resolved leaves agreed to 1%)
-    state = _sharp([e for e in leaves if e.kind == "opt_state"])
+    # only state linear in the gradient (a first moment, a trace) or Adam's square of it (nu) reads a factor:
+    # a factored or otherwise nonlinear statistic (Adafactor's v_row, v_col, v) moves by no gradient factor
+    state = _sharp([e for e in leaves if e.kind == "opt_state" and _moment(e.path)])
     if not all(constant_ratio(e) for e in state if not e.ok):
         return None, ""
-    first = [e.ratio for e in state if ".nu." not in f".{e.path}."]
-    second = [e.ratio for e in state if ".nu." in f".{e.path}."]
+    if not all(one_factor_across(e) for e in state if not e.ok and e.badness > SHARP):
+        return None, ""  # as the gradients': a leaf far off, its ratio spread past 2%, is no factor
+    first = [e.ratio for e in state if _moment(e.path) == "first"]
+    second = [e.ratio for e in state if _moment(e.path) == "second"]
     second = [math.sqrt(r) for r in second if r is not None and r > 0]
     moments = [r for r in first if r is not None] + second
     if moments:
@@ -189,6 +193,21 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         return None, ""
     f = _consensus([e.ratio for e in params])
     return (f, "parameter updates") if f is not None else (None, "")
+
+
+# optax's state fields linear in the gradient (Adam's, Lion's mu; momentum's trace; an EMA's ema) and Adam's
+# second moment nu (its square); any other field (Adafactor's factored v_row, v_col, v) reads no gradient factor
+FIRST_MOMENTS = ("mu", "trace", "ema")
+SECOND_MOMENTS = ("nu",)
+
+
+def _moment(path: str) -> str | None:
+    """``"first"`` where an optimizer-state path names a field linear in the gradient (:data:`FIRST_MOMENTS`),
+    ``"second"`` where it names Adam's ``nu``, else ``None``."""
+    parts = set(path.split("."))
+    if parts & set(SECOND_MOMENTS):
+        return "second"
+    return "first" if parts & set(FIRST_MOMENTS) else None
 
 
 def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[float | None, str]:
@@ -481,7 +500,10 @@ class DiagnosisContext:
 
 
 def _detail(worst: LeafError, ratio: bool = True) -> str:
-    """A failing leaf's error and (``ratio``) its update ratio, or where that is no constant factor its spread."""
+    """A failing leaf's error and (``ratio``) its update ratio, or where that is no constant factor its spread; a
+    leaf shaped otherwise in the candidate (``LeafError.cand_shape``), its two shapes."""
+    if worst.cand_shape is not None:
+        return f"{worst.name}: shaped otherwise ({worst.cand_shape} against the reference's {worst.shape})"
     ratio = (
         ""
         if worst.ratio is None or not ratio
@@ -1148,6 +1170,13 @@ def _stage_form(bad: list[LeafError]) -> str:
     the first non-constant leaf's spread)."""
     if all(e.kind == "param" and e.reference_change == 0 for e in bad):
         return f"The reference did not move these leaves at this step and the candidate did: {REFERENCE_ZERO_MEANING}."
+    shaped = [e for e in bad if e.cand_shape is not None]
+    if shaped:  # no ratio across shapes, and no NaN either
+        return (
+            f"{'They are' if len(shaped) == len(bad) else f'{len(shaped)} of them are'} shaped otherwise than the "
+            f"reference's (e.g. "
+            f"{_detail(shaped[0])}): no factor is read across shapes."
+        )
     blurred = next((e for e in bad if e.ratio is not None and not one_factor_across(e)), None)
     if blurred is not None:
         return f"{blurred.name} has {spread_phrase(blurred)}."

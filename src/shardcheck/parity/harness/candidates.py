@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
+from flax import nnx
 
 from shardcheck.steps import CANDIDATES, STRATEGIES, Candidate, get_strategy, mesh_for
 from shardcheck.task import Task
@@ -225,6 +226,39 @@ def _annotation_hint(model, mesh) -> str:
     return ""
 
 
+def _state_shape_hint(model, optimizer) -> str:
+    """Where the optimizer a candidate's ``make_optimizer`` made holds state shaped otherwise than its own
+    transformation's ``init`` makes (Adafactor's factored moments copied into a ``factored=False`` one with
+    ``nnx.update``, which accepts them unchecked), the first such leaf in words, else ``""``: the likely cause of
+    its step raising (e.g. ``lax.cond`` "branches must have equal output types"). Shapes only (``jax.eval_shape``).
+    """
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.diagnosis.grouping import n_leaves
+
+    tx, state = getattr(optimizer, "tx", None), nnx.state(optimizer)
+    if tx is None or "opt_state" not in state:
+        return ""
+    try:
+        made = jax.eval_shape(tx.init, nnx.as_pure(nnx.state(model, getattr(optimizer, "wrt", nnx.Param))))
+    except Exception:  # noqa: BLE001 - a transformation that cannot init abstractly: no hint
+        return ""
+    held = {k: np.shape(v) for k, v in flatten_state(nnx.as_pure(state["opt_state"])).items()}
+    want = {k: tuple(v.shape) for k, v in flatten_state(made).items()}
+    differ = [
+        (k, held.get(k), want.get(k)) for k in sorted(set(held) | set(want)) if held.get(k) != want.get(k)
+    ]
+    if not differ:
+        return ""
+    k, has, wants = differ[0]
+    says = lambda x: "no such leaf" if x is None else str(tuple(x))  # noqa: E731
+    return (
+        f"the optimizer made by make_optimizer holds state shaped otherwise than its transformation makes "
+        f"({n_leaves(len(differ))}, e.g. opt_state {k}: {says(has)} held, {says(wants)} from its init): a likely "
+        "cause; state copied in from the task's optimizer (nnx.update accepts any shape) must come from an "
+        "optimizer configured alike (Adafactor's factored, min_dim_size_to_factor), or start from its own init"
+    )
+
+
 def run_step(
     fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int, step: Callable | None = None
 ) -> tuple:
@@ -236,7 +270,8 @@ def run_step(
     Raises:
         CandidateError: the step raised (the original error is its ``__cause__``), with the likely cause first
             where the harness sees one (a batch whose rows do not split into the batch shards of the mesh; the
-            model's annotations naming an axis the mesh lacks).
+            model's annotations naming an axis the mesh lacks; the state of the optimizer ``make_optimizer`` made
+            shaped otherwise than its transformation's init: :func:`_state_shape_hint`).
         TypeError: as :func:`unpack`.
     """
     from shardcheck.parity.report import CandidateError
@@ -251,6 +286,7 @@ def run_step(
         s, rows = cand.num_shards, batch_size(batch)
         hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s else ""
         hint = hint or _annotation_hint(model, kwargs.get("mesh"))
+        hint = hint or (_state_shape_hint(model, optimizer) if cand.make_optimizer is not None else "")
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
         raise CandidateError(
