@@ -126,7 +126,7 @@ def test_a_loss_factor_that_prints_as_1_is_said_by_its_relative_difference_not_a
     assert loc.stage == "forward" and (loc.form.kind, loc.form.factor) == ("none", None)
     assert loc.form.sentence == (
         "the loss at equal parameters differs by 7.6e-05 of its value (above the reference's): not a scale of the "
-        "loss; every gradient but the rounding-level ones differs: the forward pass computes another function of "
+        "loss; every gradient differs: the forward pass computes another function of "
         "the parameters"
     )
     assert "constant factor 1 " not in loc.text() and "1 x the reference's" not in loc.text()

@@ -53,8 +53,9 @@ def _pattern(a):
 def _step(fault: str | None = None):
     """The reference's step (the gradient of the task's mean loss, then SGD) until step 1, then ``fault``:
     ``nodiv`` the loss sum not divided by its weight, ``times5`` the gradient times 5, ``noisy_grads`` the
-    gradient plus an offset (applied and returned), ``noisy_update`` the update plus an offset (the gradient
-    right), ``reports5`` the right update with 5 x its gradient returned."""
+    gradient plus an offset (applied and returned), its parameters nudged by 1e-7 at step 0 (within tolerance,
+    not bitwise: its step 1 does not start from the recorded state exactly), ``noisy_update`` the update plus an
+    offset (the gradient right), ``reports5`` the right update with 5 x its gradient returned."""
 
     def step(model, optimizer, batch):
         late = int(optimizer.step[...]) >= 1
@@ -73,6 +74,9 @@ def _step(fault: str | None = None):
         optimizer.update(model, grads)
         if late and fault == "reports5":  # the right update; the gradients returned are 5 x the applied ones
             grads = jax.tree.map(lambda g: 5.0 * g, grads)
+        if not late and fault == "noisy_grads":
+            params = nnx.state(model, nnx.Param)
+            nnx.update(model, jax.tree.map(lambda p: p + 1e-7 * _pattern(p), params))
         if late and fault == "noisy_update":
             params = nnx.state(model, nnx.Param)
             nnx.update(model, jax.tree.map(lambda p: p + 0.01 * _pattern(p), params))
@@ -109,8 +113,10 @@ def _divergence(report) -> list[str]:
 
 @require_devices(2)
 def test_a_late_failure_is_called_possible_divergence_only_where_the_records_leave_it_open(replays):
-    # the gradients off by an offset of no simple form at step 1: nothing refutes divergence
+    # the gradients off by an offset of no simple form at step 1, its state before it not bitwise the
+    # recording's: nothing refutes divergence (a state that hashed as the recording's would: trial 10)
     open_ = replays["noisy_grads"]
+    assert open_.steps[0].ok and not open_.steps[1].identical_start
     assert (open_.localization.step, open_.localization.stage, open_.localization.form.kind) == (
         1,
         "gradients",
@@ -130,6 +136,7 @@ def test_a_late_failure_is_called_possible_divergence_only_where_the_records_lea
         "none",
     )
     assert rerun.steps[1].optimizer_rerun is not None and _divergence(rerun) == []
+    assert rerun.steps[1].identical_start  # its step 0 is the recorded step's, bit for bit
     # every gradient 6 x the reference's (the loss sum of 6 weights not divided): no divergence makes one factor
     factor = replays["nodiv"]
     assert (factor.localization.stage, factor.localization.form.kind) == ("gradients", "factor")

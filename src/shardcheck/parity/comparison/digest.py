@@ -1065,8 +1065,9 @@ def _scalar(leaf: _Leaf, default):
 def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int) -> tuple[StepRecord, ...]:
     """One :class:`~shardcheck.parity.diagnosis.rules.StepRecord` per compared step, as the live harness's: the
     recorded run is the reference, the replay the candidate; the initial state's record (step -1) only where
-    it differs. Not measured by a digest, so left at their defaults: ``replica_mismatches``, ``replica_axes``,
-    ``matches``, ``synchronized``, ``scale_evidence``."""
+    it differs; ``identical_start`` where the state before a step t > 0 hashed as the recording's. Not measured
+    by a digest, so left at their defaults: ``replica_mismatches``, ``replica_axes``, ``matches``,
+    ``synchronized``, ``scale_evidence``."""
     meta = pair.recording.meta
     out = []
     for t in range(-1, steps):
@@ -1090,9 +1091,24 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 rounding_level=tuple(n for n, first in bounds.rounding.items() if 0 <= first <= t),
                 normalized=_normalized_of(pair, bounds.unresolved.get(t, ())),
                 replayed=True,
+                identical_start=t > 0 and _identical_state(pair, t - 1),
             )
         )
     return tuple(out)
+
+
+def _identical_state(pair: _Pair, t: int) -> bool:
+    """Whether the replay's state after step ``t`` (every leaf but the loss and the gradients: the parameters,
+    the optimizer state, the counters, the model's state) hashed as the recording's: the same sha256 at equal
+    shape, dtype and placement, every recorded leaf present on both sides."""
+    state = [n for n in pair.recording.names if n.split(" ", 1)[0] not in ("loss", "grad")]
+
+    def same(name: str) -> bool:
+        r, c = pair.leaf("recorded", t, name), pair.leaf("replayed", t, name)
+        held = (r.shape, r.dtype, r.sharding, r.sha256) == (c.shape, c.dtype, c.sharding, c.sha256)
+        return r.present and c.present and held
+
+    return bool(state) and all(same(n) for n in state)
 
 
 def _value_records(records: Sequence[StepRecord], structural: set[tuple[int, str]]) -> list[StepRecord]:
@@ -1316,12 +1332,16 @@ def divergence_refuted(where, records: Sequence[StepRecord]) -> bool:
     """Whether the :class:`~shardcheck.parity.diagnosis.localization.Localization` ``where`` of ``records`` (``None``
     where every step passed) refutes a late first failure as rounding divergence: its stage is the optimizer's
     update rerun from equal inputs (the candidate's own gradients and pre-step state, ``StepRecord.
-    optimizer_rerun``, give another update: the step itself is faulty), or the failing stage's difference has a
+    optimizer_rerun``, give another update: the step itself is faulty), or the step ran from the recorded
+    pre-step state bitwise (``StepRecord.identical_start``: nothing diverged before it), or the failing stage's
+    difference has a
     form no divergence makes (:data:`REFUTING_FORMS`; :data:`FACTOR_FORMS` on 2 or more leaves, outside the forward
     pass)."""
     if where is None or where.stage is None:
         return False
     record = next((r for r in records if r.step == where.step), None)
+    if record is not None and record.identical_start:  # run from the recorded state exactly: no divergence
+        return True
     if where.stage == "optimizer" and record is not None and record.optimizer_rerun is not None:
         return True
     form = where.form

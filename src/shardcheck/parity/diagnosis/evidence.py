@@ -155,6 +155,10 @@ class StepRecord:
             passing step, a replay's steps after its first failing one).
         replayed: a replay's record (read from a recording's digests: ``parity.comparison.digest``), whose steps
             t > 0 were not rerun from the reference's state.
+        identical_start: a replay's step t > 0 whose pre-step state (every parameter, optimizer-state, counter
+            and model-state leaf after step t - 1) hashed as the recording's (sha256 of equal shape, dtype and
+            placement): the step ran from the recorded run's state exactly, as a live re-check runs it, so a
+            difference there is the step's own, not divergence grown over earlier steps.
     """
 
     step: int
@@ -180,11 +184,18 @@ class StepRecord:
     module: Any = None
     loss_weight: float | None = None
     replayed: bool = False
+    identical_start: bool = False
 
     @property
     def ok(self) -> bool:
         """Every leaf within tolerance and every replica consistent."""
         return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
+
+    @property
+    def from_reference_state(self) -> bool:
+        """The step ran from the reference's pre-step state: a live re-check (``synchronized``) or a replay's
+        step whose pre-step state was bitwise the recording's (``identical_start``)."""
+        return self.synchronized or self.identical_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,5 +277,8 @@ def spread_phrase(e: LeafError) -> str:
 
 def percentiles(e: LeafError) -> str:
     """``"10th-90th percentile"``, of a replay's ``"10th-90th percentile of its 8 recorded samples"`` (a
-    range read from a few elements, not every one as a live check's)."""
+    range read from a few elements, not every one as a live check's); of a leaf with one recorded sample, ``"its
+    1 recorded sample"`` (one element has no percentile)."""
+    if e.samples == 1:
+        return "its 1 recorded sample"
     return "10th-90th percentile" + (f" of its {e.samples} recorded samples" if e.samples else "")

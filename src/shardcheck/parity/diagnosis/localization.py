@@ -359,7 +359,7 @@ def localize(
     first = next((s for s in results if s.status == DIFFERS), None)
     if first is None:
         return Localization(
-            record.step, None, results, synchronized=record.synchronized, live=replicas_observed
+            record.step, None, results, synchronized=record.from_reference_state, live=replicas_observed
         )
     group, form = "", None
     leaves = by_stage[first.stage]
@@ -369,9 +369,9 @@ def localize(
     else:
         bad = [e for e in leaves if not e.ok]
         params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
-        group = _group(
-            bad, leaves, facts or {}, params, rounding_params((*record.rounding_level, *record.unresolved))
-        )
+        quiet = rounding_params((*record.rounding_level, *record.unresolved))
+        applied = {e.path for e in record.leaves if e.kind == "param" and not e.ok}
+        group = _group(bad, leaves, facts or {}, params, quiet, applied)
         if first.stage == "forward":
             group = forward_group(by_stage["gradients"] or [], facts or {}) or group
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
@@ -390,7 +390,9 @@ def localize(
             )
     module = record.module if first.stage == "forward" else None
     live = replicas_observed
-    return Localization(record.step, first.stage, results, group, form, record.synchronized, module, live)
+    return Localization(
+        record.step, first.stage, results, group, form, record.from_reference_state, module, live
+    )
 
 
 def n_of(k: int, n: int) -> str:
@@ -441,10 +443,12 @@ def _group(
     facts: Mapping[str, LeafFacts],
     params: Mapping | None = None,
     quiet: frozenset[str] = frozenset(),
+    applied: frozenset[str] | set[str] = frozenset(),
 ) -> str:
     """What the failing leaves share among the stage's leaves of their own kinds (optimizer state read as its
     parameters, ``params``: ``{path: shape}``, where its own paths share nothing: :func:`state_property`; the
-    matching leaves of the rounding-level parameters ``quiet`` set aside where only they contradict a property),
+    matching leaves of the rounding-level parameters ``quiet`` set aside where only they contradict a property,
+    said to differ where their parameters do in the applied update, ``applied``: parameter paths),
     and whether the other kinds of the stage all match; optimizer-state leaves listed by name, as the stage table
     lists them (``"opt_state 0.mu.a.kernel"``). Where the failing leaves are of several kinds and share nothing
     together, what the failing leaves of each kind share among that kind (``"optimizer-state leaves: every failing
@@ -455,12 +459,13 @@ def _group(
     failing = {e.path: e.shape for e in bad}
     matching = {e.path: e.shape for e in same if e.ok}
     names = {e.path: e.name for e in same if e.kind == "opt_state"}  # "opt_state 0.mu.a", as the stage table
-    sentence = state_property(failing, matching, params or {}, facts, names, quiet)
+    sentence = state_property(failing, matching, params or {}, facts, names, quiet, applied)
     if len(bad) == 1 and not matching:  # one leaf of its kind: named ("all 1 leaves differ" said nothing)
         sentence = f"only {bad[0].name} differs"
     if len(kinds) > 1 and NO_PROPERTY in sentence:  # mixed kinds: what each kind's failing leaves share
         sentence = "; and ".join(
-            f"{GROUP_WORDS[k]} leaves: {_group([e for e in bad if e.kind == k], same, facts, params, quiet)}"
+            f"{GROUP_WORDS[k]} leaves: "
+            f"{_group([e for e in bad if e.kind == k], same, facts, params, quiet, applied)}"
             for k in sorted(kinds)
         )
     others = sorted({e.kind for e in leaves} - kinds)
@@ -579,8 +584,8 @@ def forward_form(
         )
     elif scaled is None and all(at_rounding(e) for e in grads if e.ok):
         why = (
-            "every gradient but the rounding-level ones differs, by no one factor: the forward pass computes "
-            "another function of the parameters, not a scaled loss"
+            f"{_every_gradient(grads)} differs, by no one factor: the forward pass computes another function of "
+            "the parameters, not a scaled loss"
         )
     elif scaled is None:
         why = "only some gradients differ: one term of the loss differs (the group)"
@@ -606,12 +611,17 @@ def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:
         why = "every gradient matches: the loss returned is computed apart from the one differentiated"
     elif all(at_rounding(e) for e in grads if e.ok):
         why = (
-            "every gradient but the rounding-level ones differs: the forward pass computes another function of "
-            "the parameters"
+            f"{_every_gradient(grads)} differs: the forward pass computes another function of the parameters"
         )
     else:
         why = "only some gradients differ: one term of the loss differs (the group)"
     return dataclasses.replace(form, kind="none", sentence=f"{head}; {why}", factor=None, spread=None)
+
+
+def _every_gradient(grads: list[LeafError]) -> str:
+    """``"every gradient"`` where every gradient leaf differs, ``"every gradient but the rounding-level ones"``
+    where some match (each at rounding level: :func:`at_rounding`, the caller's condition)."""
+    return "every gradient but the rounding-level ones" if any(e.ok for e in grads) else "every gradient"
 
 
 def _kinds(record: StepRecord, ok: bool) -> set[str]:

@@ -489,7 +489,7 @@ class DiagnosisContext:
         pre-step state differs from the candidate's (a replay's rerun at that step), the step computes another
         update from equal inputs, whatever the steps before it did."""
         first = self.first
-        if first is None or first.step == 0 or first.synchronized:
+        if first is None or first.step == 0 or first.from_reference_state:
             return False
         return all(e.ok for e in first.optimizer_rerun or ())
 
@@ -898,7 +898,8 @@ def normalization(ctx: DiagnosisContext) -> Finding:
 
 
 def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
-    """``low_precision_reduction``: a float32 model's update is off by bfloat16's rounding of the shard gradients."""
+    """``low_precision_reduction``: a float32 model's update is off by bfloat16's rounding of the shard gradients
+    (never where the records refute a reduction: :func:`_reduction_refuted`)."""
     if "bf16_reduction" not in ctx.reproduced or "per_shard_mean" in ctx.reproduced:
         return None
     return Diagnosis(
@@ -914,9 +915,12 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
 
 
 def _reduction_refuted(record: StepRecord) -> bool:
-    """Whether the records refute a faulty gradient reduction at this step: the returned gradients all match, or
-    the reference's optimizer on the candidate's own gradients and state gives another update (the difference
-    lies in the update, downstream of any reduction)."""
+    """Whether the records refute a faulty gradient reduction at this step: the loss differs (a reduction of the
+    gradients cannot change the forward pass: trial 10's token count taken per micro-batch read "all-reduced in
+    bfloat16"), the returned gradients all match, or the reference's optimizer on the candidate's own gradients
+    and state gives another update (the difference lies in the update, downstream of any reduction)."""
+    if any(e.kind == "loss" and not e.ok for e in record.leaves):
+        return True
     grads = [e for e in record.leaves if e.kind == "grad"]
     if grads and all(e.ok for e in grads):
         return True
@@ -1208,7 +1212,7 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "update_differs",
         f"{_what_differs(first)} from the reference at step {first.step}"
-        + (" (run from the reference's pre-step state)" if first.synchronized else "")
+        + (" (run from the reference's pre-step state)" if first.from_reference_state else "")
         + f" ({ctx.detail}){_params_match(first)}: {_not_one_step(first)}"
         + ("" if _module_found(first) else _forward_hint(ctx, _modules_cleared(first))),
         ctx.worst_name,
@@ -1424,8 +1428,9 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
-        f"{first}: a true gradient of 0 in all or some of its elements, such as an attention key bias, the key "
-        f"third of a fused qkv bias, or a LoRA factor A while its B is still 0): the update of those elements follows that gradient's rounding noise ("
+        f"{first}: elements whose gradient is at rounding level (near 0 at that step: a true gradient of 0, such "
+        "as an attention key bias, the key third of a fused qkv bias or a LoRA factor A while its B is still 0, or "
+        f"one small by chance)): the update of those elements follows that gradient's rounding noise ("
         f"{_noise_update(ctx)}) and cannot be compared element by element; they "
         f"were checked through {through}, with the parameter tolerance propagated through the update."
         + _beyond_rounding(ctx),
