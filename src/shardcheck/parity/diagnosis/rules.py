@@ -176,8 +176,6 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     state = _sharp([e for e in leaves if e.kind == "opt_state" and _moment(e.path)])
     if not all(constant_ratio(e) for e in state if not e.ok):
         return None, ""
-    if not all(one_factor_across(e) for e in state if not e.ok and e.badness > SHARP):
-        return None, ""  # as the gradients': a leaf far off, its ratio spread past 2%, is no factor
     first = [e.ratio for e in state if _moment(e.path) == "first"]
     second = [e.ratio for e in state if _moment(e.path) == "second"]
     second = [math.sqrt(r) for r in second if r is not None and r > 0]
