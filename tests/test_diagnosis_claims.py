@@ -269,7 +269,9 @@ def test_failing_optimizer_state_is_grouped_by_its_parameters_as_the_localizatio
     assert "share no ndim" in rules.localized(rules.DiagnosisContext.build([record])).message
     differ = ("opt_state 0.mu.blocks.1.mlp.down.bias", "opt_state 0.mu.blocks.1.mlp.down.kernel")
     record = dataclasses.replace(record, replica_mismatches=differ, replica_axes=("data",))
-    copies = "every leaf whose copies differ is under blocks.1.mlp.down; every other leaf has copies that agree"
+    copies = (
+        "every leaf whose copies differ is under blocks.1.mlp.down; every other leaf has copies that agree"
+    )
     assert localize([record]).group == copies  # said of the copies (the replicas stage's group)
     found = rules.localized(rules.DiagnosisContext.build([record]))
     assert f"{copies[0].upper()}{copies[1:]}." in found.message and "share no" not in found.message
