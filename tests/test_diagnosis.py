@@ -275,7 +275,10 @@ def test_update_differs():
     d = _one(out, "update_differs")
     assert "The update differs from the reference at step 0 (loss: max abs err" in d.message
     # the loss differs at step 0: computed another way, or at other parameters (shards one after another)
-    assert "not a single reduced step: the loss it returns is not the full-batch loss at its starting" in d.message
+    assert (
+        "not a single reduced step: the loss it returns is not the full-batch loss at its starting"
+        in d.message
+    )
     assert "or taken at other parameters (shards applied one after another)" in d.message
     assert _codes(out) == ["update_differs"]
     synced = diagnose([_record(0), _record(1, bad=("loss", "param w"), synchronized=True)])
