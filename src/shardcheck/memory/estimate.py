@@ -185,14 +185,16 @@ def _leaf(category, path, var, sharding, strategy, mesh, num_devices) -> LeafMem
 
 def placed_leaves(fn, model, optimizer, mesh, strategy) -> dict[str, list[LeafMemory]]:
     """Every leaf of ``(model, optimizer)`` and every gradient, by category, placed as ``strategy`` places it."""
+    from shardcheck.steps.sharded import flat_leaves
+
     state_shardings, grad_shardings = layout_shardings(strategy, model, optimizer, mesh, fn=fn)
     num_devices = 1 if one_device(strategy) else mesh.size
     by_category = {c: [] for c in CATEGORIES}
-    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    flat = flat_leaves(nnx.state((model, optimizer)))  # no MaskedNode: as the shardings
     for (path, var), sharding in zip(flat, state_shardings, strict=True):
         category, name = category_and_path(path, var)
         by_category[category].append(_leaf(category, name, var, sharding, strategy, mesh, num_devices))
-    param_flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    param_flat = flat_leaves(nnx.state(model, nnx.Param))
     for (path, var), sharding in zip(param_flat, grad_shardings, strict=True):
         name = ".".join(map(str, path))
         by_category["grads"].append(_leaf("grads", name, var, sharding, strategy, mesh, num_devices))

@@ -134,9 +134,9 @@ def layout_shardings(
         ValueError: an annotation the mesh cannot honour (:func:`~shardcheck.steps.sharded.state_specs`),
             ``"placed"`` with abstract arrays.
     """
-    from shardcheck.steps.sharded import state_specs
+    from shardcheck.steps.sharded import flat_leaves, state_specs
 
-    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    flat = flat_leaves(nnx.state((model, optimizer)))
     is_param = [isinstance(var, nnx.Param) and str(path[0]) == "0" for path, var in flat]
     if strategy == "placed":
         shardings = _placed_shardings(fn, flat)

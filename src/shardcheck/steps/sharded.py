@@ -55,6 +55,13 @@ from shardcheck.steps._core import StepResult, params_value_and_grad
 from shardcheck.task import Batch, LossFn, divide
 
 
+def flat_leaves(state) -> list:
+    """``nnx.to_flat_state(state)`` without the entries that hold no array: one ``(path, Variable)`` per leaf of
+    ``jax.tree.leaves(state)``, in its order. optax's ``MaskedNode`` (the state a ``multi_transform`` or a masked
+    transformation keeps for the leaves it does not update) is an entry of the first and no leaf of the second."""
+    return [(path, var) for path, var in nnx.to_flat_state(state) if jax.tree.leaves(var)]
+
+
 def _entry_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one ``PartitionSpec`` entry (``None``, ``"fsdp"`` or ``("data", "fsdp")``)."""
     if entry is None:
@@ -98,7 +105,7 @@ def _whole_model_state(leaves, specs, treedef) -> list:
     ``all_gather``-ed (tiled) along the dimensions its spec splits; parameters and the optimizer's state are left
     as they are (the parameters are gathered where they are differentiated, :func:`sharded_value_and_grad`).
     """
-    flat = nnx.to_flat_state(jax.tree.unflatten(treedef, leaves))
+    flat = flat_leaves(jax.tree.unflatten(treedef, leaves))
     return [
         _all_gathered(a, spec) if path[0] == 0 and not isinstance(var, nnx.Param) else a
         for (path, var), a, spec in zip(flat, leaves, specs, strict=True)
@@ -391,9 +398,9 @@ def state_specs(
     def named(path):  # (0, "fc", "kernel") -> ("fc", "kernel"); (1, "opt_state", ...) -> ("opt_state", ...)
         return path[1:] if path[0] == 0 else ("optimizer", *path[1:])
 
-    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    flat = flat_leaves(nnx.state((model, optimizer)))
     all_specs = tuple(spec_of(named(path), var) for path, var in flat)
-    param_flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    param_flat = flat_leaves(nnx.state(model, nnx.Param))
     return all_specs, tuple(spec_of(path, var) for path, var in param_flat)
 
 

@@ -1,0 +1,77 @@
+"""optax.multi_transform (one optimizer per parameter group) through the built-in strategies and memory (trial 11).
+
+A multi_transform keeps, for each group, ``MaskedNode`` where its inner optimizer does not update a parameter:
+an entry of ``nnx.to_flat_state`` that is no leaf of ``jax.tree.leaves``. The placement listed one spec per flat
+entry and applied them to the tree's leaves, so every spec after the first ``MaskedNode`` landed on another leaf:
+``memory`` raised ``AttributeError: 'MaskedNode' object has no attribute 'shape'`` and dp, fsdp and gspmd ended
+in ``zip() argument 2 is longer than argument 1``. Now one spec per leaf (``steps.sharded.flat_leaves``)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+
+from shardcheck import Task, check_parity, estimate_memory, make_mesh
+from shardcheck.steps.sharded import flat_leaves, state_specs
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.body = nnx.Linear(8, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.body(x)))
+
+
+def mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def labels(params):
+    return jax.tree_util.tree_map_with_path(lambda path, _: "head" if "head" in str(path) else "body", params)
+
+
+@functools.cache
+def _task() -> Task:
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    tx = optax.multi_transform({"body": optax.adamw(1e-2), "head": optax.sgd(5e-2, momentum=0.9)}, labels)
+    return Task(model=lambda: Net(nnx.Rngs(0)), optimizer=tx, loss_fn=mse, batches=batches, name="mt")
+
+
+def test_one_spec_per_leaf_of_the_state_tree():
+    model = _task().new_model()
+    optimizer = _task().new_optimizer(model)
+    state = nnx.state((model, optimizer))
+    assert len(nnx.to_flat_state(state)) > len(jax.tree.leaves(state))  # the MaskedNode entries
+    assert len(flat_leaves(state)) == len(jax.tree.leaves(state))
+    specs, _ = state_specs("fsdp", model, optimizer, make_mesh({"data": 2}))
+    assert len(specs) == len(jax.tree.leaves(state))
+
+
+@require_devices(2)
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "gspmd"])
+def test_multi_transform_passes_the_builtins(strategy):
+    report = check_parity(strategy, _task(), mesh=make_mesh({"data": 2}))
+    assert report.ok and report.verdict == "PASS", report.diagnosis
+    assert {e.kind for r in report.steps for e in r.leaves} >= {"opt_state", "param", "grad"}
+
+
+def test_memory_estimate_counts_only_the_arrays():
+    est = estimate_memory(_task(), mesh={"data": 2}, strategy="fsdp")
+    opt = [leaf for leaf in est.leaves if leaf.category == "optimizer"]
+    # adamw's mu and nu for body's kernel and bias, sgd's trace for head's: 2 * 2 + 2 arrays, and the counts
+    shaped = sorted(leaf.path for leaf in opt if leaf.shape)
+    assert len(shaped) == 6, shaped
+    assert est.leaves and all(leaf.global_bytes >= 0 for leaf in est.leaves)
