@@ -625,6 +625,8 @@ def test_a_loss_that_differs_first_is_said_as_a_loss_computed_another_way_or_at_
         assert "gradients taken at different parameters" not in said[name], name
     assert "no captured module's output differs while its inputs match" in said["cleared"]
     assert "collectives the step runs around the modules itself" in said["cleared"]
+    # trial 11: a segment_max in the step's own call of a module, which the probe (the task's loss) never runs
+    assert "or in modules as the step's own code calls them)" in said["cleared"]
     assert "captured module" not in said["unprobed"]
     # the loss matching (a later stage first): not said as a loss that differs
     later = dataclasses.replace(record, leaves=(leaf("loss", "loss", True), *grads, *params, *moments))

@@ -139,3 +139,11 @@ def test_a_factor_at_one_shard_is_no_sum_over_shards():
     assert _name_factor(4.0, 1) is None
     assert _name_factor(4.0, 2)[1].startswith("the gradient was sum-reduced twice (x4 = 2^2")
     assert _name_factor(4.0, None)[0] == "summed"
+
+
+def test_a_ratio_around_one_names_a_small_term_too():
+    """Trial 11: a weight decay of 1e-2 left out (about 1.3 tolerances) read only as values rounded another way."""
+    from shardcheck.parity.diagnosis.form import _around_one
+
+    form = _around_one(1.0, (0.99, 1.01), 2, "10th-90th percentile")
+    assert form.kind == "none" and "a small term added or left out, such as a weight decay" in form.sentence

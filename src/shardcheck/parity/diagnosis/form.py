@@ -402,7 +402,7 @@ def _around_one(f: float, spread: tuple[float, float], n: int, basis: str) -> Fo
         f"no factor: the elementwise ratio {_on_all(n)} lies around 1 ({lo:.4g}..{hi:.4g}, {basis}; median "
         f"{f:.4g}): each element differs by up to about {worst:.2g} of its value, which no scale explains (the "
         "values rounded another way, such as a sum in a lower precision or in another order, or computed slightly "
-        "differently)",
+        "differently: a small term added or left out, such as a weight decay of a few tolerances)",
         spread=spread,
         leaves=n,
     )

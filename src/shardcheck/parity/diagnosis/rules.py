@@ -1230,12 +1230,18 @@ def _not_one_step(record: StepRecord) -> str:
         )
     if _forward_first(record):
         around = (
-            " (no captured module's output differs while its inputs match, each module run under the candidate's "
-            "placement at equal parameters: the difference is in what the step does around them)"
+            " (no captured module's output differs while its inputs match, each module run as the task's loss "
+            "calls it under the candidate's placement at equal parameters: the difference is in what the step "
+            "does around them, or in modules as the step's own code calls them)"
             if _modules_cleared(record)
             else ""
         )
-        itself = ", or collectives the step runs around the modules itself" if around else ""
+        itself = (
+            ", or collectives the step runs around the modules itself, or the modules as the step's own code "
+            "calls them (another aggregation, another mask)"
+            if around
+            else ""
+        )
         return (
             f"not a single reduced step: the loss it returns is not the full-batch loss at its starting "
             f"parameters{around}: computed another way (the loss's terms, labels, weights or normalization"
