@@ -19,6 +19,8 @@ from conftest import require_devices
 from flax import nnx
 
 from shardcheck import Task, check_parity, estimate_memory, make_mesh
+from shardcheck.parity.harness.recorded import record_run
+from shardcheck.steps import Candidate
 from shardcheck.steps.sharded import flat_leaves, state_specs
 
 
@@ -75,3 +77,35 @@ def test_memory_estimate_counts_only_the_arrays():
     shaped = sorted(leaf.path for leaf in opt if leaf.shape)
     assert len(shaped) == 6, shaped
     assert est.leaves and all(leaf.global_bytes >= 0 for leaf in est.leaves)
+
+
+def _own(tx) -> Candidate:
+    """The task's step on an optimizer of its own, ``tx``, from its own init."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(mse)(model, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(
+        "own", step, num_shards=1, make_optimizer=lambda m, o: nnx.Optimizer(m, tx, wrt=nnx.Param)
+    )
+
+
+def test_labels_that_differ_replay_as_leaves_in_one_run_only():
+    """Trial 11: the head's multi_transform label swapped in the candidate, replayed: its state lacks the leaves
+    the recording holds. Said "Form: not finite (NaN or infinity)", and "At step 0 the loss, the gradients and
+    the optimizer state match" from records that left those leaves out."""
+
+    def swapped(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: "body", params)
+
+    rec = record_run(_task(), _own(_task().optimizer))
+    tx = optax.multi_transform({"body": optax.adamw(1e-2), "head": optax.sgd(5e-2, momentum=0.9)}, swapped)
+    report = check_parity(_own(tx), _task(), reference=rec)
+    assert not report.ok and report.codes[0] == "structure" and "localized" not in report.codes
+    loc = report.localization
+    assert loc.form.kind == "shape" and "the optimizer state holds other leaves: " in loc.form.sentence
+    assert "are in one run only, e.g. opt_state " in loc.form.sentence
+    assert "not finite" not in loc.text() and "NaN" not in report.diagnosis

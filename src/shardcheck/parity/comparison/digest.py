@@ -1025,7 +1025,16 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     if e.evidence in STRUCTURAL or e.evidence == "nan":
         other = tuple(pair.leaf("replayed", e.step, e.name).shape) if e.evidence == "shape" else None
         return LeafError(
-            e.step, kind, path or "loss", e.err, math.inf, e.allowed, e.ok, shape=shape, cand_shape=other
+            e.step,
+            kind,
+            path or "loss",
+            e.err,
+            math.inf,
+            e.allowed,
+            e.ok,
+            shape=shape,
+            cand_shape=other,
+            missing=e.evidence == "missing",
         )
     whole = kind == "counter" or e.step < 0 or (kind == "state" and e.evidence in _STATE_EVIDENCE)
     sampled = (None, None, None) if whole else _sample_ratio(pair, e.step, e.name)
@@ -1138,6 +1147,8 @@ def _diagnoses(
         micro_batches=now.get("micro_batches") or (s if was.get("run") == "accumulation" else None),
     )
     findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
+    if structural:  # the value records lack those leaves: a stage they fill would read as matching
+        findings = [d for d in findings if d.code != "localized"]
     if first is None:
         return tuple(findings)
     at_t = [e for e in structural if e.step == first.step]

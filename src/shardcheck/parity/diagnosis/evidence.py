@@ -57,6 +57,9 @@ class LeafError:
         cand_shape: the candidate leaf's shape where it differs from the reference's ``shape`` (an optimizer
             configured otherwise: Adafactor's factored moments against full ones), else ``None``; such a leaf
             fails with ``max_abs_err`` inf, and is said as shaped otherwise, never as not finite.
+        missing: the leaf is in one run only (a replay's ``missing`` evidence: a multi_transform whose labels
+            differ keeps state for other leaves); it fails with ``max_abs_err`` inf and is said as missing, never
+            as not finite.
     """
 
     step: int
@@ -72,6 +75,7 @@ class LeafError:
     shape: tuple[int, ...] | None = None
     samples: int | None = None
     cand_shape: tuple[int, ...] | None = None
+    missing: bool = False
 
     @property
     def name(self) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -226,6 +226,28 @@ def shape_form(shapes: Mapping[str, tuple[tuple, tuple]]) -> Form:
         "shape",
         f"{what}: {n_leaves(n)} differ{'s' if n == 1 else ''} in shape, e.g. {path} {tuple(cand)} against the "
         f"reference's {tuple(ref)}: {why}, not a numerical difference (no elementwise form is read)",
+        leaves=n,
+    )
+
+
+def missing_form(names: Sequence[str]) -> Form:
+    """The ``shape`` form of leaves one run lacks (a replay's ``missing`` evidence): no elementwise form.
+
+    Args:
+        names: the failing leaves' names (``"opt_state <path>"``), at least one.
+
+    Returns:
+        ``Form("shape", ...)``: e.g. ``"the optimizer state holds other leaves: 4 leaves are in one run only, e.g.
+        opt_state 0.mu.head.bias: ..."``.
+    """
+    n = len(names)
+    state = all(p.startswith("opt_state") for p in names)
+    what = "the optimizer state holds other leaves" if state else "the runs hold other leaves"
+    return Form(
+        "shape",
+        f"{what}: {n_leaves(n)} {'is' if n == 1 else 'are'} in one run only, e.g. {names[0]}: another optimizer "
+        "configuration (a multi_transform's labels or a mask sending these parameters to another inner "
+        "optimizer) or state not carried over, not a numerical difference (no elementwise form is read)",
         leaves=n,
     )
 

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
-from shardcheck.parity.diagnosis.form import Form, form_from_leaves, shape_form, weight_phrase
+from shardcheck.parity.diagnosis.form import Form, form_from_leaves, missing_form, shape_form, weight_phrase
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
@@ -165,6 +165,8 @@ def _count(n: int, failing: int, kind: str, differs: bool) -> str:
 
 
 def _detail(e: LeafError) -> str:
+    if e.missing:
+        return f"{e.name}: in one run only"
     if e.cand_shape is not None:
         return f"{e.name}: shaped otherwise ({tuple(e.cand_shape)} against the reference's {tuple(e.shape or ())})"
     if not math.isfinite(e.max_abs_err):
@@ -381,9 +383,14 @@ def localize(
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
         shaped = {e.name: (e.shape or (), e.cand_shape) for e in bad if e.cand_shape is not None}
-        blind = [e for e in bad if not math.isfinite(e.max_abs_err) and e.cand_shape is None]
+        absent = [e.name for e in bad if e.missing]
+        blind = [
+            e for e in bad if not math.isfinite(e.max_abs_err) and e.cand_shape is None and not e.missing
+        ]
         if shaped:  # no elementwise form across shapes: said as shaped otherwise, never as not finite
             form = shape_form(shaped)
+        elif absent:  # nor across leaves one run lacks
+            form = missing_form(absent)
         elif blind:  # no form is read from a NaN
             form = Form(
                 "none", f"not finite (NaN or infinity) in {n_of(len(blind), len(bad))}: no form is read"
