@@ -147,3 +147,17 @@ def test_a_ratio_around_one_names_a_small_term_too():
 
     form = _around_one(1.0, (0.99, 1.01), 2, "10th-90th percentile")
     assert form.kind == "none" and "a small term added or left out, such as a weight decay" in form.sentence
+
+
+def test_a_step_naming_an_axis_the_mesh_lacks_is_told_the_fix():
+    """Trial 11: --mesh batch=4 for a step whose PartitionSpec names 'data' read "... fix the step"."""
+    from shardcheck import make_mesh
+    from shardcheck.parity.harness.candidates import _mesh_axis_hint
+
+    err = ValueError("Resource axis: data of P('data',) is not found in mesh: ('batch',).")
+    hint = _mesh_axis_hint(err, make_mesh({"batch": 2}))
+    assert hint.startswith(
+        "the step names mesh axis 'data', and the mesh has ('batch',): give the mesh that axis"
+    )
+    assert "--mesh data=2" in hint
+    assert _mesh_axis_hint(ValueError("another error"), make_mesh({"batch": 2})) == ""

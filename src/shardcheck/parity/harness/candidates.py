@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Callable, Mapping
 
 import jax
@@ -226,6 +227,19 @@ def _annotation_hint(model, mesh) -> str:
     return ""
 
 
+def _mesh_axis_hint(err: Exception, mesh) -> str:
+    """Where the step's own ``PartitionSpec`` names an axis the mesh lacks (JAX: "Resource axis: data of
+    P('data',) is not found in mesh: ('batch',)"), that mismatch and the fix in words, else ``""``."""
+    found = re.search(r"Resource axis: (\w+) of .* is not found in mesh", str(err))
+    if found is None or mesh is None:
+        return ""
+    axis, axes = found.group(1), tuple(mesh.axis_names)
+    return (
+        f"the step names mesh axis {axis!r}, and the mesh has {axes}: give the mesh that axis (--mesh "
+        f"{axis}={mesh.size}, or a mesh whose axes include {axis!r}), or name the mesh's axes in the step"
+    )
+
+
 def _state_shape_hint(model, optimizer) -> str:
     """Where the optimizer a candidate's ``make_optimizer`` made holds state shaped otherwise than its own
     transformation's ``init`` makes (Adafactor's factored moments copied into a ``factored=False`` one with
@@ -286,6 +300,7 @@ def run_step(
         s, rows = cand.num_shards, batch_size(batch)
         hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s else ""
         hint = hint or _annotation_hint(model, kwargs.get("mesh"))
+        hint = hint or _mesh_axis_hint(err, kwargs.get("mesh"))
         hint = hint or (_state_shape_hint(model, optimizer) if cand.make_optimizer is not None else "")
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
