@@ -201,54 +201,47 @@ def fit_form(
     )
 
 
-def shape_form(shapes: Mapping[str, tuple[tuple, tuple]]) -> Form:
-    """The ``shape`` form: the failing leaves are shaped otherwise in the candidate, so no elementwise form exists.
+def shape_form(shapes: Mapping[str, tuple[tuple, tuple]], missing: Sequence[str] = ()) -> Form:
+    """The ``shape`` form: the failing leaves are shaped otherwise in the candidate, or in one run only (a
+    replay's ``missing`` evidence), so no elementwise form exists.
 
     Args:
-        shapes: ``{path: (reference shape, candidate shape)}`` of the leaves whose shapes differ (at least one;
-            paths as the stage names them, ``"opt_state <path>"`` for optimizer state).
+        shapes: ``{path: (reference shape, candidate shape)}`` of the leaves whose shapes differ (paths as the
+            stage names them, ``"opt_state <path>"`` for optimizer state).
+        missing: the names of the failing leaves one run lacks, read where ``shapes`` is empty.
 
     Returns:
         ``Form("shape", ...)``: e.g. ``"the optimizer state is shaped otherwise: 111 leaves differ in shape, e.g.
-        opt_state 0.v.k.kernel (32, 32) against the reference's (1,): ..."``.
+        opt_state 0.v.k.kernel (32, 32) against the reference's (1,): ..."``, or ``"the optimizer state holds
+        other leaves: 4 leaves are in one run only, e.g. opt_state 0.mu.head.bias: ..."``.
+
+    Raises:
+        ValueError: both ``shapes`` and ``missing`` are empty.
     """
-    path, (ref, cand) = next(iter(shapes.items()))
-    n = len(shapes)
-    state = all(p.startswith("opt_state") for p in shapes)
-    what = "the optimizer state is shaped otherwise" if state else "the leaves are shaped otherwise"
-    why = (
-        "another optimizer configuration (Adafactor's factored=False against factored second moments, another "
-        "min_dim_size_to_factor, or another optimizer) or state not carried over"
-        if state
-        else "another model or optimizer configuration"
-    )
+    names = list(shapes) or list(missing)
+    if not names:
+        raise ValueError(
+            "shape_form: shapes and missing are empty; pass the failing leaves of another layout"
+        )
+    n, state = len(names), all(p.startswith("opt_state") for p in names)
+    if shapes:
+        path, (ref, cand) = next(iter(shapes.items()))
+        what = "the optimizer state is shaped otherwise" if state else "the leaves are shaped otherwise"
+        said = f"{n_leaves(n)} differ{'s' if n == 1 else ''} in shape, e.g. {path} {tuple(cand)} against the reference's {tuple(ref)}"
+        why = (
+            "another optimizer configuration (Adafactor's factored=False against factored second moments, another "
+            "min_dim_size_to_factor, or another optimizer) or state not carried over"
+        )
+    else:
+        what = "the optimizer state holds other leaves" if state else "the runs hold other leaves"
+        said = f"{n_leaves(n)} {'is' if n == 1 else 'are'} in one run only, e.g. {names[0]}"
+        why = (
+            "another optimizer configuration (a multi_transform's labels or a mask sending these parameters to "
+            "another inner optimizer) or state not carried over"
+        )
+    why = why if state else "another model or optimizer configuration"
     return Form(
-        "shape",
-        f"{what}: {n_leaves(n)} differ{'s' if n == 1 else ''} in shape, e.g. {path} {tuple(cand)} against the "
-        f"reference's {tuple(ref)}: {why}, not a numerical difference (no elementwise form is read)",
-        leaves=n,
-    )
-
-
-def missing_form(names: Sequence[str]) -> Form:
-    """The ``shape`` form of leaves one run lacks (a replay's ``missing`` evidence): no elementwise form.
-
-    Args:
-        names: the failing leaves' names (``"opt_state <path>"``), at least one.
-
-    Returns:
-        ``Form("shape", ...)``: e.g. ``"the optimizer state holds other leaves: 4 leaves are in one run only, e.g.
-        opt_state 0.mu.head.bias: ..."``.
-    """
-    n = len(names)
-    state = all(p.startswith("opt_state") for p in names)
-    what = "the optimizer state holds other leaves" if state else "the runs hold other leaves"
-    return Form(
-        "shape",
-        f"{what}: {n_leaves(n)} {'is' if n == 1 else 'are'} in one run only, e.g. {names[0]}: another optimizer "
-        "configuration (a multi_transform's labels or a mask sending these parameters to another inner "
-        "optimizer) or state not carried over, not a numerical difference (no elementwise form is read)",
-        leaves=n,
+        "shape", f"{what}: {said}: {why}, not a numerical difference (no elementwise form is read)", leaves=n
     )
 
 

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
-from shardcheck.parity.diagnosis.form import Form, form_from_leaves, missing_form, shape_form, weight_phrase
+from shardcheck.parity.diagnosis.form import Form, form_from_leaves, shape_form, weight_phrase
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
@@ -390,7 +390,7 @@ def localize(
         if shaped:  # no elementwise form across shapes: said as shaped otherwise, never as not finite
             form = shape_form(shaped)
         elif absent:  # nor across leaves one run lacks
-            form = missing_form(absent)
+            form = shape_form({}, absent)
         elif blind:  # no form is read from a NaN
             form = Form(
                 "none", f"not finite (NaN or infinity) in {n_of(len(blind), len(bad))}: no form is read"
