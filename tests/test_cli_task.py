@@ -192,3 +192,26 @@ def test_verify_takes_the_compute_dtype_of_a_builtin_task(tmp_path, capsys):
     )
     assert main([*args[:3], "--compute-dtype", "bfloat16", "--task", "diabetes"]) == 2
     assert "--compute-dtype applies to --task digits or tiny-lm" in capsys.readouterr().err
+
+
+@require_devices(4)
+def test_a_loss_divided_by_each_shards_own_count_is_named_live_and_replayed(user_files, capsys):
+    """The mean of per-shard means (each shard divides its loss sum by its own token count, then the shards are
+    averaged): ``normalization`` live, and replayed from a recording (trial 11: named live, a generic 'computed
+    or reduced differently' replayed); the correct step PASSes the same replay."""
+    task = f"{user_files / 'task.py'}:task"
+    run = user_files / "run.npz"
+    common = ["--task", task, "--devices", "4", "--steps", "2"]
+    assert main(["record", *common, "--out", str(run)]) == 0
+    codes = {}
+    for kind, extra in (("live", ["--strategies", "none"]), ("replayed", ["--against", str(run)])):
+        for step in ("per_shard_mean_step", "good_step"):
+            out = user_files / f"{kind}-{step}.json"
+            candidate = f"{user_files / 'steps.py'}:{step}"
+            main(["verify", *common, "--candidate", candidate, *extra, "--json", str(out)])
+            codes[kind, step] = json.loads(out.read_text())["strategies"]["candidate"]
+    capsys.readouterr()
+    for kind in ("live", "replayed"):
+        assert codes[kind, "good_step"]["verdict"] == "PASS"
+        assert codes[kind, "per_shard_mean_step"]["verdict"] == "FAIL"
+        assert "normalization" in codes[kind, "per_shard_mean_step"]["codes"], codes[kind, "per_shard_mean_step"]

@@ -431,3 +431,18 @@ def test_a_factor_on_every_gradient_is_still_read_as_the_whole_gradient_s():
     )
     found = diagnose([dataclasses.replace(record, leaves=every)], 2, mesh_shape={"data": 2, "expert": 4})
     assert _codes(found)[0] == "summed"
+
+
+def test_a_factor_one_over_s_beside_differing_replicas_is_a_gradient_never_all_reduced():
+    """x1/S with replicated leaves that differ after the same step: each device applied its own shard's share
+    (trial 11: a local sum over the global count, no psum; the step returned the devices' average), not 'averaged
+    twice', which would leave the replicas equal; with equal replicas the factor still reads averaged twice."""
+    unequal = diagnose(
+        [_record(bad=UPDATE, ratio=0.25, replica_mismatches=("param b",), replica_axes=("data",))], 4
+    )
+    d = _one(unequal, "unreduced")
+    assert "x1/4" in d.message and "differ across devices along 'data'" in d.message
+    assert "psum the gradients before dividing" in d.message and "averaged_twice" not in _codes(unequal)
+    assert "averaged_twice" in _codes(diagnose([_record(bad=UPDATE, ratio=0.25)], 4))
+    summed = diagnose([_record(bad=UPDATE, ratio=4.0, replica_mismatches=("param b",))], 4)
+    assert "unreduced" not in _codes(summed) and "summed" in _codes(summed)

@@ -109,3 +109,49 @@ def test_labels_that_differ_replay_as_leaves_in_one_run_only():
     assert loc.form.kind == "shape" and "the optimizer state holds other leaves: " in loc.form.sentence
     assert "are in one run only, e.g. opt_state " in loc.form.sentence
     assert "not finite" not in loc.text() and "NaN" not in report.diagnosis
+
+
+def test_labels_that_differ_fail_live_as_leaves_in_one_run_only():
+    """Trial 11: the same swap checked live was refused ('its state is not laid out as the task optimizer's ...
+    give the Candidate view_optimizer=...') while its replay compared it: most of its state lies where the task's
+    does, so it is compared, and the leaves one side lacks are named as such (both sides' own), never as not
+    finite; the task's own labels PASS."""
+
+    def swapped(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: "body", params)
+
+    tx = optax.multi_transform({"body": optax.adamw(1e-2), "head": optax.sgd(5e-2, momentum=0.9)}, swapped)
+    report = check_parity(_own(tx), _task())
+    assert not report.ok and report.localization.stage == "optimizer", str(report)
+    missing = sorted(e.path for e in report.steps[0].leaves if e.missing)
+    assert any(".head." in p or p.endswith("head.bias") for p in missing), missing
+    assert all(e.max_abs_err == float("inf") and not e.ok for e in report.steps[0].leaves if e.missing)
+    assert report.localization.form.kind == "shape" and "in one run only" in report.localization.form.sentence
+    assert "not finite" not in report.localization.text() and "NaN" not in report.diagnosis
+    assert check_parity(_own(_task().optimizer), _task()).ok
+
+
+def test_param_groups_read_the_multi_transform_labels_from_its_state():
+    """Each parameter's label, read from where the optimizer's state keeps it (also inside a chain); plain SGD
+    keeps no state for its group's parameters, which then have none; another optimizer has no groups."""
+    from shardcheck.parity.harness.leaf_facts import param_groups
+
+    params = nnx.state(Net(nnx.Rngs(0)), nnx.Param)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), _task().optimizer)
+    want = {"body.kernel": "body", "body.bias": "body", "head.kernel": "head", "head.bias": "head"}
+    assert param_groups(params, tx) == want
+    stateless = optax.multi_transform({"body": optax.adam(1e-2), "head": optax.sgd(1e-2)}, labels)
+    assert param_groups(params, stateless) == {"body.kernel": "body", "body.bias": "body"}
+    assert param_groups(params, optax.adam(1e-2)) == {}
+
+
+def test_a_group_whose_learning_rate_differs_is_named_by_its_label():
+    """Trial 11: a warm-up that differs for one multi_transform group said its failing leaves 'share no ndim,
+    name or module that the matching ones lack'; they share the label."""
+    tx = optax.multi_transform({"body": optax.adamw(1e-2), "head": optax.sgd(2.5e-2, momentum=0.9)}, labels)
+    loc = check_parity(_own(tx), _task()).localization
+    assert "every failing leaf is in the optimizer's parameter group 'head' (an optax.multi_transform label)" in (
+        loc.text()
+    ), loc.text()
+    assert "every leaf that is in the optimizer's parameter group 'body' matches" in loc.text()
+    assert loc.form.kind == "factor" and "0.5 x the reference's" in loc.text()

@@ -203,3 +203,23 @@ def test_train_and_run_task_refuse_only_the_strategies_that_draw_per_shard():
     assert ran.outcomes["gspmd"].max_abs_param_diff_vs_baseline < 1e-6
     for name in ("simulation", "dp", "fsdp", "accumulation"):
         assert ran.skipped[name].startswith(f"{name}: cannot run this model: model Noisy draws random"), name
+
+
+@require_devices(2)
+def test_a_replay_compares_the_rng_counts_and_names_the_draws_as_live():
+    """A recording keeps each drawn stream's count (``counter model.rngs.noise.count``, the streams in
+    ``meta["drawn"]``): a replay of the step that puts the count back FAILs at step 0 on it, at the forward stage,
+    with the live check's sentences (the draws named; the form a dropped write, never 'a learning rate of 0'),
+    where it used to FAIL at step 1 by its loss; the correct GSPMD step PASSes the same replay."""
+    from shardcheck.parity.harness.recorded import record_run
+
+    recording = record_run(TASK, "gspmd", mesh=make_mesh(2))
+    assert recording.meta["drawn"] == ["rngs.noise"] and "counter model.rngs.noise.count" in recording.names
+    assert check_parity(_gspmd_step, TASK, mesh=make_mesh(2), reference=recording).ok
+    for reference in (None, recording):
+        report = check_parity(count_kept_step, TASK, mesh=make_mesh(2), reference=reference)
+        loc = report.localization
+        assert (loc.step, loc.stage, report.codes[0]) == (0, "forward", "model_state"), str(report)
+        assert "a zero change: the candidate left the forward pass's counter model.rngs.noise.count" in loc.text()
+        assert "a learning rate of 0" not in loc.form.sentence
+        assert "The model draws random numbers in its forward pass (rngs.noise)" in report.diagnoses[0].message

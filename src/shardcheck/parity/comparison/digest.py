@@ -62,6 +62,7 @@ import numpy as np
 from shardcheck.parity.comparison.leaf_digest import SAMPLES
 from shardcheck.parity.comparison.live import spread_ranks
 from shardcheck.parity.comparison.state_digest import read_paths, state_evidence
+from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
@@ -1147,6 +1148,11 @@ def _diagnoses(
         micro_batches=now.get("micro_batches") or (s if was.get("run") == "accumulation" else None),
     )
     findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
+    draws = tuple(was.get("drawn") or ())
+    if draws:  # the random draws named where the forward stage differs first, as a live check names them
+        failing = next((r for r in values if not r.ok), None)
+        where = localize(values) if failing is not None else None
+        findings = with_draws(findings, where and where.stage, draws, failing)
     if structural:  # the value records lack those leaves: a stage they fill would read as matching
         findings = [d for d in findings if d.code != "localized"]
     if first is None:

@@ -23,11 +23,17 @@ from shardcheck.parity.diagnosis.evidence import LeafError
 PREFIX = "model."
 
 
-def rng_counts(model: nnx.Module, streams: Sequence[str]) -> dict[str, int]:
-    """``{"rngs.noise": count}`` of the model's streams named in ``streams`` (dotted paths, ``"rngs.noise"``)."""
+def rng_count_arrays(model: nnx.Module, streams: Sequence[str]) -> dict:
+    """``{"rngs.noise": count}`` of the model's streams named in ``streams`` (dotted paths, ``"rngs.noise"``),
+    each count the 0-d ``uint32`` array its ``nnx.RngCount`` holds (what a recording digests)."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.RngCount))
     counts = {".".join(map(str, p)).removesuffix(".count"): v[...] for p, v in flat}
-    return {s: int(counts[s]) for s in streams if s in counts}
+    return {s: counts[s] for s in streams if s in counts}
+
+
+def rng_counts(model: nnx.Module, streams: Sequence[str]) -> dict[str, int]:
+    """:func:`rng_count_arrays` as ints."""
+    return {s: int(c) for s, c in rng_count_arrays(model, streams).items()}
 
 
 def rng_count_leaves(

@@ -29,6 +29,8 @@ class LeafFacts:
         shared_by: the paths that reach a tied leaf (``("embed.embedding", "head.kernel")``), else ``()``.
         uses: the operations of the loss that read the leaf (primitive names: ``("gather", "transpose")`` for a
             table both looked up and multiplied), ``None`` where not known.
+        group: the optimizer's parameter group that updates the leaf (an ``optax.multi_transform`` label,
+            read from where its state keeps the leaf), ``None`` where not known or not grouped.
     """
 
     shape: tuple[int, ...] | None = None
@@ -37,6 +39,7 @@ class LeafFacts:
     tied: bool = False
     shared_by: tuple[str, ...] = ()
     uses: tuple[str, ...] | None = None
+    group: str | None = None
 
 
 def leaf_name(path: str) -> str:
@@ -143,7 +146,8 @@ def shared_property(
     and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
     leaf matches"``).
     Between the last two, with ``facts``: one role (``"every failing leaf is a norm scale; every leaf that is a bias or a kernel
-    matches"``), one dtype, one placement (``"every failing leaf is split over ('model',)"``), tied or not.
+    matches"``), one dtype, one placement (``"every failing leaf is split over ('model',)"``), tied or not, one
+    parameter group of the optimizer (``"every failing leaf is in the optimizer's parameter group 'mp'"``).
 
     Args:
         failing: ``{dotted path: shape or None}`` of the leaves out of tolerance (at least one).
@@ -370,8 +374,8 @@ def _reused(failing, matching, facts: Mapping[str, LeafFacts]) -> str | None:
 
 
 def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts]) -> str | None:
-    """The first of role, dtype, placement axes and tying that all the failing leaves share and no matching leaf
-    has, as a sentence; ``None`` where none does."""
+    """The first of role, dtype, placement axes, tying and the optimizer's parameter group that all the failing
+    leaves share and no matching leaf has, as a sentence; ``None`` where none does."""
 
     def fact(name: str, p: str):
         f = facts.get(param_path(p, facts))
@@ -384,6 +388,7 @@ def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str,
         "dtype": lambda v: f"{v}",
         "axes": lambda v: f"split over {tuple(v)}" if v else "replicated on every device",
         "tied": lambda v: "tied (shared by several modules)" if v else "untied",
+        "group": lambda v: f"in the optimizer's parameter group {v!r}",
     }
     for name, say in words.items():
         mine = {fact(name, p) for p in failing}
@@ -394,6 +399,8 @@ def _facts_property(failing: list[str], matching: list[str], facts: Mapping[str,
         if v in theirs:
             continue
         rest = sorted({say(t) for t in theirs if t is not None})
-        head = f"every failing leaf is {say(v)}"
+        head = f"every failing leaf is {say(v)}" + (
+            " (an optax.multi_transform label)" if name == "group" else ""
+        )
         return head if not rest else f"{head}; every leaf that is {' or '.join(rest)} matches"
     return None

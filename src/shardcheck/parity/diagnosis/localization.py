@@ -557,7 +557,8 @@ def forward_form(
     and what the gradients show of it: the whole loss scaled where every gradient that can show it carries the same
     factor, one term of it where only some gradients differ, a loss computed apart from the one differentiated
     where every gradient matches, else unknown), or a counter the forward pass writes (``"... : the forward pass's
-    counter model.calls is 2 x the reference's: the forward pass ran 2 times a step"``). A loss factor that prints
+    counter model.calls is 2 x the reference's: the forward pass ran 2 times a step"``; one left as it was: its
+    writes dropped, never a learning rate of 0). A loss factor that prints
     as 1 is no scale: said by the loss's relative difference (:func:`_loss_nudged`). Any other form is returned
     as it is.
 
@@ -566,6 +567,14 @@ def forward_form(
         bad: the forward stage's failing leaves (the loss, ``counter model.*``).
         grads: the gradient leaves of the step (``None`` or empty: not observed).
     """
+    if form is not None and form.kind == "zero" and bad and all(e.kind == "counter" for e in bad):
+        names = ", ".join(sorted(e.path for e in bad))
+        return dataclasses.replace(
+            form,
+            sentence=f"a zero change: the candidate left the forward pass's counter {names} as it was while the "
+            "reference's step advanced it: the step dropped what its forward pass writes (no learning rate or "
+            "update is involved; an RNG stream's count left as it was draws this step's numbers again at the next)",
+        )
     if form is None or form.kind != "factor" or len({e.kind for e in bad}) != 1:
         return form
     f, head = form.factor, form.sentence.split(": ", 1)[0]

@@ -16,8 +16,9 @@ in order, with their codes:
   or floating state both steps write changed by other amounts.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
-- :func:`shard_factor` (``summed``, ``averaged_twice``, ``clip_norm``): the gradient factor is S, S^2, 1/S,
-  1/S^2, or 1/sqrt(R) for a replica count R (a clipping norm counted once per replica).
+- :func:`shard_factor` (``summed``, ``averaged_twice``, ``unreduced``, ``clip_norm``): the gradient factor is S,
+  S^2, 1/S, 1/S^2, or 1/sqrt(R) for a replica count R (a clipping norm counted once per replica); 1/S beside
+  replicas that differ is a gradient never all-reduced (``unreduced``).
 - :func:`replicated_reduced` (``replicated_reduced``): only some leaves (the replicated ones) are x R.
 - :func:`clip_coefficient` (``clip_coefficient``, ``clip_norm``, ...): the exposed gradients match, the
   optimizer's state shows the gradient it was given scaled by one factor (a clip by a norm not the global one).
@@ -499,7 +500,10 @@ class DiagnosisContext:
 
 def _detail(worst: LeafError, ratio: bool = True) -> str:
     """A failing leaf's error and (``ratio``) its update ratio, or where that is no constant factor its spread; a
-    leaf shaped otherwise in the candidate (``LeafError.cand_shape``), its two shapes."""
+    leaf shaped otherwise in the candidate (``LeafError.cand_shape``), its two shapes; a leaf in one run only
+    (``LeafError.missing``), that."""
+    if worst.missing:
+        return f"{worst.name}: in one run only"
     if worst.cand_shape is not None:
         return f"{worst.name}: shaped otherwise ({worst.cand_shape} against the reference's {worst.shape})"
     ratio = (
@@ -839,7 +843,28 @@ def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
 def shard_factor(ctx: DiagnosisContext) -> Finding:
     """``summed`` (x S or x S^2) or ``averaged_twice`` (x 1/S or x 1/S^2) at the first failing step."""
     named = ctx.named_factor
-    return None if named is None else _factor_finding(ctx, *named)
+    if named is None:
+        return None
+    if named[0] == "averaged_twice" and ctx.first.replica_mismatches and ctx.factor < 1:
+        named = ("unreduced", _unreduced_phrase(ctx))
+    return _factor_finding(ctx, *named)
+
+
+def _unreduced_phrase(ctx: DiagnosisContext) -> str:
+    """``unreduced``: a factor 1/S beside replicas that differ after the same step: the gradient was likely never all-reduced
+    (each device's own shard sum over the global count: trial 11's LayerNorm gradient left out of the psum),
+    the returned one averaged over the devices only on its way out; a mean taken twice leaves the replicas
+    equal."""
+    k = round(1 / ctx.factor)
+    axes = ctx.first.replica_axes
+    along = f" along {', '.join(repr(a) for a in axes)}" if axes else ""
+    return (
+        f"x1/{k}, and replicated leaves differ across devices{along} after this step: each device likely applied "
+        f"its own shard's share of the gradient (a sum over its own shard divided by the global count, never "
+        f"all-reduced), and the returned gradient, the average of those {k} shares, is 1/{k} of the full "
+        f"one; psum the gradients before dividing (a gradient averaged twice, the other reading of x1/{k}, "
+        f"would leave the replicas equal)"
+    )
 
 
 def clip_coefficient(ctx: DiagnosisContext) -> Finding:

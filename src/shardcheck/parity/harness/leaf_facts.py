@@ -74,11 +74,38 @@ def loss_uses(model: nnx.Module, loss_fn: Callable, batch) -> dict[str, tuple[st
     return {p: tuple(_reads(closed.jaxpr, v)) for p, v in zip(paths, closed.jaxpr.invars, strict=True)}
 
 
+def param_groups(params, tx) -> dict[str, str]:
+    """``{parameter path: label}`` of an ``optax.multi_transform`` (also one nested in a chain): the label under
+    whose inner state (``inner_states.<label>.``) the parameter's own state leaves lie, where they lie under
+    one label only; ``{}`` for another optimizer, or where its state cannot be built abstractly. A parameter
+    whose group keeps no state for it (plain SGD) has no entry."""
+    try:
+        state = jax.eval_shape(tx.init, params)
+    except Exception:  # noqa: BLE001 - a transformation that needs more than the parameters: no groups known
+        return {}
+    names = set(flatten_state(params))
+    labels: dict[str, set[str]] = {}
+    for path in flatten_state(state):
+        parts = path.split(".")
+        if "inner_states" not in parts[:-1]:
+            continue
+        at = parts.index("inner_states") + 1
+        # the parameter path the state path ends in (its longest suffix that is one)
+        owned = next(
+            (".".join(parts[i:]) for i in range(at + 1, len(parts)) if ".".join(parts[i:]) in names), None
+        )
+        if owned is not None:
+            labels.setdefault(owned, set()).add(parts[at])
+    return {p: next(iter(ls)) for p, ls in labels.items() if len(ls) == 1}
+
+
 def _facts(model: nnx.Module, task) -> dict[str, LeafFacts]:
     shared = shared_paths(model)
     uses = loss_uses(model, task.loss_fn, task.batches[0]) if task is not None and task.batches else {}
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    groups = param_groups(params, task.optimizer) if task is not None else {}
     out = {}
-    for path, leaf in flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))).items():
+    for path, leaf in flatten_state(params).items():
         spec = getattr(getattr(leaf, "sharding", None), "spec", None)
         axes: list[str] = []
         for entry in spec or ():
@@ -87,7 +114,13 @@ def _facts(model: nnx.Module, task) -> dict[str, LeafFacts]:
             axes += list(entry) if isinstance(entry, tuple) else [entry]
         paths = shared.get(path, ())
         out[path] = LeafFacts(
-            tuple(np.shape(leaf)), str(np.dtype(leaf.dtype)), tuple(axes), bool(paths), paths, uses.get(path)
+            tuple(np.shape(leaf)),
+            str(np.dtype(leaf.dtype)),
+            tuple(axes),
+            bool(paths),
+            paths,
+            uses.get(path),
+            groups.get(path),
         )
     return out
 
@@ -117,5 +150,6 @@ def leaf_facts(model: nnx.Module, task=None) -> Mapping[str, LeafFacts]:
     """``{parameter path: LeafFacts}`` of a model, built when first read: each leaf's shape, dtype, the mesh axes
     its placement splits it over (read from its ``NamedSharding``; ``()`` where it is replicated or not on a
     mesh), the paths that share it where several do (:func:`shared_paths`), and with ``task`` (a
-    :class:`~shardcheck.Task`) the operations of its loss that read it, on its first batch (:func:`loss_uses`)."""
+    :class:`~shardcheck.Task`) the operations of its loss that read it, on its first batch (:func:`loss_uses`),
+    and the parameter group of its optimizer that updates it (:func:`param_groups`)."""
     return _Lazy(lambda: _facts(model, task))

@@ -40,6 +40,7 @@ from shardcheck.parity.comparison import leaf_digest as _digest
 from shardcheck.parity.comparison.live import device_snapshot, flatten_state
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads, model_state
+from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.setup import (
     _check_state_carried,
@@ -136,7 +137,9 @@ class Recording:
             ``compute_dtype`` (the least precise compute dtype of the model's layers, read as a live check reads
             it; absent from older recordings: the replay's own stands),
             ``normalized`` (the parameters whose update the task's optimizer normalizes, :func:`normalized_params`;
-            absent from older recordings: read as every parameter).
+            absent from older recordings: read as every parameter), ``drawn`` (the RNG streams the forward pass
+            draws from, ``["rngs.noise"]``, whose counts are recorded as ``"counter model.rngs.noise.count"``;
+            absent from older recordings: no count compared).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
         shapes: each leaf's shape; dtypes: each leaf's dtype name.
@@ -366,8 +369,9 @@ def _platform(mesh=None) -> dict:
 
 
 def _start(fn, task, candidate, steps, num_shards, mesh, name):
-    """``(model, optimizer, batches, Candidate, mesh)`` of a recorded run, after every check; the state of a mesh
-    strategy is created directly in its placement (never whole on one device)."""
+    """``(model, optimizer, batches, Candidate, mesh, drawn)`` of a recorded run, after every check; the state of
+    a mesh strategy is created directly in its placement (never whole on one device); ``drawn``: the RNG streams
+    the forward pass draws from (``"rngs.noise"``: :func:`~shardcheck.task.check_model`)."""
     if not isinstance(task, Task):
         raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
     data = _task_batches(fn, task, steps)
@@ -388,16 +392,18 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     _check_state_carried(fn, candidate, updated, drawn, model)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
-    return model, optimizer, data, cand, mesh
+    return model, optimizer, data, cand, mesh, tuple(drawn)
 
 
-def _step_leaves(loss, grads, model, optimizer, view=None) -> dict[str, Any]:
-    """A step's leaves: the loss, the gradients, the state (through ``view``: :func:`state_leaves`), and the
-    integer model state the forward pass writes (``"counter model.calls"``, compared exactly as live)."""
+def _step_leaves(loss, grads, model, optimizer, view=None, drawn=()) -> dict[str, Any]:
+    """A step's leaves: the loss, the gradients, the state (through ``view``: :func:`state_leaves`), the
+    integer model state the forward pass writes (``"counter model.calls"``) and the count of each RNG stream it
+    draws from (``drawn``: ``"counter model.rngs.noise.count"``), compared exactly as live."""
     leaves = {} if loss is None else {"loss": loss}
     if grads is not None:
         leaves.update({f"grad {p}": g for p, g in flatten_state(grads).items()})
     written = {f"counter {MODEL_PREFIX}{p}": a for p, a in model_state(model).items()}
+    written |= {f"counter {MODEL_PREFIX}{s}.count": c for s, c in rng_count_arrays(model, drawn).items()}
     return leaves | state_leaves(model, optimizer, view) | floating_leaves(model) | written
 
 
@@ -487,7 +493,7 @@ def record_run(
             f"record_run: name must be a non-empty str (the run's name in the recording), got {name!r}"
         )
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
-    model, optimizer, data, cand, mesh = _start(fn, task, candidate, steps, num_shards, mesh, name)
+    model, optimizer, data, cand, mesh, drawn = _start(fn, task, candidate, steps, num_shards, mesh, name)
     reads = loss_reads(task.loss_fn, model, data[0])  # the floating state the loss reads (before any step)
     policy, compute = _precision(fn, task, model, data[0], mesh, matmul_precision, compute_dtype)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
@@ -517,11 +523,11 @@ def record_run(
             truth.pop(t, None)
         if peaks is not None and (t in truth or returned):  # the task's gradient where taken, else the step's
             least[t] = (peaks.least if t in truth else peaks.raise_by(flatten_state(grads))), peaks.sampled
-        leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer)
+        leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer, drawn)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
-    recording.meta.update(matmul_precision=policy, compute_dtype=compute)
+    recording.meta.update(matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
     recording.meta["normalized"] = normalized_params(task, model)
     recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_reads
     for t, found in truth.items():

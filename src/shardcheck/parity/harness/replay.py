@@ -183,14 +183,20 @@ def loss_weight(task: Task, step: int) -> float | None:
 def model_facts(fn: str, facts: tuple, task: Task) -> tuple:
     """The recorded ``(parameter path, LeafFacts)`` with what the task's model shows beside them, as a live check
     reads it (:func:`~shardcheck.parity.harness.leaf_facts.leaf_facts` of its abstract model, nothing allocated):
-    the paths that share a tied leaf and the operations of the loss that read each leaf."""
+    the paths that share a tied leaf, the operations of the loss that read each leaf and its optimizer's
+    parameter group."""
     from shardcheck.memory.state import abstract_training_state
     from shardcheck.parity.harness.leaf_facts import leaf_facts
 
     model, _ = abstract_training_state(fn, task)
     live = leaf_facts(model, task)
     return tuple(
-        (p, dataclasses.replace(f, tied=live[p].tied, shared_by=live[p].shared_by, uses=live[p].uses))
+        (
+            p,
+            dataclasses.replace(
+                f, tied=live[p].tied, shared_by=live[p].shared_by, uses=live[p].uses, group=live[p].group
+            ),
+        )
         if p in live
         else (p, f)
         for p, f in facts
@@ -223,12 +229,14 @@ def with_optimizer_rerun(
         return report
     record = next(r for r in report.steps if r.step == where.step)
     found = _rerun_at(record, candidate, task, mesh, num_shards, name, fn)
-    if found is None:
+    if found is None or (found[0] is None and not found[1]):
         return report
-    rerun, arrays = found
-    with_rerun = dataclasses.replace(record, optimizer_rerun=rerun)
-    forms = _optimizer_form(with_rerun, arrays)
-    with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
+    rerun, matches, arrays = found
+    with_rerun = dataclasses.replace(record, matches=record.matches + matches)
+    if rerun is not None:
+        with_rerun = dataclasses.replace(with_rerun, optimizer_rerun=rerun)
+        forms = _optimizer_form(with_rerun, arrays)
+        with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
     steps = tuple(with_rerun if r is record else r for r in report.steps)
     found = rules(steps) if rules else _without_refuted_drift(report.diagnoses, steps, report.num_shards)
     cause = " ".join(d.message for d in found if d.code not in QUIET) if found != report.diagnoses else None
@@ -259,41 +267,80 @@ def _without_refuted_drift(diagnoses: tuple, steps: tuple, num_shards) -> tuple:
 
 
 def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
-    """``(LeafErrors, arrays)`` of the optimizer rerun at ``record``'s step (the rerun the reference, the
-    candidate's state after the step the candidate; ``arrays``: ``(before, rerun, after)`` flat ``{path: array}``
-    of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds or ``None``), or
-    ``None`` where it cannot run."""
+    """``(LeafErrors, matches, arrays)`` at ``record``'s step: the optimizer rerun (the rerun the reference, the
+    candidate's state after the step the candidate), or ``None`` where the step returns no gradients or the
+    transformation needs more than ``(grads, state, params)``; ``matches``: ``("per_shard_mean",)`` where the
+    candidate's state after the step is the mean of per-shard means' step from its state before, as a live
+    check's hypothesis finds it, else empty; ``arrays``: ``(before, rerun, after)`` flat ``{path: array}`` of
+    parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds, or ``None`` with no
+    rerun. ``None`` where the candidate's optimizer state is not the task's by path."""
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.parity.harness.candidates import run_step
-    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _rerun, known_lr
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr
     from shardcheck.parity.harness.recorded import _start
     from shardcheck.parity.harness.state import _default_view
 
     t = record.step
-    model, optimizer, data, cand, mesh = _start(fn, task, candidate, t + 1, num_shards, mesh, name)
+    model, optimizer, data, cand, mesh, _ = _start(fn, task, candidate, t + 1, num_shards, mesh, name)
     view = cand.view_optimizer or _default_view  # the candidate's optimizer state as the task's
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     for s in range(t):
         run_step(fn, cand, model, optimizer, data[s], kwargs, s)
-    params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))  # the step may donate them
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = jax.tree.map(jnp.copy, (nnx.as_pure(params), rest))  # the step may donate them
     like = jax.eval_shape(task.optimizer.init, params)  # the task's optimizer state, by path
     state = _rebuild(like, flatten_state(jax.tree.map(jnp.copy, nnx.as_pure(view(optimizer)[0]))))
     _, grads = run_step(fn, cand, model, optimizer, data[t], kwargs, t)
-    grads = None if grads is None else _rebuild(params, flatten_state(nnx.as_pure(grads)))
-    if grads is None or state is None:
-        return None
-    try:
-        rerun = _rerun(task.optimizer, params, state, grads)
-    except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params)
+    if state is None:
         return None
     after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
+    alt = _per_shard_mean(task, num_shards, graphdef, params, rest, state, data[t])
+    reproduced = alt is not None and all(e.ok for e in _compared(record, alt, after, (params, state)))
+    matches = ("per_shard_mean",) if reproduced else ()
+    rerun = _rerun_from(task, params, state, grads)
+    if rerun is None:
+        return None, matches, None
     arrays = tuple(
         {**flatten_state(p), **{f"opt_state {k}": v for k, v in flatten_state(o).items()}}
         for p, o in ((params, state), rerun, after)
     )
-    return _compared(record, rerun, after, (params, state)), (*arrays, known_lr(state))
+    return _compared(record, rerun, after, (params, state)), matches, (*arrays, known_lr(state))
+
+
+def _rerun_from(task: Task, params, state, grads):
+    """``(params, opt_state)`` after the task's optimizer step on the candidate's returned ``grads`` (rebuilt
+    by path), or ``None`` where it returned none or the transformation needs more than ``(grads, state,
+    params)``."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _rerun
+
+    grads = None if grads is None else _rebuild(params, flatten_state(nnx.as_pure(grads)))
+    if grads is None:
+        return None
+    try:
+        return _rerun(task.optimizer, params, state, grads)
+    except (TypeError, ValueError):
+        return None
+
+
+def _per_shard_mean(task: Task, num_shards, graphdef, params, rest, opt_state, batch):
+    """``(params, opt_state)`` after the task's optimizer step on the mean of per-shard means from the
+    candidate's own state before the step (the live check's ``per_shard_mean`` hypothesis, from the state the
+    replay starts the step at), or ``None`` for a mean loss, one shard, or a rest the hypothesis cannot merge."""
+    from shardcheck.parity.diagnosis.hypotheses import _per_shard_mean_params
+
+    if not num_shards or num_shards < 2 or loss_weight(task, 0) is None:
+        return None
+    try:
+        return _per_shard_mean_params(
+            task.loss_fn, num_shards, graphdef, task.optimizer, params, rest, opt_state, batch
+        )
+    except (TypeError, ValueError):
+        return None
 
 
 def _optimizer_form(record, arrays) -> tuple:
