@@ -47,7 +47,10 @@ class Candidate:
         step: ``(model, optimizer, batch, **kw) -> loss | result``, updating both in place. A result with
             ``.loss`` (and optionally ``.grads``) exposes more to compare; ``kw`` holds ``mesh=`` when
             ``pass_mesh``.
-        num_shards: S, to recognise update ratios S and 1/S (``None``: recognised from any integer ratio).
+        num_shards: S, to recognise update ratios S and 1/S and to rerun the mean of per-shard means (the
+            ``normalization`` diagnosis) on S shards. ``None``: the check's own ``num_shards`` (``check_parity``'s,
+            or its mesh's batch shards); with neither, ratios are recognised from any integer and no
+            per-shard-mean step is tried.
         make_optimizer: builds the candidate's optimizer from its model copy and a copy of the reference's
             optimizer (gradient accumulation wraps the transformation in ``optax.MultiSteps``).
         view_optimizer: ``optimizer -> (opt_state tree matching the reference's, update count)``; default:
