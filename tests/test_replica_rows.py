@@ -58,7 +58,13 @@ def test_a_replica_only_failure_has_its_own_row_and_is_the_summarys_worst():
         ["candidate", "FAIL", f"replicas: {cell}", "-", "-", "-", "replicas_differ"]
     ]
     d = report.to_dict()
-    assert d["replica_failure"] == {"step": 1, "leaf": "opt_state 0.mu.b", "leaves": 2, "axes": ["model"]}
+    assert d["replica_failure"] == {
+        "step": 1,
+        "leaf": "opt_state 0.mu.b",
+        "leaves": 2,
+        "axes": ["model"],
+        "downstream": "",
+    }
     # the existing fields keep their meaning: the worst leaf by error / tolerance, every mismatched leaf
     assert d["worst_leaf"] == "opt_state 0.mu.w" and d["replica_mismatches"] == [
         "opt_state 0.mu.b",

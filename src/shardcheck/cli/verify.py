@@ -672,8 +672,10 @@ def render_report(report, setup: str, against: str | None = None):
 
 def _replica_cell(replicas) -> str:
     """The leaf cell of a replica failure (:class:`~shardcheck.parity.report.ReplicaFailure`):
-    ``"opt_state 1.0.mu.bias (40 leaves along 'model' differ across devices)"``."""
-    return f"{replicas.leaf} ({replicas.text()} differ across devices)"
+    ``"opt_state 1.0.mu.bias (40 leaves along 'model' differ across devices)"``, and where the gradients show
+    the unreduced leaves, ``"...; 30 of them only downstream of the 2 whose gradients differ)"``."""
+    tail = f"; {replicas.downstream}" if replicas.downstream else ""
+    return f"{replicas.leaf} ({replicas.text()} differ across devices{tail})"
 
 
 def render_summary(reports, setup: str):

@@ -8,6 +8,7 @@ from typing import Any
 
 from shardcheck.parity.diagnosis.evidence import KINDS, Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.localization import Localization
+from shardcheck.parity.diagnosis.topology import downstream_note, replicas_root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +21,16 @@ class ReplicaFailure:
         leaf: the first mismatched leaf of that step, by ``LeafError.name`` (``"opt_state 1.0.mu.bias"``).
         leaves: how many leaves of that step mismatch.
         axes: the mesh axes along which their copies differ (``StepRecord.replica_axes``); ``()`` where unknown.
+        downstream: ``""``, or where the gradients show which leaves were left unreduced, how many of the others
+            differ only downstream of them (``topology.downstream_note``: ``"30 of them only downstream of the 2
+            whose gradients differ"``; ``leaf`` is then one whose gradient differs).
     """
 
     step: int
     leaf: str
     leaves: int
     axes: tuple[str, ...] = ()
+    downstream: str = ""
 
     def text(self) -> str:
         """``"40 leaves along 'model'"`` (``"1 leaf"`` with no axes known)."""
@@ -33,8 +38,14 @@ class ReplicaFailure:
         return count + (f" along {', '.join(repr(a) for a in self.axes)}" if self.axes else "")
 
     def to_dict(self) -> dict:
-        """``step``, ``leaf``, ``leaves`` and ``axes`` (a list)."""
-        return {"step": self.step, "leaf": self.leaf, "leaves": self.leaves, "axes": list(self.axes)}
+        """``step``, ``leaf``, ``leaves``, ``axes`` (a list) and ``downstream``."""
+        return {
+            "step": self.step,
+            "leaf": self.leaf,
+            "leaves": self.leaves,
+            "axes": list(self.axes),
+            "downstream": self.downstream,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +192,10 @@ class ParityReport:
         record = next((r for r in self.steps if r.replica_mismatches), None)
         if record is None:
             return None
-        mismatches = record.replica_mismatches
-        return ReplicaFailure(record.step, mismatches[0], len(mismatches), tuple(record.replica_axes))
+        mismatches = replicas_root(record)
+        return ReplicaFailure(
+            record.step, mismatches[0], len(mismatches), tuple(record.replica_axes), downstream_note(record)
+        )
 
     @property
     def only_replicas_fail(self) -> bool:

@@ -41,6 +41,7 @@ from shardcheck.parity.diagnosis.grouping import (
     words_and,
 )
 from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
+from shardcheck.parity.diagnosis.topology import downstream_note, replicas_root
 
 STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")
 DIFFERS, MATCHES, NOT_OBSERVED = "differs", "matches", "not observed"
@@ -301,8 +302,11 @@ def _stage_result(
     if stage == "replicas":
         if record.replica_mismatches:
             axes = f" along {', '.join(repr(a) for a in record.replica_axes)}" if record.replica_axes else ""
-            first = record.replica_mismatches[0]
-            note = f"{len(record.replica_mismatches)} leaves{axes}, e.g. {first}"
+            first = replicas_root(record)[0]
+            downstream = downstream_note(record)
+            note = f"{len(record.replica_mismatches)} leaves{axes}, e.g. {first}" + (
+                f"; {downstream}" if downstream else ""
+            )
             return StageResult(stage, DIFFERS, failing=len(record.replica_mismatches), note=note)
         return StageResult(stage, MATCHES if replicas_observed else NOT_OBSERVED)
     if not leaves:

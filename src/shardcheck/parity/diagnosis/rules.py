@@ -79,6 +79,8 @@ from shardcheck.parity.diagnosis.topology import (
     model_axes_of_size,
     model_axis_factor,
     replica_counts,
+    replicas_by_gradient,
+    replicas_root,
     replicated_reduced_message,
 )
 
@@ -592,7 +594,7 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
     r = next((r for r in ctx.records if r.replica_mismatches), None)
     if r is None:
         return None
-    leaf = _replicas_root(r)[0]
+    leaf = replicas_root(r)[0]
     return Diagnosis(
         "replicas_differ",
         f"Replicas differ across devices: {leaf} holds different values on different devices after "
@@ -612,24 +614,13 @@ def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
         return None
     grads = [e for e in r.leaves if e.kind == "grad"]
     after = bool(grads) and all(e.ok for e in r.leaves if e.kind in ("loss", "grad"))
-    leaves = _replicas_root(r)
+    unreduced, own, downstream = replicas_by_gradient(r)
+    leaves = own + downstream
     return Diagnosis(
         "wrong_axis_reduction",
-        missed_axes_message(r.step, leaves, r.replica_axes, ctx.mesh_shape, after),
+        missed_axes_message(r.step, leaves, r.replica_axes, ctx.mesh_shape, after, unreduced),
         leaves[0],
     )
-
-
-def _replicas_root(record: StepRecord) -> list[str]:
-    """The leaves whose copies differ, those whose own gradient differs at that step first: the copies of a leaf
-    whose gradient matched parted only through others (a global-norm clip of gradients that differ elsewhere),
-    so it is no example of the leaf that was left unreduced."""
-    bad = {e.path for e in record.leaves if e.kind == "grad" and not e.ok}
-
-    def own(name: str) -> bool:  # "param a.b", or optimizer state "opt_state 0.mu.a.b"
-        return any(name.endswith((" " + p, "." + p)) for p in bad)
-
-    return sorted(record.replica_mismatches, key=lambda n: not own(n))
 
 
 def replicated_reduced(ctx: DiagnosisContext) -> Finding:

@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardcheck.mesh import batch_axis_names
+from shardcheck.parity.diagnosis.evidence import StepRecord
 from shardcheck.parity.diagnosis.grouping import n_leaves
 
 
@@ -240,12 +241,72 @@ def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tu
     return None
 
 
+def _owns(name: str, path: str) -> bool:
+    """Whether the leaf ``name`` (``"param a.b"``, optimizer state ``"opt_state 0.mu.a.b"``) is parameter ``path``'s."""
+    return name.endswith((" " + path, "." + path))
+
+
+def replicas_by_gradient(record: StepRecord) -> tuple[list[str], list[str], list[str]]:
+    """``(unreduced, own, downstream)`` for the leaves whose copies differ (``record.replica_mismatches``):
+    the gradient paths that fail at that step and own some of them, those leaves, and the others.
+
+    A leaf whose own gradient matched the reference's while its copies differ parted only downstream of the
+    failing gradients (an update that reads every gradient: a global-norm clip of gradients left unreduced
+    elsewhere differs per device); it is no example of a gradient left unreduced. ``([], [], all)`` where the
+    step compared no gradient, or none of the failing gradients is a leaf whose copies differ.
+    """
+    failing = sorted({e.path for e in record.leaves if e.kind == "grad" and not e.ok})
+    names = record.replica_mismatches
+    unreduced = [p for p in failing if any(_owns(n, p) for n in names)]
+    own = [n for n in names if any(_owns(n, p) for p in unreduced)]
+    return unreduced, own, [n for n in names if n not in own]
+
+
+def replicas_root(record: StepRecord) -> list[str]:
+    """The leaves whose copies differ, those whose own gradient differs at that step first
+    (:func:`replicas_by_gradient`): the first names a leaf that was left unreduced where the gradients show one."""
+    _, own, downstream = replicas_by_gradient(record)
+    return own + downstream
+
+
+def downstream_note(record: StepRecord) -> str:
+    """``"30 of them only downstream of the 2 whose gradients differ"`` (one: ``"... the 1 whose gradient
+    differs"``) where some leaves whose copies differ have gradients that match the reference's beside leaves
+    whose gradients differ; ``""`` otherwise."""
+    unreduced, own, downstream = replicas_by_gradient(record)
+    if not own or not downstream:
+        return ""
+    whose = "whose gradient differs" if len(unreduced) == 1 else "whose gradients differ"
+    return f"{len(downstream)} of them only downstream of the {len(unreduced)} {whose}"
+
+
+def _downstream_sentence(unreduced: Sequence[str], downstream: Sequence[str], missed: str) -> str:
+    """What the leaves whose gradients matched while their copies differ are: downstream of ``unreduced``."""
+    return (
+        f" The other {n_leaves(len(downstream))} whose copies differ have gradients that match the reference's: "
+        f"their copies differ across {missed} only downstream of {'it' if len(unreduced) == 1 else 'those'}, "
+        "through an update that reads every gradient (a global-norm clip such as optax.clip_by_global_norm, a "
+        "global norm), which each device "
+        "computed from its own copies of the unreduced gradients; they agree once those are reduced. Not "
+        f"reduced: {name_leaves([f'grad {p}' for p in unreduced])}; differ only downstream: "
+        f"{name_leaves(downstream)}."
+    )
+
+
 def missed_axes_message(
-    step: int, leaves: Sequence[str], missed: Sequence[str], mesh_shape, after_gradients: bool = False
+    step: int,
+    leaves: Sequence[str],
+    missed: Sequence[str],
+    mesh_shape,
+    after_gradients: bool = False,
+    unreduced: Sequence[str] = (),
 ) -> str:
     """The ``wrong_axis_reduction`` message: the copies of ``leaves`` differ along ``missed`` only.
     ``after_gradients``: the loss and every gradient the step returns matched the reference's at that step, so
-    the copies parted after them (no forward or gradient reduction is blamed)."""
+    the copies parted after them (no forward or gradient reduction is blamed). ``unreduced``: the gradient
+    paths that differ at that step and own some of ``leaves`` (:func:`replicas_by_gradient`): named as the ones
+    not reduced, the leaves they do not own as differing only downstream of them; ``()`` (the gradients not
+    observed, or every leaf's own) blames every leaf's gradient."""
     batch, model = axis_roles(mesh_shape)
     axes = tuple(mesh_shape or {})
     done = _axes_text(a for a in axes if a not in missed)
@@ -253,7 +314,17 @@ def missed_axes_message(
         f"After step {step} the copies of {leaves[0]} differ along mesh axis {_axes_text(missed)} and agree "
         f"along {done}"
     )
-    affected = f" Affected: {name_leaves(leaves)}."
+    downstream = [n for n in leaves if not any(_owns(n, p) for p in unreduced)]
+    split = bool(unreduced) and bool(downstream) and not after_gradients
+    affected = (
+        _downstream_sentence(unreduced, downstream, _axes_text(missed))
+        if split
+        else f" Affected: {name_leaves(leaves)}."
+    )
+    which = "the gradients were"
+    if split:
+        which = f"the gradient{'' if len(unreduced) == 1 else 's'} of {name_leaves(unreduced)} "
+        which += "was" if len(unreduced) == 1 else "were"
     if after_gradients:
         m = _axes_text(missed)
         return (
@@ -272,7 +343,7 @@ def missed_axes_message(
             else f"{_axes_text(batch)} (and replicated over {_axes_text(model)})"
         )
         return (
-            f"{head}: the gradients were not reduced over {_axes_text(missed)} (reduced over {done} only, or over "
+            f"{head}: {which} not reduced over {_axes_text(missed)} (reduced over {done} only, or over "
             f"no axis where the step does not split the batch over {done}), though the batch is split over "
             f"{where}. Reduce over all of the batch axes (jax.lax.psum(g, {batch!r}), or a "
             f"psum_scatter over the split axis and a psum over the others).{affected}"
