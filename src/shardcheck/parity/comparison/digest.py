@@ -61,7 +61,8 @@ import numpy as np
 
 from shardcheck.parity.comparison.leaf_digest import SAMPLES
 from shardcheck.parity.comparison.live import spread_ranks
-from shardcheck.parity.comparison.state_digest import read_paths, state_evidence
+from shardcheck.parity.comparison.partial_write import SAMPLED
+from shardcheck.parity.comparison.state_digest import PART_EVIDENCE, kept_samples, read_paths, state_evidence
 from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -75,7 +76,8 @@ from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, SAFETY_FACTOR, der
 
 EPS32 = float(np.finfo(np.float32).eps)
 STRUCTURAL = ("missing", "shape", "dtype", "sharding")
-_STATE_EVIDENCE = ("update", "change at a sample", "not compared")  # a state leaf's own rule (state_digest)
+# a state leaf's own rule (state_digest)
+_STATE_EVIDENCE = ("update", "change at a sample", "not compared", PART_EVIDENCE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1046,9 +1048,14 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
     r = pair.leaf("recorded", e.step, e.name)
     change = r.update if kind in ("param", "state") and e.step >= 0 and math.isfinite(r.update) else None
-    return LeafError(
+    leaf = LeafError(
         e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape, samples
     )
+    if e.evidence != PART_EVIDENCE:
+        return leaf
+    was = (pair.leaf("recorded", e.step - 1, e.name), pair.leaf("replayed", e.step - 1, e.name))
+    found = kept_samples((r, pair.leaf("replayed", e.step, e.name)), was)
+    return leaf if found is None else dataclasses.replace(leaf, kept=(found[0], found[1], SAMPLED))
 
 
 def _facts(recording: Recording) -> tuple[tuple[str, LeafFacts], ...]:

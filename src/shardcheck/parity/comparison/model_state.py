@@ -22,7 +22,9 @@ Two kinds of it, as the Flax NNX docs write them:
     derived for such state (a running average of batch statistics goes through reductions whose order a sharded
     step changes, and rounds at each step), so only a difference no rounding can make is flagged: a momentum
     0.99 in place of 0.9 (a tenth of the change), a statistic computed another way;
-  - the reference's step writes it and the candidate's leaves it exactly as it was: the writes were dropped.
+  - the reference's step writes it and the candidate's leaves it exactly as it was: the writes were dropped;
+    where it leaves part of it so (some rows) and writes the rest as the reference does, a write that covers
+    part of the leaf only (``LeafError.kept``, :mod:`~shardcheck.parity.comparison.partial_write`).
 
 RNG streams are not compared here. The count of a stream the forward pass draws from (a VAE's ``eps``, Dropout) is
 compared exactly by :mod:`shardcheck.parity.comparison.rng_counts` (a step that does not write it back draws the
@@ -41,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck.parity.comparison.live import counter_error, is_int, to_host
+from shardcheck.parity.comparison.partial_write import partial_write
 from shardcheck.parity.diagnosis.evidence import LeafError
 
 COARSE = 0.5
@@ -197,9 +200,10 @@ def _both_written(step, path, ref: tuple, cand: tuple) -> LeafError:
         diff = np.abs(dc - dr)
     err = float(np.max(diff, initial=0.0)) if not np.isnan(diff).any() else math.nan
     allowed = COARSE * top
-    return LeafError(
+    leaf = LeafError(
         step, "state", PREFIX + path, err, err / top, allowed, err <= allowed, moved / top, top, None, r.shape
     )
+    return leaf if leaf.ok else dataclasses.replace(leaf, kept=partial_write(r0, r, c, c0))
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

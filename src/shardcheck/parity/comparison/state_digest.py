@@ -9,7 +9,8 @@ update size ``max|x_t - x_{t-1}|`` and its fixed-index samples).
   (``allowed`` inf): the recorded run's step does not write it (an EMA the user's step keeps).
 - The recorded step wrote it: its change compared coarsely (the update sizes, and the change at each sample),
   within :data:`~shardcheck.parity.comparison.model_state.COARSE` of the recorded update size; a replayed
-  update size of exactly 0 is the writes dropped (ratio 0).
+  update size of exactly 0 is the writes dropped (ratio 0); some recorded samples left exactly as they were and
+  the others changed as recorded is a write of part of the leaf (:func:`kept_samples`), a FAIL however small.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from shardcheck.parity.comparison.model_state import COARSE, PREFIX
+from shardcheck.parity.comparison.partial_write import MATCH_RTOL
 
 
 def read_paths(*metas: Mapping) -> frozenset[str] | None:
@@ -51,6 +53,9 @@ def state_evidence(name: str, now: tuple, was: tuple, read: frozenset[str] | Non
     allowed, ratio = COARSE * r.update, c.update / r.update
     if c.update == 0:  # left exactly as it was: the writes dropped
         return ("update", r.update, 0.0, r.update, allowed, False, 0.0)
+    kept = kept_samples(now, was)  # part of it left exactly as it was (a recorded change, replayed 0)
+    if kept is not None:
+        return (PART_EVIDENCE, kept[2], 0.0, kept[2], MATCH_RTOL * r.update, False, ratio)
     err, evidence, rec, rep = abs(c.update - r.update), "update", r.update, c.update
     both = r.sampled & r0.sampled & np.isfinite(r.samples - r0.samples) & np.isfinite(c.samples - c0.samples)
     if both.any():
@@ -62,4 +67,32 @@ def state_evidence(name: str, now: tuple, was: tuple, read: frozenset[str] | Non
     return (evidence, rec, rep, err, allowed, bool(err <= allowed), ratio)
 
 
-__all__ = ["read_paths", "state_evidence"]
+PART_EVIDENCE = "part left as it was"
+"""The evidence of a state leaf whose replayed step left some recorded samples exactly as they were
+(:func:`kept_samples`)."""
+
+
+def kept_samples(now: tuple, was: tuple) -> tuple[int, int, float] | None:
+    """``(kept, usable, change)`` where the replayed step left ``kept`` of the leaf's ``usable`` recorded samples
+    bitwise as they were while the recorded step changed them by more than
+    :data:`~shardcheck.parity.comparison.partial_write.MATCH_RTOL` of its update size (``change``: the largest
+    such recorded change), and changed the other samples as recorded (within that fraction), with a nonzero
+    update size: a write that covers part of the leaf only (one shard's rows), as the live
+    :func:`~shardcheck.parity.comparison.partial_write.partial_write` reads it from every element; ``None``
+    otherwise. ``now``, ``was``: as :func:`state_evidence`'s."""
+    (r, c), (r0, c0) = now, was
+    if not (c.update > 0 and r.update > 0):
+        return None
+    with np.errstate(invalid="ignore"):
+        dr, dc = r.samples - r0.samples, c.samples - c0.samples
+        usable = r.sampled & r0.sampled & np.isfinite(dr) & np.isfinite(dc)
+        left = usable & (c.samples == c0.samples) & (np.abs(dr) > MATCH_RTOL * r.update)
+        rest = usable & ~left
+    if not left.any() or not (rest & (dc != 0)).any():
+        return None
+    if float(np.max(np.abs(dc - dr)[rest], initial=0.0)) > MATCH_RTOL * r.update:
+        return None
+    return int(left.sum()), int(usable.sum()), float(np.max(np.abs(dr[left])))
+
+
+__all__ = ["PART_EVIDENCE", "kept_samples", "read_paths", "state_evidence"]

@@ -60,6 +60,10 @@ class LeafError:
         missing: the leaf is in one run only (a replay's ``missing`` evidence: a multi_transform whose labels
             differ keeps state for other leaves); it fails with ``max_abs_err`` inf and is said as missing, never
             as not finite.
+        kept: ``state`` leaves both steps write: ``(kept, size, where)`` where the candidate's step left ``kept``
+            of its ``size`` elements exactly as they were while the reference's changed them and wrote the others
+            as the reference did (``where``: ``"rows 4..7 of axis 0"`` for one contiguous block along one axis,
+            else ``""``; :func:`shardcheck.parity.comparison.partial_write.partial_write`), else ``None``.
     """
 
     step: int
@@ -76,6 +80,7 @@ class LeafError:
     samples: int | None = None
     cand_shape: tuple[int, ...] | None = None
     missing: bool = False
+    kept: tuple[int, int, str] | None = None
 
     @property
     def name(self) -> str:

@@ -18,6 +18,11 @@ step: the reference's value before and after the step and the candidate's after 
 - ``decay``: ``dc - dr = a param`` (one coefficient ``a`` over the leaves, residual within :data:`FIT_RTOL`): a
   decoupled weight decay term ``c*lr*param`` applied or skipped, said with ``c = a / lr`` where the learning rate
   is known, else with ``c*lr = a``;
+- ``partial``: an update of part of each leaf only: some elements left exactly as they were where the reference
+  moved them, the others as the reference's (:func:`~shardcheck.parity.comparison.partial_write.partial_write`);
+- ``state_decay``: every failing leaf is optimizer state whose difference is ``c param`` (``state_params``: the
+  matching parameter before the step), one ``c``: a coupled weight decay (``add_decayed_weights`` before the
+  optimizer) applied on one side only, read where the parameters do not show it (a learning rate of 0);
 - ``none``: no simple form (the worst leaf's ratio spread said).
 
 A leaf whose candidate array is shaped otherwise than the reference's (an optimizer configured otherwise:
@@ -43,7 +48,7 @@ from shardcheck.parity.diagnosis.evidence import (
     one_factor_across,
     percentiles,
 )
-from shardcheck.parity.diagnosis.grouping import n_leaves
+from shardcheck.parity.diagnosis.grouping import n_leaves, words_and
 
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
 # within this fraction of its size
@@ -71,8 +76,11 @@ FORMS = (
     "clip",
     "extra_step",
     "decay",
+    "partial",
+    "state_decay",
     "replicas",
     "state_amount",
+    "state_partial",
     "shape",
     "none",
 )
@@ -89,10 +97,10 @@ class Form:
             ``replicas``: the mean of the copies' changes over the reference's, where one form holds on every
             leaf), else ``None``.
         spread: ``(lo, hi)``: the widest 10th-90th percentile of the per-leaf ratios (``factor``; ``replicas``:
-            the copies' largest disagreement over the reference's largest change, least and most over the leaves),
-            else ``None``.
-        coefficient: the decay coefficient (``decay``: ``a / lr``, or ``a`` where ``lr`` is unknown), else
-            ``None``.
+            the copies' largest disagreement over the reference's largest change, least and most over the leaves;
+            ``state_decay``: each leaf's own ``|c|``, least and most), else ``None``.
+        coefficient: the decay coefficient (``decay``: ``a / lr``, or ``a`` where ``lr`` is unknown;
+            ``state_decay``: ``|c|``), else ``None``.
         groups: ``per_group``: ``((factor, (paths...)), ...)``, else ``()``.
         leaves: how many leaves the fit read.
     """
@@ -150,6 +158,7 @@ def fit_form(
     optimizer_stage: bool = False,
     update: bool = True,
     tol: Mapping[str, float] | None = None,
+    state_params: Mapping[str, np.ndarray] | None = None,
 ) -> Form:
     """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
 
@@ -167,6 +176,9 @@ def fit_form(
             a factor then fits a leaf whose ratio spreads by no more than that tolerance's rounding allows
             (:func:`factor_within`); without it, only one whose 10th-90th percentile lies within
             :data:`FIT_RTOL`.
+        state_params: ``{"opt_state <path>": the matching parameter's value before the step}`` for the
+            optimizer-state leaves (same shape), where known: a difference ``c param`` on every failing leaf, one
+            ``c``, is then read as a coupled weight decay (``state_decay``, :func:`state_decay`).
 
     Returns:
         The :class:`Form`.
@@ -197,6 +209,8 @@ def fit_form(
         _zero_or_flip(f64, update)
         or _factor(f64, optimizer_stage, update, tol or {})
         or _decay(f64, lr)
+        or (_partial(f64, tol or {}) if update else None)
+        or state_decay(f64, state_params or {})
         or _no_form(f64)
     )
 
@@ -295,7 +309,8 @@ def _state_form(bad: list[LeafError]) -> Form:
     """The form of failing non-parameter floating state (``state model.<path>``,
     :mod:`shardcheck.parity.comparison.model_state`): moved where the reference's step leaves it (a frozen weight
     trained); left exactly as it was where the reference's step writes it (``ratio`` 0: the writes dropped);
-    written by both steps, by amounts further apart than the coarse bound (``state_amount``)."""
+    part of it left exactly as it was and the rest written as the reference does (``state_partial``); written by
+    both steps, by amounts further apart than the coarse bound (``state_amount``)."""
     n, top = len(bad), max(e.max_abs_err for e in bad)
     what, it, they = ("this leaf", "it", "it") if n == 1 else (f"these {n} leaves", "them", "they")
     was = "was" if n == 1 else "were"
@@ -317,6 +332,8 @@ def _state_form(bad: list[LeafError]) -> Form:
             factor=0.0,
             leaves=n,
         )
+    if all(e.kept for e in bad):
+        return _state_partial(bad)
     if all(e.reference_change and e.ratio for e in bad):
         lo, hi = min(e.ratio for e in bad), max(e.ratio for e in bad)
         size = f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g} to {hi:.3g}"
@@ -333,6 +350,31 @@ def _state_form(bad: list[LeafError]) -> Form:
         )
     return Form(
         "none", f"no simple form: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n
+    )
+
+
+PARTIAL_MEANING = (
+    "a write that covers part of the leaf only (one shard's rows written back, the others' dropped: a jnp.where "
+    "that keeps the old rows, or a write of one device's local block)"
+)
+"""What a write of part of a leaf means (``state_partial``, ``LeafError.kept``)."""
+
+
+def _state_partial(bad: list[LeafError]) -> Form:
+    """``state_partial``: the candidate left part of each leaf exactly as it was (``LeafError.kept``) where the
+    reference's step changed it, and wrote the rest as the reference did."""
+    from shardcheck.parity.comparison.partial_write import MATCH_RTOL, SAMPLED, said
+
+    n = len(bad)
+    others = "recorded samples" if all(e.kept[2] == SAMPLED for e in bad) else "elements"
+    what = "this leaf" if n == 1 else f"these {n} leaves"
+    parts = words_and([said(e.path, e.kept) for e in bad])
+    return Form(
+        "state_partial",
+        f"part of the leaf left as it was: the candidate's step left part of {what} of non-parameter state "
+        f"exactly as it was where the reference's step changed it, {parts}; the other {others} match (within "
+        f"{MATCH_RTOL:g} of the reference's largest change): {PARTIAL_MEANING}",
+        leaves=n,
     )
 
 
@@ -540,6 +582,74 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
         "leaf whose value is 0, such as a bias still at its zero init: matching leaves of zeros may be decayed "
         "too)",
         coefficient=abs(coef),
+        leaves=n,
+    )
+
+
+def _partial(f64: dict, tol: Mapping[str, float]) -> Form | None:
+    """``partial``: on every failing leaf the candidate left some elements exactly as they were where the
+    reference moved them, and moved the others as the reference did (within the leaf's tolerance, else
+    :data:`~shardcheck.parity.comparison.partial_write.MATCH_RTOL` of its largest change): an update applied to
+    part of the leaf only (:func:`~shardcheck.parity.comparison.partial_write.partial_write`)."""
+    from shardcheck.parity.comparison.partial_write import partial_write, said
+
+    kept = {p: partial_write(b, b + dr, b + dc, match=tol.get(p) or None) for p, (b, dr, dc) in f64.items()}
+    if any(k is None for k in kept.values()):
+        return None
+    n = len(f64)
+    return Form(
+        "partial",
+        f"part of the update left out: the candidate left {words_and([said(p, k) for p, k in kept.items()])} "
+        "exactly as they were where the reference moved them; the other elements match (within their "
+        "tolerance): an update that covers part of the leaf only (one shard's rows applied, the others' "
+        "dropped)",
+        leaves=n,
+    )
+
+
+def state_decay(f64: Mapping[str, tuple], params: Mapping[str, np.ndarray]) -> Form | None:
+    """``state_decay``: every failing leaf is optimizer state (a momentum trace, Adam's ``mu``) whose difference
+    from the reference's is ``c param`` (the matching parameter before the step), one ``c`` across the leaves
+    (least squares; every leaf's residual within :data:`FIT_RTOL` of the largest difference, and each leaf's own
+    coefficient within :data:`FIT_RTOL` of ``c``): a coupled weight decay (``optax.add_decayed_weights`` before
+    the optimizer: its gradient ``g + wd param`` enters the state) applied on one side only. ``c`` is ``wd`` for
+    a momentum trace and ``(1 - b1) wd`` for Adam's ``mu``. ``None`` where a leaf has no parameter of its shape
+    in ``params`` or no such ``c`` fits.
+
+    Args:
+        f64: ``{key: (before, dr, dc)}`` (float64, as :func:`fit_form` builds them).
+        params: ``{key: the matching parameter's value before the step}``.
+    """
+    if not f64 or any(not k.startswith("opt_state ") or k not in params for k in f64):
+        return None
+    pairs = {k: (np.asarray(params[k], np.float64), dc - dr) for k, (_, dr, dc) in f64.items()}
+    if any(p.shape != d.shape for p, d in pairs.values()):
+        return None
+    den = sum(float(np.sum(p * p)) for p, _ in pairs.values())
+    size = max(float(np.max(np.abs(d), initial=0.0)) for _, d in pairs.values())
+    if den == 0 or size == 0 or not math.isfinite(size):
+        return None
+    c = sum(float(np.sum(p * d)) for p, d in pairs.values()) / den
+    resid = max(float(np.max(np.abs(d - c * p), initial=0.0)) for p, d in pairs.values())
+    own = [float(np.sum(p * d)) / float(np.sum(p * p)) for p, d in pairs.values() if np.any(p)]
+    if c == 0 or resid > FIT_RTOL * size or any(abs(a - c) > FIT_RTOL * abs(c) for a in own):
+        return None
+    n = len(f64)
+    which = (
+        "the candidate applies it where the reference does not"
+        if c > 0
+        else "the reference applies it where the candidate skips it"
+    )
+    lo, hi = (min(map(abs, own)), max(map(abs, own))) if own else (abs(c), abs(c))
+    return Form(
+        "state_decay",
+        f"a coupled weight decay in the optimizer state: the candidate's state differs from the reference's by "
+        f"{'+' if c > 0 else '-'}c*param with c = {abs(c):.4g} {_on_all(n)} (the matching parameter before the "
+        f"step; each leaf's own c within {lo:.4g}..{hi:.4g}, residual {resid / size:.2g} of the "
+        f"difference): a weight decay added to the gradient before the optimizer (optax.add_decayed_weights; c "
+        f"is wd for a momentum trace, (1 - b1) wd for Adam's mu), and {which} (another decay mask or weight decay)",
+        coefficient=abs(c),
+        spread=(lo, hi),
         leaves=n,
     )
 

@@ -12,8 +12,8 @@ in order, with their codes:
 - :func:`non_finite` (``non_finite``): the candidate's values are NaN or infinite at the first failing step.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
-- :func:`frozen_state` (``frozen_state``, ``state_amount``): a frozen non-parameter weight the candidate moved,
-  or floating state both steps write changed by other amounts.
+- :func:`frozen_state` (``frozen_state``, ``state_partial``, ``state_amount``): a frozen non-parameter weight the
+  candidate moved, or floating state both steps write, part of it left as it was or changed by other amounts.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``unreduced``, ``clip_norm``): the gradient factor is S,
@@ -680,7 +680,8 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
     """``frozen_state``: floating model state that is not a parameter (``state model.<path>``,
     :mod:`shardcheck.parity.comparison.model_state`) moved where the reference's step leaves it as it was and
     the loss reads it (a weight meant to stay frozen, trained); ``model_state`` where the reference's step writes
-    it and the candidate's left it exactly as it was (``ratio`` 0); ``state_amount`` where both steps write it
+    it and the candidate's left it exactly as it was (``ratio`` 0); ``state_partial`` where it left part of it
+    so and wrote the rest as the reference does (``LeafError.kept``); ``state_amount`` where both steps write it
     and the changes differ by more than the coarse bound."""
     # the first failing step only: after a step that failed elsewhere (an lr x4), the running statistics of the
     # parameters it moved differ by more than rounding, a consequence and no cause
@@ -690,7 +691,8 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
         return None
     trained = [e for e in bad if e.reference_change == 0]
     dropped = [e for e in bad if e.reference_change and e.ratio == 0]
-    amounts = [e for e in bad if e.reference_change and e.ratio != 0]
+    partial = [e for e in bad if e.reference_change and e.ratio != 0 and e.kept]
+    amounts = [e for e in bad if e.reference_change and e.ratio != 0 and not e.kept]
     out = []
     if trained:
         names = words_and(sorted(e.path.removeprefix("model.") for e in trained))
@@ -721,9 +723,30 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
                 dropped[0].name,
             )
         )
+    if partial:
+        out.append(_state_partial(record.step, partial))
     if amounts:
         out.append(_state_amount(record.step, amounts))
     return out
+
+
+def _state_partial(step: int, partial: list[LeafError]) -> Diagnosis:
+    """``state_partial``: floating state both steps write, part of it (``LeafError.kept``) left exactly as it
+    was by the candidate's step while the rest matches: a write that covers part of the leaf only."""
+    from shardcheck.parity.comparison.partial_write import MATCH_RTOL, SAMPLED, said
+
+    parts = words_and([said(e.path.removeprefix("model."), e.kept) for e in partial])
+    others = "recorded samples" if all(e.kept[2] == SAMPLED for e in partial) else "elements"
+    return Diagnosis(
+        "state_partial",
+        f"The candidate's step left {parts} (not a parameter: floating state the reference's step writes) exactly "
+        f"as they were at step {step}, where the reference's step changed them; it wrote the other {others} as "
+        f"the reference did (within {MATCH_RTOL:g} of the reference's largest change). A write that covers part "
+        "of the leaf only: one shard's rows written back and the others' dropped (a jnp.where that keeps the old "
+        "rows, or a write of one device's local block); write the whole leaf as one forward pass over the full "
+        "batch does.",
+        partial[0].name,
+    )
 
 
 def _state_amount(step: int, amounts: list[LeafError]) -> Diagnosis:
@@ -1503,7 +1526,9 @@ NAN_BLIND = frozenset(
 )
 
 # causes named for a subset of the leaves whose factors the generic fallbacks (GENERIC) cannot read as one
-NAMED_SUBSET = frozenset({"replicated_reduced", "expert_scaling", "frozen_state", "state_amount"})
+NAMED_SUBSET = frozenset(
+    {"replicated_reduced", "expert_scaling", "frozen_state", "state_amount", "state_partial"}
+)
 GENERIC = frozenset({"localized", "update_differs", "loss_only"})
 
 RULES: tuple[Rule, ...] = (
@@ -1564,7 +1589,8 @@ def diagnose(
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
     - ``frozen_state``: floating non-parameter state the loss reads moved where the reference leaves it (a
       frozen weight trained); ``model_state`` where the reference's step writes it and the candidate left it
-      exactly as it was; ``state_amount`` where both write it, by amounts further apart than the coarse bound.
+      exactly as it was; ``state_partial`` where both write it and the candidate left part of it exactly as it
+      was, the rest matching; ``state_amount`` where both write it, by amounts further apart than the coarse bound.
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
       times per step); also the optimizer's own counter running a whole factor ahead, named "per micro-batch
       (k = ...)" when that factor is ``micro_batches`` (a gradient accumulation's k).

@@ -21,6 +21,7 @@ from flax import nnx
 from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.form import Form, fit_form
+from shardcheck.parity.diagnosis.grouping import param_path
 from shardcheck.parity.diagnosis.localization import localize
 from shardcheck.parity.diagnosis.replica_form import fit_replicas, replica_blocks
 from shardcheck.parity.harness.state import _opt_state, _Run
@@ -149,8 +150,23 @@ def stage_forms(
         optimizer_stage=stage == "optimizer",
         update=stage != "gradients",
         tol=leaf_tolerances(record.leaves),
+        state_params=state_params(bad, ref_params0),
     )
     return ((stage, form),)
+
+
+def state_params(keys, params) -> dict:
+    """``{"opt_state <path>": the matching parameter's value before the step (host array)}`` of the
+    optimizer-state ``keys`` whose parameter (:func:`~shardcheck.parity.diagnosis.grouping.param_path`) is in
+    ``params`` (``{path: array}``; keys ``"opt_state ..."`` in it are skipped): what
+    :func:`~shardcheck.parity.diagnosis.form.fit_form` reads a coupled weight decay from (``state_decay``)."""
+    plain = [p for p in params if not p.startswith("opt_state ")]
+    out = {}
+    for k in keys:
+        q = param_path(k.removeprefix("opt_state "), plain) if k.startswith("opt_state ") else None
+        if q in plain:
+            out[k] = to_host(params[q])
+    return out
 
 
 def leaf_tolerances(leaves) -> dict[str, float]:

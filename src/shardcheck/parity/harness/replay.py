@@ -350,7 +350,7 @@ def _optimizer_form(record, arrays) -> tuple:
     from shardcheck.parity.comparison.live import is_int, to_host
     from shardcheck.parity.diagnosis.form import fit_form
     from shardcheck.parity.diagnosis.localization import localize
-    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances
+    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances, state_params
 
     found = localize([record])
     if found is None or found.stage != "optimizer":
@@ -369,6 +369,7 @@ def _optimizer_form(record, arrays) -> tuple:
         lr=lr,
         optimizer_stage=True,
         tol=leaf_tolerances(record.optimizer_rerun),
+        state_params=state_params(keys, before),
     )
     return (("optimizer", form),)
 
