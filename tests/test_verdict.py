@@ -260,3 +260,30 @@ def test_an_accepted_weak_check_is_named_in_the_verdict():
         "FAIL",
     ]
     assert weak.to_dict()["weak_accepted"] == "Cannot verify ..." and plain.to_dict()["weak_accepted"] is None
+
+
+def test_a_step_that_returned_its_gradients_is_not_told_to_return_them():
+    """Trial 12 (bfloat16, gradients returned and compared): 'CANNOT VERIFY ... Return the gradients from the
+    step' was said of a step that returned them; now the returned gradients' tolerance is named instead, and a
+    step that returned none is still told to return them."""
+    from shardcheck.parity.diagnosis.evidence import LeafError
+    from shardcheck.parity.harness.check import unresolvable
+    from shardcheck.parity.tolerance.precision import Precision
+
+    policy = Precision.of(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+
+    def with_grad(record):
+        grad = LeafError(record.step, "grad", "w", 0.0, 0.0, 1e-6, True)
+        return dataclasses.replace(record, leaves=(*record.leaves, grad))
+
+    for blind, head in (
+        (False, "Cannot verify at this precision"),
+        (True, "Cannot verify the gradient's scale"),
+    ):
+        silent = unresolvable([_step(0, ((), ()), blind=blind)], 4, policy)
+        returned = unresolvable([with_grad(_step(0, ((), ()), blind=blind))], 4, policy)
+        assert silent.startswith(head) and returned.startswith(head)
+        assert "Return the gradients from the step" in silent
+        assert "eturn the gradients" not in returned and "the returned gradients" in returned, returned
+    still = unresolvable([with_grad(_step(0, ((), ()), moved=0.0))], 4, policy)
+    assert "did not move" in still and "return the gradients" not in still

@@ -253,6 +253,36 @@ def split_batch(batch: Batch, num_shards: int) -> Batch:
     )
 
 
+def shards_with_state(batch: Batch, rest, num_shards: int, per_row_state: bool):
+    """``(xs, at)`` for a per-shard evaluation of the loss (traceable): ``xs`` to ``jax.lax.map`` / ``scan`` over,
+    and ``at(x) -> (shard batch, shard rest)`` for its elements.
+
+    ``rest``: the model's non-parameter state (``nnx.split(model, nnx.Param, ...)``'s third part). With
+    ``per_row_state``, each of its leaves whose leading dimension is the batch's row count (per-row state: a
+    truncated-BPTT hidden state carried between batches, issue #36 trial 12) is cut into the S shards' rows as
+    the batch is; the other leaves (and all of them without it) are whole in every shard. Callers try without
+    first and cut only where the model does not trace on a shard with its whole state.
+    """
+    leaves, treedef = jax.tree.flatten(rest)
+    rows = {np.shape(a)[0] for a in jax.tree.leaves(batch) if np.ndim(a)}
+    (b,) = rows if len(rows) == 1 else (None,)
+    cut = [per_row_state and b is not None and np.ndim(a) >= 1 and np.shape(a)[0] == b for a in leaves]
+    parts = tuple(
+        a.reshape((num_shards, b // num_shards) + tuple(a.shape[1:]))
+        for a, c in zip(leaves, cut, strict=True)
+        if c
+    )
+
+    def at(x):
+        shard, mine = x
+        it = iter(mine)
+        return shard, jax.tree.unflatten(
+            treedef, [next(it) if c else a for a, c in zip(leaves, cut, strict=True)]
+        )
+
+    return (split_batch(batch, num_shards), parts), at
+
+
 # ---------------------------------------------------------------------------------------------------- loss
 
 

@@ -581,7 +581,8 @@ def forward_form(
         )
     if form is None or form.kind != "factor" or len({e.kind for e in bad}) != 1:
         return form
-    f, head = form.factor, form.sentence.split(": ", 1)[0]
+    # a scalar (the loss, a counter) has no elements to be constant across: its factor is said as a number
+    f, head = form.factor, f"a factor {form.factor:.4g}"
     if bad[0].kind != "loss":
         k = round(f)
         ran = f"ran {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else "ran another number of times"

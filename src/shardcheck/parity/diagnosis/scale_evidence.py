@@ -134,28 +134,42 @@ def unresolvable(
         (False, True): (f"times {s}", f"a x{s} error (a sum for a mean; a x1/{s} one would have failed)"),
     }[shown]
     accept = ACCEPTED if accepted else ACCEPT
+    # a step that returned its gradients is never told to return them (trial 12: bfloat16, gradients compared)
+    returned = any(e.kind == "grad" for r in records for e in r.leaves)
     params = [e for r in records for e in r.leaves if e.kind == "param" and e.reference_change is not None]
     if params and all(e.reference_change == 0 for e in params):
         return (
             f"Cannot verify: the reference's parameters did not move in any of the {len(records)} steps checked "
             f"(a learning rate of 0, as at the first step of a warm-up schedule), and no compared leaf would show "
             f"{which}, so a wrong gradient would pass. Check more steps (steps=, verify --steps), past the "
-            f"schedule's first, or return the gradients from the step; {accept}"
+            f"schedule's first{'' if returned else ', or return the gradients from the step'}; {accept}"
         )
     checked = [r for r in records if r.scale_evidence is not None]
     if all(r.scale_blind for r in checked):
+        grads = (
+            "the returned gradients' tolerances are too wide to show it"
+            if returned
+            else "no gradient was compared that shows it"
+        )
+        fix = (
+            ""
+            if returned
+            else "Return the gradients from the step ({'loss': loss, 'grads': grads}), or check"
+        )
         return (
             f"Cannot verify the gradient's scale: in every step the optimizer's update and state come out the "
             f"same, within their tolerance, for the gradient {times} (global-norm clipping that binds rescales "
-            f"the gradient), and no gradient was compared that shows it, so {which} would pass. "
-            "Return the gradients from the step ({'loss': loss, 'grads': grads}), or check with a clipping norm "
-            f"above the gradients' norm; {accept}"
+            f"the gradient), and {grads}, so {which} would pass. {fix or 'Check'} with a clipping norm above the "
+            f"gradients' norm; {accept}"
         )
+    leaves = (
+        "the returned gradients, parameters, optimizer state" if returned else "parameters, optimizer state"
+    )
+    fix = "" if returned else "Return the gradients from the step ({'loss': loss, 'grads': grads}), "
     return (
         f"Cannot verify at this precision ({precision.describe()}): in no step would {which} move a compared "
-        "leaf (parameters, optimizer state) beyond its tolerance, so such an error would pass. Return the "
-        "gradients from the step ({'loss': loss, 'grads': grads}), run the check in float32, or raise the "
-        f"learning rate; {accept}"
+        f"leaf ({leaves}) beyond its tolerance, so such an error would pass. {fix}{'run' if fix else 'Run'} the "
+        f"check in float32, or raise the learning rate; {accept}"
     )
 
 

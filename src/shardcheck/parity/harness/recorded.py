@@ -43,6 +43,7 @@ from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.setup import (
+    _check_rows,
     _check_state_carried,
     _check_strategy,
     _task_batches,
@@ -390,6 +391,7 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
+    _check_rows(fn, candidate, cand, model, task.loss_fn, data[0], Precision.of(model, fn=fn).compute_eps)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh, tuple(drawn)

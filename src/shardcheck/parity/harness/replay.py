@@ -228,7 +228,8 @@ def with_optimizer_rerun(
     if jax.process_count() > 1:  # a step of collectives that every process would have to decide to run
         return report
     record = next(r for r in report.steps if r.step == where.step)
-    found = _rerun_at(record, candidate, task, mesh, num_shards, name, fn)
+    # the recording's shard count where the replay was given a mesh alone: the per-shard-mean hypothesis's S
+    found = _rerun_at(record, candidate, task, mesh, num_shards or report.num_shards, name, fn)
     if found is None or (found[0] is None and not found[1]):
         return report
     rerun, matches, arrays = found
@@ -289,16 +290,14 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     for s in range(t):
         run_step(fn, cand, model, optimizer, data[s], kwargs, s)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = jax.tree.map(jnp.copy, (nnx.as_pure(params), rest))  # the step may donate them
+    params, rest = jax.tree.map(jnp.copy, nnx.as_pure((params, rest)))  # the step may donate them
     like = jax.eval_shape(task.optimizer.init, params)  # the task's optimizer state, by path
     state = _rebuild(like, flatten_state(jax.tree.map(jnp.copy, nnx.as_pure(view(optimizer)[0]))))
     _, grads = run_step(fn, cand, model, optimizer, data[t], kwargs, t)
     if state is None:
         return None
     after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
-    alt = _per_shard_mean(task, num_shards, graphdef, params, rest, state, data[t])
-    reproduced = alt is not None and all(e.ok for e in _compared(record, alt, after, (params, state)))
-    matches = ("per_shard_mean",) if reproduced else ()
+    matches = _per_shard_match(record, task, num_shards, (graphdef, params, rest, state), data[t], after)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
         return None, matches, None
@@ -327,20 +326,28 @@ def _rerun_from(task: Task, params, state, grads):
         return None
 
 
-def _per_shard_mean(task: Task, num_shards, graphdef, params, rest, opt_state, batch):
-    """``(params, opt_state)`` after the task's optimizer step on the mean of per-shard means from the
-    candidate's own state before the step (the live check's ``per_shard_mean`` hypothesis, from the state the
-    replay starts the step at), or ``None`` for a mean loss, one shard, or a rest the hypothesis cannot merge."""
+def _per_shard_match(record, task: Task, num_shards, before, batch, after) -> tuple[str, ...]:
+    """``("per_shard_mean",)`` where the candidate's state ``after`` the step is, leaf by leaf, the task
+    optimizer's step on the mean of per-shard means from its own state ``before`` it (``(graphdef, params, rest,
+    opt_state)``), and that step differs from the full batch's from the same state (the live check's
+    ``per_shard_mean`` hypothesis, which also asks that the reference's differ from it: with equal weights per
+    shard the two are one step, and every candidate whose update matches would reproduce it); else ``()``.
+    Nothing for a mean loss, one shard, or a model that does not run per shard."""
     from shardcheck.parity.diagnosis.hypotheses import _per_shard_mean_params
 
     if not num_shards or num_shards < 2 or loss_weight(task, 0) is None:
-        return None
-    try:
-        return _per_shard_mean_params(
-            task.loss_fn, num_shards, graphdef, task.optimizer, params, rest, opt_state, batch
-        )
-    except (TypeError, ValueError):
-        return None
+        return ()
+    graphdef, params, rest, state = before
+    steps = [
+        _per_shard_mean_params(task.loss_fn, s, graphdef, task.optimizer, params, rest, state, batch)
+        for s in (num_shards, 1)
+    ]
+    if any(step is None for step in steps):
+        return ()
+    alt, full = steps
+    reproduced = all(e.ok for e in _compared(record, alt, after, (params, state)))
+    differs = not all(e.ok for e in _compared(record, alt, full, (params, state)))
+    return ("per_shard_mean",) if reproduced and differs else ()
 
 
 def _optimizer_form(record, arrays) -> tuple:

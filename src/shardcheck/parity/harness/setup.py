@@ -17,6 +17,7 @@ from shardcheck._catalog import REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.mesh import check_mesh, data_shards
 from shardcheck.parity.harness.candidates import as_candidate, check_step_signature
+from shardcheck.parity.harness.row_coupling import check_rows_separable, coupled_rows
 from shardcheck.parity.harness.state import _Run
 from shardcheck.parity.tolerance import matmul
 from shardcheck.parity.tolerance.overrides import _check_leaf_tolerance, _leaf_names
@@ -89,6 +90,8 @@ def _setup(
     dtypes = dict(dtypes)
     policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, data[0], mesh)
     precision = Precision.of(model, fn=fn, matmul=policy[0], **dtypes)
+    for strategy, built in ((candidate, cand), (reference, ref_strategy)):
+        _check_rows(fn, strategy, built, model, task.loss_fn, data[0], precision.compute_eps)
     overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     # the model's structure is fixed over the run: its float32-compute graph is built once
     graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
@@ -217,6 +220,17 @@ def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (
         f"once a step in the single-device step, and {candidate} {how}{_batch_stats_clause(model)}; check it "
         f"with gspmd or your own step ({fn}, strategy {candidate!r})"
     )
+
+
+def _check_rows(fn, strategy, built: Candidate | None, model, loss_fn, batch, compute_eps: float) -> None:
+    """A named strategy that computes the loss per shard, refused where the task's loss couples the rows of a
+    batch (:mod:`~shardcheck.parity.harness.row_coupling`: a contrastive loss); nothing for a user's step, the
+    full-batch strategies or one shard."""
+    if not isinstance(strategy, str) or strategy in FULL_BATCH_FORWARD or built is None:
+        return
+    s = built.num_shards
+    if s and s > 1:
+        check_rows_separable(fn, strategy, coupled_rows(loss_fn, model, batch, s, compute_eps), s)
 
 
 def _batch_stats_clause(model) -> str:

@@ -158,19 +158,25 @@ class _PreStep:
 
     @staticmethod
     def of(model, optimizer, run: _Run | None = None) -> _PreStep:
-        """The state of ``model`` and ``optimizer`` now; with ``run`` (whose steps update in place,
+        """The state of ``model`` and ``optimizer`` now, as values (``rest`` too: a step that writes the model's
+        state in place leaves them as they were); with ``run`` (whose steps update in place,
         :attr:`_Run.in_place`) the model's graph is traversed at its first call only: its graph definition and
-        the State of its other Variables (the same Variables at every step) are kept, its parameters read."""
+        the State of its other Variables (the same Variables at every step) are kept, their values read."""
         entry = None if run is None or not run.in_place else run.found.get("pre_step")
         if entry is None or entry[0] is not model:
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
             found = _Found.of(model, params, graphdef)
             if run is not None and run.in_place and found is not None:
                 run.found["pre_step"] = (model, found, rest)
-            return _PreStep(graphdef, nnx.as_pure(params), rest, nnx.as_pure(optimizer.opt_state))
+            return _PreStep(
+                graphdef, nnx.as_pure(params), nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state)
+            )
         _, found, rest = entry
         params = jax.tree.unflatten(found.treedef, found.values())
-        return _PreStep(found.graphdef, params, rest, nnx.as_pure(optimizer.opt_state))
+        # the values now: the Variables are the model's own, and a forward pass that writes its state (a carried
+        # hidden state, a counter) writes them in place during the step (trial 12: the hypotheses read the
+        # post-step carry)
+        return _PreStep(found.graphdef, params, nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state))
 
 
 @dataclasses.dataclass

@@ -40,7 +40,7 @@ from shardcheck.parity.tolerance.precision import (
 from shardcheck.parity.tolerance.propagation import gradient_tolerance, shadow_spread, update_sensitivity
 from shardcheck.steps._core import params_value_and_grad
 from shardcheck.task import batch_size as leading_size
-from shardcheck.task import split_batch
+from shardcheck.task import shards_with_state
 
 MAX_DEFERRED_BYTES = 256 * 2**20
 """The most bytes of device arrays that deferred sensitivity passes hold (each keeps the reference's gradient,
@@ -156,8 +156,22 @@ def _noise_shards(num_shards: int | None, batch) -> int:
     return s if leading_size(batch) % s == 0 else 1
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 6))
 def _shard_magnitude(loss_fn, num_shards, graphdef, params, rest, batch, reduce_dtype=None):
+    """:func:`_split_magnitude` with the whole non-parameter state ``rest`` in every shard, or where the model
+    does not trace so (a per-row carried state, issue #36 trial 12) with each shard's rows of it
+    (:func:`~shardcheck.task.shards_with_state`).
+
+    Raises:
+        TypeError, ValueError: the model traces on a shard neither way (the shape error of the second try).
+    """
+    try:
+        return _split_magnitude(loss_fn, num_shards, graphdef, False, params, rest, batch, reduce_dtype)
+    except (TypeError, ValueError):  # a shape error at trace time: a state shaped by the full batch
+        return _split_magnitude(loss_fn, num_shards, graphdef, True, params, rest, batch, reduce_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 7))
+def _split_magnitude(loss_fn, num_shards, graphdef, per_row, params, rest, batch, reduce_dtype=None):
     """``(A, g_S, g_S')``: ``A = sum_s |grad loss_sum_s| / W`` (W the total weight, or S for a scalar loss), the
     scale of the terms a sharded step reorders; ``g_S = sum_s grad loss_sum_s / W``, the gradient of a correct
     S-shard split computed in the model's own precision, its sum over shards in the gradients' dtype
@@ -166,8 +180,11 @@ def _shard_magnitude(loss_fn, num_shards, graphdef, params, rest, batch, reduce_
     products; ``None`` when ``reduce_dtype`` is ``None``). float32 trees."""
     low = jnp.float32 if reduce_dtype is None else reduce_dtype
 
-    def shard(acc, shard_batch):
-        total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, shard_batch)
+    xs, at = shards_with_state(batch, rest, num_shards, per_row)
+
+    def shard(acc, x):
+        shard_batch, shard_rest = at(x)
+        total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, shard_rest, shard_batch)
         acc = jax.tree.map(
             lambda a, g: (a[0] + jnp.abs(g.astype(jnp.float32)), a[1] + g, a[2] + g.astype(low)),
             acc,
@@ -181,7 +198,7 @@ def _shard_magnitude(loss_fn, num_shards, graphdef, params, rest, batch, reduce_
         lambda p: (jnp.zeros(p.shape, jnp.float32), jnp.zeros(p.shape, p.dtype), jnp.zeros(p.shape, low)),
         params,
     )
-    summed, weights = jax.lax.scan(shard, zeros, split_batch(batch, num_shards))
+    summed, weights = jax.lax.scan(shard, zeros, xs)
     total_weight = num_shards if weights is None else jnp.sum(weights)
 
     def part(i):

@@ -1,0 +1,161 @@
+"""A model that carries per-row state between batches (truncated BPTT: each row's last hidden state kept in an
+``nnx.Variable`` of shape ``(B, H)`` and read by the next batch), issue #36 trial 12.
+
+Every live FAIL of such a model crashed ("Incompatible types for broadcasting: input type=float32[8,16] and
+requested type=float32[4,16]"): the harness's per-shard reruns ran a shard of the batch against the whole carry.
+They now cut the per-row state with the batch where the model does not run with it whole
+(``task.shards_with_state``). And the reruns read the carry after the reference's step (the Variables are written
+in place), so a loss divided by each shard's own count was not named ``normalization``; they now read the values
+before it. The same per-shard evaluation finds a loss that couples the rows of a batch (a contrastive loss):
+the built-in strategies that compute it per shard are refused with the reason, a GSPMD step checks it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardcheck import Task, check_parity, make_mesh
+from shardcheck.parity.harness.recorded import record_run
+from shardcheck.parity.harness.row_coupling import coupled_rows
+from shardcheck.task import shards_with_state
+
+B = 8
+
+
+class Carry(nnx.Variable):
+    """Each row's last output, carried into the next batch."""
+
+
+class Recurrent(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.h = Carry(jnp.zeros((B, 3)))
+
+    def __call__(self, x):
+        y = jnp.tanh(self.lin(x) + 0.5 * self.h[...])
+        self.h[...] = jax.lax.stop_gradient(y)
+        return y
+
+
+def per_row(model, batch):
+    return jnp.sum((model(batch["x"]) - batch["y"]) ** 2, axis=-1) * batch["mask"]
+
+
+def loss_fn(model, batch):
+    return jnp.sum(per_row(model, batch)), jnp.sum(batch["mask"])
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    mask = np.array([1, 1, 1, 0, 1, 1, 1, 1], np.float32)  # 3 rows in shard 0, 4 in shard 1: unequal counts
+    return [
+        {
+            "x": rng.normal(size=(B, 4)).astype(np.float32),
+            "y": rng.normal(size=(B, 3)).astype(np.float32),
+            "mask": mask,
+        }
+        for _ in range(2)
+    ]
+
+
+TASK = Task(
+    model=lambda: Recurrent(nnx.Rngs(0)), optimizer=optax.adam(1e-2), loss_fn=loss_fn, batches=_batches()
+)
+
+
+def _step(loss):
+    @nnx.jit
+    def jitted(model, optimizer, batch):
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        optimizer.update(model, grads)
+        return value, grads
+
+    def step(model, optimizer, batch, mesh):
+        value, grads = jitted(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+        return {"loss": value, "grads": grads}
+
+    return step
+
+
+def _full(model, batch):
+    total, weight = loss_fn(model, batch)
+    return total / weight
+
+
+def _per_shard_means(model, batch):
+    """Each of 2 shards divides its loss sum by its own count, then the shards are averaged (C4)."""
+    terms = per_row(model, batch).reshape(2, B // 2)
+    counts = batch["mask"].reshape(2, B // 2).sum(axis=1)
+    return jnp.mean(terms.sum(axis=1) / counts)
+
+
+def test_shards_with_state_cuts_only_the_per_row_leaves():
+    batch = _batches()[0]
+    rest = {"h": jnp.arange(B * 3.0).reshape(B, 3), "count": jnp.array(5), "table": jnp.ones((3, 3))}
+    for per_row_state, cut in ((False, False), (True, True)):
+        xs, at = shards_with_state(batch, rest, 2, per_row_state)
+        shard, mine = at(jax.tree.map(lambda a: a[1], xs))
+        np.testing.assert_array_equal(shard["x"], batch["x"][4:])
+        np.testing.assert_array_equal(mine["h"], rest["h"][4:] if cut else rest["h"])
+        assert mine["count"] == 5 and mine["table"].shape == (3, 3)
+
+
+@require_devices(2)
+def test_a_carried_state_model_passes_and_its_per_shard_count_is_named_live_and_replayed():
+    mesh = make_mesh(2)
+    assert check_parity(_step(_full), TASK, mesh=mesh).ok
+    recording = record_run(TASK, _step(_full), mesh=mesh, name="full")
+    for reference in (None, recording):
+        report = check_parity(_step(_per_shard_means), TASK, mesh=mesh, reference=reference, name="full")
+        assert not report.ok and "normalization" in report.codes, str(report)
+        assert "mean of per-shard means" in report.diagnosis
+
+
+def clip_loss(model, batch):
+    """A contrastive loss over the whole batch: every row's image against every row's text."""
+    a, b = model.img(batch["x"]), model.txt(batch["y"])
+    a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+    logits = 4.0 * a @ b.T
+    labels = jnp.arange(a.shape[0])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class Towers(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.img = nnx.Linear(4, 5, rngs=rngs)
+        self.txt = nnx.Linear(3, 5, rngs=rngs)
+
+
+CLIP = Task(
+    model=lambda: Towers(nnx.Rngs(0)),
+    optimizer=optax.adam(1e-2),
+    loss_fn=clip_loss,
+    batches=[{k: v for k, v in b.items() if k != "mask"} for b in _batches()],
+)
+
+
+def test_coupled_rows_finds_a_contrastive_loss_and_no_sum_over_rows():
+    batch = CLIP.batches[0]
+    full, combined = coupled_rows(clip_loss, CLIP.new_model(), batch, 2)
+    assert abs(full - combined) > 0.01 * abs(full)
+    assert coupled_rows(loss_fn, Recurrent(nnx.Rngs(0)), _batches()[0], 2) is None  # a sum over rows
+    assert coupled_rows(clip_loss, CLIP.new_model(), batch, 3) is None  # 8 rows: no 3 equal shards
+
+
+@require_devices(2)
+@pytest.mark.parametrize("strategy", ["simulation", "dp", "fsdp", "accumulation"])
+def test_a_loss_that_couples_rows_is_refused_per_shard_and_checked_under_gspmd(strategy):
+    with pytest.raises(
+        ValueError, match=rf"^{strategy}: cannot compute this task's loss: .* couples the rows"
+    ):
+        check_parity(strategy, CLIP, num_shards=2)
+    assert check_parity("gspmd", CLIP, mesh=make_mesh(2)).ok
