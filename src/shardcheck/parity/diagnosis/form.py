@@ -9,6 +9,9 @@ step: the reference's value before and after the step and the candidate's after 
   (``max |dr| <= ZERO_RTOL max |dc|``; a warm-up from a learning rate of 0 read one step ahead);
 - ``zero``: the candidate did not move the leaves (``max |dc| <= ZERO_RTOL max |dr|``);
 - ``sign_flip``: ``dc = -dr`` (within :data:`FIT_RTOL`);
+- ``one_number``: the failing set is one leaf of one element (0-D, or shape ``(1,)``): its ratio, a decay term
+  ``c*param`` and an offset all fit one number equally, so no form is claimed; each is said with its number
+  (:func:`one_number_form`). Several such leaves that share one factor still read as a factor;
 - ``factor``: ``dc = f dr`` with ``f`` constant across every leaf (its elementwise ratio's 10th-90th percentile
   within :data:`FIT_RTOL` of its median, or, given the leaves' tolerances, the residual ``|dc - f dr|`` within
   ``SPREAD_TOLS (1 + |f|) tol`` on every element: :func:`factor_within`; never one median alone) and one ``f`` over all the leaves (a factor
@@ -71,6 +74,7 @@ FORMS = (
     "zero",
     "reference_zero",
     "sign_flip",
+    "one_number",
     "factor",
     "per_group",
     "clip",
@@ -94,12 +98,14 @@ class Form:
         kind: one of :data:`FORMS`.
         sentence: the form in words, with its numbers.
         factor: the common factor (``factor``, ``clip``, ``extra_step``, ``sign_flip``: -1, ``zero``: 0;
+            ``one_number``: the one number's ratio, said as one reading among others;
             ``replicas``: the mean of the copies' changes over the reference's, where one form holds on every
             leaf), else ``None``.
         spread: ``(lo, hi)``: the widest 10th-90th percentile of the per-leaf ratios (``factor``; ``replicas``:
             the copies' largest disagreement over the reference's largest change, least and most over the leaves;
             ``state_decay``: each leaf's own ``|c|``, least and most), else ``None``.
-        coefficient: the decay coefficient (``decay``: ``a / lr``, or ``a`` where ``lr`` is unknown;
+        coefficient: the decay coefficient (``decay``: ``a / lr``, or ``a`` where ``lr`` is unknown, as for
+            ``one_number`` where the parameter is known;
             ``state_decay``: ``|c|``), else ``None``.
         groups: ``per_group``: ``((factor, (paths...)), ...)``, else ``()``.
         leaves: how many leaves the fit read.
@@ -159,6 +165,7 @@ def fit_form(
     update: bool = True,
     tol: Mapping[str, float] | None = None,
     state_params: Mapping[str, np.ndarray] | None = None,
+    params: Mapping[str, np.ndarray] | None = None,
 ) -> Form:
     """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
 
@@ -179,6 +186,8 @@ def fit_form(
         state_params: ``{"opt_state <path>": the matching parameter's value before the step}`` for the
             optimizer-state leaves (same shape), where known: a difference ``c param`` on every failing leaf, one
             ``c``, is then read as a coupled weight decay (``state_decay``, :func:`state_decay`).
+        params: ``{path: the parameter's value before the step}`` for gradient leaves (``update`` False), where
+            known: one number's term ``c*param`` (``one_number``) is then said with its ``c``.
 
     Returns:
         The :class:`Form`.
@@ -207,12 +216,122 @@ def fit_form(
         f64[p] = (b, np.asarray(ref_after[p], np.float64) - b, c - b)
     return (
         _zero_or_flip(f64, update)
+        or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
         or _factor(f64, optimizer_stage, update, tol or {})
         or _decay(f64, lr)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
         or _no_form(f64)
     )
+
+
+ONE_NUMBER = "one number fits every form, so none is claimed"
+"""Why a difference of one number (the ``one_number`` form) is said with no form."""
+
+
+def one_number_form(
+    name: str,
+    shape: tuple[int, ...] | None,
+    ratio: float,
+    offset: float | None,
+    *,
+    noun: str = "update",
+    param: float | None = None,
+    lr: float | None = None,
+    size: float | None = None,
+) -> Form:
+    """The ``one_number`` form: a failing set of one leaf of one element (0-D, or shape ``(1,)``), whose one
+    number is at once a constant factor, a decay term ``c*param`` and an offset, so no form is claimed; each is
+    said with its number, e.g. ``"one number differs (logit_scale, 0-D): its update is 1.266 x the reference's,
+    or equally the reference's plus a decay term -c*lr*param with c*lr = 0.0005 (...), or an offset of -0.00133;
+    one number fits every form, so none is claimed"``.
+
+    Args:
+        name: the leaf as its stage names it (``"logit_scale"``, ``"opt_state 1.0.mu.logit_scale"``).
+        shape: its shape (``()`` or ``(1,)``), or ``None`` where unknown.
+        ratio: the candidate's change (its value, for a gradient) over the reference's.
+        offset: the candidate's change minus the reference's (signed, in the leaf's units), where known.
+        noun: what the number is: ``"update"`` (a parameter's), ``"change"`` (optimizer state) or
+            ``"gradient"``.
+        param: the parameter's value before the step (an update), where known: the decay term's ``c*lr`` is then
+            ``offset / param`` (a decoupled decay ``lr*c*param``).
+        lr: the step's learning rate, where known: ``c`` itself is then said.
+        size: ``|offset|`` where ``offset`` is not known (a record's ``max_abs_err``).
+
+    Returns:
+        ``Form("one_number", ..., factor=ratio, coefficient=|c| (or |c*lr|) where param is known)``.
+
+    Raises:
+        ValueError: ``ratio`` is not a finite number.
+    """
+    if not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
+        raise ValueError(
+            f"one_number_form: ratio must be a finite number, got {ratio!r}; pass the leaf's ratio"
+        )
+    dims = "0-D" if not shape else f"shape {tuple(shape)}"
+    coef, decay = None, "a term c*param (its c unread: the parameter's value is not at hand)"
+    if offset is not None and param:
+        a = offset / param
+        sign = "-" if a < 0 else "+"
+        coef = abs(a / lr) if lr and noun == "update" else abs(a)
+        if noun == "update":
+            who = "the candidate" if a < 0 else "the reference"
+            value = (
+                f"c = {coef:.4g} (learning rate {lr:.4g}"
+                if lr
+                else f"c*lr = {coef:.4g} (the learning rate unknown"
+            )
+            decay = (
+                f"a decay term {sign}c*lr*param with {value}; a decay {who} applies and the other does not)"
+            )
+        else:
+            decay = f"a term {sign}c*param with c = {coef:.4g} (a coupled weight decay on one side)"
+    shift = f"an offset of {offset:+.3g}" if offset is not None else f"an offset of {size or 0.0:.3g} in size"
+    return Form(
+        "one_number",
+        f"one number differs ({name}, {dims}): its {noun} is {ratio:.4g} x the reference's, or equally the "
+        f"reference's plus {decay}, or {shift}; {ONE_NUMBER}",
+        factor=float(ratio),
+        coefficient=coef,
+        leaves=1,
+    )
+
+
+def _one_number(
+    f64: dict, shapes: Mapping[str, tuple], lr: float | None, update: bool, params: Mapping[str, np.ndarray]
+) -> Form | None:
+    """:func:`one_number_form` where ``f64`` is one leaf of one element whose reference change is not 0 (the
+    parameter: ``before`` for an update, ``params`` for a gradient)."""
+    if len(f64) != 1:
+        return None
+    ((path, (b, dr, dc)),) = f64.items()
+    if dr.size != 1:
+        return None
+    r, c = float(dr.reshape(-1)[0]), float(dc.reshape(-1)[0])
+    if r == 0 or not math.isfinite(c / r):
+        return None
+    state = path.startswith("opt_state ")
+    noun = "change" if state else "update" if update else "gradient"
+    held = params.get(path) if not update else None
+    param = float(b.reshape(-1)[0]) if update and not state else None
+    if held is not None and np.size(held) == 1:
+        param = float(np.asarray(held, np.float64).reshape(-1)[0])
+    return one_number_form(path, shapes[path], c / r, c - r, noun=noun, param=param, lr=lr)
+
+
+def _one_number_record(bad: list[LeafError]) -> Form | None:
+    """:func:`one_number_form` of the records alone (a replay: no offset's sign, no parameter value) where
+    ``bad`` is one gradient, parameter or optimizer-state leaf of one element with a ratio other than 0."""
+    if len(bad) != 1:
+        return None
+    e = bad[0]
+    if e.kind not in ("grad", "param", "opt_state") or e.shape is None or math.prod(e.shape) != 1:
+        return None
+    if e.ratio is None or not math.isfinite(e.ratio) or e.ratio == 0:
+        return None
+    noun = {"grad": "gradient", "param": "update", "opt_state": "change"}[e.kind]
+    name = e.name if e.kind == "opt_state" else e.path
+    return one_number_form(name, e.shape, e.ratio, None, noun=noun, size=e.max_abs_err)
 
 
 def shape_form(shapes: Mapping[str, tuple[tuple, tuple]], missing: Sequence[str] = ()) -> Form:
@@ -680,7 +799,9 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
     every failing leaf's ratio is constant across it (``one_factor_across``) and they agree within ``RATIO_RTOL``
     (an integer k >= 2 of an ``update``: k optimizer steps, as live); a constant factor per group where they
     are constant but differ (every group listed, as live); else no simple form, naming the leaf of the widest
-    spread. ``optimizer_stage``: as :func:`fit_form`'s (a factor from equal gradients names no loss scale).
+    spread. ``optimizer_stage``: as :func:`fit_form`'s (a factor from equal gradients names no loss scale). One
+    gradient, parameter or optimizer-state leaf of one element is ``one_number`` (:func:`one_number_form`: no
+    form is told from one number; a loss or a counter is left to the forward stage's reading).
 
     Raises:
         ValueError: ``bad`` is empty.
@@ -691,6 +812,9 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         return _state_form(bad)
     if update and all(e.reference_change == 0 for e in bad):
         return _reference_zero(len(bad), 0.0, None)
+    one = _one_number_record(bad)
+    if one is not None:  # one number: no form (a loss or a counter is read by the forward stage)
+        return one
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     n = len(bad)
     if len(ratios) < n or not all(one_factor_across(e) for e in ratios):

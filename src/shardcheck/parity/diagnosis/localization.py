@@ -665,8 +665,10 @@ def _whole_update_refuted(record: StepRecord, text: str) -> bool:
 
 def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], record: StepRecord) -> Form:
     """A factor on the gradients that every gradient able to show it has (the rest too small: at rounding
-    level) is one scale of the loss, named by the batch's loss weight where it is that; a factor that some
-    gradients that would show it lack stays a scale of these leaves only."""
+    level) is one scale of the loss, named by the batch's loss weight where it is that, where the loss differs
+    too or was not observed; where the loss was observed and matches, one scale of the gradients after the loss
+    (:data:`GRADIENTS_AFTER_LOSS`: their reduction, never a loss sum not divided by its count); a factor that
+    some gradients that would show it lack stays a scale of these leaves only."""
     f = form.factor
     grads = [e for e in leaves if e.kind == "grad"]
     if any(e.ok and would_show(e, f) for e in grads):
@@ -674,13 +676,22 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
     quiet = sum(e.ok for e in grads)
     but = f" but the {quiet} too small to show it (at rounding level)" if quiet else ""
+    head = f"every gradient{but} is {f:.4g} x the reference's{spread}"
+    loss = [e for e in record.leaves if e.kind == "loss"]
+    if loss and all(e.ok for e in loss):  # the loss was observed and matches: the factor is downstream of it
+        return dataclasses.replace(form, sentence=f"{head}: {GRADIENTS_AFTER_LOSS}")
     cause = weight_phrase(f, record.loss_weight) or (
         "a loss sum not divided by its count, or divided by another count (a wrong normalization)"
     )
-    sentence = (
-        f"every gradient{but} is {f:.4g} x the reference's{spread}: one scale of the whole loss: {cause}"
-    )
-    return dataclasses.replace(form, sentence=sentence)
+    return dataclasses.replace(form, sentence=f"{head}: one scale of the whole loss: {cause}")
+
+
+GRADIENTS_AFTER_LOSS = (
+    "the loss matches, so the factor comes after it: one scale of the gradients after the loss (their reduction "
+    "or a factor applied to them: a mean taken twice, a sum in place of a mean, a transpose that already summed "
+    "before a psum or pmean), not the loss's normalization (which would move the loss too)"
+)
+"""How a factor on every gradient is said where the loss was observed and matches (:func:`_gradient_factor`)."""
 
 
 def _are(items) -> str:

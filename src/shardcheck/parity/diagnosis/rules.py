@@ -50,6 +50,7 @@ import numpy as np
 
 from shardcheck.parity.diagnosis.evidence import (
     RATIO_RTOL,
+    SPREAD_TOLS,
     Diagnosis,
     LeafError,
     StepRecord,
@@ -59,7 +60,12 @@ from shardcheck.parity.diagnosis.evidence import (
     would_show,
 )
 from shardcheck.parity.diagnosis.floating import not_compared, state_notes
-from shardcheck.parity.diagnosis.form import REFERENCE_ZERO_MEANING, form_from_leaves, weight_phrase
+from shardcheck.parity.diagnosis.form import (
+    ONE_NUMBER,
+    REFERENCE_ZERO_MEANING,
+    form_from_leaves,
+    weight_phrase,
+)
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     common_prefix,
@@ -230,10 +236,15 @@ def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[floa
         return f, evidence
     if form is None:  # no arrays (a replay): the form its records allow, as the localization reads it
         form = form_from_leaves(bad, update=False)
-        return (f, evidence) if form.kind == "factor" else (None, "")
-    if form.kind == "factor" and form.factor is not None:
+        return (f, evidence) if form.kind in _READ_FACTOR else (None, "")
+    if form.kind in _READ_FACTOR and form.factor is not None:
         return form.factor, "gradients"
     return None, ""
+
+
+# the forms a gradient factor is read from: one factor, or one number's ratio (which the rules then say as one
+# number, never as a form: DiagnosisContext.one_number)
+_READ_FACTOR = ("factor", "one_number")
 
 
 def _model_axis_subset(record: StepRecord, f: float, mesh_shape) -> bool:
@@ -466,8 +477,29 @@ class DiagnosisContext:
 
     @property
     def named_factor(self) -> tuple[str, str] | None:
-        """:func:`_name_factor` of :attr:`factor`."""
-        return None if self.factor is None else _name_factor(self.factor, self.num_shards, self.mesh_shape)
+        """:func:`_name_factor` of :attr:`factor`; where that was read from one number (:attr:`one_number`), only
+        where the number is the named factor within its leaf's tolerance (:func:`_one_number_fits`)."""
+        if self.factor is None:
+            return None
+        named = _name_factor(self.factor, self.num_shards, self.mesh_shape)
+        one = self.one_number
+        if named is not None and one is not None and not _one_number_fits(one, _named_value(self.factor)):
+            return None
+        return named
+
+    @property
+    def one_number(self) -> LeafError | None:
+        """The failing leaf :attr:`factor` was read from where it is one leaf of one element (0-D or shape
+        ``(1,)``: the only failing leaf of the evidence's kind), else ``None``: its ratio is at once a factor, a
+        decay term and an offset, so the rules claim no factor of it (several such leaves sharing one factor
+        still read as one)."""
+        kind = _EVIDENCE_KINDS.get(self.evidence)
+        if self.factor is None or kind is None:
+            return None
+        bad = [e for e in self.bad if e.kind == kind]
+        if len(bad) != 1 or bad[0].shape is None or math.prod(bad[0].shape) != 1:
+            return None
+        return bad[0]
 
     @property
     def unexplained(self) -> bool:
@@ -498,6 +530,33 @@ class DiagnosisContext:
     def detail(self) -> str:
         """The worst leaf's error, for the fallback messages."""
         return _detail(self.worst)
+
+
+# the leaves each evidence of DiagnosisContext.factor reads (a harness rerun that reproduces the candidate's
+# state is no one number's reading)
+_EVIDENCE_KINDS = {
+    "gradients": "grad",
+    "optimizer moments": "opt_state",
+    "momentum trace": "opt_state",
+    "parameter updates": "param",
+}
+
+
+def _named_value(f: float) -> float:
+    """The count (or its inverse) a named factor ``f`` stands for: ``round(f)`` above 1, ``1 / round(1 / f)``
+    below."""
+    return float(round(f)) if f >= 1 else 1.0 / round(1.0 / f)
+
+
+def _one_number_fits(e: LeafError, target: float) -> bool:
+    """Whether one number ``e`` (ratio ``r`` to the reference's, off it by ``max_abs_err``) is ``target`` x the
+    reference's within its tolerance: the reference's ``|x| = max_abs_err / |r - 1|`` and the residual
+    ``|x| |r - target|`` within ``SPREAD_TOLS (1 + |target|) tolerance`` (:func:`~shardcheck.parity.diagnosis.
+    form.factor_within`'s bound)."""
+    if e.ratio is None or not math.isfinite(e.ratio) or e.ratio == 1:
+        return False
+    size = e.max_abs_err / abs(e.ratio - 1)
+    return size * abs(e.ratio - target) <= SPREAD_TOLS * (1 + abs(target)) * e.tolerance
 
 
 def _detail(worst: LeafError, ratio: bool = True) -> str:
@@ -837,7 +896,7 @@ def scoped_gradients(first: StepRecord, evidence: str, factor: float) -> str:
     )
 
 
-def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
+def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str | None) -> Diagnosis:
     hidden = ""
     if ctx.bad_kinds == {"grad"}:
         hidden = " The parameters and optimizer state match at this step all the same" + (
@@ -846,12 +905,38 @@ def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str) -> Diagnosis:
             if "scale_blind" in ctx.first.matches
             else "."
         )
+    one = ctx.one_number
+    if one is not None:
+        return Diagnosis(
+            code, f"At step {ctx.first.step}, {_one_number_said(ctx, one, phrase)}.{hidden}", ctx.worst_name
+        )
     return Diagnosis(
         code,
         f"At step {ctx.first.step}, {scoped_gradients(ctx.first, ctx.evidence, ctx.factor)} are {ctx.factor:.4g} x the "
         f"reference's: {phrase}.{hidden}",
         ctx.worst_name,
     )
+
+
+def _one_number_said(ctx: DiagnosisContext, one: LeafError, phrase: str | None) -> str:
+    """One number's factor (:attr:`DiagnosisContext.one_number`): with the named reading ``phrase`` where the
+    number is that factor within its tolerance (``"the gradient of logit_scale (one number, 0-D; ...) is 0.25 x
+    the reference's, 1/4 within its tolerance: ..."``), else (``phrase`` None) said with the readings it allows
+    and no factor claimed."""
+    dims = "0-D" if not one.shape else f"shape {tuple(one.shape)}"
+    peers = [e for e in ctx.first.leaves if e.kind == one.kind and e is not one]
+    others = f"; every other {_KIND_NOUN[one.kind]} matches" if peers and all(e.ok for e in peers) else ""
+    noun = {"grad": "the gradient of", "param": "the update of", "opt_state": "the change of"}[one.kind]
+    what = one.name if one.kind == "opt_state" else one.path
+    head = f"{noun} {what} (one number, {dims}{others}) is {ctx.factor:.4g} x the reference's"
+    if phrase is not None:
+        target = _named_value(ctx.factor)
+        count = f"{target:g}" if target >= 1 else f"1/{round(1 / target)}"
+        return f"{head}, {count} within its tolerance: {phrase}"
+    return f"{head}, or equally differs from it by {one.max_abs_err:.3g} (an offset, or a term c*param): {ONE_NUMBER}"
+
+
+_KIND_NOUN = {"grad": "gradient", "param": "parameter", "opt_state": "optimizer-state leaf"}
 
 
 def shard_factor(ctx: DiagnosisContext) -> Finding:
@@ -968,12 +1053,17 @@ def scaled(ctx: DiagnosisContext) -> Finding:
     """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
     if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced:
         return None
+    if ctx.one_number is not None:  # one number: no factor is claimed (_factor_finding says its readings)
+        return _factor_finding(ctx, "scaled", None)
+    loss = [e for e in ctx.first.leaves if e.kind == "loss"]
     # a factor of the exposed gradients is upstream of the optimizer: no learning rate scales them
     cause = (
         "a wrong loss normalization?"
         if ctx.evidence == "gradients"
         else "a wrong loss normalization or learning rate?"
     )
+    if loss and all(e.ok for e in loss) and ctx.evidence == "gradients":  # downstream of a matching loss
+        cause = "the loss matches: a scale of the gradients after it, in their reduction or applied to them?"
     if scoped_gradients(ctx.first, ctx.evidence, ctx.factor) != ctx.evidence:  # a subset: not the whole loss
         cause = (
             "a scale applied to these gradients only: a per-module multiplier, or a loss term only they reach"

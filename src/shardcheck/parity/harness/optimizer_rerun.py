@@ -151,6 +151,9 @@ def stage_forms(
         update=stage != "gradients",
         tol=leaf_tolerances(record.leaves),
         state_params=state_params(bad, ref_params0),
+        params={p: to_host(ref_params0[p]) for p in bad if p in ref_params0}
+        if stage == "gradients"
+        else None,
     )
     return ((stage, form),)
 
