@@ -159,3 +159,60 @@ def test_a_loss_that_couples_rows_is_refused_per_shard_and_checked_under_gspmd(s
     ):
         check_parity(strategy, CLIP, num_shards=2)
     assert check_parity("gspmd", CLIP, mesh=make_mesh(2)).ok
+
+
+class BfTowers(nnx.Module):
+    """Two bfloat16 towers and a learnable temperature (a 0-D parameter), as CLIP writes them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.img = nnx.Linear(4, 5, dtype=jnp.bfloat16, rngs=rngs)
+        self.txt = nnx.Linear(3, 5, dtype=jnp.bfloat16, rngs=rngs)
+        self.log_t = nnx.Param(jnp.asarray(1.5, jnp.float32))
+
+
+def bf_clip_loss(model, batch):
+    a = model.img(batch["x"]).astype(jnp.float32)
+    b = model.txt(batch["y"]).astype(jnp.float32)
+    a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+    logits = jnp.exp(model.log_t[...]) * a @ b.T
+    labels = jnp.arange(a.shape[0])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _adamw(decay_temperature: bool):
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: decay_temperature or "log_t" not in jax.tree_util.keystr(p), params
+        )
+
+    return optax.adamw(5e-3, weight_decay=0.1, mask=mask)
+
+
+BF_CLIP = Task(
+    model=lambda: BfTowers(nnx.Rngs(0)), optimizer=_adamw(False), loss_fn=bf_clip_loss, batches=CLIP.batches
+)
+
+
+@require_devices(2)
+def test_a_bf16_contrastive_loss_is_held_to_a_tolerance_of_the_full_batch():
+    """Trial 13: at bfloat16 compute the gradient tolerance took the loss run per shard as a correct split; for a
+    contrastive loss that is the local-negatives loss, 4x wider than the fault it hid, so a temperature decayed
+    by a wrong mask PASSed live; here the correct step was CANNOT VERIFY ("5 leaves have a gradient at rounding
+    level"). The split is the full batch where the loss couples the rows: the fault FAILs at step 0, on the
+    temperature, and the correct step PASSes."""
+    from shardcheck.steps import Candidate
+
+    mesh = make_mesh(2)
+    good = _step(bf_clip_loss)
+    assert check_parity(good, BF_CLIP, mesh=mesh).ok
+
+    def decayed(model, optimizer):
+        return nnx.Optimizer(model, _adamw(True), wrt=nnx.Param)
+
+    wrong = Candidate("decayed", good, make_optimizer=decayed, pass_mesh=True)
+    report = check_parity(wrong, BF_CLIP, mesh=mesh)
+    assert not report.ok and report.localization.step == 0, str(report)
+    assert report.localization.group.startswith("every failing leaf is 0-D (log_t)"), (
+        report.localization.group
+    )

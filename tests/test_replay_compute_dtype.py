@@ -175,3 +175,23 @@ def test_the_rounding_level_note_says_the_adam_clause_only_where_the_optimizer_n
     assert "Adam" not in said[()]
     assert "(this optimizer normalizes the update, as Adam does: lr-sized)" in said[("param k.bias",)]
     assert "(a normalizing optimizer such as Adam makes it lr-sized)" in said[None]  # not known: both said
+
+
+def test_a_loss_off_by_5_percent_fails_a_bf16_replay_at_the_forward_stage(bf16_recording):
+    """Trials 12 and 13: the replay allowed the loss 16 eps_c of its size (12.5% in bfloat16), so a token count
+    that dropped the mask (x0.88) PASSed replayed, and a contrastive loss 3-10% off was 'matched' while the
+    gradients were blamed. The loss now gets the live check's derivation, 16 eps_c |loss| / sqrt(n): a loss x1.05
+    FAILs at step 0, at the forward stage, and the correct step still PASSes."""
+    task = _task()
+
+    def scaled_loss(model, batch):
+        return 1.05 * task.loss_fn(model, batch)
+
+    def step(model, optimizer, batch):
+        out = reference_step(scaled_loss, model, optimizer, batch)
+        return {"loss": out.loss, "grads": out.grads}
+
+    report = check_parity(Candidate(name="mine", step=step), task, reference=bf16_recording, num_shards=2)
+    assert not report.ok and report.localization.stage == "forward", str(report)
+    loss = next(e for e in report.steps[0].leaves if e.kind == "loss")
+    assert not loss.ok and loss.ratio == pytest.approx(1.05, rel=1e-2)

@@ -161,3 +161,21 @@ def test_a_step_naming_an_axis_the_mesh_lacks_is_told_the_fix():
     )
     assert "--mesh data=2" in hint
     assert _mesh_axis_hint(ValueError("another error"), make_mesh({"batch": 2})) == ""
+
+
+def test_a_shard_map_spec_naming_an_axis_the_mesh_lacks_is_told_the_fix():
+    """Trial 13: jax.shard_map's own wording ("in_specs argument must refer to an axis marked as manual ...
+    in_specs[1] refers to 'data'") got no hint; an axis the mesh has is never blamed."""
+    from shardcheck import make_mesh
+    from shardcheck.parity.harness.candidates import _mesh_axis_hint
+
+    err = ValueError(
+        "shard_map in_specs argument must refer to an axis marked as manual (frozenset({'batch'})), but:\n\n"
+        "  in_specs[1] refers to 'data'\n\nCheck the in_specs values passed to shard_map."
+    )
+    hint = _mesh_axis_hint(err, make_mesh({"batch": 2}))
+    assert (
+        hint.startswith("the step names mesh axis 'data', and the mesh has ('batch',)")
+        and "--mesh data=2" in hint
+    )
+    assert _mesh_axis_hint(err, make_mesh({"data": 2})) == ""

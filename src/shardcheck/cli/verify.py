@@ -417,11 +417,14 @@ def _candidate_message(args, err) -> str:
     cause = err.__cause__
     if cause is None:  # the step ran; what it returned cannot be compared (the message says what and why)
         return library_to_flags(str(err), "verify", args=args)
+    if err.hint:  # the likely cause first: a JAX error's own text can run to many lines (trial 13)
+        return (
+            f"shardcheck verify: the candidate step raised {type(cause).__name__} at step {err.step} ({err.hint}): "
+            f"{_short(str(cause))} (shardcheck.check_parity in Python shows the traceback)"
+        )
     return (
         f"shardcheck verify: the candidate step raised {type(cause).__name__}: {_short(str(cause))} at step "
-        f"{err.step}; "
-        + (f"{err.hint}" if err.hint else "fix the step")
-        + " (shardcheck.check_parity in Python shows the traceback)"
+        f"{err.step}; fix the step (shardcheck.check_parity in Python shows the traceback)"
     )
 
 

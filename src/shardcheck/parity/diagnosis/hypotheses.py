@@ -93,7 +93,7 @@ def _matches(
     if not s or s < 2 or run.reference is not None:
         return ()
     found = []
-    if run.weighted:
+    if run.weighted and not run.rows_coupled:  # a coupled loss per shard is another loss, no hypothesis
         # where the reference's matmul rounding is emulated, the candidate's is taken to be that too: the
         # hypothesis computes as it does (a gradient at rounding level would otherwise flip its update's sign)
         emulated = run.matmul_realization not in (None, "float32")
@@ -157,7 +157,7 @@ def _low_precision_reduction(
     A step whose loss differs is never one: a reduction of the gradients cannot change the forward pass.
     """
     s = run.cand.num_shards
-    if run.precision.compute_eps > 0 or not s or s < 2 or run.reference is not None:
+    if run.precision.compute_eps > 0 or not s or s < 2 or run.reference is not None or run.rows_coupled:
         return False
     if any(e.kind == "loss" and not e.ok for e in record.leaves):
         return False

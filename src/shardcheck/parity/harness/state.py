@@ -234,6 +234,9 @@ class _Run:
     # (model_state.loss_reads, once per check)
     state_before: tuple = (None, None)
     state_read: frozenset | None = None
+    # the task's loss couples the rows of a batch (parity.harness.row_coupling, probed at low-precision compute
+    # only): its loss run per shard is another loss, so no split of it measures a correct step's rounding
+    rows_coupled: bool = False
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""

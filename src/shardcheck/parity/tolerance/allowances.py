@@ -463,7 +463,8 @@ def split_gradients(run: _Run, pre: _PreStep, batch):
     """At low-precision compute, :func:`_shard_magnitude` of a correct split of ``batch`` from the reference's
     pre-step state ``pre``: ``(A, g_S, g_S')``; else ``None``."""
     if run.precision.compute_eps > 0:
-        shards = _noise_shards(run.cand.num_shards, batch)
+        # a loss that couples the rows has no correct per-shard split: the full batch, unsplit
+        shards = 1 if run.rows_coupled else _noise_shards(run.cand.num_shards, batch)
         # a correct split reduces its shards' gradients in float32 (shard_map) or, as GSPMD's partitioned
         # backward pass may, in the compute dtype: both realizations bound the compute noise
         low = run.precision.compute_dtype
