@@ -237,6 +237,7 @@ def test_a_diverging_reference_exits_2_without_a_verdict(capsys):
         in err
     )
     assert "lower --lr (default 0.1)" in err and "loss_differs" not in err
+    assert "or fix batch 16 where it makes the loss non-finite from finite parameters" in err
 
 
 def test_a_raising_or_garbage_candidate_exits_2(steps_file, capsys):

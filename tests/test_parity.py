@@ -926,6 +926,9 @@ def test_a_reference_that_diverges_is_no_verdict():
     assert not report.ok and not report.step_ok
     assert f"non-finite loss or parameters at step {t}" in report.diagnosis
     assert "Lower the learning rate" in report.diagnosis
+    # trial 13: a token id past the vocabulary made the loss NaN from finite parameters, and only the learning
+    # rate was blamed: the batch is named as the other cause
+    assert f"where batch {t} makes the loss non-finite from finite parameters" in report.diagnosis
 
 
 def test_a_candidate_that_raises_is_reported_with_its_step():

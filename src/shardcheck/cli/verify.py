@@ -454,7 +454,10 @@ def _diverged_message(args, task, reports) -> str | None:
         setting, default = f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
     return (
         f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
-        f"{diverged.reference_diverged_at}) {setting}; no verdict about the candidates; lower --lr{default}"
+        f"{diverged.reference_diverged_at}) {setting}; no verdict about the candidates; lower --lr{default} "
+        f"where the parameters grew, or fix batch {diverged.reference_diverged_at} where it makes the loss "
+        "non-finite from finite parameters (an index out of range, a log of 0; JAX_DEBUG_NANS=True names the "
+        "operation)"
     )
 
 

@@ -600,7 +600,10 @@ def reference_diverged(ctx: DiagnosisContext) -> Finding:
         "reference_diverged",
         f"The reference run diverged (non-finite loss or parameters at step {t}): "
         f"steps {t} and later were not compared, and this is no verdict about the "
-        "candidate. Lower the learning rate.",
+        "candidate. Lower the learning rate where its parameters grew step by step; where batch "
+        f"{t} makes the loss non-finite from finite parameters (an index out of range, a log of 0, a count of 0), "
+        "the batch is the cause: run that step with jax.config.update('jax_debug_nans', True) to name the "
+        "operation.",
     )
 
 
