@@ -221,14 +221,21 @@ def test_the_batch_weight_is_read_without_the_model_and_from_a_factory_that_need
 @require_devices(2)
 def test_gradients_alone_off_are_called_applied_or_not_by_the_replays_optimizer_rerun(replays):
     """Only the returned gradients differ (x5 at step 1) while the update matches: under a binding clip the
-    optimizer rerun on them gives the candidate's update (they were applied, the clip hid them); without one it
-    does not (they are not the ones applied). The replay reads the rerun as a live check does."""
+    optimizer rerun on them gives the candidate's update and the task's optimizer is blind to their scale (they
+    were applied, the clip hid them: ``scale_blind``, and the factor is read from them, ``scaled``, as a live
+    check reads it); without one the rerun differs (they are not the ones applied). The replay reads the rerun as
+    a live check does."""
     hidden, reported = replays["clipped times5"], replays["reports5"]
     for report in (hidden, reported):
-        assert report.codes[0] == "grads_differ" and report.localization.stage == "gradients"
+        assert report.localization.stage == "gradients"
+    assert hidden.codes[0] == "scaled" and "scale_blind" in hidden.steps[1].matches
     assert all(e.ok for e in hidden.steps[1].optimizer_rerun)
-    assert "gives the candidate's update: they are the ones applied" in hidden.replay.cause
+    assert "At step 1, gradients are 5 x the reference's" in hidden.replay.cause
+    assert (
+        "an optimizer blind to the gradient's scale (global-norm clipping that binds)" in hidden.replay.cause
+    )
     assert "not the ones applied" not in hidden.replay.cause
+    assert reported.codes[0] == "grads_differ" and "scale_blind" not in reported.steps[1].matches
     assert not all(e.ok for e in reported.steps[1].optimizer_rerun)
     assert (
         "while the update matches: the reported gradients are not the ones applied" in reported.replay.cause

@@ -34,7 +34,9 @@ DESCRIPTION = (
     "parameter's update size, 8 elements at fixed indices and a sha256 of its shards: a few hundred bytes a "
     "leaf, small enough to commit. shardcheck verify --against FILE replays the run and names the first step "
     "and leaf that left the recording's tolerance (derived as verify's; never bitwise across machines). Exit "
-    "status: 0 when recorded, 2 on bad input or a step that raises."
+    "status: 0 when recorded, 2 on bad input, a step that raises, or a run that goes non-finite (a NaN or an "
+    "infinity in the loss, a gradient, a parameter or the optimizer state: nothing is written, the step and "
+    "leaves are named; --steps N records the finite steps before it)."
 )
 EPILOG = (
     "example: shardcheck record --task tiny-lm --mesh fsdp=4 --steps 3 --out run.npz, then "
@@ -203,6 +205,7 @@ def main(args) -> int:
         return _fail(err)
     from shardcheck import parity
     from shardcheck.mesh import data_shards
+    from shardcheck.parity.harness.non_finite import first_non_finite, refusal
     from shardcheck.parity.harness.recorded import record_run
     from shardcheck.steps import STRATEGIES
 
@@ -230,6 +233,9 @@ def main(args) -> int:
         return _fail(
             library_to_flags(str(err).replace("record_run:", "shardcheck record:", 1), "record", args=args)
         )
+    diverged = first_non_finite(recording)
+    if diverged is not None:  # no reference: refused as verify refuses a reference that diverges
+        return _fail(refusal("shardcheck record", diverged, args.out))
     if distributed.is_main_process():
         size = recording.save(args.out)
         meta = recording.meta
@@ -300,7 +306,8 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
     recording)`` (:func:`~shardcheck.parity.harness.replay.check_against_recording`), whose report is diagnosed
     by the live check's rules and rendered by ``verify``'s renderer. Prints a table per run (process 0) and returns
     the exit status: 0 when all pass, 1 when one fails, 2 when the recording cannot be compared with this run
-    (another task, mesh, steps, batches or state: one line)."""
+    (another task, mesh, steps, batches or state: one line) or went non-finite at a replayed step (its table
+    reads NO VERDICT: as verify's exit status where the reference run diverges)."""
     from shardcheck import distributed
     from shardcheck.parity.harness.recorded import check_replayable
     from shardcheck.parity.harness.replay import check_against_recording
@@ -331,6 +338,8 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
     ok = all(r.ok for r in reports.values())
     if distributed.is_main_process():
         _print(args, task, reports, recording, ok)
+    if any(r.reference_diverged_at is not None for r in reports.values()):
+        return 2
     return 0 if ok else 1
 
 

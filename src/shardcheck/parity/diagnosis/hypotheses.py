@@ -205,12 +205,23 @@ def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) 
 
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
     """Whether the reference's optimizer, rerun from ``pre`` on ``S grads`` and ``grads / S``, moves no parameter
-    or optimizer-state leaf of ``leaves`` beyond its tolerance."""
-    s = run.cand.num_shards
-    factor = float(s) if s and s > 1 else 2.0
+    or optimizer-state leaf of ``leaves`` beyond its tolerance (:func:`blind_to_scale`)."""
+    return blind_to_scale(run.ref_opt.tx, grads, pre.opt_state, pre.params, run.cand.num_shards, leaves)
+
+
+def blind_to_scale(tx, grads, opt_state, params, num_shards: int | None, leaves) -> bool:
+    """Whether the optimizer ``tx``, stepped from ``(params, opt_state)`` on ``c grads`` and on ``grads / c``
+    (``c = num_shards``, or 2 with fewer than two shards), moves no parameter or optimizer-state leaf of
+    ``leaves`` (:class:`~shardcheck.parity.comparison.live.LeafError`) beyond that leaf's tolerance in either
+    direction's better case (:func:`~shardcheck.parity.tolerance.propagation.scale_change`): global-norm
+    clipping that binds, a normalizing optimizer's first step. ``grads`` is a tree like ``params``; a leaf moved
+    by NaN counts as moved; ``False`` where ``leaves`` holds no parameter or optimizer-state leaf of the
+    optimizer's. The live check's ``scale_blind`` hypothesis (on the reference's gradient) and the replay's (on
+    the candidate's, :func:`~shardcheck.parity.harness.replay.with_optimizer_rerun`)."""
+    factor = float(num_shards) if num_shards and num_shards > 1 else 2.0
     moved: dict[str, float] = {}
     for c in (factor, 1 / factor):
-        update, state = scale_change(run.ref_opt.tx, grads, pre.opt_state, pre.params, c)
+        update, state = scale_change(tx, grads, opt_state, params, c)
         named = {
             **{f"param {k}": v for k, v in flatten_state(update).items()},
             **{f"opt_state {k}": v for k, v in flatten_state(state).items()},

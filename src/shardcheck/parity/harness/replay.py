@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardcheck.parity.comparison.digest import QUIET, with_divergence_note
+from shardcheck.parity.harness.non_finite import diverged_report, first_non_finite, truncated
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
 from shardcheck.parity.report import ParityReport
 from shardcheck.task import Task
@@ -107,7 +108,11 @@ def check_against_recording(
         failing step's record with its batch's total weight, ``StepRecord.loss_weight``, under a ``(loss_sum,
         weight)`` loss: :func:`loss_weight`); its ``replay`` is the
         :class:`~shardcheck.parity.comparison.digest.RunComparison`, whose notes name the recorded and the
-        replayed step where they differ.
+        replayed step where they differ. Where the recording's loss, gradients, parameters or optimizer state
+        went non-finite at a replayed step t, only the steps before t are compared and the report is a live
+        check's whose reference diverged at t: ``reference_diverged_at`` t, verdict ``NO VERDICT``, finding
+        ``reference_diverged`` saying whether the replay went non-finite there too
+        (:func:`~shardcheck.parity.harness.non_finite.diverged_report`).
 
     Raises:
         TypeError: ``task`` not a Task; as :func:`record_run` and
@@ -147,15 +152,24 @@ def check_against_recording(
         compute_dtype=compute_dtype,
         true_gradients=True,  # where it returns none: which gradients are at rounding level, as a live check
     )
+    # a recording that went non-finite is no reference from there: the steps before it are compared, as a live
+    # check whose reference diverged stops there (reference_diverged: no verdict)
+    diverged = first_non_finite(recording, replayed.num_steps)
+    compared = (recording, replayed) if diverged is None else _before(diverged.step, recording, replayed)
     weight = functools.partial(loss_weight, task)  # the first failing step's, as a live check reads it
-    comparison = compare_run(
-        recording, replayed, rtol=rtol, atol=atol, pin_placement=pin_placement, loss_weight=weight
-    )
+    comparison = compare_run(*compared, rtol=rtol, atol=atol, pin_placement=pin_placement, loss_weight=weight)
     if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
         comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
-    rules = functools.partial(rediagnosed, comparison, recording, replayed)  # read again with the rerun
+    rules = functools.partial(rediagnosed, comparison, *compared)  # read again with the rerun
     where = {"mesh": mesh, "num_shards": num_shards, "name": name, "fn": fn}
-    return with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
+    report = with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
+    return report if diverged is None else diverged_report(report, diverged, recording, replayed)
+
+
+def _before(t: int, *recordings: Recording) -> tuple[Recording, ...]:
+    """Each of ``recordings`` with its first ``t`` steps only (:func:`~shardcheck.parity.harness.non_finite.
+    truncated`)."""
+    return tuple(truncated(r, t) for r in recordings)
 
 
 def _check_call(fn: str, task, unsupported: Mapping[str, Any]) -> None:
@@ -272,9 +286,10 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     candidate's state after the step the candidate), or ``None`` where the step returns no gradients or the
     transformation needs more than ``(grads, state, params)``; ``matches``: ``("per_shard_mean",)`` where the
     candidate's state after the step is the mean of per-shard means' step from its state before, as a live
-    check's hypothesis finds it, else empty; ``arrays``: ``(before, rerun, after)`` flat ``{path: array}`` of
-    parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds, or ``None`` with no
-    rerun. ``None`` where the candidate's optimizer state is not the task's by path."""
+    check's hypothesis finds it, and ``"scale_blind"`` where only the gradients fail and the task's optimizer is
+    blind to their scale (:func:`_scale_blind`), else empty; ``arrays``: ``(before, rerun, after)`` flat
+    ``{path: array}`` of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds, or
+    ``None`` with no rerun. ``None`` where the candidate's optimizer state is not the task's by path."""
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
@@ -298,6 +313,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
         return None
     after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
     matches = _per_shard_match(record, task, num_shards, (graphdef, params, rest, state), data[t], after)
+    matches += _scale_blind(record, task, num_shards, params, state, grads)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
         return None, matches, None
@@ -324,6 +340,33 @@ def _rerun_from(task: Task, params, state, grads):
         return _rerun(task.optimizer, params, state, grads)
     except (TypeError, ValueError):
         return None
+
+
+def _scale_blind(record, task: Task, num_shards, params, state, grads) -> tuple[str, ...]:
+    """``("scale_blind",)`` where only ``record``'s gradients fail and the task's optimizer, stepped from the
+    candidate's pre-step ``(params, state)`` on S times and 1/S times the candidate's returned ``grads``, moves no
+    compared parameter or optimizer-state leaf beyond its tolerance
+    (:func:`~shardcheck.parity.diagnosis.hypotheses.blind_to_scale`, the live check's hypothesis, which reads the
+    reference's gradient: the candidate's is the one the replay has, and a factor c between the two is blind
+    either way); else ``()`` (also where the step returns no gradients or the optimizer needs more than
+    ``(grads, state, params)``). With it, the live rules read the gradients' factor (``summed``,
+    ``averaged_twice``) as a live check does."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.diagnosis.hypotheses import blind_to_scale
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild
+
+    if grads is None or {e.kind for e in record.leaves if not e.ok} != {"grad"}:
+        return ()
+    grads = _rebuild(params, flatten_state(nnx.as_pure(grads)))
+    try:
+        blind = grads is not None and blind_to_scale(
+            task.optimizer, grads, state, params, num_shards, record.leaves
+        )
+    except (TypeError, ValueError):
+        return ()
+    return ("scale_blind",) if blind else ()
 
 
 def _per_shard_match(record, task: Task, num_shards, before, batch, after) -> tuple[str, ...]:
