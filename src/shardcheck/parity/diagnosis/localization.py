@@ -678,10 +678,15 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     but = f" but the {quiet} too small to show it (at rounding level)" if quiet else ""
     head = f"every gradient{but} is {f:.4g} x the reference's{spread}"
     loss = [e for e in record.leaves if e.kind == "loss"]
+    weight = weight_phrase(f, record.loss_weight)
     if loss and all(e.ok for e in loss):  # the loss was observed and matches: the factor is downstream of it
-        return dataclasses.replace(form, sentence=f"{head}: {GRADIENTS_AFTER_LOSS}")
-    cause = weight_phrase(f, record.loss_weight) or (
-        "a loss sum not divided by its count, or divided by another count (a wrong normalization)"
+        # the batch's weight itself: the gradients of the sum, the loss returned divided (a count is no reduction)
+        said = (
+            f"the loss matches, the gradients carry the factor: {weight}" if weight else GRADIENTS_AFTER_LOSS
+        )
+        return dataclasses.replace(form, sentence=f"{head}: {said}")
+    cause = (
+        weight or "a loss sum not divided by its count, or divided by another count (a wrong normalization)"
     )
     return dataclasses.replace(form, sentence=f"{head}: one scale of the whole loss: {cause}")
 

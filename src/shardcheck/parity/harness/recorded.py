@@ -391,7 +391,7 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
-    _check_rows(fn, candidate, cand, model, task.loss_fn, data[0], Precision.of(model, fn=fn).compute_eps)
+    _check_rows(fn, candidate, cand, model, task, data[0], Precision.of(model, fn=fn).compute_eps)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh, tuple(drawn)

@@ -14,19 +14,15 @@ the reason and what works (a GSPMD step computes the full batch's loss however t
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck.parity.tolerance.derive import SAFETY_FACTOR, derive_tolerance
 from shardcheck.task import LossFn, loss_terms, shards_with_state
-
-# the least relative difference read as coupling: a sum over rows regrouped by shard moves a float32 loss by
-# rounding (~1e-6 relative); a coupled loss moves by far more (CLIP's loss on 4 shards of 2 rows: x0.49)
-FLOOR_RTOL = 1e-3
-# the same in units of the compute dtype's epsilon (bfloat16: 8 * 2**-8 ~ 3%)
-EPS_UNITS = 8.0
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -58,12 +54,22 @@ def _losses(loss_fn, num_shards: int, model, batch) -> tuple[float, float] | Non
 
 
 def coupled_rows(
-    loss_fn: LossFn, model: nnx.Module, batch, num_shards: int, compute_eps: float = 0.0
+    loss_fn: LossFn,
+    model: nnx.Module,
+    batch,
+    num_shards: int,
+    compute_eps: float = 0.0,
+    terms: int | None = None,
 ) -> tuple[float, float] | None:
     """``(full, combined)`` where the loss on ``batch`` and the combination of its losses on ``num_shards`` equal
-    shards differ by more than ``max(FLOOR_RTOL, EPS_UNITS * compute_eps)`` of ``|full|``; ``None`` where they
-    agree, the batch does not split into equal shards (refused elsewhere, by its own message), or the model does
-    not run on a shard.
+    shards differ by more than the loss's own tolerance; ``None`` where they agree, the batch does not split into
+    equal shards (refused elsewhere, by its own message), or the model does not run on a shard.
+
+    The tolerance is the live check's for the loss at step 0: ``atol + rtol |full|`` of
+    :func:`~shardcheck.parity.tolerance.derive.derive_tolerance` for ``terms`` per-term losses (a sum over rows
+    regrouped by shard moves the loss by no more: it is a reordering of that sum), plus at low-precision
+    compute ``SAFETY_FACTOR eps_c |full| / sqrt(terms)``. A strategy whose combined loss lies beyond it would
+    FAIL on the loss anyway; refused here, it says why.
 
     Args:
         loss_fn: the task's ``loss_fn(model, batch)``, a scalar mean or ``(loss_sum, weight)``.
@@ -71,6 +77,7 @@ def coupled_rows(
         batch: one batch, every leaf ``(B, ...)``.
         num_shards: S >= 2.
         compute_eps: the unit roundoff of the model's compute dtype (0 for float32).
+        terms: the batch's per-term losses (``Task.terms``); default: its row count.
     """
     rows = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batch)}
     if num_shards < 2 or len(rows) != 1 or None in rows or next(iter(rows)) % num_shards:
@@ -79,8 +86,10 @@ def coupled_rows(
     if losses is None:
         return None
     full, combined = losses
-    rtol = max(FLOOR_RTOL, EPS_UNITS * compute_eps)
-    if not (np.isfinite(full) and np.isfinite(combined)) or abs(full - combined) <= rtol * abs(full):
+    n = max(int(terms or next(iter(rows))), 1)
+    tol = derive_tolerance("float32", batch_size=n)
+    allowed = tol.atol + tol.rtol * abs(full) + SAFETY_FACTOR * compute_eps * abs(full) / math.sqrt(n)
+    if not (np.isfinite(full) and np.isfinite(combined)) or abs(full - combined) <= allowed:
         return None
     return full, combined
 

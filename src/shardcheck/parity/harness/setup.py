@@ -92,13 +92,15 @@ def _setup(
     policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, data[0], mesh)
     precision = Precision.of(model, fn=fn, matmul=policy[0], **dtypes)
     for strategy, built in ((candidate, cand), (reference, ref_strategy)):
-        _check_rows(fn, strategy, built, model, task.loss_fn, data[0], precision.compute_eps)
+        _check_rows(fn, strategy, built, model, task, data[0], precision.compute_eps)
     # at low-precision compute the tolerance measures a correct split's rounding on the loss run per shard:
     # no correct split where the loss couples the rows (trial 13: CLIP's local negatives made it 4x too wide)
     noise_s = _noise_shards(cand.num_shards, data[0])
     coupled = precision.compute_eps > 0 and noise_s > 1
     coupled = (
-        coupled and coupled_rows(task.loss_fn, model, data[0], noise_s, precision.compute_eps) is not None
+        coupled
+        and coupled_rows(task.loss_fn, model, data[0], noise_s, precision.compute_eps, task.terms(data[0]))
+        is not None
     )
     overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     # the model's structure is fixed over the run: its float32-compute graph is built once
@@ -231,7 +233,7 @@ def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (
     )
 
 
-def _check_rows(fn, strategy, built: Candidate | None, model, loss_fn, batch, compute_eps: float) -> None:
+def _check_rows(fn, strategy, built: Candidate | None, model, task: Task, batch, compute_eps: float) -> None:
     """A named strategy that computes the loss per shard, refused where the task's loss couples the rows of a
     batch (:mod:`~shardcheck.parity.harness.row_coupling`: a contrastive loss); nothing for a user's step, the
     full-batch strategies or one shard."""
@@ -239,7 +241,8 @@ def _check_rows(fn, strategy, built: Candidate | None, model, loss_fn, batch, co
         return
     s = built.num_shards
     if s and s > 1:
-        check_rows_separable(fn, strategy, coupled_rows(loss_fn, model, batch, s, compute_eps), s)
+        coupled = coupled_rows(task.loss_fn, model, batch, s, compute_eps, task.terms(batch))
+        check_rows_separable(fn, strategy, coupled, s)
 
 
 def _batch_stats_clause(model) -> str:
