@@ -216,3 +216,48 @@ def test_a_bf16_contrastive_loss_is_held_to_a_tolerance_of_the_full_batch():
     assert report.localization.group.startswith("every failing leaf is 0-D (log_t)"), (
         report.localization.group
     )
+
+
+CARRY_TASK_FILE = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import shardcheck
+
+class Carry(nnx.Variable):
+    pass
+
+class Recurrent(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.h = Carry(jnp.zeros((8, 3)))
+
+    def __call__(self, x):
+        y = jnp.tanh(self.lin(x) + 0.5 * self.h[...])
+        self.h[...] = jax.lax.stop_gradient(y)
+        return y
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+rng = np.random.default_rng(0)
+task = shardcheck.Task(model=lambda: Recurrent(nnx.Rngs(0)), optimizer=optax.adam(1e-2), loss_fn=loss_fn,
+                       batches=[{"x": rng.normal(size=(8, 4)).astype(np.float32),
+                                 "y": rng.normal(size=(8, 3)).astype(np.float32)}])
+"""
+
+
+@require_devices(2)
+def test_memory_names_the_strategy_whose_step_does_not_compile_for_a_carried_state(tmp_path, capsys):
+    """Trial 12: `memory --mesh` on a model with a (B, H) carried state ended in one line, "error: Incompatible
+    types for broadcasting ...": now the line names the strategy, the likely cause and the way out, and gspmd
+    (the forward pass on the whole batch) sizes it."""
+    from shardcheck.cli import main
+
+    path = tmp_path / "carry.py"
+    path.write_text(CARRY_TASK_FILE)
+    base = ["memory", "--task", f"{path}:task", "--mesh", "data=2"]
+    assert main([*base, "--strategy", "fsdp"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "shardcheck memory: the fsdp step does not compile for this task: " in err, err
+    assert "a carried hidden state" in err and "--strategy NAME (gspmd runs the forward pass" in err
+    assert main([*base, "--strategy", "gspmd"]) == 0

@@ -557,7 +557,7 @@ def main_mesh(args) -> int:
         task = _build_task(args)
         batch = args.batch_size or _default_batch_size(task, mesh.size)
         estimates = {s: memory.estimate_memory(task, mesh=mesh, strategy=s) for s in strategies}
-        compiled = {s: _compile_report_and_probes(task, mesh, s, batch, device) for s in strategies}
+        compiled = {s: _compiled(name, task, mesh, s, batch, device) for s in strategies}
         aot = {s: compiled[s][batch] for s in strategies}
         measured = {}
         if args.measure:
@@ -581,6 +581,30 @@ def main_mesh(args) -> int:
         )
     args.shards = mesh.size
     return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
+
+
+def _compiled(name: str, task, mesh, strategy, batch, device) -> dict:
+    """:func:`_compile_report_and_probes`, whose failure to compile names the strategy and the way out.
+
+    Raises:
+        ValueError: the step of ``strategy`` does not trace or compile for this task (trial 12: a carried hidden
+            state of the full batch's rows met each device's rows in dp's and fsdp's per-device forward pass,
+            and the command said only "Incompatible types for broadcasting").
+    """
+    try:
+        return _compile_report_and_probes(task, mesh, strategy, batch, device)
+    except (TypeError, ValueError) as err:
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        hint = (
+            f" (a model state shaped by the full batch's rows, such as a carried hidden state, meets each "
+            f"device's rows where {strategy}'s step runs the forward pass per device)"
+            if "broadcast" in first.lower()
+            else ""
+        )
+        raise ValueError(
+            f"{name}: the {strategy} step does not compile for this task: {type(err).__name__}: {first}{hint}; "
+            "size the other strategies with --strategy NAME (gspmd runs the forward pass on the whole batch)"
+        ) from err
 
 
 def _compile_report_and_probes(task, mesh, strategy, batch, device) -> dict:
