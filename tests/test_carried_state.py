@@ -261,3 +261,21 @@ def test_memory_names_the_strategy_whose_step_does_not_compile_for_a_carried_sta
     assert "shardcheck memory: the fsdp step does not compile for this task: " in err, err
     assert "a carried hidden state" in err and "--strategy NAME (gspmd runs the forward pass" in err
     assert main([*base, "--strategy", "gspmd"]) == 0
+
+
+def test_memory_names_itself_in_the_librarys_refusals(tmp_path, capsys):
+    """Trial 12: a mesh lacking an annotated axis read 'error: estimate_memory: leaf ...' on the command line."""
+    from shardcheck.cli import main
+
+    path = tmp_path / "annotated.py"
+    path.write_text(
+        "import numpy as np, optax\nfrom flax import nnx\nimport shardcheck\n"
+        "init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, 'model'))\n"
+        "task = shardcheck.Task(model=lambda: nnx.Linear(4, 4, kernel_init=init, rngs=nnx.Rngs(0)),\n"
+        "    optimizer=optax.sgd(0.1), loss_fn=lambda m, b: (m(b['x']) ** 2).mean(),\n"
+        "    batches=[{'x': np.ones((4, 4), np.float32)}])\n"
+    )
+    assert main(["memory", "--task", f"{path}:task", "--mesh", "data=2,tensor=2", "--strategy", "gspmd"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("error: shardcheck memory: leaf 'kernel' is annotated P(None, 'model')"), err
+    assert "estimate_memory" not in err

@@ -16,6 +16,7 @@ the real step is compiled ahead of time on abstract inputs for ``--batch-size`` 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from shardcheck._catalog import DEFAULT_STRATEGY, OPTIMIZERS, TINY_LM_SIZES, xla_partitioned
@@ -570,8 +571,8 @@ def main_mesh(args) -> int:
                     task, mesh, device[0], strategy=s, known=known
                 )
                 fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
-    except (ValueError, TypeError) as e:
-        return _fail(str(e))
+    except (ValueError, TypeError) as e:  # the library's messages, named by the command (trial 12)
+        return _fail(re.sub(r"^(estimate_memory|measure_memory): ", f"{name}: ", str(e)))
     except Exception as e:  # the user's loss_fn raising while the step is lowered: bad input, not a crash
         if not _raised_in(e, getattr(task, "loss_fn", None)):
             raise
