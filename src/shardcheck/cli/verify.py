@@ -679,7 +679,8 @@ def render_report(report, setup: str, against: str | None = None):
 def _replica_cell(replicas) -> str:
     """The leaf cell of a replica failure (:class:`~shardcheck.parity.report.ReplicaFailure`):
     ``"opt_state 1.0.mu.bias (40 leaves along 'model' differ across devices)"``, and where the gradients show
-    the unreduced leaves, ``"...; 30 of them only downstream of the 2 whose gradients differ)"``."""
+    the unreduced leaves, ``"...; 6 of them are the values and optimizer state of the 2 parameters whose gradients
+    differ; the other 73 have gradients within tolerance: ...)"`` (``topology.downstream_note``)."""
     tail = f"; {replicas.downstream}" if replicas.downstream else ""
     return f"{replicas.leaf} ({replicas.text()} differ across devices{tail})"
 

@@ -21,9 +21,12 @@ class ReplicaFailure:
         leaf: the first mismatched leaf of that step, by ``LeafError.name`` (``"opt_state 1.0.mu.bias"``).
         leaves: how many leaves of that step mismatch.
         axes: the mesh axes along which their copies differ (``StepRecord.replica_axes``); ``()`` where unknown.
-        downstream: ``""``, or where the gradients show which leaves were left unreduced, how many of the others
-            differ only downstream of them (``topology.downstream_note``: ``"30 of them only downstream of the 2
-            whose gradients differ"``; ``leaf`` is then one whose gradient differs).
+        downstream: ``""``, or where the gradients show which leaves were left unreduced, how many of the leaves
+            belong to the parameters whose gradients differ and how many have gradients within tolerance
+            (``topology.downstream_note``: ``"6 of them are the values and optimizer state of the 2 parameters
+            whose gradients differ; the other 73 have gradients within tolerance: their copies differ downstream
+            of those or by an unreduced gradient too small to show at this precision"``; ``leaf`` is then one
+            whose gradient differs).
     """
 
     step: int

@@ -1,9 +1,9 @@
 """What the failing leaves of a stage share, and what the matching ones do.
 
 :func:`shared_property` names the property that separates the failing leaves from the matching ones: one ndim,
-one set of name suffixes, a module path prefix; with :class:`LeafFacts` (where the harness knows them) also the
-leaf's role (embedding, norm, bias, kernel), its dtype, the mesh axes of its placement, and whether it is tied
-(shared by several modules).
+one set of name suffixes, a module path prefix, one module in every layer of a list (``blocks.*.moe.router``);
+with :class:`LeafFacts` (where the harness knows them) also the leaf's role (embedding, norm, bias, kernel), its
+dtype, the mesh axes of its placement, and whether it is tied (shared by several modules).
 """
 
 from __future__ import annotations
@@ -143,8 +143,10 @@ def shared_property(
     matching one is), then several uses in the loss (every failing leaf read by two or more operations, every
     matching one by one: a table both looked up and multiplied); one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
     one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
-    and a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
-    leaf matches"``).
+    a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
+    leaf matches"``), and one module in several layers of a list, its layer indices read as ``*``, that no
+    matching leaf lies under (:func:`layer_module`: ``"every failing leaf is under blocks.*.moe.router (in every
+    layer); every other leaf matches"``; a scan's stacked layers share one path, a prefix).
     Between the last two, with ``facts``: one role (``"every failing leaf is a norm scale; every leaf that is a bias or a kernel
     matches"``), one dtype, one placement (``"every failing leaf is split over ('model',)"``), tied or not, one
     parameter group of the optimizer (``"every failing leaf is in the optimizer's parameter group 'mp'"``).
@@ -199,7 +201,32 @@ def shared_property(
     prefix = common_prefix(list(failing))
     if prefix and matching and not any(p == prefix or p.startswith(prefix + ".") for p in matching):
         return f"every failing leaf is under {prefix}; every other leaf matches"
+    layered = _layered_module(list(failing), list(matching))
+    if layered:
+        return f"every failing leaf is under {layered} (in every layer); every other leaf matches"
     return _no_property(failing, matching, names or {})
+
+
+def layer_module(path: str) -> str:
+    """A leaf's parent module with its layer indices replaced by ``*``: ``"blocks.1.moe.router.kernel"`` ->
+    ``"blocks.*.moe.router"``, the same module in every item of an ``nnx.List`` of layers. A leading run of
+    indices (an optimizer state's ``"1.0.mu..."``) is kept: it numbers the optimizer's states, not layers."""
+    parts = path.split(".")[:-1]
+    lead = next((i for i, n in enumerate(parts) if not n.isdigit()), len(parts))
+    return ".".join(parts[:lead] + ["*" if n.isdigit() else n for n in parts[lead:]])
+
+
+def _layered_module(failing: list[str], matching: list[str]) -> str:
+    """The :func:`layer_module` every failing leaf shares, where it holds an index (the failing leaves lie in
+    several layers) and no matching leaf lies under it; ``""`` otherwise."""
+    modules = {layer_module(p) for p in failing}
+    if len(modules) != 1 or not matching:
+        return ""
+    (module,) = modules
+    if "*" not in module.split("."):
+        return ""
+    under = [layer_module(p) for p in matching]
+    return "" if any(m == module or m.startswith(module + ".") for m in under) else module
 
 
 def _no_property(failing, matching, names: Mapping[str, str]) -> str:

@@ -250,16 +250,34 @@ def replicas_by_gradient(record: StepRecord) -> tuple[list[str], list[str], list
     """``(unreduced, own, downstream)`` for the leaves whose copies differ (``record.replica_mismatches``):
     the gradient paths that fail at that step and own some of them, those leaves, and the others.
 
-    A leaf whose own gradient matched the reference's while its copies differ parted only downstream of the
-    failing gradients (an update that reads every gradient: a global-norm clip of gradients left unreduced
-    elsewhere differs per device); it is no example of a gradient left unreduced. ``([], [], all)`` where the
-    step compared no gradient, or none of the failing gradients is a leaf whose copies differ.
+    A leaf whose own gradient is within its tolerance while its copies differ parted downstream of the failing
+    gradients (an update that reads every gradient: a global-norm clip of gradients left unreduced elsewhere
+    differs per device), or by a gradient of its own left unreduced whose difference is too small to show at
+    the tolerance's precision (bf16's): the records do not tell which, so it is not named unreduced. Those
+    leaves come nearest their tolerance first (their parameter's gradient error over its tolerance, largest
+    first: an unreduced one hidden by the precision before the ones that differ only downstream).
+    ``([], [], all)`` where the step compared no gradient, or none of the failing gradients is a leaf whose
+    copies differ.
     """
-    failing = sorted({e.path for e in record.leaves if e.kind == "grad" and not e.ok})
+    grads = {e.path: e for e in record.leaves if e.kind == "grad"}
+    failing = sorted(p for p, e in grads.items() if not e.ok)
     names = record.replica_mismatches
     unreduced = [p for p in failing if any(_owns(n, p) for n in names)]
     own = [n for n in names if any(_owns(n, p) for p in unreduced)]
-    return unreduced, own, [n for n in names if n not in own]
+    rest = [n for n in names if n not in own]
+    if unreduced:
+        rest.sort(key=lambda n: -_gradient_share(n, grads))
+    return unreduced, own, rest
+
+
+def _gradient_share(name: str, grads) -> float:
+    """The error of the gradient of the parameter that owns leaf ``name`` over its tolerance (``grads``:
+    ``{path: LeafError}``), 0 where none is known."""
+    mine = [e for p, e in grads.items() if _owns(name, p)]
+    if not mine:
+        return 0.0
+    e = max(mine, key=lambda e: len(e.path))
+    return e.max_abs_err / e.tolerance if e.tolerance > 0 else 0.0
 
 
 def replicas_root(record: StepRecord) -> list[str]:
@@ -269,27 +287,49 @@ def replicas_root(record: StepRecord) -> list[str]:
     return own + downstream
 
 
+# what the leaves whose gradients are within tolerance may be, beside the parameters whose gradients differ
+WITHIN = "or by an unreduced gradient too small to show at this precision"
+
+
 def downstream_note(record: StepRecord) -> str:
-    """``"30 of them only downstream of the 2 whose gradients differ"`` (one: ``"... the 1 whose gradient
-    differs"``) where some leaves whose copies differ have gradients that match the reference's beside leaves
-    whose gradients differ; ``""`` otherwise."""
+    """How the leaves whose copies differ split, where some have gradients that differ and others gradients
+    within tolerance; ``""`` otherwise. Counted so the numbers add up: ``"6 of them are the values and optimizer
+    state of the 2 parameters whose gradients differ; the other 73 have gradients within tolerance: their copies
+    differ downstream of those or by an unreduced gradient too small to show at this precision"``."""
     unreduced, own, downstream = replicas_by_gradient(record)
     if not own or not downstream:
         return ""
-    whose = "whose gradient differs" if len(unreduced) == 1 else "whose gradients differ"
-    return f"{len(downstream)} of them only downstream of the {len(unreduced)} {whose}"
+    one = len(unreduced) == 1
+    whose = (
+        "the parameter whose gradient differs"
+        if one
+        else f"the {len(unreduced)} parameters whose gradients differ"
+    )
+    held = {"param ": "value" if one else "values", "opt_state ": "optimizer state"}
+    what = " and ".join(w for k, w in held.items() if any(n.startswith(k) for n in own)) or "leaves"
+    return (
+        f"{len(own)} of them {'is' if len(own) == 1 else 'are'} the {what} of {whose}; the other "
+        f"{len(downstream)} have gradients within tolerance: their copies differ downstream of "
+        f"{'it' if one else 'those'} {WITHIN}"
+    )
 
 
 def _downstream_sentence(unreduced: Sequence[str], downstream: Sequence[str], missed: str) -> str:
-    """What the leaves whose gradients matched while their copies differ are: downstream of ``unreduced``."""
+    """What the leaves whose copies differ while their gradients are within tolerance may be: downstream of
+    ``unreduced``, or unreduced by too little to show."""
+    it = "it" if len(unreduced) == 1 else "those"
+    have, their = ("has", "its") if len(downstream) == 1 else ("have", "their")
+    named = "the one named" if len(unreduced) == 1 else f"the {len(unreduced)} named"
+    is_ = "is" if len(unreduced) == 1 else "are"
     return (
-        f" The other {n_leaves(len(downstream))} whose copies differ have gradients that match the reference's: "
-        f"their copies differ across {missed} only downstream of {'it' if len(unreduced) == 1 else 'those'}, "
-        "through an update that reads every gradient (a global-norm clip such as optax.clip_by_global_norm, a "
-        "global norm), which each device "
-        "computed from its own copies of the unreduced gradients; they agree once those are reduced. Not "
-        f"reduced: {name_leaves([f'grad {p}' for p in unreduced])}; differ only downstream: "
-        f"{name_leaves(downstream)}."
+        f" The other {n_leaves(len(downstream))} whose copies differ {have} gradients within tolerance of the "
+        f"reference's: {their} copies differ across {missed} downstream of {it}, through an update that reads "
+        "every gradient (a global-norm clip such as optax.clip_by_global_norm, a global norm), which each device "
+        f"computed from its own copies of the unreduced gradients, {WITHIN} (a gradient within tolerance may "
+        f"still be unreduced). Reduce every gradient over {missed}, not only {named}: where copies still differ "
+        f"once {it} {is_} reduced, another was left unreduced too. Not reduced: "
+        f"{name_leaves([f'grad {p}' for p in unreduced])}; gradients within tolerance, nearest their tolerance "
+        f"first: {name_leaves(downstream)}."
     )
 
 
@@ -305,7 +345,8 @@ def missed_axes_message(
     ``after_gradients``: the loss and every gradient the step returns matched the reference's at that step, so
     the copies parted after them (no forward or gradient reduction is blamed). ``unreduced``: the gradient
     paths that differ at that step and own some of ``leaves`` (:func:`replicas_by_gradient`): named as the ones
-    not reduced, the leaves they do not own as differing only downstream of them; ``()`` (the gradients not
+    not reduced, the leaves they do not own as having gradients within tolerance (their copies differ downstream
+    of them, or by an unreduced gradient too small to show at this precision); ``()`` (the gradients not
     observed, or every leaf's own) blames every leaf's gradient."""
     batch, model = axis_roles(mesh_shape)
     axes = tuple(mesh_shape or {})
