@@ -36,7 +36,14 @@ a digest cannot tell which elements, so the whole leaf is allowed it but for its
 replay saw above ``atol_t``, ``Peaks.sampled``); that is added to the parameter's tolerance at t and every later
 step (the harness's ``floor``), and no cause is read from such a leaf's update ratio; the
 leaf is ``unresolved`` at a step (the ``rounding_level`` note) where that allowance exceeds its own tolerance, as
-the harness decides it. The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
+the harness decides it. At low-precision compute a replay measures, beside each step, the task's gradient with
+every layer computing in float32 ``g_32`` and the compute noise ``N`` of its gradient as a live check measures it
+(:func:`~shardcheck.parity.harness.true_gradients.rounding_noise`); a gradient is at rounding level where its true
+gradient is within its tolerance of 0, ``max|g_32| <= atol_t`` (a bfloat16 step returns an attention key bias's
+true gradient of 0 as noise some 40x ``atol_t``, which no ``max|g|`` rule tells from a small gradient: issue #36,
+trial 14); that gradient is then allowed ``2 N`` (``N`` the largest so far: each run's lies within it of 0) and its
+optimizer moments ``2 N``, and the elementwise peaks are not read (an element of a large leaf is small by chance).
+The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
 sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``; ``size * atol_t * a`` of a leaf only part of whose
 gradient is at rounding level: only those elements, each ``|g| <= atol_t``, may differ by it). Parameters or
 moments stored below float32 add one rounding of their own per step (``eps * max|r|``), as the harness does.
@@ -460,6 +467,11 @@ class _Bounds:
     unresolved: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # eps of the looser compute dtype of the two runs, where coarser than float32 (compute_eps), else 0
     compute: float = 0.0
+    # by parameter name, the largest gradient compute noise (true_gradients.rounding_noise) of the steps so far at
+    # which its true gradient was within atol_t of 0: its gradient's and its moments' allowance (issue #36, trial 14)
+    noise: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the parameters whose whole gradient is at rounding level at the step being compared
+    quiet: set[str] = dataclasses.field(default_factory=set)
     # by parameter name, the compute-rounding allowance accumulated over the steps (compute_allowance)
     compute_acc: dict[str, float] = dataclasses.field(default_factory=dict)
     # the recording's per-term loss count of each step (meta["terms"]): the loss's compute allowance
@@ -554,6 +566,13 @@ class _Pair(NamedTuple):
                 )
         return _Leaf.at(self.full, self.full.steps, t, None)
 
+    def noise(self, t: int, path: str) -> tuple[float, float] | None:
+        """Parameter ``path``'s float32-compute true gradient's ``max|g_32|`` and its gradient's compute noise at
+        step t as a run measured them at low-precision compute (:func:`~shardcheck.parity.harness.
+        true_gradients.rounding_noise`: a replay keeps them, the recording's first); ``None`` where neither
+        holds them (float32 compute, an older recording replayed by an older version)."""
+        return self._kept(true_gradients.read_noise, t, path)
+
     def least(self, t: int, path: str) -> float:
         """The least over parameter ``path``'s elements of each one's largest ``|g|`` up to step t, as a run kept
         it (:class:`~shardcheck.parity.harness.true_gradients.Peaks`: a replay keeps it), the recording's first;
@@ -641,10 +660,7 @@ def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
         drift += _loss_moves(bounds, param, g, atol) * bounds.allowance.get(param, 0.0)
         # the whole gradient at rounding level, or some of its elements at every step so far (a fused qkv bias's
         # key third) under an optimizer that normalizes them to an lr-sized update: its largest update bounds theirs
-        path = param.removeprefix("param ")
-        if g.max <= atol or (pair.least(t, path) <= atol and _normalized(pair, path)):
-            if g.max <= atol:
-                bounds.whole.add(param)
+        if _at_rounding_level(pair, bounds, t, param, g, atol):
             bounds.rounding.setdefault(param, t)
             p, q = pair.leaf("recorded", t, param), pair.leaf("replayed", t, param)
             if p.present and math.isfinite(p.update):
@@ -658,9 +674,50 @@ def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
     return drift
 
 
+def _at_rounding_level(pair: _Pair, bounds: _Bounds, t: int, param: str, g: _Leaf, atol: float) -> bool:
+    """Whether ``param``'s gradient ``g`` is at rounding level at step t (module docstring), recorded in ``bounds``
+    (``whole``, ``quiet``, ``noise``). At low-precision compute, where a run measured the task's gradient in
+    float32 compute and its compute noise (:meth:`_Pair.noise`): where that true gradient's ``max|g_32| <=
+    atol_t`` (an attention key bias's is 0; a bfloat16 step returns it as noise some 40x ``atol_t``, which no
+    ``max|g|`` rule tells from a small gradient), its noise ``N`` kept (the largest so far, each step's measure
+    one realization); the least of the elementwise peaks is not read there (an element of a large leaf is small
+    at a step by chance: a bfloat16 MoE's ``w_in``)."""
+    path = param.removeprefix("param ")
+    found = pair.noise(t, path) if bounds.compute else None
+    at = g.max <= atol if found is None else found[0] <= atol
+    if at and found is not None:
+        bounds.noise[param] = max(bounds.noise.get(param, 0.0), found[1])
+    if at:
+        bounds.whole.add(param)
+        bounds.quiet.add(param)
+        return True
+    return found is None and pair.least(t, path) <= atol and _normalized(pair, path)
+
+
+def _rounding_allowance(bounds: _Bounds, name: str) -> float:
+    """What a leaf of a parameter whose whole gradient is at rounding level is also allowed at low-precision
+    compute, ``N`` its largest measured gradient noise so far: its gradient at this step ``2 N`` (each run's
+    gradient lies within ``N`` of the true 0), its optimizer moments ``2 N`` at every step from the first
+    (Adam's ``mu`` moves by at most ``(1 - b1)`` of the gradients' difference per step, decaying by ``b1``;
+    ``nu`` by ``(1 - b2)`` of ``g^2``, less), as the live check allows each gradient its measured noise and
+    propagates it through the optimizer; 0 for any other leaf."""
+    kind, _, path = name.partition(" ")
+    if kind == "grad" and "param " + path in bounds.quiet:
+        return 2.0 * bounds.noise.get("param " + path, 0.0)
+    if kind == "opt_state":
+        ends = (
+            a
+            for p, a in bounds.noise.items()
+            if p in bounds.whole and path.endswith("." + p.removeprefix("param "))
+        )
+        return 2.0 * max(ends, default=0.0)
+    return 0.0
+
+
 def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
     """Every recorded leaf at point t (``-1``: the initial state, at step 0's tolerance)."""
     rtol, atol = bounds.derived(pair.recording.meta, t)
+    bounds.quiet = set()
     drift = _grow_allowance(pair, bounds, t, atol) if t >= 0 else 0.0
     if t >= 0:
         bounds.unresolved[t] = tuple(
@@ -675,7 +732,7 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
             continue
         c = pair.leaf("replayed", t, name)
         base = bounds.base(name, r, t, rtol, atol) + (drift if name == "loss" else 0.0)
-        base += bounds.compute_allowance(name, r, t)
+        base += bounds.compute_allowance(name, r, t) + _rounding_allowance(bounds, name)
         update_base = None
         if name.startswith("param "):
             update_base = base + bounds.last_base.get(name, base)

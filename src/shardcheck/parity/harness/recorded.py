@@ -49,7 +49,13 @@ from shardcheck.parity.harness.setup import (
     _task_batches,
     check_options,
 )
-from shardcheck.parity.harness.true_gradients import Peaks, keep_least, true_gradient_digest
+from shardcheck.parity.harness.true_gradients import (
+    Peaks,
+    keep_least,
+    keep_noise,
+    rounding_noise,
+    true_gradient_digest,
+)
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
 from shardcheck.parity.tolerance.precision import Precision
@@ -469,7 +475,11 @@ def record_run(
             backward pass a step) in ``meta["true_gradients"]``: what tells a parameter whose gradient is at
             rounding level, as a live check reads it from the reference's (a replay asks for it); and at every
             step the least of each parameter's elementwise largest ``|g|`` so far (``"least"``: a leaf only part of
-            whose gradient is at rounding level), from the gradients the step returns, else the task's.
+            whose gradient is at rounding level), from the gradients the step returns, else the task's; and at
+            a compute dtype coarser than float32, at every step each parameter's true gradient's ``max|g|``
+            with every layer computing in float32 (``"true32"``: within ``atol_t`` of 0, its gradient is at
+            rounding level) and its gradient's compute noise (``"noise"``, the live check's measure, what such a
+            gradient is compared within: :func:`~shardcheck.parity.harness.true_gradients.rounding_noise`).
         compute_dtype: the compute dtype the tolerance assumes, in place of the one read from the model's layers
             as a live check reads it (:meth:`~shardcheck.parity.tolerance.precision.Precision.of`: the least
             precise layer ``dtype``); stored as ``meta["compute_dtype"]``: a replay is compared within the looser
@@ -510,7 +520,7 @@ def record_run(
     # a wrapped optimizer as the task's, as live; the floating model state beside the parameters
     first = state_leaves(model, optimizer, cand.view_optimizer) | floating_leaves(model)
     shapes = _leaf_list(first)
-    rows, truth, least = [], {}, {}
+    rows, truth, least, noise = [], {}, {}, {}
     returned = isinstance(candidate, str)  # a registered strategy returns the gradients it applied
     peaks = Peaks() if true_gradients else None
     initial = digest(first, {})
@@ -519,6 +529,8 @@ def record_run(
         before |= {n: a for n, a in device_snapshot(floating_leaves(model)).items()}
         if true_gradients and not returned:  # before the step, until it is seen to return gradients
             truth[t] = true_gradient_digest(task.loss_fn, model, batch, peaks)
+        if true_gradients and _coarse(compute):  # what tells a gradient at rounding level at low precision
+            noise[t] = rounding_noise(task.loss_fn, model, batch, jnp.dtype(compute))
         loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
         returned = grads is not None
         if returned:
@@ -532,11 +544,24 @@ def record_run(
     recording.meta.update(matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
     recording.meta["normalized"] = normalized_params(task, model)
     recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_reads
-    for t, found in truth.items():
-        keep_true_gradients(recording.meta, t, len(data), found)
-    for t, (found, sampled) in least.items():
-        keep_least(recording.meta, t, len(data), found, sampled)
+    _keep_gradients(recording.meta, len(data), truth, least, noise)
     return recording
+
+
+def _keep_gradients(meta: dict, steps: int, truth: dict, least: dict, noise: dict) -> None:
+    """Store what :func:`record_run` kept of the gradients by step (``true_gradients``) in ``meta``: the task's
+    own gradient's digests, the peaks' least and samples, the compute noise."""
+    for t, found in truth.items():
+        keep_true_gradients(meta, t, steps, found)
+    for t, (found, sampled) in least.items():
+        keep_least(meta, t, steps, found, sampled)
+    for t, found in noise.items():
+        keep_noise(meta, t, steps, found)
+
+
+def _coarse(compute: str) -> bool:
+    """Whether the compute dtype named ``compute`` is coarser than float32 (bfloat16, float16)."""
+    return float(jnp.finfo(jnp.dtype(compute)).eps) > float(jnp.finfo(jnp.float32).eps)
 
 
 def _precision(fn: str, task: Task, model, batch, mesh, matmul_precision, compute_dtype) -> tuple[str, str]:

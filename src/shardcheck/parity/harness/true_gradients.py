@@ -13,6 +13,10 @@ check allows such elements one by one; a digest cannot, so a replay keeps, per p
 the elements of each element's largest ``|g|`` so far, 0 left out (:class:`Peaks`: an element at rounding level
 at every step up to t, as Adam's moments of a true gradient of 0 are, shows as a least within ``atol_t``; one
 element small at one step by chance does not), read from the gradients the step returns, else from the task's.
+
+At a compute dtype coarser than float32 a true gradient of 0 comes back as compute noise far above ``atol_t``: a
+replay also keeps, per parameter and step, that noise as a live check measures it (:func:`rounding_noise`: a
+correct split's gradient against the full batch's), against which the digest comparison reads such a gradient.
 """
 
 from __future__ import annotations
@@ -60,6 +64,37 @@ def true_gradient_digest(
     if peaks is not None:
         peaks.raise_by(grads)
     return {p: (float(m), float(n)) for p, (m, n) in jax.device_get(out).items()}
+
+
+def rounding_noise(loss_fn, model: nnx.Module, batch, compute_dtype) -> dict[str, tuple[float, float]]:
+    """``{parameter path: (max|g_32|, N)}`` at ``model``'s state on ``batch`` under a low-precision
+    ``compute_dtype`` (coarser than float32): ``g_32`` the task's gradient with every layer computing in float32
+    (:func:`~shardcheck.parity.tolerance.precision.float32_compute`: the true gradient without the compute
+    dtype's rounding; an attention key bias's is 0 to float32 rounding), and ``N`` the largest element of the
+    compute noise of the task's gradient ``g`` as a live check measures it (:func:`~shardcheck.parity.tolerance.
+    precision.measured_noise` + ``output_rounding``, :func:`~shardcheck.parity.tolerance.allowances.
+    step_bounds`): ``COMPUTE_SAFETY`` times the largest difference of ``g_32`` and of ``g`` rounded to
+    ``compute_dtype`` from ``g``, plus ``eps_c (|g| + A)``; no split of the batch (a loss that couples the rows
+    computes another function per shard). ``{}`` where no layer computes below float32 (the rounding is then a
+    cast in the model's own code, which no float32 graph removes). ``model`` is not changed; host floats."""
+    from shardcheck.parity.tolerance.allowances import _grads_at, _shard_magnitude
+    from shardcheck.parity.tolerance.precision import float32_compute, measured_noise, output_rounding
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef32 = float32_compute(graphdef, params, rest)
+    if graphdef32 is None:
+        return {}
+    _, grads = _stats(loss_fn, graphdef, params, rest, batch)
+    magnitude, _, low = (
+        flatten_state(x) for x in _shard_magnitude(loss_fn, 1, graphdef, params, rest, batch, compute_dtype)
+    )
+    true = flatten_state(_grads_at(loss_fn, graphdef32, params, rest, batch))
+    eps = float(jnp.finfo(compute_dtype).eps)
+    noise = jax.tree.map(
+        jnp.add, measured_noise([true, low], grads, grads), output_rounding(grads, magnitude, eps)
+    )
+    tops = {p: (jnp.max(jnp.abs(true[p]), initial=0.0), jnp.max(a, initial=0.0)) for p, a in noise.items()}
+    return {p: (float(a), float(b)) for p, (a, b) in jax.device_get(tops).items()}
 
 
 @jax.jit
@@ -157,3 +192,27 @@ def read_sampled(meta, t: int, path: str) -> list[float | None] | None:
     if not values or t >= len(values) or values[t] is None:
         return None
     return list(values[t])
+
+
+def keep_noise(meta: dict, t: int, steps: int, noise: dict[str, tuple[float, float]]) -> None:
+    """Store step ``t``'s :func:`rounding_noise` in ``meta[META_KEY]["true32"]`` and ``["noise"]`` (of ``steps``
+    steps; a value that is not finite as ``None``)."""
+    held = meta.setdefault(META_KEY, {"max": {}, "norm": {}})
+    for path, pair in noise.items():
+        for field, value in zip(("true32", "noise"), pair, strict=True):
+            held.setdefault(field, {}).setdefault(path, [None] * steps)[t] = (
+                value if math.isfinite(value) else None
+            )
+
+
+def read_noise(meta, t: int, path: str) -> tuple[float, float] | None:
+    """Parameter ``path``'s :func:`rounding_noise` ``(max|g_32|, N)`` at step ``t`` from a recording's metadata,
+    ``None`` where it holds none (float32 compute, a recording made before it was kept, or without
+    ``true_gradients``)."""
+    held = meta.get(META_KEY) if isinstance(meta, dict) else None
+    if not isinstance(held, dict):
+        return None
+    values = [held.get(f, {}).get(path) for f in ("true32", "noise")]
+    if any(not v or t >= len(v) or v[t] is None for v in values):
+        return None
+    return float(values[0][t]), float(values[1][t])
