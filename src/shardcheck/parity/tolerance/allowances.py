@@ -117,8 +117,9 @@ class _Bounds:
     ``state``: the sensitivity of the update and of the optimizer state to the gradient's tolerance (computed on
     first read, :class:`_Sensitivity`); ``grad_max``: ``max |g|`` per leaf (floats); ``grads``: the reference's
     gradient, by path and as its tree (``grad_tree``, for :func:`_scale_evidence`); ``loss_realizations``: the
-    reference's loss in each measured realization (0-d device arrays: under a coarse matmul precision, its loss
-    with the matmuls at the other precision), for the loss's allowance
+    reference's loss in each measured realization (0-d device arrays: at a compute dtype coarser than float32,
+    its loss with every layer in float32; under a coarse matmul precision, with the matmuls at the other
+    precision), for the loss's allowance
     (``shardcheck.parity.tolerance.precision.loss_compute_allowance``); ``rounding``: the compute-rounding part
     of ``grad`` alone, without the drift of the candidate's parameters (``|g(p_cand) - g|``, which a diverged
     candidate makes as large as the gradient itself): what tells a gradient at rounding level (``{}`` at
@@ -258,6 +259,18 @@ def _shadow_inputs(run: _Run, pre: _PreStep, batch):
 def _grads_at(loss_fn, graphdef, params, rest, batch):
     total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, batch)
     return grads if weight is None else jax.tree.map(lambda g: g / weight, grads)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _loss_grads_at(loss_fn, graphdef, params, rest, batch):
+    """``(loss, grads)``: the task's mean loss (0-d; the weighted sum over the total weight) and its gradient (a
+    tree like ``params``), in one program: with ``graphdef`` computing in float32
+    (``shardcheck.parity.tolerance.precision.float32_compute``), the realization of the reference's loss whose
+    distance from the low-precision one measures the loss's compute noise (issue #36 trial 15)."""
+    total, weight, grads = params_value_and_grad(loss_fn, graphdef, params, rest, batch)
+    if weight is None:
+        return total, grads
+    return total / weight, jax.tree.map(lambda g: g / weight, grads)
 
 
 def _reference_grads(loss_fn, pre: _PreStep, batch):
@@ -444,6 +457,8 @@ def _precision_rule(precision: Precision) -> str:
         loss = "eps_c * |loss| / sqrt(n)"
         if precision.matmul_coarser:
             loss += f" + {COMPUTE_SAFETY:g} * |loss_M - loss| (loss_M: the reference's loss at the other precision)"
+        else:
+            loss += f" + {COMPUTE_SAFETY:g} * |loss_32 - loss| (loss_32: the reference's loss computed in float32)"
         parts.append(f"loss + {loss}")
     if precision.param_eps > 0:
         parts.append(
@@ -485,14 +500,16 @@ def step_bounds(run: _Run, pre: _PreStep, batch, grads, split, rtol: float, atol
         grads = _committed(grads)
         drifted = grads if shadow is None else _committed(shadow[0])
         realizations = [g for g in (split_grads, split_low) if g is not None]
-        if run.graphdef32 is not None:
-            realizations.append(_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch))
+        if run.graphdef32 is not None:  # every layer in float32: the reference's loss and gradient, unrounded
+            loss_32, grads_32 = _loss_grads_at(run.task.loss_fn, run.graphdef32, pre.params, pre.rest, batch)
+            realizations.append(grads_32)
+            losses += (loss_32,)
         if run.matmul_realization is not None:  # the reference's loss and gradient at the other precision
             loss_m, grads_m = gradients_at(
                 run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch, run.matmul_realization
             )
             realizations.append(grads_m)
-            losses = (loss_m,)
+            losses += (loss_m,)
         output = output_rounding(grads, magnitude, run.precision.compute_eps)
         noise = _tree_add(measured_noise(realizations, grads, drifted), output)
         # the rounding alone, without the candidate's parameter drift: what tells a gradient at rounding level

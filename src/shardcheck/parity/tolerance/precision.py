@@ -213,12 +213,19 @@ def loss_compute_allowance(precision: Precision, loss: float, terms: int, realiz
     S = 2, step 0): a correct candidate's loss differed by 3.17e-4, 1.19 times the first term plus the float32
     rule's (2.66e-4), and ``|loss_r - loss|`` was 3.17e-4 too: the error used 0.21 of the new tolerance.
 
+    At a compute dtype coarser than float32 the first term's independence fails too where each per-term loss is
+    itself a low-precision reduction (a per-example squared error summed over 64 pixels in bfloat16, n the
+    batch's 2048 elements): ``loss_r`` is then also the reference's loss with every layer in float32
+    (:func:`float32_compute`). Measured on issue #36 trial 15 (a bfloat16 conv U-Net, loss ~85, mesh data=2 x
+    fsdp=2): a correct GSPMD step's loss differed by 0.0522 against 0.0216 derived (a false FAIL); with the
+    float32 realization it is allowed 0.203, and a loss 5% off (4.25) or a per-pixel mean still FAILs.
+
     Args:
         precision: the check's policy.
         loss: the reference's loss (a float).
         terms: n, the batch's per-term losses (``Task.terms``).
-        realizations: the reference's loss in each measured realization (floats; none but under a coarse matmul
-            precision).
+        realizations: the reference's loss in each measured realization (floats: with every layer in float32 at a
+            coarser compute dtype, with the matmuls at the other precision under a coarse matmul precision).
     """
     if precision.compute_eps <= 0 or not math.isfinite(loss):
         return 0.0
