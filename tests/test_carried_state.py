@@ -145,8 +145,8 @@ CLIP = Task(
 
 def test_coupled_rows_finds_a_contrastive_loss_and_no_sum_over_rows():
     batch = CLIP.batches[0]
-    full, combined = coupled_rows(clip_loss, CLIP.new_model(), batch, 2)
-    assert abs(full - combined) > 0.01 * abs(full)
+    coupling = coupled_rows(clip_loss, CLIP.new_model(), batch, 2)
+    assert abs(coupling.full - coupling.combined) > 0.01 * abs(coupling.full)
     assert coupled_rows(loss_fn, Recurrent(nnx.Rngs(0)), _batches()[0], 2) is None  # a sum over rows
     assert coupled_rows(clip_loss, CLIP.new_model(), batch, 3) is None  # 8 rows: no 3 equal shards
 
@@ -279,3 +279,43 @@ def test_memory_names_itself_in_the_librarys_refusals(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert err.startswith("error: shardcheck memory: leaf 'kernel' is annotated P(None, 'model')"), err
     assert "estimate_memory" not in err
+
+
+class Routed(nnx.Module):
+    """A router and two experts with a load-balancing term over the whole batch's routing (Switch style)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.router = nnx.Linear(4, 2, rngs=rngs)
+        self.experts = nnx.Linear(4, 6, rngs=rngs)
+
+
+def routed_loss(model, batch):
+    probs = jax.nn.softmax(model.router(batch["x"]), axis=-1)  # (B, 2)
+    out = model.experts(batch["x"]).reshape(-1, 2, 3)
+    y = jnp.einsum("be,bed->bd", probs, out)
+    frac = jnp.mean(jax.nn.one_hot(jnp.argmax(probs, -1), 2), axis=0)  # the batch's routing: couples the rows
+    aux = 2 * jnp.sum(frac * jnp.mean(probs, axis=0))
+    count = jnp.sum(batch["mask"])
+    return jnp.sum(jnp.sum((y - batch["y"]) ** 2, -1) * batch["mask"]) + 0.01 * aux * count, count
+
+
+ROUTED = Task(
+    model=lambda: Routed(nnx.Rngs(1)), optimizer=optax.adam(1e-2), loss_fn=routed_loss, batches=_batches()
+)
+
+
+@require_devices(2)
+def test_a_load_balancing_term_over_the_batch_is_found_by_its_gradient():
+    """Trial 14: an auxiliary loss of weight 0.01 over the whole batch's routing moves the loss by less than its
+    tolerance when computed per shard, but the router's gradient by more: the probe compares the gradients too,
+    so the per-shard strategies are refused, naming the router's gradient, and gspmd checks the task."""
+    coupling = coupled_rows(
+        routed_loss, ROUTED.new_model(), ROUTED.batches[0], 2, terms=ROUTED.terms(_batches()[0])
+    )
+    assert coupling is not None and coupling.leaf is not None and coupling.leaf.startswith("router.")
+    assert coupling.err > coupling.tol > 0
+    with pytest.raises(
+        ValueError, match=r"^dp: cannot compute this task's loss: .*and the gradient of router\."
+    ):
+        check_parity("dp", ROUTED, num_shards=2)
+    assert check_parity("gspmd", ROUTED, mesh=make_mesh(2)).ok

@@ -230,11 +230,12 @@ def _cold_check_programs(strategy: str, num_shards: int, **kwargs) -> collection
 
 # the steps themselves: the reference's and the candidate's (not the check's own)
 _STEPS = {"_reference_jit", "_simulation_jit", "_accumulated_jit", "step"}
-# float32: the loss probe, the snapshot copy, the first pass's statistics, the gradient's tolerance and its
-# sensitivity, the accumulated allowance of the parameters and of the optimizer state (the accumulation strategy's
-# optimizer wrapper adds two eager casts)
+# float32: the loss probe, the row-coupling probe (the strategies here compute the loss per shard), the snapshot
+# copy, the first pass's statistics, the gradient's tolerance and its sensitivity, the accumulated allowance of the
+# parameters and of the optimizer state (the accumulation strategy's optimizer wrapper adds two eager casts)
 _F32 = {
     "_probe_loss": 1,
+    "_full_and_combined": 1,
     "_copy": 1,
     "_stats": 1,
     "gradient_tolerance": 1,
@@ -246,7 +247,7 @@ _F32 = {
 # (noise + rounding, sensitivity + shadow spread) and the shadow's spread
 _TF32 = {
     **_F32,
-    "_shard_magnitude": 1,
+    "_split_magnitude": 1,
     "gradients_at": 1,
     "_grads_at": 1,
     "measured_noise": 1,

@@ -1147,9 +1147,12 @@ def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_nam
     assert "(the settings differ from the recording's: " in err and "optimizer 'adam' -> 'sgd'" in err
     out = tmp_path / "against.json"
     args = ["verify", "--task", "tiny-lm", "--compute-dtype", "bfloat16", "--against", str(tiny_run)]
-    assert main([*args, "--json", str(out)]) == 1
+    # the bfloat16 replay of the float32 recording, compared within the looser (bfloat16) rounding: it PASSes (it
+    # FAILed on the attention key biases' rounding-level gradients until the replay measured their noise, trial
+    # 14), and the settings that differ are named all the same
+    assert main([*args, "--json", str(out)]) == 0
     run = _json(out)["strategies"]["fsdp"]
-    assert "compute_dtype default -> 'bfloat16'" in run["cause"]
+    assert run["verdict"] == "PASS"
     assert any(
         "The settings differ from the recording's: compute_dtype default -> 'bfloat16'" in n
         for n in run["notes"]

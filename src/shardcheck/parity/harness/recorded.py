@@ -58,7 +58,7 @@ from shardcheck.parity.harness.true_gradients import (
 )
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
-from shardcheck.parity.tolerance.precision import Precision
+from shardcheck.parity.tolerance.precision import Precision, float32_compute
 from shardcheck.parity.tolerance.propagation import normalized_leaves
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -397,10 +397,20 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
-    _check_rows(fn, candidate, cand, model, task, data[0], Precision.of(model, fn=fn).compute_eps)
+    _check_rows(fn, candidate, cand, _float32_probe(model), task, data[0], 0.0)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh, tuple(drawn)
+
+
+def _float32_probe(model: nnx.Module) -> nnx.Module:
+    """``model`` computing in float32 where its layers compute in a lower precision (the row-coupling probe's
+    model, as a live check probes it: ``setup._rows_coupled``), else ``model``."""
+    if Precision.of(model).compute_eps <= 0:
+        return model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef32 = float32_compute(graphdef, params, rest)
+    return model if graphdef32 is None else nnx.merge(graphdef32, params, rest)
 
 
 def _step_leaves(loss, grads, model, optimizer, view=None, drawn=()) -> dict[str, Any]:

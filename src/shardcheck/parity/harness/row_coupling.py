@@ -13,6 +13,7 @@ the reason and what works (a GSPMD step computes the full batch's loss however t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -21,36 +22,93 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck.parity.comparison.live import flatten_state
 from shardcheck.parity.tolerance.derive import SAFETY_FACTOR, derive_tolerance
 from shardcheck.task import LossFn, loss_terms, shards_with_state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _full_and_combined(loss_fn: LossFn, num_shards: int, graphdef, per_row: bool, params, rest, batch):
-    """``(full-batch loss, the shards' combined loss)`` (traced once per loss, S and model); ``per_row``: each
-    shard with its rows of a per-row state (:func:`~shardcheck.task.shards_with_state`)."""
+    """``(full, combined, gaps, sizes)``: the full-batch loss, the shards' combined loss ``sum_s loss_sum_s /
+    sum_s weight_s``, and per parameter leaf ``max |g_full - g_combined|`` and the scale its sum reorders,
+    ``max(max |g_full|, max sum_s |g_s| / W)``, of their gradients (traced once per loss, S and model); ``per_row``: each shard with its rows of a per-row state
+    (:func:`~shardcheck.task.shards_with_state`)."""
 
-    def terms(b, r):
-        total, weight = loss_terms(loss_fn, nnx.merge(graphdef, params, r, copy=True), b)
+    def terms(p, b, r):
+        total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, r, copy=True), b)
         return total, jnp.ones_like(total) if weight is None else weight
 
-    total, weight = terms(batch, rest)
+    def with_grad(b, r):  # ((loss_sum, weight), d loss_sum / d params): the weight is a count, no gradient
+        return jax.value_and_grad(lambda p: terms(p, b, r), has_aux=True)(params)
+
+    (total, weight), g_total = with_grad(batch, rest)
+    g_full = jax.tree.map(lambda g: g / weight, g_total)
     xs, at = shards_with_state(batch, rest, num_shards, per_row)
-    totals, weights = jax.lax.map(lambda x: terms(*at(x)), xs)
-    return total / weight, jnp.sum(totals) / jnp.sum(weights)
+    (totals, weights), g_sums = jax.lax.map(lambda x: with_grad(*at(x)), xs)
+    w = jnp.sum(weights)
+    g_comb = jax.tree.map(lambda g: jnp.sum(g, axis=0) / w, g_sums)
+    gaps = jax.tree.map(lambda x, y: jnp.max(jnp.abs(x - y), initial=0.0), g_full, g_comb)
+    # the scale of the terms a sharded sum reorders: sum_s |g_s| / W (a gradient of 0 made of shard gradients that
+    # cancel, such as an attention key bias's, is reordered at their size, not at its own), at least max |g|
+    sizes = jax.tree.map(
+        lambda g, parts: jnp.maximum(
+            jnp.max(jnp.abs(g), initial=0.0),
+            jnp.max(jnp.sum(jnp.abs(parts.astype(jnp.float32)), axis=0) / w, initial=0.0),
+        ),
+        g_full,
+        g_sums,
+    )
+    return total / weight, jnp.sum(totals) / w, gaps, sizes
 
 
-def _losses(loss_fn, num_shards: int, model, batch) -> tuple[float, float] | None:
-    """:func:`_full_and_combined` with the whole state in every shard, else with per-row state cut by shard;
-    ``None`` where the model runs on a shard neither way."""
+# how far beyond its tolerance a gradient's difference must lie to show a coupling (coupled_rows)
+GRADIENT_MARGIN = 64.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """How the loss couples the rows of a batch (:func:`coupled_rows`).
+
+    Attributes:
+        full, combined: the full-batch loss and the shards' combined one.
+        leaf: the parameter whose gradient differs most beyond its tolerance, or ``None`` where only the loss
+            tells (its path, e.g. ``"blocks.0.moe.router.kernel"``).
+        err, tol: that gradient's largest elementwise difference and its tolerance (0 where ``leaf`` is None).
+    """
+
+    full: float
+    combined: float
+    leaf: str | None = None
+    err: float = 0.0
+    tol: float = 0.0
+
+
+def _measured(loss_fn, num_shards: int, model, batch):
+    """:func:`_full_and_combined` with the whole state in every shard, else with per-row state cut by shard, on
+    the host: ``(full, combined, {path: (gap, size, eps)})`` (``eps``: the gradient's storage rounding beyond
+    float32's, :func:`_eps`); ``None`` where the model runs on a shard neither way."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     for per_row in (False, True):
         try:
             out = _full_and_combined(loss_fn, num_shards, graphdef, per_row, params, rest, batch)
         except (TypeError, ValueError):  # a shape error at trace time: a state shaped by the full batch
             continue
-        return tuple(float(v) for v in out)
+        full, combined, gaps, sizes = jax.device_get(out)
+        sizes, gaps = flatten_state(sizes), flatten_state(gaps)
+        # each gradient's own storage rounding: bfloat16 parameters have bfloat16 gradients (1 ulp = 2**-8 of them)
+        eps = {k: _eps(v) for k, v in flatten_state(nnx.as_pure(params)).items()}
+        return (
+            float(full),
+            float(combined),
+            {k: (float(v), float(sizes[k]), eps.get(k, 0.0)) for k, v in gaps.items()},
+        )
     return None
+
+
+def _eps(a) -> float:
+    """The machine epsilon of an array's dtype where coarser than float32's, else 0."""
+    eps = float(jnp.finfo(a.dtype).eps)
+    return eps if eps > float(jnp.finfo(jnp.float32).eps) else 0.0
 
 
 def coupled_rows(
@@ -60,16 +118,21 @@ def coupled_rows(
     num_shards: int,
     compute_eps: float = 0.0,
     terms: int | None = None,
-) -> tuple[float, float] | None:
-    """``(full, combined)`` where the loss on ``batch`` and the combination of its losses on ``num_shards`` equal
-    shards differ by more than the loss's own tolerance; ``None`` where they agree, the batch does not split into
-    equal shards (refused elsewhere, by its own message), or the model does not run on a shard.
+) -> Coupling | None:
+    """How the loss on ``batch`` and the combination of its losses on ``num_shards`` equal shards differ, where
+    the losses or some parameter's gradients differ by more than their own tolerance; ``None`` where they
+    agree, the batch does not split into equal shards (refused elsewhere, by its own message), or the model does
+    not run on a shard.
 
-    The tolerance is the live check's for the loss at step 0: ``atol + rtol |full|`` of
-    :func:`~shardcheck.parity.tolerance.derive.derive_tolerance` for ``terms`` per-term losses (a sum over rows
-    regrouped by shard moves the loss by no more: it is a reordering of that sum), plus at low-precision
-    compute ``SAFETY_FACTOR eps_c |full| / sqrt(terms)``. A strategy whose combined loss lies beyond it would
-    FAIL on the loss anyway; refused here, it says why.
+    The tolerances are the live check's at step 0 for ``terms`` per-term losses
+    (:func:`~shardcheck.parity.tolerance.derive.derive_tolerance`: ``atol + rtol max|x|`` for the loss and each
+    gradient; a sum over rows regrouped by shard moves them by no more: it is a reordering of that sum), plus
+    at low-precision compute ``SAFETY_FACTOR eps_c |loss| / sqrt(terms)`` for the loss, and for each gradient
+    ``SAFETY_FACTOR (eps_c + eps_g)`` of its size, ``eps_g`` its own dtype's rounding where coarser than float32
+    (bfloat16 parameters), a gradient counting only beyond ``GRADIENT_MARGIN`` times its tolerance (a
+    rounding-level gradient's noise can exceed it a few times). A strategy whose combined loss or gradients lie
+    beyond them would FAIL anyway; refused here, it says why. The gradients show a weak coupling the loss hides (trial 14: a load-balancing loss of
+    weight 0.01 over the whole batch's routing, in the routers' gradients).
 
     Args:
         loss_fn: the task's ``loss_fn(model, batch)``, a scalar mean or ``(loss_sum, weight)``.
@@ -82,36 +145,59 @@ def coupled_rows(
     rows = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(batch)}
     if num_shards < 2 or len(rows) != 1 or None in rows or next(iter(rows)) % num_shards:
         return None
-    losses = _losses(loss_fn, num_shards, model, batch)
-    if losses is None:
+    measured = _measured(loss_fn, num_shards, model, batch)
+    if measured is None:
         return None
-    full, combined = losses
+    full, combined, gaps = measured
     n = max(int(terms or next(iter(rows))), 1)
     tol = derive_tolerance("float32", batch_size=n)
-    allowed = tol.atol + tol.rtol * abs(full) + SAFETY_FACTOR * compute_eps * abs(full) / math.sqrt(n)
-    if not (np.isfinite(full) and np.isfinite(combined)) or abs(full - combined) <= allowed:
+    if not (np.isfinite(full) and np.isfinite(combined)):
         return None
-    return full, combined
+    allowed = tol.atol + tol.rtol * abs(full) + SAFETY_FACTOR * compute_eps * abs(full) / math.sqrt(n)
+    worst = max(
+        (
+            (p, gap, tol.atol + (tol.rtol + SAFETY_FACTOR * (compute_eps + eps)) * size)
+            for p, (gap, size, eps) in gaps.items()
+        ),
+        key=lambda x: x[1] / x[2] if x[2] > 0 else math.inf,
+        default=None,
+    )
+    # a gradient tells only far beyond its tolerance: a reordering moves it by no more than that, and a gradient
+    # at rounding level (an attention key bias's: its true gradient is 0) by noise a few times it (tiny-lm in
+    # bfloat16: 1.8x); a coupled term moves it systematically (trial 14's load-balancing loss: 477x)
+    leaf = (
+        worst
+        if worst is not None and worst[1] > GRADIENT_MARGIN * worst[2] and np.isfinite(worst[1])
+        else None
+    )
+    if abs(full - combined) <= allowed and leaf is None:
+        return None
+    return Coupling(full, combined, *(leaf if leaf else (None, 0.0, 0.0)))
 
 
-def check_rows_separable(fn: str, strategy: str, loss: tuple[float, float] | None, num_shards: int) -> None:
+def check_rows_separable(fn: str, strategy: str, coupling: Coupling | None, num_shards: int) -> None:
     """Refuse ``strategy`` (a built-in that computes the loss per shard) where :func:`coupled_rows` found the
-    task's loss coupling the rows of a batch (``loss``: its ``(full, combined)``; ``None``: nothing to refuse).
+    task's loss coupling the rows of a batch (``None``: nothing to refuse).
 
     Raises:
         ValueError: named by the strategy (a limitation of the strategy on this task, not bad input to the
-            whole run), with both losses and what works.
+            whole run), with both losses (and the gradient that shows it) and what works.
     """
-    if loss is None:
+    if coupling is None:
         return
-    full, combined = loss
+    grad = (
+        ""
+        if coupling.leaf is None
+        else f" (and the gradient of {coupling.leaf} by {coupling.err:.3g}, beyond its tolerance {coupling.tol:.3g})"
+    )
     raise ValueError(
-        f"{strategy}: cannot compute this task's loss: on the first batch the full-batch loss is {full:.7g}, and "
-        f"its {num_shards} shards' losses combined (each shard's loss over its own rows, sum_s loss_sum_s / "
-        f"sum_s weight_s) give {combined:.7g}: the loss couples the rows of a batch (a contrastive loss that "
-        "scores each row against the whole batch, a normalization over the batch) or is a scalar mean over "
-        "unequal masks (return (loss_sum, weight) instead), so a step that computes it per shard computes "
-        "another loss. Check it with a GSPMD step (strategy gspmd, or your own step jitted over sharded inputs: "
-        "it computes the full batch's loss however the rows are split), or with a step of your own that gathers "
-        f"what the loss needs (jax.lax.all_gather of the embeddings) ({fn}, strategy {strategy!r})"
+        f"{strategy}: cannot compute this task's loss: on the first batch the full-batch loss is "
+        f"{coupling.full:.7g}, and its {num_shards} shards' losses combined (each shard's loss over its own rows, "
+        f"sum_s loss_sum_s / sum_s weight_s) give {coupling.combined:.7g}{grad}: the loss couples the rows of a "
+        "batch (a contrastive loss that scores each row against the whole batch, an auxiliary loss over the whole "
+        "batch's routing, a normalization over the batch) or is a scalar mean over unequal masks (return "
+        "(loss_sum, weight) instead), so a step that computes it per shard computes another loss. Check it with "
+        "a GSPMD step (strategy gspmd, or your own step jitted over sharded inputs: it computes the full batch's "
+        "loss however the rows are split), or with a step of your own that gathers what the loss needs "
+        f"(jax.lax.all_gather of the embeddings, psum of the routing counts) ({fn}, strategy {strategy!r})"
     )

@@ -91,20 +91,12 @@ def _setup(
     dtypes = dict(dtypes)
     policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, data[0], mesh)
     precision = Precision.of(model, fn=fn, matmul=policy[0], **dtypes)
-    for strategy, built in ((candidate, cand), (reference, ref_strategy)):
-        _check_rows(fn, strategy, built, model, task, data[0], precision.compute_eps)
-    # at low-precision compute the tolerance measures a correct split's rounding on the loss run per shard:
-    # no correct split where the loss couples the rows (trial 13: CLIP's local negatives made it 4x too wide)
-    noise_s = _noise_shards(cand.num_shards, data[0])
-    coupled = precision.compute_eps > 0 and noise_s > 1
-    coupled = (
-        coupled
-        and coupled_rows(task.loss_fn, model, data[0], noise_s, precision.compute_eps, task.terms(data[0]))
-        is not None
-    )
-    overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     # the model's structure is fixed over the run: its float32-compute graph is built once
     graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
+    coupled = _rows_coupled(
+        fn, (candidate, reference), (cand, ref_strategy), model, graphdef32, task, data[0]
+    )
+    overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     run = _Run(
         task,
         ref_model,
@@ -125,6 +117,8 @@ def _setup(
         # the task's step and the registered strategies write their new state into the Variables in place
         in_place=isinstance(candidate, str) and (reference is None or isinstance(reference, str)),
         draws=tuple(drawn),
+        # at low-precision compute the tolerance measures a correct split's rounding on the loss run per shard:
+        # no correct split where the loss couples the rows (trial 13: CLIP's local negatives made it 4x too wide)
         rows_coupled=coupled,
     )
     return run, data
@@ -230,6 +224,28 @@ def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (
         f"{candidate}: cannot run this model: its forward pass writes non-parameter state ({', '.join(updated)}), "
         f"once a step in the single-device step, and {candidate} {how}{_batch_stats_clause(model)}; check it "
         f"with gspmd or your own step ({fn}, strategy {candidate!r})"
+    )
+
+
+def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch) -> bool:
+    """Whether the task's loss couples the rows of ``batch`` (:mod:`~shardcheck.parity.harness.row_coupling`),
+    probed in float32 compute (``graphdef32``, the model's float32-compute graph, where it computes in a lower
+    precision: the bfloat16 rounding of the loss would hide a weak coupling such as trial 14's load-balancing
+    loss over the whole batch's routing) at the candidate's shard count, only at low-precision compute (the
+    tolerance's split; ``False`` in float32); each named strategy that computes the loss per shard is refused
+    where it does (:func:`_check_rows`).
+
+    Raises:
+        ValueError: as :func:`~shardcheck.parity.harness.row_coupling.check_rows_separable`.
+    """
+    probe = model if graphdef32 is None else nnx.merge(graphdef32, *nnx.split(model, nnx.Param, ...)[1:])
+    for strategy, side in zip(strategies, built, strict=True):
+        _check_rows(fn, strategy, side, probe, task, batch, 0.0)
+    if graphdef32 is None:  # float32 compute: the tolerance splits no loss, nothing more to probe
+        return False
+    noise_s = _noise_shards(built[0].num_shards, batch)
+    return (
+        noise_s > 1 and coupled_rows(task.loss_fn, probe, batch, noise_s, 0.0, task.terms(batch)) is not None
     )
 
 
