@@ -446,3 +446,18 @@ def test_a_factor_one_over_s_beside_differing_replicas_is_a_gradient_never_all_r
     assert "averaged_twice" in _codes(diagnose([_record(bad=UPDATE, ratio=0.25)], 4))
     summed = diagnose([_record(bad=UPDATE, ratio=4.0, replica_mismatches=("param b",))], 4)
     assert "unreduced" not in _codes(summed) and "summed" in _codes(summed)
+
+
+def test_a_factor_that_is_one_mesh_axis_size_names_the_axis():
+    """Trial 15: biases psum-ed over 'fsdp' once too often on data=2,fsdp=2 (S=4) were x2 and read 'a constant
+    factor that is not a shard count'; the size of one axis of several is named, and S itself still reads as S."""
+    mesh = {"data": 2, "fsdp": 2}
+    d = _one(diagnose([_record(bad=UPDATE, ratio=2.0)], 4, mesh_shape=mesh), "summed")
+    assert "x2, the size of mesh axes 'data' or 'fsdp' (each): the gradient was summed over" in d.message
+    halved = diagnose([_record(bad=UPDATE, ratio=0.5)], 4, mesh_shape={"data": 4, "fsdp": 2})
+    assert "x1/2, the size of mesh axis 'fsdp'" in _one(halved, "averaged_twice").message
+    assert (
+        "the size of mesh axis"
+        not in _one(diagnose([_record(bad=UPDATE, ratio=4.0)], 4, mesh_shape=mesh), "summed").message
+    )
+    assert "scaled" in _codes(diagnose([_record(bad=UPDATE, ratio=3.0)], 4, mesh_shape=mesh))

@@ -271,6 +271,37 @@ def _sharp(leaves: list[LeafError]) -> list[LeafError]:
     return sharp or leaves
 
 
+def _axis_factor(
+    f: float, num_shards: int | None, mesh_shape: dict[str, int] | None
+) -> tuple[str, str] | None:
+    """A factor that is the size of one mesh axis of several (not S itself): a sum over that axis once too often
+    (trial 15: replicated biases psum-ed over 'fsdp' after their psum over 'data' and 'fsdp', x2 on data=2,fsdp=2,
+    read "not a shard count"), or a mean over it once too often; ``None`` otherwise."""
+    if not mesh_shape or len(mesh_shape) < 2:
+        return None
+    for size in sorted(set(mesh_shape.values())):
+        if size < 2 or size == num_shards:
+            continue
+        axes = [a for a, n in mesh_shape.items() if n == size]
+        which = " or ".join(repr(a) for a in axes)
+        named = (
+            f"the size of mesh axis {which}" if len(axes) == 1 else f"the size of mesh axes {which} (each)"
+        )
+        if _close(f, size):
+            return (
+                "summed",
+                f"x{size}, {named}: the gradient was summed over {which} once too often (a psum where the reduction "
+                "over that axis was already done, or where a mean was due)",
+            )
+        if _close(f, 1 / size):
+            return (
+                "averaged_twice",
+                f"x1/{size}, {named}: the gradient was averaged over {which} once too often (a pmean after its "
+                "reduction, or a division by its size twice)",
+            )
+    return None
+
+
 def _name_factor(
     f: float, num_shards: int | None, mesh_shape: dict[str, int] | None = None
 ) -> tuple[str, str] | None:
@@ -300,6 +331,9 @@ def _name_factor(
             )
         if _close(f, 1 / (s * s)):
             return "averaged_twice", f"the gradient was divided by S={s} three times (x1/{s * s})"
+    on_axis = _axis_factor(f, num_shards, mesh_shape)
+    if on_axis is not None:
+        return on_axis
     for value, r in clip_factors(num_shards, mesh_shape).items():
         if _close(f, value, CLIP_RTOL):
             k = math.isqrt(r)
