@@ -319,3 +319,43 @@ def test_a_load_balancing_term_over_the_batch_is_found_by_its_gradient():
     ):
         check_parity("dp", ROUTED, num_shards=2)
     assert check_parity("gspmd", ROUTED, mesh=make_mesh(2)).ok
+
+
+def _equal_batches():
+    return [dict(b, mask=np.ones(B, np.float32)) for b in _batches()]
+
+
+EQUAL = Task(
+    model=lambda: Routed(nnx.Rngs(1)),
+    optimizer=optax.adam(1e-2),
+    loss_fn=routed_loss,
+    batches=_equal_batches(),
+)
+
+
+def _routing_per_shard(model, batch):
+    """The task's loss with its load-balancing term taken over each of 2 shards' rows (trial 14's fault)."""
+    halves = [jax.tree.map(lambda a, i=i: a[i * B // 2 : (i + 1) * B // 2], batch) for i in range(2)]
+    parts = [routed_loss(model, h) for h in halves]
+    return sum(p[0] for p in parts) / sum(p[1] for p in parts)
+
+
+@require_devices(2)
+def test_a_term_computed_per_shard_with_equal_counts_is_not_called_a_normalization():
+    """Trial 14: a load-balancing loss over each shard's routing, the shards holding 53 and 53 tokens, read
+    'normalization ... each shard divided its loss sum by its own weight (token count)': false, the counts were
+    psum-ed and equal. Now 'per_shard_loss', live and replayed; a correct step PASSes."""
+    mesh = make_mesh(2)
+
+    def full(model, batch):
+        total, weight = routed_loss(model, batch)
+        return total / weight
+
+    assert check_parity(_step(full), EQUAL, mesh=mesh).ok
+    recording = record_run(EQUAL, _step(full), mesh=mesh, name="full")
+    for reference in (None, recording):
+        report = check_parity(_step(_routing_per_shard), EQUAL, mesh=mesh, reference=reference, name="full")
+        assert not report.ok and "per_shard_loss" in report.codes and "normalization" not in report.codes, (
+            str(report)
+        )
+        assert "while the shards carry equal weights, so no normalization differs" in report.diagnosis

@@ -212,7 +212,7 @@ class Diagnosis:
     """One finding of the harness.
 
     Attributes:
-        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``, ``scaled``,
+        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``, ``per_shard_loss``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
             ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
             ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weak_check`` or ``rounding_level``.

@@ -25,7 +25,7 @@ from shardcheck.parity.tolerance.allowances import _reference_grads, _shard_magn
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 from shardcheck.parity.tolerance.matmul import rounded_loss
 from shardcheck.parity.tolerance.propagation import grad_delta, scale_change, update_sensitivity
-from shardcheck.task import batch_weight, loss_terms, shards_with_state
+from shardcheck.task import batch_weight, loss_terms, shards_with_state, split_batch
 
 
 def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_state, batch):
@@ -102,7 +102,8 @@ def _matches(
             loss_fn, s, pre.graphdef, run.ref_opt.tx, pre.params, pre.rest, pre.opt_state, batch
         )
         if alt is not None and _reproduces(run, *alt, rtol, atol):
-            found.append("per_shard_mean")
+            equal = equal_shard_weights(loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
+            found.append("per_shard_loss" if equal else "per_shard_mean")
     factor, _ = _gradient_factor(record)
     if not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
         for name, factor in (("times_S", float(s)), ("times_1/S", 1.0 / s)):
@@ -111,6 +112,24 @@ def _matches(
                 found.append(name)
                 break
     return tuple(found)
+
+
+def equal_shard_weights(loss_fn, num_shards: int, graphdef, params, rest, batch) -> bool:
+    """Whether the S shards of ``batch`` carry equal weights under a ``(loss_sum, weight)`` loss (within 1e-6
+    relative): then the mean of per-shard means is the full batch's normalization, and a step that reproduces it
+    computed a term of the loss per shard, not a count (trial 14: a load-balancing loss over each shard's routing,
+    53 and 53 tokens). ``False`` where a shard's weight cannot be read (a model that does not run on a shard)."""
+    try:
+        weights = [
+            batch_weight(loss_fn, graphdef, params, rest, jax.tree.map(lambda a, i=i: a[i], shards))
+            for shards in (split_batch(batch, num_shards),)
+            for i in range(num_shards)
+        ]
+    except (TypeError, ValueError):
+        return False
+    if any(w is None for w in weights):
+        return False
+    return max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
 
 
 def _reproduces(run: _Run, alt_params, alt_state, rtol, atol) -> bool:

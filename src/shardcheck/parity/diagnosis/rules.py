@@ -25,6 +25,8 @@ in order, with their codes:
 - :func:`local_clip_norm` (``local_clip_norm``): the exposed gradients match, the optimizer's factors differ by
   leaf group, all >= 1 (each shard clipped by its own local norm).
 - :func:`normalization` (``normalization``): the update is the mean of per-shard means (C4-C6).
+- :func:`per_shard_loss` (``per_shard_loss``): the same step while the shards carry equal weights: a term of the
+  loss that couples the rows was computed per shard.
 - :func:`scaled` (``scaled``): the gradient factor is another constant.
 - :func:`loss_differs` (``loss_differs``): only the returned loss differs.
 - :func:`grads_differ` (``grads_differ``): only the exposed gradients differ.
@@ -100,7 +102,7 @@ LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
 # reproduces one of them is explained, and the generic ``scaled``/``drift``/``loss_only``/``update_differs``
 # findings stay silent for it.
-NAMED_REDUCTIONS = ("per_shard_mean", "bf16_reduction")
+NAMED_REDUCTIONS = ("per_shard_mean", "per_shard_loss", "bf16_reduction")
 # The verdict findings: first in the list when nothing failed.
 VERDICTS = ("parity", "diverged_trajectory")
 
@@ -1056,10 +1058,26 @@ def normalization(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def per_shard_loss(ctx: DiagnosisContext) -> Finding:
+    """``per_shard_loss``: the first failing step is the step of the mean of per-shard means while the shards
+    carry equal weights: no count differs, so a term of the loss that couples the rows was computed per shard."""
+    if "per_shard_loss" not in ctx.reproduced:
+        return None
+    return Diagnosis(
+        "per_shard_loss",
+        f"At step {ctx.first.step} the step reproduces the loss computed per shard and averaged (parameters and "
+        "optimizer state), while the shards carry equal weights, so no normalization differs: a term of the loss "
+        "that couples the rows of the batch was computed over each shard's rows (an auxiliary load-balancing loss "
+        "over each shard's routing, a statistic or a contrastive term of the shard only). Compute it over the "
+        "whole batch: psum what it needs across the shards (the routing counts, the embeddings) first.",
+        ctx.worst_name,
+    )
+
+
 def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
     """``low_precision_reduction``: a float32 model's update is off by bfloat16's rounding of the shard gradients
     (never where the records refute a reduction: :func:`_reduction_refuted`)."""
-    if "bf16_reduction" not in ctx.reproduced or "per_shard_mean" in ctx.reproduced:
+    if "bf16_reduction" not in ctx.reproduced or {"per_shard_mean", "per_shard_loss"} & set(ctx.reproduced):
         return None
     return Diagnosis(
         "low_precision_reduction",
@@ -1672,6 +1690,7 @@ RULES: tuple[Rule, ...] = (
     clip_coefficient,
     local_clip_norm,
     normalization,
+    per_shard_loss,
     low_precision_reduction,
     scaled,
     loss_differs,

@@ -370,13 +370,15 @@ def _scale_blind(record, task: Task, num_shards, params, state, grads) -> tuple[
 
 
 def _per_shard_match(record, task: Task, num_shards, before, batch, after) -> tuple[str, ...]:
-    """``("per_shard_mean",)`` where the candidate's state ``after`` the step is, leaf by leaf, the task
+    """``("per_shard_mean",)`` (``("per_shard_loss",)`` where the shards carry equal weights:
+    :func:`~shardcheck.parity.diagnosis.hypotheses.equal_shard_weights`) where the candidate's state ``after`` the
+    step is, leaf by leaf, the task
     optimizer's step on the mean of per-shard means from its own state ``before`` it (``(graphdef, params, rest,
     opt_state)``), and that step differs from the full batch's from the same state (the live check's
     ``per_shard_mean`` hypothesis, which also asks that the reference's differ from it: with equal weights per
     shard the two are one step, and every candidate whose update matches would reproduce it); else ``()``.
     Nothing for a mean loss, one shard, or a model that does not run per shard."""
-    from shardcheck.parity.diagnosis.hypotheses import _per_shard_mean_params
+    from shardcheck.parity.diagnosis.hypotheses import _per_shard_mean_params, equal_shard_weights
 
     if not num_shards or num_shards < 2 or loss_weight(task, 0) is None:
         return ()
@@ -390,7 +392,10 @@ def _per_shard_match(record, task: Task, num_shards, before, batch, after) -> tu
     alt, full = steps
     reproduced = all(e.ok for e in _compared(record, alt, after, (params, state)))
     differs = not all(e.ok for e in _compared(record, alt, full, (params, state)))
-    return ("per_shard_mean",) if reproduced and differs else ()
+    if not (reproduced and differs):
+        return ()
+    equal = equal_shard_weights(task.loss_fn, num_shards, graphdef, params, rest, batch)
+    return ("per_shard_loss",) if equal else ("per_shard_mean",)
 
 
 def _optimizer_form(record, arrays) -> tuple:
