@@ -42,6 +42,7 @@ from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.harness.candidates import as_candidate, run_step
+from shardcheck.parity.harness.row_coupling import float32_model
 from shardcheck.parity.harness.setup import (
     _check_rows,
     _check_state_carried,
@@ -397,20 +398,12 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
-    _check_rows(fn, candidate, cand, _float32_probe(model), task, data[0], 0.0)
+    # probed in float32 compute, as a live check probes it (setup._rows_coupled)
+    probe = float32_model(model, float32_compute(*nnx.split(model, nnx.Param, ...)))
+    _check_rows(fn, candidate, cand, probe, task, data[0], 0.0)
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh, tuple(drawn)
-
-
-def _float32_probe(model: nnx.Module) -> nnx.Module:
-    """``model`` computing in float32 where its layers compute in a lower precision (the row-coupling probe's
-    model, as a live check probes it: ``setup._rows_coupled``), else ``model``."""
-    if Precision.of(model).compute_eps <= 0:
-        return model
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    graphdef32 = float32_compute(graphdef, params, rest)
-    return model if graphdef32 is None else nnx.merge(graphdef32, params, rest)
 
 
 def _step_leaves(loss, grads, model, optimizer, view=None, drawn=()) -> dict[str, Any]:

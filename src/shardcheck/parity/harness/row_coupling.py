@@ -61,6 +61,16 @@ def _full_and_combined(loss_fn: LossFn, num_shards: int, graphdef, per_row: bool
     return total / weight, jnp.sum(totals) / w, gaps, sizes
 
 
+def float32_model(model: nnx.Module, graphdef32) -> nnx.Module:
+    """The probe's model: ``model`` computing in float32 (``graphdef32``, its float32-compute graph from
+    :func:`~shardcheck.parity.tolerance.precision.float32_compute`), where a lower compute precision would hide a
+    weak coupling in its rounding; ``model`` itself where ``graphdef32`` is ``None`` (nothing computes below
+    float32). The model's own Variables are not changed."""
+    if graphdef32 is None:
+        return model
+    return nnx.merge(graphdef32, *nnx.split(model, nnx.Param, ...)[1:])
+
+
 # how far beyond its tolerance a gradient's difference must lie to show a coupling (coupled_rows)
 GRADIENT_MARGIN = 64.0
 

@@ -17,7 +17,7 @@ from shardcheck._catalog import REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.mesh import check_mesh, data_shards
 from shardcheck.parity.harness.candidates import as_candidate, check_step_signature
-from shardcheck.parity.harness.row_coupling import check_rows_separable, coupled_rows
+from shardcheck.parity.harness.row_coupling import check_rows_separable, coupled_rows, float32_model
 from shardcheck.parity.harness.state import _Run
 from shardcheck.parity.tolerance import matmul
 from shardcheck.parity.tolerance.allowances import _noise_shards
@@ -238,7 +238,7 @@ def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch) -
     Raises:
         ValueError: as :func:`~shardcheck.parity.harness.row_coupling.check_rows_separable`.
     """
-    probe = model if graphdef32 is None else nnx.merge(graphdef32, *nnx.split(model, nnx.Param, ...)[1:])
+    probe = float32_model(model, graphdef32)
     for strategy, side in zip(strategies, built, strict=True):
         _check_rows(fn, strategy, side, probe, task, batch, 0.0)
     if graphdef32 is None:  # float32 compute: the tolerance splits no loss, nothing more to probe
