@@ -146,6 +146,52 @@ def test_state_rules_on_arrays_both_sides():
     assert not base.ok and base.reference_change == 0.0 and base.max_abs_err == pytest.approx(1e-3, rel=1e-4)
 
 
+def test_a_write_at_rounding_level_is_no_write_told_apart_from_none_live_and_replayed():
+    """Trial 15: an EMA ``d * e + (1 - d) * p`` of parameters a step at learning rate 0 left as they were moved
+    by one ulp in the reference's step; a correct rewrite ``e + (1 - d) * (p - e)`` left it exactly as it was,
+    and both the live rule and the replay said its writes were dropped. A change within ROUNDING_ULPS units in
+    the last place of the leaf's magnitude is rounding on either side; one above it left as it was is still a
+    dropped write, and a candidate's change beyond it still FAILs."""
+    from shardcheck.parity.comparison.digest import SAMPLES, _Leaf
+    from shardcheck.parity.comparison.model_state import ROUNDING_ULPS, rounding_floor
+    from shardcheck.parity.comparison.state_digest import state_evidence
+
+    eps = float(np.finfo(np.float32).eps)
+    assert rounding_floor("float32", 0.5) == ROUNDING_ULPS * eps * 0.5 and rounding_floor("int32", 0.5) == 0.0
+    ref, cand = Net(norm=True), Net(norm=True)
+    start = jnp.array([0.1, 0.2, 0.5])
+    ref.norm.mean[...], cand.norm.mean[...] = start, start
+    before = floating_state(ref)
+
+    def mean_leaf(ref_mean, cand_mean):
+        ref.norm.mean[...], cand.norm.mean[...] = ref_mean, cand_mean
+        out = model_state_leaves(0, ref, cand, None, before, before, frozenset({"base", "norm.mean"}))
+        return next(e for e in out if e.path == "model.norm.mean")
+
+    one_ulp = start.at[2].set(np.nextafter(np.float32(0.5), np.float32(1)))
+    assert mean_leaf(one_ulp, start).ok  # the reference moved by 1 ulp, the candidate by 0
+    dropped = mean_leaf(start + 1e-3, start)
+    assert not dropped.ok and dropped.ratio == 0.0
+    moved = mean_leaf(one_ulp, start + 1e-3)  # beyond rounding where the reference's change is rounding
+    assert not moved.ok and moved.max_abs_err == pytest.approx(1e-3, rel=1e-3)
+
+    def leaf(mx, update, samples):
+        return _Leaf(True, (3,), "float32", "", mx, mx, update, samples, b"", np.arange(SAMPLES) < 3)
+
+    s0 = np.full(SAMPLES, np.nan)
+    s0[:3] = [0.1, 0.2, 0.5]
+    was = (leaf(0.5, 0.0, s0), leaf(0.5, 0.0, s0))
+    s1 = s0.copy()
+    s1[2] = float(one_ulp[2])
+    ulp = float(one_ulp[2]) - 0.5
+    rounding = state_evidence("state model.norm.mean", (leaf(0.5, ulp, s1), leaf(0.5, 0.0, s0)), was, None)
+    assert rounding[5] and rounding[4] == pytest.approx(ROUNDING_ULPS * eps * 0.5)
+    s2 = s0.copy()
+    s2[:3] += 1e-3
+    real = state_evidence("state model.norm.mean", (leaf(0.501, 1e-3, s2), leaf(0.5, 0.0, s0)), was, None)
+    assert not real[5] and real[6] == 0.0
+
+
 @require_devices(2)
 def test_an_ema_only_the_users_step_writes_passes_live_and_replayed_saying_it_was_not_compared(mesh):
     task = _task(norm=False)

@@ -22,6 +22,8 @@ Two kinds of it, as the Flax NNX docs write them:
     derived for such state (a running average of batch statistics goes through reductions whose order a sharded
     step changes, and rounds at each step), so only a difference no rounding can make is flagged: a momentum
     0.99 in place of 0.9 (a tenth of the change), a statistic computed another way;
+    A change of a few units in the last place of the leaf's magnitude (:data:`ROUNDING_ULPS`) is rounding in
+    either step, never a write told apart from none;
   - the reference's step writes it and the candidate's leaves it exactly as it was: the writes were dropped;
     where it leaves part of it so (some rows) and writes the rest as the reference does, a write that covers
     part of the leaf only (``LeafError.kept``, :mod:`~shardcheck.parity.comparison.partial_write`).
@@ -49,6 +51,23 @@ from shardcheck.parity.diagnosis.evidence import LeafError
 COARSE = 0.5
 """A both-written floating leaf FAILs where the candidate's change in a step differs from the reference's by more
 than this fraction of the reference's largest change (elementwise, max over the leaf)."""
+
+ROUNDING_ULPS = 4
+"""A both-written floating leaf's change in a step of at most this many units in the last place (``eps`` of its
+dtype) of the leaf's largest magnitude is at rounding level: no write and no dropped write can be told from
+rounding there (an EMA ``d * e + (1 - d) * p`` of parameters a step at learning rate 0 left as they were changes
+by one ulp; its rewrite ``e + (1 - d) * (p - e)`` by 0), so the candidate's change is allowed that much beside
+:data:`COARSE` of the reference's, and a change of 0 against such a one is not a dropped write."""
+
+
+def rounding_floor(dtype, magnitude: float) -> float:
+    """:data:`ROUNDING_ULPS` units in the last place of ``magnitude`` (a leaf's largest ``|x|``, before or after
+    the step) in ``dtype`` (a floating dtype or its name); 0 for a non-floating one."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or not math.isfinite(magnitude):
+        return 0.0
+    return ROUNDING_ULPS * float(jnp.finfo(dtype).eps) * magnitude
+
 
 PREFIX = "model."
 """The path prefix of a model-state leaf in a report (``counter model.calls``, ``state model.l1.base``), beside
@@ -164,13 +183,15 @@ def model_state_leaves(
         r64, c64 = np.asarray(r, np.int64), np.asarray(cand[path], np.int64)
         out.append(_exact(step, "counter", path, r64, c64, None))
     if before:
-        sides = (floating_state(ref_model, found, "floating_state ref"), before)
+        arrays = floating_arrays(ref_model, found, "floating_state ref")
+        sides = ({p: np.asarray(to_host(a), np.float64) for p, a in arrays.items()}, before)
         cand_sides = (floating_state(cand_model, found, "floating_state cand"), cand_before or before)
-        out += _floating_leaves(step, sides, cand_sides, read)
+        dtypes = {p: a.dtype for p, a in arrays.items()}
+        out += _floating_leaves(step, sides, cand_sides, read, dtypes)
     return out
 
 
-def _floating_leaves(step, sides: tuple, cand_sides: tuple, read) -> list[LeafError]:
+def _floating_leaves(step, sides: tuple, cand_sides: tuple, read, dtypes: dict) -> list[LeafError]:
     (ref, before), (cand, cand_before) = sides, cand_sides
     out = []
     for path, r in ref.items():
@@ -178,7 +199,7 @@ def _floating_leaves(step, sides: tuple, cand_sides: tuple, read) -> list[LeafEr
         if any(x is None or x.shape != r.shape for x in (r0, c, c0)):
             continue
         if not _same(r, r0):  # the reference wrote it: the candidate's change, coarsely
-            out.append(_both_written(step, path, (r0, r), (c0, c)))
+            out.append(_both_written(step, path, (r0, r), (c0, c), dtypes[path]))
         elif read is None or path in read or _same(c, r):  # so must the candidate leave it
             out.append(_exact(step, "state", path, r, c, 0.0))
         else:  # written by the candidate only, read by nothing the loss computes: not compared
@@ -188,18 +209,22 @@ def _floating_leaves(step, sides: tuple, cand_sides: tuple, read) -> list[LeafEr
     return out
 
 
-def _both_written(step, path, ref: tuple, cand: tuple) -> LeafError:
+def _both_written(step, path, ref: tuple, cand: tuple, dtype) -> LeafError:
     """A floating leaf the reference's step wrote: the candidate's change against the reference's, within
-    :data:`COARSE` of the reference's largest change; exact where the candidate left it as it was (dropped)."""
+    :data:`COARSE` of the reference's largest change or :func:`rounding_floor`; exact where the candidate left it
+    as it was (dropped) while the reference changed it by more than rounding."""
     (r0, r), (c0, c) = ref, cand
     with np.errstate(invalid="ignore", over="ignore"):
         dr, dc = r - r0, c - c0
         top, moved = float(np.max(np.abs(dr), initial=0.0)), float(np.max(np.abs(dc), initial=0.0))
-        if moved == 0:
+        floor = rounding_floor(
+            dtype, max(float(np.max(np.abs(r), initial=0.0)), float(np.max(np.abs(r0), initial=0.0)))
+        )
+        if moved == 0 and top > floor:
             return _exact(step, "state", path, r, c, top, ratio=0.0)
         diff = np.abs(dc - dr)
     err = float(np.max(diff, initial=0.0)) if not np.isnan(diff).any() else math.nan
-    allowed = COARSE * top
+    allowed = max(COARSE * top, floor)
     leaf = LeafError(
         step, "state", PREFIX + path, err, err / top, allowed, err <= allowed, moved / top, top, None, r.shape
     )

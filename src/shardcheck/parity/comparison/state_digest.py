@@ -9,7 +9,8 @@ update size ``max|x_t - x_{t-1}|`` and its fixed-index samples).
   (``allowed`` inf): the recorded run's step does not write it (an EMA the user's step keeps).
 - The recorded step wrote it: its change compared coarsely (the update sizes, and the change at each sample),
   within :data:`~shardcheck.parity.comparison.model_state.COARSE` of the recorded update size; a replayed
-  update size of exactly 0 is the writes dropped (ratio 0); some recorded samples left exactly as they were and
+  update size of exactly 0 is the writes dropped (ratio 0), unless the recorded one is itself at rounding level
+  (:func:`~shardcheck.parity.comparison.model_state.rounding_floor`, allowed beside the coarse fraction); some recorded samples left exactly as they were and
   the others changed as recorded is a write of part of the leaf (:func:`kept_samples`), a FAIL however small.
 """
 
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from shardcheck.parity.comparison.model_state import COARSE, PREFIX
+from shardcheck.parity.comparison.model_state import COARSE, PREFIX, rounding_floor
 from shardcheck.parity.comparison.partial_write import MATCH_RTOL
 
 
@@ -50,10 +51,13 @@ def state_evidence(name: str, now: tuple, was: tuple, read: frozenset[str] | Non
             if unread and differs
             else None
         )
-    allowed, ratio = COARSE * r.update, c.update / r.update
-    if c.update == 0:  # left exactly as it was: the writes dropped
+    floor = rounding_floor(r.dtype, max(r.max, r0.max)) if r.dtype else 0.0
+    allowed, ratio = max(COARSE * r.update, floor), c.update / r.update
+    if c.update == 0 and r.update > floor:  # left exactly as it was: the writes dropped
         return ("update", r.update, 0.0, r.update, allowed, False, 0.0)
-    kept = kept_samples(now, was)  # part of it left exactly as it was (a recorded change, replayed 0)
+    kept = (
+        kept_samples(now, was) if r.update > floor else None
+    )  # part of it left exactly as it was (a recorded change, replayed 0)
     if kept is not None:
         return (PART_EVIDENCE, kept[2], 0.0, kept[2], MATCH_RTOL * r.update, False, ratio)
     err, evidence, rec, rep = abs(c.update - r.update), "update", r.update, c.update
