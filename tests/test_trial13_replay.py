@@ -131,6 +131,21 @@ def test_the_first_non_finite_step_of_a_recording(nan_recording, blind_recording
 
 
 @require_devices(1)
+def test_saving_a_recording_that_went_non_finite_raises_as_record_refuses(nan_recording, tmp_path):
+    """record_run kept the NaN run in memory and Recording.save wrote it silently (the command refused it)."""
+    out = tmp_path / "run.npz"
+    with pytest.raises(ValueError) as err:
+        nan_recording.save(out)
+    assert str(err.value).startswith(
+        "Recording.save: the recorded run went non-finite (NaN or infinity) at step 1, in loss, 2 grad leaves and "
+        f"2 param leaves (5 leaves in all), first loss; nothing was written to {out}"
+    )
+    assert str(err.value).endswith("before it with record_run(..., steps=1).") and not out.exists()
+    finite = record_run(_task(PLAIN, nan_at=1), _step(1.0, 1.0), num_shards=S, steps=1)
+    assert finite.save(out) > 0 and out.exists()
+
+
+@require_devices(1)
 def test_a_replay_bitwise_identical_to_a_nan_recording_is_no_verdict_as_live(nan_recording):
     task = _task(PLAIN, nan_at=1)
     live = check_parity(_step(1.0, 1.0), task, num_shards=S)

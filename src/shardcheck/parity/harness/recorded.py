@@ -195,12 +195,21 @@ class Recording:
         Raises:
             TypeError: ``path`` not a str or ``os.PathLike``.
             ValueError: as :func:`check_out_path`: a directory, a name not ending in ``.npz``, an existing file
-                that is not a recording (never overwritten).
+                that is not a recording (never overwritten); a run that went non-finite (a NaN or an infinity in
+                its loss, gradients, parameters or optimizer state at some step: no reference from there, as
+                ``shardcheck record`` refuses it; :func:`~shardcheck.parity.harness.non_finite.refusal` names the
+                step and leaves, and ``record_run(..., steps=t)`` keeps the finite steps before it).
             OSError: the file cannot be written (no permission, a missing folder's parent a file).
         """
         from shardcheck._io import write_atomic
+        from shardcheck.parity.harness.non_finite import first_non_finite, refusal
 
         check_out_path("Recording.save", path)
+        diverged = first_non_finite(self)
+        if diverged is not None:
+            text = refusal("Recording.save", diverged, str(path))
+            t = diverged.step
+            raise ValueError(text.replace(f"with --steps {t}", f"with record_run(..., steps={t})"))
         data = self.to_bytes()
         try:
             write_atomic(Path(path), data)
