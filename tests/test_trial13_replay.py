@@ -229,3 +229,25 @@ def test_record_refuses_a_run_that_went_non_finite_and_records_the_steps_before_
     assert err.rstrip().endswith("or record the 1 finite step(s) before it with --steps 1.")
     assert main([*args, "--steps", "1", "--out", str(out)]) == 0 and out.exists()
     assert main(["verify", "--task", f"{f}:task", "--candidate", f"{f}:step", "--against", str(out)]) == 0
+
+
+@require_devices(1)
+def test_a_candidate_that_goes_nan_against_a_finite_reference_is_non_finite_live_and_replayed(
+    blind_recording,
+):
+    """A replay read the NaN parameters' error as inf (the digests' 'nan' evidence), so no leaf was NaN and the
+    report said loss_only; it is non_finite, as live."""
+    task = _task(BLIND)
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, jax.tree.map(lambda g: g * jnp.sqrt(-1.0 + 0 * g), grads))
+        return loss
+
+    candidate = Candidate(name="mine", step=step, num_shards=S)
+    for report in (check_parity(candidate, task), check_parity(candidate, task, reference=blind_recording)):
+        assert report.verdict == "FAIL" and report.codes == ("non_finite",)
+        assert report.diagnoses[0].message.startswith(
+            "The candidate's step produced non-finite values at step 0 where the reference's are finite: NaN or "
+            "infinity, first in param fc.bias, param fc.kernel (2 leaves in all)."
+        )

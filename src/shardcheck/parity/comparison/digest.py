@@ -1098,7 +1098,7 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
             e.step,
             kind,
             path or "loss",
-            e.err,
+            math.nan if e.evidence == "nan" else e.err,  # NaN values, as a live leaf's error reads them
             math.inf,
             e.allowed,
             e.ok,
