@@ -100,6 +100,27 @@ def test_a_misspelt_mesh_axis_is_named_where_a_step_that_places_by_the_annotatio
     ), err
 
 
+@require_devices(3)
+def test_an_annotation_that_does_not_split_over_the_mesh_is_named_where_the_placing_step_raises(
+    tmp_path, capsys
+):
+    """Trial 16: a row-sharded table on --mesh data=2,model=3 raised JAX's IndivisibleError inside the user's
+    step and read 'fix the step'; the step is right and the mesh does not fit the annotation: that leaf, its
+    shape and the dimension are named first (as the built-in strategies name them), the fix the mesh or the
+    annotation."""
+    path = tmp_path / "tp_task.py"
+    path.write_text(ANNOTATED.format(mark=str(tmp_path / "ran.txt")))
+    argv = ["verify", "--task", f"{path}:task", "--mesh", "data=1,model=3", "--strategies", "none"]
+    assert main([*argv, "--candidate", f"{path}:placed_step"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(
+        "error: shardcheck verify: the candidate step raised IndivisibleError at step 0 (leaf 'lin.kernel' of shape "
+        "(3, 4) is annotated P(None, 'model'): dimension 1 (4) does not split into 3 equal parts over 'model'; "
+        "change the mesh or the annotation): "
+    ), err
+    assert "fix the step" not in err
+
+
 def _placing_step(model, optimizer, batch, mesh):
     """A user's step that splits the batch's rows over the mesh's axis 'data' itself (8 rows do not split 3 ways)."""
     x = jax.device_put(batch["x"], NamedSharding(mesh, P("data")))

@@ -297,6 +297,22 @@ def check_annotated_axes(fn: str, model, mesh: Mesh) -> None:
         _check_axes(fn, path, spec, mesh)
 
 
+def check_annotations_fit(fn: str, model, mesh: Mesh) -> None:
+    """Every sharding annotation of ``model`` names axes of ``mesh`` and splits its dimensions evenly over them
+    (:func:`check_annotated_axes`, then each dimension's size against the product of its axes' sizes): what
+    names the likely cause of a user's step that places its state by its annotations and raised on ``mesh``.
+
+    Raises:
+        ValueError: the first leaf that does not fit; the message names the leaf, its shape, its annotation, the
+            dimension and the fix.
+    """
+    check_annotated_axes(fn, model, mesh)
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if _annotation(var) is not None:
+            shape = tuple(np.shape(var.get_value()))
+            _check_annotation(fn, path_str(path), nnx.get_partition_spec(var).get_value(), shape, mesh)
+
+
 def annotated_axes(model) -> frozenset[str]:
     """The mesh axes that ``model``'s sharding annotations (``nnx.with_partitioning``) split some leaf over;
     concrete and abstract (``nnx.eval_shape``) models alike (only metadata is read)."""

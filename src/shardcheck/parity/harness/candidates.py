@@ -213,15 +213,16 @@ def _split_hint(rows: int, s: int, mesh) -> str:
 
 
 def _annotation_hint(model, mesh) -> str:
-    """Where ``model``'s sharding annotations name an axis ``mesh`` lacks (a misspelt ``--mesh`` axis), that
-    mismatch in words (:func:`~shardcheck.steps.sharded.check_annotated_axes`), else ``""``: the likely cause of
-    a step that places the state by its annotations and raised. A step that ignores them runs on such a mesh."""
-    from shardcheck.steps.sharded import check_annotated_axes
+    """Where ``model``'s sharding annotations name an axis ``mesh`` lacks (a misspelt ``--mesh`` axis) or split a
+    dimension unevenly over its axes (256 rows over a ``model`` axis of 3), that mismatch in words
+    (:func:`~shardcheck.steps.sharded.check_annotations_fit`), else ``""``: the likely cause of a step that
+    places the state by its annotations and raised. A step that ignores them runs on such a mesh."""
+    from shardcheck.steps.sharded import check_annotations_fit
 
     if mesh is None:
         return ""
     try:
-        check_annotated_axes("", model, mesh)
+        check_annotations_fit("", model, mesh)
     except ValueError as err:
         return str(err).removeprefix(": ")
     return ""
