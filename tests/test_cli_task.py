@@ -194,6 +194,22 @@ def test_verify_takes_the_compute_dtype_of_a_builtin_task(tmp_path, capsys):
     assert "--compute-dtype applies to --task digits or tiny-lm" in capsys.readouterr().err
 
 
+@require_devices(2)
+def test_a_task_files_compute_dtype_policy_is_said_beside_the_matmul_precision(user_files, capsys):
+    """Trial 16: --compute-dtype bfloat16 on a float32 task file widened the tolerances and the output never said
+    bfloat16; the setup line says the policy and that the file's model keeps its own dtypes (without the flag it
+    says nothing of a compute dtype)."""
+    args = ["verify", "--task", f"{user_files / 'task.py'}:task", "--devices", "2", "--strategies", "gspmd"]
+    said = (
+        "compute dtype bfloat16 (--compute-dtype: the tolerances' policy; the task file's model computes in the "
+        "dtypes it is written with)"
+    )
+    assert main([*args, "--steps", "1", "--compute-dtype", "bfloat16"]) == 0
+    assert said in " ".join(capsys.readouterr().out.split())
+    assert main([*args, "--steps", "1"]) == 0
+    assert "compute dtype" not in " ".join(capsys.readouterr().out.split())
+
+
 @require_devices(4)
 def test_a_loss_divided_by_each_shards_own_count_is_named_live_and_replayed(user_files, capsys):
     """The mean of per-shard means (each shard divides its loss sum by its own token count, then the shards are
@@ -214,4 +230,6 @@ def test_a_loss_divided_by_each_shards_own_count_is_named_live_and_replayed(user
     for kind in ("live", "replayed"):
         assert codes[kind, "good_step"]["verdict"] == "PASS"
         assert codes[kind, "per_shard_mean_step"]["verdict"] == "FAIL"
-        assert "normalization" in codes[kind, "per_shard_mean_step"]["codes"], codes[kind, "per_shard_mean_step"]
+        assert "normalization" in codes[kind, "per_shard_mean_step"]["codes"], codes[
+            kind, "per_shard_mean_step"
+        ]

@@ -547,6 +547,23 @@ def main(args) -> int:
     return 2 if any(isinstance(r, ErrorRow) for r in reports.values()) else 0 if ok else 1
 
 
+def _dtype_policy_text(args) -> str:
+    """``", compute dtype bfloat16 (--compute-dtype: ...)"``: where ``--compute-dtype`` / ``--param-dtype`` set
+    the tolerance policy of a task file's check, said beside the matmul precision (trial 16: the tolerances
+    widened from a float32 model's without a word), else ``""``."""
+    from shardcheck.cli._task import precision_overrides
+
+    given = precision_overrides(args)
+    if not given:
+        return ""
+    words = " and ".join(f"{k.removesuffix('_dtype')} dtype {v}" for k, v in given.items())
+    flags = " / ".join("--" + k.replace("_", "-") for k in given)
+    return (
+        f", {words} ({flags}: the tolerances' policy; the task file's model computes in the dtypes it is "
+        "written with)"
+    )
+
+
 def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     import jax
 
@@ -571,6 +588,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     if done:  # the matmul precision the tolerances assumed (one for every check of a run)
         first = next(iter(done.values()))
         setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
+    setup += _dtype_policy_text(args)
     for report in reports.values():
         if isinstance(report, ErrorRow):  # on stderr, as a candidate that raised always was
             _fail(report.message)
