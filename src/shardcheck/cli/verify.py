@@ -682,7 +682,7 @@ def render_report(report, setup: str, against: str | None = None):
         table.add_row(
             kind,
             e.path,
-            str(e.step),
+            step_cell(e.step),
             f"{e.max_abs_err:.3g}",
             f"{e.max_rel_err:.3g}",
             f"{e.tolerance:.3g}",
@@ -692,6 +692,12 @@ def render_report(report, setup: str, against: str | None = None):
     if replicas is not None:  # no leaf's error shows it: each device's copy may be within tolerance
         table.add_row("replicas", _replica_cell(replicas), str(replicas.step), "-", "-", "-", _verdict(False))
     return table
+
+
+def step_cell(step: int) -> str:
+    """A table's step: ``"0"``, ``"1"``, ...; a replay's initial state, before step 0 (``step`` -1 in its records
+    and in the JSON), ``"initial"``."""
+    return "initial" if step < 0 else str(step)
 
 
 def _replica_cell(replicas) -> str:

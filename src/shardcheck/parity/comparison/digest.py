@@ -71,7 +71,7 @@ from shardcheck.parity.comparison.live import spread_ranks
 from shardcheck.parity.comparison.partial_write import SAMPLED
 from shardcheck.parity.comparison.state_digest import PART_EVIDENCE, kept_samples, read_paths, state_evidence
 from shardcheck.parity.diagnosis.draws import with_draws
-from shardcheck.parity.diagnosis.grouping import LeafFacts
+from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.harness import true_gradients
@@ -836,7 +836,8 @@ def compare_run(
     - ``ratio`` and ``spread``: the median and the 10th-90th percentile of the elementwise ratio over the (up to
       8) fixed-index samples, of the step's change for a parameter or an optimizer-state leaf, of the value for
       the loss and a gradient: a factor is claimed constant across those samples, not across every element.
-      Where no sample is usable, the whole leaf's ratio (update size, norm; a counter's value) with no spread;
+      Where no sample is usable, the whole leaf's ratio (update size, norm; a counter's value) with no spread,
+      and ``samples`` 0 (a gradient, parameter or optimizer-state leaf: no factor across it is said from that);
     - ``reference_change``: the recorded update size ``max|r_t - r_{t-1}|`` of a parameter; ``None`` for an
       optimizer-state leaf (a digest keeps no update size of it);
     - ``shape``: the recorded shape.
@@ -1111,6 +1112,8 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     ratio, spread, samples = sampled
     if ratio is None:  # no usable sample: the whole leaf's ratio (update size, norm, counter value)
         ratio = e.ratio
+        # marked as read from no sample (LeafError.samples 0): no factor across the leaf is said from it
+        samples = None if whole else 0
     top = pair.leaf("recorded", e.step, e.name).max
     rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
     r = pair.leaf("recorded", e.step, e.name)
@@ -1233,7 +1236,7 @@ def _diagnoses(
         return tuple(findings)
     at_t = [e for e in structural if e.step == first.step]
     if first.step < 0 and first.evidence not in STRUCTURAL:
-        findings = [Diagnosis("initial_state", _INITIAL, first.name)]
+        findings = [Diagnosis("initial_state", initial_cause(leaves), first.name)]
     if at_t:
         text = _structural_cause(at_t, was, now)
         found = Diagnosis("structure", text[0].upper() + text[1:] + ".", at_t[0].name)
@@ -1266,6 +1269,63 @@ _INITIAL = (
     "The initial state differs from the recorded one: another seed, initializer or model; every later step starts "
     "elsewhere."
 )
+"""What an initial state whose parameters differ means (:func:`initial_cause`)."""
+
+_EVIDENCE_WORDS = {"max": "max|x|", "norm": "L2 norm", "sample": "value at a sample", "exact": "value"}
+
+_INITIAL_KINDS = (
+    ("param", "parameter", "another seed, initializer or model"),
+    (
+        "opt_state",
+        "optimizer-state",
+        "another optimizer initialization (e.g. adagrad's initial_accumulator_value), or a state the step "
+        "resets",
+    ),
+    (
+        "state",
+        "model-state",
+        "another initial value of the model's non-parameter state (a buffer, a statistic)",
+    ),
+    (
+        "counter",
+        "counter",
+        "a step count that starts elsewhere (a counter the optimizer or model starts at another value)",
+    ),
+)
+"""Each kind of leaf an initial state may differ in: its noun and what its difference means."""
+
+
+def initial_cause(leaves: Sequence[DigestError]) -> str:
+    """The ``initial_state`` finding: which kinds of leaf differ before the first step (``step`` -1), with an
+    example's two values, and what each means: parameters, another seed, initializer or model (:data:`_INITIAL`);
+    only optimizer state (the parameters matching), another optimizer initialization (trial 16: adagrad's
+    ``initial_accumulator_value`` 0.0 against the recorded 0.1 was said as another seed or model, the parameters
+    identical); model state or counters, theirs. ``leaves``: the comparison's digest errors (any step; those of
+    step -1 that failed on a value are read)."""
+    bad = [e for e in leaves if e.step < 0 and not e.ok and e.evidence not in STRUCTURAL]
+    if any(e.kind == "param" for e in bad) or not bad:
+        return _INITIAL
+    params = sum(1 for e in leaves if e.step < 0 and e.kind == "param")
+    parts = []
+    for kind, noun, means in _INITIAL_KINDS:
+        group = [e for e in bad if e.kind == kind]
+        if not group:
+            continue
+        e = max(group, key=lambda x: x.badness)
+        value = _EVIDENCE_WORDS.get(e.evidence, e.evidence)
+        seen = (
+            f"{e.name}'s {value} {e.recorded:.4g} recorded, {e.replayed:.4g} replayed"
+            if not isinstance(e.recorded, str) and not isinstance(e.replayed, str)
+            else e.name
+        )
+        count = f"1 {noun} leaf differs" if len(group) == 1 else f"{len(group)} {noun} leaves differ"
+        parts.append(f"{count} (e.g. {seen}): {means}")
+    held = f"the parameters match ({n_leaves(params)}); " if params else ""
+    return (
+        f"The initial state differs from the recorded one: {held}{'; '.join(parts)}; every later step starts "
+        "elsewhere."
+    )
+
 
 QUIET = ("weak_check",)
 """Findings that say no cause: left out of :attr:`RunComparison.cause`."""

@@ -53,7 +53,12 @@ class LeafError:
             (:func:`constant_ratio`).
         shape: the reference leaf's shape, where known (read by :func:`shared_property` to group leaves).
         samples: a replay's: how many recorded elements (its fixed-index samples) ``ratio`` and ``spread`` were
-            read from; ``None`` where they were read over every element (a live check).
+            read from; ``None`` where they were read over every element (a live check). ``0``: a replay's leaf
+            none of whose recorded samples holds a nonzero value or change in the recording (a sparse gradient:
+            an embedding's rows the batch did not look up), so ``ratio`` is the whole leaf's (:data:`WHOLE_RATIO`:
+            a parameter's largest update, else the L2 norm of its value), ``spread`` ``None``, and no factor
+            across the leaf is read from it (:func:`one_factor_across`; trial 16: a norm ratio of 1.593 of a
+            gradient whose elements were 0 or 2 x the reference's was said as a constant factor).
         cand_shape: the candidate leaf's shape where it differs from the reference's ``shape`` (an optimizer
             configured otherwise: Adafactor's factored moments against full ones), else ``None``; such a leaf
             fails with ``max_abs_err`` inf, and is said as shaped otherwise, never as not finite.
@@ -269,14 +274,19 @@ def one_factor_across(e: LeafError) -> bool:
     """Whether a sentence may call ``e``'s ratio one factor across the leaf: :func:`constant_ratio`, and its 10th-90th
     percentile within ``RATIO_RTOL`` of the median as a fitted array's must be
     (:data:`shardcheck.parity.diagnosis.form.FIT_RTOL`). A rounding-level leaf's wide ratio tolerance keeps it
-    "constant" for the rules' purposes, yet its ratio (e.g. 1..6) is no factor to state."""
-    if not constant_ratio(e):
+    "constant" for the rules' purposes, yet its ratio (e.g. 1..6) is no factor to state. Never for a replay's
+    leaf whose recorded samples showed no ratio (``samples == 0``: its ratio is the whole leaf's, which a leaf of
+    elements 0 or 2 x the reference's has too)."""
+    if e.samples == 0 or not constant_ratio(e):
         return False
     return e.spread is None or e.spread[1] - e.spread[0] <= RATIO_RTOL * max(abs(e.ratio), 1e-30)
 
 
 def spread_phrase(e: LeafError) -> str:
-    """``"no constant factor: its elementwise ratio runs from p10 to p90 (10th-90th percentile), median m"``."""
+    """``"no constant factor: its elementwise ratio runs from p10 to p90 (10th-90th percentile), median m"``; of a
+    replay's leaf whose samples showed no ratio (``samples == 0``), :func:`unsampled_phrase`."""
+    if e.spread is None:
+        return unsampled_phrase(e)
     lo, hi = e.spread
     return (
         f"no constant factor: its elementwise ratio runs from {lo:.4g} to {hi:.4g} ({percentiles(e)}), "
@@ -291,3 +301,33 @@ def percentiles(e: LeafError) -> str:
     if e.samples == 1:
         return "its 1 recorded sample"
     return "10th-90th percentile" + (f" of its {e.samples} recorded samples" if e.samples else "")
+
+
+WHOLE_RATIO = {"param": "largest update"}
+"""What a replay's whole-leaf ratio (``LeafError.samples == 0``) is of, by kind: a parameter's update size
+``max|r_t - r_(t-1)|``; any other leaf's the L2 norm of its value (:data:`WHOLE_NORM`)."""
+WHOLE_NORM = "L2 norm"
+
+
+def unsampled_phrase(e: LeafError) -> str:
+    """``"no elementwise ratio read: none of its recorded samples holds a nonzero value in the recording; its L2
+    norm is 1.593 x the reference's (a whole-leaf ratio: ...)"``: what a replay saw of a leaf whose recorded
+    samples hold no usable value or change (``LeafError.samples == 0``)."""
+    what = "value" if e.kind in ("grad", "loss") else "change"
+    whole = WHOLE_RATIO.get(e.kind, WHOLE_NORM)
+    seen = (
+        ""
+        if e.ratio is None
+        else f"; its {whole} is {e.ratio:.4g} x the reference's (a whole-leaf ratio: no factor across the leaf is "
+        "read from it)"
+    )
+    return f"no elementwise ratio read: none of its recorded samples holds a nonzero {what} in the recording{seen}"
+
+
+def ratio_label(e: LeafError) -> str:
+    """What ``e.ratio`` is, said beside its number: ``"update ratio"`` (a parameter's or optimizer-state leaf's
+    change), ``"ratio"`` (a value's), or a replay's whole-leaf ratio (``samples == 0``): ``"whole-leaf L2 norm
+    ratio"``, ``"whole-leaf largest update ratio"``."""
+    if e.samples == 0:
+        return f"whole-leaf {WHOLE_RATIO.get(e.kind, WHOLE_NORM)} ratio"
+    return "update ratio" if e.kind in ("param", "opt_state") else "ratio"

@@ -33,7 +33,9 @@ Adafactor's factored second moments against full ones) holds no elementwise chan
 fit, and where every failing leaf is one, the form is ``shape`` (:func:`shape_form`), never a number.
 
 :func:`form_from_leaves` says what the per-leaf records alone allow (a replay, which holds no arrays): a constant
-factor where every failing leaf's ratio is one factor and they agree, else no simple form.
+factor where every failing leaf's ratio is one factor across its recorded samples and they agree, else no simple
+form (never a factor read from a whole leaf's norm ratio: a gradient of elements 0 or 2 x the reference's has one
+too).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ import numpy as np
 from shardcheck.parity.diagnosis.evidence import (
     RATIO_RTOL,
     SPREAD_TOLS,
+    WHOLE_NORM,
+    WHOLE_RATIO,
     LeafError,
     one_factor_across,
     percentiles,
@@ -799,7 +803,10 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
     every failing leaf's ratio is constant across it (``one_factor_across``) and they agree within ``RATIO_RTOL``
     (an integer k >= 2 of an ``update``: k optimizer steps, as live); a constant factor per group where they
     are constant but differ (every group listed, as live); else no simple form, naming the leaf of the widest
-    spread. ``optimizer_stage``: as :func:`fit_form`'s (a factor from equal gradients names no loss scale). One
+    spread. A replay's leaf whose recorded samples showed no ratio (``samples == 0``, a sparse gradient's) shows
+    no factor: the form is then none, said with its whole-leaf ratio and the other leaves' factors
+    (:func:`_unsampled_form`), except a whole-leaf ratio of 0 (its largest update or norm 0: a zero update).
+    ``optimizer_stage``: as :func:`fit_form`'s (a factor from equal gradients names no loss scale). One
     gradient, parameter or optimizer-state leaf of one element is ``one_number`` (:func:`one_number_form`: no
     form is told from one number; a loss or a counter is left to the forward stage's reading).
 
@@ -817,7 +824,12 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         return one
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     n = len(bad)
-    if len(ratios) < n or not all(one_factor_across(e) for e in ratios):
+    unsampled = [e for e in ratios if e.samples == 0]
+    if unsampled and not (  # a whole leaf's ratio of 0 (its largest update, its norm) is 0 on every element
+        len(ratios) == n and all(e.ratio == 0 and (e.samples == 0 or one_factor_across(e)) for e in ratios)
+    ):
+        return _unsampled_form(ratios, unsampled, n)
+    if len(ratios) < n or not all(e.samples == 0 or one_factor_across(e) for e in ratios):
         spread = [e for e in ratios if e.spread is not None]
         widest = max(spread, key=lambda e: e.spread[1] - e.spread[0], default=None)
         tail = (
@@ -845,6 +857,59 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
         return _one_factor(mid, (lo, hi), n, optimizer_stage, False, update, percentiles(ratios[0]))
     return _per_group(factors, stats, n, percentiles(ratios[0]))
+
+
+def _unsampled_form(ratios: list[LeafError], unsampled: list[LeafError], n: int) -> Form:
+    """No simple form, where some failing leaves of a replay showed no ratio at their recorded samples
+    (``LeafError.samples == 0``: a sparse gradient's samples are all 0): what was seen, said as seen: those leaves'
+    whole-leaf ratios (:data:`~shardcheck.parity.diagnosis.evidence.WHOLE_RATIO`, no factor across a leaf), and
+    the other leaves' factors or spread across their samples."""
+    parts = []
+    for kind in sorted({e.kind for e in unsampled}):
+        group = [e for e in unsampled if e.kind == kind]
+        names = ", ".join(e.name if kind == "opt_state" else e.path for e in group[:3])
+        names += ", ..." if len(group) > 3 else ""
+        lo, hi = min(e.ratio for e in group), max(e.ratio for e in group)
+        whole = WHOLE_RATIO.get(kind, WHOLE_NORM)
+        what = "value" if kind in ("grad", "loss") else "change"
+        one = len(group) == 1
+        size = f"{lo:.4g}" if f"{lo:.4g}" == f"{hi:.4g}" else f"{lo:.4g}..{hi:.4g}"
+        parts.append(
+            f"none of the recorded samples of {names} ({n_leaves(len(group))}) holds a nonzero {what} in the "
+            f"recording, so no elementwise ratio was read there; {'its' if one else 'their'} {whole}"
+            f"{'' if one else 's'} {'is' if one else 'are'} {size} x the reference's (a whole-leaf ratio: no "
+            "factor across a leaf is read from it)"
+        )
+    sampled = [e for e in ratios if e.samples != 0]
+    if sampled and all(one_factor_across(e) for e in sampled):
+        groups: list[tuple[float, list[str]]] = []
+        for e in sorted(sampled, key=lambda e: e.ratio):
+            if groups and abs(e.ratio - groups[-1][0]) <= RATIO_RTOL * abs(groups[-1][0]):
+                groups[-1][1].append(e.path)
+            else:
+                groups.append((e.ratio, [e.path]))
+        said = "; ".join(
+            f"x{f:.4g} on {', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''} ({n_leaves(len(ps))})"
+            for f, ps in groups
+        )
+        parts.append(f"the other leaves' ratios are constant across their recorded samples: {said}")
+    elif sampled:
+        widest = max(
+            (e for e in sampled if e.spread is not None),
+            key=lambda e: e.spread[1] - e.spread[0],
+            default=None,
+        )
+        if widest is not None:
+            parts.append(
+                f"{widest.name}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
+                f"({percentiles(widest)}), median {widest.ratio:.4g}"
+            )
+    return Form(
+        "none",
+        f"no simple form read from the records of {'the one failing leaf' if n == 1 else f'the {n} failing leaves'}: "
+        + "; ".join(parts),
+        leaves=n,
+    )
 
 
 def weight_phrase(factor: float, weight: float | None) -> str | None:

@@ -60,6 +60,7 @@ from shardcheck.parity.diagnosis.evidence import (
     one_factor_across,
     spread_phrase,
     would_show,
+    ratio_label,
 )
 from shardcheck.parity.diagnosis.floating import not_compared, state_notes
 from shardcheck.parity.diagnosis.form import (
@@ -234,9 +235,12 @@ def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[floa
         for e in record.leaves
         if e.kind == "grad" and not e.ok and e.path not in noise and not _within_tolerance_of_zero(e)
     ]
-    if form is None and (f is None or evidence != "gradients" or not bad):
+    if form is None and (f is None or not bad):
         return f, evidence
-    if form is None:  # no arrays (a replay): the form its records allow, as the localization reads it
+    # no arrays (a replay): the form its records allow, as the localization reads it; a factor read from the
+    # moments stands only where the failing gradients allow one too (trial 16: gradients x1.333 and x2.667 by
+    # group, said as "optimizer moments are 1.141 x": one factor of the dense group's clipped moments)
+    if form is None:
         form = form_from_leaves(bad, update=False)
         return (f, evidence) if form.kind in _READ_FACTOR else (None, "")
     if form.kind in _READ_FACTOR and form.factor is not None:
@@ -606,7 +610,7 @@ def _detail(worst: LeafError, ratio: bool = True) -> str:
     ratio = (
         ""
         if worst.ratio is None or not ratio
-        else f", {'update ratio' if worst.kind in ('param', 'opt_state') else 'ratio'} {worst.ratio:.4g}"
+        else f", {ratio_label(worst)} {worst.ratio:.4g}"
         if constant_ratio(worst)
         else f", {spread_phrase(worst)}"
     )
