@@ -130,8 +130,8 @@ def test_candidate_module_with_a_mesh_argument_passes(steps_file, monkeypatch, c
         (
             ["--task", "tiny-lm", "--mesh", "data=3"],
             "shardcheck verify: batch size 8 is not divisible by the 3 devices of --mesh data=3; equal shards are "
-            "required (valid batch-shard counts (the product of --mesh's data axes) for this batch: 1, 2, 4, 8; "
-            "pass --batch-size with a multiple of 3, e.g. --batch-size 9)",
+            "required (valid batch-shard counts (the product of the sizes of --mesh's batch axes, data and fsdp) "
+            "for this batch: 1, 2, 4, 8; pass --batch-size with a multiple of 3, e.g. --batch-size 9)",
         ),
         (
             ["--batch-size", "4", "--devices", "8"],
@@ -320,8 +320,8 @@ def test_shard_counts_read_as_the_command_line_gave_them():
     )
     assert library_to_flags(message, "train", TRAIN_FLAGS, functions=("train_task",), args=tensor) == (
         "shardcheck train: batch size 30 (batch leaf 'x') is not divisible by the 2 batch shards of --mesh "
-        "data=2,model=4; equal shards are required (valid batch-shard counts (the product of --mesh's data axes) "
-        "for this batch: 1, 2, 3, 5, 6, 10, 15, 30; pad the batch)"
+        "data=2,model=4; equal shards are required (valid batch-shard counts (the product of the sizes of --mesh's "
+        "batch axes, data and fsdp) for this batch: 1, 2, 3, 5, 6, 10, 15, 30; pad the batch)"
     )
     assert library_to_flags(
         "train: batch_size=30 ... num_shards=4", "train", TRAIN_FLAGS, functions=("train",)

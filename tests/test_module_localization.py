@@ -211,16 +211,31 @@ def test_a_loss_scaled_in_the_step_is_the_forward_stage_with_every_module_output
 
 @require_devices(4)
 def test_a_forward_whose_module_outputs_cannot_be_captured_keeps_the_stage_and_says_why(mesh):
-    """A loss that runs the model inside ``jax.checkpoint``: the sown outputs are the checkpoint's own tracers,
-    which escape it; the probe says so and the localization stays at the forward stage."""
+    """A loss that runs the model inside ``jax.checkpoint``: every module call is inside that transform, whose
+    values would escape it (JAX's unexpected-tracer error), so none is recorded; the probe says so in words (no
+    exception name) with what to do, and the localization stays at the forward stage."""
 
     def checkpointed(model, batch):
         return jax.checkpoint(lambda x, y: jnp.mean((model(x) - y) ** 2))(*batch)
 
     task = dataclasses.replace(_task(), loss_fn=checkpointed, name="checkpointed")
     found = _forward_module(check_parity(_gspmd(loss_scale=2.0), task, mesh=mesh))
-    assert (found.status, found.error, found.compared) == ("not captured", "UnexpectedTracerError", 0)
-    assert found.text().startswith("module outputs could not be captured (UnexpectedTracerError)")
+    assert (found.status, found.error, found.compared) == (
+        "not captured",
+        "no module output on both sides",
+        0,
+    )
+    assert found.inside_transforms == (
+        "Attention.__call__", "Block.__call__", "LayerNorm.__call__", "Linear.__call__", "MLP.__call__",
+        "TinyTP.__call__",
+    )  # fmt: skip
+    assert found.text().startswith(
+        "no module call could be compared: every module method the forward calls runs inside a transform of the "
+        "loss (Attention.__call__, Block.__call__, LayerNorm.__call__, Linear.__call__ and 2 more; a "
+        "jax.checkpoint"
+    )
+    assert "call the model outside such a transform in the task's loss_fn" in found.text()
+    assert "Error" not in found.text()
 
 
 def module_tolerance_for(task: Task) -> tuple[float, float]:

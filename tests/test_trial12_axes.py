@@ -104,8 +104,8 @@ def test_one_unreduced_gradient_under_a_global_norm_clip_names_that_leaf_and_the
         in message
     )
     assert message.endswith(
-        "Not reduced: grad a.kernel; gradients within tolerance, nearest their tolerance first: param b.kernel, "
-        "param a.bias, param b.bias."
+        "Not reduced: grad a.kernel; leaves whose copies differ with their parameter's gradient within "
+        "tolerance, nearest its tolerance first: param b.kernel, param a.bias, param b.bias."
     )
     assert "Affected:" not in message
     # the replicas row and the localization's replicas stage name the unreduced leaf, the others downstream
@@ -168,8 +168,8 @@ def test_the_split_reads_the_gradients_where_observed_and_keeps_the_wording_wher
     two = missed_axes_message(0, LEAVES, ("data",), MESH, unreduced=["a.bias", "a.kernel"])
     assert "the gradients of a.bias, a.kernel were not reduced over 'data'" in two
     assert "downstream of those" in two and two.endswith(
-        "Not reduced: grad a.bias, grad a.kernel; gradients within tolerance, nearest their tolerance first: "
-        "param b.bias, param b.kernel."
+        "Not reduced: grad a.bias, grad a.kernel; leaves whose copies differ with their parameter's gradient "
+        "within tolerance, nearest its tolerance first: param b.bias, param b.kernel."
     )
 
 

@@ -148,8 +148,9 @@ def test_a_router_gradient_within_the_bf16_tolerance_is_not_said_to_differ_only_
     assert (
         "or by an unreduced gradient too small to show at this precision (a gradient within tolerance may still "
         "be unreduced). Reduce every gradient over 'data', not only the one named: where copies still differ once "
-        "it is reduced, another was left unreduced too. Not reduced: grad blocks.0.moe.router.kernel; gradients "
-        "within tolerance, nearest their tolerance first: the 69 leaves (param blocks.1.moe.router.kernel, "
+        "it is reduced, another was left unreduced too. Not reduced: grad blocks.0.moe.router.kernel; leaves "
+        "whose copies differ with their parameter's gradient within tolerance, nearest its tolerance first: the 69 "
+        "leaves (param blocks.1.moe.router.kernel, "
         "opt_state 1.0.mu.blocks.1.moe.router.kernel," in message
     )
 

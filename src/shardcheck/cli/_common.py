@@ -78,7 +78,7 @@ VERIFY_FLAGS = {
 TRAIN_FLAGS = {"num_shards": "--devices", "batch_size": "--batch-size"}
 
 
-MESH_SHARD_COUNTS = "batch-shard counts (the product of --mesh's data axes)"
+MESH_SHARD_COUNTS = "batch-shard counts (the product of the sizes of --mesh's batch axes, data and fsdp)"
 """What the valid shard counts are under ``--mesh`` (:func:`shard_words`)."""
 
 

@@ -206,13 +206,18 @@ class ParityReport:
         return self.replica_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves)
 
     def worst_by_kind(self) -> dict[str, LeafError]:
-        """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps."""
+        """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps; ``state`` (the
+        model's non-parameter state, after ``opt_state``) where one of its leaves fails, so that a failing state
+        leaf (a frozen weight trained) has its own row beside the rows it moved downstream."""
         out: dict[str, LeafError] = {}
         for record in self.steps:
             for leaf in record.leaves:
                 if leaf.kind not in out or leaf.badness > out[leaf.kind].badness:
                     out[leaf.kind] = leaf
-        return {k: out[k] for k in KINDS if k in out}
+        kinds = [*KINDS]
+        if "state" in out and not out["state"].ok:
+            kinds.insert(kinds.index("opt_state") + 1, "state")
+        return {k: out[k] for k in kinds if k in out}
 
     def to_dict(self) -> dict:
         """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,

@@ -58,6 +58,8 @@ MEANING = {
     "parameters": "the update was applied differently",
     "counters": "the optimizer was stepped another number of times",
 }
+# the optimizer or parameters stage where the optimizer state differed before step 0 (Localization.started)
+STARTED = "the optimizer state started from other values, before the step's update"
 # the optimizer stage where the candidate's gradients were not observed (its step returns none)
 UNSEEN_GRADIENTS = (
     "the optimizer state",
@@ -191,6 +193,9 @@ class Localization:
             ``None``.
         live: a live check's (``False``: a replay's, which has no live model to probe module by module nor
             each device's copy of a replica: the text says so where the forward pass differs).
+        started: at step 0, optimizer-state leaves changed as the reference's did while their values differ by
+            more than that change (:func:`started_otherwise`): the optimizer state started from other values, so
+            the first difference is not said to be how the update was applied.
     """
 
     step: int
@@ -201,6 +206,7 @@ class Localization:
     synchronized: bool = False
     module: ModuleFinding | None = None
     live: bool = True
+    started: bool = False
 
     def status(self, stage: str) -> str:
         """The status of ``stage``."""
@@ -231,6 +237,8 @@ class Localization:
                 noun, meaning = UNSEEN_GRADIENTS  # no equal inputs were seen: the gradients are not cleared
             if self.stage == "forward" and self._loss_matches():
                 meaning = FORWARD_STATE  # only a counter the forward pass writes differs: not "another loss"
+            if self.started:
+                meaning = STARTED
             head = f"First difference at {where}: {noun} ({meaning})."
             if agree:
                 head += f" Before it, {agree} {'match' if len(before) > 1 else 'matches'}."
@@ -258,8 +266,8 @@ class Localization:
         return any(k == "loss" and bad == 0 for k, _, bad in forward.kinds)
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict: ``step``, ``stage``, ``group``, ``form``, ``stages``, ``synchronized``, ``module``
-        (:meth:`ModuleFinding.to_dict`, or ``None``), ``text``."""
+        """A JSON-ready dict: ``step``, ``stage``, ``group``, ``form``, ``stages``, ``synchronized``,
+        ``started``, ``module`` (:meth:`ModuleFinding.to_dict`, or ``None``), ``text``."""
         return {
             "step": self.step,
             "stage": self.stage,
@@ -267,6 +275,7 @@ class Localization:
             "form": None if self.form is None else self.form.to_dict(),
             "stages": [s.to_dict() for s in self.stages],
             "synchronized": self.synchronized,
+            "started": self.started,
             "module": None if self.module is None else self.module.to_dict(),
             "text": self.text(),
         }
@@ -294,6 +303,46 @@ def stage_leaves(record: StepRecord) -> dict[str, list[LeafError] | None]:
         "parameters": kinds["param"] + (kinds["opt_state"] if rerun is not None else []) + updated,
         "counters": kinds["counter"],
     }
+
+
+# a leaf whose change at step 0 is the reference's to within this (its 10th-90th percentile ratios) while its
+# values differ by more than that whole change started from other values
+STARTED_RATIO = 0.02
+
+
+def started_otherwise(record: StepRecord) -> list[LeafError]:
+    """The failing optimizer-state leaves of a step-0 record (not run from the reference's state) whose change in
+    the step is the reference's (median and 10th-90th percentile ratios within :data:`STARTED_RATIO` of 1) while
+    their values differ by more than the reference's whole change (``reference_change``) and their tolerance: the
+    difference was there before the step, in the candidate's initial optimizer state (adagrad's
+    ``initial_accumulator_value``, or an optimizer built otherwise), not in its update. ``[]`` otherwise."""
+    if record.step != 0 or record.from_reference_state:
+        return []
+    out = []
+    for e in record.leaves:
+        if e.kind != "opt_state" or e.ok or e.reference_change is None or e.ratio is None or e.spread is None:
+            continue
+        lo, hi = e.spread
+        agree = max(abs(e.ratio - 1.0), 1.0 - lo, hi - 1.0) <= STARTED_RATIO
+        if agree and e.max_abs_err > max(e.reference_change, e.tolerance):
+            out.append(e)
+    return out
+
+
+def started_sentence(started: Sequence[LeafError]) -> str:
+    """``started_otherwise``'s leaves in words: the optimizer state started from other values, with the worst
+    leaf's numbers."""
+    e = max(started, key=lambda e: e.badness)
+    lo, hi = e.spread
+    more = f" (and {len(started) - 1} more leaves)" if len(started) > 1 else ""
+    return (
+        f"the optimizer state started from other values than the reference's: {e.name}{more} changes at this step "
+        f"as the reference's does (elementwise {lo:.4g}..{hi:.4g} x its change) while its values differ by up to "
+        f"{e.max_abs_err:.3g}, more than the reference's whole change ({e.reference_change:.3g}): the difference "
+        "was there before the step, in the candidate's initial optimizer state (an initial value of the "
+        "optimizer's own, such as optax.adagrad's initial_accumulator_value, or an optimizer built with other "
+        "settings), and the updates that read it differ from there"
+    )
 
 
 def _stage_result(
@@ -401,8 +450,12 @@ def localize(
             )
     module = record.module if first.stage == "forward" else None
     live = replicas_observed
+    started = started_otherwise(record) if first.stage in ("optimizer", "parameters") else []
+    if started:  # the state differed before the step: no form of its update is read
+        form = Form("none", started_sentence(started))
+    synchronized = record.from_reference_state
     return Localization(
-        record.step, first.stage, results, group, form, record.from_reference_state, module, live
+        record.step, first.stage, results, group, form, synchronized, module, live, bool(started)
     )
 
 

@@ -126,7 +126,8 @@ class ModuleFinding:
         compared: how many calls were compared in all.
         where: the candidate side's placement in words (``"mesh data=2 x model=2"``, ``"one device"``).
         error: why nothing was compared (``"not captured"``): the exception's type name when the capture or a
-            forward raised, or ``"no module output on both sides"``; else ``""``.
+            forward raised, or ``"no module output on both sides"``; else ``""`` (in the JSON, not in the
+            sentence).
         not_finite: entries of its output NaN or infinite where the reference's are not (``0``: none).
         input_of: the call whose input differs: for ``"differs"``, the first child of ``module`` (in the order
             it called them) that got a different input (``""``: every child's input matched, or it has none); for
@@ -134,6 +135,9 @@ class ModuleFinding:
         input_max_abs_err, input_tolerance, input_not_finite: that input's difference, as for the output.
         children_matched: for ``"differs"``, the children ``module`` called before ``input_of`` (all of them
             where ``input_of`` is ``""``), whose inputs and outputs matched.
+        inside_transforms: the ``"Class.method"`` of module calls made inside a transform of the forward (a
+            ``jax.lax.scan`` body such as a recurrent cell's, a ``vmap``, ``jax.checkpoint`` or ``shard_map``
+            body): not recorded, so not compared; the module that runs the transform stands for them.
     """
 
     status: str
@@ -150,11 +154,34 @@ class ModuleFinding:
     input_tolerance: float = 0.0
     input_not_finite: int = 0
     children_matched: tuple = ()
+    inside_transforms: tuple = ()
 
     def text(self) -> str:
         """The finding in one sentence with its numbers (what was observed, nothing more)."""
+        return self._finding() + self._transforms()
+
+    def _transforms(self) -> str:
+        """Where module calls inside a transform were left out: which, and that they are not compared."""
+        if not self.inside_transforms or self.status == NOT_CAPTURED:
+            return ""
+        return (
+            f"; {_listed(self.inside_transforms)} runs inside a transform of the forward (a jax.lax.scan body or "
+            "the like): not compared on its own, the module that runs that transform stands for it"
+        )
+
+    def _finding(self) -> str:
+        if self.status == NOT_CAPTURED and self.inside_transforms:
+            return (
+                "no module call could be compared: every module method the forward calls runs inside a transform "
+                f"of the loss ({_listed(self.inside_transforms)}; a jax.checkpoint, vmap, lax.scan or shard_map "
+                "body), whose outputs the probe does not record; the localization stays at the forward stage (to "
+                "localize by module, call the model outside such a transform in the task's loss_fn)"
+            )
         if self.status == NOT_CAPTURED:
-            return f"module outputs could not be captured ({self.error}); the localization stays at the forward stage"
+            return (
+                "the module probe could not run the task's forward with its module outputs recorded (it raised; "
+                "the JSON report's module.error names the exception); the localization stays at the forward stage"
+            )
         if self.status == MATCHES:
             worst = f"; worst {self.module}: {self._output().text()}" if self.module else ""
             return (
@@ -208,6 +235,7 @@ class ModuleFinding:
         return {
             **dataclasses.asdict(self),
             "children_matched": list(self.children_matched),
+            "inside_transforms": list(self.inside_transforms),
             "text": self.text(),
         }
 

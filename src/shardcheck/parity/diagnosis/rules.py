@@ -1302,6 +1302,9 @@ def localized(ctx: DiagnosisContext) -> Finding:
         # the gradients the optimizer was given are the reference's
         if kind == "opt_state" and "the gradients" in matched:
             meaning = "the optimizer updated its state differently from equal gradients"
+        started = _started(ctx.first, kind)
+        if started:  # its change matches: the state differed before the step, not in how it was updated
+            meaning, form = "it started from other values", f"{started[0].upper()}{started[1:]}."
         return Diagnosis(
             "localized",
             f"{head}; {noun} {verb} ({count}): {meaning}. {group[0].upper()}{group[1:]}. {form} "
@@ -1318,6 +1321,16 @@ _GROUP_STAGES = {
     "opt_state": ("optimizer", "parameters", "replicas"),
     "param": ("parameters", "replicas"),
 }
+
+
+def _started(record: StepRecord, kind: str) -> str:
+    """Where the step-0 optimizer state started from other values than the reference's
+    (:func:`~shardcheck.parity.diagnosis.localization.started_otherwise`) and ``kind`` is the optimizer state or
+    the parameters its update moved, that in words; else ``""``."""
+    from shardcheck.parity.diagnosis.localization import started_otherwise, started_sentence
+
+    started = started_otherwise(record) if kind in ("opt_state", "param") else []
+    return started_sentence(started) if started else ""
 
 
 def _as_localized(record: StepRecord, kind: str, group: str) -> str:
@@ -1430,11 +1443,19 @@ def _not_one_step(record: StepRecord) -> str:
             if around
             else ""
         )
+        if _no_reference_update(record):  # nothing moved them: every shard's loss was taken at the same ones
+            return (
+                f"not a single reduced step: the loss it returns is not the full-batch loss at its starting "
+                f"parameters{around}: computed another way (the loss's terms, labels, weights or normalization"
+                f"{itself})."
+            )
         return (
             f"not a single reduced step: the loss it returns is not the full-batch loss at its starting "
             f"parameters{around}: computed another way (the loss's terms, labels, weights or normalization"
             f"{itself}), or taken at other parameters (shards applied one after another)."
         )
+    if _no_reference_update(record):
+        return "not a single reduced step: its gradients or its loss were computed otherwise (a wrong loss)."
     return (
         "not a single reduced step (shards applied one after another, gradients taken at different parameters, "
         "or a wrong loss)."
@@ -1484,11 +1505,28 @@ def _what_differs(record: StepRecord) -> str:
 def _params_match(record: StepRecord) -> str:
     """``", though the applied parameters match at this step (35 leaves)"`` where every parameter leaf of the
     step is within tolerance (under Adam a first step moves each parameter by about the learning rate whatever the
-    gradient's size), else ``""``."""
+    gradient's size), else ``""``; where the reference's own update moved no parameter at all
+    (:func:`_no_reference_update`: a learning rate of 0 there), that the parameters match because there is no
+    update to compare."""
     params = [e for e in record.leaves if e.kind == "param"]
     if not params or not all(e.ok for e in params):
         return ""
+    if _no_reference_update(record):
+        return (
+            f", though the applied parameters match at this step ({n_leaves(len(params))}): the reference's own "
+            f"update is 0 at step {record.step} (the learning rate at step {record.step} is 0, as a warm-up from "
+            "0 gives): no update to compare"
+        )
     return f", though the applied parameters match at this step ({n_leaves(len(params))})"
+
+
+def _no_reference_update(record: StepRecord) -> bool:
+    """Whether the reference's step left every parameter exactly as it was (each ``param`` leaf's
+    ``reference_change`` is 0: a learning rate of 0 at that step, as ``optax.warmup_cosine_decay_schedule(0.0,
+    ...)`` gives at step 0): a candidate whose gradients differ then applies no different update either, so a
+    matching parameter says nothing of how its shards were applied."""
+    params = [e for e in record.leaves if e.kind == "param"]
+    return bool(params) and all(e.reference_change == 0.0 for e in params)
 
 
 def _forward_hint(ctx: DiagnosisContext, cleared: bool = False) -> str:

@@ -328,8 +328,8 @@ def _downstream_sentence(unreduced: Sequence[str], downstream: Sequence[str], mi
         f"computed from its own copies of the unreduced gradients, {WITHIN} (a gradient within tolerance may "
         f"still be unreduced). Reduce every gradient over {missed}, not only {named}: where copies still differ "
         f"once {it} {is_} reduced, another was left unreduced too. Not reduced: "
-        f"{name_leaves([f'grad {p}' for p in unreduced])}; gradients within tolerance, nearest their tolerance "
-        f"first: {name_leaves(downstream)}."
+        f"{name_leaves([f'grad {p}' for p in unreduced])}; leaves whose copies differ with their parameter's "
+        f"gradient within tolerance, nearest its tolerance first: {name_leaves(downstream)}."
     )
 
 

@@ -25,8 +25,10 @@ sharded module reorders its contractions and, in a low-precision compute dtype, 
 and its own intermediates (:data:`~shardcheck.parity.diagnosis.module_outputs.OUTPUT_ROUNDING`); an output held in
 bfloat16 is allowed that much of its own dtype's rounding whatever the policy read.
 
-Runs only on a forward-stage FAIL (two programs compiled once each); nothing runs on PASS. A capture that fails
-(a tracer escaping a user's transform, a module run inside a ``shard_map`` body) is said as such and the
+Runs only on a forward-stage FAIL (two programs compiled once each); nothing runs on PASS. A module called inside a
+transform of the forward (a recurrent cell in a ``jax.lax.scan`` body, a ``vmap``, ``jax.checkpoint`` or
+``shard_map`` body) is not recorded, its arrays being that transform's own tracers: the finding names it, and the
+module that runs the transform is compared in its place. A capture that fails otherwise is said as such and the
 localization stays at the stage.
 """
 
@@ -41,6 +43,7 @@ import itertools
 import jax
 import numpy as np
 from flax import nnx
+from jax.extend.core import get_opaque_trace_state
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -88,15 +91,17 @@ def probe_modules(run: _Run, ref_params0: dict, batch) -> ModuleFinding:
         A :class:`ModuleFinding` (:func:`~shardcheck.parity.diagnosis.module_outputs.find_module`): ``"differs"``
         with the module, its error and tolerance and where in its own code; ``"input differs"``; ``"matches"``
         with the worst output; or ``"not captured"`` naming the exception's type when the capture or a forward
-        raised (never raised to the caller)."""
+        raised (never raised to the caller). ``inside_transforms`` names the module methods called inside a
+        transform of the forward (a ``jax.lax.scan`` body, ...), which are not compared."""
     try:
         graphdef, params, rest = _model_parts(run, ref_params0)
         mesh = _candidate_mesh(run)
-        ref = _captured(graphdef, run.task.loss_fn, *_on_one_device(params, rest, batch))
+        ref, inside = _captured(graphdef, run.task.loss_fn, *_on_one_device(params, rest, batch))
         placed = _as_candidate(run, mesh, params, rest, batch)
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            cand = _captured(graphdef, run.task.loss_fn, *placed)
-        return find_module(ref, cand, module_tolerance(run, batch), _where(mesh))
+            cand, cand_inside = _captured(graphdef, run.task.loss_fn, *placed)
+        found = find_module(ref, cand, module_tolerance(run, batch), _where(mesh))
+        return dataclasses.replace(found, inside_transforms=tuple(sorted({*inside, *cand_inside})))
     except Exception as err:  # noqa: BLE001  (the probe adds evidence; it never fails the check)
         return ModuleFinding(NOT_CAPTURED, error=type(err).__name__)
 
@@ -157,18 +162,24 @@ class ModuleCallRecord(nnx.Intermediate):
 
 
 @contextlib.contextmanager
-def recorded_calls(model: nnx.Module):
+def recorded_calls(model: nnx.Module, inside: set | None = None):
     """Within the block, every call of ``__call__`` or a public method that the classes of ``model``'s modules
     define themselves (the methods ``nnx.capture(..., method_outputs=...)`` wraps) sows a
     :class:`ModuleCallRecord`: its array arguments, the array leaves of its output, and its start, end and calling
     call's start in one sequence (constants of the traced program). Collect them with
-    ``nnx.capture(fn, ModuleCallRecord)``; the classes are restored on leaving the block, raise or not."""
+    ``nnx.capture(fn, ModuleCallRecord)``; the classes are restored on leaving the block, raise or not.
+
+    A call made inside a transform of its own within the traced program (a ``jax.lax.scan`` body such as a
+    recurrent cell's, a ``vmap``, a ``jax.checkpoint``, a ``shard_map`` body) sows nothing: its arrays are that
+    transform's tracers, which would escape it (JAX's unexpected-tracer error). Its ``"Class.method"`` is added to
+    ``inside`` (a set, when given); the module that runs the transform is still recorded."""
     counter, stack, originals = itertools.count(), [], {}
+    outer = get_opaque_trace_state()
     for cls in {type(m) for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}:
         for name, method in list(vars(cls).items()):
             if inspect.isfunction(method) and (name == "__call__" or not name.startswith("_")):
                 originals[cls, name] = method
-                setattr(cls, name, _recording(method, name, counter, stack))
+                setattr(cls, name, _recording(method, name, counter, stack, outer, inside))
     try:
         yield
     finally:
@@ -176,8 +187,9 @@ def recorded_calls(model: nnx.Module):
             setattr(cls, name, method)
 
 
-def _recording(method, name: str, counter, stack: list):
-    """``method`` sowing its call's :class:`ModuleCallRecord` after it returns (on a module being captured)."""
+def _recording(method, name: str, counter, stack: list, outer, inside: set | None):
+    """``method`` sowing its call's :class:`ModuleCallRecord` after it returns (on a module being captured, in the
+    trace ``outer`` the block was entered in; a call inside a nested transform is named in ``inside``)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -188,7 +200,10 @@ def _recording(method, name: str, counter, stack: list):
             out = method(self, *args, **kwargs)
         finally:
             stack.pop()
-        if hasattr(self, "__captures__"):
+        if hasattr(self, "__captures__") and get_opaque_trace_state() != outer:
+            if inside is not None:
+                inside.add(f"{type(self).__name__}.{name}")
+        elif hasattr(self, "__captures__"):
             numbers = {
                 k: np.int32(v) for k, v in (("start", start), ("end", next(counter)), ("parent", parent))
             }
@@ -212,33 +227,36 @@ def _arrays(tree) -> list:
 
 @functools.lru_cache(maxsize=8)
 def _forward(graphdef, loss_fn):
-    """The jitted forward of ``loss_fn`` on the model ``graphdef`` that returns every module method call's record,
-    ``{"module.path.method": (record of each call, ...)}`` (one per graph and loss: a later failing step of the
-    same run reuses its programs)."""
+    """``(jitted, inside)``: the jitted forward of ``loss_fn`` on the model ``graphdef`` that returns every module
+    method call's record, ``{"module.path.method": (record of each call, ...)}``, and the set its tracing fills with
+    the ``"Class.method"`` of calls made inside a transform of the forward, not recorded (:func:`recorded_calls`).
+    One per graph and loss: a later failing step of the same run reuses its programs."""
+    inside: set = set()
 
     def forward(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
-        with recorded_calls(model):
+        with recorded_calls(model, inside):
             _, sown = nnx.capture(loss_fn, ModuleCallRecord)(model, batch)
         return {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(sown)}
 
-    return jax.jit(forward)
+    return jax.jit(forward), inside
 
 
-def _captured(graphdef, loss_fn, params, rest, batch) -> dict[str, ModuleCall]:
-    """Every module method call of one jitted forward, ``{name: ModuleCall}`` with host arrays."""
+def _captured(graphdef, loss_fn, params, rest, batch) -> tuple[dict[str, ModuleCall], tuple[str, ...]]:
+    """Every module method call of one jitted forward, ``{name: ModuleCall}`` with host arrays, and the sorted
+    ``"Class.method"`` names of calls made inside a transform of the forward (not recorded)."""
     args = (nnx.as_pure(params), nnx.as_pure(rest), batch)  # arrays only: the callers' trees stay as they are
     try:
-        jitted = _forward(graphdef, loss_fn)
+        jitted, inside = _forward(graphdef, loss_fn)
     except TypeError:  # an unhashable loss callable: its own program, not kept
-        jitted = _forward.__wrapped__(graphdef, loss_fn)
+        jitted, inside = _forward.__wrapped__(graphdef, loss_fn)
     calls = {}
     for key, records in jitted(*args).items():
         for i, r in enumerate(records):
             host = [tuple(np.asarray(to_host(a)) for a in r[part]) for part in ("inputs", "output")]
             name = key if i == 0 else f"{key} (call {i + 1})"
             calls[name] = ModuleCall(name, int(r["start"]), int(r["end"]), int(r["parent"]), *host)
-    return calls
+    return calls, tuple(sorted(inside))
 
 
 def _where(mesh) -> str:
