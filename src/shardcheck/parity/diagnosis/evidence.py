@@ -167,6 +167,14 @@ class StepRecord:
             returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
             equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
             passing step, a replay's steps after its first failing one).
+        per_shard_factor: where the step reproduces the mean of per-shard means (``matches``) and returned
+            gradients c times that mean's gradient, c other than 1 (c = S: the per-shard means were summed, a psum
+            where a pmean was due); ``None`` otherwise (c = 1, or no gradients returned).
+        weight_count: a failing step of a ``(loss_sum, weight)`` loss: ``(N, noun)``, the count a step that divides
+            by a count in place of the weight would divide by (``"rows"``: the batch's rows, where some rows weigh
+            0; ``"entries of batch['mask']"``), from
+            :func:`~shardcheck.parity.diagnosis.hypotheses.weight_count`; a gradient factor ``loss_weight / N`` is
+            named as that. ``None`` otherwise.
         replayed: a replay's record (read from a recording's digests: ``parity.comparison.digest``), whose steps
             t > 0 were not rerun from the reference's state.
         identical_start: a replay's step t > 0 whose pre-step state (every parameter, optimizer-state, counter
@@ -197,6 +205,8 @@ class StepRecord:
     forms: tuple[tuple[str, Any], ...] = ()
     module: Any = None
     loss_weight: float | None = None
+    per_shard_factor: float | None = None
+    weight_count: tuple[int, str] | None = None
     replayed: bool = False
     identical_start: bool = False
 
@@ -220,7 +230,8 @@ class Diagnosis:
         code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``, ``per_shard_loss``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
             ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
-            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weak_check`` or ``rounding_level``.
+            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``weak_check`` or
+            ``rounding_level``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).
     """

@@ -33,9 +33,18 @@ def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_
     by its own weight), each shard with the whole non-parameter state ``rest``, or where the model does not trace
     so (a per-row carried state) its rows of it (:func:`~shardcheck.task.shards_with_state`); ``None`` where it
     traces neither way."""
+    grads = per_shard_mean_grads(loss_fn, num_shards, graphdef, params, rest, batch)
+    return None if grads is None else _scaled_params(tx, params, opt_state, grads, 1.0)
+
+
+def per_shard_mean_grads(loss_fn, num_shards: int, graphdef, params, rest, batch):
+    """The gradient of the mean of per-shard means (each of the ``num_shards`` shards of ``batch`` divides its
+    ``loss_sum`` by its own weight; the S quotients' gradients averaged), a tree like ``params``; each shard with
+    the whole non-parameter state ``rest``, or where the model does not trace so (a per-row carried state) its rows
+    of it (:func:`~shardcheck.task.shards_with_state`); ``None`` where it traces neither way."""
     for per_row in (False, True):
         try:
-            return _per_shard_mean(loss_fn, num_shards, graphdef, tx, per_row, params, rest, opt_state, batch)
+            return _per_shard_grads(loss_fn, num_shards, graphdef, per_row, params, rest, batch)
         except (
             TypeError,
             ValueError,
@@ -44,8 +53,8 @@ def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_
     return None
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _per_shard_mean(loss_fn, num_shards, graphdef, tx, per_row, params, rest, opt_state, batch):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _per_shard_grads(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
     xs, at = shards_with_state(batch, rest, num_shards, per_row)
 
     def shard_grad(x):
@@ -60,8 +69,47 @@ def _per_shard_mean(loss_fn, num_shards, graphdef, tx, per_row, params, rest, op
 
         return jax.grad(mean)(params)
 
-    grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, xs))
-    return _stepped(tx, params, opt_state, grads)
+    return jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, xs))
+
+
+def fitted_factor(cand: dict, alt: dict, tolerance: dict) -> float | None:
+    """The one factor c with ``cand = c * alt`` leaf by leaf, each element within ``max(1, |c|)`` times its
+    leaf's tolerance, or ``None`` where no such c fits (the gradients refute the hypothesis ``alt``).
+
+    ``cand``, ``alt``: ``{path: gradient array}`` (the candidate's returned gradients, a hypothesis's); only the
+    paths of ``tolerance`` (``{path: the gradient leaf's tolerance, absolute}``, a live or replayed record's) that
+    both hold are read. c is the least-squares fit over them (float64); ``None`` where they hold no path or
+    ``alt`` is all zeros there."""
+    paths = [p for p in tolerance if p in cand and p in alt]
+    pairs = [
+        (np.asarray(to_host(cand[p]), np.float64), np.asarray(to_host(alt[p]), np.float64)) for p in paths
+    ]
+    if not pairs or any(c.shape != a.shape for c, a in pairs):
+        return None
+    den = sum(float(np.vdot(a, a)) for _, a in pairs)
+    if not den > 0:
+        return None
+    c = sum(float(np.vdot(x, a)) for x, a in pairs) / den
+    scale = max(1.0, abs(c))
+    for p, (x, a) in zip(paths, pairs, strict=True):
+        if not float(np.max(np.abs(x - c * a), initial=0.0)) <= scale * tolerance[p]:
+            return None
+    return c
+
+
+def hypothesis_rounding(tx, grads, opt_state, params, rtol: float, atol: float) -> tuple[dict, dict]:
+    """``({param path: array}, {opt_state path: array})``: how far a hypothesis's update and new optimizer state
+    move, element by element, when its recomputed gradient ``grads`` moves within the gradient's tolerance
+    ``atol + rtol max|g|`` per leaf (:func:`~shardcheck.parity.tolerance.propagation.update_sensitivity`). The
+    hypothesis is one more computation of the gradient, rounded its own way (a ``lax.map`` over the shards, one
+    codegen or another): where its gradient lies near 0, a normalizing optimizer (Adam) turns that rounding into
+    a change of up to ``lr`` that no bitwise agreement of the two codegens bounds (trial 16's mean of per-shard
+    weighted means: the candidate's gradients within 1.5e-8 of it, its parameters 7.8e-6 apart under the command
+    line's XLA flags, where the tolerance was 7.2e-6). ``grads``, ``opt_state``, ``params``: trees like the
+    optimizer's (``nnx.as_pure``)."""
+    delta = grad_delta(grads, None, rtol, atol, 0.0)
+    updates, states, _ = update_sensitivity(tx, grads, opt_state, params, delta)
+    return host_tree(updates), host_tree(states)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -77,33 +125,44 @@ def _stepped(tx, params, opt_state, grads):
 
 
 def _matches(
-    run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord, reference_grads
-) -> tuple[str, ...]:
+    run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord, reference_grads, cand_grads=None
+) -> tuple[tuple[str, ...], float | None]:
     """The faulty reductions whose step the candidate reproduces (checked on failure; ``reference_grads()``: the
-    reference's gradient at ``pre``, computed once for every hypothesis of :func:`_explained`).
+    reference's gradient at ``pre``, computed once for every hypothesis of :func:`_explained`), and the factor c
+    of the per-shard means (below; ``None`` where it is 1 or not named).
 
     ``per_shard_mean`` (weighted losses): the candidate's parameters and optimizer state match those of the step
     whose gradient is the mean of per-shard means, and the reference's differ from them in some leaf (under Adam
     and bfloat16 compute the parameters' allowance can hide the difference; the moments, unnormalized, show it).
+    The hypothesis is compared within its own rounding too (:func:`hypothesis_rounding`). Where the step returned
+    its gradients (``cand_grads``), they must be one factor c times that gradient (:func:`fitted_factor`, within
+    the record's gradient tolerances): c = 1, the means averaged; c = S, summed (a psum of per-shard means,
+    trial 17, whose binding global-norm clip left only the optimizer state to show it); the step compared is then
+    the optimizer's on c times that gradient. Gradients that are no factor of it refute the hypothesis.
     ``times_S`` / ``times_1/S``: they match the reference optimizer's step on S times (1/S times) the reference's
     gradient: a sum for a mean, a mean taken twice, whatever the optimizer does to the gradient's scale (global-
     norm clipping distorts the factor the moments show), tried when the moments' factor is not already S or 1/S.
     """
     s = run.cand.num_shards
     if not s or s < 2 or run.reference is not None:
-        return ()
-    found = []
+        return (), None
+    found, per_shard = [], None
     if run.weighted and not run.rows_coupled:  # a coupled loss per shard is another loss, no hypothesis
         # where the reference's matmul rounding is emulated, the candidate's is taken to be that too: the
         # hypothesis computes as it does (a gradient at rounding level would otherwise flip its update's sign)
         emulated = run.matmul_realization not in (None, "float32")
         loss_fn = rounded_loss(run.task.loss_fn, run.precision.matmul) if emulated else run.task.loss_fn
-        alt = _per_shard_mean_params(
-            loss_fn, s, pre.graphdef, run.ref_opt.tx, pre.params, pre.rest, pre.opt_state, batch
-        )
-        if alt is not None and _reproduces(run, *alt, rtol, atol):
-            equal = equal_shard_weights(loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
-            found.append("per_shard_loss" if equal else "per_shard_mean")
+        grads = per_shard_mean_grads(loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
+        c = None if grads is None else _per_shard_factor(record, grads, cand_grads, reference_grads)
+        if c is not None:
+            tx = run.ref_opt.tx
+            alt = _scaled_params(tx, pre.params, pre.opt_state, grads, c)
+            scaled = jax.tree.map(lambda g: (g * c).astype(g.dtype), grads)
+            rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
+            if _reproduces(run, *alt, rtol, atol, rounding):
+                equal = equal_shard_weights(loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
+                found.append("per_shard_loss" if equal else "per_shard_mean")
+                per_shard = None if abs(c - 1.0) <= 1e-3 else c
     factor, _ = _gradient_factor(record)
     if not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
         for name, factor in (("times_S", float(s)), ("times_1/S", 1.0 / s)):
@@ -111,7 +170,23 @@ def _matches(
             if _reproduces(run, *alt, rtol, atol):
                 found.append(name)
                 break
-    return tuple(found)
+    return tuple(found), per_shard
+
+
+def _per_shard_factor(record: StepRecord, grads, cand_grads, reference_grads) -> float | None:
+    """The factor c of the candidate's returned gradients ``cand_grads`` over the per-shard means' ``grads``
+    (:func:`fitted_factor`, at ``record``'s gradient tolerances): 1.0 where it returned none (the hypothesis as it
+    stands); ``None`` where they are no one factor of it (the gradients refute it), or where c is not 1 and they
+    are one factor of the full batch's gradient ``reference_grads()`` too (shards of equal weight: the per-shard
+    means are the full batch's mean, and the factor rules name the factor)."""
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    if cand_grads is None or not tolerance:
+        return 1.0
+    cand = flatten_state(nnx.as_pure(cand_grads))
+    c = fitted_factor(cand, flatten_state(grads), tolerance)
+    if c is None or abs(c - 1.0) <= 1e-3:
+        return c
+    return None if fitted_factor(cand, flatten_state(reference_grads()), tolerance) is not None else c
 
 
 def equal_shard_weights(loss_fn, num_shards: int, graphdef, params, rest, batch) -> bool:
@@ -132,17 +207,22 @@ def equal_shard_weights(loss_fn, num_shards: int, graphdef, params, rest, batch)
     return max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
 
 
-def _reproduces(run: _Run, alt_params, alt_state, rtol, atol) -> bool:
+def _reproduces(run: _Run, alt_params, alt_state, rtol, atol, rounding=None) -> bool:
     """Whether the candidate's parameters and optimizer state match an alternative step's, within the usual
-    tolerances and allowances, and the reference's do not (host copies: a failing step only)."""
+    tolerances and allowances, and the reference's do not (host copies: a failing step only). ``rounding``:
+    ``(params, opt_state)`` allowances ``{path: array}`` of the alternative's own rounding
+    (:func:`hypothesis_rounding`), added to the candidate's side only (the reference must differ beyond the usual
+    allowance)."""
     view = run.cand.view_optimizer or _default_view
-    sides = {  # kind: (the alternative, the candidate, the reference, the allowance, the tolerance factor)
+    own = ({}, {}) if rounding is None else rounding
+    sides = {  # kind: (the alternative, the candidate, the reference, the allowance, the tolerance factor, own)
         "param": (
             alt_params,
             nnx.state(run.cand_model, nnx.Param),
             nnx.state(run.ref_model, nnx.Param),
             run.allowance,
             1.0,
+            own[0],
         ),
         "opt_state": (
             alt_state,
@@ -150,17 +230,19 @@ def _reproduces(run: _Run, alt_params, alt_state, rtol, atol) -> bool:
             _opt_state(run.ref_opt),
             run.state_allowance,
             MOMENT_FACTOR,
+            own[1],
         ),
     }
     reproduced, differs = True, False
-    for kind, (alt, cand, ref, allowance, factor) in sides.items():
+    for kind, (alt, cand, ref, allowance, factor, extra) in sides.items():
         alt, cand, ref = host_tree(alt), host_tree(cand), host_tree(ref)
         for p in alt:
             if p not in cand or p not in ref or is_int(alt[p]):
                 continue
             allow = None if allowance.get(p) is None else to_host(allowance[p])
+            widened = allow if p not in extra else extra[p] + (0.0 if allow is None else allow)
             r_tol, a_tol = factor * rtol, factor * atol
-            reproduced &= leaf_error(0, kind, p, alt[p], cand[p], r_tol, a_tol, allowance=allow).ok
+            reproduced &= leaf_error(0, kind, p, alt[p], cand[p], r_tol, a_tol, allowance=widened).ok
             differs |= not leaf_error(0, kind, p, ref[p], alt[p], r_tol, a_tol, allowance=allow).ok
     return reproduced and differs
 
@@ -204,11 +286,16 @@ def _low_precision_reduction(
     return bool(used) and max(used) > 1 / 64
 
 
-def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) -> StepRecord:
-    """A failing record with the faulty reductions the candidate reproduces (``StepRecord.matches``), recomputed
-    from the reference's pre-step state ``pre``; the run's two sides are after the step."""
+def _explained(
+    run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads=None
+) -> StepRecord:
+    """A failing record with the faulty reductions the candidate reproduces (``StepRecord.matches``,
+    ``StepRecord.per_shard_factor``), recomputed from the reference's pre-step state ``pre``; the run's two sides
+    are after the step. ``cand_grads``: the gradients the candidate returned at this step, or ``None``; the
+    record's loss weight and its count (``StepRecord.loss_weight``, ``StepRecord.weight_count``) under a
+    ``(loss_sum, weight)`` loss."""
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
-    matches = _matches(run, pre, batch, rtol, atol, record, reference_grads)
+    matches, per_shard = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
     if {e.kind for e in record.leaves if not e.ok} == {"grad"}:
@@ -219,7 +306,13 @@ def _explained(run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol) 
     weight = (
         batch_weight(run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch) if run.weighted else None
     )
-    return dataclasses.replace(record, matches=matches, loss_weight=weight)
+    return dataclasses.replace(
+        record,
+        matches=matches,
+        loss_weight=weight,
+        per_shard_factor=per_shard,
+        weight_count=weight_count(batch, weight),
+    )
 
 
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
@@ -249,3 +342,27 @@ def blind_to_scale(tx, grads, opt_state, params, num_shards: int | None, leaves)
             moved[k] = min(math.inf if math.isnan(v) else v, moved.get(k, math.inf))
     compared = [e for e in leaves if e.kind in ("param", "opt_state") and e.name in moved]
     return bool(compared) and all(moved[e.name] <= e.tolerance for e in compared)
+
+
+def weight_count(batch, weight: float | None) -> tuple[int, str] | None:
+    """``(N, noun)``: what a step that divides by a count in place of the loss's weight would divide by, for a
+    batch whose ``(loss_sum, weight)`` loss weighs ``weight`` (``StepRecord.weight_count``): the number of
+    elements of the batch leaf whose sum is ``weight`` (within 1e-6 relative: the weights or the mask), ``"rows"``
+    where that leaf is 1-D, ``"entries of batch['mask']"`` otherwise; where no leaf sums to it, the batch's rows
+    (the leading dimension all its leaves share). ``None`` for a mean loss (``weight`` None), where the count
+    equals the weight (no row weighs other than 1), or where the leaves share no leading dimension. A gradient
+    off by ``weight / N`` was divided by N where the weight was due (trial 16: 16 rows, weight 8)."""
+    if not weight:
+        return None
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    for path, leaf in leaves:
+        a = np.asarray(leaf) if np.ndim(leaf) else None
+        if a is None or not np.issubdtype(a.dtype, np.floating) or a.size == round(weight):
+            continue
+        if abs(float(np.sum(a, dtype=np.float64)) - weight) <= 1e-6 * abs(weight):
+            noun = "rows" if a.ndim == 1 else f"entries of batch{jax.tree_util.keystr(path)}"
+            return a.size, noun
+    rows = {np.shape(leaf)[0] for _, leaf in leaves if np.ndim(leaf)}
+    if len(rows) != 1 or rows == {round(weight)}:
+        return None
+    return rows.pop(), "rows"

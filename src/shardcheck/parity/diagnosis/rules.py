@@ -16,6 +16,8 @@ in order, with their codes:
   candidate moved, or floating state both steps write, part of it left as it was or changed by other amounts.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
+- :func:`weight_count` (``weight_count``): the gradient factor is the batch's loss weight over its count of rows
+  (or mask entries), or its inverse: a count divided by where the weight was due.
 - :func:`shard_factor` (``summed``, ``averaged_twice``, ``unreduced``, ``clip_norm``): the gradient factor is S,
   S^2, 1/S, 1/S^2, or 1/sqrt(R) for a replica count R (a clipping norm counted once per replica); 1/S beside
   replicas that differ is a gradient never all-reduced (``unreduced``).
@@ -983,9 +985,10 @@ _KIND_NOUN = {"grad": "gradient", "param": "parameter", "opt_state": "optimizer-
 
 
 def shard_factor(ctx: DiagnosisContext) -> Finding:
-    """``summed`` (x S or x S^2) or ``averaged_twice`` (x 1/S or x 1/S^2) at the first failing step."""
+    """``summed`` (x S or x S^2) or ``averaged_twice`` (x 1/S or x 1/S^2) at the first failing step (never where
+    the factor reads as a count in place of the loss's weight: :func:`weight_count`)."""
     named = ctx.named_factor
-    if named is None:
+    if named is None or _weight_reading(ctx) is not None:
         return None
     if named[0] == "averaged_twice" and ctx.first.replica_mismatches and ctx.factor < 1:
         named = ("unreduced", _unreduced_phrase(ctx))
@@ -1051,6 +1054,9 @@ def normalization(ctx: DiagnosisContext) -> Finding:
     """``normalization``: the first failing step is the step of the mean of per-shard means (C4-C6)."""
     if "per_shard_mean" not in ctx.reproduced:
         return None
+    c = ctx.first.per_shard_factor
+    if c is not None:
+        return Diagnosis("normalization", _per_shard_scaled(ctx, c), ctx.worst_name)
     return Diagnosis(
         "normalization",
         f"At step {ctx.first.step} the step reproduces the mean of per-shard means (parameters and optimizer "
@@ -1058,6 +1064,125 @@ def normalization(ctx: DiagnosisContext) -> Finding:
         "sum by its own weight (token count) before the shards were averaged. With uneven token counts per "
         "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
         "shards, then divide once (docs/reduction_cases.md C4-C6).",
+        ctx.worst_name,
+    )
+
+
+def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
+    """``normalization``'s message where the returned gradients are ``c`` x the mean of per-shard means, c not 1
+    (``StepRecord.per_shard_factor``): c = S, the per-shard means summed (a psum where a pmean was due); 1/S,
+    averaged and divided by S again; another c, said as it is."""
+    s = ctx.num_shards
+    if s and _close(c, s):
+        how = (
+            f"the shards' means were summed (a psum where a pmean was due), not averaged: x{s}, a sum over "
+            f"S={s} shards"
+        )
+    elif s and _close(c, 1 / s):
+        how = f"the shards' means were averaged and divided by S={s} again: x1/{s}"
+    else:
+        how = f"the shards' means were combined with a factor {c:.4g}, not averaged"
+    hidden = (
+        f" The optimizer's update hides the x{c:.4g} (global-norm clipping that binds rescales the gradient): "
+        "its state matches that step on the per-shard means all the same."
+        if ctx.first.scale_blind
+        else ""
+    )
+    return (
+        f"At step {ctx.first.step} the returned gradients are {c:.4g} x the mean of per-shard means, and the "
+        "parameters and optimizer state are the optimizer's step on them: each shard divided its loss sum by its "
+        f"own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
+        "then divide once (docs/reduction_cases.md C4-C6)."
+    )
+
+
+def _weight_ratio(record: StepRecord, f: float) -> str | None:
+    """``"divided"`` where the gradient factor ``f`` is ``record``'s loss weight W over its count N
+    (``StepRecord.weight_count``: the rows, where some weigh 0), ``"multiplied"`` where it is N / W; ``None``
+    otherwise (no weight or count known, or another factor)."""
+    w, count = record.loss_weight, record.weight_count
+    if not w or count is None or not count[0]:
+        return None
+    n = count[0]
+    if _close(f, w / n):
+        return "divided"
+    if _close(f, n / w):
+        return "multiplied"
+    return None
+
+
+def _step_factor(record: StepRecord) -> float | None:
+    """The gradient factor of a failing ``record`` as the rules read it (:func:`_as_fitted` of
+    :func:`_gradient_factor`), or ``None``."""
+    if record.ok:
+        return None
+    f, _ = _as_fitted(record, *_gradient_factor(record))
+    return f
+
+
+def _weight_reading(ctx: DiagnosisContext) -> tuple[str, str] | None:
+    """``(reading, support)`` where the first failing step's gradient factor is its loss weight over its count
+    (:func:`_weight_ratio`): ``reading`` ``"divided"`` or ``"multiplied"``, or ``"both"`` where the factor is
+    also a shard count's (:attr:`DiagnosisContext.named_factor`, 8/16 = 1/2 at S = 2) and no other step tells
+    them apart; ``support``: the other step that does (a step run from the reference's state, whose weight
+    differs: trial 16's step 1, x0.625 = 10/16), else ``""``. ``None`` where the factor is no such ratio, or where
+    such a step shows the shard count's factor instead (:func:`shard_factor` names it)."""
+    f, first = ctx.factor, ctx.first
+    if f is None or first is None or ctx.reproduced:
+        return None
+    reading = _weight_ratio(first, f)
+    if reading is None:
+        return None
+    if ctx.named_factor is None:
+        return reading, ""
+    for r in ctx.records:
+        if r is first or not r.from_reference_state or r.step == first.step:
+            continue
+        g = _step_factor(r)
+        if g is None:
+            continue
+        by_weight, by_shards = _weight_ratio(r, g) == reading, _close(g, f)
+        if by_weight and not by_shards:
+            w, (n, noun) = r.loss_weight, r.weight_count
+            return reading, (
+                f" At step {r.step} (run from the reference's state) they are {g:.4g} x the reference's: "
+                f"{w:g}/{n}, that batch's weight over its {n} {noun}, where a shard count would give {f:.4g} again."
+            )
+        if by_shards and not by_weight:
+            return None
+    return "both", ""
+
+
+def weight_count(ctx: DiagnosisContext) -> Finding:
+    """``weight_count``: the gradient factor is the batch's loss weight W over its count N (rows where some weigh
+    0, mask entries; ``StepRecord.weight_count``), or N / W: a step that divided by the count where the weight
+    the ``(loss_sum, weight)`` loss returns was due (trial 16: 16 rows, weight 8, x0.5). Where the factor is also
+    a shard count's (W/N = 1/S at that step), named as both unless another step run from the reference's state
+    tells them apart (:func:`_weight_reading`)."""
+    found = _weight_reading(ctx)
+    if found is None:
+        return None
+    reading, support = found
+    first = ctx.first
+    w, (n, noun) = first.loss_weight, first.weight_count
+    padding = "rows of weight 0: padding" if noun == "rows" else "entries of weight 0: padding"
+    if reading == "multiplied":
+        how = f"the gradient was scaled by the number of {noun} ({n}) over the loss's weight sum {w:g} ({padding})"
+        ratio = f"{n}/{w:g}"
+    else:
+        how = f"the gradient was divided by the number of {noun} ({n}) where the loss's weight sum is {w:g} ({padding})"
+        ratio = f"{w:g}/{n}"
+    fix = "divide the psum of the loss sums by the psum of the weights the loss returns"
+    phrase = f"{ctx.factor:.4g} = {ratio}: {how}; {fix}"
+    if reading == "both":
+        shards = ctx.named_factor[1].removeprefix("the gradient ")
+        phrase = (
+            f"either {how}, or it {shards}; at this step {ratio} = {ctx.factor:.4g}, so the factor cannot tell "
+            "them apart (a step whose batch weighs otherwise, run from the reference's state, would)"
+        )
+    return Diagnosis(
+        "weight_count",
+        _factor_finding(ctx, "weight_count", phrase).message + support,
         ctx.worst_name,
     )
 
@@ -1110,7 +1235,7 @@ def _reduction_refuted(record: StepRecord) -> bool:
 
 def scaled(ctx: DiagnosisContext) -> Finding:
     """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
-    if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced:
+    if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced or _weight_reading(ctx):
         return None
     if ctx.one_number is not None:  # one number: no factor is claimed (_factor_finding says its readings)
         return _factor_finding(ctx, "scaled", None)
@@ -1727,6 +1852,7 @@ RULES: tuple[Rule, ...] = (
     model_state,
     frozen_state,
     step_counter,
+    weight_count,
     shard_factor,
     replicated_reduced,
     clip_coefficient,
@@ -1782,6 +1908,9 @@ def diagnose(
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
       times per step); also the optimizer's own counter running a whole factor ahead, named "per micro-batch
       (k = ...)" when that factor is ``micro_batches`` (a gradient accumulation's k).
+    - ``weight_count``: a gradient factor W/N (or N/W) at the first failing step, W its batch's loss weight and N
+      the count of its rows or mask entries (``StepRecord.weight_count``); where W/N is also a shard count's
+      factor, another step run from the reference's state decides, else both readings are named.
     - ``summed`` / ``averaged_twice``: a gradient factor of S (S^2) or 1/S (1/S^2) at the first failing step,
       read from the gradients, moments or updates; ``clip_norm``: a factor 1/sqrt(R), R a replica count.
     - ``replicated_reduced``: some leaves' factor is a replica count R while every other leaf matches.
@@ -1790,7 +1919,8 @@ def diagnose(
       coefficient from a norm that was not the global one (a mean of per-rank norms, a partial norm).
     - ``local_clip_norm``: the exposed gradients match while the optimizer's factors differ by leaf group, all
       >= 1: each shard clipped by its own local norm.
-    - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``).
+    - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``), or the
+      returned gradients c times it (``StepRecord.per_shard_factor``: c = S, the per-shard means summed).
     - ``scaled``: another constant gradient factor (unless ``normalization`` explains the step).
     - ``loss_differs``: only the returned loss differs.
     - ``grads_differ``: only the exposed gradients differ.

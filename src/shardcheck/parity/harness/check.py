@@ -304,7 +304,7 @@ def _compare_step(
     if not record.ok:
         record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches))
         if explain:
-            record = _explained(run, pre, batch, record, rtol, atol)
+            record = _explained(run, pre, batch, record, rtol, atol, cand_grads)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
             record = module_evidence(run, record, snapshots, batch)  # a forward-stage FAIL only
     run.last = after

@@ -244,10 +244,11 @@ def with_optimizer_rerun(
     record = next(r for r in report.steps if r.step == where.step)
     # the recording's shard count where the replay was given a mesh alone: the per-shard-mean hypothesis's S
     found = _rerun_at(record, candidate, task, mesh, num_shards or report.num_shards, name, fn)
-    if found is None or (found[0] is None and not found[1]):
+    counted = _weight_counted(record, task)
+    if (found is None or (found[0] is None and not found[1])) and not counted:
         return report
-    rerun, matches, arrays = found
-    with_rerun = dataclasses.replace(record, matches=record.matches + matches)
+    rerun, matches, arrays, fields = (None, (), None, {}) if found is None else found
+    with_rerun = dataclasses.replace(record, matches=record.matches + matches, **counted, **fields)
     if rerun is not None:
         with_rerun = dataclasses.replace(with_rerun, optimizer_rerun=rerun)
         forms = _optimizer_form(with_rerun, arrays)
@@ -262,6 +263,18 @@ def with_optimizer_rerun(
     return dataclasses.replace(
         report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
     )
+
+
+def _weight_counted(record, task: Task) -> dict:
+    """``{"weight_count": (N, noun)}`` for ``record``'s batch where its loss weight is known and some count
+    differs from it (:func:`~shardcheck.parity.diagnosis.hypotheses.weight_count`, as a live check sets it), else
+    ``{}``."""
+    from shardcheck.parity.diagnosis.hypotheses import weight_count
+
+    if record.loss_weight is None or record.weight_count is not None or record.step >= len(task.batches):
+        return {}
+    count = weight_count(task.batches[record.step], record.loss_weight)
+    return {} if count is None else {"weight_count": count}
 
 
 def _without_refuted_drift(diagnoses: tuple, steps: tuple, num_shards) -> tuple:
@@ -282,11 +295,13 @@ def _without_refuted_drift(diagnoses: tuple, steps: tuple, num_shards) -> tuple:
 
 
 def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
-    """``(LeafErrors, matches, arrays)`` at ``record``'s step: the optimizer rerun (the rerun the reference, the
-    candidate's state after the step the candidate), or ``None`` where the step returns no gradients or the
-    transformation needs more than ``(grads, state, params)``; ``matches``: ``("per_shard_mean",)`` where the
-    candidate's state after the step is the mean of per-shard means' step from its state before, as a live
-    check's hypothesis finds it, and ``"scale_blind"`` where only the gradients fail and the task's optimizer is
+    """``(LeafErrors, matches, arrays, fields)`` at ``record``'s step: the optimizer rerun (the rerun the
+    reference, the candidate's state after the step the candidate), or ``None`` where the step returns no
+    gradients or the transformation needs more than ``(grads, state, params)``; ``matches``:
+    ``("per_shard_mean",)`` where the candidate's state after the step is the mean of per-shard means' step from
+    its state before, as a live check's hypothesis finds it (``fields``: ``{"per_shard_factor": c}`` where its
+    returned gradients are c x that mean's, c not 1, else ``{}``), and ``"scale_blind"`` where only the gradients
+    fail and the task's optimizer is
     blind to their scale (:func:`_scale_blind`), else empty; ``arrays``: ``(before, rerun, after)`` flat
     ``{path: array}`` of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds, or
     ``None`` with no rerun. ``None`` where the candidate's optimizer state is not the task's by path."""
@@ -312,16 +327,18 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     if state is None:
         return None
     after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
-    matches = _per_shard_match(record, task, num_shards, (graphdef, params, rest, state), data[t], after)
+    before = (graphdef, params, rest, state)
+    matches, per_shard = _per_shard_match(record, task, num_shards, before, data[t], after, grads)
+    fields = {} if per_shard is None else {"per_shard_factor": per_shard}
     matches += _scale_blind(record, task, num_shards, params, state, grads)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
-        return None, matches, None
+        return None, matches, None, fields
     arrays = tuple(
         {**flatten_state(p), **{f"opt_state {k}": v for k, v in flatten_state(o).items()}}
         for p, o in ((params, state), rerun, after)
     )
-    return _compared(record, rerun, after, (params, state)), matches, (*arrays, known_lr(state))
+    return _compared(record, rerun, after, (params, state)), matches, (*arrays, known_lr(state)), fields
 
 
 def _rerun_from(task: Task, params, state, grads):
@@ -369,33 +386,64 @@ def _scale_blind(record, task: Task, num_shards, params, state, grads) -> tuple[
     return ("scale_blind",) if blind else ()
 
 
-def _per_shard_match(record, task: Task, num_shards, before, batch, after) -> tuple[str, ...]:
-    """``("per_shard_mean",)`` (``("per_shard_loss",)`` where the shards carry equal weights:
+def _per_shard_match(
+    record, task: Task, num_shards, before, batch, after, grads=None
+) -> tuple[tuple[str, ...], float | None]:
+    """``(("per_shard_mean",), c)`` (``("per_shard_loss",)`` where the shards carry equal weights:
     :func:`~shardcheck.parity.diagnosis.hypotheses.equal_shard_weights`) where the candidate's state ``after`` the
-    step is, leaf by leaf, the task
-    optimizer's step on the mean of per-shard means from its own state ``before`` it (``(graphdef, params, rest,
-    opt_state)``), and that step differs from the full batch's from the same state (the live check's
-    ``per_shard_mean`` hypothesis, which also asks that the reference's differ from it: with equal weights per
-    shard the two are one step, and every candidate whose update matches would reproduce it); else ``()``.
-    Nothing for a mean loss, one shard, or a model that does not run per shard."""
-    from shardcheck.parity.diagnosis.hypotheses import _per_shard_mean_params, equal_shard_weights
+    step is, leaf by leaf, the task optimizer's step on c times the mean of per-shard means' gradient from its own
+    state ``before`` it (``(graphdef, params, rest, opt_state)``), within the record's tolerances widened by that
+    step's own rounding (:func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), and that step
+    differs from the full batch's from the same state (the live check's ``per_shard_mean`` hypothesis, which also
+    asks that the reference's differ from it: with equal weights per shard the two are one step, and every
+    candidate whose update matches would reproduce it). c: the factor of the candidate's returned ``grads`` over
+    that gradient (:func:`~shardcheck.parity.diagnosis.hypotheses.fitted_factor`: 1 without gradients; the
+    returned ``c`` is ``None`` where it is 1); gradients that are no one factor of it refute it, and so do
+    gradients c (not 1) times the full batch's too (shards of equal weight: a factor the rules name). ``((), None)``
+    otherwise, and for a mean loss, one shard, or a model that does not run per shard."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.diagnosis.hypotheses import (
+        _scaled_params,
+        equal_shard_weights,
+        fitted_factor,
+        hypothesis_rounding,
+        per_shard_mean_grads,
+    )
 
     if not num_shards or num_shards < 2 or loss_weight(task, 0) is None:
-        return ()
+        return (), None
     graphdef, params, rest, state = before
-    steps = [
-        _per_shard_mean_params(task.loss_fn, s, graphdef, task.optimizer, params, rest, state, batch)
-        for s in (num_shards, 1)
-    ]
-    if any(step is None for step in steps):
-        return ()
-    alt, full = steps
-    reproduced = all(e.ok for e in _compared(record, alt, after, (params, state)))
-    differs = not all(e.ok for e in _compared(record, alt, full, (params, state)))
+    mean, full = (
+        per_shard_mean_grads(task.loss_fn, s, graphdef, params, rest, batch) for s in (num_shards, 1)
+    )
+    if mean is None or full is None:
+        return (), None
+    c = 1.0
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    if grads is not None and tolerance:
+        cand = flatten_state(nnx.as_pure(grads))
+        c = fitted_factor(cand, flatten_state(mean), tolerance)
+        if c is None:
+            return (), None
+        if abs(c - 1.0) > 1e-3 and fitted_factor(cand, flatten_state(full), tolerance) is not None:
+            return (
+                (),
+                None,
+            )  # a factor of the full batch's gradient too (shards of equal weight): not per shard
+    tx = task.optimizer
+    alt = _scaled_params(tx, params, state, mean, c)
+    scaled = jax.tree.map(lambda g: (g * c).astype(g.dtype), mean)
+    rounding = hypothesis_rounding(tx, scaled, state, params, record.rtol, record.atol)
+    reproduced = all(e.ok for e in _compared(record, alt, after, (params, state), rounding))
+    differs = not all(
+        e.ok for e in _compared(record, alt, _scaled_params(tx, params, state, full, 1.0), (params, state))
+    )
     if not (reproduced and differs):
-        return ()
+        return (), None
     equal = equal_shard_weights(task.loss_fn, num_shards, graphdef, params, rest, batch)
-    return ("per_shard_loss",) if equal else ("per_shard_mean",)
+    return ("per_shard_loss",) if equal else ("per_shard_mean",), None if abs(c - 1.0) <= 1e-3 else c
 
 
 def _optimizer_form(record, arrays) -> tuple:
@@ -429,11 +477,13 @@ def _optimizer_form(record, arrays) -> tuple:
     return (("optimizer", form),)
 
 
-def _compared(record, rerun, after, before) -> tuple:
+def _compared(record, rerun, after, before, rounding=None) -> tuple:
     """Each float leaf of the rerun ``(params, opt_state)`` against the candidate's ``after``, from ``before``,
     at ``record``'s tolerances (optimizer state: x ``MOMENT_FACTOR``), as the live check's rerun. A parameter
     whose gradient is at rounding level (``record.unresolved``) gets, as the digest comparison gives it, an
-    allowance of both sides' largest update (a normalizing optimizer's update of rounding noise)."""
+    allowance of both sides' largest update (a normalizing optimizer's update of rounding noise). ``rounding``:
+    ``({param path: array}, {opt_state path: array})`` allowances added (a hypothesis's own rounding,
+    :func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), or ``None``."""
     from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
     from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 
@@ -451,6 +501,9 @@ def _compared(record, rerun, after, before) -> tuple:
             allowance = None
             if kind == "param" and path in noise:
                 allowance = float(np.max(np.abs(r - b), initial=0.0) + np.max(np.abs(c - b), initial=0.0))
+            own = None if rounding is None else rounding[kind == "opt_state"].get(path)
+            if own is not None:
+                allowance = own if allowance is None else own + allowance
             out.append(leaf_error(record.step, kind, path, r, c, rtol, atol, b, b, allowance))
     return tuple(out)
 
