@@ -183,6 +183,7 @@ def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
     """check_parity with the device comparison and with the host one: equal reports, leaf for leaf."""
     import shardcheck
     from shardcheck.parity.harness import check as harness
+
     task = _mlp_task()
     monkeypatch.setattr(compare, "DEVICE_STATS", True)  # the device's statistics, also on CPU devices
     monkeypatch.setattr(harness, "FIRST_PASS", False)  # every leaf through leaf_errors
@@ -221,6 +222,7 @@ def test_a_parity_report_is_the_float64_one(strategy, monkeypatch):
 def test_the_two_middle_values_are_the_sorted_ones(leaves):
     """The bisection that replaces a sort: ties, infinities and even and odd counts, several leaves and rows."""
     from shardcheck.parity.comparison import _device_stats as ds
+
     sizes = [a.size for a in leaves]
     layout = ds.Layout.of(sizes)
     row_leaf, row_len = layout.row_arrays(sizes)

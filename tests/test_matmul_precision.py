@@ -339,6 +339,7 @@ def test_the_recheck_decision(ratio, platforms, setting, fields, expected):
 
 def test_the_recheck_runs_the_check_at_highest_and_says_whether_precision_explains_it(monkeypatch):
     from shardcheck.parity.harness import check as harness
+
     seen = []
 
     def check(**call):
@@ -453,7 +454,9 @@ def test_an_emulation_failure_names_its_policy_and_primitive(monkeypatch):
     with pytest.raises(matmul.EmulationError) as info:
         rounded_matmuls(lambda x: jnp.sum(jax.nn.relu(x @ x)), "tf32")(jnp.ones((2, 2)))
     message = str(info.value)
-    assert message.startswith("shardcheck's tf32 matmul emulation (shardcheck.parity.tolerance.matmul.rounded_matmuls")
+    assert message.startswith(
+        "shardcheck's tf32 matmul emulation (shardcheck.parity.tolerance.matmul.rounded_matmuls"
+    )
     assert (
         "could not evaluate a 'custom_jvp_call' equation of the loss: TypeError: planted bind failure"
         in message

@@ -150,8 +150,9 @@ def test_a_group_whose_learning_rate_differs_is_named_by_its_label():
     name or module that the matching ones lack'; they share the label."""
     tx = optax.multi_transform({"body": optax.adamw(1e-2), "head": optax.sgd(2.5e-2, momentum=0.9)}, labels)
     loc = check_parity(_own(tx), _task()).localization
-    assert "every failing leaf is in the optimizer's parameter group 'head' (an optax.multi_transform label)" in (
-        loc.text()
+    assert (
+        "every failing leaf is in the optimizer's parameter group 'head' (an optax.multi_transform label)"
+        in (loc.text())
     ), loc.text()
     assert "every leaf that is in the optimizer's parameter group 'body' matches" in loc.text()
     assert loc.form.kind == "factor" and "0.5 x the reference's" in loc.text()

@@ -220,6 +220,11 @@ def test_a_replay_compares_the_rng_counts_and_names_the_draws_as_live():
         report = check_parity(count_kept_step, TASK, mesh=make_mesh(2), reference=reference)
         loc = report.localization
         assert (loc.step, loc.stage, report.codes[0]) == (0, "forward", "model_state"), str(report)
-        assert "a zero change: the candidate left the forward pass's counter model.rngs.noise.count" in loc.text()
+        assert (
+            "a zero change: the candidate left the forward pass's counter model.rngs.noise.count"
+            in loc.text()
+        )
         assert "a learning rate of 0" not in loc.form.sentence
-        assert "The model draws random numbers in its forward pass (rngs.noise)" in report.diagnoses[0].message
+        assert (
+            "The model draws random numbers in its forward pass (rngs.noise)" in report.diagnoses[0].message
+        )

@@ -60,9 +60,9 @@ from shardcheck.parity.diagnosis.evidence import (
     StepRecord,
     constant_ratio,
     one_factor_across,
+    ratio_label,
     spread_phrase,
     would_show,
-    ratio_label,
 )
 from shardcheck.parity.diagnosis.floating import not_compared, state_notes
 from shardcheck.parity.diagnosis.form import (
