@@ -380,6 +380,22 @@ def _stage_result(
     return StageResult(stage, DIFFERS if bad else MATCHES, len(leaves), len(bad), worst, note, kinds)
 
 
+def _unreadable_form(bad: Sequence[LeafError]) -> Form | None:
+    """The form of failing leaves no elementwise form can be read from, else ``None``: of other shapes (said
+    as shaped otherwise, never as not finite), missing from one run, or not finite (no form is read from a
+    NaN)."""
+    shaped = {e.name: (e.shape or (), e.cand_shape) for e in bad if e.cand_shape is not None}
+    absent = [e.name for e in bad if e.missing]
+    blind = [e for e in bad if not math.isfinite(e.max_abs_err) and e.cand_shape is None and not e.missing]
+    if shaped:
+        return shape_form(shaped)
+    if absent:
+        return shape_form({}, absent)
+    if blind:
+        return Form("none", f"not finite (NaN or infinity) in {n_of(len(blind), len(bad))}: no form is read")
+    return None
+
+
 def localize(
     records: Sequence[StepRecord],
     *,
@@ -435,19 +451,7 @@ def localize(
         form = checked_form(form, first.stage, bad, leaves, record)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
-        shaped = {e.name: (e.shape or (), e.cand_shape) for e in bad if e.cand_shape is not None}
-        absent = [e.name for e in bad if e.missing]
-        blind = [
-            e for e in bad if not math.isfinite(e.max_abs_err) and e.cand_shape is None and not e.missing
-        ]
-        if shaped:  # no elementwise form across shapes: said as shaped otherwise, never as not finite
-            form = shape_form(shaped)
-        elif absent:  # nor across leaves one run lacks
-            form = shape_form({}, absent)
-        elif blind:  # no form is read from a NaN
-            form = Form(
-                "none", f"not finite (NaN or infinity) in {n_of(len(blind), len(bad))}: no form is read"
-            )
+        form = _unreadable_form(bad) or form
     module = record.module if first.stage == "forward" else None
     live = replicas_observed
     started = started_otherwise(record) if first.stage in ("optimizer", "parameters") else []
