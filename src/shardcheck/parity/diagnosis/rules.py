@@ -1296,8 +1296,9 @@ def grads_differ(ctx: DiagnosisContext) -> Finding:
             "grads_differ",
             f"The exposed gradients differ ({ctx.worst_name}, step {ctx.first.step}) while the update matches, "
             "and the reference's optimizer run on these gradients gives the candidate's update: they are the "
-            "ones applied, and the optimizer hides their difference (global-norm clipping that binds rescales "
-            f"the gradient{_first_step_hiders(ctx.first.step)}). It may show at a later "
+            "ones applied, and the optimizer's update does not show their difference (a global-norm clip that "
+            "binds rescales the gradient; a difference within the update's tolerance passes"
+            f"{_first_step_hiders(ctx.first.step)}). It may show at a later "
             f"step; the gradients themselves differ.{_weight_factor(ctx)}",
             ctx.worst_name,
         )
@@ -1759,11 +1760,36 @@ def diverged_trajectory(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "diverged_trajectory",
         f"The trajectories diverged at step {t}{what}, but the candidate step reproduces the reference "
-        f"step from identical state: {verdict}. A rounding-level difference (the reordered batch sum) "
-        "flipped a non-smooth op such as ReLU, and the two runs then separate: a property of the model, "
-        f"not a bug in the step. Parity holds per step, not for the trajectory after step {t}; compare "
-        "fewer steps or use a smooth activation to check longer runs.",
+        f"step from identical state within tolerance: {verdict}. Two causes fit that: a rounding-level "
+        "difference (the reordered batch sum) that flipped a non-smooth op (a ReLU, a max, a top-k) so that "
+        "the runs then separate, a property of the model; or a difference smaller than each step's tolerance "
+        "that accumulates over the steps (a weight decay applied to a few more leaves, a slightly different "
+        f"coefficient){_nearest_synced(ctx, synced)}. Parity holds per step, not for the trajectory after step "
+        f"{t}; to tell the two apart, compare fewer steps with a tighter rtol/atol, or a smooth model (no ReLU) "
+        "over the same steps: only an accumulating difference separates it too.",
         None if worst is None else worst.name,
+    )
+
+
+def _nearest_synced(ctx: DiagnosisContext, synced: list[StepRecord]) -> str:
+    """``"; from identical state, param pos_embed came nearest its tolerance (0.79 of it, step 3)"``: the
+    parameter or optimizer-state leaf of the re-run steps nearest its tolerance, but those whose gradient is at
+    rounding level (their update follows rounding noise); ``""`` where none has a finite tolerance."""
+    best = None
+    for r in synced:
+        quiet = set(r.unresolved) | set(r.rounding_level)
+        for e in r.leaves:
+            if e.kind not in ("param", "opt_state") or e.name in quiet or not e.tolerance > 0:
+                continue
+            if not math.isfinite(e.tolerance) or not math.isfinite(e.max_abs_err):
+                continue
+            share = e.max_abs_err / e.tolerance
+            if best is None or share > best[0]:
+                best = (share, e.name, r.step)
+    if best is None:
+        return ""
+    return (
+        f"; from identical state, {best[1]} came nearest its tolerance ({best[0]:.2g} of it, step {best[2]})"
     )
 
 
