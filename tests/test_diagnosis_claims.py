@@ -450,7 +450,7 @@ def test_gradients_that_differ_under_a_matching_update_are_the_applied_ones_wher
     assert "are not the ones applied" in _codes_of([record])["grads_differ"]
     applied = dataclasses.replace(record, optimizer_rerun=(_leaf("param", "router", True),))
     said = _codes_of([applied])["grads_differ"]
-    assert "they are the ones applied, and the optimizer hides their difference" in said
+    assert "they are the ones applied, and the optimizer's update does not show their difference" in said
     assert "not the ones applied" not in said and "loss weight" not in said
     # gradients one factor across that is the batch's loss weight: the cause is named (a replay of a sum for a mean)
     summed = [

@@ -200,9 +200,10 @@ def test_at_a_learning_rate_of_0_matching_parameters_are_said_no_update_and_no_s
     assert len(params) == 5 and all(e.ok and e.reference_change == 0.0 for e in params)
     message = next(d.message for d in report.diagnoses if d.code == "update_differs")
     assert (
-        "though the applied parameters match at this step (5 leaves): the reference's own update is 0 at step 0 "
-        "(the learning rate at step 0 is 0, as a warm-up from 0 gives): no update to compare: not a single reduced "
-        "step: the loss it returns is not the full-batch loss at its starting parameters"
+        "though the applied parameters match at this step (5 leaves) only because no update is compared there: "
+        "the reference's own update is 0 at step 0 (the learning rate at step 0 is 0, as a warm-up from 0 gives). "
+        "It is not a single reduced step: the loss it returns is not the full-batch loss at its starting "
+        "parameters"
     ) in message
     assert "shards applied one after another" not in message and "taken at other parameters" not in message
     assert "computed another way (the loss's terms, labels, weights or normalization" in message

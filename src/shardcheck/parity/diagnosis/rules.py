@@ -1534,11 +1534,14 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
     if not (ctx.unexplained and not ctx.drifted and not _loss_ok(ctx)):
         return None
     first = ctx.first
+    matched = _params_match(first)
     return Diagnosis(
         "update_differs",
         f"{_what_differs(first)} from the reference at step {first.step}"
         + (" (run from the reference's pre-step state)" if first.from_reference_state else "")
-        + f" ({ctx.detail}){_params_match(first)}: {_not_one_step(first)}"
+        + f" ({ctx.detail}){matched}"
+        + (". It is " if matched and _no_reference_update(first) else ": ")  # that clause ends a sentence
+        + _not_one_step(first)
         + ("" if _module_found(first) else _forward_hint(ctx, _modules_cleared(first))),
         ctx.worst_name,
     )
@@ -1639,9 +1642,9 @@ def _params_match(record: StepRecord) -> str:
         return ""
     if _no_reference_update(record):
         return (
-            f", though the applied parameters match at this step ({n_leaves(len(params))}): the reference's own "
-            f"update is 0 at step {record.step} (the learning rate at step {record.step} is 0, as a warm-up from "
-            "0 gives): no update to compare"
+            f", though the applied parameters match at this step ({n_leaves(len(params))}) only because no "
+            f"update is compared there: the reference's own update is 0 at step {record.step} (the learning rate "
+            f"at step {record.step} is 0, as a warm-up from 0 gives)"
         )
     return f", though the applied parameters match at this step ({n_leaves(len(params))})"
 
