@@ -228,3 +228,22 @@ def test_a_replay_compares_the_rng_counts_and_names_the_draws_as_live():
         assert (
             "The model draws random numbers in its forward pass (rngs.noise)" in report.diagnoses[0].message
         )
+
+
+def test_the_draws_are_named_only_beside_a_finding_that_names_no_cause():
+    """Trial 19: every forward-stage FAIL of a model that draws (a SpecAugment mask keyed per global row) was told
+    'a step that draws other numbers than the full batch's ... differs here', beside a named normalization or an
+    exact x0.5469 loss scale whose draws were the reference's; the clause now follows a finding that names no
+    cause (or a stream's count that differs) only."""
+    from shardcheck.parity.diagnosis.draws import with_draws
+    from shardcheck.parity.diagnosis.evidence import Diagnosis
+
+    named = [Diagnosis("normalization", "At step 0 the step reproduces the mean of per-shard means.", None)]
+    assert with_draws(named, "forward", ("rngs.augment",), None) == named
+    generic = [Diagnosis("update_differs", "The loss differs.", "loss")]
+    (said,) = with_draws(generic, "forward", ("rngs.augment",), None)
+    assert said.message == (
+        "The loss differs. The model draws random numbers in its forward pass (rngs.augment): a step that draws "
+        "other numbers than the full batch's (the same key on every shard) differs here."
+    )
+    assert with_draws(generic, "gradients", ("rngs.augment",), None) == generic

@@ -32,11 +32,17 @@ def draws_clause(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
     )
 
 
+UNNAMED = ("update_differs", "localized", "loss_only", "loss_differs")
+"""The leading findings that name no cause of their own: only these get :func:`draws_clause` (where no stream's
+count differs); a finding that names one (``normalization``, ``scaled``, ...) is not told the draws may be why."""
+
+
 def with_draws(
     findings: Sequence[Diagnosis], stage: str | None, draws: Sequence[str], record: StepRecord | None
 ) -> list[Diagnosis]:
     """``findings`` with :func:`draws_clause` added to the first one's message where the model draws (``draws``,
-    the streams, non-empty) and the first stage that differs is the forward pass (``stage``); else as they are.
+    the streams, non-empty), the first stage that differs is the forward pass (``stage``) and the first finding
+    names no cause (:data:`UNNAMED`) or a stream's count differs; else as they are.
     ``record``: the first failing step's, whose failing stream counts the clause names."""
     findings = list(findings)
     if not draws or stage != "forward" or not findings:
@@ -44,6 +50,10 @@ def with_draws(
     ends = tuple(f"{s}.count" for s in draws)
     counts = [] if record is None else [e.name for e in record.leaves if not e.ok and e.path.endswith(ends)]
     first = findings[0]
+    if (
+        not counts and first.code not in UNNAMED
+    ):  # a cause is named (trial 19: a normalization, a x0.5469 scale)
+        return findings
     return [
         dataclasses.replace(first, message=f"{first.message} {draws_clause(draws, counts)}"),
         *findings[1:],
