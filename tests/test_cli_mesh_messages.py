@@ -112,7 +112,9 @@ def test_an_annotation_that_does_not_split_over_the_mesh_is_named_where_the_plac
     path.write_text(ANNOTATED.format(mark=str(tmp_path / "ran.txt")))
     argv = ["verify", "--task", f"{path}:task", "--mesh", "data=1,model=3", "--strategies", "none"]
     assert main([*argv, "--candidate", f"{path}:placed_step"]) == 2
-    err = " ".join(capsys.readouterr().err.split())
+    captured = capsys.readouterr()
+    assert "task tp, 1 steps of B=4" in " ".join(captured.out.split())  # the steps asked for, not "0 steps"
+    err = " ".join(captured.err.split())
     assert err.startswith(
         "error: shardcheck verify: the candidate step raised IndivisibleError at step 0 (leaf 'lin.kernel' of shape "
         "(3, 4) is annotated P(None, 'model'): dimension 1 (4) does not split into 3 equal parts over 'model'; "
@@ -212,3 +214,22 @@ def test_the_header_says_model_over_an_axis_only_where_a_leaf_is_split_over_it()
         _model_axes_text(task((None, "model")), ["model", "expert"])
         == "model over model; replicated over expert"
     )
+
+
+def test_an_error_reason_that_goes_on_after_a_colon_is_kept_on_one_line():
+    """Trial 19: a built-in strategy's ERROR row and memory's refusal read JAX's "... but they differ:" and
+    stopped there; the reason on the next line is joined (at most two more lines, 400 characters)."""
+    from shardcheck.cli._common import reason_line
+
+    carry = TypeError(
+        "scan body function carry input and carry output must have equal types, but they differ:\n\n  The input "
+        "carry component loop_carry[1] has type float32[4] but the corresponding output carry component has "
+        "type float32[4]{V:data}, so the varying manual axes do not match.\n\nThis might be fixed by ..."
+    )
+    assert reason_line(carry) == (
+        "scan body function carry input and carry output must have equal types, but they differ: The input carry "
+        "component loop_carry[1] has type float32[4] but the corresponding output carry component has type "
+        "float32[4]{V:data}, so the varying manual axes do not match."
+    )
+    assert reason_line(ValueError("one\ntwo")) == "one" and reason_line(ValueError("")) == "ValueError"
+    assert reason_line(ValueError("x" * 500)) == "x" * 397 + "..."

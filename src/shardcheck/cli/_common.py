@@ -128,6 +128,22 @@ def library_to_flags(
     return message
 
 
+def reason_line(err: BaseException, limit: int = 400) -> str:
+    """An exception's reason on one line: its first non-empty line, joined with the next ones while a line ends
+    with ``:`` (JAX's "scan body function carry input and carry output must have equal types, but they differ:"
+    gives its reason on the next line; trial 19 read it cut off there), at most ``limit`` characters; its class
+    name when it has no message."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    out = lines[0]
+    for line in lines[1:3]:
+        if not out.endswith(":"):
+            break
+        out = f"{out} {line}"
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
 def _mesh_type(text: str) -> dict[str, int]:
     from shardcheck.mesh import parse_mesh  # JAX-free: it is imported when the module is
 

@@ -598,7 +598,9 @@ def _compiled(name: str, task, mesh, strategy, batch, device) -> dict:
     try:
         return _compile_report_and_probes(task, mesh, strategy, batch, device)
     except (TypeError, ValueError) as err:
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        from shardcheck.cli._common import reason_line
+
+        first = reason_line(err)
         hint = (
             f" (a model state shaped by the full batch's rows, such as a carried hidden state, meets each "
             f"device's rows where {strategy}'s step runs the forward pass per device)"

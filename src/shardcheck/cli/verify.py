@@ -408,8 +408,10 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
 
 
 def _first_line(err: BaseException) -> str:
-    """The first non-empty line of an exception's message (its class name when it has none)."""
-    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    """The reason of an exception's message on one line (:func:`~shardcheck.cli._common.reason_line`)."""
+    from shardcheck.cli._common import reason_line
+
+    return reason_line(err)
 
 
 def _candidate_message(args, err) -> str:
@@ -572,7 +574,8 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
 
     console = console_for(args)
     done = {name: r for name, r in reports.items() if not isinstance(r, ErrorRow)}
-    steps = len(next(iter(done.values())).steps) if done else 0
+    # every check an ERROR row: the steps asked for, not "0 steps" (trial 18)
+    steps = len(next(iter(done.values())).steps) if done else (args.steps or len(task.batches))
     b = batch_size(task.batches[0])
     setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
     if args.mesh is not None:
