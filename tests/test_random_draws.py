@@ -171,6 +171,10 @@ def test_dp_is_refused_with_the_reason_and_what_works():
         "every shard drawing with the same key"
     ), text
     assert "Check it with a GSPMD step (strategy gspmd" in text and "jax.random.fold_in(key, row)" in text
+    # trial 19: a model keyed per global row (carried in the batch) draws the full batch's numbers per shard too;
+    # the refusal says it cannot tell, never that the step cannot equal the single-device one
+    assert "only where the model keys each row's draws by its global index carried in the batch" in text
+    assert "cannot equal" not in text
     assert "(check_parity, strategy 'dp')" in text
 
 

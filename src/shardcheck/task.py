@@ -512,8 +512,9 @@ def draws_refusal(
     why = why or "run the forward pass per shard or per micro-batch, every shard drawing with the same key"
     return (
         f"{strategy or fn}: {'cannot run this model: ' if strategy else ''}model {model} draws random numbers in its "
-        f"forward pass (RNG stream(s) {', '.join(streams)}), and {subject} {why}, not the full batch's numbers, so "
-        "its step cannot equal the single-device one. Check it with a GSPMD step (strategy gspmd, or your own "
+        f"forward pass (RNG stream(s) {', '.join(streams)}), and {subject} {why}: that gives the full batch's "
+        "numbers only where the model keys each row's draws by its global index carried in the batch, which "
+        f"{subject} cannot see, so the check is refused. Check it with a GSPMD step (strategy gspmd, or your own "
         "step jitted over sharded inputs: it draws the full batch's numbers however the rows are split), or in a "
         "step of your own draw with keys folded per global row index (jax.random.fold_in(key, row)), which give "
         "the same numbers however the rows are split"
