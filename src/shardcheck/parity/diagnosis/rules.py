@@ -772,8 +772,9 @@ def model_state(ctx: DiagnosisContext) -> Finding:
         )
     elif fail.ratio == 0:
         why = (
-            ": the step left it as it was. The forward pass's writes were dropped (jax.grad of a function of "
-            "nnx.split parts discards them): return and nnx.update them, or use nnx.value_and_grad."
+            ": the step left it as it was: the forward pass's writes were dropped or undone (jax.grad of a "
+            "function of nnx.split parts discards them, so return and nnx.update them or use nnx.value_and_grad; "
+            "or the step resets it)."
         )
     else:
         why = "; the step must write it as one forward pass over the full batch does."
