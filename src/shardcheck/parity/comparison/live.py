@@ -525,12 +525,13 @@ def abs_dot(weights: Mapping[str, Any], arrays: Mapping[str, Any]) -> float:
 
 
 @jax.jit
-def _exceeds(changes: dict, refs: dict, allowances: dict, tols: dict, scale) -> dict:
+def _exceeds(changes: dict, refs: dict, allowances: dict, tols: dict, scale, before: dict) -> dict:
     out = {}
     for k, c in changes.items():
         allowed = tols[k][1] + tols[k][0] * jnp.max(jnp.abs(refs[k].astype(jnp.float32)), initial=0.0)
         allowed = allowed + (jnp.asarray(allowances[k], jnp.float32) if k in allowances else 0.0)
-        moved = jnp.abs(scale * c.astype(jnp.float32))
+        c = c.astype(jnp.float32) - (before[k].astype(jnp.float32) if k in before else 0.0)
+        moved = jnp.abs(scale * c)
         out[k] = jnp.any(moved > allowed) | jnp.any(jnp.isnan(moved))
     return out
 
@@ -541,14 +542,18 @@ def exceeds(
     tols: Mapping[str, tuple[float, float]],
     allowances: Mapping[str, Any] | None = None,
     scale: float = 1.0,
+    before: Mapping[str, Any] | None = None,
 ) -> dict[str, bool]:
     """``{name: whether some element of |scale * changes[name]| exceeds rtol * max|refs[name]| + atol +
     allowances[name]}``, with ``(rtol, atol) = tols[name]`` (a NaN change exceeds): whether a leaf moved by
     ``changes`` from ``refs`` would leave the tolerance :func:`leaf_error` gives it. ``allowances`` (optional,
-    per name: a scalar or an array of the leaf's shape) widen it element by element. Reduced where
-    :data:`DEVICE_SCALARS` says (float32 on the devices, float64 on the host); ``refs`` and ``allowances`` are
-    moved onto ``changes[name]``'s devices."""
+    per name: a scalar or an array of the leaf's shape) widen it element by element. ``before`` (optional, per
+    name: an array of the leaf's shape): the change is ``changes[name] - before[name]`` (a leaf's step, taken
+    inside the reduction: no program per leaf). Reduced where :data:`DEVICE_SCALARS` says (float32 on the
+    devices, float64 on the host); ``refs``, ``allowances`` and ``before`` are moved onto ``changes[name]``'s
+    devices."""
     allowances = {} if allowances is None else allowances
+    before = {} if before is None else before
     out: dict[str, bool] = {}
     for group in _on_devices(changes).values():
         if _on_host(group):
@@ -556,7 +561,7 @@ def exceeds(
                 allowed = tols[k][1] + tols[k][0] * float(np.max(np.abs(_f64(refs[k])), initial=0.0))
                 extra = np.asarray(to_host(allowances[k]), np.float64) if k in allowances else 0.0
                 with np.errstate(invalid="ignore", over="ignore"):
-                    moved = np.abs(scale * _f64(c))
+                    moved = np.abs(scale * (_f64(c) - (_f64(before[k]) if k in before else 0.0)))
                 out[k] = bool(np.any(moved > allowed + extra) or np.isnan(moved).any())
             continue
         extra = {
@@ -566,7 +571,8 @@ def exceeds(
         }
         extra = {k: v if isinstance(v, float) else _beside(extra, {k: group[k]})[k] for k, v in extra.items()}
         tol = {k: tuple(float(t) for t in tols[k]) for k in group}
-        reduced = jax.device_get(_exceeds(group, _beside(refs, group), extra, tol, float(scale)))
+        olds = _beside(before, {k: v for k, v in group.items() if k in before})
+        reduced = jax.device_get(_exceeds(group, _beside(refs, group), extra, tol, float(scale), olds))
         out.update({k: bool(v) for k, v in reduced.items()})
     return out
 

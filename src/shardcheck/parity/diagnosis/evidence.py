@@ -38,7 +38,11 @@ class LeafError:
         max_abs_err: ``max |candidate - reference|`` over the leaf's elements (float64 arithmetic).
         max_rel_err: ``max_abs_err / max |reference|`` (normwise over the leaf: robust to elements that cancel
             to ~0); ``0`` when both are zero, ``inf`` when only the reference is.
-        tolerance: the allowed ``max_abs_err``: ``atol + rtol * max |reference|`` (``0`` for counters).
+        tolerance: the allowed ``max_abs_err``: ``atol + rtol * max |reference|`` (``0`` for counters). Where
+            an elementwise allowance widens it (a live check's parameters and optimizer state), one element's:
+            the one the verdict used (``max_abs_err`` over the largest elementwise ``|c - r| / allowed``), or the
+            widest where the first pass cleared the leaf; other elements may be allowed far less
+            (``update_seen``).
         ok: ``max_abs_err <= tolerance`` (NaN fails).
         ratio: the median elementwise ratio candidate / reference of the leaf's change in this step (``param``
             and ``opt_state``: after minus before; ``grad`` and ``loss``: the values), over elements where the
@@ -69,6 +73,15 @@ class LeafError:
             of its ``size`` elements exactly as they were while the reference's changed them and wrote the others
             as the reference did (``where``: ``"rows 4..7 of axis 0"`` for one contiguous block along one axis,
             else ``""``; :func:`shardcheck.parity.comparison.partial_write.partial_write`), else ``None``.
+        update_seen: a passing ``param`` leaf whose tolerance is per element (a live check's propagated
+            allowance): whether some element's reference update ``|r_t - r_{t-1}|`` exceeds that element's own
+            tolerance, so that a wrong update of the leaf (left as it was, or applied twice: off by its whole
+            change) fails. ``False``: every element's update is within its tolerance (a wrong update passes).
+            ``None``: not measured (a uniform tolerance, where ``reference_change <= tolerance`` says it; a
+            replay's digest; a failing step; a step compared against the allowances' lower bound). Read by
+            ``weak_update``: ``tolerance`` is then one element's (the widest, or the one nearest failing), and an
+            element whose gradient is at rounding level has an allowance of ~2 lr under Adam (trial 19:
+            0.00187 at one of 1024 elements, 6.94e-05 at the rest, whose update 0.00094 a doubled update fails).
     """
 
     step: int
@@ -86,6 +99,7 @@ class LeafError:
     cand_shape: tuple[int, ...] | None = None
     missing: bool = False
     kept: tuple[int, int, str] | None = None
+    update_seen: bool | None = None
 
     @property
     def name(self) -> str:

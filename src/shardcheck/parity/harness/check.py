@@ -389,7 +389,8 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     full = t == 0 or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
     if lower and full:
         raise Undecided
-    compared = iter(_two_pass([e for e in leaves if isinstance(e, LeafInput)], full, lower))
+    inputs = [e for e in leaves if isinstance(e, LeafInput)]
+    compared = iter(_update_seen(inputs, _two_pass(inputs, full, lower), lower))
     leaves = [next(compared) if isinstance(e, LeafInput) else e for e in leaves]
     mismatches += opt_mismatches
     return leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count, rounding
@@ -435,6 +436,36 @@ def _two_pass(inputs: list, full: bool, lower: bool = False) -> list:
             _fill(out, inputs, cleared)
     if lower and not all(e.ok for e in out):
         raise Undecided
+    return out
+
+
+def _update_seen(inputs: list, out: list, lower: bool) -> list:
+    """``out`` (the :class:`LeafError` of each input) with ``update_seen`` set on every ``param`` leaf compared
+    under an elementwise allowance: whether some element's reference update exceeds that element's tolerance
+    (``compare.exceeds`` of ``r_t - r_{t-1}``, one reduction for them all), so that a wrong update of the leaf
+    fails. The leaf's ``tolerance`` is one element's, and an element whose gradient is at rounding level has an
+    allowance of ~2 lr under Adam: its update is no measure of the others' (trial 19). Only where every input
+    passes (``weak_update`` reads passing reports) and the allowances are exact (not ``lower``)."""
+    if lower or not all(e.ok for e in out):
+        return out
+    which = [
+        i
+        for i, x in enumerate(inputs)
+        if x.kind == "param" and x.allowance is not None and out[i].reference_change is not None
+    ]
+    if not which:
+        return out
+    items = {inputs[i].path: inputs[i] for i in which}
+    seen = compare.exceeds(
+        {p: x.ref for p, x in items.items()},
+        {p: x.ref for p, x in items.items()},
+        {p: (x.rtol, x.atol) for p, x in items.items()},
+        {p: x.allowance for p, x in items.items()},
+        before={p: x.before_ref for p, x in items.items()},
+    )
+    out = list(out)
+    for i in which:
+        out[i] = dataclasses.replace(out[i], update_seen=seen[inputs[i].path])
     return out
 
 
