@@ -165,8 +165,11 @@ def test_two_correct_steps_pass_each_others_recording(runs, recorded, replayed):
     steps = {"gspmd": gspmd_step, "shard_map": _shard_map_step(1.0)}
     report = check_parity(steps[replayed], task, mesh=mesh, reference=recordings[recorded])
     assert report.ok, report.summary
-    assert {p for r in report.steps for p in r.unresolved} == {f"param {QKV}"}
-    assert "param blocks.qkv.kernel" not in {p for r in report.steps for p in r.rounding_level}
+    # allowed its key third's noise, but named at rounding level nowhere, as a live check (whose rule reads the
+    # whole gradient) names it nowhere: a replay's sentences read one set of leaves (issue #36, trial 19)
+    assert not any(r.unresolved for r in report.steps)
+    assert not any(r.rounding_level for r in report.steps)
+    assert "rounding_level" not in report.codes and "weak_check" not in report.codes
 
 
 @require_devices(2)

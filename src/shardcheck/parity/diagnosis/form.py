@@ -170,6 +170,7 @@ def fit_form(
     tol: Mapping[str, float] | None = None,
     state_params: Mapping[str, np.ndarray] | None = None,
     params: Mapping[str, np.ndarray] | None = None,
+    quiet: Mapping[str, np.ndarray] | None = None,
 ) -> Form:
     """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
 
@@ -192,6 +193,11 @@ def fit_form(
             ``c``, is then read as a coupled weight decay (``state_decay``, :func:`state_decay`).
         params: ``{path: the parameter's value before the step}`` for gradient leaves (``update`` False), where
             known: one number's term ``c*param`` (``one_number``) is then said with its ``c``.
+        quiet: ``{path: bool array of the leaf's shape}``, the elements whose reference gradient is at rounding
+            level (within ``atol`` of 0: a fused qkv bias's key third), where known: a normalizing optimizer
+            moves them by its noise, so their ratio is no factor's; they are left out of the zero, sign-flip
+            and factor fits and of the ratio a form without one states (as elsewhere), and the form says so.
+            A mask of another shape is ignored.
 
     Returns:
         The :class:`Form`.
@@ -218,14 +224,50 @@ def fit_form(
         c = np.asarray(cand_after[p], np.float64)
         b = np.asarray(before[p], np.float64) if p in before else np.zeros_like(c)
         f64[p] = (b, np.asarray(ref_after[p], np.float64) - b, c - b)
-    return (
-        _zero_or_flip(f64, update)
-        or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
-        or _factor(f64, optimizer_stage, update, tol or {})
+    fit, aside = _without_quiet(f64, quiet or {})
+    form = _zero_or_flip(fit, update)
+    form = form or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
+    form = form or _factor(fit, optimizer_stage, update, tol or {})
+    if form is not None and aside and form.kind != "one_number":
+        return _said_aside(form, aside)
+    form = (
+        form
         or _decay(f64, lr)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
-        or _no_form(f64)
+    )
+    return form or _said_aside(_no_form(fit), aside)
+
+
+def _without_quiet(f64: dict, quiet: Mapping[str, np.ndarray]) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """``f64`` with the change of each leaf's ``quiet`` elements (at rounding level) set to 0 on both sides (no
+    ratio is read from an element the reference did not move; a leaf all of whose elements are quiet is kept
+    whole: the fit then reads it as any other), and ``{path: (left out, size)}`` of the leaves it touched."""
+    fit, aside = dict(f64), {}
+    for p, (b, dr, dc) in f64.items():
+        mask = quiet.get(p)
+        if mask is None or np.shape(mask) != dr.shape:
+            continue
+        mask = np.asarray(mask, bool)
+        n = int(mask.sum())
+        if 0 < n < mask.size:
+            fit[p] = (b, np.where(mask, 0.0, dr), np.where(mask, 0.0, dc))
+            aside[p] = (n, int(mask.size))
+    return fit, aside
+
+
+def _said_aside(form: Form, aside: Mapping[str, tuple[int, int]]) -> Form:
+    """``form`` with the elements left out of its fit said (:func:`_without_quiet`): ``"; left out of the fit:
+    the elements whose reference gradient is at rounding level (32 of 96 of blocks.0.qkv.bias, ...), whose
+    update follows that gradient's noise"``."""
+    if not aside:
+        return form
+    listed = [f"{n} of {size} of {p}" for p, (n, size) in sorted(aside.items())]
+    shown = ", ".join(listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
+    return dataclasses.replace(
+        form,
+        sentence=f"{form.sentence}; left out of the fit: the elements whose reference gradient is at rounding "
+        f"level ({shown}), whose update follows that gradient's noise",
     )
 
 

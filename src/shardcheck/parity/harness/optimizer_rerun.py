@@ -154,8 +154,41 @@ def stage_forms(
         params={p: to_host(ref_params0[p]) for p in bad if p in ref_params0}
         if stage == "gradients"
         else None,
+        quiet=quiet_keys(bad, _near_zero(ref_grads, record.atol)) if stage != "gradients" else None,
     )
     return ((stage, form),)
+
+
+def _near_zero(grads, atol: float) -> dict:
+    """``{param path: bool array}``: the elements of the reference's gradient ``grads`` within ``atol`` of 0 (at
+    rounding level: a fused qkv bias's key third), of the leaves some but not all of whose elements are; ``{}``
+    where there are no gradients."""
+    if grads is None:
+        return {}
+    out = {}
+    for path, g in flatten_state(nnx.as_pure(grads)).items():
+        if is_int(g):
+            continue
+        near = np.abs(np.asarray(to_host(g), np.float64)) <= atol
+        if near.any() and not near.all():
+            out[path] = near
+    return out
+
+
+def quiet_keys(keys, quiet: dict) -> dict:
+    """``{key: bool array}`` of the fit's ``keys`` (a parameter's path, ``"opt_state <path>"``) whose parameter
+    (:func:`~shardcheck.parity.diagnosis.grouping.param_path`) has elements at rounding level in ``quiet``
+    (``{param path: bool array}``): what :func:`~shardcheck.parity.diagnosis.form.fit_form` leaves out of a
+    factor's fit (an optimizer-state leaf of another shape is ignored there)."""
+    if not quiet:
+        return {}
+    plain = list(quiet)
+    out = {}
+    for k in keys:
+        q = param_path(k.removeprefix("opt_state "), plain) if k.startswith("opt_state ") else k
+        if q in quiet:
+            out[k] = quiet[q]
+    return out
 
 
 def state_params(keys, params) -> dict:

@@ -303,8 +303,9 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     returned gradients are c x that mean's, c not 1, else ``{}``), and ``"scale_blind"`` where only the gradients
     fail and the task's optimizer is
     blind to their scale (:func:`_scale_blind`), else empty; ``arrays``: ``(before, rerun, after)`` flat
-    ``{path: array}`` of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds, or
-    ``None`` with no rerun. ``None`` where the candidate's optimizer state is not the task's by path."""
+    ``{path: array}`` of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds and
+    the returned gradients' elements at rounding level (:func:`_quiet_elements`), or ``None`` with no rerun.
+    ``None`` where the candidate's optimizer state is not the task's by path."""
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
@@ -338,7 +339,30 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
         {**flatten_state(p), **{f"opt_state {k}": v for k, v in flatten_state(o).items()}}
         for p, o in ((params, state), rerun, after)
     )
-    return _compared(record, rerun, after, (params, state)), matches, (*arrays, known_lr(state)), fields
+    quiet = _quiet_elements(record, grads)
+    compared = _compared(record, rerun, after, (params, state), quiet=quiet)
+    return compared, matches, (*arrays, known_lr(state), quiet), fields
+
+
+def _quiet_elements(record, grads) -> dict:
+    """``{param path: bool array}``: the elements of each returned gradient within ``record.atol`` of 0 (at
+    rounding level), of the leaves some but not all of whose elements are (a fused qkv bias's key third, a
+    kernel's element small by chance): the live check allows them one by one (its propagated sensitivity), so
+    the rerun does too; ``{}`` without gradients."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state, is_int, to_host
+
+    if grads is None:
+        return {}
+    out = {}
+    for path, g in flatten_state(nnx.as_pure(grads)).items():
+        if is_int(g):
+            continue
+        near = np.abs(np.asarray(to_host(g), np.float64)) <= record.atol
+        if near.any() and not near.all():
+            out[path] = near
+    return out
 
 
 def _rerun_from(task: Task, params, state, grads):
@@ -453,12 +477,12 @@ def _optimizer_form(record, arrays) -> tuple:
     from shardcheck.parity.comparison.live import is_int, to_host
     from shardcheck.parity.diagnosis.form import fit_form
     from shardcheck.parity.diagnosis.localization import localize
-    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances, state_params
+    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances, quiet_keys, state_params
 
     found = localize([record])
     if found is None or found.stage != "optimizer":
         return ()
-    before, rerun, after, lr = arrays
+    before, rerun, after, lr, quiet = arrays
     keys = [
         e.path if e.kind == "param" else f"opt_state {e.path}" for e in record.optimizer_rerun if not e.ok
     ]
@@ -473,17 +497,20 @@ def _optimizer_form(record, arrays) -> tuple:
         optimizer_stage=True,
         tol=leaf_tolerances(record.optimizer_rerun),
         state_params=state_params(keys, before),
+        quiet=quiet_keys(keys, quiet),
     )
     return (("optimizer", form),)
 
 
-def _compared(record, rerun, after, before, rounding=None) -> tuple:
+def _compared(record, rerun, after, before, rounding=None, quiet=None) -> tuple:
     """Each float leaf of the rerun ``(params, opt_state)`` against the candidate's ``after``, from ``before``,
     at ``record``'s tolerances (optimizer state: x ``MOMENT_FACTOR``), as the live check's rerun. A parameter
     whose gradient is at rounding level (``record.unresolved``) gets, as the digest comparison gives it, an
-    allowance of both sides' largest update (a normalizing optimizer's update of rounding noise). ``rounding``:
-    ``({param path: array}, {opt_state path: array})`` allowances added (a hypothesis's own rounding,
-    :func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), or ``None``."""
+    allowance of both sides' largest update (a normalizing optimizer's update of rounding noise); one only some
+    of whose elements are (``quiet``: ``{param path: bool array}``, :func:`_quiet_elements`) gets it on those
+    elements alone. ``rounding``: ``({param path: array}, {opt_state path: array})`` allowances added (a
+    hypothesis's own rounding, :func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), or
+    ``None``."""
     from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
     from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 
@@ -499,8 +526,11 @@ def _compared(record, rerun, after, before, rounding=None) -> tuple:
             b, r, c = to_host(was[path]), to_host(value), to_host(cand[path])
             rtol, atol = factor * record.rtol, factor * record.atol
             allowance = None
-            if kind == "param" and path in noise:
+            if kind == "param" and (path in noise or path in (quiet or {})):
                 allowance = float(np.max(np.abs(r - b), initial=0.0) + np.max(np.abs(c - b), initial=0.0))
+                near = None if path in noise else quiet[path]
+                if near is not None and near.shape == r.shape:
+                    allowance = np.where(near, allowance, 0.0)
             own = None if rounding is None else rounding[kind == "opt_state"].get(path)
             if own is not None:
                 allowance = own if allowance is None else own + allowance
