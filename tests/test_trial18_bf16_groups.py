@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from shardcheck import Task, check_parity, make_mesh
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.localization import forward_group, localize, tolerance_split
+from shardcheck.parity.harness.recorded import record_run
 
 TOL = 1e-2
 
@@ -206,3 +207,20 @@ def test_bf16_live_a_normalization_is_no_term_and_a_head_regularization_is_one()
     assert not report.ok and report.localization.stage == "forward", str(report)
     assert report.localization.group.startswith("the loss's difference reaches the gradients of head.")
     assert "an auxiliary term such as a load-balancing or regularization loss" in report.localization.group
+
+
+@require_devices(2)
+def test_bf16_replay_names_the_normalization_the_live_check_names():
+    """Trial 18's replay said 'update_differs' where the live check named the normalization: its hypothesis was
+    compared at the rerun's float32 tolerances (29 x off), not within the replay's bfloat16 compute allowance
+    (0.06 x). Now within it, where the candidate lies 4 x closer to the per-shard means' step than the full batch's
+    does; a head regularization replayed is no normalization, and a correct step replays PASS."""
+    mesh = make_mesh(2)
+    recording = record_run(TASK, _step(_full), mesh=mesh, name="full")
+    assert check_parity(_step(_full), TASK, mesh=mesh, reference=recording, name="full").ok
+    report = check_parity(_step(_per_shard_means), TASK, mesh=mesh, reference=recording, name="full")
+    assert not report.ok and "normalization" in report.codes, str(report)
+    assert "reproduces the mean of per-shard means" in report.diagnosis
+    assert "auxiliary" not in report.diagnosis
+    report = check_parity(_step(_head_regularized), TASK, mesh=mesh, reference=recording, name="full")
+    assert not report.ok and "normalization" not in report.codes, str(report)
