@@ -466,19 +466,19 @@ def _per_shard_match(
         {p: own.get(p, 0.0) + more.get(p, 0.0) for p in {*own, *more}}
         for own, more in zip(rounding, excess, strict=True)
     )
+    near = _compared(record, alt, after, (params, state), widened)
+    reproduced = all(e.ok for e in near)
+    differs = not all(e.ok for e in apart)
+    if reproduced and any(excess):  # within the replay's own allowance: closer to it than the full batch's is
+        extra = {**excess[0], **excess[1]}
+        off = max((e.max_abs_err / (e.tolerance + extra.get(e.path, 0.0)) for e in apart), default=0.0)
+        reproduced = max((e.max_abs_err / e.tolerance for e in near), default=0.0) <= off / PER_SHARD_MARGIN
     if not (reproduced and differs):
         return (), None
     equal = equal_shard_weights(task.loss_fn, num_shards, graphdef, params, rest, batch)
     return ("per_shard_loss",) if equal else ("per_shard_mean",), None if abs(c - 1.0) <= 1e-3 else c
 
 
-def _optimizer_form(record, arrays) -> tuple:
-    """``(("optimizer", Form),)``: the form of the optimizer stage's failing leaves, fitted on the rerun's
-    arrays as the live check fits them (:func:`~shardcheck.parity.harness.optimizer_rerun.stage_forms`), where
-    the record is localized there; else ``()``."""
-    from shardcheck.parity.comparison.live import is_int, to_host
-    from shardcheck.parity.diagnosis.form import fit_form
-    from shardcheck.parity.diagnosis.localization import localize
 # how much closer (in shares of the replay's tolerances) the candidate's step must lie to the per-shard means' step
 # than the full batch's step does, where the replay's compute rounding widens them (bfloat16)
 PER_SHARD_MARGIN = 4.0
@@ -499,6 +499,13 @@ def _recorded_excess(record, compared) -> tuple[dict, dict]:
     return out
 
 
+def _optimizer_form(record, arrays) -> tuple:
+    """``(("optimizer", Form),)``: the form of the optimizer stage's failing leaves, fitted on the rerun's
+    arrays as the live check fits them (:func:`~shardcheck.parity.harness.optimizer_rerun.stage_forms`), where
+    the record is localized there; else ``()``."""
+    from shardcheck.parity.comparison.live import is_int, to_host
+    from shardcheck.parity.diagnosis.form import fit_form
+    from shardcheck.parity.diagnosis.localization import localize
     from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances, quiet_keys, state_params
 
     found = localize([record])
