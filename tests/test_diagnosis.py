@@ -356,7 +356,9 @@ def test_diverged_trajectory():
     # "a property of the model, not a bug in the step" was false: both causes are named, and the leaf nearest its
     # tolerance from identical state, but one whose gradient is at rounding level (its update follows noise)
     assert "a property of the model, not a bug" not in out[0].message
-    assert "or a difference smaller than each step's tolerance that accumulates over the steps" in out[0].message
+    assert (
+        "or a difference smaller than each step's tolerance that accumulates over the steps" in out[0].message
+    )
     assert "from identical state, param w came nearest its tolerance (0.5 of it, step 1)" in out[0].message
     quiet = [_record(0), _record(1, synchronized=True, unresolved=("param w",))]
     assert "param b came nearest its tolerance" in diagnose(quiet, diverged=diverged)[0].message
