@@ -25,6 +25,7 @@ from shardcheck.cli._common import (
     add_platform_argument,
     configure_devices,
     console_for,
+    reason_line,
     write_atomic,
     write_json,
 )
@@ -598,8 +599,6 @@ def _compiled(name: str, task, mesh, strategy, batch, device) -> dict:
     try:
         return _compile_report_and_probes(task, mesh, strategy, batch, device)
     except (TypeError, ValueError) as err:
-        from shardcheck.cli._common import reason_line
-
         first = reason_line(err)
         hint = (
             f" (a model state shaped by the full batch's rows, such as a carried hidden state, meets each "

@@ -19,6 +19,7 @@ from shardcheck.cli._common import (
     device_choice,
     library_to_flags,
     needed_mesh,
+    reason_line,
     shard_words,
     write_json,
 )
@@ -388,30 +389,23 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         if isinstance(err, EmulationError):  # the harness's matmul emulation failed, not the candidate
             message = f"shardcheck verify: checking the candidate: {err}"
             return ErrorRow(
-                label, message, type(err.__cause__).__name__, _first_line(err.__cause__), None, False
+                label, message, type(err.__cause__).__name__, reason_line(err.__cause__), None, False
             )
         if not wrapped:
             return None
         return ErrorRow(
-            label, _candidate_message(args, err), type(cause).__name__, _first_line(cause), step, False
+            label, _candidate_message(args, err), type(cause).__name__, reason_line(cause), step, False
         )
     if not wrapped and isinstance(err, (ValueError, TypeError)) and str(err).startswith("check_parity"):
         return None
-    reason = f"{type(cause).__name__}: {_first_line(cause).rstrip('.')}"  # one period before "A limitation"
+    reason = f"{type(cause).__name__}: {reason_line(cause).rstrip('.')}"  # one period before "A limitation"
     where = "" if step is None else f" at step {step}"
     message = (
         f"shardcheck verify: the built-in strategy {label!r} could not run this task{where}: {reason}. A "
         f"limitation or a bug of shardcheck's {label} step, not a fault of your model or step; the other rows "
         f"stand (leave {label} out with --strategies)"
     )
-    return ErrorRow(label, message, type(cause).__name__, _first_line(cause), step, True)
-
-
-def _first_line(err: BaseException) -> str:
-    """The reason of an exception's message on one line (:func:`~shardcheck.cli._common.reason_line`)."""
-    from shardcheck.cli._common import reason_line
-
-    return reason_line(err)
+    return ErrorRow(label, message, type(cause).__name__, reason_line(cause), step, True)
 
 
 def _candidate_message(args, err) -> str:

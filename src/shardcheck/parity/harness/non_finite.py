@@ -142,12 +142,13 @@ def diverged_report(report, recorded: NonFinite, recording: Recording, replayed:
     return dataclasses.replace(report, ok=False, diagnoses=diagnoses, reference_diverged_at=t, replay=replay)
 
 
-def refusal(fn: str, recorded: NonFinite, out: str) -> str:
-    """The one-line reason ``shardcheck record`` writes no recording of a run that went non-finite: the step, its
-    non-finite leaves, why a recording of it would be no reference and what to do."""
+def refusal(fn: str, recorded: NonFinite, out: str, keep: str = "--steps {t}") -> str:
+    """The one-line reason ``shardcheck record`` (or ``Recording.save``) writes no recording of a run that went
+    non-finite: the step, its non-finite leaves, why a recording of it would be no reference and what to do.
+    ``keep``: how the caller records the ``t`` finite steps before it (``"{t}"`` filled in)."""
     t = recorded.step
     fix = (
-        f", or record the {t} finite step(s) before it with --steps {t}"
+        f", or record the {t} finite step(s) before it with {keep.format(t=t)}"
         if t > 0
         else ": no step before it is"
     )

@@ -154,15 +154,15 @@ def stage_forms(
         params={p: to_host(ref_params0[p]) for p in bad if p in ref_params0}
         if stage == "gradients"
         else None,
-        quiet=quiet_keys(bad, _near_zero(ref_grads, record.atol)) if stage != "gradients" else None,
+        quiet=quiet_keys(bad, near_zero(ref_grads, record.atol)) if stage != "gradients" else None,
     )
     return ((stage, form),)
 
 
-def _near_zero(grads, atol: float) -> dict:
-    """``{param path: bool array}``: the elements of the reference's gradient ``grads`` within ``atol`` of 0 (at
-    rounding level: a fused qkv bias's key third), of the leaves some but not all of whose elements are; ``{}``
-    where there are no gradients."""
+def near_zero(grads, atol: float) -> dict:
+    """``{param path: bool array}``: the elements of the gradient ``grads`` (an ``nnx.State`` or pytree of
+    arrays) within ``atol`` of 0 (at rounding level: a fused qkv bias's key third, a kernel's element small by
+    chance), of the leaves some but not all of whose elements are; ``{}`` where there are no gradients."""
     if grads is None:
         return {}
     out = {}

@@ -207,9 +207,9 @@ class Recording:
         check_out_path("Recording.save", path)
         diverged = first_non_finite(self)
         if diverged is not None:
-            text = refusal("Recording.save", diverged, str(path))
-            t = diverged.step
-            raise ValueError(text.replace(f"with --steps {t}", f"with record_run(..., steps={t})"))
+            raise ValueError(
+                refusal("Recording.save", diverged, str(path), keep="record_run(..., steps={t})")
+            )
         data = self.to_bytes()
         try:
             write_atomic(Path(path), data)

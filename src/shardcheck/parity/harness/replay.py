@@ -304,13 +304,14 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     fail and the task's optimizer is
     blind to their scale (:func:`_scale_blind`), else empty; ``arrays``: ``(before, rerun, after)`` flat
     ``{path: array}`` of parameters and ``"opt_state <path>"`` leaves, then the learning rate the state holds and
-    the returned gradients' elements at rounding level (:func:`_quiet_elements`), or ``None`` with no rerun.
+    the returned gradients' elements at rounding level
+    (:func:`~shardcheck.parity.harness.optimizer_rerun.near_zero`), or ``None`` with no rerun.
     ``None`` where the candidate's optimizer state is not the task's by path."""
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.parity.harness.candidates import run_step
-    from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero
     from shardcheck.parity.harness.recorded import _start
     from shardcheck.parity.harness.state import _default_view
 
@@ -339,30 +340,9 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
         {**flatten_state(p), **{f"opt_state {k}": v for k, v in flatten_state(o).items()}}
         for p, o in ((params, state), rerun, after)
     )
-    quiet = _quiet_elements(record, grads)
+    quiet = near_zero(grads, record.atol)  # the live check allows them one by one, so the rerun does too
     compared = _compared(record, rerun, after, (params, state), quiet=quiet)
     return compared, matches, (*arrays, known_lr(state), quiet), fields
-
-
-def _quiet_elements(record, grads) -> dict:
-    """``{param path: bool array}``: the elements of each returned gradient within ``record.atol`` of 0 (at
-    rounding level), of the leaves some but not all of whose elements are (a fused qkv bias's key third, a
-    kernel's element small by chance): the live check allows them one by one (its propagated sensitivity), so
-    the rerun does too; ``{}`` without gradients."""
-    from flax import nnx
-
-    from shardcheck.parity.comparison.live import flatten_state, is_int, to_host
-
-    if grads is None:
-        return {}
-    out = {}
-    for path, g in flatten_state(nnx.as_pure(grads)).items():
-        if is_int(g):
-            continue
-        near = np.abs(np.asarray(to_host(g), np.float64)) <= record.atol
-        if near.any() and not near.all():
-            out[path] = near
-    return out
 
 
 def _rerun_from(task: Task, params, state, grads):
@@ -536,10 +516,10 @@ def _compared(record, rerun, after, before, rounding=None, quiet=None) -> tuple:
     at ``record``'s tolerances (optimizer state: x ``MOMENT_FACTOR``), as the live check's rerun. A parameter
     whose gradient is at rounding level (``record.unresolved``) gets, as the digest comparison gives it, an
     allowance of both sides' largest update (a normalizing optimizer's update of rounding noise); one only some
-    of whose elements are (``quiet``: ``{param path: bool array}``, :func:`_quiet_elements`) gets it on those
-    elements alone. ``rounding``: ``({param path: array}, {opt_state path: array})`` allowances added (a
-    hypothesis's own rounding, :func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), or
-    ``None``."""
+    of whose elements are (``quiet``: ``{param path: bool array}``,
+    :func:`~shardcheck.parity.harness.optimizer_rerun.near_zero`) gets it on those elements alone.
+    ``rounding``: ``({param path: array}, {opt_state path: array})`` allowances added (a hypothesis's own
+    rounding, :func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), or ``None``."""
     from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
     from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 
