@@ -232,7 +232,8 @@ def _cold_check_programs(strategy: str, num_shards: int, **kwargs) -> collection
 _STEPS = {"_reference_jit", "_simulation_jit", "_accumulated_jit", "step"}
 # float32: the loss probe, the row-coupling probe (the strategies here compute the loss per shard), the snapshot
 # copy, the first pass's statistics, the gradient's tolerance and its sensitivity, the accumulated allowance of the
-# parameters and of the optimizer state (the accumulation strategy's optimizer wrapper adds two eager casts)
+# parameters and of the optimizer state (the accumulation strategy's optimizer wrapper adds two eager casts), the
+# optimizer rerun on the candidate's own gradients (the update check of a passing step)
 _F32 = {
     "_probe_loss": 1,
     "_full_and_combined": 1,
@@ -241,6 +242,7 @@ _F32 = {
     "gradient_tolerance": 1,
     "update_sensitivity": 1,
     "_accumulate": 2,
+    "_rerun_jit": 1,
 }
 # tf32 matmuls (a GPU's default): also the correct split, the gradient at the other matmul precision, the
 # gradient at the candidate's parameters, the measured noise, the output rounding, the two tree additions

@@ -157,9 +157,21 @@ class ParityReport:
 
     @property
     def worst(self) -> LeafError | None:
-        """The leaf error with the largest ``max_abs_err / tolerance`` over all steps (the first, on ties)."""
+        """The leaf error with the largest ``max_abs_err / tolerance`` over all steps (the first, on ties); where
+        every compared leaf passes and the update check fails (:attr:`update_failure`), its worst leaf."""
+        if self.update_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves):
+            return self.update_failure
         leaves = [leaf for record in self.steps for leaf in record.leaves]
         return max(leaves, key=lambda leaf: leaf.badness, default=None)
+
+    @property
+    def update_failure(self) -> LeafError | None:
+        """The worst failing leaf of the first step whose only failure is the update check (the task's optimizer
+        rerun on the candidate's own inputs, ``StepRecord.update_only``), as kind ``"update"``; else ``None``."""
+        record = next((r for r in self.steps if r.update_only), None)
+        if record is None:
+            return None
+        return dataclasses.replace(max(record.update_only, key=lambda e: e.badness), kind="update")
 
     @property
     def worst_leaf(self) -> str | None:
@@ -208,7 +220,8 @@ class ParityReport:
     def worst_by_kind(self) -> dict[str, LeafError]:
         """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps; ``state`` (the
         model's non-parameter state, after ``opt_state``) where one of its leaves fails, so that a failing state
-        leaf (a frozen weight trained) has its own row beside the rows it moved downstream."""
+        leaf (a frozen weight trained) has its own row beside the rows it moved downstream; ``update`` (after
+        ``opt_state``) where the update check fails (:attr:`update_failure`)."""
         out: dict[str, LeafError] = {}
         for record in self.steps:
             for leaf in record.leaves:
@@ -217,6 +230,9 @@ class ParityReport:
         kinds = [*KINDS]
         if "state" in out and not out["state"].ok:
             kinds.insert(kinds.index("opt_state") + 1, "state")
+        if self.update_failure is not None:  # below every tolerance against the reference: a row of its own
+            out["update"] = self.update_failure
+            kinds.insert(kinds.index("opt_state") + 1, "update")
         return {k: out[k] for k in kinds if k in out}
 
     def to_dict(self) -> dict:

@@ -225,9 +225,22 @@ class StepRecord:
     identical_start: bool = False
 
     @property
+    def update_only(self) -> tuple[LeafError, ...]:
+        """The failing leaves of the optimizer rerun where they are the step's only failure (every compared leaf
+        within tolerance, the replicas consistent): the update check of a passing step
+        (``shardcheck.parity.harness.optimizer_rerun.update_check``); ``()`` otherwise."""
+        if self.replica_mismatches or not all(leaf.ok for leaf in self.leaves):
+            return ()
+        return tuple(e for e in self.optimizer_rerun or () if not e.ok)
+
+    @property
     def ok(self) -> bool:
-        """Every leaf within tolerance and every replica consistent."""
-        return all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches
+        """Every leaf within tolerance, every replica consistent, and the optimizer rerun on the candidate's own
+        inputs (``optimizer_rerun``, where run) giving its update."""
+        rerun = self.optimizer_rerun or ()
+        return (
+            all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches and all(e.ok for e in rerun)
+        )
 
     @property
     def from_reference_state(self) -> bool:

@@ -228,6 +228,8 @@ def fit_form(
     form = _zero_or_flip(fit, update)
     form = form or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
     form = form or _factor(fit, optimizer_stage, update, tol or {})
+    if form is not None and form.kind == "none" and update:  # a ratio around 1: a small term, maybe a decay
+        form = _decay(f64, lr) or form
     if form is not None and aside and form.kind != "one_number":
         return _said_aside(form, aside)
     form = (

@@ -372,6 +372,12 @@ def _stage_result(
             if record.optimizer_rerun is not None
             else f"{NO_RERUN}; not rerun on the candidate's gradients"
         )
+        if record.update_only:
+            note += ", at the optimizer's own rounding"
+    elif stage == "parameters" and record.update_only:
+        note = (
+            "within the step's tolerance against the reference, which the difference stays below at one step"
+        )
     kinds = tuple(
         (k, sum(e.kind == k for e in leaves), sum(e.kind == k for e in bad))
         for k in dict.fromkeys(e.kind for e in leaves)

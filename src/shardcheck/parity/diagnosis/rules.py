@@ -30,6 +30,8 @@ in order, with their codes:
 - :func:`per_shard_loss` (``per_shard_loss``): the same step while the shards carry equal weights: a term of the
   loss that couples the rows was computed per shard.
 - :func:`scaled` (``scaled``): the gradient factor is another constant.
+- :func:`update_rerun` (``update_rerun``): every compared leaf within tolerance, but the task's optimizer rerun
+  on the candidate's own gradients and state gives another update (a fault below the tolerance that accumulates).
 - :func:`loss_differs` (``loss_differs``): only the returned loss differs.
 - :func:`grads_differ` (``grads_differ``): only the exposed gradients differ.
 - :func:`drift` (``drift``): an unexplained failure after steps that agreed.
@@ -94,6 +96,7 @@ from shardcheck.parity.diagnosis.topology import (
     replicas_root,
     replicated_reduced_message,
 )
+from shardcheck.parity.tolerance.derive import UPDATE_RTOL, UPDATE_ULPS
 
 # Update ratios are read from the leaves that moved by more than this many times their tolerance, where some did.
 SHARP = 10.0
@@ -1259,6 +1262,30 @@ def scaled(ctx: DiagnosisContext) -> Finding:
     return _factor_finding(ctx, "scaled", phrase)
 
 
+def update_rerun(ctx: DiagnosisContext) -> Finding:
+    """``update_rerun``: every compared leaf of the first failing step is within tolerance, but the task's
+    optimizer rerun on the candidate's own gradients and pre-step state gives another update
+    (``StepRecord.update_only``: the update check at the optimizer's own rounding)."""
+    first = ctx.first
+    bad = first.update_only if first is not None else ()
+    if not bad:
+        return None
+    worst = max(bad, key=lambda e: e.badness)
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return Diagnosis(
+        "update_rerun",
+        f"At step {first.step} every compared leaf is within its tolerance, but the update is not the task's "
+        f"optimizer's on the step's own gradients: rerun on the candidate's gradients and pre-step state, the "
+        f"optimizer gives other values for {worst.name}{more} (max abs err {worst.max_abs_err:.3g} > "
+        f"{worst.tolerance:.3g}, the optimizer's own rounding: {UPDATE_ULPS} ulps of the leaf and "
+        f"{UPDATE_RTOL:g} of its change). The tolerance against the reference allows the gradients' rounding "
+        "carried through the optimizer, which this difference stays below at one step while it adds up over the "
+        "steps: a term the step adds to its update or leaves out (a weight decay or a mask applied to other "
+        "leaves, a learning rate, schedule or optimizer setting not the task's) is the usual cause.",
+        worst.name,
+    )
+
+
 def loss_differs(ctx: DiagnosisContext) -> Finding:
     """``loss_differs``: only the returned loss is out of tolerance at the first failing step."""
     if ctx.bad_kinds != {"loss"}:
@@ -1897,6 +1924,7 @@ RULES: tuple[Rule, ...] = (
     per_shard_loss,
     low_precision_reduction,
     scaled,
+    update_rerun,
     loss_differs,
     grads_differ,
     drift,
@@ -1958,6 +1986,8 @@ def diagnose(
     - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``), or the
       returned gradients c times it (``StepRecord.per_shard_factor``: c = S, the per-shard means summed).
     - ``scaled``: another constant gradient factor (unless ``normalization`` explains the step).
+    - ``update_rerun``: every compared leaf of the first failing step within tolerance, while the task's
+      optimizer rerun on the candidate's own gradients and state gives another update (``StepRecord.update_only``).
     - ``loss_differs``: only the returned loss differs.
     - ``grads_differ``: only the exposed gradients differ.
     - ``drift``: unexplained failure at a step t > 0 after steps that agreed.

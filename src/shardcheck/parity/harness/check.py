@@ -74,7 +74,7 @@ from shardcheck.parity.harness.candidates import run_step, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
 from shardcheck.parity.harness.leaf_facts import leaf_facts
 from shardcheck.parity.harness.module_probe import module_evidence
-from shardcheck.parity.harness.optimizer_rerun import localization_evidence
+from shardcheck.parity.harness.optimizer_rerun import localization_evidence, update_checked
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
 from shardcheck.parity.harness.setup import _setup, check_options
@@ -307,6 +307,8 @@ def _compare_step(
             record = _explained(run, pre, batch, record, rtol, atol, cand_grads)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
             record = module_evidence(run, record, snapshots, batch)  # a forward-stage FAIL only
+    else:  # within its tolerances: the update from its own inputs, at the optimizer's own rounding
+        record = update_checked(run, record, snapshots, stepped, after)
     run.last = after
     return record, _reference_finite(record, after)
 

@@ -14,25 +14,40 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
-from shardcheck.parity.comparison.live import flatten_state, is_int, leaf_error, to_host
+from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.form import Form, fit_form
 from shardcheck.parity.diagnosis.grouping import param_path
 from shardcheck.parity.diagnosis.localization import localize
 from shardcheck.parity.diagnosis.replica_form import fit_replicas, replica_blocks
-from shardcheck.parity.harness.state import _opt_state, _Run
-from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
+from shardcheck.parity.harness.state import _default_view, _opt_state, _Run
+from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, UPDATE_GRAD_ULPS, UPDATE_RTOL, UPDATE_ULPS
+from shardcheck.parity.tolerance.propagation import update_sensitivity
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _rerun(tx, params, opt_state, grads):
-    """``(params, opt_state)`` after one step of ``tx`` on ``grads`` (compiled once per transformation)."""
+def _rerun_jit(tx, params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+def _rerun(tx, params, opt_state, grads):
+    """``(params, opt_state)`` after one step of ``tx`` on ``grads``, from host copies of its inputs: compiled once
+    per transformation, whatever placement the step left its arrays in (the first step's and the later ones'
+    differ). The optimizer's arithmetic is elementwise, but for its norms: the same on any device."""
+    return _rerun_jit(tx, *jax.tree.map(_host_array, (params, opt_state, grads)))
+
+
+def _host_array(a):
+    """``a`` as a NumPy array, a PRNG key as it is."""
+    if jax.dtypes.issubdtype(getattr(a, "dtype", np.float32), jax.dtypes.prng_key):
+        return a
+    return to_host(a)
 
 
 def _rebuild(like, flat: dict):
@@ -41,6 +56,38 @@ def _rebuild(like, flat: dict):
     if any(p not in flat for p in paths):
         return None
     return jax.tree.unflatten(jax.tree.structure(like), [flat[p] for p in paths])
+
+
+def _rerun_inputs(run: _Run, snapshots, cand_grads):
+    """``(params, opt_state, grads)``: the candidate's parameters and optimizer state before the step and the
+    gradients it returned, as the task's optimizer takes them, or ``None`` where they cannot be given to it (see
+    :func:`optimizer_rerun`)."""
+    if cand_grads is None or run.reference is not None:
+        return None
+    like_params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
+    like_state = nnx.as_pure(run.ref_opt.opt_state)
+    _, cand_params0, _, cand_state0 = snapshots
+    params = _rebuild(like_params, cand_params0)
+    state = _rebuild(like_state, cand_state0)
+    grads = _rebuild(like_params, flatten_state(nnx.as_pure(cand_grads)))
+    if params is None or state is None or grads is None:
+        return None
+    return params, state, grads
+
+
+def _rerun_from(run: _Run, snapshots, cand_grads):
+    """``(params, opt_state)`` of the task's optimizer rerun on the candidate's own gradients, parameters and
+    optimizer state before the step, or ``None`` where it cannot run (see :func:`optimizer_rerun`)."""
+    inputs = _rerun_inputs(run, snapshots, cand_grads)
+    return None if inputs is None else _try_rerun(run.ref_opt.tx, *inputs)
+
+
+def _try_rerun(tx, params, state, grads):
+    """:func:`_rerun`, or ``None`` where the transformation needs more than ``(grads, state, params)``."""
+    try:
+        return _rerun(tx, params, state, grads)
+    except (TypeError, ValueError):  # a transformation needing more than (grads, state, params): not observed
+        return None
 
 
 def optimizer_rerun(
@@ -62,20 +109,11 @@ def optimizer_rerun(
         state after the step; the ratio of the changes from its own state before), or ``None`` where it cannot
         run: no gradients returned, a user's reference step, or a state whose leaves are not the reference's.
     """
-    if cand_grads is None or run.reference is not None:
+    found = _rerun_from(run, snapshots, cand_grads)
+    if found is None:
         return None
-    like_params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
-    like_state = nnx.as_pure(run.ref_opt.opt_state)
+    new_params, new_state = found
     _, cand_params0, _, cand_state0 = snapshots
-    params = _rebuild(like_params, cand_params0)
-    state = _rebuild(like_state, cand_state0)
-    grads = _rebuild(like_params, flatten_state(nnx.as_pure(cand_grads)))
-    if params is None or state is None or grads is None:
-        return None
-    try:
-        new_params, new_state = _rerun(run.ref_opt.tx, params, state, grads)
-    except (TypeError, ValueError):  # a transformation needing more than (grads, state, params): not observed
-        return None
     out = []
     sides = (
         ("param", new_params, after.cand_params, cand_params0, 1.0),
@@ -93,6 +131,134 @@ def optimizer_rerun(
                 leaf_error(t, kind, path, to_host(value), to_host(cand[path]), r_tol, a_tol, b, b, allowance)
             )
     return tuple(out)
+
+
+def update_check(
+    run: _Run, t: int, snapshots, cand_grads, after
+) -> tuple[tuple[LeafError, ...], tuple] | None:
+    """The candidate's state after the step against the task's optimizer rerun on its own gradients and state
+    before it, at the optimizer's own rounding (:func:`checked_update`): the check of a step that passed its
+    tolerances, which a fault of the update free of drift (a weight decay on leaves the mask leaves out, an lr a
+    few percent off) may do while it accumulates below them.
+
+    Args: as :func:`optimizer_rerun`, without tolerances.
+
+    Returns:
+        :func:`checked_update`'s ``(leaves, arrays)``; ``None`` where the rerun cannot run (:func:`optimizer_rerun`).
+    """
+    inputs = _rerun_inputs(run, snapshots, cand_grads)
+    if inputs is None:
+        return None
+    _, cand_params0, _, cand_state0 = snapshots
+    sides = (after.cand_params, after.cand_state), (cand_params0, cand_state0)
+    return checked_update(t, run.ref_opt.tx, inputs, *sides, run.precision.compute_dtype)
+
+
+def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
+    """The update check of one step: ``tx`` rerun on ``inputs`` (``(params, opt_state, grads)``, the candidate's
+    before the step) against its state ``after`` it (:func:`update_leaves`). Where a leaf fails, it is decided
+    again with each element's sensitivity to the gradient moving by
+    :data:`~shardcheck.parity.tolerance.derive.UPDATE_GRAD_ULPS` units of its leaf's largest element added
+    (:func:`~shardcheck.parity.tolerance.propagation.update_sensitivity`): a step may return its gradient
+    computed in another order than the one it applied (the accumulation strategy's mean of the micro-batches and
+    ``optax.MultiSteps``' running mean), and Adam turns the last bits of an element at rounding level into a
+    change of its update far beyond them. Returns ``(leaves, arrays)``, or ``None`` where ``tx`` needs more than
+    ``(grads, state, params)``."""
+    rerun = _try_rerun(tx, *inputs)
+    if rerun is None:
+        return None
+    checked = update_leaves(t, rerun, after, before, compute_dtype)
+    if all(e.ok for e in checked[0]):
+        return checked
+    params, state, grads = jax.tree.map(_host_array, inputs)
+    delta = jax.tree.map(
+        lambda g: np.asarray(
+            UPDATE_GRAD_ULPS * jnp.finfo(g.dtype).eps * np.max(np.abs(g), initial=0.0), g.dtype
+        ),
+        grads,
+    )
+    updates, states, _ = update_sensitivity(tx, grads, state, params, delta)
+    allowance = (host_tree(updates), host_tree(states))
+    return update_leaves(t, rerun, after, before, compute_dtype, allowance)
+
+
+def update_leaves(
+    t: int, rerun, after, before, compute_dtype, allowance=({}, {})
+) -> tuple[tuple[LeafError, ...], tuple]:
+    """Each float leaf of the candidate's state after a step against the task's optimizer rerun on its own inputs,
+    within the optimizer's own rounding: :data:`~shardcheck.parity.tolerance.derive.UPDATE_ULPS` units in the last
+    place of the leaf's largest element (its dtype's) plus :data:`~shardcheck.parity.tolerance.derive.UPDATE_RTOL`
+    of each element's change in the step (under a ``compute_dtype`` coarser than float32, 4 of its units).
+
+    Args:
+        t: the step.
+        rerun: ``(params, opt_state)`` pytrees of the rerun.
+        after, before: ``(params, opt_state)`` of the candidate after and before the step, flat ``{path: array}``.
+        compute_dtype: the step's compute dtype (``Precision.compute_dtype``).
+        allowance: ``(params, opt_state)`` flat ``{path: array}`` added element by element (the update's
+            sensitivity to the gradient's last bits, :func:`checked_update`); a missing path adds nothing.
+
+    Returns:
+        ``(leaves, arrays)``: one ``param`` / ``opt_state`` :class:`LeafError` per float leaf (reference: the rerun),
+        and ``(before, rerun, after)`` flat ``{key: host array}`` keyed as
+        :func:`~shardcheck.parity.diagnosis.form.fit_form` reads them (a parameter by its path, an optimizer-state
+        leaf as ``"opt_state <path>"``).
+    """
+    compute_eps = float(jnp.finfo(compute_dtype).eps)
+    rel = UPDATE_RTOL if compute_eps <= np.finfo(np.float32).eps else 4 * compute_eps
+    leaves, arrays = [], ({}, {}, {})
+    sides = zip(("param", "opt_state"), rerun, after, before, allowance, strict=True)
+    for kind, ran, cand, was, extra in sides:
+        for path, value in flatten_state(ran).items():
+            if path not in cand or path not in was or is_int(value) or not hasattr(value, "dtype"):
+                continue
+            r, c, b = to_host(value), to_host(cand[path]), to_host(was[path])
+            if not jnp.issubdtype(c.dtype, jnp.floating):
+                continue
+            change = rel * np.abs(np.asarray(r, np.float64) - np.asarray(b, np.float64))
+            if path in extra:
+                change = change + np.asarray(extra[path], np.float64)
+            ulps = UPDATE_ULPS * float(jnp.finfo(c.dtype).eps)
+            leaves.append(leaf_error(t, kind, path, r, c, ulps, 0.0, b, b, change))
+            key = path if kind == "param" else f"opt_state {path}"
+            for side, a in zip(arrays, (b, r, c), strict=True):
+                side[key] = a
+    return tuple(leaves), arrays
+
+
+def pre_update(model, optimizer, view) -> tuple:
+    """``(params, opt_state)``: copies of a candidate's parameters and optimizer state (its ``view``,
+    ``Candidate.view_optimizer``, or the optimizer's own) before a step, for :func:`recorded_update_check` (the
+    step may donate them)."""
+    view = view or _default_view
+    params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))
+    return params, jax.tree.map(jnp.copy, nnx.as_pure(view(optimizer)[0]))
+
+
+def recorded_update_check(t: int, task, pre: tuple, grads, model, optimizer, view, compute_dtype):
+    """:func:`update_check` of a step that :func:`~shardcheck.parity.harness.recorded.record_run` ran: the task's
+    optimizer (``task.optimizer``) rerun on the gradients the step returned and its state before the step
+    (``pre``: :func:`pre_update`), against its state after it. Returns ``(t, leaves, arrays)`` where some leaf
+    fails, else ``None`` (also where the step returns no gradients, its optimizer state is not the task's by
+    path, or the transformation needs more than ``(grads, state, params)``)."""
+    if grads is None:
+        return None
+    params, state = pre
+    state = _rebuild(jax.eval_shape(task.optimizer.init, params), flatten_state(state))
+    grads = _rebuild(params, flatten_state(nnx.as_pure(grads)))
+    if state is None or grads is None:
+        return None
+    view = view or _default_view
+    after = (
+        flatten_state(nnx.as_pure(nnx.state(model, nnx.Param))),
+        flatten_state(state_after := nnx.as_pure(view(optimizer)[0])),
+    )
+    before = (flatten_state(params), flatten_state(state))
+    checked = checked_update(t, task.optimizer, (params, state, grads), after, before, compute_dtype)
+    if checked is None or all(e.ok for e in checked[0]):
+        return None
+    leaves, arrays = checked
+    return t, leaves, (*arrays, known_lr(state_after))
 
 
 def known_lr(opt_state) -> float | None:
@@ -212,6 +378,35 @@ def leaf_tolerances(leaves) -> dict[str, float]:
     return {(f"opt_state {e.path}" if e.kind == "opt_state" else e.path): e.tolerance for e in leaves}
 
 
+def optimizer_form(record: StepRecord, arrays) -> tuple:
+    """``(("optimizer", Form),)``: the form of the optimizer stage's failing leaves (``record.optimizer_rerun``),
+    fitted on the rerun's arrays as :func:`stage_forms` fits a stage's, where the record is localized there; else
+    ``()``. ``arrays``: ``(before, rerun, after, lr, quiet)``: flat ``{key: array}`` keyed as
+    :func:`~shardcheck.parity.diagnosis.form.fit_form` reads them, the learning rate the state holds
+    (:func:`known_lr`) and the elements at rounding level (:func:`near_zero`)."""
+    found = localize([record])
+    if found is None or found.stage != "optimizer":
+        return ()
+    before, rerun, after, lr, quiet = arrays
+    keys = [
+        e.path if e.kind == "param" else f"opt_state {e.path}" for e in record.optimizer_rerun if not e.ok
+    ]
+    keys = [k for k in keys if k in rerun and k in after and not is_int(after[k])]
+    if not keys:
+        return ()
+    form = fit_form(
+        {k: to_host(before[k]) for k in keys},
+        {k: to_host(rerun[k]) for k in keys},
+        {k: to_host(after[k]) for k in keys},
+        lr=lr,
+        optimizer_stage=True,
+        tol=leaf_tolerances(record.optimizer_rerun),
+        state_params=state_params(keys, before),
+        quiet=quiet_keys(keys, quiet),
+    )
+    return (("optimizer", form),)
+
+
 def replicas_form(record: StepRecord, snapshots, after) -> tuple[tuple[str, Form], ...]:
     """``(("replicas", Form),)``: the form of the copies of each mismatched leaf (``record.replica_mismatches``)
     against the reference (:func:`~shardcheck.parity.diagnosis.replica_form.fit_replicas`: the candidate's
@@ -236,6 +431,20 @@ def replicas_form(record: StepRecord, snapshots, after) -> tuple[tuple[str, Form
     grads = [e for e in record.leaves if e.kind == "grad"]
     after_gradients = bool(grads) and all(e.ok for e in record.leaves if e.kind in ("loss", "grad"))
     return (("replicas", fit_replicas(leaves, record.replica_axes, after_gradients)),)
+
+
+def update_checked(run: _Run, record: StepRecord, snapshots, stepped, after) -> StepRecord:
+    """A passing ``record`` with the :func:`update_check` (the optimizer rerun on the candidate's own inputs at the
+    optimizer's own rounding) and its form as ``optimizer_rerun`` / ``forms`` where it fails, which fails the
+    record; ``record`` unchanged otherwise (the check passes or cannot run)."""
+    checked = update_check(run, record.step, snapshots, stepped[3], after)
+    if checked is None or all(e.ok for e in checked[0]):
+        return record
+    leaves, (before, rerun, cand) = checked
+    record = dataclasses.replace(record, optimizer_rerun=leaves)
+    lr = known_lr(nnx.as_pure(_opt_state(run.ref_opt)))
+    quiet = near_zero(stepped[1], record.atol)
+    return dataclasses.replace(record, forms=optimizer_form(record, (before, rerun, cand, lr, quiet)))
 
 
 def localization_evidence(run: _Run, record: StepRecord, snapshots, stepped, after, rtol, atol) -> StepRecord:

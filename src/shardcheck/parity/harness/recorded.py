@@ -42,6 +42,7 @@ from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.harness.candidates import as_candidate, run_step
+from shardcheck.parity.harness.optimizer_rerun import pre_update, recorded_update_check
 from shardcheck.parity.harness.row_coupling import float32_model
 from shardcheck.parity.harness.setup import (
     _check_rows,
@@ -452,6 +453,7 @@ def record_run(
     settings: Mapping[str, Any] | None = None,
     matmul_precision: str | None = None,
     true_gradients: bool = False,
+    update_checks: list | None = None,
     compute_dtype=None,
 ) -> Recording:
     """Run ``candidate`` on ``task`` for ``steps`` steps and digest every leaf after each one.
@@ -492,6 +494,11 @@ def record_run(
             with every layer computing in float32 (``"true32"``: within ``atol_t`` of 0, its gradient is at
             rounding level) and its gradient's compute noise (``"noise"``, the live check's measure, what such a
             gradient is compared within: :func:`~shardcheck.parity.harness.true_gradients.rounding_noise`).
+        update_checks: a list to collect the update check of the steps in (a replay passes one): at each step
+            until one fails it, the task's optimizer rerun on the gradients the step returned and its state
+            before the step, against its state after it, at the optimizer's own rounding
+            (:func:`~shardcheck.parity.harness.optimizer_rerun.recorded_update_check`); the first failing step's
+            ``(step, leaves, arrays)`` is appended. ``None``: not checked.
         compute_dtype: the compute dtype the tolerance assumes, in place of the one read from the model's layers
             as a live check reads it (:meth:`~shardcheck.parity.tolerance.precision.Precision.of`: the least
             precise layer ``dtype``); stored as ``meta["compute_dtype"]``: a replay is compared within the looser
@@ -512,10 +519,7 @@ def record_run(
     fn = "record_run"
     settings = _check_settings(fn, settings)
     matmul_precision = matmul.check_policy(fn, matmul_precision)
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise TypeError(
-            f"record_run: name must be a non-empty str (the run's name in the recording), got {name!r}"
-        )
+    _check_name(name)
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh, drawn = _start(fn, task, candidate, steps, num_shards, mesh, name)
     reads = loss_reads(task.loss_fn, model, data[0])  # the floating state the loss reads (before any step)
@@ -543,7 +547,8 @@ def record_run(
             truth[t] = true_gradient_digest(task.loss_fn, model, batch, peaks)
         if true_gradients and _coarse(compute):  # what tells a gradient at rounding level at low precision
             noise[t] = rounding_noise(task.loss_fn, model, batch, jnp.dtype(compute))
-        loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)  # the harness's step call
+        stepped = (fn, cand, model, optimizer, batch, kwargs, t)
+        loss, grads = _checked_step(stepped, task, compute, update_checks)  # the harness's step call
         returned = grads is not None
         if returned:
             truth.pop(t, None)
@@ -558,6 +563,28 @@ def record_run(
     recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_reads
     _keep_gradients(recording.meta, len(data), truth, least, noise)
     return recording
+
+
+def _check_name(name) -> None:
+    """Refuse a ``name`` that is not a non-empty str (TypeError)."""
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise TypeError(
+            f"record_run: name must be a non-empty str (the run's name in the recording), got {name!r}"
+        )
+
+
+def _checked_step(stepped: tuple, task: Task, compute, update_checks: list | None):
+    """``(loss, grads)`` of the harness's step call (``stepped``: :func:`run_step`'s arguments), with the update
+    check of the step appended to ``update_checks`` where it fails, until one has
+    (:func:`~shardcheck.parity.harness.optimizer_rerun.recorded_update_check`; ``None``: not checked)."""
+    fn, cand, model, optimizer, batch, kwargs, t = stepped
+    checking = update_checks is not None and not update_checks
+    pre = pre_update(model, optimizer, cand.view_optimizer) if checking else None
+    loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)
+    if checking:
+        failed = recorded_update_check(t, task, pre, grads, model, optimizer, cand.view_optimizer, compute)
+        update_checks += [failed] if failed is not None else []
+    return loss, grads
 
 
 def _keep_gradients(meta: dict, steps: int, truth: dict, least: dict, noise: dict) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from shardcheck.parity.comparison.digest import QUIET, with_divergence_note
 from shardcheck.parity.harness.non_finite import diverged_report, first_non_finite, truncated
+from shardcheck.parity.harness.optimizer_rerun import optimizer_form
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
 from shardcheck.parity.report import ParityReport
 from shardcheck.task import Task
@@ -151,6 +152,7 @@ def check_against_recording(
         matmul_precision=matmul_precision,
         compute_dtype=compute_dtype,
         true_gradients=True,  # where it returns none: which gradients are at rounding level, as a live check
+        update_checks=(checked := []),  # the update of each step from its own inputs, as a live check
     )
     # a recording that went non-finite is no reference from there: the steps before it are compared, as a live
     # check whose reference diverged stops there (reference_diverged: no verdict)
@@ -163,6 +165,7 @@ def check_against_recording(
     rules = functools.partial(rediagnosed, comparison, *compared)  # read again with the rerun
     where = {"mesh": mesh, "num_shards": num_shards, "name": name, "fn": fn}
     report = with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
+    report = with_update_check(report, checked[0] if checked else None, task, rules)
     return report if diverged is None else diverged_report(report, diverged, recording, replayed)
 
 
@@ -251,7 +254,7 @@ def with_optimizer_rerun(
     with_rerun = dataclasses.replace(record, matches=record.matches + matches, **counted, **fields)
     if rerun is not None:
         with_rerun = dataclasses.replace(with_rerun, optimizer_rerun=rerun)
-        forms = _optimizer_form(with_rerun, arrays)
+        forms = optimizer_form(with_rerun, arrays)
         with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
     steps = tuple(with_rerun if r is record else r for r in report.steps)
     found = rules(steps) if rules else _without_refuted_drift(report.diagnoses, steps, report.num_shards)
@@ -260,6 +263,34 @@ def with_optimizer_rerun(
         report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
     )
     replay = with_divergence_note(replay)  # the rerun may refute a late failure as rounding divergence
+    return dataclasses.replace(
+        report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
+    )
+
+
+def with_update_check(report: ParityReport, found, task: Task, rules) -> ParityReport:
+    """``report`` where the update check failed at a replayed step before any step the digests fail (``found``:
+    ``(step, leaves, (before, rerun, after, lr))``, ``record_run(update_checks=)``): that step's record with the
+    check as its optimizer rerun and the form fitted on its arrays
+    (:func:`~shardcheck.parity.harness.optimizer_rerun.optimizer_form`), diagnosed by ``rules`` (the live
+    check's), as a live check finds it. Unchanged otherwise."""
+    if found is None or report.replay is None:
+        return report
+    t, leaves, (before, rerun, after, lr) = found
+    if any(not r.ok for r in report.steps if r.step <= t):  # a failure the digests show first: read as it is
+        return report
+    record = next((r for r in report.steps if r.step == t), None)
+    if record is None:
+        return report
+    with_check = dataclasses.replace(record, optimizer_rerun=leaves)
+    forms = optimizer_form(with_check, (before, rerun, after, lr, {}))
+    with_check = dataclasses.replace(with_check, forms=forms)
+    steps = tuple(with_check if r is record else r for r in report.steps)
+    found = rules(steps)
+    cause = " ".join(d.message for d in found if d.code not in QUIET)
+    replay = dataclasses.replace(
+        report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
+    )
     return dataclasses.replace(
         report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
     )
@@ -477,38 +508,6 @@ def _recorded_excess(record, compared) -> tuple[dict, dict]:
         if np.isfinite(extra) and extra > 0:
             out[e.kind == "opt_state"][e.path] = extra
     return out
-
-
-def _optimizer_form(record, arrays) -> tuple:
-    """``(("optimizer", Form),)``: the form of the optimizer stage's failing leaves, fitted on the rerun's
-    arrays as the live check fits them (:func:`~shardcheck.parity.harness.optimizer_rerun.stage_forms`), where
-    the record is localized there; else ``()``."""
-    from shardcheck.parity.comparison.live import is_int, to_host
-    from shardcheck.parity.diagnosis.form import fit_form
-    from shardcheck.parity.diagnosis.localization import localize
-    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances, quiet_keys, state_params
-
-    found = localize([record])
-    if found is None or found.stage != "optimizer":
-        return ()
-    before, rerun, after, lr, quiet = arrays
-    keys = [
-        e.path if e.kind == "param" else f"opt_state {e.path}" for e in record.optimizer_rerun if not e.ok
-    ]
-    keys = [k for k in keys if k in rerun and k in after and not is_int(after[k])]
-    if not keys:
-        return ()
-    form = fit_form(
-        {k: to_host(before[k]) for k in keys},
-        {k: to_host(rerun[k]) for k in keys},
-        {k: to_host(after[k]) for k in keys},
-        lr=lr,
-        optimizer_stage=True,
-        tol=leaf_tolerances(record.optimizer_rerun),
-        state_params=state_params(keys, before),
-        quiet=quiet_keys(keys, quiet),
-    )
-    return (("optimizer", form),)
 
 
 def _compared(record, rerun, after, before, rounding=None, quiet=None) -> tuple:

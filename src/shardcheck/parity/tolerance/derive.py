@@ -17,6 +17,18 @@ SAFETY_FACTOR = 16.0
 # Optimizer moments are compared at this multiple of the tolerance (second moments square the gradient).
 MOMENT_FACTOR = 2.0
 
+# An update recomputed from the same inputs agrees with the applied one within the optimizer's own rounding:
+# UPDATE_ULPS units in the last place of the leaf's largest element (the addition p + u, elementwise ops fused
+# another way), and a relative UPDATE_RTOL of each element's own change in the step (a global norm, or a mean
+# over leaves, reduced in another order scales the update by a factor within a few ulps of 1); under a compute
+# dtype coarser than float32, 4 of its units in place of UPDATE_RTOL (gradients cast on their way to the update).
+UPDATE_ULPS = 8
+UPDATE_RTOL = 1e-4
+# Where the update check fails, it is decided again with the update's sensitivity to the gradient moving by this
+# many units in the last place of its leaf's largest element (a gradient returned as computed in another order than
+# the one applied: Adam amplifies an element at rounding level).
+UPDATE_GRAD_ULPS = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
