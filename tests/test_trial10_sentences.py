@@ -86,8 +86,8 @@ def test_a_replayed_step_run_from_the_recorded_state_reads_as_live_not_as_drift(
     codes = {d.code: d.message for d in rules.diagnose(live_like, 4)}
     assert "drift" not in codes
     assert codes["update_differs"].startswith(
-        "The update differs from the reference at step 1 (run from the reference's pre-step state) (grad b: max abs "
-        "err 0.04 > tolerance 0.001"
+        "The update differs from the reference at step 1 (from a pre-step state bitwise the recording's) (grad b: "
+        "max abs err 0.04 > tolerance 0.001"
     )
     loc = localize(live_like)
     assert loc.text().startswith(
@@ -131,7 +131,8 @@ def test_a_replay_whose_state_before_the_failing_step_hashed_as_the_recordings_i
     assert exact.verdict == "FAIL" and first.step == 1 and first.identical_start
     text = " ".join(str(exact).split())
     assert "drift" not in exact.codes and DIVERGENCE not in text, text
-    assert "First difference at step 1 (run from the reference's pre-step state)" in text
+    # a replay re-runs nothing from the reference's state: its step started bitwise from the recording's (trial 22)
+    assert "First difference at step 1 (from a pre-step state bitwise the recording's)" in text
     nudged = check_parity(late(1e-7), counter.task, mesh=mesh, reference=recording)
     first = next(r for r in nudged.steps if not r.ok)
     assert nudged.verdict == "FAIL" and first.step == 1 and not first.identical_start

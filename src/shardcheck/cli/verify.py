@@ -374,6 +374,11 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
     return reports
 
 
+# a built-in strategy's refusal is said whole on stderr and in --json: its fix comes at its end (issue #36, trial 22
+# read the row-coupling refusal cut off at 400 characters, before "Check it with a GSPMD step")
+FULL_REASON = 4000
+
+
 def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
     """The row of a check that raised; ``None`` for what is no row's own: the run's bad input (a ``check_parity:``
     refusal, which every check would give: :func:`main` says it once, exit 2), or an error of the user's candidate
@@ -398,8 +403,17 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         )
     if not wrapped and isinstance(err, (ValueError, TypeError)) and str(err).startswith("check_parity"):
         return None
-    reason = f"{type(cause).__name__}: {reason_line(cause).rstrip('.')}"  # one period before "A limitation"
+    from shardcheck.parity.harness.row_coupling import RowCouplingError
+
+    whole = reason_line(cause, limit=FULL_REASON)  # the message says it whole: its fix comes last
     where = "" if step is None else f" at step {step}"
+    if isinstance(cause, RowCouplingError):  # a documented limitation of the strategy on this task
+        message = (
+            f"shardcheck verify: the built-in strategy {label!r} cannot check this task{where}: {whole}; the "
+            f"other rows stand (leave {label} out with --strategies)"
+        )
+        return ErrorRow(label, message, type(cause).__name__, whole, step, True)
+    reason = f"{type(cause).__name__}: {whole.rstrip('.')}"  # one period before "A limitation"
     message = (
         f"shardcheck verify: the built-in strategy {label!r} could not run this task{where}: {reason}. A "
         f"limitation or a bug of shardcheck's {label} step, not a fault of your model or step; the other rows "
@@ -543,6 +557,15 @@ def main(args) -> int:
     return 2 if any(isinstance(r, ErrorRow) for r in reports.values()) else 0 if ok else 1
 
 
+def _model_dtype_text(report) -> str:
+    """``", compute dtype bfloat16 (the model's layers: the tolerances' policy)"``: a compute dtype coarser than
+    float32 read from the model, which the tolerances follow (trial 21: a bfloat16 model's check never said
+    bfloat16), else ``""``."""
+    if not report.compute_dtype or report.compute_dtype in ("float32", "float64"):
+        return ""
+    return f", compute dtype {report.compute_dtype} (the model's layers: the tolerances' policy)"
+
+
 def _dtype_policy_text(args) -> str:
     """``", compute dtype bfloat16 (--compute-dtype: ...)"``: where ``--compute-dtype`` / ``--param-dtype`` set
     the tolerance policy of a task file's check, said beside the matmul precision (trial 16: the tolerances
@@ -585,7 +608,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     if done:  # the matmul precision the tolerances assumed (one for every check of a run)
         first = next(iter(done.values()))
         setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
-    setup += _dtype_policy_text(args)
+    setup += _dtype_policy_text(args) or (_model_dtype_text(next(iter(done.values()))) if done else "")
     for report in reports.values():
         if isinstance(report, ErrorRow):  # on stderr, as a candidate that raised always was
             _fail(report.message)

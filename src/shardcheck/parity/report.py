@@ -90,6 +90,8 @@ class ParityReport:
             ``"tf32"``, ``"bfloat16"``; ``shardcheck.parity.tolerance.matmul``).
         matmul_precision_source: how it was chosen: ``"set by the caller"``, or ``"the backend's (gpu) for this
             step"``.
+        compute_dtype: the compute dtype the tolerances assumed (``Precision.compute_dtype``: the model's least
+            precise layer ``dtype``, or the caller's), e.g. ``"bfloat16"``; ``""`` where not known (a replay).
         precision_recheck: on an accelerator, the outcome of re-checking a FAIL within a few tolerances with both
             sides at ``"highest"`` (``shardcheck.parity.tolerance.recheck``); ``None`` when there was none.
         localization: a failing run's localization by stage, group and form
@@ -121,6 +123,7 @@ class ParityReport:
     allocator_peak_bytes: int | None = None
     matmul_precision: str = "float32"
     matmul_precision_source: str = ""
+    compute_dtype: str = ""
     precision_recheck: str | None = None
     devices: dict[str, str] = dataclasses.field(default_factory=dict)
     localization: Localization | None = None
@@ -279,6 +282,7 @@ class ParityReport:
             "steps": len(self.steps),
             "num_shards": self.num_shards,
             "tolerance_rule": self.tolerance_rule,
+            "compute_dtype": self.compute_dtype or None,
             "step_count": None if record_last is None else record_last.step_count,
             "candidate_step_count": None if record_last is None else record_last.candidate_step_count,
             "replica_mismatches": sorted({p for r in self.steps for p in r.replica_mismatches}),

@@ -1131,8 +1131,21 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
     r = pair.leaf("recorded", e.step, e.name)
     change = r.update if kind in ("param", "state") and e.step >= 0 and math.isfinite(r.update) else None
+    zeros = kind == "grad" and top == 0 and pair.leaf("replayed", e.step, e.name).max == 0  # both all zeros
     leaf = LeafError(
-        e.step, kind, path or "loss", e.err, rel, e.allowed, e.ok, ratio, change, spread, shape, samples
+        e.step,
+        kind,
+        path or "loss",
+        e.err,
+        rel,
+        e.allowed,
+        e.ok,
+        ratio,
+        change,
+        spread,
+        shape,
+        samples,
+        zeros=zeros,
     )
     if e.evidence != PART_EVIDENCE:
         return leaf

@@ -120,7 +120,10 @@ def _cleared(item, st: dict) -> LeafError | None:
     rel = (diff / scale) if scale > 0 else (0.0 if diff == 0 else math.inf)
     change = float(st["change"]) if "change" in st else None
     shape = tuple(item.ref.shape)
-    return LeafError(item.step, item.kind, item.path, diff, rel, widest, True, None, change, None, shape)
+    zeros = scale == 0 and diff == 0 and item.before_ref is None  # both sides all zeros
+    return LeafError(
+        item.step, item.kind, item.path, diff, rel, widest, True, None, change, None, shape, zeros=zeros
+    )
 
 
 def _moved(arrays: list, places: list) -> list:

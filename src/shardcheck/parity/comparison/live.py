@@ -109,7 +109,7 @@ def leaf_error(
         return LeafError(step, kind, path, math.inf, math.inf, base, False, shape=r.shape, cand_shape=c.shape)
     if allowance is None and before_ref is None and not r.any() and not c.any():
         # both all zeros (an accumulator emptied after its step): every field below, without its passes
-        return LeafError(step, kind, path, 0.0, 0.0, base + 0.0, True, None, None, None, r.shape)
+        return LeafError(step, kind, path, 0.0, 0.0, base + 0.0, True, None, None, None, r.shape, zeros=True)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(c - r)
     nan = bool(np.isnan(diff).any())
@@ -133,7 +133,8 @@ def leaf_error(
     else:
         dr, dc, change = r, c, None
     ratio, spread = _ratio_stats(dr, dc)
-    return LeafError(step, kind, path, max_abs, rel, tol, ok, ratio, change, spread, r.shape)
+    zeros = before_ref is None and scale == 0 and max_abs == 0  # both sides all zeros
+    return LeafError(step, kind, path, max_abs, rel, tol, ok, ratio, change, spread, r.shape, zeros=zeros)
 
 
 def counter_error(step, path, ref, cand) -> LeafError:
@@ -380,8 +381,20 @@ def _from_stats(item: LeafInput, st: dict) -> LeafError:
         ratio = 0.5 * (float(st["low"]) + float(st["high"]))
         spread = (float(st["p10"]), float(st["p90"]))
     shape = tuple(item.ref.shape)
+    zeros = scale == 0 and max_abs == 0 and item.before_ref is None  # both sides all zeros
     return LeafError(
-        item.step, item.kind, item.path, max_abs, rel, tol, bool(ok), ratio, change, spread, shape
+        item.step,
+        item.kind,
+        item.path,
+        max_abs,
+        rel,
+        tol,
+        bool(ok),
+        ratio,
+        change,
+        spread,
+        shape,
+        zeros=zeros,
     )
 
 

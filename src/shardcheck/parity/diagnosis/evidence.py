@@ -82,6 +82,9 @@ class LeafError:
             ``weak_update``: ``tolerance`` is then one element's (the widest, or the one nearest failing), and an
             element whose gradient is at rounding level has an allowance of ~2 lr under Adam (trial 19:
             0.00187 at one of 1024 elements, 6.94e-05 at the rest, whose update 0.00094 a doubled update fails).
+        zeros: both sides hold only zeros (a gradient of exactly 0: a LoRA factor A while its B is 0, a
+            parameter behind a clamp that holds it), which no factor or difference can show; ``False`` where
+            either side holds a nonzero element, or where not known.
     """
 
     step: int
@@ -100,6 +103,7 @@ class LeafError:
     missing: bool = False
     kept: tuple[int, int, str] | None = None
     update_seen: bool | None = None
+    zeros: bool = False
 
     @property
     def name(self) -> str:
@@ -195,6 +199,10 @@ class StepRecord:
             and model-state leaf after step t - 1) hashed as the recording's (sha256 of equal shape, dtype and
             placement): the step ran from the recorded run's state exactly, as a live re-check runs it, so a
             difference there is the step's own, not divergence grown over earlier steps.
+        update_checked: a passing live step whose update check ran and passed (the task's optimizer rerun on its
+            own gradients and pre-step state gave its update, within the optimizer's own rounding:
+            ``shardcheck.parity.harness.optimizer_rerun.update_check``); ``False`` where it did not run (no
+            gradients returned, an optimizer state not the task's by path, a replay's record) or failed.
     """
 
     step: int
@@ -223,6 +231,7 @@ class StepRecord:
     weight_count: tuple[int, str] | None = None
     replayed: bool = False
     identical_start: bool = False
+    update_checked: bool = False
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:
@@ -241,6 +250,14 @@ class StepRecord:
         return (
             all(leaf.ok for leaf in self.leaves) and not self.replica_mismatches and all(e.ok for e in rerun)
         )
+
+    @property
+    def start_said(self) -> str:
+        """How a sentence about this step says where it started (:func:`start_words`), ``""`` for a step that ran
+        from the candidate's own state."""
+        if self.synchronized:
+            return start_words(True)
+        return start_words(False) if self.identical_start else ""
 
     @property
     def from_reference_state(self) -> bool:
@@ -268,15 +285,30 @@ class Diagnosis:
     leaf: str | None = None
 
 
+def start_words(live: bool) -> str:
+    """A step that started from the reference's pre-step state, in words: a live re-check ran it from there
+    (``" (run from the reference's pre-step state)"``); a replay re-runs nothing from the reference's state, its
+    candidate's state before the step was bitwise the recording's (``" (from a pre-step state bitwise the
+    recording's)"``)."""
+    return (
+        " (run from the reference's pre-step state)"
+        if live
+        else " (from a pre-step state bitwise the recording's)"
+    )
+
+
 def would_show(e: LeafError, factor: float) -> bool:
     """Whether the matching leaf ``e`` would have failed, had its value (a gradient) or its change (a parameter,
     an optimizer-state leaf: ``reference_change``) been ``factor`` x the reference's: ``size |factor - 1| >
     tolerance``, the size ``reference_change`` or ``max |reference| = max_abs_err / max_rel_err``. A leaf whose
     reference is rounding noise (an attention key bias's gradient) matches under any factor and is no evidence
-    against one; ``True`` where the size cannot be read."""
+    against one, nor is a leaf of zeros on both sides (``LeafError.zeros``); ``True`` where the size cannot be
+    read."""
     size = e.reference_change
     if size is None and e.max_rel_err > 0 and math.isfinite(e.max_rel_err):
         size = e.max_abs_err / e.max_rel_err
+    if e.zeros:
+        return False  # all zeros on both sides (a LoRA factor A while its B is 0): no factor shows in it
     if size is None or not math.isfinite(size):
         return True
     return size * abs(factor - 1.0) > e.tolerance

@@ -71,8 +71,10 @@ ZERO_MEANING = (
 )
 # what a zero update of the reference's alone means (``reference_zero``)
 REFERENCE_ZERO_MEANING = (
-    "a learning rate of 0 at this step in the reference and not in the candidate (a warm-up from 0 that the "
-    "candidate's schedule reads one step ahead), or an update the reference skips at this step"
+    "parameters the task's optimizer freezes (an optax.set_to_zero group of multi_transform, a mask, a LoRA base "
+    "weight) that the candidate trains, a learning rate of 0 at this step in the reference and not in the "
+    "candidate (a warm-up from 0 that the candidate's schedule reads one step ahead), or an update the reference "
+    "skips at this step"
 )
 FORMS = (
     "zero",

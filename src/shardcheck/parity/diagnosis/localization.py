@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, would_show
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, start_words, would_show
 from shardcheck.parity.diagnosis.form import Form, form_from_leaves, shape_form, weight_phrase
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
@@ -223,9 +223,7 @@ class Localization:
     def text(self) -> str:
         """The localization in words: the first stage that differs and its meaning, the first module whose output
         differs (a forward stage's, where probed), the group, the form, then every stage's status."""
-        where = f"step {self.step}" + (
-            " (run from the reference's pre-step state)" if self.synchronized else ""
-        )
+        where = f"step {self.step}" + (start_words(self.live) if self.synchronized else "")
         if self.stage is None:
             head = f"At {where} no stage of the update shows the failure."
         else:
@@ -734,6 +732,13 @@ def forward_form(
             f"every gradient that can show it is {scaled:.4g} x too: the whole loss is scaled, its normalization "
             "differs (a sum for a mean, another count or divisor, a loss scale not undone)"
         )
+    elif scaled is None and _near_factor(grads, f) is not None:
+        lo, hi = _near_factor(grads, f)
+        why = (
+            f"every failing gradient's median ratio is near {f:.4g} ({lo:.4g}..{hi:.4g}), though not constant "
+            "across its elements (the compute's rounding spreads them): the whole loss is likely scaled, its "
+            "normalization differs (a sum for a mean, another count or divisor, a loss scale not undone)"
+        )
     elif scaled is None and all(at_rounding(e) for e in grads if e.ok):
         why = (
             f"{_every_gradient(grads)} differs, by no one factor: the forward pass computes another function of "
@@ -747,6 +752,29 @@ def forward_form(
         why = f"the gradients are {scaled:.4g} x the reference's: the loss and its gradients are scaled apart"
     meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
     return dataclasses.replace(form, sentence=f"{head}: {meaning}")
+
+
+# how near the loss's factor f every failing gradient's median ratio lies (a share of |f - 1|), where no one factor
+# fits their elements; a factor within MIN_SCALE of 1 is no scale to read this way
+NEAR_FACTOR = 0.1
+MIN_SCALE = 0.25
+
+
+def _near_factor(grads: list[LeafError], f: float) -> tuple[float, float] | None:
+    """``(least, most)`` median ratio of the failing gradient leaves where every one lies within :data:`NEAR_FACTOR`
+    x ``|f - 1|`` of the loss's factor ``f`` (at least :data:`MIN_SCALE` from 1) and no matching one would show ``f``
+    (:func:`~shardcheck.parity.diagnosis.evidence.would_show`); else ``None``. Under bfloat16 compute a loss
+    divided by the local count (x4) moved every gradient by about x4 while their elements' ratios spread too far
+    for one factor (issue #36, trial 22), and the sentence had said "not a scaled loss"."""
+    bad = [e for e in grads if not e.ok]
+    ratios = [e.ratio for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
+    if abs(f - 1.0) < MIN_SCALE or not bad or len(ratios) < len(bad):
+        return None
+    if any(would_show(e, f) for e in grads if e.ok) or any(
+        abs(r - f) > NEAR_FACTOR * abs(f - 1.0) for r in ratios
+    ):
+        return None
+    return min(ratios), max(ratios)
 
 
 def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:

@@ -708,7 +708,8 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
         f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding says replicated; "
         "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
         "check_vma=False and out_specs=P()), or was scaled after its all-reduce by a quantity of each shard's own "
-        "(a local count or norm).",
+        "(a local count or norm), or the leaf was written on some devices only (an initialization or an in-place "
+        "write done per device, such as a value set on one shard).",
         leaf,
     )
 
@@ -959,10 +960,18 @@ def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str | None) -> Dia
         return Diagnosis(
             code, f"At step {ctx.first.step}, {_one_number_said(ctx, one, phrase)}.{hidden}", ctx.worst_name
         )
+    scoped = scoped_gradients(ctx.first, ctx.evidence, ctx.factor)
+    if (
+        code in ("summed", "averaged_twice") and scoped != ctx.evidence
+    ):  # a subset: a reduction of it, or a scale
+        phrase += (
+            f"; or a scale applied to these gradients only (a per-module multiplier of {ctx.factor:.4g}, such as "
+            "a LoRA alpha / rank applied twice, or a loss term only they reach): the factor alone does not tell "
+            "the two apart"
+        )
     return Diagnosis(
         code,
-        f"At step {ctx.first.step}, {scoped_gradients(ctx.first, ctx.evidence, ctx.factor)} are {ctx.factor:.4g} x the "
-        f"reference's: {phrase}.{hidden}",
+        f"At step {ctx.first.step}, {scoped} are {ctx.factor:.4g} x the reference's: {phrase}.{hidden}",
         ctx.worst_name,
     )
 
@@ -996,6 +1005,19 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
         return None
     if named[0] == "averaged_twice" and ctx.first.replica_mismatches and ctx.factor < 1:
         named = ("unreduced", _unreduced_phrase(ctx))
+    first = ctx.first
+    s = ctx.num_shards
+    loss_scaled = (
+        first.loss and first.candidate_loss is not None and _close(first.candidate_loss / first.loss, s or 0)
+    )
+    if named[0] == "summed" and s and _close(ctx.factor, s) and loss_scaled:  # the loss itself is S x
+        named = (
+            named[0],
+            f"{named[1]}; the returned loss is {s} x the reference's too ({first.candidate_loss:.7g} vs "
+            f"{first.loss:.7g}): each shard divided its loss by its own row count (B/{s}) and the shards' results "
+            f"were summed, a psum of per-shard means where the global mean was due (a pmean, or a division by "
+            "the global batch's count)",
+        )
     return _factor_finding(ctx, *named)
 
 
@@ -1473,7 +1495,7 @@ def localized(ctx: DiagnosisContext) -> Finding:
 _GROUP_STAGES = {
     "grad": ("gradients", "replicas"),
     "opt_state": ("optimizer", "parameters", "replicas"),
-    "param": ("parameters", "replicas"),
+    "param": ("optimizer", "parameters", "replicas"),
 }
 
 
@@ -1566,7 +1588,7 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "update_differs",
         f"{_what_differs(first)} from the reference at step {first.step}"
-        + (" (run from the reference's pre-step state)" if first.from_reference_state else "")
+        + first.start_said
         + f" ({ctx.detail}){matched}"
         + (". It is " if matched and _no_reference_update(first) else ": ")  # that clause ends a sentence
         + _not_one_step(first)
@@ -1729,7 +1751,9 @@ def weak_update(ctx: DiagnosisContext) -> Finding:
     One step's update below its tolerance says nothing of the check when the learning rate is 0 there: a linear
     warm-up from 0 (``optax.linear_schedule(0, lr, n)``, ``optax.warmup_cosine_decay_schedule(0.0, ...)``)
     makes the first update exactly 0. The check is blind to a leaf only when none of the run's steps moved it
-    by more than its tolerance. Leaves at rounding level at a step (``StepRecord.unresolved``) are left to
+    by more than its tolerance, and some step moved it: a leaf the reference never moves (frozen: an optimizer
+    group of ``optax.set_to_zero``, a LoRA base weight) is compared as unchanged, which any update of it fails
+    (issue #36, trial 21: "raise the learning rate" was said of a frozen bias). Leaves at rounding level at a step (``StepRecord.unresolved``) are left to
     :func:`rounding_level`; a leaf missing from a step's record counts as seen. A passing report's caveat
     only: a failing one has found its error.
 
@@ -1757,6 +1781,9 @@ def weak_update(ctx: DiagnosisContext) -> Finding:
     weak = below(ctx.records[0])
     for record in ctx.records[1:]:
         weak &= below(record)
+    # a leaf the reference never moves (frozen: a set_to_zero group, a LoRA base) is compared as unchanged, and a
+    # larger learning rate would not move it either
+    weak &= {e.name for r in ctx.records for e in r.leaves if e.kind == "param" and e.reference_change != 0.0}
     name = next((e.name for e in ctx.records[0].leaves if e.name in weak), None)
     if name is None:
         return None
@@ -1768,7 +1795,13 @@ def weak_update(ctx: DiagnosisContext) -> Finding:
         "could pass its own comparison unseen (its gradient and optimizer state are still compared). Where that "
         "tolerance is a low-precision compute's rounding carried through a normalizing optimizer (Adam's update "
         "is lr-sized whatever the gradient's size), it grows with the learning rate as the update does; "
-        "otherwise raise the learning rate or lower rtol/atol.",
+        "otherwise raise the learning rate or lower rtol/atol."
+        + (
+            " The update check (the task's optimizer rerun on the step's own gradients and state, at the "
+            "optimizer's own rounding) still compares its update, and passed."
+            if all(r.update_checked for r in ctx.records)
+            else ""
+        ),
         name,
     )
 
@@ -1843,6 +1876,22 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
     )
     at = [r.step for r in ctx.records if r.unresolved]
     when = "" if len(at) == len(ctx.records) else f" at step{'s' if len(at) > 1 else ''} {words_and(at)}"
+    if _all_zero_gradients(ctx):  # no rounding noise: the update comes from the optimizer's state alone
+        checked = (
+            "that update was checked against the task's optimizer rerun on the candidate's own gradients and "
+            f"state, and through {through}."
+            if seen
+            else f"it was checked through {through}."
+        )
+        return Diagnosis(
+            "rounding_level",
+            f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient of exactly 0 on both "
+            f"sides{when} (e.g. {first}: a clamp that holds it, a stop_gradient or a parameter the loss does not "
+            "read at that step): its update comes from the optimizer's state alone (Adam's moments), and its "
+            f"tolerance there is the propagated one of a gradient at rounding level; {checked}"
+            + _beyond_rounding(ctx),
+            first,
+        )
     return Diagnosis(
         "rounding_level",
         f"{n_leaves(len(leaves))} {'has' if len(leaves) == 1 else 'have'} a gradient at rounding level{when} (e.g. "
@@ -1854,6 +1903,20 @@ def rounding_level(ctx: DiagnosisContext) -> Finding:
         + _beyond_rounding(ctx),
         first,
     )
+
+
+def _all_zero_gradients(ctx: DiagnosisContext) -> bool:
+    """Whether every leaf at rounding level has, at each step it is, a compared gradient of zeros on both sides
+    (``LeafError.zeros``): a gradient of exactly 0, not rounding noise."""
+    found = False
+    for r in ctx.records:
+        grads = {e.path: e for e in r.leaves if e.kind == "grad"}
+        for name in r.unresolved:
+            e = grads.get(name.removeprefix("param "))
+            if e is None or not e.zeros:
+                return False
+            found = True
+    return found
 
 
 def _noise_update(ctx: DiagnosisContext) -> str:

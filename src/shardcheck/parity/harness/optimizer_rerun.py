@@ -438,8 +438,10 @@ def update_checked(run: _Run, record: StepRecord, snapshots, stepped, after) -> 
     optimizer's own rounding) and its form as ``optimizer_rerun`` / ``forms`` where it fails, which fails the
     record; ``record`` unchanged otherwise (the check passes or cannot run)."""
     checked = update_check(run, record.step, snapshots, stepped[3], after)
-    if checked is None or all(e.ok for e in checked[0]):
+    if checked is None:
         return record
+    if all(e.ok for e in checked[0]):
+        return dataclasses.replace(record, update_checked=True)
     leaves, (before, rerun, cand) = checked
     record = dataclasses.replace(record, optimizer_rerun=leaves)
     lr = known_lr(nnx.as_pure(_opt_state(run.ref_opt)))

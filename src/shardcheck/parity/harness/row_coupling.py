@@ -75,6 +75,11 @@ def float32_model(model: nnx.Module, graphdef32) -> nnx.Module:
 GRADIENT_MARGIN = 64.0
 
 
+class RowCouplingError(ValueError):
+    """A strategy that computes the loss per shard refused a task whose loss couples the rows of a batch
+    (:func:`check_rows_separable`): a limitation of that strategy on this task, said as such."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Coupling:
     """How the loss couples the rows of a batch (:func:`coupled_rows`).
@@ -190,8 +195,8 @@ def check_rows_separable(fn: str, strategy: str, coupling: Coupling | None, num_
     task's loss coupling the rows of a batch (``None``: nothing to refuse).
 
     Raises:
-        ValueError: named by the strategy (a limitation of the strategy on this task, not bad input to the
-            whole run), with both losses (and the gradient that shows it) and what works.
+        RowCouplingError: (a ValueError) named by the strategy (a limitation of the strategy on this task, not bad
+            input to the whole run), with both losses (and the gradient that shows it) and what works.
     """
     if coupling is None:
         return
@@ -200,7 +205,7 @@ def check_rows_separable(fn: str, strategy: str, coupling: Coupling | None, num_
         if coupling.leaf is None
         else f" (and the gradient of {coupling.leaf} by {coupling.err:.3g}, beyond its tolerance {coupling.tol:.3g})"
     )
-    raise ValueError(
+    raise RowCouplingError(
         f"{strategy}: cannot compute this task's loss: on the first batch the full-batch loss is "
         f"{coupling.full:.7g}, and its {num_shards} shards' losses combined (each shard's loss over its own rows, "
         f"sum_s loss_sum_s / sum_s weight_s) give {coupling.combined:.7g}{grad}: the loss couples the rows of a "
