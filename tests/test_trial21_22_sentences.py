@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import require_devices
 from flax import nnx
 
@@ -275,3 +276,16 @@ def test_the_setup_line_names_a_bfloat16_model_s_compute_dtype():
     assert said == ", compute dtype bfloat16 (the model's layers: the tolerances' policy)"
     assert _model_dtype_text(SimpleNamespace(compute_dtype="float32")) == ""
     assert _model_dtype_text(SimpleNamespace(compute_dtype="")) == ""  # a replay: not known
+
+
+def test_the_uneven_split_fix_warns_a_row_coupled_loss_of_padding():
+    """Trial 22: ``--mesh data=3`` on a contrastive task was told to pad with weight-0 rows, which a loss scoring
+    each row against the batch still sees."""
+    from shardcheck.task import check_divisible
+
+    batch = {"x": np.zeros((16, 2), np.float32)}
+    for weighted in (True, False):
+        with pytest.raises(ValueError, match="not divisible by num_shards=3") as err:
+            check_divisible("check_parity", batch, 3, weighted=weighted)
+        assert "give it a batch size divisible by S instead" in str(err.value)
+    check_divisible("check_parity", batch, 4, weighted=False)  # 16 rows split in 4: no error
