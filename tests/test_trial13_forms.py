@@ -21,7 +21,7 @@ from flax import nnx
 import shardcheck
 from shardcheck import check_parity
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
-from shardcheck.parity.diagnosis.form import Form, fit_form, form_from_leaves
+from shardcheck.parity.diagnosis.form import ONE_NUMBER, Form, fit_form, form_from_leaves
 from shardcheck.parity.diagnosis.localization import checked_form, localize
 from shardcheck.parity.diagnosis.rules import diagnose
 
@@ -47,7 +47,7 @@ def test_one_number_fits_every_form_and_several_or_larger_leaves_still_read_a_fa
     assert form.sentence == (
         "one number differs (logit_scale, 0-D): its update is 1.266 x the reference's, or equally the reference's "
         "plus a decay term -c*lr*param with c*lr = 0.0005 (the learning rate unknown; a decay the candidate "
-        "applies and the other does not), or an offset of -0.00133; one number fits every form, so none is claimed"
+        "applies and the other does not), or an offset of -0.00133; " + ONE_NUMBER
     )
     known = fit_form(before, ref, cand, lr=LR, optimizer_stage=True)
     assert known.coefficient == pytest.approx(WD) and "with c = 0.1 (learning rate 0.005;" in known.sentence
@@ -167,8 +167,7 @@ def test_one_numbers_gradient_names_no_factor_and_a_shard_count_only_within_its_
     said = _messages(_gradient_record(0.2958, ()))
     assert said["scaled"] == (
         "At step 0, the gradient of logit_scale (one number, 0-D; every other gradient matches) is 0.2958 x the "
-        "reference's, or equally differs from it by 1.41 (an offset, or a term c*param): one number fits every "
-        "form, so none is claimed."
+        "reference's, or equally differs from it by 1.41 (an offset, or a term c*param): " + ONE_NUMBER + "."
     )
     replayed = form_from_leaves([_gradient_record(0.2958, ()).leaves[1]], update=False)
     assert replayed.kind == "one_number" and replayed.sentence.startswith(

@@ -275,7 +275,10 @@ def _said_aside(form: Form, aside: Mapping[str, tuple[int, int]]) -> Form:
     )
 
 
-ONE_NUMBER = "one number fits every form, so none is claimed"
+ONE_NUMBER = (
+    "one number fits every form, so none is claimed from it alone (a factor that is a shard count's is read "
+    "against the mesh where a finding names it)"
+)
 """Why a difference of one number (the ``one_number`` form) is said with no form."""
 
 
@@ -294,7 +297,7 @@ def one_number_form(
     number is at once a constant factor, a decay term ``c*param`` and an offset, so no form is claimed; each is
     said with its number, e.g. ``"one number differs (logit_scale, 0-D): its update is 1.266 x the reference's,
     or equally the reference's plus a decay term -c*lr*param with c*lr = 0.0005 (...), or an offset of -0.00133;
-    one number fits every form, so none is claimed"``.
+    one number fits every form, so none is claimed from it alone ..."``.
 
     Args:
         name: the leaf as its stage names it (``"logit_scale"``, ``"opt_state 1.0.mu.logit_scale"``).
