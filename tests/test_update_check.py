@@ -161,3 +161,15 @@ def test_a_correct_step_passes_the_update_check_for_any_optimizer(optimizer, see
     report = check_parity(correct, _task(tx, seed, scale), num_shards=2, steps=2)
     assert report.ok, str(report)
     assert all(r.optimizer_rerun is None for r in report.steps)
+
+
+def test_the_update_check_runs_at_step_0_and_at_later_steps_of_a_state_within_its_byte_limit(monkeypatch):
+    """The check copies the state to the host: at every step of a state of at most UPDATE_CHECK_BYTES, at step 0
+    alone above it."""
+    from shardcheck.parity.harness import optimizer_rerun
+
+    state = {"w": np.zeros(4, np.float32), "mu": {"w": np.zeros(4, np.float32)}}  # 32 bytes
+    monkeypatch.setattr(optimizer_rerun, "UPDATE_CHECK_BYTES", 32)
+    assert [optimizer_rerun.checks_step(t, state) for t in (0, 1, 5)] == [True, True, True]
+    monkeypatch.setattr(optimizer_rerun, "UPDATE_CHECK_BYTES", 31)
+    assert [optimizer_rerun.checks_step(t, state) for t in (0, 1, 5)] == [True, False, False]

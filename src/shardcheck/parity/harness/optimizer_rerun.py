@@ -144,14 +144,31 @@ def update_check(
     Args: as :func:`optimizer_rerun`, without tolerances.
 
     Returns:
-        :func:`checked_update`'s ``(leaves, arrays)``; ``None`` where the rerun cannot run (:func:`optimizer_rerun`).
+        :func:`checked_update`'s ``(leaves, arrays)``; ``None`` where the rerun cannot run (:func:`optimizer_rerun`)
+        or the step is not checked (:func:`checks_step`).
     """
+    if not checks_step(t, (after.cand_params, after.cand_state)):
+        return None
     inputs = _rerun_inputs(run, snapshots, cand_grads)
     if inputs is None:
         return None
     _, cand_params0, _, cand_state0 = snapshots
     sides = (after.cand_params, after.cand_state), (cand_params0, cand_state0)
     return checked_update(t, run.ref_opt.tx, inputs, *sides, run.precision.compute_dtype)
+
+
+# The update check brings the state to the host (its rerun and comparison run on host copies): at every step where
+# the parameters and optimizer state hold at most this many bytes, at step 0 alone above it (a faulty update shows
+# at every step; a large model's state is not copied out at each one).
+UPDATE_CHECK_BYTES = 256 * 2**20
+
+
+def checks_step(t: int, state) -> bool:
+    """Whether the update check runs at step ``t`` on ``state`` (a pytree of the candidate's parameters and
+    optimizer state): at step 0, and at later steps where it holds at most :data:`UPDATE_CHECK_BYTES`."""
+    if t == 0:
+        return True
+    return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) <= UPDATE_CHECK_BYTES
 
 
 def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
@@ -241,7 +258,7 @@ def recorded_update_check(t: int, task, pre: tuple, grads, model, optimizer, vie
     (``pre``: :func:`pre_update`), against its state after it. Returns ``(t, leaves, arrays)`` where some leaf
     fails, else ``None`` (also where the step returns no gradients, its optimizer state is not the task's by
     path, or the transformation needs more than ``(grads, state, params)``)."""
-    if grads is None:
+    if grads is None or not checks_step(t, pre):
         return None
     params, state = pre
     state = _rebuild(jax.eval_shape(task.optimizer.init, params), flatten_state(state))

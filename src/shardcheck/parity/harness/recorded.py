@@ -42,7 +42,7 @@ from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.harness.candidates import as_candidate, run_step
-from shardcheck.parity.harness.optimizer_rerun import pre_update, recorded_update_check
+from shardcheck.parity.harness.optimizer_rerun import checks_step, pre_update, recorded_update_check
 from shardcheck.parity.harness.row_coupling import float32_model
 from shardcheck.parity.harness.setup import (
     _check_rows,
@@ -578,7 +578,9 @@ def _checked_step(stepped: tuple, task: Task, compute, update_checks: list | Non
     check of the step appended to ``update_checks`` where it fails, until one has
     (:func:`~shardcheck.parity.harness.optimizer_rerun.recorded_update_check`; ``None``: not checked)."""
     fn, cand, model, optimizer, batch, kwargs, t = stepped
-    checking = update_checks is not None and not update_checks
+    checking = (
+        update_checks is not None and not update_checks and checks_step(t, nnx.state((model, optimizer)))
+    )
     pre = pre_update(model, optimizer, cand.view_optimizer) if checking else None
     loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)
     if checking:
