@@ -289,3 +289,89 @@ def test_the_uneven_split_fix_warns_a_row_coupled_loss_of_padding():
             check_divisible("check_parity", batch, 3, weighted=weighted)
         assert "give it a batch size divisible by S instead" in str(err.value)
     check_divisible("check_parity", batch, 4, weighted=False)  # 16 rows split in 4: no error
+
+
+def _contrastive_loss(model, batch):
+    """InfoNCE of two views of each row, every other row of the batch a negative: couples the rows."""
+    a, b = model(batch["x"]), model(batch["y"])
+    a = a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    b = b / jnp.linalg.norm(b, axis=-1, keepdims=True)
+    logits = 5.0 * a @ b.T
+    return -jnp.mean(jax.nn.log_softmax(logits, axis=-1).diagonal())
+
+
+def _contrastive_task() -> Task:
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(2):
+        x = rng.normal(size=(8, 6)).astype(np.float32)
+        batches.append({"x": x, "y": (x + 0.1 * rng.normal(size=x.shape)).astype(np.float32)})
+    return Task(
+        model=lambda: nnx.Linear(6, 4, rngs=nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=_contrastive_loss,
+        batches=batches,
+        name="contrastive",
+    )
+
+
+def _local_negatives_loss(model, batch):
+    """Each of 2 shards scores its rows against its own rows only, the shards' losses averaged."""
+    halves = [jax.tree.map(lambda a, i=i: a[4 * i : 4 * i + 4], batch) for i in range(2)]
+    return sum(_contrastive_loss(model, h) for h in halves) / 2
+
+
+@nnx.jit
+def _local_negatives(model, optimizer, batch):
+    value, grads = nnx.value_and_grad(lambda m: _local_negatives_loss(m, batch))(model)
+    optimizer.update(model, grads)
+    return {"loss": value, "grads": grads}
+
+
+def local_negatives(model, optimizer, batch):
+    return _local_negatives(model, optimizer, batch)
+
+
+@require_devices(2)
+def test_a_contrastive_loss_computed_per_shard_is_named_from_its_loss_live_and_replayed():
+    """Trial 22: negatives from the local shard only read update_differs; the loss the step returns is the task's
+    loss computed per shard and combined, which names it (per_shard_loss), live and replayed."""
+    task = _contrastive_task()
+    live = check_parity(local_negatives, task, num_shards=2)
+    assert live.codes[0] == "per_shard_loss", live.codes
+    said = next(d.message for d in live.diagnoses if d.code == "per_shard_loss")
+    first = live.steps[0]
+    assert f"the loss the step returns ({first.candidate_loss:.7g})" in said and "all_gather" in said
+    recording = record_run(task, _contrastive_correct, num_shards=2, name="full")
+    replayed = check_parity(local_negatives, task, reference=recording, num_shards=2)
+    assert replayed.codes[0] == "per_shard_loss", replayed.codes
+
+
+@nnx.jit
+def _contrastive_step(model, optimizer, batch):
+    value, grads = nnx.value_and_grad(lambda m: _contrastive_loss(m, batch))(model)
+    optimizer.update(model, grads)
+    return {"loss": value, "grads": grads}
+
+
+def _contrastive_correct(model, optimizer, batch):
+    return _contrastive_step(model, optimizer, batch)
+
+
+@require_devices(2)
+def test_a_correct_contrastive_step_passes_and_a_scaled_loss_is_not_called_per_shard():
+    task = _contrastive_task()
+    assert check_parity(_contrastive_correct, task, num_shards=2).ok
+    doubled = check_parity(_doubled_contrastive, task, num_shards=2)
+    assert not doubled.ok and "per_shard_loss" not in doubled.codes, doubled.codes
+
+
+@nnx.jit
+def _doubled_step(model, optimizer, batch):
+    value, grads = nnx.value_and_grad(lambda m: 2.0 * _contrastive_loss(m, batch))(model)
+    optimizer.update(model, grads)
+    return {"loss": value, "grads": grads}
+
+
+def _doubled_contrastive(model, optimizer, batch):
+    return _doubled_step(model, optimizer, batch)

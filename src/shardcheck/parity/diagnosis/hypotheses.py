@@ -296,6 +296,8 @@ def _explained(
     ``(loss_sum, weight)`` loss."""
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
     matches, per_shard = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
+    if not matches and _loss_per_shard(run, pre, batch, record):
+        matches = ("per_shard_loss_value",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
     if {e.kind for e in record.leaves if not e.ok} == {"grad"}:
@@ -313,6 +315,39 @@ def _explained(
         per_shard_factor=per_shard,
         weight_count=weight_count(batch, weight),
     )
+
+
+def _loss_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord) -> bool:
+    """:func:`loss_per_shard` of a live check's failing ``record`` from the reference's pre-step state ``pre``
+    (only at a step run from it: step 0, a re-check; never against a user's reference step)."""
+    at_reference = record.step == 0 or record.synchronized
+    if not at_reference or run.reference is not None:
+        return False
+    return loss_per_shard(
+        run.task.loss_fn, run.cand.num_shards, pre.graphdef, pre.params, pre.rest, batch, record
+    )
+
+
+def loss_per_shard(loss_fn, num_shards, graphdef, params, rest, batch, record: StepRecord) -> bool:
+    """Whether the loss the candidate returned (``record.candidate_loss``) from the state ``(graphdef, params,
+    rest)`` is the task's loss computed over each shard's own rows and combined (``sum_s loss_sum_s / sum_s
+    weight_s``; the mean of per-shard means for a scalar loss:
+    :func:`~shardcheck.parity.harness.row_coupling._full_and_combined`), within the loss's tolerance, while the
+    full batch's loss differs from that by more: a term that couples the rows computed per shard (trial 22: a
+    contrastive loss with each shard's negatives only, its loss 3.78552 where the full batch's is 6.412211).
+    ``False`` where the loss matched, the candidate returned none, there is one shard, or the loss does not trace
+    per shard."""
+    from shardcheck.parity.harness.row_coupling import _full_and_combined
+
+    loss = next((e for e in record.leaves if e.kind == "loss"), None)
+    if loss is None or loss.ok or record.candidate_loss is None or not num_shards or num_shards < 2:
+        return False
+    try:
+        full, combined, _, _ = _full_and_combined(loss_fn, num_shards, graphdef, False, params, rest, batch)
+    except (TypeError, ValueError):  # a state shaped by the full batch: no per-shard loss to compare
+        return False
+    full, combined = float(full), float(combined)
+    return abs(record.candidate_loss - combined) <= loss.tolerance < abs(combined - full)
 
 
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:

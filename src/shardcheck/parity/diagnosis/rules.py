@@ -108,7 +108,7 @@ LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
 # reproduces one of them is explained, and the generic ``scaled``/``drift``/``loss_only``/``update_differs``
 # findings stay silent for it.
-NAMED_REDUCTIONS = ("per_shard_mean", "per_shard_loss", "bf16_reduction")
+NAMED_REDUCTIONS = ("per_shard_mean", "per_shard_loss", "per_shard_loss_value", "bf16_reduction")
 # The verdict findings: first in the list when nothing failed.
 VERDICTS = ("parity", "diverged_trajectory")
 
@@ -1215,7 +1215,22 @@ def weight_count(ctx: DiagnosisContext) -> Finding:
 
 def per_shard_loss(ctx: DiagnosisContext) -> Finding:
     """``per_shard_loss``: the first failing step is the step of the mean of per-shard means while the shards
-    carry equal weights: no count differs, so a term of the loss that couples the rows was computed per shard."""
+    carry equal weights: no count differs, so a term of the loss that couples the rows was computed per shard; or
+    (``per_shard_loss_value``) the loss it returned from the reference's state is the task's loss computed over
+    each shard's rows and combined, where the full batch's differs."""
+    if "per_shard_loss_value" in ctx.reproduced:
+        first = ctx.first
+        s = f"{ctx.num_shards} shards" if ctx.num_shards else "the shards"
+        return Diagnosis(
+            "per_shard_loss",
+            f"At step {first.step} the loss the step returns ({first.candidate_loss:.7g}) is the task's loss computed "
+            f"over each shard's own rows and combined over {s}, where the full batch's is {first.loss:.7g}: a term "
+            "of the loss that couples the rows of the batch (a contrastive loss scoring each row against the batch, "
+            "a batch statistic, an auxiliary loss over the batch's routing) was computed per shard. Compute it over "
+            "the whole batch: gather what it needs across the shards first (jax.lax.all_gather of the embeddings, "
+            "psum of the counts).",
+            "loss",
+        )
     if "per_shard_loss" not in ctx.reproduced:
         return None
     return Diagnosis(
