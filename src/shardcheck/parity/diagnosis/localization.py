@@ -726,7 +726,11 @@ def forward_form(
     if not grads:
         why = "its scale, its normalization or one of its terms differs (the gradients were not observed)"
     elif all(e.ok for e in grads):
-        why = "every gradient matches: the loss returned is computed apart from the one differentiated"
+        why = (
+            "every gradient matches at this step: the loss returned is computed apart from the one differentiated, "
+            "or it differs where its gradient does not at these parameters (a clipped or thresholded term whose "
+            "active rows agree here, such as PPO's clip epsilon)"
+        )
     elif scaled is not None and abs(scaled - f) <= 0.02 * abs(f):
         why = (
             f"every gradient that can show it is {scaled:.4g} x too: the whole loss is scaled, its normalization "
@@ -790,7 +794,11 @@ def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:
     if not grads:
         why = "the loss is computed another way (the gradients were not observed)"
     elif all(e.ok for e in grads):
-        why = "every gradient matches: the loss returned is computed apart from the one differentiated"
+        why = (
+            "every gradient matches at this step: the loss returned is computed apart from the one differentiated, "
+            "or it differs where its gradient does not at these parameters (a clipped or thresholded term whose "
+            "active rows agree here, such as PPO's clip epsilon)"
+        )
     elif all(at_rounding(e) for e in grads if e.ok):
         why = (
             f"{_every_gradient(grads)} differs: the forward pass computes another function of the parameters"

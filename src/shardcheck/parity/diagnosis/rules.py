@@ -889,6 +889,9 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
             "docs/reduction_cases.md C8).",
             fail.name,
         )
+    alone = _counter_alone(ctx, fail)
+    if alone is not None:
+        return Diagnosis("step_counter", alone, fail.name)
     if expected and got % expected == 0 and got // expected == ctx.micro_batches:
         k = got // expected
         return Diagnosis(
@@ -919,6 +922,34 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
         f"The optimizer's {'step counter' if fail.path == 'step' else f'counter {fail.path}'} is {got} after "
         f"{expected} step(s); it must equal the number of steps.",
         fail.name,
+    )
+
+
+def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
+    """Where an optimizer-state counter (not the step counter) is ahead while the update's own state says one
+    update was applied (the step counter matches, and every floating optimizer-state leaf of that step matches:
+    a second update would move the moments), that in words: the counter advanced apart from the update, a
+    schedule read one step ahead (trial 23: a cosine schedule's count +1 read "stepped 2 times per step", beside
+    Adam's matching moments and an update 0.8536 x the reference's, lr(1)/lr(0)); else ``None``."""
+    if fail.path == "step":
+        return None
+    record = next((r for r in ctx.records if r.step == fail.step and not r.synchronized), None)
+    if record is None:
+        return None
+    state = [e for e in record.leaves if e.kind == "opt_state"]
+    step = [e for e in record.leaves if e.kind == "counter" and e.path == "step"]
+    if not state or not all(e.ok for e in state) or not all(e.ok for e in step):
+        return None
+    expected, got = _counts(ctx, fail)
+    matching = sorted(e.path for e in record.leaves if e.kind == "counter" and e.ok and not _of_model(e))
+    others = (
+        f" while {words_and(matching)} {'matches' if len(matching) == 1 else 'match'}" if matching else ""
+    )
+    return (
+        f"The optimizer's counter {fail.path} is {got} after {expected} step(s){others}, and every optimizer-state "
+        "leaf of that step matches: one update was applied (a second would move the moments too), and that "
+        "counter advanced apart from it: a schedule read one step ahead (its count incremented before the "
+        "update, or a schedule's state of its own stepped twice); the learning rate it gives is the next step's."
     )
 
 
@@ -1014,9 +1045,9 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
         named = (
             named[0],
             f"{named[1]}; the returned loss is {s} x the reference's too ({first.candidate_loss:.7g} vs "
-            f"{first.loss:.7g}): each shard divided its loss by its own row count (B/{s}) and the shards' results "
-            f"were summed, a psum of per-shard means where the global mean was due (a pmean, or a division by "
-            "the global batch's count)",
+            f"{first.loss:.7g}): the loss was divided by 1/{s} of the global divisor and the shards' results "
+            "summed: each shard's loss over a local count or weight (its own rows, or a pmean of the weight where "
+            "a psum was due) where the global one was due; psum the loss sum and its count or weight, then divide",
         )
     return _factor_finding(ctx, *named)
 
@@ -1323,6 +1354,18 @@ def update_rerun(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def _later_update_failure(ctx: DiagnosisContext) -> LeafError | None:
+    """The worst failing gradient, parameter or optimizer-state leaf of the first later step that has one, after a
+    first failing step where only the loss differed; ``None`` where none does."""
+    for r in ctx.records:
+        if r.step <= ctx.first.step:
+            continue
+        bad = [e for e in r.leaves if e.kind in ("grad", "param", "opt_state") and not e.ok]
+        if bad:
+            return max(bad, key=lambda e: e.badness)
+    return None
+
+
 def loss_differs(ctx: DiagnosisContext) -> Finding:
     """``loss_differs``: only the returned loss is out of tolerance at the first failing step."""
     if ctx.bad_kinds != {"loss"}:
@@ -1336,6 +1379,19 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
     named = None if ratio is None else _name_factor(ratio, ctx.num_shards)
     if named is not None and named[0] in ("summed", "averaged_twice"):
         cause = f"It is {ratio:.4g} x the reference's: the loss {named[1].removeprefix('the gradient ')}."
+    later = _later_update_failure(ctx)
+    if later is not None:  # the loss differs as a function, not only as returned
+        cause = (
+            f"At step {later.step} the update differs too ({later.name}: max abs err {later.max_abs_err:.3g} > "
+            f"tolerance {later.tolerance:.3g}): the loss differs where its gradient does not at step "
+            f"{first.step}'s parameters (a clipped or thresholded term whose active rows agree there, such as "
+            "PPO's clip epsilon or a hinge margin), not only the loss returned."
+        )
+    elif named is None:
+        cause += (
+            " Or the loss differs where its gradient does not at these parameters (a clipped or thresholded term "
+            "whose active rows agree here, such as PPO's clip epsilon): a later step tells."
+        )
     if first.scale_hidden:
         cause += (
             " This check cannot see the gradient's scale (the optimizer is blind to it: global-norm clipping that "
@@ -1345,7 +1401,7 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "loss_differs",
         f"Only the returned loss differs (step {first.step}: {first.candidate_loss:.7g} vs reference "
-        f"{first.loss:.7g}); the update matches. {cause}",
+        f"{first.loss:.7g}); the update matches at this step. {cause}",
         "loss",
     )
 
@@ -1804,9 +1860,10 @@ def weak_update(ctx: DiagnosisContext) -> Finding:
         return None
     n = len(ctx.records)
     which = "first update" if n == 1 else f"update at every one of the run's {n} steps"
+    more = f" (and of {len(weak) - 1} more: {_listed_names(weak - {name})})" if len(weak) > 1 else ""
     return Diagnosis(
         "weak_check",
-        f"The reference's {which} of {name} is not larger than the tolerance: a wrong update of that leaf "
+        f"The reference's {which} of {name}{more} is not larger than the tolerance: a wrong update of that leaf "
         "could pass its own comparison unseen (its gradient and optimizer state are still compared). Where that "
         "tolerance is a low-precision compute's rounding carried through a normalizing optimizer (Adam's update "
         "is lr-sized whatever the gradient's size), it grows with the learning rate as the update does; "
@@ -1819,6 +1876,12 @@ def weak_update(ctx: DiagnosisContext) -> Finding:
         ),
         name,
     )
+
+
+def _listed_names(names, most: int = 4) -> str:
+    """Up to ``most`` of ``names``, sorted, and how many more."""
+    names = sorted(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def diverged_trajectory(ctx: DiagnosisContext) -> Finding:

@@ -1,0 +1,92 @@
+"""Issue #36, trials 23 (a DDPM denoiser with an EMA, data=2 x fsdp=2) and 24 (a PPO policy/value step, data=4):
+findings that the records contradicted, each checked on both sides with hand-built records.
+
+- A cosine schedule's count one ahead (Adam's count, the step counter and every moment matching) read "The
+  optimizer was stepped 2 times per step" (trial 23): one update was applied, and the counter advanced apart from
+  it.
+- A PPO clip epsilon of 0.3 for 0.2 read "Only the returned loss differs ... the update matches ... the candidate
+  does not return the full-batch pre-update loss", while step 2's gradients and parameters failed (trial 24).
+- weak_check named one leaf where two qualified (trial 24).
+"""
+
+from shardcheck.parity.comparison.live import counter_error
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import diagnose
+
+
+def _leaf(kind, path, ok=True, ratio=1.0, step=0, change=None, tol=1e-6):
+    err = 0.0 if ok else 10 * tol
+    return LeafError(step, kind, path, err, err, tol, ok, ratio, change, (ratio, ratio), (4,))
+
+
+def _counters(step: int, schedule: int, adam: int) -> list:
+    return [
+        counter_error(0, "step", 1, step),
+        counter_error(0, "1.0.count", 1, adam),
+        counter_error(0, "1.2.count", 1, schedule),
+    ]
+
+
+def _schedule_record(moments_ok: bool) -> StepRecord:
+    leaves = [
+        _leaf("loss", "loss"),
+        _leaf("grad", "w"),
+        _leaf("param", "w", ok=False, ratio=0.8536, change=1e-3),
+        _leaf("opt_state", "1.0.mu.w", ok=moments_ok, ratio=1.0 if moments_ok else 1.9),
+        _leaf("opt_state", "1.0.nu.w", ok=moments_ok, ratio=1.0 if moments_ok else 1.9),
+        *_counters(step=1, schedule=2, adam=1 if moments_ok else 2),
+    ]
+    return StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, tuple(leaves), 1, 1)
+
+
+def test_a_schedule_count_ahead_beside_matching_moments_is_not_a_second_update():
+    said = {d.code: d.message for d in diagnose([_schedule_record(moments_ok=True)], 4)}
+    message = said["step_counter"]
+    assert "1.2.count is 2 after 1 step(s) while 1.0.count and step match" in message
+    assert "one update was applied" in message and "a schedule read one step ahead" in message
+    assert "stepped 2 times" not in message
+    # the other side: moments that moved twice as far are a second update
+    said = {d.code: d.message for d in diagnose([_schedule_record(moments_ok=False)], 4)}
+    assert "stepped 2 times per step" in said["step_counter"]
+
+
+def _loss_only(step: int, later_fails: bool) -> StepRecord:
+    grad_ok = step == 0 or not later_fails
+    leaves = [
+        _leaf("loss", "loss", ok=step > 0, ratio=0.9784, step=step),
+        _leaf("grad", "policy.bias", ok=grad_ok, ratio=1.0 if grad_ok else 1.3, step=step),
+        _leaf("param", "policy.bias", ok=grad_ok, ratio=1.0 if grad_ok else 1.3, step=step, change=1e-3),
+        counter_error(step, "step", step + 1, step + 1),
+    ]
+    return StepRecord(
+        step, 1e-5, 1e-7, 0.8724249, 0.8535916 if step == 0 else 0.9, tuple(leaves), step + 1, step + 1
+    )
+
+
+def test_a_loss_differing_at_step_0_whose_update_fails_later_is_not_called_a_reporting_bug():
+    records = [_loss_only(0, True), _loss_only(1, True), _loss_only(2, True)]
+    message = {d.code: d.message for d in diagnose(records, 4)}["loss_differs"]
+    assert "the update matches at this step" in message
+    assert "At step 1 the update differs too (grad policy.bias" in message
+    assert "does not return the full-batch pre-update loss" not in message
+    # the other side: the update matches at every step: the loss returned is the reading, with the other one
+    records = [_loss_only(0, False), _loss_only(1, False)]
+    message = {d.code: d.message for d in diagnose(records, 4)}["loss_differs"]
+    assert "does not return the full-batch pre-update loss" in message and "a later step tells" in message
+
+
+def test_weak_check_names_every_leaf_it_holds_for():
+    def record(t):
+        leaves = [
+            _leaf("param", p, step=t, change=1e-7, tol=1e-6)
+            for p in ("trunk1.kernel", "trunk2.kernel", "head.kernel")
+        ]
+        leaves[2] = _leaf("param", "head.kernel", step=t, change=1e-3, tol=1e-6)  # moved: seen
+        return StepRecord(t, 1e-5, 1e-7, 1.0, 1.0, tuple(leaves), t + 1, t + 1)
+
+    message = {d.code: d.message for d in diagnose([record(0), record(1)], 4)}["weak_check"]
+    assert (
+        "of param trunk1.kernel (and of 1 more: param trunk2.kernel) is not larger than the tolerance"
+        in message
+    )
+    assert "head.kernel" not in message
