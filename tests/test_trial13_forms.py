@@ -206,7 +206,8 @@ def test_a_factor_on_every_gradient_beside_a_matching_loss_is_after_the_loss():
     assert after.startswith(
         "every gradient is 0.25 x the reference's (spread 0.25..0.25): the loss matches, so"
     )
-    assert "one scale of the gradients after the loss" in after and "a transpose that already summed" in after
+    assert "one scale of the gradients after the loss" in after and "a mean taken twice" in after
+    assert "a sum in place of a mean" not in after  # a x0.25 is no sum (trial 24)
     assert "loss sum not divided" not in after and "whole loss" not in after
     for loss_ok in (False, None):  # the loss carries it too, or was not observed: one scale of the whole loss
         whole = _all_gradients(loss_ok)

@@ -9,6 +9,14 @@ findings that the records contradicted, each checked on both sides with hand-bui
 - weak_check named one leaf where two qualified (trial 24).
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from conftest import require_devices
+from flax import nnx
+
+from shardcheck import Task, check_parity
 from shardcheck.parity.comparison.live import counter_error
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.rules import diagnose
@@ -90,3 +98,54 @@ def test_weak_check_names_every_leaf_it_holds_for():
         in message
     )
     assert "head.kernel" not in message
+
+
+class _Bf16Net(nnx.Module):
+    def __init__(self, rngs):
+        self.trunk = nnx.Linear(12, 32, dtype=jnp.bfloat16, rngs=rngs)
+        self.head = nnx.Linear(32, 4, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.trunk(x))).astype(jnp.float32)
+
+
+def _bf16_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _bf16_task() -> Task:
+    rng = np.random.default_rng(4)
+    batches = [
+        {"x": rng.normal(size=(16, 12)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(3e-4))
+    return Task(
+        model=lambda: _Bf16Net(nnx.Rngs(0)), optimizer=tx, loss_fn=_bf16_loss, batches=batches, name="bf16"
+    )
+
+
+@nnx.jit
+def _quartered(model, optimizer, batch):
+    shards = [jax.tree.map(lambda a, i=i: a[4 * i : 4 * i + 4], batch) for i in range(4)]
+    parts = [nnx.value_and_grad(lambda m, b=b: _bf16_loss(m, b))(model) for b in shards]
+    value = sum(v for v, _ in parts) / 4
+    # each shard's gradient summed over the 4 shards (their own roundings), then a mean taken twice (/ 4 / 4)
+    grads = jax.tree.map(lambda *g: sum(g) / 16, *[g for _, g in parts])
+    optimizer.update(model, grads)
+    return {"loss": value, "grads": grads}
+
+
+def quartered(model, optimizer, batch):
+    return _quartered(model, optimizer, batch)
+
+
+@require_devices(4)
+def test_a_gradient_quartered_under_bfloat16_is_named_with_its_factor():
+    """Trial 24: under bfloat16 compute every gradient 1/4 (= 1/S) read "no simple form" (grads_differ): the
+    gradient stage's fit read each leaf's parameter tolerance (a gradient and its parameter share a path)."""
+    report = check_parity(quartered, _bf16_task(), num_shards=4)
+    assert report.codes[0] == "averaged_twice", report.codes
+    form = report.localization.form
+    assert form.kind == "factor" and abs(form.factor - 0.25) < 0.01
+    assert "a mean taken twice" in form.sentence and "a sum in place of a mean" not in form.sentence

@@ -838,7 +838,7 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     """A factor on the gradients that every gradient able to show it has (the rest too small: at rounding
     level) is one scale of the loss, named by the batch's loss weight where it is that, where the loss differs
     too or was not observed; where the loss was observed and matches, one scale of the gradients after the loss
-    (:data:`GRADIENTS_AFTER_LOSS`: their reduction, never a loss sum not divided by its count); a factor that
+    (:func:`gradients_after_loss`: their reduction, never a loss sum not divided by its count); a factor that
     some gradients that would show it lack stays a scale of these leaves only."""
     f = form.factor
     grads = [e for e in leaves if e.kind == "grad"]
@@ -853,7 +853,9 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     if loss and all(e.ok for e in loss):  # the loss was observed and matches: the factor is downstream of it
         # the batch's weight itself: the gradients of the sum, the loss returned divided (a count is no reduction)
         said = (
-            f"the loss matches, the gradients carry the factor: {weight}" if weight else GRADIENTS_AFTER_LOSS
+            f"the loss matches, the gradients carry the factor: {weight}"
+            if weight
+            else gradients_after_loss(f)
         )
         return dataclasses.replace(form, sentence=f"{head}: {said}")
     cause = (
@@ -862,12 +864,20 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     return dataclasses.replace(form, sentence=f"{head}: one scale of the whole loss: {cause}")
 
 
-GRADIENTS_AFTER_LOSS = (
-    "the loss matches, so the factor comes after it: one scale of the gradients after the loss (their reduction "
-    "or a factor applied to them: a mean taken twice, a sum in place of a mean, a transpose that already summed "
-    "before a psum or pmean), not the loss's normalization (which would move the loss too)"
-)
-"""How a factor on every gradient is said where the loss was observed and matches (:func:`_gradient_factor`)."""
+def gradients_after_loss(f: float) -> str:
+    """How a factor ``f`` on every gradient is said where the loss was observed and matches
+    (:func:`_gradient_factor`): a scale of the gradients after the loss, with the reductions that give a factor
+    on its side of 1 (trial 24: a x0.25 had been offered "a sum in place of a mean")."""
+    causes = (
+        "a mean taken twice, a pmean after a reduction already done, a division by a count twice"
+        if f < 1
+        else "a sum in place of a mean, a transpose that already summed before a psum"
+    )
+    return (
+        "the loss matches, so the factor comes after it: one scale of the gradients after the loss (their "
+        f"reduction or a factor applied to them: {causes}), not the loss's normalization (which would move the loss "
+        "too)"
+    )
 
 
 def _are(items) -> str:

@@ -332,7 +332,9 @@ def stage_forms(
         lr=lr,
         optimizer_stage=stage == "optimizer",
         update=stage != "gradients",
-        tol=leaf_tolerances(record.leaves),
+        tol=leaf_tolerances(
+            [e for e in record.leaves if (e.kind == "grad") == (stage == "gradients")]
+        ),  # a gradient and its parameter share a path: each stage its own kind's tolerance
         state_params=state_params(bad, ref_params0),
         params={p: to_host(ref_params0[p]) for p in bad if p in ref_params0}
         if stage == "gradients"
