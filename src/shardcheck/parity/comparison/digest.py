@@ -71,7 +71,13 @@ import numpy as np
 from shardcheck.parity.comparison.leaf_digest import SAMPLES
 from shardcheck.parity.comparison.live import spread_ranks
 from shardcheck.parity.comparison.partial_write import SAMPLED
-from shardcheck.parity.comparison.state_digest import PART_EVIDENCE, kept_samples, read_paths, state_evidence
+from shardcheck.parity.comparison.state_digest import (
+    PART_EVIDENCE,
+    kept_samples,
+    read_paths,
+    state_evidence,
+    written_paths,
+)
 from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -768,7 +774,8 @@ def _state_error(pair: _Pair, t: int, name: str, r: _Leaf, c: _Leaf) -> DigestEr
     if not name.startswith("state ") or t < 0 or _structural(t, name, r, c) is not None:
         return None
     was = (pair.leaf("recorded", t - 1, name), pair.leaf("replayed", t - 1, name))
-    found = state_evidence(name, (r, c), was, read_paths(pair.recording.meta, pair.replayed.meta))
+    metas = (pair.recording.meta, pair.replayed.meta)
+    found = state_evidence(name, (r, c), was, read_paths(*metas), written_paths(*metas))
     return None if found is None else DigestError(t, name, *found)
 
 
@@ -1131,6 +1138,8 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     rel = e.err / top if top > 0 else (0.0 if e.err == 0 else math.inf)
     r = pair.leaf("recorded", e.step, e.name)
     change = r.update if kind in ("param", "state") and e.step >= 0 and math.isfinite(r.update) else None
+    if e.evidence == "not compared":  # state the task's reference step leaves as it was, as live (change 0)
+        change = 0.0
     zeros = kind == "grad" and top == 0 and pair.leaf("replayed", e.step, e.name).max == 0  # both all zeros
     leaf = LeafError(
         e.step,

@@ -129,23 +129,43 @@ def loss_reads(loss_fn, model: nnx.Module, batch) -> frozenset[str] | None:
     Returns ``frozenset()`` for a model without floating state, and ``None`` where the loss cannot be traced on
     abstract values (a loss that converts a traced value to a Python number): every leaf then counts as read,
     so a frozen weight is still compared exactly."""
+    return loss_access(loss_fn, model, batch)[0]
+
+
+def loss_access(loss_fn, model: nnx.Module, batch) -> tuple[frozenset[str] | None, frozenset[str] | None]:
+    """``(reads, writes)``: the dotted paths (as :func:`floating_arrays`') of the model's floating state that
+    ``loss_fn(model, batch)`` reads (:func:`loss_reads`) and those its forward pass writes (a running average,
+    a value stored for later: the leaf the model holds after the loss is another value of the program than the
+    one it held before), from one trace of the task's loss (``jax.make_jaxpr``, nothing computed). A leaf the
+    loss neither reads nor writes (an EMA of the parameters the user's step keeps after its update) is one the
+    task's reference step leaves as it was: a replay does not compare it, as the live check does not
+    (:mod:`~shardcheck.parity.comparison.state_digest`).
+
+    Returns ``(frozenset(), frozenset())`` for a model without floating state, and ``(None, None)`` where the
+    loss cannot be traced on abstract values (every leaf then counts as read and written)."""
     graphdef, floating, rest = nnx.split(model, _is_floating_state, ...)
     flat = list(nnx.to_flat_state(floating))
     if not flat:
-        return frozenset()
+        return frozenset(), frozenset()
 
     def loss_of(arrays):
         state = nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, arrays, strict=True)])
-        return loss_fn(nnx.merge(graphdef, state, rest, copy=True), batch)
+        merged = nnx.merge(graphdef, state, rest, copy=True)
+        loss = loss_fn(merged, batch)
+        after = dict(nnx.to_flat_state(nnx.state(merged, _is_floating_state)))
+        return loss, [after[p][...] if p in after else a for (p, _), a in zip(flat, arrays, strict=True)]
 
     try:
         program = jax.make_jaxpr(loss_of)([v[...] for _, v in flat]).jaxpr
     except Exception:  # noqa: BLE001 -- undecidable here: every leaf counts as read (the exact rule stands)
-        return None
-    taken = {id(v) for eqn in program.eqns for v in eqn.invars} | {id(v) for v in program.outvars}
-    return frozenset(
-        ".".join(map(str, p)) for (p, _), v in zip(flat, program.invars, strict=True) if id(v) in taken
-    )
+        return None, None
+    kept = program.outvars[len(program.outvars) - len(flat) :]
+    loss_out = program.outvars[: len(program.outvars) - len(flat)]
+    taken = {id(v) for eqn in program.eqns for v in eqn.invars} | {id(v) for v in loss_out}
+    names = [".".join(map(str, p)) for p, _ in flat]
+    reads = frozenset(n for n, v in zip(names, program.invars, strict=True) if id(v) in taken)
+    writes = frozenset(n for n, v, w in zip(names, program.invars, kept, strict=True) if w is not v)
+    return reads, writes
 
 
 def model_state_leaves(

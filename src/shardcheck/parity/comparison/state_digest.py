@@ -7,6 +7,12 @@ update size ``max|x_t - x_{t-1}|`` and its fixed-index samples).
   (a frozen weight trained FAILs as ``frozen_state``); :func:`state_evidence` returns ``None``.
 - The recorded step left it as it was, the loss does not read it and the replayed value differs: not compared
   (``allowed`` inf): the recorded run's step does not write it (an EMA the user's step keeps).
+- The loss neither reads it nor writes it (``meta["floating_written"]``,
+  :func:`~shardcheck.parity.comparison.model_state.loss_access` at record time: the task's reference step leaves
+  it as it was), whatever the recorded step did: not compared (``allowed`` inf), as the live check does not
+  compare it. An EMA of the parameters a recorded user's step writes after its update is no cause of a replayed
+  FAIL (its difference only follows the parameters'), and one written before the update or with another decay
+  passes, as live.
 - The recorded step wrote it: its change compared coarsely (the update sizes, and the change at each sample),
   within :data:`~shardcheck.parity.comparison.model_state.COARSE` of the recorded update size; a replayed
   update size of exactly 0 is the writes dropped (ratio 0), unless the recorded one is itself at rounding level
@@ -35,16 +41,34 @@ def read_paths(*metas: Mapping) -> frozenset[str] | None:
     return None
 
 
-def state_evidence(name: str, now: tuple, was: tuple, read: frozenset[str] | None) -> tuple | None:
+def written_paths(*metas: Mapping) -> frozenset[str] | None:
+    """The floating state the task's forward pass writes, as the first of ``metas`` that kept it
+    (``"floating_written"``: dotted paths under the model); ``None`` (every leaf counts as written) where none
+    did."""
+    for meta in metas:
+        found = meta.get("floating_written")
+        if found is not None:
+            return frozenset(found)
+    return None
+
+
+def state_evidence(
+    name: str, now: tuple, was: tuple, read: frozenset[str] | None, written: frozenset[str] | None = None
+) -> tuple | None:
     """``(evidence, recorded, replayed, err, allowed, ok, ratio)`` of a ``state`` leaf at a step, or ``None``
     where its value is compared as any leaf's (module docstring). ``now``: the recorded and replayed digests
-    (``_Leaf``) at the step; ``was``: at the point before it (the initial state before step 0)."""
+    (``_Leaf``) at the step; ``was``: at the point before it (the initial state before step 0). ``read``,
+    ``written``: the dotted paths the task's loss reads and writes (:func:`read_paths`, :func:`written_paths`;
+    ``None``: every leaf counts as read, or as written)."""
     (r, c), (r0, c0) = now, was
     if not (math.isfinite(r.update) and math.isfinite(c.update)):
         return None
+    path = name.removeprefix("state ").removeprefix(PREFIX)
+    unread = read is not None and path not in read
+    if unread and r.update != 0 and written is not None and path not in written:
+        # the task's reference step leaves it as it was: the live check does not compare it
+        return ("not compared", r.max, c.max, abs(c.max - r.max), math.inf, True, None)
     if r.update == 0:
-        path = name.removeprefix("state ").removeprefix(PREFIX)
-        unread = read is not None and path not in read
         differs = c.update != 0 or c.max != r.max or c.norm != r.norm
         return (
             ("not compared", r.max, c.max, abs(c.max - r.max), math.inf, True, None)
@@ -99,4 +123,4 @@ def kept_samples(now: tuple, was: tuple) -> tuple[int, int, float] | None:
     return int(left.sum()), int(usable.sum()), float(np.max(np.abs(dr[left])))
 
 
-__all__ = ["PART_EVIDENCE", "kept_samples", "read_paths", "state_evidence"]
+__all__ = ["PART_EVIDENCE", "kept_samples", "read_paths", "state_evidence", "written_paths"]

@@ -39,7 +39,7 @@ from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
 from shardcheck.parity.comparison.live import device_snapshot, flatten_state
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
-from shardcheck.parity.comparison.model_state import floating_arrays, loss_reads, model_state
+from shardcheck.parity.comparison.model_state import floating_arrays, loss_access, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.optimizer_rerun import checks_step, pre_update, recorded_update_check
@@ -148,7 +148,10 @@ class Recording:
             ``normalized`` (the parameters whose update the task's optimizer normalizes, :func:`normalized_params`;
             absent from older recordings: read as every parameter), ``drawn`` (the RNG streams the forward pass
             draws from, ``["rngs.noise"]``, whose counts are recorded as ``"counter model.rngs.noise.count"``;
-            absent from older recordings: no count compared).
+            absent from older recordings: no count compared), ``floating_read`` and ``floating_written`` (the
+            dotted paths of the model's floating state the task's loss reads and its forward pass writes,
+            :func:`~shardcheck.parity.comparison.model_state.loss_access`; ``None`` where undecidable; absent
+            from older recordings: the replayed run's stand).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
         shapes: each leaf's shape; dtypes: each leaf's dtype name.
@@ -522,7 +525,8 @@ def record_run(
     _check_name(name)
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh, drawn = _start(fn, task, candidate, steps, num_shards, mesh, name)
-    reads = loss_reads(task.loss_fn, model, data[0])  # the floating state the loss reads (before any step)
+    # the floating state the loss reads and the state its forward pass writes (before any step)
+    reads, writes = loss_access(task.loss_fn, model, data[0])
     policy, compute = _precision(fn, task, model, data[0], mesh, matmul_precision, compute_dtype)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     indices: dict[str, np.ndarray] = {}
@@ -560,7 +564,8 @@ def record_run(
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta.update(matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
     recording.meta["normalized"] = normalized_params(task, model)
-    recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_reads
+    recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_access
+    recording.meta["floating_written"] = None if writes is None else sorted(writes)
     _keep_gradients(recording.meta, len(data), truth, least, noise)
     return recording
 
