@@ -184,6 +184,8 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     rerun = _try_rerun(tx, *inputs)
     if rerun is None:
         return None
+    if _within(rerun, after, before, compute_dtype):  # every element within the rule: no record to build
+        return (), ({}, {}, {})
     checked = update_leaves(t, rerun, after, before, compute_dtype)
     if all(e.ok for e in checked[0]):
         return checked
@@ -197,6 +199,27 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     updates, states, _ = update_sensitivity(tx, grads, state, params, delta)
     allowance = (host_tree(updates), host_tree(states))
     return update_leaves(t, rerun, after, before, compute_dtype, allowance)
+
+
+def _within(rerun, after, before, compute_dtype) -> bool:
+    """Whether every float leaf of the candidate's state ``after`` the step lies within :func:`update_leaves`'s
+    rule of the rerun, elementwise, read without the records' statistics (a passing step's fast path)."""
+    compute_eps = float(jnp.finfo(compute_dtype).eps)
+    rel = UPDATE_RTOL if compute_eps <= np.finfo(np.float32).eps else 4 * compute_eps
+    for ran, cand, was in zip(rerun, after, before, strict=True):
+        for path, value in flatten_state(ran).items():
+            if path not in cand or path not in was or is_int(value) or not hasattr(value, "dtype"):
+                continue
+            c = to_host(cand[path])
+            if not jnp.issubdtype(c.dtype, jnp.floating):
+                continue
+            r, c, b = (np.asarray(a, np.float64) for a in (to_host(value), c, to_host(was[path])))
+            ulps = (
+                UPDATE_ULPS * float(jnp.finfo(cand[path].dtype).eps) * float(np.max(np.abs(r), initial=0.0))
+            )
+            if not np.all(np.abs(c - r) <= ulps + rel * np.abs(r - b)):  # NaN fails too
+                return False
+    return True
 
 
 def update_leaves(
