@@ -34,7 +34,12 @@ def state_notes(records: Sequence[StepRecord]) -> str:
     skipped = {e.path for e in state if math.isinf(e.tolerance)}
     coarse = {e.path for e in state if e.reference_change and not math.isinf(e.tolerance)} - skipped
     out = []
-    if skipped:
+    if skipped and any(r.replayed for r in records):  # the recording may be of a step that writes it too
+        out.append(
+            f"The model's {_families(skipped)} is neither read nor written by the task's loss: not compared, as a "
+            "live check leaves it (the task's reference step does not write it)."
+        )
+    elif skipped:
         out.append(
             f"The model's {_families(skipped)} is written by the candidate's step only and not read by the loss: "
             "not compared (the reference's step does not write it)."
