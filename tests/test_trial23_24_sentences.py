@@ -149,3 +149,27 @@ def test_a_gradient_quartered_under_bfloat16_is_named_with_its_factor():
     form = report.localization.form
     assert form.kind == "factor" and abs(form.factor - 0.25) < 0.01
     assert "a mean taken twice" in form.sentence and "a sum in place of a mean" not in form.sentence
+
+
+def test_a_step_raising_on_a_batch_shaped_otherwise_names_the_batch_and_the_leaf():
+    """Trial 24: batch 1's observations had 11 columns for 12, and the check raised "dot_general requires
+    contracting dimensions to have the same shape", naming no batch or leaf."""
+    import pytest
+
+    from shardcheck.task import batch_shape_hint
+
+    rng = np.random.default_rng(5)
+    good = {"x": rng.normal(size=(8, 12)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    odd = {"x": rng.normal(size=(8, 11)).astype(np.float32), "y": good["y"]}
+    assert batch_shape_hint([good, odd]) == "batch 1's leaf 'x' is shaped (8, 11) where batch 0's is (8, 12)"
+    assert batch_shape_hint([good, dict(good)]) == ""  # the same shapes: no hint
+    assert batch_shape_hint([good, {"x": good["x"][:4], "y": good["y"][:4]}]) == ""  # a leading size: allowed
+    task = Task(
+        model=lambda: nnx.Linear(12, 4, rngs=nnx.Rngs(0)),
+        optimizer=optax.sgd(0.1),
+        loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+        batches=[good, odd],
+        name="odd_batch",
+    )
+    with pytest.raises((TypeError, ValueError, RuntimeError), match="batch 1's leaf 'x' is shaped"):
+        check_parity("simulation", task, num_shards=2)

@@ -249,6 +249,20 @@ def check_divisible(fn: str, batch: Batch, num_shards: int, *, weighted: bool) -
     _validate.check_divisible(fn, b, num_shards, subject=f"batch size {b} (batch leaf {path!r})", fix=fix)
 
 
+def batch_shape_hint(batches) -> str:
+    """Where a batch's leaf is shaped otherwise than batch 0's beyond its leading size, that in words
+    (``"batch 1's leaf 'obs' is shaped (16, 11) where batch 0's is (16, 12)"``): the likely cause of a step that
+    raises on that batch (a ``dot_general`` of mismatched sizes names no batch); ``""`` where every batch's leaves
+    share batch 0's trailing shapes (a task may still mean batches of other shapes: a hint, not an error)."""
+    first = {path_str(p): np.shape(a) for p, a in jax.tree_util.tree_flatten_with_path(batches[0])[0]}
+    for index, batch in enumerate(batches[1:], start=1):
+        for p, a in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            path, shape = path_str(p), np.shape(a)
+            if path in first and tuple(shape[1:]) != tuple(first[path][1:]):
+                return f"batch {index}'s leaf {path!r} is shaped {tuple(shape)} where batch 0's is {tuple(first[path])}"
+    return ""
+
+
 def split_batch(batch: Batch, num_shards: int) -> Batch:
     """Every leaf reshaped ``(B, ...) -> (S, B/S, ...)``: S contiguous shards (seed 000's equal split)."""
     return jax.tree.map(

@@ -698,7 +698,7 @@ def check_parity(
         )
 
     with compare.on_devices(run.ref_strategy is not None):  # a sharded check compares where its leaves live
-        outcome = _run_steps(run, data, tolerances)
+        outcome = _steps_shaped(run, data, tolerances)
     derived = tolerances(data[0], max(len(outcome[0]) - 1, 0))
     if rtol is None and atol is None:
         rule = derived[2].rule + _precision_rule(run.precision)
@@ -795,6 +795,26 @@ def _explained_trajectory(
     if synced.matches:
         return dataclasses.replace(record, matches=synced.matches)
     return _explained(run, _PreStep.of(*pre), batch, record, rtol, atol)
+
+
+def _steps_shaped(run: _Run, data, tolerances):
+    """:func:`_run_steps`, where a step that raises on a batch shaped otherwise than batch 0 is told so
+    (:func:`~shardcheck.task.batch_shape_hint`; trial 24: a batch whose leaf had 11 columns for 12 raised
+    "dot_general requires contracting dimensions to have the same shape", naming no batch)."""
+    from shardcheck.task import batch_shape_hint
+
+    try:
+        return _run_steps(run, data, tolerances)
+    except CandidateError as err:
+        hint = "" if err.hint else batch_shape_hint(data)
+        if not hint:
+            raise
+        raise CandidateError(f"{err} ({hint})", err.step, hint) from err.__cause__
+    except (TypeError, ValueError) as err:
+        hint = batch_shape_hint(data)
+        if not hint:
+            raise
+        raise type(err)(f"check_parity: a step raised {type(err).__name__} ({hint}): {err}") from err
 
 
 def _run_steps(run: _Run, data, tolerances):
