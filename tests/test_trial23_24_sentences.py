@@ -173,3 +173,44 @@ def test_a_step_raising_on_a_batch_shaped_otherwise_names_the_batch_and_the_leaf
     )
     with pytest.raises((TypeError, ValueError, RuntimeError), match="batch 1's leaf 'x' is shaped"):
         check_parity("simulation", task, num_shards=2)
+
+
+def test_a_first_failure_at_step_1_is_said_at_step_1_and_a_decay_is_no_bfloat16_reduction():
+    """Trial 25: a schedule boundary one step early read "the pre-update loss agrees at step 0 but the update does
+    not" beside a localization at step 1; a weight decay on BatchNorm's parameters (c = 0.0005, fitted by the
+    localization) read low_precision_reduction ("all-reduced in bfloat16") in a float32 model."""
+    from shardcheck.parity.diagnosis.form import Form
+
+    ok0 = StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (_leaf("loss", "loss"), _leaf("grad", "w")), 1, 1)
+    failing = tuple(  # no one factor: elementwise ratios from -1 to 2
+        LeafError(1, kind, path, 1e-4, 0.5, 1e-6, False, 0.3, change, (-1.0, 2.0), (4,))
+        for kind, path, change in (
+            ("grad", "w", None),
+            ("opt_state", "0.trace.w", 1e-3),
+            ("param", "w", 1e-3),
+        )
+    )
+    # step 1 re-run from the reference's state (the step loop's re-check of a late failure)
+    bad1 = StepRecord(
+        1, 1e-5, 1e-7, 1.0, 1.0, (_leaf("loss", "loss", step=1), *failing), 2, 2, synchronized=True
+    )
+    said = {d.code: d.message for d in diagnose([ok0, bad1], 4)}
+    assert said["loss_only"].startswith(
+        "Only the loss matches at step 1: the pre-update loss agrees at step 1 (run from the reference's pre-step "
+        "state) but the update does not"
+    ), said
+
+    params = tuple(
+        LeafError(0, "param", p, 5e-4, 5e-4, 2e-5, False, 0.9, 1e-3, (0.5, 1.2), (16,))
+        for p in ("bn.scale", "bn.bias")
+    )
+    decay = Form("decay", "a decoupled weight decay term c*lr*param with c*lr = 0.0005 ...", coefficient=5e-4)
+
+    def record(forms):
+        leaves = (_leaf("loss", "loss"), _leaf("opt_state", "0.trace.w"), *params)
+        return StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, leaves, 1, 1, matches=("bf16_reduction",), forms=forms)
+
+    assert "low_precision_reduction" not in {d.code for d in diagnose([record((("parameters", decay),))], 4)}
+    assert "low_precision_reduction" in {
+        d.code for d in diagnose([record(())], 4)
+    }  # no named form: the rule stays

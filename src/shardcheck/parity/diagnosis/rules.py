@@ -1277,8 +1277,11 @@ def per_shard_loss(ctx: DiagnosisContext) -> Finding:
 
 def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
     """``low_precision_reduction``: a float32 model's update is off by bfloat16's rounding of the shard gradients
-    (never where the records refute a reduction: :func:`_reduction_refuted`)."""
+    (never where the records refute a reduction: :func:`_reduction_refuted`; nor where the localization fits the
+    failing leaves a named form, such as a weight decay term c*param: a reduction's rounding has none, trial 25)."""
     if "bf16_reduction" not in ctx.reproduced or {"per_shard_mean", "per_shard_loss"} & set(ctx.reproduced):
+        return None
+    if _fitted_form(ctx.first, [e for e in ctx.first.leaves if not e.ok]) is not None:
         return None
     return Diagnosis(
         "low_precision_reduction",
@@ -1491,8 +1494,8 @@ def loss_only(ctx: DiagnosisContext) -> Finding:
         return None
     return Diagnosis(
         "loss_only",
-        f"Only the loss matches: the pre-update loss agrees at step 0 but the update does not "
-        f"({ctx.detail}). A matching loss does not verify the update, the optimizer state or the "
+        f"Only the loss matches at step {ctx.first.step}: the pre-update loss agrees at step {ctx.first.step}"
+        f"{ctx.first.start_said} but the update does not ({ctx.detail}). A matching loss does not verify the update, the optimizer state or the "
         "communication (seed 001): this is not parity.",
         ctx.worst_name,
     )
