@@ -202,7 +202,7 @@ def test_a_task_files_compute_dtype_policy_is_said_beside_the_matmul_precision(u
     args = ["verify", "--task", f"{user_files / 'task.py'}:task", "--devices", "2", "--strategies", "gspmd"]
     said = (
         "compute dtype bfloat16 (--compute-dtype: the tolerances' policy; the task file's model computes in the "
-        "dtypes it is written with)"
+        "dtypes it is written with, so a fault below that dtype's rounding passes)"
     )
     assert main([*args, "--steps", "1", "--compute-dtype", "bfloat16"]) == 0
     assert said in " ".join(capsys.readouterr().out.split())

@@ -214,3 +214,19 @@ def test_a_first_failure_at_step_1_is_said_at_step_1_and_a_decay_is_no_bfloat16_
     assert "low_precision_reduction" in {
         d.code for d in diagnose([record(())], 4)
     }  # no named form: the rule stays
+
+
+@require_devices(2)
+def test_a_steps_own_lookup_of_a_missing_mesh_axis_is_told_the_fix():
+    """Trial 25: --mesh dta=4 for a step that reads mesh.shape['data'] read "raised KeyError: 'data' ... fix the
+    step"; a KeyError of another key, or of an axis the mesh has, gets no such hint."""
+    from shardcheck import make_mesh
+    from shardcheck.parity.harness.candidates import _mesh_axis_hint
+
+    mesh = make_mesh({"dta": 2})
+    hint = _mesh_axis_hint(KeyError("data"), mesh)
+    assert hint.startswith(
+        "the step names mesh axis 'data', and the mesh has ('dta',): give the mesh that axis"
+    )
+    assert _mesh_axis_hint(KeyError("dta"), mesh) == ""  # the mesh has it: some other lookup failed
+    assert _mesh_axis_hint(KeyError(3), mesh) == "" and _mesh_axis_hint(KeyError("a b"), mesh) == ""

@@ -579,7 +579,7 @@ def _dtype_policy_text(args) -> str:
     flags = " / ".join("--" + k.replace("_", "-") for k in given)
     return (
         f", {words} ({flags}: the tolerances' policy; the task file's model computes in the dtypes it is "
-        "written with)"
+        "written with, so a fault below that dtype's rounding passes)"
     )
 
 

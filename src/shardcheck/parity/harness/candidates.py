@@ -231,11 +231,16 @@ def _annotation_hint(model, mesh) -> str:
 def _mesh_axis_hint(err: Exception, mesh) -> str:
     """Where the step's own ``PartitionSpec`` names an axis the mesh lacks (JAX: "Resource axis: data of
     P('data',) is not found in mesh: ('batch',)"; ``jax.shard_map``: "in_specs argument must refer to an axis
-    marked as manual ... in_specs[1] refers to 'data'"), that mismatch and the fix in words, else ``""``."""
+    marked as manual ... in_specs[1] refers to 'data'"), or its own lookup of one raised ``KeyError: 'data'``
+    (``mesh.shape['data']``), that mismatch and the fix in words, else ``""``."""
     text = str(err)
     found = re.search(r"Resource axis: (\w+) of .* is not found in mesh", text) or re.search(
         r"must refer to an axis marked as manual .*?(?:in|out)_specs\[\d+\] refers to '(\w+)'", text, re.S
     )  # jax.shard_map's own wording for its in_specs / out_specs (trial 13: --mesh batch=4)
+    if found is None and isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        found = re.fullmatch(
+            r"(\w+)", err.args[0]
+        )  # the step's own mesh.shape['data'] (trial 25: --mesh dta=4)
     if found is None or mesh is None or found.group(1) in mesh.axis_names:
         return ""
     axis, axes = found.group(1), tuple(mesh.axis_names)
