@@ -201,24 +201,36 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     return update_leaves(t, rerun, after, before, compute_dtype, allowance)
 
 
-def _within(rerun, after, before, compute_dtype) -> bool:
-    """Whether every float leaf of the candidate's state ``after`` the step lies within :func:`update_leaves`'s
-    rule of the rerun, elementwise, read without the records' statistics (a passing step's fast path)."""
+def _update_rtol(compute_dtype) -> float:
+    """The update check's allowance relative to each element's change: :data:`~shardcheck.parity.tolerance.
+    derive.UPDATE_RTOL`, or 4 units of a compute dtype coarser than float32."""
     compute_eps = float(jnp.finfo(compute_dtype).eps)
-    rel = UPDATE_RTOL if compute_eps <= np.finfo(np.float32).eps else 4 * compute_eps
-    for ran, cand, was in zip(rerun, after, before, strict=True):
+    return UPDATE_RTOL if compute_eps <= np.finfo(np.float32).eps else 4 * compute_eps
+
+
+def _float_sides(rerun, after, before):
+    """``(side, path, rerun, candidate after, candidate before)`` host arrays of every floating leaf the rerun
+    and both of the candidate's states hold (``side``: 0 the parameters, 1 the optimizer state)."""
+    for side, (ran, cand, was) in enumerate(zip(rerun, after, before, strict=True)):
         for path, value in flatten_state(ran).items():
             if path not in cand or path not in was or is_int(value) or not hasattr(value, "dtype"):
                 continue
             c = to_host(cand[path])
-            if not jnp.issubdtype(c.dtype, jnp.floating):
-                continue
-            r, c, b = (np.asarray(a, np.float64) for a in (to_host(value), c, to_host(was[path])))
-            ulps = (
-                UPDATE_ULPS * float(jnp.finfo(cand[path].dtype).eps) * float(np.max(np.abs(r), initial=0.0))
-            )
-            if not np.all(np.abs(c - r) <= ulps + rel * np.abs(r - b)):  # NaN fails too
-                return False
+            if jnp.issubdtype(c.dtype, jnp.floating):
+                yield side, path, to_host(value), c, to_host(was[path])
+
+
+def _within(rerun, after, before, compute_dtype) -> bool:
+    """Whether every float leaf of the candidate's state ``after`` the step lies within :func:`update_leaves`'s
+    rule of the rerun, elementwise, read without the records' statistics (a passing step's fast path)."""
+    rel = _update_rtol(compute_dtype)
+    for _, _, r, c, b in _float_sides(rerun, after, before):
+        ulps = UPDATE_ULPS * float(jnp.finfo(c.dtype).eps)
+        r, c, b = (np.asarray(a, np.float64) for a in (r, c, b))
+        if not np.all(
+            np.abs(c - r) <= ulps * np.max(np.abs(r), initial=0.0) + rel * np.abs(r - b)
+        ):  # NaN fails
+            return False
     return True
 
 
@@ -244,25 +256,18 @@ def update_leaves(
         :func:`~shardcheck.parity.diagnosis.form.fit_form` reads them (a parameter by its path, an optimizer-state
         leaf as ``"opt_state <path>"``).
     """
-    compute_eps = float(jnp.finfo(compute_dtype).eps)
-    rel = UPDATE_RTOL if compute_eps <= np.finfo(np.float32).eps else 4 * compute_eps
+    rel = _update_rtol(compute_dtype)
     leaves, arrays = [], ({}, {}, {})
-    sides = zip(("param", "opt_state"), rerun, after, before, allowance, strict=True)
-    for kind, ran, cand, was, extra in sides:
-        for path, value in flatten_state(ran).items():
-            if path not in cand or path not in was or is_int(value) or not hasattr(value, "dtype"):
-                continue
-            r, c, b = to_host(value), to_host(cand[path]), to_host(was[path])
-            if not jnp.issubdtype(c.dtype, jnp.floating):
-                continue
-            change = rel * np.abs(np.asarray(r, np.float64) - np.asarray(b, np.float64))
-            if path in extra:
-                change = change + np.asarray(extra[path], np.float64)
-            ulps = UPDATE_ULPS * float(jnp.finfo(c.dtype).eps)
-            leaves.append(leaf_error(t, kind, path, r, c, ulps, 0.0, b, b, change))
-            key = path if kind == "param" else f"opt_state {path}"
-            for side, a in zip(arrays, (b, r, c), strict=True):
-                side[key] = a
+    for side, path, r, c, b in _float_sides(rerun, after, before):
+        kind = ("param", "opt_state")[side]
+        change = rel * np.abs(np.asarray(r, np.float64) - np.asarray(b, np.float64))
+        if path in allowance[side]:
+            change = change + np.asarray(allowance[side][path], np.float64)
+        ulps = UPDATE_ULPS * float(jnp.finfo(c.dtype).eps)
+        leaves.append(leaf_error(t, kind, path, r, c, ulps, 0.0, b, b, change))
+        key = path if kind == "param" else f"opt_state {path}"
+        for arrays_side, a in zip(arrays, (b, r, c), strict=True):
+            arrays_side[key] = a
     return tuple(leaves), arrays
 
 
@@ -281,7 +286,7 @@ def recorded_update_check(t: int, task, pre: tuple, grads, model, optimizer, vie
     (``pre``: :func:`pre_update`), against its state after it. Returns ``(t, leaves, arrays)`` where some leaf
     fails, else ``None`` (also where the step returns no gradients, its optimizer state is not the task's by
     path, or the transformation needs more than ``(grads, state, params)``)."""
-    if grads is None or not checks_step(t, pre):
+    if grads is None:
         return None
     params, state = pre
     state = _rebuild(jax.eval_shape(task.optimizer.init, params), flatten_state(state))

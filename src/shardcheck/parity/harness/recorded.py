@@ -580,7 +580,8 @@ def _check_name(name) -> None:
 
 def _checked_step(stepped: tuple, task: Task, compute, update_checks: list | None):
     """``(loss, grads)`` of the harness's step call (``stepped``: :func:`run_step`'s arguments), with the update
-    check of the step appended to ``update_checks`` where it fails, until one has
+    check of the step appended to ``update_checks`` where it fails, until one has, at the steps
+    :func:`~shardcheck.parity.harness.optimizer_rerun.checks_step` checks (the state is copied before those only)
     (:func:`~shardcheck.parity.harness.optimizer_rerun.recorded_update_check`; ``None``: not checked)."""
     fn, cand, model, optimizer, batch, kwargs, t = stepped
     checking = (

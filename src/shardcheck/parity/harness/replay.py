@@ -256,13 +256,21 @@ def with_optimizer_rerun(
         with_rerun = dataclasses.replace(with_rerun, optimizer_rerun=rerun)
         forms = optimizer_form(with_rerun, arrays)
         with_rerun = dataclasses.replace(with_rerun, forms=forms) if forms else with_rerun
-    steps = tuple(with_rerun if r is record else r for r in report.steps)
+    return _rediagnosed(report, record, with_rerun, rules)
+
+
+def _rediagnosed(report: ParityReport, record, replacement, rules) -> ParityReport:
+    """``report`` with ``record`` replaced by ``replacement`` and diagnosed again: by ``rules`` (``records ->
+    findings``, the live check's), or where ``None`` only a ``drift`` the new record refutes replaced; its replay's
+    records, findings, cause, divergence note (the rerun may refute a late failure as rounding divergence) and
+    localization with them."""
+    steps = tuple(replacement if r is record else r for r in report.steps)
     found = rules(steps) if rules else _without_refuted_drift(report.diagnoses, steps, report.num_shards)
     cause = " ".join(d.message for d in found if d.code not in QUIET) if found != report.diagnoses else None
     replay = dataclasses.replace(
         report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
     )
-    replay = with_divergence_note(replay)  # the rerun may refute a late failure as rounding divergence
+    replay = with_divergence_note(replay)
     return dataclasses.replace(
         report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
     )
@@ -284,16 +292,7 @@ def with_update_check(report: ParityReport, found, task: Task, rules) -> ParityR
         return report
     with_check = dataclasses.replace(record, optimizer_rerun=leaves)
     forms = optimizer_form(with_check, (before, rerun, after, lr, {}))
-    with_check = dataclasses.replace(with_check, forms=forms)
-    steps = tuple(with_check if r is record else r for r in report.steps)
-    found = rules(steps)
-    cause = " ".join(d.message for d in found if d.code not in QUIET)
-    replay = dataclasses.replace(
-        report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
-    )
-    return dataclasses.replace(
-        report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
-    )
+    return _rediagnosed(report, record, dataclasses.replace(with_check, forms=forms), rules)
 
 
 def _weight_counted(record, task: Task) -> dict:
@@ -387,15 +386,10 @@ def _rerun_from(task: Task, params, state, grads):
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
-    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _rerun
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, _try_rerun
 
     grads = None if grads is None else _rebuild(params, flatten_state(nnx.as_pure(grads)))
-    if grads is None:
-        return None
-    try:
-        return _rerun(task.optimizer, params, state, grads)
-    except (TypeError, ValueError):
-        return None
+    return None if grads is None else _try_rerun(task.optimizer, params, state, grads)
 
 
 def _scale_blind(record, task: Task, num_shards, params, state, grads) -> tuple[str, ...]:
