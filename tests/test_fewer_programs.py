@@ -242,7 +242,7 @@ _F32 = {
     "gradient_tolerance": 1,
     "update_sensitivity": 1,
     "_accumulate": 2,
-    "_rerun_jit": 1,
+    "_rerun_within_jit": 1,
 }
 # tf32 matmuls (a GPU's default): also the correct split, the gradient at the other matmul precision, the
 # gradient at the candidate's parameters, the measured noise, the output rounding, the two tree additions

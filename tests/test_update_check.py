@@ -173,3 +173,42 @@ def test_the_update_check_runs_at_step_0_and_at_later_steps_of_a_state_within_it
     assert [optimizer_rerun.checks_step(t, state) for t in (0, 1, 5)] == [True, True, True]
     monkeypatch.setattr(optimizer_rerun, "UPDATE_CHECK_BYTES", 31)
     assert [optimizer_rerun.checks_step(t, state) for t in (0, 1, 5)] == [True, False, False]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    k=st.floats(0.0, 2.0),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    rel=st.sampled_from([1e-4, 0.03125]),
+)
+def test_the_devices_fast_path_clears_only_what_the_hosts_float64_rule_clears(k, seed, dtype, rel):
+    """``_rerun_within_jit`` (the update check on the device, float32 with a margin) says ``True`` only where the
+    host's float64 rule (``_within``) holds, and for a state off the rerun by ``k`` times its allowance it says
+    ``True`` below 0.9 of it; above it both say ``False``."""
+    from shardcheck.parity.harness import optimizer_rerun as o
+
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 6)), dtype), "b": jnp.asarray(rng.normal(size=6), dtype)}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    tx = optax.adam(1e-2)
+    state = tx.init(params)
+    new_params, new_state = o._rerun(tx, params, state, grads)
+    ulps = o.UPDATE_ULPS * float(jnp.finfo(dtype).eps)
+
+    def off(r, b):  # the candidate: the rerun moved by k times the rule's allowance, in the leaf's dtype
+        r64, b64 = np.asarray(r, np.float64), np.asarray(b, np.float64)
+        bound = ulps * np.max(np.abs(r64)) + rel * np.abs(r64 - b64)
+        return jnp.asarray(r64 + k * bound * np.sign(rng.normal(size=r.shape)), r.dtype)
+
+    after = jax.tree.map(off, new_params, params), new_state
+    compute = jnp.float32 if rel == 1e-4 else jnp.bfloat16
+    _, flag = o._rerun_within_jit(tx, params, state, grads, after, np.float32(o._update_rtol(compute)))
+    flat = lambda pair: tuple(o.flatten_state(t) for t in pair)  # noqa: E731
+    host = o._within((new_params, new_state), flat(after), flat((params, state)), compute)
+    if bool(flag):
+        assert host
+    if k < 0.9 and dtype == jnp.float32:  # bfloat16 rounds the moved value: it may land on either side
+        assert bool(flag)
+    if k > 1.1 and dtype == jnp.float32:
+        assert not host and not bool(flag)

@@ -316,13 +316,14 @@ def _compare_step(
 def _normalized(run: _Run, unresolved: list[str]) -> tuple[str, ...]:
     """The ``unresolved`` parameters (``"param PATH"``) whose update the task's optimizer normalizes
     (``StepRecord.normalized``: :func:`~shardcheck.parity.harness.recorded.normalized_params`, probed only where
-    some leaf is unresolved)."""
+    some leaf is unresolved, once per check: ``run.normalized``)."""
     if not unresolved:
         return ()
-    from shardcheck.parity.harness.recorded import normalized_params
+    if run.normalized is None:
+        from shardcheck.parity.harness.recorded import normalized_params
 
-    names = set(normalized_params(run.task, run.ref_model))
-    return tuple(n for n in unresolved if n.removeprefix("param ") in names)
+        run.normalized = frozenset(normalized_params(run.task, run.ref_model))
+    return tuple(n for n in unresolved if n.removeprefix("param ") in run.normalized)
 
 
 def _floating_before(run: _Run) -> None:

@@ -43,6 +43,31 @@ def _rerun(tx, params, opt_state, grads):
     return _rerun_jit(tx, *jax.tree.map(_host_array, (params, opt_state, grads)))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _rerun_within_jit(tx, params, opt_state, grads, after, rel):
+    """:func:`_rerun_jit` and whether every floating leaf of ``after`` (``(params, opt_state)``, the candidate's
+    state after the step) lies within :func:`update_leaves`' rule of the rerun with room to spare: a float32
+    test with a margin of 2**-20 of each side, so that a leaf it clears also clears the float64 test of
+    :func:`_within`; a leaf at the margin, a NaN or an infinity reads ``False`` (the host decides)."""
+    rerun = _rerun_jit(tx, params, opt_state, grads)
+    margin = 2.0**-20
+
+    def within(r, c, b):
+        if not (jnp.issubdtype(c.dtype, jnp.floating) and jnp.issubdtype(r.dtype, jnp.floating)):
+            return jnp.bool_(True)
+        if c.shape != r.shape or b.shape != r.shape:
+            return jnp.bool_(False)
+        wide = jnp.promote_types(jnp.promote_types(c.dtype, r.dtype), jnp.float32)
+        ulps = UPDATE_ULPS * float(jnp.finfo(c.dtype).eps)
+        r, c, b = (x.astype(wide) for x in (r, c, b))
+        bound = ulps * jnp.max(jnp.abs(r), initial=0.0) + rel * jnp.abs(r - b)
+        ok = jnp.isfinite(c) & ((c == r) | (jnp.abs(c - r) * (1 + margin) < bound * (1 - margin)))
+        return jnp.all(ok)
+
+    flags = jax.tree.leaves(jax.tree.map(within, rerun, after, (params, opt_state)))
+    return rerun, jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
 def _host_array(a):
     """``a`` as a NumPy array, a PRNG key as it is."""
     if jax.dtypes.issubdtype(getattr(a, "dtype", np.float32), jax.dtypes.prng_key):
@@ -51,11 +76,28 @@ def _host_array(a):
 
 
 def _rebuild(like, flat: dict):
-    """``like``'s structure holding ``flat``'s leaves by path, or ``None`` where a path is missing."""
-    paths = list(flatten_state(like))
+    """``like``'s structure holding ``flat``'s leaves by path, or ``None`` where a path is missing (``like``: a
+    pytree, or its :func:`_layout`)."""
+    treedef, paths = like if isinstance(like, _Layout) else _layout(like)
     if any(p not in flat for p in paths):
         return None
-    return jax.tree.unflatten(jax.tree.structure(like), [flat[p] for p in paths])
+    return jax.tree.unflatten(treedef, [flat[p] for p in paths])
+
+
+class _Layout(tuple):
+    """``(treedef, paths)`` of a pytree: what :func:`_rebuild` reads of it."""
+
+
+def _layout(like) -> _Layout:
+    return _Layout((jax.tree.structure(like), list(flatten_state(like))))
+
+
+def _layouts(run: _Run) -> tuple[_Layout, _Layout]:
+    """The layouts of the reference's parameters and optimizer state, found once per check (``run.layouts``)."""
+    if run.layouts is None:
+        like_params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
+        run.layouts = (_layout(like_params), _layout(nnx.as_pure(run.ref_opt.opt_state)))
+    return run.layouts
 
 
 def _rerun_inputs(run: _Run, snapshots, cand_grads):
@@ -64,8 +106,7 @@ def _rerun_inputs(run: _Run, snapshots, cand_grads):
     :func:`optimizer_rerun`)."""
     if cand_grads is None or run.reference is not None:
         return None
-    like_params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
-    like_state = nnx.as_pure(run.ref_opt.opt_state)
+    like_params, like_state = _layouts(run)
     _, cand_params0, _, cand_state0 = snapshots
     params = _rebuild(like_params, cand_params0)
     state = _rebuild(like_state, cand_state0)
@@ -181,10 +222,11 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     ``optax.MultiSteps``' running mean), and Adam turns the last bits of an element at rounding level into a
     change of its update far beyond them. Returns ``(leaves, arrays)``, or ``None`` where ``tx`` needs more than
     ``(grads, state, params)``."""
-    rerun = _try_rerun(tx, *inputs)
-    if rerun is None:
+    found = _rerun_within(tx, inputs, after, compute_dtype)
+    if found is None:
         return None
-    if _within(rerun, after, before, compute_dtype):  # every element within the rule: no record to build
+    rerun, within = found
+    if within or _within(rerun, after, before, compute_dtype):  # every element within the rule: no record
         return (), ({}, {}, {})
     checked = update_leaves(t, rerun, after, before, compute_dtype)
     if all(e.ok for e in checked[0]):
@@ -199,6 +241,24 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     updates, states, _ = update_sensitivity(tx, grads, state, params, delta)
     allowance = (host_tree(updates), host_tree(states))
     return update_leaves(t, rerun, after, before, compute_dtype, allowance)
+
+
+def _rerun_within(tx, inputs: tuple, after, compute_dtype) -> tuple | None:
+    """``(rerun, within)``: ``tx`` rerun on ``inputs`` (``(params, opt_state, grads)``) and whether the
+    candidate's state ``after`` the step (flat ``(params, opt_state)``) clears the update check's rule on the
+    device (:func:`_rerun_within_jit`; ``False`` where ``after`` lacks a path: the host decides), or ``None``
+    where ``tx`` needs more than ``(grads, state, params)``."""
+    params, state, _ = inputs
+    after_trees = (_rebuild(params, after[0]), _rebuild(state, after[1]))
+    if any(a is None for a in after_trees):
+        rerun = _try_rerun(tx, *inputs)
+        return None if rerun is None else (rerun, False)
+    rel = np.float32(_update_rtol(compute_dtype))
+    try:
+        rerun, within = _rerun_within_jit(tx, *jax.tree.map(_host_array, (*inputs, after_trees)), rel)
+    except (TypeError, ValueError):  # a transformation needing more than (grads, state, params): not observed
+        return None
+    return rerun, bool(within)
 
 
 def _update_rtol(compute_dtype) -> float:

@@ -237,6 +237,11 @@ class _Run:
     # the task's loss couples the rows of a batch (parity.harness.row_coupling, probed at low-precision compute
     # only): its loss run per shard is another loss, so no split of it measures a correct step's rounding
     rows_coupled: bool = False
+    # the parameters whose update the task's optimizer normalizes (recorded.normalized_params), probed once per
+    # check where a step first has unresolved leaves
+    normalized: frozenset | None = None
+    # (treedef, paths) of the reference's parameters and optimizer state (optimizer_rerun._layouts), found once
+    layouts: tuple | None = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
