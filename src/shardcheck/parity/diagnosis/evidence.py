@@ -199,6 +199,10 @@ class StepRecord:
             and model-state leaf after step t - 1) hashed as the recording's (sha256 of equal shape, dtype and
             placement): the step ran from the recorded run's state exactly, as a live re-check runs it, so a
             difference there is the step's own, not divergence grown over earlier steps.
+        task_loss: a replay's step run from the recording's state (step 0, or ``identical_start``) whose replayed
+            loss is the task's full-batch loss at that state, computed now, within the loss's tolerance, while the
+            recorded loss is not: that loss (the recording does not match the task as it is now, or its step
+            returned another loss); ``None`` otherwise.
         update_checked: a passing live step whose update check ran and passed (the task's optimizer rerun on its
             own gradients and pre-step state gave its update, within the optimizer's own rounding:
             ``shardcheck.parity.harness.optimizer_rerun.update_check``); ``False`` where it did not run (no
@@ -232,6 +236,7 @@ class StepRecord:
     replayed: bool = False
     identical_start: bool = False
     update_checked: bool = False
+    task_loss: float | None = None
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:

@@ -350,6 +350,24 @@ def loss_per_shard(loss_fn, num_shards, graphdef, params, rest, batch, record: S
     return abs(record.candidate_loss - combined) <= loss.tolerance < abs(combined - full)
 
 
+def recording_loss_differs(loss_fn, graphdef, params, rest, batch, record: StepRecord) -> float | None:
+    """The task's full-batch loss at the state ``(graphdef, params, rest)`` a replayed step ran from (the
+    recording's), where the replayed step returned it within the loss's tolerance while the recorded loss
+    (``record.loss``) is further from it: the recording does not hold this task's loss (trial 27: a task whose
+    capacity factor changed after its recording, replayed with a correct step, read "not a single reduced step").
+    ``None`` otherwise (the loss matched, no loss returned, or the loss does not trace alone)."""
+    loss = next((e for e in record.leaves if e.kind == "loss"), None)
+    if loss is None or loss.ok or record.candidate_loss is None:
+        return None
+    try:
+        total, weight = loss_terms(loss_fn, nnx.merge(graphdef, params, rest, copy=True), batch)
+    except (TypeError, ValueError):  # a loss that needs the step's mesh or inputs: nothing to compare
+        return None
+    full = float(total if weight is None else total / weight)
+    near = abs(record.candidate_loss - full) <= loss.tolerance < abs(record.loss - full)
+    return full if near else None
+
+
 def _blind_to_scale(run: _Run, pre: _PreStep, grads, leaves) -> bool:
     """Whether the reference's optimizer, rerun from ``pre`` on ``S grads`` and ``grads / S``, moves no parameter
     or optimizer-state leaf of ``leaves`` beyond its tolerance (:func:`blind_to_scale`)."""

@@ -1244,6 +1244,25 @@ def weight_count(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def recording_differs(ctx: DiagnosisContext) -> Finding:
+    """``recording_differs``: a replayed step run from the recording's state returned the task's full-batch loss
+    there, and the recording holds another (``StepRecord.task_loss``): the recording is not of this task as it is
+    now, or its own step returned another loss; the replayed step is not blamed."""
+    first = ctx.first
+    if first is None or first.task_loss is None:
+        return None
+    return Diagnosis(
+        "recording_differs",
+        f"At step {first.step}, run from the recording's state, the replayed step returns the task's full-batch "
+        f"loss there ({first.candidate_loss:.7g}; the task's loss computed now: {first.task_loss:.7g}), while the "
+        f"recording holds {first.loss:.7g}: the recording does not match the task as it is now. Either the task "
+        "(its model, loss or data) changed since it was recorded, or the recorded step did not return the "
+        "full-batch loss. Record again from this task (shardcheck record), or check the step live (verify "
+        "--candidate without --against).",
+        "loss",
+    )
+
+
 def per_shard_loss(ctx: DiagnosisContext) -> Finding:
     """``per_shard_loss``: the first failing step is the step of the mean of per-shard means while the shards
     carry equal weights: no count differs, so a term of the loss that couples the rows was computed per shard; or
@@ -1793,14 +1812,19 @@ def _forward_hint(ctx: DiagnosisContext, cleared: bool = False) -> str:
     if not model:
         return ""
     axis = model[0]
-    head = (
-        " If the step runs the model in a jax.shard_map of its own (which the module probe does not see into), a"
-        if cleared
-        else " A"
-    )
+    if cleared:
+        head = (
+            " If the step runs the model in a jax.shard_map of its own (which the module probe does not see into), "
+            f"a loss that differs on a mesh that splits the model over {tuple(model)} says the sharded forward "
+            "pass computes another function"
+        )
+    else:  # nothing probed the modules (a replay, a step the probe cannot run): one possible cause among others
+        head = (
+            f" On a mesh that splits the model over {tuple(model)}, a loss that differs may also come from the "
+            "sharded forward pass computing another function"
+        )
     return (
-        f"{head} loss that differs on a mesh that splits the model over {tuple(model)} says the sharded forward pass "
-        f"computes another function, e.g. a loss sum each shard divides by its own count, a replicated bias "
+        f"{head}, e.g. a loss sum each shard divides by its own count, a replicated bias "
         f"added on every shard before the psum over {axis!r} "
         f"(it counts {shape[axis]} times; add it after the psum), or a row-parallel output not psum-ed over "
         f"{axis!r}."
@@ -2054,6 +2078,7 @@ RULES: tuple[Rule, ...] = (
     parity,
     reference_diverged,
     non_finite,
+    recording_differs,
     wrong_axis_reduction,
     replicas_differ,
     model_state,
@@ -2106,6 +2131,8 @@ def diagnose(
     - ``reference_diverged``: the reference went non-finite at ``reference_diverged_at``; no ``parity``.
     - ``non_finite``: the first failing step holds NaN or infinite values where the reference's are finite
       (the catalog's findings that read ratios, :data:`NAN_BLIND`, are then not said).
+    - ``recording_differs``: a replay whose step, run from the recording's state, returned the task's
+      full-batch loss while the recording holds another (``StepRecord.task_loss``): every other finding dropped.
     - ``wrong_axis_reduction``: replicated copies differ along some mesh axes and agree along the others
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
@@ -2153,6 +2180,8 @@ def diagnose(
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
     if any(d.code == "non_finite" for d in found):  # no ratio, factor or form is read from a NaN
         found = [d for d in found if d.code not in NAN_BLIND]
+    if any(d.code == "recording_differs" for d in found):  # the recording, not the step: nothing else read
+        found = [d for d in found if d.code in ("recording_differs", "rounding_level")]
     if any(d.code in NAMED_SUBSET for d in found):  # a cause named: the generic fallbacks add nothing true
         found = [d for d in found if d.code not in GENERIC]
     if not ctx.failing:

@@ -340,7 +340,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     from flax import nnx
 
     from shardcheck.parity.comparison.live import flatten_state
-    from shardcheck.parity.diagnosis.hypotheses import loss_per_shard
+    from shardcheck.parity.diagnosis.hypotheses import loss_per_shard, recording_loss_differs
     from shardcheck.parity.harness.candidates import run_step
     from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero
     from shardcheck.parity.harness.recorded import _start
@@ -362,10 +362,13 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
     before = (graphdef, params, rest, state)
     matches, per_shard = _per_shard_match(record, task, num_shards, before, data[t], after, grads)
-    if not matches and (t == 0 or record.identical_start):  # from the recording's state: its loss, per shard?
-        per_shard_loss = loss_per_shard(task.loss_fn, num_shards, graphdef, params, rest, data[t], record)
-        matches = ("per_shard_loss_value",) if per_shard_loss else matches
     fields = {} if per_shard is None else {"per_shard_factor": per_shard}
+    if not matches and (t == 0 or record.identical_start):  # from the recording's state: its loss, per shard?
+        found = recording_loss_differs(task.loss_fn, graphdef, params, rest, data[t], record)
+        if found is not None:  # the replayed step returns this task's loss; the recording does not
+            fields["task_loss"] = found
+        elif loss_per_shard(task.loss_fn, num_shards, graphdef, params, rest, data[t], record):
+            matches = ("per_shard_loss_value",)
     matches += _scale_blind(record, task, num_shards, params, state, grads)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
