@@ -157,7 +157,10 @@ def test_state_shaped_otherwise_fails_as_such_live_and_replayed():
         "localized",
     ) and "They are shaped otherwise than the reference's (e.g. opt_state " in (live.diagnosis)
     assert replayed.codes[0] == "structure"
-    assert "Opt_state 0.v.down.kernel: changed shape (1,) -> (16, 4) (and 5 more" in replayed.diagnosis
+    assert (
+        "Leaf opt_state 0.v.down.kernel: changed shape (1,) -> (16, 4) (and 5 more leaves)"
+        in replayed.diagnosis
+    )
 
 
 def test_copied_state_of_another_shape_is_named_when_the_step_raises():

@@ -601,6 +601,7 @@ def test_a_built_in_that_raises_gets_its_own_error_row_and_the_others_theirs(
         "message": "planted limitation" + ("." if where == "step" else ""),
         "step": step,
         "builtin": True,
+        "refused": False,  # an error, not a refusal (REFUSED: tests/test_trial27_cli.py)
     }
 
 
@@ -627,6 +628,7 @@ def test_a_raising_candidate_keeps_its_message_in_its_own_row(steps_file, monkey
         "message": "planted failure",
         "step": 0,
         "builtin": False,
+        "refused": False,
     }
     assert rows["candidate"]["diagnosis"].startswith(
         "shardcheck verify: the candidate step raised ValueError"

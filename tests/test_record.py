@@ -874,7 +874,7 @@ def test_a_placement_only_change_passes_with_a_note_naming_the_leaves(placement_
     assert ("grad hidden.kernel", "P()", "P(None, 'fsdp')") in changes
     assert all(was == "P()" and now != "P()" for _, was, now in changes)
     note = next(n for n in comparison.notes if n.startswith("Placement changed"))
-    assert note.startswith(f"Placement changed on {len(changes)} leaves, values compared")  # #36: ISSUE36H
+    assert note.startswith(f"Placement changed on {len(changes)} leaves, values compared")
     assert "pin_placement=True, fails on it" in note
     assert "grad hidden.kernel: P() -> P(None, 'fsdp')" in note
     assert comparison.to_dict()["placement_changes"][0] == dict(
@@ -976,7 +976,7 @@ def test_verify_against_passes_a_placement_change_and_pin_placement_fails_it(tmp
     changes = run["placement_changes"]
     assert run["verdict"] == "PASS" and run["pin_placement"] is False and changes
     assert all(c["recorded"] == "P()" and c["replayed"] != "P()" for c in changes)
-    assert any(n.startswith(f"Placement changed on {len(changes)} leaves") for n in run["notes"])  # ISSUE36H
+    assert any(n.startswith(f"Placement changed on {len(changes)} leaves") for n in run["notes"])
     capsys.readouterr()
     assert main([*verify, "--pin-placement", "--json", str(out)]) == 1
     run = _json(out)["strategies"]["candidate"]

@@ -177,6 +177,10 @@ class ErrorRow:
         reason: the exception's first line.
         step: the 0-based step at which the step raised, or ``None`` when it raised before any step.
         builtin: a built-in strategy (a limitation or a bug of shardcheck's step), not the user's step.
+        refused: a built-in strategy that refused the task by a documented limitation (``RowCouplingError``: the
+            loss couples the rows of a batch), not an error of the user's step nor of shardcheck: verdict
+            ``REFUSED``, said once for all such rows, and left out of the exit status (:func:`exit_status`).
+        short: the refusal in a few words for its summary cell (``"the loss couples rows"``); ``""`` otherwise.
     """
 
     strategy: str
@@ -185,26 +189,52 @@ class ErrorRow:
     reason: str
     step: int | None
     builtin: bool
-    verdict = "ERROR"
+    refused: bool = False
+    short: str = ""
     ok = False
     step_ok = False
 
+    @property
+    def verdict(self) -> str:
+        """``"REFUSED"`` for a refusal by a documented limitation, else ``"ERROR"``."""
+        return "REFUSED" if self.refused else "ERROR"
+
     def to_dict(self) -> dict:
-        """``ok`` (False), ``verdict`` (``"ERROR"``), ``codes`` (``["error"]``), ``diagnosis`` (the message) and
-        ``error``: ``type``, ``message`` (the first line), ``step`` and ``builtin``."""
+        """``ok`` (False), ``verdict`` (``"ERROR"`` or ``"REFUSED"``), ``codes`` (``["error"]`` or
+        ``["refused"]``), ``diagnosis`` (the message) and ``error``: ``type``, ``message`` (the first line),
+        ``step``, ``builtin`` and ``refused``."""
         return {
             "ok": False,
             "verdict": self.verdict,
             "step_ok": False,
-            "codes": ["error"],
+            "codes": ["refused" if self.refused else "error"],
             "diagnosis": self.message,
             "error": {
                 "type": self.error_type,
                 "message": self.reason,
                 "step": self.step,
                 "builtin": self.builtin,
+                "refused": self.refused,
             },
         }
+
+
+def exit_status(reports) -> int:
+    """``shardcheck verify``'s exit status from its rows: the worst row's, 2 for an ERROR, 1 for a FAIL or CANNOT
+    VERIFY, 0 when every row passes. A ``REFUSED`` row (a built-in strategy that refused the task by a documented
+    limitation: :attr:`ErrorRow.refused`) is neither a failure of the user's step nor of shardcheck and does not
+    count; where every row is refused, nothing was checked: 2."""
+    counted = [r for r in reports.values() if not (isinstance(r, ErrorRow) and r.refused)]
+    if not counted or any(isinstance(r, ErrorRow) for r in counted):
+        return 2
+    return 0 if all(r.step_ok for r in counted) else 1
+
+
+def _note(message: str) -> None:
+    """``message`` on stderr as a note: what the run did not check, which is no error (a strategy's refusal)."""
+    from rich.console import Console
+
+    Console(file=sys.stderr).print(f"[bold yellow]note:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def _fail(message: str) -> int:
@@ -412,7 +442,10 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
             f"shardcheck verify: the built-in strategy {label!r} cannot check this task{where}: {whole}; the "
             f"other rows stand (leave {label} out with --strategies)"
         )
-        return ErrorRow(label, message, type(cause).__name__, whole, step, True)
+        reason = _refusal_reason(label, whole)
+        return ErrorRow(
+            label, message, type(cause).__name__, reason, step, True, True, "the loss couples rows"
+        )
     reason = f"{type(cause).__name__}: {whole.rstrip('.')}"  # one period before "A limitation"
     message = (
         f"shardcheck verify: the built-in strategy {label!r} could not run this task{where}: {reason}. A "
@@ -420,6 +453,46 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         f"stand (leave {label} out with --strategies)"
     )
     return ErrorRow(label, message, type(cause).__name__, reason_line(cause), step, True)
+
+
+def _refusal_reason(label: str, whole: str) -> str:
+    """A built-in strategy's refusal without the strategy's own name at its start and end (``"dp: cannot compute
+    ..."``, ``"... (check_parity, strategy 'dp')"``): the same words for every strategy that refused, said once."""
+    import re
+
+    text = whole.removeprefix(f"{label}: ")
+    return re.sub(rf" \(\w+, strategy {re.escape(repr(label))}\)$", "", text)
+
+
+def _refusals_message(reports) -> str:
+    """One message for the built-in strategies of ``reports`` (label -> report or :class:`ErrorRow`) that refused
+    the task by a documented limitation (:attr:`ErrorRow.refused`), grouped by their reason: each reason said
+    once, with the strategies it names, and the ``--strategies`` that runs the other built-ins alone."""
+    from shardcheck.parity.diagnosis.grouping import words_and
+
+    groups: dict[str, list[str]] = {}
+    for r in reports.values():
+        if isinstance(r, ErrorRow) and r.refused:
+            groups.setdefault(r.reason, []).append(r.strategy)
+    parts = []
+    for reason, names in groups.items():
+        which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {words_and(map(repr, names))}"
+        parts.append(f"the built-in {which} refused this task: {reason}")
+    one = sum(map(len, groups.values())) == 1
+    others = [
+        k for k, r in reports.items() if k != "candidate" and not (isinstance(r, ErrorRow) and r.refused)
+    ]
+    rest = ",".join(others) or "none"
+    which, it = ("that strategy", "it") if one else ("those strategies", "them")
+    head = f"shardcheck verify: {'; '.join(parts)}. A documented limitation of {which} on this task"
+    if all(isinstance(r, ErrorRow) and r.refused for r in reports.values()):  # nothing was checked: exit 2
+        return (
+            f"{head}, and no other row checked it (exit status 2): pass --strategies gspmd or a --candidate"
+        )
+    return (
+        f"{head}, not a fault of your step nor a verdict: the other rows stand and the exit status leaves {it} "
+        f"out (--strategies {rest} runs without {it})"
+    )
 
 
 def _candidate_message(args, err) -> str:
@@ -550,11 +623,12 @@ def main(args) -> int:
     message = _diverged_message(args, task, reports)
     if message is not None:
         return _fail(message)
-    ok = all(r.step_ok for r in reports.values())
+    status = exit_status(
+        reports
+    )  # the worst row's: ERROR 2, FAIL or CANNOT VERIFY 1, PASS 0; REFUSED left out
     if distributed.is_main_process():  # every process computed the same reports; process 0 alone prints them
-        _print(args, task, reports, num_shards, ok)
-    # the worst row's: an ERROR row 2, a FAIL or CANNOT VERIFY 1, PASS 0
-    return 2 if any(isinstance(r, ErrorRow) for r in reports.values()) else 0 if ok else 1
+        _print(args, task, reports, num_shards, status == 0)
+    return status
 
 
 def _model_dtype_text(report) -> str:
@@ -594,7 +668,7 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     # every check an ERROR row: the steps asked for, not "0 steps" (trial 18)
     steps = len(next(iter(done.values())).steps) if done else (args.steps or len(task.batches))
     b = batch_size(task.batches[0])
-    setup = f"task {task.name}, {steps} steps of B={b}, S={num_shards}"
+    setup = f"task {task.name}, {steps} steps of B={_sizes_text(task.batches[:steps])}, S={num_shards}"
     if args.mesh is not None:
         setup += " on mesh " + " x ".join(f"{k}={v}" for k, v in args.mesh.items())
         from shardcheck.mesh import batch_axis_names
@@ -610,12 +684,15 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
     setup += _dtype_policy_text(args) or (_model_dtype_text(next(iter(done.values()))) if done else "")
     for report in reports.values():
-        if isinstance(report, ErrorRow):  # on stderr, as a candidate that raised always was
+        if isinstance(report, ErrorRow) and not report.refused:  # on stderr, as a candidate that raised was
             _fail(report.message)
-        else:
+        elif not isinstance(report, ErrorRow):
             console.print(render_report(report, setup))
     console.print(render_summary(reports, setup))
     console.print(device_choice(args).line(), highlight=False)
+    refused = [r for r in reports.values() if isinstance(r, ErrorRow) and r.refused]
+    if refused:  # one message for every refusal, below the summary (trial 27: 4 times on stderr, and 4 cells)
+        _note(_refusals_message(reports))
     optimizer = args.optimizer or ("sgd" if args.task is None else None)
     lr = None if optimizer is None else (DEFAULT_LR[optimizer] if args.lr is None else args.lr)
     document = {
@@ -638,6 +715,20 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     # what every strategy was compared with (the report's own name for it: "gspmd on data=2,model=4")
     document.update(reference=next(iter(done.values())).reference if done else args.reference)
     write_json(document, args.json)
+
+
+def _sizes_text(batches, listed: int = 6) -> str:
+    """The batch sizes (rows) of the steps checked, as they are: ``"8"`` where every batch has 8 rows, ``"8, 6 (by
+    step)"`` where the second has 6 (trial 27 read "2 steps of B=8"), ``"8, 8, 6, 8, 8, 8, ... (by step, 6 to 8)"``
+    past ``listed`` steps."""
+    from shardcheck.task import batch_size
+
+    sizes = [batch_size(x) for x in batches]
+    if len(set(sizes)) <= 1:
+        return str(sizes[0]) if sizes else "?"
+    if len(sizes) <= listed:
+        return f"{', '.join(map(str, sizes))} (by step)"
+    return f"{', '.join(map(str, sizes[:listed]))}, ... (by step, {min(sizes)} to {max(sizes)})"
 
 
 def _model_axes_text(task, axes: list[str]) -> str:
@@ -699,19 +790,23 @@ def render_report(report, setup: str, against: str | None = None):
     table.add_column("allowed abs err", justify="right")
     table.add_column("verdict")
     for kind, e in report.worst_by_kind().items():
-        table.add_row(
-            kind,
-            e.path,
-            step_cell(e.step),
-            f"{e.max_abs_err:.3g}",
-            f"{e.max_rel_err:.3g}",
-            f"{e.tolerance:.3g}",
-            _verdict(e.ok),
-        )
+        table.add_row(kind, e.path, step_cell(e.step), *error_cells(e), _verdict(e.ok))
     replicas = report.replica_failure
     if replicas is not None:  # no leaf's error shows it: each device's copy may be within tolerance
         table.add_row("replicas", _replica_cell(replicas), str(replicas.step), "-", "-", "-", _verdict(False))
     return table
+
+
+def error_cells(e) -> tuple[str, str, str]:
+    """A leaf's max abs err, max rel err and allowed abs err cells. A leaf in one run only (``e.missing``: a
+    multi_transform's other labels) or shaped otherwise (``e.cand_shape``) has no difference and no tolerance:
+    ``("in one run only", "-", "-")`` / ``("shaped otherwise", "-", "-")``, not the ``inf`` and ``0`` that stand
+    for them in the records (trial 27 read "max abs err inf, allowed 0")."""
+    if getattr(e, "missing", False):
+        return "in one run only", "-", "-"
+    if getattr(e, "cand_shape", None) is not None and not math.isfinite(e.max_abs_err):
+        return "shaped otherwise", "-", "-"
+    return f"{e.max_abs_err:.3g}", f"{e.max_rel_err:.3g}", f"{e.tolerance:.3g}"
 
 
 def step_cell(step: int) -> str:
@@ -743,6 +838,9 @@ def render_summary(reports, setup: str):
     table.add_column("allowed abs err", justify="right")
     table.add_column("diagnosis")
     for name, r in reports.items():
+        if isinstance(r, ErrorRow) and r.refused:  # the whole refusal is said once, below the tables
+            table.add_row(name, _verdict(r.verdict), "-", "-", "-", "-", f"refused: {r.short} (below)")
+            continue
         if isinstance(r, ErrorRow):
             table.add_row(name, _verdict("ERROR"), "-", "-", "-", "-", f"{r.error_type}: {r.reason}")
             continue
@@ -756,6 +854,8 @@ def _worst_cells(report) -> tuple[str, str, str, str]:
     if report.only_replicas_fail:
         return f"replicas: {_replica_cell(report.replica_failure)}", "-", "-", "-"
     worst = report.worst
+    if worst is not None and error_cells(worst)[2] == "-":  # no difference, no tolerance: said as what it is
+        return (report.worst_leaf or "-", *error_cells(worst))
     return (
         report.worst_leaf or "-",
         f"{report.max_abs_err:.3g}",

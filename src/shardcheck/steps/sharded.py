@@ -313,6 +313,17 @@ def check_annotations_fit(fn: str, model, mesh: Mesh) -> None:
             _check_annotation(fn, path_str(path), nnx.get_partition_spec(var).get_value(), shape, mesh)
 
 
+def annotations_missing_axes(model, mesh: Mesh) -> list[tuple[str, PartitionSpec, tuple[str, ...]]]:
+    """``(dotted path, annotation, the axes of it that mesh lacks)`` of every Variable of ``model`` whose sharding
+    annotation names an axis ``mesh`` lacks, in the model's order; concrete and abstract models alike."""
+    out = []
+    for path, spec in _annotated_specs(model):
+        lacking = tuple(a for a in spec_axes(spec) if a not in mesh.axis_names)
+        if lacking:
+            out.append((path, spec, lacking))
+    return out
+
+
 def annotated_axes(model) -> frozenset[str]:
     """The mesh axes that ``model``'s sharding annotations (``nnx.with_partitioning``) split some leaf over;
     concrete and abstract (``nnx.eval_shape``) models alike (only metadata is read)."""

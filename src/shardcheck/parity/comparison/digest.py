@@ -1005,7 +1005,7 @@ def _placement_note(pair: _Pair, moved: Sequence[tuple[str, str, str]], same: bo
     if not moved or pair.pinned or not same:
         return []
     return [
-        f"Placement changed on {len(moved)} leaf/leaves, values compared (a recording checks what a refactor "
+        f"Placement changed on {n_leaves(len(moved))}, values compared (a recording checks what a refactor "
         f"computes, not where it keeps it; --pin-placement, pin_placement=True, fails on it): "
         f"{_placement_list(moved)}."
     ]
@@ -1058,7 +1058,7 @@ def _first_failure(leaves: list[DigestError], rounding: Mapping[str, int]) -> Di
 def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping) -> str:
     """A leaf missing, or a changed shape, dtype or sharding (another mesh named as such)."""
     e, more = structural[0], len(structural) - 1
-    tail = f" (and {more} more leaf/leaves)" if more else ""
+    tail = f" (and {more} more {'leaf' if more == 1 else 'leaves'})" if more else ""
     if e.evidence == "missing":
         return f"{e.name} is recorded but this run has none{tail}"
     if e.evidence == "sharding" and was.get("mesh") != now.get("mesh"):
@@ -1070,7 +1070,7 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
     if all(x.evidence == "sharding" for x in structural):
         moved = [(x.name, str(x.recorded), str(x.replayed)) for x in structural]
         return (
-            f"the placement is pinned (--pin-placement, pin_placement=True) and {len(moved)} leaf/leaves changed "
+            f"the placement is pinned (--pin-placement, pin_placement=True) and {n_leaves(len(moved))} changed "
             f"sharding: {_placement_list(moved)}"
         )
     return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
@@ -1287,7 +1287,9 @@ def _diagnoses(
         findings = [Diagnosis("initial_state", initial_cause(leaves), first.name)]
     if at_t:
         text = _structural_cause(at_t, was, now)
-        found = Diagnosis("structure", text[0].upper() + text[1:] + ".", at_t[0].name)
+        # a sentence that starts with a leaf's name keeps its spelling ("opt_state ...", never "Opt_state": trial 27)
+        text = f"Leaf {text}" if text.startswith(at_t[0].name) else text[0].upper() + text[1:]
+        found = Diagnosis("structure", text + ".", at_t[0].name)
         values = any(not e.ok and e.evidence not in STRUCTURAL and e.step == first.step for e in leaves)
         ahead = not values or any(e.evidence != "sharding" for e in at_t)
         findings = [found, *findings] if ahead else [*findings, found]

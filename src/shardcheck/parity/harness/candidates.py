@@ -228,26 +228,73 @@ def _annotation_hint(model, mesh) -> str:
     return ""
 
 
-def _mesh_axis_hint(err: Exception, mesh) -> str:
-    """Where the step's own ``PartitionSpec`` names an axis the mesh lacks (JAX: "Resource axis: data of
-    P('data',) is not found in mesh: ('batch',)"; ``jax.shard_map``: "in_specs argument must refer to an axis
-    marked as manual ... in_specs[1] refers to 'data'"), or its own lookup of one raised ``KeyError: 'data'``
-    (``mesh.shape['data']``), that mismatch and the fix in words, else ``""``."""
+def _named_axis(err: Exception) -> tuple[str, str | None] | None:
+    """The mesh axis a step's error names, with the ``PartitionSpec`` it names it in where the error says one
+    (JAX: "Resource axis: data of P('data',) is not found in mesh: ('batch',)" -> ``("data", "P('data',)")``;
+    ``jax.shard_map``: "in_specs argument must refer to an axis marked as manual ... in_specs[1] refers to 'data'";
+    the step's own ``mesh.shape['data']``: ``KeyError: 'data'``), else ``None``."""
     text = str(err)
-    found = re.search(r"Resource axis: (\w+) of .* is not found in mesh", text) or re.search(
+    found = re.search(r"Resource axis: (\w+) of (.*?) is not found in mesh", text)
+    if found is not None:
+        return found.group(1), found.group(2)
+    found = re.search(
         r"must refer to an axis marked as manual .*?(?:in|out)_specs\[\d+\] refers to '(\w+)'", text, re.S
     )  # jax.shard_map's own wording for its in_specs / out_specs (trial 13: --mesh batch=4)
     if found is None and isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
         found = re.fullmatch(
             r"(\w+)", err.args[0]
         )  # the step's own mesh.shape['data'] (trial 25: --mesh dta=4)
-    if found is None or mesh is None or found.group(1) in mesh.axis_names:
+    return None if found is None else (found.group(1), None)
+
+
+def _mesh_axis_hint(err: Exception, mesh, model=None) -> str:
+    """Where a step's error names an axis the mesh lacks (:func:`_named_axis`), that axis, the spec the error
+    names it in and the fix in words, then, where ``model``'s annotations also name axes the mesh lacks, the
+    first of them; a leaf annotated with the very axis the error names is said as that leaf's annotation (its
+    placement is likely what raised). Else ``""`` (the annotations' own mismatch is :func:`_annotation_hint`'s).
+
+    Trial 27: a batch placed by ``P('data')`` on ``--mesh foo=4`` raised "Resource axis: data of P('data',)",
+    and the hint named the annotation ``P('expert', None, None)`` of another leaf instead."""
+    named = _named_axis(err)
+    if named is None or mesh is None or named[0] in mesh.axis_names:
         return ""
-    axis, axes = found.group(1), tuple(mesh.axis_names)
-    return (
+    axis, spec = named
+    axes = tuple(mesh.axis_names)
+    lacking = _annotations_lacking(model, mesh)
+    same = [(path, s) for path, s, missing in lacking if axis in missing]
+    if same:  # the error is the placement of an annotated leaf (or of one annotated alike)
+        path, s = same[0]
+        return (
+            f"leaf {path!r} is annotated {s} but the mesh has no axis {axis!r} (its axes: {axes}); build the mesh "
+            f"with that axis (e.g. --mesh {axis}=2 among its axes) or change the annotation"
+        )
+    hint = (
         f"the step names mesh axis {axis!r}, and the mesh has {axes}: give the mesh that axis (--mesh "
         f"{axis}={mesh.size}, or a mesh whose axes include {axis!r}), or name the mesh's axes in the step"
+        + (f"'s {spec}" if spec else "")
     )
+    if lacking:  # the model's annotations would fail next: said after the error's own axis
+        path, s, missing = lacking[0]
+        k = len(lacking) - 1
+        more = f" (and {k} more {'leaf' if k == 1 else 'leaves'})" if k else ""
+        hint += (
+            f"; the model's annotations also name axes the mesh lacks: leaf {path!r} is annotated {s}, naming "
+            f"{', '.join(map(repr, missing))}{more}"
+        )
+    return hint
+
+
+def _annotations_lacking(model, mesh) -> list:
+    """:func:`~shardcheck.steps.sharded.annotations_missing_axes` of ``model`` (none without a model, or where
+    its annotations cannot be read: a hint only)."""
+    if model is None:
+        return []
+    from shardcheck.steps.sharded import annotations_missing_axes
+
+    try:
+        return annotations_missing_axes(model, mesh)
+    except Exception:  # noqa: BLE001 - the hint only: a model whose annotations cannot be read names none
+        return []
 
 
 def _state_shape_hint(model, optimizer) -> str:
@@ -309,8 +356,12 @@ def run_step(
     except Exception as err:
         s, rows = cand.num_shards, batch_size(batch)
         hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s else ""
-        hint = hint or _annotation_hint(model, kwargs.get("mesh"))
-        hint = hint or _mesh_axis_hint(err, kwargs.get("mesh"))
+        # the axis the error names first (trial 27), then the annotations' own mismatch (an uneven split)
+        hint = (
+            hint
+            or _mesh_axis_hint(err, kwargs.get("mesh"), model)
+            or _annotation_hint(model, kwargs.get("mesh"))
+        )
         hint = hint or (_state_shape_hint(model, optimizer) if cand.make_optimizer is not None else "")
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
