@@ -874,9 +874,10 @@ def gradients_after_loss(f: float) -> str:
         else "a sum in place of a mean, a transpose that already summed before a psum"
     )
     return (
-        "the loss matches, so the factor comes after it: one scale of the gradients after the loss (their "
-        f"reduction or a factor applied to them: {causes}), not the loss's normalization (which would move the loss "
-        "too)"
+        "the returned loss matches, so the factor comes after it: one scale of the gradients after the loss (their "
+        f"reduction or a factor applied to them: {causes}), or of the loss the gradients were taken of but not of "
+        "the one returned (a loss multiplied by a count, such as the micro-batch count, inside jax.grad only); not "
+        "the loss's normalization (which would move the returned loss too)"
     )
 
 

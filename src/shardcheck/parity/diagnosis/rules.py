@@ -128,6 +128,34 @@ def _consensus(ratios: list[float]) -> float | None:
     return mid
 
 
+def _spread_excludes(record: StepRecord | None, value: float | None) -> bool:
+    """Whether the failing gradients' own ratios place their factor away from ``value`` (a named factor such as
+    1/2): most of the well-resolved failing gradient leaves (``badness > SHARP``) have a 10th-90th percentile
+    ratio (``LeafError.spread``) that misses ``value`` by more than a quarter of its width plus 0.1% of
+    ``value``. :data:`RATIO_RTOL` reads a factor 2% from 1/2 as 1/2; a ratio measured to 4 digits says what it
+    is (trial 26: a clip by each shard's own norm gave 0.4962 on every element, "spread 0.4962..0.4962", and read
+    "x1/2: averaged twice")."""
+    if record is None or value is None:
+        return False
+    spreads = [
+        e.spread
+        for e in record.leaves
+        if e.kind == "grad"
+        and not e.ok
+        and e.badness > SHARP
+        and e.spread is not None
+        and all(math.isfinite(v) for v in e.spread)
+    ]
+    if not spreads:
+        return False
+    apart = [
+        lo - pad > value or value > hi + pad
+        for lo, hi in spreads
+        for pad in [0.25 * (hi - lo) + 1e-3 * abs(value)]
+    ]
+    return sum(apart) > len(apart) / 2
+
+
 def _within_tolerance_of_zero(e: LeafError) -> bool:
     """Whether the reference's leaf, ``max|ref| = max_abs_err / max_rel_err``, is within the leaf's tolerance of
     0: a gradient that is rounding noise (an attention key bias's under bfloat16 compute: the tolerance holds
@@ -530,7 +558,16 @@ class DiagnosisContext:
         one = self.one_number
         if named is not None and one is not None and not _one_number_fits(one, _named_value(self.factor)):
             return None
+        if named is not None and _spread_excludes(self.first, self._named_target()):
+            return None
         return named
+
+    def _named_target(self) -> float:
+        """The value :attr:`factor` is named as: the nearest (relatively) of its count, the inverse of one, and
+        the clip factors 1/sqrt(R) of :func:`_name_factor`."""
+        f = self.factor
+        targets = [_named_value(f), *clip_factors(self.num_shards, self.mesh_shape)]
+        return min(targets, key=lambda v: abs(f - v) / abs(v))
 
     @property
     def one_number(self) -> LeafError | None:

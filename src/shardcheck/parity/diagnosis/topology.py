@@ -229,14 +229,15 @@ def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tu
         axes = model_axes_of_size(mesh_shape, r) if close(f, r) else ()
         if axes:
             batch, _ = axis_roles(mesh_shape)
-            also = f", or a sum over the {r} batch shards for their mean" if num_shards == r else ""
+            also = f"; or a sum over the {r} batch shards for their mean" if num_shards == r else ""
             return (
                 "summed",
-                f"x{r}: the size of mesh axis {_axes_text(axes)}, which splits the model, not the batch: the "
-                f"gradients were psum-ed over {_axes_text(axes)} too, though every device along it holds the same "
-                f"batch rows and so the same gradient, counted {r} times{also}; reduce the gradients over the "
-                f"batch axes {_axes_text(batch)} only (the psum over {_axes_text(axes)} belongs to the "
-                "row-parallel layer's output in the forward pass)",
+                f"x{r}: the size of mesh axis {_axes_text(axes)}, which splits the model, not the batch. Either "
+                f"the gradients were psum-ed over {_axes_text(axes)} too, though every device along it holds the "
+                f"same batch rows and so the same gradient, counted {r} times (reduce the gradients over the batch "
+                f"axes {_axes_text(batch)} only: the psum over {_axes_text(axes)} belongs to the row-parallel "
+                f"layer's output in the forward pass){also}; or a factor {r} of the step's own that only matches "
+                "the axis's size (a loss or gradient scaled by a count, such as the micro-batch count)",
             )
     return None
 
