@@ -424,6 +424,8 @@ def test_expert_leaves_scaled_by_the_expert_group_are_an_expert_parallel_scaling
     assert "(experts.w_in, experts.w_out) is x4 the reference's" in message
     assert "x4 is the size of mesh axis 'expert', the expert-parallel group" in message
     assert "divide their gradients by 4" in message and "summed instead of averaged" not in message
+    # trial 27: a psum over 'expert' taken twice reads the same: named beside the normalization, with its fix
+    assert "or they were psum-ed over 'expert' once too often (a second psum after the reduction" in message
 
 
 def test_the_same_factor_on_a_tensor_axis_is_a_replicated_leaf_added_before_the_psum():

@@ -94,3 +94,19 @@ def test_a_faulty_step_against_a_recording_of_this_task_is_still_the_steps(mesh)
     assert not report.ok and "recording_differs" not in report.codes, report.codes
     assert all(r.task_loss is None for r in report.steps)
     assert report.localization.step == 0 and report.localization.stage == "forward"
+
+
+@require_devices(2)
+def test_the_summary_names_the_worst_leaf_of_the_first_failing_step(mesh):
+    """Trial 27: the summary's worst leaf was the worst over all steps (a leaf the fault reached at step 2) beside
+    a localization that said that leaf matched at step 0."""
+    from shardcheck.cli.verify import _worst_cells
+
+    report = check_parity(_step(0.01, loss_factor=1.01), _task(0.01), mesh=mesh, steps=2)
+    first = next(r for r in report.steps if not r.ok)
+    bad = [e for e in first.leaves if not e.ok]
+    worst = max(bad, key=lambda e: e.badness)
+    assert report.first_worst == worst and first.step == 0
+    cells = _worst_cells(report)
+    assert cells[0] == worst.name and cells[1] == f"{worst.max_abs_err:.3g}"
+    assert check_parity(_step(0.01), _task(0.01), mesh=mesh, steps=1).first_worst is not None

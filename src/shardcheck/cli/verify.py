@@ -853,12 +853,15 @@ def _worst_cells(report) -> tuple[str, str, str, str]:
     (every leaf within tolerance), the first mismatched replica, with no error of its own ("-")."""
     if report.only_replicas_fail:
         return f"replicas: {_replica_cell(report.replica_failure)}", "-", "-", "-"
-    worst = report.worst
+    worst = getattr(report, "first_worst", report.worst)  # a failure's first step: where it is localized
+    name = "-" if worst is None else worst.name
+    if worst is not None and not worst.ok and worst.step > 0:
+        name = f"{name} (step {worst.step})"
     if worst is not None and error_cells(worst)[2] == "-":  # no difference, no tolerance: said as what it is
-        return (report.worst_leaf or "-", *error_cells(worst))
+        return (name, *error_cells(worst))
     return (
-        report.worst_leaf or "-",
-        f"{report.max_abs_err:.3g}",
-        f"{report.max_rel_err:.3g}",
+        name,
+        f"{0.0 if worst is None else worst.max_abs_err:.3g}",
+        f"{0.0 if worst is None else worst.max_rel_err:.3g}",
         "-" if worst is None else f"{worst.tolerance:.3g}",
     )

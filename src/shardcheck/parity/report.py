@@ -168,6 +168,18 @@ class ParityReport:
         return max(leaves, key=lambda leaf: leaf.badness, default=None)
 
     @property
+    def first_worst(self) -> LeafError | None:
+        """The worst failing leaf of the first failing step (where the localization points), or :attr:`worst`
+        where no compared leaf fails: the summary's leaf (trial 27: the worst over all steps, a leaf the fault
+        reached at step 2, sat beside a localization that said that leaf matched at step 0)."""
+        if self.update_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves):
+            return self.update_failure
+        bad = next(
+            ([e for e in r.leaves if not e.ok] for r in self.steps if any(not e.ok for e in r.leaves)), []
+        )
+        return max(bad, key=lambda leaf: leaf.badness) if bad else self.worst
+
+    @property
     def update_failure(self) -> LeafError | None:
         """The worst failing leaf of the first step whose only failure is the update check (the task's optimizer
         rerun on the candidate's own inputs, ``StepRecord.update_only``), as kind ``"update"``; else ``None``."""

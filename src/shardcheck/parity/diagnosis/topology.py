@@ -413,7 +413,9 @@ def _expert_message(head: str, right: int, r: int, m: str) -> str:
         f"{head} while the other {right} match: x{r} is the size of mesh axis {m}, the expert-parallel group. An "
         f"expert-parallel scaling fault: these experts' gradients sum the contributions of the {r} ranks of the "
         f"expert group (routing brings every rank's tokens to each expert) and were not divided by the group's "
-        f"size: normalize the experts' loss by the group's total token count, or divide their gradients by {r}."
+        f"size: normalize the experts' loss by the group's total token count, or divide their gradients by {r}; "
+        f"or they were psum-ed over {m} once too often (a second psum after the reduction was done: remove it, "
+        "rather than divide by the size)."
     )
 
 
