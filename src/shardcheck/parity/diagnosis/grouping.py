@@ -31,6 +31,8 @@ class LeafFacts:
             table both looked up and multiplied), ``None`` where not known.
         group: the optimizer's parameter group that updates the leaf (an ``optax.multi_transform`` label,
             read from where its state keeps the leaf), ``None`` where not known or not grouped.
+        module: the class name of the module that holds the leaf (``"BatchNorm"``, ``"Linear"``), ``None``
+            where not known.
     """
 
     shape: tuple[int, ...] | None = None
@@ -40,6 +42,7 @@ class LeafFacts:
     shared_by: tuple[str, ...] = ()
     uses: tuple[str, ...] | None = None
     group: str | None = None
+    module: str | None = None
 
 
 def leaf_name(path: str) -> str:
@@ -144,9 +147,10 @@ def shared_property(
     matching one by one: a table both looked up and multiplied); one ndim (``"every failing leaf is 1-D (bias, scale); every leaf of ndim >= 2 matches"``),
     one set of name suffixes no matching leaf ends in (``"every failing leaf is a bias; every kernel matches"``),
     a module path prefix no matching leaf lies under (``"every failing leaf is under blocks.1; every other
-    leaf matches"``), and one module in several layers of a list, its layer indices read as ``*``, that no
+    leaf matches"``), one module in several layers of a list, its layer indices read as ``*``, that no
     matching leaf lies under (:func:`layer_module`: ``"every failing leaf is under blocks.*.moe.router (in every
-    layer); every other leaf matches"``; a scan's stacked layers share one path, a prefix).
+    layer); every other leaf matches"``; a scan's stacked layers share one path, a prefix), and with ``facts``
+    one module class (:func:`_module_class`: ``"every failing leaf is held by a BatchNorm module; ..."``).
     Between the last two, with ``facts``: one role (``"every failing leaf is a norm scale; every leaf that is a bias or a kernel
     matches"``), one dtype, one placement (``"every failing leaf is split over ('model',)"``), tied or not, one
     parameter group of the optimizer (``"every failing leaf is in the optimizer's parameter group 'mp'"``).
@@ -204,7 +208,28 @@ def shared_property(
     layered = _layered_module(list(failing), list(matching))
     if layered:
         return f"every failing leaf is under {layered} (in every layer); every other leaf matches"
-    return _no_property(failing, matching, names or {})
+    found = _module_class(list(failing), list(matching), facts) if facts and matching else None
+    return found or _no_property(failing, matching, names or {})
+
+
+def _module_class(failing: list[str], matching: list[str], facts: Mapping[str, LeafFacts]) -> str | None:
+    """``"every failing leaf is held by a BatchNorm module; every leaf held by a Conv or Linear module
+    matches"`` where one module class (``LeafFacts.module``) holds every failing leaf and no matching one; else
+    ``None`` (trial 25: a decay on every BatchNorm's scale and bias, beside conv biases that matched)."""
+
+    def of(p: str) -> str | None:
+        f = facts.get(param_path(p, facts))
+        return None if f is None else f.module
+
+    mine = {of(p) for p in failing}
+    if len(mine) != 1 or None in mine:
+        return None
+    (cls,) = mine
+    theirs = sorted({c for c in (of(p) for p in matching) if c is not None})
+    if cls in theirs:
+        return None
+    head = f"every failing leaf is held by {article(cls)} module"
+    return head if not theirs else f"{head}; every leaf held by {article(' or '.join(theirs))} module matches"
 
 
 def layer_module(path: str) -> str:

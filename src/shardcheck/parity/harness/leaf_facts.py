@@ -99,8 +99,21 @@ def param_groups(params, tx) -> dict[str, str]:
     return {p: next(iter(ls)) for p, ls in labels.items() if len(ls) == 1}
 
 
+def module_classes(model: nnx.Module) -> dict[str, str]:
+    """``{parameter path: the class name of the module that holds it}`` (``"bn1.scale"`` -> ``"BatchNorm"``), from
+    the graph (``nnx.iter_graph``): what a group of failing leaves may share where no name does (trial 25: a decay
+    on every BatchNorm's scale and bias, beside conv biases that matched, "shared no ndim, name or module")."""
+    nodes = dict(nnx.iter_graph(model))
+    return {
+        ".".join(str(k) for k in path): type(nodes[path[:-1]]).__name__
+        for path, node in nodes.items()
+        if isinstance(node, nnx.Param) and path and path[:-1] in nodes
+    }
+
+
 def _facts(model: nnx.Module, task) -> dict[str, LeafFacts]:
     shared = shared_paths(model)
+    modules = module_classes(model)
     uses = loss_uses(model, task.loss_fn, task.batches[0]) if task is not None and task.batches else {}
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     groups = param_groups(params, task.optimizer) if task is not None else {}
@@ -121,6 +134,7 @@ def _facts(model: nnx.Module, task) -> dict[str, LeafFacts]:
             paths,
             uses.get(path),
             groups.get(path),
+            modules.get(path),
         )
     return out
 

@@ -211,7 +211,12 @@ def model_facts(fn: str, facts: tuple, task: Task) -> tuple:
         (
             p,
             dataclasses.replace(
-                f, tied=live[p].tied, shared_by=live[p].shared_by, uses=live[p].uses, group=live[p].group
+                f,
+                tied=live[p].tied,
+                shared_by=live[p].shared_by,
+                uses=live[p].uses,
+                group=live[p].group,
+                module=live[p].module,
             ),
         )
         if p in live
