@@ -42,3 +42,22 @@ def test_a_group_held_by_one_module_class_is_named_by_it():
     # a class that holds a matching leaf too is no property of the failing ones
     some = {p: s for p, s in failing.items() if p.startswith("bn1")}
     assert "BatchNorm" not in shared_property(some, {**matching, "bn2.scale": (4,)}, facts)
+
+
+def test_a_decay_missing_from_the_candidates_momentum_may_sit_after_it():
+    """Trial 25: a weight decay applied after the momentum (decoupled) instead of before it (coupled) read only
+    "the reference applies a decay the candidate skips"; the candidate applied it, elsewhere in its chain."""
+    import numpy as np
+
+    from shardcheck.parity.diagnosis.form import state_decay
+
+    p = np.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    dr = 0.5 * p + 0.1
+    form = state_decay({"opt_state 0.trace.w": (p, dr, dr - 5e-4 * p)}, {"opt_state 0.trace.w": p})
+    assert form.kind == "state_decay" and abs(form.coefficient - 5e-4) < 1e-9
+    assert (
+        "the reference applies it where the candidate skips it, or applies it elsewhere in its chain (after "
+        "the momentum" in form.sentence
+    )
+    added = state_decay({"opt_state 0.trace.w": (p, dr, dr + 5e-4 * p)}, {"opt_state 0.trace.w": p})
+    assert "after the momentum" not in added.sentence

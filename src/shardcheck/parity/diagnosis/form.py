@@ -55,7 +55,7 @@ from shardcheck.parity.diagnosis.evidence import (
     one_factor_across,
     percentiles,
 )
-from shardcheck.parity.diagnosis.grouping import n_leaves, words_and
+from shardcheck.parity.diagnosis.grouping import common_prefix, n_leaves, words_and
 
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
 # within this fraction of its size
@@ -92,6 +92,7 @@ FORMS = (
     "state_amount",
     "state_partial",
     "shape",
+    "reset",
     "none",
 )
 
@@ -236,11 +237,78 @@ def fit_form(
         return _said_aside(form, aside)
     form = (
         form
+        or (_reset(f64) if update else None)
         or _decay(f64, lr)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
     )
     return form or _said_aside(_no_form(fit), aside)
+
+
+RESET_MEANING = (
+    "a zero / reset accumulator (optax.MultiSteps empties acc_grads at each step that applies its update: one that "
+    "applies at every step, every_k_schedule=1, holds 0 after every step where the task's accumulates)"
+)
+"""What optimizer state the candidate holds at exactly 0 where the reference's holds values means (``reset``)."""
+
+
+def _named(paths: Sequence[str]) -> str:
+    """``"opt_state acc_grads.*"`` for the paths' common prefix, else the first three (and ``...``)."""
+    prefix = common_prefix(list(paths))
+    if prefix:
+        return f"{prefix}.*"
+    return ", ".join(sorted(paths)[:3]) + (", ..." if len(paths) > 3 else "")
+
+
+def reset_form(zeroed: Sequence[str], top: float | None, still: Sequence[str], moved: float | None) -> Form:
+    """The ``reset`` form: the candidate holds the optimizer-state leaves ``zeroed`` at exactly 0 where the
+    reference's hold values (up to ``top``, where known): a zero or reset accumulator; and the reference left the
+    leaves ``still`` as they were where the candidate moved them (by up to ``moved``, where known): an update the
+    candidate applied at a step where the reference only accumulated. Never "no simple form" over a ratio of
+    exactly 0 (trial 26: a candidate's MultiSteps(every_k_schedule=1) against the task's 2 read "no simple form
+    ... ratio runs from 0 to 0").
+
+    Args:
+        zeroed: the paths (as the stage names them) the candidate holds at 0; at least one.
+        top: the reference's largest value of them, or ``None``.
+        still: the paths the reference left as they were and the candidate moved (may be empty).
+        moved: the candidate's largest change of those, or ``None``.
+
+    Raises:
+        ValueError: ``zeroed`` is empty.
+    """
+    if not zeroed:
+        raise ValueError("reset_form: zeroed is empty; pass the leaves the candidate holds at exactly 0")
+    values = "" if top is None else f" up to {top:.3g}"
+    sentence = (
+        f"a reset accumulator: the candidate's {_named(zeroed)} ({n_leaves(len(zeroed))}) hold exactly 0 where the "
+        f"reference's hold values{values}: {RESET_MEANING}"
+    )
+    if still:
+        by = "" if moved is None else f" (by up to {moved:.3g})"
+        sentence += (
+            f"; and the reference left {_named(still)} ({n_leaves(len(still))}) as they were where the candidate "
+            f"moved them{by}: the candidate applied an update at a step where the reference only accumulated"
+        )
+    return Form("reset", sentence, factor=0.0, leaves=len(zeroed) + len(still))
+
+
+def _reset(f64: dict) -> Form | None:
+    """:func:`reset_form` where some failing optimizer-state leaves hold exactly 0 in the candidate (and not in the
+    reference) and every other failing leaf is one the reference left as it was and the candidate moved."""
+    zeroed, still = [], []
+    for p, (b, dr, dc) in f64.items():
+        if p.startswith("opt_state ") and not np.any(b + dc) and np.any(b + dr):
+            zeroed.append(p)
+        elif not np.any(dr) and np.any(dc):
+            still.append(p)
+        else:
+            return None
+    if not zeroed:
+        return None
+    top = max(float(np.max(np.abs(f64[p][0] + f64[p][1]))) for p in zeroed)
+    moved = max((float(np.max(np.abs(f64[p][2]))) for p in still), default=None)
+    return reset_form(zeroed, top, still, moved)
 
 
 def _without_quiet(f64: dict, quiet: Mapping[str, np.ndarray]) -> tuple[dict, dict[str, tuple[int, int]]]:
@@ -810,7 +878,8 @@ def state_decay(f64: Mapping[str, tuple], params: Mapping[str, np.ndarray]) -> F
     which = (
         "the candidate applies it where the reference does not"
         if c > 0
-        else "the reference applies it where the candidate skips it"
+        else "the reference applies it where the candidate skips it, or applies it elsewhere in its chain (after "
+        "the momentum, as a decoupled decay on the update: its state then holds no decay)"
     )
     lo, hi = (min(map(abs, own)), max(map(abs, own))) if own else (abs(c), abs(c))
     return Form(
