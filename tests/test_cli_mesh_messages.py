@@ -208,11 +208,11 @@ def test_the_header_says_model_over_an_axis_only_where_a_leaf_is_split_over_it()
             name="annotated",
         )
 
-    assert _model_axes_text(task((None, "model")), ["model"]) == "model over model"
+    assert _model_axes_text(task((None, "model")), ["model"]) == "model annotated over model"
     assert _model_axes_text(task(("fsdp", None)), ["model"]) == "replicated over model"
     assert (
         _model_axes_text(task((None, "model")), ["model", "expert"])
-        == "model over model; replicated over expert"
+        == "model annotated over model; replicated over expert"
     )
 
 

@@ -206,7 +206,7 @@ def test_verify_tiny_lm_on_a_tensor_parallel_mesh_passes_every_strategy(tmp_path
     out = tmp_path / "verify.json"
     args = ["verify", "--task", "tiny-lm", "--mesh", "data=2,model=4", "--steps", "2", "--json", str(out)]
     assert main(args) == 0
-    assert "S=2 on mesh data=2 x model=4 (batch over data; model over model)" in capsys.readouterr().out
+    assert "S=2 on mesh data=2 x model=4 (batch over data; model annotated over model)" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["mesh"] == TP_MESH and report["num_shards"] == 2
     assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "gspmd", "accumulation"}

@@ -732,8 +732,10 @@ def _sizes_text(batches, listed: int = 6) -> str:
 
 
 def _model_axes_text(task, axes: list[str]) -> str:
-    """``"model over model"`` for the axes some leaf of the task's model is annotated with, ``"replicated over
-    model"`` for the others (the batch is not split over them, and no leaf names them)."""
+    """``"model annotated over model"`` for the axes some leaf of the task's model is annotated with (what the
+    annotations say, not where a user's step placed it: trial 27's step replicated every leaf under this
+    header), ``"replicated over model"`` for the others (the batch is not split over them, and no leaf names
+    them)."""
     from shardcheck.memory.state import abstract_training_state
     from shardcheck.steps.sharded import annotated_axes
 
@@ -743,7 +745,7 @@ def _model_axes_text(task, axes: list[str]) -> str:
         named = frozenset(axes)
     split = [a for a in axes if a in named]
     replicated = [a for a in axes if a not in named]
-    parts = ([f"model over {', '.join(split)}"] if split else []) + (
+    parts = ([f"model annotated over {', '.join(split)}"] if split else []) + (
         [f"replicated over {', '.join(replicated)}"] if replicated else []
     )
     return "; ".join(parts)
