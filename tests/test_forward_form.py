@@ -72,7 +72,9 @@ def test_a_loss_factor_with_some_gradients_matching_is_one_term_and_unseen_gradi
     assert loc.group.startswith("the loss's difference reaches the gradients of router.* only (1 of 2")
     assert loc.form.sentence.endswith(
         ": the loss at equal parameters is 0.631 x the reference's; only some gradients differ: one term of the "
-        "loss differs (the group)"
+        "loss differs (the group); router.kernel: 3 x the reference's on every element (spread 3..3): where one "
+        "term alone reaches these leaves, that term is this factor x the reference's (a term summed over the "
+        "shards where a mean was due reads x S)"
     )
     assert "one scale of the whole update" not in _said(loc, records)
     # the candidate returned no gradients: nothing is told apart
@@ -153,4 +155,7 @@ def test_a_loss_that_differs_in_every_gradient_but_the_rounding_level_ones_is_no
     records = [_record(_leaf("loss", "loss", 1.008, ok=False), [*grads, _leaf("grad", "k.bias")])]
     loc = localize(records)
     assert "a term of the loss whose gradient reaches only these parameters" in loc.group
-    assert loc.form.sentence.endswith("only some gradients differ: one term of the loss differs (the group)")
+    assert (
+        "only some gradients differ: one term of the loss differs (the group); b.kernel: 0.7 x the "
+        "reference's on every element (spread 0.7..0.7); a.kernel: 1.5 x" in loc.form.sentence
+    )

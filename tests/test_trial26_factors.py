@@ -51,3 +51,32 @@ def test_a_factor_the_size_of_a_model_axis_is_one_reading_of_several():
     assert "or a sum over the 2 batch shards for their mean" in phrase
     assert "a loss or gradient scaled by a count, such as the micro-batch count" in phrase
     assert "of the loss the gradients were taken of but not of the one returned" in gradients_after_loss(2.0)
+
+
+def test_a_term_scaled_on_the_leaves_it_alone_reaches_is_given_its_factor():
+    """Trial 24: a PPO value loss taken as each shard's mean and summed over 4 shards: the value head's gradients
+    are 4 x on every element, the trunk's by no one factor, the policy head's match; the form said only "one term
+    of the loss differs (the group)"."""
+    from shardcheck.parity.diagnosis.form import Form
+    from shardcheck.parity.diagnosis.localization import forward_form
+
+    def grad(path, ratio, spread, ok=False):
+        err = 0.0 if ok else abs(ratio - 1)
+        return LeafError(0, "grad", path, err, err, TOL, ok, ratio, None, spread, (4,))
+
+    grads = [
+        grad("value.kernel", 4.0, (4.0, 4.0)),
+        grad("value.bias", 4.0, (4.0, 4.0)),
+        grad("trunk.kernel", 1.7, (0.4, 3.1)),
+        grad("policy.kernel", 1.0, (1.0, 1.0), ok=True),
+    ]
+    loss = LeafError(0, "loss", "loss", 2.46, 2.8, TOL, False, 3.819, None, None, ())
+    form = forward_form(Form("factor", "a factor 3.819", 3.819, (3.819, 3.819)), [loss], grads)
+    assert (
+        "one term of the loss differs (the group); value.bias, value.kernel: 4 x the reference's on every "
+        "element (spread 4..4)" in form.sentence
+    )
+    assert "trunk" not in form.sentence.split("(the group)")[1]
+    # no leaf of one factor: the sentence as before
+    plain = forward_form(Form("factor", "a factor 3.819", 3.819, (3.819, 3.819)), [loss], grads[2:])
+    assert plain.sentence.endswith("one term of the loss differs (the group)")

@@ -751,7 +751,7 @@ def forward_form(
     elif scaled is None and tolerance_split(grads) is not None:
         why = SPLIT_WHY
     elif scaled is None:
-        why = "only some gradients differ: one term of the loss differs (the group)"
+        why = "only some gradients differ: one term of the loss differs (the group)" + _term_factors(grads)
     else:
         why = f"the gradients are {scaled:.4g} x the reference's: the loss and its gradients are scaled apart"
     meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
@@ -806,8 +806,36 @@ def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:
     elif tolerance_split(grads) is not None:
         why = SPLIT_WHY
     else:
-        why = "only some gradients differ: one term of the loss differs (the group)"
+        why = "only some gradients differ: one term of the loss differs (the group)" + _term_factors(grads)
     return dataclasses.replace(form, kind="none", sentence=f"{head}; {why}", factor=None, spread=None)
+
+
+def _term_factors(grads: list[LeafError]) -> str:
+    """``"; value.bias, value.kernel: 4 x the reference's on every element (spread 4..4), the leaves that term
+    alone may reach"`` for the failing gradient leaves whose ratio is one factor across the leaf
+    (:func:`~shardcheck.parity.diagnosis.evidence.one_factor_across`), grouped by factor; ``""`` where none is
+    (trial 24: a value loss summed over 4 shards, x4 on the value head alone, had no number said)."""
+    from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, one_factor_across
+    from shardcheck.parity.diagnosis.topology import factor_groups
+
+    factors = {
+        e.path: e.ratio
+        for e in grads
+        if not e.ok and e.ratio is not None and math.isfinite(e.ratio) and e.ratio != 0 and one_factor_across(e)
+    }
+    groups = [(f, paths) for f, paths in factor_groups(factors, RATIO_RTOL) if abs(f - 1) > RATIO_RTOL]
+    if not groups:
+        return ""
+    spread = {e.path: e.spread for e in grads if e.path in factors}
+    said = []
+    for f, paths in groups:
+        lo = min((spread[p] or (factors[p],) * 2)[0] for p in paths)
+        hi = max((spread[p] or (factors[p],) * 2)[1] for p in paths)
+        said.append(f"{', '.join(paths)}: {f:.4g} x the reference's on every element (spread {lo:.4g}..{hi:.4g})")
+    return (
+        "; " + "; ".join(said) + ": where one term alone reaches these leaves, that term is this factor x the "
+        "reference's (a term summed over the shards where a mean was due reads x S)"
+    )
 
 
 def _every_gradient(grads: list[LeafError]) -> str:
