@@ -34,6 +34,7 @@ from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
     common_prefix,
+    n_leaves,
     param_path,
     rounding_params,
     shared_property,
@@ -351,9 +352,9 @@ def _stage_result(
             axes = f" along {', '.join(repr(a) for a in record.replica_axes)}" if record.replica_axes else ""
             first = replicas_root(record)[0]
             downstream = downstream_note(record)
-            note = f"{len(record.replica_mismatches)} leaves{axes}, e.g. {first}" + (
-                f"; {downstream}" if downstream else ""
-            )
+            count = len(record.replica_mismatches)
+            shown = f"{n_leaves(count)}{axes}, e.g. {first}" if count > 1 else f"1 leaf{axes}: {first}"
+            note = shown + (f"; {downstream}" if downstream else "")
             return StageResult(stage, DIFFERS, failing=len(record.replica_mismatches), note=note)
         return StageResult(stage, MATCHES if replicas_observed else NOT_OBSERVED)
     if not leaves:
@@ -821,7 +822,11 @@ def _term_factors(grads: list[LeafError]) -> str:
     factors = {
         e.path: e.ratio
         for e in grads
-        if not e.ok and e.ratio is not None and math.isfinite(e.ratio) and e.ratio != 0 and one_factor_across(e)
+        if not e.ok
+        and e.ratio is not None
+        and math.isfinite(e.ratio)
+        and e.ratio != 0
+        and one_factor_across(e)
     }
     groups = [(f, paths) for f, paths in factor_groups(factors, RATIO_RTOL) if abs(f - 1) > RATIO_RTOL]
     if not groups:
@@ -831,9 +836,13 @@ def _term_factors(grads: list[LeafError]) -> str:
     for f, paths in groups:
         lo = min((spread[p] or (factors[p],) * 2)[0] for p in paths)
         hi = max((spread[p] or (factors[p],) * 2)[1] for p in paths)
-        said.append(f"{', '.join(paths)}: {f:.4g} x the reference's on every element (spread {lo:.4g}..{hi:.4g})")
+        said.append(
+            f"{', '.join(paths)}: {f:.4g} x the reference's on every element (spread {lo:.4g}..{hi:.4g})"
+        )
     return (
-        "; " + "; ".join(said) + ": where one term alone reaches these leaves, that term is this factor x the "
+        "; "
+        + "; ".join(said)
+        + ": where one term alone reaches these leaves, that term is this factor x the "
         "reference's (a term summed over the shards where a mean was due reads x S)"
     )
 

@@ -748,6 +748,16 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
         "(a local count or norm), or the leaf was written on some devices only (an initialization or an in-place "
         "write done per device, such as a value set on one shard).",
         leaf,
+    if all(name.startswith("state ") for name in r.replica_mismatches):  # the model's state alone
+        return Diagnosis(
+            "replicas_differ",
+            f"Replicas differ across devices: the model's state {leaf.removeprefix('state ')} holds different "
+            f"values on different devices after step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its "
+            "sharding says replicated, while every parameter's and optimizer-state leaf's copies agree: the step "
+            "writes it from each device's own rows (a statistic or moving average of the batch not reduced over "
+            "the batch axes: pmean it before writing) or on some devices only.",
+            leaf,
+        )
     )
 
 

@@ -56,7 +56,13 @@ from shardcheck.parity.comparison.live import (
     replica_mismatches,
     to_host,
 )
-from shardcheck.parity.comparison.model_state import floating_state, loss_reads, model_state_leaves
+from shardcheck.parity.comparison.model_state import (
+    PREFIX,
+    floating_arrays,
+    floating_state,
+    loss_reads,
+    model_state_leaves,
+)
 from shardcheck.parity.comparison.rng_counts import rng_count_leaves
 from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
@@ -385,6 +391,12 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     found = run.found if run.in_place else None
     before = run.state_before
     leaves += model_state_leaves(t, run.ref_model, run.cand_model, found, *before, read=run.state_read)
+    if before[
+        0
+    ]:  # its copies agree across devices too, compared or not (trial 23: an EMA written per device)
+        state = floating_arrays(run.cand_model, found, "floating_state cand")
+        differ = replica_mismatches(state)
+        mismatches += [f"state {PREFIX}{p}" for p in state if p in differ]
     leaves += _extra_checks(run, t, completed, rtol, atol)
     leaves += rng_count_leaves(t, run.ref_model, run.cand_model, run.draws)  # the streams drawn from
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
