@@ -330,13 +330,15 @@ def _axis_factor(
             return (
                 "summed",
                 f"x{size}, {named}: the gradient was summed over {which} once too often (a psum where the reduction "
-                "over that axis was already done, or where a mean was due)",
+                f"over that axis was already done, or where a mean was due), or scaled by another count of {size} "
+                "of the step's own (a loss or gradient multiplied by a micro-batch count)",
             )
         if _close(f, 1 / size):
             return (
                 "averaged_twice",
                 f"x1/{size}, {named}: the gradient was averaged over {which} once too often (a pmean after its "
-                "reduction, or a division by its size twice)",
+                f"reduction, or a division by its size twice), or divided twice by another count of {size} of the "
+                "step's own (a micro-batch count)",
             )
     return None
 
@@ -396,6 +398,24 @@ def _applied_factors(
     first: StepRecord | None,
     bad: tuple[LeafError, ...],
     factor: float | None,
+def _count_before_clip(f: float) -> tuple[str, str] | None:
+    """A factor 1/k = 1/sqrt(k^2) on the returned gradients themselves: a count applied twice before a global
+    norm's clip (which acts inside the optimizer, after the gradients are returned, unless the step clips them
+    itself), said first as ``averaged_twice`` (trial 28: a step dividing its accumulated gradient by its 2
+    micro-batches twice, its optimizer clipping nothing, read ``clip_norm`` "where the gradients are clipped ...");
+    ``None`` where 1/f is not an integer."""
+    k = round(1 / f)
+    if k < 2 or not _close(f, 1 / k):
+        return None
+    return (
+        "averaged_twice",
+        f"x1/{k}: a gradient divided by {k} once too often (a micro-batch or shard count applied twice), or a sum "
+        f"over 1/{k} of the shards divided by all of them; or, where the step clips the gradients it returns by a "
+        f"global norm, that norm was sqrt({k * k}) too large, counted once per replica (sum the squares over the "
+        "leaves each device owns, counting a replicated leaf once)",
+    )
+
+
     reproduced: tuple[str, ...],
     counter_fail: LeafError | None,
 ) -> tuple[float | None, str, tuple[tuple[float, tuple[str, ...]], ...]]:
@@ -569,6 +589,8 @@ class DiagnosisContext:
         targets = [_named_value(f), *clip_factors(self.num_shards, self.mesh_shape)]
         return min(targets, key=lambda v: abs(f - v) / abs(v))
 
+        if named is not None and named[0] == "clip_norm" and self.evidence == "gradients":
+            return _count_before_clip(self.factor) or named
     @property
     def one_number(self) -> LeafError | None:
         """The failing leaf :attr:`factor` was read from where it is one leaf of one element (0-D or shape

@@ -1,0 +1,40 @@
+"""Trial 28 (issue #36): a scan-over-layers LM whose step divides its accumulated gradient by its 2 micro-batches
+twice: on data=1,fsdp=4 the returned gradients x1/2 read ``clip_norm`` ("where the gradients are clipped by a
+global norm ...", its optimizer clipping nothing); on data=2,fsdp=2 "averaged over 'data' or 'fsdp' once too
+often", the micro-batch count unsaid. On hand-built records (no JAX), both ways.
+"""
+
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import diagnose
+
+TOL = 1e-3
+
+
+def _record(ratio):
+    err = abs(ratio - 1)
+    leaves = [
+        LeafError(0, kind, p, err, err, TOL, False, ratio, 1.0, (ratio, ratio), (4,))
+        for kind in ("grad", "param")
+        for p in ("a.kernel", "a.bias", "b.kernel")
+    ]
+    loss = LeafError(0, "loss", "loss", 0.0, 0.0, TOL, True, shape=())
+    counter = LeafError(0, "counter", "count", 0.0, 0.0, 0.0, True, shape=())
+    return StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (loss, *leaves, counter), 1, 1)
+
+
+def test_returned_gradients_at_one_half_read_a_count_twice_before_a_clip():
+    found = diagnose([_record(0.5)], 4, mesh_shape={"data": 1, "fsdp": 4})
+    assert found[0].code == "averaged_twice", [d.code for d in found]
+    message = found[0].message
+    assert (
+        "x1/2: a gradient divided by 2 once too often (a micro-batch or shard count applied twice)" in message
+    )
+    assert message.index("divided by 2 once too often") < message.index("clips the gradients it returns")
+
+
+def test_one_half_the_size_of_a_mesh_axis_also_reads_a_count_of_the_steps_own():
+    found = diagnose([_record(0.5)], 4, mesh_shape={"data": 2, "fsdp": 2})
+    assert found[0].code == "averaged_twice"
+    assert (
+        "or divided twice by another count of 2 of the step's own (a micro-batch count)" in found[0].message
+    )
