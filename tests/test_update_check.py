@@ -125,6 +125,13 @@ def test_an_update_off_by_0_02_percent_fails_the_update_check():
     assert all(e.ok for e in record.leaves)
     worst = max(record.update_only, key=lambda e: e.badness)
     assert worst.ratio == pytest.approx(1.0002, rel=2e-5)
+    # replayed, the update check's failure fails the replay (trial 29: FAIL with ok true and exit status 0)
+    task = _task()
+    replayed = check_parity(
+        lr_off, task, reference=record_run(task, correct, num_shards=2, steps=1), num_shards=2
+    )
+    assert replayed.codes[0] == "update_rerun" and replayed.verdict == "FAIL"
+    assert not replayed.ok and not replayed.replay.ok
 
 
 @require_devices(2)

@@ -272,12 +272,15 @@ def _rediagnosed(report: ParityReport, record, replacement, rules) -> ParityRepo
     steps = tuple(replacement if r is record else r for r in report.steps)
     found = rules(steps) if rules else _without_refuted_drift(report.diagnoses, steps, report.num_shards)
     cause = " ".join(d.message for d in found if d.code not in QUIET) if found != report.diagnoses else None
+    # a record the rerun failed fails the replay: its ok (the exit status, --json's ok) with its verdict (trial
+    # 29: a replay's update check FAILed and exited 0, ok true)
+    ok = report.ok and replacement.ok
     replay = dataclasses.replace(
-        report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause
+        report.replay, records=steps, diagnoses=found, cause=cause or report.replay.cause, ok=ok
     )
     replay = with_divergence_note(replay)
     return dataclasses.replace(
-        report, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
+        report, ok=ok, steps=steps, diagnoses=found, replay=replay, localization=replay.localization()
     )
 
 
