@@ -40,7 +40,9 @@ class Task:
         model: a zero-argument callable returning a fresh ``nnx.Module``, with identical parameter values on
             every call (seed its ``nnx.Rngs``).
         optimizer: the ``optax.GradientTransformation`` of the step; wrapped as
-            ``nnx.Optimizer(model, optimizer, wrt=nnx.Param)``.
+            ``nnx.Optimizer(model, optimizer, wrt=nnx.Param)``. A gradient accumulation over steps is
+            ``optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation()`` (the ``MultiSteps`` object
+            itself is not a transformation and is refused with that fix).
         loss_fn: ``loss_fn(model, batch)`` returning the scalar mean loss, or a pair ``(loss_sum, weight)`` of
             0-d arrays (a token-weighted cross-entropy returns the sum over unmasked tokens and their count). The
             weight must not depend on the parameters (it is a count or a mask sum).
@@ -72,6 +74,12 @@ class Task:
             raise TypeError(
                 f"{fn}: model must be a zero-argument callable returning a fresh nnx.Module, got "
                 f"{type(self.model).__name__}; pass e.g. model=lambda: MyModel(rngs=nnx.Rngs(0))"
+            )
+        if isinstance(self.optimizer, optax.MultiSteps):
+            raise TypeError(
+                f"{fn}: optimizer must be an optax.GradientTransformation, got MultiSteps (a wrapper object, not a "
+                "transformation itself); pass optimizer=optax.MultiSteps(tx, every_k_schedule=k)"
+                ".gradient_transformation()"
             )
         if not isinstance(self.optimizer, optax.GradientTransformation):
             raise TypeError(

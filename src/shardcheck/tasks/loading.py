@@ -54,6 +54,12 @@ def resolve_optimizer(fn: str, optimizer, lr) -> optax.GradientTransformation:
                 "transformation carries its own rate, e.g. optimizer=optax.adam(1e-3)"
             )
         return optimizer
+    if isinstance(optimizer, optax.MultiSteps):
+        raise TypeError(
+            f"{fn}: optimizer must be an optax.GradientTransformation or one of {', '.join(OPTIMIZERS)}, got "
+            "MultiSteps (a wrapper object, not a transformation itself); pass "
+            "optimizer=optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation()"
+        )
     if not isinstance(optimizer, str):
         raise TypeError(
             f"{fn}: optimizer must be an optax.GradientTransformation or one of {', '.join(OPTIMIZERS)}, got "

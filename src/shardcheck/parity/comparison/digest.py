@@ -1140,7 +1140,15 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     change = r.update if kind in ("param", "state") and e.step >= 0 and math.isfinite(r.update) else None
     if e.evidence == "not compared":  # state the task's reference step leaves as it was, as live (change 0)
         change = 0.0
-    zeros = kind == "grad" and top == 0 and pair.leaf("replayed", e.step, e.name).max == 0  # both all zeros
+    replayed = pair.leaf("replayed", e.step, e.name)
+    zeros = kind == "grad" and top == 0 and replayed.max == 0  # both all zeros
+    # an accumulator the replay emptied where the recording's holds values (MultiSteps' acc_grads)
+    cand_zeros = kind == "opt_state" and top > 0 and replayed.max == 0
+    counts = (
+        (int(_scalar(r, 0)), int(_scalar(replayed, 0)))
+        if kind == "counter" and r.present and replayed.present
+        else None
+    )
     leaf = LeafError(
         e.step,
         kind,
@@ -1155,6 +1163,8 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
         shape,
         samples,
         zeros=zeros,
+        counts=counts,
+        cand_zeros=cand_zeros,
     )
     if e.evidence != PART_EVIDENCE:
         return leaf

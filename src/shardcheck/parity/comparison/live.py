@@ -142,7 +142,7 @@ def counter_error(step, path, ref, cand) -> LeafError:
     r, c = int(np.asarray(ref)), int(np.asarray(cand))
     err = float(abs(c - r))
     rel = (err / abs(r)) if r else (0.0 if err == 0 else math.inf)
-    return LeafError(step, "counter", path, err, rel, 0.0, c == r, (c / r) if r else None)
+    return LeafError(step, "counter", path, err, rel, 0.0, c == r, (c / r) if r else None, counts=(r, c))
 
 
 def is_int(a) -> bool:

@@ -85,6 +85,13 @@ class LeafError:
         zeros: both sides hold only zeros (a gradient of exactly 0: a LoRA factor A while its B is 0, a
             parameter behind a clamp that holds it), which no factor or difference can show; ``False`` where
             either side holds a nonzero element, or where not known.
+        counts: a counter's ``(reference's, candidate's)`` integer values after the step (an optimizer's
+            ``step``, Adam's ``count``, ``optax.MultiSteps``' ``mini_step`` and ``gradient_step``), else ``None``
+            (another kind, or a hand-built record): ``ratio`` alone loses them where they match or the
+            reference's is 0.
+        cand_zeros: a replay's: the candidate's leaf holds only zeros where the recording's holds a nonzero
+            element (an accumulator emptied: ``optax.MultiSteps``' ``acc_grads`` after a step that applied its
+            update); ``False`` elsewhere, and in a live record (its forms are fitted from the arrays).
     """
 
     step: int
@@ -104,6 +111,8 @@ class LeafError:
     kept: tuple[int, int, str] | None = None
     update_seen: bool | None = None
     zeros: bool = False
+    counts: tuple[int, int] | None = None
+    cand_zeros: bool = False
 
     @property
     def name(self) -> str:

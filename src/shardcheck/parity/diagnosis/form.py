@@ -23,6 +23,9 @@ step: the reference's value before and after the step and the candidate's after 
   is known, else with ``c*lr = a``;
 - ``partial``: an update of part of each leaf only: some elements left exactly as they were where the reference
   moved them, the others as the reference's (:func:`~shardcheck.parity.comparison.partial_write.partial_write`);
+- ``reset``: some failing optimizer-state leaves hold exactly 0 in the candidate where the reference's hold
+  values (a zero / reset accumulator: ``optax.MultiSteps``' ``acc_grads`` after a step that applied its update),
+  every other failing leaf one the reference left as it was and the candidate moved (:func:`reset_form`);
 - ``state_decay``: every failing leaf is optimizer state whose difference is ``c param`` (``state_params``: the
   matching parameter before the step), one ``c``: a coupled weight decay (``add_decayed_weights`` before the
   optimizer) applied on one side only, read where the parameters do not show it (a learning rate of 0);
@@ -901,12 +904,15 @@ def _no_form(f64: dict) -> Form:
         s = _ratio_stats(dr, dc)
         if s is not None and (worst_stats is None or s[2] - s[1] > worst_stats[2] - worst_stats[1]):
             worst, worst_stats = p, s
-    tail = (
-        ""
-        if worst is None
-        else f"; {worst}'s elementwise ratio runs from {worst_stats[1]:.4g} to {worst_stats[2]:.4g} (10th-90th "
-        f"percentile), median {worst_stats[0]:.4g}"
-    )
+    if worst is None:
+        tail = ""
+    elif worst_stats == (0.0, 0.0, 0.0):  # no spread: a leaf left exactly as it was, no range to say
+        tail = f"; {worst} was left exactly as it was by the candidate (its change 0 on every element)"
+    else:
+        tail = (
+            f"; {worst}'s elementwise ratio runs from {worst_stats[1]:.4g} to {worst_stats[2]:.4g} (10th-90th "
+            f"percentile), median {worst_stats[0]:.4g}"
+        )
     return Form(
         "none",
         f"no simple form: no zero update, sign flip, constant factor or decay term fits the {n_leaves(len(f64))}{tail}",
@@ -937,6 +943,9 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         return _state_form(bad)
     if update and all(e.reference_change == 0 for e in bad):
         return _reference_zero(len(bad), 0.0, None)
+    reset = _reset_record(bad) if update else None
+    if reset is not None:
+        return reset
     one = _one_number_record(bad)
     if one is not None:  # one number: no form (a loss or a counter is read by the forward stage)
         return one
@@ -975,6 +984,20 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
         return _one_factor(mid, (lo, hi), n, optimizer_stage, False, update, percentiles(ratios[0]))
     return _per_group(factors, stats, n, percentiles(ratios[0]))
+
+
+def _reset_record(bad: list[LeafError]) -> Form | None:
+    """:func:`reset_form` of the records alone (a replay): some failing optimizer-state leaves the candidate holds
+    at exactly 0 where the recording's hold values (``LeafError.cand_zeros``), every other one unchanged by the
+    reference (``reference_change`` 0, or no recorded sample of it changed: ``samples`` 0 with no ratio)."""
+    zeroed = [e for e in bad if e.cand_zeros]
+    still = [
+        e for e in bad if not e.cand_zeros and (e.reference_change == 0 or (e.samples == 0 and not e.ratio))
+    ]
+    if not zeroed or len(zeroed) + len(still) != len(bad):
+        return None
+    top = max(e.max_abs_err for e in zeroed)  # |0 - reference|: the reference's largest value
+    return reset_form([e.name for e in zeroed], top, [e.name for e in still], None)
 
 
 def _unsampled_form(ratios: list[LeafError], unsampled: list[LeafError], n: int) -> Form:

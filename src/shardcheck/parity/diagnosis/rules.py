@@ -81,6 +81,7 @@ from shardcheck.parity.diagnosis.grouping import (
     state_property,
     words_and,
 )
+from shardcheck.parity.diagnosis.multisteps import every_k_differs, reference_mini_step
 from shardcheck.parity.diagnosis.topology import (
     clip_coefficient_message,
     clip_factors,
@@ -172,8 +173,11 @@ def _ahead(e: LeafError) -> bool:
 
 
 def _counts(ctx: DiagnosisContext, fail: LeafError) -> tuple[int, int]:
-    """``(reference's, candidate's)`` value of the failing counter ``fail`` (the step counter: the record's
-    ``step_count`` and ``candidate_step_count``; another: read back from its error and ratio)."""
+    """``(reference's, candidate's)`` value of the failing counter ``fail`` (its ``counts`` where recorded; else
+    the step counter: the record's ``step_count`` and ``candidate_step_count``; another: read back from its error
+    and ratio)."""
+    if fail.counts is not None:
+        return fail.counts
     if fail.path == "step":
         rec = ctx.records[fail.step]
         return rec.step_count, rec.candidate_step_count
@@ -526,6 +530,11 @@ class DiagnosisContext:
         counter_fail = next((e for e in counters if e.path == "step"), None) or next(
             (e for e in counters if _ahead(e)), None
         )
+        if counter_fail is None and counters and every_k_differs(records) is not None:
+            # a MultiSteps that applies less often than the task's: its counters lag, no whole factor ahead
+            counter_fail = next(
+                (e for e in counters if e.path.rsplit(".", 1)[-1] in ("gradient_step", "mini_step")), None
+            )
         matches = () if first is None else first.matches
         reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
         if first is not None and _reduction_refuted(first):
@@ -949,7 +958,12 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
     fail = ctx.counter_fail
     if fail is None:
         return None
+    accumulates = every_k_differs(ctx.records)  # MultiSteps' every_k_schedule: its counters, read per step
+    if accumulates is not None:
+        return Diagnosis("step_counter", accumulates, fail.name)
     expected, got = _counts(ctx, fail)
+    steps = fail.step + 1  # the counters were read after step fail.step
+    per_step = expected == steps  # the reference's counter counts the steps (else another rate: say both)
     if got == 0:
         return Diagnosis(
             "never_stepped",
@@ -961,18 +975,18 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
     alone = _counter_alone(ctx, fail)
     if alone is not None:
         return Diagnosis("step_counter", alone, fail.name)
-    if expected and got % expected == 0 and got // expected == ctx.micro_batches:
+    if per_step and got % expected == 0 and got // expected == ctx.micro_batches:
         k = got // expected
         return Diagnosis(
             "step_counter",
             f"The optimizer was stepped per micro-batch (k = {k}): {_counter_phrase(fail)} is {got} after "
-            f"{expected} step(s), {k} times the reference's (the inner optimizer updated on every micro-batch, as "
+            f"{steps} step(s), {k} times the reference's (the inner optimizer updated on every micro-batch, as "
             "optax.chain(tx, optax.apply_every(k)) does: its moments, count and schedule advance k times per "
             "step). Accumulate the gradients and apply tx once per batch: optax.MultiSteps(tx, "
             "every_k_schedule=k).",
             fail.name,
         )
-    if expected and got % expected == 0:
+    if per_step and got % expected == 0:
         k = got // expected
         where = (
             f"once per shard (S={ctx.num_shards}) instead of once after the reduction"
@@ -982,16 +996,22 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
         )
         return Diagnosis(
             "step_counter",
-            f"The optimizer was stepped {k} times per step: {_counter_phrase(fail)} is {got} after {expected} "
+            f"The optimizer was stepped {k} times per step: {_counter_phrase(fail)} is {got} after {steps} "
             f"step(s) (optimizer.update called {where}).",
             fail.name,
         )
+    must = "it must equal the number of steps" if per_step else "it must equal the reference's"
     return Diagnosis(
         "step_counter",
         f"The optimizer's {'step counter' if fail.path == 'step' else f'counter {fail.path}'} is {got} after "
-        f"{expected} step(s); it must equal the number of steps.",
+        f"{steps} step(s){_reference_count(expected, steps)}; {must}.",
         fail.name,
     )
+
+
+def _reference_count(expected: int, steps: int) -> str:
+    """``" (the reference's is 1)"`` where the reference's counter is not the number of steps, else ``""``."""
+    return "" if expected == steps else f" (the reference's is {expected})"
 
 
 def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
@@ -1014,8 +1034,10 @@ def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
     others = (
         f" while {words_and(matching)} {'matches' if len(matching) == 1 else 'match'}" if matching else ""
     )
+    steps = fail.step + 1
     return (
-        f"The optimizer's counter {fail.path} is {got} after {expected} step(s){others}, and every optimizer-state "
+        f"The optimizer's counter {fail.path} is {got} after {steps} step(s){_reference_count(expected, steps)}"
+        f"{others}, and every optimizer-state "
         "leaf of that step matches: one update was applied (a second would move the moments too), and that "
         "counter advanced apart from it: a schedule read one step ahead (its count incremented before the "
         "update, or a schedule's state of its own stepped twice); the learning rate it gives is the next step's."
@@ -1855,10 +1877,33 @@ def _params_match(record: StepRecord) -> str:
     if _no_reference_update(record):
         return (
             f", though the applied parameters match at this step ({n_leaves(len(params))}) only because no "
-            f"update is compared there: the reference's own update is 0 at step {record.step} (the learning rate "
-            f"at step {record.step} is 0, as a warm-up from 0 gives)"
+            f"update is compared there: the reference's own update is 0 at step {record.step} "
+            f"({_why_no_update(record)})"
         )
     return f", though the applied parameters match at this step ({n_leaves(len(params))})"
+
+
+def _why_no_update(record: StepRecord) -> str:
+    """Why the reference's step moved no parameter, as its optimizer state tells: an accumulation step where its
+    ``optax.MultiSteps``' ``mini_step`` after the step is not 0 (no update applied); a learning rate of 0 where the
+    MultiSteps applied one, or where the optimizer's own counters (Adam's ``count``) hold none of MultiSteps'; both
+    where no counter of the optimizer's state was compared (trial 26: a MultiSteps(k=2)'s step 0, which only
+    accumulates, read "the learning rate at step 0 is 0")."""
+    lr_zero = f"the learning rate at step {record.step} is 0, as a warm-up from 0 gives"
+    mini = reference_mini_step(record)
+    if mini:
+        return (
+            f"the reference's optax.MultiSteps only accumulated the gradient at step {record.step}: its mini_step "
+            f"is {mini} after it, the steps accumulated since its last update, so it applied no update"
+        )
+    if mini == 0:
+        return f"its optax.MultiSteps applied an update at step {record.step}, and {lr_zero}"
+    if any(e.kind == "counter" and e.path != "step" for e in record.leaves):
+        return lr_zero  # the optimizer's own counters hold no MultiSteps' accumulation counter
+    return (
+        f"either {lr_zero}, or the step only accumulates the gradient, as optax.MultiSteps does until its k-th "
+        "step (no counter of the optimizer state tells which)"
+    )
 
 
 def _no_reference_update(record: StepRecord) -> bool:
