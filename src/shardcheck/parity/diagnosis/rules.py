@@ -398,10 +398,6 @@ def _name_factor(
     return None
 
 
-def _applied_factors(
-    first: StepRecord | None,
-    bad: tuple[LeafError, ...],
-    factor: float | None,
 def _count_before_clip(f: float) -> tuple[str, str] | None:
     """A factor 1/k = 1/sqrt(k^2) on the returned gradients themselves: a count applied twice before a global
     norm's clip (which acts inside the optimizer, after the gradients are returned, unless the step clips them
@@ -420,6 +416,10 @@ def _count_before_clip(f: float) -> tuple[str, str] | None:
     )
 
 
+def _applied_factors(
+    first: StepRecord | None,
+    bad: tuple[LeafError, ...],
+    factor: float | None,
     reproduced: tuple[str, ...],
     counter_fail: LeafError | None,
 ) -> tuple[float | None, str, tuple[tuple[float, tuple[str, ...]], ...]]:
@@ -589,6 +589,8 @@ class DiagnosisContext:
             return None
         if named is not None and _spread_excludes(self.first, self._named_target()):
             return None
+        if named is not None and named[0] == "clip_norm" and self.evidence == "gradients":
+            return _count_before_clip(self.factor) or named
         return named
 
     def _named_target(self) -> float:
@@ -598,8 +600,6 @@ class DiagnosisContext:
         targets = [_named_value(f), *clip_factors(self.num_shards, self.mesh_shape)]
         return min(targets, key=lambda v: abs(f - v) / abs(v))
 
-        if named is not None and named[0] == "clip_norm" and self.evidence == "gradients":
-            return _count_before_clip(self.factor) or named
     @property
     def one_number(self) -> LeafError | None:
         """The failing leaf :attr:`factor` was read from where it is one leaf of one element (0-D or shape
@@ -770,15 +770,6 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
     if r is None:
         return None
     leaf = replicas_root(r)[0]
-    return Diagnosis(
-        "replicas_differ",
-        f"Replicas differ across devices: {leaf} holds different values on different devices after "
-        f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding says replicated; "
-        "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
-        "check_vma=False and out_specs=P()), or was scaled after its all-reduce by a quantity of each shard's own "
-        "(a local count or norm), or the leaf was written on some devices only (an initialization or an in-place "
-        "write done per device, such as a value set on one shard).",
-        leaf,
     if all(name.startswith("state ") for name in r.replica_mismatches):  # the model's state alone
         return Diagnosis(
             "replicas_differ",
@@ -789,6 +780,15 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
             "the batch axes: pmean it before writing) or on some devices only.",
             leaf,
         )
+    return Diagnosis(
+        "replicas_differ",
+        f"Replicas differ across devices: {leaf} holds different values on different devices after "
+        f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding says replicated; "
+        "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
+        "check_vma=False and out_specs=P()), or was scaled after its all-reduce by a quantity of each shard's own "
+        "(a local count or norm), or the leaf was written on some devices only (an initialization or an in-place "
+        "write done per device, such as a value set on one shard).",
+        leaf,
     )
 
 
