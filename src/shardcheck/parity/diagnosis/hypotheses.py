@@ -24,7 +24,12 @@ from shardcheck.parity.harness.state import _default_view, _opt_state, _PreStep,
 from shardcheck.parity.tolerance.allowances import _reference_grads, _shard_magnitude
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
 from shardcheck.parity.tolerance.matmul import rounded_loss
-from shardcheck.parity.tolerance.propagation import grad_delta, scale_change, update_sensitivity
+from shardcheck.parity.tolerance.propagation import (
+    as_param_dtypes,
+    grad_delta,
+    scale_change,
+    update_sensitivity,
+)
 from shardcheck.task import batch_weight, loss_terms, shards_with_state, split_batch
 
 
@@ -120,7 +125,7 @@ def _scaled_params(tx, params, opt_state, grads, factor):
 
 def _stepped(tx, params, opt_state, grads):
     """``(params, opt_state)`` after one step of ``tx`` on ``grads`` (traced, inside the hypotheses' jits)."""
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(as_param_dtypes(grads, params), opt_state, params)
     return jax.tree.map(jnp.add, params, updates), opt_state
 
 

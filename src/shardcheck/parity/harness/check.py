@@ -97,7 +97,7 @@ from shardcheck.parity.tolerance.allowances import (
     step_bounds,
 )
 from shardcheck.parity.tolerance.allowances import storage_rounding as storage_rounding
-from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, derive_tolerance
+from shardcheck.parity.tolerance.derive import LOW_PRECISION_UPDATE_ULPS, MOMENT_FACTOR, derive_tolerance
 from shardcheck.parity.tolerance.precision import ACCUMULATION_DTYPE, loss_compute_allowance
 from shardcheck.steps import Candidate
 from shardcheck.steps.reference import _reference_jit, reference_step
@@ -185,6 +185,9 @@ def _compare_params(
     # it, so they differ by up to twice the reference's largest (Adam: ~2 lr)
     floor = {p: 2.0 * v for p, v in moved.items()}
     rounding = {p: eps * scale[p] if eps else 0.0 for p in tracked}
+    if eps:  # the update computed in the parameters' precision: its own rounding, on each side
+        change = compare.max_abs_diff({p: ref_params[p] for p in tracked}, {p: ref0[p] for p in tracked})
+        rounding = {p: r + LOW_PRECISION_UPDATE_ULPS * eps * change[p] for p, r in rounding.items()}
     if tracked:
         allowances.accumulate(run, "param", bounds, tracked, floor, rounding)
     for path, ref_leaf in ref_params.items():

@@ -27,12 +27,12 @@ from shardcheck.parity.diagnosis.localization import localize
 from shardcheck.parity.diagnosis.replica_form import fit_replicas, replica_blocks
 from shardcheck.parity.harness.state import _default_view, _opt_state, _Run
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR, UPDATE_GRAD_ULPS, UPDATE_RTOL, UPDATE_ULPS
-from shardcheck.parity.tolerance.propagation import update_sensitivity
+from shardcheck.parity.tolerance.propagation import as_param_dtypes, update_sensitivity
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _rerun_jit(tx, params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(as_param_dtypes(grads, params), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
 

@@ -29,6 +29,18 @@ def _inexact(a) -> bool:
     return jnp.issubdtype(a.dtype, jnp.inexact)
 
 
+def as_param_dtypes(grads, params):
+    """``grads`` with each floating leaf in its parameter's dtype, as ``jax.grad`` of the parameters returns it
+    (a gradient computed in float32 for bfloat16 parameters, by the tolerance's float32 copy or a hypothesis):
+    ``optax.apply_if_finite`` keeps its state in the parameters' dtype and raised "cond branches must have equal
+    output types" on a float32 gradient of bfloat16 parameters (trial 29). ``grads`` and ``params``: trees alike."""
+
+    def cast(g, p):
+        return g.astype(p.dtype) if _inexact(g) and _inexact(p) and g.dtype != p.dtype else g
+
+    return jax.tree.map(cast, grads, params)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def update_sensitivity(tx, grads, opt_state, params, delta):
     """Per element, how far the update and the optimizer state move when the gradient moves within ``+- delta``.
@@ -49,6 +61,7 @@ def update_sensitivity(tx, grads, opt_state, params, delta):
 
         return jax.tree.map(one, base, moved, acc)
 
+    grads = as_param_dtypes(grads, params)
     base = tx.update(grads, opt_state, params)
     grid = jnp.asarray(GRID, jnp.float32)
 
@@ -103,6 +116,7 @@ def scale_change(tx, grads, opt_state, params, factor):
     def change(a, b):
         return b - a if _inexact(a) else jnp.zeros_like(a)
 
+    grads = as_param_dtypes(grads, params)
     base = tx.update(grads, opt_state, params)
     scaled = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
     return jax.tree.map(change, base, tx.update(scaled, opt_state, params))
@@ -117,8 +131,8 @@ def shadow_spread(tx, grads, opt_state, params, moved_grads, moved_state, moved_
     def spread(a, b):
         return jnp.abs(b - a) if jnp.issubdtype(a.dtype, jnp.inexact) else a * 0
 
-    base = tx.update(grads, opt_state, params)
-    moved = tx.update(moved_grads, moved_state, moved_params)
+    base = tx.update(as_param_dtypes(grads, params), opt_state, params)
+    moved = tx.update(as_param_dtypes(moved_grads, moved_params), moved_state, moved_params)
     return jax.tree.map(spread, base[0], moved[0]), jax.tree.map(spread, base[1], moved[1])
 
 
