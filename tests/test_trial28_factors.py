@@ -38,3 +38,24 @@ def test_one_half_the_size_of_a_mesh_axis_also_reads_a_count_of_the_steps_own():
     assert (
         "or divided twice by another count of 2 of the step's own (a micro-batch count)" in found[0].message
     )
+
+
+def test_a_counter_advanced_twice_beside_matching_updates_is_no_extra_step():
+    """Trials 28 and 29: a schedule's count stepped per micro-batch (or once more a step) read "the update is 2 x
+    the reference's, as 2 optimizer steps instead of one produce" beside matching parameters and moments."""
+    from shardcheck.parity.diagnosis.localization import localize
+
+    ok = [
+        LeafError(0, kind, p, 0.0, 0.0, TOL, True, None, 1.0 if kind == "param" else None, None, (4,))
+        for kind in ("grad", "param", "opt_state")
+        for p in ("a.kernel", "a.bias")
+    ]
+    loss = LeafError(0, "loss", "loss", 0.0, 0.0, TOL, True, shape=())
+    count = LeafError(0, "counter", "inner_state.count", 1.0, 1.0, 0.0, False, 2.0, None, None, ())
+    where = localize([StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (loss, *ok, count), 1, 1)])
+    assert where.stage == "counters"
+    assert where.form.sentence.startswith(
+        "a factor 2 on the counters (inner_state.count) alone: every parameter and optimizer-state leaf matches, "
+        "so one update was applied while the counter advanced 2 times"
+    )
+    assert "optimizer steps instead of one" not in where.text()

@@ -922,6 +922,23 @@ def _are(items) -> str:
     return "is" if len(items) == 1 else "are"
 
 
+def _counters_factor(form: Form, bad: list[LeafError]) -> Form:
+    """A factor on the counters alone (every parameter and optimizer-state leaf matches: the localization's
+    first stage is the counters): said of the counters, never as "the update is k x" (trials 28 and 29: a
+    schedule's count advanced twice a step read "as 2 optimizer steps instead of one produce" beside "every
+    optimizer-state leaf of that step matches: one update was applied")."""
+    names = ", ".join(sorted(e.path for e in bad))
+    k = round(form.factor)
+    times = f"{k} times" if k >= 2 and abs(form.factor - k) <= 0.02 * k else f"{form.factor:.4g} x as far"
+    return dataclasses.replace(
+        form,
+        kind="factor",
+        sentence=f"a factor {form.factor:.4g} on the counters ({names}) alone: every parameter and optimizer-state "
+        f"leaf matches, so one update was applied while the counter advanced {times} (a schedule's or the "
+        "optimizer's count stepped per micro-batch, or stepped again outside optimizer.update)",
+    )
+
+
 def checked_form(
     form: Form | None, stage: str, bad: list[LeafError], leaves: list[LeafError], record: StepRecord
 ) -> Form | None:
@@ -944,6 +961,8 @@ def checked_form(
     """
     if form is not None and form.kind == "factor" and stage == "gradients":
         return _gradient_factor(form, bad, leaves, record)
+    if form is not None and stage == "counters" and form.kind in ("extra_step", "factor"):
+        return _counters_factor(form, bad)
     if form is None or form.kind not in ("extra_step", "factor") or stage not in ("optimizer", "parameters"):
         return form
     kinds = {e.kind for e in bad}
