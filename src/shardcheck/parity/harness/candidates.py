@@ -212,6 +212,54 @@ def _split_hint(rows: int, s: int, mesh) -> str:
     )
 
 
+_PLACEMENT_WORDS = re.compile(
+    r"mesh|axis|axes|PartitionSpec|\bP\(|[Ss]harding|shard_map|divisible|Resource", re.IGNORECASE
+)
+
+
+def _about_placement(err: Exception) -> bool:
+    """Whether a step's error speaks of placement (a mesh, an axis, a ``PartitionSpec``, a sharding, an uneven
+    split): only then may the model's annotations be its likely cause (:func:`_annotation_hint`). An error on the
+    axes a ``jax.shard_map`` value varies over (:func:`_varying_hint`) is not one."""
+    if isinstance(err, KeyError):
+        return True
+    text = str(err)
+    return _VARYING.search(text) is None and _PLACEMENT_WORDS.search(text) is not None
+
+
+# jax.shard_map's varying-axes types in an error: "... at path [0]['l1']['bias'] has type float32[64]{V:data} ..."
+_VARYING = re.compile(r"at path (\S+) has type (\S+?)\{V:([\w,]+)\}")
+
+
+def _varying_hint(err: Exception) -> str:
+    """Where a step's error shows values that vary over a mesh axis inside ``jax.shard_map`` where they must
+    not (check_vma's ``{V:data}``: two ``lax.cond`` branches, such as ``optax.apply_if_finite``'s, or an output
+    spec ``P()``), that in words: a value computed per device and never reduced over that axis (trial 29: a
+    head's gradient left out of the psum over 'data' read as an annotation the mesh lacks); else ``""``."""
+    found = _VARYING.findall(str(err))
+    if not found:
+        return ""
+    path, kind, axes = found[0]
+    over = ", ".join(repr(a) for a in axes.split(","))
+    more = f" ({len(found)} values)" if len(found) > 1 else ""
+    return (
+        f"values vary over {over} inside the step's jax.shard_map where they must not{more}, e.g. {path} "
+        f"({kind}{{V:{axes}}}): a value computed per device and never reduced over {over} (a gradient without "
+        f"its psum or pmean over {over}); reduce it before the optimizer reads it"
+    )
+
+
+def _names_other_shape(err: Exception, batch) -> bool:
+    """Whether the error names the full shape of the array it failed on (JAX's "... (full shape: (3, 32))") and
+    no leaf of ``batch`` has it: an uneven split of a parameter (trial 28: a stacked (3, 32) LayerNorm bias over
+    fsdp=3), not of the batch's rows."""
+    found = re.search(r"full shape: \(([\d, ]*)\)", str(err))
+    if found is None:
+        return False
+    shape = tuple(int(d) for d in found.group(1).replace(" ", "").split(",") if d)
+    return all(tuple(np.shape(x)) != shape for x in jax.tree.leaves(batch))
+
+
 def _annotation_hint(model, mesh) -> str:
     """Where ``model``'s sharding annotations name an axis ``mesh`` lacks (a misspelt ``--mesh`` axis) or split a
     dimension unevenly over its axes (256 rows over a ``model`` axis of 3), that mismatch in words
@@ -355,12 +403,17 @@ def run_step(
         out = (cand.step if step is None else step)(model, optimizer, batch, **kwargs)
     except Exception as err:
         s, rows = cand.num_shards, batch_size(batch)
-        hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s else ""
-        # the axis the error names first (trial 27), then the annotations' own mismatch (an uneven split)
+        batch_error = not _names_other_shape(
+            err, batch
+        )  # an error on a leaf of another shape: not the batch's
+        hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s and batch_error else ""
+        # the axis the error names first (trial 27), then the annotations' own mismatch (an uneven split), only
+        # for an error about placement (trial 29: an unreduced gradient's lax.cond TypeError read as one)
         hint = (
             hint
+            or _varying_hint(err)
             or _mesh_axis_hint(err, kwargs.get("mesh"), model)
-            or _annotation_hint(model, kwargs.get("mesh"))
+            or (_annotation_hint(model, kwargs.get("mesh")) if _about_placement(err) else "")
         )
         hint = hint or (_state_shape_hint(model, optimizer) if cand.make_optimizer is not None else "")
         # the likely cause first: a JAX error's own text can run to several lines
