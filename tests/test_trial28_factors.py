@@ -59,3 +59,25 @@ def test_a_counter_advanced_twice_beside_matching_updates_is_no_extra_step():
         "so one update was applied while the counter advanced 2 times"
     )
     assert "optimizer steps instead of one" not in where.text()
+
+
+def test_one_slice_of_a_stacked_leaf_is_named():
+    """Trial 28: layer 2 of a 3-layer nnx.scan stack frozen read "no simple form: ... ratio runs from -0 to 1"."""
+    import numpy as np
+
+    from shardcheck.parity.diagnosis.form import fit_form
+
+    rng = np.random.default_rng(0)
+    before = {"blocks.up.kernel": rng.normal(size=(3, 4, 5)), "blocks.up.bias": rng.normal(size=(3, 5))}
+    ref = {p: b - 1e-3 * np.sign(rng.normal(size=b.shape)) for p, b in before.items()}
+    frozen = {p: np.concatenate([r[:2], before[p][2:]]) for p, r in ref.items()}
+    form = fit_form(before, ref, frozen)
+    assert form.kind == "slices" and form.sentence.startswith(
+        "only slice 2 of the leading axis (size 3: layers stacked by nnx.scan or nnx.vmap) differs on all 2 "
+        "failing leaves; every other slice matches: the candidate's update there is exactly 0 (frozen"
+    )
+    # every slice off alike: no slice is singled out; one matrix's rows are no layers (a partial write)
+    spread = {p: before[p] + 0.5 * (r - before[p]) + 1e-4 * rng.normal(size=r.shape) for p, r in ref.items()}
+    assert fit_form(before, ref, spread).kind != "slices"
+    one = {"blocks.up.kernel": before["blocks.up.kernel"]}
+    assert fit_form(one, {k: ref[k] for k in one}, {k: frozen[k] for k in one}).kind == "partial"

@@ -96,6 +96,7 @@ FORMS = (
     "state_partial",
     "shape",
     "reset",
+    "slices",
     "none",
 )
 
@@ -242,10 +243,63 @@ def fit_form(
         form
         or (_reset(f64) if update else None)
         or _decay(f64, lr)
+        or _stacked_slices(f64, update)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
     )
     return form or _said_aside(_no_form(fit), aside)
+
+
+# a slice of a stacked leaf differs where its largest difference is above this share of the leaf's; the others
+# must lie below SLICE_QUIET of it (a clean split, not rounding spread over every slice)
+SLICE_LOUD, SLICE_QUIET = 0.1, 1e-3
+
+
+def _stacked_slices(f64: dict, update: bool) -> Form | None:
+    """``slices``: the failing leaves (two or more, of ndim >= 2 and several shapes) have one leading size L >= 2
+    (the layers nnx.scan / nnx.vmap stack) and
+    differs in the same proper subset of its leading slices while the others match (a clean split:
+    :data:`SLICE_LOUD`, :data:`SLICE_QUIET`), with what the candidate did there: nothing (its change exactly 0),
+    else another change (trial 28: one layer of a scanned stack frozen read "no simple form: ... ratio runs from
+    -0 to 1"). ``None`` otherwise."""
+    # a stack: several leaves of ndim >= 2, one leading size, their trailing shapes not all one (a module's
+    # kernels and biases stacked alike); one matrix's rows are not layers (partial: rows of one leaf)
+    shapes = [np.shape(b) for b, _, _ in f64.values()]
+    if len(shapes) < 2 or any(len(x) < 2 for x in shapes) or len({x[1:] for x in shapes}) < 2:
+        return None
+    leads = {x[0] for x in shapes}
+    if len(leads) != 1 or next(iter(leads)) < 2:
+        return None
+    (size,) = leads
+    rows = set()
+    for _, dr, dc in f64.values():
+        per = np.max(np.abs(dc - dr).reshape(size, -1), axis=1, initial=0.0)
+        top = float(np.max(per, initial=0.0))
+        loud = {int(i) for i in np.nonzero(per > SLICE_LOUD * top)[0]}
+        if top == 0 or any(SLICE_QUIET * top < v <= SLICE_LOUD * top for v in per):
+            return None
+        if rows and loud != rows:
+            return None
+        rows = loud
+    if not rows or len(rows) == size:
+        return None
+    idx = sorted(rows)
+    still = all(not np.any(dc.reshape(size, -1)[idx]) for _, _, dc in f64.values())
+    what = "update" if update else "gradient"
+    cause = "frozen, or its gradient zeroed" if update else "zeroed, or left out of the step's gradient"
+    there = (
+        f"the candidate's {what} there is exactly 0 ({cause})"
+        if still
+        else f"the candidate's {what} there differs"
+    )
+    which = ", ".join(map(str, idx))
+    return Form(
+        "slices",
+        f"only slice{'s' if len(idx) > 1 else ''} {which} of the leading axis (size {size}: layers stacked by "
+        f"nnx.scan or nnx.vmap) differ{'' if len(idx) > 1 else 's'} {_on_all(len(f64))}; every other slice "
+        f"matches: {there}",
+        leaves=len(f64),
+    )
 
 
 RESET_MEANING = (
