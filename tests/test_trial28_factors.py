@@ -81,3 +81,13 @@ def test_one_slice_of_a_stacked_leaf_is_named():
     assert fit_form(before, ref, spread).kind != "slices"
     one = {"blocks.up.kernel": before["blocks.up.kernel"]}
     assert fit_form(one, {k: ref[k] for k in one}, {k: frozen[k] for k in one}).kind == "partial"
+
+
+def test_a_factor_far_from_one_names_a_loss_scale():
+    """Trial 29: gradients unscaled after the clip (x0.0002252) read only as a count's mistake."""
+    from shardcheck.parity.diagnosis.rules import _loss_scale_reading
+
+    said = " ".join(d.message for d in diagnose([_record(0.0002252)], 4, mesh_shape={"data": 4}))
+    assert "a factor this far from 1 (1/4440) is more like a mixed-precision loss scale" in said
+    assert "(4096 = 2^12)" in _loss_scale_reading(4096.0)
+    assert _loss_scale_reading(3.0) == "" and _loss_scale_reading(1 / 200) == ""

@@ -1438,9 +1438,27 @@ def scaled(ctx: DiagnosisContext) -> Finding:
             "a scale applied to these gradients only: a per-module multiplier, or a loss term only they reach"
         )
     phrase = weight_phrase(ctx.factor, ctx.first.loss_weight) or (
-        f"a constant factor that is not a shard count ({cause})"
+        f"a constant factor that is not a shard count ({cause}{_loss_scale_reading(ctx.factor)})"
     )
     return _factor_finding(ctx, "scaled", phrase)
+
+
+def _loss_scale_reading(f: float) -> str:
+    """``"; a factor this far from 1 (1/4440) is more like a mixed-precision loss scale ..."`` where ``f`` or
+    ``1/f`` is at least 2**8: no count of shards, rows or micro-batches gives it as often as a loss scale (2**k)
+    left applied, applied twice, or undone after a step that reads the gradients' size (a global-norm clip)
+    does (trial 29: unscaling after the clip gave x0.0002252, read only as a count's mistake); else ``""``."""
+    if not (f > 0 and math.isfinite(f)) or max(f, 1 / f) < 2**8:
+        return ""
+    big = max(f, 1 / f)
+    k = math.log2(big)
+    near = f" = 2^{round(k)}" if abs(k - round(k)) < 0.01 else ""
+    shown = f"{big:.4g}{near}" if f > 1 else f"1/{big:.4g}{near}"
+    return (
+        f"; a factor this far from 1 ({shown}) is more like a mixed-precision loss scale (the loss times 2^k "
+        "before jax.grad) left on the gradients, applied twice, or undone after a step that reads their size "
+        "(a global-norm clip sees the scaled gradients)"
+    )
 
 
 def update_rerun(ctx: DiagnosisContext) -> Finding:
