@@ -165,6 +165,7 @@ def test_a_task_file_and_a_good_step_pass(user_files, capsys):
         ("missing.py:task", "does not exist"),
         ("broken.py:task", "importing task file"),
         ("task.py:nothing", "has no attribute 'nothing'"),
+        ("task.py:nothing", "or define nothing = shardcheck.Task(model=..., optimizer=..."),
         ("no-such-builtin", "load_task"),
     ],
 )

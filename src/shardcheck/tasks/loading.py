@@ -225,7 +225,9 @@ def _resolve_attr(spec: str, source: str, module, attr: str) -> Task:
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(
-                f"load_task: {source} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}"
+                f"load_task: {source} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}; name "
+                f"one of them after ':', or define {attr} = shardcheck.Task(model=..., optimizer=..., loss_fn=..., "
+                "batches=...) in the file"
             )
         obj = getattr(obj, part)
     if isinstance(obj, Task):
@@ -351,7 +353,8 @@ def import_attr(fn: str, spec: str, what: str = "ATTR"):
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(
-                f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}"
+                f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}; name one "
+                "of them after ':', or define it in the file"
             )
         obj = getattr(obj, part)
     return obj
