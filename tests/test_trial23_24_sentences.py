@@ -171,8 +171,11 @@ def test_a_step_raising_on_a_batch_shaped_otherwise_names_the_batch_and_the_leaf
         batches=[good, odd],
         name="odd_batch",
     )
-    with pytest.raises((TypeError, ValueError, RuntimeError), match="batch 1's leaf 'x' is shaped"):
+    with pytest.raises((TypeError, ValueError, RuntimeError), match="batch 1's leaf 'x' is shaped") as raised:
         check_parity("simulation", task, num_shards=2)
+    # trial 29: which step raised and what to change
+    said = str(raised.value)
+    assert "give every batch the shapes of batch 0" in said and "check_parity: the task's loss raised" in said
 
 
 def test_a_first_failure_at_step_1_is_said_at_step_1_and_a_decay_is_no_bfloat16_reduction():

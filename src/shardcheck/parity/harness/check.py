@@ -830,7 +830,11 @@ def _steps_shaped(run: _Run, data, tolerances):
         hint = batch_shape_hint(data)
         if not hint:
             raise
-        raise type(err)(f"check_parity: a step raised {type(err).__name__} ({hint}): {err}") from err
+        raise type(err)(
+            f"check_parity: the task's loss raised {type(err).__name__} in the reference's step or the check's "
+            f"own computation on it ({hint}; give every batch the shapes of batch 0, or check each shape with a "
+            f"task of its own): {err}"
+        ) from err
 
 
 def _run_steps(run: _Run, data, tolerances):
