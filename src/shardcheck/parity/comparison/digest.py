@@ -578,6 +578,26 @@ class _Pair(NamedTuple):
                 )
         return _Leaf.at(self.full, self.full.steps, t, None)
 
+    def exact_zero(self, t: int, path: str) -> bool:
+        """Whether parameter ``path``'s gradient at step t is exactly 0 in both runs (each run's gradient digest,
+        else the task's own gradient it kept: :mod:`~shardcheck.parity.harness.true_gradients`): no rounding noise
+        drives either update there (a stop_gradient teacher's, a frozen group's), so neither run's update may
+        widen the other's allowance; ``False`` where a run holds neither (trial 30: a teacher in a set_to_zero
+        group decayed by the candidate's step, which returned no gradients, replayed as a PASS: its own update,
+        2.84e-05 a step, had been added to its allowance as rounding noise's)."""
+        name = "grad " + path
+        for rec in (self.full, self.replayed):
+            top = None
+            if name in rec.names:
+                leaf = _Leaf.at(rec, rec.steps, t, rec.names.index(name))
+                top = leaf.max if leaf.present else None
+            if top is None:
+                found = true_gradients.read(rec.meta, t, path)
+                top = None if found is None else found[0]
+            if top is None or top != 0.0:
+                return False
+        return True
+
     def noise(self, t: int, path: str) -> tuple[float, float] | None:
         """Parameter ``path``'s float32-compute true gradient's ``max|g_32|`` and its gradient's compute noise at
         step t as a run measured them at low-precision compute (:func:`~shardcheck.parity.harness.
@@ -698,6 +718,8 @@ def _at_rounding_level(pair: _Pair, bounds: _Bounds, t: int, param: str, g: _Lea
     at a step by chance: a bfloat16 MoE's ``w_in``)."""
     path = param.removeprefix("param ")
     found = pair.noise(t, path) if bounds.compute else None
+    if found is None and g.max == 0.0 and pair.exact_zero(t, path):  # no noise at all: compared as it is
+        return False
     at = g.max <= atol if found is None else found[0] <= atol
     if at and found is not None:
         bounds.noise[param] = max(bounds.noise.get(param, 0.0), found[1])
