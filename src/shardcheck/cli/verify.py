@@ -433,19 +433,16 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         )
     if not wrapped and isinstance(err, (ValueError, TypeError)) and str(err).startswith("check_parity"):
         return None
-    from shardcheck.parity.harness.row_coupling import RowCouplingError
-
     whole = reason_line(cause, limit=FULL_REASON)  # the message says it whole: its fix comes last
     where = "" if step is None else f" at step {step}"
-    if isinstance(cause, RowCouplingError):  # a documented limitation of the strategy on this task
+    short = _limitation(label, cause)
+    if short is not None:  # a documented limitation of the strategy on this task
         message = (
             f"shardcheck verify: the built-in strategy {label!r} cannot check this task{where}: {whole}; the "
             f"other rows stand (leave {label} out with --strategies)"
         )
         reason = _refusal_reason(label, whole)
-        return ErrorRow(
-            label, message, type(cause).__name__, reason, step, True, True, "the loss couples rows"
-        )
+        return ErrorRow(label, message, type(cause).__name__, reason, step, True, True, short)
     reason = f"{type(cause).__name__}: {whole.rstrip('.')}"  # one period before "A limitation"
     message = (
         f"shardcheck verify: the built-in strategy {label!r} could not run this task{where}: {reason}. A "
@@ -453,6 +450,25 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         f"stand (leave {label} out with --strategies)"
     )
     return ErrorRow(label, message, type(cause).__name__, reason_line(cause), step, True)
+
+
+def _limitation(label: str, cause: BaseException) -> str | None:
+    """The short cell of a built-in strategy's documented refusal of a task, else ``None``: a loss that couples
+    the rows of a batch (``RowCouplingError``), a forward pass that writes the model's non-parameter state or
+    draws random numbers (the strategy's ``cannot run this model``: trial 31's GRU carry had exited 2 as four
+    ERROR rows beside a passing candidate)."""
+    from shardcheck.parity.harness.row_coupling import RowCouplingError
+
+    if isinstance(cause, RowCouplingError):
+        return "the loss couples rows"
+    text = str(cause)
+    if not (isinstance(cause, ValueError) and text.startswith(f"{label}: cannot run this model:")):
+        return None
+    if "writes non-parameter state" in text:
+        return "the forward pass writes model state"
+    if "draws random numbers" in text:
+        return "the forward pass draws random numbers"
+    return "it cannot run this model"
 
 
 def _refusal_reason(label: str, whole: str) -> str:
