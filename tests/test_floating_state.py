@@ -219,6 +219,11 @@ def test_a_running_average_momentum_of_its_own_fails_live_and_replayed_as_state_
     for report in (live, replayed):
         assert not report.ok and report.codes[0] == "state_amount"
         assert "(its largest change 0.1 times the reference's)" in report.diagnoses[0].message
+        # trial 31: per-row state written from other rows is one reading too (a GRU carry, shard 0's rows copied)
+        assert (
+            "rows written from other rows (one shard's rows written to every shard)"
+            in report.diagnoses[0].message
+        )
         assert report.localization.form.kind == "state_amount"
         assert "written by both steps, by other amounts" in report.localization.form.sentence
         assert (

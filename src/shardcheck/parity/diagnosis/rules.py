@@ -948,7 +948,9 @@ def _state_amount(step: int, amounts: list[LeafError]) -> Diagnosis:
         f"up to {worst.max_abs_err:.3g}, more than {worst.tolerance:.3g}, half of the reference's largest change "
         "(no rounding tolerance is derived for such state, so only a difference no rounding makes is flagged). A "
         "running-average momentum differs (0.99 in place of 0.9), or the statistic is computed another way (each "
-        "shard's own batch statistics, not synced over the batch axes).",
+        "shard's own batch statistics, not synced over the batch axes); or, for state kept per row of the batch "
+        "(a carried hidden state), rows written from other rows (one shard's rows written to every shard) or "
+        "from another step's values.",
         worst.name,
     )
 
