@@ -145,8 +145,10 @@ def test_a_loss_that_differs_in_every_gradient_but_the_rounding_level_ones_is_no
         "key bias's), too small to show a difference: the loss differs as a whole, not in a term that reaches "
         "only some parameters"
     )
-    assert loc.form.sentence.endswith(
-        ": the loss at equal parameters is 1.008 x the reference's; every gradient but the rounding-level ones "
+    # no "a factor 1.008" head beside "not a scaled loss" (trial 31): the loss's ratio, no factor claimed
+    assert loc.form.kind == "none" and loc.form.factor is None
+    assert loc.form.sentence == (
+        "the loss at equal parameters is 1.008 x the reference's; every gradient but the rounding-level ones "
         "differs, by no one factor: the forward pass computes another function of the parameters, not a scaled loss"
     )
     text = _said(loc, records)

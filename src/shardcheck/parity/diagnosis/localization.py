@@ -756,6 +756,8 @@ def forward_form(
     else:
         why = f"the gradients are {scaled:.4g} x the reference's: the loss and its gradients are scaled apart"
     meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
+    if why.endswith("not a scaled loss"):  # no factor to claim: said as the loss's ratio alone (trial 31)
+        return dataclasses.replace(form, kind="none", sentence=meaning, factor=None, spread=None)
     return dataclasses.replace(form, sentence=f"{head}: {meaning}")
 
 
