@@ -92,7 +92,7 @@ def test_agreeing_replicas_add_no_row_and_a_failing_leaf_stays_the_worst():
     assert _rows(render_summary({"candidate": both}, "setup"))[0][:6] == [
         "candidate",
         "FAIL",
-        "grad w",
+        "grad w (step 0)",
         "0.003",
         "0.001",
         "0.0001",

@@ -108,5 +108,5 @@ def test_the_summary_names_the_worst_leaf_of_the_first_failing_step(mesh):
     worst = max(bad, key=lambda e: e.badness)
     assert report.first_worst == worst and first.step == 0
     cells = _worst_cells(report)
-    assert cells[0] == worst.name and cells[1] == f"{worst.max_abs_err:.3g}"
+    assert cells[0] == f"{worst.name} (step 0)" and cells[1] == f"{worst.max_abs_err:.3g}"
     assert check_parity(_step(0.01), _task(0.01), mesh=mesh, steps=1).first_worst is not None

@@ -873,7 +873,7 @@ def _worst_cells(report) -> tuple[str, str, str, str]:
         return f"replicas: {_replica_cell(report.replica_failure)}", "-", "-", "-"
     worst = getattr(report, "first_worst", report.worst)  # a failure's first step: where it is localized
     name = "-" if worst is None else worst.name
-    if worst is not None and not worst.ok and worst.step > 0:
+    if worst is not None and not worst.ok:  # the first failing step's: said, as the table's rows say theirs
         name = f"{name} (step {worst.step})"
     if worst is not None and error_cells(worst)[2] == "-":  # no difference, no tolerance: said as what it is
         return (name, *error_cells(worst))

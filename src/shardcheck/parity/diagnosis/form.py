@@ -97,6 +97,7 @@ FORMS = (
     "shape",
     "reset",
     "slices",
+    "offset",
     "none",
 )
 
@@ -236,7 +237,7 @@ def fit_form(
     form = form or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
     form = form or _factor(fit, optimizer_stage, update, tol or {})
     if form is not None and form.kind == "none" and update:  # a ratio around 1: a small term, maybe a decay
-        form = _decay(f64, lr) or form
+        form = _decay(f64, lr) or _offset(f64) or form
     if form is not None and aside and form.kind != "one_number":
         return _said_aside(form, aside)
     form = (
@@ -246,6 +247,7 @@ def fit_form(
         or _stacked_slices(f64, update)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
+        or _offset(f64)
     )
     return form or _said_aside(_no_form(fit), aside)
 
@@ -854,16 +856,69 @@ def _per_group(factors: dict[str, float], stats: dict, n: int, basis: str = "10t
     )
 
 
-def _decay(f64: dict, lr: float | None) -> Form | None:
-    num = sum(float(np.sum((dc - dr) * b)) for b, dr, dc in f64.values())
-    den = sum(float(np.sum(b * b)) for b, _, _ in f64.values())
+def _offset(f64: dict) -> Form | None:
+    """``offset``: every element of every failing leaf differs from the reference's by one constant ``k`` (each
+    leaf's own least-squares ``k`` within :data:`FIT_RTOL` of it, residuals within it of the difference): a
+    value added, or a state started at another value (trial 32: Adagrad's accumulator initialized at 0.01 for
+    0.1, -0.09 on every element, read "no simple form ... ratio from -1820 to -41.4")."""
+    state = {k: v for k, v in f64.items() if k.startswith("opt_state ")}
+    pool = state or f64  # where state fails, the parameters' difference may only follow from it
+    diffs = [dc - dr for _, dr, dc in pool.values()]
+    if not diffs or any(d.size == 0 for d in diffs):
+        return None
+    own = [float(np.mean(d)) for d in diffs]
+    k = float(np.mean(own))
+    size = max(float(np.max(np.abs(d), initial=0.0)) for d in diffs)
+    resid = max(float(np.max(np.abs(d - k), initial=0.0)) for d in diffs)
+    if k == 0 or size == 0 or resid > FIT_RTOL * size or any(abs(a - k) > FIT_RTOL * abs(k) for a in own):
+        return None
+    which = _on_all(len(pool))
+    if len(pool) < len(f64):
+        which = f"{_on_all(len(pool), 'failing optimizer-state leaves')} (the parameters' difference may follow from it)"
+    return Form(
+        "offset",
+        f"a constant offset {k:+.4g} on every element {which} (residual {resid / size:.2g} of it): a value "
+        "added, or a state started at another value (an optimizer's initial accumulator, such as "
+        "optax.adagrad's initial_accumulator_value, or an initial scale)",
+        coefficient=k,
+        leaves=len(pool),
+    )
+
+
+def _decay_fit(f64: dict, after: bool) -> tuple[float, float, float] | None:
+    """``(a, residual, size)`` of the least-squares ``dc - dr = a * base`` over every element, ``base`` the
+    parameter before the step (``after``: the reference's after it), where ``a`` fits within :data:`FIT_RTOL`;
+    else ``None``."""
+    bases = [b + dr if after else b for b, dr, _ in f64.values()]
+    num = sum(float(np.sum((dc - dr) * x)) for x, (_, dr, dc) in zip(bases, f64.values(), strict=True))
+    den = sum(float(np.sum(x * x)) for x in bases)
     if den == 0:
         return None
     a = num / den
     size = max(float(np.max(np.abs(dc - dr), initial=0.0)) for _, dr, dc in f64.values())
-    resid = max(float(np.max(np.abs(dc - dr - a * b), initial=0.0)) for b, dr, dc in f64.values())
+    resid = max(
+        float(np.max(np.abs(dc - dr - a * x), initial=0.0))
+        for x, (_, dr, dc) in zip(bases, f64.values(), strict=True)
+    )
     if a == 0 or size == 0 or resid > FIT_RTOL * size:
         return None
+    return a, resid, size
+
+
+def _decay(f64: dict, lr: float | None) -> Form | None:
+    """``decay``: the difference is ``c*lr*param`` on every element, the parameter before the step (AdamW's
+    decoupled decay) or, where that does not fit, after the reference's update (a decay applied after the
+    optimizer's update: trial 32's embedding tables decayed by 5e-4 of their new value read "no simple form")."""
+    if any(
+        k.startswith("opt_state ") for k in f64
+    ):  # a decay of parameters: optimizer state has its own forms
+        return None
+    fitted, after = _decay_fit(f64, after=False), False
+    if fitted is None:
+        fitted, after = _decay_fit(f64, after=True), True
+    if fitted is None:
+        return None
+    a, resid, size = fitted
     n = len(f64)
     coef = a / lr if lr else a
     which = (
@@ -872,10 +927,11 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
         else "the candidate applies it and the reference does not"
     )
     value = f"c = {abs(coef):.4g}" if lr else f"c*lr = {abs(a):.4g} (the learning rate unknown)"
+    where = " (param after the update: a decay applied after the optimizer's update)" if after else ""
     return Form(
         "decay",
         f"a decoupled weight decay term c*lr*param with {value} {_on_all(n)} (the difference is "
-        f"{'+' if a > 0 else '-'}c*lr*param, residual {resid / size:.2g} of it): {which} (a decay moves no "
+        f"{'+' if a > 0 else '-'}c*lr*param{where}, residual {resid / size:.2g} of it): {which} (a decay moves no "
         "leaf whose value is 0, such as a bias still at its zero init: matching leaves of zeros may be decayed "
         "too)",
         coefficient=abs(coef),
