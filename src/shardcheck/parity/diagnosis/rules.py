@@ -783,13 +783,21 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "replicas_differ",
         f"Replicas differ across devices: {leaf} holds different values on different devices after "
-        f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding says replicated; "
+        f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding replicates it"
+        f"{_along(r.replica_axes)}; "
         "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
         "check_vma=False and out_specs=P()), or was scaled after its all-reduce by a quantity of each shard's own "
         "(a local count or norm), or the leaf was written on some devices only (an initialization or an in-place "
         "write done per device, such as a value set on one shard).",
         leaf,
     )
+
+
+def _along(axes: tuple[str, ...]) -> str:
+    """``" along 'data'"`` for the mesh axes a leaf's copies differ along (a leaf split over 'model' is replicated
+    along 'data' only: trial 32 read "its sharding says replicated" for a table split over 'model'), ``""`` where
+    none was found."""
+    return f" along {', '.join(repr(a) for a in axes)}" if axes else ""
 
 
 def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
