@@ -242,6 +242,7 @@ def test_one_recorded_sample_has_no_percentile():
     )
     assert percentiles(dataclasses.replace(one, samples=None)) == "10th-90th percentile"
     loc = localize([_record([one, _leaf("grad", "w", False, 1.5, (1.2, 1.8))])])
-    # the loss is one number: its factor is said as a number, with no spread over elements (trial 12)
-    assert loc.form.sentence.startswith("a factor 0.9999: the loss at equal parameters is 0.9999 x")
+    # the loss is one number: its ratio is said as a number, with no spread over elements (trial 12), and not as
+    # "a factor" where its gradients differ by no one factor (trial 31)
+    assert loc.form.sentence.startswith("the loss at equal parameters is 0.9999 x")
     assert "1 recorded samples" not in loc.text() and "percentile" not in loc.form.sentence

@@ -909,13 +909,13 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
     """``decay``: the difference is ``c*lr*param`` on every element, the parameter before the step (AdamW's
     decoupled decay) or, where that does not fit, after the reference's update (a decay applied after the
     optimizer's update: trial 32's embedding tables decayed by 5e-4 of their new value read "no simple form")."""
-    if any(
-        k.startswith("opt_state ") for k in f64
-    ):  # a decay of parameters: optimizer state has its own forms
+    if any(k.startswith("opt_state ") for k in f64):  # parameters' decay: optimizer state has its own forms
         return None
     fitted, after = _decay_fit(f64, after=False), False
-    if fitted is None:
+    if fitted is None and any(np.any(b) for b, _, _ in f64.values()):  # parameters, not gradients (before 0)
         fitted, after = _decay_fit(f64, after=True), True
+        # a decay takes a small share of the value: a coefficient near -1 is a candidate near 0 (a zero form's)
+        fitted = fitted if fitted is not None and abs(fitted[0]) <= 0.5 else None
     if fitted is None:
         return None
     a, resid, size = fitted
