@@ -103,6 +103,6 @@ def test_an_ema_written_per_device_fails_on_its_copies(mesh):
 def test_the_replicas_sentence_says_the_axes_a_leaf_is_replicated_along():
     """Trial 32: an embedding table split over 'model' and left unreduced over 'data' read "though its sharding
     says replicated"; its copies differ along 'data', over which its sharding replicates it."""
-    from shardcheck.parity.diagnosis.rules import _along
+    from shardcheck.parity.diagnosis.grouping import along as _along
 
     assert _along(("data",)) == " along 'data'" and _along(()) == ""

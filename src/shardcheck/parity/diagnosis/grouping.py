@@ -71,6 +71,12 @@ def role(path: str) -> str:
     return last
 
 
+def along(axes) -> str:
+    """``" along 'data'"`` (``" along 'data', 'fsdp'"``) for the mesh axes a leaf's copies differ along, ``""``
+    where none was found (a leaf split over 'model' is replicated along 'data' only: trial 32)."""
+    return f" along {', '.join(repr(a) for a in axes)}" if axes else ""
+
+
 def n_leaves(n: int) -> str:
     """``"1 leaf"``, ``"2 leaves"``."""
     return f"{n} leaf" if n == 1 else f"{n} leaves"

@@ -33,6 +33,7 @@ from shardcheck.parity.diagnosis.form import Form, form_from_leaves, shape_form,
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
+    along,
     common_prefix,
     n_leaves,
     param_path,
@@ -349,7 +350,7 @@ def _stage_result(
 ) -> StageResult:
     if stage == "replicas":
         if record.replica_mismatches:
-            axes = f" along {', '.join(repr(a) for a in record.replica_axes)}" if record.replica_axes else ""
+            axes = along(record.replica_axes)
             first = replicas_root(record)[0]
             downstream = downstream_note(record)
             count = len(record.replica_mismatches)

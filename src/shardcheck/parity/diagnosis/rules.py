@@ -75,6 +75,7 @@ from shardcheck.parity.diagnosis.form import (
 )
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
+    along,
     common_prefix,
     n_leaves,
     rounding_params,
@@ -784,20 +785,13 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
         "replicas_differ",
         f"Replicas differ across devices: {leaf} holds different values on different devices after "
         f"step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its sharding replicates it"
-        f"{_along(r.replica_axes)}; "
+        f"{along(r.replica_axes)}; "
         "a gradient or update was not all-reduced (missing psum/pmean, or shard_map with "
         "check_vma=False and out_specs=P()), or was scaled after its all-reduce by a quantity of each shard's own "
         "(a local count or norm), or the leaf was written on some devices only (an initialization or an in-place "
         "write done per device, such as a value set on one shard).",
         leaf,
     )
-
-
-def _along(axes: tuple[str, ...]) -> str:
-    """``" along 'data'"`` for the mesh axes a leaf's copies differ along (a leaf split over 'model' is replicated
-    along 'data' only: trial 32 read "its sharding says replicated" for a table split over 'model'), ``""`` where
-    none was found."""
-    return f" along {', '.join(repr(a) for a in axes)}" if axes else ""
 
 
 def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
@@ -1159,10 +1153,8 @@ def _unreduced_phrase(ctx: DiagnosisContext) -> str:
     the returned one averaged over the devices only on its way out; a mean taken twice leaves the replicas
     equal."""
     k = round(1 / ctx.factor)
-    axes = ctx.first.replica_axes
-    along = f" along {', '.join(repr(a) for a in axes)}" if axes else ""
     return (
-        f"x1/{k}, and replicated leaves differ across devices{along} after this step: each device likely applied "
+        f"x1/{k}, and replicated leaves differ across devices{along(ctx.first.replica_axes)} after this step: each device likely applied "
         f"its own shard's share of the gradient (a sum over its own shard divided by the global count, never "
         f"all-reduced), and the returned gradient, the average of those {k} shares, is 1/{k} of the full "
         f"one; psum the gradients before dividing (a gradient averaged twice, the other reading of x1/{k}, "
