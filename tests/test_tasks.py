@@ -326,6 +326,12 @@ def test_load_task_errors(tmp_path):
         match=r"load_task: task file '.*odd\.py' has no attribute 'taks' .*public names: needs, task_one, wrong",
     ):
         load_task(f"{odd}:taks")
+    with pytest.raises(
+        ValueError, match=r"has no attribute 'task_on' \(spec .*\); did you mean 'task_one'\? public"
+    ):
+        load_task(f"{odd}:task_on")
+    with pytest.raises(ValueError, match=r"has no attribute 'xyzzy' \(spec .*\); public names"):
+        load_task(f"{odd}:xyzzy")
     with pytest.raises(TypeError, match=r"load_task: '.*odd\.py:task_one' names a int, not a Task"):
         load_task(f"{odd}:task_one")
     with pytest.raises(

@@ -220,12 +220,19 @@ def _public_names(module) -> str:
     return f"public names: {shown}"
 
 
+def _did_you_mean(obj, name: str) -> str:
+    """``"did you mean 'task'? "`` for the public attribute of ``obj`` closest to a misspelt ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, [n for n in dir(obj) if not n.startswith("_")], n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def _resolve_attr(spec: str, source: str, module, attr: str) -> Task:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(
-                f"load_task: {source} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}; name "
+                f"load_task: {source} has no attribute {attr!r} (spec {spec!r}); {_did_you_mean(obj, part)}"
+                f"{_public_names(module)}; name "
                 f"one of them after ':', or define {attr} = shardcheck.Task(model=..., optimizer=..., loss_fn=..., "
                 "batches=...) in the file"
             )
@@ -353,7 +360,8 @@ def import_attr(fn: str, spec: str, what: str = "ATTR"):
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(
-                f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_public_names(module)}; name one "
+                f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_did_you_mean(obj, part)}"
+                f"{_public_names(module)}; name one "
                 "of them after ':', or define it in the file"
             )
         obj = getattr(obj, part)
