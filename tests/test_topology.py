@@ -65,11 +65,21 @@ def test_parse_mesh_and_its_errors():
     assert parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4}
     assert parse_mesh(" fsdp = 64 ") == {"fsdp": 64}
     assert parse_mesh("8") == {"data": 8}
+    # names far from 'data' / 'fsdp' keep their role
+    assert parse_mesh("x=2,model=2,expert=2,batch=2,dp=2") == {
+        "x": 2,
+        "model": 2,
+        "expert": 2,
+        "batch": 2,
+        "dp": 2,
+    }
     for text, match in (
         ("data=2,data=4", "axis 'data' is given twice"),
         ("data=0", "'data=0' is not NAME=SIZE with SIZE >= 1"),
         ("data:2", "use --mesh NAME=SIZE"),
         ("2x4", "is not NAME=SIZE"),
+        ("dta=2,model=2", "axis 'dta' is not a batch axis name .*did you mean 'data'"),
+        ("data=2,fsd=2", "did you mean 'fsdp'"),
     ):
         with pytest.raises(ValueError, match=match):
             parse_mesh(text)

@@ -23,6 +23,7 @@ of the axes:
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import reprlib
@@ -156,7 +157,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
     Raises:
         ValueError: text that is not ``NAME=SIZE[,NAME=SIZE...]`` with identifier names, sizes >= 1 and no
-            repeated name (the message shows the expected form).
+            repeated name (the message shows the expected form), or a name one typo from ``data`` / ``fsdp``
+            (``dta``, ``fsdq``: difflib ratio >= 0.75), which would silently take another role.
     """
     form = "--mesh NAME=SIZE[,NAME=SIZE...], e.g. --mesh data=2,fsdp=4"
     text = str(text).strip()
@@ -170,8 +172,20 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise ValueError(f"--mesh {text!r}: {part.strip()!r} is not NAME=SIZE with SIZE >= 1; use {form}")
         if name in axes:
             raise ValueError(f"--mesh {text!r}: axis {name!r} is given twice; use {form}")
+        _check_spelling(text, name)
         axes[name] = int(size)
     return axes
+
+
+def _check_spelling(text: str, name: str) -> None:
+    """Refuse an axis name one typo from a batch axis name (``dta``): it would be read as another role."""
+    close = difflib.get_close_matches(name, BATCH_AXIS_NAMES, n=1, cutoff=0.75)
+    if close and name not in BATCH_AXIS_NAMES:
+        raise ValueError(
+            f"--mesh {text!r}: axis {name!r} is not a batch axis name ({', '.join(BATCH_AXIS_NAMES)}); did you mean "
+            f"{close[0]!r}? The batch is split over the axes so named, and over every axis only where none is; "
+            f"use {close[0]}=SIZE, or name the axis further from {close[0]!r}"
+        )
 
 
 def check_mesh(fn: str, mesh) -> Mesh:
