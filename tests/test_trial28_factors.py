@@ -91,3 +91,52 @@ def test_a_factor_far_from_one_names_a_loss_scale():
     assert "a factor this far from 1 (1/4440) is more like a mixed-precision loss scale" in said
     assert "(4096 = 2^12)" in _loss_scale_reading(4096.0)
     assert _loss_scale_reading(3.0) == "" and _loss_scale_reading(1 / 200) == ""
+
+
+def _edited_record(state_ok: bool, rerun: bool = True):
+    """Step 0 of a step that reverses its stacked layers in place before its forward pass (trial 28's
+    swap_layers): the loss and every gradient differ; the reference's optimizer rerun on the candidate's own
+    gradients and pre-step state gives its optimizer state but not the two kernels it reversed."""
+    loss = LeafError(0, "loss", "loss", 0.05, 0.05, TOL, False, 1.05, None, None, ())
+    grads = [
+        LeafError(0, "grad", p, 0.3, 1.0, TOL, False, 0.8, None, (-0.5, 2.0), (3, 4)) for p in ("a", "b")
+    ]
+    params = [
+        LeafError(0, "param", p, 0.4, 1.0, TOL, False, 0.8, 1.0, (-0.5, 2.0), (3, 4)) for p in ("a", "b")
+    ]
+    state = [
+        LeafError(0, "opt_state", f"mu.{p}", 0.3, 1.0, TOL, False, None, None, None, (3, 4)) for p in "ab"
+    ]
+    redo = [
+        LeafError(0, "param", "a", 0.4, 1.0, TOL, False, None, 1.0, None, (3, 4)),
+        LeafError(0, "param", "b", 0.0, 0.0, TOL, True, None, 1.0, None, (3, 4)),
+        *(
+            LeafError(0, "opt_state", f"mu.{p}", 0.0 if state_ok else 0.3, 1.0, TOL, state_ok, shape=(3, 4))
+            for p in "ab"
+        ),
+    ]
+    return StepRecord(
+        0,
+        1e-5,
+        1e-7,
+        1.0,
+        1.05,
+        (loss, *grads, *params, *state),
+        1,
+        1,
+        optimizer_rerun=tuple(redo) if rerun else None,
+    )
+
+
+def test_parameters_the_step_wrote_itself_are_named_from_the_optimizer_rerun():
+    """Trial 28: a step that reversed its nnx.scan stack in place read only "computed another way (the loss's
+    terms, labels, weights or normalization)"; the rerun's evidence (its optimizer state right, one parameter
+    not) says the step wrote that parameter itself. Without that evidence the sentence is not said."""
+    text = " ".join(d.message for d in diagnose([_edited_record(True)], 2))
+    assert (
+        "the step changed 1 of 2 parameters itself (a): the reference's optimizer rerun on the candidate's own "
+        "gradients and pre-step state gives its optimizer state (2 leaves match) but not these parameters "
+        "(worst a: max abs err 0.4 > tolerance 0.001), so its loss and gradients were taken at other parameters"
+    ) in text
+    for record in (_edited_record(False), _edited_record(True, rerun=False)):
+        assert "parameters itself" not in " ".join(d.message for d in diagnose([record], 2))

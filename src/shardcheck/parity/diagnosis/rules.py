@@ -1812,6 +1812,8 @@ def _not_one_step(record: StepRecord) -> str:
             f"a wrong loss: at equal parameters the forward pass as sharded computes another function, from "
             f"{found.module} on (the first module whose output differs while its inputs match)."
         )
+    if _forward_first(record) and _params_edited(record):
+        return _edited_sentence(record)
     if _forward_first(record):
         around = (
             " (no captured module's output differs while its inputs match, each module run as the task's loss "
@@ -1842,6 +1844,38 @@ def _not_one_step(record: StepRecord) -> str:
     return (
         "not a single reduced step (shards applied one after another, gradients taken at different parameters, "
         "or a wrong loss)."
+    )
+
+
+def _params_edited(record: StepRecord) -> list[LeafError]:
+    """The parameters the step changed apart from its optimizer's update: the reference's optimizer rerun on the
+    candidate's own gradients and pre-step state (``StepRecord.optimizer_rerun``) gives every optimizer-state
+    leaf of the candidate but not these parameters. With a loss that differs too, the step wrote them before
+    its forward pass (trial 28: the stacked layers reversed in place). ``[]`` without that evidence."""
+    rerun = record.optimizer_rerun or ()
+    params = [e for e in rerun if e.kind == "param" and not e.ok]
+    if not params or not all(e.ok for e in rerun if e.kind != "param"):
+        return []
+    return params
+
+
+def _edited_sentence(record: StepRecord) -> str:
+    """:func:`_params_edited`'s finding in words, with the worst leaf's numbers."""
+    edited = _params_edited(record)
+    rerun = record.optimizer_rerun or ()
+    n_params = sum(e.kind == "param" for e in rerun)
+    n_state = len(rerun) - n_params
+    worst = max(edited, key=lambda e: e.badness)
+    names = ", ".join(e.path for e in edited[:3]) + (
+        f" and {len(edited) - 3} more" if len(edited) > 3 else ""
+    )
+    state = f"its optimizer state ({n_state} leaves match)" if n_state else "its update's state"
+    return (
+        f"the step changed {len(edited)} of {n_params} parameters itself ({names}): the reference's optimizer "
+        f"rerun on the candidate's own gradients and pre-step state gives {state} but not these parameters "
+        f"(worst {worst.path}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}), so its loss "
+        "and gradients were taken at other parameters than the ones it started from: an in-place write, a "
+        "permutation, a re-initialization or a cast of these parameters inside the step, before its forward pass."
     )
 
 
