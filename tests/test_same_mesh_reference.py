@@ -325,3 +325,79 @@ def test_verify_reference_gspmd_on_a_builtin_task_under_launch(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["reference"] == "gspmd on fsdp=4" and report["strategies"]["fsdp"]["verdict"] == "PASS"
+
+
+class _TwoLayer(nnx.Module):
+    """A body annotated over 'model' and an unannotated head (which a gspmd reference places as its own)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.body = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(init, (None, "model")), rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.gelu(self.body(x)))
+
+
+def _two_layer_task() -> Task:
+    rng = np.random.default_rng(3)
+    batches = [
+        {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
+        for _ in range(2)
+    ]
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    return Task(lambda: _TwoLayer(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, batches, name="two-layer")
+
+
+def _replicated_step(reduce_head: bool):
+    """The user's shard_map step: parameters replicated, rows split over 'data', every gradient pmean-ed over
+    'data' (the head's too, unless ``reduce_head`` is False), the update applied outside."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def local(params, batch):
+            loss, grads = jax.value_and_grad(
+                lambda p: _two_layer_task().loss_fn(nnx.merge(graphdef, p), batch)
+            )(params)
+            grads = jax.tree_util.tree_map_with_path(
+                lambda path, g: g if not reduce_head and path[0].key == "head" else jax.lax.pmean(g, "data"),
+                grads,
+            )
+            return jax.lax.pmean(loss, "data"), grads
+
+        specs = jax.tree.map(lambda _: P(), params)
+        mapped = jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False
+        )
+        loss, grads = jax.jit(mapped)(params, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+@require_devices(4)
+def test_gradient_copies_that_differ_are_seen_against_a_gspmd_reference():
+    """Trial 33: a head whose gradients were left unreduced over 'data' read "the replicas: agree" against a
+    gspmd reference, whose placement splits the head (its update mixes the devices' copies into one consistent
+    parameter); the returned gradients' own copies differ, and are now the replica evidence. A correct step
+    passes."""
+    import functools
+
+    mesh = make_mesh({"data": 2, "model": 2})
+    good = check_parity(
+        functools.partial(_replicated_step(True), mesh=mesh), _two_layer_task(), mesh=mesh, reference="gspmd"
+    )
+    assert good.ok, good.summary()
+    bad = check_parity(
+        functools.partial(_replicated_step(False), mesh=mesh), _two_layer_task(), mesh=mesh, reference="gspmd"
+    )
+    first = bad.steps[0]
+    assert not bad.ok and {"grad head.bias", "grad head.kernel"} <= set(first.replica_mismatches)
+    assert first.replica_axes == ("data",)
+    assert bad.localization.status("replicas") == "differs"
+    assert {"wrong_axis_reduction", "replicas_differ"} <= {d.code for d in bad.diagnoses}

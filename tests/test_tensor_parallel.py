@@ -206,7 +206,10 @@ def test_verify_tiny_lm_on_a_tensor_parallel_mesh_passes_every_strategy(tmp_path
     out = tmp_path / "verify.json"
     args = ["verify", "--task", "tiny-lm", "--mesh", "data=2,model=4", "--steps", "2", "--json", str(out)]
     assert main(args) == 0
-    assert "S=2 on mesh data=2 x model=4 (batch over data; model annotated over model)" in capsys.readouterr().out
+    assert (
+        "S=2 on mesh data=2 x model=4 (batch over data; model annotated over model)"
+        in capsys.readouterr().out
+    )
     report = json.loads(out.read_text())
     assert report["mesh"] == TP_MESH and report["num_shards"] == 2
     assert set(report["strategies"]) == {"simulation", "dp", "fsdp", "gspmd", "accumulation"}
@@ -430,7 +433,14 @@ def test_replicated_gradients_psummed_over_model_are_named_by_the_axis():
     assert report.codes[0] == "replicated_reduced", report.diagnoses
     message = report.diagnoses[0].message
     assert "x4 is the size of mesh axis 'model'" in message and "under 'block'" not in message
-    assert "block.down.bias" in message and "drop that reduction: the batch is replicated over it" in message
+    assert "block.down.bias" in message and "add it after the reduction" in message
+    # trial 34: a sequence-parallel step needs one psum over 'model' for its replicated leaves: never "drop it"
+    # as a fact, and the double reduction (shard_map's own psum plus an explicit one) is said first
+    assert (
+        "these gradients were reduced over 'model' once too often. Either their gradient was psum-ed"
+        in message
+    )
+    assert "as sequence parallelism does, needs exactly one" in message
 
 
 @require_devices(8)
@@ -449,7 +459,9 @@ def test_a_uniform_factor_of_a_model_axis_size_names_the_axis():
     assert code == "summed" and phrase.startswith("x4: the size of mesh axis 'model', which splits the model")
     assert "reduce the gradients over the batch axes 'data' only" in phrase
     code, phrase = _name_factor(2.0, 2, {"data": 2, "model": 2})  # S = 2 = the model axis: both causes
-    assert code == "summed" and "or a sum over the 2 batch shards for their mean" in phrase
+    assert code == "summed" and phrase.startswith(
+        "x2: a sum over the 2 batch shards for their mean; or, 2 being"
+    )
     # no model axis: the factors of S, as before
     assert _name_factor(4.0, 2, {"data": 2}) == _name_factor(4.0, 2, None)
     assert "sum-reduced twice" in _name_factor(4.0, 2, {"data": 2})[1]

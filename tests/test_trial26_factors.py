@@ -47,9 +47,21 @@ def test_a_factor_the_size_of_a_model_axis_is_one_reading_of_several():
     from shardcheck.parity.diagnosis.topology import model_axis_factor
 
     code, phrase = model_axis_factor(2.0, 2, {"data": 2, "model": 2}, _close)
-    assert code == "summed" and "Either the gradients were psum-ed over 'model' too" in phrase
-    assert "or a sum over the 2 batch shards for their mean" in phrase
+    # trial 34: S = 2 = the size of 'model': the sum over the batch shards first, and the psum over 'model'
+    # not said as a fact (a sequence-parallel step splits its tokens over 'model' and needs that psum)
+    assert code == "summed" and phrase.startswith(
+        "x2: a sum over the 2 batch shards for their mean; or, 2 being"
+    )
+    assert (
+        "the gradients psum-ed over 'model' too, counted 2 times where every device along it holds" in phrase
+    )
+    assert "as sequence parallelism does, needs that psum for the leaves replicated over it" in phrase
     assert "a loss or gradient scaled by a count, such as the micro-batch count" in phrase
+    code, phrase = model_axis_factor(4.0, 2, {"data": 2, "model": 4}, _close)  # S is 2: the model axis alone
+    assert phrase.startswith(
+        "x4: the size of mesh axis 'model', which splits the model, not the batch. Either"
+    )
+    assert "a sum over the 4 batch shards" not in phrase
     assert "of the loss the gradients were taken of but not of the one returned" in gradients_after_loss(2.0)
 
 

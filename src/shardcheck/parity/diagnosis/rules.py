@@ -368,7 +368,7 @@ def _name_factor(
         if _close(f, 1 / s):
             return (
                 "averaged_twice",
-                f"the gradient was averaged twice (or divided by S={s} twice): x1/{s}",
+                f"the gradient was averaged twice (or divided by S={s} twice): x1/{s}{_pmean_for_psum(s, mesh_shape)}",
             )
         if _close(f, s * s):
             return (
@@ -397,6 +397,21 @@ def _name_factor(
                 f"(or let jit/GSPMD compute optax.clip_by_global_norm on the global arrays){other}",
             )
     return None
+
+
+def _pmean_for_psum(s: int, mesh_shape: dict[str, int] | None) -> str:
+    """The reading of x1/``s`` where a model axis has size ``s``: a pmean over it where a psum was due (trial 34:
+    a sequence-parallel step's replicated leaves, their partial gradients averaged over 'model', read only
+    "averaged twice")."""
+    axes = model_axes_of_size(mesh_shape, s) if mesh_shape else ()
+    if not axes:
+        return ""
+    m = ", ".join(repr(a) for a in axes)
+    return (
+        f"; or, {s} being the size of mesh axis {m}, a pmean over {m} where a psum was due (a step that splits the "
+        f"tokens over {m}, as sequence parallelism does, sums the partial gradients of the leaves replicated over "
+        "it)"
+    )
 
 
 def _count_before_clip(f: float) -> tuple[str, str] | None:
@@ -1976,7 +1991,8 @@ def _forward_hint(ctx: DiagnosisContext, cleared: bool = False) -> str:
     from shardcheck.mesh import batch_axis_names
 
     shape = dict(ctx.mesh_shape or {})
-    model = [a for a in shape if a not in batch_axis_names(shape)]
+    # an axis of size 1 splits nothing (trial 33: 'model=1' read "a replicated bias ... counts 1 times")
+    model = [a for a in shape if a not in batch_axis_names(shape) and int(shape[a]) > 1]
     if not model:
         return ""
     axis = model[0]

@@ -229,15 +229,26 @@ def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tu
         axes = model_axes_of_size(mesh_shape, r) if close(f, r) else ()
         if axes:
             batch, _ = axis_roles(mesh_shape)
-            also = f"; or a sum over the {r} batch shards for their mean" if num_shards == r else ""
+            named = _axes_text(axes)
+            over_model = (
+                f"psum-ed over {named} too, counted {r} times where every device along it holds the "
+                f"same batch rows and so the same gradient (reduce the gradients over the batch axes {_axes_text(batch)} "
+                f"only: the psum over {named} belongs to the row-parallel layer's output in the forward pass; a "
+                f"step that splits the tokens over {named}, as sequence parallelism does, needs that psum for the "
+                "leaves replicated over it, and this reading does not apply)"
+            )
+            own = f"a factor {r} of the step's own (a loss or gradient scaled by a count, such as the micro-batch count)"
+            if num_shards == r:  # a sum over the batch shards first: the commonest mistake of the two
+                return (
+                    "summed",
+                    f"x{r}: a sum over the {r} batch shards for their mean; or, {r} being also the size of mesh "
+                    f"axis {named}, the gradients {over_model}; or {own}",
+                )
             return (
                 "summed",
-                f"x{r}: the size of mesh axis {_axes_text(axes)}, which splits the model, not the batch. Either "
-                f"the gradients were psum-ed over {_axes_text(axes)} too, though every device along it holds the "
-                f"same batch rows and so the same gradient, counted {r} times (reduce the gradients over the batch "
-                f"axes {_axes_text(batch)} only: the psum over {_axes_text(axes)} belongs to the row-parallel "
-                f"layer's output in the forward pass){also}; or a factor {r} of the step's own that only matches "
-                "the axis's size (a loss or gradient scaled by a count, such as the micro-batch count)",
+                f"x{r}: the size of mesh axis {named}, which splits the model, not the batch. Either the gradients were "
+                f"{over_model}; "
+                f"or {own} that only matches the axis's size",
             )
     return None
 
@@ -437,13 +448,24 @@ def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int
     m = _axes_text(axes)
     if any(is_expert_axis(a) for a in axes):
         return _expert_message(head, right, r, m)
+    twice = (
+        f"their gradient was psum-ed over {m} twice: in jax.shard_map the gradient of a parameter replicated over "
+        f"{m} comes back already psum-ed over it (docs/reduction_cases.md C2), so an explicit psum on top counts "
+        f"it {r} times (keep one: a step that splits the tokens over {m}, as sequence parallelism does, needs "
+        "exactly one)"
+    )
+    before = (
+        f"a parameter added before the psum over {m} counts once per shard: each of the {r} shards adds it to its "
+        f"partial sum (a row-parallel layer's replicated bias: add it after the reduction, y = jax.lax.psum(h @ w, "
+        f"{axes[0]!r}) + b)"
+    )
+    # biases alone: the bias added before the reduction first; otherwise the double reduction
+    first, second = (before, twice) if all(n.endswith("bias") for n in off) else (twice, before)
     return (
-        f"{head} while the other {right} match: x{r} is the size of mesh axis {m}, which splits the model. A "
-        f"parameter replicated over {m} and added before the psum over {m} counts once per shard: each of the "
-        f"{r} shards adds it to its partial sum and the psum adds the {r} copies (its gradient comes back "
-        f"psum-ed over {m}); add a row-parallel layer's replicated bias after the reduction (y = "
-        f"jax.lax.psum(h @ w, {axes[0]!r}) + b), or, if its gradient was psum-ed over {m} explicitly, drop that "
-        f"reduction: the batch is replicated over it.{_batch_axis_too(mesh_shape, r)}"
+        f"{head} while the other {right} match: x{r} is the size of mesh axis {m}, which splits the model: these "
+        f"gradients were reduced over {m} once too often. Either {first}; or {second}; or, where the step splits "
+        f"no tokens over {m}, their gradient was psum-ed over {m} though the batch is replicated over it (drop "
+        f"that reduction).{_batch_axis_too(mesh_shape, r)}"
     )
 
 

@@ -311,7 +311,8 @@ def _compare_step(
         scale_blind=blind,
     )
     if not record.ok:
-        record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches))
+        record = _with_gradient_replicas(record, cand_grads)
+        record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads))
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol, cand_grads)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
@@ -574,12 +575,28 @@ def _grad_inputs(run: _Run, t, ref_grads, cand_grads, bounds, rtol, atol) -> tup
     return leaves, {p: v for p, v in rg.items() if not is_int(v)}
 
 
-def _replica_axes(after: _After, mismatched: tuple[str, ...]) -> tuple[str, ...]:
+def _with_gradient_replicas(record: StepRecord, cand_grads) -> StepRecord:
+    """A failing ``record`` with the candidate's returned gradients whose copies differ across devices added to
+    its ``replica_mismatches`` (``"grad <path>"``): a gradient left unreduced whose update was then applied to a
+    parameter placed otherwise (split over the axis it differs along) leaves the parameter's own copies equal
+    (trial 33, a gspmd reference: "the replicas: agree" while the returned gradients' copies differed). Read
+    only on a failing step (a correct step's all-reduced gradients are the same bits on every device), and only
+    where no parameter's or state leaf's copies differ (those say it already, with the leaves they name)."""
+    if cand_grads is None or record.replica_mismatches:
+        return record
+    differ = replica_mismatches(flatten_state(cand_grads))
+    added = tuple(f"grad {p}" for p in sorted(differ) if f"grad {p}" not in record.replica_mismatches)
+    return dataclasses.replace(record, replica_mismatches=record.replica_mismatches + added) if added else record
+
+
+def _replica_axes(after: _After, mismatched: tuple[str, ...], cand_grads=None) -> tuple[str, ...]:
     """The mesh axes along which the candidate's mismatched copies differ (``topology.mismatch_axes``)."""
     if not mismatched:
         return ()
     arrays = {f"param {k}": v for k, v in after.cand_params.items()}
     arrays.update({f"opt_state {k}": v for k, v in after.cand_state.items()})
+    if cand_grads is not None:
+        arrays.update({f"grad {k}": v for k, v in flatten_state(cand_grads).items()})
     axes = {a for name in mismatched if name in arrays for a in mismatch_axes(arrays[name])}
     return tuple(sorted(axes))
 

@@ -1,0 +1,58 @@
+"""Trials 33 (SimCLR with all-gathered negatives) and 34 (a Megatron block with sequence parallelism, written in
+``jax.shard_map`` on data=2 x model=2): sentences that were false for a step that splits its tokens over 'model',
+or that named an axis of size 1 as splitting the model. Each checked on both sides, without JAX."""
+
+from shardcheck.parity.diagnosis.rules import _close, _forward_hint, _name_factor
+from shardcheck.parity.diagnosis.topology import model_axis_factor, replicated_reduced_message
+
+SP_MESH = {"data": 2, "model": 2}
+
+
+def test_x2_on_a_mesh_whose_model_axis_is_the_batch_shards_size_reads_the_batch_sum_first():
+    """Trial 34: a mean over 'data' taken as a sum read first "psum-ed over 'model' too, though every device along
+    it holds the same batch rows", false under sequence parallelism."""
+    code, phrase = model_axis_factor(2.0, 2, SP_MESH, _close)
+    assert code == "summed" and phrase.startswith("x2: a sum over the 2 batch shards for their mean; or,")
+    assert "though every device along it holds the same batch rows" not in phrase
+    assert "where every device along it holds the same batch rows" in phrase
+    assert "as sequence parallelism does, needs that psum for the leaves replicated over it" in phrase
+
+
+def test_x1_over_the_model_axis_size_names_a_pmean_where_a_psum_was_due():
+    """Trial 34: a pmean over 'model' where a psum was due read only "averaged twice"; on a mesh without a model
+    axis of that size the reading is not offered."""
+    _, phrase = _name_factor(0.5, 2, SP_MESH)
+    assert phrase.startswith(
+        "the gradient was averaged twice (or divided by S=2 twice): x1/2; or, 2 being the size"
+    )
+    assert "a pmean over 'model' where a psum was due" in phrase
+    for shape in ({"data": 2}, {"data": 2, "model": 4}, {"data": 2, "model": 1}):
+        assert "pmean over 'model'" not in _name_factor(0.5, 2, shape)[1]
+
+
+def test_a_leaf_reduced_over_model_once_too_often_is_not_told_to_drop_the_reduction():
+    """Trial 34: an embedding's gradient psum-ed over 'model' twice read "drop that reduction: the batch is replicated
+    over it" (a sequence-parallel step needs one) and "added before the psum" first; a bias keeps that reading
+    first."""
+    embed = replicated_reduced_message(
+        0, ["param embed.embedding", "opt_state 0.mu.embed.embedding"], 19, 2, SP_MESH
+    )
+    assert "once too often. Either their gradient was psum-ed over 'model' twice" in embed
+    assert "needs exactly one" in embed and "the batch is replicated over it (drop that reduction)" in embed
+    assert "where the step splits no tokens over 'model'" in embed
+    bias = replicated_reduced_message(0, ["param wo.bias", "opt_state 0.mu.wo.bias"], 19, 2, SP_MESH)
+    assert (
+        "once too often. Either a parameter added before the psum over 'model' counts once per shard" in bias
+    )
+
+
+def test_an_axis_of_size_one_splits_nothing_in_the_forward_hint():
+    """Trial 33: on data=4,model=1 every forward-stage FAIL read "a replicated bias added on every shard before the
+    psum over 'model' (it counts 1 times ...)"."""
+
+    class Ctx:
+        mesh_shape = {"data": 4, "model": 1}
+
+    assert _forward_hint(Ctx) == "" and _forward_hint(Ctx, cleared=True) == ""
+    Ctx.mesh_shape = {"data": 2, "model": 2}
+    assert "(it counts 2 times; add it after the psum)" in _forward_hint(Ctx)
