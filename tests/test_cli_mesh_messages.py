@@ -96,7 +96,7 @@ def test_a_misspelt_mesh_axis_is_named_where_a_step_that_places_by_the_annotatio
     assert err.startswith(
         "error: shardcheck verify: the candidate step raised ValueError at step 0 (leaf 'lin.kernel' is annotated "
         "P(None, 'model') but the mesh has no axis 'model' (its axes: ('data', 'modle')); build the mesh with that "
-        "axis (e.g. --mesh model=2 among its axes) or change the annotation): "
+        "axis (e.g. --mesh model=2 among its axes, or model=1 to keep the annotation and split nothing) or change the annotation): "
     ), err
 
 

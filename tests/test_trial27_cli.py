@@ -192,7 +192,7 @@ def test_the_hint_names_the_axis_and_spec_the_error_names(task_file, capsys):
     assert err.startswith(
         "error: shardcheck verify: the candidate step raised ValueError at step 0 (leaf 'b.kernel' is annotated "
         "P(None, 'expert') but the mesh has no axis 'expert' (its axes: ('foo',)); build the mesh with that axis "
-        "(e.g. --mesh expert=2 among its axes) or change the annotation): Resource axis: expert of "
+        "(e.g. --mesh expert=2 among its axes, or expert=1 to keep the annotation and split nothing) or change the annotation): Resource axis: expert of "
     ), err
 
 

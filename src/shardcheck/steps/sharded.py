@@ -277,7 +277,7 @@ def _check_axes(fn: str, path: str, spec: PartitionSpec, mesh: Mesh) -> None:
         if axis not in mesh.axis_names:
             raise ValueError(
                 f"{fn}: leaf {path!r} is annotated {spec} but the mesh has no axis {axis!r} (its axes: "
-                f"{tuple(mesh.axis_names)}); build the mesh with that axis (e.g. --mesh {axis}=2 among its axes) or "
+                f"{tuple(mesh.axis_names)}); build the mesh with that axis (e.g. --mesh {axis}=2 among its axes, or {axis}=1 to keep the annotation and split nothing) or "
                 "change the annotation"
             )
 

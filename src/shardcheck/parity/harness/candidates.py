@@ -314,7 +314,7 @@ def _mesh_axis_hint(err: Exception, mesh, model=None) -> str:
         path, s = same[0]
         return (
             f"leaf {path!r} is annotated {s} but the mesh has no axis {axis!r} (its axes: {axes}); build the mesh "
-            f"with that axis (e.g. --mesh {axis}=2 among its axes) or change the annotation"
+            f"with that axis (e.g. --mesh {axis}=2 among its axes, or {axis}=1 to keep the annotation and split nothing) or change the annotation"
         )
     hint = (
         f"the step names mesh axis {axis!r}, and the mesh has {axes}: give the mesh that axis (--mesh "
