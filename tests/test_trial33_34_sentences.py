@@ -56,3 +56,33 @@ def test_an_axis_of_size_one_splits_nothing_in_the_forward_hint():
     assert _forward_hint(Ctx) == "" and _forward_hint(Ctx, cleared=True) == ""
     Ctx.mesh_shape = {"data": 2, "model": 2}
     assert "(it counts 2 times; add it after the psum)" in _forward_hint(Ctx)
+
+
+def test_the_localized_finding_groups_by_placement_as_the_localization_does():
+    """Trial 34 (bfloat16, a pmean over 'model' where a psum was due): the localization's group said "every failing
+    leaf is replicated on every device; every leaf that is split over ('model',) matches" and the finding beside
+    it "the failing leaves (...) share no ndim, name or module that the matching ones lack". Given the leaves'
+    facts, the finding says the placement too; without them it says what it can."""
+    from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+    from shardcheck.parity.diagnosis.grouping import NO_PROPERTY, LeafFacts
+    from shardcheck.parity.diagnosis.rules import diagnose
+
+    shapes = {"embed.embedding": (8, 4), "ln.bias": (4,), "w1.kernel": (4, 8), "w1.bias": (8,)}
+    bad = {"embed.embedding", "ln.bias"}
+    ratio = {"embed.embedding": (0.3, 0.9), "ln.bias": (-0.2, 1.7)}
+    leaves = [LeafError(0, "loss", "loss", 0.0, 0.0, 1e-3, True, shape=())]
+    for p, shape in shapes.items():
+        lo, hi = ratio.get(p, (1.0, 1.0))
+        err = 0.1 if p in bad else 0.0
+        for kind in ("grad", "param"):
+            leaves.append(
+                LeafError(0, kind, p, err, err, 1e-3, p not in bad, (lo + hi) / 2, 1.0, (lo, hi), shape)
+            )
+    record = StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, tuple(leaves), 1, 1)
+    facts = {p: LeafFacts(shape=s, axes=() if p in bad else ("model",)) for p, s in shapes.items()}
+    plain = next(d.message for d in diagnose([record], 2, mesh_shape=SP_MESH) if d.code == "localized")
+    assert NO_PROPERTY in plain
+    placed = next(
+        d.message for d in diagnose([record], 2, mesh_shape=SP_MESH, facts=facts) if d.code == "localized"
+    )
+    assert NO_PROPERTY not in placed and "replicated on every device" in placed

@@ -1303,6 +1303,7 @@ def _diagnoses(
         s,
         mesh_shape=was.get("mesh") or None,
         micro_batches=now.get("micro_batches") or (s if was.get("run") == "accumulation" else None),
+        facts=dict(_facts(recording)),
     )
     findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
     draws = tuple(was.get("drawn") or ())

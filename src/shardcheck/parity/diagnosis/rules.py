@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -75,6 +75,7 @@ from shardcheck.parity.diagnosis.form import (
 )
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
+    LeafFacts,
     along,
     common_prefix,
     n_leaves,
@@ -493,6 +494,9 @@ class DiagnosisContext:
         applied_groups: where the gradients match and no one factor explains the update, the per-leaf factors
             of the optimizer's gradient grouped (:func:`~shardcheck.parity.diagnosis.topology.factor_groups`), when there
             are at least two groups and every factor is >= 1 (a per-shard clip norm); else ``()``.
+        facts: ``{parameter path: LeafFacts}`` (shape, dtype, the placement's mesh axes), where the caller knows
+            them: the ``localized`` rule's group reads them as the localization's does (trial 34: "every failing
+            leaf is replicated on every device" beside "share no ndim, name or module" in one report).
     """
 
     records: tuple[StepRecord, ...]
@@ -511,6 +515,7 @@ class DiagnosisContext:
     applied_factor: float | None = None
     applied_evidence: str = ""
     applied_groups: tuple[tuple[float, tuple[str, ...]], ...] = ()
+    facts: Mapping[str, LeafFacts] | None = None
 
     @classmethod
     def build(
@@ -1686,8 +1691,10 @@ def localized(ctx: DiagnosisContext) -> Finding:
         # optimizer state listed as the stage table lists it: "opt_state 0.mu.a"
         names = {e.path: e.name for e in of_kind if kind == "opt_state"}
         quiet = rounding_params((*ctx.first.rounding_level, *ctx.first.unresolved))
-        group = state_property({e.path: e.shape for e in bad}, good, params, names=names, quiet=quiet)
-        group = _as_localized(ctx.first, kind, group)
+        group = state_property(
+            {e.path: e.shape for e in bad}, good, params, ctx.facts, names=names, quiet=quiet
+        )
+        group = _as_localized(ctx.first, kind, group, ctx.facts)
         agree = ["the loss", *matched]
         verb_ = "matches" if len(agree) == 1 else "match"
         agree = words_and(agree)
@@ -1728,7 +1735,9 @@ def _started(record: StepRecord, kind: str) -> str:
     return started_sentence(started) if started else ""
 
 
-def _as_localized(record: StepRecord, kind: str, group: str) -> str:
+def _as_localized(
+    record: StepRecord, kind: str, group: str, facts: Mapping[str, LeafFacts] | None = None
+) -> str:
     """``group``, or where it names nothing (:data:`NO_PROPERTY`) the localization's group of the same failing
     step where that names a property (``"every failing leaf is under blocks.0.attn"``) and its stage holds this
     kind's leaves or their replicas: one report never says both."""
@@ -1736,7 +1745,7 @@ def _as_localized(record: StepRecord, kind: str, group: str) -> str:
 
     if NO_PROPERTY not in group:
         return group
-    found = localize([record])
+    found = localize([record], facts=facts)
     if (
         found is None
         or not found.group
@@ -2305,6 +2314,7 @@ def diagnose(
     reference_diverged_at: int | None = None,
     mesh_shape: dict[str, int] | None = None,
     micro_batches: int | None = None,
+    facts: Mapping[str, LeafFacts] | None = None,
 ) -> list[Diagnosis]:
     """Explain a comparison: the findings of :class:`ParityReport`, most important first.
 
@@ -2349,7 +2359,8 @@ def diagnose(
     - ``loss_only``: unexplained failure at step 0 while the loss matches (not parity, seed 001) and no
       gradient and no optimizer-state leaf does.
     - ``localized``: as ``loss_only``, but some gradient or optimizer-state leaves match: the first stage with
-      failing leaves (gradients, optimizer state, parameters) and what those leaves share.
+      failing leaves (gradients, optimizer state, parameters) and what those leaves share (with ``facts``,
+      ``{parameter path: LeafFacts}``, their dtype and placement too, as the localization reads them).
     - ``update_differs``: any other unexplained failure (not one reduced step).
     - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance at every
       step (passing reports only).
@@ -2361,6 +2372,8 @@ def diagnose(
     ctx = DiagnosisContext.build(
         records, num_shards, diverged, reference_diverged_at, mesh_shape, micro_batches
     )
+    if facts:  # the parameters' shape, dtype and placement: a group read as the localization reads it
+        ctx = dataclasses.replace(ctx, facts=dict(facts))
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
     if any(d.code == "non_finite" for d in found):  # no ratio, factor or form is read from a NaN
         found = [d for d in found if d.code not in NAN_BLIND]

@@ -750,6 +750,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     accepted)``); ``(None, None)`` for a check that could tell a factor-S error apart."""
     weak, weak_accepted = weak
     records, diverged, diverged_at, reference_diverged_at = outcome
+    facts = leaf_facts(run.cand_model, run.task)
     findings = diagnose(
         records,
         run.cand.num_shards,
@@ -757,9 +758,10 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         reference_diverged_at=reference_diverged_at,
         mesh_shape=None if mesh is None else {k: int(v) for k, v in mesh.shape.items()},
         micro_batches=run.cand.num_shards if run.cand.make_optimizer is not None else None,
+        facts=facts,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
-    localization = localize(records, facts=leaf_facts(run.cand_model, run.task))
+    localization = localize(records, facts=facts)
     first = next((r for r in records if not r.ok), None)
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
     if weak is not None:
