@@ -251,3 +251,27 @@ def test_the_draws_are_named_only_beside_a_finding_that_names_no_cause():
         "other numbers than the full batch's (the same key on every shard) differs here."
     )
     assert with_draws(generic, "gradients", ("rngs.augment",), None) == generic
+
+
+def test_a_loss_per_shard_of_a_model_that_draws_names_the_draws_per_shard():
+    """Trial 35: a VAE whose shard_map step drew its noise with the same key on every shard read only "a term of
+    the loss that couples the rows ... was computed per shard. Compute it over the whole batch: gather ...": the
+    per-shard loss of a model that draws is also the draws per shard, said with its fix; a model that draws nothing
+    keeps the row-coupling reading alone."""
+    from shardcheck.parity.diagnosis.draws import with_draws
+    from shardcheck.parity.diagnosis.evidence import Diagnosis
+
+    coupled = [
+        Diagnosis(
+            "per_shard_loss", "At step 0 a term of the loss that couples the rows was computed per shard."
+        )
+    ]
+    assert with_draws(coupled, "forward", (), None) == coupled
+    (said,) = with_draws(coupled, "forward", ("encoder.rngs.noise",), None)
+    assert said.message.startswith(
+        coupled[0].message + " But the model draws random numbers in its forward pass "
+    )
+    assert "where the loss couples no rows, the draws per shard are the cause" in said.message
+    assert said.message.endswith(
+        "draw by the global row index (jax.random.fold_in of each row's index, carried in the batch) or carry the noise in the batch."
+    )

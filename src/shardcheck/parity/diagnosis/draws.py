@@ -17,18 +17,22 @@ from collections.abc import Sequence
 from shardcheck.parity.diagnosis.evidence import Diagnosis, StepRecord
 
 
+def _lost(counts: Sequence[str]) -> str:
+    """The clause for stream counts left as they were (``counts``: their leaf names), else ``""``."""
+    if not counts:
+        return ""
+    return (
+        f"; one that leaves a stream's count as it was ({', '.join(counts)}) draws this step's numbers again at the "
+        "next"
+    )
+
+
 def draws_clause(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
     """The sentence naming the streams drawn (``("rngs.noise",)``) as a possible cause of a forward difference;
     ``counts``: the names of the stream count leaves that differ (``counter model.rngs.noise.count``)."""
-    lost = (
-        f"; one that leaves a stream's count as it was ({', '.join(counts)}) draws this step's numbers again at the "
-        "next"
-        if counts
-        else ""
-    )
     return (
         f"The model draws random numbers in its forward pass ({', '.join(draws)}): a step that draws other numbers "
-        f"than the full batch's (the same key on every shard) differs here{lost}."
+        f"than the full batch's (the same key on every shard) differs here{_lost(counts)}."
     )
 
 
@@ -50,6 +54,9 @@ def with_draws(
     ends = tuple(f"{s}.count" for s in draws)
     counts = [] if record is None else [e.name for e in record.leaves if not e.ok and e.path.endswith(ends)]
     first = findings[0]
+    if first.code == "per_shard_loss":  # the loss per shard: the draws per shard first, then a coupled term
+        message = f"{first.message} {per_shard_draws(draws, counts)}"
+        return [dataclasses.replace(first, message=message), *findings[1:]]
     if (
         not counts and first.code not in UNNAMED
     ):  # a cause is named (trial 19: a normalization, a x0.5469 scale)
@@ -58,3 +65,17 @@ def with_draws(
         dataclasses.replace(first, message=f"{first.message} {draws_clause(draws, counts)}"),
         *findings[1:],
     ]
+
+
+def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
+    """What a ``per_shard_loss`` finding adds where the model draws (``draws``): the loss computed over each
+    shard's rows is also what a forward pass run per shard gives when every shard draws with the same key, so a
+    loss that couples no rows is not told to gather (trial 35: a VAE whose shards drew the same noise read only
+    "a term of the loss that couples the rows ... was computed per shard")."""
+    return (
+        f"But the model draws random numbers in its forward pass ({', '.join(draws)}), and this per-shard loss was "
+        "computed as a forward pass run per shard computes it, every shard drawing from the same key: where the "
+        "loss couples no rows, the draws per shard are the cause (each shard's rows get other numbers than the "
+        "full batch's); draw by the global row index (jax.random.fold_in of each row's index, carried in the "
+        f"batch) or carry the noise in the batch{_lost(counts)}."
+    )
