@@ -36,7 +36,9 @@ DESCRIPTION = (
     "and leaf that left the recording's tolerance (derived as verify's; never bitwise across machines). Exit "
     "status: 0 when recorded, 2 on bad input, a step that raises, or a run that goes non-finite (a NaN or an "
     "infinity in the loss, a gradient, a parameter or the optimizer state: nothing is written, the step and "
-    "leaves are named; --steps N records the finite steps before it)."
+    "leaves are named; --steps N records the finite steps before it). A step whose loss and gradients alone are "
+    "not finite, its parameters left exactly as they were, is one its optimizer skipped (optax.apply_if_finite, "
+    "a loss-scale check): it is recorded, and a replay compares it by finiteness."
 )
 EPILOG = (
     "example: shardcheck record --task tiny-lm --mesh fsdp=4 --steps 3 --out run.npz, then "

@@ -316,7 +316,9 @@ class ParityReport:
         return out if self.replay is None else self.replay.report_dict(out)
 
     def _per_step(self) -> list[dict]:
-        """``to_dict``'s ``per_step``: each step's verdict, losses, tolerances and worst leaf."""
+        """``to_dict``'s ``per_step``: each step's verdict, losses, tolerances, worst leaf and whether the
+        reference's optimizer skipped it (``skipped``: its loss or gradients not finite, its parameters and state
+        finite; ``StepRecord.skipped``)."""
         return [
             {
                 "step": r.step,
@@ -328,6 +330,7 @@ class ParityReport:
                 "atol": r.atol,
                 "worst_leaf": max(r.leaves, key=lambda e: e.badness).name if r.leaves else None,
                 "max_abs_err": max(r.leaves, key=lambda e: e.badness).max_abs_err if r.leaves else 0.0,
+                "skipped": r.skipped,  # the reference's optimizer skipped the step (StepRecord.skipped)
             }
             for r in self.steps
         ]

@@ -82,6 +82,7 @@ from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
+from shardcheck.parity.diagnosis.skipped import with_skipped
 from shardcheck.parity.harness import true_gradients
 from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
 from shardcheck.parity.harness.setup import _check_tolerances
@@ -546,11 +547,12 @@ class _Pair(NamedTuple):
     full: (
         Recording  # the recording before leaves the replay lacks were left out: its gradients set allowances
     )
+    skipped: frozenset[int] = frozenset()  # the steps the recorded run's optimizer skipped (skipped_steps)
 
     @staticmethod
     def of(recording: Recording, replayed: Recording, pinned: bool, full: Recording) -> _Pair:
         columns = tuple({n: i for i, n in enumerate(r.names)} for r in (recording, replayed))
-        return _Pair(recording, replayed, pinned, columns, full)
+        return _Pair(recording, replayed, pinned, columns, full, frozenset(skipped_steps(full)))
 
     def gradient(self, t: int, name: str) -> _Leaf:
         """The gradient digest ``name`` at step t: the recording's, else (a step that returned none) the
@@ -750,6 +752,44 @@ def _rounding_allowance(bounds: _Bounds, name: str) -> float:
     return 0.0
 
 
+SKIPPED_KINDS = ("loss", "grad")
+"""The leaf kinds a step its optimizer skipped leaves not finite (an overflow's loss and gradients); the parameters
+stay as they were and the optimizer state finite (:func:`skipped_steps`)."""
+
+KEPT_KINDS = ("param", "opt_state")
+"""The leaf kinds whose digests stay finite at a skipped step."""
+
+
+def skipped_steps(recording: Recording, steps: int | None = None) -> tuple[int, ...]:
+    """The first ``steps`` recorded steps (default: all) that the recorded run's optimizer skipped
+    (``StepRecord.skipped``): a loss or gradient digest not finite (``max|x|`` NaN or infinite, exactly when an
+    element is) while every parameter's update size is 0 (the parameters exactly as they were) and every
+    parameter and optimizer-state digest after the step is finite (``optax.apply_if_finite`` or a loss-scale
+    check left them). Such a step is no divergence: a replay compares its loss and gradients by finiteness
+    (:func:`_by_finiteness`). A loss that overflows while the parameters move is a divergence."""
+    kinds = np.array([n.split(" ", 1)[0] for n in recording.names])
+    d = recording.steps
+    bad = d.present & ~np.isfinite(d.max)
+    lost = bad & np.isin(kinds, SKIPPED_KINDS)[None, :]
+    broken = bad & np.isin(kinds, KEPT_KINDS)[None, :]
+    moved = d.present & (kinds == "param")[None, :] & (d.update != 0)  # NaN moved too
+    n = recording.num_steps if steps is None else min(steps, recording.num_steps)
+    return tuple(t for t in range(n) if lost[t].any() and not broken[t].any() and not moved[t].any())
+
+
+def _by_finiteness(t: int, name: str, r: _Leaf, c: _Leaf) -> DigestError | None:
+    """A loss or gradient leaf of a skipped step (:func:`skipped_steps`) not finite in either run, compared by
+    finiteness alone (evidence ``"finite"``: both not finite matches, error 0; one run only fails, error inf);
+    ``None`` where both are finite (compared by value) or the leaf changed structurally."""
+    if _structural(t, name, r, c) is not None:
+        return None
+    sides = (math.isfinite(r.max), math.isfinite(c.max))
+    if all(sides):
+        return None
+    ok = sides[0] == sides[1]
+    return DigestError(t, name, "finite", r.max, c.max, 0.0 if ok else math.inf, 0.0, ok)
+
+
 def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
     """Every recorded leaf at point t (``-1``: the initial state, at step 0's tolerance)."""
     rtol, atol = bounds.derived(pair.recording.meta, t)
@@ -772,6 +812,11 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
         if not r.present:
             continue
         c = pair.leaf("replayed", t, name)
+        skips = t in pair.skipped and name.split(" ", 1)[0] in SKIPPED_KINDS
+        finite = _by_finiteness(t, name, r, c) if skips else None
+        if finite is not None:
+            out.append(finite)
+            continue
         base = bounds.base(name, r, t, rtol, atol) + (drift if name == "loss" else 0.0)
         base += bounds.compute_allowance(name, r, t) + _rounding_allowance(bounds, name)
         update_base = None
@@ -1129,6 +1174,18 @@ def _sample_ratio(
     return float(np.median(q)), (float(q[lo]), float(q[hi])), len(q)
 
 
+def _finite_record(pair: _Pair, e: DigestError) -> LeafError:
+    """The :class:`LeafError` of a skipped step's loss or gradient compared by finiteness (evidence
+    ``"finite"``: ``LeafError.finite``, the recording's and the replay's), else :func:`_leaf_record`'s."""
+    if e.evidence != "finite":
+        return _leaf_record(pair, e)
+    kind, _, path = e.name.partition(" ")
+    col = pair.columns[0].get(e.name)
+    shape = None if col is None else tuple(pair.recording.shapes[col])
+    sides = (math.isfinite(e.recorded), math.isfinite(e.replayed))
+    return LeafError(e.step, kind, path or "loss", e.err, e.err, 0.0, e.ok, shape=shape, finite=sides)
+
+
 def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
     """The harness's :class:`~shardcheck.parity.diagnosis.rules.LeafError` of one digest error (what a digest
     gives of each field: :func:`compare_run`'s docstring)."""
@@ -1238,7 +1295,7 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 atol=atol,
                 loss=_scalar(pair.leaf("recorded", t, "loss"), math.nan),
                 candidate_loss=_scalar(pair.leaf("replayed", t, "loss"), None),
-                leaves=tuple(_resolved_record(_leaf_record(pair, e), bounds) for e in at_t),
+                leaves=tuple(_resolved_record(_finite_record(pair, e), bounds) for e in at_t),
                 step_count=step_count,
                 candidate_step_count=candidate_count,
                 unresolved=bounds.unresolved.get(t, ()),
@@ -1248,6 +1305,7 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 normalized=_normalized_of(pair, bounds.unresolved.get(t, ())),
                 replayed=True,
                 identical_start=t > 0 and _identical_state(pair, t - 1),
+                skipped=t in pair.skipped,
             )
         )
     return tuple(out)
@@ -1311,6 +1369,7 @@ def _diagnoses(
         failing = next((r for r in values if not r.ok), None)
         where = localize(values) if failing is not None else None
         findings = with_draws(findings, where and where.stage, draws, failing)
+    findings = with_skipped(findings, values)  # a step the recorded run's optimizer skipped, said once
     if structural:  # the value records lack those leaves: a stage they fill would read as matching
         findings = [d for d in findings if d.code != "localized"]
     if first is None:

@@ -92,6 +92,10 @@ class LeafError:
         cand_zeros: a replay's: the candidate's leaf holds only zeros where the recording's holds a nonzero
             element (an accumulator emptied: ``optax.MultiSteps``' ``acc_grads`` after a step that applied its
             update); ``False`` elsewhere, and in a live record (its forms are fitted from the arrays).
+        finite: a ``loss`` or ``grad`` leaf of a skipped step (:attr:`StepRecord.skipped`), compared by finiteness
+            alone: ``(reference's, candidate's)``, each whether every element is finite. ``ok`` where they agree
+            (both not finite: ``max_abs_err`` 0; one side only: ``max_abs_err`` inf). ``None`` elsewhere (the leaf
+            compared by value).
     """
 
     step: int
@@ -113,6 +117,7 @@ class LeafError:
     zeros: bool = False
     counts: tuple[int, int] | None = None
     cand_zeros: bool = False
+    finite: tuple[bool, bool] | None = None
 
     @property
     def name(self) -> str:
@@ -216,6 +221,11 @@ class StepRecord:
             own gradients and pre-step state gave its update, within the optimizer's own rounding:
             ``shardcheck.parity.harness.optimizer_rerun.update_check``); ``False`` where it did not run (no
             gradients returned, an optimizer state not the task's by path, a replay's record) or failed.
+        skipped: the reference's loss or gradients are not finite at this step while its parameters are exactly as
+            they were before it and its optimizer state is finite: a step its optimizer skipped
+            (``optax.apply_if_finite``, a loss-scale check), no divergence (a loss that overflows while the
+            parameters move is one). Its loss and gradient leaves that are not finite on either side are compared by finiteness
+            (``LeafError.finite``); every other leaf as always.
     """
 
     step: int
@@ -246,6 +256,7 @@ class StepRecord:
     identical_start: bool = False
     update_checked: bool = False
     task_loss: float | None = None
+    skipped: bool = False
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:
@@ -288,8 +299,8 @@ class Diagnosis:
         code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``, ``per_shard_loss``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
             ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
-            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``weak_check`` or
-            ``rounding_level``.
+            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``weak_check``,
+            ``rounding_level`` or ``skipped_step``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).
     """

@@ -174,6 +174,8 @@ def _detail(e: LeafError) -> str:
         return f"{e.name}: in one run only"
     if e.cand_shape is not None:
         return f"{e.name}: shaped otherwise ({tuple(e.cand_shape)} against the reference's {tuple(e.shape or ())})"
+    if e.finite is not None:  # a skipped step's loss or gradient, compared by finiteness
+        return f"{e.name}: finite in the {'reference' if e.finite[0] else 'candidate'}'s run only"
     if not math.isfinite(e.max_abs_err):
         return f"{e.name}: not finite (max abs err {e.max_abs_err:.3g})"
     return f"{e.name}: max abs err {e.max_abs_err:.3g} > tolerance {e.tolerance:.3g}"
@@ -397,6 +399,8 @@ def _unreadable_form(bad: Sequence[LeafError]) -> Form | None:
         return shape_form(shaped)
     if absent:
         return shape_form({}, absent)
+    if blind and all(e.finite is not None for e in blind):  # a skipped step's, compared by finiteness
+        return Form("none", f"finite in one run only in {n_of(len(blind), len(bad))}: no form is read")
     if blind:
         return Form("none", f"not finite (NaN or infinity) in {n_of(len(blind), len(bad))}: no form is read")
     return None

@@ -699,6 +699,8 @@ def _detail(worst: LeafError, ratio: bool = True) -> str:
     (``LeafError.missing``), that."""
     if worst.missing:
         return f"{worst.name}: in one run only"
+    if worst.finite is not None:  # a skipped step's loss or gradient, compared by finiteness
+        return f"{worst.name}: finite in the {'reference' if worst.finite[0] else 'candidate'}'s run only"
     if worst.cand_shape is not None:
         return f"{worst.name}: shaped otherwise ({worst.cand_shape} against the reference's {worst.shape})"
     ratio = (

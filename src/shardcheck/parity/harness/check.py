@@ -75,6 +75,7 @@ from shardcheck.parity.diagnosis.scale_evidence import (
     scale_shown,
     unresolvable,
 )
+from shardcheck.parity.diagnosis.skipped import with_skipped
 from shardcheck.parity.diagnosis.topology import mismatch_axes
 from shardcheck.parity.harness.candidates import run_step, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
@@ -111,10 +112,59 @@ comparison; ``False`` compares every leaf in full (the tests check that both giv
 
 def _reference_finite(record: StepRecord, after: _After) -> bool:
     """The reference's loss (when it returned one) and its parameters and optimizer state after the step are finite
-    (checked on their devices)."""
-    if math.isinf(record.loss) or (math.isnan(record.loss) and any(e.kind == "loss" for e in record.leaves)):
+    (checked on their devices); a step its optimizer skipped (``StepRecord.skipped``: ``optax.apply_if_finite``, a
+    loss-scale check) is no divergence, its loss and gradients compared by finiteness."""
+    returned = any(e.kind == "loss" for e in record.leaves)
+    lost = math.isinf(record.loss) or (math.isnan(record.loss) and returned)
+    if lost and not record.skipped:
         return False
     return compare.all_finite([*after.ref_params.values(), *after.ref_state.values()])
+
+
+def _skipped_step(ref_loss, ref_grads, before: dict, after: _After) -> bool:
+    """Whether the reference's step is one its optimizer skipped (``StepRecord.skipped``): its loss (where it
+    returned one) or a gradient leaf not finite, while its parameters after the step are exactly ``before``'s
+    (its parameters before the step) and its optimizer state is finite (``optax.apply_if_finite`` left them, or
+    a loss-scale check did). A loss that overflows while the parameters move (a learning rate too high) is a
+    divergence, not a skipped step."""
+    grads = {} if ref_grads is None else flatten_state(ref_grads)
+    returned = {p: g for p, g in grads.items() if not is_int(g)}
+    if ref_loss is not None:
+        returned["loss"] = ref_loss
+    if compare.all_finite(list(returned.values())):
+        return False
+    return compare.equal(before, after.ref_params) and compare.all_finite(list(after.ref_state.values()))
+
+
+def _by_finiteness(t: int, loss_leaves: list, grad_leaves: list, ref_loss, cand_loss) -> tuple[list, list]:
+    """A skipped step's loss and gradient leaves (``StepRecord.skipped``): each leaf not finite on either side
+    compared by finiteness alone (``LeafError.finite``: both not finite matches; one side only fails, with
+    ``max_abs_err`` inf); a leaf finite on both sides by value as always, without an allowance that is not
+    finite (its sensitivity read from gradients that are not)."""
+    out_loss = []
+    for e in loss_leaves:  # the loss's error, decided already: both sides' values are floats
+        sides = tuple(math.isfinite(float(to_host(x))) for x in (ref_loss, cand_loss))
+        out_loss.append(e if all(sides) else _finiteness(t, "loss", "loss", sides, ()))
+    both = {f"{i} {side}": getattr(x, side) for i, x in enumerate(grad_leaves) for side in ("ref", "cand")}
+    tops = compare.max_abs(both)  # NaN or inf where the leaf holds one
+    out_grads = []
+    for i, x in enumerate(grad_leaves):
+        sides = (math.isfinite(tops[f"{i} ref"]), math.isfinite(tops[f"{i} cand"]))
+        if not all(sides):
+            out_grads.append(_finiteness(t, "grad", x.path, sides, tuple(x.ref.shape)))
+        elif x.allowance is not None and not compare.all_finite([x.allowance]):
+            out_grads.append(x._replace(allowance=None))
+        else:
+            out_grads.append(x)
+    return out_loss, out_grads
+
+
+def _finiteness(t: int, kind: str, path: str, sides: tuple[bool, bool], shape: tuple) -> LeafError:
+    """The :class:`LeafError` of a leaf compared by finiteness (``sides``: the reference's and the candidate's,
+    whether every element is finite): ``ok`` where both are not finite (error 0), else a FAIL of error inf."""
+    ok = sides[0] == sides[1]
+    err = 0.0 if ok else math.inf
+    return LeafError(t, kind, path, err, err, 0.0, ok, shape=shape, finite=(bool(sides[0]), bool(sides[1])))
 
 
 def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
@@ -283,13 +333,14 @@ def _compare_step(
     cand_loss, cand_grads = _step_candidate(run, t, batch)
     after = _After.of(run)
     _measure(run, after)
+    skipped = _skipped_step(ref_loss, ref_grads, snapshots[0], after)  # no factor of a NaN gradient shows
     stepped = (ref_loss, ref_grads, cand_loss, cand_grads, bounds)
     completed = t + 1 if completed is None else completed
-    args = (run, t, rtol, atol, batch, stepped, snapshots, after, completed)
-    compared = _against_the_bound_first(args, bounds, exact=t == 0 or check_scale)
+    args = (run, t, rtol, atol, batch, stepped, snapshots, after, completed, skipped)
+    compared = _against_the_bound_first(args, bounds, exact=t == 0 or check_scale or skipped)
     leaves, ref_loss_f, cand_loss_f, compared_grads, mismatches, unresolved, ref_count, rounding = compared
     evidence, blind = None, False
-    if check_scale:
+    if check_scale and not skipped:
         evidence, blind = _scale_evidence(run, pre, batch, rtol, atol, bounds, after, compared_grads, leaves)
     _measure(run)  # after the comparison (what it returned; what it held inside its calls is gone)
     record = StepRecord(
@@ -309,6 +360,7 @@ def _compare_step(
         scale_hidden=evidence is not None and not all(evidence),
         scale_evidence=evidence,
         scale_blind=blind,
+        skipped=skipped,
     )
     if not record.ok:
         record = _with_gradient_replicas(record, cand_grads)
@@ -368,13 +420,16 @@ def _against_the_bound_first(args: tuple, bounds, exact: bool):
     return compared
 
 
-def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: _After, completed, lower):
+def _compare_leaves(
+    run: _Run, t, rtol, atol, batch, stepped, snapshots, after: _After, completed, skipped: bool, lower: bool
+):
     """Every leaf of a stepped pair compared, ``(leaves, reference loss, candidate loss, compared reference
     gradients, replica mismatches, unresolved leaves, the reference's step count, the leaves at rounding level)``;
     each float leaf through the first pass and, where it cannot clear it, the full comparison (:func:`_two_pass`).
 
     ``stepped``: ``(reference loss, reference grads, candidate loss, candidate grads, bounds)``; ``snapshots``:
-    :func:`_snapshots` before the step; ``completed``: the candidate's full steps (``extra_checks``).
+    :func:`_snapshots` before the step; ``completed``: the candidate's full steps (``extra_checks``); ``skipped``:
+    a step the reference's optimizer skipped, its loss and gradients compared by finiteness (:func:`_by_finiteness`).
 
     Raises:
         Undecided: against the lower bound of the allowances (``lower``), a step it does not clear whole.
@@ -383,6 +438,8 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     ref_params0, cand_params0, ref_opt0, cand_opt0 = snapshots
     leaves, ref_loss_f, cand_loss_f = _loss_leaves(run, t, batch, ref_loss, cand_loss, bounds, rtol, atol)
     grad_leaves, compared_grads = _grad_inputs(run, t, ref_grads, cand_grads, bounds, rtol, atol)
+    if skipped:
+        leaves, grad_leaves = _by_finiteness(t, leaves, grad_leaves, ref_loss, cand_loss)
     leaves += grad_leaves
     params, mismatches, unresolved, rounding = _compare_params(
         run, t, ref_params0, cand_params0, rtol, atol, bounds, after, lower
@@ -405,7 +462,7 @@ def _compare_leaves(run: _Run, t, rtol, atol, batch, stepped, snapshots, after: 
     leaves += rng_count_leaves(t, run.ref_model, run.cand_model, run.draws)  # the streams drawn from
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]
-    full = t == 0 or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
+    full = t == 0 or skipped or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
     if lower and full:
         raise Undecided
     inputs = [e for e in leaves if isinstance(e, LeafInput)]
@@ -522,6 +579,7 @@ def _loss_leaves(
     drift = 0.0
     if bounds is not None:
         drift = compare.abs_dot(bounds.grads, {p: a for p, a in run.allowance.items() if p in bounds.grads})
+        drift = drift if math.isfinite(drift) else 0.0  # gradients not finite: a skipped step
     measured = () if bounds is None else tuple(float(to_host(r)) for r in bounds.loss_realizations)
     drift += loss_compute_allowance(run.precision, ref_loss_f, run.task.terms(batch), measured)
     r_tol, a_tol = run.tol("loss", "loss", rtol, atol)
@@ -764,6 +822,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     localization = localize(records, facts=facts)
     first = next((r for r in records if not r.ok), None)
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
+    findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once
     if weak is not None:
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]
     return ParityReport(

@@ -5,7 +5,10 @@ no reference from there: a live check whose reference goes non-finite stops comp
 (``reference_diverged``), and a replay against the recording does the same (:func:`diverged_report`):
 the steps before ``t`` are compared, the later ones are not, and the report says whether the replay went
 non-finite there too (bitwise identical to the recording, or not). ``shardcheck record`` refuses to write such a
-recording (:func:`refusal`).
+recording (:func:`refusal`). A step whose loss or gradients alone are not finite, its parameters exactly as they
+were and its optimizer state finite, is one the recorded run's optimizer skipped (``optax.apply_if_finite``, a loss-scale check): it is
+recorded, and a replay compares it by finiteness
+(:func:`~shardcheck.parity.comparison.digest.skipped_steps`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from shardcheck.parity.comparison.digest import QUIET
+from shardcheck.parity.comparison.digest import QUIET, skipped_steps
 from shardcheck.parity.diagnosis.evidence import Diagnosis
 from shardcheck.parity.harness.recorded import Digests, Recording
 
@@ -55,13 +58,17 @@ class NonFinite:
 def first_non_finite(recording: Recording, steps: int | None = None) -> NonFinite | None:
     """The first of the first ``steps`` recorded steps (default: all) where a leaf of :data:`CHECKED` kind that
     the step digested has a NaN or infinite ``max|x|`` (exact: non-finite exactly when an element is), or
-    ``None`` where every one is finite."""
+    ``None`` where every one is finite. A step the recorded run's optimizer skipped (its loss or gradients not
+    finite, every parameter and optimizer-state leaf finite: ``optax.apply_if_finite``;
+    :func:`~shardcheck.parity.comparison.digest.skipped_steps`) is no divergence: it is recorded, and a replay
+    compares its loss and gradients by finiteness."""
     kinds = np.array([n.split(" ", 1)[0] in CHECKED for n in recording.names], dtype=bool)
     d = recording.steps
     bad = d.present & kinds[None, :] & ~np.isfinite(d.max)
     n = recording.num_steps if steps is None else min(steps, recording.num_steps)
+    skipped = set(skipped_steps(recording, n))
     for t in range(n):
-        if bad[t].any():
+        if bad[t].any() and t not in skipped:
             return NonFinite(t, tuple(name for name, b in zip(recording.names, bad[t], strict=True) if b))
     return None
 

@@ -202,7 +202,9 @@ class Recording:
                 that is not a recording (never overwritten); a run that went non-finite (a NaN or an infinity in
                 its loss, gradients, parameters or optimizer state at some step: no reference from there, as
                 ``shardcheck record`` refuses it; :func:`~shardcheck.parity.harness.non_finite.refusal` names the
-                step and leaves, and ``record_run(..., steps=t)`` keeps the finite steps before it).
+                step and leaves, and ``record_run(..., steps=t)`` keeps the finite steps before it). A step whose
+                loss and gradients alone are not finite, its parameters exactly as they were, is one its optimizer
+                skipped (``optax.apply_if_finite``), and is saved.
             OSError: the file cannot be written (no permission, a missing folder's parent a file).
         """
         from shardcheck._io import write_atomic
