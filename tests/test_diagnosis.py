@@ -292,6 +292,15 @@ def test_update_differs():
     )
     assert "though the applied parameters match at this step (2 leaves)" in hidden
     assert "The update differs" not in hidden
+    # a replay's parameters match only as far as their digests show (trial 35: live, 3 of 10 differed)
+    import dataclasses
+
+    replayed = dataclasses.replace(_record(bad=("loss", "grad w", "opt_state 0.mu.w")), replayed=True)
+    said = _one(diagnose([replayed]), "update_differs").message
+    assert (
+        "though the applied parameters match at this step as far as the recorded digests show (2 leaves"
+        in said
+    )
 
 
 def test_weak_check():
