@@ -169,3 +169,29 @@ def test_a_skipped_step_is_recorded_and_replayed_by_finiteness(task, tmp_path):
     assert any(not e.ok for e in _by_kind(first, "param"))
     note = next(d for d in failed.diagnoses if d.code == "skipped_step").message
     assert "it applied an update where the recorded run skipped one" in note
+
+
+@nnx.jit
+def _applies_nan(model, optimizer, batch):
+    """A faulty step: its optimizer skips the overflow step as the reference's does, but the step then writes the
+    non-finite gradients into the parameters itself (only where they are not finite)."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: jnp.where(finite, p, p - g), params, grads))
+    return {"loss": loss, "grads": grads}
+
+
+@require_devices(S)
+def test_a_candidate_that_goes_non_finite_at_a_skipped_step_is_told_to_skip_it(task):
+    """The helper's note: such a candidate read "the reference's nan ... The candidate's step computes a NaN or an
+    infinity the reference's step does not", false where the reference computed one too and skipped the step."""
+    report = check_parity(_applies_nan, task, num_shards=S)
+    assert report.verdict == "FAIL" and report.steps[0].ok and report.steps[SKIPPED].skipped
+    said = next(d for d in report.diagnoses if d.code == "non_finite").message
+    assert said.startswith(
+        "At step 1 the reference's loss and gradients are not finite too, and its optimizer skipped the step"
+    )
+    assert "Skip the update where the gradients are not finite, as the reference does" in said
+    assert "the reference's step does not" not in said

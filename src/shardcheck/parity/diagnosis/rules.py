@@ -777,6 +777,15 @@ def non_finite(ctx: DiagnosisContext) -> Finding:
     earliest = min(order.get(e.kind, 5) for e in bad)
     first = sorted(e.name for e in bad if order.get(e.kind, 5) == earliest)
     shown = ", ".join(first[:4]) + (f" and {len(first) - 4} more" if len(first) > 4 else "")
+    if ctx.first.skipped:  # the reference's loss is not finite too: its optimizer skipped the step
+        return Diagnosis(
+            "non_finite",
+            f"At step {t} the reference's loss and gradients are not finite too, and its optimizer skipped the step "
+            f"(its parameters as they were); the candidate's step applied them: NaN or infinity, first in {shown} "
+            f"({len(bad)} leaves in all). Skip the update where the gradients are not finite, as the reference "
+            "does (optax.apply_if_finite around the optimizer, or the loss-scale check of its step).",
+            bad[0].name,
+        )
     return Diagnosis(
         "non_finite",
         f"{head}: NaN or infinity, first in {shown} ({len(bad)} leaves in all). The candidate's step computes a "
