@@ -275,3 +275,34 @@ def test_a_loss_per_shard_of_a_model_that_draws_names_the_draws_per_shard():
     assert said.message.endswith(
         "draw by the global row index (jax.random.fold_in of each row's index, carried in the batch) or carry the noise in the batch."
     )
+
+
+def test_refusals_of_a_drawing_model_group_by_reason_and_give_their_fix_once():
+    """Trial 35: verify's note repeated one ~600-character refusal per built-in (simulation, dp, fsdp,
+    accumulation), each naming itself; dp's and fsdp's are one reason, and the fix every one gives is said once."""
+    from shardcheck.cli.verify import ErrorRow, _refusal_reason, _refusals_message
+
+    fix = "Check it with a GSPMD step (strategy gspmd), or keys folded per global row index"
+    how = {
+        "simulation": "once per shard",
+        "dp": "per device in jax.shard_map",
+        "fsdp": "per device in jax.shard_map",
+        "accumulation": "once per micro-batch",
+    }
+    rows = {}
+    for name, runs in how.items():
+        whole = f"{name}: cannot run this model: it draws, and {name} runs the forward pass {runs}, which {name} cannot see. {fix}"
+        rows[name] = ErrorRow(
+            name, whole, "ValueError", _refusal_reason(name, whole), None, True, True, "draws"
+        )
+    rows["gspmd"] = object()  # a row that ran
+    said = _refusals_message(rows)
+    assert said.count("refused this task") == 3 and said.count(fix[6:]) == 1
+    assert (
+        "the built-in strategies 'dp' and 'fsdp' refused this task: cannot run this model: it draws, and it runs"
+        in said
+    )
+    assert "which it cannot see. For all of them: check it with a GSPMD step" in said
+    assert "dp runs" not in said and "which simulation cannot see" not in said
+    one = _refusals_message({"dp": rows["dp"], "gspmd": object()})  # one refusal: its fix in its place
+    assert one.count(fix) == 1 and "For all of them" not in one

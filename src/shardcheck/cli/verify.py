@@ -477,7 +477,21 @@ def _refusal_reason(label: str, whole: str) -> str:
     import re
 
     text = whole.removeprefix(f"{label}: ")
-    return re.sub(rf" \(\w+, strategy {re.escape(repr(label))}\)$", "", text)
+    text = re.sub(rf" \(\w+, strategy {re.escape(repr(label))}\)$", "", text)
+    # "and dp runs the forward pass per device", "which dp cannot see": one reason for dp and fsdp (trial 35)
+    return re.sub(rf"(?<![\w'-]){re.escape(label)}(?![\w'-])", "it", text)
+
+
+def _shared_advice(reasons: list[str]) -> str:
+    """The longest last sentences every one of several ``reasons`` ends with (the fix they all give: "Check it
+    with a GSPMD step ..."), ``""`` where they share none or there is one reason."""
+    if len(reasons) < 2:
+        return ""
+    first = reasons[0]
+    for i in range(len(first)):  # the earliest sentence start gives the longest shared tail
+        if first.startswith(". ", i) and all(r.endswith(first[i:]) for r in reasons[1:]):
+            return first[i + 2 :]
+    return ""
 
 
 def _refusals_message(reports) -> str:
@@ -491,9 +505,13 @@ def _refusals_message(reports) -> str:
         if isinstance(r, ErrorRow) and r.refused:
             groups.setdefault(r.reason, []).append(r.strategy)
     parts = []
+    advice = _shared_advice(list(groups))
     for reason, names in groups.items():
         which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {words_and(map(repr, names))}"
-        parts.append(f"the built-in {which} refused this task: {reason}")
+        said = reason.removesuffix(f". {advice}") if advice else reason
+        parts.append(f"the built-in {which} refused this task: {said}")
+    if advice:  # the fix every refusal gives, said once after them
+        parts[-1] += f". For all of them: {advice[:1].lower()}{advice[1:]}"
     one = sum(map(len, groups.values())) == 1
     others = [
         k for k, r in reports.items() if k != "candidate" and not (isinstance(r, ErrorRow) and r.refused)
