@@ -127,6 +127,11 @@ class StageResult:
         parameters and optimizer state counts each (``"3 of 22 parameters and 0 of 50 optimizer-state
         leaves"``)."""
         noun = self.noun
+        if (
+            self.stage == "forward" and self.compared > 1
+        ):  # the loss and what the forward pass writes (trial 35:
+            # an RNG count failing in the table read beside "the forward pass (loss)" and "the counters: matches")
+            noun = "the forward pass (loss, and the model's state and RNG counts it writes)"
         if self.status == NOT_OBSERVED:
             return f"{noun}: not observed{f' ({self.note})' if self.note else ''}"
         if self.stage == "replicas":
