@@ -86,3 +86,31 @@ def test_the_localized_finding_groups_by_placement_as_the_localization_does():
         d.message for d in diagnose([record], 2, mesh_shape=SP_MESH, facts=facts) if d.code == "localized"
     )
     assert NO_PROPERTY not in placed and "replicated on every device" in placed
+
+
+def test_the_summary_names_an_update_check_that_failed_before_any_leaf():
+    """Trial 33: a norm scale decayed by the candidate's optimizer failed its update check at step 0 and its
+    parameter at step 1; the summary named step 1's parameter beside a localization at step 0. The first failure
+    is the summary's leaf, whichever kind; where a leaf fails first, that leaf."""
+    from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+    from shardcheck.parity.report import ParityReport
+
+    def leaf(step, kind, ok, err):
+        return LeafError(step, kind, "norm.scale", err, err, 1e-3, ok, shape=(4,))
+
+    step0 = StepRecord(
+        0,
+        1e-5,
+        1e-7,
+        1.0,
+        1.0,
+        (leaf(0, "param", True, 0.0),),
+        1,
+        1,
+        optimizer_rerun=(leaf(0, "param", False, 0.01),),
+    )
+    step1 = StepRecord(1, 1e-5, 1e-7, 1.0, 1.0, (leaf(1, "param", False, 0.02),), 2, 2)
+    report = ParityReport("candidate", False, (step0, step1), ())
+    assert (report.first_worst.kind, report.first_worst.step) == ("update", 0)
+    late = StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (leaf(0, "param", False, 0.03),), 1, 1)
+    assert ParityReport("candidate", False, (late, step1), ()).first_worst == late.leaves[0]

@@ -169,14 +169,17 @@ class ParityReport:
 
     @property
     def first_worst(self) -> LeafError | None:
-        """The worst failing leaf of the first failing step (where the localization points), or :attr:`worst`
-        where no compared leaf fails: the summary's leaf (trial 27: the worst over all steps, a leaf the fault
+        """The worst failing leaf of the first failing step (where the localization points; the update check's
+        leaf, :attr:`update_failure`, where that step failed it alone), or :attr:`worst` where nothing fails: the
+        summary's leaf (trial 27: the worst over all steps, a leaf the fault
         reached at step 2, sat beside a localization that said that leaf matched at step 0)."""
-        if self.update_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves):
-            return self.update_failure
-        bad = next(
-            ([e for e in r.leaves if not e.ok] for r in self.steps if any(not e.ok for e in r.leaves)), []
-        )
+        update = self.update_failure
+        first = next((r for r in self.steps if any(not e.ok for e in r.leaves)), None)
+        # an update check that failed at an earlier step than any leaf is the first failure (trial 33: a decayed
+        # norm scale's update failed at step 0, its parameter at step 1, and the summary named step 1's)
+        if update is not None and (first is None or update.step < first.step):
+            return update
+        bad = [] if first is None else [e for e in first.leaves if not e.ok]
         return max(bad, key=lambda leaf: leaf.badness) if bad else self.worst
 
     @property
