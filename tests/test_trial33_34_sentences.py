@@ -114,3 +114,21 @@ def test_the_summary_names_an_update_check_that_failed_before_any_leaf():
     assert (report.first_worst.kind, report.first_worst.step) == ("update", 0)
     late = StepRecord(0, 1e-5, 1e-7, 1.0, 1.0, (leaf(0, "param", False, 0.03),), 1, 1)
     assert ParityReport("candidate", False, (late, step1), ()).first_worst == late.leaves[0]
+
+
+def test_a_refusal_probed_in_float32_says_its_losses_are_float32s():
+    """Trial 33: a bfloat16 model's refusal said "on the first batch the full-batch loss is 1.928493", the float32
+    probe's loss (the bfloat16 model's is 1.927934); a float32 model's refusal is unchanged."""
+    import pytest
+
+    from shardcheck.parity.harness.row_coupling import Coupling, RowCouplingError, check_rows_separable
+
+    coupling = Coupling(1.928493, 0.9012, None, 0.0, 0.0)
+    with pytest.raises(
+        RowCouplingError, match=r"the full-batch loss \(computed in float32, where the model's low"
+    ):
+        check_rows_separable("check_parity", "dp", coupling, 4, in_float32=True)
+    with pytest.raises(
+        RowCouplingError, match=r"on the first batch the full-batch loss is 1\.928493, and its 4"
+    ):
+        check_rows_separable("check_parity", "dp", coupling, 4)

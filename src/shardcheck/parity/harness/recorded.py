@@ -414,8 +414,10 @@ def _start(fn, task, candidate, steps, num_shards, mesh, name):
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
     # probed in float32 compute, as a live check probes it (setup._rows_coupled)
-    probe = float32_model(model, float32_compute(*nnx.split(model, nnx.Param, ...)))
-    _check_rows(fn, candidate, cand, probe, task, data[0], 0.0)
+    graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...))
+    _check_rows(
+        fn, candidate, cand, float32_model(model, graphdef32), task, data[0], 0.0, graphdef32 is not None
+    )
     if cand.make_optimizer is not None:
         optimizer = cand.make_optimizer(model, optimizer)
     return model, optimizer, data, cand, mesh, tuple(drawn)

@@ -190,9 +190,12 @@ def coupled_rows(
     return Coupling(full, combined, *(leaf if leaf else (None, 0.0, 0.0)))
 
 
-def check_rows_separable(fn: str, strategy: str, coupling: Coupling | None, num_shards: int) -> None:
+def check_rows_separable(
+    fn: str, strategy: str, coupling: Coupling | None, num_shards: int, in_float32: bool = False
+) -> None:
     """Refuse ``strategy`` (a built-in that computes the loss per shard) where :func:`coupled_rows` found the
-    task's loss coupling the rows of a batch (``None``: nothing to refuse).
+    task's loss coupling the rows of a batch (``None``: nothing to refuse). ``in_float32``: the coupling was
+    measured on the float32 probe of a model that computes in a lower precision (the message says so).
 
     Raises:
         RowCouplingError: (a ValueError) named by the strategy (a limitation of the strategy on this task, not bad
@@ -200,13 +203,20 @@ def check_rows_separable(fn: str, strategy: str, coupling: Coupling | None, num_
     """
     if coupling is None:
         return
+    # the probe of a model that computes in a lower precision runs it in float32 (trial 33: a bfloat16 model's
+    # refusal quoted the float32 loss as "the full-batch loss")
+    computed = (
+        " (computed in float32, where the model's low-precision rounding would hide a coupling)"
+        if in_float32
+        else ""
+    )
     grad = (
         ""
         if coupling.leaf is None
         else f" (and the gradient of {coupling.leaf} by {coupling.err:.3g}, beyond its tolerance {coupling.tol:.3g})"
     )
     raise RowCouplingError(
-        f"{strategy}: cannot compute this task's loss: on the first batch the full-batch loss is "
+        f"{strategy}: cannot compute this task's loss: on the first batch the full-batch loss{computed} is "
         f"{coupling.full:.7g}, and its {num_shards} shards' losses combined (each shard's loss over its own rows, "
         f"sum_s loss_sum_s / sum_s weight_s) give {coupling.combined:.7g}{grad}: the loss couples the rows of a "
         "batch (a contrastive loss that scores each row against the whole batch, an auxiliary loss over the whole "

@@ -240,7 +240,7 @@ def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch) -
     """
     probe = float32_model(model, graphdef32)
     for strategy, side in zip(strategies, built, strict=True):
-        _check_rows(fn, strategy, side, probe, task, batch, 0.0)
+        _check_rows(fn, strategy, side, probe, task, batch, 0.0, in_float32=graphdef32 is not None)
     if graphdef32 is None:  # float32 compute: the tolerance splits no loss, nothing more to probe
         return False
     noise_s = _noise_shards(built[0].num_shards, batch)
@@ -249,16 +249,26 @@ def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch) -
     )
 
 
-def _check_rows(fn, strategy, built: Candidate | None, model, task: Task, batch, compute_eps: float) -> None:
+def _check_rows(
+    fn,
+    strategy,
+    built: Candidate | None,
+    model,
+    task: Task,
+    batch,
+    compute_eps: float,
+    in_float32: bool = False,
+) -> None:
     """A named strategy that computes the loss per shard, refused where the task's loss couples the rows of a
     batch (:mod:`~shardcheck.parity.harness.row_coupling`: a contrastive loss); nothing for a user's step, the
-    full-batch strategies or one shard."""
+    full-batch strategies or one shard. ``in_float32``: ``model`` is the float32 probe of a model that computes
+    in a lower precision (the refusal says its losses are float32's)."""
     if not isinstance(strategy, str) or strategy in FULL_BATCH_FORWARD or built is None:
         return
     s = built.num_shards
     if s and s > 1:
         coupled = coupled_rows(task.loss_fn, model, batch, s, compute_eps, task.terms(batch))
-        check_rows_separable(fn, strategy, coupled, s)
+        check_rows_separable(fn, strategy, coupled, s, in_float32)
 
 
 def _batch_stats_clause(model) -> str:
