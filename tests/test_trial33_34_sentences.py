@@ -132,3 +132,20 @@ def test_a_refusal_probed_in_float32_says_its_losses_are_float32s():
         RowCouplingError, match=r"on the first batch the full-batch loss is 1\.928493, and its 4"
     ):
         check_rows_separable("check_parity", "dp", coupling, 4)
+
+
+def test_a_compute_dtype_flag_left_off_a_replay_of_a_model_that_computes_alike_is_no_other_run():
+    """Trial 33: a bfloat16 model recorded with --compute-dtype bfloat16 and replayed without it read "it is another
+    run, compared as if it were the same" beside "recorded bfloat16, replayed bfloat16"; where the runs computed in
+    different dtypes the flag's change stays another run."""
+    from shardcheck.parity.comparison.digest import SAME_ARITHMETIC, _settings_differ
+
+    was = {"settings": {"compute_dtype": "bfloat16", "lr": 0.01}, "compute_dtype": "bfloat16"}
+    same = _settings_differ(
+        was, {"settings": {"compute_dtype": None, "lr": 0.01}, "compute_dtype": "bfloat16"}
+    )
+    assert same == [f"compute_dtype 'bfloat16' -> default (the model computes in bfloat16 {SAME_ARITHMETIC}"]
+    other = _settings_differ(
+        was, {"settings": {"compute_dtype": None, "lr": 0.02}, "compute_dtype": "float32"}
+    )
+    assert other == ["compute_dtype 'bfloat16' -> default", "lr 0.01 -> 0.02"]

@@ -1385,7 +1385,7 @@ def _diagnoses(
         values = any(not e.ok and e.evidence not in STRUCTURAL and e.step == first.step for e in leaves)
         ahead = not values or any(e.evidence != "sharding" for e in at_t)
         findings = [found, *findings] if ahead else [*findings, found]
-    differ = settings_diff(was.get("settings"), now.get("settings"), skip=("candidate",))
+    differ = [d for d in _settings_differ(was, now) if not d.endswith(SAME_ARITHMETIC)]
     if differ:
         findings.append(
             Diagnosis(
@@ -1532,13 +1532,31 @@ def _notes(recording: Recording, replayed: Recording, steps: int, same: bool, re
             f"Compared the {steps} recorded step(s); the replay's {replayed.num_steps - steps} later ones "
             "have nothing to compare with."
         )
-    differ = settings_diff(was.get("settings"), now.get("settings"), skip=("candidate",))
+    differ = _settings_differ(was, now)
     if differ:
         notes.append(f"The settings differ from the recording's: {', '.join(differ)}.")
     for key in ("versions", "platform"):
         if was.get(key) != now.get(key):
             notes.append(f"Recorded with {key} {_short(was.get(key))}; this run: {_short(now.get(key))}.")
     return notes
+
+
+SAME_ARITHMETIC = "in both runs: the same arithmetic)"
+
+
+def _settings_differ(was: Mapping, now: Mapping) -> list[str]:
+    """The settings the recording and the replay give differently (``settings_diff``), a ``compute_dtype`` flag
+    whose runs both computed in one dtype (each meta's ``compute_dtype``, the model's own) said so, ending with
+    :data:`SAME_ARITHMETIC` (trial 33: a bfloat16 model recorded with ``--compute-dtype bfloat16`` and replayed
+    without it read "another run, compared as if it were the same" beside "recorded bfloat16, replayed
+    bfloat16")."""
+    computed = (was.get("compute_dtype") or "float32", now.get("compute_dtype") or "float32")
+    out = []
+    for d in settings_diff(was.get("settings"), now.get("settings"), skip=("candidate",)):
+        if d.startswith("compute_dtype ") and computed[0] == computed[1]:
+            d = f"{d} (the model computes in {computed[0]} {SAME_ARITHMETIC}"
+        out.append(d)
+    return out
 
 
 REPLICAS_UNSEEN = "the replicas' agreement was not compared"
