@@ -2,6 +2,8 @@
 ``jax.shard_map`` on data=2 x model=2): sentences that were false for a step that splits its tokens over 'model',
 or that named an axis of size 1 as splitting the model. Each checked on both sides, without JAX."""
 
+from conftest import require_devices
+
 from shardcheck.parity.diagnosis.rules import _close, _forward_hint, _name_factor
 from shardcheck.parity.diagnosis.topology import model_axis_factor, replicated_reduced_message
 
@@ -149,3 +151,22 @@ def test_a_compute_dtype_flag_left_off_a_replay_of_a_model_that_computes_alike_i
         was, {"settings": {"compute_dtype": None, "lr": 0.02}, "compute_dtype": "float32"}
     )
     assert other == ["compute_dtype 'bfloat16' -> default", "lr 0.01 -> 0.02"]
+
+
+@require_devices(4)
+def test_a_shard_count_that_splits_over_no_mesh_axis_is_refused_before_any_step():
+    """Trial 33 (and 32): num_shards=3 on a data=4 mesh was accepted silently, and the diagnosis read its factors
+    as 3's. S must be a multiple of some axes' sizes together (the batch shards, times any micro-batches)."""
+    import pytest
+
+    from shardcheck import check_parity, make_mesh
+    from shardcheck.parity.harness.setup import check_options
+
+    mesh = make_mesh({"data": 2, "model": 2})
+    with pytest.raises(
+        ValueError, match=r"check_parity: num_shards=3 splits the batch over none of the mesh"
+    ):
+        check_parity("dp", None, mesh=mesh, num_shards=3)
+    options = {"rtol": None, "atol": None, "accept_weak": False, "mesh": mesh}
+    for ok in (2, 4, 6, 8):  # the batch shards, every device, and micro-batches on top
+        assert check_options("check_parity", **options, num_shards=ok) == ok

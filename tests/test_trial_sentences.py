@@ -65,6 +65,7 @@ def test_optimizer_state_that_differs_beside_matching_gradients_is_not_said_to_h
         records = (first,)
         unexplained = True
         drifted = False
+        facts = None
 
     found = localized(Ctx)
     assert found is not None

@@ -364,7 +364,9 @@ def _compare_step(
     )
     if not record.ok:
         record = _with_gradient_replicas(record, cand_grads)
-        record = dataclasses.replace(record, replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads))
+        record = dataclasses.replace(
+            record, replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads)
+        )
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol, cand_grads)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
@@ -644,7 +646,9 @@ def _with_gradient_replicas(record: StepRecord, cand_grads) -> StepRecord:
         return record
     differ = replica_mismatches(flatten_state(cand_grads))
     added = tuple(f"grad {p}" for p in sorted(differ) if f"grad {p}" not in record.replica_mismatches)
-    return dataclasses.replace(record, replica_mismatches=record.replica_mismatches + added) if added else record
+    return (
+        dataclasses.replace(record, replica_mismatches=record.replica_mismatches + added) if added else record
+    )
 
 
 def _replica_axes(after: _After, mismatched: tuple[str, ...], cand_grads=None) -> tuple[str, ...]:
@@ -748,7 +752,8 @@ def check_parity(
             ``reference`` strategy that does not run on a mesh, or one without ``mesh``/``num_shards``; negative
             ``rtol``/``atol``; ``matmul_precision`` not one of ``None``, ``"float32"``, ``"tf32"``,
             ``"bfloat16"``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
-            that is not a pair of numbers >= 0, or a callable that raises. All checked before any step runs.
+            that is not a pair of numbers >= 0, or a callable that raises; ``num_shards`` > 1 that no product of
+            the mesh's axis sizes divides (3 on ``data=4``). All checked before any step runs.
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``), or returned
             gradients whose leaves are not the model's parameters' (naming the missing and extra leaf paths).
     """

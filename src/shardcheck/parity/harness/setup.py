@@ -7,6 +7,7 @@ of the Task, :func:`shardcheck.task.check_model`, C7), the task's batches, the r
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -63,7 +64,30 @@ def check_options(fn: str, *, rtol, atol, accept_weak, mesh, num_shards) -> int 
         num_shards = data_shards(mesh)
     if num_shards is not None:
         num_shards = _validate.check_num_shards(fn, num_shards)
+    if num_shards is not None and num_shards > 1 and mesh is not None:  # S=1: the callers' own messages
+        _check_shards_fit_mesh(fn, num_shards, mesh)
     return num_shards
+
+
+def _check_shards_fit_mesh(fn: str, num_shards: int, mesh) -> None:
+    """S must be a multiple of the size of some of the mesh's axes together (the batch shards a step splits the
+    batch into, times any micro-batches it accumulates): ``num_shards=3`` on a ``data=4`` mesh names no split of
+    it, and the diagnosis would read its factors as 3's (trial 33: x4 read "summed over 'data' once too often").
+
+    Raises:
+        ValueError: no product of one or more axes of size > 1 divides ``num_shards`` (a mesh of one device takes
+            any S).
+    """
+    sizes = [int(n) for n in mesh.shape.values() if int(n) > 1]
+    products = {math.prod(c) for r in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, r)}
+    if not products or any(num_shards % p == 0 for p in products):
+        return
+    raise ValueError(
+        f"{fn}: num_shards={num_shards} splits the batch over none of the mesh {dict(mesh.shape)}'s axes (S is "
+        f"the batch shards, a product of axis sizes {sorted(products)}, times any micro-batches the step "
+        f"accumulates); pass num_shards={data_shards(mesh)} (the mesh's batch shards), a multiple of it, or leave "
+        "it out"
+    )
 
 
 def _setup(
