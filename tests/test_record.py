@@ -437,15 +437,15 @@ def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp
         rc = main(["verify", *args, "--against", str(against), "--json", str(out), *more])
         return rc, _json(out)["strategies"]["candidate" if "--candidate" in more else "fsdp"]
 
-    for candidate in ("good", "loss_only"):
-        rc, run = verify(fsdp, "--candidate", f"{steps}:{candidate}")
-        worst = run["worst_by_kind"]["param"]
-        assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
-        assert worst["name"].endswith(".attn.key.bias") and worst["err"] > 2 * worst["recorded"] != 0
+    # checked elsewhere, not rerun here (the suite's time): a loss-only step's replay
+    # (test_a_replayed_step_that_returns_no_gradients_is_compared_on_the_rest) and a step replayed against its own
+    # recording, bitwise (test_record_then_verify_against_passes_bitwise)
+    rc, run = verify(fsdp, "--candidate", f"{steps}:good")
+    worst = run["worst_by_kind"]["param"]
+    assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
+    assert worst["name"].endswith(".attn.key.bias") and worst["err"] > 2 * worst["recorded"] != 0
     rc, run = verify(good, "--strategies", "fsdp")  # the other way round
     assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
-    rc, run = verify(good, "--candidate", f"{steps}:good")
-    assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", True)
 
     rc, run = verify(fsdp, "--candidate", f"{steps}:summed")
     assert (rc, run["verdict"], run["first_failure"]["step"]) == (1, "FAIL", 0)

@@ -307,26 +307,6 @@ def test_verify_reference_gspmd_under_launch(tmp_path):
     assert runs["candidate"]["verdict"] == "FAIL" and runs["candidate"]["codes"][0] == "wrong_axis_reduction"
 
 
-@pytest.mark.multiprocess
-def test_verify_reference_gspmd_on_a_builtin_task_under_launch(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "verify.json"
-    launch = [sys.executable, "-m", "shardcheck", "launch", "--processes", "2", "--devices-per-process", "2"]
-    argv = ["verify", "--task", "tiny-lm", "--mesh", "fsdp=4", "--reference", "gspmd", "--strategies", "fsdp"]
-    done = subprocess.run(
-        [*launch, "--timeout", "200", "--", *argv, "--steps", "2", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["reference"] == "gspmd on fsdp=4" and report["strategies"]["fsdp"]["verdict"] == "PASS"
-
-
 class _TwoLayer(nnx.Module):
     """A body annotated over 'model' and an unannotated head (which a gspmd reference places as its own)."""
 

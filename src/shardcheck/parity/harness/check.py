@@ -363,10 +363,7 @@ def _compare_step(
         skipped=skipped,
     )
     if not record.ok:
-        record = _with_gradient_replicas(record, cand_grads)
-        record = dataclasses.replace(
-            record, replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads)
-        )
+        record = _with_replicas(record, after, cand_grads)
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol, cand_grads)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
@@ -633,6 +630,15 @@ def _grad_inputs(run: _Run, t, ref_grads, cand_grads, bounds, rtol, atol) -> tup
         r_tol, a_tol = run.tol("grad", path, rtol, atol)
         leaves.append(LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance))
     return leaves, {p: v for p, v in rg.items() if not is_int(v)}
+
+
+def _with_replicas(record: StepRecord, after: _After, cand_grads) -> StepRecord:
+    """A failing ``record`` with its replica evidence: the returned gradients' copies where nothing else's differ
+    (:func:`_with_gradient_replicas`) and the axes the copies differ along (:func:`_replica_axes`)."""
+    record = _with_gradient_replicas(record, cand_grads)
+    return dataclasses.replace(
+        record, replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads)
+    )
 
 
 def _with_gradient_replicas(record: StepRecord, cand_grads) -> StepRecord:
