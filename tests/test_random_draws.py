@@ -304,5 +304,9 @@ def test_refusals_of_a_drawing_model_group_by_reason_and_give_their_fix_once():
     )
     assert "which it cannot see. For all of them: check it with a GSPMD step" in said
     assert "dp runs" not in said and "which simulation cannot see" not in said
+    assert (
+        _refusal_reason("fsdp", "fsdp: fsdp splits it; try --mesh fsdp=4")
+        == "it splits it; try --mesh fsdp=4"
+    )
     one = _refusals_message({"dp": rows["dp"], "gspmd": object()})  # one refusal: its fix in its place
     assert one.count(fix) == 1 and "For all of them" not in one

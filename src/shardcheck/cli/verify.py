@@ -479,7 +479,7 @@ def _refusal_reason(label: str, whole: str) -> str:
     text = whole.removeprefix(f"{label}: ")
     text = re.sub(rf" \(\w+, strategy {re.escape(repr(label))}\)$", "", text)
     # "and dp runs the forward pass per device", "which dp cannot see": one reason for dp and fsdp (trial 35)
-    return re.sub(rf"(?<![\w'-]){re.escape(label)}(?![\w'-])", "it", text)
+    return re.sub(rf"(?<![\w'=-]){re.escape(label)}(?![\w'=-])", "it", text)  # not in "--mesh fsdp=4"
 
 
 def _shared_advice(reasons: list[str]) -> str:
