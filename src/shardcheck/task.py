@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shardcheck._tree import path_str
+from shardcheck._tree import copy_arrays, path_str
 
 Batch = Any  # a pytree (dict / tuple / array) whose every leaf has the batch axis first
 LossFn = Callable[[nnx.Module, Batch], Any]
@@ -137,11 +138,38 @@ class Task:
         """``nnx.Optimizer(model, self.optimizer, wrt=nnx.Param)``."""
         return nnx.Optimizer(model, self.optimizer, wrt=nnx.Param)
 
+    def initial_state(self, fn: str = "Task.model") -> tuple[nnx.Module, nnx.Optimizer]:
+        """A fresh ``(model, optimizer)`` pair: :meth:`new_model` and :meth:`new_optimizer`, built once per task
+        where their arrays hold at most :data:`CACHED_STATE_BYTES`, then new objects over copies of those arrays
+        (the factory gives identical values on every call; a copy costs one ``jax.device_put``, a build the
+        factory's eager initializers and the optimizer's ``init``: 25 ms and 7 ms of tiny-lm's, against 5 ms).
+
+        Raises:
+            TypeError: as :meth:`new_model`.
+        """
+        cached = _INITIAL_STATE.get(self)
+        if cached is None:
+            model = self.new_model(fn)
+            pair = (model, self.new_optimizer(model))
+            graphdef, state = nnx.split(pair)
+            if sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) > CACHED_STATE_BYTES:
+                return pair
+            cached = _INITIAL_STATE[self] = (graphdef, state)
+        graphdef, state = cached
+        return nnx.merge(graphdef, copy_arrays(state))
+
     def terms(self, batch: Batch) -> int:
         """The reduction length of one batch: :attr:`reduction_size`, or the size of its largest leaf."""
         if self.reduction_size is not None:
             return int(self.reduction_size)
         return max(int(np.size(a)) for a in jax.tree.leaves(batch))
+
+
+CACHED_STATE_BYTES = 64 * 2**20
+"""The largest initial state (parameters and optimizer state, bytes) :meth:`Task.initial_state` keeps for the
+checks after the first: a larger model is built afresh each time rather than held twice."""
+
+_INITIAL_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:

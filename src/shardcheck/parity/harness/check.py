@@ -121,19 +121,31 @@ def _reference_finite(record: StepRecord, after: _After) -> bool:
     return compare.all_finite([*after.ref_params.values(), *after.ref_state.values()])
 
 
+def _returned(ref_loss, ref_grads) -> list:
+    """The reference's loss (where it returned one) and its floating gradient leaves."""
+    grads = {} if ref_grads is None else flatten_state(ref_grads)
+    return [g for g in grads.values() if not is_int(g)] + ([] if ref_loss is None else [ref_loss])
+
+
 def _skipped_step(ref_loss, ref_grads, before: dict, after: _After) -> bool:
     """Whether the reference's step is one its optimizer skipped (``StepRecord.skipped``): its loss (where it
     returned one) or a gradient leaf not finite, while its parameters after the step are exactly ``before``'s
     (its parameters before the step) and its optimizer state is finite (``optax.apply_if_finite`` left them, or
     a loss-scale check did). A loss that overflows while the parameters move (a learning rate too high) is a
     divergence, not a skipped step."""
-    grads = {} if ref_grads is None else flatten_state(ref_grads)
-    returned = {p: g for p, g in grads.items() if not is_int(g)}
-    if ref_loss is not None:
-        returned["loss"] = ref_loss
-    if compare.all_finite(list(returned.values())):
+    if compare.all_finite(_returned(ref_loss, ref_grads)):
         return False
     return compare.equal(before, after.ref_params) and compare.all_finite(list(after.ref_state.values()))
+
+
+def _finite_or_skipped(ref_loss, ref_grads, before: dict, after: _After) -> tuple[bool, bool]:
+    """``(finite, skipped)``: whether the reference's returned loss and gradients and its state after the step are
+    all finite (one device reduction, the common case: then no step was skipped), and whether its step is one
+    its optimizer skipped (:func:`_skipped_step`, read only where something is not finite)."""
+    finite = compare.all_finite(
+        [*_returned(ref_loss, ref_grads), *after.ref_params.values(), *after.ref_state.values()]
+    )
+    return finite, not finite and _skipped_step(ref_loss, ref_grads, before, after)
 
 
 def _by_finiteness(t: int, loss_leaves: list, grad_leaves: list, ref_loss, cand_loss) -> tuple[list, list]:
@@ -333,7 +345,7 @@ def _compare_step(
     cand_loss, cand_grads = _step_candidate(run, t, batch)
     after = _After.of(run)
     _measure(run, after)
-    skipped = _skipped_step(ref_loss, ref_grads, snapshots[0], after)  # no factor of a NaN gradient shows
+    finite, skipped = _finite_or_skipped(ref_loss, ref_grads, snapshots[0], after)
     stepped = (ref_loss, ref_grads, cand_loss, cand_grads, bounds)
     completed = t + 1 if completed is None else completed
     args = (run, t, rtol, atol, batch, stepped, snapshots, after, completed, skipped)
@@ -371,7 +383,7 @@ def _compare_step(
     else:  # within its tolerances: the update from its own inputs, at the optimizer's own rounding
         record = update_checked(run, record, snapshots, stepped, after)
     run.last = after
-    return record, _reference_finite(record, after)
+    return record, (finite and not math.isinf(record.loss)) or _reference_finite(record, after)
 
 
 def _normalized(run: _Run, unresolved: list[str]) -> tuple[str, ...]:

@@ -75,6 +75,13 @@ def _host_array(a):
     return to_host(a)
 
 
+def _on_one_device(tree) -> bool:
+    """Whether every ``jax.Array`` leaf of ``tree`` lives whole on one and the same device (a single-device
+    strategy's state, and the snapshots of it): then a jitted call takes them as they are, with no host copy."""
+    devices = {frozenset(a.sharding.device_set) for a in jax.tree.leaves(tree) if isinstance(a, jax.Array)}
+    return len(devices) == 1 and len(next(iter(devices))) == 1
+
+
 def _rebuild(like, flat: dict):
     """``like``'s structure holding ``flat``'s leaves by path, or ``None`` where a path is missing (``like``: a
     pytree, or its :func:`_layout`)."""
@@ -254,8 +261,11 @@ def _rerun_within(tx, inputs: tuple, after, compute_dtype) -> tuple | None:
         rerun = _try_rerun(tx, *inputs)
         return None if rerun is None else (rerun, False)
     rel = np.float32(_update_rtol(compute_dtype))
+    args = (*inputs, after_trees)
+    if not _on_one_device(args):  # a mesh's placements: one call takes one device set, the host's copies
+        args = jax.tree.map(_host_array, args)
     try:
-        rerun, within = _rerun_within_jit(tx, *jax.tree.map(_host_array, (*inputs, after_trees)), rel)
+        rerun, within = _rerun_within_jit(tx, *args, rel)
     except (TypeError, ValueError):  # a transformation needing more than (grads, state, params): not observed
         return None
     return rerun, bool(within)

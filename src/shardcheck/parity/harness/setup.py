@@ -209,8 +209,7 @@ def _initial(fn, task, reference, steps, initial_state, ref_mesh=None):
     if initial_state is None and ref_mesh is not None:
         model, optimizer = sharded_training_state(fn, task, reference, ref_mesh)
     elif initial_state is None:
-        model = task.new_model(fn)
-        optimizer = task.new_optimizer(model)
+        model, optimizer = task.initial_state(fn)
     else:
         model, optimizer = initial_state
     return model, optimizer, _task_batches(fn, task, steps)
