@@ -177,6 +177,27 @@ def test_bad_task_specs_exit_2_with_the_reason(user_files, capsys, spec, message
     assert message in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--seed", "3"],
+            "--seed 3 applies to the built-in tasks only (its model's nnx.Rngs seed its parameters)",
+        ),
+        (
+            ["--dataset", "linnerud"],
+            "--dataset linnerud applies to the built-in tasks only (it brings its own",
+        ),
+        (["--model", "mlp"], "--model mlp applies to the built-in tasks only (it builds its own model)"),
+    ],
+)
+def test_a_flag_of_the_builtin_tasks_beside_a_task_file_is_refused(user_files, capsys, flags, message):
+    """Trial 36: --seed 3 and --dataset linnerud beside a task file ran seed 0's check and exited 0."""
+    code = main(["verify", "--task", f"{user_files / 'task.py'}:task", "--devices", "2", *flags])
+    assert code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
 @require_devices(2)
 def test_verify_takes_the_compute_dtype_of_a_builtin_task(tmp_path, capsys):
     out = tmp_path / "report.json"

@@ -107,7 +107,11 @@ def test_planted_wrong_candidate_fails_with_its_diagnosis(steps_file, tmp_path, 
     assert "summed instead of averaged (x4" in bad["diagnosis"]
     assert bad["worst_leaf"] and bad["max_abs_err"] > bad["tolerance"]
     assert bad["worst_by_kind"]["param"]["ok"] is False and bad["worst_by_kind"]["loss"]["step"] > 0
-    assert "shardcheck verify candidate: FAIL" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "shardcheck verify candidate: FAIL" in out
+    # the JSON names the summary's leaf too (trial 36: the text's first failing leaf, the JSON's worst overall)
+    assert bad["first_failing_step"] == 0 and f"{bad['first_failing_leaf']} (step 0)" in out
+    assert report["strategies"]["simulation"]["first_failing_leaf"] is None
 
 
 @require_devices(2)

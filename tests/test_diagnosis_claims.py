@@ -288,10 +288,15 @@ def test_wording_counts_leaves_and_articles():
     from shardcheck.parity.diagnosis.grouping import n_leaves, shared_property
     from shardcheck.parity.diagnosis.topology import name_leaves
 
-    failing = {f"m{i}.kernel": (4, 4) for i in range(5)}
+    failing = {f"{name}.kernel": (4, 4) for name in ("up", "down", "gate", "proj", "out")}
     matching = {"k.bias": (4,), "q.bias": (4,)}
     # the two that match are counted with the rest: 7 leaves, 5 of them differ
     assert shared_property(failing, {**matching, "x.kernel": (4, 4)}).startswith("the failing leaves")
+    # modules named alike but for a number (m0 ... m4) are a group (trial 37: head1, head2)
+    numbered = {f"m{i}.kernel": (4, 4) for i in range(5)}
+    assert shared_property(numbered, {**matching, "x.kernel": (4, 4)}) == (
+        "every failing leaf is under m* (m0, m1, m2, m3, m4); every other leaf matches"
+    )
     assert (
         shared_property({**failing, "z.bias": (4,)}, matching) == "all 8 leaves but k.bias and q.bias differ"
     )

@@ -235,6 +235,23 @@ def test_a_fault_on_the_zero_gradient_model_still_fails():
     assert not report.ok and "summed" in report.codes, str(report)
 
 
+def test_a_zero_gradient_leaf_moved_ten_times_as_far_fails():
+    """The parameters of a leaf whose gradient is rounding noise are allowed twice the reference's largest
+    update (Adam turns noise into an lr-sized step of either sign), not more: an update 10x the optimizer's
+    fails, naming the leaf. (Allowing the sum of both sides' largest updates, as a replay does, let the
+    candidate's own divergence widen its tolerance: tests/kinked.py's flipped ReLU then passed its trajectory.)"""
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(attention_loss)(model, batch)
+        before = model.attn.key.bias[...]
+        optimizer.update(model, grads)
+        model.attn.key.bias[...] = before + 10 * (model.attn.key.bias[...] - before)
+        return {"loss": loss, "grads": grads}
+
+    report = check_parity(step, attention_task(steps=2), num_shards=1)
+    assert report.verdict == "FAIL" and report.first_worst.name == "param attn.key.bias", str(report)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

@@ -36,9 +36,13 @@ def test_a_group_held_by_one_module_class_is_named_by_it():
     assert shared_property(failing, matching, facts) == (
         "every failing leaf is held by a BatchNorm module; every leaf held by a Conv or Linear module matches"
     )
-    # without the module facts the leaves share nothing else, as before
+    # without the module facts: the modules' names, bn1 and bn2 (trial 37: head1 and head2)
     plain = {p: LeafFacts(f.shape, f.dtype) for p, f in facts.items()}
-    assert NO_PROPERTY in shared_property(failing, matching, plain)
+    assert shared_property(failing, matching, plain) == (
+        "every failing leaf is under bn* (bn1, bn2); every other leaf matches"
+    )
+    # where a matching leaf lies under a module of that name too, nothing is shared
+    assert NO_PROPERTY in shared_property(failing, {**matching, "bn3.scale": (4,)}, plain)
     # a class that holds a matching leaf too is no property of the failing ones
     some = {p: s for p, s in failing.items() if p.startswith("bn1")}
     assert "BatchNorm" not in shared_property(some, {**matching, "bn2.scale": (4,)}, facts)

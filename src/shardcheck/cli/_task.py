@@ -259,4 +259,23 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
                 f"--task {args.task}: {flag} applies to the built-in tasks only; a task file sets its own optimizer "
                 "and batches"
             )
+    _refuse_builtin_data_flags(args)
     return load_task(args.task)
+
+
+def _refuse_builtin_data_flags(args) -> None:
+    """A task file with a flag that only the built-in tasks read (a seed, a dataset, a model shape): refused, so
+    that no one believes another initialization or dataset was checked (trial 36: ``--seed 3`` and ``--dataset
+    linnerud`` beside a task file ran seed 0's check and exited 0)."""
+    given = [
+        ("--seed", getattr(args, "seed", 0), 0, "its model's nnx.Rngs seed its parameters"),
+        ("--dataset", getattr(args, "dataset", "diabetes"), "diabetes", "it brings its own batches"),
+        ("--model", getattr(args, "model", "linear"), "linear", "it builds its own model"),
+        ("--hidden", getattr(args, "hidden", 32), 32, "it builds its own model"),
+    ]
+    for flag, value, default, why in given:
+        if value is not None and value != default:
+            raise ValueError(
+                f"--task {args.task}: {flag} {value} applies to the built-in tasks only ({why}); drop {flag}, or "
+                "change the task file"
+            )

@@ -254,7 +254,9 @@ class ParityReport:
         return {k: out[k] for k in kinds if k in out}
 
     def to_dict(self) -> dict:
-        """A JSON-ready summary: ``ok``, ``worst_leaf``, ``max_abs_err``, ``max_rel_err``, ``tolerance``,
+        """A JSON-ready summary: ``ok``, ``worst_leaf`` (the worst leaf over every step, by error over tolerance)
+        and ``first_failing_leaf`` / ``first_failing_step`` (:attr:`first_worst`: the worst of the first failing
+        step, the leaf the summary table and the localization name; ``None`` on a PASS), ``max_abs_err``, ``max_rel_err``, ``tolerance``,
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
@@ -289,6 +291,9 @@ class ParityReport:
             "scale_evidence": self.scale_evidence,
             "worst_leaf": self.worst_leaf,
             "worst_step": None if worst is None else worst.step,
+            # the summary table's leaf: the worst of the first failing step, where the localization points
+            "first_failing_leaf": None if self.ok or self.first_worst is None else self.first_worst.name,
+            "first_failing_step": None if self.ok or self.first_worst is None else self.first_worst.step,
             "max_abs_err": self.max_abs_err,
             "max_rel_err": self.max_rel_err,
             "tolerance": None if worst is None else worst.tolerance,
