@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import sys
@@ -122,10 +123,12 @@ def _add_run_arguments(p) -> None:
     p.add_argument(
         "--reference",
         default=REFERENCE,
-        choices=REFERENCE_NAMES,
+        metavar="{" + ",".join(REFERENCE_NAMES) + "}|FILE.py:ATTR",
         help="what every step is compared with: the task's single-device step (default), or a strategy on the "
         "same mesh (gspmd: the plain step jitted over the model's annotations, XLA's collectives); then the state "
-        "is created directly sharded and compared on the devices, never whole on one device (--task only)",
+        "is created directly sharded and compared on the devices, never whole on one device; or a step of your "
+        "own, FILE.py:ATTR or MODULE:ATTR taking (model, optimizer, batch) on one device (one that writes state "
+        "the task's step does not, such as an EMA of the parameters, so that it is compared) (--task only)",
     )
 
 
@@ -245,6 +248,52 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _check_reference_name(spec: str) -> None:
+    """``--reference``: one of :data:`REFERENCE_NAMES`, or a step's ``FILE.py:ATTR`` / ``MODULE:ATTR``.
+
+    Raises:
+        ValueError: neither, naming the choices.
+    """
+    if spec in REFERENCE_NAMES or ":" in spec:
+        return
+    if spec in STRATEGY_SPECS:
+        raise ValueError(
+            f"shardcheck verify: --reference {spec} is not a strategy on a mesh that steps the task's own optimizer "
+            f"(it runs on one device or wraps the optimizer); check it as a candidate (--strategies {spec}) against "
+            f"the task's step, or pass one of {', '.join(REFERENCE_NAMES)}"
+        )
+    close = difflib.get_close_matches(spec, REFERENCE_NAMES, n=1, cutoff=0.6)
+    raise ValueError(
+        f"shardcheck verify: --reference {spec!r} is neither one of {', '.join(REFERENCE_NAMES)} nor a step's "
+        f"FILE.py:ATTR or MODULE:ATTR; {f'did you mean {close[0]!r}? ' if close else ''}pass e.g. --reference "
+        "gspmd or --reference my_task.py:reference_step"
+    )
+
+
+def load_reference(spec: str):
+    """The ``--reference`` step ``spec`` names (``FILE.py:ATTR`` / ``MODULE:ATTR``): a function ``(model,
+    optimizer, batch)`` that steps the task's model and optimizer in place on one device, as
+    ``check_parity(..., reference=step)`` takes it; ``None`` for a name of :data:`REFERENCE_NAMES`.
+
+    Raises:
+        ValueError: as :func:`load_candidate` (a missing file or attribute, a non-callable), or a step that
+            takes a mesh or is a :class:`~shardcheck.Candidate` (a reference runs on one device).
+    """
+    from shardcheck.steps import Candidate
+    from shardcheck.tasks.loading import import_attr
+
+    if spec in REFERENCE_NAMES:
+        return None
+    fn = "shardcheck verify: --reference"
+    step = import_attr(fn, spec, "FUNC")
+    if isinstance(step, Candidate) or not callable(step):
+        raise ValueError(
+            f"{fn}: {spec!r} names a {type(step).__name__}; pass a function (model, optimizer, batch) that "
+            "steps the model and optimizer in place on one device"
+        )
+    return step
+
+
 def load_candidate(spec: str, *, task_form: bool = True):
     """The step ``spec`` names: ``package.module:func`` or ``path/to/file.py:func``.
 
@@ -356,6 +405,7 @@ def _check_args(args) -> tuple[list[str], int]:
                 f"shardcheck verify: --{flag} must be a number >= 0 and finite, got {value}; omit it for the "
                 "derived tolerance"
             )
+    _check_reference_name(args.reference)
     chosen = DEFAULT_STRATEGIES if args.strategies is None else args.strategies
     strategies = _parse_strategies(chosen, args.candidate is not None)
     if args.strategies is None:  # the reference strategy against itself is no check
@@ -390,7 +440,7 @@ def _check_all(args, task, runs, num_shards, mesh) -> dict:
     if getattr(args, "matmul_precision", None) is not None:
         options["matmul_precision"] = args.matmul_precision
     if args.reference != REFERENCE:
-        options.update(reference=args.reference)
+        options.update(reference=load_reference(args.reference) or args.reference)
     reports = {}
     with parity.shared_reference():  # every check runs against the same reference steps: they run once
         for label, cand in runs:
@@ -642,7 +692,8 @@ def main(args) -> int:
         candidate = (
             load_candidate(args.candidate, task_form=args.task is not None) if args.candidate else None
         )
-        uses_mesh = [STRATEGIES[s].uses_mesh for s in (*strategies, args.reference)]
+        named = [args.reference] if args.reference in STRATEGIES else []  # not a step of the user's own
+        uses_mesh = [STRATEGIES[s].uses_mesh for s in (*strategies, *named)]
         mesh = needed_mesh("shardcheck verify", args, devices, any(uses_mesh) or candidate is not None)
         runs = [(name, name) for name in strategies] + ([("candidate", candidate)] if candidate else [])
         if against is not None:
@@ -711,8 +762,9 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         model = [a for a in args.mesh if a not in batch]
         if model:  # tensor / expert parallelism: say which axes split the batch and which the model
             setup += f" (batch over {', '.join(batch)}; {_model_axes_text(task, model)})"
-    if args.reference != REFERENCE:
-        setup += f", against {next(iter(done.values())).reference}" if done else ""
+    if args.reference != REFERENCE:  # a step of the user's own is named by its spec
+        own = args.reference not in REFERENCE_NAMES
+        setup += f", against {args.reference if own else next(iter(done.values())).reference}" if done else ""
     if done:  # the matmul precision the tolerances assumed (one for every check of a run)
         first = next(iter(done.values()))
         setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
