@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import jax
 from flax import nnx
@@ -117,8 +118,11 @@ def _setup(
     precision = Precision.of(model, fn=fn, matmul=policy[0], **dtypes)
     # the model's structure is fixed over the run: its float32-compute graph is built once
     graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
+    cached = (
+        initial_state is None and ref_strategy is None
+    )  # the task's own initial model: probed once a task
     coupled = _rows_coupled(
-        fn, (candidate, reference), (cand, ref_strategy), model, graphdef32, task, data[0]
+        fn, (candidate, reference), (cand, ref_strategy), model, graphdef32, task, data[0], cached
     )
     overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     run = _Run(
@@ -250,7 +254,22 @@ def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (
     )
 
 
-def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch) -> bool:
+_COUPLING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per task, ``{(num_shards, compute_eps, float32 probe): coupled_rows's result}`` on its initial model and first
+batch: the same at every check of the task (tiny-lm's accumulation probe took ~30 ms of a warm check's setup)."""
+
+
+def _coupled(task: Task, model, batch, s: int, compute_eps: float, in_float32: bool, cached: bool):
+    """:func:`~shardcheck.parity.harness.row_coupling.coupled_rows` of the task's loss, once per task where
+    ``cached`` (``model`` is the task's own initial model, or its float32 probe)."""
+    memo = _COUPLING.setdefault(task, {}) if cached else {}
+    key = (s, compute_eps, in_float32)
+    if key not in memo:
+        memo[key] = coupled_rows(task.loss_fn, model, batch, s, compute_eps, task.terms(batch))
+    return memo[key]
+
+
+def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch, cached: bool = False) -> bool:
     """Whether the task's loss couples the rows of ``batch`` (:mod:`~shardcheck.parity.harness.row_coupling`),
     probed in float32 compute (``graphdef32``, the model's float32-compute graph, where it computes in a lower
     precision: the bfloat16 rounding of the loss would hide a weak coupling such as trial 14's load-balancing
@@ -262,14 +281,13 @@ def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch) -
         ValueError: as :func:`~shardcheck.parity.harness.row_coupling.check_rows_separable`.
     """
     probe = float32_model(model, graphdef32)
+    in_float32 = graphdef32 is not None
     for strategy, side in zip(strategies, built, strict=True):
-        _check_rows(fn, strategy, side, probe, task, batch, 0.0, in_float32=graphdef32 is not None)
+        _check_rows(fn, strategy, side, probe, task, batch, 0.0, in_float32=in_float32, cached=cached)
     if graphdef32 is None:  # float32 compute: the tolerance splits no loss, nothing more to probe
         return False
     noise_s = _noise_shards(built[0].num_shards, batch)
-    return (
-        noise_s > 1 and coupled_rows(task.loss_fn, probe, batch, noise_s, 0.0, task.terms(batch)) is not None
-    )
+    return noise_s > 1 and _coupled(task, probe, batch, noise_s, 0.0, in_float32, cached) is not None
 
 
 def _check_rows(
@@ -281,16 +299,18 @@ def _check_rows(
     batch,
     compute_eps: float,
     in_float32: bool = False,
+    cached: bool = False,
 ) -> None:
     """A named strategy that computes the loss per shard, refused where the task's loss couples the rows of a
     batch (:mod:`~shardcheck.parity.harness.row_coupling`: a contrastive loss); nothing for a user's step, the
     full-batch strategies or one shard. ``in_float32``: ``model`` is the float32 probe of a model that computes
-    in a lower precision (the refusal says its losses are float32's)."""
+    in a lower precision (the refusal says its losses are float32's). ``cached``: ``model`` is the task's own
+    initial model (or its probe), probed once a task (:func:`_coupled`)."""
     if not isinstance(strategy, str) or strategy in FULL_BATCH_FORWARD or built is None:
         return
     s = built.num_shards
     if s and s > 1:
-        coupled = coupled_rows(task.loss_fn, model, batch, s, compute_eps, task.terms(batch))
+        coupled = _coupled(task, model, batch, s, compute_eps, in_float32, cached)
         check_rows_separable(fn, strategy, coupled, s, in_float32)
 
 
