@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from shardcheck.parity.diagnosis.evidence import StepRecord
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 
 
 def family(path: str) -> str:
@@ -18,12 +18,49 @@ def family(path: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
 
 
-def _families(paths: set[str]) -> str:
-    """``"state model.ema.* (11 leaves)"`` or ``"state model.bn.mean"``, each family once, joined by commas."""
+# more families than this are said by their containers (``model.ema.*``): trial 37's 16 EMA leaves, keyed
+# ``layers/0/msg/kernel`` in an nnx.Dict, were listed one by one
+MOST_FAMILIES = 3
+
+
+def _family_counts(paths: set[str]) -> dict[str, int]:
+    """``{family: leaves}``: :func:`family` of each path; where that leaves more than :data:`MOST_FAMILIES`, each
+    container's leaves as one (``model.ema.head1/bias`` ... -> ``model.ema.*``)."""
     counts: dict[str, int] = {}
     for p in sorted(paths):
         counts[family(p)] = counts.get(family(p), 0) + 1
-    return ", ".join(f"state {f}" + (f" ({n} leaves)" if n > 1 else "") for f, n in counts.items())
+    if len(counts) <= MOST_FAMILIES:
+        return counts
+    grouped: dict[str, int] = {}
+    for f, n in counts.items():
+        parent = f"{f.rsplit('.', 1)[0]}.*" if "." in f else f
+        grouped[parent] = grouped.get(parent, 0) + n
+    return grouped
+
+
+def _families(paths: set[str], kind: str = "state ") -> str:
+    """``"state model.ema.* (11 leaves)"`` or ``"state model.bn.mean"``, each family once, joined by commas."""
+    counts = _family_counts(paths)
+    return ", ".join(f"{kind}{f}" + (f" ({n} leaves)" if n > 1 else "") for f, n in counts.items())
+
+
+def families(paths: set[str]) -> str:
+    """:func:`_families` without the ``state`` before each: ``"model.ema.* (16 leaves)"``."""
+    return _families(paths, "")
+
+
+def _is(paths: set[str]) -> str:
+    """``"is"`` after :func:`_families` of ``paths`` where it names one family (``"The model's state
+    model.ema.* (16 leaves) is"``), ``"are"`` where it names several."""
+    return "is" if len(_family_counts(paths)) == 1 else "are"
+
+
+def step_written(record: StepRecord, e: LeafError) -> bool:
+    """Whether ``e``, a ``state`` leaf the reference's step writes, is written by the step and not by its forward
+    pass: the task's loss run alone does not write it (``StepRecord.forward_writes``; ``False`` where that is not
+    known)."""
+    written = record.forward_writes
+    return e.kind == "state" and bool(e.reference_change) and written is not None and e.path not in written
 
 
 def state_notes(records: Sequence[StepRecord]) -> str:
@@ -36,12 +73,12 @@ def state_notes(records: Sequence[StepRecord]) -> str:
     out = []
     if skipped and any(r.replayed for r in records):  # the recording may be of a step that writes it too
         out.append(
-            f"The model's {_families(skipped)} is neither read nor written by the task's loss: not compared, as a "
+            f"The model's {_families(skipped)} {_is(skipped)} neither read nor written by the task's loss: not compared, as a "
             "live check leaves it (the task's reference step does not write it)."
         )
     elif skipped:
         out.append(
-            f"The model's {_families(skipped)} is written by the candidate's step only and not read by the loss: "
+            f"The model's {_families(skipped)} {_is(skipped)} written by the candidate's step only and not read by the loss: "
             "not compared (the reference's step does not write it)."
         )
     if coarse:
@@ -58,4 +95,4 @@ def not_compared(records: Sequence[StepRecord]) -> int:
     return len({e.path for r in records for e in r.leaves if e.kind == "state" and math.isinf(e.tolerance)})
 
 
-__all__ = ["family", "not_compared", "state_notes"]
+__all__ = ["families", "family", "not_compared", "state_notes", "step_written"]

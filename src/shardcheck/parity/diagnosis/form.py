@@ -636,19 +636,37 @@ def _state_form(bad: list[LeafError]) -> Form:
     if all(e.reference_change and e.ratio for e in bad):
         lo, hi = min(e.ratio for e in bad), max(e.ratio for e in bad)
         size = f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g} to {hi:.3g}"
-        worst = max(bad, key=lambda e: e.badness)
         return Form(
             "state_amount",
             f"written by both steps, by other amounts: the candidate's step changed {what} of non-parameter state "
-            f"by {size} times the reference's change (largest elementwise change over the reference's; the two "
-            f"changes differ by up to {top:.3g}, more than {worst.tolerance / worst.reference_change:g} of the "
-            f"reference's largest change, which no rounding makes): a running-average momentum or a statistic "
-            "computed another way",
+            f"by {size} times the reference's change (largest elementwise change over the reference's; "
+            f"{changes_differ(bad)}, which no rounding makes): a running-average momentum or a statistic computed "
+            "another way",
             spread=(lo, hi),
             leaves=n,
         )
     return Form(
         "none", f"no simple form: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n
+    )
+
+
+def changes_differ(bad: Sequence[LeafError]) -> str:
+    """How far apart the two steps' changes of failing both-written state are (``state_amount``), each number
+    of one named leaf: ``"the two changes differ by up to 0.117 (ema.head2/kernel: the reference's step changed it
+    by up to 0.0146, the candidate's by up to 0.132), more than half of the reference's largest change in each of
+    these 16 leaves"``
+    (trial 37: the Form said the largest difference of one leaf beside the bound of another, the finding
+    another leaf's pair: 0.117 against 0.00793). The bound is :data:`COARSE` of each leaf's own largest
+    reference change (``tolerance / reference_change``)."""
+    top = max(bad, key=lambda e: e.max_abs_err)
+    bound = top.tolerance / top.reference_change if top.reference_change else 0.0
+    half = "half" if abs(bound - 0.5) < 1e-9 else f"{bound:g}"
+    each = "there" if len(bad) == 1 else f"in each of these {len(bad)} leaves"
+    moved = "" if top.ratio is None else f", the candidate's by up to {top.ratio * top.reference_change:.3g}"
+    return (
+        f"the two changes differ by up to {top.max_abs_err:.3g} ({top.path.removeprefix('model.')}: the "
+        f"reference's step changed it by up to {top.reference_change:.3g}{moved}), more than {half} of the "
+        f"reference's largest change {each}"
     )
 
 
@@ -1160,6 +1178,43 @@ def _unsampled_form(ratios: list[LeafError], unsampled: list[LeafError], n: int)
         f"no simple form read from the records of {'the one failing leaf' if n == 1 else f'the {n} failing leaves'}: "
         + "; ".join(parts),
         leaves=n,
+    )
+
+
+def shard_reading(factor: float, num_shards: int | None) -> str | None:
+    """The reduction a gradient factor reads as where it is a power of the shard count S (x S, x S^2, x 1/S,
+    x 1/S^2), in words; ``None`` otherwise (S unknown or 1, or another factor)."""
+    s = num_shards
+    if not s or s < 2:
+        return None
+    readings = {
+        s: f"a sum over the {s} shards where a mean was due (x{s})",
+        s * s: f"the gradient sum-reduced twice (x{s * s} = {s}^2; docs/reduction_cases.md C3)",
+        1 / s: f"the gradient averaged twice (x1/{s})",
+        1 / (s * s): f"the gradient divided by S={s} three times (x1/{s * s})",
+    }
+    return next((said for value, said in readings.items() if abs(factor - value) <= RATIO_RTOL * value), None)
+
+
+def weight_or_shards(factor: float, weight: float | None, num_shards: int | None) -> str | None:
+    """Where a gradient factor is at once the batch's total loss weight (or 1 over it: :func:`weight_phrase`)
+    and a power of the shard count (:func:`shard_reading`), both readings, the weight's first (trial 37: 16
+    rows on data=4, the psum of the loss sums never divided by the weight 16 = 4^2, read "sum-reduced twice"
+    beside a Form that said the weight): the records of one step cannot tell them apart; ``None`` where the
+    factor is not both."""
+    weight_said, shards = weight_phrase(factor, weight), shard_reading(factor, num_shards)
+    if weight_said is None or shards is None:
+        return None
+    return f"either {weight_said}; or {shards}{cannot_tell(factor, weight)}"
+
+
+def cannot_tell(factor: float, weight: float) -> str:
+    """The end of a sentence giving a gradient factor both a loss weight's reading and a shard count's
+    (:func:`weight_or_shards`): why the records cannot tell them apart."""
+    is_ = "that factor" if factor >= 1 else "1 over that factor"
+    return (
+        f": this batch's weight {weight:g} is {is_} too, so the factor cannot tell them apart (a step whose batch "
+        "weighs otherwise, run from the reference's state, would)"
     )
 
 

@@ -29,7 +29,14 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, start_words, would_show
-from shardcheck.parity.diagnosis.form import Form, form_from_leaves, shape_form, weight_phrase
+from shardcheck.parity.diagnosis.floating import families, step_written
+from shardcheck.parity.diagnosis.form import (
+    Form,
+    form_from_leaves,
+    shape_form,
+    weight_or_shards,
+    weight_phrase,
+)
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
@@ -205,6 +212,9 @@ class Localization:
         started: at step 0, optimizer-state leaves changed as the reference's did while their values differ by
             more than that change (:func:`started_otherwise`): the optimizer state started from other values, so
             the first difference is not said to be how the update was applied.
+        step_state: where every failing leaf of the parameters stage is model state the step writes after its
+            forward pass (the task's loss does not write it: :func:`step_written`), those leaves in short
+            (``"model.ema.* (16 leaves)"``); ``""`` otherwise.
     """
 
     step: int
@@ -216,6 +226,7 @@ class Localization:
     module: ModuleFinding | None = None
     live: bool = True
     started: bool = False
+    step_state: str = ""
 
     def status(self, stage: str) -> str:
         """The status of ``stage``."""
@@ -246,6 +257,8 @@ class Localization:
                 meaning = FORWARD_STATE  # only a counter the forward pass writes differs: not "another loss"
             if self.started:
                 meaning = STARTED
+            if self.stage == "parameters" and self.step_state:
+                meaning = self._step_state_meaning()
             head = f"First difference at {where}: {noun} ({meaning})."
             if agree:
                 head += f" Before it, {agree} {'match' if len(before) > 1 else 'matches'}."
@@ -267,6 +280,33 @@ class Localization:
     def _first(self) -> StageResult:
         return next(s for s in self.stages if s.stage == self.stage)
 
+    def _step_state_meaning(self) -> str:
+        """The parameters stage's meaning where every failing leaf there is model state the step writes after its
+        forward pass (:attr:`step_state`), with what matches before it: ``"the step writes the model's state
+        model.ema.* (16 leaves) another way (the task's loss does not write it: the step does, after the forward
+        pass); the loss, gradients and parameters match"``."""
+        matching = []
+        if self.status("forward") == MATCHES:
+            matching.append("loss")
+        if self.status("gradients") == MATCHES:
+            matching.append("gradients")
+        params = next((k for k in self._first().kinds if k[0] == "param"), None)
+        if params is not None and params[2] == 0:
+            matching.append("parameters")
+        said = (
+            f"; the {words_and(matching)} match"
+            if len(matching) > 1
+            else (
+                f"; the {matching[0]} {'match' if matching[0].endswith('s') else 'matches'}"
+                if matching
+                else ""
+            )
+        )
+        return (
+            f"the step writes the model's state {self.step_state} another way (the task's loss does not write it: "
+            f"the step does, after the forward pass){said}"
+        )
+
     def _loss_matches(self) -> bool:
         """Whether the forward stage's loss leaf matches (its failing leaves are model-state counters)."""
         forward = next(s for s in self.stages if s.stage == "forward")
@@ -283,6 +323,7 @@ class Localization:
             "stages": [s.to_dict() for s in self.stages],
             "synchronized": self.synchronized,
             "started": self.started,
+            "step_state": self.step_state,
             "module": None if self.module is None else self.module.to_dict(),
             "text": self.text(),
         }
@@ -299,9 +340,10 @@ def stage_leaves(record: StepRecord) -> dict[str, list[LeafError] | None]:
     for e in record.leaves:
         (model if e.kind == "counter" and e.path.startswith("model.") else kinds[e.kind]).append(e)
     rerun = record.optimizer_rerun
-    # floating model state the reference left as it was is written by an update, not by the forward pass
-    updated = [e for e in kinds["state"] if e.reference_change == 0.0]
-    model += [e for e in kinds["state"] if e.reference_change != 0.0]
+    # floating model state the reference left as it was is written by an update, not by the forward pass; so is
+    # state the task's loss does not write (an EMA the step keeps after its update: trial 37)
+    updated = [e for e in kinds["state"] if e.reference_change == 0.0 or step_written(record, e)]
+    model += [e for e in kinds["state"] if e not in updated]
     return {
         "forward": kinds["loss"] + model,
         "gradients": kinds["grad"],
@@ -310,6 +352,30 @@ def stage_leaves(record: StepRecord) -> dict[str, list[LeafError] | None]:
         "parameters": kinds["param"] + (kinds["opt_state"] if rerun is not None else []) + updated,
         "counters": kinds["counter"],
     }
+
+
+def step_state(bad: Sequence[LeafError], record: StepRecord) -> str:
+    """Where every failing leaf of the parameters stage is state the step writes after its forward pass
+    (:func:`step_written`), those leaves in short (``"model.ema.* (16 leaves)"``); ``""`` otherwise."""
+    if not bad or not all(step_written(record, e) for e in bad):
+        return ""
+    return families({e.path for e in bad})
+
+
+def _step_written_form(form: Form | None) -> Form | None:
+    """The form of state the step writes after its forward pass that the candidate's step left exactly as it was
+    (a ``zero`` form): its write dropped, or a write of the value it held (trial 37: an EMA of the parameters
+    updated before the optimizer's update, which at step 0 still equals them, read "the step's writes were
+    dropped" beside advice about the forward pass's writes, which write none of it)."""
+    if form is None or form.kind != "zero":
+        return form
+    head = form.sentence.split(": the step's writes were dropped")[0]
+    return dataclasses.replace(
+        form,
+        sentence=f"{head}: the step's own write of them (its forward pass writes none) was dropped, or wrote the "
+        "values they held (an average of the parameters taken before the optimizer's update, at a step where it "
+        "still equals them)",
+    )
 
 
 # a leaf whose change at step 0 is the reference's to within this (its 10th-90th percentile ratios) while its
@@ -416,6 +482,7 @@ def localize(
     *,
     facts: Mapping[str, LeafFacts] | None = None,
     replicas_observed: bool = True,
+    num_shards: int | None = None,
 ) -> Localization | None:
     """Localize the first failing record of ``records`` by stage (module docstring).
 
@@ -425,6 +492,8 @@ def localize(
             the grouping reads them (:func:`~shardcheck.parity.diagnosis.grouping.shared_property`).
         replicas_observed: whether the replicas' agreement was checked (``False`` for a replay, whose digests
             do not hold each device's copy).
+        num_shards: the candidate's shard count S, where known: a gradient factor that is both the batch's loss
+            weight and a power of S is said with both readings (:func:`~shardcheck.parity.diagnosis.form.weight_or_shards`).
 
     Returns:
         The :class:`Localization`, or ``None`` when every record passed.
@@ -463,10 +532,12 @@ def localize(
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
         fitted = None if all(e.kind == "state" for e in bad) else dict(record.forms).get(first.stage)
         form = fitted or form_from_leaves(bad, update=update, optimizer_stage=first.stage == "optimizer")
-        form = checked_form(form, first.stage, bad, leaves, record)
+        form = checked_form(form, first.stage, bad, leaves, record, num_shards)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
         form = _unreadable_form(bad) or form
+    written = step_state(bad, record) if first.stage == "parameters" else ""
+    form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None
     live = replicas_observed
     started = started_otherwise(record) if first.stage in ("optimizer", "parameters") else []
@@ -474,7 +545,7 @@ def localize(
         form = Form("none", started_sentence(started))
     synchronized = record.from_reference_state
     return Localization(
-        record.step, first.stage, results, group, form, synchronized, module, live, bool(started)
+        record.step, first.stage, results, group, form, synchronized, module, live, bool(started), written
     )
 
 
@@ -883,12 +954,19 @@ def _whole_update_refuted(record: StepRecord, text: str) -> bool:
     return any(not e.ok for e in params) and any(e.ok and would_show(e, f) for e in params)
 
 
-def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], record: StepRecord) -> Form:
+def _gradient_factor(
+    form: Form,
+    bad: list[LeafError],
+    leaves: list[LeafError],
+    record: StepRecord,
+    num_shards: int | None = None,
+) -> Form:
     """A factor on the gradients that every gradient able to show it has (the rest too small: at rounding
     level) is one scale of the loss, named by the batch's loss weight where it is that, where the loss differs
     too or was not observed; where the loss was observed and matches, one scale of the gradients after the loss
     (:func:`gradients_after_loss`: their reduction, never a loss sum not divided by its count); a factor that
-    some gradients that would show it lack stays a scale of these leaves only."""
+    some gradients that would show it lack stays a scale of these leaves only. A factor that is the weight and a
+    power of ``num_shards`` at once is said as both (:func:`~shardcheck.parity.diagnosis.form.weight_or_shards`)."""
     f = form.factor
     grads = [e for e in leaves if e.kind == "grad"]
     if any(e.ok and would_show(e, f) for e in grads):
@@ -898,7 +976,7 @@ def _gradient_factor(form: Form, bad: list[LeafError], leaves: list[LeafError], 
     but = f" but the {quiet} too small to show it (at rounding level)" if quiet else ""
     head = f"every gradient{but} is {f:.4g} x the reference's{spread}"
     loss = [e for e in record.leaves if e.kind == "loss"]
-    weight = weight_phrase(f, record.loss_weight)
+    weight = weight_or_shards(f, record.loss_weight, num_shards) or weight_phrase(f, record.loss_weight)
     if loss and all(e.ok for e in loss):  # the loss was observed and matches: the factor is downstream of it
         # the batch's weight itself: the gradients of the sum, the loss returned divided (a count is no reduction)
         said = (
@@ -952,7 +1030,12 @@ def _counters_factor(form: Form, bad: list[LeafError]) -> Form:
 
 
 def checked_form(
-    form: Form | None, stage: str, bad: list[LeafError], leaves: list[LeafError], record: StepRecord
+    form: Form | None,
+    stage: str,
+    bad: list[LeafError],
+    leaves: list[LeafError],
+    record: StepRecord,
+    num_shards: int | None = None,
 ) -> Form | None:
     """``form`` with no claim that ``record`` contradicts: an update that is k x the reference's is said to be
     k optimizer steps only where the counters do not match, and to be "the whole update" only where every
@@ -967,12 +1050,13 @@ def checked_form(
         stage: the stage the form describes (:data:`STAGES`); only ``optimizer`` and ``parameters`` are read.
         bad: the stage's failing leaves; ``leaves``: all of the stage's leaves.
         record: the first failing step's record (its counters are read).
+        num_shards: the candidate's shard count, where known (a gradient factor's readings).
 
     Returns:
         ``form`` itself, or a ``factor`` form whose sentence the record does not contradict.
     """
     if form is not None and form.kind == "factor" and stage == "gradients":
-        return _gradient_factor(form, bad, leaves, record)
+        return _gradient_factor(form, bad, leaves, record, num_shards)
     if form is not None and stage == "counters" and form.kind in ("extra_step", "factor"):
         return _counters_factor(form, bad)
     if form is None or form.kind not in ("extra_step", "factor") or stage not in ("optimizer", "parameters"):

@@ -66,10 +66,12 @@ from shardcheck.parity.diagnosis.evidence import (
     spread_phrase,
     would_show,
 )
-from shardcheck.parity.diagnosis.floating import not_compared, state_notes
+from shardcheck.parity.diagnosis.floating import not_compared, state_notes, step_written
 from shardcheck.parity.diagnosis.form import (
     ONE_NUMBER,
     REFERENCE_ZERO_MEANING,
+    cannot_tell,
+    changes_differ,
     form_from_leaves,
     weight_phrase,
 )
@@ -932,22 +934,38 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
             )
         )
     if dropped:
-        names = words_and(sorted(e.path.removeprefix("model.") for e in dropped))
-        out.append(
-            Diagnosis(
-                "model_state",
-                f"The candidate's step left the model's state {names} (not a parameter: floating state the "
-                f"reference's step writes) exactly as it was at step {record.step}: the step's writes were dropped "
-                "(jax.grad of a function of nnx.split parts discards the forward pass's writes: return and "
-                "nnx.update them, or use nnx.value_and_grad).",
-                dropped[0].name,
-            )
-        )
+        out.append(_state_dropped(record, dropped))
     if partial:
         out.append(_state_partial(record.step, partial))
     if amounts:
-        out.append(_state_amount(record.step, amounts))
+        out.append(_state_amount(record.step, amounts, all(step_written(record, e) for e in amounts)))
     return out
+
+
+def _state_dropped(record: StepRecord, dropped: list[LeafError]) -> Diagnosis:
+    """``model_state``: floating state the reference's step writes, left exactly as it was by the candidate's.
+    Where the forward pass writes it (or that is not known), its writes were dropped (jax.grad of nnx.split
+    parts); where the task's loss writes none of it (:func:`step_written`: an EMA the step keeps after its
+    update), the step's own write of it was dropped or wrote the value it held (trial 37: an EMA updated from the
+    parameters before the optimizer's update, equal to them at step 0, read with the forward pass's advice)."""
+    names = words_and(sorted(e.path.removeprefix("model.") for e in dropped))
+    head = f"The candidate's step left the model's state {names} (not a parameter: floating state the reference's step writes"
+    if all(step_written(record, e) for e in dropped):
+        return Diagnosis(
+            "model_state",
+            f"{head}, after its forward pass: the task's loss does not write it) exactly as it was at step "
+            f"{record.step}: the step's own write of it was dropped, or wrote the value it held (an average of the "
+            "parameters taken before the optimizer's update, at a step where it still equals them); write it where "
+            "the reference's step does (for an average of the parameters, from their values after the update).",
+            dropped[0].name,
+        )
+    return Diagnosis(
+        "model_state",
+        f"{head}) exactly as it was at step {record.step}: the step's writes were dropped (jax.grad of a function of "
+        "nnx.split parts discards the forward pass's writes: return and nnx.update them, or use "
+        "nnx.value_and_grad).",
+        dropped[0].name,
+    )
 
 
 def _state_partial(step: int, partial: list[LeafError]) -> Diagnosis:
@@ -969,21 +987,31 @@ def _state_partial(step: int, partial: list[LeafError]) -> Diagnosis:
     )
 
 
-def _state_amount(step: int, amounts: list[LeafError]) -> Diagnosis:
-    """``state_amount``: floating state both steps write (a running average), changed by other amounts."""
+def _state_amount(step: int, amounts: list[LeafError], by_step: bool = False) -> Diagnosis:
+    """``state_amount``: floating state both steps write (a running average), changed by other amounts;
+    ``by_step``: state the task's loss does not write (:func:`step_written`: an EMA of the parameters the step
+    keeps after its update), said as the step's write, not a forward pass's statistic."""
     names = words_and(sorted(e.path.removeprefix("model.") for e in amounts))
-    worst = max(amounts, key=lambda e: e.badness)
+    worst = max(amounts, key=lambda e: e.max_abs_err)  # the leaf changes_differ names
     ratio = "" if worst.ratio is None else f" (its largest change {worst.ratio:.3g} times the reference's)"
+    what = "such as BatchNorm's running averages"
+    causes = (
+        "A running-average momentum differs (0.99 in place of 0.9), or the statistic is computed another way (each "
+        "shard's own batch statistics, not synced over the batch axes); or, for state kept per row of the batch "
+        "(a carried hidden state), rows written from other rows (one shard's rows written to every shard) or "
+        "from another step's values."
+    )
+    if by_step:
+        what = "written by the step after its forward pass, which does not write it, such as an EMA of the parameters"
+        causes = (
+            "An average's decay differs (d and 1 - d swapped, or 0.99 in place of 0.9), or it was written from "
+            "other values (the parameters before the optimizer's update, or one device's copies)."
+        )
     return Diagnosis(
         "state_amount",
         f"The candidate's step wrote the model's state {names} (not a parameter: floating state both steps write, "
-        f"such as BatchNorm's running averages) by other amounts at step {step}{ratio}: the two changes differ by "
-        f"up to {worst.max_abs_err:.3g}, more than {worst.tolerance:.3g}, half of the reference's largest change "
-        "(no rounding tolerance is derived for such state, so only a difference no rounding makes is flagged). A "
-        "running-average momentum differs (0.99 in place of 0.9), or the statistic is computed another way (each "
-        "shard's own batch statistics, not synced over the batch axes); or, for state kept per row of the batch "
-        "(a carried hidden state), rows written from other rows (one shard's rows written to every shard) or "
-        "from another step's values.",
+        f"{what}) by other amounts at step {step}{ratio}: {changes_differ(amounts)} (no rounding tolerance is "
+        f"derived for such state, so only a difference no rounding makes is flagged). {causes}",
         worst.name,
     )
 
@@ -1160,6 +1188,9 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
     named = ctx.named_factor
     if named is None or _weight_reading(ctx) is not None:
         return None
+    weighed = _weight_or_shard_factor(ctx, named)
+    if weighed is not None:
+        return weighed
     if named[0] == "averaged_twice" and ctx.first.replica_mismatches and ctx.factor < 1:
         named = ("unreduced", _unreduced_phrase(ctx))
     first = ctx.first
@@ -1176,6 +1207,43 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
             "a psum was due) where the global one was due; psum the loss sum and its count or weight, then divide",
         )
     return _factor_finding(ctx, *named)
+
+
+def _weight_or_shard_factor(ctx: DiagnosisContext, named: tuple[str, str]) -> Diagnosis | None:
+    """``scaled`` where the gradient factor is at once the batch's total loss weight (or 1 over it) of a
+    ``(loss_sum, weight)`` loss and a shard count's factor (``named``): both readings, the weight's first (trial
+    37: 16 rows on data=4, the psum of the loss sums never divided by the weight 16, read "sum-reduced twice
+    (x16 = 4^2)" as a fact); only the weight's where another step run from the reference's state, whose batch
+    weighs otherwise, shows that weight's factor there. ``None`` where the factor is not the weight, or where such
+    a step shows the shard count's factor again (:func:`shard_factor` names it)."""
+    f, first = ctx.factor, ctx.first
+    weight = weight_phrase(f, first.loss_weight)
+    if weight is None:
+        return None
+    for r in ctx.records:
+        if (
+            r is first
+            or not r.from_reference_state
+            or r.step == first.step
+            or r.loss_weight == first.loss_weight
+        ):
+            continue
+        g = _step_factor(r)
+        if g is None:
+            continue
+        by_weight, by_shards = weight_phrase(g, r.loss_weight) is not None, _close(g, f)
+        if by_weight and not by_shards:
+            return _factor_finding(
+                ctx,
+                "scaled",
+                f"{weight}; at step {r.step} (run from the reference's state, its batch's weight {r.loss_weight:g}) "
+                f"they are {g:.4g} x the reference's, that weight again, not a shard count's factor",
+            )
+        if by_shards and not by_weight:
+            return None
+    shards = named[1].removeprefix("the gradient ")
+    phrase = f"either {weight}; or the gradient {shards}{cannot_tell(f, first.loss_weight)}"
+    return _factor_finding(ctx, "scaled", phrase)
 
 
 def _unreduced_phrase(ctx: DiagnosisContext) -> str:

@@ -319,29 +319,72 @@ def downstream_note(record: StepRecord) -> str:
     )
     held = {"param ": "value" if one else "values", "opt_state ": "optimizer state"}
     what = " and ".join(w for k, w in held.items() if any(n.startswith(k) for n in own)) or "leaves"
+    graded, stateless = _by_own_gradient(record, downstream)
+    it = "it" if one else "those"
+    parts = []
+    if graded:
+        have, their = ("has a gradient", "its") if len(graded) == 1 else ("have gradients", "their")
+        parts.append(f"{have} within tolerance: {their} copies differ downstream of {it} {WITHIN}")
+    if stateless:
+        parts.append(f"{'is' if len(stateless) == 1 else 'are'} {_stateless_phrase(stateless, it)}")
+    if len(parts) == 1:
+        other = f"the other {len(downstream)} {parts[0]}"
+    else:
+        other = f"of the other {len(downstream)}, {len(graded)} {parts[0]}; {len(stateless)} {parts[1]}"
+    return f"{len(own)} of them {'is' if len(own) == 1 else 'are'} the {what} of {whose}; {other}"
+
+
+def _by_own_gradient(record: StepRecord, names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(graded, stateless)``: the leaves of ``names`` that belong to a parameter whose gradient the step
+    compared (its value, its optimizer state), and the others: non-parameter model state (``state model.ema.*``,
+    trial 37's EMA copies) and other leaves with no gradient of their own."""
+    paths = [e.path for e in record.leaves if e.kind == "grad"]
+    graded = [n for n in names if any(_owns(n, p) for p in paths)]
+    return graded, [n for n in names if n not in graded]
+
+
+def _stateless_phrase(stateless: Sequence[str], it: str) -> str:
+    """What leaves without a gradient of their own whose copies differ are (after "is"/"are"): non-parameter
+    model state, written in the step from the copies that differ (an EMA of the parameters) or from each
+    device's own shard (a statistic not reduced); never said to have gradients within tolerance (trial 37)."""
+    state = all(n.startswith("state ") for n in stateless)
+    what = "non-parameter model state" if state else "leaves with no gradient of their own"
     return (
-        f"{len(own)} of them {'is' if len(own) == 1 else 'are'} the {what} of {whose}; the other "
-        f"{len(downstream)} have gradients within tolerance: their copies differ downstream of "
-        f"{'it' if one else 'those'} {WITHIN}"
+        f"{what} ({name_leaves(list(stateless))}; no gradient of {'its' if len(stateless) == 1 else 'their'} own): "
+        f"written in the step from the copies that differ downstream of {it}, or from each device's own shard (a "
+        "statistic not reduced over the batch axes)"
     )
 
 
 def _downstream_sentence(unreduced: Sequence[str], downstream: Sequence[str], missed: str) -> str:
     """What the leaves whose copies differ while their gradients are within tolerance may be: downstream of
-    ``unreduced``, or unreduced by too little to show."""
+    ``unreduced``, or unreduced by too little to show. Non-parameter model state among them (``state ...``: no
+    gradient of its own) is said as such (:func:`_stateless_phrase`), never as having gradients within
+    tolerance (trial 37: an EMA written from the parameters' differing copies)."""
     it = "it" if len(unreduced) == 1 else "those"
-    have, their = ("has", "its") if len(downstream) == 1 else ("have", "their")
     named = "the one named" if len(unreduced) == 1 else f"the {len(unreduced)} named"
     is_ = "is" if len(unreduced) == 1 else "are"
-    return (
-        f" The other {n_leaves(len(downstream))} whose copies differ {have} gradients within tolerance of the "
+    state = [n for n in downstream if n.startswith("state ")]
+    graded = [n for n in downstream if n not in state]
+    said = ""
+    if state:
+        are = "is" if len(state) == 1 else "are"
+        said = (
+            f" {n_leaves(len(state)).capitalize()} whose copies differ {are} {_stateless_phrase(state, it)}."
+        )
+    if not graded:
+        return said + f" Not reduced: {name_leaves([f'grad {p}' for p in unreduced])}."
+    have, their = ("has", "its") if len(graded) == 1 else ("have", "their")
+    other = "The other" if not state else "The"
+    return said + (
+        f" {other} {n_leaves(len(graded))} whose copies differ {have} gradients within tolerance of the "
         f"reference's: {their} copies differ across {missed} downstream of {it}, through an update that reads "
         "every gradient (a global-norm clip such as optax.clip_by_global_norm, a global norm), which each device "
         f"computed from its own copies of the unreduced gradients, {WITHIN} (a gradient within tolerance may "
         f"still be unreduced). Reduce every gradient over {missed}, not only {named}: where copies still differ "
         f"once {it} {is_} reduced, another was left unreduced too. Not reduced: "
         f"{name_leaves([f'grad {p}' for p in unreduced])}; leaves whose copies differ with their parameter's "
-        f"gradient within tolerance, nearest its tolerance first: {name_leaves(downstream)}."
+        f"gradient within tolerance, nearest its tolerance first: {name_leaves(graded)}."
     )
 
 

@@ -60,7 +60,7 @@ from shardcheck.parity.comparison.model_state import (
     PREFIX,
     floating_arrays,
     floating_state,
-    loss_reads,
+    loss_access,
     model_state_leaves,
 )
 from shardcheck.parity.comparison.rng_counts import rng_count_leaves
@@ -375,7 +375,7 @@ def _compare_step(
         skipped=skipped,
     )
     if not record.ok:
-        record = _with_replicas(record, after, cand_grads)
+        record = _failing_record(run, record, after, cand_grads)
         if explain:
             record = _explained(run, pre, batch, record, rtol, atol, cand_grads)
             record = localization_evidence(run, record, snapshots, stepped, after, rtol, atol)
@@ -401,13 +401,23 @@ def _normalized(run: _Run, unresolved: list[str]) -> tuple[str, ...]:
 
 def _floating_before(run: _Run) -> None:
     """Both sides' floating non-parameter state before a step (``run.state_before``), and once per check which
-    of it the task's loss reads (``run.state_read``: ``model_state.loss_reads``); nothing for a model without."""
+    of it the task's loss reads and writes (``run.state_read``, ``run.state_written``: ``model_state.loss_access``);
+    nothing for a model without."""
     found = run.found if run.in_place else None
     ref = floating_state(run.ref_model, found, "floating_state ref")
     run.state_before = (ref, floating_state(run.cand_model, found, "floating_state cand") if ref else None)
     if ref and run.state_read is None:
-        reads = loss_reads(run.task.loss_fn, run.ref_model, run.task.batches[0])
+        reads, writes = loss_access(run.task.loss_fn, run.ref_model, run.task.batches[0])
         run.state_read = frozenset(ref) if reads is None else reads
+        run.state_written = None if writes is None else frozenset(PREFIX + p for p in writes)
+
+
+def _failing_record(run: _Run, record: StepRecord, after: _After, cand_grads) -> StepRecord:
+    """A failing ``record`` with its replica evidence (:func:`_with_replicas`) and the model's floating state the
+    task's loss writes (``StepRecord.forward_writes``: state the reference's step writes otherwise is the
+    step's own, not the forward pass's)."""
+    record = _with_replicas(record, after, cand_grads)
+    return dataclasses.replace(record, forward_writes=run.state_written)
 
 
 def _against_the_bound_first(args: tuple, bounds, exact: bool):
@@ -842,7 +852,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         facts=facts,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
-    localization = localize(records, facts=facts)
+    localization = localize(records, facts=facts, num_shards=run.cand.num_shards)
     first = next((r for r in records if not r.ok), None)
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
     findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once

@@ -234,6 +234,8 @@ class _Run:
     # (model_state.loss_reads, once per check)
     state_before: tuple = (None, None)
     state_read: frozenset | None = None
+    # the paths (``model.<path>``) of that state the task's loss writes (model_state.loss_access; None: not known)
+    state_written: frozenset | None = None
     # the task's loss couples the rows of a batch (parity.harness.row_coupling, probed at low-precision compute
     # only): its loss run per shard is another loss, so no split of it measures a correct step's rounding
     rows_coupled: bool = False
