@@ -201,7 +201,8 @@ def test_a_norm_scale_left_out_of_the_decay_mask_is_the_optimizer_stage_with_its
     # one true sentence for the decay, said the same by the localization and the [localized] finding (a new
     # user's trial read "coefficient 0.1 x lr" in one and "a constant factor" in the other)
     said = (
-        "Form: a decoupled weight decay term c*lr*param with c = 0.1 on all 3 failing leaves (the difference"
+        "Form: a decoupled weight decay term c*lr*param with c = 0.1 (learning rate 0.01 at this step) on all 3 "
+        "failing leaves (the difference"
     )
     assert said in loc.text() and "the reference applies it and the candidate skipped it" in loc.text()
     localized = next(d.message for d in report.diagnoses if d.code == "localized")

@@ -232,6 +232,13 @@ class StepRecord:
             (``optax.apply_if_finite``, a loss-scale check), no divergence (a loss that overflows while the
             parameters move is one). Its loss and gradient leaves that are not finite on either side are compared by finiteness
             (``LeafError.finite``); every other leaf as always.
+        replica_scales: a failing live step whose returned gradients' copies differ across devices by one constant
+            per device, the same on every leaf (:func:`~shardcheck.parity.diagnosis.replica_form.copy_scales`:
+            ``(1, a_1, ...)``, device order, device 0's copy the unit): gradients all-reduced, then scaled by a
+            quantity of each device's own (a local count or norm); ``None`` otherwise.
+        shard_weights: where ``replica_scales`` is set under a ``(loss_sum, weight)`` loss: each of the S batch
+            shards' own loss weight (shard order, as the batch axes split it), from which a local divisor's
+            constants are predicted (``a_d = w_0 / w_d``); ``None`` otherwise.
     """
 
     step: int
@@ -264,6 +271,8 @@ class StepRecord:
     update_checked: bool = False
     task_loss: float | None = None
     skipped: bool = False
+    replica_scales: tuple[float, ...] | None = None
+    shard_weights: tuple[float, ...] | None = None
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:
@@ -306,7 +315,7 @@ class Diagnosis:
         code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``, ``per_shard_loss``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
             ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
-            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``weak_check``,
+            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``local_normalization``, ``weak_check``,
             ``rounding_level`` or ``skipped_step``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).

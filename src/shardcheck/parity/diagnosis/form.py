@@ -944,7 +944,11 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
         if a > 0
         else "the candidate applies it and the reference does not"
     )
-    value = f"c = {abs(coef):.4g}" if lr else f"c*lr = {abs(a):.4g} (the learning rate unknown)"
+    value = (
+        f"c = {abs(coef):.4g} (learning rate {lr:.4g} at this step)"
+        if lr
+        else f"c*lr = {abs(a):.4g} (the learning rate unknown)"
+    )
     where = " (param after the update: a decay applied after the optimizer's update)" if after else ""
     return Form(
         "decay",

@@ -199,6 +199,17 @@ def equal_shard_weights(loss_fn, num_shards: int, graphdef, params, rest, batch)
     relative): then the mean of per-shard means is the full batch's normalization, and a step that reproduces it
     computed a term of the loss per shard, not a count (trial 14: a load-balancing loss over each shard's routing,
     53 and 53 tokens). ``False`` where a shard's weight cannot be read (a model that does not run on a shard)."""
+    weights = shard_weights(loss_fn, num_shards, graphdef, params, rest, batch)
+    if weights is None:
+        return False
+    return max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
+
+
+def shard_weights(loss_fn, num_shards: int, graphdef, params, rest, batch) -> tuple[float, ...] | None:
+    """Each of the ``num_shards`` shards' own loss weight under a ``(loss_sum, weight)`` loss (the batch split as
+    :func:`~shardcheck.task.split_batch` splits it: shard i is the i-th block of rows, the i-th device of the batch
+    axes), floats in shard order; ``None`` where a shard's weight cannot be read (a mean loss, a model that does
+    not run on a shard)."""
     try:
         weights = [
             batch_weight(loss_fn, graphdef, params, rest, jax.tree.map(lambda a, i=i: a[i], shards))
@@ -206,10 +217,10 @@ def equal_shard_weights(loss_fn, num_shards: int, graphdef, params, rest, batch)
             for i in range(num_shards)
         ]
     except (TypeError, ValueError):
-        return False
+        return None
     if any(w is None for w in weights):
-        return False
-    return max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
+        return None
+    return tuple(float(w) for w in weights)
 
 
 def _reproduces(run: _Run, alt_params, alt_state, rtol, atol, rounding=None) -> bool:
@@ -313,12 +324,19 @@ def _explained(
     weight = (
         batch_weight(run.task.loss_fn, pre.graphdef, pre.params, pre.rest, batch) if run.weighted else None
     )
+    s = run.cand.num_shards
+    shards = (
+        shard_weights(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
+        if record.replica_scales is not None and run.weighted and s and s == len(record.replica_scales)
+        else None
+    )
     return dataclasses.replace(
         record,
         matches=matches,
         loss_weight=weight,
         per_shard_factor=per_shard,
         weight_count=weight_count(batch, weight),
+        shard_weights=shards,
     )
 
 

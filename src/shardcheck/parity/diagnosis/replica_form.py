@@ -141,3 +141,57 @@ def fit_replicas(
     (only,) = fits if len(fits) == 1 else (None,)
     factor = None if only in (None, "none") else float(np.median([f[2] for f in fits[only]]))
     return Form("replicas", head, factor=factor, spread=(min(gaps), max(gaps)), leaves=len(leaves))
+
+
+# copies of one array that differ by a per-device constant agree with it to this share of their largest element
+# (a float32 product or quotient of the same all-reduced value rounds each element by ~1e-7 of it)
+SCALE_RTOL = 1e-5
+
+
+def copy_scales(arrays: Mapping[str, object]) -> tuple[float, ...] | None:
+    """The per-device constants ``a_d`` with every device's copy of every fully replicated array of ``arrays``
+    equal to ``a_d`` times the first device's copy (device order; ``a_0 = 1``), or ``None`` where they are not.
+
+    The copies of a gradient that was all-reduced and then scaled by a quantity of each device's own (its shard's
+    own count, weight or norm: issue #36's ``psum(g) / local_count``) are one array times a constant per device,
+    the same constant on every leaf; a reduction that missed an axis leaves partial sums, which no constant maps
+    onto each other. ``a_d`` is the least-squares fit over all arrays (float64); each copy must match
+    ``a_d x`` the first within :data:`SCALE_RTOL` of the first copy's largest element, on every array.
+
+    Args:
+        arrays: ``{name: jax.Array}``; arrays not replicated on every one of their devices (or on one device, or
+            not ``jax.Array``) are skipped, as are copies of all zeros.
+
+    Returns:
+        ``(a_0, a_1, ...)`` floats, one per device of the arrays, where some ``a_d`` is not 1 (within
+        :data:`SCALE_RTOL`) and every copy fits; ``None`` where no array has copies, the arrays' devices differ,
+        or some copy is not a constant times the first.
+    """
+    pairs: list[list[np.ndarray]] = []
+    devices = None
+    for a in arrays.values():
+        if not isinstance(a, jax.Array) or len(a.addressable_shards) < 2:
+            continue
+        shards = sorted(a.addressable_shards, key=lambda s: s.device.id)
+        if any(s.data.shape != a.shape for s in shards):  # sharded: not a copy of the whole on every device
+            continue
+        ids = tuple(s.device.id for s in shards)
+        if devices is not None and ids != devices:
+            return None
+        devices = ids
+        copies = [np.asarray(s.data, np.float64).ravel() for s in shards]
+        if np.max(np.abs(copies[0]), initial=0.0) > 0:
+            pairs.append(copies)
+        elif any(np.any(c) for c in copies):  # zeros on the first device only: no constant maps it
+            return None
+    if not pairs:
+        return None
+    den = sum(float(np.vdot(c[0], c[0])) for c in pairs)
+    scales = tuple(sum(float(np.vdot(c[k], c[0])) for c in pairs) / den for k in range(len(pairs[0])))
+    for c in pairs:
+        top = float(np.max(np.abs(c[0])))
+        if any(float(np.max(np.abs(c[k] - a * c[0]))) > SCALE_RTOL * top for k, a in enumerate(scales)):
+            return None
+    if all(abs(a - 1.0) <= SCALE_RTOL for a in scales):
+        return None
+    return scales

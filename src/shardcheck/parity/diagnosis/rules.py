@@ -8,6 +8,8 @@ in order, with their codes:
 
 - :func:`parity` (``parity``): every step within tolerance, neither run diverged.
 - :func:`reference_diverged` (``reference_diverged``): the reference went non-finite; no verdict.
+- :func:`local_normalization` (``local_normalization``): the returned gradients' copies are one gradient times a
+  constant per device (a local count after the all-reduce).
 - :func:`wrong_axis_reduction` (``wrong_axis_reduction``): copies differ along some mesh axes only.
 - :func:`non_finite` (``non_finite``): the candidate's values are NaN or infinite at the first failing step.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
@@ -827,11 +829,79 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def _local_weights(r: StepRecord) -> tuple[float, ...] | None:
+    """The shards' own loss weights (``StepRecord.shard_weights``) where the copies' constants
+    (``StepRecord.replica_scales``) are their inverse ratios (``a_d = w_0 / w_d``, within 1e-4): each device divided
+    the all-reduced gradient by its own shard's weight; ``None`` otherwise."""
+    scales, weights = r.replica_scales, r.shard_weights
+    if scales is None or weights is None or len(weights) != len(scales) or not all(w > 0 for w in weights):
+        return None
+    predicted = [weights[0] / w for w in weights]
+    fits = all(abs(a - p) <= 1e-4 * abs(p) for a, p in zip(scales, predicted, strict=True))
+    return weights if fits else None
+
+
+def local_normalization(ctx: DiagnosisContext) -> Finding:
+    """``local_normalization``: the returned gradients' copies differ across devices by one constant per device,
+    the same on every leaf (``StepRecord.replica_scales``): the gradients were all-reduced, then scaled by a
+    quantity of each device's own, a local count or norm (issue #36: ``psum(g) / local_count`` read "not reduced
+    over 'fsdp'", its fix already in the step). Where the constants are the inverse ratios of the shards' own loss
+    weights, said with those numbers, and the gradient factor as the global weight over shard 0's own."""
+    r = next((r for r in ctx.records if r.replica_mismatches), None)
+    if r is None or r.replica_scales is None:
+        return None
+    scales = ", ".join(f"x{a:.4g}" for a in r.replica_scales)
+    axes = tuple((ctx.mesh_shape or {}).keys())
+    psum_axes = repr(axes[0]) if len(axes) == 1 else repr(axes) if axes else "the batch axes"
+    weights = _local_weights(r)
+    head = (
+        f"After step {r.step} every device's copy of the returned gradients is one same gradient times a constant "
+        f"of its own: the copies differ{along(r.replica_axes)} and are exactly proportional on every leaf ({scales} "
+        "of the first device's, device by device)"
+    )
+    if weights is not None:
+        total = sum(weights)
+        said = ", ".join(f"{w:g}" for w in weights)
+        why = (
+            f", the ratios of 1 over the shards' own loss weights ({said}; the batch's weight {total:g}): the "
+            "gradients were "
+            "all-reduced, then each device divided them by its own shard's weight (a local count, such as the "
+            "shard's jnp.sum(mask)) where the global one was due"
+        )
+        f = ctx.factor
+        own = next(
+            (d for d, w in enumerate(weights) if f is not None and abs(f - total / w) <= RATIO_RTOL * f), None
+        )
+        if own is not None:
+            why += (
+                f". The returned gradients are x{f:.4g} = {total:g}/{weights[own]:g}: the global weight over shard "
+                f"{own}'s own"
+            )
+    else:
+        why = (
+            ": the gradients were all-reduced, then scaled by a quantity of each device's own (a local count, "
+            "weight or norm) where a global one was due"
+            + (
+                f" (not 1 over the shards' own loss weights, {', '.join(f'{w:g}' for w in r.shard_weights)})"
+                if r.shard_weights is not None
+                else ""
+            )
+        )
+    return Diagnosis(
+        "local_normalization",
+        f"{head}{why}. Their reduction is not what differs: a reduction that missed an axis leaves partial sums, "
+        "which no constant maps onto each other. Divide by the global quantity: psum the count or weight over "
+        f"{psum_axes} (jax.lax.psum(count, {psum_axes})) and divide the all-reduced gradients by that.",
+        ctx.worst_name or r.replica_mismatches[0],
+    )
+
+
 def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
-    """``wrong_axis_reduction``: replicas differ along some mesh axes and agree along the others."""
+    """``wrong_axis_reduction``: replicas differ along some mesh axes and agree along the others (never where
+    the returned gradients' copies are one gradient times a constant per device: :func:`local_normalization`)."""
     r = next((r for r in ctx.records if r.replica_mismatches and r.replica_axes), None)
     axes = tuple((ctx.mesh_shape or {}).keys())
-    if r is None or len(axes) < 2 or set(r.replica_axes) >= set(axes):
+    if r is None or len(axes) < 2 or set(r.replica_axes) >= set(axes) or r.replica_scales is not None:
         return None
     grads = [e for e in r.leaves if e.kind == "grad"]
     after = bool(grads) and all(e.ok for e in r.leaves if e.kind in ("loss", "grad"))
@@ -1206,6 +1276,10 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
             "summed: each shard's loss over a local count or weight (its own rows, or a pmean of the weight where "
             "a psum was due) where the global one was due; psum the loss sum and its count or weight, then divide",
         )
+    elif named[0] in ("summed", "averaged_twice"):  # the loss itself x f: said first (issue #36)
+        led = _loss_led(ctx, named[1])
+        if led is not None:
+            return led
     return _factor_finding(ctx, *named)
 
 
@@ -1244,6 +1318,47 @@ def _weight_or_shard_factor(ctx: DiagnosisContext, named: tuple[str, str]) -> Di
     shards = named[1].removeprefix("the gradient ")
     phrase = f"either {weight}; or the gradient {shards}{cannot_tell(f, first.loss_weight)}"
     return _factor_finding(ctx, "scaled", phrase)
+
+
+def _loss_led(ctx: DiagnosisContext, reduction: str) -> Diagnosis | None:
+    """``scaled``, the loss's reading first, where the loss the step returned at equal parameters (step 0, or a
+    step run from the reference's state) is the same factor f of the reference's as its gradients: the loss itself
+    is scaled (a factor in it or its normalization, or the loss psum-ed where a mean was due), the gradients with
+    it; the reduction of the gradients alone (``reduction``, the factor's reading as a count) only second, since
+    it leaves the loss as it is (issue #36: a jit step whose loss was 2 x read "summed over 'data' or 'fsdp' once
+    too often" beside its own Form's "the whole loss is scaled"). ``None`` where the loss matches, or differs by
+    another factor."""
+    first, f = ctx.first, ctx.factor
+    if not (first.step == 0 or first.from_reference_state) or not first.loss or first.candidate_loss is None:
+        return None
+    ratio = first.candidate_loss / first.loss
+    if not _close(ratio, f):
+        return None
+    k = round(f) if f >= 1 else round(1 / f)
+    sizes = ctx.mesh_shape or {}
+    axes = [a for a, n in sizes.items() if n == k]
+    which = (
+        " or ".join(repr(a) for a in axes)
+        if axes
+        else f"the {k} shards"
+        if ctx.num_shards == k
+        else "the batch axes"
+    )
+    collective = (
+        f"or the loss psum-ed over {which} where a mean was due"
+        if f >= 1
+        else f"or the loss averaged over {which} (or divided by {k}) where a sum was due"
+    )
+    return Diagnosis(
+        "scaled",
+        f"At step {first.step}{first.start_said} the loss the step returns at equal parameters is {ratio:.4g} x "
+        f"the reference's ({first.candidate_loss:.7g} vs {first.loss:.7g}), and {ctx.evidence} are {f:.4g} x "
+        f"too: the loss itself is scaled, its gradients with it: a factor in the loss or its normalization (a "
+        f"term counted twice, another count or divisor, a loss scale not undone), {collective}. Second, since a "
+        "reduction of the gradients alone leaves the returned loss as it is (unless the loss is reduced the same "
+        f"way): {reduction}.",
+        ctx.worst_name,
+    )
 
 
 def _unreduced_phrase(ctx: DiagnosisContext) -> str:
@@ -1522,6 +1637,8 @@ def _reduction_refuted(record: StepRecord) -> bool:
 def scaled(ctx: DiagnosisContext) -> Finding:
     """``scaled``: a constant gradient factor that is not a shard count (and no named reduction matched)."""
     if ctx.factor is None or ctx.named_factor is not None or ctx.reproduced or _weight_reading(ctx):
+        return None
+    if ctx.first.replica_scales is not None:  # the factor of one device's copy: local_normalization says it
         return None
     if ctx.one_number is not None:  # one number: no factor is claimed (_factor_finding says its readings)
         return _factor_finding(ctx, "scaled", None)
@@ -2356,6 +2473,7 @@ RULES: tuple[Rule, ...] = (
     reference_diverged,
     non_finite,
     recording_differs,
+    local_normalization,
     wrong_axis_reduction,
     replicas_differ,
     model_state,
@@ -2411,6 +2529,10 @@ def diagnose(
       (the catalog's findings that read ratios, :data:`NAN_BLIND`, are then not said).
     - ``recording_differs``: a replay whose step, run from the recording's state, returned the task's
       full-batch loss while the recording holds another (``StepRecord.task_loss``): every other finding dropped.
+    - ``local_normalization``: the returned gradients' copies differ by one constant per device, the same on
+      every leaf (``StepRecord.replica_scales``): all-reduced, then divided by each shard's own count or norm
+      (named with the shards' loss weights where the constants are their inverse ratios); no
+      ``wrong_axis_reduction`` nor ``scaled`` then.
     - ``wrong_axis_reduction``: replicated copies differ along some mesh axes and agree along the others
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).

@@ -68,6 +68,7 @@ from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
 from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.localization import consistent, localize
+from shardcheck.parity.diagnosis.replica_form import copy_scales
 from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.scale_evidence import (
     _scale_evidence,
@@ -656,10 +657,17 @@ def _grad_inputs(run: _Run, t, ref_grads, cand_grads, bounds, rtol, atol) -> tup
 
 def _with_replicas(record: StepRecord, after: _After, cand_grads) -> StepRecord:
     """A failing ``record`` with its replica evidence: the returned gradients' copies where nothing else's differ
-    (:func:`_with_gradient_replicas`) and the axes the copies differ along (:func:`_replica_axes`)."""
+    (:func:`_with_gradient_replicas`), the axes the copies differ along (:func:`_replica_axes`) and, where the
+    returned gradients' copies are one array times a constant per device, those constants
+    (``StepRecord.replica_scales``: a gradient all-reduced, then divided by a quantity of each shard's own)."""
     record = _with_gradient_replicas(record, cand_grads)
+    scales = None
+    if record.replica_mismatches and cand_grads is not None:
+        scales = copy_scales(flatten_state(nnx.as_pure(cand_grads)))
     return dataclasses.replace(
-        record, replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads)
+        record,
+        replica_axes=_replica_axes(after, record.replica_mismatches, cand_grads),
+        replica_scales=scales,
     )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from shardcheck._tree import path_str
 from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.form import Form, fit_form
@@ -376,20 +377,112 @@ def recorded_update_check(t: int, task, pre: tuple, grads, model, optimizer, vie
     return t, leaves, (*arrays, known_lr(state_after))
 
 
-def known_lr(opt_state) -> float | None:
-    """The learning rate an ``optax.inject_hyperparams`` state holds (``hyperparams["learning_rate"]``: after a
-    step, the one that step applied), else ``None``. A schedule's own state (``hyperparams_states``, its count)
-    is not a learning rate."""
+def known_lr(opt_state, tx=None, params=None) -> float | None:
+    """The learning rate the step that led to ``opt_state`` (the optimizer's state after it) applied, or ``None``.
+
+    Read from an ``optax.inject_hyperparams`` state (``hyperparams["learning_rate"]``: after a step, the one that
+    step applied; a schedule's own state, ``hyperparams_states``, is not a learning rate); else, given the
+    transformation ``tx`` and a tree like its parameters ``params`` (arrays or ``jax.ShapeDtypeStruct``), from
+    the one learning rate ``tx`` holds (:func:`_tx_learning_rate`): a schedule's value at the count before the
+    step (its ``ScaleByScheduleState.count`` in ``opt_state``, minus 1: issue #36's warmup-cosine adamw, whose
+    decay read "c*lr = 7.496e-05 (the learning rate unknown)" where lr(1) = 1.5e-3 gives c = 0.05), or a constant
+    one. A positive float; ``None`` where none is found, or more than one could be it."""
     found = [
         leaf
         for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
         if any(getattr(k, "key", None) in ("learning_rate", "lr") for k in path)
         and not any(getattr(k, "key", getattr(k, "name", None)) == "hyperparams_states" for k in path)
     ]
+    if len(found) == 1:
+        value = float(np.asarray(to_host(found[0])).reshape(-1)[0])
+    elif not found and tx is not None and params is not None:
+        value = _tx_learning_rate(tx, params, opt_state)
+    else:
+        return None
+    return value if value is not None and math.isfinite(value) and value > 0 else None
+
+
+def _reference_lr(run: _Run) -> float | None:
+    """:func:`known_lr` of the reference's optimizer after its step (its state, transformation and parameters)."""
+    params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
+    return known_lr(nnx.as_pure(_opt_state(run.ref_opt)), run.ref_opt.tx, params)
+
+
+def _tx_learning_rate(tx, params, opt_state) -> float | None:
+    """The learning rate ``tx`` applied at the step that led to ``opt_state``: its one ``scale_by_schedule`` (what
+    ``optax.scale_by_learning_rate`` builds from a schedule, inside ``adamw``, ``sgd``, ...) at its state's count
+    minus 1, or its one ``optax.scale`` (a constant learning rate); ``None`` where ``tx`` holds neither, or more
+    than one of them, or the schedule's count is not in ``opt_state``."""
+    found = _scales_of(tx)
     if len(found) != 1:
         return None
-    value = float(np.asarray(to_host(found[0])).reshape(-1)[0])
-    return value if math.isfinite(value) and value > 0 else None
+    kind, value = found[0]
+    if kind == "constant":
+        return abs(float(np.asarray(value)))
+    try:
+        like = jax.eval_shape(tx.init, params)
+    except Exception:  # noqa: BLE001 - a transformation that cannot initialize from this tree: no count to read
+        return None
+    schedule_states = [
+        path_str(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            like, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)
+        )[0]
+        if isinstance(leaf, optax.ScaleByScheduleState)
+    ]
+    flat = flatten_state(opt_state)
+    keys = [f"{p}.count" if p else "count" for p in schedule_states]
+    if len(keys) != 1 or keys[0] not in flat:
+        return None
+    count = int(np.asarray(to_host(flat[keys[0]])).reshape(-1)[0])
+    return abs(float(np.asarray(value(max(count - 1, 0)))))
+
+
+def _scales_of(tx) -> list[tuple[str, object]]:
+    """``[("schedule", fn) | ("constant", step_size), ...]``: the learning-rate scalings inside the optax
+    transformation ``tx``, found through its functions' closures (``scale_by_schedule``'s ``step_size_fn``,
+    ``scale``'s ``step_size``)."""
+    found: list[tuple[str, object]] = []
+    seen: set[int] = set()
+
+    def visit(obj, depth: int) -> None:
+        if depth > 64 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):  # multi_transform's transforms by label
+            obj = tuple(obj.values())
+        if isinstance(obj, tuple | list):
+            for item in obj:
+                visit(item, depth + 1)
+            return
+        if isinstance(obj, functools.partial):
+            visit((obj.func, *obj.args, *obj.keywords.values()), depth + 1)
+            return
+        code = getattr(obj, "__code__", None)
+        if code is None:
+            # not a function: an object holding its update function (a GradientTransformation is a NamedTuple,
+            # visited as a tuple above)
+            update = getattr(obj, "update", None)
+            if update is not None and callable(update):
+                visit(update, depth + 1)
+            return
+        cells = {}
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
+            try:
+                cells[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+        qualname = getattr(obj, "__qualname__", "")
+        if qualname == "scale_by_schedule.<locals>.update_fn" and "step_size_fn" in cells:
+            found.append(("schedule", cells["step_size_fn"]))
+        elif qualname == "scale.<locals>.update_fn" and "step_size" in cells:
+            found.append(("constant", cells["step_size"]))
+        else:
+            for value in cells.values():
+                visit(value, depth + 1)
+
+    visit(tx, 0)
+    return found
 
 
 def stage_forms(
@@ -422,7 +515,7 @@ def stage_forms(
     bad = [p for p in bad if p in ref and p in cand and not is_int(cand[p])]
     if not bad:
         return ()
-    lr = known_lr(nnx.as_pure(_opt_state(run.ref_opt)))
+    lr = _reference_lr(run)
     form = fit_form(
         {p: to_host(before[p]) for p in bad if p in before},
         {p: to_host(ref[p]) for p in bad},
@@ -561,7 +654,7 @@ def update_checked(run: _Run, record: StepRecord, snapshots, stepped, after) -> 
         return dataclasses.replace(record, update_checked=True)
     leaves, (before, rerun, cand) = checked
     record = dataclasses.replace(record, optimizer_rerun=leaves)
-    lr = known_lr(nnx.as_pure(_opt_state(run.ref_opt)))
+    lr = _reference_lr(run)
     quiet = near_zero(stepped[1], record.atol)
     return dataclasses.replace(record, forms=optimizer_form(record, (before, rerun, cand, lr, quiet)))
 

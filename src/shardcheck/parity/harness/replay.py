@@ -387,7 +387,10 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     )
     quiet = near_zero(grads, record.atol)  # the live check allows them one by one, so the rerun does too
     compared = _compared(record, rerun, after, (params, state), quiet=quiet)
-    return compared, matches, (*arrays, known_lr(state), quiet), fields
+    # the learning rate the task's optimizer applied at this step: its state after the rerun holds it (an
+    # inject_hyperparams state), or its schedule at the count before the step (issue #36)
+    lr = known_lr(rerun[1], task.optimizer, params)
+    return compared, matches, (*arrays, lr, quiet), fields
 
 
 def _rerun_from(task: Task, params, state, grads):
