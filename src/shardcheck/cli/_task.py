@@ -251,6 +251,15 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
             _sized(args, options)
         options.update(_precision_options(args, harness=harness))
         return load_task(args.task, **options)
+    return _task_file(args, optimizer, batch_size)
+
+
+def _task_file(args, optimizer, batch_size):
+    """The task of a task file (``--task FILE.py:ATTR`` / ``MODULE:ATTR``), after refusing the flags that only the
+    built-in tasks read: an optimizer, a rate, a batch size, a seed, a dataset, a model shape (trial 36: ``--seed
+    3`` and ``--dataset linnerud`` beside a task file ran seed 0's check and exited 0)."""
+    from shardcheck.tasks import load_task
+
     flags = [("--optimizer", optimizer), ("--lr", args.lr), ("--batch-size", batch_size)]
     flags += [(f"--{k.replace('_', '-')}", v) for k, v in _optimizer_options(args).items()]
     for flag, value in flags:
@@ -259,14 +268,6 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
                 f"--task {args.task}: {flag} applies to the built-in tasks only; a task file sets its own optimizer "
                 "and batches"
             )
-    _refuse_builtin_data_flags(args)
-    return load_task(args.task)
-
-
-def _refuse_builtin_data_flags(args) -> None:
-    """A task file with a flag that only the built-in tasks read (a seed, a dataset, a model shape): refused, so
-    that no one believes another initialization or dataset was checked (trial 36: ``--seed 3`` and ``--dataset
-    linnerud`` beside a task file ran seed 0's check and exited 0)."""
     given = [
         ("--seed", getattr(args, "seed", 0), 0, "its model's nnx.Rngs seed its parameters"),
         ("--dataset", getattr(args, "dataset", "diabetes"), "diabetes", "it brings its own batches"),
@@ -279,3 +280,4 @@ def _refuse_builtin_data_flags(args) -> None:
                 f"--task {args.task}: {flag} {value} applies to the built-in tasks only ({why}); drop {flag}, or "
                 "change the task file"
             )
+    return load_task(args.task)

@@ -60,7 +60,7 @@ from shardcheck.parity.harness.true_gradients import (
 )
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
-from shardcheck.parity.tolerance.precision import Precision, float32_compute
+from shardcheck.parity.tolerance.precision import Precision, float32_compute, traced_compute_dtype
 from shardcheck.parity.tolerance.propagation import normalized_leaves
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
@@ -624,7 +624,9 @@ def _precision(fn: str, task: Task, model, batch, mesh, matmul_precision, comput
         TypeError, ValueError: ``compute_dtype`` not a floating dtype, or more precise than the model's layers.
     """
     policy = matmul.resolve(fn, matmul_precision, task.loss_fn, model, batch, mesh)[0]
-    return policy, Precision.of(model, compute_dtype=compute_dtype, matmul=policy, fn=fn).compute_dtype.name
+    traced = traced_compute_dtype(task.loss_fn, model, batch)
+    precision = Precision.of(model, compute_dtype=compute_dtype, matmul=policy, fn=fn, traced=traced)
+    return policy, precision.compute_dtype.name
 
 
 def normalized_params(task: Task, model: nnx.Module) -> list[str]:

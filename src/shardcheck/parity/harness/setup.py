@@ -12,6 +12,7 @@ import math
 import weakref
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from shardcheck import _validate
@@ -24,7 +25,7 @@ from shardcheck.parity.harness.state import _Run
 from shardcheck.parity.tolerance import matmul
 from shardcheck.parity.tolerance.allowances import _noise_shards
 from shardcheck.parity.tolerance.overrides import _check_leaf_tolerance, _leaf_names
-from shardcheck.parity.tolerance.precision import Precision, float32_compute
+from shardcheck.parity.tolerance.precision import Precision, float32_compute, traced_compute_dtype
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs
@@ -113,16 +114,22 @@ def _setup(
         cand_opt = cand.make_optimizer(cand_model, cand_opt)
         _check_view(fn, cand, optimizer, cand_opt)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
-    dtypes = dict(dtypes)
-    policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, data[0], mesh)
-    precision = Precision.of(model, fn=fn, matmul=policy[0], **dtypes)
-    # the model's structure is fixed over the run: its float32-compute graph is built once
-    graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
     cached = (
         initial_state is None and ref_strategy is None
     )  # the task's own initial model: probed once a task
+    policy, precision = _precision(fn, task, model, data[0], mesh, dtypes, cached)
+    # the model's structure is fixed over the run: its float32-compute graph is built once
+    graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
     coupled = _rows_coupled(
-        fn, (candidate, reference), (cand, ref_strategy), model, graphdef32, task, data[0], cached
+        fn,
+        (candidate, reference),
+        (cand, ref_strategy),
+        model,
+        graphdef32,
+        task,
+        data[0],
+        cached,
+        precision.compute_eps,
     )
     overrides = _check_leaf_tolerance(fn, leaf_tolerance, _leaf_names(model, optimizer))
     run = _Run(
@@ -150,6 +157,16 @@ def _setup(
         rows_coupled=coupled,
     )
     return run, data
+
+
+def _precision(fn, task: Task, model, batch, mesh, dtypes: dict, cached: bool) -> tuple[tuple, Precision]:
+    """The matmul policy (:func:`~shardcheck.parity.tolerance.matmul.resolve`'s triple) and the check's
+    :class:`~shardcheck.parity.tolerance.precision.Precision`: the caller's ``dtypes`` overrides, else the
+    model's layers and parameters and its loss's traced matmul operands (:func:`traced_compute_dtype`)."""
+    dtypes = dict(dtypes)
+    policy = matmul.resolve(fn, dtypes.pop("matmul_precision", None), task.loss_fn, model, batch, mesh)
+    traced = _memo(task, ("traced",), cached, lambda: traced_compute_dtype(task.loss_fn, model, batch))
+    return policy, Precision.of(model, fn=fn, matmul=policy[0], traced=traced, **dtypes)
 
 
 def reference_strategy(fn, reference, task, num_shards, mesh) -> tuple[Candidate | None, object, str]:
@@ -254,22 +271,50 @@ def _check_state_carried(fn, candidate, updated: list[str], drawn: list[str] = (
     )
 
 
-_COUPLING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per task, ``{(num_shards, compute_eps, float32 probe): coupled_rows's result}`` on its initial model and first
-batch: the same at every check of the task (tiny-lm's accumulation probe took ~30 ms of a warm check's setup)."""
+_PER_TASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per task, ``{key: value}`` of the setup's probes on its initial model and first batch (the row coupling at a
+shard count, the loss's traced compute dtype): the same at every check of the task (tiny-lm's accumulation
+probe took ~30 ms of a warm check's setup)."""
+
+
+def _memo(task: Task, key: tuple, cached: bool, build):
+    """``build()``, once per task and ``key`` where ``cached`` (the check runs on the task's own initial model)."""
+    memo = _PER_TASK.setdefault(task, {}) if cached else {}
+    if key not in memo:
+        memo[key] = build()
+    return memo[key]
 
 
 def _coupled(task: Task, model, batch, s: int, compute_eps: float, in_float32: bool, cached: bool):
     """:func:`~shardcheck.parity.harness.row_coupling.coupled_rows` of the task's loss, once per task where
     ``cached`` (``model`` is the task's own initial model, or its float32 probe)."""
-    memo = _COUPLING.setdefault(task, {}) if cached else {}
-    key = (s, compute_eps, in_float32)
-    if key not in memo:
-        memo[key] = coupled_rows(task.loss_fn, model, batch, s, compute_eps, task.terms(batch))
-    return memo[key]
+    terms = task.terms(batch)
+    key = ("coupling", s, compute_eps, in_float32)
+    return _memo(task, key, cached, lambda: coupled_rows(task.loss_fn, model, batch, s, compute_eps, terms))
 
 
-def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch, cached: bool = False) -> bool:
+def _probe_eps(task: Task, probe, batch, graphdef32, compute_eps: float, cached: bool) -> float:
+    """The compute rounding of the row-coupling probe: 0 for the float32 probe (``graphdef32``), unless the
+    model casts in its own code, which the probe keeps (the eps of the probe's traced matmul operands; trial 38:
+    a loss refused as coupling the rows at float32's tolerance); ``compute_eps`` where no layer could be lifted
+    to float32 (the probe is the model itself)."""
+    if graphdef32 is None:
+        return compute_eps
+    own = _memo(task, ("traced probe",), cached, lambda: traced_compute_dtype(task.loss_fn, probe, batch))
+    return 0.0 if own is None or own.itemsize >= 4 else float(jnp.finfo(own).eps)
+
+
+def _rows_coupled(
+    fn,
+    strategies,
+    built,
+    model,
+    graphdef32,
+    task: Task,
+    batch,
+    cached: bool = False,
+    compute_eps: float = 0.0,
+) -> bool:
     """Whether the task's loss couples the rows of ``batch`` (:mod:`~shardcheck.parity.harness.row_coupling`),
     probed in float32 compute (``graphdef32``, the model's float32-compute graph, where it computes in a lower
     precision: the bfloat16 rounding of the loss would hide a weak coupling such as trial 14's load-balancing
@@ -281,13 +326,14 @@ def _rows_coupled(fn, strategies, built, model, graphdef32, task: Task, batch, c
         ValueError: as :func:`~shardcheck.parity.harness.row_coupling.check_rows_separable`.
     """
     probe = float32_model(model, graphdef32)
-    in_float32 = graphdef32 is not None
+    eps = _probe_eps(task, probe, batch, graphdef32, compute_eps, cached)
+    in_float32 = graphdef32 is not None and eps == 0.0
     for strategy, side in zip(strategies, built, strict=True):
-        _check_rows(fn, strategy, side, probe, task, batch, 0.0, in_float32=in_float32, cached=cached)
+        _check_rows(fn, strategy, side, probe, task, batch, eps, in_float32=in_float32, cached=cached)
     if graphdef32 is None:  # float32 compute: the tolerance splits no loss, nothing more to probe
         return False
     noise_s = _noise_shards(built[0].num_shards, batch)
-    return noise_s > 1 and _coupled(task, probe, batch, noise_s, 0.0, in_float32, cached) is not None
+    return noise_s > 1 and _coupled(task, probe, batch, noise_s, eps, in_float32, cached) is not None
 
 
 def _check_rows(

@@ -176,6 +176,24 @@ def matmul_precisions(jaxpr) -> list:
     return found
 
 
+def matmul_operand_dtypes(jaxpr) -> list:
+    """The dtype of every floating operand of every ``dot_general`` / ``conv_general_dilated`` in ``jaxpr`` (a
+    ``Jaxpr`` or ``ClosedJaxpr``), nested jaxprs included: what the matmuls compute in, whatever the layers
+    declare (a model that casts its weights with ``astype(jnp.bfloat16)`` in its own code)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MATMULS:
+            found += [
+                v.aval.dtype
+                for v in eqn.invars
+                if jnp.issubdtype(getattr(v.aval, "dtype", None), jnp.floating)
+            ]
+        for sub in _subjaxprs(eqn.params):
+            found.extend(matmul_operand_dtypes(sub))
+    return found
+
+
 def step_policy(fun, args, platforms) -> str:
     """The coarsest policy of ``fun(*args)``'s matmuls on any of ``platforms`` (device platform names, with an
     optional ``compute_capability`` as ``(platform, capability)`` pairs): ``"float32"`` when it has none."""

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardcheck.parity.tolerance.matmul import policy_eps
+from shardcheck.parity.tolerance.matmul import matmul_operand_dtypes, policy_eps
 
 ACCUMULATION_DTYPE = jnp.dtype(jnp.float32)
 # The measured noise is one realization: another split's maximum over a leaf was up to 0.96 of it on tiny-lm
@@ -55,6 +55,23 @@ COMPUTE_SAFETY = 4.0
 
 def _eps(dtype) -> float:
     return float(jnp.finfo(dtype).eps)
+
+
+def traced_compute_dtype(loss_fn, model: nnx.Module, batch) -> np.dtype | None:
+    """The least precise floating operand of the matmuls (``dot_general``, ``conv_general_dilated``) of
+    ``loss_fn(model, batch)``, read from its jaxpr as a function of the parameters (traced, not compiled;
+    :func:`~shardcheck.parity.tolerance.matmul.matmul_operand_dtypes`); ``None`` where it has none, or the loss
+    cannot be traced alone (a sharding constraint that needs the step's mesh)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        return loss_fn(nnx.merge(graphdef, p, rest, copy=True), batch)
+
+    try:
+        dtypes = matmul_operand_dtypes(jax.make_jaxpr(loss)(params))
+    except Exception:  # noqa: BLE001  (a loss that cannot be traced alone: nothing read, the layers decide)
+        return None
+    return _least_precise(dtypes)
 
 
 def _least_precise(dtypes) -> np.dtype | None:
@@ -100,11 +117,15 @@ class Precision:
         param_dtype=None,
         matmul: str = "float32",
         fn: str = "check_parity",
+        traced=None,
     ) -> Precision:
         """The policy of ``model``, with ``compute_dtype`` / ``param_dtype`` overriding what is read from it.
 
         Read from the model: the parameters' least precise dtype, and as the compute dtype the least precise of
-        the layers' ``dtype`` and the parameters' (conservative: a layer with ``dtype=float32`` on bfloat16
+        the layers' ``dtype``, the parameters' and ``traced`` (:func:`traced_compute_dtype`: the least precise
+        operand of the loss's matmuls, where the model casts in its own code; trial 38: a correct step of a model
+        casting its weights to bfloat16 FAILed as a bfloat16 all-reduce "while the model computes in float32")
+        (conservative: a layer with ``dtype=float32`` on bfloat16
         parameters computes in float32; pass ``compute_dtype="float32"`` to say so). An override may name a less
         precise dtype than the model's own (a rounding the layers do not show, such as a custom layer's bfloat16
         matmul), not a more precise one than its parameters or its layers' declared ``dtype``: the tolerance would
@@ -118,15 +139,16 @@ class Precision:
         params = _check_dtype(fn, "param_dtype", param_dtype)
         leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
         stored = _least_precise(jnp.asarray(v[...]).dtype for _, v in leaves) or ACCUMULATION_DTYPE
-        layer = [getattr(m, "dtype", None) for _, m in nnx.iter_modules(model)]
-        declared = _least_precise(layer) or ACCUMULATION_DTYPE  # the layers' own compute dtypes only
+        # the layers' own compute dtypes, and what the loss's matmuls take where it casts in its own code
+        layer = [getattr(m, "dtype", None) for _, m in nnx.iter_modules(model)] + [traced]
+        declared = _least_precise(layer) or ACCUMULATION_DTYPE
         for name, override, read in (("param_dtype", params, stored), ("compute_dtype", compute, declared)):
             if override is not None and _eps(override) < _eps(read):
+                whose = "its parameters" if name == "param_dtype" else "its layers or its loss's matmuls"
                 raise ValueError(
                     f"{fn}: {name}={jnp.dtype(override).name!r} is more precise than the model's own "
-                    f"{jnp.dtype(read).name} ({'its parameters' if name == 'param_dtype' else 'its layers'}"
-                    f"): the tolerance would be tighter than the model's rounding and a correct step would "
-                    f"FAIL; omit {name} or pass {jnp.dtype(read).name!r}"
+                    f"{jnp.dtype(read).name} ({whose}): the tolerance would be tighter than the model's rounding "
+                    f"and a correct step would FAIL; omit {name} or pass {jnp.dtype(read).name!r}"
                 )
         params = stored if params is None else params
         if compute is None:
