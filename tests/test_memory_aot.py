@@ -302,8 +302,8 @@ def test_a_step_that_sets_another_mesh_is_refused_naming_both():
 
     with pytest.raises(
         ValueError,
-        match=r"measure_step: the step sets the mesh .*'data'.* with jax.set_mesh, but "
-        r"mesh=.*'fsdp'.*; pass measure_step the mesh the step runs on",
+        match=r"measure_memory: the step sets the mesh .*'data'.* with jax.set_mesh, but "
+        r"mesh=.*'fsdp'.*; pass measure_memory the mesh the step runs on",  # the function called (trial 38)
     ):
         measure_memory(step, task, given)
 

@@ -129,6 +129,44 @@ def abstract_mesh(shape: int | Mapping[str, int], axis_name: str = FSDP_AXIS, *,
     return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
+def auto_typed(tree):
+    """``tree`` with every array typed by an ``Explicit`` (or ``Manual``) mesh re-typed ``Auto``: the same shards,
+    the same buffers (no copy, no communication), on a mesh of the same devices and axis names whose axes are all
+    ``AxisType.Auto``; every other leaf as it is.
+
+    shardcheck's own jitted code (digests, peaks, the task's loss on a candidate's state in a replay) is written
+    for ``Auto`` arrays, as the reference's and the GSPMD strategies' are. A step in JAX's explicit sharding mode
+    (``jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)``, ``jax.set_mesh``) leaves its state typed by its
+    sharding (``float32[32,64@model]``), on which a gather with no ``out_sharding`` or an einsum contracting a
+    sharded dimension raises ``ShardingTypeError``; re-typed, the compiler places the results (GSPMD), as it
+    does for a GSPMD step's state.
+
+    Args:
+        tree: any pytree (``jax.Array`` leaves re-typed where needed; NumPy arrays and scalars kept).
+
+    Returns:
+        A pytree of ``tree``'s structure (``tree`` itself where no leaf needed it).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    typed = [_auto_array(a) for a in leaves]
+    if all(a is b for a, b in zip(typed, leaves, strict=True)):
+        return tree
+    return jax.tree.unflatten(treedef, typed)
+
+
+def _auto_array(a):
+    """One leaf of :func:`auto_typed`."""
+    sharding = getattr(a, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(a, jax.Array) or not isinstance(mesh, Mesh):
+        return a
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return a
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    retyped = jax.sharding.NamedSharding(auto, sharding.spec, memory_kind=sharding.memory_kind)
+    return jax.make_array_from_single_device_arrays(a.shape, retyped, [s.data for s in a.addressable_shards])
+
+
 def _check_shape(fn: str, shape, axis_name, num_devices: int) -> dict[str, int]:
     if shape is None or isinstance(shape, int) and not isinstance(shape, bool):
         if not isinstance(axis_name, str) or not axis_name:

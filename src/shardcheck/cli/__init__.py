@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     sets the garbage collector's thresholds to :data:`CLI_GC_THRESHOLD` and watches for a hung collective
     (:func:`_command_watchdog`, which ends the process); a program that passes ``argv`` keeps its own thresholds
     and is never ended by shardcheck.
+
+    An exception that the command turns into no message of its own is shardcheck's internal error: one line on
+    stderr naming it and exit status 2, not the FAIL status 1 (:mod:`shardcheck.cli._internal`;
+    ``SHARDCHECK_TRACEBACK=1`` prints its traceback too).
     """
     from shardcheck.cli._common import OUTPUT_FLAGS, check_output_path, check_outputs_apart
 
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a write that failed all the same (disk full, permissions changed meanwhile)
         print(f"error: {command}: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001  (shardcheck's own fault: exit 2 with one line, never FAIL's 1)
+        from shardcheck.cli._internal import internal_error
+
+        return internal_error(command, err)
 
 
 def _one_module_per_file(command: str):

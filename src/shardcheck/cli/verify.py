@@ -56,7 +56,9 @@ DESCRIPTION = (
     "(PASS, or PASS (per step): the trajectories diverged through a non-smooth op but every step matched from "
     "the reference's state), 1 when any fails or cannot verify, 2 on bad input, a reference run that diverges "
     "(lower --lr), or a strategy or candidate whose check raised: its row reads ERROR with the exception's type "
-    "and first line, and every other strategy's row is still printed (the exit status is the worst row's)."
+    "and first line, and every other strategy's row is still printed (the exit status is the worst row's); 2 "
+    "too on an internal error of shardcheck's (one 'internal error' line naming the exception; "
+    "SHARDCHECK_TRACEBACK=1 prints its traceback)."
 )
 EPILOG = (
     "example: shardcheck verify --devices 8 --optimizer adam --steps 20 --batch-size 64; "

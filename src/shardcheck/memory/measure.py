@@ -165,7 +165,7 @@ def _measure_task(fn, task: Task, strategy, mesh, weighted=None) -> MemoryMeasur
     )
 
 
-def _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh: bool):
+def _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh: bool, fn: str = "measure_step"):
     """The compiled executable of a user's step, lowered on the state it placed (after its first run).
 
     A step with ``.lower`` (``jax.jit`` / ``nnx.jit`` of ``(model, optimizer, batch)``) is lowered itself; any
@@ -190,7 +190,7 @@ def _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh: bool):
     except ValueError as err:  # a step that enters jax.set_mesh itself: JAX refuses it inside a trace
         if "set_mesh" not in str(err) or "outside of" not in str(err):
             raise
-    with _mesh_set_around_trace("measure_step", mesh):
+    with _mesh_set_around_trace(fn, mesh):
         return jax.jit(whole).lower(state, batch).compile()
 
 
@@ -220,7 +220,7 @@ def _mesh_set_around_trace(fn: str, mesh: jax.sharding.Mesh):
         if other != mesh:
             raise ValueError(
                 f"{fn}: the step sets the mesh {other} with jax.set_mesh, but mesh={mesh}; pass {fn} the mesh "
-                "the step runs on"
+                f"the step runs on{_axis_types_hint(other, mesh)}"
             )
         self.prev_abstract_mesh, self.prev_mesh = mesh.abstract_mesh, mesh  # what __exit__ sets back
 
@@ -230,6 +230,25 @@ def _mesh_set_around_trace(fn: str, mesh: jax.sharding.Mesh):
             yield
         finally:
             cls.__init__ = original
+
+
+def _axis_types_hint(other, mesh) -> str:
+    """``": the same devices and axes, typed (Explicit, Explicit) by the step: jax.make_mesh(..., axis_types=
+    (AxisType.Explicit,) * 2)"`` where the two meshes differ only in their axis types (trial 38: an
+    explicit-sharding step measured on ``shardcheck.make_mesh``'s Auto axes), else ``""``."""
+    if getattr(other, "axis_names", None) != mesh.axis_names or getattr(other, "devices", None) is None:
+        return ""
+    if other.devices.shape != mesh.devices.shape or not (other.devices == mesh.devices).all():
+        return ""
+    types = tuple(t.name for t in other.axis_types)
+    if len(set(types)) == 1:
+        made = f"axis_types=(AxisType.{types[0]},) * {len(types)}"
+    else:
+        made = f"axis_types=({', '.join(f'AxisType.{t}' for t in types)})"
+    return (
+        f": the same devices and axes, typed ({', '.join(types)}) by the step: build it with "
+        f"jax.make_mesh(..., {made})"
+    )
 
 
 def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "gspmd") -> MemoryMeasurement:
@@ -265,10 +284,15 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
             that sets another mesh than ``mesh`` with ``jax.set_mesh`` (a model with batch statistics or a random
             forward pass is measured: neither changes a byte of the step's memory).
     """
+    return _measure_step("measure_step", step, task, mesh, strategy)
+
+
+def _measure_step(fn: str, step, task: Task, mesh, strategy: str) -> MemoryMeasurement:
+    """:func:`measure_step`, its errors naming ``fn``: the function the user called (``measure_memory(step, task,
+    mesh)`` is measured here too; trial 38's refusal named measure_step)."""
     from shardcheck.parity.harness.candidates import accepts, check_step_signature
     from shardcheck.task import check_divisible, check_model
 
-    fn = "measure_step"
     if not isinstance(task, Task):
         raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
     check_mesh(fn, mesh)
@@ -296,7 +320,7 @@ def measure_step(step, task: Task, mesh: jax.sharding.Mesh, *, strategy: str = "
     if strategy == "placed":
         estimate = estimate_memory(model, optimizer, mesh=mesh, strategy="placed")
     differs = () if strategy == "placed" else _placement_differs(estimate, model, optimizer, mesh)
-    compiled = _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh)
+    compiled = _user_step_compiled(step, model, optimizer, batch, mesh, pass_mesh, fn)
     first = mesh.devices.flat[0]
     measured = _measurement(
         getattr(step, "__name__", "step"),
@@ -412,9 +436,7 @@ def measure_memory(
     """
     fn = "measure_memory"
     if isinstance(optimizer, Task):  # measure_memory(step, task, mesh): any step, a user's own included
-        return measure_step(
-            model, optimizer, mesh if x is None else x, **({} if strategy is None else {"strategy": strategy})
-        )
+        return _measure_step(fn, model, optimizer, mesh if x is None else x, strategy or "gspmd")
     if strategy is None:
         raise TypeError(f"{fn}: strategy= is missing; pass one of {', '.join(MEASURED)}")
     if isinstance(model, Task):

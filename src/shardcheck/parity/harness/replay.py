@@ -347,6 +347,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     ``None`` where the candidate's optimizer state is not the task's by path."""
     from flax import nnx
 
+    from shardcheck.mesh import auto_typed
     from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.parity.diagnosis.hypotheses import loss_per_shard, recording_loss_differs
     from shardcheck.parity.harness.candidates import run_step
@@ -368,6 +369,9 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     if state is None:
         return None
     after = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0]))
+    # a step in JAX's explicit sharding mode: its arrays as Auto ones (the same buffers), which the task's loss
+    # and optimizer and shardcheck's own programs take as a GSPMD step's (trial 38)
+    params, rest, state, grads, after = auto_typed((params, rest, state, grads, after))
     before = (graphdef, params, rest, state)
     matches, per_shard = _per_shard_match(record, task, num_shards, before, data[t], after, grads)
     fields = {} if per_shard is None else {"per_shard_factor": per_shard}

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardcheck.mesh import auto_typed
 from shardcheck.parity.comparison.leaf_digest import sample_indices
 from shardcheck.parity.comparison.live import flatten_state
 from shardcheck.steps._core import params_value_and_grad
@@ -58,8 +59,11 @@ def true_gradient_digest(
     ``batch`` (the mean loss's: a ``(loss_sum, weight)`` loss divided by its weight), in float32, computed
     where the parameters lie (one jitted program; nothing but two scalars per leaf comes back). ``model`` is
     not changed (what the forward pass writes to its state is dropped). ``peaks``: also raised by this
-    gradient (:meth:`Peaks.raise_by`, on the devices)."""
+    gradient (:meth:`Peaks.raise_by`, on the devices). A state in JAX's explicit sharding mode is read as
+    ``Auto`` arrays (:func:`~shardcheck.mesh.auto_typed`: the same buffers; the task's loss is the reference's,
+    written for no mesh, as a GSPMD candidate's state is read)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest, batch = auto_typed((params, rest, batch))
     out, grads = _stats(loss_fn, graphdef, params, rest, batch)
     if peaks is not None:
         peaks.raise_by(grads)
@@ -81,6 +85,7 @@ def rounding_noise(loss_fn, model: nnx.Module, batch, compute_dtype) -> dict[str
     from shardcheck.parity.tolerance.precision import float32_compute, measured_noise, output_rounding
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest, batch = auto_typed((params, rest, batch))  # an explicit-mode state: as true_gradient_digest
     graphdef32 = float32_compute(graphdef, params, rest)
     if graphdef32 is None:
         return {}
@@ -123,8 +128,9 @@ class Peaks:
     def raise_by(self, grads) -> dict[str, float]:
         """Raise the peaks by ``grads`` (``{dotted path: array}``, :func:`flatten_state` of a gradient tree;
         non-float leaves skipped) and return ``{path: least positive element of its peaks}`` (floats, one scalar
-        per leaf to the host)."""
-        grads = {p: g for p, g in grads.items() if jnp.issubdtype(g.dtype, jnp.inexact)}
+        per leaf to the host). Gradients in JAX's explicit sharding mode are read as ``Auto`` arrays
+        (:func:`~shardcheck.mesh.auto_typed`: a gather of a sharded array has no output sharding to infer)."""
+        grads = auto_typed({p: g for p, g in grads.items() if jnp.issubdtype(g.dtype, jnp.inexact)})
         for p, g in grads.items():
             if p not in self._where:
                 self._where[p] = sample_indices(f"param {p}", tuple(g.shape))
