@@ -198,11 +198,18 @@ def test_a_nan_where_the_recording_has_a_number_fails_as_nan(identical_pair):
 @require_devices(2)
 def test_a_passing_replay_on_a_mesh_says_once_that_it_compared_no_replicas(identical_pair):
     """From trial 6: a step whose only fault is replicas that differ (a clip per device) replayed against a correct
-    recording PASSes; the pass says once that a replay does not compare the copies and a live check does. A
-    failing replay (its localization says "the replicas: not observed") and a run on one device say nothing."""
+    recording PASSed; the pass said once that a replay does not compare the copies and a live check does. A run
+    recorded now compares its copies (``meta["replicas"]``, trial 37: the replay FAILs as live) and says nothing;
+    a replayed run recorded before that keeps the note. A failing replay (its localization says "the replicas:
+    not observed") and a run on one device say nothing."""
     from shardcheck.parity.comparison.digest import REPLICAS_UNSEEN, compare_run
 
     recorded, replayed = identical_pair
+    compared = compare_run(recorded, replayed)
+    assert (
+        compared.ok and compared.replicas_compared and not any(REPLICAS_UNSEEN in n for n in compared.notes)
+    )
+    replayed = dataclasses.replace(replayed, meta={k: v for k, v in replayed.meta.items() if k != "replicas"})
     passed = compare_run(recorded, replayed)
     assert passed.ok and [n for n in passed.notes if REPLICAS_UNSEEN in n] == [
         "A replay compares digests, which hold no device's own copy: the replicas' agreement was not compared "
@@ -477,8 +484,11 @@ def test_a_missing_psum_over_the_tensor_axis_is_named_a_forward_change():
     comparison = compare_run(recorded, record_run(task, megatron_step("no_psum"), mesh=mesh, steps=2))
     first = comparison.first_failure
     assert not comparison.ok and (first.step, first.name) == (0, "loss")
-    # the live check's rule: the loss differs on a mesh that splits the model: the sharded forward pass
-    assert comparison.codes[0] == "update_differs", comparison.cause
+    # the live check's rules: the replay compares its copies (trial 37), which differ along 'model' as live
+    # (test_tensor_parallel: wrong_axis_reduction first), then the loss that differs on a mesh that splits the
+    # model: the sharded forward pass
+    assert comparison.codes[:2] == ("wrong_axis_reduction", "replicas_differ"), comparison.codes
+    assert "update_differs" in comparison.codes, comparison.cause
     assert "the sharded forward pass computing another function" in comparison.cause
     assert "a row-parallel output not psum-ed over 'model'" in comparison.cause
     assert "learning rate" not in comparison.cause

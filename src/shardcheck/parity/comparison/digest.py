@@ -83,6 +83,7 @@ from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.diagnosis.skipped import with_skipped
+from shardcheck.parity.diagnosis.topology import replicas_root
 from shardcheck.parity.harness import true_gradients
 from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
 from shardcheck.parity.harness.setup import _check_tolerances
@@ -169,6 +170,10 @@ class RunComparison:
         diagnoses: :func:`~shardcheck.parity.diagnosis.rules.diagnose` of ``records`` (the live check's
             rules), with ``initial_state``, ``structure`` (a leaf missing, of another shape, dtype or pinned
             sharding) and ``settings_differ`` where they apply.
+        replicas_compared: whether the replay compared each replicated leaf's copies across its devices after
+            each step (``meta["replicas"]``, :func:`~shardcheck.parity.harness.recorded.replica_evidence`): its
+            records then carry ``replica_mismatches`` as a live check's, and a copy that differs fails it
+            (``replicas_differ``); ``False`` for a run recorded before that (its digests hash one copy).
     """
 
     run: str
@@ -190,6 +195,7 @@ class RunComparison:
     records: tuple[StepRecord, ...] = ()
     diagnoses: tuple[Diagnosis, ...] = ()
     facts: tuple[tuple[str, LeafFacts], ...] = ()
+    replicas_compared: bool = False
 
     @property
     def verdict(self) -> str:
@@ -220,10 +226,12 @@ class RunComparison:
 
     def localization(self):
         """The :func:`~shardcheck.parity.diagnosis.localization.localize` of the step records, as a live check's
-        (the replicas not observed: a digest holds no device's own copy), with each parameter's recorded shape,
-        dtype and placement axes; ``None`` when every step passed."""
+        (the replicas observed where the replay compared its copies, :attr:`replicas_compared`), with each
+        parameter's recorded shape, dtype and placement axes; ``None`` when every step passed."""
         steps = [r for r in self.records if r.step >= 0]
-        return localize(steps, facts=dict(self.facts), replicas_observed=False)
+        found = localize(steps, facts=dict(self.facts), replicas_observed=self.replicas_compared)
+        # a replay's all the same (its start words, no module probed) where it observed the replicas
+        return None if found is None else dataclasses.replace(found, live=False)
 
     @property
     def failures(self) -> tuple[DigestError, ...]:
@@ -929,11 +937,15 @@ def compare_run(
       optimizer-state leaf (a digest keeps no update size of it);
     - ``shape``: the recorded shape.
 
-    Not measured by a digest, and so never read by a rule for a replay: the replicas' agreement
-    (``replica_mismatches``, ``replica_axes``), the reruns of the known faulty reductions (``matches``), the
-    re-check of a late failure from identical state (``synchronized``) and the scale evidence. A passing replay on
-    a mesh of several devices says so in its notes (``REPLICAS_UNSEEN``): a fault whose only evidence is the
-    devices' copies (a clip per device) passes a replay, and a live check finds it.
+    The replicas' agreement (``replica_mismatches``, ``replica_axes``) is no digest's (a digest hashes one copy
+    of each slice): it is the replay's own comparison of its copies across its devices after each step
+    (``replayed.meta["replicas"]``, :func:`~shardcheck.parity.harness.recorded.replica_evidence`), so a step that
+    writes a replicated leaf on some devices only FAILs (``replicas_differ``), as live, and is never "bitwise
+    identical" (trial 37); nor is a replay of a recording whose own copies differed (a note says so). A replayed
+    run recorded before its copies were compared says in its notes that it compared none (``REPLICAS_UNSEEN``).
+    Not measured by a digest, and so never read by a rule for a replay: the reruns of the known faulty reductions
+    (``matches``), the re-check of a late failure from identical state (``synchronized``) and the scale
+    evidence.
 
     To compare a candidate step with a recording, ``check_parity(candidate, task, reference=recording)`` (or
     ``verify --against FILE``) replays it and returns this comparison's :meth:`RunComparison.report`; this
@@ -948,16 +960,7 @@ def compare_run(
     """
     _check_options(recording, replayed, rtol, atol, pin_placement, loss_weight)
     steps = min(recording.num_steps, replayed.num_steps)
-    kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
-    same = kinds == ("candidate", "candidate") or (
-        kinds == ("strategy", "strategy") and recording.meta["run"] == replayed.meta["run"]
-    )
-    returned = {n.split(" ", 1)[0] for n in replayed.names}
-    kept = _only(recording, [n for n in recording.names if n.split(" ", 1)[0] in returned])
-    if not same:  # another strategy: only the leaves both runs have are compared
-        kept = _only(kept, [n for n in kept.names if n in set(replayed.names)])
-    other_mesh = same and recording.meta.get("mesh") != replayed.meta.get("mesh")
-    pair = _Pair.of(kept, replayed, pin_placement or other_mesh, recording)
+    pair, same, returned = _paired(recording, replayed, pin_placement)
     policy, dtype = looser_precision(recording.meta, replayed.meta)
     terms = tuple(recording.meta.get("terms") or ())
     bounds = _Bounds(rtol, atol, dtype, compute=compute_eps(recording.meta, replayed.meta), terms=terms)
@@ -965,22 +968,28 @@ def compare_run(
     matched, compared, bitwise = _hashes(pair, steps)
     moved = _placement_changes(pair, steps)
     first = _first_failure(leaves, bounds.rounding)
-    records = _weighted(_records(pair, bounds, leaves, steps), loss_weight)
+    replicas = replayed.meta.get("replicas")  # None: a run recorded before its copies were compared
+    records = _weighted(_records(pair, bounds, leaves, steps, replicas), loss_weight)
+    differ = next((r for r in records if r.replica_mismatches), None)
+    recorded_notes = _recorded_replicas_note(recording.meta, steps)  # the recorded run's own copies differed
+    bitwise = bitwise and differ is None and not recorded_notes
+    ok = first is None and differ is None
     findings = _diagnoses(recording, replayed, records, leaves, first)
-    cause = None if first is None else " ".join(d.message for d in findings if d.code not in QUIET)
+    cause = None if ok else " ".join(d.message for d in findings if d.code not in QUIET)
+    hashes, uncompared = (matched, compared, bitwise), _uncompared(leaves)
+    notes = recorded_notes + _replicas_note(replayed.meta, ok) + _placement_note(pair, moved, same)
     comparison = RunComparison(
         run=str(replayed.meta["run"]),
         recorded_run=str(recording.meta["run"]),
-        ok=first is None,
+        ok=ok,
         steps=steps,
         leaves=tuple(leaves),
         first_failure=first,
         cause=cause,
-        evidence=_evidence_text(pair, steps, matched, compared, bitwise, bounds),
+        evidence=_evidence_text(pair, steps, hashes, bounds, replicas, differ, uncompared, recorded_notes),
         notes=tuple(
             _notes(recording, replayed, steps, same or pair.pinned, returned)
-            + _replicas_note(replayed.meta, first is None)
-            + _placement_note(pair, moved, same)
+            + notes
             + _precision_note(recording.meta, replayed.meta, policy, dtype)
             + _compute_note(recording.meta, replayed.meta, bounds.compute)
         ),
@@ -994,8 +1003,26 @@ def compare_run(
         records=records,
         diagnoses=findings,
         facts=_facts(recording),
+        replicas_compared=replicas is not None,
     )
     return with_divergence_note(comparison)
+
+
+def _paired(recording: Recording, replayed: Recording, pin_placement: bool) -> tuple[_Pair, bool, set[str]]:
+    """``(pair, same, returned)``: the recorded leaves compared (those of the kinds the replay holds; of another
+    strategy's run, only the leaves both hold) paired with the replay's, placement pinned where asked or where the
+    same run was replayed on another mesh; whether the runs are of the same kind (the same strategy, or two user
+    steps); the kinds of leaf the replay holds."""
+    kinds = (recording.meta["run_kind"], replayed.meta["run_kind"])
+    same = kinds == ("candidate", "candidate") or (
+        kinds == ("strategy", "strategy") and recording.meta["run"] == replayed.meta["run"]
+    )
+    returned = {n.split(" ", 1)[0] for n in replayed.names}
+    kept = _only(recording, [n for n in recording.names if n.split(" ", 1)[0] in returned])
+    if not same:  # another strategy: only the leaves both runs have are compared
+        kept = _only(kept, [n for n in kept.names if n in set(replayed.names)])
+    other_mesh = same and recording.meta.get("mesh") != replayed.meta.get("mesh")
+    return _Pair.of(kept, replayed, pin_placement or other_mesh, recording), same, returned
 
 
 def _check_options(recording, replayed, rtol, atol, pin_placement, loss_weight) -> None:
@@ -1273,18 +1300,38 @@ def _scalar(leaf: _Leaf, default):
     return float(leaf.samples[0]) if leaf.present and math.isfinite(float(leaf.samples[0])) else default
 
 
-def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int) -> tuple[StepRecord, ...]:
+def _replicas_at(replicas: Sequence[Mapping] | None, t: int, failing: bool) -> tuple[tuple, tuple]:
+    """``(replica_mismatches, replica_axes)`` of step ``t`` from the replay's ``meta["replicas"]``, as a live
+    check sets them: the parameters, optimizer-state, model-state and counter leaves whose copies differ, else on
+    a ``failing`` step the returned gradients whose copies differ; ``((), ())`` where none was compared."""
+    if not replicas or not 0 <= t < len(replicas):
+        return (), ()
+    found = replicas[t]
+    names = tuple(found.get("leaves") or ()) or (tuple(found.get("grads") or ()) if failing else ())
+    return names, tuple(found.get("axes") or ()) if names else ()
+
+
+def _records(
+    pair: _Pair,
+    bounds: _Bounds,
+    leaves: list[DigestError],
+    steps: int,
+    replicas: Sequence[Mapping] | None = None,
+) -> tuple[StepRecord, ...]:
     """One :class:`~shardcheck.parity.diagnosis.rules.StepRecord` per compared step, as the live harness's: the
     recorded run is the reference, the replay the candidate; the initial state's record (step -1) only where
-    it differs; ``identical_start`` where the state before a step t > 0 hashed as the recording's. Not measured
-    by a digest, so left at their defaults: ``replica_mismatches``, ``replica_axes``, ``matches``,
-    ``synchronized``, ``scale_evidence``."""
+    it differs; ``identical_start`` where the state before a step t > 0 hashed as the recording's (and its copies
+    agreed); ``replica_mismatches`` and ``replica_axes`` from the replay's own comparison of its copies
+    (``replicas``: its ``meta["replicas"]``, :func:`_replicas_at`). Not measured by a digest, so left at their
+    defaults: ``matches``, ``synchronized``, ``scale_evidence``."""
     meta = pair.recording.meta
     out = []
     for t in range(-1, steps):
         at_t = [e for e in leaves if e.step == t]
         if t < 0 and all(e.ok for e in at_t):
             continue
+        mismatches, axes = _replicas_at(replicas, t, not all(e.ok for e in at_t))
+        before_agreed = not _replicas_at(replicas, t - 1, False)[0]
         rtol, atol = bounds.derived(meta, t)
         count = (pair.leaf(w, t, "counter step") for w in ("recorded", "replayed"))
         step_count, candidate_count = (int(_scalar(x, t + 1)) for x in count)
@@ -1304,8 +1351,10 @@ def _records(pair: _Pair, bounds: _Bounds, leaves: list[DigestError], steps: int
                 ),
                 normalized=_normalized_of(pair, bounds.unresolved.get(t, ())),
                 replayed=True,
-                identical_start=t > 0 and _identical_state(pair, t - 1),
+                identical_start=t > 0 and before_agreed and _identical_state(pair, t - 1),
                 skipped=t in pair.skipped,
+                replica_mismatches=mismatches,
+                replica_axes=axes,
             )
         )
     return tuple(out)
@@ -1473,25 +1522,69 @@ QUIET = ("weak_check",)
 """Findings that say no cause: left out of :attr:`RunComparison.cause`."""
 
 
+def _uncompared(leaves: Sequence[DigestError]) -> list[str]:
+    """The leaves no step compared: every one of their errors after a step is ``"not compared"`` (the model's
+    state the task's loss does not read, :mod:`~shardcheck.parity.comparison.state_digest`), in order."""
+    seen: dict[str, bool] = {}
+    for e in leaves:
+        if e.step >= 0:
+            seen[e.name] = seen.get(e.name, True) and e.evidence == "not compared"
+    return [n for n, never in seen.items() if never]
+
+
 def _evidence_text(
-    pair: _Pair, steps: int, matched: int, compared: int, bitwise: bool, bounds: _Bounds
+    pair: _Pair,
+    steps: int,
+    hashes: tuple[int, int, bool],
+    bounds: _Bounds,
+    replicas: Sequence[Mapping] | None = None,
+    differ: StepRecord | None = None,
+    uncompared: Sequence[str] = (),
+    recorded_differ: Sequence[str] = (),
 ) -> str:
+    """The ``evidence`` paragraph: the leaves recorded and compared (``uncompared``: those no step compared,
+    counted apart, so the count reads beside the verdict's), the tolerances, the hashes (``(matched, compared,
+    bitwise)``) and what they read: one copy of each slice, with each replicated leaf's copies compared across
+    the devices where the replay kept ``replicas`` (``differ``: the first record whose copies differ;
+    ``recorded_differ``: the note that the recorded run's own copies differed)."""
+    matched, compared, bitwise = hashes
     names = pair.recording.names
     rule = (
         "fixed rtol/atol"
         if bounds.rtol is not None or bounds.atol is not None
         else "derived as the harness's"
     )
+    held = f"the digests of {len(names)} leaves"
+    if uncompared:
+        kinds = {n.split(" ", 1)[0] for n in uncompared}
+        noun = ("model-state " if kinds == {"state"} else "") + ("leaf" if len(uncompared) == 1 else "leaves")
+        held = (
+            f"the digests of {len(names)} leaves recorded, {len(names) - len(uncompared)} compared "
+            f"({len(uncompared)} {noun} not compared, e.g. {uncompared[0]}: the task's loss does not read them, "
+            "as a live check leaves them)"
+        )
     text = (
-        f"evidence: the digests of {len(names)} leaves at {steps} step(s) and the initial state: max|x| and {SAMPLES} "
+        f"evidence: {held} at {steps} step(s) and the initial state: max|x| and {SAMPLES} "
         f"fixed-index samples within atol + rtol max|x| (moments x{MOMENT_FACTOR:g}), the L2 norm within sqrt(size) "
         f"times that, each parameter's update size, counters exactly ({rule}); a digest comparison within "
         f"tolerances, never bitwise across machines. sha256 matched for {matched} of {compared}"
-        " (the leaf digests of equal shape, dtype and placement on both sides)"
+        " (the leaf digests of equal shape, dtype and placement on both sides"
     )
-    if bitwise:
-        text += ": every hash matched, bitwise identical"
-    return text
+    if replicas is None:  # a run recorded before its copies were compared: one copy of each slice hashed
+        text += "; each hashes one device's copy of each slice)"
+        return text + (": every hash matched, bitwise identical on the copies hashed" if bitwise else "")
+    if differ is not None:
+        first = replicas_root(differ)[0]
+        return text + (
+            "; each hashes one device's copy of each slice), but the replay's copies of "
+            f"{n_leaves(len(differ.replica_mismatches))} differ across devices after step {differ.step} (e.g. "
+            f"{first}): not bitwise identical"
+        )
+    text += "; each hashes one device's copy of each slice, and every replicated leaf's copies in the replay "
+    text += "agreed across the devices after each step)"
+    if recorded_differ:
+        return text + ", but the recorded run's copies did not (below): not bitwise identical"
+    return text + (": every hash matched, bitwise identical" if bitwise else "")
 
 
 def _notes(recording: Recording, replayed: Recording, steps: int, same: bool, returned) -> list[str]:
@@ -1566,15 +1659,30 @@ REPLICAS_UNSEEN = "the replicas' agreement was not compared"
 def _replicas_note(now: Mapping, passed: bool) -> list[str]:
     """``[note]`` that a passing replay did not compare the copies of the replicated leaves across the devices of
     its mesh (a digest holds no device's own copy), and that a live check does; ``[]`` for a failing replay (its
-    localization says "the replicas: not observed") and for a run on one device (no copies to compare)."""
+    localization says "the replicas: not observed"), for a run on one device (no copies to compare) and for a
+    run that compared its copies (``meta["replicas"]``: the evidence says so)."""
     mesh = now.get("mesh") or {}
-    if not passed or math.prod(int(v) for v in mesh.values()) < 2:
+    if not passed or math.prod(int(v) for v in mesh.values()) < 2 or now.get("replicas") is not None:
         return []
     return [
         f"A replay compares digests, which hold no device's own copy: {REPLICAS_UNSEEN} (whether each "
         f"replicated leaf holds the same values on every device of mesh {_axes(mesh)}). A live check compares "
         "them (check_parity against the reference; verify without --against)."
     ]
+
+
+def _recorded_replicas_note(was: Mapping, steps: int) -> list[str]:
+    """``[note]`` where the recorded run's own copies of a replicated leaf differed across its devices at a
+    compared step (``meta["replicas"]``): the recording is of a step that writes some copies otherwise, no
+    reference a correct step reproduces there; ``[]`` otherwise."""
+    for t, found in enumerate((was.get("replicas") or [])[:steps]):
+        names = list(found.get("leaves") or ())
+        if names:
+            return [
+                f"The recorded run's own copies of {n_leaves(len(names))} differed across its devices after step "
+                f"{t} (e.g. {names[0]}): it was recorded from a faulty step; record the correct step again."
+            ]
+    return []
 
 
 def _candidate_note(was: Mapping, now: Mapping) -> list[str]:

@@ -3,7 +3,9 @@
 :func:`record_run` runs a strategy (or a user's step) on a task for N steps and keeps, after every step, the
 digest of every leaf (:mod:`shardcheck.parity.comparison.leaf_digest`: shape, dtype, sharding, L2 norm, ``max|x|``, the update
 size of each parameter, 8 fixed-index samples and a sha256) of the loss, the gradients (when the step returns
-them), the parameters, the optimizer state and the integer counters. :meth:`Recording.save` writes them as one
+them), the parameters, the optimizer state and the integer counters, and which replicated leaves' copies differ
+across the devices (``meta["replicas"]``, :func:`replica_evidence`: a digest hashes one copy of each slice).
+:meth:`Recording.save` writes them as one
 ``.npz`` (NumPy only, no pickles) with a JSON metadata string; :func:`load_recording` reads one back and refuses a
 file that is not one, or that another task, mesh or data made (:func:`check_replayable`).
 
@@ -37,10 +39,11 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
-from shardcheck.parity.comparison.live import device_snapshot, flatten_state
+from shardcheck.parity.comparison.live import device_snapshot, flatten_state, replica_mismatches
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import floating_arrays, loss_access, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
+from shardcheck.parity.diagnosis.topology import mismatch_axes
 from shardcheck.parity.harness.candidates import as_candidate, run_step
 from shardcheck.parity.harness.optimizer_rerun import checks_step, pre_update, recorded_update_check
 from shardcheck.parity.harness.row_coupling import float32_model
@@ -435,6 +438,33 @@ def _step_leaves(loss, grads, model, optimizer, view=None, drawn=()) -> dict[str
     return leaves | state_leaves(model, optimizer, view) | floating_leaves(model) | written
 
 
+def replica_evidence(leaves: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Whether the copies of each replicated leaf of a step agree across this process's devices, as a live check
+    compares them (:func:`~shardcheck.parity.comparison.live.replica_mismatches`, bitwise): a digest hashes one
+    copy of each slice, so a step that writes a replicated leaf on some devices only (an EMA written on device 0,
+    ``check_vma=False``) would hash as the recording's.
+
+    Args:
+        leaves: ``{name: array}`` of one step (:func:`_step_leaves`: ``"param <path>"``, ``"grad <path>"``, ...).
+
+    Returns:
+        ``{"leaves": [...], "grads": [...], "axes": [...]}``: the parameters, optimizer-state, model-state and
+        counter leaves whose copies differ (in ``leaves``' order); the gradients whose copies differ, only where
+        none of those does (a live check reads a failing step's returned gradients so); the mesh axes the copies
+        differ along (:func:`~shardcheck.parity.diagnosis.topology.mismatch_axes`). Empty lists where every copy
+        agrees, or on one device.
+    """
+    arrays = {n: _digest.as_array(a) for n, a in leaves.items() if n != "loss"}
+    state = {n: a for n, a in arrays.items() if not n.startswith("grad ")}
+    differ = replica_mismatches(state)
+    named = [n for n in state if n in differ]
+    grads = {n: a for n, a in arrays.items() if n.startswith("grad ")} if not named else {}
+    differ_g = replica_mismatches(grads) if grads else set()
+    named_g = [n for n in grads if n in differ_g]
+    axes = sorted({ax for n in named or named_g for ax in mismatch_axes(arrays[n])})
+    return {"leaves": named, "grads": named_g, "axes": axes}
+
+
 def floating_leaves(model: nnx.Module) -> dict[str, Any]:
     """``{"state model.<path>": array}``: the model's floating state beside its parameters (a frozen weight in a
     Variable class of one's own), recorded with its update size as a parameter is, so that a replay compares it
@@ -544,7 +574,7 @@ def record_run(
     # a wrapped optimizer as the task's, as live; the floating model state beside the parameters
     first = state_leaves(model, optimizer, cand.view_optimizer) | floating_leaves(model)
     shapes = _leaf_list(first)
-    rows, truth, least, noise = [], {}, {}, {}
+    rows, truth, least, noise, replicas = [], {}, {}, {}, []
     returned = isinstance(candidate, str)  # a registered strategy returns the gradients it applied
     peaks = Peaks() if true_gradients else None
     initial = digest(first, {})
@@ -565,9 +595,10 @@ def record_run(
         leaves = _step_leaves(loss, grads, model, optimizer, cand.view_optimizer, drawn)
         shapes += [s for s in _leaf_list(leaves) if s[0] not in {x[0] for x in shapes}]
         rows.append(digest(leaves, before))
+        replicas.append(replica_evidence(leaves))  # each step's copies compared across this process's devices
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta.update(matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
-    recording.meta["normalized"] = normalized_params(task, model)
+    recording.meta.update(normalized=normalized_params(task, model), replicas=replicas)
     recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_access
     recording.meta["floating_written"] = None if writes is None else sorted(writes)
     _keep_gradients(recording.meta, len(data), truth, least, noise)
@@ -866,6 +897,67 @@ def _first_difference(recorded: list, now: list, what: str) -> str:
     return f"{what} {extra!r} is in this run but not recorded"
 
 
+_STATE_FIELDS = {
+    "trace": "momentum",
+    "mu": "first moment",
+    "nu": "second moment",
+    "sum_of_squares": "squared-gradient sum",
+    "ema": "moving average",
+    "count": "step count",
+}
+"""What an optax state field holds, where its name says it (:func:`optimizer_difference`)."""
+
+
+def _state_fields(leaves: list, params: list[str]) -> dict[str, int]:
+    """``{field: leaves}`` of the optimizer-state and counter leaves of a ``[name, shape, dtype]`` list: each
+    ``opt_state`` leaf's path less the parameter path it ends in (``"0.trace"``), each counter's whole path
+    (``"0.count"``), in order; ``counter step`` (the harness's own) left out."""
+    fields: dict[str, int] = {}
+    for leaf in leaves:
+        kind, _, path = leaf[0].partition(" ")
+        if kind == "opt_state":
+            field = next((path[: -len(p) - 1] for p in params if path.endswith("." + p)), path)
+        elif kind == "counter" and path != "step":
+            field = path
+        else:
+            continue
+        fields[field] = fields.get(field, 0) + 1
+    return fields
+
+
+def _fields_text(fields: Mapping[str, int]) -> str:
+    """``"0.trace (momentum, 16 leaves)"``, each field of :func:`_state_fields` in words, joined."""
+    if not fields:
+        return "no state"
+    out = []
+    for field, count in fields.items():
+        gloss = _STATE_FIELDS.get(field.rsplit(".", 1)[-1])
+        n = f"{count} leaf" if count == 1 else f"{count} leaves"
+        out.append(f"{field} ({gloss}, {n})" if gloss else f"{field} ({n})")
+    return out[0] if len(out) == 1 else ", ".join(out[:-1]) + " and " + out[-1]
+
+
+def optimizer_difference(recorded: list, now: list) -> str | None:
+    """Where two state structures (``[name, shape, dtype]`` lists) hold the same parameters and differ only in
+    the optimizer's state: what each optimizer keeps, in words (``"the recording's optimizer keeps 0.trace
+    (momentum, 16 leaves), this run's keeps 0.mu (first moment, 16 leaves) and 0.nu (second moment, 16 leaves):
+    another optimizer or another optax chain than the recorded run's (the 16 parameters alike)"``); ``None`` where
+    the parameters differ too (another model), or the optimizers' fields are the same (their shapes or dtypes
+    differ: :func:`_first_difference` says which)."""
+    params = [leaf for leaf in recorded if leaf[0].startswith("param ")]
+    if params != [leaf for leaf in now if leaf[0].startswith("param ")]:
+        return None
+    paths = sorted((leaf[0].removeprefix("param ") for leaf in params), key=len, reverse=True)
+    was, mine = _state_fields(recorded, paths), _state_fields(now, paths)
+    if was == mine:
+        return None
+    n = f"{len(params)} parameter" + ("" if len(params) == 1 else "s")
+    return (
+        f"the recording's optimizer keeps {_fields_text(was)}, this run's keeps {_fields_text(mine)}: another "
+        f"optimizer or another optax chain than the recorded run's (the {n} alike)"
+    )
+
+
 def settings_diff(was: Mapping | None, now: Mapping | None, skip: tuple[str, ...] = ()) -> list[str]:
     """``["optimizer 'adam' -> 'sgd'", "batch_size 8 -> default", ...]``: the settings both runs record
     (``record_run(settings=)``) with different values, in the recorded order, less ``skip`` (``None``, a setting
@@ -945,6 +1037,12 @@ def check_replayable(
                 "sequence length and data, or record again"
             )
     if state:
+        optimizer = optimizer_difference(meta["state_leaves"], now["state_leaves"])
+        if optimizer is not None:
+            raise ValueError(
+                f"{fn}: {path} records another optimizer state: {optimizer}{differ}; replay with the recorded "
+                "run's optimizer (the same transformation and optax chain), or record this task again with this one"
+            )
         why = _first_difference(meta["state_leaves"], now["state_leaves"], "leaf")
         raise ValueError(
             f"{fn}: {path} records another model or optimizer state: {why}{differ}; replay with the recorded "
