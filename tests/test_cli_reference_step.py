@@ -2,6 +2,7 @@
 mean-teacher EMA that the task's step never writes is not compared, and only Python's ``check_parity(...,
 reference=step)`` could compare it)."""
 
+import json
 import textwrap
 
 import pytest
@@ -125,3 +126,19 @@ def test_a_bad_reference_step_is_refused(task_file, capsys, reference, message):
     captured = capsys.readouterr()
     assert code == 2
     assert message in " ".join(captured.err.split())
+
+
+@require_devices(2)
+def test_a_reference_of_ones_own_checks_the_candidate_alone_by_default(task_file, tmp_path, capsys):
+    """Trial 39: with a reference step of the user's own, the built-in strategies (which run the task's step, not
+    the user's sync) all FAILed 'the forward pass's writes were dropped'; they run only where --strategies names
+    them, and without a candidate there is nothing to compare."""
+    spec, out = f"{task_file}:", tmp_path / "r.json"
+    args = ["verify", "--task", spec + "task", "--devices", "2", "--reference", spec + "ref_step"]
+    assert main([*args, "--candidate", spec + "step", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["strategies"]) == ["candidate"]
+    capsys.readouterr()
+    assert main(args) == 2
+    assert (
+        f"--reference {spec}ref_step is a step of your own, compared with --candidate; pass --candidate FILE.py:ATTR"
+    ) in " ".join(capsys.readouterr().err.split())

@@ -408,7 +408,16 @@ def _check_args(args) -> tuple[list[str], int]:
                 "derived tolerance"
             )
     _check_reference_name(args.reference)
-    chosen = DEFAULT_STRATEGIES if args.strategies is None else args.strategies
+    own = args.reference not in REFERENCE_NAMES  # a step of the user's own: it checks the user's candidate
+    if own and args.strategies is None and args.candidate is None:
+        raise ValueError(
+            f"shardcheck verify: --reference {args.reference} is a step of your own, compared with --candidate; "
+            "pass --candidate FILE.py:ATTR (the built-in strategies run the task's own step: check them without "
+            "--reference, or name them with --strategies)"
+        )
+    # the built-ins run the task's step, which need not write what the user's reference does (trial 39: a target
+    # network's sync made every built-in FAIL as 'the forward pass's writes were dropped'): only when named
+    chosen = ("none" if own else DEFAULT_STRATEGIES) if args.strategies is None else args.strategies
     strategies = _parse_strategies(chosen, args.candidate is not None)
     if args.strategies is None:  # the reference strategy against itself is no check
         strategies = [s for s in strategies if s != args.reference]
