@@ -199,6 +199,22 @@ def test_a_flag_of_the_builtin_tasks_beside_a_task_file_is_refused(user_files, c
 
 
 @require_devices(2)
+def test_a_builtin_task_against_a_recording_of_a_user_step_is_another_task(user_files, capsys):
+    """Trial 40: a built-in --task against a recording of a task file's step was told to pass --candidate, and
+    only after following that, that the recording is of another task: the task is said first."""
+    task, out = f"{user_files / 'task.py'}:task", user_files / "rec.npz"
+    step = f"{user_files / 'steps.py'}:good_step"
+    args = ["--task", task, "--candidate", step, "--devices", "2", "--steps", "1"]
+    assert main(["record", *args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--task", "digits", "--against", str(out)]) == 2
+    assert (
+        "records another task (it records task 'user-decoder', this run's is 'digits'); replay it with the "
+        in (" ".join(capsys.readouterr().err.split()))
+    )
+
+
+@require_devices(2)
 def test_verify_takes_the_compute_dtype_of_a_builtin_task(tmp_path, capsys):
     out = tmp_path / "report.json"
     # the MLP task (tiny-lm under bfloat16: tests/test_precision.py and, all strategies at S = 8, docs/parity.md)

@@ -290,6 +290,7 @@ def recorded_defaults(args):
             f"{fn}: --strategies none and no --candidate leave nothing to replay; drop --strategies to replay the "
             f"recorded {meta['run']}, or pass --candidate FILE.py:step"
         )
+    _check_recorded_task(fn, args, meta)
     if args.strategies == "none" and args.candidate is None:
         spec = meta.get("settings", {}).get("candidate") or f"FILE.py:{meta['run']}"
         raise ValueError(
@@ -301,6 +302,19 @@ def recorded_defaults(args):
             f"{fn}: --against replays --candidate on a task; pass --task (a built-in or FILE.py:task)"
         )
     return recording
+
+
+def _check_recorded_task(fn: str, args, meta) -> None:
+    """A built-in ``--task`` against a recording of another task: refused first, before any advice on what to
+    replay (trial 40: ``--task tiny-lm --against`` a recording of a task file's step was told to pass
+    ``--candidate``, and only then that it records another task)."""
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.task in BUILTIN_TASKS and meta.get("task") not in (None, args.task):
+        raise ValueError(
+            f"{fn}: --against {args.against} records another task (it records task {meta['task']!r}, this run's is "
+            f"{args.task!r}); replay it with the task it records, or record this task"
+        )
 
 
 def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:

@@ -229,7 +229,12 @@ class RunComparison:
         (the replicas observed where the replay compared its copies, :attr:`replicas_compared`), with each
         parameter's recorded shape, dtype and placement axes; ``None`` when every step passed."""
         steps = [r for r in self.records if r.step >= 0]
-        found = localize(steps, facts=dict(self.facts), replicas_observed=self.replicas_compared)
+        found = localize(
+            steps,
+            facts=dict(self.facts),
+            replicas_observed=self.replicas_compared,
+            num_shards=self.num_shards,
+        )
         # a replay's all the same (its start words, no module probed) where it observed the replicas
         return None if found is None else dataclasses.replace(found, live=False)
 
@@ -1325,6 +1330,8 @@ def _records(
     (``replicas``: its ``meta["replicas"]``, :func:`_replicas_at`). Not measured by a digest, so left at their
     defaults: ``matches``, ``synchronized``, ``scale_evidence``."""
     meta = pair.recording.meta
+    written = written_paths(meta, pair.replayed.meta)  # the forward pass's writes, as a live record's
+    forward_writes = None if written is None else frozenset("model." + p for p in written)
     out = []
     for t in range(-1, steps):
         at_t = [e for e in leaves if e.step == t]
@@ -1355,6 +1362,7 @@ def _records(
                 skipped=t in pair.skipped,
                 replica_mismatches=mismatches,
                 replica_axes=axes,
+                forward_writes=forward_writes,
             )
         )
     return tuple(out)

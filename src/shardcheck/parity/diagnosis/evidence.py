@@ -199,12 +199,13 @@ class StepRecord:
             returns, e.g. the unmasked tokens), by which the reference divides the loss sum; a gradient factor
             equal to it is named as a loss sum not divided by its weight. ``None`` otherwise (a mean loss, a
             passing step, a replay's steps after its first failing one).
-        forward_writes: a failing live step's: the model's floating state (``model.<path>``, as its ``state``
+        forward_writes: a failing step's (live, or a replay's from the recording's ``floating_written``): the model's floating state (``model.<path>``, as its ``state``
             leaves are named) that the task's loss, run alone on the model, writes
             (:func:`~shardcheck.parity.comparison.model_state.loss_access`): a ``state`` leaf the reference's step
             writes and the forward pass does not is written by the step itself (an EMA of the parameters kept
             after the update), so its difference is the step's, not the forward pass's (trial 37). ``None`` where
-            not known (a replay's, a loss that cannot be traced): every written leaf counts as the forward pass's.
+            not known (an older recording, a loss that cannot be traced): every written leaf counts as the forward
+            pass's.
         per_shard_factor: where the step reproduces the mean of per-shard means (``matches``) and returned
             gradients c times that mean's gradient, c other than 1 (c = S: the per-shard means were summed, a psum
             where a pmean was due); ``None`` otherwise (c = 1, or no gradients returned).
