@@ -58,3 +58,47 @@ def test_values_varying_over_an_axis_are_said_as_left_unreduced():
         "[0]['l1']['bias'] (float32[64]{V:data}): a value computed per device and never reduced over 'data'"
     )
     assert _varying_hint(TypeError(COND)) == ""
+
+
+def test_an_uneven_annotation_is_said_beside_an_uneven_batch():
+    """Trial 40: on data=2,fsdp=3 a step placing a (16, 4) kernel annotated P('fsdp', None) raised; the hint
+    named only the batch's 16 rows over 6 devices (true too), never the annotation that raised."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import shardcheck
+
+    if jax.device_count() < 6:
+        pytest.skip("needs 6 devices")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
+            self.lin = nnx.Linear(16, 4, kernel_init=init, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch):
+        return jnp.mean((model.lin(batch["x"]) - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    task = shardcheck.Task(
+        model=Net,
+        optimizer=optax.sgd(0.1),
+        loss_fn=loss_fn,
+        batches=[{"x": rng.normal(size=(16, 16)).astype(np.float32), "y": np.zeros((16, 4), np.float32)}],
+    )
+
+    def step(model, optimizer, batch, mesh):
+        state = nnx.state(model)
+        nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+        return loss_fn(model, batch)
+
+    with pytest.raises(Exception, match="do not split") as raised:
+        shardcheck.check_parity(step, task, mesh=shardcheck.make_mesh({"data": 2, "fsdp": 3}))
+    said = " ".join(str(raised.value).split())
+    assert "the batch's 16 rows do not split over the 6 devices of the mesh: a likely cause" in said
+    assert (
+        "and leaf 'lin.kernel' of shape (16, 4) is annotated P('fsdp', None): dimension 0 (16) does not split"
+        in said
+    )

@@ -407,6 +407,11 @@ def run_step(
             err, batch
         )  # an error on a leaf of another shape: not the batch's
         hint = _split_hint(rows, s, kwargs.get("mesh")) if s and s > 1 and rows % s and batch_error else ""
+        if hint and _about_placement(
+            err
+        ):  # the annotations may not split either (trial 40: fsdp=3 on dims of 16)
+            also = _annotation_hint(model, kwargs.get("mesh"))
+            hint += f"; and {also}" if also else ""
         # the axis the error names first (trial 27), then the annotations' own mismatch (an uneven split), only
         # for an error about placement (trial 29: an unreduced gradient's lax.cond TypeError read as one)
         hint = (
