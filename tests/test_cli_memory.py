@@ -411,3 +411,15 @@ def test_the_compiled_table_counts_the_model_state_with_the_parameters_and_says_
     out = " ".join(capsys.readouterr().out.split())
     assert "┃ params ┃ model state ┃" in out and "│ fsdp │ 2 │ 60 B │ 24 B │" in out  # the estimate, apart
     assert "┃ strategy ┃ params+state ┃ optimizer ┃" in out and "│ fsdp │ 84 B │ 0 B │ 4 B │ 88 B │" in out
+
+
+@require_devices(8)
+def test_an_annotated_layout_on_a_mesh_without_fsdp_is_labelled_by_its_annotations(capsys):
+    """Trials 34 and 38: a tensor-parallel model's rows on a data x model mesh read 'fsdp', the layout of the
+    FSDP rule; the annotations placed it (split over 'model'). On an fsdp mesh the label stays 'fsdp'."""
+    megatron = str(Path(__file__).parents[1] / "examples" / "megatron_mlp.py") + ":task"
+    assert main(["memory", "--task", megatron, "--mesh", "data=2,model=4"]) == 0
+    assert "│ fsdp (annotations: model) │" in capsys.readouterr().out
+    assert main(["memory", "--task", "digits", "--mesh", "fsdp=4"]) == 0
+    out = capsys.readouterr().out
+    assert "│ fsdp     │" in out and "annotations:" not in out

@@ -419,7 +419,7 @@ def render_aot(estimates, aot):
     for name, a in aot.items():
         parts = a.breakdown()
         table.add_row(
-            name,
+            strategy_label(name, estimates.get(name)),
             human_bytes(a.params_bytes + a.model_state_bytes),
             human_bytes(a.optimizer_bytes),
             human_bytes(a.step_bytes),
@@ -746,6 +746,17 @@ def _title(args, task=None, mesh=None) -> str:
     return f"{model}, {args.optimizer}, {args.dtype}, S={args.shards}"
 
 
+def strategy_label(name: str, est) -> str:
+    """A table's strategy cell: ``name``, or for ``fsdp`` on a mesh without an ``fsdp`` axis whose parameters the
+    model's annotations split, ``"fsdp (annotations: model)"``: the layout is the annotations', not the FSDP rule's
+    (trials 34 and 38: a tensor-parallel model's rows read "fsdp" on a data x model mesh)."""
+    mesh = dict(getattr(est, "mesh_shape", ()) or ())
+    if name != "fsdp" or not mesh or "fsdp" in mesh:
+        return name
+    axes = sorted({a for leaf in est.leaves if leaf.category == "params" for a in leaf.split_axes})
+    return f"fsdp (annotations: {', '.join(axes)})" if axes else name
+
+
 def render_table(args, estimates, task=None, mesh=None):
     from rich.table import Table
 
@@ -766,7 +777,7 @@ def render_table(args, estimates, task=None, mesh=None):
     for name, est in estimates.items():
         extra = (human_bytes(est.model_state_bytes),) if model_state else ()
         table.add_row(
-            name,
+            strategy_label(name, est),
             str(est.num_devices),
             human_bytes(est.params_bytes),
             *extra,
@@ -797,7 +808,7 @@ def render_measured(estimates, measured):
     for name, m in measured.items():
         est = estimates[name]
         table.add_row(
-            name,
+            strategy_label(name, est),
             human_bytes(est.persistent_bytes),
             human_bytes(m.state_bytes),
             f"{m.accuracy_ratio:.4f}",
