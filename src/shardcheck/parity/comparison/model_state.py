@@ -10,7 +10,11 @@ Two kinds of it, as the Flax NNX docs write them:
 
   - the reference's step leaves it bitwise as it was, and the loss reads it (a weight kept frozen in a Variable
     class of one's own, ``class Frozen(nnx.Variable)``, as LoRA's base weights are): the candidate must leave
-    it too, exactly (``reference_change`` 0): a step that trains it by mistake FAILs at once (``frozen_state``);
+    it too, exactly (``reference_change`` 0): a step that trains it by mistake FAILs at once (``frozen_state``).
+    Judged on what each step did to it, not on a difference an earlier step left between the two: where neither
+    step writes it, it matches (a target network's copy synced at step 1 from parameters that differ by rounding,
+    accepted there by the rule for state both steps write, and left by both at step 2); where the candidate's
+    writes it, its change is the error;
   - the reference's step leaves it as it was, the loss does not read it, and the candidate's step writes it (an
     EMA of the parameters, a shadow copy kept by the user's step after its update): not compared, since the
     task's reference step does not write it (a leaf of tolerance ``inf``, named by the PASS); whether the loss
@@ -220,8 +224,10 @@ def _floating_leaves(step, sides: tuple, cand_sides: tuple, read, dtypes: dict) 
             continue
         if not _same(r, r0):  # the reference wrote it: the candidate's change, coarsely
             out.append(_both_written(step, path, (r0, r), (c0, c), dtypes[path]))
-        elif read is None or path in read or _same(c, r):  # so must the candidate leave it
-            out.append(_exact(step, "state", path, r, c, 0.0))
+        elif _same(c, c0):  # neither step wrote it: a match, whatever an earlier step left between them
+            out.append(_exact(step, "state", path, r, r, 0.0))
+        elif read is None or path in read or _same(c, r):  # so must the candidate: its change, exactly
+            out.append(_exact(step, "state", path, c0, c, 0.0))
         else:  # written by the candidate only, read by nothing the loss computes: not compared
             out.append(
                 dataclasses.replace(_exact(step, "state", path, r, c, 0.0), tolerance=math.inf, ok=True)

@@ -1,0 +1,164 @@
+"""Trial 39 (a double-DQN Q-network with a target network held as weight copies in ``class
+TargetParam(nnx.Variable)`` and a step counter ``class StepCount(nnx.Variable)``, synced from the online weights
+every K=2 steps by the train step after the optimizer's update; a ``jax.shard_map`` step on data=4). Each rule
+checked on both sides, on a tiny model of the same shape: a target copy of both kernels synced every 2 steps, an
+int32 step counter, 4 steps on data=2.
+
+1. a correct step was "PASS (per step)" (``diverged_trajectory``): the copy synced at step 1 differs by the
+   parameters' own rounding (accepted by the coarse both-steps-write rule) and at step 2, where neither step writes
+   it, was compared exactly on its value: the carried rounding failed it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardcheck
+from shardcheck import check_parity, make_mesh
+from shardcheck.parity.comparison.model_state import floating_state, model_state_leaves
+
+K = 2  # the target's sync period
+# sizes whose data=2 batch sums round apart from the single device's: the carried difference of rule 1
+HID, ROWS = 16, 16
+
+
+class Target(nnx.Variable):
+    """A frozen copy of an online kernel: the target network's."""
+
+
+class Count(nnx.Variable):
+    """Train steps taken, for the target's sync."""
+
+
+class QNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(6, HID, rngs=rngs)
+        self.l2 = nnx.Linear(HID, 2, rngs=rngs)
+        self.t1 = Target(self.l1.kernel[...])
+        self.t2 = Target(self.l2.kernel[...])
+        self.steps = Count(jnp.array(0, jnp.int32))
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+    def target(self, x):
+        return nnx.relu(x @ self.t1[...] + self.l1.bias[...]) @ self.t2[...]
+
+
+def loss_fn(model, batch):
+    """A TD loss: the online net's value against a bootstrap from the target copies (never differentiated)."""
+    y = batch["r"] + 0.9 * jax.lax.stop_gradient(model.target(batch["x2"]).max(-1))
+    return jnp.mean((model(batch["x"])[:, 0] - y) ** 2)
+
+
+def sync(model, fault: str = "") -> None:
+    """Count the step; every K-th (every one for ``fault="every"``) copy the online kernels into the target."""
+    model.steps[...] = model.steps[...] + 1
+    do = jnp.array(True) if fault == "every" else model.steps[...] % K == 0
+    model.t1[...] = jnp.where(do, model.l1.kernel[...], model.t1[...])
+    model.t2[...] = jnp.where(do, model.l2.kernel[...], model.t2[...])
+
+
+_rng = np.random.default_rng(0)
+BATCHES = [
+    {
+        "x": _rng.normal(size=(ROWS, 6)).astype(np.float32),
+        "x2": _rng.normal(size=(ROWS, 6)).astype(np.float32),
+        "r": _rng.normal(size=(ROWS,)).astype(np.float32),
+    }
+    for _ in range(4)
+]
+TASK = shardcheck.Task(
+    model=lambda: QNet(nnx.Rngs(0)), optimizer=optax.adam(1e-2), loss_fn=loss_fn, batches=BATCHES
+)
+
+
+@nnx.jit
+def ref_step(model, optimizer, batch):
+    """The user's single-device reference: the task's step, then the sync."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    sync(model)
+    return {"loss": loss, "grads": grads}
+
+
+def make_step(fault: str = ""):
+    """The user's data-parallel step: a shard_map over 'data', the gradients pmean-ed, then the sync."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, state = nnx.split((model, optimizer))
+
+        def body(state, batch):
+            m, o = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(loss_fn)(m, batch)
+            grads, loss = jax.lax.pmean(grads, "data"), jax.lax.pmean(loss, "data")
+            o.update(m, grads)
+            sync(m, fault)
+            return loss, grads, nnx.state((m, o))
+
+        specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+        loss, grads, state = jax.jit(jax.shard_map(body, **specs))(state, batch)
+        nnx.update((model, optimizer), state)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+def _run(step, mesh=None, steps=2) -> QNet:
+    model = TASK.model()
+    optimizer = nnx.Optimizer(model, TASK.optimizer, wrt=nnx.Param)
+    for batch in BATCHES[:steps]:
+        if mesh is None:
+            step(model, optimizer, batch)
+        else:
+            step(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))), mesh)
+    return model
+
+
+# ------------------------------------------------------------------- 1. state neither step writes at a step
+
+
+class _Held(nnx.Module):
+    def __init__(self, value):
+        self.t = Target(jnp.asarray(value, jnp.float32))
+
+
+def test_state_neither_step_writes_is_judged_on_its_change_not_on_a_carried_difference():
+    """Unit: a copy that differs by a rounding an earlier step accepted (2.33e-10), left as it was by both steps,
+    matches (error 0); a candidate that writes it where the reference does not still FAILs exactly, on its
+    change."""
+    ref_value = np.linspace(-0.002, 0.002, 8, dtype=np.float32)
+    carried = ref_value.copy()
+    carried[0] = np.nextafter(ref_value[0], np.float32(1))  # one ulp: 2.33e-10 at 0.002
+    assert 2e-10 < abs(float(carried[0]) - float(ref_value[0])) < 3e-10
+    ref, cand = _Held(ref_value), _Held(carried)
+    before, cand_before = floating_state(ref), floating_state(cand)
+    (leaf,) = model_state_leaves(2, ref, cand, None, before, cand_before, read=frozenset({"t"}))
+    assert leaf.ok and leaf.max_abs_err == 0 and leaf.tolerance == 0 and leaf.reference_change == 0
+    cand.t[...] = cand.t[...] + 0.01  # the candidate's step writes it, the reference's does not
+    (leaf,) = model_state_leaves(2, ref, cand, None, before, cand_before, read=frozenset({"t"}))
+    assert not leaf.ok and leaf.tolerance == 0 and leaf.reference_change == 0
+    assert abs(leaf.max_abs_err - 0.01) < 1e-6
+
+
+@require_devices(2)
+def test_a_correct_step_with_a_target_synced_every_2_steps_passes_plainly():
+    """Live, data=2, 4 steps, the user's reference writing the target: the copy synced at step 1 differs by the
+    parameters' rounding, and the correct step is a plain PASS (was "PASS (per step)", ``diverged_trajectory``:
+    "state model.t1 step 2 tol 0 FAIL"); syncing at every step FAILs at step 0."""
+    mesh = make_mesh({"data": 2})
+    ref, cand = _run(ref_step), _run(make_step(), mesh)
+    carried = float(jnp.max(jnp.abs(ref.t1[...] - cand.t1[...])))
+    assert 0 < carried < 1e-6  # the precondition: a rounding-level difference carried into step 2
+    report = check_parity(make_step(), TASK, mesh=mesh, reference=ref_step)
+    assert report.ok and report.codes == ("parity",)
+    assert report.diverged_at is None
+    bad = check_parity(make_step("every"), TASK, mesh=mesh, reference=ref_step)
+    assert not bad.ok
+    first = next(e for e in bad.steps[0].leaves if e.path == "model.t1")
+    assert not first.ok and first.step == 0 and first.max_abs_err > 1e-3
