@@ -7,6 +7,10 @@ int32 step counter, 4 steps on data=2.
 1. a correct step was "PASS (per step)" (``diverged_trajectory``): the copy synced at step 1 differs by the
    parameters' own rounding (accepted by the coarse both-steps-write rule) and at step 2, where neither step writes
    it, was compared exactly on its value: the carried rounding failed it.
+2. without a reference (the task's step never writes the counter) the correct step FAILed ``model_state`` on the
+   step counter, "an nnx.Variable its forward pass writes": the loss never touches it. A counter only the step
+   writes is not compared (said in the PASS note); a step run from the reference's state keeps the candidate's
+   own count, so the sync the task's reference never makes is still seen at step 1.
 """
 
 import jax
@@ -57,8 +61,11 @@ def loss_fn(model, batch):
 
 
 def sync(model, fault: str = "") -> None:
-    """Count the step; every K-th (every one for ``fault="every"``) copy the online kernels into the target."""
+    """Count the step; every K-th (every one for ``fault="every"``, never for ``"count_only"``) copy the online
+    kernels into the target."""
     model.steps[...] = model.steps[...] + 1
+    if fault == "count_only":
+        return
     do = jnp.array(True) if fault == "every" else model.steps[...] % K == 0
     model.t1[...] = jnp.where(do, model.l1.kernel[...], model.t1[...])
     model.t2[...] = jnp.where(do, model.l2.kernel[...], model.t2[...])
@@ -162,3 +169,55 @@ def test_a_correct_step_with_a_target_synced_every_2_steps_passes_plainly():
     assert not bad.ok
     first = next(e for e in bad.steps[0].leaves if e.path == "model.t1")
     assert not first.ok and first.step == 0 and first.max_abs_err > 1e-3
+
+
+# ------------------------------------------------------------------- 2. a counter only the candidate's step keeps
+
+
+def test_a_counter_the_loss_never_touches_is_not_compared_one_it_touches_is():
+    """Unit: a counter the reference's step left and the loss neither reads nor writes is not compared (tolerance
+    inf, ok) where the candidate's differs; one the loss touches (a count its forward pass writes) is compared
+    exactly; one the reference's step wrote is compared exactly."""
+
+    class _Counted(nnx.Module):
+        def __init__(self, n):
+            self.steps = Count(jnp.array(n, jnp.int32))
+
+    ref, cand = _Counted(0), _Counted(1)
+    before = {"steps": np.array(0, np.int32)}
+    (leaf,) = model_state_leaves(0, ref, cand, counters=(before, frozenset()))
+    assert leaf.ok and leaf.tolerance == float("inf") and leaf.max_abs_err == 1
+    (leaf,) = model_state_leaves(0, ref, cand, counters=(before, frozenset({"steps"})))
+    assert not leaf.ok and leaf.tolerance == 0
+    (leaf,) = model_state_leaves(0, ref, cand, counters=({"steps": np.array(-1, np.int32)}, frozenset()))
+    assert not leaf.ok and leaf.tolerance == 0
+    (leaf,) = model_state_leaves(0, ref, cand)  # no before: exact, as before
+    assert not leaf.ok
+
+
+@require_devices(2)
+def test_without_a_reference_the_step_counter_is_not_compared_and_the_sync_is_still_seen():
+    """Live, the task's own reference (never writes the counter nor the target): a step that only counts PASSes
+    with the note; the correct step (it syncs at step 1, which the task's step never does) FAILs at step 1 on
+    the target, never ``model_state`` on the counter (was "The model's state steps (not a parameter: an
+    nnx.Variable its forward pass writes) differs ... after 1 step(s)"), and the re-check of step 1 from the
+    reference's state keeps the candidate's count (2: the sync is made), so it is not read as a diverged
+    trajectory."""
+    mesh = make_mesh({"data": 2})
+    counting = check_parity(make_step("count_only"), TASK, mesh=mesh)
+    assert counting.ok and counting.codes == ("parity",)  # 22 leaves, the counter not counted
+    note = counting.diagnoses[0].message
+    assert "Parity holds: 21 leaves over 4 step(s) within tolerance." in note
+    assert (
+        "The model's counter model.steps is written by the candidate's step only and neither read nor written "
+        "by the loss: not compared (the reference's step does not write it; to compare it, pass a reference "
+        "step that writes it" in note
+    )
+    report = check_parity(make_step(), TASK, mesh=mesh)
+    assert not report.ok and "model_state" not in report.codes and report.diverged_at is None
+    assert report.codes[0] == "frozen_state"
+    counters = [e for r in report.steps for e in r.leaves if e.path == "model.steps"]
+    assert len(counters) == 4 and all(e.ok and e.tolerance == float("inf") for e in counters)
+    first = next(r for r in report.steps if not r.ok)
+    assert first.step == 1 and first.synchronized
+    assert {e.path for e in first.leaves if not e.ok} == {"model.t1", "model.t2"}

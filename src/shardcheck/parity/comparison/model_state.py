@@ -98,6 +98,19 @@ def model_state(model: nnx.Module, found: dict | None = None, key: str = "model_
     return {path: v[...] for path, v in _variables(model, found, key) if is_int(v[...])}
 
 
+def set_model_state(model: nnx.Module, values: dict) -> None:
+    """Write ``values`` (``{dotted path: integer array}``, as :func:`model_state` returns) into the model's
+    integer state of those paths, each placed as the array it replaces (its sharding where that is committed,
+    else uncommitted on the default device); other paths are left."""
+    for path, v in _variables(model, None, ""):
+        if path in values:
+            old = v[...]
+            new = np.asarray(values[path], old.dtype)
+            if isinstance(old, jax.Array):
+                new = jax.device_put(new, old.sharding) if old.committed else jax.device_put(new)
+            v[...] = new
+
+
 def floating_arrays(model: nnx.Module, found: dict | None = None, key: str = "floating_state") -> dict:
     """``{dotted path: array}`` (the arrays as the Variables hold them) of the model's floating state that is
     neither a parameter nor an RNG stream: a frozen weight in a Variable class of one's own. ``found``: as
@@ -121,6 +134,14 @@ def _is_floating_state(_path, x) -> bool:
         return False
     a = x[...]
     return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _is_int_state(_path, x) -> bool:
+    """An ``nnx.split`` filter: a Variable that is neither a parameter nor an RNG stream, holding integers or
+    booleans (a counter, as :func:`model_state`'s)."""
+    if isinstance(x, nnx.Param | nnx.RngState) or not isinstance(x, nnx.Variable):
+        return False
+    return is_int(x[...])
 
 
 def loss_reads(loss_fn, model: nnx.Module, batch) -> frozenset[str] | None:
@@ -147,8 +168,26 @@ def loss_access(loss_fn, model: nnx.Module, batch) -> tuple[frozenset[str] | Non
 
     Returns ``(frozenset(), frozenset())`` for a model without floating state, and ``(None, None)`` where the
     loss cannot be traced on abstract values (every leaf then counts as read and written)."""
-    graphdef, floating, rest = nnx.split(model, _is_floating_state, ...)
-    flat = list(nnx.to_flat_state(floating))
+    return _access(loss_fn, model, batch, _is_floating_state)
+
+
+def loss_counters(loss_fn, model: nnx.Module, batch) -> frozenset[str] | None:
+    """The dotted paths (as :func:`model_state`'s) of the model's integer state that ``loss_fn(model, batch)``
+    reads or writes (a count its forward pass increments, a step count a schedule in the loss reads), from one
+    trace of the task's loss (``jax.make_jaxpr``, nothing computed). A counter the loss neither reads nor writes
+    (a step count the user's step keeps for a target network's sync) is one the task's reference step leaves as
+    it was: :func:`model_state_leaves` does not compare it where only the candidate's step writes it.
+
+    Returns ``frozenset()`` for a model without integer state, and ``None`` where the loss cannot be traced on
+    abstract values (every counter then counts as touched: compared exactly)."""
+    reads, writes = _access(loss_fn, model, batch, _is_int_state)
+    return None if reads is None or writes is None else reads | writes
+
+
+def _access(loss_fn, model: nnx.Module, batch, which) -> tuple[frozenset[str] | None, frozenset[str] | None]:
+    """:func:`loss_access` of the model's Variables ``which`` (an ``nnx.split`` filter) selects."""
+    graphdef, chosen, rest = nnx.split(model, which, ...)
+    flat = list(nnx.to_flat_state(chosen))
     if not flat:
         return frozenset(), frozenset()
 
@@ -156,7 +195,7 @@ def loss_access(loss_fn, model: nnx.Module, batch) -> tuple[frozenset[str] | Non
         state = nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, arrays, strict=True)])
         merged = nnx.merge(graphdef, state, rest, copy=True)
         loss = loss_fn(merged, batch)
-        after = dict(nnx.to_flat_state(nnx.state(merged, _is_floating_state)))
+        after = dict(nnx.to_flat_state(nnx.state(merged, which)))
         return loss, [after[p][...] if p in after else a for (p, _), a in zip(flat, arrays, strict=True)]
 
     try:
@@ -180,11 +219,15 @@ def model_state_leaves(
     before: dict | None = None,
     cand_before: dict | None = None,
     read: frozenset[str] | None = None,
+    counters: tuple | None = None,
 ) -> list[LeafError]:
     """The model-state leaves of one step, against the reference's.
 
     - One exact ``counter`` leaf per integer leaf both models hold (path ``model.<path>``); an array leaf's error
-      is its largest elementwise difference.
+      is its largest elementwise difference. With ``counters`` (``(before, touched)``: :func:`model_state` of the
+      reference before the step, and :func:`loss_counters`'s paths or ``None``), a counter the reference's step left as it was and the loss neither reads nor writes, whose
+      candidate value differs, is not compared (tolerance ``inf``, ``ok``): the candidate's step keeps it (a step
+      count for a target network's sync) and the reference's step does not write it, as floating state below.
     - With ``before`` (:func:`floating_state` of the reference before the step) one ``state`` leaf per floating
       leaf both models hold, by the module docstring's rule: exact (tolerance 0, ``reference_change`` 0) where
       the reference left it bitwise as it was and the loss reads it (``read``: :func:`loss_reads`'s paths;
@@ -202,10 +245,13 @@ def model_state_leaves(
         if path not in cand:
             continue
         if np.size(r) == 1:
-            out.append(counter_error(step, PREFIX + path, r, cand[path]))
-            continue
-        r64, c64 = np.asarray(r, np.int64), np.asarray(cand[path], np.int64)
-        out.append(_exact(step, "counter", path, r64, c64, None))
+            leaf = counter_error(step, PREFIX + path, r, cand[path])
+        else:
+            r64, c64 = np.asarray(r, np.int64), np.asarray(cand[path], np.int64)
+            leaf = _exact(step, "counter", path, r64, c64, None)
+        if not leaf.ok and _step_only(path, r, counters):  # the candidate's step keeps it: not compared
+            leaf = dataclasses.replace(leaf, tolerance=math.inf, ok=True)
+        out.append(leaf)
     if before:
         arrays = floating_arrays(ref_model, found, "floating_state ref")
         sides = ({p: np.asarray(to_host(a), np.float64) for p, a in arrays.items()}, before)
@@ -213,6 +259,17 @@ def model_state_leaves(
         dtypes = {p: a.dtype for p, a in arrays.items()}
         out += _floating_leaves(step, sides, cand_sides, read, dtypes)
     return out
+
+
+def _step_only(path: str, r, counters: tuple | None) -> bool:
+    """Whether the counter ``path`` (the reference's value ``r`` after the step) is one the reference's step left
+    as it was and the task's loss neither reads nor writes (``counters``: as :func:`model_state_leaves`')."""
+    if counters is None:
+        return False
+    ref_before, touched = counters
+    if touched is None or path in touched or ref_before is None or path not in ref_before:
+        return False
+    return bool(np.array_equal(np.asarray(r), np.asarray(ref_before[path])))
 
 
 def _floating_leaves(step, sides: tuple, cand_sides: tuple, read, dtypes: dict) -> list[LeafError]:

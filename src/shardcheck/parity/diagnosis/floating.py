@@ -1,7 +1,8 @@
 """What a check did with the model's floating state beside its parameters (``state model.<path>`` leaves,
 :mod:`shardcheck.parity.comparison.model_state`), in the words a PASS says it: the leaves it did not compare (the
-candidate's step writes them, the reference's does not, the loss does not read them) and those both steps write,
-compared coarsely on their change."""
+candidate's step writes them, the reference's does not, the loss does not read them; and the integer counters
+the loss neither reads nor writes that the candidate's step keeps alone) and those both steps write, compared
+coarsely on their change."""
 
 from __future__ import annotations
 
@@ -81,6 +82,14 @@ def state_notes(records: Sequence[StepRecord]) -> str:
             f"The model's {_families(skipped)} {_is(skipped)} written by the candidate's step only and not read by the loss: "
             "not compared (the reference's step does not write it)."
         )
+    counters = {e.path for r in records for e in r.leaves if e.kind == "counter" and math.isinf(e.tolerance)}
+    if counters:  # a count only the candidate's step keeps (a target network's sync count)
+        out.append(
+            f"The model's {_families(counters, 'counter ')} {_is(counters)} written by the candidate's step only "
+            "and neither read nor written by the loss: not compared (the reference's step does not write it; to "
+            "compare it, pass a reference step that writes it: verify --reference FILE:FUNCTION, "
+            "check_parity(reference=...))."
+        )
     if coarse:
         out.append(
             f"{len(coarse)} {'leaf' if len(coarse) == 1 else 'leaves'} of floating state written by both steps "
@@ -91,8 +100,16 @@ def state_notes(records: Sequence[StepRecord]) -> str:
 
 
 def not_compared(records: Sequence[StepRecord]) -> int:
-    """How many leaves of the records' floating state were not compared (tolerance ``inf``)."""
-    return len({e.path for r in records for e in r.leaves if e.kind == "state" and math.isinf(e.tolerance)})
+    """How many leaves of the records' model state were not compared (tolerance ``inf``): floating state and
+    counters only the candidate's step writes."""
+    return len(
+        {
+            (e.kind, e.path)
+            for r in records
+            for e in r.leaves
+            if e.kind in ("state", "counter") and math.isinf(e.tolerance)
+        }
+    )
 
 
 __all__ = ["families", "family", "not_compared", "state_notes", "step_written"]

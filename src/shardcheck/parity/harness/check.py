@@ -61,6 +61,8 @@ from shardcheck.parity.comparison.model_state import (
     floating_arrays,
     floating_state,
     loss_access,
+    loss_counters,
+    model_state,
     model_state_leaves,
 )
 from shardcheck.parity.comparison.rng_counts import rng_count_leaves
@@ -403,7 +405,9 @@ def _normalized(run: _Run, unresolved: list[str]) -> tuple[str, ...]:
 def _floating_before(run: _Run) -> None:
     """Both sides' floating non-parameter state before a step (``run.state_before``), and once per check which
     of it the task's loss reads and writes (``run.state_read``, ``run.state_written``: ``model_state.loss_access``);
-    nothing for a model without."""
+    nothing for a model without. The same of its integer state: the reference's before the step
+    (``run.counters_before``, with the counters the loss reads or writes, ``run.counters_touched``:
+    ``model_state.loss_counters``, once per check)."""
     found = run.found if run.in_place else None
     ref = floating_state(run.ref_model, found, "floating_state ref")
     run.state_before = (ref, floating_state(run.cand_model, found, "floating_state cand") if ref else None)
@@ -411,6 +415,13 @@ def _floating_before(run: _Run) -> None:
         reads, writes = loss_access(run.task.loss_fn, run.ref_model, run.task.batches[0])
         run.state_read = frozenset(ref) if reads is None else reads
         run.state_written = None if writes is None else frozenset(PREFIX + p for p in writes)
+    counters = model_state(run.ref_model, found, "model_state ref")
+    if counters and run.counters_touched is None:
+        touched = loss_counters(run.task.loss_fn, run.ref_model, run.task.batches[0])
+        run.counters_touched = frozenset(counters) if touched is None else touched
+    run.counters_before = (
+        ({p: np.asarray(to_host(a)) for p, a in counters.items()}, run.counters_touched) if counters else None
+    )
 
 
 def _failing_record(run: _Run, record: StepRecord, after: _After, cand_grads) -> StepRecord:
@@ -473,7 +484,9 @@ def _compare_leaves(
     # the model's state beside its parameters (its Variables found once where the steps update in place)
     found = run.found if run.in_place else None
     before = run.state_before
-    leaves += model_state_leaves(t, run.ref_model, run.cand_model, found, *before, read=run.state_read)
+    leaves += model_state_leaves(
+        t, run.ref_model, run.cand_model, found, *before, read=run.state_read, counters=run.counters_before
+    )
     if before[
         0
     ]:  # its copies agree across devices too, compared or not (trial 23: an EMA written per device)
@@ -971,6 +984,7 @@ def _run_steps(run: _Run, data, tolerances):
                 if keep
                 else None
             )
+            carried = _carried_counters(run) if keep else None
             r_tol, a_tol, _ = tolerances(batch, t)
             recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
             record, finite = _compare_step(
@@ -982,9 +996,11 @@ def _run_steps(run: _Run, data, tolerances):
             if not record.ok and recheck:
                 rechecked = True
                 r0, a0, _ = tolerances(batch, 0)
+                rerun = run.synchronized(*pre, carried)
                 synced, _ = _compare_step(
-                    run.synchronized(*pre), t, batch, r0, a0, completed=1, synced=True, check_scale=undecided
+                    rerun, t, batch, r0, a0, completed=1, synced=True, check_scale=undecided
                 )
+                carried = _carried_counters(rerun)
                 if synced.ok:
                     diverged, diverged_at, record = record, t, synced
                 elif ignores_optimizer_state(run, *pre, t, batch):  # state not carried between steps (drift)
@@ -995,8 +1011,9 @@ def _run_steps(run: _Run, data, tolerances):
         else:
             # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
             r_tol, a_tol, _ = tolerances(batch, 0)
+            rerun = run.synchronized(run.ref_model, run.ref_opt, carried)
             record, finite = _compare_step(
-                run.synchronized(run.ref_model, run.ref_opt),
+                rerun,
                 t,
                 batch,
                 r_tol,
@@ -1008,8 +1025,26 @@ def _run_steps(run: _Run, data, tolerances):
             if not finite:
                 reference_diverged_at = t
                 break
+            carried = _carried_counters(rerun)
         records.append(record)
     return records, diverged, diverged_at, reference_diverged_at
+
+
+def _carried_counters(run: _Run) -> dict | None:
+    """The candidate's integer model state the task's loss neither reads nor writes (``{dotted path: host
+    array}``, ``None`` where there is none or that is not known yet): a counter only the candidate's step keeps
+    (a target network's sync count) is not compared where the reference's step leaves it
+    (``model_state.model_state_leaves``), so a step run from the reference's state carries the candidate's own
+    value of it (the reference's, never written, would start the candidate's count again: a sync every K steps
+    then never comes, and a write the reference's step does not make is never seen). Values of a counter both
+    steps write are equal wherever no step has failed yet, so carrying them changes nothing."""
+    touched = run.counters_touched
+    if touched is None:
+        return None
+    found = run.found if run.in_place else None
+    counters = model_state(run.cand_model, found, "model_state cand")
+    out = {p: np.asarray(to_host(a)) for p, a in counters.items() if p not in touched}
+    return out or None
 
 
 def assert_step_parity(candidate: StepFn | str | Candidate, task: Task, **kwargs) -> ParityReport:

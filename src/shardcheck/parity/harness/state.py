@@ -14,6 +14,7 @@ from flax import nnx
 
 from shardcheck._tree import copy_state
 from shardcheck.parity.comparison.live import flatten_state
+from shardcheck.parity.comparison.model_state import set_model_state
 from shardcheck.parity.tolerance.precision import Precision
 from shardcheck.steps import Candidate
 from shardcheck.task import Task
@@ -236,6 +237,11 @@ class _Run:
     state_read: frozenset | None = None
     # the paths (``model.<path>``) of that state the task's loss writes (model_state.loss_access; None: not known)
     state_written: frozenset | None = None
+    # the reference's integer model state before the step being compared (host copies) with the paths of it the
+    # task's loss reads or writes (``(before, touched)`` for model_state_leaves' counters; None for a model
+    # without), and those paths alone (model_state.loss_counters, once per check)
+    counters_before: tuple | None = None
+    counters_touched: frozenset | None = None
     # the task's loss couples the rows of a batch (parity.harness.row_coupling, probed at low-precision compute
     # only): its loss run per shard is another loss, so no split of it measures a correct step's rounding
     rows_coupled: bool = False
@@ -251,17 +257,23 @@ class _Run:
             return rtol, atol
         return self.leaf_tolerance.get("loss" if kind == "loss" else f"{kind} {path}", (rtol, atol))
 
-    def synchronized(self, ref_model: nnx.Module, ref_opt: nnx.Optimizer) -> _Run:
+    def synchronized(
+        self, ref_model: nnx.Module, ref_opt: nnx.Optimizer, carried: dict | None = None
+    ) -> _Run:
         """A run whose candidate starts from a copy of the given reference state (model and optimizer).
 
         The reference side is this run's own (stepped in place) when ``ref_model`` is ``self.ref_model``, else a
-        copy; the allowance starts from zero (one step from identical state).
+        copy; the allowance starts from zero (one step from identical state). ``carried``: the candidate's own
+        values of integer model state the check does not take from the reference (``{dotted path: array}``: a
+        counter only the candidate's step keeps, ``check._carried_counters``), written into its copy.
         """
         if ref_model is self.ref_model:
             r_model, r_opt = self.ref_model, self.ref_opt
         else:
             r_model, r_opt = copy_state(ref_model, ref_opt)
         c_model, c_opt = copy_state(ref_model, ref_opt)
+        if carried:
+            set_model_state(c_model, carried)
         if self.cand.make_optimizer is not None:
             c_opt = self.cand.make_optimizer(c_model, c_opt)
         return dataclasses.replace(
