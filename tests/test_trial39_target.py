@@ -11,6 +11,10 @@ int32 step counter, 4 steps on data=2.
    step counter, "an nnx.Variable its forward pass writes": the loss never touches it. A counter only the step
    writes is not compared (said in the PASS note); a step run from the reference's state keeps the candidate's
    own count, so the sync the task's reference never makes is still seen at step 1.
+3. with a reference writing the target at steps 1 and 3, a sync at every step read ``frozen_state`` ("A weight
+   meant to stay frozen was trained ... Update nnx.Param only"): nothing was trained, the copy was written at a
+   step where the reference's step leaves it (``state_step``); a weight the reference never changes keeps
+   ``frozen_state``.
 """
 
 import jax
@@ -221,3 +225,37 @@ def test_without_a_reference_the_step_counter_is_not_compared_and_the_sync_is_st
     first = next(r for r in report.steps if not r.ok)
     assert first.step == 1 and first.synchronized
     assert {e.path for e in first.leaves if not e.ok} == {"model.t1", "model.t2"}
+
+
+# ------------------------------------------------------------------- 3. a write at another step, not a training
+
+
+@require_devices(2)
+def test_a_sync_at_another_step_than_the_references_is_state_step_not_a_frozen_weight_trained():
+    """Live, data=2, the user's reference syncing at steps 1 and 3: a sync at every step FAILs at step 0 as
+    ``state_step`` (the finding and the Form name the reference's steps), never "A weight meant to stay frozen
+    was trained"; without a reference (the task's step never writes the target) it stays ``frozen_state``, with
+    the reading of the counter the candidate's step keeps alone."""
+    mesh = make_mesh({"data": 2})
+    report = check_parity(make_step("every"), TASK, mesh=mesh, reference=ref_step)
+    assert not report.ok and report.codes[0] == "state_step" and "frozen_state" not in report.codes
+    msg = report.diagnoses[0].message
+    assert msg.startswith("The candidate's step wrote the model's state t1 and t2 at step 0 (max abs err ")
+    assert (
+        "where the reference's step left them as they were (it writes them at steps 1 and 3): a copy or sync at "
+        "another step than the reference's, not a weight trained" in msg
+    )
+    assert "frozen" not in msg and "nnx.Param" not in msg
+    form = report.localization.form.sentence
+    assert "writes them at steps 1 and 3" in form and "a copy or sync at another step" in form
+    assert "meant to stay frozen" not in form
+    # the other side: the task's reference never writes the target: a weight it leaves at every step
+    alone = check_parity(make_step(), TASK, mesh=mesh)
+    assert alone.codes[0] == "frozen_state"
+    msg = alone.diagnoses[0].message
+    assert "A weight meant to stay frozen was trained" in msg and "at step 1 " in msg
+    assert (
+        "Or, since the candidate's step keeps a counter the reference's step does not write (model.steps, not "
+        "compared): if they are state the step copies or syncs on that count's schedule" in msg
+    )
+    assert "meant to stay frozen" in alone.localization.form.sentence

@@ -535,7 +535,7 @@ def localize(
         form = checked_form(form, first.stage, bad, leaves, record, num_shards)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
-        form = _unreadable_form(bad) or form
+        form = _unreadable_form(bad) or _state_step_form(bad, records) or form
     written = step_state(bad, record) if first.stage == "parameters" else ""
     form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None
@@ -546,6 +546,37 @@ def localize(
     synchronized = record.from_reference_state
     return Localization(
         record.step, first.stage, results, group, form, synchronized, module, live, bool(started), written
+    )
+
+
+def _state_step_form(bad: list[LeafError], records: Sequence[StepRecord]) -> Form | None:
+    """The form of floating state the candidate's step wrote where the reference's step left it as it was
+    (``reference_change`` 0), while the reference's step writes it at other steps of ``records``: a copy or sync
+    at another step (trial 39: a target network synced at every step read "a weight meant to stay frozen was
+    trained" beside the finding ``state_step``); ``None`` otherwise (a frozen weight: the state form stands)."""
+    if not bad or not all(e.kind == "state" and e.reference_change == 0 for e in bad):
+        return None
+    paths = {e.path for e in bad}
+    steps = sorted(
+        {
+            r.step
+            for r in records
+            for e in r.leaves
+            if e.kind == "state" and e.path in paths and e.reference_change
+        }
+    )
+    if not steps:
+        return None
+    n, top = len(bad), max(e.max_abs_err for e in bad)
+    what, it = ("this leaf", "it") if n == 1 else (f"these {n} leaves", "them")
+    at = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:-1]))}"
+    at = f"{at} and {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    return Form(
+        "reference_zero",
+        f"a write where the reference makes none at this step: the reference's step leaves {what} of "
+        f"non-parameter state as {'it was' if n == 1 else 'they were'} here and writes {it} at {at}, and the "
+        f"candidate's step moved {it} by up to {top:.3g}: a copy or sync at another step",
+        leaves=n,
     )
 
 

@@ -14,8 +14,9 @@ in order, with their codes:
 - :func:`non_finite` (``non_finite``): the candidate's values are NaN or infinite at the first failing step.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
-- :func:`frozen_state` (``frozen_state``, ``state_partial``, ``state_amount``): a frozen non-parameter weight the
-  candidate moved, or floating state both steps write, part of it left as it was or changed by other amounts.
+- :func:`frozen_state` (``frozen_state``, ``state_step``, ``state_partial``, ``state_amount``): a frozen
+  non-parameter weight the candidate moved, state it wrote at a step where the reference's step writes none (and
+  writes it at others), or floating state both steps write, part of it left as it was or changed by other amounts.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
 - :func:`weight_count` (``weight_count``): the gradient factor is the batch's loss weight over its count of rows
@@ -971,8 +972,9 @@ def model_state(ctx: DiagnosisContext) -> Finding:
 def frozen_state(ctx: DiagnosisContext) -> Finding:
     """``frozen_state``: floating model state that is not a parameter (``state model.<path>``,
     :mod:`shardcheck.parity.comparison.model_state`) moved where the reference's step leaves it as it was and
-    the loss reads it (a weight meant to stay frozen, trained); ``model_state`` where the reference's step writes
-    it and the candidate's left it exactly as it was (``ratio`` 0); ``state_partial`` where it left part of it
+    the loss reads it (a weight meant to stay frozen, trained); ``state_step`` where the reference's step writes
+    it at other steps of the run (:func:`_state_step`: a copy or sync made at another step); ``model_state``
+    where the reference's step writes it and the candidate's left it exactly as it was (``ratio`` 0); ``state_partial`` where it left part of it
     so and wrote the rest as the reference does (``LeafError.kept``); ``state_amount`` where both steps write it
     and the changes differ by more than the coarse bound."""
     # the first failing step only: after a step that failed elsewhere (an lr x4), the running statistics of the
@@ -986,6 +988,11 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
     partial = [e for e in bad if e.reference_change and e.ratio != 0 and e.kept]
     amounts = [e for e in bad if e.reference_change and e.ratio != 0 and not e.kept]
     out = []
+    written = _reference_writes(ctx.records, {e.path for e in trained})
+    elsewhere = [e for e in trained if written.get(e.path)]
+    trained = [e for e in trained if not written.get(e.path)]
+    if elsewhere:
+        out.append(_state_step(record.step, elsewhere, written))
     if trained:
         names = words_and(sorted(e.path.removeprefix("model.") for e in trained))
         worst = max(e.max_abs_err for e in trained)
@@ -999,7 +1006,7 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
                 "task's optimizer updates wrt=nnx.Param only. A weight meant to stay frozen was trained: the step "
                 "differentiates or updates more than the nnx.Param leaves (an argnums=nnx.DiffState(0, "
                 "nnx.Any(nnx.Param, ...)) filter, an nnx.Optimizer with wrt=nnx.Variable, or an update written by "
-                "hand). Update nnx.Param only; a weight meant to train is an nnx.Param.",
+                f"hand). Update nnx.Param only; a weight meant to train is an nnx.Param.{_own_count(ctx, one)}",
                 trained[0].name,
             )
         )
@@ -1010,6 +1017,64 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
     if amounts:
         out.append(_state_amount(record.step, amounts, all(step_written(record, e) for e in amounts)))
     return out
+
+
+def _reference_writes(records: Sequence[StepRecord], paths: set[str]) -> dict[str, list[int]]:
+    """``{path: [step, ...]}``: the steps of ``records`` at which the reference's step wrote each of ``paths``
+    (floating model state, ``state model.<path>``: a leaf compared on its change, ``reference_change`` > 0)."""
+    out: dict[str, list[int]] = {}
+    for r in records:
+        for e in r.leaves:
+            if e.kind == "state" and e.path in paths and e.reference_change:
+                out.setdefault(e.path, []).append(r.step)
+    return {p: sorted(set(steps)) for p, steps in out.items()}
+
+
+def _steps_said(steps: list[int]) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {words_and([str(t) for t in steps])}"
+
+
+def _state_step(step: int, leaves: list[LeafError], written: dict[str, list[int]]) -> Diagnosis:
+    """``state_step``: floating state the candidate's step wrote at a step where the reference's step left it as
+    it was, while the reference's step writes it at other steps of the run (``written``: the steps, by path): a
+    copy or sync made on another schedule (a target network's), not a frozen weight trained (trial 39: a sync at
+    every step, or one off by one, read "A weight meant to stay frozen was trained ... Update nnx.Param only")."""
+    names = sorted(e.path.removeprefix("model.") for e in leaves)
+    schedules = {tuple(written[e.path]) for e in leaves}
+    one = len(leaves) == 1
+    if len(schedules) == 1:
+        when = f"{'it writes it' if one else 'it writes them'} at {_steps_said(written[leaves[0].path])}"
+    else:
+        when = "it writes " + words_and(
+            [f"{e.path.removeprefix('model.')} at {_steps_said(written[e.path])}" for e in leaves]
+        )
+    worst = max(e.max_abs_err for e in leaves)
+    return Diagnosis(
+        "state_step",
+        f"The candidate's step wrote the model's state {words_and(names)} at step {step} (max abs err {worst:.6g}), "
+        f"where the reference's step left {'it as it was' if one else 'them as they were'} ({when}): a copy or "
+        "sync at another step than the reference's, not a weight trained (a sync period or step count off by "
+        "one, a count read before or after its increment, or a sync at every step). Write "
+        f"{'it' if one else 'them'} at the steps the reference's step does.",
+        leaves[0].name,
+    )
+
+
+def _own_count(ctx: DiagnosisContext, one: bool) -> str:
+    """Where the run holds a counter only the candidate's step writes (``counter model.<path>`` not compared:
+    tolerance inf), the other reading of a frozen weight moved: state the step copies on that count's schedule
+    (a target network's sync) that the reference's step never makes; else ``""``."""
+    counters = sorted(
+        {e.path for r in ctx.records for e in r.leaves if e.kind == "counter" and math.isinf(e.tolerance)}
+    )
+    if not counters:
+        return ""
+    return (
+        f" Or, since the candidate's step keeps a counter the reference's step does not write ({words_and(counters)},"
+        f" not compared): if {'it is' if one else 'they are'} state the step copies or syncs on that count's "
+        "schedule (a target network's copy of the weights), the reference's step never does so: pass a reference "
+        "step that does (verify --reference FILE:FUNCTION, check_parity(reference=...))."
+    )
 
 
 def _state_dropped(record: StepRecord, dropped: list[LeafError]) -> Diagnosis:
@@ -2464,7 +2529,7 @@ NAN_BLIND = frozenset(
 
 # causes named for a subset of the leaves whose factors the generic fallbacks (GENERIC) cannot read as one
 NAMED_SUBSET = frozenset(
-    {"replicated_reduced", "expert_scaling", "frozen_state", "state_amount", "state_partial"}
+    {"replicated_reduced", "expert_scaling", "frozen_state", "state_step", "state_amount", "state_partial"}
 )
 GENERIC = frozenset({"localized", "update_differs", "loss_only"})
 
@@ -2537,8 +2602,9 @@ def diagnose(
       (``mesh_shape``: the candidate's mesh): the gradient reduction missed those axes.
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
     - ``frozen_state``: floating non-parameter state the loss reads moved where the reference leaves it (a
-      frozen weight trained); ``model_state`` where the reference's step writes it and the candidate left it
-      exactly as it was; ``state_partial`` where both write it and the candidate left part of it exactly as it
+      frozen weight trained); ``state_step`` where the reference's step writes it at other steps of the run (a
+      copy or sync on another schedule); ``model_state`` where the reference's step writes it and the candidate
+      left it exactly as it was; ``state_partial`` where both write it and the candidate left part of it exactly as it
       was, the rest matching; ``state_amount`` where both write it, by amounts further apart than the coarse bound.
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
       times per step); also the optimizer's own counter running a whole factor ahead, named "per micro-batch
