@@ -84,7 +84,10 @@ def test_a_decay_mask_fault_first_seen_at_step_1_is_localized_as_at_step_0():
     assert text.startswith(
         "First difference at step 1 (run from the reference's pre-step state): the optimizer"
     )
-    assert "c = 0.1 on all 3 failing leaves" in text and "not rerun" not in text
+    assert (
+        "c = 0.1 (learning rate 0.002 at this step) on all 3 failing leaves" in text
+        and "not rerun" not in text
+    )
     assert "drift" not in report.codes and "localized" in report.codes
     assert "state not carried between steps" not in report.diagnosis
 

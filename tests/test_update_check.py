@@ -106,7 +106,8 @@ def test_a_weight_decay_on_the_norm_and_biases_fails_at_step_0_with_its_form():
     where = report.localization
     assert (where.step, where.stage) == (0, "optimizer")
     assert where.form.kind == "decay"
-    assert where.form.coefficient == pytest.approx(LR * FAULT_WD, rel=1e-2)  # c*lr (no lr in the state)
+    # c itself: the task's constant learning rate is read from its optimizer (trial 36), no longer c*lr
+    assert where.form.coefficient == pytest.approx(FAULT_WD, rel=1e-2)
     failing = {e.path for e in report.steps[0].update_only}
     assert failing == {"norm.scale"}  # the biases are still 0 at step 0: a decay moves nothing there
     worst = report.worst
