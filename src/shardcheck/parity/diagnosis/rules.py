@@ -1217,7 +1217,11 @@ def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
     update was applied (the step counter matches, and every floating optimizer-state leaf of that step matches:
     a second update would move the moments), that in words: the counter advanced apart from the update, a
     schedule read one step ahead (trial 23: a cosine schedule's count +1 read "stepped 2 times per step", beside
-    Adam's matching moments and an update 0.8536 x the reference's, lr(1)/lr(0)); else ``None``."""
+    Adam's matching moments and an update 0.8536 x the reference's, lr(1)/lr(0)); or, where that counter is
+    Adam's own (:func:`_adam_moments`: its state holds ``mu`` and ``nu`` beside it), its bias-correction count
+    advanced apart from the moments (trial 40: ``opt_state[0].count`` bumped once more a step read "a schedule
+    read one step ahead ... the learning rate it gives is the next step's" while the schedule's ``2.count`` was
+    right and the learning rate unchanged); else ``None``."""
     if fail.path == "step":
         return None
     record = next((r for r in ctx.records if r.step == fail.step and not r.synchronized), None)
@@ -1233,13 +1237,41 @@ def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
         f" while {words_and(matching)} {'matches' if len(matching) == 1 else 'match'}" if matching else ""
     )
     steps = fail.step + 1
-    return (
+    head = (
         f"The optimizer's counter {fail.path} is {got} after {steps} step(s){_reference_count(expected, steps)}"
         f"{others}, and every optimizer-state "
         "leaf of that step matches: one update was applied (a second would move the moments too), and that "
-        "counter advanced apart from it: a schedule read one step ahead (its count incremented before the "
-        "update, or a schedule's state of its own stepped twice); the learning rate it gives is the next step's."
+        "counter advanced apart from it: "
     )
+    moments = _adam_moments(ctx, fail.path)
+    if moments is not None:
+        return head + (
+            f"it is Adam's bias-correction count (the count beside {words_and(list(moments))}: optax's "
+            "ScaleByAdamState), no schedule's: it sets no learning rate, but the update divides the moments by "
+            "1 - b1^count and 1 - b2^count, so its bias correction is another step's (a step of the "
+            "moments counted twice: the Adam state's count advanced again by hand, or per micro-batch while the "
+            "moments took one step). Advance it only through optimizer.update, once per step."
+        )
+    return head + (
+        "a schedule read one step ahead (its count incremented before the update, or a schedule's state of its "
+        "own stepped twice); the learning rate it gives is the next step's."
+    )
+
+
+def _adam_moments(ctx: DiagnosisContext, path: str) -> tuple[str, str] | None:
+    """``("0.mu", "0.nu")`` where the optimizer-state counter at ``path`` (``"0.count"``, ``"count"``) is the
+    ``count`` of an Adam-like state (optax's ``ScaleByAdamState``: ``count`` beside the moments ``mu`` and
+    ``nu``, read from the recorded optimizer-state leaves' paths, e.g. ``0.mu.<param>``): the count that drives
+    the bias correction only, never a learning rate. ``None`` for any other counter (a schedule's
+    ``ScaleByScheduleState.count``, ``inject_hyperparams``' ``count``: siblings of no moments)."""
+    if path != "count" and not path.endswith(".count"):
+        return None
+    prefix = path[: -len("count")]
+    state = {e.path for r in ctx.records for e in r.leaves if e.kind == "opt_state"}
+    names = tuple(prefix + m for m in ("mu", "nu"))
+    if all(any(p == n or p.startswith(n + ".") for p in state) for n in names):
+        return names
+    return None
 
 
 # a leaf whose change is at most this fraction of the reference's did not move (its ratio reads as 0)
