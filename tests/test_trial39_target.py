@@ -15,6 +15,9 @@ int32 step counter, 4 steps on data=2.
    meant to stay frozen was trained ... Update nnx.Param only"): nothing was trained, the copy was written at a
    step where the reference's step leaves it (``state_step``); a weight the reference never changes keeps
    ``frozen_state``.
+4. at bfloat16 compute a user reference's gradients had no measured tolerance (float32's: "grad l2.bias 0.000389
+   > tolerance 2.74e-06", a correct step FAILed ``localized``): they are measured as the task's step's are, about
+   its gradients or, where it returns its loss only, the task's loss's gradient at its pre-step state.
 """
 
 import jax
@@ -44,9 +47,9 @@ class Count(nnx.Variable):
 
 
 class QNet(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(6, HID, rngs=rngs)
-        self.l2 = nnx.Linear(HID, 2, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.l1 = nnx.Linear(6, HID, dtype=dtype, rngs=rngs)
+        self.l2 = nnx.Linear(HID, 2, dtype=dtype, rngs=rngs)
         self.t1 = Target(self.l1.kernel[...])
         self.t2 = Target(self.l2.kernel[...])
         self.steps = Count(jnp.array(0, jnp.int32))
@@ -61,7 +64,7 @@ class QNet(nnx.Module):
 def loss_fn(model, batch):
     """A TD loss: the online net's value against a bootstrap from the target copies (never differentiated)."""
     y = batch["r"] + 0.9 * jax.lax.stop_gradient(model.target(batch["x2"]).max(-1))
-    return jnp.mean((model(batch["x"])[:, 0] - y) ** 2)
+    return jnp.mean((model(batch["x"])[:, 0].astype(jnp.float32) - y) ** 2)
 
 
 def sync(model, fault: str = "") -> None:
@@ -107,7 +110,8 @@ def make_step(fault: str = ""):
         def body(state, batch):
             m, o = nnx.merge(graphdef, state)
             loss, grads = nnx.value_and_grad(loss_fn)(m, batch)
-            grads, loss = jax.lax.pmean(grads, "data"), jax.lax.pmean(loss, "data")
+            reduce = jax.lax.psum if fault == "psum" else jax.lax.pmean  # psum: every gradient x2 on data=2
+            grads, loss = reduce(grads, "data"), jax.lax.pmean(loss, "data")
             o.update(m, grads)
             sync(m, fault)
             return loss, grads, nnx.state((m, o))
@@ -259,3 +263,46 @@ def test_a_sync_at_another_step_than_the_references_is_state_step_not_a_frozen_w
         "compared): if they are state the step copies or syncs on that count's schedule" in msg
     )
     assert "meant to stay frozen" in alone.localization.form.sentence
+
+
+# ------------------------------------------------------------------- 4. bfloat16 compute with a user reference
+
+TASK_BF16 = shardcheck.Task(
+    model=lambda: QNet(nnx.Rngs(0), jnp.bfloat16),
+    optimizer=optax.adam(1e-2),
+    loss_fn=loss_fn,
+    batches=BATCHES,
+)
+
+
+@require_devices(2)
+def test_a_user_reference_at_bfloat16_compute_gets_measured_gradient_tolerances():
+    """Live, data=2, the model computing in bfloat16, the user's reference: the correct step PASSes (its
+    gradients' tolerance measured at the compute dtype, as the task's step's; was float32's, and the step FAILed
+    ``localized``); gradients psum-ed in place of pmean-ed (x2) still FAIL at step 0."""
+    mesh = make_mesh({"data": 2})
+    kw = dict(mesh=mesh, reference=ref_step, compute_dtype=jnp.bfloat16)
+    report = check_parity(make_step(), TASK_BF16, **kw)
+    assert report.ok, report.codes
+    grads = [e for e in report.steps[0].leaves if e.kind == "grad"]
+    assert grads and max(e.tolerance for e in grads) > 1e-4  # bfloat16's rounding, not float32's ~1e-6
+    bad = check_parity(make_step("psum"), TASK_BF16, **kw)
+    assert not bad.ok and bad.localization.step == 0
+    assert bad.codes[0] in ("summed", "scaled"), bad.codes
+
+
+@require_devices(2)
+def test_a_loss_only_user_reference_at_bfloat16_compute_is_held_to_the_measured_tolerances():
+    """The user's reference returning its loss only: the tolerances are measured about the task's loss's gradient
+    at the reference's pre-step state (was float32's: the correct step FAILed ``localized`` on Adam's moments);
+    the x2 fault still FAILs at step 0."""
+
+    def ref_loss_only(model, optimizer, batch):
+        return ref_step(model, optimizer, batch)["loss"]
+
+    mesh = make_mesh({"data": 2})
+    kw = dict(mesh=mesh, reference=ref_loss_only, compute_dtype=jnp.bfloat16)
+    report = check_parity(make_step(), TASK_BF16, **kw)
+    assert report.ok and report.codes == ("parity",), report.codes
+    bad = check_parity(make_step("psum"), TASK_BF16, **kw)
+    assert not bad.ok and bad.localization.step == 0

@@ -96,6 +96,7 @@ from shardcheck.parity.tolerance.allowances import (
     Undecided,
     _param_dtype,
     _precision_rule,
+    _reference_grads,
     _state_allowances,
     split_gradients,
     step_bounds,
@@ -188,8 +189,7 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
     (:mod:`.reference_trajectory`). Returns ``(loss, grads, pre-step state, _Bounds or None)``."""
     pre = _PreStep.of(run.ref_model, run.ref_opt, run)
     if run.reference is not None:
-        loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
-        return loss, grads, pre, None
+        return _step_user_reference(run, pre, batch, rtol, atol)
     stored = None if run.shared is None else run.shared.get(t, rtol, atol)
     if stored is not None:
         loss, grads, bounds, after = stored
@@ -209,6 +209,23 @@ def _step_reference(run: _Run, t: int, batch, rtol: float, atol: float):
         after = nnx.as_pure(nnx.state((run.ref_model, run.ref_opt)))
         run.shared.put(t, rtol, atol, (result.loss, result.grads, bounds, after))
     return result.loss, result.grads, pre, bounds
+
+
+def _step_user_reference(run: _Run, pre, batch, rtol: float, atol: float):
+    """A user's reference step (``reference=``): ``(loss, grads, pre, bounds)``. At low-precision compute the
+    tolerances are measured as the task's step's are (:func:`step_bounds` from a correct split of the task's loss
+    at the same pre-step state ``pre``), about the gradients it returns, or, where it returns its loss only, the
+    task's loss's gradient at ``pre`` (what its own gradient is, the task's loss being the one both steps
+    minimize): without them a correct bfloat16 step failed at float32's tolerance (trial 39: 'grad l2.bias
+    0.000389 > tolerance 2.74e-06', where the task's own reference measured 0.00165). At float32 compute no
+    bounds (the tolerances from ``rtol``/``atol``, as before)."""
+    low = run.precision.compute_eps > 0
+    split = split_gradients(run, pre, batch) if low else None  # before the step, from the pre-step state
+    loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
+    if not low:
+        return loss, grads, pre, None
+    about = _reference_grads(run.task.loss_fn, pre, batch) if grads is None else grads
+    return loss, grads, pre, step_bounds(run, pre, batch, nnx.as_pure(about), split, rtol, atol)
 
 
 def _step_candidate(run: _Run, t: int, batch):
