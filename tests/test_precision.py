@@ -69,7 +69,7 @@ def test_an_override_more_precise_than_the_model_is_refused():
     bfloat16 parameters, are the user's to make."""
     with pytest.raises(
         ValueError,
-        match=r"compute_dtype='float32' is more precise than the model's own bfloat16 \(its layers\).*omit compute_dtype or pass 'bfloat16'",
+        match=r"compute_dtype='float32' is more precise than the model's own bfloat16 \(its layers or its loss's matmuls\).*omit compute_dtype or pass 'bfloat16'",
     ):
         Precision.of(lm().model(), compute_dtype="float32")
     with pytest.raises(

@@ -2676,7 +2676,9 @@ def diagnose(
     ctx = DiagnosisContext.build(
         records, num_shards, diverged, reference_diverged_at, mesh_shape, micro_batches
     )
-    if facts is not None:  # the parameters' facts, a group read as the localization reads it (built when read)
+    if (
+        facts is not None
+    ):  # the parameters' facts, a group read as the localization reads it (built when read)
         ctx = dataclasses.replace(ctx, facts=facts)
     found = [d for rule in RULES for d in _as_list(rule(ctx))]
     if any(d.code == "non_finite" for d in found):  # no ratio, factor or form is read from a NaN
