@@ -217,9 +217,18 @@ def test_a_replay_names_the_module_and_the_rounding_level_leaves_as_live(live_an
     assert replayed.localization.stage == live.localization.stage == "replicas"
     assert replayed.localization.group == live.localization.group
     assert NO_PROPERTY not in replayed.replay.cause
-    # the copies' form is read from each device's arrays, which only a live check holds
+    # the copies' form is read from each device's arrays, which only a live check holds: a replay says which
+    # copies differ along which axes, and that no factor is read from digests
     assert live.localization.form.sentence.startswith("the copies along 'data' differ")
-    assert replayed.localization.form is None
+    form = replayed.localization.form
+    assert (
+        form.kind == "replicas"
+        and form.factor is None
+        and form.leaves == len(replayed.steps[0].replica_mismatches)
+    )
+    assert (
+        " differ along 'data' (a replay holds a digest of each device's copy, not its values" in form.sentence
+    )
     # the replay's steps know the key biases at rounding level from the task's own gradient, as live
     assert {p for r in replayed.steps for p in r.rounding_level} == {
         "param blocks.0.attn.key.bias",

@@ -520,7 +520,7 @@ def localize(
     leaves = by_stage[first.stage]
     if first.stage == "replicas":
         group = _replicas_group(record, facts)
-        form = dict(record.forms).get("replicas")
+        form = dict(record.forms).get("replicas") or _digested_replicas_form(record)
     else:
         bad = [e for e in leaves if not e.ok]
         params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
@@ -585,6 +585,22 @@ def n_of(k: int, n: int) -> str:
     if n == 1:
         return "the one failing leaf"
     return f"all {n} failing leaves" if k == n else f"{k} of its {n} failing leaves"
+
+
+def _digested_replicas_form(record: StepRecord) -> Form | None:
+    """A replay's ``replicas`` form, where it compared its copies by their digests (``StepRecord.replayed``): which
+    copies differ and along which axes, with no factor (a digest holds no values to fit, as the live check's
+    :func:`~shardcheck.parity.diagnosis.replica_form.fit_replicas` does); ``None`` for a live record."""
+    if not record.replayed or not record.replica_mismatches:
+        return None
+    where = " and ".join(repr(a) for a in record.replica_axes) or "the replicated axes"
+    n = len(record.replica_mismatches)
+    return Form(
+        "replicas",
+        f"the copies of {n_leaves(n)} differ along {where} (a replay holds a digest of each device's copy, not "
+        "its values: no factor between them is read; the live check fits them)",
+        leaves=n,
+    )
 
 
 def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -> str:
