@@ -427,17 +427,16 @@ ATTENTION_STEPS = textwrap.dedent(
 
 
 @require_devices(8)
-def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp_path):
+def test_a_correct_shard_map_step_passes_against_the_fsdp_strategys_recording(tmp_path):
     """The new-user trial's false FAIL: a correct shard_map step (returning its gradients, or only its loss)
     against a recording of the built-in fsdp strategy, whose attention key biases' rounding noise Adam turns into
-    updates 2.46x smaller than the step's. Both directions PASS; a sum for a mean and a doubled learning rate FAIL
-    with their causes, named on a leaf whose gradient is not at rounding level."""
+    updates 2.46x smaller than the step's. It PASSes; a doubled learning rate FAILs with its cause, named on a leaf
+    whose gradient is not at rounding level."""
     steps = tmp_path / "attention_steps.py"
     steps.write_text(ATTENTION_STEPS)
     args = ["--task", f"{steps}:task", "--mesh", "data=2,fsdp=4", "--steps", "2"]
-    fsdp, good = tmp_path / "fsdp.npz", tmp_path / "good.npz"
+    fsdp = tmp_path / "fsdp.npz"
     assert main(["record", *args, "--out", str(fsdp)]) == 0
-    assert main(["record", *args, "--candidate", f"{steps}:good", "--out", str(good)]) == 0
     out = tmp_path / "against.json"
 
     def verify(against, *more):
@@ -447,19 +446,12 @@ def test_a_correct_shard_map_step_passes_against_the_fsdp_strategy_both_ways(tmp
     # checked elsewhere, not rerun here (the suite's time): a loss-only step's replay
     # (test_a_replayed_step_that_returns_no_gradients_is_compared_on_the_rest) and a step replayed against its own
     # recording, bitwise (test_record_then_verify_against_passes_bitwise)
+    # and, not rerun here (the suite's time): the other way round (the fsdp strategy against the step's
+    # recording), and a sum for a mean replayed (test_a_user_step_summing_for_a_mean_fails_at_step_0_on_...)
     rc, run = verify(fsdp, "--candidate", f"{steps}:good")
     worst = run["worst_by_kind"]["param"]
     assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
     assert worst["name"].endswith(".attn.key.bias") and worst["err"] > 2 * worst["recorded"] != 0
-    rc, run = verify(good, "--strategies", "fsdp")  # the other way round
-    assert (rc, run["verdict"], run["bitwise"]) == (0, "PASS", False)
-
-    rc, run = verify(fsdp, "--candidate", f"{steps}:summed")
-    assert (rc, run["verdict"], run["first_failure"]["step"]) == (1, "FAIL", 0)
-    assert run["codes"][0] == "summed" and run["cause"].startswith(
-        "At step 0, gradients are 8 x the reference's: the gradient reduction summed instead of averaged (x8"
-    )
-    assert "learning rate" not in run["cause"]
     rc, run = verify(fsdp, "--candidate", f"{steps}:doubled")
     first = run["first_failure"]
     assert (rc, run["verdict"], first["step"]) == (1, "FAIL", 0)
@@ -1193,13 +1185,10 @@ def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("task", "mesh"),
     [
-        (
-            ["--task", "diabetes", "--model", "mlp", "--hidden", "8", "--steps", "2", "--batch-size", "16"],
-            "fsdp=4",
-        ),
+        # a built-in task under launch (15 s) went the same path as the task file: the suite's time
         (["--task", ANNOTATED, "--steps", "2"], "data=2,fsdp=2"),  # a user's task file
     ],
-    ids=["builtin", "task-file"],
+    ids=["task-file"],
 )
 def test_record_and_verify_against_under_launch(tmp_path, task, mesh):
     """Recorded and replayed as 2 processes x 2 devices: process 0 writes the file; the hashes and samples are of

@@ -72,9 +72,20 @@ def test_shared_reports_are_the_checks_own_bit_for_bit(monkeypatch):
 
 
 def test_a_task_whose_factory_is_not_deterministic_is_not_shared(monkeypatch):
+    import shardcheck.task
+
     seeds = iter(range(100))
     task = _task(factory_seed=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(next(seeds))))
     calls = _counted(monkeypatch)
+    # the task's initial state is built once and copied (Task.initial_state): every check starts from it, so the
+    # reference's steps are the same and run once, whatever the factory gives on a second call
+    with shared_reference():
+        reports = [shardcheck.check_parity("simulation", task, num_shards=2) for _ in range(2)]
+    assert calls[0] == 4 and all(r.verdict == "PASS" for r in reports)
+    # a state past the cache's limit is built afresh each check: the factory's other values are not shared
+    monkeypatch.setattr(shardcheck.task, "CACHED_STATE_BYTES", 0)
+    task = _task(factory_seed=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(next(seeds))))
+    calls[0] = 0
     with shared_reference():
         reports = [shardcheck.check_parity("simulation", task, num_shards=2) for _ in range(2)]
     assert calls[0] == 8 and all(r.verdict == "PASS" for r in reports)

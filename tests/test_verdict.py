@@ -137,7 +137,7 @@ def clipped_lm():
 
 
 @require_devices(4)
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2])  # k = 4 (23 s) gave the same verdicts and codes: the suite's time
 def test_accumulation_under_a_binding_clip_passes_and_a_wrong_scale_fails(k):
     """The accumulation returns the gradient it applied (the micro-gradients' mean): under a clip that binds,
     its update cannot show the gradient's scale, its gradients do. A micro-gradient k times too large (a sum of

@@ -747,14 +747,18 @@ def _title(args, task=None, mesh=None) -> str:
 
 
 def strategy_label(name: str, est) -> str:
-    """A table's strategy cell: ``name``, or for ``fsdp`` on a mesh without an ``fsdp`` axis whose parameters the
-    model's annotations split, ``"fsdp (annotations: model)"``: the layout is the annotations', not the FSDP rule's
-    (trials 34 and 38: a tensor-parallel model's rows read "fsdp" on a data x model mesh)."""
+    """A table's strategy cell: ``name``, or for the default strategy where the model's annotations split its
+    parameters over an axis that holds no batch shards (``model``), ``"fsdp (annotations: model)"``: the layout is
+    the annotations', not the FSDP rule's, which splits over the batch axes only (trials 34 and 38: a
+    tensor-parallel model's rows read "fsdp" on a data x model mesh)."""
+    from shardcheck.mesh import batch_axis_names
+
     mesh = dict(getattr(est, "mesh_shape", ()) or ())
-    if name != "fsdp" or not mesh or "fsdp" in mesh:
+    if name != DEFAULT_STRATEGY or not mesh:
         return name
-    axes = sorted({a for leaf in est.leaves if leaf.category == "params" for a in leaf.split_axes})
-    return f"fsdp (annotations: {', '.join(axes)})" if axes else name
+    batch = set(batch_axis_names(mesh))
+    axes = sorted({a for leaf in est.leaves if leaf.category == "params" for a in leaf.split_axes} - batch)
+    return f"{name} (annotations: {', '.join(axes)})" if axes else name
 
 
 def render_table(args, estimates, task=None, mesh=None):
