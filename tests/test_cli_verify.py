@@ -111,6 +111,9 @@ def test_planted_wrong_candidate_fails_with_its_diagnosis(steps_file, tmp_path, 
     assert "shardcheck verify candidate: FAIL" in out
     # the JSON names the summary's leaf too (trial 36: the text's first failing leaf, the JSON's worst overall)
     assert bad["first_failing_step"] == 0 and f"{bad['first_failing_leaf']} (step 0)" in out
+    # and its numbers, the summary row's (trial 40: they differed from max_abs_err, the worst over every step)
+    assert bad["first_failing_max_abs_err"] > bad["first_failing_tolerance"] > 0
+    assert f"{bad['first_failing_max_abs_err']:.3g}" in out
     assert report["strategies"]["simulation"]["first_failing_leaf"] is None
 
 

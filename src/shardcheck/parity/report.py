@@ -255,8 +255,9 @@ class ParityReport:
 
     def to_dict(self) -> dict:
         """A JSON-ready summary: ``ok``, ``worst_leaf`` (the worst leaf over every step, by error over tolerance)
-        and ``first_failing_leaf`` / ``first_failing_step`` (:attr:`first_worst`: the worst of the first failing
-        step, the leaf the summary table and the localization name; ``None`` on a PASS), ``max_abs_err``, ``max_rel_err``, ``tolerance``,
+        and ``first_failing_leaf`` / ``first_failing_step`` / ``first_failing_max_abs_err`` /
+        ``first_failing_tolerance`` (:attr:`first_worst`: the worst of the first failing step, the leaf and numbers
+        the summary table and the localization name; ``None`` on a PASS), ``max_abs_err``, ``max_rel_err``, ``tolerance``,
         ``diagnosis``, ``codes``, ``steps``, ``num_shards``, ``worst_by_kind``, ``per_step``, ``unresolved``,
         ``cannot_verify``, ``weak_accepted``, ``scale_evidence``, ``reference``, ``peak_bytes_per_device``,
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
@@ -270,6 +271,9 @@ class ParityReport:
         entry's digest evidence): one shape for ``verify --json`` live and ``verify --against --json``.
         """
         worst = self.worst
+        first = (
+            None if self.ok else self.first_worst
+        )  # the summary table's row: the first failing step's worst
         record_last = self.steps[-1] if self.steps else None
         out = {
             "ok": self.ok,
@@ -292,8 +296,10 @@ class ParityReport:
             "worst_leaf": self.worst_leaf,
             "worst_step": None if worst is None else worst.step,
             # the summary table's leaf: the worst of the first failing step, where the localization points
-            "first_failing_leaf": None if self.ok or self.first_worst is None else self.first_worst.name,
-            "first_failing_step": None if self.ok or self.first_worst is None else self.first_worst.step,
+            "first_failing_leaf": None if first is None else first.name,
+            "first_failing_step": None if first is None else first.step,
+            "first_failing_max_abs_err": None if first is None else first.max_abs_err,
+            "first_failing_tolerance": None if first is None else first.tolerance,
             "max_abs_err": self.max_abs_err,
             "max_rel_err": self.max_rel_err,
             "tolerance": None if worst is None else worst.tolerance,
