@@ -263,7 +263,8 @@ class ParityReport:
         ``state_bytes_per_device``, ``allocator_peak_bytes``, ``matmul_precision``, ``matmul_precision_source``,
         ``precision_recheck``, ``devices``, ``localization``, ``replica_failure`` (:attr:`replica_failure`'s
         ``to_dict``, or ``None``: the first step whose replicas differ, beside ``replica_mismatches``, which lists
-        every mismatched leaf of every step). A replay against a recording (:attr:`replay`) has
+        every mismatched leaf of every step), ``replicas_compared`` (:meth:`_replicas_compared`: how many
+        replicated leaves had their copies compared across how many devices, or ``None``). A replay against a recording (:attr:`replay`) has
         the same fields, read from its records, and its digest comparison's own beside them
         (:meth:`~shardcheck.parity.comparison.digest.RunComparison.report_dict`: ``run``, ``recorded_run``,
         ``first_failure``, ``cause``, ``evidence``, ``notes``, ``bitwise``, ``hashes_matched``,
@@ -313,6 +314,7 @@ class ParityReport:
             "candidate_step_count": None if record_last is None else record_last.candidate_step_count,
             "replica_mismatches": sorted({p for r in self.steps for p in r.replica_mismatches}),
             "replica_failure": None if self.replica_failure is None else self.replica_failure.to_dict(),
+            "replicas_compared": self._replicas_compared(),
             "unresolved": sorted({p for r in self.steps for p in r.unresolved}),
             "worst_by_kind": {
                 kind: {
@@ -328,6 +330,21 @@ class ParityReport:
             "per_step": self._per_step(),
         }
         return out if self.replay is None else self.replay.report_dict(out)
+
+    def _replicas_compared(self) -> dict | None:
+        """``to_dict``'s ``replicas_compared``: ``{"leaves", "devices", "steps"}``, the most replicated leaves
+        whose copies one step compared across its devices (a live check: the candidate's parameters and optimizer
+        state after each step; a replay: the recorded ``meta["replicas"]``), over how many devices, at how many
+        steps; ``None`` where no step compared any (one device, every leaf split without copies, or a recording
+        made before the count was kept)."""
+        counted = [r.replicas_compared for r in self.steps if r.replicas_compared is not None]
+        if not counted:
+            return None
+        return {
+            "leaves": max(n for n, _ in counted),
+            "devices": max(d for _, d in counted),
+            "steps": len(counted),
+        }
 
     def _per_step(self) -> list[dict]:
         """``to_dict``'s ``per_step``: each step's verdict, losses, tolerances, worst leaf and whether the

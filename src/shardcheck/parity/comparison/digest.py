@@ -1305,6 +1305,17 @@ def _scalar(leaf: _Leaf, default):
     return float(leaf.samples[0]) if leaf.present and math.isfinite(float(leaf.samples[0])) else default
 
 
+def _replicas_counted(replicas: Sequence[Mapping] | None, t: int) -> tuple[int, int] | None:
+    """``StepRecord.replicas_compared`` of step ``t`` from the replay's ``meta["replicas"]``: ``(leaves,
+    devices)`` whose copies the replay compared; ``None`` where it compared none or did not count them (a
+    recording made before the count was kept)."""
+    if not replicas or not 0 <= t < len(replicas):
+        return None
+    found = replicas[t]
+    leaves, devices = found.get("compared"), found.get("devices")
+    return (int(leaves), int(devices)) if leaves and devices else None
+
+
 def _replicas_at(replicas: Sequence[Mapping] | None, t: int, failing: bool) -> tuple[tuple, tuple]:
     """``(replica_mismatches, replica_axes)`` of step ``t`` from the replay's ``meta["replicas"]``, as a live
     check sets them: the parameters, optimizer-state, model-state and counter leaves whose copies differ, else on
@@ -1358,6 +1369,7 @@ def _records(
                 ),
                 normalized=_normalized_of(pair, bounds.unresolved.get(t, ())),
                 replayed=True,
+                replicas_compared=_replicas_counted(replicas, t),
                 identical_start=t > 0 and before_agreed and _identical_state(pair, t - 1),
                 skipped=t in pair.skipped,
                 replica_mismatches=mismatches,

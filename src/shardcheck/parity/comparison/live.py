@@ -721,6 +721,23 @@ def replica_mismatches(arrays: Mapping[str, Any]) -> set[str]:
     return out
 
 
+def replicated_leaves(arrays: Mapping[str, Any]) -> tuple[int, int]:
+    """``(leaves, devices)``: how many of ``arrays`` hold a slice on two or more of this process's devices (the
+    replicated or partially replicated leaves whose copies :func:`replica_mismatches` compares), and over how many
+    devices those copies lie; ``(0, 0)`` where none does (one device, or every leaf split without copies).
+    Reads the shards' indices only, no bytes."""
+    count, devices = 0, set()
+    for a in arrays.values():
+        if not isinstance(a, jax.Array) or len(a.addressable_shards) < 2:
+            continue
+        shards = a.addressable_shards
+        keys = {tuple((s.start, s.stop, s.step) for s in shard.index) for shard in shards}
+        if len(keys) < len(shards):
+            count += 1
+            devices |= {shard.device for shard in shards}
+    return count, len(devices)
+
+
 def device_snapshot(tree: PyTree) -> dict[str, Any]:
     """:func:`flatten_state` with every array leaf copied on its own devices (a later step may donate it), in one
     jitted call: one program per tree and placement, whose warm call costs a quarter of a runtime copy's

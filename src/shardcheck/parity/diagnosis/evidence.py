@@ -240,6 +240,10 @@ class StepRecord:
         shard_weights: where ``replica_scales`` is set under a ``(loss_sum, weight)`` loss: each of the S batch
             shards' own loss weight (shard order, as the batch axes split it), from which a local divisor's
             constants are predicted (``a_d = w_0 / w_d``); ``None`` otherwise.
+        replicas_compared: ``(leaves, devices)``: how many replicated leaves of the candidate's state after the
+            step had their copies compared across how many devices (a live check's parameters and optimizer
+            state; a replay's recorded ``meta["replicas"]``); ``None`` where none was (one device, no replicated
+            leaf, or a recording made before the count was kept).
     """
 
     step: int
@@ -274,6 +278,7 @@ class StepRecord:
     skipped: bool = False
     replica_scales: tuple[float, ...] | None = None
     shard_weights: tuple[float, ...] | None = None
+    replicas_compared: tuple[int, int] | None = None
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:

@@ -54,6 +54,7 @@ from shardcheck.parity.comparison.live import (
     leaf_error,
     leaf_errors,
     replica_mismatches,
+    replicated_leaves,
     to_host,
 )
 from shardcheck.parity.comparison.model_state import (
@@ -385,6 +386,7 @@ def _compare_step(
         step_count=ref_count,
         candidate_step_count=int(np.asarray(after.cand_count)),
         replica_mismatches=tuple(mismatches),
+        replicas_compared=_replicas_compared(after),
         synchronized=synced,
         unresolved=tuple(unresolved),
         rounding_level=tuple(rounding),
@@ -683,6 +685,15 @@ def _grad_inputs(run: _Run, t, ref_grads, cand_grads, bounds, rtol, atol) -> tup
         r_tol, a_tol = run.tol("grad", path, rtol, atol)
         leaves.append(LeafInput(t, "grad", path, ref_leaf, cg[path], r_tol, a_tol, allowance=allowance))
     return leaves, {p: v for p, v in rg.items() if not is_int(v)}
+
+
+def _replicas_compared(after: _After) -> tuple[int, int] | None:
+    """``StepRecord.replicas_compared``: how many of the candidate's replicated parameters and optimizer-state
+    leaves had their copies compared after the step, across how many devices; ``None`` where none had copies."""
+    arrays = {f"param {p}": a for p, a in after.cand_params.items()}
+    arrays |= {f"opt_state {p}": a for p, a in after.cand_state.items()}
+    leaves, devices = replicated_leaves(arrays)
+    return (leaves, devices) if leaves else None
 
 
 def _with_replicas(record: StepRecord, after: _After, cand_grads) -> StepRecord:

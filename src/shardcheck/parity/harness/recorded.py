@@ -39,7 +39,12 @@ from flax import nnx
 
 from shardcheck import _validate
 from shardcheck.parity.comparison import leaf_digest as _digest
-from shardcheck.parity.comparison.live import device_snapshot, flatten_state, replica_mismatches
+from shardcheck.parity.comparison.live import (
+    device_snapshot,
+    flatten_state,
+    replica_mismatches,
+    replicated_leaves,
+)
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
 from shardcheck.parity.comparison.model_state import floating_arrays, loss_access, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
@@ -438,7 +443,7 @@ def _step_leaves(loss, grads, model, optimizer, view=None, drawn=()) -> dict[str
     return leaves | state_leaves(model, optimizer, view) | floating_leaves(model) | written
 
 
-def replica_evidence(leaves: Mapping[str, Any]) -> dict[str, list[str]]:
+def replica_evidence(leaves: Mapping[str, Any]) -> dict[str, Any]:
     """Whether the copies of each replicated leaf of a step agree across this process's devices, as a live check
     compares them (:func:`~shardcheck.parity.comparison.live.replica_mismatches`, bitwise): a digest hashes one
     copy of each slice, so a step that writes a replicated leaf on some devices only (an EMA written on device 0,
@@ -451,8 +456,10 @@ def replica_evidence(leaves: Mapping[str, Any]) -> dict[str, list[str]]:
         ``{"leaves": [...], "grads": [...], "axes": [...]}``: the parameters, optimizer-state, model-state and
         counter leaves whose copies differ (in ``leaves``' order); the gradients whose copies differ, only where
         none of those does (a live check reads a failing step's returned gradients so); the mesh axes the copies
-        differ along (:func:`~shardcheck.parity.diagnosis.topology.mismatch_axes`). Empty lists where every copy
-        agrees, or on one device.
+        differ along (:func:`~shardcheck.parity.diagnosis.topology.mismatch_axes`); ``compared`` and
+        ``devices``: how many of the state leaves (not the gradients) hold copies on several devices, and across
+        how many devices (:func:`~shardcheck.parity.comparison.live.replicated_leaves`). Empty lists where every
+        copy agrees, or on one device.
     """
     arrays = {n: _digest.as_array(a) for n, a in leaves.items() if n != "loss"}
     state = {n: a for n, a in arrays.items() if not n.startswith("grad ")}
@@ -462,7 +469,8 @@ def replica_evidence(leaves: Mapping[str, Any]) -> dict[str, list[str]]:
     differ_g = replica_mismatches(grads) if grads else set()
     named_g = [n for n in grads if n in differ_g]
     axes = sorted({ax for n in named or named_g for ax in mismatch_axes(arrays[n])})
-    return {"leaves": named, "grads": named_g, "axes": axes}
+    compared, devices = replicated_leaves(state)
+    return {"leaves": named, "grads": named_g, "axes": axes, "compared": compared, "devices": devices}
 
 
 def floating_leaves(model: nnx.Module) -> dict[str, Any]:
