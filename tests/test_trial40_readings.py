@@ -8,9 +8,76 @@ from __future__ import annotations
 import json
 import textwrap
 
+import jax
+import numpy as np
+import optax
 from conftest import require_devices
+from flax import nnx
 
+import shardcheck
+from shardcheck import check_parity, make_mesh
 from shardcheck.cli import main
+from shardcheck.losses import regression_batch_loss
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(3, 8, rngs=rngs)
+        self.fc2 = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(nnx.relu(self.fc1(x)))
+
+
+def _weighted_task(first: int, second: int, steps: int = 3) -> shardcheck.Task:
+    """An MLP under Adam with a ``(loss_sum, weight)`` loss over 16 rows: a 0/1 mask with ``first`` ones in the
+    first 8 rows and ``second`` in the last 8 (uneven padding where they differ), ``steps`` batches."""
+    rng = np.random.default_rng(0)
+    mask = np.zeros(16, np.float32)
+    mask[:first] = 1
+    mask[8 : 8 + second] = 1
+    batches = [
+        (rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32), mask)
+        for _ in range(steps)
+    ]
+    return shardcheck.Task(
+        model=lambda: MLP(nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=regression_batch_loss,
+        batches=batches,
+    )
+
+
+def _accumulating(
+    means: bool = False, first_only: bool = False, loss_factor: float = 1.0, after: bool = False
+):
+    """A user step that accumulates 2 micro-batches (the batch's halves) by hand under the ``(sum, count)`` loss:
+    the sums over the total count (correct), or ``means``: each micro-batch's mean, averaged (trial 40's fault);
+    ``first_only``: the first micro-batch's mean alone; ``loss_factor``: the returned loss scaled; ``after``: the
+    loss returned taken after the update."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        halves = [jax.tree.map(lambda a, i=i: a[8 * i : 8 * (i + 1)], batch) for i in range(2)]
+        outs = [nnx.value_and_grad(regression_batch_loss, has_aux=True)(model, h) for h in halves]
+        (s0, c0), g0 = outs[0]
+        (s1, c1), g1 = outs[1]
+        if means:
+            loss = (s0 / c0 + s1 / c1) / 2
+            grads = jax.tree.map(lambda a, b: (a / c0 + b / c1) / 2, g0, g1)
+        elif first_only:
+            loss, grads = s0 / c0, jax.tree.map(lambda a: a / c0, g0)
+        else:
+            loss = (s0 + s1) / (c0 + c1)
+            grads = jax.tree.map(lambda a, b: (a + b) / (c0 + c1), g0, g1)
+        optimizer.update(model, grads)
+        if after:
+            s, c = regression_batch_loss(model, batch)
+            loss = s / c
+        return {"loss": loss * loss_factor, "grads": grads}
+
+    return step
+
 
 LINEAR_TASK = textwrap.dedent(
     """
@@ -92,3 +159,25 @@ def test_replicas_compared_is_in_the_json_live_and_replayed(tmp_path):
     assert b["replicas_compared"] == {"leaves": 3, "devices": 2, "steps": 1}
     assert c["replicas_compared"] is None  # nothing held copies to compare
     assert d["replicas_compared"] is None
+
+
+@require_devices(2)
+def test_a_loss_off_by_one_constant_factor_at_every_step_drops_the_readings_that_cannot_give_it():
+    """Trial 40: the returned loss 3 x the reference's at each of 3 steps, the update matching, is read as a scale
+    of the returned loss, without a post-update loss, one shard's loss or an unweighted mean (none keeps one
+    factor from step to step). Other side: a loss taken after the update (its own ratio at each step) keeps them."""
+    mesh = make_mesh({"data": 2})
+    task = _weighted_task(7, 2)
+    scaled = check_parity(_accumulating(loss_factor=3.0), task, mesh=mesh)
+    assert not scaled.ok and scaled.codes[0] == "loss_differs", scaled.codes
+    message = scaled.diagnoses[0].message
+    assert (
+        "It is 3 x the reference's at every one of the 3 steps compared (within the loss's rounding)"
+        in message
+    )
+    assert "the loss returned is scaled by 3 apart from the one differentiated" in message
+    assert "a post-update loss, one shard's loss" not in message and "a later step tells" not in message
+    late = check_parity(_accumulating(after=True), task, mesh=mesh)
+    assert not late.ok and late.codes[0] == "loss_differs", late.codes
+    assert "(a post-update loss, one shard's loss, or an unweighted mean?)" in late.diagnoses[0].message
+    assert "at every one of" not in late.diagnoses[0].message

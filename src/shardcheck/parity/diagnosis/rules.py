@@ -1812,6 +1812,30 @@ def _later_update_failure(ctx: DiagnosisContext) -> LeafError | None:
     return None
 
 
+def _constant_loss_ratio(ctx: DiagnosisContext) -> tuple[float, int] | None:
+    """``(f, steps)`` where the candidate's returned loss is one factor f of the reference's at every compared
+    step, two or more (``|c_t - f r_t|`` within the step's loss tolerance times ``max(1, |f|)``, f the first
+    failing step's ratio), the update matching at each: a scale of the returned loss, which a post-update loss,
+    one shard's loss or an unweighted mean (each its own ratio at each step) does not give; else ``None``."""
+    first = ctx.first
+    if first.candidate_loss is None or not first.loss:
+        return None
+    f = first.candidate_loss / first.loss
+    if not math.isfinite(f):
+        return None
+    steps = 0
+    for r in ctx.records:
+        if r.step < 0 or r.candidate_loss is None or not math.isfinite(r.loss):
+            continue
+        if any(not e.ok for e in r.leaves if e.kind != "loss"):
+            return None
+        tol = max((e.tolerance for e in r.leaves if e.kind == "loss"), default=None)
+        if tol is None or not abs(r.candidate_loss - f * r.loss) <= tol * max(1.0, abs(f)):
+            return None
+        steps += 1
+    return (f, steps) if steps >= 2 else None
+
+
 def loss_differs(ctx: DiagnosisContext) -> Finding:
     """``loss_differs``: only the returned loss is out of tolerance at the first failing step."""
     if ctx.bad_kinds != {"loss"}:
@@ -1832,6 +1856,15 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
             f"tolerance {later.tolerance:.3g}): the loss differs where its gradient does not at step "
             f"{first.step}'s parameters (a clipped or thresholded term whose active rows agree there, such as "
             "PPO's clip epsilon or a hinge margin), not only the loss returned."
+        )
+    elif named is None and not first.scale_hidden and (constant := _constant_loss_ratio(ctx)) is not None:
+        f, steps = constant
+        cause = (
+            f"It is {f:.4g} x the reference's at every one of the {steps} steps compared (within the loss's "
+            "rounding): one constant factor, which neither a post-update loss nor one shard's loss nor an "
+            "unweighted mean keeps from step to step, nor a clipped or thresholded term: the loss returned is "
+            f"scaled by {f:.4g} apart from the one differentiated (multiplied by a count or a constant after "
+            "jax.grad, or on a copy that is only returned)."
         )
     elif named is None:
         cause += (
