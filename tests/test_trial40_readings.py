@@ -162,6 +162,32 @@ def test_replicas_compared_is_in_the_json_live_and_replayed(tmp_path):
     assert d["replicas_compared"] is None
 
 
+@require_devices(4)
+def test_micro_batch_means_averaged_are_named_where_their_counts_differ():
+    """Trial 40: a step that averages its 2 micro-batches' means (7 and 2 rows counted) on 4 shards reproduces
+    the step on the mean of the micro-batches' own means: named so, with their counts, not only "computed another
+    way". Both sides: the sums over the total count PASS; the same means with equal counts (5 and 5) are the full
+    batch's mean and PASS; the first micro-batch's mean alone is not that step and is not named so."""
+    mesh = make_mesh({"data": 4})
+    uneven = _weighted_task(7, 2)
+    bad = check_parity(_accumulating(means=True), uneven, mesh=mesh)
+    assert not bad.ok and bad.codes[0] == "micro_batch_means", bad.codes
+    message = bad.diagnoses[0].message
+    assert message.startswith(
+        "At step 0 the step reproduces the micro-batches' means averaged (each normalized by its own count) where "
+        "their sums over the total count were meant"
+    ), message
+    assert (
+        "the mean of the 2 micro-batches' own means (the batch's rows in 2 blocks, loss weights 7, 2)"
+        in message
+    )
+    assert check_parity(_accumulating(), uneven, mesh=mesh).ok
+    assert check_parity(_accumulating(means=True), _weighted_task(5, 5), mesh=mesh).ok
+    other = check_parity(_accumulating(first_only=True), uneven, mesh=mesh)
+    assert not other.ok and "micro_batch_means" not in other.codes, other.codes
+    assert "micro-batches' means averaged" not in str(other.diagnosis)
+
+
 @require_devices(2)
 def test_a_loss_off_by_one_constant_factor_at_every_step_drops_the_readings_that_cannot_give_it():
     """Trial 40: the returned loss 3 x the reference's at each of 3 steps, the update matching, is read as a scale

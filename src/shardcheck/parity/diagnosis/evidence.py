@@ -244,6 +244,10 @@ class StepRecord:
             step had their copies compared across how many devices (a live check's parameters and optimizer
             state; a replay's recorded ``meta["replicas"]``); ``None`` where none was (one device, no replicated
             leaf, or a recording made before the count was kept).
+        micro_means: ``(k, weights)`` where the failing step reproduces the step whose gradient averages the
+            means of k micro-batches of unequal weights (``weights``, each micro-batch's own loss weight, in
+            order) under a ``(loss_sum, weight)`` loss: an accumulation that averaged the micro-batches' means
+            where their sums over the total weight were meant (``"per_micro_mean"`` in ``matches``); else ``None``.
     """
 
     step: int
@@ -279,6 +283,7 @@ class StepRecord:
     replica_scales: tuple[float, ...] | None = None
     shard_weights: tuple[float, ...] | None = None
     replicas_compared: tuple[int, int] | None = None
+    micro_means: tuple[int, tuple[float, ...]] | None = None
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:
@@ -318,7 +323,8 @@ class Diagnosis:
     """One finding of the harness.
 
     Attributes:
-        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``, ``per_shard_loss``, ``scaled``,
+        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``,
+            ``micro_batch_means``, ``per_shard_loss``, ``scaled``,
             ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
             ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
             ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``local_normalization``, ``weak_check``,

@@ -330,14 +330,67 @@ def _explained(
         if record.replica_scales is not None and run.weighted and s and s == len(record.replica_scales)
         else None
     )
+    micro = (
+        None
+        if set(matches) - {"scale_blind"}
+        else _micro_batch_means(run, pre, batch, record, rtol, atol, cand_grads)
+    )
     return dataclasses.replace(
         record,
-        matches=matches,
+        matches=matches if micro is None else (*matches, "per_micro_mean"),
         loss_weight=weight,
         per_shard_factor=per_shard,
         weight_count=weight_count(batch, weight),
         shard_weights=shards,
+        micro_means=micro,
     )
+
+
+# the micro-batch counts tried where a step accumulates by hand (trial 40: 2 micro-batches on data=2 x fsdp=2)
+MICRO_BATCHES = (2, 4, 8)
+
+
+def _micro_batch_means(
+    run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads
+) -> tuple[int, tuple[float, ...]] | None:
+    """``(k, weights)`` where the candidate's step is the one whose gradient averages the means of k micro-batches
+    (the batch's k blocks of rows, each its loss sum over its own weight) under a ``(loss_sum, weight)`` loss whose
+    micro-batches carry unequal weights (``weights``, the k micro-batches' own, in order): an accumulation by hand
+    that averaged the micro-batches' means where their sums over the total weight were meant (trial 40: uneven
+    padding over 2 micro-batches on 4 shards). k is tried over :data:`MICRO_BATCHES`, dividing the batch's rows,
+    other than the shard count (the per-shard means' own hypothesis, :func:`_matches`). The candidate's returned
+    gradients (where it returns them) must be that gradient within the record's gradient tolerances, and its
+    parameters and optimizer state the optimizer's step on it (:func:`_reproduces`, the reference's differing);
+    ``None`` otherwise, and for an unweighted loss, a coupled one, or a user's reference step."""
+    if not run.weighted or run.rows_coupled or run.reference is not None:
+        return None
+    if cand_grads is not None and all(e.ok for e in record.leaves if e.kind == "grad"):
+        return None  # the gradients match: not a gradient the micro-batches' means give
+    leaves = jax.tree.leaves(batch)
+    rows = leaves[0].shape[0] if leaves and getattr(leaves[0], "ndim", 0) else 0
+    emulated = run.matmul_realization not in (None, "float32")
+    loss_fn = rounded_loss(run.task.loss_fn, run.precision.matmul) if emulated else run.task.loss_fn
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    cand = None if cand_grads is None else flatten_state(nnx.as_pure(cand_grads))
+    for k in MICRO_BATCHES:
+        if k == run.cand.num_shards or rows < 2 * k or rows % k:
+            continue
+        weights = shard_weights(loss_fn, k, pre.graphdef, pre.params, pre.rest, batch)
+        if weights is None or max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights):
+            continue  # equal micro-batches: their means averaged are the full batch's mean
+        grads = per_shard_mean_grads(loss_fn, k, pre.graphdef, pre.params, pre.rest, batch)
+        if grads is None:
+            continue
+        if cand is not None and tolerance:
+            c = fitted_factor(cand, flatten_state(grads), tolerance)
+            if c is None or abs(c - 1.0) > 1e-3:
+                continue
+        tx = run.ref_opt.tx
+        alt = _scaled_params(tx, pre.params, pre.opt_state, grads, 1.0)
+        rounding = hypothesis_rounding(tx, grads, pre.opt_state, pre.params, rtol, atol)
+        if _reproduces(run, *alt, rtol, atol, rounding):
+            return k, weights
+    return None
 
 
 def _loss_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord) -> bool:

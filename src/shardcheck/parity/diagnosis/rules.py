@@ -562,7 +562,7 @@ class DiagnosisContext:
                 (e for e in counters if e.path.rsplit(".", 1)[-1] in ("gradient_step", "mini_step")), None
             )
         matches = () if first is None else first.matches
-        reproduced = tuple(m for m in NAMED_REDUCTIONS if m in matches)
+        reproduced = tuple(m for m in (*NAMED_REDUCTIONS, *MICRO_REDUCTIONS) if m in matches)
         if first is not None and _reduction_refuted(first):
             reproduced = tuple(m for m in reproduced if m != "bf16_reduction")
         scaled = {"times_S": num_shards, "times_1/S": 1 / num_shards if num_shards else None}
@@ -1811,6 +1811,31 @@ def _loss_scale_reading(f: float) -> str:
     )
 
 
+# the reductions of ``StepRecord.matches`` over the step's own micro-batches, named by :func:`micro_batch_means`
+MICRO_REDUCTIONS = ("per_micro_mean",)
+
+
+def micro_batch_means(ctx: DiagnosisContext) -> Finding:
+    """``micro_batch_means``: the first failing step reproduces the step whose gradient averages the means of its
+    k micro-batches, of unequal loss weights (``StepRecord.micro_means``): an accumulation by hand under a
+    ``(loss_sum, weight)`` loss that normalized each micro-batch by its own count (trial 40)."""
+    first = ctx.first
+    if first is None or "per_micro_mean" not in ctx.reproduced or first.micro_means is None:
+        return None
+    k, weights = first.micro_means
+    shown = ", ".join(f"{w:.6g}" for w in weights)
+    return Diagnosis(
+        "micro_batch_means",
+        f"At step {first.step} the step reproduces the micro-batches' means averaged (each normalized by its own "
+        f"count) where their sums over the total count were meant: its update is the optimizer's step on the mean "
+        f"of the {k} micro-batches' own means (the batch's rows in {k} blocks, loss weights {shown}), not on the "
+        "full batch's sum over its total weight. With uneven counts that weighs the rows of the lighter "
+        "micro-batches more; add the micro-batches' loss sums and their counts, then divide once by the total "
+        "count (docs/reduction_cases.md C4-C6).",
+        ctx.worst_name,
+    )
+
+
 def update_rerun(ctx: DiagnosisContext) -> Finding:
     """``update_rerun``: every compared leaf of the first failing step is within tolerance, but the task's
     optimizer rerun on the candidate's own gradients and pre-step state gives another update
@@ -2655,6 +2680,7 @@ RULES: tuple[Rule, ...] = (
     scaled,
     update_rerun,
     loss_differs,
+    micro_batch_means,
     grads_differ,
     drift,
     loss_only,
