@@ -113,3 +113,26 @@ def not_compared(records: Sequence[StepRecord]) -> int:
 
 
 __all__ = ["families", "family", "not_compared", "state_notes", "step_written"]
+
+
+def sync_schedule(
+    records: Sequence[StepRecord], paths: set[str]
+) -> tuple[list[int], list[int], list[str]] | None:
+    """A target network's sync read from the records (trial 39): ``(written, left, counters)`` where the
+    reference's step never writes floating state ``paths`` (``state model.<path>``, ``reference_change`` 0 at
+    every step), the candidate's step wrote them at the steps ``written`` and left them exactly as they were at
+    the steps ``left`` (both nonempty: a schedule, not a weight trained at every step), each holds a parameter's
+    shape where its shape is known (a copy of the parameters), and the run holds a counter only the candidate's
+    step writes (``counters``: ``counter model.<path>`` not compared, tolerance inf); else ``None``."""
+    counters = sorted(
+        {e.path for r in records for e in r.leaves if e.kind == "counter" and math.isinf(e.tolerance)}
+    )
+    shapes = {e.shape for r in records for e in r.leaves if e.kind == "param" and e.shape is not None}
+    leaves = [(r.step, e) for r in records for e in r.leaves if e.kind == "state" and e.path in paths]
+    if not counters or not leaves or any(e.reference_change for _, e in leaves):
+        return None
+    if any(e.shape is not None and e.shape not in shapes for _, e in leaves):
+        return None
+    written = sorted({t for t, e in leaves if e.max_abs_err > 0})
+    left = sorted({t for t, _ in leaves} - set(written))
+    return (written, left, counters) if written and left else None

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, start_words, would_show
-from shardcheck.parity.diagnosis.floating import families, step_written
+from shardcheck.parity.diagnosis.floating import families, step_written, sync_schedule
 from shardcheck.parity.diagnosis.form import (
     Form,
     form_from_leaves,
@@ -565,10 +565,21 @@ def _state_step_form(bad: list[LeafError], records: Sequence[StepRecord]) -> For
             if e.kind == "state" and e.path in paths and e.reference_change
         }
     )
-    if not steps:
-        return None
     n, top = len(bad), max(e.max_abs_err for e in bad)
     what, it = ("this leaf", "it") if n == 1 else (f"these {n} leaves", "them")
+    schedule = None if steps else sync_schedule(records, paths)
+    if schedule:
+        written, left, counters = schedule
+        return Form(
+            "reference_zero",
+            f"a copy on a counter's schedule: the reference's step never writes {what} of non-parameter state, "
+            f"and the candidate's step wrote {it} at {_steps(written)} and left {it} at {_steps(left)} beside a "
+            f"counter only it keeps ({', '.join(counters)}): a target network's sync, which only a reference step "
+            "that makes it checks",
+            leaves=n,
+        )
+    if not steps:
+        return None
     at = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:-1]))}"
     at = f"{at} and {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
     return Form(
@@ -578,6 +589,13 @@ def _state_step_form(bad: list[LeafError], records: Sequence[StepRecord]) -> For
         f"candidate's step moved {it} by up to {top:.3g}: a copy or sync at another step",
         leaves=n,
     )
+
+
+def _steps(steps: list[int]) -> str:
+    """``"step 1"``, ``"steps 1 and 3"``, ``"steps 0, 2 and 3"``."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    return f"steps {', '.join(map(str, steps[:-1]))} and {steps[-1]}"
 
 
 def n_of(k: int, n: int) -> str:

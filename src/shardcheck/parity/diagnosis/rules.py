@@ -14,9 +14,11 @@ in order, with their codes:
 - :func:`non_finite` (``non_finite``): the candidate's values are NaN or infinite at the first failing step.
 - :func:`replicas_differ` (``replicas_differ``): a replicated leaf differs across devices.
 - :func:`model_state` (``model_state``): a counter of the model's own state is not the reference's.
-- :func:`frozen_state` (``frozen_state``, ``state_step``, ``state_partial``, ``state_amount``): a frozen
-  non-parameter weight the candidate moved, state it wrote at a step where the reference's step writes none (and
-  writes it at others), or floating state both steps write, part of it left as it was or changed by other amounts.
+- :func:`frozen_state` (``frozen_state``, ``state_step``, ``target_sync``, ``state_partial``, ``state_amount``): a
+  frozen non-parameter weight the candidate moved, state it wrote at a step where the reference's step writes none
+  (and writes it at others), a copy of the parameters it writes on a counter's schedule the reference's step never
+  writes (a target network's sync), or floating state both steps write, part of it left as it was or changed by
+  other amounts.
 - :func:`step_counter` (``never_stepped``, ``step_counter``): the update counter (or the optimizer's own, ahead
   by a whole factor) is not the step count.
 - :func:`weight_count` (``weight_count``): the gradient factor is the batch's loss weight over its count of rows
@@ -69,7 +71,12 @@ from shardcheck.parity.diagnosis.evidence import (
     spread_phrase,
     would_show,
 )
-from shardcheck.parity.diagnosis.floating import not_compared, state_notes, step_written
+from shardcheck.parity.diagnosis.floating import (
+    not_compared,
+    state_notes,
+    step_written,
+    sync_schedule,
+)
 from shardcheck.parity.diagnosis.form import (
     ONE_NUMBER,
     REFERENCE_ZERO_MEANING,
@@ -994,7 +1001,10 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
     trained = [e for e in trained if not written.get(e.path)]
     if elsewhere:
         out.append(_state_step(record.step, elsewhere, written))
-    if trained:
+    schedule = sync_schedule(ctx.records, {e.path for e in trained}) if trained else None
+    if schedule:
+        out.append(_target_sync(trained, *schedule))
+    elif trained:
         names = words_and(sorted(e.path.removeprefix("model.") for e in trained))
         worst = max(e.max_abs_err for e in trained)
         one = len(trained) == 1
@@ -1057,6 +1067,31 @@ def _state_step(step: int, leaves: list[LeafError], written: dict[str, list[int]
         "sync at another step than the reference's, not a weight trained (a sync period or step count off by "
         "one, a count read before or after its increment, or a sync at every step). Write "
         f"{'it' if one else 'them'} at the steps the reference's step does.",
+        leaves[0].name,
+    )
+
+
+def _target_sync(
+    leaves: list[LeafError], written: list[int], left: list[int], counters: list[str]
+) -> Diagnosis:
+    """``target_sync``: floating state the reference's step never writes, which the candidate's step wrote at
+    some steps (``written``) from values of a parameter's shape and left at the others (``left``), on the schedule
+    of a counter only it keeps (``counters``): a target network's sync, which a reference step that never makes it
+    cannot check (trial 39: without --reference the sync led with "a weight meant to stay frozen was trained")."""
+    names = words_and(sorted(e.path.removeprefix("model.") for e in leaves))
+    one = len(leaves) == 1
+    it = "it" if one else "them"
+    worst = max(e.max_abs_err for e in leaves)
+    return Diagnosis(
+        "target_sync",
+        f"The candidate's step wrote the model's state {names} at {_steps_said(written)} (max abs err "
+        f"{worst:.6g}) and left {it} as {'it was' if one else 'they were'} at {_steps_said(left)}, on the schedule "
+        f"of a counter only it keeps ({words_and(counters)}, not compared), from values of a parameter's shape: a "
+        f"target network's copy synced from the parameters. The reference's step does not write {it} (it makes no "
+        "sync), so this run cannot tell a correct sync from a wrong one: pass your own reference step that makes "
+        "the sync (verify --reference FILE:FUNCTION, check_parity(reference=...)) to check it. If "
+        f"{'it is a weight' if one else 'they are weights'} meant to stay frozen instead, the step trained "
+        f"{it}: update nnx.Param only.",
         leaves[0].name,
     )
 
@@ -2654,7 +2689,15 @@ NAN_BLIND = frozenset(
 
 # causes named for a subset of the leaves whose factors the generic fallbacks (GENERIC) cannot read as one
 NAMED_SUBSET = frozenset(
-    {"replicated_reduced", "expert_scaling", "frozen_state", "state_step", "state_amount", "state_partial"}
+    {
+        "replicated_reduced",
+        "expert_scaling",
+        "frozen_state",
+        "state_step",
+        "target_sync",
+        "state_amount",
+        "state_partial",
+    }
 )
 GENERIC = frozenset({"localized", "update_differs", "loss_only"})
 
@@ -2729,7 +2772,10 @@ def diagnose(
     - ``replicas_differ``: a replicated leaf holds different values on different devices (named leaf).
     - ``frozen_state``: floating non-parameter state the loss reads moved where the reference leaves it (a
       frozen weight trained); ``state_step`` where the reference's step writes it at other steps of the run (a
-      copy or sync on another schedule); ``model_state`` where the reference's step writes it and the candidate
+      copy or sync on another schedule); ``target_sync`` where the reference's step never writes it and the
+      candidate's writes it at some steps only, from values of a parameter's shape, beside a counter only it keeps
+      (a target network's sync, which only a reference step that makes it checks); ``model_state`` where the
+      reference's step writes it and the candidate
       left it exactly as it was; ``state_partial`` where both write it and the candidate left part of it exactly as it
       was, the rest matching; ``state_amount`` where both write it, by amounts further apart than the coarse bound.
     - ``never_stepped`` / ``step_counter``: the update counter is 0, or not the step count (e.g. stepped S
