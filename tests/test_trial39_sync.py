@@ -186,3 +186,27 @@ def test_a_replay_of_the_step_with_its_own_counter_passes_and_a_double_count_fai
     assert not bad.ok and bad.localization.step == 0
     first = next(e for e in bad.steps[0].leaves if e.path == "model.steps")
     assert not first.ok and first.max_abs_err == 1 and first.tolerance == 0
+
+
+# ------------------------------------------------------------------- 3. a target written x the device count
+
+
+@require_devices(2)
+def test_a_target_written_as_the_psum_of_its_replicas_is_said_as_the_axis_size(mesh):
+    """The user's reference: the copy written as the psum of its 2 replicas FAILs at step 1 as exactly x2 = the
+    size of 'data' (was "by 2 to ... times the reference's change ... a running-average momentum"), in the
+    finding and the Form; a copy written otherwise (moved at every step) is never said as a factor."""
+    task = _task()
+    report = check_parity(make_step("target_psum"), task, mesh=mesh, reference=ref_step)
+    assert not report.ok and report.codes[0] == "state_amount", report.codes
+    msg = report.diagnoses[0].message
+    assert (
+        "The candidate's step wrote the model's state t1 and t2 at step 1 as exactly 2 times the value the "
+        "reference's step wrote, at every element (written x2 = the size of 'data'): a psum where a pmean or no "
+        "reduction was meant" in msg
+    )
+    assert "running-average momentum" not in msg
+    form = report.localization.form.sentence
+    assert form.startswith("written x2:") and "x2 = S, the shard count: a psum" in form
+    other = check_parity(make_step("train_target"), task, mesh=mesh, reference=ref_step)
+    assert not other.ok and "written x" not in str(other)

@@ -311,7 +311,25 @@ def _both_written(step, path, ref: tuple, cand: tuple, dtype) -> LeafError:
     leaf = LeafError(
         step, "state", PREFIX + path, err, err / top, allowed, err <= allowed, moved / top, top, None, r.shape
     )
-    return leaf if leaf.ok else dataclasses.replace(leaf, kept=partial_write(r0, r, c, c0))
+    if leaf.ok:
+        return leaf
+    return dataclasses.replace(leaf, kept=partial_write(r0, r, c, c0), value_factor=value_factor(r, c))
+
+
+def value_factor(r: np.ndarray, c: np.ndarray) -> float | None:
+    """The one constant k (not 1) with ``c = k r`` at every element where ``|r|`` is at least 1% of its largest,
+    within 8 float32 ulps of k (a replicated value psum-ed over the devices: exactly x their count), else
+    ``None`` (also where ``r`` is all zero or a value is not finite)."""
+    r64, c64 = np.asarray(r, np.float64), np.asarray(c, np.float64)
+    top = float(np.max(np.abs(r64), initial=0.0))
+    if not top or not (np.isfinite(r64).all() and np.isfinite(c64).all()):
+        return None
+    big = np.abs(r64) >= 0.01 * top
+    q = c64[big] / r64[big]
+    k = float(np.median(q))
+    if abs(k - 1) < 1e-3 or float(np.max(np.abs(q - k))) > 8 * 2.0**-23 * abs(k):
+        return None
+    return k
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

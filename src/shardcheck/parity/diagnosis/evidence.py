@@ -96,6 +96,10 @@ class LeafError:
             alone: ``(reference's, candidate's)``, each whether every element is finite. ``ok`` where they agree
             (both not finite: ``max_abs_err`` 0; one side only: ``max_abs_err`` inf). ``None`` elsewhere (the leaf
             compared by value).
+        value_factor: a ``state`` leaf both steps wrote, failing: the one constant k (not 1) that the candidate's
+            written value is of the reference's at every element (``c = k r`` within a few float32 ulps, over the
+            elements where ``|r|`` is at least 1% of its largest: a psum of a replicated value, x the device
+            count), else ``None``.
     """
 
     step: int
@@ -118,6 +122,7 @@ class LeafError:
     counts: tuple[int, int] | None = None
     cand_zeros: bool = False
     finite: tuple[bool, bool] | None = None
+    value_factor: float | None = None
 
     @property
     def name(self) -> str:

@@ -136,3 +136,13 @@ def sync_schedule(
     written = sorted({t for t, e in leaves if e.max_abs_err > 0})
     left = sorted({t for t, _ in leaves} - set(written))
     return (written, left, counters) if written and left else None
+
+
+def written_factor(leaves: Sequence[LeafError]) -> int | None:
+    """The whole k >= 2 that every one of ``leaves`` was written as, k times the reference's written value
+    (``LeafError.value_factor``, the same on each within 1e-6), else ``None``."""
+    ks = [e.value_factor for e in leaves]
+    if not ks or any(k is None for k in ks):
+        return None
+    k = round(ks[0])
+    return k if k >= 2 and all(abs(f - k) <= 1e-6 * k for f in ks) else None

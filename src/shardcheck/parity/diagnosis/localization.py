@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, start_words, would_show
-from shardcheck.parity.diagnosis.floating import families, step_written, sync_schedule
+from shardcheck.parity.diagnosis.floating import families, step_written, sync_schedule, written_factor
 from shardcheck.parity.diagnosis.form import (
     Form,
     form_from_leaves,
@@ -535,7 +535,12 @@ def localize(
         form = checked_form(form, first.stage, bad, leaves, record, num_shards)
         if first.stage == "forward":
             form = forward_form(form, bad, by_stage["gradients"])
-        form = _unreadable_form(bad) or _state_step_form(bad, records) or form
+        form = (
+            _unreadable_form(bad)
+            or _state_step_form(bad, records)
+            or _state_factor_form(bad, num_shards)
+            or form
+        )
     written = step_state(bad, record) if first.stage == "parameters" else ""
     form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None
@@ -587,6 +592,31 @@ def _state_step_form(bad: list[LeafError], records: Sequence[StepRecord]) -> For
         f"a write where the reference makes none at this step: the reference's step leaves {what} of "
         f"non-parameter state as {'it was' if n == 1 else 'they were'} here and writes {it} at {at}, and the "
         f"candidate's step moved {it} by up to {top:.3g}: a copy or sync at another step",
+        leaves=n,
+    )
+
+
+def _state_factor_form(bad: list[LeafError], num_shards: int | None) -> Form | None:
+    """The form of floating state both steps write that the candidate's step wrote as exactly k times the
+    reference's written value at every element (:func:`~shardcheck.parity.diagnosis.floating.written_factor`):
+    said with the shard count where k is it (a psum of a replicated value); ``None`` otherwise."""
+    if not bad or not all(e.kind == "state" for e in bad):
+        return None
+    k = written_factor(bad)
+    if k is None:
+        return None
+    n = len(bad)
+    what = "this leaf" if n == 1 else f"these {n} leaves"
+    size = (
+        f" (x{k} = S, the shard count: a psum where a pmean or no reduction was meant)"
+        if k == num_shards
+        else ""
+    )
+    return Form(
+        "state_amount",
+        f"written x{k}: the candidate's step wrote {what} of non-parameter state as exactly {k} times the value the "
+        f"reference's step wrote, at every element{size}",
+        factor=float(k),
         leaves=n,
     )
 

@@ -76,6 +76,7 @@ from shardcheck.parity.diagnosis.floating import (
     state_notes,
     step_written,
     sync_schedule,
+    written_factor,
 )
 from shardcheck.parity.diagnosis.form import (
     ONE_NUMBER,
@@ -1026,7 +1027,8 @@ def frozen_state(ctx: DiagnosisContext) -> Finding:
     if partial:
         out.append(_state_partial(record.step, partial))
     if amounts:
-        out.append(_state_amount(record.step, amounts, all(step_written(record, e) for e in amounts)))
+        by_step = all(step_written(record, e) for e in amounts)
+        out.append(_state_factor(record.step, amounts, ctx) or _state_amount(record.step, amounts, by_step))
     return out
 
 
@@ -1189,6 +1191,42 @@ def _state_partial(step: int, partial: list[LeafError]) -> Diagnosis:
         "rows, or a write of one device's local block); write the whole leaf as one forward pass over the full "
         "batch does.",
         partial[0].name,
+    )
+
+
+def axes_of_size(k: int, mesh_shape: Mapping[str, int] | None, num_shards: int | None) -> str:
+    """``"the size of 'data'"`` (or ``"the size of 'data' x 'fsdp'"``, ``"S, the shard count"``) where ``k`` is
+    a mesh axis's size (or the product of some), else ``""``."""
+    axes = [(a, n) for a, n in (mesh_shape or {}).items() if n > 1]
+    for a, n in axes:
+        if n == k:
+            return f"the size of '{a}'"
+    for i, (a, n) in enumerate(axes):
+        for b, m in axes[i + 1 :]:
+            if n * m == k:
+                return f"the size of '{a}' x '{b}'"
+    return "S, the shard count" if num_shards == k else ""
+
+
+def _state_factor(step: int, amounts: list[LeafError], ctx: DiagnosisContext) -> Diagnosis | None:
+    """``state_amount``, said as a factor: floating state both steps write that the candidate's step wrote as
+    exactly k times the reference's written value at every element (``LeafError.value_factor``), k a mesh axis's
+    size: a psum of a replicated value where a pmean or no reduction was meant (trial 39: a target network synced
+    from the psum of the replicas, x4 on data=4, read "by 4 to 1.05e+03 times the reference's change ... a
+    running-average momentum"); ``None`` where no such k holds."""
+    k = written_factor(amounts)
+    size = axes_of_size(k, ctx.mesh_shape, ctx.num_shards) if k else ""
+    if not size:
+        return None
+    names = words_and(sorted(e.path.removeprefix("model.") for e in amounts))
+    one = len(amounts) == 1
+    return Diagnosis(
+        "state_amount",
+        f"The candidate's step wrote the model's state {names} at step {step} as exactly {k} times the value the "
+        f"reference's step wrote, at every element (written x{k} = {size}): a psum where a pmean or no reduction "
+        f"was meant ({'it is' if one else 'they are'} replicated, so summing the devices' copies multiplies "
+        f"{'it' if one else 'them'} by their count). Write the value as it is (or pmean it).",
+        max(amounts, key=lambda e: e.max_abs_err).name,
     )
 
 
