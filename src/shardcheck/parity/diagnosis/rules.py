@@ -1352,6 +1352,9 @@ def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
         "counter advanced apart from it: "
     )
     moments = _adam_moments(ctx, fail.path)
+    both = _counts_of_both_kinds(ctx, record, fail)  # trial 41: Adam's counts and the schedules' both ahead
+    if both is not None:
+        return both
     if moments is not None:
         return head + (
             f"it is Adam's bias-correction count (the count beside {words_and(list(moments))}: optax's "
@@ -1360,9 +1363,74 @@ def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
             "moments counted twice: the Adam state's count advanced again by hand, or per micro-batch while the "
             "moments took one step). Advance it only through optimizer.update, once per step."
         )
+    momentum = _moment_count(ctx, fail.path)
+    if momentum is not None:
+        return head + (
+            f"it is a momentum's bias-correction count (the count beside {momentum[0]} and no second moment, as "
+            "optax.contrib's MuonState), no schedule's: it sets no learning rate, but the update divides the "
+            "momentum by 1 - beta^count, so its bias correction is another step's. Advance it only through "
+            "optimizer.update, once per step."
+        )
     return head + (
         "a schedule read one step ahead (its count incremented before the update, or a schedule's state of its "
         "own stepped twice); the learning rate it gives is the next step's."
+    )
+
+
+def _counts_of_both_kinds(ctx: DiagnosisContext, record: StepRecord, fail: LeafError) -> str | None:
+    """Where the failing optimizer-state counters of ``fail``'s step (every optimizer-state leaf matching) are of
+    both kinds, bias-correction counts (:func:`_moment_count`: beside moments) and schedules' counts (beside
+    none), what each kind drives, in words (trial 41: every count of a multi_transform(muon | adamw) bumped once
+    more a step named only the worst, Adam's ``inner_states.adam.inner_state.0.count``, "no schedule's: it sets
+    no learning rate", while its schedules' ``...inner_state.2.count`` and ``...3.count`` were ahead too, so the
+    learning rate was the next step's as well); ``None`` where the failing counters are all of one kind."""
+    failing = [
+        e for e in record.leaves if e.kind == "counter" and not e.ok and e.path != "step" and not _of_model(e)
+    ]
+    moment = [(e, _moment_count(ctx, e.path)) for e in failing]
+    bias = [(e, m) for e, m in moment if m is not None]
+    schedule = [e for e, m in moment if m is None]
+    if not bias or not schedule:
+        return None
+    counts = [_counts(ctx, e) for e in failing]
+    ahead = {got - expected for expected, got in counts}
+    steps = fail.step + 1
+    if len(ahead) == 1 and len({expected for expected, _ in counts}) == 1:
+        expected, got = counts[0]
+        value = f"each {got} after {steps} step(s){_reference_count(expected, steps)}"
+    else:
+        value = "; ".join(
+            f"{e.path} {got} ({expected})" for e, (expected, got) in zip(failing, counts, strict=True)
+        )
+        value = f"after {steps} step(s) (candidate's (reference's)): {value}"
+    adam = [e.path for e, m in bias if len(m) == 2]
+    momentum = [(e.path, m[0]) for e, m in bias if len(m) == 1]
+    kinds = []
+    if adam:
+        kinds.append(
+            f"{words_and(adam)} {'is' if len(adam) == 1 else 'are'} Adam's bias-correction "
+            f"count{'s' if len(adam) > 1 else ''} (beside the moments mu and nu: optax's ScaleByAdamState: the "
+            "update divides the moments by 1 - b1^count and 1 - b2^count)"
+        )
+    if momentum:
+        paths = [path for path, _ in momentum]
+        kinds.append(
+            f"{words_and(paths)} {'is' if len(paths) == 1 else 'are'} the bias-correction "
+            f"count{'s' if len(paths) > 1 else ''} of a momentum alone (beside mu and no nu, as optax.contrib's "
+            "MuonState: the update divides the momentum by 1 - beta^count)"
+        )
+    kinds.append(
+        f"{words_and([e.path for e in schedule])} {'is a count' if len(schedule) == 1 else 'are counts'} beside "
+        "no moments: a schedule's (as ScaleByScheduleState's: the learning rate is the schedule's value at that "
+        "count), or a state's over no parameters (an empty group of a multi_transform: it drives nothing)"
+    )
+    return (
+        f"{len(failing)} of the optimizer's counters are {value}, while every optimizer-state "
+        "leaf of that step matches: one update was applied (a second would move the moments too), and those "
+        f"counters advanced apart from it, of {('two', 'three')[len(kinds) - 2]} kinds: {'; '.join(kinds)}. So "
+        "the moments' bias correction and the schedules' learning rate are both another step's (every count of "
+        "the optimizer advanced again by hand, or per micro-batch while the moments took one step). Advance them "
+        "only through optimizer.update, once per step."
     )
 
 
@@ -1372,14 +1440,24 @@ def _adam_moments(ctx: DiagnosisContext, path: str) -> tuple[str, str] | None:
     ``nu``, read from the recorded optimizer-state leaves' paths, e.g. ``0.mu.<param>``): the count that drives
     the bias correction only, never a learning rate. ``None`` for any other counter (a schedule's
     ``ScaleByScheduleState.count``, ``inject_hyperparams``' ``count``: siblings of no moments)."""
+    moments = _moment_count(ctx, path)
+    return moments if moments is not None and len(moments) == 2 else None
+
+
+def _moment_count(ctx: DiagnosisContext, path: str) -> tuple[str, ...] | None:
+    """The moments beside the optimizer-state counter at ``path``: ``("0.mu", "0.nu")`` for an Adam-like state
+    (:func:`_adam_moments`), ``("0.mu",)`` for a momentum's alone (optax.contrib's ``MuonState``: ``count`` beside
+    ``mu``, its bias correction), read from the recorded optimizer-state leaves' paths; ``None`` for a counter
+    beside no moments (a schedule's)."""
     if path != "count" and not path.endswith(".count"):
         return None
     prefix = path[: -len("count")]
     state = {e.path for r in ctx.records for e in r.leaves if e.kind == "opt_state"}
     names = tuple(prefix + m for m in ("mu", "nu"))
-    if all(any(p == n or p.startswith(n + ".") for p in state) for n in names):
-        return names
-    return None
+    present = tuple(n for n in names if any(p == n or p.startswith(n + ".") for p in state))
+    if not present or present[0] != names[0]:
+        return None
+    return present
 
 
 # a leaf whose change is at most this fraction of the reference's did not move (its ratio reads as 0)
