@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardcheck
 from shardcheck import check_parity, make_mesh
+from shardcheck.parity.diagnosis.hypotheses import clip_norm_of
 from shardcheck.parity.harness.recorded import record_run
 
 K = 2  # the target's sync period
@@ -210,3 +211,31 @@ def test_a_target_written_as_the_psum_of_its_replicas_is_said_as_the_axis_size(m
     assert form.startswith("written x2:") and "x2 = S, the shard count: a psum" in form
     other = check_parity(make_step("train_target"), task, mesh=mesh, reference=ref_step)
     assert not other.ok and "written x" not in str(other)
+
+
+# ------------------------------------------------------------------- 4. a clip applied per shard
+
+
+def test_the_clip_norm_is_read_from_the_optimizer():
+    """Unit: the norm of an ``optax.clip_by_global_norm`` chained or alone; ``None`` without one."""
+    assert clip_norm_of(optax.chain(optax.clip_by_global_norm(2.5), optax.adam(1e-3))) == 2.5
+    assert clip_norm_of(optax.clip_by_global_norm(0.5)) == 0.5
+    assert clip_norm_of(optax.adam(1e-3)) is None
+    assert clip_norm_of(optax.chain(optax.clip(1.0), optax.sgd(0.1))) is None
+
+
+@require_devices(2)
+def test_a_clip_applied_to_each_shards_gradient_is_named(mesh):
+    """Each shard's gradient clipped to the task's norm (0.5) before the pmean: FAILs at step 0 as
+    ``clip_per_shard`` (was ``localized``, "no simple form", no clip named); the same clip left to the task's
+    optimizer PASSes; gradients psum-ed (no clip per shard) are not said so."""
+    task = _task(clip=0.5)
+    report = check_parity(make_step("clip_per_shard", clip=0.5), task, mesh=mesh, reference=ref_step)
+    assert not report.ok and report.codes[0] == "clip_per_shard", report.codes
+    assert "localized" not in report.codes
+    msg = report.diagnoses[0].message
+    assert msg.startswith("At step 0 the gradients differ (")
+    assert "a clip applied per shard (before the all-reduce)" in msg
+    assert check_parity(make_step(), task, mesh=mesh, reference=ref_step).ok
+    summed = check_parity(make_step("psum"), task, mesh=mesh, reference=ref_step)
+    assert not summed.ok and "clip_per_shard" not in summed.codes

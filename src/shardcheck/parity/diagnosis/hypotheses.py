@@ -77,6 +77,93 @@ def _per_shard_grads(loss_fn, num_shards, graphdef, per_row, params, rest, batch
     return jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, xs))
 
 
+def clip_norm_of(tx, depth: int = 8) -> float | None:
+    """The ``max_norm`` of an ``optax.clip_by_global_norm`` inside the optimizer ``tx`` (an
+    ``optax.GradientTransformation``, chained or wrapped: found by walking its ``update`` function's closures,
+    ``depth`` levels deep), else ``None`` (none found, or a norm that is not a plain number)."""
+    seen: set[int] = set()
+
+    def walk(f, d):
+        if d < 0 or id(f) in seen:
+            return None
+        seen.add(id(f))
+        if callable(f) and getattr(f, "__qualname__", "").startswith("clip_by_global_norm."):
+            free = getattr(getattr(f, "__code__", None), "co_freevars", ())
+            cells = dict(zip(free, f.__closure__ or (), strict=False))
+            norm = cells.get("max_norm")
+            value = None if norm is None else norm.cell_contents
+            return float(value) if isinstance(value, (int, float)) and value > 0 else None
+        items = ()
+        if isinstance(f, (tuple, list)):
+            items = f
+        elif callable(f):
+            items = [c.cell_contents for c in (getattr(f, "__closure__", None) or ()) if _filled(c)]
+            items += [getattr(f, "update", None)] if not hasattr(f, "__code__") else []
+        for x in items:
+            found = walk(x, d - 1)
+            if found is not None:
+                return found
+        return None
+
+    return walk(getattr(tx, "update", None), depth)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def per_shard_clipped_grads(loss_fn, num_shards: int, max_norm: float, graphdef, params, rest, batch):
+    """The mean over the ``num_shards`` shards of ``batch`` of each shard's own gradient clipped to global L2
+    norm ``max_norm`` (``optax.clip_by_global_norm`` applied per shard, before the all-reduce), a tree like
+    ``params``; ``None`` where the shards do not trace (a state shaped by the full batch)."""
+    try:
+        return _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch)
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch):
+    xs, at = shards_with_state(batch, rest, num_shards, False)
+
+    def shard_grad(x):
+        shard, rest_s = at(x)
+
+        def mean(p):
+            total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), shard)
+            return total if weight is None else total / weight  # an unweighted loss: the shard's own mean
+
+        g = jax.grad(mean)(params)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
+        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
+
+    return jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, xs))
+
+
+def _clipped_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord, cand_grads) -> bool:
+    """Whether the candidate's returned gradients ``cand_grads`` are, within ``record``'s gradient tolerances,
+    the mean of the shards' own gradients each clipped to the task's ``optax.clip_by_global_norm`` norm
+    (:func:`per_shard_clipped_grads`) while the full batch's gradient is another (trial 39: the clip applied to
+    each shard's local gradient inside a shard_map, before the pmean)."""
+    s = run.cand.num_shards
+    max_norm = clip_norm_of(run.ref_opt.tx)
+    if cand_grads is None or not s or s < 2 or max_norm is None:
+        return False
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    if not tolerance or all(e.ok for e in record.leaves if e.kind == "grad"):
+        return False
+    grads = per_shard_clipped_grads(run.task.loss_fn, s, max_norm, pre.graphdef, pre.params, pre.rest, batch)
+    if grads is None:
+        return False
+    c = fitted_factor(flatten_state(nnx.as_pure(cand_grads)), flatten_state(grads), tolerance)
+    return c is not None and abs(c - 1.0) <= 1e-3
+
+
 def fitted_factor(cand: dict, alt: dict, tolerance: dict) -> float | None:
     """The one factor c with ``cand = c * alt`` leaf by leaf, each element within ``max(1, |c|)`` times its
     leaf's tolerance, or ``None`` where no such c fits (the gradients refute the hypothesis ``alt``).
@@ -314,6 +401,8 @@ def _explained(
     matches, per_shard = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
     if not matches and _loss_per_shard(run, pre, batch, record):
         matches = ("per_shard_loss_value",)
+    if not matches and _clipped_per_shard(run, pre, batch, record, cand_grads):
+        matches = ("clip_per_shard",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
     if {e.kind for e in record.leaves if not e.ok} == {"grad"}:

@@ -124,7 +124,13 @@ LOOSE_RTOL = 0.1
 # The faulty reductions of ``StepRecord.matches`` that have a rule of their own: a failing step whose update
 # reproduces one of them is explained, and the generic ``scaled``/``drift``/``loss_only``/``update_differs``
 # findings stay silent for it.
-NAMED_REDUCTIONS = ("per_shard_mean", "per_shard_loss", "per_shard_loss_value", "bf16_reduction")
+NAMED_REDUCTIONS = (
+    "per_shard_mean",
+    "per_shard_loss",
+    "per_shard_loss_value",
+    "bf16_reduction",
+    "clip_per_shard",
+)
 # The verdict findings: first in the list when nothing failed.
 VERDICTS = ("parity", "diverged_trajectory")
 
@@ -1682,6 +1688,30 @@ def clip_coefficient(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def clip_per_shard(ctx: DiagnosisContext) -> Finding:
+    """``clip_per_shard``: the returned gradients are the mean of each shard's own gradient clipped to the task's
+    ``optax.clip_by_global_norm`` norm (the harness's ``clip_per_shard`` hypothesis, rerun from the reference's
+    pre-step state): the clip applied per shard, before the all-reduce (trial 39: the gradients failed with
+    per-leaf ratios below 1 that vary, "no simple form", and the clip was never named)."""
+    if "clip_per_shard" not in ctx.reproduced:
+        return None
+    grads = [e for e in ctx.bad if e.kind == "grad"]
+    worst = max(grads, key=lambda e: e.badness) if grads else ctx.bad[0]
+    spread = ""
+    if worst.spread is not None:
+        lo, hi = worst.spread
+        spread = f" ({worst.path}'s elementwise ratio runs from {lo:.3g} to {hi:.3g}, 10th-90th percentile)"
+    return Diagnosis(
+        "clip_per_shard",
+        f"At step {ctx.first.step} the gradients differ{spread}: they are the mean of each shard's own gradient "
+        "clipped to the task's global norm (rerun from the reference's pre-step state: each shard's local "
+        "gradient, optax.clip_by_global_norm's norm, then the mean over the shards), not the full batch's "
+        "gradient clipped: a clip applied per shard (before the all-reduce). Clip after the pmean, or leave the "
+        "clip to the optimizer (optax.chain(optax.clip_by_global_norm(...), ...) on the all-reduced gradients).",
+        worst.name,
+    )
+
+
 def local_clip_norm(ctx: DiagnosisContext) -> Finding:
     """``local_clip_norm``: the exposed gradients match, the optimizer's per-leaf factors differ by leaf group and
     are all >= 1: each shard's gradient was clipped by its own local norm (a coefficient c / norm(local) >= the
@@ -2832,6 +2862,7 @@ RULES: tuple[Rule, ...] = (
     shard_factor,
     replicated_reduced,
     clip_coefficient,
+    clip_per_shard,
     local_clip_norm,
     normalization,
     per_shard_loss,
