@@ -268,13 +268,20 @@ def test_a_loss_per_shard_of_a_model_that_draws_names_the_draws_per_shard():
     ]
     assert with_draws(coupled, "forward", (), None) == coupled
     (said,) = with_draws(coupled, "forward", ("encoder.rngs.noise",), None)
+    # trial 42: the draws lead (a mean cross-entropy couples no rows), the coupled-rows reading after them
     assert said.message.startswith(
-        coupled[0].message + " But the model draws random numbers in its forward pass "
+        "The model draws random numbers in its forward pass (encoder.rngs.noise), and the step's loss is the one "
+        "computed per shard: what a forward pass run per shard computes, every shard drawing from the same key"
+    ), said.message
+    assert (
+        "Where the loss couples no rows (a mean of per-row losses), the draws per shard are the cause"
+        in said.message
     )
-    assert "where the loss couples no rows, the draws per shard are the cause" in said.message
-    assert said.message.endswith(
-        "draw by the global row index (jax.random.fold_in of each row's index, carried in the batch) or carry the noise in the batch."
-    )
+    assert (
+        "draw by the global row index (jax.random.fold_in of each row's index, carried in the batch) or carry the "
+        "noise in the batch. Otherwise at step 0 a term of the loss that couples the rows was computed per shard."
+    ) in said.message
+    assert said.message.endswith("Otherwise " + coupled[0].message[0].lower() + coupled[0].message[1:])
 
 
 def test_refusals_of_a_drawing_model_group_by_reason_and_give_their_fix_once():

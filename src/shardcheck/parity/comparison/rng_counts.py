@@ -7,14 +7,20 @@ leaves equal counts: the single-device step and GSPMD's jit of it write the forw
 rest) draws this step's numbers again at the next, which looks like a trajectory that drifted, and is not one;
 compared here (``counter model.rngs.noise.count``), it FAILs at the step that lost the count, at the forward stage.
 
+A stream split over a stacked model (``nnx.split_rngs(splits=E)`` + ``nnx.vmap``: an ensemble of E members, each
+with its own Dropout stream) holds one count per member, shape ``(E,)``; the counts are compared elementwise, and
+the leaf reports the member whose count differs most.
+
 Only the streams the forward pass draws from (:func:`shardcheck.task.check_model`'s ``drawn``) are compared: the
 count of a stream nothing draws from (``params``, or Dropout at rate 0) is the model's, moved by no step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 from flax import nnx
 
 from shardcheck.parity.comparison.live import counter_error
@@ -31,9 +37,22 @@ def rng_count_arrays(model: nnx.Module, streams: Sequence[str]) -> dict:
     return {s: counts[s] for s in streams if s in counts}
 
 
-def rng_counts(model: nnx.Module, streams: Sequence[str]) -> dict[str, int]:
-    """:func:`rng_count_arrays` as ints."""
-    return {s: int(c) for s, c in rng_count_arrays(model, streams).items()}
+def rng_counts(model: nnx.Module, streams: Sequence[str]) -> dict[str, np.ndarray]:
+    """:func:`rng_count_arrays` as host ``int64`` arrays of the counts' own shapes (``()`` for one stream,
+    ``(E,)`` for a stream split over E stacked members)."""
+    return {s: np.asarray(c, dtype=np.int64) for s, c in rng_count_arrays(model, streams).items()}
+
+
+def _count_error(step: int, path: str, ref: np.ndarray, cand: np.ndarray) -> LeafError:
+    """The exact counter leaf of one stream: its counts compared elementwise, reported at the element that
+    differs most (its ``counts`` are that element's ``(reference's, candidate's)`` values); counts of other
+    shapes (a model stacked otherwise) fail with an infinite error."""
+    if ref.shape != cand.shape:
+        return LeafError(step, "counter", path, math.inf, math.inf, 0.0, False, None)
+    if ref.ndim == 0:
+        return counter_error(step, path, ref, cand)
+    worst = np.unravel_index(np.argmax(np.abs(cand - ref)), ref.shape) if ref.size else ()
+    return counter_error(step, path, ref[worst] if ref.size else 0, cand[worst] if ref.size else 0)
 
 
 def rng_count_leaves(
@@ -44,4 +63,4 @@ def rng_count_leaves(
     if not streams:
         return []
     ref, cand = rng_counts(ref_model, streams), rng_counts(cand_model, streams)
-    return [counter_error(step, f"{PREFIX}{s}.count", ref[s], cand[s]) for s in ref if s in cand]
+    return [_count_error(step, f"{PREFIX}{s}.count", ref[s], cand[s]) for s in ref if s in cand]

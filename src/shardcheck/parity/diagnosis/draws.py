@@ -55,8 +55,10 @@ def with_draws(
     counts = [] if record is None else [e.name for e in record.leaves if not e.ok and e.path.endswith(ends)]
     first = findings[0]
     if first.code == "per_shard_loss":  # the loss per shard: the draws per shard first, then a coupled term
-        message = f"{first.message} {per_shard_draws(draws, counts)}"
-        return [dataclasses.replace(first, message=message), *findings[1:]]
+        return [
+            dataclasses.replace(first, message=per_shard_draws(draws, counts, first.message)),
+            *findings[1:],
+        ]
     if (
         not counts and first.code not in UNNAMED
     ):  # a cause is named (trial 19: a normalization, a x0.5469 scale)
@@ -67,15 +69,38 @@ def with_draws(
     ]
 
 
-def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
-    """What a ``per_shard_loss`` finding adds where the model draws (``draws``): the loss computed over each
-    shard's rows is also what a forward pass run per shard gives when every shard draws with the same key, so a
-    loss that couples no rows is not told to gather (trial 35: a VAE whose shards drew the same noise read only
-    "a term of the loss that couples the rows ... was computed per shard")."""
+COUPLED = "a term of the loss that couples the rows"
+"""Where a ``per_shard_loss`` finding's message turns from what was measured to the row-coupling reading."""
+
+
+def _what(draws: Sequence[str]) -> str:
+    """What draws, as the user wrote it: Dropout at a nonzero rate where a stream's name says so (``drop``)."""
+    named = ", ".join(draws)
+    return f"{named}: Dropout at a nonzero rate" if any("drop" in d.lower() for d in draws) else named
+
+
+def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = (), finding: str = "") -> str:
+    """The message of a ``per_shard_loss`` finding (``finding``: its own) where the model draws (``draws``): the
+    loss computed over each shard's rows is also what a forward pass run per shard gives when every shard draws
+    with the same key, so the draws lead, with how to check the rest of the step (the draws off, or the reference's
+    keys), and the row-coupling reading follows for a loss that does couple the rows (trial 35: a VAE whose shards
+    drew the same noise read only "a term of the loss that couples the rows ... was computed per shard"; trial 42:
+    an ensemble with Dropout at rate 0.1 and a mean cross-entropy, which couples no rows, read it first)."""
+    cut = finding.find(COUPLED)
+    measured = finding[:cut].removesuffix(": ") if cut > 0 and finding[:cut].endswith(": ") else ""
+    coupled = finding[len(measured) :].lstrip(": ") if measured else finding
+    said = (
+        f"{measured[0].lower()}{measured[1:]}"
+        if measured
+        else "the step's loss is the one computed per shard"
+    )
     return (
-        f"But the model draws random numbers in its forward pass ({', '.join(draws)}), and this per-shard loss was "
-        "computed as a forward pass run per shard computes it, every shard drawing from the same key: where the "
-        "loss couples no rows, the draws per shard are the cause (each shard's rows get other numbers than the "
-        "full batch's); draw by the global row index (jax.random.fold_in of each row's index, carried in the "
-        f"batch) or carry the noise in the batch{_lost(counts)}."
+        f"The model draws random numbers in its forward pass ({_what(draws)}), and {said}: what a forward pass run "
+        "per shard computes, every shard drawing from the same key (each shard's rows get other numbers than the "
+        "full batch's). Where the loss couples no rows (a mean of per-row losses), the draws per shard are the "
+        "cause, not the step's reductions: to check the rest of the step, check it with the draws off (Dropout "
+        "at rate 0, or deterministic=True) or have it draw the reference's numbers (each row the numbers it gets "
+        "in the full batch); to keep the draws per shard, draw by the global row index (jax.random.fold_in of "
+        f"each row's index, carried in the batch) or carry the noise in the batch{_lost(counts)}."
+        + (f" Otherwise {coupled[0].lower()}{coupled[1:]}" if coupled else "")
     )

@@ -1,0 +1,190 @@
+"""Trial 42 (issue #36): a deep ensemble stacked with ``nnx.split_rngs`` + ``nnx.vmap`` (annotated over 'model'),
+Dropout in each member, checked by the user's ``jax.shard_map`` steps.
+
+- A stacked Dropout stream holds one RNG count per member (shape ``(E,)``): every live check that reached the
+  comparison stopped on ``int()`` of it ("Only scalar arrays can be converted to Python scalars"). The counts are
+  compared elementwise; a correct step at a nonzero rate FAILs (each shard draws with the same key), the report
+  leading with the draws and how to check the rest of the step, the row-coupling reading after it; the built-in
+  gspmd PASSes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from conftest import require_devices
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardcheck import Task, check_parity, make_mesh
+from shardcheck.parity.comparison.rng_counts import _count_error, rng_count_leaves
+
+E, DIN, DMID, DOUT, B = 2, 8, 16, 4, 8
+STREAM = "members.drop.rngs"
+
+
+class MLP(nnx.Module):
+    def __init__(self, rate: float, *, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None))
+        self.l1 = nnx.Linear(DIN, DMID, kernel_init=init, rngs=rngs)
+        self.drop = nnx.Dropout(rate=rate, rngs=rngs)
+        self.head = nnx.Linear(DMID, DOUT, kernel_init=init, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.drop(nnx.relu(self.l1(x))))
+
+
+class Ensemble(nnx.Module):
+    """E members stacked on axis 0, annotated over 'model' (``transform_metadata``), each with its own stream."""
+
+    def __init__(self, rate: float, *, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=E)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "model"})
+        def create(rngs):
+            return MLP(rate, rngs=rngs)
+
+        self.members = create(rngs)
+
+    def __call__(self, x):
+        @nnx.vmap(in_axes=(0, None), out_axes=0)
+        def forward(member, x):
+            return member(x)
+
+        return forward(self.members, x)  # (E, B, DOUT)
+
+
+def loss_fn(model, batch):
+    ce = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"][None, :])
+    return jnp.mean(ce)  # the mean over members and rows: couples no rows
+
+
+_rng = np.random.default_rng(0)
+BATCHES = [
+    {"x": _rng.normal(size=(B, DIN)).astype(np.float32), "y": _rng.integers(0, DOUT, B).astype(np.int32)}
+    for _ in range(2)
+]
+
+
+def task(rate: float = 0.0, seed: int = 0, k: int = 1) -> Task:
+    tx = optax.adam(1e-2)
+    tx = tx if k == 1 else optax.MultiSteps(tx, every_k_schedule=k).gradient_transformation()
+    return Task(
+        model=lambda: Ensemble(rate, rngs=nnx.Rngs(params=seed, dropout=1)),
+        optimizer=tx,
+        loss_fn=loss_fn,
+        batches=BATCHES,
+    )
+
+
+def make_step(fault: str = ""):
+    """The user's data-parallel ``jax.shard_map`` step (state replicated, P()), as the trial's; ``fault``: one of
+    the trial's earlier mistakes."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, state = nnx.split((model, optimizer))
+
+        def body(state, batch):
+            model, optimizer = nnx.merge(graphdef, state)
+            params = jax.tree.map(lambda a: a + 0, nnx.state(model, nnx.Param))
+            nnx.update(model, jax.lax.pcast(params, "data", to="varying"))
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            nnx.update(model, params)
+            if fault != "unreduced":
+                grads = jax.lax.pmean(grads, "data")
+            if fault != "loss_unreduced":
+                loss = jax.lax.pmean(loss, "data")
+            optimizer.update(model, grads)
+            return loss, grads, nnx.state((model, optimizer))
+
+        if fault == "captured":  # the model and optimizer closed over, not passed in
+
+            def body(state, batch):  # noqa: F811
+                loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+                optimizer.update(model, jax.lax.pmean(grads, "data"))
+                return jax.lax.pmean(loss, "data"), grads, nnx.state((model, optimizer))
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P(), P()))
+        loss, grads, state = jax.jit(mapped)(state, batch)
+        nnx.update((model, optimizer), state)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+# ------------------------------------------------------------------------------- 1. stacked RNG counts
+
+
+def test_a_stacked_streams_counts_compare_elementwise():
+    """One count per member: equal counts pass; the member whose count differs most is the one reported, with its
+    two counts; counts of another shape fail."""
+    ok = _count_error(0, "model.members.drop.rngs.count", np.array([3, 3]), np.array([3, 3]))
+    assert ok.ok and ok.max_abs_err == 0 and ok.counts == (3, 3)
+    bad = _count_error(1, "model.members.drop.rngs.count", np.array([3, 3]), np.array([3, 5]))
+    assert not bad.ok and bad.max_abs_err == 2 and bad.counts == (3, 5) and bad.kind == "counter"
+    assert _count_error(0, "c", np.array(2), np.array(2)).ok  # one stream: as before
+    assert not _count_error(0, "c", np.array([1, 1]), np.array([1, 1, 1])).ok
+
+
+def test_the_ensembles_counts_are_compared_after_a_forward_pass():
+    """The trial's crash site, on the models themselves: both sides drew once (equal); one side drew twice."""
+    ref = task(0.5).new_model()
+    cand = nnx.clone(ref)
+    ref(BATCHES[0]["x"]), cand(BATCHES[0]["x"])
+    (same,) = rng_count_leaves(0, ref, cand, [STREAM])
+    assert same.ok and same.counts == (1, 1), same
+    cand(BATCHES[0]["x"])
+    (ahead,) = rng_count_leaves(0, ref, cand, [STREAM])
+    assert not ahead.ok and ahead.counts == (1, 2) and ahead.name == f"counter model.{STREAM}.count"
+
+
+@require_devices(2)
+def test_a_correct_step_with_dropout_fails_leading_with_the_draws_and_passes_at_rate_0():
+    """At rate 0.5 each shard draws its rows' masks with the same key, so the correct step cannot equal the full
+    batch's draws: a FAIL (never a crash, never a PASS) whose first sentence names the draws and how to check the
+    rest of the step; the row-coupling reading comes after it. At rate 0 the same step PASSes."""
+    mesh = make_mesh({"data": 2})
+    report = check_parity(make_step(), task(0.5), mesh=mesh, steps=2)
+    assert not report.ok and report.codes[0] == "per_shard_loss", report.codes
+    said = report.diagnoses[0].message
+    assert said.startswith(
+        f"The model draws random numbers in its forward pass ({STREAM}: Dropout at a nonzero rate), and at step 0 "
+        "the loss the step returns ("
+    ), said
+    assert "check it with the draws off (Dropout at rate 0, or deterministic=True)" in said
+    assert said.index("Dropout at rate 0") < said.index("Otherwise a term of the loss that couples the rows")
+    assert check_parity(make_step(), task(0.0), mesh=mesh, steps=2).ok
+
+
+@require_devices(4)
+def test_the_builtin_gspmd_passes_the_ensemble_with_dropout_on_data_and_model():
+    """The built-in gspmd on data=2,model=2 stopped on the stacked count; it draws the full batch's numbers."""
+    report = check_parity("gspmd", task(0.5), mesh=make_mesh({"data": 2, "model": 2}), steps=2)
+    assert report.ok, report.diagnosis
+    counts = [e for r in report.steps for e in r.leaves if e.name == f"counter model.{STREAM}.count"]
+    assert [e.counts for e in counts] == [(1, 1), (2, 2)]
+
+
+def test_a_per_shard_loss_of_a_model_that_draws_leads_with_the_draws():
+    """The sentence on its own: the measured loss kept, the draws first, the coupled-rows reading last."""
+    from shardcheck.parity.diagnosis.draws import with_draws
+    from shardcheck.parity.diagnosis.evidence import Diagnosis
+
+    measured = (
+        "At step 0 the loss the step returns (2.32) is the task's loss computed over each shard's own rows and "
+        "combined over 2 shards, where the full batch's is 2.34: a term of the loss that couples the rows of the "
+        "batch was computed per shard. Compute it over the whole batch."
+    )
+    found = [Diagnosis("per_shard_loss", measured, "loss")]
+    (said,) = with_draws(found, "forward", ("rngs.noise",), None)
+    assert said.message.startswith(
+        "The model draws random numbers in its forward pass (rngs.noise), and at step 0 the loss the step returns "
+        "(2.32) is the task's loss computed over each shard's own rows and combined over 2 shards, where the full "
+        "batch's is 2.34: what a forward pass run per shard computes, every shard drawing from the same key"
+    ), said.message
+    assert said.message.endswith(
+        "Otherwise a term of the loss that couples the rows of the batch was computed per shard. Compute it over "
+        "the whole batch."
+    )
+    assert with_draws(found, "forward", (), None) == found  # a model that draws nothing: the coupling alone
