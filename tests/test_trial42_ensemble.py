@@ -6,6 +6,9 @@ Dropout in each member, checked by the user's ``jax.shard_map`` steps.
   compared elementwise; a correct step at a nonzero rate FAILs (each shard draws with the same key), the report
   leading with the draws and how to check the rest of the step, the row-coupling reading after it; the built-in
   gspmd PASSes.
+- Every error of a step on a data-only mesh read "leaf 'members.head.kernel' is annotated P('model', None, None)
+  but the mesh has no axis 'model'" first, also where the step never placed anything by the annotations: that
+  hint is said only beside an error about it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import Task, check_parity, make_mesh
 from shardcheck.parity.comparison.rng_counts import _count_error, rng_count_leaves
+from shardcheck.parity.harness.candidates import _annotation_cause, _traced_hint, _varying_hint
+from shardcheck.parity.report import CandidateError
 
 E, DIN, DMID, DOUT, B = 2, 8, 16, 4, 8
 STREAM = "members.drop.rngs"
@@ -113,6 +119,13 @@ def make_step(fault: str = ""):
     return step
 
 
+def placed_step(model, optimizer, batch, mesh):
+    """A step that places the state by its annotations (the Flax NNX sharding guide's way)."""
+    state = nnx.state((model, optimizer))
+    nnx.update((model, optimizer), jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+    return make_step()(model, optimizer, batch, mesh)
+
+
 # ------------------------------------------------------------------------------- 1. stacked RNG counts
 
 
@@ -188,3 +201,76 @@ def test_a_per_shard_loss_of_a_model_that_draws_leads_with_the_draws():
         "the whole batch."
     )
     assert with_draws(found, "forward", (), None) == found  # a model that draws nothing: the coupling alone
+
+
+# ------------------------------------------------------------------------------- 2. the annotation hint
+
+
+def test_the_annotation_hint_is_said_only_beside_an_error_about_it():
+    model = task().new_model()
+    mesh = make_mesh({"data": 2})
+    missing = (
+        "leaf 'members.head.kernel' is annotated P('model', None, None) but the mesh has no axis 'model'"
+    )
+    for about in (
+        ValueError("Resource axis: model of P('model', None, None) is not found in mesh: ('data',)."),
+        ValueError("Mesh has no axis named 'model' for the sharding NamedSharding(...)"),
+    ):
+        assert _annotation_cause(about, model, mesh).startswith(missing), about
+    trace = ValueError(
+        "Cannot extract graph node from different trace level, got RngCount(eager_sharding=False)"
+    )
+    replication = ValueError(
+        "shard_map applied to the function 'body' was given out_specs which require replication which can't be "
+        "statically inferred given the mesh:\n\nThe mesh given has shape (2,) with corresponding axis names "
+        "('data',).\n\nout_specs[0] is P() which implies that the corresponding output value is replicated across "
+        "mesh axis 'data', but could not infer replication over any axes"
+    )
+    cond = TypeError(
+        "cond branches must have equal output types but they differ.\n\n  * the output of true_fun at path "
+        "[0]['members']['head']['bias'] has type float32[2,4] but the corresponding output of false_fun has type "
+        "float32[2,4]{V:data}, so the manual axis types do not match;"
+    )
+    for unrelated in (trace, replication, cond):
+        assert _annotation_cause(unrelated, model, mesh) == "", unrelated
+    assert _traced_hint(trace).startswith("a Flax object made outside the function the step traces")
+    assert _traced_hint(replication).startswith(
+        "the step's jax.shard_map returns as replicated over 'data' (out_specs[0] P()) a value computed per device"
+    )
+    assert _varying_hint(cond).startswith(
+        "values vary over 'data' inside the step's jax.shard_map where they must not, e.g. "
+        "[0]['members']['head']['bias'] (float32[2,4]{V:data})"
+    )
+    assert _traced_hint(cond) == "" and _varying_hint(trace) == ""
+
+
+@require_devices(2)
+@pytest.mark.parametrize(
+    "fault, k, said",
+    [
+        ("captured", 1, "a Flax object made outside the function the step traces"),
+        (
+            "loss_unreduced",
+            1,
+            "the step's jax.shard_map returns as replicated over 'data' (out_specs[0] P())",
+        ),
+        ("unreduced", 2, "values vary over 'data' inside the step's jax.shard_map where they must not"),
+    ],
+)
+def test_a_step_that_ignores_the_annotations_is_told_its_own_error(fault, k, said):
+    """The trial's three errors on data=2, from steps that never place the state by the annotations: each with its
+    own cause, never the annotation over 'model' the mesh lacks."""
+    with pytest.raises(CandidateError) as raised:
+        check_parity(make_step(fault), task(k=k), mesh=make_mesh({"data": 2}), steps=1)
+    assert raised.value.hint.startswith(said), raised.value.hint
+    assert "is annotated" not in str(raised.value)
+
+
+@require_devices(2)
+def test_a_step_that_places_by_the_annotations_is_told_the_axis_the_mesh_lacks():
+    with pytest.raises(CandidateError) as raised:
+        check_parity(placed_step, task(), mesh=make_mesh({"data": 2}), steps=1)
+    assert raised.value.hint.startswith(
+        "leaf 'members.head.kernel' is annotated P('model', None, None) but the mesh has no axis 'model' (its "
+        "axes: ('data',))"
+    ), raised.value.hint

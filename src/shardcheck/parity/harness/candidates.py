@@ -227,8 +227,18 @@ def _about_placement(err: Exception) -> bool:
     return _VARYING.search(text) is None and _PLACEMENT_WORDS.search(text) is not None
 
 
-# jax.shard_map's varying-axes types in an error: "... at path [0]['l1']['bias'] has type float32[64]{V:data} ..."
-_VARYING = re.compile(r"at path (\S+) has type (\S+?)\{V:([\w,]+)\}")
+# jax.shard_map's varying-axes types in an error: "... at path [0]['l1']['bias'] has type float32[64]{V:data} ...",
+# on either branch's side: "... at path [0]['head']['bias'] has type float32[2,4] but the corresponding output of
+# false_fun has type float32[2,4]{V:data}" (trial 42: optax.MultiSteps's lax.cond, its update branch varying)
+_VARYING = re.compile(
+    r"at path (\S+) has type (?:(\S+?)\{V:([\w,]+)\}"
+    r"|\S+ but the corresponding output of \w+ has type (\S+?)\{V:([\w,]+)\})"
+)
+
+
+def _varying_found(text: str) -> list[tuple[str, str, str]]:
+    """``(path, type, axes)`` of each value :data:`_VARYING` finds varying in ``text``, in its order."""
+    return [(m[1], m[2] or m[4], m[3] or m[5]) for m in _VARYING.finditer(text)]
 
 
 def _varying_hint(err: Exception) -> str:
@@ -236,7 +246,7 @@ def _varying_hint(err: Exception) -> str:
     not (check_vma's ``{V:data}``: two ``lax.cond`` branches, such as ``optax.apply_if_finite``'s, or an output
     spec ``P()``), that in words: a value computed per device and never reduced over that axis (trial 29: a
     head's gradient left out of the psum over 'data' read as an annotation the mesh lacks); else ``""``."""
-    found = _VARYING.findall(str(err))
+    found = _varying_found(str(err))
     if not found:
         return ""
     path, kind, axes = found[0]
@@ -274,6 +284,33 @@ def _annotation_hint(model, mesh) -> str:
     except ValueError as err:
         return str(err).removeprefix(": ")
     return ""
+
+
+# an uneven split in JAX's words: "... is partitioned 3 times, but the dimension size is 32 (... should evenly
+# divide the shape)", IndivisibleError, "not divisible by"
+_UNEVEN = re.compile(r"divisib|evenly divide|partitioned \d+ times|Indivisible", re.IGNORECASE)
+
+
+def _annotation_cause(err: Exception, model, mesh) -> str:
+    """:func:`_annotation_hint` where ``err`` is about what it says: an annotation naming an axis the mesh
+    lacks only beside an error that names that axis (quoted, or as JAX's "Resource axis: model of P(...)"), an
+    uneven split only beside an error about an uneven split (:data:`_UNEVEN`); else ``""``. Trial 42: every error
+    of a step on data=4 that never placed the state by its annotations (Flax's "Cannot extract graph node from
+    different trace level", a jax.shard_map out_specs replication error, optax.MultiSteps's lax.cond "branches
+    must have equal output types") read "leaf 'members.head.kernel' is annotated P('model', None, None) but the
+    mesh has no axis 'model'" first."""
+    if not _about_placement(err):
+        return ""
+    hint = _annotation_hint(model, mesh)
+    if not hint:
+        return ""
+    text = f"{type(err).__name__}: {err}"
+    lacking = {a for _, _, missing in _annotations_lacking(model, mesh) for a in missing}
+    if lacking:  # the hint names an axis the mesh lacks: only where the error names it too
+        named = any(re.search(rf"(['\"]){re.escape(a)}\1|\baxis:? {re.escape(a)}\b", text) for a in lacking)
+        keyed = isinstance(err, KeyError) and bool(err.args) and err.args[0] in lacking
+        return hint if named or keyed else ""
+    return hint if _UNEVEN.search(text) else ""
 
 
 def _named_axis(err: Exception) -> tuple[str, str | None] | None:
@@ -378,6 +415,35 @@ def _state_shape_hint(model, optimizer) -> str:
     )
 
 
+_REPLICATION = re.compile(
+    r"out_specs(\[\d+\]) is (P\([^)]*\)) which implies .*? replicated across mesh axis '(\w+)'"
+)
+
+
+def _traced_hint(err: Exception) -> str:
+    """Where a step's error is one of a traced step's own mistakes that reads as something else, that mistake in
+    words (trial 42), else ``""``: Flax's "Cannot extract graph node from different trace level" (a model,
+    optimizer or Variable made outside the ``jax.jit`` / ``jax.shard_map`` the step traces, used inside it), or
+    ``jax.shard_map``'s "out_specs which require replication" (a value returned as replicated that varies over
+    an axis)."""
+    text = str(err)
+    if "Cannot extract graph node from different trace level" in text:
+        return (
+            "a Flax object made outside the function the step traces (jax.jit, jax.shard_map) is used inside it: "
+            "the model or optimizer captured by that function, not passed in; pass its state in (nnx.split "
+            "outside, nnx.merge inside) or use nnx.jit / nnx.shard_map, which carry it"
+        )
+    found = _REPLICATION.search(text)
+    if found is not None:
+        at, spec, axis = found.groups()
+        return (
+            f"the step's jax.shard_map returns as replicated over {axis!r} (out_specs{at} {spec}) a value computed "
+            f"per device and never reduced over {axis!r} (a loss or gradient without its pmean or psum over "
+            f"{axis!r}); reduce it before returning it, or give it a spec that splits it over {axis!r}"
+        )
+    return ""
+
+
 def run_step(
     fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int, step: Callable | None = None
 ) -> tuple:
@@ -410,15 +476,16 @@ def run_step(
         if hint and _about_placement(
             err
         ):  # the annotations may not split either (trial 40: fsdp=3 on dims of 16)
-            also = _annotation_hint(model, kwargs.get("mesh"))
+            also = _annotation_cause(err, model, kwargs.get("mesh"))
             hint += f"; and {also}" if also else ""
         # the axis the error names first (trial 27), then the annotations' own mismatch (an uneven split), only
         # for an error about placement (trial 29: an unreduced gradient's lax.cond TypeError read as one)
         hint = (
             hint
             or _varying_hint(err)
+            or _traced_hint(err)
             or _mesh_axis_hint(err, kwargs.get("mesh"), model)
-            or (_annotation_hint(model, kwargs.get("mesh")) if _about_placement(err) else "")
+            or _annotation_cause(err, model, kwargs.get("mesh"))
         )
         hint = hint or (_state_shape_hint(model, optimizer) if cand.make_optimizer is not None else "")
         # the likely cause first: a JAX error's own text can run to several lines
