@@ -9,6 +9,8 @@ Dropout in each member, checked by the user's ``jax.shard_map`` steps.
 - Every error of a step on a data-only mesh read "leaf 'members.head.kernel' is annotated P('model', None, None)
   but the mesh has no axis 'model'" first, also where the step never placed anything by the annotations: that
   hint is said only beside an error about it.
+- A replay of a model whose initial parameters differ from the recording's led with "First difference at step 0:
+  the forward pass ... at equal parameters": the initial state leads.
 """
 
 from __future__ import annotations
@@ -274,3 +276,24 @@ def test_a_step_that_places_by_the_annotations_is_told_the_axis_the_mesh_lacks()
         "leaf 'members.head.kernel' is annotated P('model', None, None) but the mesh has no axis 'model' (its "
         "axes: ('data',))"
     ), raised.value.hint
+
+
+# ------------------------------------------------------------------------------- 3. a replay started elsewhere
+
+
+@require_devices(2)
+def test_a_replay_of_another_initialization_leads_with_the_initial_state():
+    """Recorded with one parameter seed, replayed with another: no stage of a step is the first difference (no
+    localization), the initial state leads; the same model's replay PASSes."""
+    from shardcheck.parity.harness.recorded import record_run
+
+    mesh = make_mesh({"data": 2})
+    recording = record_run(task(), make_step(), mesh=mesh, steps=2)
+    assert check_parity(make_step(), task(), mesh=mesh, reference=recording).ok
+    report = check_parity(make_step(), task(seed=1), mesh=mesh, reference=recording)
+    assert not report.ok and report.localization is None
+    assert report.codes[0] == "initial_state"
+    assert report.diagnosis.startswith(
+        "The initial state differs from the recorded one: another seed, initializer or model"
+    ), report.diagnosis
+    assert "First difference at step 0" not in report.diagnosis

@@ -227,7 +227,13 @@ class RunComparison:
     def localization(self):
         """The :func:`~shardcheck.parity.diagnosis.localization.localize` of the step records, as a live check's
         (the replicas observed where the replay compared its copies, :attr:`replicas_compared`), with each
-        parameter's recorded shape, dtype and placement axes; ``None`` when every step passed."""
+        parameter's recorded shape, dtype and placement axes; ``None`` when every step passed, and where the
+        initial state's parameters or model state differ from the recording's (:meth:`started_elsewhere`): no
+        step then ran from the recorded state, so no stage of one is "the first difference" (trial 42: a model of
+        another initialization read "First difference at step 0: the forward pass ... at equal parameters"
+        where its initial parameters differed by 0.392, said last)."""
+        if self.started_elsewhere():
+            return None
         steps = [r for r in self.records if r.step >= 0]
         found = localize(
             steps,
@@ -237,6 +243,17 @@ class RunComparison:
         )
         # a replay's all the same (its start words, no module probed) where it observed the replicas
         return None if found is None else dataclasses.replace(found, live=False)
+
+    def started_elsewhere(self) -> bool:
+        """Whether the replay's initial state differs from the recording's in a parameter or the model's state
+        (a value, not a structure): the ``initial_state`` finding, which then leads the report."""
+        first = self.first_failure
+        if first is None or first.step >= 0 or first.evidence in STRUCTURAL:
+            return False
+        return any(
+            e.step < 0 and not e.ok and e.kind in ("param", "state") and e.evidence not in STRUCTURAL
+            for e in self.leaves
+        )
 
     @property
     def failures(self) -> tuple[DigestError, ...]:
