@@ -6,8 +6,9 @@ mask counts differ along 'fsdp' only (3, 5, 3, 5 of 16).
    the same all-reduced gradient times 1 over its shard's count, so the copies are exactly proportional (x1, x0.6,
    x1, x0.6); led ``local_normalization`` with the weights and the factor 16/3, never "not reduced over 'fsdp'"
    (whose fix was already in the step). A psum over 'data' only keeps ``wrong_axis_reduction``.
-2. The loss itself x2 at equal parameters, its gradients x2 too: led with the loss's reading (``scaled``), the
-   axis-size double sum second; a gradient-only double sum (loss matching) keeps ``summed``.
+2. The loss itself x2 at equal parameters, its gradients x2 too: read as the loss's (``scaled``: a factor in the
+   loss, or a psum of the loss and gradients alike), no gradient-only sum (trial 42); a gradient-only double sum
+   (loss matching) keeps ``summed``.
 3. A decay by hand under an optax schedule: the decay form says c itself (the schedule's learning rate at that
    step read from the task's optimizer), not "c*lr (the learning rate unknown)".
 """
@@ -181,20 +182,23 @@ def test_copy_scales_reads_a_constant_per_device_and_nothing_else():
 
 
 @require_devices(4)
-def test_a_doubled_loss_leads_with_the_loss_and_names_the_double_sum_second():
+def test_a_doubled_loss_leads_with_the_loss_and_names_no_gradient_only_sum():
     report = _check("loss_x2")
     assert report.codes[0] == "scaled" and "summed" not in report.codes, report.codes
     message = _message(report, "scaled")
     assert message.startswith(
         "At step 0 the loss the step returns at equal parameters is 2 x the reference's ("
     ), message
+    # both readings of the loss's own factor, never a reduction of the gradients alone (trial 42: it leaves the
+    # loss as it is, so a loss 2 x the reference's rules it out)
     assert (
-        "and gradients are 2 x too: the loss itself is scaled, its gradients with it: a factor in the loss or its "
-        "normalization (a term counted twice, another count or divisor, a loss scale not undone), or the loss "
-        "psum-ed over 'data' or 'fsdp' where a mean was due. Second, since a reduction of the gradients alone "
-        "leaves the returned loss as it is (unless the loss is reduced the same way): x2, the size of mesh axes "
-        "'data' or 'fsdp' (each): the gradient was summed over 'data' or 'fsdp' once too often"
-    ) in message
+        "and gradients are 2 x too: the loss itself is scaled, its gradients with it: either a factor of 2 in the "
+        "step's own loss (a sum over 2 terms where their mean was meant, such as an ensemble's members or "
+        "micro-batches; a term counted twice, another count or divisor, a loss scale not undone), or the loss and "
+        "its gradients alike psum-ed over 'data' or 'fsdp' where a pmean was meant. The factor alone does not tell "
+        "the two apart; a reduction of the gradients alone would leave the returned loss as it is."
+    ) in message, message
+    assert "once too often" not in message
 
 
 @require_devices(4)

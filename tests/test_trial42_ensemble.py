@@ -11,6 +11,7 @@ Dropout in each member, checked by the user's ``jax.shard_map`` steps.
   hint is said only beside an error about it.
 - A replay of a model whose initial parameters differ from the recording's led with "First difference at step 0:
   the forward pass ... at equal parameters": the initial state leads.
+- A model factory that raised printed only Flax's message: the factory is named, where it is defined, and the fix.
 """
 
 from __future__ import annotations
@@ -297,3 +298,42 @@ def test_a_replay_of_another_initialization_leads_with_the_initial_state():
         "The initial state differs from the recorded one: another seed, initializer or model"
     ), report.diagnosis
     assert "First difference at step 0" not in report.diagnosis
+
+
+# ------------------------------------------------------------------------------- 4. a model factory that raises
+
+
+def _unsplit_ensemble():
+    """The trial's ``nnx.vmap`` with every ``in_axes`` None and no ``axis_size``: Flax raises building it."""
+
+    @nnx.vmap(in_axes=(None,), out_axes=0)
+    def create(rngs):
+        return MLP(0.0, rngs=rngs)
+
+    return create(nnx.Rngs(0))
+
+
+def test_a_model_factory_that_raises_is_named_with_its_file_and_the_fix():
+    bad = Task(model=_unsplit_ensemble, optimizer=optax.adam(1e-2), loss_fn=loss_fn, batches=BATCHES)
+    with pytest.raises(ValueError) as raised:
+        check_parity(make_step(), bad, steps=1)
+    said = str(raised.value)
+    assert said.startswith(f"check_parity: the task's model factory _unsplit_ensemble ({__file__}, line "), (
+        said
+    )
+    assert (
+        "raised ValueError building the model: vmap must have at least one non-None value in in_axes" in said
+    )
+    assert said.endswith(
+        "fix the factory or the modules it builds (the error is theirs, not the step's nor shardcheck's)"
+    )
+    assert isinstance(raised.value.__cause__, ValueError)
+
+    def typo():
+        return MLP(0.0, rngs=nnx.Rngs(0), width=3)  # a TypeError of its own: stays a TypeError, named alike
+
+    with pytest.raises(TypeError, match=r"^Task.model: the task's model factory .*typo .* raised TypeError"):
+        Task(model=typo, optimizer=optax.adam(1e-2), loss_fn=loss_fn, batches=BATCHES).new_model()
+    # the other side: a factory that needs arguments is still told so
+    with pytest.raises(TypeError, match=r"must be callable with no arguments"):
+        Task(model=MLP, optimizer=optax.adam(1e-2), loss_fn=loss_fn, batches=BATCHES).new_model()

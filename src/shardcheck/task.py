@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -116,17 +117,21 @@ class Task:
 
         Raises:
             TypeError: the factory needs arguments, or returns something that is not an ``nnx.Module``.
+            ValueError: the factory raised anything else (a ``TypeError`` of its own stays one): the message
+                names the factory, where it is defined (the task file and line) and its own error.
         """
         try:
             with nnx.use_eager_sharding(False):
                 model = self.model()
         except TypeError as err:
-            if "argument" not in str(err):
-                raise
+            if "argument" not in str(err) or not _needs_arguments(self.model, err):
+                raise TypeError(_factory_raised(fn, self.model, err)) from err
             raise TypeError(
                 f"{fn}: the task's model must be callable with no arguments ({err}); pass e.g. "
                 "model=lambda: MyModel(rngs=nnx.Rngs(0))"
             ) from None
+        except Exception as err:  # noqa: BLE001 - the user's factory: said as such, its own error kept
+            raise ValueError(_factory_raised(fn, self.model, err)) from err
         if not isinstance(model, nnx.Module):
             raise TypeError(
                 f"{fn}: the task's model factory returned {type(model).__name__}, not an nnx.Module; it must "
@@ -572,4 +577,34 @@ def draws_refusal(
         "step of your own draw with keys folded per global row index (jax.random.fold_in(key, row)), which give "
         "the same numbers however the rows are split"
         + (f" ({fn}, strategy {strategy!r})" if strategy else "")
+    )
+
+
+def _needs_arguments(factory, err: TypeError) -> bool:
+    """Whether ``err``, raised calling ``factory()``, says that the factory itself asks for arguments (its
+    signature does not bind none, or the error names it: "MLP.__init__() missing 1 required positional
+    argument"), as opposed to a ``TypeError`` about an argument of some call inside the model's ``__init__``."""
+    name = getattr(factory, "__qualname__", None)
+    if name is not None and re.match(rf"{re.escape(name)}(\.__init__)?\(\)", str(err)):
+        return True
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read (a builtin): as the error says
+        return True
+    return False
+
+
+def _factory_raised(fn: str, factory, err: BaseException) -> str:
+    """What a task's model factory that raised says: the factory (its name, and the file and line it is defined
+    at where Python knows them: the task file), its error, and the fix (trial 42: an ``nnx.vmap`` whose
+    ``in_axes`` were all ``None`` printed only "error: vmap must have at least one non-None value in in_axes or
+    axis_size must be specified")."""
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    code = getattr(factory, "__code__", None)
+    where = f" ({code.co_filename}, line {code.co_firstlineno})" if code is not None else ""
+    return (
+        f"{fn}: the task's model factory {name}{where} raised {type(err).__name__} building the model: {err}; "
+        "fix the factory or the modules it builds (the error is theirs, not the step's nor shardcheck's)"
     )

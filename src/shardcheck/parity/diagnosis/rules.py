@@ -1557,6 +1557,10 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
     loss_scaled = (
         first.loss and first.candidate_loss is not None and _close(first.candidate_loss / first.loss, s or 0)
     )
+    if named[0] in ("summed", "averaged_twice"):  # the loss itself x f at equal parameters (issue #36)
+        led = _loss_led(ctx)
+        if led is not None:
+            return led
     if named[0] == "summed" and s and _close(ctx.factor, s) and loss_scaled:  # the loss itself is S x
         named = (
             named[0],
@@ -1565,10 +1569,6 @@ def shard_factor(ctx: DiagnosisContext) -> Finding:
             "summed: each shard's loss over a local count or weight (its own rows, or a pmean of the weight where "
             "a psum was due) where the global one was due; psum the loss sum and its count or weight, then divide",
         )
-    elif named[0] in ("summed", "averaged_twice"):  # the loss itself x f: said first (issue #36)
-        led = _loss_led(ctx, named[1])
-        if led is not None:
-            return led
     return _factor_finding(ctx, *named)
 
 
@@ -1609,14 +1609,16 @@ def _weight_or_shard_factor(ctx: DiagnosisContext, named: tuple[str, str]) -> Di
     return _factor_finding(ctx, "scaled", phrase)
 
 
-def _loss_led(ctx: DiagnosisContext, reduction: str) -> Diagnosis | None:
-    """``scaled``, the loss's reading first, where the loss the step returned at equal parameters (step 0, or a
-    step run from the reference's state) is the same factor f of the reference's as its gradients: the loss itself
-    is scaled (a factor in it or its normalization, or the loss psum-ed where a mean was due), the gradients with
-    it; the reduction of the gradients alone (``reduction``, the factor's reading as a count) only second, since
-    it leaves the loss as it is (issue #36: a jit step whose loss was 2 x read "summed over 'data' or 'fsdp' once
-    too often" beside its own Form's "the whole loss is scaled"). ``None`` where the loss matches, or differs by
-    another factor."""
+def _loss_led(ctx: DiagnosisContext) -> Diagnosis | None:
+    """``scaled`` where the loss the step returned at equal parameters (step 0, or a step run from the
+    reference's state) is the same factor f of the reference's as its gradients: the loss itself is scaled, its
+    gradients with it, by one of two readings the factor alone does not tell apart: a factor in the step's own
+    loss (a sum over f terms where their mean was meant), or one reduction of the loss and its gradients alike
+    over f shards (a psum where a pmean was meant). A reduction of the gradients alone, which leaves the loss as
+    it is, is not said (trial 42: an ensemble's 4 members' losses summed on data=4 read "the gradient reduction
+    summed instead of averaged" as a fact, and on data=2 x model=2 "the gradient was sum-reduced twice" beside
+    a loss 4 x the reference's; issue #36: a jit step whose loss was 2 x read "summed over 'data' or 'fsdp'
+    once too often"). ``None`` where the loss matches, or differs by another factor."""
     first, f = ctx.first, ctx.factor
     if not (first.step == 0 or first.from_reference_state) or not first.loss or first.candidate_loss is None:
         return None
@@ -1624,30 +1626,49 @@ def _loss_led(ctx: DiagnosisContext, reduction: str) -> Diagnosis | None:
     if not _close(ratio, f):
         return None
     k = round(f) if f >= 1 else round(1 / f)
-    sizes = ctx.mesh_shape or {}
-    axes = [a for a, n in sizes.items() if n == k]
-    which = (
-        " or ".join(repr(a) for a in axes)
-        if axes
-        else f"the {k} shards"
-        if ctx.num_shards == k
-        else "the batch axes"
+    which = _axes_sized(k, ctx.mesh_shape or {}, ctx.num_shards)
+    local = (
+        f" (or each shard's loss over its local count or weight, the {k} shards' results summed: psum the loss "
+        "sum and its count or weight, then divide)"
+        if f >= 1 and ctx.num_shards == k
+        else ""
+    )
+    term = (
+        f"a factor of {k} in the step's own loss (a sum over {k} terms where their mean was meant, such as an "
+        "ensemble's members or micro-batches; a term counted twice, another count or divisor, a loss scale not "
+        "undone)"
+        if f >= 1
+        else f"a factor of 1/{k} in the step's own loss (a mean over {k} terms where their sum was meant, another "
+        "count or divisor)"
     )
     collective = (
-        f"or the loss psum-ed over {which} where a mean was due"
+        f"the loss and its gradients alike psum-ed over {which} where a pmean was meant{local}"
         if f >= 1
-        else f"or the loss averaged over {which} (or divided by {k}) where a sum was due"
+        else f"the loss and its gradients alike averaged over {which} (or divided by {k}) where a sum was due"
     )
     return Diagnosis(
         "scaled",
         f"At step {first.step}{first.start_said} the loss the step returns at equal parameters is {ratio:.4g} x "
         f"the reference's ({first.candidate_loss:.7g} vs {first.loss:.7g}), and {ctx.evidence} are {f:.4g} x "
-        f"too: the loss itself is scaled, its gradients with it: a factor in the loss or its normalization (a "
-        f"term counted twice, another count or divisor, a loss scale not undone), {collective}. Second, since a "
-        "reduction of the gradients alone leaves the returned loss as it is (unless the loss is reduced the same "
-        f"way): {reduction}.",
+        f"too: the loss itself is scaled, its gradients with it: either {term}, or {collective}. The factor alone "
+        "does not tell the two apart; a reduction of the gradients alone would leave the returned loss as it is.",
         ctx.worst_name,
     )
+
+
+def _axes_sized(k: int, sizes: Mapping[str, int], num_shards: int | None) -> str:
+    """The mesh axes whose size is ``k`` (``"'data'"``, ``"'data' or 'fsdp'"``), else two whose sizes multiply
+    to ``k`` (``"'data' and 'model'"``), else ``"the k shards"`` where ``k`` is the shard count, else ``"the
+    batch axes"``."""
+    axes = [a for a, n in sizes.items() if n == k]
+    if axes:
+        return " or ".join(repr(a) for a in axes)
+    big = [(a, n) for a, n in sizes.items() if n > 1]
+    for i, (a, n) in enumerate(big):
+        for b, m in big[i + 1 :]:
+            if n * m == k:
+                return f"{a!r} and {b!r}"
+    return f"the {k} shards" if num_shards == k else "the batch axes"
 
 
 def _unreduced_phrase(ctx: DiagnosisContext) -> str:
