@@ -175,3 +175,23 @@ def test_four_members_summed_on_data_2_model_2_never_read_a_double_sum():
     assert "sum-reduced twice" not in report.diagnosis and "Second, since" not in report.diagnosis
     right = check_parity(_step(mesh), _task(4), mesh=mesh)
     assert right.ok, right.diagnosis
+
+
+# ------------------------------------------------------------------- 3. a slice of the momentum trace zeroed
+
+
+@require_devices(2)
+def test_a_zeroed_momentum_slice_is_said_as_optimizer_state_reset_not_a_frozen_update():
+    mesh = make_mesh({"data": 2})
+    report = check_parity(_step(mesh, "momentum_reset"), _task(2), mesh=mesh)
+    assert not report.ok
+    loc = report.localization
+    assert loc.stage == "optimizer" and loc.form.kind == "slices", loc.text()
+    assert all(e.ok for e in report.steps[0].leaves if e.kind in ("grad", "param")), report.steps[0]
+    assert (
+        "only slice 1 of the leading axis (size 2: layers stacked by nnx.scan or nnx.vmap) differs on all 2 failing "
+        "leaves; every other slice matches: the candidate's optimizer state holds exactly 0 there after the step, "
+        "where the reference's holds values: that slice of the optimizer state (a momentum trace, a moment) was "
+        "reset (zeroed) by the step, not its gradient or parameters"
+    ) in loc.form.sentence, loc.form.sentence
+    assert "frozen, or its gradient zeroed" not in loc.text() + report.diagnosis

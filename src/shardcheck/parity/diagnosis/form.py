@@ -294,6 +294,8 @@ def _stacked_slices(f64: dict, update: bool) -> Form | None:
         if still
         else f"the candidate's {what} there differs"
     )
+    if update and all(p.startswith("opt_state") for p in f64):  # the optimizer's state, not its update
+        there = _state_slices(f64, idx, size, still) or there
     which = ", ".join(map(str, idx))
     return Form(
         "slices",
@@ -302,6 +304,30 @@ def _stacked_slices(f64: dict, update: bool) -> Form | None:
         f"matches: {there}",
         leaves=len(f64),
     )
+
+
+def _state_slices(f64: dict, idx: list[int], size: int, still: bool) -> str:
+    """What the candidate did to slices ``idx`` of stacked optimizer-state leaves (``f64``: ``{"opt_state
+    <path>": (before, reference change, candidate change)}``, leading size ``size``): they hold exactly 0 after
+    the step (``"... holds exactly 0 there: that slice of the optimizer state was reset (zeroed) ..."``), or were
+    left as they were (``still``); ``""`` otherwise. A gradient zeroed or a parameter frozen there would be a
+    parameter's or a gradient's difference, which the leaves of optimizer state alone do not show (trial 42: a
+    member's SGD momentum trace zeroed after each update read "the candidate's update there is exactly 0
+    (frozen, or its gradient zeroed)" beside matching gradients and parameters)."""
+    after = [(b + dc).reshape(size, -1)[idx] for b, _, dc in f64.values()]
+    if all(not np.any(a) for a in after):
+        return (
+            "the candidate's optimizer state holds exactly 0 there after the step, where the reference's holds "
+            "values: that slice of the optimizer state (a momentum trace, a moment) was reset (zeroed) by the "
+            "step, not its gradient or parameters (only optimizer-state leaves differ)"
+        )
+    if still:
+        return (
+            "the candidate's optimizer state there is left as it was by the step, where the reference's moves: "
+            "that slice of the optimizer state (a momentum trace, a moment) was not updated (restored or "
+            "overwritten after the update), not its gradient or parameters (only optimizer-state leaves differ)"
+        )
+    return ""
 
 
 RESET_MEANING = (
