@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import Task, check_parity, make_mesh
+from shardcheck.parity.harness.recorded import record_run
 from shardcheck.steps import Candidate
 
 
@@ -195,3 +196,31 @@ def test_a_zeroed_momentum_slice_is_said_as_optimizer_state_reset_not_a_frozen_u
         "reset (zeroed) by the step, not its gradient or parameters"
     ) in loc.form.sentence, loc.form.sentence
     assert "frozen, or its gradient zeroed" not in loc.text() + report.diagnosis
+
+
+# --------------------------------------------------- 4, 5. another optimizer's state, replayed and live
+
+
+@functools.cache
+def _recording():
+    mesh = make_mesh({"data": 2})
+    return mesh, record_run(_task(2, "multi_steps"), _step(mesh), mesh=mesh)
+
+
+@require_devices(2)
+def test_labels_swapped_replayed_say_the_structure_differs_before_the_first_value_step():
+    mesh, rec = _recording()
+    cand = _step(mesh, make_optimizer=_own(_multi_steps(_labels_swapped)))
+    report = check_parity(cand, _task(2, "multi_steps"), mesh=mesh, reference=rec)
+    assert not report.ok and report.localization.step == 0, report.localization.text()
+    assert "The first 1 step(s) agree" not in report.diagnosis, report.diagnosis
+    drift = _message(report, "drift")
+    assert drift.startswith(
+        "The runs differ from the initial state on: 2 leaves are in one run only (e.g. opt_state "
+        "inner_opt_state.inner_states.rest.inner_state.0.mu.b), a difference of structure that no value comparison "
+        "shows. The values both runs hold agree for the first 1 step(s); at step 1 they do not ("
+    ), drift
+    assert "The structure that differs from the initial state on is the likelier cause" in drift
+    # the labels' reading stays where the wrapper's state is in both runs
+    assert "a multi_transform's labels or a mask" in report.localization.form.sentence
+    assert check_parity(_step(mesh), _task(2, "multi_steps"), mesh=mesh, reference=rec).ok

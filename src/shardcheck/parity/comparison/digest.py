@@ -1431,6 +1431,45 @@ def _value_records(records: Sequence[StepRecord], structural: set[tuple[int, str
     ]
 
 
+def _drift_after_structure(
+    findings: list[Diagnosis], structural: list[DigestError], values: Sequence[StepRecord]
+) -> list[Diagnosis]:
+    """``findings`` with the ``drift`` finding's "The first t step(s) agree" said of the values both runs hold
+    where leaves differed in structure before step t (in one run only, or of another shape, dtype or placement,
+    which the value records leave out): the steps before t do not agree, and the localization names the
+    structure's first step (trial 42: a candidate's multi_transform with other labels, 4 optimizer-state leaves
+    in one run only from the initial state on, read "First difference at step 0: the optimizer state" and "The
+    first 1 step(s) agree; step 1 does not")."""
+    t = next((r.step for r in values if not r.ok), None)
+    early = [e for e in structural if t is not None and e.step < t]
+    if not early:
+        return findings
+    head = f"The first {t} step(s) agree; step {t} does not ("
+    at = min(e.step for e in early)
+    where = "the initial state" if at < 0 else f"step {at}"
+    names = sorted({e.name for e in early})
+    missing = all(e.evidence == "missing" for e in early)
+    said = "in one run only" if missing else "shaped, typed or placed otherwise"
+    verb = "is" if len(names) == 1 else "are"
+    lead = (
+        f"The runs differ from {where} on: {n_leaves(len(names))} {verb} {said} (e.g. {names[0]}), a difference "
+        f"of structure that no value comparison shows. The values both runs hold agree for the first {t} "
+        f"step(s); at step {t} they do not ("
+    )
+    cause = (
+        f" The structure that differs from {where} on is the likelier cause: another optimizer configuration "
+        "(its state laid out otherwise) changes the update once the step uses that state."
+        if missing and all(e.name.startswith(("opt_state", "counter")) for e in early)
+        else ""
+    )
+    return [
+        dataclasses.replace(d, message=lead + d.message[len(head) :] + cause)
+        if d.code == "drift" and d.message.startswith(head)
+        else d
+        for d in findings
+    ]
+
+
 def _diagnoses(
     recording: Recording, replayed: Recording, records, leaves: list[DigestError], first
 ) -> tuple[Diagnosis, ...]:
@@ -1450,6 +1489,7 @@ def _diagnoses(
         facts=dict(_facts(recording)),
     )
     findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
+    findings = _drift_after_structure(findings, structural, values)
     draws = tuple(was.get("drawn") or ())
     if draws:  # the random draws named where the forward stage differs first, as a live check names them
         failing = next((r for r in values if not r.ok), None)
