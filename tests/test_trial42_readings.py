@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -224,3 +225,28 @@ def test_labels_swapped_replayed_say_the_structure_differs_before_the_first_valu
     # the labels' reading stays where the wrapper's state is in both runs
     assert "a multi_transform's labels or a mask" in report.localization.form.sentence
     assert check_parity(_step(mesh), _task(2, "multi_steps"), mesh=mesh, reference=rec).ok
+
+
+@require_devices(2)
+def test_apply_every_in_place_of_multi_steps_is_another_transformation_live_and_replayed():
+    mesh, rec = _recording()
+    tx = optax.chain(_inner(), optax.apply_every(2))
+    with pytest.raises(TypeError) as caught:
+        check_parity(_step(mesh, make_optimizer=_own(tx)), _task(2, "multi_steps"), mesh=mesh)
+    said = str(caught.value)
+    assert (
+        "the candidate's optimizer is another transformation than the task's (the task's holds optax.MultiSteps' "
+        "state (acc_grads, gradient_step, mini_step); the candidate's holds optax.apply_every's state (grad_acc), "
+        "which the other lacks), not the task's with other labels or a mask, so its state and update count cannot "
+        "be compared: build the candidate's optimizer as the task's is built"
+    ) in said, said
+    replayed = check_parity(
+        _step(mesh, make_optimizer=_own(tx)), _task(2, "multi_steps"), mesh=mesh, reference=rec
+    )
+    form = replayed.localization.form.sentence
+    assert replayed.localization.form.kind == "shape", form
+    assert (
+        "another transformation in the candidate's optimizer: the leaves of optax.MultiSteps' state (acc_grads) "
+        "are in one run only"
+    ) in form, form
+    assert "not a multi_transform's labels or a mask" in form and "labels or a mask sending" not in form

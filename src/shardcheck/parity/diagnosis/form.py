@@ -540,6 +540,31 @@ def _one_number_record(bad: list[LeafError]) -> Form | None:
     return one_number_form(name, e.shape, e.ratio, None, noun=noun, size=e.max_abs_err)
 
 
+# the state of an optax wrapper, by the leaves it holds whatever its inner optimizer's labels or masks: its own
+# (top-level) fields, and the field of a chain's entry
+_WRAPPERS = (
+    ("optax.MultiSteps'", ("acc_grads", "gradient_step", "mini_step"), "top"),
+    ("optax.apply_every's", ("grad_acc",), "entry"),
+)
+
+
+def optimizer_layout(paths) -> str:
+    """The optax wrappers whose own state ``paths`` (optimizer-state leaf paths without ``"opt_state "``,
+    e.g. ``"acc_grads.a.kernel"``, ``"1.grad_acc.a.kernel"``) hold: ``"optax.MultiSteps' state (acc_grads,
+    gradient_step, mini_step)"``, ``"optax.apply_every's state (grad_acc)"``, joined by ``" and "``; ``""`` where
+    they hold none (a multi_transform's inner states, which its labels lay out)."""
+    parts = [str(p).split(".") for p in paths]
+    found = []
+    for name, fields, where in _WRAPPERS:
+        if where == "top":
+            seen = sorted({q[0] for q in parts if q and q[0] in fields})
+        else:
+            seen = sorted({q[1] for q in parts if len(q) > 1 and q[0].isdigit() and q[1] in fields})
+        if seen:
+            found.append(f"{name} state ({', '.join(seen)})")
+    return " and ".join(found)
+
+
 def shape_form(shapes: Mapping[str, tuple[tuple, tuple]], missing: Sequence[str] = ()) -> Form:
     """The ``shape`` form: the failing leaves are shaped otherwise in the candidate, or in one run only (a
     replay's ``missing`` evidence), so no elementwise form exists.
@@ -574,9 +599,15 @@ def shape_form(shapes: Mapping[str, tuple[tuple, tuple]], missing: Sequence[str]
     else:
         what = "the optimizer state holds other leaves" if state else "the runs hold other leaves"
         said = f"{n_leaves(n)} {'is' if n == 1 else 'are'} in one run only, e.g. {names[0]}"
+        layout = optimizer_layout(p.removeprefix("opt_state").strip() for p in names) if state else ""
         why = (
-            "another optimizer configuration (a multi_transform's labels or a mask sending these parameters to "
-            "another inner optimizer) or state not carried over"
+            f"another transformation in the candidate's optimizer: the leaves of {layout} are in one run only, "
+            "which a wrapper of one run's optimizer holds and the other's lacks (e.g. optax.MultiSteps against "
+            "optax.chain(tx, optax.apply_every(k)), whose states are laid out otherwise), not a multi_transform's "
+            "labels or a mask"
+            if layout
+            else "another optimizer configuration (a multi_transform's labels or a mask sending these parameters "
+            "to another inner optimizer) or state not carried over"
         )
     why = why if state else "another model or optimizer configuration"
     return Form(

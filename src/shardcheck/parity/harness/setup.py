@@ -383,6 +383,7 @@ def _check_view(fn: str, cand: Candidate, optimizer, cand_opt) -> None:
     if cand.view_optimizer is not None:
         return
     from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.diagnosis.form import optimizer_layout
 
     def paths(opt) -> set[str]:
         state = nnx.state(opt)  # an optimizer without state (plain SGD) holds no "opt_state"
@@ -394,12 +395,39 @@ def _check_view(fn: str, cand: Candidate, optimizer, cand_opt) -> None:
         # multi_transform's labels, a mask: trial 11), which the comparison names as leaves one side lacks
         return
     lacks = sorted(theirs - mine)[:1] or ["(none)"]
+    view = (
+        "view_optimizer=lambda opt: (its state as the task optimizer's, the update count), e.g. for "
+        "optax.MultiSteps: lambda o: (nnx.state(o)['opt_state']['inner_opt_state'], o.opt_state.gradient_step[...])"
+    )
+    other = _other_transformation(theirs, mine)
+    fix = (
+        f"{other}, so its state and update count cannot be compared: build the candidate's optimizer as the "
+        "task's is built (no view reads one transformation's state as another's, and the task's holds state the "
+        f"candidate's lacks); where it wraps the task's optimizer instead, give the Candidate {view}"
+        if optimizer_layout(theirs - mine)
+        else f"{other}, so its state and update count cannot be compared; give the Candidate {view}"
+    )
     raise TypeError(
         f"{fn}: candidate {cand.name!r} steps an optimizer of its own (make_optimizer) whose state is not laid "
         f"out as the task optimizer's (it lacks opt_state {lacks[0]}; it holds {len(mine)} state leaves, the "
-        f"task's {len(theirs)}), so its state and update count cannot be compared; give the Candidate "
-        "view_optimizer=lambda opt: (its state as the task optimizer's, the update count), e.g. for "
-        "optax.MultiSteps: lambda o: (nnx.state(o)['opt_state']['inner_opt_state'], o.opt_state.gradient_step[...])"
+        f"task's {len(theirs)}){fix}"
+    )
+
+
+def _other_transformation(theirs: set[str], mine: set[str]) -> str:
+    """Where the task's optimizer state or the candidate's holds an optax wrapper's own state the other lacks
+    (:func:`~shardcheck.parity.diagnosis.form.optimizer_layout`), that said plainly: the candidate's optimizer is
+    another transformation (trial 42: optax.chain(tx, optax.apply_every(2)) in place of the task's
+    optax.MultiSteps(tx, 2) was refused with the view's fix alone); ``""`` otherwise."""
+    from shardcheck.parity.diagnosis.form import optimizer_layout
+
+    task, cand = optimizer_layout(theirs - mine), optimizer_layout(mine - theirs)
+    if not task and not cand:
+        return ""
+    said = [f"the task's holds {task}" if task else "", f"the candidate's holds {cand}" if cand else ""]
+    return (
+        f": the candidate's optimizer is another transformation than the task's ({'; '.join(x for x in said if x)}"
+        ", which the other lacks), not the task's with other labels or a mask"
     )
 
 
