@@ -239,3 +239,22 @@ def test_a_clip_applied_to_each_shards_gradient_is_named(mesh):
     assert check_parity(make_step(), task, mesh=mesh, reference=ref_step).ok
     summed = check_parity(make_step("psum"), task, mesh=mesh, reference=ref_step)
     assert not summed.ok and "clip_per_shard" not in summed.codes
+
+
+# ------------------------------------------------------------------- 5. a loss-only step under a binding clip
+
+
+@require_devices(2)
+def test_a_loss_only_step_under_a_binding_clip_reads_only_what_its_records_allow(mesh):
+    """Loss and gradients psum-ed (x2), the step returning its loss only, the clip (1.5) binding on both sides at
+    step 0 only: ``loss_differs`` names the x2 and the clip hiding the gradients' same factor until step 1, and
+    no clipped loss term (an exact factor contradicts it); the correct loss-only step PASSes."""
+    task = _task(clip=CLIP)
+    report = check_parity(make_step("psum", loss_only=True), task, mesh=mesh, reference=ref_step)
+    assert not report.ok and report.codes[0] == "loss_differs", report.codes
+    msg = report.diagnoses[0].message
+    assert "It is 2 x the reference's: the loss reduction summed instead of averaged (x2" in msg
+    assert "At step 1 the update differs too" in msg
+    assert "gradients off by the same factor (x2) give this step's update too" in msg
+    assert "clipped or thresholded term" not in msg and "PPO" not in msg
+    assert check_parity(make_step(loss_only=True), task, mesh=mesh, reference=ref_step).ok

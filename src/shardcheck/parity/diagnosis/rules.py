@@ -2112,6 +2112,20 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
     if named is not None and named[0] in ("summed", "averaged_twice"):
         cause = f"It is {ratio:.4g} x the reference's: the loss {named[1].removeprefix('the gradient ')}."
     later = _later_update_failure(ctx)
+    shard_count = named is not None and named[0] in ("summed", "averaged_twice")
+    if later is not None and shard_count and first.scale_hidden:
+        # a shard count's factor on the loss, the optimizer blind to the gradient's scale: the gradients off by
+        # the same factor explain the later update; a clipped term keeps no exact factor (trial 39: both said)
+        return Diagnosis(
+            "loss_differs",
+            f"The returned loss differs (step {first.step}: {first.candidate_loss:.7g} vs reference "
+            f"{first.loss:.7g}) while the update matches at this step. {cause} At step {later.step} the update "
+            f"differs too ({later.name}: max abs err {later.max_abs_err:.3g} > tolerance {later.tolerance:.3g}): "
+            "the optimizer is blind to the gradient's scale here (a global-norm clip that binds rescales it), so "
+            f"gradients off by the same factor (x{ratio:.4g}) give this step's update too and show once the clip "
+            "no longer binds on both; return them from the step ({'loss': loss, 'grads': grads}) to check them.",
+            "loss",
+        )
     if later is not None:  # the loss differs as a function, not only as returned
         cause = (
             f"At step {later.step} the update differs too ({later.name}: max abs err {later.max_abs_err:.3g} > "
