@@ -125,3 +125,45 @@ def test_the_schedules_counts_alone_keep_the_schedule_sentence():
         and "the learning rate it gives is the next step's" in message
     )
     assert "bias-correction" not in message and "of the optimizer's counters" not in message
+
+
+def _decaying(rate: float) -> Candidate:
+    """The user's step; after the update it shrinks the hidden kernel by ``1 - rate`` (a decay on the wrong leaf):
+    the parameter fails at step 0, and the gradients it moves fail at step 2 by more over their tighter
+    tolerance (1e-4: 4.8 x the kernel's tolerance at step 0, 11 x grad l3.kernel's at step 2)."""
+
+    @nnx.jit
+    def train(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        model.l2.kernel[...] = model.l2.kernel[...] * (1.0 - rate)
+        return loss, grads
+
+    def step(model, optimizer, batch):
+        loss, grads = train(model, optimizer, batch)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(name=f"decay-{rate}", step=step)
+
+
+def test_the_python_report_names_the_first_failing_leaf_the_command_line_names():
+    from shardcheck.cli.verify import _worst_cells
+
+    task = _task(3)
+    passing = check_parity(_decaying(0.0), task)
+    assert passing.ok and passing.first_failing_leaf is None
+    assert "first failing leaf" not in str(passing) and f"worst leaf: {passing.worst_leaf} at step" in str(
+        passing
+    )
+    report = check_parity(_decaying(1e-4), task)
+    assert not report.ok
+    # the worst over every step is a later step's consequence; the failure's headline is step 0's parameter
+    assert report.worst.step > 0 and report.worst_leaf.startswith("grad "), report.worst_leaf
+    assert report.first_failing_leaf == "param l2.kernel" and report.first_worst.step == 0
+    assert _worst_cells(report)[0] == "param l2.kernel (step 0)"  # the command line's summary row
+    assert report.to_dict()["first_failing_leaf"] == report.first_failing_leaf
+    lines = str(report).splitlines()
+    assert lines[1].startswith("  first failing leaf: param l2.kernel at step 0: max abs err"), lines[1]
+    assert lines[2].startswith(
+        f"  worst leaf over every step: {report.worst_leaf} at step {report.worst.step}"
+    ), lines[2]

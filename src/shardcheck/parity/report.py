@@ -55,6 +55,12 @@ class ReplicaFailure:
 class ParityReport:
     """The result of :func:`check_parity`.
 
+    Which leaf it names: :attr:`worst_leaf` (:attr:`worst`) is the worst leaf over every step, by error over
+    tolerance, which in a failing run may be a later step's consequence; :attr:`first_failing_leaf`
+    (:attr:`first_worst`) is the worst failing leaf of the first failing step, where the localization points: the
+    leaf the command line's summary row and ``verify --json``'s ``first_failing_leaf`` name, and the first line of
+    ``str(report)`` for a failure.
+
     Attributes:
         strategy: the candidate's name.
         ok: parity holds: every leaf of every step within tolerance, replicas consistent.
@@ -193,8 +199,20 @@ class ParityReport:
 
     @property
     def worst_leaf(self) -> str | None:
-        """:attr:`worst`'s name, e.g. ``"param hidden.kernel"``."""
+        """:attr:`worst`'s name, e.g. ``"param hidden.kernel"``: the leaf with the largest error over tolerance
+        over every step, which in a failing run may be a later step's consequence of the first failure (trial 41:
+        ``"grad pos"`` at step 2, downstream of a parameter that failed at step 1). The leaf the summary table,
+        the localization and ``verify --json``'s ``first_failing_leaf`` name for a failure is
+        :attr:`first_failing_leaf`."""
         return None if self.worst is None else self.worst.name
+
+    @property
+    def first_failing_leaf(self) -> str | None:
+        """Where the report fails (not :attr:`ok`), :attr:`first_worst`'s name: the worst failing leaf of the
+        first failing step, e.g. ``"param blocks.1.v.kernel"`` (the summary table's leaf and ``verify --json``'s
+        ``first_failing_leaf``; its step is ``first_worst.step``); ``None`` where it passes."""
+        first = None if self.ok else self.first_worst
+        return None if first is None else first.name
 
     @property
     def max_abs_err(self) -> float:
@@ -371,10 +389,17 @@ class ParityReport:
         against = "" if self.reference == "reference" else f" against {self.reference}"
         lines = [f"parity {verdict} for strategy {self.strategy!r}{against} over {len(self.steps)} step(s)"]
         worst = self.worst
-        if worst is not None:
+        first = None if self.ok else self.first_worst
+        if first is not None:  # a failure's headline: where it is localized (the summary table's leaf)
             lines.append(
-                f"  worst leaf: {worst.name} at step {worst.step}: max abs err {worst.max_abs_err:.3g}, "
-                f"rel {worst.max_rel_err:.3g}, tolerance {worst.tolerance:.3g}"
+                f"  first failing leaf: {first.name} at step {first.step}: max abs err {first.max_abs_err:.3g}, "
+                f"rel {first.max_rel_err:.3g}, tolerance {first.tolerance:.3g}"
+            )
+        if worst is not None and (first is None or worst != first):
+            lines.append(
+                f"  worst leaf{' over every step' if first is not None else ''}: {worst.name} at step "
+                f"{worst.step}: max abs err {worst.max_abs_err:.3g}, rel {worst.max_rel_err:.3g}, tolerance "
+                f"{worst.tolerance:.3g}"
             )
         for kind, e in self.worst_by_kind().items():
             lines.append(
