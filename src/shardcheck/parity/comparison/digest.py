@@ -75,6 +75,7 @@ from shardcheck.parity.comparison.state_digest import (
     PART_EVIDENCE,
     kept_samples,
     read_paths,
+    sampled_value_factor,
     state_evidence,
     written_paths,
 )
@@ -1295,10 +1296,20 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
         cand_zeros=cand_zeros,
     )
     if e.evidence != PART_EVIDENCE:
-        return leaf
+        return _with_value_factor(leaf, e, (r, replayed))
     was = (pair.leaf("recorded", e.step - 1, e.name), pair.leaf("replayed", e.step - 1, e.name))
     found = kept_samples((r, pair.leaf("replayed", e.step, e.name)), was)
     return leaf if found is None else dataclasses.replace(leaf, kept=(found[0], found[1], SAMPLED))
+
+
+def _with_value_factor(leaf: LeafError, e: DigestError, now: tuple) -> LeafError:
+    """``leaf`` (a failing ``state`` leaf the recorded step wrote at step ``e.step``) with
+    ``LeafError.value_factor`` read from its digests ``now`` (recorded, replayed ``_Leaf``:
+    :func:`~shardcheck.parity.comparison.state_digest.sampled_value_factor`, written x k of the recording's value:
+    a psum of a replicated value, as live); ``leaf`` unchanged for any other leaf."""
+    if leaf.kind != "state" or e.ok or e.step < 0 or e.evidence == "not compared" or not now[0].update > 0:
+        return leaf
+    return dataclasses.replace(leaf, value_factor=sampled_value_factor(now))
 
 
 def _facts(recording: Recording) -> tuple[tuple[str, LeafFacts], ...]:

@@ -95,6 +95,32 @@ def state_evidence(
     return (evidence, rec, rep, err, allowed, bool(err <= allowed), ratio)
 
 
+def sampled_value_factor(now: tuple) -> float | None:
+    """The one constant k (not 1) with ``c = k r`` in every piece of a state leaf's digests a replay reads at a
+    step (``now``: the recorded and replayed ``_Leaf``, as :func:`state_evidence`'s): each recorded sample whose
+    ``|r|`` is at least 1% of the recorded ``max|x|`` (2 or more of them) within 8 float32 ulps of k, as the live
+    :func:`~shardcheck.parity.comparison.model_state.value_factor` reads every element, and ``max|x|`` and the L2
+    norm (float32 sums) within ``1e-5`` of k; ``None`` otherwise (fewer usable samples, a value not finite, no
+    recorded value). A replicated value psum-ed over the devices: exactly x their count."""
+    r, c = now
+    if not (r.present and c.present) or r.shape != c.shape or not (r.max > 0 and math.isfinite(c.max)):
+        return None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        usable = (
+            r.sampled & np.isfinite(r.samples) & np.isfinite(c.samples) & (np.abs(r.samples) >= 0.01 * r.max)
+        )
+        q = c.samples[usable] / r.samples[usable]
+    if q.size < 2:
+        return None
+    k = float(np.median(q))
+    if abs(k - 1) < 1e-3 or float(np.max(np.abs(q - k))) > 8 * 2.0**-23 * abs(k):
+        return None
+    whole = [(c.max, r.max), (c.norm, r.norm)]
+    if any(not math.isfinite(a) or abs(a - abs(k) * b) > 1e-5 * abs(k) * b for a, b in whole):
+        return None
+    return k
+
+
 PART_EVIDENCE = "part left as it was"
 """The evidence of a state leaf whose replayed step left some recorded samples exactly as they were
 (:func:`kept_samples`)."""
@@ -123,4 +149,11 @@ def kept_samples(now: tuple, was: tuple) -> tuple[int, int, float] | None:
     return int(left.sum()), int(usable.sum()), float(np.max(np.abs(dr[left])))
 
 
-__all__ = ["PART_EVIDENCE", "kept_samples", "read_paths", "state_evidence", "written_paths"]
+__all__ = [
+    "PART_EVIDENCE",
+    "kept_samples",
+    "read_paths",
+    "sampled_value_factor",
+    "state_evidence",
+    "written_paths",
+]

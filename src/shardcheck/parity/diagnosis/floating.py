@@ -146,3 +146,12 @@ def written_factor(leaves: Sequence[LeafError]) -> int | None:
         return None
     k = round(ks[0])
     return k if k >= 2 and all(abs(f - k) <= 1e-6 * k for f in ks) else None
+
+
+def factor_read(replayed: bool) -> str:
+    """Where a :func:`written_factor` was read: ``"at every element"`` (a live check's arrays), or, for a replay
+    (``StepRecord.replayed``), what its digests hold of each leaf: its recorded samples, ``max|x|`` and L2 norm
+    (:func:`~shardcheck.parity.comparison.state_digest.sampled_value_factor`), not every element."""
+    if not replayed:
+        return "at every element"
+    return "at every sample the recording holds and in the largest magnitude and the L2 norm"

@@ -29,7 +29,13 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, start_words, would_show
-from shardcheck.parity.diagnosis.floating import families, step_written, sync_schedule, written_factor
+from shardcheck.parity.diagnosis.floating import (
+    factor_read,
+    families,
+    step_written,
+    sync_schedule,
+    written_factor,
+)
 from shardcheck.parity.diagnosis.form import (
     Form,
     form_from_leaves,
@@ -538,7 +544,7 @@ def localize(
         form = (
             _unreadable_form(bad)
             or _state_step_form(bad, records)
-            or _state_factor_form(bad, num_shards)
+            or _state_factor_form(bad, num_shards, record.replayed)
             or form
         )
     written = step_state(bad, record) if first.stage == "parameters" else ""
@@ -596,9 +602,10 @@ def _state_step_form(bad: list[LeafError], records: Sequence[StepRecord]) -> For
     )
 
 
-def _state_factor_form(bad: list[LeafError], num_shards: int | None) -> Form | None:
+def _state_factor_form(bad: list[LeafError], num_shards: int | None, replayed: bool = False) -> Form | None:
     """The form of floating state both steps write that the candidate's step wrote as exactly k times the
-    reference's written value at every element (:func:`~shardcheck.parity.diagnosis.floating.written_factor`):
+    reference's written value at every element (:func:`~shardcheck.parity.diagnosis.floating.written_factor`;
+    ``replayed``: at every piece of its digests, :func:`~shardcheck.parity.diagnosis.floating.factor_read`):
     said with the shard count where k is it (a psum of a replicated value); ``None`` otherwise."""
     if not bad or not all(e.kind == "state" for e in bad):
         return None
@@ -615,7 +622,7 @@ def _state_factor_form(bad: list[LeafError], num_shards: int | None) -> Form | N
     return Form(
         "state_amount",
         f"written x{k}: the candidate's step wrote {what} of non-parameter state as exactly {k} times the value the "
-        f"reference's step wrote, at every element{size}",
+        f"reference's step wrote, {factor_read(replayed)}{size}",
         factor=float(k),
         leaves=n,
     )

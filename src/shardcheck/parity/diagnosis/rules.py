@@ -72,6 +72,7 @@ from shardcheck.parity.diagnosis.evidence import (
     would_show,
 )
 from shardcheck.parity.diagnosis.floating import (
+    factor_read,
     not_compared,
     state_notes,
     step_written,
@@ -1229,8 +1230,8 @@ def _state_factor(step: int, amounts: list[LeafError], ctx: DiagnosisContext) ->
     return Diagnosis(
         "state_amount",
         f"The candidate's step wrote the model's state {names} at step {step} as exactly {k} times the value the "
-        f"reference's step wrote, at every element (written x{k} = {size}): a psum where a pmean or no reduction "
-        f"was meant ({'it is' if one else 'they are'} replicated, so summing the devices' copies multiplies "
+        f"reference's step wrote, {factor_read(ctx.first.replayed)} (written x{k} = {size}): a psum where a pmean "
+        f"or no reduction was meant ({'it is' if one else 'they are'} replicated, so summing the devices' copies multiplies "
         f"{'it' if one else 'them'} by their count). Write the value as it is (or pmean it).",
         max(amounts, key=lambda e: e.max_abs_err).name,
     )

@@ -1,0 +1,47 @@
+"""Issue #36: a replay (``record`` the correct step, then ``verify --against FILE`` with a faulty one) is
+diagnosed by the same code as a live check, and reads what trial 39's live readings read where its records allow
+(the model of :mod:`test_trial39_sync`: target copies of both kernels synced every 2 steps, 4 steps on data=2).
+
+1. a target written as the psum of its replicas: live "as exactly 2 times the value the reference's step wrote,
+   at every element (written x2 = the size of 'data')"; the replay read "by 24.4 to 46.7 times the reference's
+   change ... a running-average momentum": it reads the factor from what its digests hold (the recorded samples,
+   ``max|x|`` and the L2 norm), and says that is where it was read.
+"""
+
+import pytest
+from conftest import require_devices
+from test_trial39_sync import _task, make_step, mesh  # noqa: F401  (mesh: the data=2 fixture)
+
+from shardcheck import check_parity
+from shardcheck.parity.harness.recorded import record_run
+
+
+@pytest.fixture(scope="module")
+def recording(mesh):  # noqa: F811
+    """The correct step of the task without a clip, recorded."""
+    return record_run(_task(), make_step(), mesh=mesh)
+
+
+# ------------------------------------------------------------------- 1. a target written x the device count
+
+
+@require_devices(2)
+def test_a_replayed_target_written_as_the_psum_of_its_replicas_is_said_as_the_axis_size(mesh, recording):  # noqa: F811
+    """Replayed, the copy written as the psum of its 2 replicas FAILs at step 1 as exactly x2 = the size of
+    'data', read at every recorded sample and in the largest magnitude and the L2 norm (was "by 24.4 to 46.7
+    times the reference's change ... a running-average momentum"), finding and Form; a copy moved at every step
+    (no one factor) is never said as a factor."""
+    task = _task()
+    report = check_parity(make_step("target_psum"), task, mesh=mesh, reference=recording)
+    assert not report.ok and report.codes[0] == "state_amount", report.codes
+    msg = report.diagnoses[0].message
+    assert msg.startswith(
+        "The candidate's step wrote the model's state t1 and t2 at step 1 as exactly 2 times the value the "
+        "reference's step wrote, at every sample the recording holds and in the largest magnitude and the L2 norm "
+        "(written x2 = the size of 'data'): a psum where a pmean or no reduction was meant"
+    ), msg
+    assert "running-average momentum" not in str(report) and "at every element" not in msg
+    form = report.localization.form.sentence
+    assert form.startswith("written x2:") and "x2 = S, the shard count: a psum" in form
+    other = check_parity(make_step("train_target"), task, mesh=mesh, reference=recording)
+    assert not other.ok and "written x" not in str(other) and "times the value" not in str(other)
