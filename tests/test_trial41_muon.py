@@ -167,3 +167,62 @@ def test_the_python_report_names_the_first_failing_leaf_the_command_line_names()
     assert lines[2].startswith(
         f"  worst leaf over every step: {report.worst_leaf} at step {report.worst.step}"
     ), lines[2]
+
+
+def _group_labels(params):
+    # Muon for the first two kernels, AdamW for the biases and the last kernel: the Muon group shares no ndim,
+    # name or module that the matching leaves lack, only its optimizer group
+    def label(path, _):
+        names = _names(path)
+        return "muon" if "kernel" in names and "l3" not in names else "adam"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _group_tx(ns_steps: int = 5):
+    return optax.multi_transform(
+        {"muon": optax.contrib.muon(1e-2, ns_steps=ns_steps), "adam": optax.adamw(1e-2)}, _group_labels
+    )
+
+
+def _group_task() -> Task:
+    task = _task(1)  # the first difference is at step 0 (a constant learning rate)
+    return Task(model=MLP, optimizer=_group_tx(), loss_fn=_loss, batches=task.batches, name="trial41-groups")
+
+
+def _ns_step(ns_steps: int) -> Candidate:
+    """The user's step with its own optimizer: Muon's Newton-Schulz iterations ``ns_steps`` (the task's: 5)."""
+    tx = _group_tx(ns_steps)
+
+    @nnx.jit
+    def train(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    def step(model, optimizer, batch):
+        optimizer.tx = tx  # the same state layout: only the transformation differs
+        loss, grads = train(model, optimizer, batch)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(name=f"ns{ns_steps}", step=step)
+
+
+def test_a_replay_names_the_optimizer_group_once_and_never_shares_no_property_beside_it(tmp_path):
+    from shardcheck.parity.diagnosis.grouping import NO_PROPERTY
+    from shardcheck.parity.harness.recorded import record_run
+
+    task = _group_task()
+    recording = record_run(task, _ns_step(5))
+    assert check_parity(_ns_step(5), task, reference=recording).ok  # the other side: the correct step passes
+    group = "every failing leaf is in the optimizer's parameter group 'muon'"
+    # the replay read the findings with the recording's facts alone (no optimizer group), the localization with
+    # the task's: "Group: every failing leaf is in the optimizer's parameter group 'muon'" beside "The failing
+    # leaves (l1.kernel, l2.kernel) share no ndim, name or module that the matching ones lack"; a live check
+    # reads both with the task's
+    report = check_parity(_ns_step(3), task, reference=recording)
+    assert not report.ok and report.localization is not None
+    assert group in report.localization.text(), report.localization.text()
+    assert NO_PROPERTY not in report.diagnosis, report.diagnosis
+    localized = _said(report, "localized")
+    assert "Every failing leaf is in the optimizer's parameter group 'muon'" in localized, localized

@@ -1482,12 +1482,19 @@ def _drift_after_structure(
 
 
 def _diagnoses(
-    recording: Recording, replayed: Recording, records, leaves: list[DigestError], first
+    recording: Recording,
+    replayed: Recording,
+    records,
+    leaves: list[DigestError],
+    first,
+    facts: tuple[tuple[str, LeafFacts], ...] | None = None,
 ) -> tuple[Diagnosis, ...]:
     """The findings of a replay: those of :func:`~shardcheck.parity.diagnosis.rules.diagnose` on its value
     records (the live check's rules, the same code), with what only a recording can show around them: an
     initial state that differs, a leaf missing or of another shape, dtype or (pinned) sharding, and settings
-    that differ from the recorded ones."""
+    that differ from the recorded ones. ``facts``: each parameter's :class:`LeafFacts` the grouping reads
+    (:attr:`RunComparison.facts`, with what the task's model adds: the optimizer's parameter groups); ``None``:
+    the recording's own (:func:`_facts`)."""
     was, now = recording.meta, replayed.meta
     s = was.get("num_shards")
     structural = [e for e in leaves if not e.ok and e.evidence in STRUCTURAL]
@@ -1497,7 +1504,7 @@ def _diagnoses(
         s,
         mesh_shape=was.get("mesh") or None,
         micro_batches=now.get("micro_batches") or (s if was.get("run") == "accumulation" else None),
-        facts=dict(_facts(recording)),
+        facts=dict(_facts(recording) if facts is None else facts),
     )
     findings = consistent(findings, values)  # no sentence that the records contradict, as a live check
     findings = _drift_after_structure(findings, structural, values)
@@ -1541,7 +1548,11 @@ def rediagnosed(
     its records with what a replay learns after the comparison (the optimizer rerun at the localized step,
     :func:`~shardcheck.parity.harness.replay.with_optimizer_rerun`), read by the live check's rules as a live
     check reads them."""
-    return _diagnoses(recording, replayed, records, list(comparison.leaves), comparison.first_failure)
+    # the facts the localization reads (the task's model adds the optimizer's parameter groups): one report
+    # never names a group in its localization and "share no ndim, name or module" in a finding (trial 41)
+    return _diagnoses(
+        recording, replayed, records, list(comparison.leaves), comparison.first_failure, comparison.facts
+    )
 
 
 _INITIAL = (

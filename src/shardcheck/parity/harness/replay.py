@@ -162,6 +162,11 @@ def check_against_recording(
     comparison = compare_run(*compared, rtol=rtol, atol=atol, pin_placement=pin_placement, loss_weight=weight)
     if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
         comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
+        # read again with them, as the localization reads them: a finding's "share no ndim, name or module"
+        # never stands beside a localization's optimizer parameter group for the same leaves (trial 41)
+        found = rediagnosed(comparison, *compared, comparison.records)
+        cause = " ".join(d.message for d in found if d.code not in QUIET)
+        comparison = dataclasses.replace(comparison, diagnoses=found, cause=cause or comparison.cause)
     rules = functools.partial(rediagnosed, comparison, *compared)  # read again with the rerun
     where = {"mesh": mesh, "num_shards": num_shards, "name": name, "fn": fn}
     report = with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
