@@ -6,6 +6,9 @@ diagnosed by the same code as a live check, and reads what trial 39's live readi
    at every element (written x2 = the size of 'data')"; the replay read "by 24.4 to 46.7 times the reference's
    change ... a running-average momentum": it reads the factor from what its digests hold (the recorded samples,
    ``max|x|`` and the L2 norm), and says that is where it was read.
+2. ``optax.clip_by_global_norm`` applied to each shard's gradient before the pmean: live ``clip_per_shard``; the
+   replay read "localized ... no simple form": it reruns the hypothesis from the pre-step state it shares with
+   the recording (step 0), as live.
 """
 
 import pytest
@@ -45,3 +48,29 @@ def test_a_replayed_target_written_as_the_psum_of_its_replicas_is_said_as_the_ax
     assert form.startswith("written x2:") and "x2 = S, the shard count: a psum" in form
     other = check_parity(make_step("train_target"), task, mesh=mesh, reference=recording)
     assert not other.ok and "written x" not in str(other) and "times the value" not in str(other)
+
+
+# ------------------------------------------------------------------- 2. a clip applied per shard
+
+
+@require_devices(2)
+def test_a_replayed_clip_applied_to_each_shards_gradient_is_named(mesh):  # noqa: F811
+    """Recorded: the clip (0.5) left to the task's optimizer. Replayed, each shard's gradient clipped before the
+    pmean FAILs at step 0 as ``clip_per_shard`` (was ``localized``, "no simple form read from the records"), the
+    ratio's spread read from its recorded samples; the correct step replayed PASSes; gradients psum-ed (no clip per
+    shard) are not said so."""
+    task = _task(clip=0.5)
+    recorded = record_run(task, make_step(), mesh=mesh)
+    report = check_parity(make_step("clip_per_shard", clip=0.5), task, mesh=mesh, reference=recorded)
+    assert not report.ok and report.codes[0] == "clip_per_shard", report.codes
+    assert "localized" not in report.codes and report.localization.step == 0
+    msg = report.diagnoses[0].message
+    assert msg.startswith("At step 0 the gradients differ (") and "recorded samples)" in msg, msg
+    assert (
+        "they are the mean of each shard's own gradient clipped to the task's global norm (rerun from the "
+        "recording's pre-step state, the replay's own: each shard's local gradient" in msg
+    )
+    assert "a clip applied per shard (before the all-reduce)" in msg
+    assert check_parity(make_step(), task, mesh=mesh, reference=recorded).ok
+    summed = check_parity(make_step("psum"), task, mesh=mesh, reference=recorded)
+    assert not summed.ok and "clip_per_shard" not in summed.codes

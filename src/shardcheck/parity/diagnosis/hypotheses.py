@@ -146,18 +146,31 @@ def _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, ba
 
 
 def _clipped_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord, cand_grads) -> bool:
-    """Whether the candidate's returned gradients ``cand_grads`` are, within ``record``'s gradient tolerances,
-    the mean of the shards' own gradients each clipped to the task's ``optax.clip_by_global_norm`` norm
-    (:func:`per_shard_clipped_grads`) while the full batch's gradient is another (trial 39: the clip applied to
-    each shard's local gradient inside a shard_map, before the pmean)."""
-    s = run.cand.num_shards
-    max_norm = clip_norm_of(run.ref_opt.tx)
-    if cand_grads is None or not s or s < 2 or max_norm is None:
+    """:func:`clipped_per_shard` of a live check: the reference's optimizer and pre-step state (trial 39: the clip
+    applied to each shard's local gradient inside a shard_map, before the pmean)."""
+    state = (pre.graphdef, pre.params, pre.rest)
+    return clipped_per_shard(
+        run.task.loss_fn, run.ref_opt.tx, run.cand.num_shards, state, batch, record, cand_grads
+    )
+
+
+def clipped_per_shard(
+    loss_fn, tx, num_shards: int | None, state: tuple, batch, record: StepRecord, cand_grads
+) -> bool:
+    """Whether the candidate's returned gradients ``cand_grads`` (a tree like the parameters) are, within
+    ``record``'s gradient tolerances (one fitted factor of 1), the mean over the ``num_shards`` shards of each
+    shard's own gradient clipped to the ``optax.clip_by_global_norm`` norm of the optimizer ``tx``
+    (:func:`per_shard_clipped_grads` at ``state``, ``(graphdef, params, rest)``: the pre-step state both runs
+    share), where some returned gradient fails. ``False`` without such a clip, with one shard, without returned
+    gradients, or where the shards do not trace. Live (:func:`_clipped_per_shard`) and replayed (the recording's
+    pre-step state) alike."""
+    max_norm = clip_norm_of(tx)
+    if cand_grads is None or not num_shards or num_shards < 2 or max_norm is None:
         return False
     tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
     if not tolerance or all(e.ok for e in record.leaves if e.kind == "grad"):
         return False
-    grads = per_shard_clipped_grads(run.task.loss_fn, s, max_norm, pre.graphdef, pre.params, pre.rest, batch)
+    grads = per_shard_clipped_grads(loss_fn, num_shards, max_norm, *state, batch)
     if grads is None:
         return False
     c = fitted_factor(flatten_state(nnx.as_pure(cand_grads)), flatten_state(grads), tolerance)

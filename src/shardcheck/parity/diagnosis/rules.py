@@ -1713,7 +1713,8 @@ def clip_coefficient(ctx: DiagnosisContext) -> Finding:
 def clip_per_shard(ctx: DiagnosisContext) -> Finding:
     """``clip_per_shard``: the returned gradients are the mean of each shard's own gradient clipped to the task's
     ``optax.clip_by_global_norm`` norm (the harness's ``clip_per_shard`` hypothesis, rerun from the reference's
-    pre-step state): the clip applied per shard, before the all-reduce (trial 39: the gradients failed with
+    pre-step state; a replay's from the recording's, where the replay's own pre-step state is it: step 0 or a
+    state hashed equal): the clip applied per shard, before the all-reduce (trial 39: the gradients failed with
     per-leaf ratios below 1 that vary, "no simple form", and the clip was never named)."""
     if "clip_per_shard" not in ctx.reproduced:
         return None
@@ -1722,11 +1723,20 @@ def clip_per_shard(ctx: DiagnosisContext) -> Finding:
     spread = ""
     if worst.spread is not None:
         lo, hi = worst.spread
-        spread = f" ({worst.path}'s elementwise ratio runs from {lo:.3g} to {hi:.3g}, 10th-90th percentile)"
+        of = f" of its {worst.samples} recorded samples" if worst.samples else ""  # a replay's digests
+        spread = (
+            f" ({worst.path}'s elementwise ratio runs from {lo:.3g} to {hi:.3g}, 10th-90th percentile{of})"
+        )
+    # a replay reruns it from the pre-step state it shares with the recording (step 0, or hashed equal)
+    start = (
+        "the recording's pre-step state, the replay's own"
+        if ctx.first.replayed
+        else "the reference's pre-step state"
+    )
     return Diagnosis(
         "clip_per_shard",
         f"At step {ctx.first.step} the gradients differ{spread}: they are the mean of each shard's own gradient "
-        "clipped to the task's global norm (rerun from the reference's pre-step state: each shard's local "
+        f"clipped to the task's global norm (rerun from {start}: each shard's local "
         "gradient, optax.clip_by_global_norm's norm, then the mean over the shards), not the full batch's "
         "gradient clipped: a clip applied per shard (before the all-reduce). Clip after the pmean, or leave the "
         "clip to the optimizer (optax.chain(optax.clip_by_global_norm(...), ...) on the all-reduced gradients).",

@@ -354,7 +354,11 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
 
     from shardcheck.mesh import auto_typed
     from shardcheck.parity.comparison.live import flatten_state
-    from shardcheck.parity.diagnosis.hypotheses import loss_per_shard, recording_loss_differs
+    from shardcheck.parity.diagnosis.hypotheses import (
+        clipped_per_shard,
+        loss_per_shard,
+        recording_loss_differs,
+    )
     from shardcheck.parity.harness.candidates import run_step
     from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero
     from shardcheck.parity.harness.recorded import _start
@@ -386,6 +390,8 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
             fields["task_loss"] = found
         elif loss_per_shard(task.loss_fn, num_shards, graphdef, params, rest, data[t], record):
             matches = ("per_shard_loss_value",)
+        elif clipped_per_shard(task.loss_fn, task.optimizer, num_shards, before[:3], data[t], record, grads):
+            matches = ("clip_per_shard",)  # each shard's gradient clipped before the mean, as live
     matches += _scale_blind(record, task, num_shards, params, state, grads)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
