@@ -9,13 +9,19 @@ diagnosed by the same code as a live check, and reads what trial 39's live readi
 2. ``optax.clip_by_global_norm`` applied to each shard's gradient before the pmean: live ``clip_per_shard``; the
    replay read "localized ... no simple form": it reruns the hypothesis from the pre-step state it shares with
    the recording (step 0), as live.
+4. ``Diagnosis.code``'s docstring lists docs/parity.md's codes table, and every code the source gives is in it.
 """
+
+import re
+from pathlib import Path
 
 import pytest
 from conftest import require_devices
 from test_trial39_sync import _task, make_step, mesh  # noqa: F401  (mesh: the data=2 fixture)
 
+import shardcheck
 from shardcheck import check_parity
+from shardcheck.parity.diagnosis.evidence import Diagnosis
 from shardcheck.parity.harness.recorded import record_run
 
 
@@ -74,3 +80,29 @@ def test_a_replayed_clip_applied_to_each_shards_gradient_is_named(mesh):  # noqa
     assert check_parity(make_step(), task, mesh=mesh, reference=recorded).ok
     summed = check_parity(make_step("psum"), task, mesh=mesh, reference=recorded)
     assert not summed.ok and "clip_per_shard" not in summed.codes
+
+
+# ------------------------------------------------------------------- 4. the codes, listed alike
+
+
+def _table_codes() -> list[str]:
+    """The codes of docs/parity.md's codes table (``| code | when | what it says |``), in order, once each."""
+    text = (Path(__file__).parent.parent / "docs" / "parity.md").read_text()
+    rows = text.split("| code | when | what it says |", 1)[1].split("\n\n", 1)[0]
+    return list(dict.fromkeys(re.findall(r"^\| `([a-z0-9_]+)`", rows, re.M)))
+
+
+def test_the_codes_docstring_lists_the_codes_table_and_every_code_the_source_emits():
+    """``Diagnosis.code``'s docstring lists docs/parity.md's codes table, in its order (it lacked 12 of the
+    table's 39 codes, this session's ``target_sync`` and ``clip_per_shard`` among them), and every
+    code a ``Diagnosis("...")`` of the source gives is in the table (``model_state``, ``cannot_verify``,
+    ``low_precision_reduction`` and a replay's ``initial_state``, ``structure``, ``settings_differ`` were not)."""
+    table = _table_codes()
+    assert len(table) == 45 and {"target_sync", "clip_per_shard", "micro_batch_means"} <= set(table)
+    doc = Diagnosis.__doc__.split("code:", 1)[1].split("message:", 1)[0]
+    assert re.findall(r"``([a-z0-9_]+)``", doc) == table
+    src = Path(shardcheck.__file__).parent
+    emitted = {
+        m for p in src.rglob("*.py") for m in re.findall(r'Diagnosis\(\s*"([a-z0-9_]+)"', p.read_text())
+    }
+    assert len(emitted) > 30 and emitted <= set(table), sorted(emitted - set(table))

@@ -328,12 +328,16 @@ class Diagnosis:
     """One finding of the harness.
 
     Attributes:
-        code: a stable identifier: ``parity``, ``summed``, ``averaged_twice``, ``unreduced``, ``normalization``,
-            ``micro_batch_means``, ``per_shard_loss``, ``scaled``,
-            ``replicas_differ``, ``step_counter``, ``never_stepped``, ``loss_only``, ``loss_differs``,
-            ``grads_differ``, ``update_differs``, ``localized``, ``drift``, ``diverged_trajectory``, ``reference_diverged``,
-            ``clip_norm``, ``clip_coefficient``, ``local_clip_norm``, ``weight_count``, ``local_normalization``, ``weak_check``,
-            ``rounding_level`` or ``skipped_step``.
+        code: a stable identifier, one of the codes table of docs/parity.md (in its order): ``parity``, ``summed``,
+            ``averaged_twice``, ``recording_differs``, ``per_shard_loss``, ``unreduced``, ``scaled``,
+            ``update_rerun``, ``replicas_differ``, ``step_counter``, ``model_state``, ``frozen_state``,
+            ``state_step``, ``target_sync``, ``state_partial``, ``state_amount``, ``never_stepped``, ``loss_only``,
+            ``localized``, ``loss_differs``, ``grads_differ``, ``update_differs``, ``drift``,
+            ``diverged_trajectory``, ``non_finite``, ``reference_diverged``, ``skipped_step``, ``weak_check``,
+            ``cannot_verify``, ``normalization``, ``micro_batch_means``, ``weight_count``, ``rounding_level``,
+            ``clip_norm``, ``clip_coefficient``, ``clip_per_shard``, ``low_precision_reduction``,
+            ``local_clip_norm``, ``wrong_axis_reduction``, ``local_normalization``, ``replicated_reduced``,
+            ``expert_scaling``, ``initial_state``, ``structure`` or ``settings_differ``.
         message: the sentence shown to the user.
         leaf: the leaf the finding names, if any (``LeafError.name``).
     """
