@@ -119,15 +119,38 @@ def _filled(cell) -> bool:
 def per_shard_clipped_grads(loss_fn, num_shards: int, max_norm: float, graphdef, params, rest, batch):
     """The mean over the ``num_shards`` shards of ``batch`` of each shard's own gradient clipped to global L2
     norm ``max_norm`` (``optax.clip_by_global_norm`` applied per shard, before the all-reduce), a tree like
-    ``params``; ``None`` where the shards do not trace (a state shaped by the full batch)."""
+    ``params``; ``None`` where the shards do not trace (a state shaped by the full batch). The first of
+    :func:`per_shard_clipped_forms`."""
+    forms = per_shard_clipped_forms(loss_fn, num_shards, max_norm, graphdef, params, rest, batch)
+    return None if forms is None else forms[0]
+
+
+def per_shard_clipped_forms(loss_fn, num_shards: int, max_norm: float, graphdef, params, rest, batch):
+    """The gradients a clip applied to each of the ``num_shards`` shards' own gradient (its own mean: the loss's
+    ``loss_sum / weight`` on the shard) before the all-reduce gives, each a tree like ``params``: the plain mean of
+    the clipped shard gradients, and under a ``(loss_sum, weight)`` loss also their mean weighted by each shard's
+    weight over the batch's (``sum_s (w_s / W) clip(g_s)``: a step that clips its token-weighted mean gradient and
+    re-weights it by its token count before the psum, trial 44's packed-sequence LM). A tuple of one or two trees;
+    ``None`` where the shards do not trace (a state shaped by the full batch)."""
     try:
-        return _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch)
+        clipped, weights = _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch)
     except (TypeError, ValueError):
         return None
+    mean = jax.tree.map(lambda g: jnp.mean(g, axis=0), clipped)
+    if weights is None:
+        return (mean,)
+    w = weights / jnp.sum(weights)
+
+    def weighted(g):
+        return jnp.tensordot(w.astype(jnp.float32), g.astype(jnp.float32), axes=1).astype(g.dtype)
+
+    return mean, jax.tree.map(weighted, clipped)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch):
+    """Each shard's own gradient clipped to ``max_norm``, stacked ``[num_shards, ...]``, and the shards' weights
+    ``[num_shards]`` (``None`` for a scalar loss)."""
     xs, at = shards_with_state(batch, rest, num_shards, False)
 
     def shard_grad(x):
@@ -135,14 +158,18 @@ def _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, ba
 
         def mean(p):
             total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), shard)
-            return total if weight is None else total / weight  # an unweighted loss: the shard's own mean
+            mean = total if weight is None else total / weight  # an unweighted loss: the shard's own mean
+            return mean, (jnp.zeros(()) if weight is None else weight)
 
-        g = jax.grad(mean)(params)
+        g, weight = jax.grad(mean, has_aux=True)(params)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
         scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
-        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
+        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), g), weight
 
-    return jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, xs))
+    clipped, weights = jax.lax.map(shard_grad, xs)
+    shard, rest_s = at(jax.tree.map(lambda a: a[0], xs))
+    weighted = loss_terms(loss_fn, nnx.merge(graphdef, params, rest_s, copy=True), shard)[1] is not None
+    return clipped, (weights if weighted else None)
 
 
 def _clipped_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord, cand_grads) -> bool:
@@ -161,7 +188,8 @@ def clipped_per_shard(
     ``record``'s gradient tolerances (one fitted factor of 1), the mean over the ``num_shards`` shards of each
     shard's own gradient clipped to the ``optax.clip_by_global_norm`` norm of the optimizer ``tx``
     (:func:`per_shard_clipped_grads` at ``state``, ``(graphdef, params, rest)``: the pre-step state both runs
-    share), where some returned gradient fails. ``False`` without such a clip, with one shard, without returned
+    share) or, under a ``(loss_sum, weight)`` loss, their mean weighted by each shard's weight over the batch's
+    (:func:`per_shard_clipped_forms`), where some returned gradient fails. ``False`` without such a clip, with one shard, without returned
     gradients, or where the shards do not trace. Live (:func:`_clipped_per_shard`) and replayed (the recording's
     pre-step state) alike."""
     max_norm = clip_norm_of(tx)
@@ -170,11 +198,15 @@ def clipped_per_shard(
     tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
     if not tolerance or all(e.ok for e in record.leaves if e.kind == "grad"):
         return False
-    grads = per_shard_clipped_grads(loss_fn, num_shards, max_norm, *state, batch)
-    if grads is None:
+    forms = per_shard_clipped_forms(loss_fn, num_shards, max_norm, *state, batch)
+    if forms is None:
         return False
-    c = fitted_factor(flatten_state(nnx.as_pure(cand_grads)), flatten_state(grads), tolerance)
-    return c is not None and abs(c - 1.0) <= 1e-3
+    cand = flatten_state(nnx.as_pure(cand_grads))
+    for grads in forms:  # the plain mean of the clipped shards, then (a weighted loss) their weighted mean
+        c = fitted_factor(cand, flatten_state(grads), tolerance)
+        if c is not None and abs(c - 1.0) <= 1e-3:
+            return True
+    return False
 
 
 def fitted_factor(cand: dict, alt: dict, tolerance: dict) -> float | None:

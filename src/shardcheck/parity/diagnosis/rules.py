@@ -1733,11 +1733,18 @@ def clip_per_shard(ctx: DiagnosisContext) -> Finding:
         if ctx.first.replayed
         else "the reference's pre-step state"
     )
+    # a (loss_sum, weight) loss: each shard's own mean gradient clipped, then averaged plainly or by each shard's
+    # weight over the batch's (trial 44: re-weighted by its token count before the psum); either fits the rule
+    mean = (
+        "the mean over the shards"
+        if ctx.first.loss_weight is None
+        else "the mean over the shards, plain or weighted by each shard's weight over the batch's"
+    )
     return Diagnosis(
         "clip_per_shard",
         f"At step {ctx.first.step} the gradients differ{spread}: they are the mean of each shard's own gradient "
         f"clipped to the task's global norm (rerun from {start}: each shard's local "
-        "gradient, optax.clip_by_global_norm's norm, then the mean over the shards), not the full batch's "
+        f"gradient, optax.clip_by_global_norm's norm, then {mean}), not the full batch's "
         "gradient clipped: a clip applied per shard (before the all-reduce). Clip after the pmean, or leave the "
         "clip to the optimizer (optax.chain(optax.clip_by_global_norm(...), ...) on the all-reduced gradients).",
         worst.name,
