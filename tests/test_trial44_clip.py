@@ -14,6 +14,8 @@ loss shape: a masked cross-entropy as ``(sum, count)`` with unequal counts per s
    what the row shows, and a caption line says it for a failing summary.
 """
 
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +24,11 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from rich.console import Console
 
 import shardcheck
 from shardcheck import check_parity, make_mesh
+from shardcheck.cli.verify import SUMMARY_CAPTION, render_summary
 
 CLIP = 0.5  # binds on the full batch and on each shard at step 0
 
@@ -104,6 +108,14 @@ def mesh():
     return make_mesh({"data": 2})
 
 
+def _summary(report) -> list[str]:
+    out = io.StringIO()
+    Console(file=out, width=300, color_system=None).print(render_summary({"candidate": report}, "setup"))
+    return [
+        " ".join(line.replace("│", " ").replace("┃", " ").split()) for line in out.getvalue().splitlines()
+    ]
+
+
 @pytest.fixture(scope="module")
 def clipped(mesh):
     """The correct step's report and the trial's clip_local step's, on the same task."""
@@ -129,3 +141,22 @@ def test_the_plain_mean_of_clipped_shards_is_still_named_under_a_weighted_loss(m
     form the hypothesis tests."""
     plain = check_parity(make_step("clip_mean"), _task(), mesh=mesh)
     assert not plain.ok and plain.codes[0] == "clip_per_shard", plain.codes
+
+
+@require_devices(2)
+def test_the_summary_says_its_leaf_is_the_first_failing_one(clipped):
+    """The failing summary's leaf column is the first failing leaf at its step, with that leaf's errors there,
+    under headers that say so and a caption line; a passing summary keeps the headers, without the caption."""
+    good, local = clipped
+    lines = _summary(local)
+    header = (
+        "strategy verdict first failing / worst leaf its abs err its rel err its allowed abs err diagnosis"
+    )
+    assert header in lines
+    first = local.first_worst
+    assert first.step == 0 and local.first_failing_leaf == first.name
+    row = next(line for line in lines if line.startswith("candidate FAIL"))
+    assert row.startswith(f"candidate FAIL {first.name} (step 0) {first.max_abs_err:.3g} ")
+    assert " ".join(SUMMARY_CAPTION.split()) in " ".join(lines)
+    passing = _summary(good)
+    assert header in passing and "first failing step" not in " ".join(passing)
