@@ -113,8 +113,10 @@ def test_one_unreduced_gradient_under_a_global_norm_clip_names_that_leaf_and_the
     assert (failure.leaf, failure.leaves, failure.axes) == ("param a.kernel", 4, ("data",))
     assert failure.downstream == (
         "1 of them is the value of the parameter whose gradient differs; the other 3 have gradients within "
-        "tolerance: their copies differ downstream of it or by an unreduced gradient too small to show at this "
-        "precision"
+        "tolerance: their copies differ downstream of it through the task's optimizer's global-norm clip "
+        "(optax.clip_by_global_norm(0.001)), where it binds: each device computes its coefficient from its own "
+        "copies of every gradient, it among them, so every leaf's update is scaled by another coefficient on "
+        "each device"
     )
     assert report.to_dict()["replica_failure"]["downstream"] == failure.downstream
     replicas = next(s for s in report.localization.stages if s.stage == "replicas")

@@ -143,6 +143,61 @@ def test_the_plain_mean_of_clipped_shards_is_still_named_under_a_weighted_loss(m
     assert not plain.ok and plain.codes[0] == "clip_per_shard", plain.codes
 
 
+def make_unreduced_step(fault: str = "nopsum"):
+    """The user's step with ``l1.bias``'s gradient never reduced (``"nopsum"``, check_vma=False: each device
+    applies its own shard's), the others psum-ed over the total count; ``""``: every gradient reduced."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, state = nnx.split((model, optimizer))
+
+        def body(state, batch):
+            m, o = nnx.merge(graphdef, state)
+            total_of = lambda model: loss_fn(model, batch)[0]  # noqa: E731
+            total, grads = nnx.value_and_grad(total_of)(m)
+            n = jax.lax.psum(loss_fn(m, batch)[1], "data")
+            flat = nnx.to_flat_state(grads)
+            for path, v in flat:
+                local = fault == "nopsum" and path == ("l1", "bias")
+                v.set_value(v[...] * 2 / n if local else jax.lax.psum(v[...], "data") / n)
+            grads = nnx.from_flat_state(flat)
+            o.update(m, grads)
+            return jax.lax.psum(total, "data") / n, grads, nnx.state((m, o))
+
+        specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+        loss, grads, state = jax.jit(jax.shard_map(body, **specs))(state, batch)
+        nnx.update((model, optimizer), state)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+@require_devices(2)
+def test_copies_that_differ_downstream_of_an_unreduced_gradient_name_the_global_norm_clip(mesh):
+    """``l1.bias``'s gradient never reduced under clip + adam: the leaves whose gradients match but whose copies
+    differ are said to differ through the clip's coefficient, which each device computes from its own copies of
+    every gradient (was "downstream of it or by an unreduced gradient too small to show at this precision")."""
+    report = check_parity(make_unreduced_step(), _task(), mesh=mesh)
+    assert not report.ok and "replicas_differ" in report.codes, report.codes
+    note = report.replica_failure.downstream
+    assert note.endswith(
+        "have gradients within tolerance: their copies differ downstream of it through the task's optimizer's "
+        "global-norm clip (optax.clip_by_global_norm(0.5)), where it binds: each device computes its coefficient "
+        "from its own copies of every gradient, it among them, so every leaf's update is scaled by another "
+        "coefficient on each device"
+    ), note
+
+
+@require_devices(2)
+def test_without_a_clip_no_clip_is_named_and_the_reduced_step_passes(mesh):
+    """The same unreduced gradient under adam alone: no global-norm clip is named; every gradient reduced
+    (under clip + adam) PASSes."""
+    tx = optax.adam(1e-2)
+    plain = shardcheck.Task(model=lambda: MLP(nnx.Rngs(0)), optimizer=tx, loss_fn=loss_fn, batches=BATCHES)
+    unclipped = check_parity(make_unreduced_step(), plain, mesh=mesh)
+    assert not unclipped.ok and "clip_by_global_norm" not in str(unclipped), unclipped.codes
+    assert check_parity(make_unreduced_step(""), _task(), mesh=mesh).ok
+
+
 @require_devices(2)
 def test_the_summary_says_its_leaf_is_the_first_failing_one(clipped):
     """The failing summary's leaf column is the first failing leaf at its step, with that leaf's errors there,

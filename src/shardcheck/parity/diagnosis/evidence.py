@@ -178,6 +178,10 @@ class StepRecord:
             ``rounding_level`` note then names both cases).
         replica_axes: the mesh axes along which the copies of the leaves of ``replica_mismatches`` differ
             (:func:`shardcheck.parity.diagnosis.topology.mismatch_axes`): the axes a reduction missed.
+        global_clip: on a failing step, the ``max_norm`` of the ``optax.clip_by_global_norm`` in the task's
+            optimizer (:func:`~shardcheck.parity.diagnosis.hypotheses.clip_norm_of`): its coefficient reads every
+            gradient, so one gradient left unreduced scales every leaf's update differently on each device (trial
+            44); ``None`` where the optimizer holds none, on a passing step, or not read (a replay).
         scale_hidden: this step cannot show a gradient off by the shard count, one way or both: for the
             gradient times S, or times 1/S, no compared leaf of ``scale_evidence`` would leave its tolerance
             (global-norm clipping that binds rescales it away; an update below its tolerance). ``False`` where
@@ -270,7 +274,9 @@ class StepRecord:
     rounding_level: tuple[str, ...] = ()
     normalized: tuple[str, ...] | None = None
     replica_axes: tuple[str, ...] = ()
+    global_clip: float | None = None
     forward_writes: frozenset[str] | None = None
+    loss_counters: frozenset[str] | None = None
     scale_hidden: bool = False
     scale_evidence: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     scale_blind: bool = False

@@ -477,6 +477,7 @@ def _explained(
         weight_count=weight_count(batch, weight),
         shard_weights=shards,
         micro_means=micro,
+        global_clip=clip_norm_of(run.ref_opt.tx),  # a clip whose coefficient reads every gradient (trial 44)
     )
 
 

@@ -324,7 +324,7 @@ def downstream_note(record: StepRecord) -> str:
     parts = []
     if graded:
         have, their = ("has a gradient", "its") if len(graded) == 1 else ("have gradients", "their")
-        parts.append(f"{have} within tolerance: {their} copies differ downstream of {it} {WITHIN}")
+        parts.append(f"{have} within tolerance: {their} copies differ downstream of {it} {_why(record, it)}")
     if stateless:
         parts.append(f"{'is' if len(stateless) == 1 else 'are'} {_stateless_phrase(stateless, it)}")
     if len(parts) == 1:
@@ -332,6 +332,20 @@ def downstream_note(record: StepRecord) -> str:
     else:
         other = f"of the other {len(downstream)}, {len(graded)} {parts[0]}; {len(stateless)} {parts[1]}"
     return f"{len(own)} of them {'is' if len(own) == 1 else 'are'} the {what} of {whose}; {other}"
+
+
+def _why(record: StepRecord, it: str) -> str:
+    """How leaves whose gradients are within tolerance come to differ across devices downstream of the unreduced
+    gradient(s) ``it``: where the task's optimizer clips by a global norm (``StepRecord.global_clip``), through
+    its coefficient, which each device computed from its own copies of every gradient (trial 44: an embedding's
+    gradient never reduced, and 36 leaves whose gradients matched differed per device); else :data:`WITHIN`."""
+    if record.global_clip is None:
+        return WITHIN
+    return (
+        f"through the task's optimizer's global-norm clip (optax.clip_by_global_norm({record.global_clip:g})), "
+        f"where it binds: each device computes its coefficient from its own copies of every gradient, {it} among "
+        "them, so every leaf's update is scaled by another coefficient on each device"
+    )
 
 
 def _by_own_gradient(record: StepRecord, names: Sequence[str]) -> tuple[list[str], list[str]]:
