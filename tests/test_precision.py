@@ -262,10 +262,14 @@ def lm_under(policy):
 
 
 GRID = [(policy, s) for policy in POLICIES for s in (2, 8)]
+# the suite's time (~13 s a cell): each policy at both shard counts, one of them for the passing steps and the other
+# for the planted faults (the MLP above runs the whole grid both ways)
+PASS_GRID = [("bf16_compute", 8), ("bf16_params", 2)]
+FAULT_GRID = [cell for cell in GRID if cell not in PASS_GRID]
 
 
 @require_devices(8)
-@pytest.mark.parametrize(("policy", "num_shards"), GRID)
+@pytest.mark.parametrize(("policy", "num_shards"), PASS_GRID)
 def test_the_tiny_lm_passes_every_strategy_under_both_policies(policy, num_shards):
     for strategy in EVERY_STRATEGY:
         report = check_parity(strategy, lm_under(policy), num_shards=num_shards)
@@ -276,7 +280,7 @@ def test_the_tiny_lm_passes_every_strategy_under_both_policies(policy, num_shard
 
 
 @require_devices(8)
-@pytest.mark.parametrize(("policy", "num_shards"), GRID)
+@pytest.mark.parametrize(("policy", "num_shards"), FAULT_GRID)
 def test_planted_faults_fail_on_the_tiny_lm_under_both_policies(policy, num_shards):
     """The hand-written DP steps of tests/test_task_parity.py: sum for mean, mean twice, each shard normalized by
     its own token count, and the optimizer stepped once per shard."""
