@@ -903,6 +903,8 @@ def error_cells(e) -> tuple[str, str, str]:
     for them in the records (trial 27 read "max abs err inf, allowed 0")."""
     if getattr(e, "missing", False):
         return "in one run only", "-", "-"
+    if getattr(e, "dtypes", None) is not None:  # a counter converted: "float32, not int32"
+        return f"{e.dtypes[1]}, not {e.dtypes[0]}", "-", "-"
     if getattr(e, "cand_shape", None) is not None and not math.isfinite(e.max_abs_err):
         return "shaped otherwise", "-", "-"
     return f"{e.max_abs_err:.3g}", f"{e.max_rel_err:.3g}", f"{e.tolerance:.3g}"

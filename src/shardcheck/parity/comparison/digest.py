@@ -80,6 +80,7 @@ from shardcheck.parity.comparison.state_digest import (
     written_paths,
 )
 from shardcheck.parity.diagnosis.draws import with_draws
+from shardcheck.parity.diagnosis.evidence import converted_counter
 from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
@@ -669,7 +670,14 @@ class _Pair(NamedTuple):
         mine = which != "recorded"
         rec = self.replayed if mine else self.recording
         digests = rec.initial if row < 0 else rec.steps
-        return _Leaf.at(rec, digests, max(row, 0), self.columns[mine].get(name))
+        found = _Leaf.at(rec, digests, max(row, 0), self.columns[mine].get(name))
+        twin = _twin(name)
+        if mine and not found.present and twin in self.columns[1] and twin not in self.columns[0]:
+            # an optimizer-state leaf whose kind its dtype decides goes by the other name in the replay at this
+            # point (an int32 count a pmean of the whole state made float32: "opt_state 1.0.count" for "counter
+            # 1.0.count"): the same leaf, compared as such (its dtype changed), never as missing (trial 43)
+            return _Leaf.at(rec, digests, max(row, 0), self.columns[1][twin])
+        return found
 
 
 def _sample_base(pair: _Pair, bounds: _Bounds, t: int, name: str, base: float, atol: float):
@@ -1172,12 +1180,23 @@ def _first_failure(leaves: list[DigestError], rounding: Mapping[str, int]) -> Di
     )
 
 
+def _twin(name: str) -> str | None:
+    """An optimizer-state leaf's name under the other kind its dtype could give it (``"counter 1.0.count"`` <->
+    ``"opt_state 1.0.count"``), else ``None``."""
+    kind, _, path = name.partition(" ")
+    other = {"counter": "opt_state", "opt_state": "counter"}.get(kind)
+    return None if other is None or path.startswith("model.") or path == "step" else f"{other} {path}"
+
+
 def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping) -> str:
     """A leaf missing, or a changed shape, dtype or sharding (another mesh named as such)."""
     e, more = structural[0], len(structural) - 1
     tail = f" (and {more} more {'leaf' if more == 1 else 'leaves'})" if more else ""
     if e.evidence == "missing":
         return f"{e.name} is recorded but this run has none{tail}"
+    if e.evidence == "dtype" and e.name.startswith(("counter ", "opt_state ")) and _integer_kind(e):
+        converted = converted_counter(_dtype_record(e))  # as the localization says it
+        return f"{converted}{tail}"
     if e.evidence == "sharding" and was.get("mesh") != now.get("mesh"):
         return (
             f"recorded on mesh {_axes(was.get('mesh'))}, replayed on {_axes(now.get('mesh'))}: another mesh "
@@ -1194,6 +1213,17 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
 
 
 # ------------------------------------------------------------------ the harness's records, and its diagnosis
+
+
+def _integer_kind(e: DigestError) -> bool:
+    """An optimizer-state leaf whose dtype changed between integer and float (a counter converted)."""
+    ints = [str(d).startswith(("int", "uint", "bool")) for d in (e.recorded, e.replayed)]
+    return e.evidence == "dtype" and e.name.startswith(("counter ", "opt_state ")) and ints[0] != ints[1]
+
+
+def _dtype_record(e: DigestError) -> LeafError:
+    kind, _, path = e.name.partition(" ")
+    return LeafError(e.step, kind, path, math.inf, math.inf, 0.0, False, dtypes=(e.recorded, e.replayed))
 
 
 def _sample_ratio(
@@ -1255,6 +1285,7 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
             shape=shape,
             cand_shape=other,
             missing=e.evidence == "missing",
+            dtypes=(e.recorded, e.replayed) if e.evidence == "dtype" and _integer_kind(e) else None,
         )
     whole = kind == "counter" or e.step < 0 or (kind == "state" and e.evidence in _STATE_EVIDENCE)
     sampled = (None, None, None) if whole else _sample_ratio(pair, e.step, e.name)

@@ -138,7 +138,13 @@ def leaf_error(
 
 
 def counter_error(step, path, ref, cand) -> LeafError:
-    """Compare an integer counter exactly."""
+    """Compare an integer counter exactly (``ref``, ``cand``: scalars, or arrays of one element). Where both
+    carry a dtype and the two differ (the candidate's step converted the counter: a pmean of the whole optimizer
+    state turns an int32 count into float32), the leaf fails whatever its value (``LeafError.dtypes``)."""
+    dtypes = tuple(getattr(a, "dtype", None) for a in (ref, cand))
+    if None not in dtypes and np.dtype(dtypes[0]) != np.dtype(dtypes[1]):
+        names = (np.dtype(dtypes[0]).name, np.dtype(dtypes[1]).name)
+        return LeafError(step, "counter", path, math.inf, math.inf, 0.0, False, dtypes=names)
     r, c = int(np.asarray(ref)), int(np.asarray(cand))
     err = float(abs(c - r))
     rel = (err / abs(r)) if r else (0.0 if err == 0 else math.inf)

@@ -100,6 +100,10 @@ class LeafError:
             written value is of the reference's at every element (``c = k r`` within a few float32 ulps, over the
             elements where ``|r|`` is at least 1% of its largest: a psum of a replicated value, x the device
             count), else ``None``.
+        dtypes: a counter whose dtype differs between the two sides: ``(reference's, candidate's)`` dtype names,
+            e.g. ``("int32", "float32")`` (a step that pmeans or psums the whole optimizer state converts its
+            integer counts to floats); such a leaf fails with ``max_abs_err`` inf whatever its value
+            (:func:`converted_counter` says it), else ``None``.
     """
 
     step: int
@@ -123,6 +127,7 @@ class LeafError:
     cand_zeros: bool = False
     finite: tuple[bool, bool] | None = None
     value_factor: float | None = None
+    dtypes: tuple[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -469,3 +474,20 @@ def ratio_label(e: LeafError) -> str:
     if e.samples == 0:
         return f"whole-leaf {WHOLE_RATIO.get(e.kind, WHOLE_NORM)} ratio"
     return "update ratio" if e.kind in ("param", "opt_state") else "ratio"
+
+
+def converted_counter(e: LeafError, sides: tuple[str, str] = ("the reference", "the candidate")) -> str:
+    """The sentence of a counter whose dtype differs between the two sides (``e.dtypes``), ``sides`` naming them
+    (the reference's, the candidate's; a replay's: ``("the recording", "this run")``): ``"1.0.count is float32 in the
+    candidate, int32 in the reference: the step converted an integer counter (...)"``."""
+    ref, cand = e.dtypes or ("?", "?")
+    # the side whose counter is not an integer converted it (the recorded run's, where the replay's is the int)
+    which = f"{sides[0]}'s step" if _integer(cand) and not _integer(ref) else "the step"
+    return (
+        f"{e.path} is {cand} in {sides[1]}, {ref} in {sides[0]}: {which} converted an integer counter "
+        "(e.g. a pmean/psum of the whole optimizer state: reduce only the float leaves)"
+    )
+
+
+def _integer(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint", "bool"))

@@ -28,7 +28,13 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord, start_words, would_show
+from shardcheck.parity.diagnosis.evidence import (
+    LeafError,
+    StepRecord,
+    converted_counter,
+    start_words,
+    would_show,
+)
 from shardcheck.parity.diagnosis.floating import (
     factor_read,
     families,
@@ -190,6 +196,8 @@ def _count(n: int, failing: int, kind: str, differs: bool) -> str:
 def _detail(e: LeafError) -> str:
     if e.missing:
         return f"{e.name}: in one run only"
+    if e.dtypes is not None:  # a counter the step converted (a pmean of the whole optimizer state)
+        return f"{e.name}: {converted_counter(e)}"
     if e.cand_shape is not None:
         return f"{e.name}: shaped otherwise ({tuple(e.cand_shape)} against the reference's {tuple(e.shape or ())})"
     if e.finite is not None:  # a skipped step's loss or gradient, compared by finiteness
@@ -471,9 +479,16 @@ def _unreadable_form(bad: Sequence[LeafError]) -> Form | None:
     NaN)."""
     shaped = {e.name: (e.shape or (), e.cand_shape) for e in bad if e.cand_shape is not None}
     absent = [e.name for e in bad if e.missing]
-    blind = [e for e in bad if not math.isfinite(e.max_abs_err) and e.cand_shape is None and not e.missing]
+    converted = [e for e in bad if e.dtypes is not None]
+    blind = [
+        e
+        for e in bad
+        if not math.isfinite(e.max_abs_err) and e.cand_shape is None and not e.missing and e.dtypes is None
+    ]
     if shaped:
         return shape_form(shaped)
+    if converted and len(converted) == len(bad):
+        return Form("none", f"{converted_counter(converted[0])}: no form is read")
     if absent:
         return shape_form({}, absent)
     if blind and all(e.finite is not None for e in blind):  # a skipped step's, compared by finiteness

@@ -66,6 +66,7 @@ from shardcheck.parity.diagnosis.evidence import (
     LeafError,
     StepRecord,
     constant_ratio,
+    converted_counter,
     one_factor_across,
     ratio_label,
     spread_phrase,
@@ -719,6 +720,8 @@ def _detail(worst: LeafError, ratio: bool = True) -> str:
     (``LeafError.missing``), that."""
     if worst.missing:
         return f"{worst.name}: in one run only"
+    if worst.dtypes is not None:  # a counter the step converted (a pmean of the whole optimizer state)
+        return f"{worst.name}: {converted_counter(worst)}"
     if worst.finite is not None:  # a skipped step's loss or gradient, compared by finiteness
         return f"{worst.name}: finite in the {'reference' if worst.finite[0] else 'candidate'}'s run only"
     if worst.cand_shape is not None:
@@ -1337,7 +1340,7 @@ def _counter_alone(ctx: DiagnosisContext, fail: LeafError) -> str | None:
     advanced apart from the moments (trial 40: ``opt_state[0].count`` bumped once more a step read "a schedule
     read one step ahead ... the learning rate it gives is the next step's" while the schedule's ``2.count`` was
     right and the learning rate unchanged); else ``None``."""
-    if fail.path == "step":
+    if fail.path == "step" or fail.dtypes is not None:  # a converted counter: its dtype, not its count
         return None
     record = next((r for r in ctx.records if r.step == fail.step and not r.synchronized), None)
     if record is None:

@@ -1,0 +1,96 @@
+"""Issue #36, trial 43 (a Perceiver classifier under optax.chain(adaptive_grad_clip, lion), FSDP on data=2 x
+fsdp=2): a counter whose dtype the step changed.
+
+- The user's step pmeaned the whole optimizer state, turning Lion's int32 ``count`` into float32. The live check
+  compared the counts by value (equal) and said "the counters: matches"; the replay named the counter as
+  "recorded but this run has none" (the float leaf went by another name). Both now fail the counter as converted:
+  "1.0.count is float32 in the candidate, int32 in the reference: the step converted an integer counter".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from shardcheck import Candidate, Task, check_parity
+
+CONVERTED = "the step converted an integer counter (e.g. a pmean/psum of the whole optimizer state"
+
+
+class MLP(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.l1 = nnx.Linear(6, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.gelu(self.l1(x)))
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _task() -> Task:
+    rng = np.random.default_rng(43)
+    batches = [
+        {"x": rng.normal(size=(16, 6)).astype(np.float32), "y": rng.normal(size=(16, 2)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    tx = optax.chain(optax.adaptive_grad_clip(0.01), optax.lion(1e-3, weight_decay=0.01))
+    return Task(model=MLP, optimizer=tx, loss_fn=_loss, batches=batches, name="trial43-mlp")
+
+
+def _step(convert: bool) -> Candidate:
+    """The user's step; ``convert``: after the update its optimizer state's integer leaves become float32, as a
+    pmean of the whole optimizer state leaves them."""
+
+    @nnx.jit
+    def train(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        optimizer.update(model, grads)
+        if convert:
+            state = nnx.state(optimizer, nnx.optimizer.OptState)
+            floats = jax.tree_util.tree_map(
+                lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else x, state
+            )
+            nnx.update(optimizer, floats)
+        return loss, grads
+
+    def step(model, optimizer, batch):
+        loss, grads = train(model, optimizer, batch)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(name=f"convert-{convert}", step=step)
+
+
+def test_a_counter_converted_to_float_fails_live_named_as_converted():
+    from shardcheck.cli.verify import error_cells
+
+    task = _task()
+    assert check_parity(_step(False), task).ok  # the other side: the correct step passes
+    report = check_parity(_step(True), task)
+    assert not report.ok
+    text = str(report) + " ".join(d.message for d in report.diagnoses)
+    assert "1.0.count is float32 in the candidate, int32 in the reference: " + CONVERTED in text, text
+    assert "the counters: matches" not in text
+    converted = [e for r in report.steps for e in r.leaves if e.dtypes is not None]
+    assert converted and all(e.kind == "counter" and not e.ok for e in converted)
+    assert {e.dtypes for e in converted} == {("int32", "float32")}
+    assert error_cells(converted[0]) == ("float32, not int32", "-", "-")
+
+
+def test_a_counter_converted_to_float_fails_replayed_named_as_converted():
+    from shardcheck.parity.harness.recorded import record_run
+
+    task = _task()
+    recording = record_run(task, _step(False))
+    assert check_parity(_step(False), task, reference=recording).ok  # the other side: the correct step passes
+    report = check_parity(_step(True), task, reference=recording)
+    assert not report.ok
+    text = " ".join(d.message for d in report.diagnoses)
+    assert "1.0.count is float32 in the candidate, int32 in the reference: " + CONVERTED in text, text
+    assert "is recorded but this run has none" not in text
