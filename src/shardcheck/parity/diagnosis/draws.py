@@ -36,7 +36,7 @@ def draws_clause(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
     )
 
 
-UNNAMED = ("update_differs", "localized", "loss_only", "loss_differs")
+UNNAMED = ("update_differs", "forward_differs", "localized", "loss_only", "loss_differs")
 """The leading findings that name no cause of their own: only these get :func:`draws_clause` (where no stream's
 count differs); a finding that names one (``normalization``, ``scaled``, ...) is not told the draws may be why."""
 

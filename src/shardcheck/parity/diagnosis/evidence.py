@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 KINDS = ("loss", "grad", "param", "opt_state", "counter")
@@ -262,6 +263,9 @@ class StepRecord:
             means of k micro-batches of unequal weights (``weights``, each micro-batch's own loss weight, in
             order) under a ``(loss_sum, weight)`` loss: an accumulation that averaged the micro-batches' means
             where their sums over the total weight were meant (``"per_micro_mean"`` in ``matches``); else ``None``.
+        batch_keys: where the step's batch is a mapping, its keys other than the model's inputs and the labels
+            (``"segment_ids"``, ``"positions"``, ``"weights"``: what a loss reads beside them, a mask, positions
+            or weights), in the batch's order; ``()`` otherwise (an array or tuple batch, a replay's record).
     """
 
     step: int
@@ -300,6 +304,7 @@ class StepRecord:
     shard_weights: tuple[float, ...] | None = None
     replicas_compared: tuple[int, int] | None = None
     micro_means: tuple[int, tuple[float, ...]] | None = None
+    batch_keys: tuple[str, ...] = ()
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:
@@ -343,7 +348,8 @@ class Diagnosis:
             ``averaged_twice``, ``recording_differs``, ``per_shard_loss``, ``unreduced``, ``scaled``,
             ``update_rerun``, ``replicas_differ``, ``step_counter``, ``model_state``, ``frozen_state``,
             ``state_step``, ``target_sync``, ``state_partial``, ``state_amount``, ``never_stepped``, ``loss_only``,
-            ``localized``, ``loss_differs``, ``grads_differ``, ``update_differs``, ``drift``,
+            ``localized``, ``loss_differs``, ``grads_differ``, ``update_differs``, ``forward_differs``,
+            ``drift``,
             ``diverged_trajectory``, ``non_finite``, ``reference_diverged``, ``skipped_step``, ``weak_check``,
             ``cannot_verify``, ``normalization``, ``micro_batch_means``, ``weight_count``, ``rounding_level``,
             ``clip_norm``, ``clip_coefficient``, ``clip_per_shard``, ``low_precision_reduction``,
@@ -465,6 +471,21 @@ def unsampled_phrase(e: LeafError) -> str:
         "read from it)"
     )
     return f"no elementwise ratio read: none of its recorded samples holds a nonzero {what} in the recording{seen}"
+
+
+# the names a batch's model inputs and labels go by: not what a loss reads beside them
+_INPUT_KEYS = frozenset(
+    "x y input inputs input_ids tokens ids image images target targets label labels".split()
+)
+
+
+def batch_keys(batch: Any) -> tuple[str, ...]:
+    """``StepRecord.batch_keys`` of a batch: a mapping's keys other than its inputs' and labels' usual names
+    (``"tokens"``, ``"inputs"``, ``"targets"``, ``"labels"``, ...), in its order; ``()`` for any other batch
+    (an array, a tuple)."""
+    if not isinstance(batch, Mapping):
+        return ()
+    return tuple(str(k) for k in batch if str(k).lower() not in _INPUT_KEYS)
 
 
 def ratio_label(e: LeafError) -> str:

@@ -44,7 +44,8 @@ in order, with their codes:
   gradient and no optimizer-state leaf does.
 - :func:`localized` (``localized``): an unexplained failure at step 0 while the loss and some gradient or
   optimizer-state leaves match: the first stage that differs, and what its failing leaves share.
-- :func:`update_differs` (``update_differs``): any other unexplained failure of the update.
+- :func:`update_differs` (``update_differs``, ``forward_differs``): any other unexplained failure of the update;
+  ``forward_differs`` where the forward pass differs first and the optimizer's update from equal inputs matches.
 - :func:`loose_tolerance` (``weak_check``): rtol too loose to tell a x2 error from rounding.
 - :func:`weak_update` (``weak_check``): a reference update not above its tolerance at any step.
 - :func:`diverged_trajectory` (``diverged_trajectory``): the runs separated, the step itself matches.
@@ -2431,11 +2432,23 @@ def _stage_form(bad: list[LeafError]) -> str:
 
 
 def update_differs(ctx: DiagnosisContext) -> Finding:
-    """``update_differs``: any other unexplained failure of the update (not one reduced step)."""
+    """``update_differs``: any other unexplained failure of the update (not one reduced step); ``forward_differs``
+    where the forward pass differs first and the optimizer's update from equal inputs matches
+    (:func:`_forward_only`): the loss computed another way at equal parameters."""
     if not (ctx.unexplained and not ctx.drifted and not _loss_ok(ctx)):
         return None
     first = ctx.first
     matched = _params_match(first)
+    if _forward_only(first):
+        return Diagnosis(
+            "forward_differs",
+            f"{_what_differs(first)} from the reference at step {first.step}"
+            + first.start_said
+            + f" ({ctx.detail}){matched}. "
+            + _forward_sentence(first)
+            + ("" if _module_found(first) else _forward_hint(ctx, _modules_cleared(first))),
+            ctx.worst_name,
+        )
     return Diagnosis(
         "update_differs",
         f"{_what_differs(first)} from the reference at step {first.step}"
@@ -2445,6 +2458,58 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
         + _not_one_step(first)
         + ("" if _module_found(first) else _forward_hint(ctx, _modules_cleared(first))),
         ctx.worst_name,
+    )
+
+
+def _forward_only(record: StepRecord) -> bool:
+    """Whether the record's first differing stage is the forward pass while the optimizer's update from equal
+    inputs matches (the reference's optimizer rerun on the candidate's own gradients and pre-step state gives its
+    optimizer state and parameters) and the step wrote no parameter itself: the step is one reduced step whose
+    loss is computed another way at equal parameters (trial 44: a cross-document mask dropped, RoPE from
+    ``arange``, a z-loss coefficient scaled read "not a single reduced step (shards applied one after
+    another)")."""
+    rerun = record.optimizer_rerun or ()
+    return bool(rerun) and all(e.ok for e in rerun) and _forward_first(record) and not _params_edited(record)
+
+
+def _forward_sentence(record: StepRecord) -> str:
+    """``forward_differs``' reading: the update from equal inputs matches, so the loss (and its gradients) is
+    computed another way at equal parameters; where a module's output differs while its inputs match, from that
+    module on; else what the loss reads (a mask, the positions, a term or its coefficient, weights), with the
+    batch's keys beside its inputs and labels (``StepRecord.batch_keys``)."""
+    head = (
+        "The optimizer's update from equal inputs matches (the reference's optimizer rerun on the candidate's own "
+        "gradients and pre-step state gives its update): the update is applied as the reference's, and "
+    )
+    if _module_found(record):
+        return (
+            head + f"the forward pass as sharded computes another loss at equal parameters, from "
+            f"{record.module.module} on (the first module whose output differs while its inputs match)."
+        )
+    around = (
+        " (every captured module's output matches at equal parameters as the task's loss calls it: the "
+        "difference is in what the step does around them, or in modules as the step's own code calls them)"
+        if _modules_cleared(record)
+        else ""
+    )
+    keys = record.batch_keys
+    batch = (
+        f"; the batch holds {words_and([repr(k) for k in keys])} beside its inputs and labels: check how the "
+        "step's loss reads each"
+        if keys
+        else ""
+    )
+    return (
+        head
+        + f"the loss it returns is computed another way at equal parameters{around}: a mask (e.g. attention "
+        "across segments or documents), the positions, a term of the loss or its coefficient, its weights or "
+        f"labels, or another input the loss reads from the batch{batch}"
+        + (
+            "; or the loss and its gradients reduced another way across the shards (their copies differ: the "
+            "reduction named above)."
+            if record.replica_mismatches
+            else "."
+        )
     )
 
 
@@ -2879,6 +2944,7 @@ def _beyond_rounding(ctx: DiagnosisContext) -> str:
 NAN_BLIND = frozenset(
     {
         "update_differs",
+        "forward_differs",
         "loss_only",
         "localized",
         "drift",
@@ -2901,7 +2967,7 @@ NAMED_SUBSET = frozenset(
         "state_partial",
     }
 )
-GENERIC = frozenset({"localized", "update_differs", "loss_only"})
+GENERIC = frozenset({"localized", "update_differs", "forward_differs", "loss_only"})
 
 RULES: tuple[Rule, ...] = (
     parity,
@@ -3008,7 +3074,9 @@ def diagnose(
     - ``localized``: as ``loss_only``, but some gradient or optimizer-state leaves match: the first stage with
       failing leaves (gradients, optimizer state, parameters) and what those leaves share (with ``facts``,
       ``{parameter path: LeafFacts}``, their dtype and placement too, as the localization reads them).
-    - ``update_differs``: any other unexplained failure (not one reduced step).
+    - ``update_differs``: any other unexplained failure (not one reduced step); ``forward_differs`` where the
+      forward pass differs first and the optimizer's update from equal inputs matches (the loss computed another
+      way at equal parameters).
     - ``weak_check``: rtol too loose to tell x2 from rounding, or a reference update below tolerance at every
       step (passing reports only).
     - ``diverged_trajectory``: ``diverged`` is the trajectory record of the first failing step t > 0 whose

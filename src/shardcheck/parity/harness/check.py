@@ -68,7 +68,7 @@ from shardcheck.parity.comparison.model_state import (
 )
 from shardcheck.parity.comparison.rng_counts import rng_count_leaves
 from shardcheck.parity.diagnosis.draws import with_draws
-from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
+from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord, batch_keys
 from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.replica_form import copy_scales
@@ -395,6 +395,7 @@ def _compare_step(
         scale_evidence=evidence,
         scale_blind=blind,
         skipped=skipped,
+        batch_keys=batch_keys(batch),
     )
     if not record.ok:
         record = _failing_record(run, record, after, cand_grads)

@@ -1,0 +1,99 @@
+"""Issue #36, trial 44 (a packed-sequence decoder LM: segment ids and per-document positions in a dict batch, a
+token-weighted loss with a z-loss term, clip + adamw on a warm-up cosine schedule, the user's own step): codes and
+sentences the report's own stages contradicted.
+
+- A step whose loss reads its batch otherwise (the mask dropped, positions from ``arange``, a loss term's
+  coefficient scaled) read ``update_differs``, "not a single reduced step (shards applied one after another)",
+  while the same report's stages said the forward pass differs first and the optimizer's update from equal inputs
+  matches: it is ``forward_differs``, the loss computed another way at equal parameters, with the batch's keys
+  beside its inputs and labels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from shardcheck import Candidate, Task, check_parity
+from shardcheck.parity.diagnosis.evidence import batch_keys
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=1, decay_steps=4, end_value=1e-3)
+
+
+class MLP(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.l1 = nnx.Linear(6, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x, pos):
+        h = jnp.concatenate([x, jnp.sin(pos[:, None] * jnp.array([0.5, 1.0]))], axis=-1)
+        return self.l2(nnx.gelu(self.l1(h)))
+
+
+def _loss(model, batch, fault="", zcoef=1e-2):
+    pos = jnp.arange(batch["x"].shape[0], dtype=jnp.float32) if fault == "arange" else batch["positions"]
+    logits = model(batch["x"], pos)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    z = jax.nn.logsumexp(logits, axis=-1) ** 2
+    w = jnp.ones_like(batch["weights"]) if fault == "nomask" else batch["weights"]
+    coef = zcoef * 4 if fault == "zloss" else zcoef
+    return jnp.sum((ce + coef * z) * w) / jnp.sum(w)
+
+
+def _task() -> Task:
+    rng = np.random.default_rng(44)
+    batches = [
+        {
+            "x": rng.normal(size=(16, 4)).astype(np.float32),
+            "targets": rng.integers(0, 3, size=16).astype(np.int32),
+            "positions": rng.integers(0, 6, size=16).astype(np.float32),
+            "weights": (rng.random(16) > 0.3).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(SCHEDULE, weight_decay=0.1))
+    return Task(model=MLP, optimizer=tx, loss_fn=_loss, batches=batches, name="trial44-mlp")
+
+
+def _step(fault: str) -> Candidate:
+    @nnx.jit(static_argnums=3)
+    def train(model, optimizer, batch, fault):
+        loss, grads = nnx.value_and_grad(lambda m: _loss(m, batch, fault))(model)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    def step(model, optimizer, batch):
+        loss, grads = train(model, optimizer, batch, fault)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(name=fault or "correct", step=step)
+
+
+def test_the_correct_step_passes():
+    assert check_parity(_step(""), _task()).ok
+
+
+@pytest.mark.parametrize("fault", ["nomask", "arange", "zloss"])
+def test_a_loss_that_reads_its_batch_otherwise_is_read_as_the_forward_pass_not_as_shards_applied_in_turn(
+    fault,
+):
+    report = check_parity(_step(fault), _task())
+    assert not report.ok and report.localization.stage == "forward", report.localization
+    said = {d.code: d.message for d in report.diagnoses}
+    assert "forward_differs" in said and "update_differs" not in said, said
+    text = said["forward_differs"]
+    assert "not a single reduced step" not in text and "one after another" not in text, text
+    assert "The optimizer's update from equal inputs matches" in text, text
+    assert "computed another way at equal parameters" in text, text
+    assert "the batch holds 'positions' and 'weights' beside its inputs and labels" in text, text
+
+
+def test_batch_keys_leave_out_the_inputs_and_labels():
+    batch = {"tokens": 0, "targets": 0, "segment_ids": 0, "positions": 0, "weights": 0}
+    assert batch_keys(batch) == ("segment_ids", "positions", "weights")
+    assert batch_keys((np.zeros(2), np.zeros(2))) == () and batch_keys(np.zeros(3)) == ()
