@@ -7,6 +7,8 @@ sentences the report's own stages contradicted.
   while the same report's stages said the forward pass differs first and the optimizer's update from equal inputs
   matches: it is ``forward_differs``, the loss computed another way at equal parameters, with the batch's keys
   beside its inputs and labels.
+- A gradient 50x past its tolerance (relative error 2.6e-3) whose median ratio rounds to 1 read "ratio 1": its
+  ratio is said with the digits that tell it from 1, and as no constant factor.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import pytest
 from flax import nnx
 
 from shardcheck import Candidate, Task, check_parity
-from shardcheck.parity.diagnosis.evidence import batch_keys
+from shardcheck.parity.diagnosis.evidence import LeafError, batch_keys
+from shardcheck.parity.diagnosis.rules import _detail
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=1, decay_steps=4, end_value=1e-3)
 
@@ -97,3 +100,27 @@ def test_batch_keys_leave_out_the_inputs_and_labels():
     batch = {"tokens": 0, "targets": 0, "segment_ids": 0, "positions": 0, "weights": 0}
     assert batch_keys(batch) == ("segment_ids", "positions", "weights")
     assert batch_keys((np.zeros(2), np.zeros(2))) == () and batch_keys(np.zeros(3)) == ()
+
+
+def _grad(ratio: float, rel: float, kind: str = "grad") -> LeafError:
+    return LeafError(
+        step=0,
+        kind=kind,
+        path="head.kernel",
+        max_abs_err=0.000233,
+        max_rel_err=rel,
+        tolerance=4.64e-06,
+        ok=False,
+        ratio=ratio,
+        spread=(ratio, ratio),
+    )
+
+
+def test_a_ratio_that_explains_too_little_of_the_error_is_said_with_its_digits_as_no_constant_factor():
+    said = _detail(_grad(0.99996, 0.00261))  # trial 44: "(... > tolerance 4.64e-06, ratio 1)"
+    assert "ratio 1," not in said and not said.endswith("ratio 1"), said
+    assert "no constant factor: its ratio 0.99996 moves it by 4e-05 of its largest value" in said, said
+    assert "its error is 0.0026 of it" in said, said
+    # the other side: a ratio that is the error's own factor keeps its plain reading
+    assert _detail(_grad(0.5, 0.5)).endswith("ratio 0.5"), _detail(_grad(0.5, 0.5))
+    assert _detail(_grad(0.9974, 0.00261)).endswith("ratio 0.9974")

@@ -730,11 +730,50 @@ def _detail(worst: LeafError, ratio: bool = True) -> str:
     ratio = (
         ""
         if worst.ratio is None or not ratio
+        else _unexplaining_ratio(worst)
+        if constant_ratio(worst) and _ratio_short(worst)
         else f", {ratio_label(worst)} {worst.ratio:.4g}"
         if constant_ratio(worst)
         else f", {spread_phrase(worst)}"
     )
     return f"{worst.name}: max abs err {worst.max_abs_err:.3g} > tolerance {worst.tolerance:.3g}{ratio}"
+
+
+def _ratio_short(e: LeafError) -> bool:
+    """Whether a failing gradient's or loss's ratio is no factor that explains its error: a factor r moves the
+    leaf by ``|r - 1|`` of its largest value, and its measured error (``max_rel_err``, of that value) is over twice that (trial
+    44: a gradient 50x past its tolerance, relative error 2.6e-3, printed "ratio 1")."""
+    r, rel = e.ratio, e.max_rel_err
+    return (
+        not e.ok
+        and e.kind in ("grad", "loss")  # a ratio of values, as max_rel_err is (not of an update's change)
+        and e.samples != 0
+        and r is not None
+        and math.isfinite(r)
+        and math.isfinite(rel)
+        and rel > 0
+        and abs(r - 1.0) < 0.5 * rel
+    )
+
+
+def _ratio_digits(r: float) -> str:
+    """``r`` with the fewest digits (4 or more) that tell it from 1: ``0.99974`` where ``:.4g`` says ``1``."""
+    for digits in range(4, 10):
+        text = f"{r:.{digits}g}"
+        if float(text) != 1.0 or r == 1.0:
+            return text
+    return f"{r:.10g}"
+
+
+def _unexplaining_ratio(e: LeafError) -> str:
+    """``", no constant factor: its ratio 0.99996 moves it by 4e-05 of its largest value, its error is 0.0026 of
+    it"``: the ratio of a leaf that :func:`_ratio_short` finds explains too little of its error to be read as
+    the leaf's factor."""
+    r = e.ratio
+    return (
+        f", no constant factor: its {ratio_label(e)} {_ratio_digits(r)} moves it by {abs(r - 1.0):.2g} of its "
+        f"largest value, its error is {e.max_rel_err:.2g} of it"
+    )
 
 
 Finding = list[Diagnosis] | Diagnosis | None
