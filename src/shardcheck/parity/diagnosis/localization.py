@@ -548,14 +548,22 @@ def localize(
         quiet = rounding_params((*record.rounding_level, *record.unresolved))
         applied = {e.path for e in record.leaves if e.kind == "param" and not e.ok}
         group = _group(bad, leaves, facts or {}, params, quiet, applied)
+        later = [
+            e for e in record.leaves if not e.ok and e.kind in ("param", "opt_state", "counter", "state")
+        ]
+        later = [e for e in later if e not in bad]  # the failing leaves of the stages after the forward pass
         if first.stage == "forward":
-            group = forward_group(by_stage["gradients"] or [], facts or {}) or group
+            group = (
+                forward_group(by_stage["gradients"] or [], facts or {}) or _loss_alone(bad, later) or group
+            )
         update = first.stage not in ("forward", "gradients")  # a loss and a gradient are values, not updates
         fitted = None if all(e.kind == "state" for e in bad) else dict(record.forms).get(first.stage)
         form = fitted or form_from_leaves(bad, update=update, optimizer_stage=first.stage == "optimizer")
         form = checked_form(form, first.stage, bad, leaves, record, num_shards)
         if first.stage == "forward":
-            form = forward_form(form, bad, by_stage["gradients"])
+            form = forward_form(
+                form, bad, by_stage["gradients"], reduced=reduced_reading(record), later=later
+            )
         form = (
             _unreadable_form(bad)
             or _state_step_form(bad, records)
@@ -881,8 +889,59 @@ SPLIT_WHY = (
 )
 
 
+# the faulty reductions of StepRecord.matches that normalize the loss another way (the same function of the
+# parameters, weighed otherwise across the shards or micro-batches)
+NORMALIZED_AS = ("per_shard_mean", "per_shard_loss", "per_shard_loss_value", "per_micro_mean")
+
+
+def reduced_reading(record: StepRecord) -> str:
+    """What a forward stage whose gradients differ by no one factor is, where the record names a reduction:
+    ``"the loss is normalized another way across the shards (the normalization named below)"`` where the step
+    reproduces a per-shard or per-micro-batch normalization (``matches``, ``per_shard_factor``, ``micro_means``);
+    ``"the loss or its gradients are reduced another way across the shards (the reduction named below)"`` where
+    replicated copies differ; ``""`` otherwise (trial 44: a loss 0.9985 x the reference's through a per-shard
+    normalization read "the forward pass computes another function of the parameters")."""
+    if set(record.matches) & set(NORMALIZED_AS) or record.per_shard_factor or record.micro_means:
+        return "the loss is normalized another way across the shards (the normalization named below)"
+    if record.replica_mismatches:
+        return (
+            "the loss or its gradients are reduced another way across the shards (the reduction named below)"
+        )
+    return ""
+
+
+def _loss_alone(bad: list[LeafError], later: list[LeafError]) -> str:
+    """The forward stage's group where its one failing leaf is the loss, no gradient was observed, and leaves of
+    later stages fail too: the loss named as this stage's, never "only loss differs" beside a Stages list whose
+    optimizer state, parameters or counters differ (trial 44: an optimizer stepped per micro-batch); ``""``
+    otherwise."""
+    if len(bad) != 1 or bad[0].kind != "loss" or not later:
+        return ""
+    kinds = words_and(sorted({GROUP_WORDS.get(e.kind, e.kind) for e in later}))
+    return (
+        f"the loss, the forward stage's one leaf, differs (the gradients were not observed); {kinds} leaves of the "
+        "later stages differ too (the Stages list)"
+    )
+
+
+def _later_agree(f: float, later: list[LeafError]) -> bool:
+    """Whether every failing leaf of the stages after the forward pass is ``f`` x the reference's, one factor
+    across its elements (a loss factor with no gradient observed is then more than one scalar's ratio); ``True``
+    where none fails."""
+    from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, one_factor_across
+
+    return all(
+        e.ratio is not None and one_factor_across(e) and abs(e.ratio - f) <= RATIO_RTOL * abs(f)
+        for e in later
+    )
+
+
 def forward_form(
-    form: Form | None, bad: list[LeafError], grads: list[LeafError] | None = None
+    form: Form | None,
+    bad: list[LeafError],
+    grads: list[LeafError] | None = None,
+    reduced: str = "",
+    later: list[LeafError] | None = None,
 ) -> Form | None:
     """A forward stage's constant factor said of what it scales, never of an update (no optimizer step, no
     learning rate): the loss at equal parameters (``"... : the loss at equal parameters is 4 x the reference's"``
@@ -898,6 +957,10 @@ def forward_form(
         form: the forward stage's form (fitted with ``update=False``), or ``None``.
         bad: the forward stage's failing leaves (the loss, ``counter model.*``).
         grads: the gradient leaves of the step (``None`` or empty: not observed).
+        reduced: :func:`reduced_reading` of the step: where set, gradients that differ by no one factor are said
+            as it, not as "another function of the parameters" (the function is the same, weighed otherwise).
+        later: the failing leaves of the stages after the forward pass: with no gradient observed, the loss's
+            ratio (one scalar) is said as a factor only where they all carry it too (:func:`_later_agree`).
     """
     if form is not None and form.kind == "zero" and bad and all(e.kind == "counter" for e in bad):
         names = ", ".join(sorted(e.path for e in bad))
@@ -921,7 +984,20 @@ def forward_form(
         return dataclasses.replace(form, sentence=f"{head}: {meaning}")
     scaled = whole_loss_factor(grads or [])
     if f"{f:.4g}" == "1":  # a factor that prints as 1 is no scale: the loss's relative difference is said
-        return _loss_nudged(form, f, grads or [])
+        return _loss_nudged(form, f, grads or [], reduced)
+    if not grads and not _later_agree(
+        f, later or []
+    ):  # one scalar's ratio, which the later stages do not carry
+        return dataclasses.replace(
+            form,
+            kind="none",
+            sentence=f"the loss at equal parameters is {f:.4g} x the reference's, the ratio of one scalar: no "
+            "factor is read from it (the gradients were not observed, and the later stages that differ do not "
+            f"carry {f:.4g}); its scale, its normalization or one of its terms differs, or it is combined another "
+            "way (a mean of micro-batch or shard means)",
+            factor=None,
+            spread=None,
+        )
     if not grads:
         why = "its scale, its normalization or one of its terms differs (the gradients were not observed)"
     elif all(e.ok for e in grads):
@@ -943,10 +1019,8 @@ def forward_form(
             "normalization differs (a sum for a mean, another count or divisor, a loss scale not undone)"
         )
     elif scaled is None and all(at_rounding(e) for e in grads if e.ok):
-        why = (
-            f"{_every_gradient(grads)} differs, by no one factor: the forward pass computes another function of "
-            "the parameters, not a scaled loss"
-        )
+        function = reduced or "the forward pass computes another function of the parameters"
+        why = f"{_every_gradient(grads)} differs, by no one factor: {function}, not a scaled loss"
     elif scaled is None and tolerance_split(grads) is not None:
         why = SPLIT_WHY
     elif scaled is None:
@@ -982,7 +1056,7 @@ def _near_factor(grads: list[LeafError], f: float) -> tuple[float, float] | None
     return min(ratios), max(ratios)
 
 
-def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:
+def _loss_nudged(form: Form, f: float, grads: list[LeafError], reduced: str = "") -> Form:
     """A loss at equal parameters whose ratio to the reference's prints as 1 to 4 digits (``|f - 1| < 5e-4``):
     said by its relative difference (``"the loss at equal parameters differs by 7.6e-05 of its value (above the
     reference's): not a scale of the loss; ..."``) and what the gradients show, never as "1 x the reference's";
@@ -1001,9 +1075,8 @@ def _loss_nudged(form: Form, f: float, grads: list[LeafError]) -> Form:
             "active rows agree here, such as PPO's clip epsilon)"
         )
     elif all(at_rounding(e) for e in grads if e.ok):
-        why = (
-            f"{_every_gradient(grads)} differs: the forward pass computes another function of the parameters"
-        )
+        function = reduced or "the forward pass computes another function of the parameters"
+        why = f"{_every_gradient(grads)} differs: {function}"
     elif tolerance_split(grads) is not None:
         why = SPLIT_WHY
     else:
