@@ -9,6 +9,10 @@ diagnosed by the same code as a live check, and reads what trial 39's live readi
 2. ``optax.clip_by_global_norm`` applied to each shard's gradient before the pmean: live ``clip_per_shard``; the
    replay read "localized ... no simple form": it reruns the hypothesis from the pre-step state it shares with
    the recording (step 0), as live.
+3. a counter only the step advances (the target's sync count), advanced twice a step: live and replayed it read
+   "The step runs the forward pass 2 times a step", "the forward pass ran 2 times a step", although the task's loss
+   neither reads nor writes it: both blame the step (the recording keeps the counters the loss touches,
+   ``meta["counters_touched"]``).
 4. ``Diagnosis.code``'s docstring lists docs/parity.md's codes table, and every code the source gives is in it.
 """
 
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import require_devices
-from test_trial39_sync import _task, make_step, mesh  # noqa: F401  (mesh: the data=2 fixture)
+from test_trial39_sync import _task, make_step, mesh, ref_step  # noqa: F401  (mesh: the data=2 fixture)
 
 import shardcheck
 from shardcheck import check_parity
@@ -63,8 +67,8 @@ def test_a_replayed_target_written_as_the_psum_of_its_replicas_is_said_as_the_ax
 def test_a_replayed_clip_applied_to_each_shards_gradient_is_named(mesh):  # noqa: F811
     """Recorded: the clip (0.5) left to the task's optimizer. Replayed, each shard's gradient clipped before the
     pmean FAILs at step 0 as ``clip_per_shard`` (was ``localized``, "no simple form read from the records"), the
-    ratio's spread read from its recorded samples; the correct step replayed PASSes; gradients psum-ed (no clip per
-    shard) are not said so."""
+    ratio's spread read from its recorded samples; the correct step replayed PASSes (gradients psum-ed, no clip per
+    shard, are not said so: the same code as live, tests/test_trial39_sync.py)."""
     task = _task(clip=0.5)
     recorded = record_run(task, make_step(), mesh=mesh)
     report = check_parity(make_step("clip_per_shard", clip=0.5), task, mesh=mesh, reference=recorded)
@@ -78,8 +82,38 @@ def test_a_replayed_clip_applied_to_each_shards_gradient_is_named(mesh):  # noqa
     )
     assert "a clip applied per shard (before the all-reduce)" in msg
     assert check_parity(make_step(), task, mesh=mesh, reference=recorded).ok
-    summed = check_parity(make_step("psum"), task, mesh=mesh, reference=recorded)
-    assert not summed.ok and "clip_per_shard" not in summed.codes
+
+
+# ------------------------------------------------------------------- 3. a step's own counter advanced twice
+
+
+def _says_the_step_advanced_it(report) -> None:
+    assert not report.ok and report.codes[0] == "model_state", report.codes
+    msg = report.diagnoses[0].message
+    assert msg.startswith(
+        "The model's state steps (not a parameter: an nnx.Variable counter the step advances itself; the task's "
+        "loss neither reads nor writes it) differs from the reference's step's after 1 step(s) (max abs err 1): it "
+        "is 2 times the reference's. The step advances it 2 times a step"
+    ), msg
+    assert "forward pass 2 times" not in str(report) and "forward pass ran" not in str(report)
+    where = report.localization
+    assert where.step == 0 and where.stage == "parameters", (where.step, where.stage)
+    assert where.form.sentence.startswith(
+        "a factor 2: the step's own counter model.steps (the task's loss neither reads nor writes it) is 2 x the "
+        "reference's: the step advanced it 2 times a step"
+    ), where.form.sentence
+
+
+@require_devices(2)
+def test_a_counter_only_the_step_advances_advanced_twice_blames_the_step_live_and_replayed(mesh, recording):  # noqa: F811
+    """The sync count advanced by 2 a step FAILs at step 0 on ``counter model.steps``, live (the user's reference)
+    and replayed, as the step's own counter advanced twice (was "The step runs the forward pass 2 times a step",
+    Form "the forward pass ran 2 times a step", stage the forward pass): the recording keeps the counters the loss
+    touches (none here)."""
+    assert recording.meta["counters_touched"] == []
+    task = _task()
+    _says_the_step_advanced_it(check_parity(make_step("count_twice"), task, mesh=mesh, reference=ref_step))
+    _says_the_step_advanced_it(check_parity(make_step("count_twice"), task, mesh=mesh, reference=recording))
 
 
 # ------------------------------------------------------------------- 4. the codes, listed alike

@@ -1402,6 +1402,10 @@ def _records(
     meta = pair.recording.meta
     written = written_paths(meta, pair.replayed.meta)  # the forward pass's writes, as a live record's
     forward_writes = None if written is None else frozenset("model." + p for p in written)
+    touched = next(
+        (m["counters_touched"] for m in (meta, pair.replayed.meta) if "counters_touched" in m), None
+    )
+    counters = None if touched is None else frozenset("model." + p for p in touched)  # as live's
     out = []
     for t in range(-1, steps):
         at_t = [e for e in leaves if e.step == t]
@@ -1434,6 +1438,7 @@ def _records(
                 replica_mismatches=mismatches,
                 replica_axes=axes,
                 forward_writes=forward_writes,
+                loss_counters=counters,
             )
         )
     return tuple(out)

@@ -221,6 +221,11 @@ class StepRecord:
             after the update), so its difference is the step's, not the forward pass's (trial 37). ``None`` where
             not known (an older recording, a loss that cannot be traced): every written leaf counts as the forward
             pass's.
+        loss_counters: the model's integer state (``counter model.<path>`` leaves, named as those are) that the
+            task's loss, run alone on the model, reads or writes (live: ``model_state.loss_counters``; a replay's:
+            the recording's ``counters_touched``): a failing model counter outside it is advanced by the step
+            itself (a target network's sync count), not by its forward pass. ``None`` where not known (an older
+            recording, a loss that cannot be traced): every model counter counts as the forward pass's.
         per_shard_factor: where the step reproduces the mean of per-shard means (``matches``) and returned
             gradients c times that mean's gradient, c other than 1 (c = S: the per-shard means were summed, a psum
             where a pmean was due); ``None`` otherwise (c = 1, or no gradients returned).

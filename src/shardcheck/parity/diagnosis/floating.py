@@ -59,7 +59,10 @@ def _is(paths: set[str]) -> str:
 def step_written(record: StepRecord, e: LeafError) -> bool:
     """Whether ``e``, a ``state`` leaf the reference's step writes, is written by the step and not by its forward
     pass: the task's loss run alone does not write it (``StepRecord.forward_writes``; ``False`` where that is not
-    known)."""
+    known); or ``e`` is a model counter (``counter model.<path>``) the task's loss neither reads nor writes
+    (``StepRecord.loss_counters``: a step count the step keeps for a target network's sync)."""
+    if e.kind == "counter" and e.path.startswith("model."):
+        return record.loss_counters is not None and e.path not in record.loss_counters
     written = record.forward_writes
     return e.kind == "state" and bool(e.reference_change) and written is not None and e.path not in written
 

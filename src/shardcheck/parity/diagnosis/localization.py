@@ -350,13 +350,17 @@ def stage_leaves(record: StepRecord) -> dict[str, list[LeafError] | None]:
     kinds: dict[str, list[LeafError]] = {
         k: [] for k in ("loss", "grad", "param", "opt_state", "counter", "state")
     }
-    model = []
+    model, stepped = [], []  # the model's counters: the forward pass's, and those only the step advances
     for e in record.leaves:
-        (model if e.kind == "counter" and e.path.startswith("model.") else kinds[e.kind]).append(e)
+        if e.kind == "counter" and e.path.startswith("model."):
+            (stepped if step_written(record, e) else model).append(e)
+        else:
+            kinds[e.kind].append(e)
     rerun = record.optimizer_rerun
     # floating model state the reference left as it was is written by an update, not by the forward pass; so is
-    # state the task's loss does not write (an EMA the step keeps after its update: trial 37)
-    updated = [e for e in kinds["state"] if e.reference_change == 0.0 or step_written(record, e)]
+    # state the task's loss does not write (an EMA the step keeps after its update: trial 37), and a counter it
+    # neither reads nor writes (a target network's sync count)
+    updated = stepped + [e for e in kinds["state"] if e.reference_change == 0.0 or step_written(record, e)]
     model += [e for e in kinds["state"] if e not in updated]
     return {
         "forward": kinds["loss"] + model,
@@ -370,10 +374,57 @@ def stage_leaves(record: StepRecord) -> dict[str, list[LeafError] | None]:
 
 def step_state(bad: Sequence[LeafError], record: StepRecord) -> str:
     """Where every failing leaf of the parameters stage is state the step writes after its forward pass
-    (:func:`step_written`), those leaves in short (``"model.ema.* (16 leaves)"``); ``""`` otherwise."""
-    if not bad or not all(step_written(record, e) for e in bad):
+    (:func:`step_written`), those leaves in short (``"model.ema.* (16 leaves)"``); ``""`` otherwise. Beside a
+    counter only the step advances, state the task's loss does not write counts as the step's too (a target
+    network's copy synced on that counter)."""
+    counted = any(e.kind == "counter" for e in bad)
+    if not bad or not all(step_written(record, e) or (counted and _not_loss_written(record, e)) for e in bad):
         return ""
     return families({e.path for e in bad})
+
+
+def _not_loss_written(record: StepRecord, e: LeafError) -> bool:
+    """``e`` is floating state the task's loss does not write (``StepRecord.forward_writes`` known)."""
+    return e.kind == "state" and record.forward_writes is not None and e.path not in record.forward_writes
+
+
+def _state_form(
+    bad: list[LeafError], record: StepRecord, records: Sequence[StepRecord], num_shards: int | None
+) -> Form | None:
+    """The form of failing model state the records read (:func:`_step_counter_form`, :func:`_state_step_form`,
+    :func:`_state_factor_form`, the first that holds), else ``None``."""
+    return (
+        _step_counter_form(bad, record)
+        or _state_step_form(bad, records)
+        or _state_factor_form(bad, num_shards, record.replayed)
+    )
+
+
+def _step_counter_form(bad: list[LeafError], record: StepRecord) -> Form | None:
+    """The form of a counter the step advances itself (:func:`step_written`: the task's loss neither reads nor
+    writes it) that is a whole k >= 2 times the reference's: ``"a factor 2: the step's own counter model.steps is
+    2 x the reference's: the step advanced it 2 times a step"`` (trial 39: read as the forward pass's, "the
+    forward pass ran 2 times a step"), with the state written at other steps beside it; ``None`` otherwise."""
+    counters = [e for e in bad if e.kind == "counter" and step_written(record, e)]
+    if not counters or counters[0].ratio is None:
+        return None
+    f = counters[0].ratio
+    k = round(f)
+    if k < 2 or abs(f - k) > 1e-9:
+        return None
+    names = ", ".join(sorted(e.path for e in counters))
+    state = sorted(e.path for e in bad if e.kind == "state")
+    were = "was" if len(state) == 1 else "were"
+    beside = (
+        f"; the state {families(set(state))} {were} written at other steps, on its schedule" if state else ""
+    )
+    return Form(
+        "factor",
+        f"a factor {k}: the step's own counter {names} (the task's loss neither reads nor writes it) is {k} x the "
+        f"reference's: the step advanced it {k} times a step{beside}",
+        factor=float(k),
+        leaves=len(bad),
+    )
 
 
 def _step_written_form(form: Form | None) -> Form | None:
@@ -564,12 +615,7 @@ def localize(
             form = forward_form(
                 form, bad, by_stage["gradients"], reduced=reduced_reading(record), later=later
             )
-        form = (
-            _unreadable_form(bad)
-            or _state_step_form(bad, records)
-            or _state_factor_form(bad, num_shards, record.replayed)
-            or form
-        )
+        form = _unreadable_form(bad) or _state_form(bad, record, records, num_shards) or form
     written = step_state(bad, record) if first.stage == "parameters" else ""
     form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None

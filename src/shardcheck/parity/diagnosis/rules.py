@@ -1000,10 +1000,14 @@ def _of_model(e: LeafError) -> bool:
 
 def model_state(ctx: DiagnosisContext) -> Finding:
     """``model_state``: an integer leaf of the model's own state (an ``nnx.Variable`` counter its forward pass
-    writes) is not the single-device step's."""
-    fail = next((e for r in ctx.records for e in r.leaves if _of_model(e) and not e.ok), None)
-    if fail is None:
+    writes) is not the single-device step's; one the task's loss neither reads nor writes (:func:`step_written`:
+    a target network's sync count) is said as the step's own (:func:`_step_counter`)."""
+    found = next(((r, e) for r in ctx.records for e in r.leaves if _of_model(e) and not e.ok), None)
+    if found is None:
         return None
+    record, fail = found
+    if step_written(record, fail):
+        return _step_counter(fail)
     path = fail.path.removeprefix("model.")
     head = (
         f"The model's state {path} (not a parameter: an nnx.Variable its forward pass writes) differs from the "
@@ -1024,6 +1028,29 @@ def model_state(ctx: DiagnosisContext) -> Finding:
         )
     else:
         why = "; the step must write it as one forward pass over the full batch does."
+    return Diagnosis("model_state", head + why, fail.name)
+
+
+def _step_counter(fail: LeafError) -> Diagnosis:
+    """``model_state`` of a counter the step advances itself, outside its forward pass (the task's loss neither
+    reads nor writes it: a step count kept for a target network's sync; trial 39: a count advanced twice a step
+    read "The step runs the forward pass 2 times a step")."""
+    path = fail.path.removeprefix("model.")
+    head = (
+        f"The model's state {path} (not a parameter: an nnx.Variable counter the step advances itself; the task's "
+        f"loss neither reads nor writes it) differs from the reference's step's after {fail.step + 1} step(s) "
+        f"(max abs err {fail.max_abs_err:.6g})"
+    )
+    if fail.ratio is not None and fail.ratio >= 2 and abs(fail.ratio - round(fail.ratio)) < 1e-9:
+        k = round(fail.ratio)
+        why = (
+            f": it is {k} times the reference's. The step advances it {k} times a step (an increment of {k}, or "
+            "one made twice), not its forward pass; advance it once per step, as the reference's step does."
+        )
+    elif fail.ratio == 0:
+        why = ": the step left it as it was (its increment dropped, or undone); advance it as the reference's does."
+    else:
+        why = "; the step must advance it as the reference's step does."
     return Diagnosis("model_state", head + why, fail.name)
 
 

@@ -447,9 +447,11 @@ def _floating_before(run: _Run) -> None:
 def _failing_record(run: _Run, record: StepRecord, after: _After, cand_grads) -> StepRecord:
     """A failing ``record`` with its replica evidence (:func:`_with_replicas`) and the model's floating state the
     task's loss writes (``StepRecord.forward_writes``: state the reference's step writes otherwise is the
-    step's own, not the forward pass's)."""
+    step's own, not the forward pass's), and the counters it reads or writes (``StepRecord.loss_counters``)."""
     record = _with_replicas(record, after, cand_grads)
-    return dataclasses.replace(record, forward_writes=run.state_written)
+    touched = run.counters_touched
+    counters = None if touched is None else frozenset(PREFIX + p for p in touched)
+    return dataclasses.replace(record, forward_writes=run.state_written, loss_counters=counters)
 
 
 def _against_the_bound_first(args: tuple, bounds, exact: bool):

@@ -46,7 +46,7 @@ from shardcheck.parity.comparison.live import (
     replicated_leaves,
 )
 from shardcheck.parity.comparison.model_state import PREFIX as MODEL_PREFIX
-from shardcheck.parity.comparison.model_state import floating_arrays, loss_access, model_state
+from shardcheck.parity.comparison.model_state import floating_arrays, loss_access, loss_counters, model_state
 from shardcheck.parity.comparison.rng_counts import rng_count_arrays
 from shardcheck.parity.diagnosis.topology import mismatch_axes
 from shardcheck.parity.harness.candidates import as_candidate, run_step
@@ -160,7 +160,10 @@ class Recording:
             absent from older recordings: no count compared), ``floating_read`` and ``floating_written`` (the
             dotted paths of the model's floating state the task's loss reads and its forward pass writes,
             :func:`~shardcheck.parity.comparison.model_state.loss_access`; ``None`` where undecidable; absent
-            from older recordings: the replayed run's stand).
+            from older recordings: the replayed run's stand), ``counters_touched`` (the dotted paths of the
+            model's integer state the task's loss reads or writes,
+            :func:`~shardcheck.parity.comparison.model_state.loss_counters`; ``None`` where undecidable; absent
+            from older recordings: every counter counts as the forward pass's).
         names: the L leaf names: ``"loss"``, ``"grad <path>"``, ``"param <path>"``, ``"opt_state <path>"``,
             ``"counter <path>"`` (integer leaves; ``"counter step"`` the optimizer's step).
         shapes: each leaf's shape; dtypes: each leaf's dtype name.
@@ -568,8 +571,9 @@ def record_run(
     _check_name(name)
     num_shards = check_options(fn, rtol=None, atol=None, accept_weak=False, mesh=mesh, num_shards=num_shards)
     model, optimizer, data, cand, mesh, drawn = _start(fn, task, candidate, steps, num_shards, mesh, name)
-    # the floating state the loss reads and the state its forward pass writes (before any step)
-    reads, writes = loss_access(task.loss_fn, model, data[0])
+    # the floating state the loss reads and the state its forward pass writes, the counters it touches (before
+    # any step)
+    touched = _loss_touches(task.loss_fn, model, data[0])
     policy, compute = _precision(fn, task, model, data[0], mesh, matmul_precision, compute_dtype)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
     indices: dict[str, np.ndarray] = {}
@@ -608,10 +612,23 @@ def record_run(
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta.update(matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
     recording.meta.update(normalized=normalized_params(task, model), replicas=replicas)
-    recording.meta["floating_read"] = None if reads is None else sorted(reads)  # model_state.loss_access
-    recording.meta["floating_written"] = None if writes is None else sorted(writes)
+    recording.meta.update(touched)
     _keep_gradients(recording.meta, len(data), truth, least, noise)
     return recording
+
+
+def _loss_touches(loss_fn, model, batch) -> dict:
+    """What the task's loss touches of the model's state, as the recording's metadata keeps it (sorted dotted
+    paths, ``None`` where undecidable): ``floating_read`` and ``floating_written``
+    (:func:`~shardcheck.parity.comparison.model_state.loss_access`), ``counters_touched`` (the integer state it
+    reads or writes, :func:`~shardcheck.parity.comparison.model_state.loss_counters`)."""
+    reads, writes = loss_access(loss_fn, model, batch)
+    found = {
+        "floating_read": reads,
+        "floating_written": writes,
+        "counters_touched": loss_counters(loss_fn, model, batch),
+    }
+    return {k: None if v is None else sorted(v) for k, v in found.items()}
 
 
 def _check_name(name) -> None:
