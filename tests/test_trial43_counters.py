@@ -9,10 +9,13 @@ fsdp=2): a counter whose dtype the step changed.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import require_devices
 from flax import nnx
 
 from shardcheck import Candidate, Task, check_parity
@@ -94,3 +97,86 @@ def test_a_counter_converted_to_float_fails_replayed_named_as_converted():
     text = " ".join(d.message for d in report.diagnoses)
     assert "1.0.count is float32 in the candidate, int32 in the reference: " + CONVERTED in text, text
     assert "is recorded but this run has none" not in text
+
+
+# ------------------------------------------------------- a bfloat16 all-reduce, live and replayed (findings 2, 3)
+
+
+def _reduce_in(dtype):
+    """The user's shard_map step on a ``data`` mesh: each shard's gradient of its rows' share of the batch mean,
+    gathered and summed in ``dtype`` (bfloat16: an all-reduce in bfloat16)."""
+    from jax.sharding import PartitionSpec as P
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
+        def loss_and_grads(params, batch):
+            params = jax.lax.pcast(params, "data", to="varying")
+            rows = jax.lax.psum(batch["x"].shape[0], "data")
+
+            def local(p):
+                out = nnx.merge(graphdef, p, rest)(batch["x"])
+                return jnp.sum((out - batch["y"]) ** 2) / (rows * 2)
+
+            loss, grads = jax.value_and_grad(local)(params)
+
+            def reduce(g):
+                parts = jax.lax.all_gather(g.astype(dtype), "data")
+                total = parts[0]
+                for i in range(1, parts.shape[0]):
+                    total = (total + parts[i]).astype(dtype)
+                return total.astype(g.dtype)[None]
+
+            return jax.lax.psum(loss, "data"), jax.tree.map(reduce, grads)
+
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+        loss, stacked = loss_and_grads(params, batch)
+        grads = jax.tree.map(lambda a: a[0], stacked)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+def _adam_task() -> Task:
+    rng = np.random.default_rng(7)
+    batches = [
+        {"x": rng.normal(size=(32, 6)).astype(np.float32), "y": rng.normal(size=(32, 2)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    return Task(model=MLP, optimizer=optax.adam(1e-3), loss_fn=_loss, batches=batches, name="trial43-bf16")
+
+
+@require_devices(4)
+def test_a_bf16_all_reduce_says_the_gradients_differ_not_the_update():
+    import shardcheck
+
+    mesh = shardcheck.make_mesh(4)
+    task = _adam_task()
+    assert check_parity(_reduce_in(jnp.float32), task, mesh=mesh, num_shards=4).ok  # the other side
+    bad = check_parity(_reduce_in(jnp.bfloat16), task, mesh=mesh, num_shards=4)
+    assert not bad.ok and "low_precision_reduction" in bad.codes, str(bad)
+    said = next(d.message for d in bad.diagnoses if d.code == "low_precision_reduction")
+    assert said.startswith(
+        "At step 0 the gradients differ from the reference by about bfloat16's rounding"
+    ), said
+
+
+@require_devices(4)
+def test_a_bf16_all_reduce_is_named_replayed_as_live():
+    import shardcheck
+    from shardcheck.parity.harness.recorded import record_run
+
+    mesh = shardcheck.make_mesh(4)
+    task = _adam_task()
+    recording = record_run(task, _reduce_in(jnp.float32), mesh=mesh, num_shards=4)
+    good = check_parity(_reduce_in(jnp.float32), task, mesh=mesh, num_shards=4, reference=recording)
+    assert good.ok and "low_precision_reduction" not in good.codes  # the other side
+    bad = check_parity(_reduce_in(jnp.bfloat16), task, mesh=mesh, num_shards=4, reference=recording)
+    assert not bad.ok and "low_precision_reduction" in bad.codes, str(bad)
+    said = next(d.message for d in bad.diagnoses if d.code == "low_precision_reduction")
+    assert said.startswith(
+        "At step 0 the gradients differ from the reference by about bfloat16's rounding"
+    ), said

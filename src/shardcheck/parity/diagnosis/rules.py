@@ -2031,9 +2031,13 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
         return None
     if _fitted_form(ctx.first, [e for e in ctx.first.leaves if not e.ok]) is not None:
         return None
+    # the gradients where they are returned and differ (trial 43 said "the update differs" beside "the
+    # optimizer's update from equal inputs: matches"); the update where it alone shows the difference
+    grads = any(e.kind == "grad" and not e.ok for e in ctx.first.leaves)
+    what = "the gradients differ" if grads else "the update differs"
     return Diagnosis(
         "low_precision_reduction",
-        f"At step {ctx.first.step} the update differs from the reference by about bfloat16's rounding of the "
+        f"At step {ctx.first.step} {what} from the reference by about bfloat16's rounding of the "
         "shard gradients (within 2 eps_bf16 sqrt(S) sum_s |g_s|), not by a factor, while the model computes its "
         "gradients in float32: the gradients were likely all-reduced in bfloat16 (read from the error's size "
         "alone: another change that small, such as a small term of the loss computed another way, reads the "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -392,6 +393,8 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
             matches = ("per_shard_loss_value",)
         elif clipped_per_shard(task.loss_fn, task.optimizer, num_shards, before[:3], data[t], record, grads):
             matches = ("clip_per_shard",)  # each shard's gradient clipped before the mean, as live
+    if not matches and _bf16_reduction(record, task, num_shards, before, data[t], grads):
+        matches = ("bf16_reduction",)  # off by a bfloat16 all-reduce's rounding, as live (trial 43)
     matches += _scale_blind(record, task, num_shards, params, state, grads)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
@@ -406,6 +409,68 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     # inject_hyperparams state), or its schedule at the count before the step (issue #36)
     lr = known_lr(rerun[1], task.optimizer, params)
     return compared, matches, (*arrays, lr, quiet), fields
+
+
+def _bf16_reduction(record, task: Task, num_shards, before, batch, grads) -> bool:
+    """Whether ``record``'s failing leaves are each within a bfloat16 all-reduce's rounding of the gradients, as
+    the live check's hypothesis reads it (:func:`~shardcheck.parity.diagnosis.hypotheses._low_precision_reduction`):
+    the bound ``2 eps_bf16 sqrt(S) sum_s |g_s| / W`` per gradient element, from the task's loss on each shard of
+    ``batch`` at the candidate's pre-step ``before = (graphdef, params, rest, state)``, propagated through the
+    task's optimizer on the candidate's returned ``grads``; each digest's error against its own tolerance widened
+    by that bound in the digest's own measure (``tolerance / (atol + rtol max|x|)``: a norm's is its size's square
+    root), and one at least 1/64 of it (bfloat16's scale, not float32's). ``False`` where the loss differs (no
+    reduction changes the forward pass), no gradients were returned, the model computes in less than float32
+    (its matmul operands: a bfloat16 model's own rounding reads the same), or the model does not run on a
+    shard."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state, host_tree
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild
+    from shardcheck.parity.tolerance.allowances import _shard_magnitude
+    from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
+    from shardcheck.parity.tolerance.precision import traced_compute_dtype
+    from shardcheck.parity.tolerance.propagation import grad_delta, update_sensitivity
+
+    s = num_shards
+    if grads is None or not s or s < 2 or any(e.kind == "loss" and not e.ok for e in record.leaves):
+        return False
+    graphdef, params, rest, state = before
+    try:
+        least = traced_compute_dtype(task.loss_fn, nnx.merge(graphdef, params, rest), batch)
+        if least is not None and jnp.finfo(least).bits < 32:
+            return False
+        magnitude, _, _ = _shard_magnitude(task.loss_fn, s, graphdef, params, rest, batch)
+    except (TypeError, ValueError):  # a model that does not run on a shard: no hypothesis of its shards
+        return False
+    grads = _rebuild(params, flatten_state(nnx.as_pure(grads)))
+    if grads is None:
+        return False
+    bound = 2.0 * float(jnp.finfo(jnp.bfloat16).eps) * math.sqrt(s)
+    delta = grad_delta(grads, magnitude, record.rtol, record.atol, bound)
+    try:
+        updates, states, _ = update_sensitivity(task.optimizer, grads, state, params, delta)
+    except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params)
+        return False
+    allowed = {
+        "grad": {k: bound * v for k, v in host_tree(magnitude).items()},
+        "param": host_tree(updates),
+        "opt_state": host_tree(states),
+    }
+    used = []
+    for e in record.leaves:
+        if e.ok:
+            continue
+        if e.kind not in allowed:
+            return False
+        extra = float(np.max(allowed[e.kind].get(e.path, np.inf), initial=0.0))
+        rtol = record.rtol * (MOMENT_FACTOR if e.kind == "opt_state" else 1.0)
+        atol = record.atol * (MOMENT_FACTOR if e.kind == "opt_state" else 1.0)
+        top = e.max_abs_err / e.max_rel_err if e.max_rel_err and math.isfinite(e.max_rel_err) else 0.0
+        measure = max(e.tolerance / (atol + rtol * top), 1.0) if atol + rtol * top > 0 else 1.0
+        if not (math.isfinite(extra) and e.max_abs_err <= e.tolerance + measure * extra):
+            return False
+        used.append(e.max_abs_err / max(measure * extra, 1e-30))
+    return bool(used) and max(used) > 1 / 64
 
 
 def _rerun_from(task: Task, params, state, grads):
