@@ -173,7 +173,10 @@ def test_the_rounding_level_note_says_the_adam_clause_only_where_the_optimizer_n
         said[normalized] = next(d.message for d in diagnose([record], 2) if d.code == "rounding_level")
     assert "(this optimizer is linear in the gradient, so the update is noise-sized)" in said[()]
     assert "Adam" not in said[()]
-    assert "(this optimizer normalizes the update, as Adam does: lr-sized)" in said[("param k.bias",)]
+    assert (
+        "(this optimizer normalizes the update (Adam's g/sqrt(v), Lion's sign): lr-sized)"
+        in said[("param k.bias",)]
+    )
     assert "(a normalizing optimizer such as Adam makes it lr-sized)" in said[None]  # not known: both said
 
 

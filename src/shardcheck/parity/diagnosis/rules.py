@@ -2988,7 +2988,7 @@ def _noise_update(ctx: DiagnosisContext) -> str:
     if len(known) < sum(1 for r in ctx.records if r.unresolved):
         return "a normalizing optimizer such as Adam makes it lr-sized"
     if any(known):
-        return "this optimizer normalizes the update, as Adam does: lr-sized"
+        return "this optimizer normalizes the update (Adam's g/sqrt(v), Lion's sign): lr-sized"
     return "this optimizer is linear in the gradient, so the update is noise-sized"
 
 
