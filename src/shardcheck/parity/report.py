@@ -239,7 +239,8 @@ class ParityReport:
     @property
     def replica_failure(self) -> ReplicaFailure | None:
         """The first step whose replicas differ across devices (:class:`ReplicaFailure`), or ``None`` where every
-        step's replicas agree (and in a replay, whose digests hold no device's own copy)."""
+        step's replicas agree (a replay compares every device's copy after each step where its run kept them,
+        ``meta["replicas"]``; an older one, which did not, has none)."""
         record = next((r for r in self.steps if r.replica_mismatches), None)
         if record is None:
             return None
