@@ -16,7 +16,8 @@ v          (8,)     none                       32 B     8 B         the rule: sp
 
 Parameters: 936 B whole, 232 B per device. Adam: an int32 count + mu + nu = 4 + 2 x params. clip_by_global_norm
 keeps no state (EmptyState); adamw is scale_by_adam (count, mu, nu) + add_decayed_weights (no state) + the
-learning rate (no state when constant; an int32 count under a schedule). The NNX step counter: 4 B.
+learning rate (no state when constant; an int32 count under a schedule). The NNX step counter: 4 B. gspmd places
+the annotations alone: ``v`` stays whole (32 B), 256 B of parameters per device.
 """
 
 from pathlib import Path
@@ -101,7 +102,8 @@ def test_annotated_2d_placement_exact_bytes(mesh_2x4, name):
         "zero1": (PARAMS_WHOLE, PARAMS_WHOLE, opt_split),
         "zero2": (PARAMS_WHOLE, PARAMS_SPLIT, opt_split),
         "fsdp": (PARAMS_SPLIT, PARAMS_SPLIT, opt_split),
-        "gspmd": (PARAMS_SPLIT, PARAMS_SPLIT, opt_split),
+        # the annotations alone (trial 43): v (unannotated) whole, 32 B where the rule keeps 8 B, and its moments
+        "gspmd": (PARAMS_SPLIT + 24, PARAMS_SPLIT + 24, opt_split + 2 * 24),
     }
     live_before = {id(a) for a in jax.live_arrays()}
     for strategy, (params, grads, opt) in expected.items():

@@ -149,6 +149,8 @@ def _whole_reason(strategy, category, var, shape, mesh, num_devices) -> str:
         return "scalar"
     axis = fsdp_axis(mesh)
     size = int(mesh.shape[axis])
+    if strategy == "gspmd" and any(d % size == 0 for d in shape):
+        return "not annotated: gspmd places the model's annotations alone"
     return f"no dimension of {shape} divides by " + (
         f"S={size}" if len(mesh.axis_names) == 1 else f"{axis}={size}"
     )
