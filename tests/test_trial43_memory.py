@@ -186,3 +186,37 @@ def test_the_fsdp_report_says_what_its_rule_splits_beyond_the_annotations(tmp_pa
     f.write_text(TASK_FILE.replace("ANNOTATED_FLAG", "False"))
     assert main(["memory", "--task", f"{f}:task", "--mesh", "data=2,fsdp=2"]) == 0
     assert "also splits" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ finding 2: argument messages with their fix
+
+
+def test_a_spec_naming_a_float_says_what_a_step_is_and_the_file_s_steps(tmp_path, capsys):
+    f = tmp_path / "net_task.py"
+    f.write_text(TASK_FILE.replace("ANNOTATED_FLAG", "True"))
+    assert (
+        main(["verify", "--task", f"{f}:task", "--candidate", f"{f}:SMOOTH", "--mesh", "data=2,fsdp=2"]) == 2
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"'{f}:SMOOTH' names a float, not a callable step; a step is a function step(model, optimizer, "
+        in err
+    )
+    assert f"did you mean {f}:gspmd_step (the file's functions that take a step's arguments)?" in err
+    assert ":loss_fn" not in err and ":kernel" not in err  # (model, batch) and () are no step's arguments
+
+
+def test_an_uneven_annotation_and_an_uneven_batch_are_both_named(tmp_path, capsys):
+    """data=2,fsdp=3: the kernels' 16 columns do not split in 3 (the step raises on them first), and the batch's
+    8 rows do not split over 6 devices: the refusal names both (trial 43 named the leaf alone)."""
+    f = tmp_path / "net_task.py"
+    f.write_text(TASK_FILE.replace("ANNOTATED_FLAG", "True"))
+    args = ["verify", "--task", f"{f}:task", "--candidate", f"{f}:gspmd_step", "--strategies", "none"]
+    assert main([*args, "--mesh", "data=2,fsdp=3"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "leaf 'down.kernel' of shape (16, 4) is annotated P(None, 'fsdp'): dimension 1 (4) does not split"
+        in (err)
+        or "leaf 'up.kernel' of shape (8, 16)" in err
+    )
+    assert "; and the batch's 8 rows do not split over the 6 devices of the mesh" in err

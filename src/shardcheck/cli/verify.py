@@ -317,7 +317,15 @@ def load_candidate(spec: str, *, task_form: bool = True):
     if isinstance(func, Candidate):
         return _checked_candidate(fn, spec, func, task_form)
     if not callable(func):
-        raise ValueError(f"{fn}: {spec!r} names a {type(func).__name__}, not a callable step")
+        raise ValueError(
+            f"{fn}: {spec!r} names a {type(func).__name__}, not a callable step; a step is a function "
+            + (
+                "step(model, optimizer, batch) or step(model, optimizer, batch, mesh)"
+                if task_form
+                else "step(model, optimizer, x, y) or step(model, optimizer, x, y, mesh)"
+            )
+            + f" that updates model and optimizer in place{_steps_in_file(fn, spec, task_form)}"
+        )
     try:
         params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
@@ -338,6 +346,49 @@ def load_candidate(spec: str, *, task_form: bool = True):
             f"{form} and update model and optimizer in place"
         )
     return func
+
+
+def _takes_step_arguments(func, task_form: bool) -> bool:
+    """Whether ``func``'s positional parameters read as a step's: 3 or 4 required (``(model, optimizer, batch[,
+    mesh])``; one more for the regression form's ``x, y``), the first two naming a model or an optimizer."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    least = 3 if task_form else 4
+    names = " ".join(p.name.lower() for p in positional[:2])
+    return least <= len(required) <= least + 1 and ("model" in names or "opt" in names)
+
+
+def _steps_in_file(fn: str, spec: str, task_form: bool) -> str:
+    """``"; did you mean perceiver.py:step or perceiver.py:gspmd_step (the file's functions that take a step's
+    arguments)?"`` for a spec naming something other than a step (trial 43: ``--candidate perceiver.py:SMOOTH``
+    named a float, and the refusal said no more), else the file's other public functions, else ``""``."""
+    import difflib
+
+    from shardcheck.tasks.loading import spec_module
+
+    target, _, attr = spec.rpartition(":")
+    try:
+        module = spec_module(fn, spec)
+    except ValueError:
+        return ""
+    functions = sorted(
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module.__name__
+    )
+    steps = [name for name in functions if _takes_step_arguments(getattr(module, name), task_form)]
+    close = difflib.get_close_matches(attr, steps, n=len(steps), cutoff=0.0) if steps else []
+    if close:
+        listed = " or ".join(f"{target}:{name}" for name in close[:4])
+        return f"; did you mean {listed} (the file's functions that take a step's arguments)?"
+    if functions:
+        shown = ", ".join(functions[:8]) + (", ..." if len(functions) > 8 else "")
+        return f"; the file's functions ({shown}) take no step's arguments"
+    return ""
 
 
 def _checked_candidate(fn: str, spec: str, candidate: Candidate, task_form: bool) -> Candidate:

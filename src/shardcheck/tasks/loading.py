@@ -341,6 +341,17 @@ def load_task(spec: str, **options) -> Task:
     return dataclasses.replace(task, name=spec) if task.name == Task.name else task
 
 
+def spec_module(fn: str, spec: str):
+    """The module a ``FILE.py:ATTR`` / ``MODULE:ATTR`` spec names (a file loaded as :func:`import_attr` loads it;
+    once per command inside :func:`one_module_per_file`): what a refusal lists the file's names from."""
+    target = spec.rpartition(":")[0]
+    return (
+        _import_file(spec, target, fn, "candidate")
+        if target.endswith(".py")
+        else _import_module(spec, target, fn)
+    )
+
+
 def import_attr(fn: str, spec: str, what: str = "ATTR"):
     """The object ``spec`` names, ``FILE.py:ATTR`` or ``MODULE:ATTR`` (ATTR may be dotted), as :func:`load_task`
     imports it (a file's folder is on ``sys.path`` while it loads).

@@ -488,6 +488,10 @@ def run_step(
             or _annotation_cause(err, model, kwargs.get("mesh"))
         )
         hint = hint or (_state_shape_hint(model, optimizer) if cand.make_optimizer is not None else "")
+        if s and s > 1 and rows % s and not batch_error:  # trial 43: an annotation's uneven split (fsdp=3 on
+            # dims of 16) raised first, and the batch's 16 rows do not split over 6 devices either: both named
+            split = _split_hint(rows, s, kwargs.get("mesh"))
+            hint = f"{hint}; and {split}" if hint else split
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
         raise CandidateError(
