@@ -220,3 +220,51 @@ def test_an_uneven_annotation_and_an_uneven_batch_are_both_named(tmp_path, capsy
         or "leaf 'up.kernel' of shape (8, 16)" in err
     )
     assert "; and the batch's 8 rows do not split over the 6 devices of the mesh" in err
+
+
+# ------------------------------------------------------------------ finding 3: refused before JAX and the task
+
+
+def _cli_in_fresh_process(tmp_path, *argv: str) -> tuple[str, str]:
+    """``(stdout, stderr)`` of ``shardcheck.cli.main(argv)`` in a fresh interpreter that prints the exit status
+    and whether JAX was imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom shardcheck.cli import main\ntry:\n    rc = main(sys.argv[1:])\n"
+        "except SystemExit as e:\n    rc = e.code\nprint(rc, 'jax' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=tmp_path)
+    return done.stdout.strip(), " ".join(done.stderr.split())
+
+
+def test_bad_steps_a_missing_file_and_a_malformed_mesh_are_refused_before_jax(tmp_path):
+    f = tmp_path / "net_task.py"
+    f.write_text(TASK_FILE.replace("ANNOTATED_FLAG", "True"))
+    task = ["--task", f"{f}:task", "--candidate", f"{f}:gspmd_step"]
+    out, err = _cli_in_fresh_process(tmp_path, "verify", *task, "--steps", "0")
+    assert out == "2 False"
+    assert (
+        "shardcheck verify: --steps must be a positive int, got 0; pass --steps 1 or more (at most the task's "
+        "number of batches" in err
+    )
+    out, err = _cli_in_fresh_process(
+        tmp_path, "verify", "--task", f"{f}:task", "--candidate", "nofile.py:step"
+    )
+    assert out == "2 False"
+    assert (
+        "shardcheck verify: --candidate: candidate file 'nofile.py' (spec 'nofile.py:step') does not exist"
+        in err
+    )
+    out, err = _cli_in_fresh_process(tmp_path, "record", "--task", "nofile.py:task", "--out", "r.npz")
+    assert (
+        out == "2 False" and "load_task: task file 'nofile.py' (spec 'nofile.py:task') does not exist" in err
+    )
+    out, err = _cli_in_fresh_process(tmp_path, "memory", "--task", "nofile.py:task", "--mesh", "fsdp=2")
+    assert out == "2 False" and "load_task: task file 'nofile.py'" in err
+    out, err = _cli_in_fresh_process(tmp_path, "verify", *task, "--mesh", "data=2,fsdp")
+    assert out == "2 False" and "argument --mesh: 'fsdp' is not NAME=SIZE with SIZE >= 1" in err
+    # the other side: good arguments go on to load JAX and the task (here to --steps 2 of 1 batch, refused there)
+    out, err = _cli_in_fresh_process(tmp_path, "verify", *task, "--mesh", "data=2", "--steps", "5")
+    assert out == "2 True" and err

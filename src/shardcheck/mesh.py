@@ -23,9 +23,7 @@ of the axes:
 
 from __future__ import annotations
 
-import difflib
 import math
-import re
 import reprlib
 from collections.abc import Mapping, Sequence
 
@@ -33,14 +31,11 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from shardcheck import _validate
-
-FSDP_AXIS = "fsdp"
-"""The axis FSDP splits unannotated state over when the mesh has several axes."""
-
-BATCH_AXIS_NAMES = ("data", FSDP_AXIS)
-"""The names of the axes the batch is split over (:func:`batch_axes`); the other axes of a mesh split the model."""
-
-_AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+from shardcheck._mesh_text import _AXIS_NAME as _AXIS_NAME
+from shardcheck._mesh_text import BATCH_AXIS_NAMES as BATCH_AXIS_NAMES
+from shardcheck._mesh_text import FSDP_AXIS as FSDP_AXIS
+from shardcheck._mesh_text import _check_spelling as _check_spelling
+from shardcheck._mesh_text import parse_mesh as parse_mesh
 
 
 def make_mesh(
@@ -188,42 +183,6 @@ def _check_shape(fn: str, shape, axis_name, num_devices: int) -> dict[str, int]:
         _validate.check_int(fn, f"the size of axis {name!r}", n, minimum=1, example=f"{{{name!r}: 2}}")
         axes[name] = int(n)
     return axes
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (the command line's ``--mesh``); ``"8"`` -> ``{"data": 8}``.
-
-    Raises:
-        ValueError: text that is not ``NAME=SIZE[,NAME=SIZE...]`` with identifier names, sizes >= 1 and no
-            repeated name (the message shows the expected form), or a name one typo from ``data`` / ``fsdp``
-            (``dta``, ``fsdq``: difflib ratio >= 0.75), which would silently take another role.
-    """
-    form = "--mesh NAME=SIZE[,NAME=SIZE...], e.g. --mesh data=2,fsdp=4"
-    text = str(text).strip()
-    if text.isdigit():
-        text = f"data={text}"
-    axes: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.strip().partition("=")
-        name, size = name.strip(), size.strip()
-        if not sep or not _AXIS_NAME.match(name) or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh {text!r}: {part.strip()!r} is not NAME=SIZE with SIZE >= 1; use {form}")
-        if name in axes:
-            raise ValueError(f"--mesh {text!r}: axis {name!r} is given twice; use {form}")
-        _check_spelling(text, name)
-        axes[name] = int(size)
-    return axes
-
-
-def _check_spelling(text: str, name: str) -> None:
-    """Refuse an axis name one typo from a batch axis name (``dta``): it would be read as another role."""
-    close = difflib.get_close_matches(name, BATCH_AXIS_NAMES, n=1, cutoff=0.75)
-    if close and name not in BATCH_AXIS_NAMES:
-        raise ValueError(
-            f"--mesh {text!r}: axis {name!r} is not a batch axis name ({', '.join(BATCH_AXIS_NAMES)}); did you mean "
-            f"{close[0]!r}? The batch is split over the axes so named, and over every axis only where none is; "
-            f"use {close[0]}=SIZE, or name the axis further from {close[0]!r}"
-        )
 
 
 def check_mesh(fn: str, mesh) -> Mesh:

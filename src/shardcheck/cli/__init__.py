@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    early = getattr(args, "early_problem", None)
+    problem = early(args) if early is not None else None
+    if problem:  # what the subcommand refuses before JAX starts and the task file runs (trial 43: 12-37 s)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.command != "launch":  # launch's workers are shardcheck processes: each does this itself
         from shardcheck import distributed
         from shardcheck.cli._cache import enable_compilation_cache, enable_dataset_cache

@@ -145,12 +145,71 @@ def reason_line(err: BaseException, limit: int = 400) -> str:
 
 
 def _mesh_type(text: str) -> dict[str, int]:
-    from shardcheck.mesh import parse_mesh  # JAX-free: it is imported when the module is
+    from shardcheck._mesh_text import parse_mesh  # JAX-free: a malformed --mesh is refused at once
 
     try:
         return parse_mesh(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix(f"--mesh {text!r}: ")) from None
+
+
+POSITIVE_FIXES = {
+    "steps": "pass --steps 1 or more (at most the task's number of batches: a task file's default is all of them)",
+    "batch_size": "pass --batch-size 1 or more (a multiple of the batch shards)",
+    "devices": "pass --devices 1 or more (or drop it: --mesh sets it)",
+    "hidden": "pass --hidden 1 or more",
+}
+"""The fix each positive-int flag's refusal gives (trial 43: "--steps must be a positive int, got 0" said none)."""
+
+
+def positive_problem(command: str, flag: str, value) -> str | None:
+    """``"<command>: --steps must be a positive int, got 0; pass --steps 1 or more (...)"`` for a value below 1 of
+    the flag whose ``args`` name is ``flag`` (``"batch_size"``), else None."""
+    if value is None or value >= 1:
+        return None
+    name = flag.replace("_", "-")
+    fix = POSITIVE_FIXES.get(flag, f"pass --{name} 1 or more")
+    return f"{command}: --{name} must be a positive int, got {value}; {fix}"
+
+
+def early_checks(command: str, args, positive: tuple[str, ...] = ("steps", "batch_size", "devices")) -> None:
+    """What can be refused before JAX starts and the task file runs (trial 43: a missing file or ``--steps 0``
+    took 14-37 s to be said): a ``positive`` flag below 1, and a ``--task`` / ``--candidate`` / ``--reference``
+    ``FILE.py:ATTR`` whose file is missing (:func:`shardcheck._io.spec_file_problem`, the loader's own text). A
+    malformed ``--mesh`` is refused by argparse already, JAX-free (:mod:`shardcheck._mesh_text`).
+
+    Raises:
+        ValueError: the first problem, naming the flag, the value and the fix.
+    """
+    from shardcheck._io import spec_file_problem
+
+    for flag in positive:
+        problem = positive_problem(command, flag, getattr(args, flag, None))
+        if problem is not None:
+            raise ValueError(problem)
+    for flag, fn, kind in (
+        ("task", "load_task", "task"),
+        ("candidate", f"{command}: --candidate", "candidate"),
+        ("reference", f"{command}: --reference", "candidate"),  # as the loader names a step's file
+    ):
+        spec = getattr(args, flag, None)
+        problem = spec_file_problem(fn, spec, kind) if isinstance(spec, str) else None
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def early_problem_of(command: str, positive: tuple[str, ...] = ("steps", "batch_size", "devices")):
+    """A subcommand's ``early_problem(args) -> str | None`` (its parser's default, which :func:`shardcheck.cli.main`
+    calls before JAX starts): :func:`early_checks`' problem, or None."""
+
+    def early_problem(args) -> str | None:
+        try:
+            early_checks(command, args, positive)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    return early_problem
 
 
 def add_mesh_argument(p) -> None:

@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
     _add_strategy_arguments(p)
     _add_mesh_arguments(p)
     _add_output_arguments(p)
-    p.set_defaults(func=main, memory_parser=p)
+    p.set_defaults(func=main, memory_parser=p, early_problem=_check_arguments)
 
 
 def _add_model_arguments(p) -> None:
@@ -242,6 +242,11 @@ def _check_arguments(args) -> str | None:
         value = getattr(args, dest)
         if value is not None and value < 1:
             return f"{name}: --{flag} must be a positive int, got {value}"
+    from shardcheck._io import spec_file_problem  # before JAX and the task file (trial 43)
+
+    missing = spec_file_problem("load_task", args.task, "task") if args.task is not None else None
+    if missing is not None:
+        return missing
     if args.size is not None and args.task not in (None, "tiny-lm"):
         return f"{name}: --size is a size of the tiny-lm task; drop --task {args.task} or --size"
     for flag, dest in (

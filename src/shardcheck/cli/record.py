@@ -14,6 +14,7 @@ from shardcheck.cli._common import (
     configure_devices,
     console_for,
     device_choice,
+    early_problem_of,
     library_to_flags,
     needed_mesh,
     write_json,
@@ -97,12 +98,28 @@ def add_parser(sub) -> None:
         "looser of the recording's and the replay's",
     )
     p.add_argument("--out", required=True, metavar="PATH.npz", help="the recording to write")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, early_problem=_early_problem)
 
 
 def _fail(message) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def _both_given(args) -> str | None:
+    """The refusal of ``--strategy`` beside ``--candidate``, or None."""
+    if args.candidate is None or args.strategy is None:
+        return None
+    return (
+        f"shardcheck record: --strategy {args.strategy} and --candidate {args.candidate} were both given; a "
+        "recording holds one run: pass one of them"
+    )
+
+
+def _early_problem(args) -> str | None:
+    """What is refused before JAX and the task file (:func:`shardcheck.cli._common.early_checks`), the two runs
+    named at once first."""
+    return _both_given(args) or early_problem_of("shardcheck record")(args)
 
 
 def _check_args(args) -> tuple[str | None, int]:
@@ -114,20 +131,17 @@ def _check_args(args) -> tuple[str | None, int]:
     from shardcheck import _validate, distributed
 
     apply_mesh("shardcheck record", args)
+    from shardcheck.cli._common import positive_problem
+
     for flag in ("steps", "batch_size", "devices"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(
-                f"shardcheck record: --{flag.replace('_', '-')} must be a positive int, got {value}"
-            )
+        problem = positive_problem("shardcheck record", flag, getattr(args, flag))
+        if problem is not None:
+            raise ValueError(problem)
     _validate.check_seed("shardcheck record: --seed", args.seed)
     if args.lr is not None:
         _validate.check_lr("shardcheck record: --lr", args.lr)
-    if args.candidate is not None and args.strategy is not None:
-        raise ValueError(
-            f"shardcheck record: --strategy {args.strategy} and --candidate {args.candidate} were both given; a "
-            "recording holds one run: pass one of them"
-        )
+    if _both_given(args):
+        raise ValueError(_both_given(args))
     configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)
     import jax
 

@@ -18,6 +18,7 @@ from shardcheck.cli._common import (
     configure_devices,
     console_for,
     device_choice,
+    early_problem_of,
     library_to_flags,
     needed_mesh,
     reason_line,
@@ -82,7 +83,10 @@ def add_parser(sub) -> None:
     add_precision_arguments(p, harness=True)
     _add_run_arguments(p)
     _add_check_arguments(p)
-    p.set_defaults(func=main)
+    p.set_defaults(
+        func=main,
+        early_problem=early_problem_of("shardcheck verify", ("steps", "batch_size", "devices", "hidden")),
+    )
 
 
 def _add_run_arguments(p) -> None:
@@ -433,14 +437,13 @@ def _check_args(args) -> tuple[list[str], int]:
         ValueError: a bad flag value (the message names the flag and the fix).
     """
     from shardcheck import _validate, distributed
+    from shardcheck.cli._common import positive_problem
 
     apply_mesh("shardcheck verify", args)
     for flag in ("steps", "batch_size", "devices", "hidden"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(
-                f"shardcheck verify: --{flag.replace('_', '-')} must be a positive int, got {value}"
-            )
+        problem = positive_problem("shardcheck verify", flag, getattr(args, flag))
+        if problem is not None:
+            raise ValueError(problem)
     try:
         _validate.check_seed("shardcheck verify: --seed", args.seed)
     except (TypeError, ValueError) as err:

@@ -127,7 +127,7 @@ def _import_file(spec: str, path_text: str, fn: str = "load_task", kind: str = "
     path = Path(path_text)
     if not path.is_file():
         where = "is a folder, not a file" if path.is_dir() else "does not exist"
-        raise ValueError(
+        raise ValueError(  # the text of shardcheck._io.spec_file_problem, which the command line checks first
             f"{fn}: {kind} file {path_text!r} (spec {spec!r}) {where}; pass FILE.py:ATTR with the path of an "
             "existing Python file"
         )
