@@ -218,3 +218,44 @@ def test_a_bitwise_replay_does_not_say_its_leaves_cannot_be_compared():
     assert replayed.ok and replayed.replay.bitwise, str(replayed)
     assert "rounding_level" not in replayed.codes
     assert "cannot be compared element by element" not in str(replayed)
+
+
+# ------------------------------------------------------- two ratios of one leaf, each with its source (finding 4)
+
+RERUN = "over every element, against the reference's update from equal inputs"
+
+
+def _stretched(stretch: float) -> Candidate:
+    """The user's step; its update of each parameter element stretched by ``1 + stretch |p|`` (no factor, no
+    decay term: a ratio that runs across the leaf)."""
+
+    @nnx.jit
+    def train(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(_loss)(model, batch)
+        before = nnx.state(model, nnx.Param)
+        before = jax.tree.map(jnp.copy, before)
+        optimizer.update(model, grads)
+        after = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda b, a: b + (a - b) * (1 + stretch * jnp.abs(b)), before, after))
+        return loss, grads
+
+    def step(model, optimizer, batch):
+        loss, grads = train(model, optimizer, batch)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(name=f"stretch-{stretch}", step=step)
+
+
+def test_a_ratio_read_against_the_rerun_says_so_live_and_replayed():
+    from shardcheck.parity.harness.recorded import record_run
+
+    task = _adam_task()
+    assert check_parity(_stretched(0.0), task).ok  # the other side
+    live = check_parity(_stretched(5.0), task)
+    assert not live.ok and RERUN in live.localization.text(), live.localization.text()
+    recording = record_run(task, _stretched(0.0))
+    replayed = check_parity(_stretched(5.0), task, reference=recording)
+    where = replayed.localization.text()
+    assert not replayed.ok and RERUN in where, where
+    # the digests' error is said as theirs where the rerun's is beside it
+    assert "read from the recorded digests (max, norm and samples), not every element" in where, where

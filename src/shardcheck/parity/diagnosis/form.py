@@ -179,6 +179,7 @@ def fit_form(
     state_params: Mapping[str, np.ndarray] | None = None,
     params: Mapping[str, np.ndarray] | None = None,
     quiet: Mapping[str, np.ndarray] | None = None,
+    source: str = "",
 ) -> Form:
     """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
 
@@ -206,6 +207,8 @@ def fit_form(
             moves them by its noise, so their ratio is no factor's; they are left out of the zero, sign-flip
             and factor fits and of the ratio a form without one states (as elsewhere), and the form says so.
             A mask of another shape is ignored.
+        source: what ``ref_after`` is, said beside the ratio a form without one states (``"the reference's
+            update from equal inputs"``); ``""``: not said.
 
     Returns:
         The :class:`Form`.
@@ -249,7 +252,7 @@ def fit_form(
         or state_decay(f64, state_params or {})
         or _offset(f64)
     )
-    return form or _said_aside(_no_form(fit), aside)
+    return form or _said_aside(_no_form(fit, source), aside)
 
 
 # a slice of a stacked leaf differs where its largest difference is above this share of the leaf's; the others
@@ -1101,7 +1104,10 @@ def state_decay(f64: Mapping[str, tuple], params: Mapping[str, np.ndarray]) -> F
     )
 
 
-def _no_form(f64: dict) -> Form:
+def _no_form(f64: dict, source: str = "") -> Form:
+    """No simple form, naming the leaf of the widest elementwise ratio spread; ``source``: what the ratio is
+    read against, said beside its percentiles (``"the reference's update from equal inputs"``: a
+    replay's report also gives a ratio read over its recorded samples, trial 43)."""
     worst, worst_stats = None, None
     for p, (_, dr, dc) in f64.items():
         s = _ratio_stats(dr, dc)
@@ -1114,7 +1120,7 @@ def _no_form(f64: dict) -> Form:
     else:
         tail = (
             f"; {worst}'s elementwise ratio runs from {worst_stats[1]:.4g} to {worst_stats[2]:.4g} (10th-90th "
-            f"percentile), median {worst_stats[0]:.4g}"
+            f"percentile{f' over every element, against {source}' if source else ''}), median {worst_stats[0]:.4g}"
         )
     return Form(
         "none",

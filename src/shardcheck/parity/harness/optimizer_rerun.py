@@ -485,6 +485,12 @@ def _scales_of(tx) -> list[tuple[str, object]]:
     return found
 
 
+FROM_EQUAL_INPUTS = "the reference's update from equal inputs"
+"""What the optimizer stage's form reads its ratio against, live (the reference's step, from the gradients and
+state the candidate's match) and replayed (the task's optimizer rerun on the replay's own): said beside the
+ratio, since a replay's report also gives one over its recorded samples (trial 43)."""
+
+
 def stage_forms(
     run: _Run, record: StepRecord, snapshots, stepped, after, stage: str
 ) -> tuple[tuple[str, Form], ...]:
@@ -523,6 +529,7 @@ def stage_forms(
         lr=lr,
         optimizer_stage=stage == "optimizer",
         update=stage != "gradients",
+        source=FROM_EQUAL_INPUTS if stage == "optimizer" else "",
         tol=leaf_tolerances(
             [e for e in record.leaves if (e.kind == "grad") == (stage == "gradients")]
         ),  # a gradient and its parameter share a path: each stage its own kind's tolerance
@@ -611,6 +618,7 @@ def optimizer_form(record: StepRecord, arrays) -> tuple:
         lr=lr,
         optimizer_stage=True,
         tol=leaf_tolerances(record.optimizer_rerun),
+        source=FROM_EQUAL_INPUTS,
         state_params=state_params(keys, before),
         quiet=quiet_keys(keys, quiet),
     )
