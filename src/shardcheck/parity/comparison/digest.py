@@ -1005,7 +1005,7 @@ def compare_run(
     recorded_notes = _recorded_replicas_note(recording.meta, steps)  # the recorded run's own copies differed
     bitwise = bitwise and differ is None and not recorded_notes
     ok = first is None and differ is None
-    findings = _bitwise_quiet(_diagnoses(recording, replayed, records, leaves, first), bitwise)
+    findings = _bitwise_quiet(_diagnoses(recording, replayed, records, leaves, first), bitwise and ok)
     cause = None if ok else " ".join(d.message for d in findings if d.code not in QUIET)
     hashes, uncompared = (matched, compared, bitwise), _uncompared(leaves)
     notes = recorded_notes + _replicas_note(replayed.meta, ok) + _placement_note(pair, moved, same)
@@ -1288,8 +1288,7 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
             dtypes=(e.recorded, e.replayed) if e.evidence == "dtype" and _integer_kind(e) else None,
         )
     whole = kind == "counter" or e.step < 0 or (kind == "state" and e.evidence in _STATE_EVIDENCE)
-    sampled = (None, None, None) if whole else _sample_ratio(pair, e.step, e.name)
-    ratio, spread, samples = sampled
+    ratio, spread, samples = (None, None, None) if whole else _sample_ratio(pair, e.step, e.name)
     if ratio is None:  # no usable sample: the whole leaf's ratio (update size, norm, counter value)
         ratio = e.ratio
         # marked as read from no sample (LeafError.samples 0): no factor across the leaf is said from it
@@ -1589,13 +1588,15 @@ def rediagnosed(
     found = _diagnoses(
         recording, replayed, records, list(comparison.leaves), comparison.first_failure, comparison.facts
     )
-    return _bitwise_quiet(found, comparison.bitwise)
+    return _bitwise_quiet(found, comparison.bitwise and comparison.ok)
 
 
 def _bitwise_quiet(findings: Sequence[Diagnosis], bitwise: bool) -> tuple[Diagnosis, ...]:
     """``findings`` less, where the replay is bitwise identical to the recording (every hash matched), the
     ``rounding_level`` note: its leaves "cannot be compared element by element" only where the runs differ by
-    rounding, and here every element is equal (trial 43 said both of one replay)."""
+    rounding, and here every element is equal (trial 43 said both of one replay). ``bitwise``: every hash matched
+    and the replay passes (a failing replay's hashes of the compared leaves can all match while a leaf compared by
+    its digest alone fails, and its rounding-level leaves are part of its diagnosis)."""
     return tuple(d for d in findings if not (bitwise and d.code == "rounding_level"))
 
 

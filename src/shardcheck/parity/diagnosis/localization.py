@@ -577,11 +577,7 @@ def localize(
     Raises:
         TypeError: ``records`` holds something that is not a :class:`StepRecord`.
     """
-    for r in records:
-        if not isinstance(r, StepRecord):
-            raise TypeError(
-                f"localize: records must be StepRecords (check_parity's report.steps), got {type(r).__name__}"
-            )
+    _check_records(records)
     record = next((r for r in records if not r.ok), None)
     if record is None:
         return None
@@ -631,6 +627,15 @@ def localize(
     return Localization(
         record.step, first.stage, results, group, form, synchronized, module, live, bool(started), written
     )
+
+
+def _check_records(records) -> None:
+    """Raises TypeError where ``records`` holds something that is not a :class:`StepRecord`."""
+    for r in records:
+        if not isinstance(r, StepRecord):
+            raise TypeError(
+                f"localize: records must be StepRecords (check_parity's report.steps), got {type(r).__name__}"
+            )
 
 
 def _state_step_form(bad: list[LeafError], records: Sequence[StepRecord]) -> Form | None:
@@ -1048,6 +1053,17 @@ def forward_form(
             factor=None,
             spread=None,
         )
+    why = _loss_factor_why(f, grads or [], scaled, reduced)
+    meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
+    if why.endswith("not a scaled loss"):  # no factor to claim: said as the loss's ratio alone (trial 31)
+        return dataclasses.replace(form, kind="none", sentence=meaning, factor=None, spread=None)
+    return dataclasses.replace(form, sentence=f"{head}: {meaning}")
+
+
+def _loss_factor_why(f: float, grads: list[LeafError], scaled: float | None, reduced: str) -> str:
+    """What the gradients ``grads`` of a step say of the loss's factor ``f`` at equal parameters
+    (:func:`forward_form`): ``scaled`` is :func:`whole_loss_factor` of them, ``reduced``
+    :func:`reduced_reading`'s sentence."""
     if not grads:
         why = "its scale, its normalization or one of its terms differs (the gradients were not observed)"
     elif all(e.ok for e in grads):
@@ -1077,10 +1093,7 @@ def forward_form(
         why = "only some gradients differ: one term of the loss differs (the group)" + _term_factors(grads)
     else:
         why = f"the gradients are {scaled:.4g} x the reference's: the loss and its gradients are scaled apart"
-    meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
-    if why.endswith("not a scaled loss"):  # no factor to claim: said as the loss's ratio alone (trial 31)
-        return dataclasses.replace(form, kind="none", sentence=meaning, factor=None, spread=None)
-    return dataclasses.replace(form, sentence=f"{head}: {meaning}")
+    return why
 
 
 # how near the loss's factor f every failing gradient's median ratio lies (a share of |f - 1|), where no one factor

@@ -162,17 +162,25 @@ def check_against_recording(
     weight = functools.partial(loss_weight, task)  # the first failing step's, as a live check reads it
     comparison = compare_run(*compared, rtol=rtol, atol=atol, pin_placement=pin_placement, loss_weight=weight)
     if not comparison.ok:  # the grouping reads what only the task's model shows: tied leaves, their uses
-        comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
-        # read again with them, as the localization reads them: a finding's "share no ndim, name or module"
-        # never stands beside a localization's optimizer parameter group for the same leaves (trial 41)
-        found = rediagnosed(comparison, *compared, comparison.records)
-        cause = " ".join(d.message for d in found if d.code not in QUIET)
-        comparison = dataclasses.replace(comparison, diagnoses=found, cause=cause or comparison.cause)
+        comparison = _with_task_facts(fn, comparison, task, compared)
     rules = functools.partial(rediagnosed, comparison, *compared)  # read again with the rerun
     where = {"mesh": mesh, "num_shards": num_shards, "name": name, "fn": fn}
     report = with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
     report = with_update_check(report, checked[0] if checked else None, task, rules)
     return report if diverged is None else diverged_report(report, diverged, recording, replayed)
+
+
+def _with_task_facts(fn: str, comparison, task: Task, compared: tuple):
+    """A failing ``comparison`` (a :class:`~shardcheck.parity.comparison.digest.RunComparison`) with the task's
+    model's facts (:func:`model_facts`: tied leaves, their uses, the optimizer's parameter groups) and its findings
+    read again with them, as the localization reads them: a finding's "share no ndim, name or module" never stands
+    beside a localization's optimizer parameter group for the same leaves (trial 41)."""
+    from shardcheck.parity.comparison.digest import rediagnosed
+
+    comparison = dataclasses.replace(comparison, facts=model_facts(fn, comparison.facts, task))
+    found = rediagnosed(comparison, *compared, comparison.records)
+    cause = " ".join(d.message for d in found if d.code not in QUIET)
+    return dataclasses.replace(comparison, diagnoses=found, cause=cause or comparison.cause)
 
 
 def _before(t: int, *recordings: Recording) -> tuple[Recording, ...]:
