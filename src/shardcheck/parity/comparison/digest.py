@@ -1404,7 +1404,9 @@ def _records(
     touched = next(
         (m["counters_touched"] for m in (meta, pair.replayed.meta) if "counters_touched" in m), None
     )
-    counters = None if touched is None else frozenset("model." + p for p in touched)  # as live's
+    # as live's; a drawn RNG stream's count is the forward pass's too (the loss draws from it)
+    drawn = frozenset(f"model.{d}.count" for d in meta.get("drawn") or ())
+    counters = None if touched is None else frozenset("model." + p for p in touched) | drawn
     out = []
     for t in range(-1, steps):
         at_t = [e for e in leaves if e.step == t]

@@ -450,7 +450,8 @@ def _failing_record(run: _Run, record: StepRecord, after: _After, cand_grads) ->
     step's own, not the forward pass's), and the counters it reads or writes (``StepRecord.loss_counters``)."""
     record = _with_replicas(record, after, cand_grads)
     touched = run.counters_touched
-    counters = None if touched is None else frozenset(PREFIX + p for p in touched)
+    drawn = frozenset(f"{PREFIX}{d}.count" for d in run.draws)  # the streams the loss draws from: its counts
+    counters = None if touched is None else frozenset(PREFIX + p for p in touched) | drawn
     return dataclasses.replace(record, forward_writes=run.state_written, loss_counters=counters)
 
 
