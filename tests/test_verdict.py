@@ -156,7 +156,10 @@ def test_accumulation_under_a_binding_clip_passes_and_a_wrong_scale_fails(k):
 
     planted = dataclasses.replace(accumulation_candidate(summed_loss, k), name="summed")
     bad = check_parity(planted, task, num_shards=k)
-    assert bad.verdict == "FAIL" and bad.codes[0] == "summed" and f"x{k}:" in bad.diagnosis, str(bad)
+    # the loss and its gradients x k: read both ways, a factor in the loss or a psum where a pmean was meant
+    assert bad.verdict == "FAIL" and bad.codes[0] == "scaled" and f"{k} x the reference's" in bad.diagnosis, (
+        str(bad)
+    )
     failing = {e.kind for e in bad.steps[0].leaves if not e.ok}
     assert failing == {"grad", "loss"}, failing  # the clip hides it in the parameters and moments
 

@@ -128,7 +128,7 @@ pmean_of_shard_means = _make_step(per_shard_mean=True)
 reduced_over_data_only = _make_step(reduce_axes=("data",), check_vma=False)
 
 FAULTS = {
-    "count_pmeaned": (count_pmeaned, "summed"),
+    "count_pmeaned": (count_pmeaned, "scaled"),  # loss and gradients x4: a factor in the loss or a psum
     "pmean_of_shard_means": (pmean_of_shard_means, "normalization"),
     "reduced_over_data_only": (reduced_over_data_only, "wrong_axis_reduction"),
 }

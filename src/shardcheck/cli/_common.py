@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardcheck._catalog import REFERENCE
 from shardcheck._io import write_atomic as write_atomic
 
 if TYPE_CHECKING:  # rich is imported when a console is made, not when the parser is built
@@ -190,7 +191,11 @@ def early_checks(command: str, args, positive: tuple[str, ...] = ("steps", "batc
     for flag, fn, kind in (
         ("task", "load_task", "task"),
         ("candidate", f"{command}: --candidate", "candidate"),
-        ("reference", f"{command}: --reference", "candidate"),  # as the loader names a step's file
+        (
+            REFERENCE,
+            f"{command}: --reference",
+            "candidate",
+        ),  # the flag --reference, as the loader names a step's file
     ):
         spec = getattr(args, flag, None)
         problem = spec_file_problem(fn, spec, kind) if isinstance(spec, str) else None

@@ -397,7 +397,7 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         console.print(choice.line(), highlight=False)
     document = report_json(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
     if rule is not None:
-        document["strategies"]["fsdp"]["unannotated_split"] = rule
+        document["strategies"][DEFAULT_STRATEGY]["unannotated_split"] = rule
     write_json(document | ({} if choice is None else {"devices": choice.to_dict()}), args.json)
     if args.plot:
         memory_plot(estimates, measured, args.plot, title=_title(args, task, mesh), aot=aot)
@@ -414,14 +414,15 @@ def _rule_splits(estimates, task, mesh, shards) -> dict | None:
     from shardcheck import memory
     from shardcheck.memory.layouts import annotated
 
-    est = estimates.get("fsdp")
+    est = estimates.get(DEFAULT_STRATEGY)
     if est is None:
         return None
     model = memory.abstract_training_state("shardcheck memory", task)[0]
     if not annotated(model):
         return None
     where = {"mesh": mesh} if mesh is not None else {"num_shards": shards}
-    own = estimates.get("gspmd") or memory.estimate_memory(task, strategy="gspmd", **where)
+    gspmd = xla_partitioned()[0]  # the plain step under jax.jit on the annotations' placement
+    own = estimates.get(gspmd) or memory.estimate_memory(task, strategy=gspmd, **where)
     whole = {leaf.path for leaf in own.leaves if leaf.category == "params" and not leaf.sharded}
     split = [
         leaf.path for leaf in est.leaves if leaf.category == "params" and leaf.sharded and leaf.path in whole
