@@ -120,3 +120,20 @@ def annotated_lm():
     finally:
         sys.path.pop(0)
     return annotated_lm
+
+
+def said(report, code: str) -> str:
+    """The message of ``report``'s diagnosis ``code`` (``StopIteration`` where it gives none)."""
+    return next(d.message for d in report.diagnoses if d.code == code)
+
+
+def train_candidate(name: str, train):
+    """A :class:`shardcheck.Candidate` named ``name`` whose step runs ``train(model, optimizer, batch) -> (loss,
+    grads)`` (the tests' jitted user steps) and returns both."""
+    from shardcheck import Candidate
+
+    def step(model, optimizer, batch):
+        loss, grads = train(model, optimizer, batch)
+        return {"loss": loss, "grads": grads}
+
+    return Candidate(name=name, step=step)

@@ -166,3 +166,32 @@ def test_a_loss_that_differs_in_every_gradient_but_the_rounding_level_ones_is_no
         "only some gradients differ: one term of the loss differs (the group); b.kernel: 0.7 x the "
         "reference's on every element (spread 0.7..0.7); a.kernel: 1.5 x" in loc.form.sentence
     )
+
+
+def test_a_lone_loss_factor_is_a_factor_where_the_later_moments_carry_it_or_its_square():
+    """The zoo conv's ``count_pmeaned`` (a user's shard_map step, no gradients returned): the loss x4, Adam's first
+    moments x4 and second moments x16, its update normalized (the parameters match). The later stages carry the
+    factor, the second moments its square: a factor 4 (was "no factor is read from it", the nu leaves' 16 read as
+    not carrying 4). Where a moment carries neither, no factor is claimed and the widest spread is said."""
+    loss = _leaf("loss", "loss", 4.0, ok=False)
+    moments = [
+        _leaf("opt_state", "0.mu.a.kernel", 4.0, ok=False),
+        _leaf("opt_state", "0.nu.a.kernel", 16.0, ok=False),
+    ]
+    records = [_record(loss, [], moments)]
+    loc = localize(records)
+    assert (loc.stage, loc.form.kind, loc.form.factor) == ("forward", "factor", 4.0)
+    assert loc.form.sentence.endswith(
+        "(the gradients were not observed); the 2 leaves of the later stages that differ carry it (1 x 4, 1 x 16: "
+        "a second moment carries its square)"
+    )
+    _said(loc, records)
+    spread = LeafError(0, "opt_state", "0.nu.a.kernel", 2.0, 2.0, TOL, False, 3.0, None, (0.5, 7.0), (4,))
+    records = [_record(loss, [], [moments[0], spread])]
+    loc = localize(records)
+    assert (loc.form.kind, loc.form.factor) == ("none", None)
+    assert loc.form.sentence.endswith(
+        "; of the later stages, 0.nu.a.kernel has no constant factor: its elementwise ratio runs from 0.5 to 7 "
+        "(10th-90th percentile), median 3"
+    )
+    _said(loc, records)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import said
 from flax import nnx
 
 from shardcheck import Candidate, Task, check_parity
@@ -80,13 +81,9 @@ CAUSE = (
 )
 
 
-def _said(report, code: str) -> str:
-    return next(d.message for d in report.diagnoses if d.code == code)
-
-
 def _check_every_1(report, counters: str) -> None:
     assert not report.ok and report.codes[0] == "step_counter", report.codes
-    message = _said(report, "step_counter")
+    message = said(report, "step_counter")
     assert message.startswith(EVERY_STEP + counters), message
     assert CAUSE in message
     assert "times per step" not in message and "times the reference's" not in message

@@ -23,6 +23,7 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from test_trial39_target import QNet, loss_fn  # the Q-net, its target copies and TD loss
 
 import shardcheck
 from shardcheck import check_parity, make_mesh
@@ -30,35 +31,6 @@ from shardcheck.parity.diagnosis.hypotheses import clip_norm_of
 from shardcheck.parity.harness.recorded import record_run
 
 K = 2  # the target's sync period
-
-
-class Target(nnx.Variable):
-    """A copy of an online kernel: the target network's."""
-
-
-class Count(nnx.Variable):
-    """Train steps taken, for the target's sync."""
-
-
-class QNet(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(6, 16, rngs=rngs)
-        self.l2 = nnx.Linear(16, 2, rngs=rngs)
-        self.t1 = Target(self.l1.kernel[...])
-        self.t2 = Target(self.l2.kernel[...])
-        self.steps = Count(jnp.array(0, jnp.int32))
-
-    def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x)))
-
-    def target(self, x):
-        return nnx.relu(x @ self.t1[...] + self.l1.bias[...]) @ self.t2[...]
-
-
-def loss_fn(model, batch):
-    """A TD loss: the online net's value against a bootstrap from the target copies (never differentiated)."""
-    y = batch["r"] + 0.9 * jax.lax.stop_gradient(model.target(batch["x2"]).max(-1))
-    return jnp.mean((model(batch["x"])[:, 0] - y) ** 2)
 
 
 def sync(model, fault: str = "") -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import said, train_candidate
 from flax import nnx
 
 from shardcheck import Candidate, Task, check_parity
@@ -72,15 +73,7 @@ def _counting(bump: int | None) -> Candidate:
         optimizer.update(model, grads)
         return loss, grads
 
-    def step(model, optimizer, batch):
-        loss, grads = train(model, optimizer, batch)
-        return {"loss": loss, "grads": grads}
-
-    return Candidate(name=f"bump{bump}", step=step)
-
-
-def _said(report, code: str) -> str:
-    return next(d.message for d in report.diagnoses if d.code == code)
+    return train_candidate(f"bump{bump}", train)
 
 
 def test_adams_own_count_ahead_is_its_bias_correction_not_a_schedule_read_ahead():
@@ -88,7 +81,7 @@ def test_adams_own_count_ahead_is_its_bias_correction_not_a_schedule_read_ahead(
     assert check_parity(_counting(None), task).ok  # the other side: the correct step passes
     report = check_parity(_counting(0), task)
     assert not report.ok and report.codes[0] == "step_counter", report.codes
-    message = _said(report, "step_counter")
+    message = said(report, "step_counter")
     assert "The optimizer's counter 0.count is 2 after 1 step(s) while 2.count and step match" in message
     assert (
         "it is Adam's bias-correction count (the count beside 0.mu and 0.nu: optax's ScaleByAdamState)"
@@ -101,7 +94,7 @@ def test_adams_own_count_ahead_is_its_bias_correction_not_a_schedule_read_ahead(
 def test_a_schedules_count_ahead_keeps_the_schedule_sentence():
     report = check_parity(_counting(2), _task())
     assert not report.ok and report.codes[0] == "step_counter", report.codes
-    message = _said(report, "step_counter")
+    message = said(report, "step_counter")
     assert "The optimizer's counter 2.count is 2 after 1 step(s) while 0.count and step match" in message
     assert (
         "a schedule read one step ahead" in message

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from conftest import require_devices
 from flax import nnx
+from test_record import LINEAR_TASK as RECORDED_TASK
 
 import shardcheck
 from shardcheck import check_parity, make_mesh
@@ -80,40 +81,9 @@ def _accumulating(
     return step
 
 
-LINEAR_TASK = textwrap.dedent(
+# test_record's task file (a Linear under sgd, mean_step and summed_step), with a step that places its state
+LINEAR_TASK = RECORDED_TASK + textwrap.dedent(
     """
-    import jax
-    import numpy as np
-    import optax
-    from flax import nnx
-
-    import shardcheck
-    from shardcheck.losses import mse_batch_loss
-
-    rng = np.random.default_rng(0)
-    task = shardcheck.Task(
-        model=lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
-        optimizer=optax.sgd(0.1),
-        loss_fn=mse_batch_loss,
-        batches=[(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))],
-        name="linear",
-    )
-
-
-    def _step(model, optimizer, batch, scale):
-        loss, grads = nnx.value_and_grad(mse_batch_loss)(model, batch)
-        grads = jax.tree.map(lambda g: scale * g, grads)
-        optimizer.update(model, grads)
-        return {"loss": loss, "grads": grads}
-
-
-    def mean_step(model, optimizer, batch):
-        return _step(model, optimizer, batch, 1.0)
-
-
-    def summed_step(model, optimizer, batch):
-        return _step(model, optimizer, batch, 2.0)
-
 
     def placed_step(model, optimizer, batch, mesh):
         # the mean step on state it places itself: every leaf replicated, or (SPLIT) the kernel's columns split

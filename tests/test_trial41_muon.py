@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import said, train_candidate
 from flax import nnx
 
 from shardcheck import Candidate, Task, check_parity
@@ -88,15 +89,7 @@ def _bumping(which: str | None) -> Candidate:
             nnx.update(optimizer, jax.tree_util.tree_map_with_path(bump, state))
         return loss, grads
 
-    def step(model, optimizer, batch):
-        loss, grads = train(model, optimizer, batch)
-        return {"loss": loss, "grads": grads}
-
-    return Candidate(name=f"bump-{which}", step=step)
-
-
-def _said(report, code: str) -> str:
-    return next(d.message for d in report.diagnoses if d.code == code)
+    return train_candidate(f"bump-{which}", train)
 
 
 def test_every_count_ahead_says_both_the_bias_correction_and_the_learning_rate():
@@ -104,7 +97,7 @@ def test_every_count_ahead_says_both_the_bias_correction_and_the_learning_rate()
     assert check_parity(_bumping(None), task).ok  # the other side: the correct step passes
     report = check_parity(_bumping("all"), task)
     assert not report.ok and report.codes[0] == "step_counter", report.codes
-    message = _said(report, "step_counter")
+    message = said(report, "step_counter")
     assert "of the optimizer's counters are each 2 after 1 step(s)" in message, message
     assert "inner_states.adam.inner_state.0.count is Adam's bias-correction count" in message
     assert (
@@ -119,7 +112,7 @@ def test_every_count_ahead_says_both_the_bias_correction_and_the_learning_rate()
 def test_the_schedules_counts_alone_keep_the_schedule_sentence():
     report = check_parity(_bumping("schedules"), _task())
     assert not report.ok and report.codes[0] == "step_counter", report.codes
-    message = _said(report, "step_counter")
+    message = said(report, "step_counter")
     assert (
         "a schedule read one step ahead" in message
         and "the learning rate it gives is the next step's" in message
@@ -139,11 +132,7 @@ def _decaying(rate: float) -> Candidate:
         model.l2.kernel[...] = model.l2.kernel[...] * (1.0 - rate)
         return loss, grads
 
-    def step(model, optimizer, batch):
-        loss, grads = train(model, optimizer, batch)
-        return {"loss": loss, "grads": grads}
-
-    return Candidate(name=f"decay-{rate}", step=step)
+    return train_candidate(f"decay-{rate}", train)
 
 
 def test_the_python_report_names_the_first_failing_leaf_the_command_line_names():
@@ -224,5 +213,5 @@ def test_a_replay_names_the_optimizer_group_once_and_never_shares_no_property_be
     assert not report.ok and report.localization is not None
     assert group in report.localization.text(), report.localization.text()
     assert NO_PROPERTY not in report.diagnosis, report.diagnosis
-    localized = _said(report, "localized")
+    localized = said(report, "localized")
     assert "Every failing leaf is in the optimizer's parameter group 'muon'" in localized, localized

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from conftest import require_devices
+from conftest import require_devices, train_candidate
 from flax import nnx
 
 from shardcheck import Candidate, Task, check_parity
@@ -63,11 +63,7 @@ def _step(convert: bool) -> Candidate:
             nnx.update(optimizer, floats)
         return loss, grads
 
-    def step(model, optimizer, batch):
-        loss, grads = train(model, optimizer, batch)
-        return {"loss": loss, "grads": grads}
-
-    return Candidate(name=f"convert-{convert}", step=step)
+    return train_candidate(f"convert-{convert}", train)
 
 
 def test_a_counter_converted_to_float_fails_live_named_as_converted():
@@ -239,11 +235,7 @@ def _stretched(stretch: float) -> Candidate:
         nnx.update(model, jax.tree.map(lambda b, a: b + (a - b) * (1 + stretch * jnp.abs(b)), before, after))
         return loss, grads
 
-    def step(model, optimizer, batch):
-        loss, grads = train(model, optimizer, batch)
-        return {"loss": loss, "grads": grads}
-
-    return Candidate(name=f"stretch-{stretch}", step=step)
+    return train_candidate(f"stretch-{stretch}", train)
 
 
 def test_a_ratio_read_against_the_rerun_says_so_live_and_replayed():

@@ -330,12 +330,10 @@ def load_candidate(spec: str, *, task_form: bool = True):
             )
             + f" that updates model and optimizer in place{_steps_in_file(fn, spec, task_form)}"
         )
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
+    read = _positional(func)
+    if read is None:
         return func
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
+    params, positional, required = read
     least = 3 if task_form else 4
     form = (
         "(model, optimizer, batch) or (model, optimizer, batch, mesh)"
@@ -352,15 +350,24 @@ def load_candidate(spec: str, *, task_form: bool = True):
     return func
 
 
+def _positional(func) -> tuple[list, list, list] | None:
+    """``(parameters, positional, required)`` of ``func``'s signature: every parameter, the positional ones, and
+    those of them without a default; ``None`` where ``inspect.signature`` cannot read it (a builtin)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return params, positional, [p for p in positional if p.default is p.empty]
+
+
 def _takes_step_arguments(func, task_form: bool) -> bool:
     """Whether ``func``'s positional parameters read as a step's: 3 or 4 required (``(model, optimizer, batch[,
     mesh])``; one more for the regression form's ``x, y``), the first two naming a model or an optimizer."""
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
+    read = _positional(func)
+    if read is None:
         return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
+    _, positional, required = read
     least = 3 if task_form else 4
     names = " ".join(p.name.lower() for p in positional[:2])
     return least <= len(required) <= least + 1 and ("model" in names or "opt" in names)

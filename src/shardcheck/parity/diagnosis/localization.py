@@ -980,15 +980,43 @@ def _loss_alone(bad: list[LeafError], later: list[LeafError]) -> str:
 
 
 def _later_agree(f: float, later: list[LeafError]) -> bool:
-    """Whether every failing leaf of the stages after the forward pass is ``f`` x the reference's, one factor
-    across its elements (a loss factor with no gradient observed is then more than one scalar's ratio); ``True``
-    where none fails."""
+    """Whether every failing leaf of the stages after the forward pass carries the loss's factor ``f``, one factor
+    across its elements (a loss factor with no gradient observed is then more than one scalar's ratio): ``f`` x
+    the reference's, or ``f**2`` for an optimizer-state leaf (a second moment, Adam's ``nu``, is a running mean
+    of squared gradients: a loss x4 writes it x16, while Adam's update, normalized by it, matches; the zoo's
+    conv ``count_pmeaned``); ``True`` where none fails."""
     from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, one_factor_across
 
-    return all(
-        e.ratio is not None and one_factor_across(e) and abs(e.ratio - f) <= RATIO_RTOL * abs(f)
-        for e in later
-    )
+    def carries(e: LeafError) -> bool:
+        factors = (f, f * f) if e.kind == "opt_state" else (f,)
+        return any(abs(e.ratio - k) <= RATIO_RTOL * abs(k) for k in factors)
+
+    return all(e.ratio is not None and one_factor_across(e) and carries(e) for e in later)
+
+
+def _later_carry(f: float, later: list[LeafError]) -> str:
+    """``"; the 4 leaves of the later stages that differ carry it (2 x 4, 2 x 16: a second moment carries its
+    square)"``: what the failing later leaves, which :func:`_later_agree` found to carry the loss's factor ``f``,
+    show of it; ``""`` where none fails."""
+    if not later:
+        return ""
+    squared = sum(1 for e in later if abs(e.ratio - f) > abs(e.ratio - f * f))
+    carried = f"{len(later) - squared} x {f:.4g}" + (f", {squared} x {f * f:.4g}" if squared else "")
+    square = ": a second moment carries its square" if squared else ""
+    return f"; the {len(later)} leaves of the later stages that differ carry it ({carried}{square})"
+
+
+def _widest_later(later: list[LeafError]) -> str:
+    """``"; of the later stages, 0.mu.kernel's elementwise ratio runs from 0.8 to 1.3 (10th-90th percentile),
+    median 1.02"``: the failing later leaf whose ratio spreads widest, what a loss read as one scalar's ratio
+    leaves to be read (:func:`forward_form`); ``""`` where no later leaf has a spread."""
+    from shardcheck.parity.diagnosis.evidence import spread_phrase
+
+    spread = [e for e in later if e.spread is not None and e.ratio is not None]
+    if not spread:
+        return ""
+    widest = max(spread, key=lambda e: e.spread[1] - e.spread[0])
+    return f"; of the later stages, {widest.path} has {spread_phrase(widest)}"
 
 
 def forward_form(
@@ -1048,12 +1076,17 @@ def forward_form(
             kind="none",
             sentence=f"the loss at equal parameters is {f:.4g} x the reference's, the ratio of one scalar: no "
             "factor is read from it (the gradients were not observed, and the later stages that differ do not "
-            f"carry {f:.4g}); its scale, its normalization or one of its terms differs, or it is combined another "
-            "way (a mean of micro-batch or shard means)",
+            f"carry {f:.4g}); "
+            + (
+                reduced
+                or "its scale, its normalization or one of its terms differs, or it is combined another "
+                "way (a mean of micro-batch or shard means)"
+            )
+            + _widest_later(later or []),
             factor=None,
             spread=None,
         )
-    why = _loss_factor_why(f, grads or [], scaled, reduced)
+    why = _loss_factor_why(f, grads or [], scaled, reduced) + ("" if grads else _later_carry(f, later or []))
     meaning = f"the loss at equal parameters is {f:.4g} x the reference's; {why}"
     if why.endswith("not a scaled loss"):  # no factor to claim: said as the loss's ratio alone (trial 31)
         return dataclasses.replace(form, kind="none", sentence=meaning, factor=None, spread=None)

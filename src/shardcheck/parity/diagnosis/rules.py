@@ -1013,22 +1013,25 @@ def model_state(ctx: DiagnosisContext) -> Finding:
         f"The model's state {path} (not a parameter: an nnx.Variable its forward pass writes) differs from the "
         f"single-device step's after {fail.step + 1} step(s) (max abs err {fail.max_abs_err:.6g})"
     )
-    if fail.ratio is not None and fail.ratio >= 2 and abs(fail.ratio - round(fail.ratio)) < 1e-9:
-        k = round(fail.ratio)
-        why = (
-            f": it is {k} times the reference's. The step runs the forward pass {k} times a step (an extra "
-            "forward pass, such as a logging or evaluation one, or one per shard or micro-batch, writes it "
-            "again); write it once per step."
-        )
-    elif fail.ratio == 0:
-        why = (
-            ": the step left it as it was: the forward pass's writes were dropped or undone (jax.grad of a "
-            "function of nnx.split parts discards them, so return and nnx.update them or use nnx.value_and_grad; "
-            "or the step resets it)."
-        )
-    else:
-        why = "; the step must write it as one forward pass over the full batch does."
+    why = _count_reading(
+        fail,
+        times=": it is {k} times the reference's. The step runs the forward pass {k} times a step (an extra "
+        "forward pass, such as a logging or evaluation one, or one per shard or micro-batch, writes it again); "
+        "write it once per step.",
+        left=": the step left it as it was: the forward pass's writes were dropped or undone (jax.grad of a "
+        "function of nnx.split parts discards them, so return and nnx.update them or use nnx.value_and_grad; "
+        "or the step resets it).",
+        other="; the step must write it as one forward pass over the full batch does.",
+    )
     return Diagnosis("model_state", head + why, fail.name)
+
+
+def _count_reading(fail: LeafError, times: str, left: str, other: str) -> str:
+    """What an integer state leaf's ratio to the reference's says: ``times`` (formatted with ``k``) where it is an
+    integer ``k >= 2``, ``left`` where it is 0 (left as it was), ``other`` otherwise."""
+    if fail.ratio is not None and fail.ratio >= 2 and abs(fail.ratio - round(fail.ratio)) < 1e-9:
+        return times.format(k=round(fail.ratio))
+    return left if fail.ratio == 0 else other
 
 
 def _step_counter(fail: LeafError) -> Diagnosis:
@@ -1041,16 +1044,13 @@ def _step_counter(fail: LeafError) -> Diagnosis:
         f"loss neither reads nor writes it) differs from the reference's step's after {fail.step + 1} step(s) "
         f"(max abs err {fail.max_abs_err:.6g})"
     )
-    if fail.ratio is not None and fail.ratio >= 2 and abs(fail.ratio - round(fail.ratio)) < 1e-9:
-        k = round(fail.ratio)
-        why = (
-            f": it is {k} times the reference's. The step advances it {k} times a step (an increment of {k}, or "
-            "one made twice), not its forward pass; advance it once per step, as the reference's step does."
-        )
-    elif fail.ratio == 0:
-        why = ": the step left it as it was (its increment dropped, or undone); advance it as the reference's does."
-    else:
-        why = "; the step must advance it as the reference's step does."
+    why = _count_reading(
+        fail,
+        times=": it is {k} times the reference's. The step advances it {k} times a step (an increment of {k}, or "
+        "one made twice), not its forward pass; advance it once per step, as the reference's step does.",
+        left=": the step left it as it was (its increment dropped, or undone); advance it as the reference's does.",
+        other="; the step must advance it as the reference's step does.",
+    )
     return Diagnosis("model_state", head + why, fail.name)
 
 
