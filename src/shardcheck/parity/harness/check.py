@@ -85,7 +85,7 @@ from shardcheck.parity.harness.candidates import run_step, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
 from shardcheck.parity.harness.leaf_facts import leaf_facts
 from shardcheck.parity.harness.module_probe import module_evidence
-from shardcheck.parity.harness.optimizer_rerun import localization_evidence, update_checked
+from shardcheck.parity.harness.optimizer_rerun import localization_evidence, update_checked, verifies_update
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
 from shardcheck.parity.harness.setup import _setup, check_options
@@ -238,12 +238,44 @@ def _step_candidate(run: _Run, t: int, batch):
     return run_step("check_parity", run.cand, run.cand_model, run.cand_opt, batch, run.kwargs, t, step)
 
 
+def _rounding_floor(at_rounding: list, after: _After, ref0: dict, cand0: dict, verifies) -> dict:
+    """``{path: floor}``: the least allowance this step adds to a parameter whose gradient is at rounding level
+    (``at_rounding``). A normalizing optimizer turns rounding noise into a step sized by each side's own noise
+    against its eps (Adam: ``lr * g / (|g| + eps)``, about ``lr`` where ``|g| >> eps``, in proportion to ``g``
+    near and below it), so two such updates differ by at most the sum of their sizes, ``max|u_ref| +
+    max|u_cand|`` (each side's largest update of the leaf, reduced on its devices); twice the reference's is no
+    bound where the candidate's noise is the larger near eps (issue #36: the two sides' updates of a correct dp
+    step's key bias differed by 1.49 x twice the reference's largest at one step, tests/test_rounding_floor.py).
+
+    The candidate's own size is taken only where the step gets the update check (``verifies()``, asked only
+    where some leaf is at rounding level: :func:`~shardcheck.parity.harness.optimizer_rerun.verifies_update`):
+    that check fails a passing step whose update is not the task's optimizer's of its own gradients and state, so
+    an update a fault inflated widens its own allowance only on a step that then fails; it needs the step's
+    gradients, which are compared too, so a candidate whose own gradient left rounding level (a trajectory split
+    at a kink, tests/kinked.py) fails that comparison rather than widening its floor. Elsewhere it is ``2
+    max|u_ref|``, as before. The floor decides the lower-bound pass (``allowances.lower_bound``: a trial's own
+    sensitivity is 0) and the allowance a passing trial reports (the trial's 0.000232 of 0.000234 allowed); the
+    exact pass also adds the update's sensitivity to the gradient's tolerance, which covered every correct step
+    measured under either floor."""
+    if not at_rounding:
+        return {}
+    verified = verifies()
+    sides = {p: after.ref_params[p] for p in at_rounding}
+    before = {p: ref0[p] for p in at_rounding}
+    if verified:
+        sides |= {"cand " + p: after.cand_params[p] for p in at_rounding}
+        before |= {"cand " + p: cand0[p] for p in at_rounding}
+    moved = compare.max_abs_diff(sides, before)
+    return {p: moved[p] + (moved["cand " + p] if verified else moved[p]) for p in at_rounding}
+
+
 def _compare_params(
-    run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After, lower: bool
+    run: _Run, t, ref0, cand0, rtol, atol, bounds, after: _After, lower: bool, verifies
 ) -> tuple[list, list, list, list]:
     """Param leaf errors (tolerance widened by the accumulated sensitivity and, for low-precision parameters,
     one rounding per step), replica mismatches, the leaves whose update the allowance leaves unresolved, and every
-    leaf whose gradient is at rounding level (``"param PATH"``).
+    leaf whose gradient is at rounding level (``"param PATH"``). ``verifies()``: whether the step gets the update
+    check (:func:`_rounding_floor`).
 
     Raises:
         Undecided: against the lower bound (``lower``), a leaf at rounding level that the bound resolves (the
@@ -263,10 +295,7 @@ def _compare_params(
     # at rounding level: the gradient is within its own tolerance of 0, and the update it drives is not
     # resolvable at the parameter's tolerance
     at_rounding = [p for p in tracked if bounds.grad_max[p] <= atol + noise.get(p, 0.0)]
-    moved = compare.max_abs_diff({p: ref_params[p] for p in at_rounding}, {p: ref0[p] for p in at_rounding})
-    # the update of a noise gradient is any step the optimizer can take: the two sides' updates each lie within
-    # it, so they differ by up to twice the reference's largest (Adam: ~2 lr)
-    floor = {p: 2.0 * v for p, v in moved.items()}
+    floor = _rounding_floor(at_rounding, after, ref0, cand0, verifies)
     rounding = {p: eps * scale[p] if eps else 0.0 for p in tracked}
     if eps:  # the update computed in the parameters' precision: its own rounding, on each side
         change = compare.max_abs_diff({p: ref_params[p] for p in tracked}, {p: ref0[p] for p in tracked})
@@ -497,8 +526,9 @@ def _compare_leaves(
     if skipped:
         leaves, grad_leaves = _by_finiteness(t, leaves, grad_leaves, ref_loss, cand_loss)
     leaves += grad_leaves
+    verifies = functools.partial(verifies_update, run, t, snapshots, cand_grads, after)
     params, mismatches, unresolved, rounding = _compare_params(
-        run, t, ref_params0, cand_params0, rtol, atol, bounds, after, lower
+        run, t, ref_params0, cand_params0, rtol, atol, bounds, after, lower, verifies
     )
     opt_leaves, opt_mismatches = _compare_opt_state(run, t, ref_opt0, cand_opt0, rtol, atol, bounds, after)
     ref_count = int(np.asarray(run.ref_opt.step[...]))

@@ -124,6 +124,25 @@ def _rerun_inputs(run: _Run, snapshots, cand_grads):
     return params, state, grads
 
 
+def verifies_update(run: _Run, t: int, snapshots, cand_grads, after) -> bool:
+    """Whether step ``t`` gets the :func:`update_check` where it passes: a step :func:`checks_step` checks, whose
+    inputs the task's optimizer takes (:func:`_rerun_inputs`: the candidate's gradients returned, its optimizer
+    state by the reference's paths, no user's reference step), an optimizer that reruns on ``(grads, state,
+    params)`` alone (traced once per check: ``run.rerunnable``). Arguments as :func:`update_check`."""
+    if not checks_step(t, (after.cand_params, after.cand_state)):
+        return False
+    inputs = _rerun_inputs(run, snapshots, cand_grads)
+    if inputs is None:
+        return False
+    if run.rerunnable is None:
+        try:  # what _try_rerun catches, from the shapes alone
+            jax.eval_shape(functools.partial(_rerun_jit, run.ref_opt.tx), *inputs)
+            run.rerunnable = True
+        except (TypeError, ValueError):
+            run.rerunnable = False
+    return run.rerunnable
+
+
 def _rerun_from(run: _Run, snapshots, cand_grads):
     """``(params, opt_state)`` of the task's optimizer rerun on the candidate's own gradients, parameters and
     optimizer state before the step, or ``None`` where it cannot run (see :func:`optimizer_rerun`)."""

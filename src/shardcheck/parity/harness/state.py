@@ -250,6 +250,8 @@ class _Run:
     normalized: frozenset | None = None
     # (treedef, paths) of the reference's parameters and optimizer state (optimizer_rerun._layouts), found once
     layouts: tuple | None = None
+    # whether the task's optimizer reruns on (grads, state, params) alone (optimizer_rerun.verifies_update), once
+    rerunnable: bool | None = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
