@@ -229,6 +229,9 @@ class StepRecord:
         per_shard_factor: where the step reproduces the mean of per-shard means (``matches``) and returned
             gradients c times that mean's gradient, c other than 1 (c = S: the per-shard means were summed, a psum
             where a pmean was due); ``None`` otherwise (c = 1, or no gradients returned).
+        token_split: where the mean of per-shard means reproduced is that of the rows x tokens blocks a step
+            placing the batch over every mesh axis gives (a context-parallel step: ``P('data', 'seq')``), that
+            split (:class:`~shardcheck.parity.diagnosis.token_split.TokenSplit`); ``None`` for the row split.
         weight_count: a failing step of a ``(loss_sum, weight)`` loss: ``(N, noun)``, the count a step that divides
             by a count in place of the weight would divide by (``"rows"``: the batch's rows, where some rows weigh
             0; ``"entries of batch['mask']"``), from
@@ -299,6 +302,7 @@ class StepRecord:
     module: Any = None
     loss_weight: float | None = None
     per_shard_factor: float | None = None
+    token_split: Any = None
     weight_count: tuple[int, str] | None = None
     replayed: bool = False
     identical_start: bool = False

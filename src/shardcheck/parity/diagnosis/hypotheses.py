@@ -20,6 +20,13 @@ from shardcheck.parity.comparison import live as compare
 from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import StepRecord
 from shardcheck.parity.diagnosis.rules import _gradient_factor
+from shardcheck.parity.diagnosis.token_split import (
+    TokenSplit,
+    token_loss_value,
+    token_shard_grads,
+    token_shard_weights,
+    token_split,
+)
 from shardcheck.parity.harness.state import _default_view, _opt_state, _PreStep, _Run
 from shardcheck.parity.tolerance.allowances import _reference_grads, _shard_magnitude
 from shardcheck.parity.tolerance.derive import MOMENT_FACTOR
@@ -263,10 +270,12 @@ def _stepped(tx, params, opt_state, grads):
 
 def _matches(
     run: _Run, pre: _PreStep, batch, rtol, atol, record: StepRecord, reference_grads, cand_grads=None
-) -> tuple[tuple[str, ...], float | None]:
+) -> tuple[tuple[str, ...], float | None, TokenSplit | None]:
     """The faulty reductions whose step the candidate reproduces (checked on failure; ``reference_grads()``: the
-    reference's gradient at ``pre``, computed once for every hypothesis of :func:`_explained`), and the factor c
-    of the per-shard means (below; ``None`` where it is 1 or not named).
+    reference's gradient at ``pre``, computed once for every hypothesis of :func:`_explained`), the factor c
+    of the per-shard means (below; ``None`` where it is 1 or not named) and the rows x tokens split whose shards
+    they are (:func:`~shardcheck.parity.diagnosis.token_split.token_split`; ``None``: the rows split over the
+    batch axes, tried first).
 
     ``per_shard_mean`` (weighted losses): the candidate's parameters and optimizer state match those of the step
     whose gradient is the mean of per-shard means, and the reference's differ from them in some leaf (under Adam
@@ -280,34 +289,61 @@ def _matches(
     gradient: a sum for a mean, a mean taken twice, whatever the optimizer does to the gradient's scale (global-
     norm clipping distorts the factor the moments show), tried when the moments' factor is not already S or 1/S.
     """
-    s = run.cand.num_shards
-    if not s or s < 2 or run.reference is not None:
-        return (), None
-    found, per_shard = [], None
+    s = run.cand.num_shards or 1
+    split = token_split(run.kwargs.get("mesh"), batch) if run.weighted else None
+    if (s < 2 and split is None) or run.reference is not None:
+        return (), None, None
+    found, per_shard, used = [], None, None
     if run.weighted and not run.rows_coupled:  # a coupled loss per shard is another loss, no hypothesis
-        # where the reference's matmul rounding is emulated, the candidate's is taken to be that too: the
-        # hypothesis computes as it does (a gradient at rounding level would otherwise flip its update's sign)
-        emulated = run.matmul_realization not in (None, "float32")
-        loss_fn = rounded_loss(run.task.loss_fn, run.precision.matmul) if emulated else run.task.loss_fn
-        grads = per_shard_mean_grads(loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
-        c = None if grads is None else _per_shard_factor(record, grads, cand_grads, reference_grads)
-        if c is not None:
-            tx = run.ref_opt.tx
-            alt = _scaled_params(tx, pre.params, pre.opt_state, grads, c)
-            scaled = jax.tree.map(lambda g: (g * c).astype(g.dtype), grads)
-            rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
-            if _reproduces(run, *alt, rtol, atol, rounding):
-                equal = equal_shard_weights(loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
-                found.append("per_shard_loss" if equal else "per_shard_mean")
-                per_shard = None if abs(c - 1.0) <= 1e-3 else c
+        # the rows split over the batch axes; then, on a mesh with an axis beside them, the rows x tokens blocks
+        # of a step that places the batch over every axis (context parallelism, trial 45)
+        for how in [h for h in (None, split) if (h is not None or s >= 2)]:
+            tried = _per_shard_tried(run, pre, batch, rtol, atol, record, reference_grads, cand_grads, how)
+            if tried is not None:
+                found.append(tried[0])
+                per_shard, used = tried[1], how
+                break
     factor, _ = _gradient_factor(record)
-    if not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
+    if s >= 2 and not found and (factor is None or not any(abs(factor - c) <= 1e-3 * c for c in (s, 1 / s))):
         for name, factor in (("times_S", float(s)), ("times_1/S", 1.0 / s)):
             alt = _scaled_params(run.ref_opt.tx, pre.params, pre.opt_state, reference_grads(), factor)
             if _reproduces(run, *alt, rtol, atol):
                 found.append(name)
                 break
-    return tuple(found), per_shard
+    return tuple(found), per_shard, used
+
+
+def _per_shard_tried(
+    run: _Run, pre: _PreStep, batch, rtol, atol, record, reference_grads, cand_grads, split
+) -> tuple[str, float | None] | None:
+    """``(name, c)`` where the candidate reproduces the mean of per-shard means (``"per_shard_mean"``, or
+    ``"per_shard_loss"`` with shards of equal weight) times c (``None`` where c is 1), the shards the rows split
+    over the batch axes (``split`` ``None``) or ``split``'s rows x tokens blocks; ``None`` where it does not."""
+    s = run.cand.num_shards or 1
+    # where the reference's matmul rounding is emulated, the candidate's is taken to be that too: the
+    # hypothesis computes as it does (a gradient at rounding level would otherwise flip its update's sign)
+    emulated = run.matmul_realization not in (None, "float32")
+    loss_fn = rounded_loss(run.task.loss_fn, run.precision.matmul) if emulated else run.task.loss_fn
+    args = (pre.graphdef, pre.params, pre.rest, batch)
+    if split is None:
+        grads = per_shard_mean_grads(loss_fn, s, *args)
+    else:
+        grads = token_shard_grads(loss_fn, split, *args)
+    c = None if grads is None else _per_shard_factor(record, grads, cand_grads, reference_grads)
+    if c is None:
+        return None
+    tx = run.ref_opt.tx
+    alt = _scaled_params(tx, pre.params, pre.opt_state, grads, c)
+    scaled = jax.tree.map(lambda g: (g * c).astype(g.dtype), grads)
+    rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
+    if not _reproduces(run, *alt, rtol, atol, rounding):
+        return None
+    if split is None:
+        weights = shard_weights(loss_fn, s, *args)
+    else:
+        weights = token_shard_weights(loss_fn, split, *args)
+    equal = weights is not None and max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
+    return "per_shard_loss" if equal else "per_shard_mean", None if abs(c - 1.0) <= 1e-3 else c
 
 
 def _per_shard_factor(record: StepRecord, grads, cand_grads, reference_grads) -> float | None:
@@ -443,9 +479,13 @@ def _explained(
     record's loss weight and its count (``StepRecord.loss_weight``, ``StepRecord.weight_count``) under a
     ``(loss_sum, weight)`` loss."""
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
-    matches, per_shard = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
+    matches, per_shard, split = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
     if not matches and _loss_per_shard(run, pre, batch, record):
         matches = ("per_shard_loss_value",)
+    if not matches and run.weighted:  # the loss value of a rows x tokens split's per-shard means (trial 45)
+        split = token_split(run.kwargs.get("mesh"), batch)
+        args = (pre.graphdef, pre.params, pre.rest, batch, record)
+        matches = ("per_shard_mean_value",) if token_loss_value(run.task.loss_fn, split, *args) else ()
     if not matches and _clipped_per_shard(run, pre, batch, record, cand_grads):
         matches = ("clip_per_shard",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
@@ -474,6 +514,9 @@ def _explained(
         matches=matches if micro is None else (*matches, "per_micro_mean"),
         loss_weight=weight,
         per_shard_factor=per_shard,
+        token_split=split
+        if set(matches) & {"per_shard_mean", "per_shard_loss", "per_shard_mean_value"}
+        else None,
         weight_count=weight_count(batch, weight),
         shard_weights=shards,
         micro_means=micro,

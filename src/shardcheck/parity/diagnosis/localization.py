@@ -946,7 +946,13 @@ SPLIT_WHY = (
 
 # the faulty reductions of StepRecord.matches that normalize the loss another way (the same function of the
 # parameters, weighed otherwise across the shards or micro-batches)
-NORMALIZED_AS = ("per_shard_mean", "per_shard_loss", "per_shard_loss_value", "per_micro_mean")
+NORMALIZED_AS = (
+    "per_shard_mean",
+    "per_shard_loss",
+    "per_shard_loss_value",
+    "per_shard_mean_value",
+    "per_micro_mean",
+)
 
 
 def reduced_reading(record: StepRecord) -> str:

@@ -131,6 +131,7 @@ NAMED_REDUCTIONS = (
     "per_shard_mean",
     "per_shard_loss",
     "per_shard_loss_value",
+    "per_shard_mean_value",
     "bf16_reduction",
     "clip_per_shard",
 )
@@ -1837,7 +1838,10 @@ def local_clip_norm(ctx: DiagnosisContext) -> Finding:
 
 
 def normalization(ctx: DiagnosisContext) -> Finding:
-    """``normalization``: the first failing step is the step of the mean of per-shard means (C4-C6)."""
+    """``normalization``: the first failing step is the step of the mean of per-shard means (C4-C6); or
+    (``per_shard_mean_value``) the loss it returned is the mean of a rows x tokens split's per-shard means."""
+    if "per_shard_mean_value" in ctx.reproduced:
+        return Diagnosis("normalization", _per_block_value(ctx.first), "loss")
     if "per_shard_mean" not in ctx.reproduced:
         return None
     c = ctx.first.per_shard_factor
@@ -1846,7 +1850,7 @@ def normalization(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "normalization",
         f"At step {ctx.first.step} the step reproduces the mean of per-shard means (parameters and optimizer "
-        "state): each shard divided its loss "
+        f"state): {_each_shard(ctx.first)} divided its loss "
         "sum by its own weight (token count) before the shards were averaged. With uneven token counts per "
         "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
         "shards, then divide once (docs/reduction_cases.md C4-C6).",
@@ -1854,12 +1858,43 @@ def normalization(ctx: DiagnosisContext) -> Finding:
     )
 
 
+def _per_block_value(first: StepRecord) -> str:
+    """``normalization``'s message where the loss returned is the mean of the per-shard means of a rows x tokens
+    split (``per_shard_mean_value``, ``StepRecord.token_split``: a context-parallel step, trial 45)."""
+    return (
+        f"At step {first.step} the loss the step returns ({first.candidate_loss:.7g}) is the mean of the "
+        f"{first.token_split.shards} shards' own means, where the full batch's is {first.loss:.7g}: "
+        f"{_each_shard(first)} divided its loss sum by its own token count before the shards were averaged "
+        "(its gradients too, by no one factor where each device divided a gradient that holds the terms the other "
+        "blocks' tokens send back, e.g. through the gathered keys and values, by its own count). With uneven token counts per "
+        "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
+        "every axis the tokens are split over, then divide once (docs/reduction_cases.md C4-C6)."
+    )
+
+
+def _each_shard(record: StepRecord) -> str:
+    """Who divided by its own count: ``"each shard"``, or where the shards reproduced are a rows x tokens split
+    (``StepRecord.token_split``, a context-parallel step) ``"each of the 4 shards (data x seq blocks of
+    tokens)"``."""
+    split = record.token_split
+    return "each shard" if split is None else f"each of the {split.shards} shards ({split.words()})"
+
+
 def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
     """``normalization``'s message where the returned gradients are ``c`` x the mean of per-shard means, c not 1
     (``StepRecord.per_shard_factor``): c = S, the per-shard means summed (a psum where a pmean was due); 1/S,
-    averaged and divided by S again; another c, said as it is."""
-    s = ctx.num_shards
-    if s and _close(c, s):
+    averaged and divided by S again; another c, said as it is. Over a rows x tokens split (``token_split``), c
+    the size of the token axes: the blocks' means summed over them, averaged over the batch axes."""
+    s, split = ctx.num_shards, ctx.first.token_split
+    if split is not None:
+        s = split.shards
+    if split is not None and _close(c, split.blocks):
+        axes = " x ".join(repr(a) for a in split.token_axes)
+        how = (
+            f"the per-block means were summed over {axes} (a psum) where their mean (or a sum divided by the "
+            f"global count) was due: x{split.blocks}, the size of {axes}"
+        )
+    elif s and _close(c, s):
         how = (
             f"the shards' means were summed (a psum where a pmean was due), not averaged: x{s}, a sum over "
             f"S={s} shards"
@@ -1876,8 +1911,8 @@ def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
     )
     return (
         f"At step {ctx.first.step} the returned gradients are {c:.4g} x the mean of per-shard means, and the "
-        "parameters and optimizer state are the optimizer's step on them: each shard divided its loss sum by its "
-        f"own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
+        f"parameters and optimizer state are the optimizer's step on them: {_each_shard(ctx.first)} divided its "
+        f"loss sum by its own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
         "then divide once (docs/reduction_cases.md C4-C6)."
     )
 

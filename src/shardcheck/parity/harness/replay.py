@@ -368,6 +368,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
         loss_per_shard,
         recording_loss_differs,
     )
+    from shardcheck.parity.diagnosis.token_split import token_loss_value, token_split
     from shardcheck.parity.harness.candidates import run_step
     from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero
     from shardcheck.parity.harness.recorded import _start
@@ -393,12 +394,18 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     before = (graphdef, params, rest, state)
     matches, per_shard = _per_shard_match(record, task, num_shards, before, data[t], after, grads)
     fields = {} if per_shard is None else {"per_shard_factor": per_shard}
+    split = token_split(mesh, data[t]) if loss_weight(task, 0) is not None else None
     if not matches and (t == 0 or record.identical_start):  # from the recording's state: its loss, per shard?
         found = recording_loss_differs(task.loss_fn, graphdef, params, rest, data[t], record)
         if found is not None:  # the replayed step returns this task's loss; the recording does not
             fields["task_loss"] = found
         elif loss_per_shard(task.loss_fn, num_shards, graphdef, params, rest, data[t], record):
             matches = ("per_shard_loss_value",)
+        elif token_loss_value(task.loss_fn, split, graphdef, params, rest, data[t], record):
+            matches = (
+                "per_shard_mean_value",
+            )  # a context-parallel step's per-block means, as live (trial 45)
+            fields["token_split"] = split
         elif clipped_per_shard(task.loss_fn, task.optimizer, num_shards, before[:3], data[t], record, grads):
             matches = ("clip_per_shard",)  # each shard's gradient clipped before the mean, as live
     if not matches and _bf16_reduction(record, task, num_shards, before, data[t], grads):
