@@ -157,3 +157,23 @@ def test_per_block_means_summed_over_seq(mesh):
     assert "the returned gradients are 2 x the mean of per-shard means" in message, str(report)
     assert "the per-block means were summed over 'seq' (a psum) where their mean" in message
     assert "'data' only" not in message
+
+
+def test_gradient_offset_of_c_times_the_parameter_reads_as_an_l2_term():
+    from shardcheck.parity.diagnosis.form import fit_form
+
+    rng = np.random.default_rng(0)
+    ref = {"norm.scale": rng.normal(size=(6,)), "head.bias": rng.normal(size=(4,))}
+    ones = {p: np.ones_like(g) for p, g in ref.items()}
+    varied = {p: rng.uniform(0.5, 2.0, size=g.shape) for p, g in ref.items()}
+    for params, offset_too in ((ones, True), (varied, False)):
+        cand = {p: g + 0.1 * params[p] for p, g in ref.items()}
+        form = fit_form({}, ref, cand, update=False, params=params)
+        assert form.sentence.startswith(
+            "an L2 / weight-decay term c x the parameter added to the gradients, c = 0.1"
+        )
+        assert form.coefficient == pytest.approx(0.1)
+        assert ("it is also a constant offset +0.1" in form.sentence) == offset_too
+    # a constant offset on parameters of many values is no L2 term
+    form = fit_form({}, ref, {p: g + 0.1 for p, g in ref.items()}, update=False, params=varied)
+    assert form.sentence.startswith("a constant offset +0.1 on every element") and "L2" not in form.sentence

@@ -250,6 +250,7 @@ def fit_form(
         or _stacked_slices(f64, update)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
+        or (None if update else _l2_term(f64, params or {}))
         or _offset(f64)
     )
     return form or _said_aside(_no_form(fit, source), aside)
@@ -974,6 +975,40 @@ def _offset(f64: dict) -> Form | None:
         "optax.adagrad's initial_accumulator_value, or an initial scale)",
         coefficient=k,
         leaves=len(pool),
+    )
+
+
+def _l2_term(f64: dict, params: Mapping[str, np.ndarray]) -> Form | None:
+    """``offset`` read as an L2 term: every failing gradient differs from the reference's by ``c * param``
+    elementwise (one least-squares ``c`` over every element, residual within :data:`FIT_RTOL` of the difference),
+    ``params`` the parameters before the step; said first, with the constant offset it also is where the
+    parameters are one value (trial 45: ``g + 0.1 * p`` on RMSNorm scales of 1 read only "a constant offset
+    +0.1 ... an optimizer's initial accumulator"). ``None`` where a leaf's parameter is unknown or shaped
+    otherwise, or ``c * param`` does not fit."""
+    if not f64 or any(p not in params or np.shape(params[p]) != np.shape(f64[p][2]) for p in f64):
+        return None
+    bases = {p: np.asarray(params[p], np.float64) for p in f64}
+    num = sum(float(np.sum((dc - dr) * bases[p])) for p, (_, dr, dc) in f64.items())
+    den = sum(float(np.sum(x * x)) for x in bases.values())
+    size = max(float(np.max(np.abs(dc - dr), initial=0.0)) for _, dr, dc in f64.values())
+    if den == 0 or size == 0 or num == 0:
+        return None
+    c = num / den
+    resid = max(float(np.max(np.abs(dc - dr - c * bases[p]), initial=0.0)) for p, (_, dr, dc) in f64.items())
+    if resid > FIT_RTOL * size:
+        return None
+    offset = _offset(f64)
+    also = (
+        f"; the parameters being one value here, it is also {offset.sentence}" if offset is not None else ""
+    )
+    return Form(
+        "offset",
+        f"an L2 / weight-decay term c x the parameter added to the gradients, c = {c:.4g} (the difference is "
+        f"{c:.4g} x the parameter on every element {_on_all(len(f64))}, residual {resid / size:.2g} of it): "
+        "a decay written into the gradients (g + c * p) of leaves the task's optimizer does not decay (those its "
+        f"decay mask leaves out: norm scales, biases), or an L2 penalty the task's loss does not hold{also}",
+        coefficient=c,
+        leaves=len(f64),
     )
 
 
