@@ -177,3 +177,21 @@ def test_gradient_offset_of_c_times_the_parameter_reads_as_an_l2_term():
     # a constant offset on parameters of many values is no L2 term
     form = fit_form({}, ref, {p: g + 0.1 for p, g in ref.items()}, update=False, params=varied)
     assert form.sentence.startswith("a constant offset +0.1 on every element") and "L2" not in form.sentence
+
+
+def test_header_says_the_built_in_placement_where_a_candidate_is_checked():
+    from argparse import Namespace
+
+    from shardcheck.cli.verify import _placement_text
+
+    mesh = {"data": 2, "seq": 2}
+    own = _placement_text(Namespace(mesh=mesh, candidate="cp_lm.py:step"), _task())
+    assert own == (
+        " (the built-in steps' placement: batch over data; replicated over seq; a step of its own may split it "
+        "otherwise)"
+    )
+    assert (
+        _placement_text(Namespace(mesh=mesh, candidate=None), _task())
+        == " (batch over data; replicated over seq)"
+    )
+    assert _placement_text(Namespace(mesh={"data": 4}, candidate="x.py:step"), _task()) == ""

@@ -827,13 +827,9 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     b = batch_size(task.batches[0])
     setup = f"task {task.name}, {steps} steps of B={_sizes_text(task.batches[:steps])}, S={num_shards}"
     if args.mesh is not None:
-        setup += " on mesh " + " x ".join(f"{k}={v}" for k, v in args.mesh.items())
-        from shardcheck.mesh import batch_axis_names
-
-        batch = batch_axis_names(args.mesh)
-        model = [a for a in args.mesh if a not in batch]
-        if model:  # tensor / expert parallelism: say which axes split the batch and which the model
-            setup += f" (batch over {', '.join(batch)}; {_model_axes_text(task, model)})"
+        setup += (
+            " on mesh " + " x ".join(f"{k}={v}" for k, v in args.mesh.items()) + _placement_text(args, task)
+        )
     if args.reference != REFERENCE:  # a step of the user's own is named by its spec
         own = args.reference not in REFERENCE_NAMES
         setup += f", against {args.reference if own else next(iter(done.values())).reference}" if done else ""
@@ -887,6 +883,23 @@ def _sizes_text(batches, listed: int = 6) -> str:
     if len(sizes) <= listed:
         return f"{', '.join(map(str, sizes))} (by step)"
     return f"{', '.join(map(str, sizes[:listed]))}, ... (by step, {min(sizes)} to {max(sizes)})"
+
+
+def _placement_text(args, task) -> str:
+    """``" (batch over data; replicated over model)"``: where ``args.mesh`` has axes beside its batch axes, which
+    split the batch and what the others hold, as the built-in steps place them; where a ``--candidate`` is
+    checked, said as the built-in steps' placement (trial 45: a context-parallel step placing its batch
+    ``P('data', 'seq')`` read "replicated over seq"); ``""`` for a mesh of batch axes only."""
+    from shardcheck.mesh import batch_axis_names
+
+    batch = batch_axis_names(args.mesh)
+    model = [a for a in args.mesh if a not in batch]
+    if not model:
+        return ""
+    placed = f"batch over {', '.join(batch)}; {_model_axes_text(task, model)}"
+    if getattr(args, "candidate", None):
+        placed = f"the built-in steps' placement: {placed}; a step of its own may split it otherwise"
+    return f" ({placed})"
 
 
 def _model_axes_text(task, axes: list[str]) -> str:
