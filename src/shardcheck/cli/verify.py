@@ -940,6 +940,8 @@ def render_report(report, setup: str, against: str | None = None):
     renderer) adds whether it is bitwise identical, the digests' evidence and what a recording cannot tell."""
     from rich.table import Table
 
+    from shardcheck.parity.report import RERUN_MARK, rerun_note
+
     replay = report.replay
     title = f"shardcheck verify {report.strategy}" + (f" against {against}" if against else "")
     bitwise = " (bitwise identical)" if replay is not None and replay.bitwise else ""
@@ -950,6 +952,9 @@ def render_report(report, setup: str, against: str | None = None):
         caption.append(f"evidence: {report.scale_evidence}")
     if replay is not None:
         caption += [replay.evidence, *replay.notes]
+    rerun = getattr(report, "rerun_after_failure", ())  # steps re-run from the reference's state
+    if rerun:  # trial 46: a re-run step's parameter read as the trajectory's, beside "parameters: matches"
+        caption.append(f"rows: {rerun_note(rerun)}")
     table = Table(
         title=f"{title}: {_verdict(report.verdict)}{bitwise}",
         caption="\n".join(caption),
@@ -963,7 +968,8 @@ def render_report(report, setup: str, against: str | None = None):
     table.add_column("allowed abs err", justify="right")
     table.add_column("verdict")
     for kind, e in report.worst_by_kind().items():
-        table.add_row(kind, e.path, step_cell(e.step), *error_cells(e), _verdict(e.ok))
+        cell = step_cell(e.step) + (RERUN_MARK if e.step in rerun else "")
+        table.add_row(kind, e.path, cell, *error_cells(e), _verdict(e.ok))
     replicas = report.replica_failure
     if replicas is not None:  # no leaf's error shows it: each device's copy may be within tolerance
         table.add_row("replicas", _replica_cell(replicas), str(replicas.step), "-", "-", "-", _verdict(False))

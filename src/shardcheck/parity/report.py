@@ -166,12 +166,15 @@ class ParityReport:
 
     @property
     def worst(self) -> LeafError | None:
-        """The leaf error with the largest ``max_abs_err / tolerance`` over all steps (the first, on ties); where
-        every compared leaf passes and the update check fails (:attr:`update_failure`), its worst leaf."""
+        """The leaf error with the largest ``max_abs_err / tolerance`` over all steps (the first, on ties), a step
+        re-run from the reference's state after an earlier failure (:attr:`rerun_after_failure`) only where no
+        other step compared a leaf; where every compared leaf passes and the update check fails
+        (:attr:`update_failure`), its worst leaf."""
         if self.update_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves):
             return self.update_failure
+        rerun = self.rerun_after_failure
         leaves = [leaf for record in self.steps for leaf in record.leaves]
-        return max(leaves, key=lambda leaf: leaf.badness, default=None)
+        return max(leaves, key=lambda leaf: (leaf.step not in rerun, leaf.badness), default=None)
 
     @property
     def first_worst(self) -> LeafError | None:
@@ -254,15 +257,41 @@ class ParityReport:
         """The replicas' disagreement is the run's only failure: every compared leaf within its tolerance."""
         return self.replica_failure is not None and all(leaf.ok for r in self.steps for leaf in r.leaves)
 
+    @property
+    def rerun_after_failure(self) -> tuple[int, ...]:
+        """The steps the check re-ran from the reference's pre-step state (``StepRecord.synchronized``) after an
+        earlier step had already failed: the step loop's re-check of its first failure after step 0 (which stands
+        for step t where no step failed before it), while the steps before and after it are the candidate's own
+        trajectory. Their leaves are not that trajectory's (trial 46: an Adam step whose loss is x 4 leaves its
+        parameters as the reference's, but step 1, re-run with the reference's moments and a x 4 gradient, moved
+        a bias 0.00153 off), so the tables rank them after every other step's (:meth:`worst_by_kind`,
+        :attr:`worst`). ``()`` where no step failed before a re-run one, or the trajectories diverged
+        (:attr:`diverged_at`: every step from there on is re-run)."""
+        if self.diverged_at is not None:
+            return ()
+        out, failed = [], False
+        for record in self.steps:
+            if record.synchronized and failed:
+                out.append(record.step)
+            failed = failed or any(not e.ok for e in record.leaves)
+        return tuple(out)
+
     def worst_by_kind(self) -> dict[str, LeafError]:
         """For each compared kind (``loss``, ``grad``, ...), its worst leaf error over all steps; ``state`` (the
         model's non-parameter state, after ``opt_state``) where one of its leaves fails, so that a failing state
         leaf (a frozen weight trained) has its own row beside the rows it moved downstream; ``update`` (after
-        ``opt_state``) where the update check fails (:attr:`update_failure`)."""
+        ``opt_state``) where the update check fails (:attr:`update_failure`). A step re-run from the reference's
+        state after an earlier step failed (:attr:`rerun_after_failure`) is not the candidate's trajectory: its
+        leaves are a kind's row only where no other step compared that kind."""
         out: dict[str, LeafError] = {}
+        rerun = self.rerun_after_failure
+
+        def rank(leaf: LeafError) -> tuple[bool, float]:
+            return leaf.step not in rerun, leaf.badness
+
         for record in self.steps:
             for leaf in record.leaves:
-                if leaf.kind not in out or leaf.badness > out[leaf.kind].badness:
+                if leaf.kind not in out or rank(leaf) > rank(out[leaf.kind]):
                     out[leaf.kind] = leaf
         kinds = [*KINDS]
         if "state" in out and not out["state"].ok:
@@ -402,11 +431,14 @@ class ParityReport:
                 f"{worst.step}: max abs err {worst.max_abs_err:.3g}, rel {worst.max_rel_err:.3g}, tolerance "
                 f"{worst.tolerance:.3g}"
             )
+        rerun = self.rerun_after_failure
         for kind, e in self.worst_by_kind().items():
             lines.append(
                 f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {e.max_rel_err:<10.3g} "
-                f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}"
+                f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}{RERUN_MARK if e.step in rerun else ''}"
             )
+        if rerun:
+            lines.append(f"  rows: {rerun_note(rerun)}")
         replicas = self.replica_failure
         if replicas is not None:
             lines.append(f"  {'replicas':<9} {replicas.leaf} at step {replicas.step}: {replicas.text()} FAIL")
@@ -444,6 +476,25 @@ class ParityReport:
         if self.allocator_peak_bytes is not None:
             text += f"; allocator peak {_size(self.allocator_peak_bytes)}"
         return text
+
+
+# a table row read from a step re-run from the reference's state after an earlier failure
+RERUN_MARK = " (re-run)"
+
+
+def rerun_note(steps: tuple[int, ...]) -> str:
+    """What the per-kind rows hold beside steps re-run from the reference's pre-step state after an earlier
+    failure (:attr:`ParityReport.rerun_after_failure`): ``"step 1 was re-run from the reference's pre-step state
+    after an earlier step had failed (how the check re-checks a failure after step 0): not the candidate's own
+    trajectory, so each row is the worst of the other steps (a re-run step's only where no other step compared
+    that kind, marked (re-run))"``."""
+    words = ", ".join(str(t) for t in steps)
+    return (
+        f"step{'s' if len(steps) > 1 else ''} {words} {'were' if len(steps) > 1 else 'was'} re-run from the "
+        "reference's pre-step state after an earlier step had failed (how the check re-checks a failure after step "
+        "0): not the candidate's own trajectory, so each row is the worst of the other steps (a re-run step's only "
+        f"where no other step compared that kind, marked{RERUN_MARK})"
+    )
 
 
 def _size(n: int) -> str:

@@ -1,0 +1,237 @@
+"""Issue #36, trial 46 (a GPipe pipeline step): the report's per-kind rows and its first failing leaf.
+
+1. A step the check re-ran from the reference's pre-step state after an earlier step had failed (the step loop's
+   re-check of a failure at t > 0) is not the candidate's trajectory: the trial's table read ``param head.bias 1
+   0.00153 FAIL`` (Adam given the reference's moments and a x 4 gradient) beside "applied parameters: matches",
+   while the replay, which re-runs nothing, read the parameters PASS. The rows now prefer the other steps, and say
+   which step was re-run.
+2. The first failing leaf follows the stage order at the first failing step (the localization's stage): the trial
+   read ``grad head.kernel (step 0)`` beside a localization at the forward pass, whose loss failed at step 0.
+3. An error raised by shardcheck's own built-in step is not "the candidate step"'s.
+
+The task: a 2-stage pipeline of 2 tanh(Linear(8, 8)) blocks stacked with ``nnx.vmap`` over 'stage', a replicated
+head Linear(8 -> 2), MSE, Adam; the step's ``jax.shard_map`` runs 2 micro-batches per data shard on mesh data=2 x
+stage=2 (4 fake CPU devices).
+"""
+
+import dataclasses
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
+
+import shardcheck
+from shardcheck import check_parity, make_mesh
+from shardcheck.cli.verify import render_report, render_summary
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.report import ParityReport
+
+H, D_OUT, STAGES, MICRO = 8, 2, 2, 2
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(
+            H,
+            H,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None)),
+            bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), (None,)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return jnp.tanh(self.linear(x))
+
+
+class Pipeline(nnx.Module):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=STAGES)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "stage"})
+        def blocks(rngs):
+            return Block(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(H, D_OUT, rngs=rngs)
+
+    def __call__(self, x):
+        graphdef, state = nnx.split(self.blocks)
+        x, _ = jax.lax.scan(lambda x, s: (nnx.merge(graphdef, s)(x), None), x, state)
+        return self.head(x)
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _task():
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.normal(size=(8, H)).astype(np.float32), "y": rng.normal(size=(8, D_OUT)).astype(np.float32)}
+        for _ in range(3)
+    ]
+    return shardcheck.Task(
+        model=lambda: Pipeline(nnx.Rngs(0)),
+        optimizer=optax.adam(1e-2),
+        loss_fn=_loss,
+        batches=batches,
+        name="pipeline",
+    )
+
+
+def _body(fault):
+    """The shard_map body: local stage parameters, the head, the local batch -> (loss, grads)."""
+
+    def body(w, b, hk, hb, x, y):
+        s = jax.lax.axis_index("stage")
+        w, b = jax.lax.pcast(w, "data", to="varying"), jax.lax.pcast(b, "data", to="varying")
+        hk, hb = (jax.lax.pcast(a, ("data", "stage"), to="varying") for a in (hk, hb))
+
+        def local_loss(w, b, hk, hb):
+            xs, ys = x.reshape(MICRO, -1, H), y.reshape(MICRO, -1, D_OUT)
+            perm = [(1, 0)] if fault == "perm_reversed" else [(0, 1)]
+            state, total = jnp.zeros_like(xs[0]), 0.0
+            for t in range(MICRO + STAGES - 1):
+                inp = jnp.where(s == 0, xs[min(t, MICRO - 1)] * (t < MICRO), state)
+                out = jnp.tanh(inp @ w[0] + b[0])
+                idx = t - (STAGES - 1)
+                if 0 <= idx < MICRO:
+                    mb = ((out @ hk + hb - ys[idx]) ** 2).mean()
+                    total = total + jnp.where(s == STAGES - 1, mb, 0.0)
+                state = jax.lax.ppermute(out, "stage", perm)
+            return total if fault == "loss_summed" else total / MICRO
+
+        loss, (gw, gb, ghk, ghb) = jax.value_and_grad(local_loss, argnums=(0, 1, 2, 3))(w, b, hk, hb)
+        gw, gb = jax.lax.pmean(gw, "data"), jax.lax.pmean(gb, "data")
+        ghk, ghb = (jax.lax.pmean(jax.lax.psum(g, "stage"), "data") for g in (ghk, ghb))
+        return jax.lax.pmean(jax.lax.psum(loss, "stage"), "data"), gw, gb, ghk, ghb
+
+    return body
+
+
+def make_step(fault=""):
+    """The user's GPipe step; ``fault``: ``"loss_summed"`` (the micro-batches' losses summed, x 2),
+    ``"perm_reversed"`` (the activations sent from the last stage to the first)."""
+
+    def step(model, optimizer, batch, mesh):
+        specs = (P("stage"), P("stage"), P(), P(), P("data"), P("data"))
+        out_specs = (P(), P("stage"), P("stage"), P(), P())
+        fn = jax.jit(jax.shard_map(_body(fault), mesh=mesh, in_specs=specs, out_specs=out_specs))
+        blk = model.blocks.linear
+        loss, gw, gb, ghk, ghb = fn(
+            blk.kernel[...], blk.bias[...], model.head.kernel[...], model.head.bias[...],
+            jnp.asarray(batch["x"]), jnp.asarray(batch["y"]),
+        )  # fmt: skip
+        grads = jax.tree.map(lambda a: a, nnx.state(model, nnx.Param))
+        grads.replace_by_pure_dict(
+            {"blocks": {"linear": {"kernel": gw, "bias": gb}}, "head": {"kernel": ghk, "bias": ghb}}
+        )
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    step.__name__ = f"gpipe_{fault or 'good'}"
+    return step
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh({"data": 2, "stage": 2})
+
+
+@pytest.fixture(scope="module")
+def loss_summed(mesh):
+    return check_parity(make_step("loss_summed"), _task(), mesh=mesh)
+
+
+def test_correct_pipeline_passes_with_no_rerun_rows(mesh):
+    report = check_parity(make_step(), _task(), mesh=mesh)
+    assert report.verdict == "PASS"
+    assert report.rerun_after_failure == ()
+    assert report.first_failing_leaf is None
+    assert "re-run" not in str(report)
+    assert all(e.ok for e in report.worst_by_kind().values())
+
+
+def test_rows_are_the_trajectory_not_the_rerun_step(loss_summed):
+    report = loss_summed
+    assert report.verdict == "FAIL"
+    # step 1 failed in the trajectory (Adam's moments are x 2 since step 0) and was re-checked from the
+    # reference's state: that record is the re-run one, steps 0 and 2 are the candidate's own
+    assert [r.synchronized for r in report.steps] == [False, True, False]
+    assert report.rerun_after_failure == (1,)
+    rerun = report.steps[1]
+    # from the reference's moments a x 2 gradient moves the parameters: the re-run step's parameters fail
+    assert any(e.kind == "param" and not e.ok for e in rerun.leaves)
+    # Adam normalizes a constant factor away: the trajectory's parameters match at every step
+    assert all(e.ok for r in (report.steps[0], report.steps[2]) for e in r.leaves if e.kind == "param")
+    rows = report.worst_by_kind()
+    assert rows["param"].ok and rows["param"].step != 1
+    assert not rows["loss"].ok and rows["loss"].step == 0
+    assert not rows["grad"].ok and rows["grad"].step == 0
+    assert not rows["opt_state"].ok
+    assert report.localization.status("parameters") == "differs"  # the optimizer state differs, 0 parameters
+    assert "0 of 4 parameters" in report.localization.text()
+    text = str(report)
+    assert "rows: step 1 was re-run from the reference's pre-step state" in text
+    assert report.to_dict()["worst_by_kind"]["param"]["ok"] is True
+    assert report.worst.step != 1  # the worst over every step is the trajectory's too
+
+
+def _rows(table) -> list[list[str]]:
+    """The table's body rows as rendered, each a list of its cells' text."""
+    out = io.StringIO()
+    Console(file=out, width=300, color_system=None).print(table)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    return [[cell.strip() for cell in line.strip("│").split("│")] for line in lines]
+
+
+def _caption(table) -> str:
+    out = io.StringIO()
+    Console(file=out, width=3000, color_system=None).print(table)
+    return out.getvalue()
+
+
+def test_the_cli_table_reads_the_trajectory_and_says_which_step_was_rerun(loss_summed):
+    table = render_report(loss_summed, "setup")
+    rows = {r[0]: r for r in _rows(table)}
+    assert rows["param"][2] in ("0", "2") and rows["param"][-1] == "PASS"  # trial 46: "1 | 0.00153 | FAIL"
+    assert rows["loss"][2] == "0" and rows["loss"][-1] == "FAIL"
+    assert not any("(re-run)" in r[2] for r in rows.values())  # every kind had a trajectory step
+    assert "rows: step 1 was re-run from the reference's pre-step state" in _caption(table)
+    summary = _rows(render_summary({"candidate": loss_summed}, "setup"))
+    assert summary[0][2] == "loss (step 0)"
+
+
+def _leaf(kind, path, err, tol=1.0, step=0):
+    return LeafError(step, kind, path, err, err, tol, err <= tol)
+
+
+def _record(*leaves):
+    return StepRecord(0, 1e-5, 1e-6, 1.0, 1.0, tuple(leaves), 1, 1)
+
+
+def test_a_kind_only_a_rerun_step_compared_is_marked():
+    step0 = _record(_leaf("loss", "loss", 3.0))
+    step1 = dataclasses.replace(
+        _record(_leaf("loss", "loss", 5.0, step=1), _leaf("param", "w", 4.0, step=1)),
+        step=1,
+        synchronized=True,
+    )
+    report = ParityReport("s", False, (step0, step1), (), num_shards=2)
+    assert report.rerun_after_failure == (1,)
+    assert report.worst_by_kind()["loss"].step == 0  # the trajectory's, though the re-run's error is larger
+    rows = {r[0]: r for r in _rows(render_report(report, "setup"))}
+    assert rows["loss"][2] == "0"
+    assert rows["param"][2] == "1 (re-run)" and rows["param"][-1] == "FAIL"
+    assert "param     w                        abs 4" in str(report) and "FAIL (re-run)" in str(report)
+    # a re-check that is the first failure (step 0 passed) stands for its step: not set apart
+    clean = dataclasses.replace(step0, leaves=(_leaf("loss", "loss", 0.5),))
+    first = ParityReport("s", False, (clean, step1), (), num_shards=2)
+    assert first.rerun_after_failure == ()
+    assert first.worst_by_kind()["loss"].step == 1
+    assert "re-run" not in str(first)
