@@ -235,3 +235,33 @@ def test_a_kind_only_a_rerun_step_compared_is_marked():
     assert first.rerun_after_failure == ()
     assert first.worst_by_kind()["loss"].step == 1
     assert "re-run" not in str(first)
+
+
+def test_first_failing_leaf_follows_the_stage_order(mesh, loss_summed):
+    report = check_parity(make_step("perm_reversed"), _task(), mesh=mesh)
+    assert report.verdict == "FAIL"
+    assert report.localization.step == 0 and report.localization.stage == "forward"
+    first_step = report.steps[0]
+    grad = max((e for e in first_step.leaves if e.kind == "grad" and not e.ok), key=lambda e: e.badness)
+    loss = next(e for e in first_step.leaves if e.kind == "loss")
+    assert not loss.ok and grad.badness > loss.badness  # by error over tolerance alone, a gradient would lead
+    assert report.first_failing_leaf == "loss"
+    assert report.first_worst.step == 0
+    summary = _rows(render_summary({"candidate": report}, "setup"))
+    assert summary[0][2] == "loss (step 0)"  # trial 46: "grad head.kernel (step 0)"
+    assert "first failing leaf: loss at step 0" in str(report)
+    assert report.to_dict()["first_failing_leaf"] == "loss"
+    assert loss_summed.first_failing_leaf == "loss"
+
+
+def _report(record):
+    return ParityReport("s", record.ok, (record,), (), num_shards=2)
+
+
+def test_first_failing_leaf_without_a_localization_takes_the_earliest_stage():
+    report = _report(_record(_leaf("loss", "loss", 0.5), _leaf("grad", "w", 3.0), _leaf("param", "w", 9.0)))
+    assert report.first_failing_leaf == "grad w"  # the loss passes; the gradients come before the parameters
+    assert report.worst_leaf == "param w"  # the largest error over tolerance stays the worst leaf
+    report = _report(_record(_leaf("loss", "loss", 2.0), _leaf("grad", "w", 30.0)))
+    assert report.first_failing_leaf == "loss"
+    assert _report(_record(_leaf("loss", "loss", 0.5), _leaf("param", "w", 0.1))).first_failing_leaf is None

@@ -178,18 +178,34 @@ class ParityReport:
 
     @property
     def first_worst(self) -> LeafError | None:
-        """The worst failing leaf of the first failing step (where the localization points; the update check's
-        leaf, :attr:`update_failure`, where that step failed it alone), or :attr:`worst` where nothing fails: the
-        summary's leaf (trial 27: the worst over all steps, a leaf the fault
-        reached at step 2, sat beside a localization that said that leaf matched at step 0)."""
+        """The first failing leaf: at the first failing step, the worst failing leaf of the first stage that differs
+        (the stage :attr:`localization` names; without one, the first of the forward pass (the loss), the
+        gradients, the optimizer state and parameters, the counters that holds a failing leaf); the update
+        check's leaf, :attr:`update_failure`, where that step failed it alone; :attr:`worst` where nothing fails:
+        the summary's leaf (trial 27: the worst over all steps, a leaf the fault reached at step 2, sat beside a
+        localization that said that leaf matched at step 0; trial 46: the worst of step 0 by error over
+        tolerance, a gradient, sat beside a localization at the forward pass, whose loss failed at step 0 too)."""
         update = self.update_failure
         first = next((r for r in self.steps if any(not e.ok for e in r.leaves)), None)
         # an update check that failed at an earlier step than any leaf is the first failure (trial 33: a decayed
         # norm scale's update failed at step 0, its parameter at step 1, and the summary named step 1's)
         if update is not None and (first is None or update.step < first.step):
             return update
-        bad = [] if first is None else [e for e in first.leaves if not e.ok]
-        return max(bad, key=lambda leaf: leaf.badness) if bad else self.worst
+        if first is None:
+            return self.worst
+        return self._localized(first) or _first_by_stage(first)
+
+    def _localized(self, first: StepRecord) -> LeafError | None:
+        """The worst failing leaf of the stage the localization names at ``first`` (the first failing step), where
+        it is one of that step's leaves; else ``None``."""
+        loc = self.localization
+        if loc is None or loc.step != first.step or loc.stage is None:
+            return None
+        worst = next(s.worst for s in loc.stages if s.stage == loc.stage)
+        if worst is None:
+            return None
+        key = (worst.kind, worst.path, worst.step)
+        return next((e for e in first.leaves if (e.kind, e.path, e.step) == key and not e.ok), None)
 
     @property
     def update_failure(self) -> LeafError | None:
@@ -495,6 +511,19 @@ def rerun_note(steps: tuple[int, ...]) -> str:
         "0): not the candidate's own trajectory, so each row is the worst of the other steps (a re-run step's only "
         f"where no other step compared that kind, marked{RERUN_MARK})"
     )
+
+
+# the first failing leaf's stage order where no localization names one (its StageResult's kinds)
+_STAGE_OF_KIND = {"loss": 0, "grad": 1, "opt_state": 3, "param": 4, "state": 4, "counter": 5}
+
+
+def _first_by_stage(record: StepRecord) -> LeafError | None:
+    """The worst failing leaf of ``record``'s first stage that holds one (:data:`_STAGE_OF_KIND`)."""
+    bad = [e for e in record.leaves if not e.ok]
+    if not bad:
+        return None
+    stage = min(_STAGE_OF_KIND.get(e.kind, 4) for e in bad)
+    return max((e for e in bad if _STAGE_OF_KIND.get(e.kind, 4) == stage), key=lambda e: e.badness)
 
 
 def _size(n: int) -> str:
