@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import shardcheck
-from shardcheck import check_parity, make_mesh
+from shardcheck import check_parity, make_mesh, record_run
 from shardcheck.cli.verify import render_report, render_summary
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.report import ParityReport
@@ -265,3 +265,42 @@ def test_first_failing_leaf_without_a_localization_takes_the_earliest_stage():
     report = _report(_record(_leaf("loss", "loss", 2.0), _leaf("grad", "w", 30.0)))
     assert report.first_failing_leaf == "loss"
     assert _report(_record(_leaf("loss", "loss", 0.5), _leaf("param", "w", 0.1))).first_failing_leaf is None
+
+
+def _raising(model, optimizer, batch):
+    raise TypeError("planted failure")
+
+
+def test_builtin_step_error_is_shardcheck_s_not_the_candidate_s(monkeypatch):
+    from shardcheck.parity import CandidateError
+    from shardcheck.parity.harness import candidates
+
+    real = candidates._as_candidate
+
+    def broken(*args):  # the built-in dp step, made to raise
+        cand = real(*args)
+        return dataclasses.replace(cand, step=_raising, program=None) if cand.builtin else cand
+
+    monkeypatch.setattr(candidates, "_as_candidate", broken)
+    task = _task()
+    with pytest.raises(CandidateError) as err:
+        check_parity("dp", task, num_shards=2, steps=1)
+    text = str(err.value)
+    assert text.startswith(
+        "check_parity: shardcheck's built-in step 'dp' raised TypeError at step 0 (a limitation"
+    )
+    assert (
+        "a limitation or a bug of shardcheck's dp step, not a fault of your model or step): planted" in text
+    )
+    assert "the candidate step" not in text
+    with pytest.raises(CandidateError) as recorded:  # shardcheck record says what record_run raises
+        record_run(task, "dp", num_shards=2, steps=1)
+    assert str(recorded.value).startswith(
+        "record_run: shardcheck's built-in step 'dp' raised TypeError at step 0"
+    )
+    with pytest.raises(CandidateError) as user:
+        check_parity(_raising, task, num_shards=2, steps=1)
+    assert str(user.value).startswith(
+        "check_parity: the candidate step '_raising' raised TypeError at step 0"
+    )
+    assert "built-in" not in str(user.value)

@@ -64,6 +64,8 @@ class Candidate:
             candidate from a strategy name and steps both sides in place, it calls ``jitted`` on the pair's
             Variables found once instead of ``step`` (no ``nnx.split`` / ``nnx.update`` a step): the same
             program on the same values.
+        builtin: one of shardcheck's own strategies (built from its name by the parity harness): an error it
+            raises is said as a limitation or a bug of shardcheck's step, not the user's candidate's.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Candidate:
     extra_checks: Callable[[nnx.Optimizer, int], list[tuple[str, Any, Any]]] | None = None
     pass_mesh: bool = False
     program: tuple[Callable[..., Any], tuple] | None = None
+    builtin: bool = False
 
 
 def shard_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch, *, update_state: bool = False):

@@ -139,7 +139,7 @@ def _as_candidate(fn, candidate, task: Task, num_shards, mesh, name) -> Candidat
             raise ValueError(f"{fn}: strategy {candidate!r} needs num_shards=S; pass e.g. num_shards=2")
         strategy = get_strategy(fn, candidate)
         c = strategy.build(task.loss_fn, num_shards, mesh_for(fn, strategy, num_shards, mesh))
-        return dataclasses.replace(c, name=name) if name else c
+        return dataclasses.replace(c, name=name or c.name, builtin=True)
     if not callable(candidate):
         raise TypeError(
             f"{fn}: candidate must be a strategy name ({', '.join(CANDIDATES)}), a Candidate or a callable "
@@ -444,6 +444,21 @@ def _traced_hint(err: Exception) -> str:
     return ""
 
 
+def _raised(cand: Candidate, err: Exception, t: int, cause: str) -> str:
+    """Who raised what where: ``"the candidate step 'my_step' raised TypeError at step 0 (hint)"``; a built-in
+    strategy's (``Candidate.builtin``) is shardcheck's own, not the user's candidate (trial 46: ``shardcheck
+    record`` of the default fsdp step read "the candidate step 'fsdp' raised TypeError"): ``"shardcheck's
+    built-in step 'fsdp' raised TypeError at step 0 (hint; a limitation or a bug of shardcheck's fsdp step, not a
+    fault of your model or step)"``."""
+    if not cand.builtin:
+        return f"the candidate step {cand.name!r} raised {type(err).__name__} at step {t}{cause}"
+    hint = f"{cause[2:-1]}; " if cause else ""
+    return (
+        f"shardcheck's built-in step {cand.name!r} raised {type(err).__name__} at step {t} ({hint}a limitation or "
+        f"a bug of shardcheck's {cand.name} step, not a fault of your model or step)"
+    )
+
+
 def run_step(
     fn: str, cand: Candidate, model, optimizer, batch, kwargs: Mapping, t: int, step: Callable | None = None
 ) -> tuple:
@@ -494,10 +509,6 @@ def run_step(
             hint = f"{hint}; and {split}" if hint else split
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
-        raise CandidateError(
-            f"{fn}: the candidate step {cand.name!r} raised {type(err).__name__} at step {t}{cause}: {err}",
-            t,
-            hint,
-        ) from err
+        raise CandidateError(f"{fn}: {_raised(cand, err, t, cause)}: {err}", t, hint) from err
     who = f"candidate {cand.name!r}" if fn == "check_parity" else repr(cand.name)
     return unpack(out, who, t, fn=fn)
