@@ -123,12 +123,28 @@ def _reduce(g, spec: PartitionSpec, mesh_axes):
     return g
 
 
+def _vma(x) -> frozenset:
+    """The mesh axes ``x`` is device-varying over inside ``shard_map`` (its type's varying manual axes)."""
+    aval = jax.typeof(x)  # .manual_axis_type.varying in JAX 0.10, .vma before
+    return frozenset(aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma)
+
+
 def _invariant(x, axes):
     """``x``, made device-invariant over ``axes`` on which its copies are equal (``pmax`` of equal copies: exact)."""
-    aval = jax.typeof(x)  # its device-varying axes: .manual_axis_type.varying in JAX 0.10, .vma before
-    vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
-    varying = tuple(a for a in axes if a in vma)
+    varying = tuple(a for a in axes if a in _vma(x))
     return jax.lax.pmax(x, varying) if varying else x
+
+
+def _varying(x, axes):
+    """``x``, typed device-varying over ``axes`` (``pcast``: a no-op at run time, and its values unchanged).
+
+    The batch is replicated over the model axes, the gathered parameters vary over every axis (C2): a loss that
+    carries the batch through a ``lax.scan`` (layers stacked by ``nnx.vmap``, a pipeline's stages) would enter
+    the scan's carry invariant over the model axes and leave it varying, which ``check_vma`` refuses (the carry's
+    type must not change). The batch is not differentiated, so its cast adds no reduction.
+    """
+    cast = tuple(a for a in axes if a not in _vma(x))
+    return jax.lax.pcast(x, cast, to="varying") if cast else x
 
 
 def _reduce_model_split(g, spec: PartitionSpec, batch, model):
@@ -172,6 +188,7 @@ def sharded_value_and_grad(
     leaves, treedef = jax.tree.flatten(local)
     every = (*mesh_axes, *tensor_axes)
     full = [_gather(a, s, every) for a, s in zip(leaves, param_specs, strict=True)]
+    batch = jax.tree.map(lambda x: _varying(x, tensor_axes), batch)  # as the parameters vary (_varying)
     total, weight, grads = params_value_and_grad(
         loss_fn, graphdef, jax.tree.unflatten(treedef, full), rest, batch
     )
