@@ -56,13 +56,17 @@ def loss_fn(model, batch):
     return jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
 
 
-def _task() -> Task:
+def _task(pad: bool = True) -> Task:
     rng = np.random.default_rng(45)
     batches = []
     for _ in range(3):
         toks = rng.integers(0, VOCAB, (B, T + 1)).astype(np.int32)
         lengths = rng.integers(2, T + 1, (B,))  # right-padded rows: the later blocks hold more padding
-        w = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+        w = (
+            (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+            if pad
+            else np.ones((B, T), np.float32)
+        )
         batches.append({"tokens": toks[:, :T], "targets": toks[:, 1:], "weights": w})
     tx = optax.adamw(optax.linear_schedule(1e-3, 1e-2, 2), weight_decay=0.1)
     return Task(model=LM, optimizer=tx, loss_fn=loss_fn, batches=batches)
@@ -195,3 +199,36 @@ def test_header_says_the_built_in_placement_where_a_candidate_is_checked():
         == " (batch over data; replicated over seq)"
     )
     assert _placement_text(Namespace(mesh={"data": 4}, candidate="x.py:step"), _task()) == ""
+
+
+def test_a_factor_of_a_sequence_axis_reads_as_per_block_means_summed():
+    from shardcheck.parity.diagnosis.topology import model_axis_factor, sequence_axes
+
+    def close(a, b):
+        return abs(a - b) <= 1e-3 * abs(b)
+
+    assert sequence_axes({"data": 2, "seq": 2}) == ("seq",)
+    assert sequence_axes({"data": 2, "CP": 4}) == ("CP",)
+    assert sequence_axes({"data": 2, "model": 2}) == ()
+    assert sequence_axes({"data": 2, "seq": 1}) == ()
+    code, phrase = model_axis_factor(4.0, 1, {"data": 1, "seq": 4}, close)
+    assert code == "summed"
+    assert phrase.startswith("x4: the per-block means summed over 'seq' (a psum) where their mean")
+    assert "splits the model, not the batch" not in phrase and "only:" not in phrase
+    _, phrase = model_axis_factor(2.0, 2, {"data": 2, "seq": 2}, close)
+    assert phrase.startswith("x2: the per-block means summed over 'seq'")
+    assert (
+        "or a sum over the 2 batch shards for their mean" in phrase and "batch axes 'data' only" not in phrase
+    )
+    _, phrase = model_axis_factor(4.0, 1, {"data": 1, "model": 4}, close)  # a model axis: as it was
+    assert "which splits the model, not the batch" in phrase
+
+
+@require_devices(4)
+def test_grad_seq_sum_without_padding_is_summed_over_seq(mesh):
+    report = check_parity(make_step("grad_seq_sum"), _task(pad=False), mesh=mesh, steps=2)
+    message = _said(report, "summed")
+    assert "gradients are 2 x the reference's: x2: the per-block means summed over 'seq'" in message, str(
+        report
+    )
+    assert "'data' only" not in message

@@ -187,6 +187,19 @@ def axis_roles(mesh_shape: dict[str, int] | None) -> tuple[tuple[str, ...], tupl
     return batch, tuple(a for a in names if a not in batch)
 
 
+# the names of a sequence (context) parallel axis: a step that places the batch P(batch axes, axis) splits the
+# tokens over it, each device a block of positions (ring attention, context parallelism), not the model
+SEQUENCE_AXIS_NAMES = ("seq", "sequence", "context", "cp", "sp", "length")
+
+
+def sequence_axes(mesh_shape) -> tuple[str, ...]:
+    """The model axes of ``mesh_shape`` (``{axis: size}``, size > 1) named as a sequence or context axis
+    (:data:`SEQUENCE_AXIS_NAMES`, case-insensitive: ``"seq"``, ``"cp"``, ``"context"``...); ``()`` where none."""
+    _, model = axis_roles(mesh_shape)
+    shape = dict(mesh_shape or {})
+    return tuple(a for a in model if str(a).lower() in SEQUENCE_AXIS_NAMES and int(shape[a]) > 1)
+
+
 def name_leaves(names: Sequence[str], limit: int = 4) -> str:
     """Leaf names for a message: ``"a.x, a.y"``, or with more than ``limit`` their common prefix and the first
     ``limit``: ``"the 36 leaves under 'block' (block.down.bias, ... and 32 more)"``."""
@@ -238,6 +251,10 @@ def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tu
                 "leaves replicated over it, and this reading does not apply)"
             )
             own = f"a factor {r} of the step's own (a loss or gradient scaled by a count, such as the micro-batch count)"
+            if set(axes) <= set(
+                sequence_axes(mesh_shape)
+            ):  # the tokens split over it, not the model (trial 45)
+                return "summed", _sequence_factor(r, named, num_shards, own)
             if num_shards == r:  # a sum over the batch shards first: the commonest mistake of the two
                 return (
                     "summed",
@@ -251,6 +268,19 @@ def model_axis_factor(f: float, num_shards: int | None, mesh_shape, close) -> tu
                 f"or {own} that only matches the axis's size",
             )
     return None
+
+
+def _sequence_factor(r: int, named: str, num_shards: int | None, own: str) -> str:
+    """:func:`model_axis_factor`'s phrase where the axes of size ``r`` are sequence axes (:func:`sequence_axes`):
+    the per-block means summed over them, not the gradients of a model split."""
+    also = f"; or a sum over the {r} batch shards for their mean" if num_shards == r else ""
+    return (
+        f"x{r}: the per-block means summed over {named} (a psum) where their mean (or a sum divided by the global "
+        f"count) was due: by its name {named} splits the tokens, not the model (each device a block of positions, "
+        f"the batch placed over the batch axes and {named}), so a step that divides each block's loss sum by its "
+        f"own count and psums the gradients over {named} counts the tokens {r} times; psum the loss sums and the "
+        f"token counts over every axis the batch is split over, then divide once{also}; or {own}"
+    )
 
 
 def _owns(name: str, path: str) -> bool:
