@@ -8,6 +8,9 @@ mesh).
   the carry leave varying. The batch is now typed varying over the model axes before the loss (a ``pcast``, no
   reduction): both PASS against the single-device step, and a user's pipeline that psums the head's gradients
   over 'data' where it should pmean them still FAILs against each as the reference.
+- A step that updated the optimizer once per micro-batch read "every gradient differs, by no one factor: the
+  forward pass computes another function of the parameters": the function is the reference's, taken at the
+  parameters the updates within the step left; said so where the optimizer's counters are k x the reference's.
 """
 
 from __future__ import annotations
@@ -168,3 +171,65 @@ def test_a_psum_for_a_pmean_fails_against_the_builtin(mesh, strategy):
     grads = {e.path: e for e in report.steps[0].leaves if e.kind == "grad"}
     assert not grads["head.kernel"].ok and grads["head.kernel"].ratio == pytest.approx(2.0, rel=1e-4)
     assert grads["blocks.linear.kernel"].ok, grads
+
+
+@nnx.jit
+def _micro_train(model, optimizer, batch):
+    """The optimizer updated on each of 2 micro-batches; the mean loss and gradient of the two."""
+    losses, grads = [], []
+    for m in range(MICRO):
+        part = {k: v[m * B // MICRO : (m + 1) * B // MICRO] for k, v in batch.items()}
+        loss, g = nnx.value_and_grad(functools.partial(loss_fn, batch=part))(model)
+        optimizer.update(model, g)
+        losses.append(loss)
+        grads.append(g)
+    return sum(losses) / MICRO, jax.tree.map(lambda *g: sum(g) / MICRO, *grads)
+
+
+def _micro_step(model, optimizer, batch, loss_only=False):
+    """:func:`_micro_train` as a step (``loss_only``: it returns the loss alone)."""
+    loss, grads = _micro_train(model, optimizer, batch)
+    return {"loss": loss} if loss_only else {"loss": loss, "grads": grads}
+
+
+STEPPED = "the optimizer was stepped 2 times within the step (its counters are 2 x the reference's)"
+
+
+def test_an_optimizer_stepped_per_micro_batch_is_said_as_the_loss_taken_at_other_parameters():
+    report = check_parity(_micro_step, TASK)
+    assert "step_counter" in report.codes, report.codes
+    loc = report.localization
+    assert loc.stage == "forward" and loc.step == 0, loc
+    sentence = loc.form.sentence
+    assert "another function of the parameters" not in sentence, sentence
+    assert f"every gradient differs, by no one factor: {STEPPED}" in sentence, sentence
+    assert (
+        "the loss and gradients it returns are the reference's function taken at other parameters" in sentence
+    )
+    assert loc.form.factor is None
+
+
+def test_the_correct_step_says_no_stepping_within_it():
+    @nnx.jit
+    def train(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch))(model)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    def step(model, optimizer, batch):
+        loss, grads = train(model, optimizer, batch)
+        return {"loss": loss, "grads": grads}
+
+    report = check_parity(step, TASK)
+    assert report.ok and report.localization is None, str(report)
+    assert "stepped" not in str(report), str(report)
+
+
+def test_a_loss_only_step_stepped_per_micro_batch_says_the_loss_alone_at_other_parameters():
+    report = check_parity(functools.partial(_micro_step, loss_only=True), TASK)
+    loc = report.localization
+    assert loc.stage == "forward" and loc.form.factor is None, loc
+    sentence = loc.form.sentence
+    assert "the ratio of one scalar: no factor is read from it" in sentence, sentence
+    assert f"{STEPPED}: the loss it returns is the reference's function taken at other parameters" in sentence
+    assert "gradients it returns" not in sentence, sentence

@@ -613,7 +613,7 @@ def localize(
         form = checked_form(form, first.stage, bad, leaves, record, num_shards)
         if first.stage == "forward":
             form = forward_form(
-                form, bad, by_stage["gradients"], reduced=reduced_reading(record), later=later
+                form, bad, by_stage["gradients"], reduced=_forward_reading(record), later=later
             )
         form = _unreadable_form(bad) or _state_form(bad, record, records, num_shards) or form
     written = step_state(bad, record) if first.stage == "parameters" else ""
@@ -971,6 +971,48 @@ def reduced_reading(record: StepRecord) -> str:
     return ""
 
 
+def stepped_within(record: StepRecord) -> int | None:
+    """k >= 2 where the candidate's optimizer was stepped k times within each step: its update counter is k x
+    the reference's (``candidate_step_count``, ``step_count``) and every failing counter of the optimizer's state
+    whose values are known (``LeafError.counts``: Adam's ``count``, a schedule's) is k x the reference's too;
+    ``None`` otherwise (counters that agree, or another ratio)."""
+    ref, cand = record.step_count, record.candidate_step_count
+    if ref <= 0 or cand % ref or cand // ref < 2:
+        return None
+    k = cand // ref
+    counters = [
+        e for e in record.leaves if e.kind == "counter" and not e.ok and not e.path.startswith("model.")
+    ]
+    if any(e.counts is not None and e.counts[1] != k * e.counts[0] for e in counters):
+        return None
+    return k
+
+
+def stepped_reading(record: StepRecord, grads_observed: bool = True) -> str:
+    """What a forward stage whose loss or gradients differ is where the optimizer was stepped k times within the
+    step (:func:`stepped_within`): ``"the optimizer was stepped 4 times within the step (its counters are 4 x the
+    reference's): the loss and gradients it returns are the reference's function taken at other parameters (the
+    states those updates left)"`` (``grads_observed`` False: "the loss it returns is"); ``""`` otherwise (trial
+    46: a GPipe step that updated once per micro-batch read "the forward pass computes another function of the
+    parameters", while its function was the reference's, taken at 4 successive parameter states)."""
+    k = stepped_within(record)
+    if k is None:
+        return ""
+    returned = "the loss and gradients it returns are" if grads_observed else "the loss it returns is"
+    return (
+        f"the optimizer was stepped {k} times within the step (its counters are {k} x the reference's): "
+        f"{returned} the reference's function taken at other parameters (the states those updates left)"
+    )
+
+
+def _forward_reading(record: StepRecord) -> str:
+    """What a forward stage whose loss differs by no one factor is read as, where the record says:
+    :func:`stepped_reading` (the optimizer stepped k times within the step; the gradients observed where the
+    record holds them), else :func:`reduced_reading`."""
+    grads = any(e.kind == "grad" for e in record.leaves)
+    return stepped_reading(record, grads) or reduced_reading(record)
+
+
 def _loss_alone(bad: list[LeafError], later: list[LeafError]) -> str:
     """The forward stage's group where its one failing leaf is the loss, no gradient was observed, and leaves of
     later stages fail too: the loss named as this stage's, never "only loss differs" beside a Stages list whose
@@ -1046,8 +1088,9 @@ def forward_form(
         form: the forward stage's form (fitted with ``update=False``), or ``None``.
         bad: the forward stage's failing leaves (the loss, ``counter model.*``).
         grads: the gradient leaves of the step (``None`` or empty: not observed).
-        reduced: :func:`reduced_reading` of the step: where set, gradients that differ by no one factor are said
-            as it, not as "another function of the parameters" (the function is the same, weighed otherwise).
+        reduced: :func:`stepped_reading` or :func:`reduced_reading` of the step: where set, gradients that
+            differ by no one factor are said as it, not as "another function of the parameters" (the function is
+            the same, taken at other parameters or weighed otherwise).
         later: the failing leaves of the stages after the forward pass: with no gradient observed, the loss's
             ratio (one scalar) is said as a factor only where they all carry it too (:func:`_later_agree`).
     """
