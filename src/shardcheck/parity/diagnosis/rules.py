@@ -110,6 +110,7 @@ from shardcheck.parity.diagnosis.topology import (
     missed_axes_message,
     model_axes_of_size,
     model_axis_factor,
+    pipeline_axes,
     replica_counts,
     replicas_by_gradient,
     replicas_root,
@@ -969,7 +970,7 @@ def wrong_axis_reduction(ctx: DiagnosisContext) -> Finding:
     leaves = own + downstream
     return Diagnosis(
         "wrong_axis_reduction",
-        missed_axes_message(r.step, leaves, r.replica_axes, ctx.mesh_shape, after, unreduced),
+        missed_axes_message(r.step, leaves, r.replica_axes, ctx.mesh_shape, after, unreduced, ctx.facts),
         leaves[0],
     )
 
@@ -2813,6 +2814,16 @@ def _forward_hint(ctx: DiagnosisContext, cleared: bool = False) -> str:
         head = (
             f" On a mesh that splits the model over {tuple(model)}, a loss that differs may also come from the "
             "sharded forward pass computing another function"
+        )
+    piped = [a for a in model if a in pipeline_axes(shape, getattr(ctx, "facts", None))]
+    if piped:  # a pipeline's stages: its readings, not a tensor-parallel layer's
+        return (
+            f"{head}: {piped[0]!r} holds the stages of a pipeline, e.g. the activations sent to the wrong stage "
+            f"(the perm of a jax.lax.ppermute over {piped[0]!r}: stage i sends to stage i + 1, perm=[(i, i + 1) "
+            "for i in range(S - 1)]), the bubble's steps not masked (a stage that holds no micro-batch yet, or "
+            "no more, adds its output to the loss), a stage applying another stage's layers (each stage its own "
+            "slice of the stacked parameters), or the loss taken on another stage than the last, or summed over the "
+            "micro-batches where the reference averages."
         )
     return (
         f"{head}, e.g. a loss sum each shard divides by its own count, a replicated bias "

@@ -439,6 +439,7 @@ def missed_axes_message(
     mesh_shape,
     after_gradients: bool = False,
     unreduced: Sequence[str] = (),
+    facts=None,
 ) -> str:
     """The ``wrong_axis_reduction`` message: the copies of ``leaves`` differ along ``missed`` only.
     ``after_gradients``: the loss and every gradient the step returns matched the reference's at that step, so
@@ -446,7 +447,9 @@ def missed_axes_message(
     paths that differ at that step and own some of ``leaves`` (:func:`replicas_by_gradient`): named as the ones
     not reduced, the leaves they do not own as having gradients within tolerance (their copies differ downstream
     of them, or by an unreduced gradient too small to show at this precision); ``()`` (the gradients not
-    observed, or every leaf's own) blames every leaf's gradient."""
+    observed, or every leaf's own) blames every leaf's gradient. ``facts``: ``{parameter path: LeafFacts}``,
+    where known: a model axis that holds the stages of a pipeline (:func:`pipeline_axes`) is said with a
+    pipeline's readings, not a tensor-parallel layer's."""
     batch, model = axis_roles(mesh_shape)
     axes = tuple(mesh_shape or {})
     done = _axes_text(a for a in axes if a not in missed)
@@ -488,6 +491,14 @@ def missed_axes_message(
             f"{where}. Reduce over all of the batch axes (jax.lax.psum(g, {batch!r}), or a "
             f"psum_scatter over the split axis and a psum over the others).{affected}"
         )
+    if any(a in pipeline_axes(mesh_shape, facts) for a in on_model):
+        return _pipeline_missed(head, on_model, batch, affected)
+    return _model_missed(head, on_model, batch, affected)
+
+
+def _model_missed(head: str, on_model: Sequence[str], batch: Sequence[str], affected: str) -> str:
+    """:func:`missed_axes_message` where the missed axes split the model: a tensor-parallel partial result never
+    summed, or a batch or sequence split over them too."""
     m = _axes_text(on_model)
     return (
         f"{head}: by its name {m} splits the model, not the batch (the batch is split over {_axes_text(batch)} "
@@ -497,6 +508,41 @@ def missed_axes_message(
         f"all-reduced over {m} (Megatron's f; jax.shard_map inserts it with check_vma=True, not with "
         f"check_vma=False); or, if the step splits the batch or the sequence over {m} too (the rows or the "
         f"tokens: data or sequence parallelism over {m}), the gradients were not psum-ed over {m}.{affected}"
+    )
+
+
+# the names of a pipeline's stage axis (GPipe, 1F1B: each device along it holds some of the layers)
+PIPELINE_AXIS_NAMES = ("stage", "stages", "pipe", "pipeline", "pp")
+
+
+def pipeline_axes(mesh_shape, facts=None) -> tuple[str, ...]:
+    """The model axes of ``mesh_shape`` (``{axis: size}``) that hold a pipeline's stages: named so
+    (:data:`PIPELINE_AXIS_NAMES`), or the one axis every leaf split over it is stacked along, its leading
+    dimension the axis's size (``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: axis})`` over blocks of 2
+    or more dimensions), read from ``facts`` (``{parameter path: LeafFacts}``), where known; ``()`` where none."""
+    _, model = axis_roles(mesh_shape)
+    shape = dict(mesh_shape or {})
+    named = tuple(a for a in model if str(a).lower() in PIPELINE_AXIS_NAMES and int(shape[a]) > 1)
+    stacked = []
+    for a in model:
+        split = [f for f in (facts or {}).values() if getattr(f, "axes", ()) == (a,) and f.shape]
+        if a not in named and int(shape[a]) > 1 and split:
+            if all(len(f.shape) >= 2 and f.shape[0] == int(shape[a]) for f in split):
+                stacked.append(a)
+    return named + tuple(stacked)
+
+
+def _pipeline_missed(head: str, axes: Sequence[str], batch: Sequence[str], affected: str) -> str:
+    """:func:`missed_axes_message` where the missed axis holds a pipeline's stages: a replicated leaf's gradient
+    computed on one stage only, not psum-ed over the axis."""
+    m, a = _axes_text(axes), axes[0]
+    return (
+        f"{head}: {m} holds the stages of a pipeline (its name, or the stacked leaves split along it; the batch "
+        f"is split over {_axes_text(batch)}): a replicated leaf used on one stage only (the loss's, the head's on "
+        "the last stage, a shared embedding's on the first) has its gradient on that stage alone and 0 on the "
+        f"others, and was not psum-ed over {m}: sum it before the update (jax.lax.psum(g, {a!r}), then the mean "
+        "over the batch axes), as the stacked stages' own gradients need none; or the update of those leaves was "
+        f"applied on some stages only.{affected}"
     )
 
 
