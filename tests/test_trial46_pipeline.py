@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, said
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -190,6 +190,45 @@ def test_pipeline_axis_by_name_or_by_stacked_leaves():
     assert "Megatron's g" in tp and PIPELINE not in tp
     pp = missed_axes_message(0, ["param head.bias"], ("stage",), {"data": 2, "stage": 2})
     assert PIPELINE in pp and "jax.lax.psum(g, 'stage')" in pp and "Megatron" not in pp
+
+
+@require_devices(4)
+def test_head_not_psummed_over_the_stages_is_a_pipeline_s_gradient(mesh, recording):
+    """Live and replayed: the head's gradient, 0 on stage 0's copies, is said as a pipeline's head gradient not
+    psum-ed over 'stage', its zero as the gradient's on the compared copies, not a learning rate's."""
+    for report in (_check("head_not_psummed", mesh), _check("head_not_psummed", mesh, recording)):
+        assert report.verdict == "FAIL"
+        msg = said(report, "wrong_axis_reduction")
+        assert "'stage' holds the stages of a pipeline" in msg
+        assert "the head's on the last stage" in msg and "jax.lax.psum(g, 'stage')" in msg
+        assert "Megatron" not in msg and "tensor-parallel" not in msg
+        assert report.localization.stage == "gradients"
+        form = report.localization.form
+        assert form.kind == "zero"
+        assert form.sentence.startswith("zero values on the copies compared")
+        assert (
+            "the gradient is 0 on some devices and not on the others, not a learning rate of 0"
+            in form.sentence
+        )
+        assert LR_ZERO not in str(report) and "a zero update" not in str(report)
+
+
+@require_devices(4)
+def test_head_not_psummed_with_the_loss_alone_sums_its_copies(mesh, recording):
+    """A step that returns its loss alone: the copies' changes sum to the reference's (1/2 of it, the 2 distinct
+    copies along 'stage' of the 4), and the zero update of the compared copy is the gradient's."""
+    live = _check("head_not_psummed", mesh, loss_only=True)
+    assert live.verdict == "FAIL" and live.localization.stage == "replicas"
+    form = live.localization.form
+    assert "the copies' changes sum to the reference's (their mean is 1/2 of it" in form.sentence
+    assert "a sum over 'stage' missed" in form.sentence
+    assert form.factor == pytest.approx(0.5, rel=1e-3)
+    text = str(live)
+    assert "0.5 x the reference's" not in text and LR_ZERO not in text
+    assert "zero on the copies compared" in said(live, "localized")
+    replayed = _check("head_not_psummed", mesh, recording, loss_only=True)
+    assert replayed.verdict == "FAIL" and LR_ZERO not in str(replayed)
+    assert PIPELINE in said(replayed, "wrong_axis_reduction")
 
 
 @require_devices(4)

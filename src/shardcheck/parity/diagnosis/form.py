@@ -72,6 +72,13 @@ ZERO_MEANING = (
     "the candidate's update is zero: a learning rate of 0 at this step (a schedule read one step early), or an "
     "update computed and not applied"
 )
+# what a zero on the copies compared means where the copies of a replicated leaf differ along some axes
+ZERO_ON_COPIES = (
+    "on the copies compared (one device's copy of each leaf), while the copies of these leaves differ along "
+    "{where}: the gradient is 0 on some devices and not on the others, not a learning rate of 0: a gradient "
+    "computed on some devices only (a replicated leaf used on one pipeline stage: the loss's or the head's on the "
+    "last, a shared embedding's on the first) and not psum-ed over {where}"
+)
 # what a zero update of the reference's alone means (``reference_zero``)
 REFERENCE_ZERO_MEANING = (
     "parameters the task's optimizer freezes (an optax.set_to_zero group of multi_transform, a mask, a LoRA base "
@@ -1164,6 +1171,17 @@ def _no_form(f64: dict, source: str = "") -> Form:
     )
 
 
+def zero_on_copies(form: Form | None, axes: Sequence[str]) -> Form | None:
+    """``form`` where it is not a ``zero`` one or ``axes`` is empty; else the zero said of the copies compared
+    (:data:`ZERO_ON_COPIES`): where the copies of a replicated leaf differ along ``axes`` (``StepRecord.
+    replica_axes``), a zero on the compared device's copy is the gradient's there, not a learning rate's."""
+    if form is None or form.kind != "zero" or not axes:
+        return form
+    where = " and ".join(repr(a) for a in axes)
+    what = "zero values" if form.sentence.startswith("zero values") else "a zero update"
+    return dataclasses.replace(form, sentence=f"{what} {ZERO_ON_COPIES.format(where=where)}")
+
+
 def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_stage: bool = False) -> Form:
     """The form the records alone allow (no arrays: a replay, or a step the harness fitted nothing for), said as
     :func:`fit_form` says it, from each leaf's ratio and 10th-90th percentile spread (``LeafError.ratio`` /
@@ -1215,12 +1233,12 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
             leaves=n,
         )
     if all(e.ratio == 0 for e in ratios):
-        return Form(
-            "zero",
-            f"a zero update: the candidate left these {n} leaves as they were: {ZERO_MEANING}",
-            factor=0.0,
-            leaves=n,
+        said = (
+            f"a zero update: the candidate left these {n} leaves as they were: {ZERO_MEANING}"
+            if update
+            else f"zero values: the candidate's {n_leaves(n)} are 0 at the compared samples: these values are zero"
         )
+        return Form("zero", said, factor=0.0, leaves=n)
     stats = {e.path: (e.ratio, *(e.spread or (e.ratio, e.ratio))) for e in ratios}
     factors = {p: m for p, (m, _, _) in stats.items()}
     mid = float(np.median(list(factors.values())))

@@ -48,6 +48,7 @@ from shardcheck.parity.diagnosis.form import (
     shape_form,
     weight_or_shards,
     weight_phrase,
+    zero_on_copies,
 )
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
@@ -616,6 +617,7 @@ def localize(
                 form, bad, by_stage["gradients"], reduced=_forward_reading(record), later=later
             )
         form = _unreadable_form(bad) or _state_form(bad, record, records, num_shards) or form
+    form = zero_on_copies(form, record.replica_axes if record.replica_mismatches else ())  # one copy's zero
     written = step_state(bad, record) if first.stage == "parameters" else ""
     form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None

@@ -39,13 +39,23 @@ def replica_blocks(a) -> list[tuple[tuple, list[np.ndarray]]]:
     return [(index, copies) for index, copies in blocks.values() if len(copies) > 1]
 
 
+def _distinct(copies: list[np.ndarray]) -> int:
+    """The number of distinct copies where each is held by as many devices (copies that differ along one mesh axis
+    and agree along the others: the size of that axis, the n a sum over it missed), else ``len(copies)``."""
+    counts: dict[bytes, int] = {}
+    for c in copies:
+        counts[c.tobytes()] = counts.get(c.tobytes(), 0) + 1
+    return len(counts) if len(set(counts.values())) == 1 else len(copies)
+
+
 def _mean_ratio(blocks, before: np.ndarray, ref_after: np.ndarray) -> tuple[int, float, float, float, float]:
-    """``(n, median, p10, p90, spread)`` of ``mean_k dc_k / dr`` over the elements whose ``|dr|`` is at least
+    """``(n, median, p10, p90, spread)`` (``n`` the distinct copies of a block: :func:`_distinct`) of
+    ``mean_k dc_k / dr`` over the elements whose ``|dr|`` is at least
     :data:`FLOOR` of the largest, ``spread`` the copies' largest disagreement over ``max |dr|``."""
     means, refs, gap, n = [], [], 0.0, 0
     for index, copies in blocks:
         b, r = before[index], ref_after[index]
-        n = len(copies)
+        n = _distinct(copies)
         means.append((np.mean(copies, axis=0) - b).ravel())
         refs.append((r - b).ravel())
         gap = max(gap, float(np.max(np.ptp(np.stack(copies), axis=0), initial=0.0)))

@@ -84,6 +84,7 @@ from shardcheck.parity.diagnosis.floating import (
 from shardcheck.parity.diagnosis.form import (
     ONE_NUMBER,
     REFERENCE_ZERO_MEANING,
+    ZERO_ON_COPIES,
     cannot_tell,
     changes_differ,
     form_from_leaves,
@@ -2430,7 +2431,7 @@ def localized(ctx: DiagnosisContext) -> Finding:
         agree = words_and(agree)
         head = f"At step {ctx.first.step} {agree} {verb_}"
         count = f"{len(bad)} of {len(of_kind)} {'leaf' if len(of_kind) == 1 else 'leaves'}"
-        form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad])
+        form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad], ctx.first.replica_axes)
         # the gradients the optimizer was given are the reference's
         if kind == "opt_state" and "the gradients" in matched:
             meaning = "the optimizer updated its state differently from equal gradients"
@@ -2502,9 +2503,10 @@ def _fitted_form(record: StepRecord, bad: list[LeafError]) -> str | None:
     return f"Form: {found.form.sentence}."
 
 
-def _stage_form(bad: list[LeafError]) -> str:
+def _stage_form(bad: list[LeafError], replica_axes: Sequence[str] = ()) -> str:
     """What the failing leaves' ratios say: one constant factor, per-leaf factors, or no constant factor (with
-    the first non-constant leaf's spread)."""
+    the first non-constant leaf's spread). ``replica_axes``: the axes along which the step's replicated copies
+    differ (``StepRecord.replica_axes``): a zero update is then said as the gradient's on the compared copies."""
     if all(e.kind == "param" and e.reference_change == 0 for e in bad):
         return f"The reference did not move these leaves at this step and the candidate did: {REFERENCE_ZERO_MEANING}."
     shaped = [e for e in bad if e.cand_shape is not None]
@@ -2519,6 +2521,9 @@ def _stage_form(bad: list[LeafError]) -> str:
         return f"{blurred.name} has {spread_phrase(blurred)}."
     ratios = [e.ratio for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     if len(ratios) == len(bad) and all(abs(r) <= ZERO_RATIO for r in ratios):
+        if replica_axes:
+            where = " and ".join(repr(a) for a in replica_axes)
+            return f"The candidate's update of these leaves is zero {ZERO_ON_COPIES.format(where=where)}."
         return (
             "The candidate's update of these leaves is zero (their change is 0 x the reference's): a learning "
             "rate of 0 at this step (a schedule read one step early), or an update computed and not applied."
