@@ -75,7 +75,8 @@ def _task(pad: bool = True) -> Task:
 def make_step(fault: str = ""):
     """The user's context-parallel step; ``fault``: ``"per_shard_mean"`` (each device's gradients and loss divided
     by its own count, then averaged), ``"loss_divided"`` (each device's loss divided by its own count before the
-    gradient, then averaged; ``"loss_divided_seq_sum"``: psum-ed over 'seq'), ``"grad_seq_sum"`` (as ``per_shard_mean``, the gradients psum-ed over 'seq')."""
+    gradient, then averaged; ``"loss_divided_seq_sum"``: psum-ed over 'seq'), ``"no_gather"`` (attention within the
+    block), ``"forgot_seq"`` (gradients reduced over 'data' only), ``"grad_seq_sum"`` (as ``per_shard_mean``, the gradients psum-ed over 'seq')."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, state = nnx.split((model, optimizer))
@@ -89,7 +90,9 @@ def make_step(fault: str = ""):
             positions = jax.lax.axis_index("seq") * block + jnp.arange(block)
 
             def local(p):
-                logits = nnx.merge(gdef, p)(batch["tokens"], positions, "seq")
+                logits = nnx.merge(gdef, p)(
+                    batch["tokens"], positions, None if fault == "no_gather" else "seq"
+                )
                 ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
                 total, count = jnp.sum(ce * batch["weights"]), jnp.sum(batch["weights"])
                 return (total / count if fault.startswith("loss_divided") else total), count
@@ -102,6 +105,10 @@ def make_step(fault: str = ""):
                 )
                 loss = jax.lax.pmean(lsum / cnt, AXES)
                 grads = grads if fault == "grad_seq_sum" else jax.lax.pmean(grads, AXES)
+            elif fault == "forgot_seq":  # reduced over 'data' only
+                total = jax.lax.psum(cnt, AXES)
+                grads = jax.tree.map(lambda g: g * 2 / total, jax.lax.psum(grads, "data"))
+                loss = jax.lax.psum(lsum, AXES) / total
             elif fault == "loss_divided":
                 grads, loss = jax.lax.pmean(grads, AXES), jax.lax.pmean(lsum, AXES)
             elif fault == "loss_divided_seq_sum":
@@ -114,7 +121,8 @@ def make_step(fault: str = ""):
             return loss, grads, jax.tree.leaves(nnx.state((model, optimizer)))
 
         specs = (P(), P("data", "seq"))
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P()))
+        vma = fault != "forgot_seq"
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P()), check_vma=vma)
         loss, grads, leaves = jax.jit(mapped)(leaves, batch)
         nnx.update((model, optimizer), jax.tree.unflatten(treedef, leaves))
         return {"loss": loss, "grads": grads}
@@ -232,3 +240,20 @@ def test_grad_seq_sum_without_padding_is_summed_over_seq(mesh):
         report
     )
     assert "'data' only" not in message
+
+
+@require_devices(4)
+def test_forward_and_replica_readings_of_a_sequence_axis(mesh):
+    report = check_parity(make_step("no_gather"), _task(pad=False), mesh=mesh, steps=2)
+    message = _said(report, "forward_differs")
+    assert "a mesh that splits the tokens over ('seq',)" in message, str(report)
+    assert "by its name 'seq' splits the sequence (context parallelism" in message
+    assert "keys and values not gathered over 'seq'" in message and "Megatron" not in message
+    assert "row-parallel" not in message
+    report = check_parity(make_step("forgot_seq"), _task(pad=False), mesh=mesh, steps=2)
+    message = _said(report, "wrong_axis_reduction")
+    assert (
+        "differ along mesh axis 'seq' and agree along 'data': by its name 'seq' splits the tokens, not the"
+        in (message)
+    ), str(report)
+    assert "the gradients were not psum-ed over 'seq'" in message and "Megatron" not in message

@@ -116,6 +116,8 @@ from shardcheck.parity.diagnosis.topology import (
     replicas_by_gradient,
     replicas_root,
     replicated_reduced_message,
+    sequence_axes,
+    sequence_forward_hint,
 )
 from shardcheck.parity.tolerance.derive import UPDATE_RTOL, UPDATE_ULPS
 
@@ -2829,6 +2831,11 @@ def _forward_hint(ctx: DiagnosisContext, cleared: bool = False) -> str:
             "no more, adds its output to the loss), a stage applying another stage's layers (each stage its own "
             "slice of the stacked parameters), or the loss taken on another stage than the last, or summed over the "
             "micro-batches where the reference averages."
+        )
+    sequence = [a for a in model if a in sequence_axes(shape)]
+    if sequence:  # context parallelism: the tokens split, not the model (trial 45)
+        return sequence_forward_hint(
+            head.replace("splits the model over", "splits the tokens over"), sequence[0]
         )
     return (
         f"{head}, e.g. a loss sum each shard divides by its own count, a replicated bias "

@@ -283,6 +283,34 @@ def _sequence_factor(r: int, named: str, num_shards: int | None, own: str) -> st
     )
 
 
+def sequence_forward_hint(head: str, axis: str) -> str:
+    """The forward stage's readings where the model axis ``axis`` splits the sequence (:func:`sequence_axes`: a
+    context-parallel step, each device a block of positions), after ``head`` (what a loss that differs on such a
+    mesh says): a tensor-parallel layer's readings do not apply there (trial 45)."""
+    return (
+        f"{head}: by its name {axis!r} splits the sequence (context parallelism: each device a block of "
+        "positions), e.g. a causal mask or positions taken from the local block (the offset "
+        f"jax.lax.axis_index({axis!r}) * block missed), keys and values not gathered over {axis!r} (attention "
+        "within the block only), a ring's jax.lax.ppermute sent the wrong way (the block received after j hops "
+        "must be the one from (i - j) mod n), the next-token target lost at each block's boundary (targets "
+        "shifted within the block), or a loss sum each block divides by its own count."
+    )
+
+
+def _sequence_missed(head: str, on_seq: Sequence[str], batch: Sequence[str], affected: str) -> str:
+    """:func:`missed_axes_message` where the missed axes split the sequence (:func:`sequence_axes`): the
+    gradients not psum-ed over them (trial 45: a step that reduced them over 'data' only)."""
+    m, every = _axes_text(on_seq), (*batch, *on_seq)
+    return (
+        f"{head}: by its name {m} splits the tokens, not the model (a sequence / context axis: each device along "
+        f"it holds a block of positions of the same rows), and the gradients were not psum-ed over {m}: each "
+        "device's holds its own block's terms only (and those the other blocks send back through the gathered "
+        f"keys and values). psum them over every axis the batch is split over (jax.lax.psum(g, {every!r})), then "
+        f"divide by the global token count. If {m} splits the model instead, its devices hold partial results of "
+        f"a tensor-parallel layer that were never summed over {m}.{affected}"
+    )
+
+
 def _owns(name: str, path: str) -> bool:
     """Whether the leaf ``name`` (``"param a.b"``, optimizer state ``"opt_state 0.mu.a.b"``) is parameter ``path``'s."""
     return name.endswith((" " + path, "." + path))
@@ -493,6 +521,8 @@ def missed_axes_message(
         )
     if any(a in pipeline_axes(mesh_shape, facts) for a in on_model):
         return _pipeline_missed(head, on_model, batch, affected)
+    if set(on_model) <= set(sequence_axes(mesh_shape)):  # the tokens split over it, not the model (trial 45)
+        return _sequence_missed(head, on_model, batch, affected)
     return _model_missed(head, on_model, batch, affected)
 
 
