@@ -29,6 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
+from shardcheck.parity.diagnosis.evidence import LeafError
+from shardcheck.parity.diagnosis.form import form_from_leaves
 from shardcheck.parity.diagnosis.grouping import LeafFacts
 from shardcheck.parity.diagnosis.topology import missed_axes_message, pipeline_axes
 
@@ -239,3 +241,77 @@ def test_activations_sent_to_the_wrong_stage_are_a_pipeline_s_forward(mesh):
     assert "'stage' holds the stages of a pipeline, e.g. the activations sent to the wrong stage" in text
     assert "jax.lax.ppermute over 'stage'" in text and "the bubble's steps not masked" in text
     assert "counts 2 times" not in text and "row-parallel" not in text
+
+
+@require_devices(4)
+def test_a_replay_locates_the_stage_slice_as_live(mesh, recording):
+    """A stop_gradient on the activations sent between stages (stage 0 never trains): the replay's recorded
+    samples locate slice 0, as the live check does (stage 0's gradient not averaged over 'data' likewise, next)."""
+    live = _check("stop_grad", mesh)
+    replayed = _check("stop_grad", mesh, recording)
+    for report in (live, replayed):
+        assert report.verdict == "FAIL" and report.localization.stage == "gradients"
+        form = report.localization.form
+        assert form.kind == "slices"
+        assert form.sentence.startswith(
+            "only slice 0 of the leading axis (size 2: layers stacked by nnx.scan"
+        )
+        assert "the candidate's gradient there is exactly 0 (zeroed, or left out of the step's gradient)" in (
+            form.sentence
+        )
+        assert "no simple form" not in str(report) and "-0 " not in str(report)
+    assert "at their recorded samples (16 in all); every other slice's samples match" in (
+        replayed.localization.form.sentence
+    )
+
+
+@require_devices(4)
+def test_a_replay_locates_a_stage_slice_not_averaged(mesh, recording):
+    other = _check("no_pmean_stage0", mesh, recording).localization.form
+    assert other.kind == "slices"
+    assert other.sentence.startswith("only slice 0 of the leading axis")
+    assert other.sentence.endswith("the candidate's gradient there differs")
+
+
+def _grad(path, shape, slices, spread=(-0.0, 1.0)):
+    return LeafError(0, "grad", path, 0.04, 1.0, 1e-5, False, 1.0, None, spread, shape, 8, slices=slices)
+
+
+def test_samples_that_cannot_locate_a_slice_say_so():
+    """The form the records allow: a slice is located where each slice differs or matches at some leaf's samples
+    (a leaf whose samples all lie in one slice says nothing of the others); where no sample falls in a slice, no
+    simple form, said with the pointer to the live check (and a ratio of -0 printed as 0)."""
+    kernel, bias = ("k", (2, 8, 8)), ("b", (2, 8))
+    located = form_from_leaves(
+        [
+            _grad(*kernel, ((8, 0.04, True), (0, 0.0, False))),
+            _grad(*bias, ((3, 0.02, True), (5, 0.0, False))),
+        ],
+        update=False,
+    )
+    assert located.kind == "slices" and located.sentence.startswith("only slice 0 of the leading axis")
+    assert "at their recorded samples (16 in all)" in located.sentence
+    assert "the candidate's gradient there is exactly 0" in located.sentence
+    unsampled = form_from_leaves(
+        [
+            _grad(*kernel, ((8, 0.04, True), (0, 0.0, False))),
+            _grad(*bias, ((8, 0.02, True), (0, 0.0, False))),
+        ],
+        update=False,
+    )
+    assert unsampled.kind == "none"
+    assert "ratio runs from 0 to 1" in unsampled.sentence and "-0" not in unsampled.sentence
+    assert (
+        "the replay's recorded samples cannot locate a slice here: the live check (verify without --against)"
+        in (unsampled.sentence)
+    )
+    everywhere = form_from_leaves(  # both slices differ: no slice to locate, and the leaves are stacked
+        [
+            _grad(*kernel, ((4, 0.04, True), (4, 0.03, False))),
+            _grad(*bias, ((3, 0.02, True), (5, 0.02, False))),
+        ],
+        update=False,
+    )
+    assert everywhere.kind == "none" and "cannot locate a slice" in everywhere.sentence
+    flat = form_from_leaves([_grad("k", (8, 8), None), _grad("b", (8,), None)], update=False)
+    assert flat.kind == "none" and "cannot locate" not in flat.sentence  # not stacked: no slice to locate

@@ -1254,6 +1254,43 @@ def _sample_ratio(
     return float(np.median(q)), (float(q[lo]), float(q[hi])), len(q)
 
 
+def _sample_slices(pair: _Pair, t: int, name: str) -> tuple[tuple[int, float, bool], ...] | None:
+    """``LeafError.slices`` of a stacked leaf (ndim >= 2, leading size >= 2) at step t, read from its recorded
+    samples as :func:`_sample_ratio` reads them (the change in step t for a parameter or an optimizer-state leaf,
+    else the value): per slice of the leading axis, the samples in it, their largest difference and whether the
+    replay's are all exactly 0 there; ``None`` for another leaf (not a gradient, a parameter or an optimizer-state
+    leaf; the initial state, t < 0), or where either side has no digest."""
+    kind = name.split(" ", 1)[0]
+    r, c = pair.leaf("recorded", t, name), pair.leaf("replayed", t, name)
+    col = pair.columns[0].get(name)
+    if (
+        kind not in ("grad", "param", "opt_state")
+        or t < 0
+        or col is None
+        or not (r.present and c.present)
+        or r.shape != c.shape
+        or len(r.shape) < 2
+        or r.shape[0] < 2
+    ):
+        return None
+    dr, dc = r.samples, c.samples
+    if kind in ("param", "opt_state"):
+        r0, c0 = pair.leaf("recorded", t - 1, name), pair.leaf("replayed", t - 1, name)
+        if not (r0.present and c0.present):
+            return None
+        dr, dc = dr - r0.samples, dc - c0.samples
+    usable = r.sampled & np.isfinite(dr) & np.isfinite(dc)
+    where = np.where(usable, pair.recording.sample_index[col] // max(r.size // r.shape[0], 1), -1)
+    return tuple(
+        (
+            int(np.sum(where == k)),
+            float(np.max(np.abs(dc - dr)[where == k], initial=0.0)),
+            bool(np.any(where == k)) and not np.any(dc[where == k]),
+        )
+        for k in range(r.shape[0])
+    )
+
+
 def _finite_record(pair: _Pair, e: DigestError) -> LeafError:
     """The :class:`LeafError` of a skipped step's loss or gradient compared by finiteness (evidence
     ``"finite"``: ``LeafError.finite``, the recording's and the replay's), else :func:`_leaf_record`'s."""
@@ -1301,8 +1338,6 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
         change = 0.0
     replayed = pair.leaf("replayed", e.step, e.name)
     zeros = kind == "grad" and top == 0 and replayed.max == 0  # both all zeros
-    # an accumulator the replay emptied where the recording's holds values (MultiSteps' acc_grads)
-    cand_zeros = kind == "opt_state" and top > 0 and replayed.max == 0
     counts = (
         (int(_scalar(r, 0)), int(_scalar(replayed, 0)))
         if kind == "counter" and r.present and replayed.present
@@ -1323,7 +1358,9 @@ def _leaf_record(pair: _Pair, e: DigestError) -> LeafError:
         samples,
         zeros=zeros,
         counts=counts,
-        cand_zeros=cand_zeros,
+        # an accumulator the replay emptied where the recording's holds values (MultiSteps' acc_grads)
+        cand_zeros=kind == "opt_state" and top > 0 and replayed.max == 0,
+        slices=_sample_slices(pair, e.step, e.name),
     )
     if e.evidence != PART_EVIDENCE:
         return _with_value_factor(leaf, e, (r, replayed))

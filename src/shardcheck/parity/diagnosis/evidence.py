@@ -105,6 +105,11 @@ class LeafError:
             e.g. ``("int32", "float32")`` (a step that pmeans or psums the whole optimizer state converts its
             integer counts to floats); such a leaf fails with ``max_abs_err`` inf whatever its value
             (:func:`converted_counter` says it), else ``None``.
+        slices: a replay's stacked leaf (ndim >= 2, leading size L >= 2: layers stacked by ``nnx.scan`` /
+            ``nnx.vmap``), per slice of its leading axis: ``(n, gap, zero)``, its ``n`` recorded samples, their
+            largest ``|candidate - recording|`` (of the change for a parameter or an optimizer-state leaf, else of
+            the value) and whether the candidate's are all exactly 0 there; ``None`` elsewhere (a live record's
+            forms are fitted from the arrays).
     """
 
     step: int
@@ -129,6 +134,7 @@ class LeafError:
     finite: tuple[bool, bool] | None = None
     value_factor: float | None = None
     dtypes: tuple[str, str] | None = None
+    slices: tuple[tuple[int, float, bool], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -447,8 +453,8 @@ def spread_phrase(e: LeafError) -> str:
         return unsampled_phrase(e)
     lo, hi = e.spread
     return (
-        f"no constant factor: its elementwise ratio runs from {lo:.4g} to {hi:.4g} ({percentiles(e)}), "
-        f"median {e.ratio:.4g}"
+        f"no constant factor: its elementwise ratio runs from {lo + 0.0:.4g} to {hi + 0.0:.4g} ({percentiles(e)}), "
+        f"median {e.ratio + 0.0:.4g}"
     )
 
 

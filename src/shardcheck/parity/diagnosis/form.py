@@ -1219,17 +1219,21 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
     ):
         return _unsampled_form(ratios, unsampled, n)
     if len(ratios) < n or not all(e.samples == 0 or one_factor_across(e) for e in ratios):
+        located = _sampled_slices(bad, update)
+        if located is not None:
+            return located
         spread = [e for e in ratios if e.spread is not None]
         widest = max(spread, key=lambda e: e.spread[1] - e.spread[0], default=None)
         tail = (
             ""
             if widest is None
-            else f"; {widest.name}'s elementwise ratio runs from {widest.spread[0]:.4g} to {widest.spread[1]:.4g} "
-            f"({percentiles(widest)}), median {widest.ratio:.4g}"
+            else f"; {widest.name}'s elementwise ratio runs from {widest.spread[0] + 0.0:.4g} to "
+            f"{widest.spread[1] + 0.0:.4g} ({percentiles(widest)}), median {widest.ratio + 0.0:.4g}"
         )
         return Form(
             "none",
-            f"no simple form read from the records of {'the one failing leaf' if n == 1 else f'the {n} failing leaves'}{tail}",
+            f"no simple form read from the records of {'the one failing leaf' if n == 1 else f'the {n} failing leaves'}"
+            f"{tail}{_unlocated_slices(bad)}",
             leaves=n,
         )
     if all(e.ratio == 0 for e in ratios):
@@ -1246,6 +1250,73 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         lo, hi = min(s[1] for s in stats.values()), max(s[2] for s in stats.values())
         return _one_factor(mid, (lo, hi), n, optimizer_stage, False, update, percentiles(ratios[0]))
     return _per_group(factors, stats, n, percentiles(ratios[0]))
+
+
+def _stack_size(bad: list[LeafError]) -> int | None:
+    """The one leading size L >= 2 of failing leaves stacked as :func:`_stacked_slices` reads them (two or more
+    leaves of ndim >= 2, their trailing shapes not all one), else ``None``."""
+    shapes = [e.shape for e in bad]
+    if len(shapes) < 2 or any(x is None or len(x) < 2 for x in shapes) or len({x[1:] for x in shapes}) < 2:
+        return None
+    leads = {x[0] for x in shapes}
+    return next(iter(leads)) if len(leads) == 1 and next(iter(leads)) >= 2 else None
+
+
+def _sampled_slices(bad: list[LeafError], update: bool) -> Form | None:
+    """A replay's ``slices`` (:func:`_stacked_slices` read from the recorded samples, ``LeafError.slices``): every
+    failing leaf is stacked along one leading size and the samples differ in the same proper subset of the slices
+    (:data:`SLICE_LOUD` of a leaf's largest sampled difference) while every other slice's match (:data:`SLICE_QUIET`
+    of it, or within the leaf's tolerance): a leaf whose samples miss a slice says nothing of it, so each slice of
+    the subset must differ at some leaf's samples, each other slice match at some leaf's; ``None`` otherwise."""
+    size = _stack_size(bad)
+    if size is None or any(e.slices is None or len(e.slices) != size for e in bad):
+        return None
+    loud, quiet = set(), set()
+    for e in bad:
+        top = max(gap for _, gap, _ in e.slices)
+        calm = max(SLICE_QUIET * top, e.tolerance)
+        for i, (k, gap, _) in enumerate(e.slices):
+            if k and gap > SLICE_LOUD * top and top > 0:
+                loud.add(i)
+            elif k and gap <= calm:
+                quiet.add(i)
+            elif k:  # between: rounding spread over the slices, not a clean split
+                return None
+    if not loud or loud & quiet or len(loud | quiet) < size or len(loud) == size:
+        return None
+    idx = sorted(loud)
+    still = all(e.slices[i][2] for e in bad for i in idx if e.slices[i][0])
+    what = "update" if update else "gradient"
+    cause = "frozen, or its gradient zeroed" if update else "zeroed, or left out of the step's gradient"
+    there = (
+        f"the candidate's {what} there is exactly 0 ({cause})"
+        if still
+        else f"the candidate's {what} there differs"
+    )
+    which = ", ".join(map(str, idx))
+    return Form(
+        "slices",
+        f"only slice{'s' if len(idx) > 1 else ''} {which} of the leading axis (size {size}: layers stacked by "
+        f"nnx.scan or nnx.vmap) differ{'' if len(idx) > 1 else 's'} {_on_all(len(bad))} at their recorded samples "
+        f"({sum(k for e in bad for k, _, _ in e.slices)} in all); every other slice's samples match: {there}",
+        leaves=len(bad),
+    )
+
+
+def _unlocated_slices(bad: list[LeafError]) -> str:
+    """Where the failing leaves of a replay are stacked (:func:`_stack_size`) and :func:`_sampled_slices` located
+    no slice: that the recorded samples cannot, and that the live check reads each slice; else ``""``."""
+    size = _stack_size(bad)
+    if size is None or all(
+        e.samples is None for e in bad
+    ):  # a live record's forms are fitted from the arrays
+        return ""
+    return (
+        f"; the failing leaves are stacked along a leading axis of size {size} (layers stacked by nnx.scan or "
+        "nnx.vmap: a pipeline's stages), where a difference in some slices only has no constant factor, and the "
+        "replay's recorded samples cannot locate a slice here: the live check (verify without --against) reads "
+        "each slice"
+    )
 
 
 def _reset_record(bad: list[LeafError]) -> Form | None:
