@@ -75,8 +75,23 @@ class _Sensitivity:
             updates, states, _ = update_sensitivity(tx, *inputs)
             if spread is not None:
                 updates, states = _tree_add((updates, states), spread)
+            updates, states = _unless_skipped(inputs[0], (updates, states))
             self._value, self._inputs = (flatten_state(updates), flatten_state(states)), None
         return self._value
+
+
+@jax.jit
+def _unless_skipped(grads, sensitivity):
+    """``sensitivity`` (a tree of float arrays), or zeros like it where a leaf of ``grads`` holds a value that is
+    not finite: a step whose gradients are not finite is one the reference's optimizer skipped (a loss-scale
+    check, ``optax.apply_if_finite``; its parameters and state left as they were) or a divergence the run stops
+    at, and a tolerance propagated through a plain optimizer from them is NaN (issue #36 trial 48: a user's
+    loss-scale reference over ``optax.sgd``, where an error of 0 read 'max abs err 0 > tolerance nan'). Such a step
+    adds no sensitivity: the allowance carries the earlier steps' unchanged."""
+    finite = jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)] or [jnp.array(True)])
+    )
+    return jax.tree.map(lambda s: jnp.where(finite, s, jnp.zeros_like(s)), sensitivity)
 
 
 # (tx, the inputs' tree structure, their (shape, dtype, weak_type)s) -> _Sensitivity.shapes: the last few
@@ -302,7 +317,8 @@ def _accumulated(before: dict, step: dict, floor: dict, rounding: dict) -> dict:
 @jax.jit
 def _accumulate(before: dict, step: dict, floor: dict, rounding: dict, fresh: dict) -> dict:
     def one(p, s):
-        s = jnp.maximum(s, floor[p])
+        # a sensitivity that is not a number adds none (never a NaN tolerance: an error of 0 against it fails)
+        s = jnp.maximum(jnp.where(jnp.isnan(s), 0.0, s), floor[p])
         return jnp.where(fresh[p], s, before[p] + s) + rounding[p]
 
     return {p: one(p, s) for p, s in step.items()}
