@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardcheck
 from shardcheck import check_parity, make_mesh
+from shardcheck.parity.comparison.digest import skipped_steps
+from shardcheck.parity.harness.recorded import record_run
 
 F16, F32 = jnp.float16, jnp.float32
 S = 4
@@ -188,3 +190,20 @@ def test_a_planted_loss_scale_fault_fails(mesh, fault):
         assert (
             "parameters," not in said and "it applied an update where the reference skipped one" not in said
         )
+
+
+@require_devices(S)
+def test_the_correct_step_replays_its_skipped_step_and_a_fault_fails_against_it(mesh, tmp_path):
+    """The replay reran the task's plain optimizer on the skipped step's NaN gradients: "FAIL (bitwise
+    identical)", "the optimizer gives other values for param head.bias and 11 more (max abs err nan > nan"."""
+    task = _task()
+    recording = record_run(task, make_step(), mesh=mesh)
+    assert skipped_steps(recording) == (SKIPPED,)
+    recording.save(tmp_path / "run.npz")
+    replayed = check_parity(make_step(), task, mesh=mesh, reference=str(tmp_path / "run.npz"))
+    assert replayed.verdict == "PASS", replayed.diagnosis
+    assert "skipped_step" in replayed.codes and "nan" not in replayed.diagnosis
+    assert "its update matches" in _said(replayed, "skipped_step")
+    failed = check_parity(make_step("local_finite"), task, mesh=mesh, reference=recording)
+    assert failed.verdict == "FAIL"
+    assert next(r for r in failed.steps if r.step >= 0 and not r.ok).step == SKIPPED

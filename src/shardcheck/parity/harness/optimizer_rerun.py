@@ -247,8 +247,11 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     (:func:`~shardcheck.parity.tolerance.propagation.update_sensitivity`): a step may return its gradient
     computed in another order than the one it applied (the accumulation strategy's mean of the micro-batches and
     ``optax.MultiSteps``' running mean), and Adam turns the last bits of an element at rounding level into a
-    change of its update far beyond them. Returns ``(leaves, arrays)``, or ``None`` where ``tx`` needs more than
-    ``(grads, state, params)``."""
+    change of its update far beyond them. A step the candidate skipped (:func:`skipped_by_candidate`) is its own
+    and passes: the task's optimizer is not rerun on gradients the step never applied. Returns ``(leaves,
+    arrays)``, or ``None`` where ``tx`` needs more than ``(grads, state, params)``."""
+    if skipped_by_candidate(inputs[2], after, before):
+        return (), ({}, {}, {})
     found = _rerun_within(tx, inputs, after, compute_dtype)
     if found is None:
         return None
@@ -268,6 +271,33 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     updates, states, _ = update_sensitivity(tx, grads, state, params, delta)
     allowance = (host_tree(updates), host_tree(states))
     return update_leaves(t, rerun, after, before, compute_dtype, allowance)
+
+
+def skipped_by_candidate(grads, after, before) -> bool:
+    """Whether a step is one the candidate skipped: its gradients (a pytree of arrays) hold a value that is not
+    finite, and its parameters and optimizer state ``after`` the step (flat ``(params, opt_state)``, ``{path:
+    array}`` each) are bitwise ``before``'s (a loss-scale check's skip, ``optax.apply_if_finite``'s). Rerunning the
+    task's plain optimizer on such gradients gives NaN where the step applied nothing (issue #36 trial 48: a
+    replay read "the optimizer gives other values for param head.bias and 11 more (max abs err nan > nan" at a
+    bitwise-identical run)."""
+    if _all_finite(grads):
+        return False
+    for now, was in zip(after, before, strict=True):
+        if now.keys() != was.keys():
+            return False
+        if not all(np.array_equal(to_host(now[p]), to_host(was[p]), equal_nan=_inexact(now[p])) for p in now):
+            return False
+    return True
+
+
+def _inexact(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.inexact)
+
+
+def _all_finite(tree) -> bool:
+    """Whether every floating element of ``tree`` (a pytree of arrays) is finite (each leaf reduced on its own
+    devices)."""
+    return all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(tree) if _inexact(a))
 
 
 def _rerun_within(tx, inputs: tuple, after, compute_dtype) -> tuple | None:
