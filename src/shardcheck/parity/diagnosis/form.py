@@ -72,13 +72,39 @@ ZERO_MEANING = (
     "the candidate's update is zero: a learning rate of 0 at this step (a schedule read one step early), or an "
     "update computed and not applied"
 )
-# what a zero on the copies compared means where the copies of a replicated leaf differ along some axes
+# what a zero on the copies compared means where the copies of a replicated leaf differ along some axes and the
+# gradients differ or were not observed ({example}: ZERO_PIPELINE_EXAMPLE on a pipeline's stage axis, else "")
 ZERO_ON_COPIES = (
     "on the copies compared (one device's copy of each leaf), while the copies of these leaves differ along "
     "{where}: the gradient is 0 on some devices and not on the others, not a learning rate of 0: a gradient "
-    "computed on some devices only (a replicated leaf used on one pipeline stage: the loss's or the head's on the "
-    "last, a shared embedding's on the first) and not psum-ed over {where}"
+    "computed on some devices only{example} and not psum-ed over {where}"
 )
+ZERO_PIPELINE_EXAMPLE = (
+    " (a replicated leaf used on one pipeline stage: the loss's or the head's on the last, a shared embedding's on "
+    "the first)"
+)
+# ... and where the gradients match: the update reached some devices' copies (or slices) only
+ZERO_ON_COPIES_AFTER_GRADIENTS = (
+    "on the copies compared (one device's copy of each leaf), while the copies of these leaves differ along "
+    "{where} and the gradients match: the update was applied on some devices or slices only, not a learning rate "
+    "of 0: with ZeRO (each device updating its own slice of the parameters), the updated slices not all-gathered "
+    "over {where} (jax.lax.all_gather(new_slice, {axis}, tiled=True) after the update of each device's slice)"
+)
+
+
+def zero_on_copies_said(axes: Sequence[str], *, gradients_match: bool, pipeline: Sequence[str] = ()) -> str:
+    """What a zero on the compared copies means where the copies differ along ``axes`` (non-empty): the
+    gradient's (:data:`ZERO_ON_COPIES`, its pipeline example only where some of ``axes`` is in ``pipeline``,
+    :func:`~shardcheck.parity.diagnosis.topology.pipeline_axes`), or, where ``gradients_match``, an update
+    applied on some devices or slices only (:data:`ZERO_ON_COPIES_AFTER_GRADIENTS`)."""
+    where = " and ".join(repr(a) for a in axes)
+    if gradients_match:
+        axis = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+        return ZERO_ON_COPIES_AFTER_GRADIENTS.format(where=where, axis=axis)
+    example = ZERO_PIPELINE_EXAMPLE if any(a in pipeline for a in axes) else ""
+    return ZERO_ON_COPIES.format(where=where, example=example)
+
+
 # what a zero update of the reference's alone means (``reference_zero``)
 REFERENCE_ZERO_MEANING = (
     "parameters the task's optimizer freezes (an optax.set_to_zero group of multi_transform, a mask, a LoRA base "
@@ -1171,15 +1197,18 @@ def _no_form(f64: dict, source: str = "") -> Form:
     )
 
 
-def zero_on_copies(form: Form | None, axes: Sequence[str]) -> Form | None:
+def zero_on_copies(
+    form: Form | None, axes: Sequence[str], *, gradients_match: bool = False, pipeline: Sequence[str] = ()
+) -> Form | None:
     """``form`` where it is not a ``zero`` one or ``axes`` is empty; else the zero said of the copies compared
-    (:data:`ZERO_ON_COPIES`): where the copies of a replicated leaf differ along ``axes`` (``StepRecord.
-    replica_axes``), a zero on the compared device's copy is the gradient's there, not a learning rate's."""
+    (:func:`zero_on_copies_said`): where the copies of a replicated leaf differ along ``axes`` (``StepRecord.
+    replica_axes``), a zero on the compared device's copy is the gradient's there (or, where
+    ``gradients_match``, an update applied on some devices or slices only), not a learning rate's."""
     if form is None or form.kind != "zero" or not axes:
         return form
-    where = " and ".join(repr(a) for a in axes)
     what = "zero values" if form.sentence.startswith("zero values") else "a zero update"
-    return dataclasses.replace(form, sentence=f"{what} {ZERO_ON_COPIES.format(where=where)}")
+    said = zero_on_copies_said(axes, gradients_match=gradients_match, pipeline=pipeline)
+    return dataclasses.replace(form, sentence=f"{what} {said}")
 
 
 def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_stage: bool = False) -> Form:

@@ -63,7 +63,12 @@ from shardcheck.parity.diagnosis.grouping import (
     words_and,
 )
 from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
-from shardcheck.parity.diagnosis.topology import downstream_note, replicas_root
+from shardcheck.parity.diagnosis.topology import (
+    PIPELINE_AXIS_NAMES,
+    downstream_note,
+    pipeline_axes,
+    replicas_root,
+)
 
 STAGES = ("forward", "gradients", "replicas", "optimizer", "parameters", "counters")
 DIFFERS, MATCHES, NOT_OBSERVED = "differs", "matches", "not observed"
@@ -560,6 +565,7 @@ def localize(
     facts: Mapping[str, LeafFacts] | None = None,
     replicas_observed: bool = True,
     num_shards: int | None = None,
+    mesh_shape: Mapping[str, int] | None = None,
 ) -> Localization | None:
     """Localize the first failing record of ``records`` by stage (module docstring).
 
@@ -571,6 +577,9 @@ def localize(
             do not hold each device's copy).
         num_shards: the candidate's shard count S, where known: a gradient factor that is both the batch's loss
             weight and a power of S is said with both readings (:func:`~shardcheck.parity.diagnosis.form.weight_or_shards`).
+        mesh_shape: ``{axis: size}`` of the candidate's mesh, where known: the pipeline axes
+            (:func:`~shardcheck.parity.diagnosis.topology.pipeline_axes`; without it, the axes named so) for
+            what a zero on the compared copies means (:func:`~shardcheck.parity.diagnosis.form.zero_on_copies`).
 
     Returns:
         The :class:`Localization`, or ``None`` when every record passed.
@@ -617,7 +626,7 @@ def localize(
                 form, bad, by_stage["gradients"], reduced=_forward_reading(record), later=later
             )
         form = _unreadable_form(bad) or _state_form(bad, record, records, num_shards) or form
-    form = zero_on_copies(form, record.replica_axes if record.replica_mismatches else ())  # one copy's zero
+    form = _zero_on_copies(form, record, by_stage, facts, mesh_shape)  # one copy's zero
     written = step_state(bad, record) if first.stage == "parameters" else ""
     form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None
@@ -629,6 +638,21 @@ def localize(
     return Localization(
         record.step, first.stage, results, group, form, synchronized, module, live, bool(started), written
     )
+
+
+def _zero_on_copies(form, record: StepRecord, by_stage, facts, mesh_shape) -> Form | None:
+    """:func:`~shardcheck.parity.diagnosis.form.zero_on_copies` of ``form`` where the step's copies differ:
+    the gradients' agreement read from ``by_stage`` (:func:`stage_leaves`), the pipeline axes from
+    ``mesh_shape`` and ``facts`` (or, without a mesh, the axes named as a pipeline's)."""
+    axes = tuple(record.replica_axes) if record.replica_mismatches else ()
+    grads = by_stage.get("gradients") or []
+    loss = by_stage.get("forward") or []
+    matched = bool(grads) and all(e.ok for e in (*grads, *loss))
+    if mesh_shape:
+        pipeline = pipeline_axes(mesh_shape, facts)
+    else:
+        pipeline = tuple(a for a in axes if str(a).lower() in PIPELINE_AXIS_NAMES)
+    return zero_on_copies(form, axes, gradients_match=matched, pipeline=pipeline)
 
 
 def _check_records(records) -> None:

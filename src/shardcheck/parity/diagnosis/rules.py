@@ -84,11 +84,11 @@ from shardcheck.parity.diagnosis.floating import (
 from shardcheck.parity.diagnosis.form import (
     ONE_NUMBER,
     REFERENCE_ZERO_MEANING,
-    ZERO_ON_COPIES,
     cannot_tell,
     changes_differ,
     form_from_leaves,
     weight_phrase,
+    zero_on_copies_said,
 )
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
@@ -2433,7 +2433,9 @@ def localized(ctx: DiagnosisContext) -> Finding:
         agree = words_and(agree)
         head = f"At step {ctx.first.step} {agree} {verb_}"
         count = f"{len(bad)} of {len(of_kind)} {'leaf' if len(of_kind) == 1 else 'leaves'}"
-        form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad], ctx.first.replica_axes)
+        pipeline = pipeline_axes(ctx.mesh_shape, getattr(ctx, "facts", None)) if ctx.mesh_shape else ()
+        copies = (ctx.first.replica_axes, "the gradients" in matched, pipeline)  # a zero on one copy
+        form = _fitted_form(ctx.first, bad) or _stage_form([worst, *bad], *copies)
         # the gradients the optimizer was given are the reference's
         if kind == "opt_state" and "the gradients" in matched:
             meaning = "the optimizer updated its state differently from equal gradients"
@@ -2505,10 +2507,17 @@ def _fitted_form(record: StepRecord, bad: list[LeafError]) -> str | None:
     return f"Form: {found.form.sentence}."
 
 
-def _stage_form(bad: list[LeafError], replica_axes: Sequence[str] = ()) -> str:
+def _stage_form(
+    bad: list[LeafError],
+    replica_axes: Sequence[str] = (),
+    gradients_match: bool = False,
+    pipeline: Sequence[str] = (),
+) -> str:
     """What the failing leaves' ratios say: one constant factor, per-leaf factors, or no constant factor (with
     the first non-constant leaf's spread). ``replica_axes``: the axes along which the step's replicated copies
-    differ (``StepRecord.replica_axes``): a zero update is then said as the gradient's on the compared copies."""
+    differ (``StepRecord.replica_axes``): a zero update is then said of the compared copies
+    (:func:`~shardcheck.parity.diagnosis.form.zero_on_copies_said`: the gradient's, or where
+    ``gradients_match`` an update applied on some devices or slices only; ``pipeline`` the pipeline axes)."""
     if all(e.kind == "param" and e.reference_change == 0 for e in bad):
         return f"The reference did not move these leaves at this step and the candidate did: {REFERENCE_ZERO_MEANING}."
     shaped = [e for e in bad if e.cand_shape is not None]
@@ -2524,8 +2533,8 @@ def _stage_form(bad: list[LeafError], replica_axes: Sequence[str] = ()) -> str:
     ratios = [e.ratio for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     if len(ratios) == len(bad) and all(abs(r) <= ZERO_RATIO for r in ratios):
         if replica_axes:
-            where = " and ".join(repr(a) for a in replica_axes)
-            return f"The candidate's update of these leaves is zero {ZERO_ON_COPIES.format(where=where)}."
+            said = zero_on_copies_said(replica_axes, gradients_match=gradients_match, pipeline=pipeline)
+            return f"The candidate's update of these leaves is zero {said}."
         return (
             "The candidate's update of these leaves is zero (their change is 0 x the reference's): a learning "
             "rate of 0 at this step (a schedule read one step early), or an update computed and not applied."

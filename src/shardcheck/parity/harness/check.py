@@ -935,7 +935,8 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         facts=facts,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
-    localization = localize(records, facts=facts, num_shards=run.cand.num_shards)
+    shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
+    localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
     findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once

@@ -1,0 +1,190 @@
+"""Issue #36, trial 47 (ZeRO-1/2 by hand): the readings of a step that updates each device's slice of the
+parameters and all-gathers them.
+
+1. The updated slices of some leaves not all-gathered (each device keeps its own slice updated, the rest stale),
+   with gradients that match, read "the gradient is 0 on some devices and not on the others ... a replicated leaf
+   used on one pipeline stage" on mesh data=4: a gradient's reading beside "the gradients: matches", and a
+   pipeline's example on no pipeline axis. It is now the update's, applied on some devices or slices only, and the
+   fix named is the all_gather of the updated slices.
+
+The task: an MLP (Linear(8, 16), LayerNorm, tanh, Linear(16, 2)), MSE, chain(clip_by_global_norm(1.0),
+adamw(1e-2, weight_decay=0.01)); the step flattens every leaf into one buffer padded to a multiple of 4, keeps
+Adam's moments split over 'data', psum_scatters the gradients (/4), clips by the global norm (the psum of each
+slice's squared norm), runs adamw on each device's slice and all_gathers the slices (4 fake CPU devices).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices, said
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardcheck
+from shardcheck import check_parity, make_mesh, record_run
+
+LR, WD, MAXNORM, S = 1e-2, 0.01, 1.0, 4
+PIPELINE = "pipeline stage"
+LR_ZERO = "a learning rate of 0 at this step"
+GATHER = "jax.lax.all_gather(new_slice, 'data', tiled=True)"
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 16, rngs=rngs)
+        self.ln = nnx.LayerNorm(16, rngs=rngs)
+        self.down = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jnp.tanh(self.ln(self.up(x))))
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _task():
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 2)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    tx = optax.chain(optax.clip_by_global_norm(MAXNORM), optax.adamw(LR, weight_decay=WD))
+    return shardcheck.Task(
+        model=lambda: MLP(nnx.Rngs(0)), optimizer=tx, loss_fn=_loss, batches=batches, name="zero"
+    )
+
+
+def _flat(leaves, sizes, padded):
+    return jnp.concatenate(
+        [jnp.pad(a.reshape(-1), (0, p - n)) for a, n, p in zip(leaves, sizes, padded, strict=True)]
+    )
+
+
+def _unflat(buf, shapes, sizes, padded):
+    out, off = [], 0
+    for shape, n, p in zip(shapes, sizes, padded, strict=True):
+        out.append(buf[off : off + n].reshape(shape))
+        off += p
+    return out
+
+
+def _body(fault, k, mask, local_loss):
+    """The shard_map body: the replicated flat parameters, this device's moments and batch -> (loss, the gathered
+    parameters, the moments, the count, the gathered gradients)."""
+    inner = optax.adamw(LR, weight_decay=WD)
+
+    def body(pflat, mu, nu, count, batch):
+        i = jax.lax.axis_index("data")
+        loss, g = jax.value_and_grad(local_loss)(jax.lax.pcast(pflat, "data", to="varying"), batch)
+        gs = jax.lax.psum_scatter(g, "data", scatter_dimension=0, tiled=True) / S
+        gnorm = jnp.sqrt(jax.lax.psum(jnp.sum(gs * gs), "data"))
+        gc = jnp.where(gnorm < MAXNORM, gs, gs / gnorm * MAXNORM)
+        p_sl = jax.lax.dynamic_slice(pflat, (i * k,), (k,))
+        state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), optax.EmptyState(), optax.EmptyState())
+        upd, new_state = inner.update(gc, state, p_sl)
+        new_sl = p_sl + upd
+        full = jax.lax.all_gather(new_sl, "data", tiled=True)
+        if fault == "nogather_small":  # the biases' and LayerNorm's updated slices kept on their own device
+            full = jnp.where(mask, jax.lax.dynamic_update_slice(pflat, new_sl, (i * k,)), full)
+        a = new_state[0]
+        return (
+            jax.lax.pmean(loss, "data"),
+            full,
+            a.mu,
+            a.nu,
+            a.count,
+            jax.lax.all_gather(gs, "data", tiled=True),
+        )
+
+    return body
+
+
+def make_step(fault=""):
+    """The user's ZeRO step; ``fault``: ``"nogather_small"`` (the updated slices of the biases and the LayerNorm
+    not all-gathered: each device keeps its own slice updated, the rest stale)."""
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        leaves, treedef = jax.tree.flatten(params)
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        shapes = [a.shape for a in leaves]
+        sizes = [int(np.prod(s)) for s in shapes]
+        padded = [-(-n // S) * S for n in sizes]
+        adam = nnx.state(optimizer)["opt_state"][1][0]
+        split = NamedSharding(mesh, P("data"))
+        mu, nu = (jax.device_put(_flat(jax.tree.leaves(adam[m]), sizes, padded), split) for m in ("mu", "nu"))
+        small = [("bias" in n or "scale" in n) for n in names]
+        mask = jnp.concatenate([jnp.full((p,), s) for s, p in zip(small, padded, strict=True)])
+
+        def local_loss(pf, batch):
+            params = jax.tree.unflatten(treedef, _unflat(pf, shapes, sizes, padded))
+            return _loss(nnx.merge(graphdef, params, rest), batch)
+
+        body = _body(fault, sum(padded) // S, mask, local_loss)
+        specs = (P(), P("data"), P("data"), P(), P("data"))
+        out_specs = (P(), P(), P("data"), P("data"), P(), P())
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False))
+        batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, split)
+        loss, full, mu, nu, count, gfull = fn(_flat(leaves, sizes, padded), mu, nu, adam["count"][...], batch)
+        nnx.update(model, jax.tree.unflatten(treedef, _unflat(full, shapes, sizes, padded)))
+        for m, buf in (("mu", mu), ("nu", nu)):
+            adam[m] = jax.tree.unflatten(jax.tree.structure(adam[m]), _unflat(buf, shapes, sizes, padded))
+        adam["count"] = count
+        ost = nnx.state(optimizer)
+        ost["opt_state"][1][0] = adam
+        ost["step"] = ost["step"][...] + 1
+        nnx.update(optimizer, ost)
+        return {"loss": loss, "grads": jax.tree.unflatten(treedef, _unflat(gfull, shapes, sizes, padded))}
+
+    step.__name__ = f"zero_{fault or 'good'}"
+    return step
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh({"data": S})
+
+
+@pytest.fixture(scope="module")
+def recording(mesh):
+    """The correct step's recording, as ``shardcheck record`` keeps it."""
+    return record_run(_task(), make_step(), mesh=mesh)
+
+
+def _check(fault, mesh, recording=None):
+    return check_parity(make_step(fault), _task(), mesh=mesh, reference=recording)
+
+
+@require_devices(4)
+def test_correct_zero_step_passes_live_and_replayed(mesh, recording):
+    for report in (_check("", mesh), _check("", mesh, recording)):
+        assert report.verdict == "PASS", str(report)
+        assert GATHER not in str(report)
+
+
+@require_devices(4)
+def test_slices_not_gathered_are_the_update_s_not_the_gradient_s(mesh, recording):
+    """Live and replayed: the gradients match and the copies differ along 'data': the zero on the compared copies
+    is an update applied on some devices or slices only (all_gather named), never a gradient's or a pipeline's."""
+    live, replayed = _check("nogather_small", mesh), _check("nogather_small", mesh, recording)
+    for report in (live, replayed):
+        assert report.verdict == "FAIL"
+        text = str(report)
+        assert "the gradients: matches" in text
+        msg = said(report, "localized")
+        assert "zero on the copies compared" in msg
+        assert "and the gradients match: the update was applied on some devices or slices only" in msg
+        assert GATHER in msg
+        assert (
+            "the gradient is 0 on some devices" not in text and PIPELINE not in text and LR_ZERO not in text
+        )
+    form = live.localization.form
+    assert form.kind == "replicas" and form.factor == pytest.approx(1 / S, rel=1e-3)
+    assert (
+        "(their mean is 1/4 of it, within 0.25..0.25): each device kept its own shard's part" in form.sentence
+    )
+    assert "not a gradient's sum over 'data' but the update's" in form.sentence and GATHER in form.sentence
