@@ -106,9 +106,9 @@ def test_a_counter_the_forward_pass_writes_twice_is_named_and_the_loss_is_not_sa
         "First difference at step 0: the forward pass (loss) (the forward pass writes the model's state another "
         "way at equal parameters; the loss matches)." in text
     )
-    # trial 35: the stage's count holds the counter too, and says so beside "the counters: matches"
+    # trial 35: the stage's count holds the counter too, and says so beside "the counters: matches" (now "the optimizer's counters")
     assert (
-        "Stages: the forward pass (loss, and the model's state and RNG counts it writes): differs (0 of 1 loss leaf and 1 of 1 counter leaf"
+        "Stages: the forward pass (loss, and the model's state and RNG counts it writes): differs (0 of 1 loss leaf and 1 of 1 model-state counter"
         in text
     )
 

@@ -170,7 +170,7 @@ def test_a_replay_keeps_a_tied_tables_uses_group_as_live(tied_recording):
             3,
             (("param", 3, 1), ("opt_state", 6, 2)),
         ),
-        ("the counters", "matches", 2, 0, ()),
+        ("the optimizer's counters", "matches", 2, 0, ()),
     ]
 
 

@@ -11,7 +11,8 @@ error. Now a step whose gradients are not finite adds no sensitivity: the allowa
 The task here: an MLP 8 -> 16 -> 4 in float16 compute, float32 parameters, batch 1's shard-0 rows x1e5 (they
 overflow float16), 3 steps on data=4. Planted faults: ``no_unscale`` (the scaled gradients applied),
 ``local_finite`` (each device's own finiteness, no psum: one device skips while the others step),
-``skip_params_only`` (the skip restores the parameters, not the optimizer's momentum).
+``skip_params_only`` (the skip restores the parameters, not the optimizer's momentum), ``counter_no_reset`` (the
+good-step counter kept at an overflow).
 """
 
 import jax
@@ -70,9 +71,10 @@ def _finite(tree):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]))
 
 
-def _rescale(model, finite):
-    """Double the scale after 2 good steps; halve it and reset the counter on an overflow."""
-    good = jnp.where(finite, model.good_steps[...] + 1, 0)
+def _rescale(model, finite, reset: bool = True):
+    """Double the scale after 2 good steps; halve it and reset the counter on an overflow (``reset=False``: the
+    counter kept, a planted fault)."""
+    good = jnp.where(finite, model.good_steps[...] + 1, 0 if reset else model.good_steps[...])
     grow = good >= 2
     scale = model.loss_scale[...]
     model.loss_scale[...] = jnp.where(finite, jnp.where(grow, scale * 2, scale), scale / 2)
@@ -132,7 +134,7 @@ def make_step(fault: str = ""):
             else:
                 new = nnx.state((model, optimizer))
                 nnx.update((model, optimizer), jax.tree.map(lambda o, n: jnp.where(finite, n, o), old, new))
-            _rescale(model, finite)
+            _rescale(model, finite, reset=fault != "counter_no_reset")
             return jax.lax.pmean(loss, "data"), returned, jax.tree.leaves(nnx.state((model, optimizer)))
 
         specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
@@ -169,7 +171,7 @@ def test_the_correct_loss_scale_step_passes_its_skipped_step_live(mesh):
 
 
 @require_devices(S)
-@pytest.mark.parametrize("fault", ["no_unscale", "local_finite", "skip_params_only"])
+@pytest.mark.parametrize("fault", ["no_unscale", "local_finite", "skip_params_only", "counter_no_reset"])
 def test_a_planted_loss_scale_fault_fails(mesh, fault):
     report = check_parity(make_step(fault), _task(), mesh=mesh, reference=ref_step)
     assert report.verdict == "FAIL"
@@ -178,6 +180,23 @@ def test_a_planted_loss_scale_fault_fails(mesh, fault):
         assert first.step == 0 and any(not e.ok for e in first.leaves if e.kind == "grad")
     elif fault == "local_finite":  # shard 0 skips while the others step: their copies differ
         assert first.step == SKIPPED and first.replica_mismatches
+        said = _said(report, "skipped_step")
+        assert (
+            "differ across devices at a step the reference skipped: some devices stepped where others" in said
+        )
+        assert "its update matches" not in said
+        text = report.localization.text()
+        assert (
+            "the reference left the leaf unchanged (a step it skipped) while the copies differ by up to"
+            in text
+        )
+        assert "inf of the reference's largest change" not in text and "nan to nan" not in text
+    elif fault == "counter_no_reset":  # the model's counter differs; the optimizer's count matches
+        assert first.step == SKIPPED
+        assert [e.name for e in first.leaves if not e.ok] == ["counter model.good_steps"]
+        text = report.localization.text()
+        assert "the applied parameters: differs (0 of 4 parameters and 1 of 1 model-state counter" in text
+        assert "the optimizer's counters: matches (1 leaf)" in text and "the counters: matches" not in text
     else:  # the momentum moved where the reference's stayed
         assert first.step == SKIPPED
         assert {e.kind for e in first.leaves if not e.ok} == {"opt_state", "counter"}  # momentum, count
@@ -207,3 +226,6 @@ def test_the_correct_step_replays_its_skipped_step_and_a_fault_fails_against_it(
     failed = check_parity(make_step("local_finite"), task, mesh=mesh, reference=recording)
     assert failed.verdict == "FAIL"
     assert next(r for r in failed.steps if r.step >= 0 and not r.ok).step == SKIPPED
+    said = _said(failed, "skipped_step")  # it read "its update matches" beside 14 leaves whose copies differ
+    assert "differ across devices at a step the recorded run skipped: some devices stepped" in said
+    assert "its update matches" not in said

@@ -108,7 +108,9 @@ NOUNS = {
     "replicas": "the replicas",
     "optimizer": "the optimizer's update from equal inputs",
     "parameters": "the applied parameters",
-    "counters": "the counters",
+    # the optimizer's step counts (the model's own counters are counted in the stage that writes them, as
+    # "model-state counters": trial 48 read "1 of 1 counter leaf" differ, then "the counters: matches")
+    "counters": "the optimizer's counters",
 }
 
 
@@ -189,6 +191,7 @@ KIND_NOUNS = {
     "param": ("parameter", "parameters"),
     "opt_state": ("optimizer-state leaf", "optimizer-state leaves"),
     "state": ("non-parameter state leaf", "non-parameter state leaves"),
+    "counter": ("model-state counter", "model-state counters"),
 }
 
 
