@@ -124,7 +124,7 @@ def fit_replicas(
     where = " and ".join(repr(a) for a in axes) or "the replicated axes"
     axis = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))  # all_gather's axis_name
     fits: dict[str, list] = {}
-    gaps = []
+    gaps, unchanged = [], []
     for name, (blocks, before, ref_after) in sorted(leaves.items()):
         if not blocks:
             raise ValueError(
@@ -132,9 +132,12 @@ def fit_replicas(
             )
         b, r = np.asarray(before, np.float64), np.asarray(ref_after, np.float64)
         n, median, lo, hi, gap = _mean_ratio(blocks, b, r)
+        if np.isinf(gap):  # the reference left the leaf unchanged (a step it skipped): no ratio to read
+            unchanged.append((name, _copies_gap(blocks)))
+            continue
         gaps.append(gap)
         fits.setdefault(_kind(n, median, lo, hi), []).append((name, n, median, lo, hi))
-    parts = []
+    parts = [_unchanged_clause(unchanged)] if unchanged else []
     for kind, found in fits.items():
         names = ", ".join(f[0] for f in found[:3]) + (", ..." if len(found) > 3 else "")
         if kind == "none":
@@ -150,13 +153,30 @@ def fit_replicas(
             n=n, lo=lo, hi=hi, median=median, axes=where, axis=axis
         )
         parts.append(f"on {names} ({n_leaves(len(found))}) {said}")
-    head = (
-        f"the copies along {where} differ by up to {max(gaps):.3g} of the reference's largest change; "
-        + "; ".join(parts)
-    )
+    by = f" by up to {max(gaps):.3g} of the reference's largest change" if gaps else ""
+    head = f"the copies along {where} differ{by}; " + "; ".join(parts)
     (only,) = fits if len(fits) == 1 else (None,)
-    factor = None if only in (None, "none") else float(np.median([f[2] for f in fits[only]]))
-    return Form("replicas", head, factor=factor, spread=(min(gaps), max(gaps)), leaves=len(leaves))
+    factor = None if only in (None, "none") or unchanged else float(np.median([f[2] for f in fits[only]]))
+    spread = (min(gaps), max(gaps)) if gaps else (float("inf"), float("inf"))
+    return Form("replicas", head, factor=factor, spread=spread, leaves=len(leaves))
+
+
+def _copies_gap(blocks) -> float:
+    """The copies' largest elementwise disagreement over ``blocks`` (:func:`replica_blocks`), absolute."""
+    return max(float(np.max(np.ptp(np.stack(copies), axis=0), initial=0.0)) for _, copies in blocks)
+
+
+def _unchanged_clause(unchanged: Sequence[tuple[str, float]]) -> str:
+    """The leaves whose copies differ where the reference left them unchanged (``[(name, the copies' largest
+    disagreement)]``): some devices stepped where others did not (issue #36 trial 48: a loss-scale step's overflow
+    check local to each device read "differ by up to inf of the reference's largest change ... runs from nan to
+    nan")."""
+    names = ", ".join(u[0] for u in unchanged[:3]) + (", ..." if len(unchanged) > 3 else "")
+    top = max(u[1] for u in unchanged)
+    return (
+        f"on {names} ({n_leaves(len(unchanged))}) the reference left the leaf unchanged (a step it skipped) while "
+        f"the copies differ by up to {top:.3g}: some devices stepped, others did not"
+    )
 
 
 # copies of one array that differ by a per-device constant agree with it to this share of their largest element

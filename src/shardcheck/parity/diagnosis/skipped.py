@@ -51,9 +51,10 @@ def _whose(record: StepRecord) -> str:
     return "the recording's" if record.replayed else "the reference's"
 
 
-def _candidate_clause(record: StepRecord) -> str:
+def _candidate_clause(record: StepRecord, earlier: bool = False) -> str:
     """What the candidate did at the reference's skipped step: its loss and gradients by finiteness, then its
-    update (the parameters, optimizer state and counters, compared as always)."""
+    update (the parameters, optimizer state and counters, compared as always), or its copies differing across
+    devices (:func:`_copies_clause`; ``earlier``: they differed before this step)."""
     by_finiteness = [e for e in record.leaves if e.finite is not None]
     finite_there = _which(by_finiteness, 1, True)
     not_finite = _which(by_finiteness, 1, False)
@@ -66,6 +67,9 @@ def _candidate_clause(record: StepRecord) -> str:
         whose = "its" if parts else "the candidate's"
         parts.append(f"{whose} {finite_there} {verb} finite there, where {_whose(record)} {verb} not")
     update = [e for e in record.leaves if e.kind in UPDATE_KINDS]
+    copies = _copies_clause(record, earlier)
+    if all(e.ok for e in update) and copies:
+        return "; ".join([*parts, copies])
     if all(e.ok for e in update):
         said = "its update matches (the parameters, the optimizer state and the counters)"
         return "; ".join(parts) + (" and " if parts else "") + said
@@ -82,6 +86,25 @@ def _candidate_clause(record: StepRecord) -> str:
     return "; ".join([*parts, f"{what}: {', '.join(shown)} differ{counters}"])
 
 
+def _copies_clause(record: StepRecord, earlier: bool = False) -> str:
+    """Where a replicated leaf's copies differ across devices at the skipped step (``StepRecord.
+    replica_mismatches``): that some devices stepped while others skipped (issue #36 trial 48: each device's own
+    finiteness check, not agreed by a psum, read "its update matches" beside 14 leaves whose copies differ: the
+    copy compared is one device's); ``""`` where they agree. ``earlier``: copies differed at an earlier step
+    already (then the skip is not named as their cause)."""
+    names = list(record.replica_mismatches)
+    if not names:
+        return ""
+    said = f"its copies of {len(names)} replicated leaves ({_listed(names)}) differ across devices"
+    if earlier:
+        return said + " (as at an earlier step)"
+    return (
+        f"{said} at a step {'the recorded run' if record.replayed else 'the reference'} skipped: some devices "
+        "stepped where others skipped "
+        "(a finiteness check not agreed across the devices, e.g. without a psum of the flags)"
+    )
+
+
 def skipped_note(records: Sequence[StepRecord]) -> Diagnosis | None:
     """``skipped_step``: the first step the reference's optimizer skipped (``StepRecord.skipped``), in plain words,
     with the later ones counted; ``None`` where the reference skipped none. E.g. "Step 2: the reference's loss and
@@ -96,7 +119,8 @@ def skipped_note(records: Sequence[StepRecord]) -> Diagnosis | None:
     who = "The recorded run" if first.replayed else "The reference"
     also = f" {who} skipped step{'s' if len(more) > 1 else ''} {', '.join(more)} too." if more else ""
     failing = next((e for e in first.leaves if not e.ok), None)
-    message = f"Step {first.step}: {_reference_clause(first)}; {_candidate_clause(first)}.{also}"
+    earlier = any(r.replica_mismatches for r in records if r.step < first.step)
+    message = f"Step {first.step}: {_reference_clause(first)}; {_candidate_clause(first, earlier)}.{also}"
     return Diagnosis("skipped_step", message, None if failing is None else failing.name)
 
 
