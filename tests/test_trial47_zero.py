@@ -7,6 +7,11 @@ parameters and all-gathers them.
    pipeline's example on no pipeline axis. It is now the update's, applied on some devices or slices only, and the
    fix named is the all_gather of the updated slices.
 
+2. A decay applied again after the gather read live "no simple form: no zero update, sign flip, constant factor or
+   decay term fits the 19 leaves" (2 of 1024 elements whose gradient is at rounding level, lr-sized under Adam, in
+   the decay's fit) and replayed "the candidate applies it and the reference does not" (the reference applies it
+   too): now both say the decay applied twice, c = the task's own weight decay.
+
 The task: an MLP (Linear(8, 16), LayerNorm, tanh, Linear(16, 2)), MSE, chain(clip_by_global_norm(1.0),
 adamw(1e-2, weight_decay=0.01)); the step flattens every leaf into one buffer padded to a multiple of 4, keeps
 Adam's moments split over 'data', psum_scatters the gradients (/4), clips by the global norm (the psum of each
@@ -25,6 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
+from shardcheck.parity.diagnosis.form import fit_form
+from shardcheck.parity.harness.optimizer_rerun import task_decay
 
 LR, WD, MAXNORM, S = 1e-2, 0.01, 1.0, 4
 PIPELINE = "pipeline stage"
@@ -90,6 +97,8 @@ def _body(fault, k, mask, local_loss):
         full = jax.lax.all_gather(new_sl, "data", tiled=True)
         if fault == "nogather_small":  # the biases' and LayerNorm's updated slices kept on their own device
             full = jnp.where(mask, jax.lax.dynamic_update_slice(pflat, new_sl, (i * k,)), full)
+        if fault == "wd_twice":  # the decay applied again after the gather (adamw already decayed once)
+            full = full - LR * WD * full
         a = new_state[0]
         return (
             jax.lax.pmean(loss, "data"),
@@ -105,7 +114,8 @@ def _body(fault, k, mask, local_loss):
 
 def make_step(fault=""):
     """The user's ZeRO step; ``fault``: ``"nogather_small"`` (the updated slices of the biases and the LayerNorm
-    not all-gathered: each device keeps its own slice updated, the rest stale)."""
+    not all-gathered: each device keeps its own slice updated, the rest stale), ``"wd_twice"`` (the decay applied
+    again after the gather)."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -188,3 +198,35 @@ def test_slices_not_gathered_are_the_update_s_not_the_gradient_s(mesh, recording
         "(their mean is 1/4 of it, within 0.25..0.25): each device kept its own shard's part" in form.sentence
     )
     assert "not a gradient's sum over 'data' but the update's" in form.sentence and GATHER in form.sentence
+
+
+@require_devices(4)
+def test_a_decay_applied_twice_is_said_so_live_and_replayed(mesh, recording):
+    for report in (_check("wd_twice", mesh), _check("wd_twice", mesh, recording)):
+        assert report.verdict == "FAIL" and report.localization.stage == "optimizer"
+        form = report.localization.form
+        assert form.kind == "decay" and form.coefficient == pytest.approx(WD, rel=0.02)
+        assert "the candidate applies it twice (c = the task's own weight decay, 0.01)" in form.sentence
+        assert "the reference does not" not in str(report) and "no simple form" not in form.sentence
+
+
+def test_the_task_s_own_decay_and_a_decay_fit_past_rounding_level_elements():
+    """The task's optimizer's own c*lr (a probe from zero gradients); a decay term fitted on the elements whose
+    gradient is not at rounding level (one such element moved by an lr-sized amount, as under Adam)."""
+    tx = optax.chain(optax.clip_by_global_norm(MAXNORM), optax.adamw(LR, weight_decay=WD))
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
+    assert task_decay(tx, params) == pytest.approx(LR * WD, rel=1e-4)
+    assert task_decay(optax.adam(LR), params) is None  # no decay: nothing moves from zero gradients
+    rng = np.random.default_rng(0)
+    before = {"w": rng.normal(size=(16, 16))}
+    ref = {"w": before["w"] + rng.normal(size=(16, 16)) * 1e-3}
+    cand = {"w": ref["w"] - LR * WD * before["w"]}
+    cand["w"][0, 0] += LR  # an element whose gradient is at rounding level
+    quiet = {"w": np.zeros((16, 16), bool)}
+    quiet["w"][0, 0] = True
+    assert fit_form(before, ref, cand, lr=LR).kind != "decay"
+    twice = fit_form(before, ref, cand, lr=LR, quiet=quiet, task_decay=LR * WD)
+    assert twice.kind == "decay" and twice.coefficient == pytest.approx(WD, rel=1e-3)
+    assert "applies it twice (c = the task's own weight decay, 0.01)" in twice.sentence
+    once = fit_form(before, ref, cand, lr=LR, quiet=quiet)  # the task's decay unknown: the one-sided reading
+    assert once.kind == "decay" and "the candidate applies it and the reference does not" in once.sentence

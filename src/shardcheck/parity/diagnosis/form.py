@@ -213,6 +213,7 @@ def fit_form(
     params: Mapping[str, np.ndarray] | None = None,
     quiet: Mapping[str, np.ndarray] | None = None,
     source: str = "",
+    task_decay: float | None = None,
 ) -> Form:
     """Fit the candidate's change to a functional form of the reference's (module docstring: the forms, in order).
 
@@ -222,6 +223,9 @@ def fit_form(
         ref_after: the reference's leaves after the step, same paths and shapes as ``cand_after``.
         cand_after: the candidate's leaves after the step (the failing leaves of one stage).
         lr: the learning rate of the step, where known: the decay coefficient is then ``a / lr``.
+        task_decay: ``c*lr``, the decoupled weight decay the task's own optimizer applies (``optimizer_rerun.
+            task_decay``), where known: a decay term the candidate adds of that size is said as the decay applied
+            twice, not as one the reference lacks.
         optimizer_stage: the leaves are an optimizer's output from equal gradients: a common factor below 1 that
             optimizer-state leaves (paths ``"opt_state <path>"``) show too is then named as a clip coefficient.
         update: the leaves are a step's update (parameters, optimizer state), not values (gradients): an integer
@@ -273,13 +277,13 @@ def fit_form(
     form = form or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
     form = form or _factor(fit, optimizer_stage, update, tol or {})
     if form is not None and form.kind == "none" and update:  # a ratio around 1: a small term, maybe a decay
-        form = _decay(f64, lr) or _offset(f64) or form
+        form = _decay_fitted(f64, quiet, lr, task_decay) or _offset(f64) or form
     if form is not None and aside and form.kind != "one_number":
         return _said_aside(form, aside)
     form = (
         form
         or (_reset(f64) if update else None)
-        or _decay(f64, lr)
+        or _decay_fitted(f64, quiet, lr, task_decay)
         or _stacked_slices(f64, update)
         or (_partial(f64, tol or {}) if update else None)
         or state_decay(f64, state_params or {})
@@ -448,6 +452,27 @@ def _without_quiet(f64: dict, quiet: Mapping[str, np.ndarray]) -> tuple[dict, di
             fit[p] = (b, np.where(mask, 0.0, dr), np.where(mask, 0.0, dc))
             aside[p] = (n, int(mask.size))
     return fit, aside
+
+
+def _decay_fitted(
+    f64: dict, quiet: Mapping[str, np.ndarray] | None, lr: float | None, task_decay: float | None = None
+) -> Form | None:
+    """:func:`_decay` of every element, else of the elements not at rounding level (:func:`_quiet_at_zero`)."""
+    fitted = _decay(f64, lr, task_decay)
+    return fitted or (_decay(_quiet_at_zero(f64, quiet), lr, task_decay) if quiet else None)
+
+
+def _quiet_at_zero(f64: dict, quiet: Mapping[str, np.ndarray]) -> dict:
+    """``f64`` with each leaf's ``quiet`` elements (at rounding level: their update follows the gradient's noise,
+    lr-sized under Adam) at 0 before and after the step on both sides: a term of the parameter (a decay) fitted on
+    the other elements (trial 47: a decay applied twice read "no simple form" from 2 of 1024 such elements)."""
+    out = dict(f64)
+    for p, (b, dr, dc) in f64.items():
+        mask = quiet.get(p)
+        if mask is not None and np.shape(mask) == dr.shape and np.any(mask):
+            mask = np.asarray(mask, bool)
+            out[p] = (np.where(mask, 0.0, b), np.where(mask, 0.0, dr), np.where(mask, 0.0, dc))
+    return out
 
 
 def _said_aside(form: Form, aside: Mapping[str, tuple[int, int]]) -> Form:
@@ -1065,7 +1090,7 @@ def _decay_fit(f64: dict, after: bool) -> tuple[float, float, float] | None:
     return a, resid, size
 
 
-def _decay(f64: dict, lr: float | None) -> Form | None:
+def _decay(f64: dict, lr: float | None, task_decay: float | None = None) -> Form | None:
     """``decay``: the difference is ``c*lr*param`` on every element, the parameter before the step (AdamW's
     decoupled decay) or, where that does not fit, after the reference's update (a decay applied after the
     optimizer's update: trial 32's embedding tables decayed by 5e-4 of their new value read "no simple form")."""
@@ -1086,6 +1111,12 @@ def _decay(f64: dict, lr: float | None) -> Form | None:
         if a > 0
         else "the candidate applies it and the reference does not"
     )
+    if a < 0 and task_decay and abs(-a - task_decay) <= FIT_RTOL * task_decay:  # the optimizer's own decay
+        own = f"{task_decay / lr:.4g}" if lr else f"c*lr = {task_decay:.4g}"
+        which = (
+            f"the candidate applies it twice (c = the task's own weight decay, {own}): once in the optimizer, as "
+            "the reference does, and once more (a decay added after the update, or a second add_decayed_weights)"
+        )
     value = (
         f"c = {abs(coef):.4g} (learning rate {lr:.4g} at this step)"
         if lr

@@ -451,6 +451,29 @@ def known_lr(opt_state, tx=None, params=None) -> float | None:
     return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
+def task_decay(tx, params) -> float | None:
+    """``c*lr``, the decoupled weight decay ``tx`` (the task's optimizer) applies at its first step: its update
+    from zero gradients at a fresh state is ``-c*lr*param`` (Adam's and a momentum's term is 0 there), read where
+    one ratio holds over every leaf it moves (within 2%); ``None`` where it moves none, the ratios differ, or
+    ``tx`` cannot update ``params`` (a pytree of arrays) so."""
+    try:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        update, _ = tx.update(zeros, tx.init(params), params)
+    except Exception:  # noqa: BLE001 - an optimizer that cannot step from zero gradients: no decay read
+        return None
+    ratios = []
+    for u, p in zip(jax.tree.leaves(update), jax.tree.leaves(params), strict=False):
+        u, p = np.asarray(to_host(u), np.float64), np.asarray(to_host(p), np.float64)
+        keep = (np.abs(p) > 0) & (u != 0)
+        if u.shape == p.shape and keep.any():
+            ratios.append(float(np.median(u[keep] / p[keep])))
+    if not ratios:
+        return None
+    r = float(np.median(ratios))
+    ok = r < 0 and all(abs(x - r) <= 0.02 * abs(r) for x in ratios)
+    return -r if ok else None
+
+
 def _reference_lr(run: _Run) -> float | None:
     """:func:`known_lr` of the reference's optimizer after its step (its state, transformation and parameters)."""
     params = nnx.as_pure(nnx.state(run.ref_model, nnx.Param))
@@ -587,8 +610,14 @@ def stage_forms(
         if stage == "gradients"
         else None,
         quiet=quiet_keys(bad, near_zero(ref_grads, record.atol)) if stage != "gradients" else None,
+        task_decay=_reference_decay(run) if stage != "gradients" else None,
     )
     return ((stage, form),)
+
+
+def _reference_decay(run: _Run) -> float | None:
+    """:func:`task_decay` of the reference's optimizer on its parameters."""
+    return task_decay(run.ref_opt.tx, nnx.as_pure(nnx.state(run.ref_model, nnx.Param)))
 
 
 def near_zero(grads, atol: float) -> dict:
@@ -653,7 +682,7 @@ def optimizer_form(record: StepRecord, arrays) -> tuple:
     found = localize([record])
     if found is None or found.stage != "optimizer":
         return ()
-    before, rerun, after, lr, quiet = arrays
+    before, rerun, after, lr, quiet, *decay = arrays
     keys = [
         e.path if e.kind == "param" else f"opt_state {e.path}" for e in record.optimizer_rerun if not e.ok
     ]
@@ -670,6 +699,7 @@ def optimizer_form(record: StepRecord, arrays) -> tuple:
         source=FROM_EQUAL_INPUTS,
         state_params=state_params(keys, before),
         quiet=quiet_keys(keys, quiet),
+        task_decay=decay[0] if decay else None,
     )
     return (("optimizer", form),)
 
@@ -713,7 +743,8 @@ def update_checked(run: _Run, record: StepRecord, snapshots, stepped, after) -> 
     record = dataclasses.replace(record, optimizer_rerun=leaves)
     lr = _reference_lr(run)
     quiet = near_zero(stepped[1], record.atol)
-    return dataclasses.replace(record, forms=optimizer_form(record, (before, rerun, cand, lr, quiet)))
+    arrays = (before, rerun, cand, lr, quiet, _reference_decay(run))
+    return dataclasses.replace(record, forms=optimizer_form(record, arrays))
 
 
 def localization_evidence(run: _Run, record: StepRecord, snapshots, stepped, after, rtol, atol) -> StepRecord:

@@ -370,7 +370,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     )
     from shardcheck.parity.diagnosis.token_split import token_loss_value, token_split
     from shardcheck.parity.harness.candidates import run_step
-    from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero, task_decay
     from shardcheck.parity.harness.recorded import _start
     from shardcheck.parity.harness.state import _default_view
 
@@ -423,7 +423,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     # the learning rate the task's optimizer applied at this step: its state after the rerun holds it (an
     # inject_hyperparams state), or its schedule at the count before the step (issue #36)
     lr = known_lr(rerun[1], task.optimizer, params)
-    return compared, matches, (*arrays, lr, quiet), fields
+    return compared, matches, (*arrays, lr, quiet, task_decay(task.optimizer, params)), fields
 
 
 def _bf16_reduction(record, task: Task, num_shards, before, batch, grads) -> bool:
