@@ -11,6 +11,8 @@ parameters and all-gathers them.
    decay term fits the 19 leaves" (2 of 1024 elements whose gradient is at rounding level, lr-sized under Adam, in
    the decay's fit) and replayed "the candidate applies it and the reference does not" (the reference applies it
    too): now both say the decay applied twice, c = the task's own weight decay.
+3. Adam's count stepped twice read "a constant factor 0.7441 ...: one scale of the whole update from equal
+   gradients (a learning rate or its schedule)" beside "it sets no learning rate": now the bias correction's.
 
 The task: an MLP (Linear(8, 16), LayerNorm, tanh, Linear(16, 2)), MSE, chain(clip_by_global_norm(1.0),
 adamw(1e-2, weight_decay=0.01)); the step flattens every leaf into one buffer padded to a multiple of 4, keeps
@@ -91,7 +93,8 @@ def _body(fault, k, mask, local_loss):
         gnorm = jnp.sqrt(jax.lax.psum(jnp.sum(gs * gs), "data"))
         gc = jnp.where(gnorm < MAXNORM, gs, gs / gnorm * MAXNORM)
         p_sl = jax.lax.dynamic_slice(pflat, (i * k,), (k,))
-        state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), optax.EmptyState(), optax.EmptyState())
+        c = count + 1 if fault == "count_twice" else count  # Adam's count stepped twice
+        state = (optax.ScaleByAdamState(count=c, mu=mu, nu=nu), optax.EmptyState(), optax.EmptyState())
         upd, new_state = inner.update(gc, state, p_sl)
         new_sl = p_sl + upd
         full = jax.lax.all_gather(new_sl, "data", tiled=True)
@@ -115,7 +118,7 @@ def _body(fault, k, mask, local_loss):
 def make_step(fault=""):
     """The user's ZeRO step; ``fault``: ``"nogather_small"`` (the updated slices of the biases and the LayerNorm
     not all-gathered: each device keeps its own slice updated, the rest stale), ``"wd_twice"`` (the decay applied
-    again after the gather)."""
+    again after the gather), ``"count_twice"`` (Adam's count stepped twice)."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -230,3 +233,15 @@ def test_the_task_s_own_decay_and_a_decay_fit_past_rounding_level_elements():
     assert "applies it twice (c = the task's own weight decay, 0.01)" in twice.sentence
     once = fit_form(before, ref, cand, lr=LR, quiet=quiet)  # the task's decay unknown: the one-sided reading
     assert once.kind == "decay" and "the candidate applies it and the reference does not" in once.sentence
+
+
+@require_devices(4)
+def test_a_count_stepped_twice_is_the_bias_correction_s_factor(mesh, recording):
+    for report in (_check("count_twice", mesh), _check("count_twice", mesh, recording)):
+        assert report.verdict == "FAIL"
+        form = report.localization.form
+        assert form.kind == "factor" and 0 < form.factor < 1
+        assert "one scale of the whole update from Adam's bias correction at another count (its count" in (
+            form.sentence
+        )
+        assert "a learning rate or its schedule" not in str(report)

@@ -630,6 +630,7 @@ def localize(
             )
         form = _unreadable_form(bad) or _state_form(bad, record, records, num_shards) or form
     form = _zero_on_copies(form, record, by_stage, facts, mesh_shape)  # one copy's zero
+    form = _bias_correction_factor(form, record)
     written = step_state(bad, record) if first.stage == "parameters" else ""
     form = _step_written_form(form) if written else form
     module = record.module if first.stage == "forward" else None
@@ -656,6 +657,41 @@ def _zero_on_copies(form, record: StepRecord, by_stage, facts, mesh_shape) -> Fo
     else:
         pipeline = tuple(a for a in axes if str(a).lower() in PIPELINE_AXIS_NAMES)
     return zero_on_copies(form, axes, gradients_match=matched, pipeline=pipeline)
+
+
+# a factor's learning-rate reading (form.py's "factor" of an update)
+LR_READINGS = (
+    "from equal gradients (a learning rate or its schedule",
+    "(a learning rate or its schedule, a loss scale)",
+)
+
+
+def _bias_correction_factor(form: Form | None, record: StepRecord) -> Form | None:
+    """``form`` where it is no update factor said as a learning rate's, or no Adam count (a counter ``<p>.count``
+    beside optimizer state ``<p>.mu`` / ``<p>.nu``) differs; else its reading as Adam's bias correction at another
+    count (trial 47: the count stepped twice read "a learning rate or its schedule" beside "it sets no learning
+    rate")."""
+    if form is None or form.kind != "factor" or not any(r in form.sentence for r in LR_READINGS):
+        return form
+    state = {e.path for e in record.leaves if e.kind == "opt_state"}
+    counts = [
+        e.path
+        for e in record.leaves
+        if e.kind == "counter"
+        and not e.ok
+        and e.path.rsplit(".", 1)[-1] == "count"
+        and any(p.startswith(e.path[: -len("count")] + m) for p in state for m in ("mu", "nu"))
+    ]
+    if not counts:
+        return form
+    head = form.sentence.split(": one scale of the whole update", 1)[0]
+    tail = form.sentence.split("; left out of the fit", 1)[1:]
+    said = (
+        f"{head}: one scale of the whole update from Adam's bias correction at another count (its count "
+        f"{counts[0]} differs: the update divides the moments by 1 - b1^count and 1 - b2^count), not a learning "
+        "rate"
+    )
+    return dataclasses.replace(form, sentence=said + "".join(f"; left out of the fit{t}" for t in tail))
 
 
 def _check_records(records) -> None:
