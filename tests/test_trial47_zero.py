@@ -13,6 +13,9 @@ parameters and all-gathers them.
    too): now both say the decay applied twice, c = the task's own weight decay.
 3. Adam's count stepped twice read "a constant factor 0.7441 ...: one scale of the whole update from equal
    gradients (a learning rate or its schedule)" beside "it sets no learning rate": now the bias correction's.
+4. A clip by each slice's own norm was named ``local_clip_norm`` replayed and ``localized`` live ("opt_state
+   1.0.mu.blocks.0.down.kernel has no constant factor": a leaf split between two devices' slices carries two
+   factors): live now names it too.
 
 The task: an MLP (Linear(8, 16), LayerNorm, tanh, Linear(16, 2)), MSE, chain(clip_by_global_norm(1.0),
 adamw(1e-2, weight_decay=0.01)); the step flattens every leaf into one buffer padded to a multiple of 4, keeps
@@ -90,7 +93,8 @@ def _body(fault, k, mask, local_loss):
         i = jax.lax.axis_index("data")
         loss, g = jax.value_and_grad(local_loss)(jax.lax.pcast(pflat, "data", to="varying"), batch)
         gs = jax.lax.psum_scatter(g, "data", scatter_dimension=0, tiled=True) / S
-        gnorm = jnp.sqrt(jax.lax.psum(jnp.sum(gs * gs), "data"))
+        sq = jnp.sum(gs * gs)
+        gnorm = jnp.sqrt(sq if fault == "local_norm" else jax.lax.psum(sq, "data"))  # local_norm: no psum
         gc = jnp.where(gnorm < MAXNORM, gs, gs / gnorm * MAXNORM)
         p_sl = jax.lax.dynamic_slice(pflat, (i * k,), (k,))
         c = count + 1 if fault == "count_twice" else count  # Adam's count stepped twice
@@ -118,7 +122,8 @@ def _body(fault, k, mask, local_loss):
 def make_step(fault=""):
     """The user's ZeRO step; ``fault``: ``"nogather_small"`` (the updated slices of the biases and the LayerNorm
     not all-gathered: each device keeps its own slice updated, the rest stale), ``"wd_twice"`` (the decay applied
-    again after the gather), ``"count_twice"`` (Adam's count stepped twice)."""
+    again after the gather), ``"count_twice"`` (Adam's count stepped twice), ``"local_norm"`` (the clip's norm
+    from each device's slice only)."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -245,3 +250,12 @@ def test_a_count_stepped_twice_is_the_bias_correction_s_factor(mesh, recording):
             form.sentence
         )
         assert "a learning rate or its schedule" not in str(report)
+
+
+@require_devices(4)
+def test_a_clip_by_each_slice_s_own_norm_is_named_live_and_replayed(mesh, recording):
+    for report in (_check("local_norm", mesh), _check("local_norm", mesh, recording)):
+        assert report.verdict == "FAIL"
+        codes = [d.code for d in report.diagnoses]
+        assert "local_clip_norm" in codes, codes
+        assert "psum the squared norms" in said(report, "local_clip_norm")
