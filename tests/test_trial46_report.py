@@ -25,6 +25,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
+from test_trial46_builtins import (
+    Pipe as Pipeline,  # 2 annotated tanh(Linear(8, 8)) blocks over 'stage', a head
+)
+from test_trial46_builtins import loss_fn as _loss
 
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
@@ -33,40 +37,6 @@ from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.report import ParityReport
 
 H, D_OUT, STAGES, MICRO = 8, 2, 2, 2
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.linear = nnx.Linear(
-            H,
-            H,
-            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None)),
-            bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), (None,)),
-            rngs=rngs,
-        )
-
-    def __call__(self, x):
-        return jnp.tanh(self.linear(x))
-
-
-class Pipeline(nnx.Module):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=STAGES)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "stage"})
-        def blocks(rngs):
-            return Block(rngs)
-
-        self.blocks = blocks(rngs)
-        self.head = nnx.Linear(H, D_OUT, rngs=rngs)
-
-    def __call__(self, x):
-        graphdef, state = nnx.split(self.blocks)
-        x, _ = jax.lax.scan(lambda x, s: (nnx.merge(graphdef, s)(x), None), x, state)
-        return self.head(x)
-
-
-def _loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
 def _task():
