@@ -216,6 +216,8 @@ def test_a_decay_applied_twice_is_said_so_live_and_replayed(mesh, recording):
         assert form.kind == "decay" and form.coefficient == pytest.approx(WD, rel=0.02)
         assert "the candidate applies it twice (c = the task's own weight decay, 0.01)" in form.sentence
         assert "the reference does not" not in str(report) and "no simple form" not in form.sentence
+        # the paragraph below the table says the form once (the localized finding repeated it word for word)
+        assert report.diagnosis.count("a decoupled weight decay term") == 1
 
 
 def test_the_task_s_own_decay_and_a_decay_fit_past_rounding_level_elements():

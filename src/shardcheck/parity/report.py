@@ -251,9 +251,18 @@ class ParityReport:
     @property
     def diagnosis(self) -> str:
         """The localization's text first (a failing run's), then all findings' messages, joined into one
-        paragraph: what the command line prints below its table."""
+        paragraph: what the command line prints below its table. A finding that repeats the localization's
+        form sentence says it once, in the localization (trial 47: a decay's form printed twice in a row)."""
         first = [] if self.localization is None else [f"Localization: {self.localization.text()}"]
-        return " ".join([*first, *(d.message for d in self.diagnoses)])
+        form = None if self.localization is None else self.localization.form
+        said = f"Form: {form.sentence}." if form is not None else None
+        messages = [
+            d.message.replace(said, "Form: the localization's, above.")
+            if said and first and said in first[0]
+            else d.message
+            for d in self.diagnoses
+        ]
+        return " ".join([*first, *messages])
 
     @property
     def replica_failure(self) -> ReplicaFailure | None:
