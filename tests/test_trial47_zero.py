@@ -17,6 +17,10 @@ parameters and all-gathers them.
    1.0.mu.blocks.0.down.kernel has no constant factor": a leaf split between two devices' slices carries two
    factors): live now names it too.
 
+5. The step that returns its all_gather(tiled=True) output with out_specs P() under check_vma raised JAX's
+   replication error, read "a value computed per device and never reduced over 'data' (a loss or gradient without
+   its pmean or psum over 'data')": now the all-gather's reading (check_vma=False, or reduce/pcast).
+
 The task: an MLP (Linear(8, 16), LayerNorm, tanh, Linear(16, 2)), MSE, chain(clip_by_global_norm(1.0),
 adamw(1e-2, weight_decay=0.01)); the step flattens every leaf into one buffer padded to a multiple of 4, keeps
 Adam's moments split over 'data', psum_scatters the gradients (/4), clips by the global norm (the psum of each
@@ -36,7 +40,9 @@ from jax.sharding import PartitionSpec as P
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
 from shardcheck.parity.diagnosis.form import fit_form
+from shardcheck.parity.harness.candidates import _traced_hint
 from shardcheck.parity.harness.optimizer_rerun import task_decay
+from shardcheck.parity.report import CandidateError
 
 LR, WD, MAXNORM, S = 1e-2, 0.01, 1.0, 4
 PIPELINE = "pipeline stage"
@@ -123,7 +129,8 @@ def make_step(fault=""):
     """The user's ZeRO step; ``fault``: ``"nogather_small"`` (the updated slices of the biases and the LayerNorm
     not all-gathered: each device keeps its own slice updated, the rest stale), ``"wd_twice"`` (the decay applied
     again after the gather), ``"count_twice"`` (Adam's count stepped twice), ``"local_norm"`` (the clip's norm
-    from each device's slice only)."""
+    from each device's slice only), ``"gather_vma"`` (the all-gathered values returned with out_specs P() and
+    check_vma on: JAX refuses it)."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -145,7 +152,8 @@ def make_step(fault=""):
         body = _body(fault, sum(padded) // S, mask, local_loss)
         specs = (P(), P("data"), P("data"), P(), P("data"))
         out_specs = (P(), P(), P("data"), P("data"), P(), P())
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False))
+        vma = fault == "gather_vma"  # the gathered values returned with out_specs P() under check_vma
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=vma))
         batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, split)
         loss, full, mu, nu, count, gfull = fn(_flat(leaves, sizes, padded), mu, nu, adam["count"][...], batch)
         nnx.update(model, jax.tree.unflatten(treedef, _unflat(full, shapes, sizes, padded)))
@@ -261,3 +269,24 @@ def test_a_clip_by_each_slice_s_own_norm_is_named_live_and_replayed(mesh, record
         codes = [d.code for d in report.diagnoses]
         assert "local_clip_norm" in codes, codes
         assert "psum the squared norms" in said(report, "local_clip_norm")
+
+
+@require_devices(4)
+def test_a_gathered_value_returned_as_replicated_under_check_vma_is_the_all_gather_s():
+    with pytest.raises(CandidateError) as raised:
+        check_parity(make_step("gather_vma"), _task(), mesh=make_mesh({"data": S}), steps=1)
+    hint = raised.value.hint
+    assert hint.startswith(
+        "the step's jax.shard_map returns as replicated over 'data' (out_specs[1] P()) a value "
+        "its function builds with jax.lax.all_gather"
+    ), hint
+    assert "return it with check_vma=False" in hint
+    # an error of a function that gathers nothing keeps the unreduced reading
+    err = ValueError(
+        "shard_map applied to the function 'nothing_here' was given out_specs which require replication which "
+        "can't be statically inferred given the mesh:\n\nout_specs[0] is P() which implies that the corresponding "
+        "output value is replicated across mesh axis 'data', but could not infer replication over any axes"
+    )
+    assert _traced_hint(err).startswith(
+        "the step's jax.shard_map returns as replicated over 'data' (out_specs[0] P()) a value computed per device"
+    )

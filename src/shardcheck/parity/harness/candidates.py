@@ -434,6 +434,15 @@ def _traced_hint(err: Exception) -> str:
             "outside, nnx.merge inside) or use nnx.jit / nnx.shard_map, which carry it"
         )
     found = _REPLICATION.search(text)
+    if found is not None and _gathers(err):
+        at, spec, axis = found.groups()
+        return (
+            f"the step's jax.shard_map returns as replicated over {axis!r} (out_specs{at} {spec}) a value its "
+            "function builds with jax.lax.all_gather: all_gather's output is typed varying under check_vma though "
+            "its copies agree; return it with check_vma=False, or reduce or pcast it as JAX's message says (or, "
+            f"where the value returned is not the gathered one, a value computed per device and never reduced over "
+            f"{axis!r}: a loss or gradient without its pmean or psum over {axis!r})"
+        )
     if found is not None:
         at, spec, axis = found.groups()
         return (
@@ -442,6 +451,28 @@ def _traced_hint(err: Exception) -> str:
             f"{axis!r}); reduce it before returning it, or give it a spec that splits it over {axis!r}"
         )
     return ""
+
+
+_MAPPED = re.compile(r"shard_map applied to the function '(\w+)'")
+
+
+def _gathers(err: Exception) -> bool:
+    """Whether the function ``err`` (``jax.shard_map``'s replication error) names, found among the locals of the
+    frames its traceback passed through (the user's step that defined it), calls ``jax.lax.all_gather`` in its
+    source; ``False`` where it cannot be found or read."""
+    found = _MAPPED.search(str(err))
+    if found is None:
+        return False
+    name, tb = found.group(1), err.__traceback__
+    while tb is not None:
+        fn = tb.tb_frame.f_locals.get(name) or tb.tb_frame.f_globals.get(name)
+        if callable(fn):
+            try:
+                return "all_gather" in inspect.getsource(fn)
+            except (OSError, TypeError):
+                return False
+        tb = tb.tb_next
+    return False
 
 
 def _raised(cand: Candidate, err: Exception, t: int, cause: str) -> str:
