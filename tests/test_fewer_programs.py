@@ -241,6 +241,7 @@ _F32 = {
     "_stats": 1,
     "gradient_tolerance": 1,
     "update_sensitivity": 1,
+    "_unless_skipped": 1,  # the sensitivity taken as 0 at a step whose gradients are not finite (trial 48)
     "_accumulate": 2,
     "_rerun_within_jit": 1,
 }

@@ -66,6 +66,7 @@ def test_optimizer_state_that_differs_beside_matching_gradients_is_not_said_to_h
         unexplained = True
         drifted = False
         facts = None
+        mesh_shape = None
 
     found = localized(Ctx)
     assert found is not None

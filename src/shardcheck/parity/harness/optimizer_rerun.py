@@ -250,14 +250,13 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     change of its update far beyond them. A step the candidate skipped (:func:`skipped_by_candidate`) is its own
     and passes: the task's optimizer is not rerun on gradients the step never applied. Returns ``(leaves,
     arrays)``, or ``None`` where ``tx`` needs more than ``(grads, state, params)``."""
-    if skipped_by_candidate(inputs[2], after, before):
-        return (), ({}, {}, {})
     found = _rerun_within(tx, inputs, after, compute_dtype)
     if found is None:
         return None
     rerun, within = found
-    if within or _within(rerun, after, before, compute_dtype):  # every element within the rule: no record
-        return (), ({}, {}, {})
+    # a skip is looked for only where the device's test fails (no program of its own on a passing step, issue #35)
+    if within or skipped_by_candidate(inputs[2], after, before) or _within(rerun, after, before, compute_dtype):
+        return (), ({}, {}, {})  # every element within the rule, or a step the candidate skipped: no record
     checked = update_leaves(t, rerun, after, before, compute_dtype)
     if all(e.ok for e in checked[0]):
         return checked
@@ -295,9 +294,9 @@ def _inexact(a) -> bool:
 
 
 def _all_finite(tree) -> bool:
-    """Whether every floating element of ``tree`` (a pytree of arrays) is finite (each leaf reduced on its own
-    devices)."""
-    return all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(tree) if _inexact(a))
+    """Whether every floating element of ``tree`` (a pytree of arrays) is finite (read on the host: no program
+    compiled for it)."""
+    return all(bool(np.all(np.isfinite(to_host(a)))) for a in jax.tree.leaves(tree) if _inexact(a))
 
 
 def _rerun_within(tx, inputs: tuple, after, compute_dtype) -> tuple | None:
