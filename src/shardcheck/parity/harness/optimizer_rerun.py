@@ -255,7 +255,11 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
         return None
     rerun, within = found
     # a skip is looked for only where the device's test fails (no program of its own on a passing step, issue #35)
-    if within or skipped_by_candidate(inputs[2], after, before) or _within(rerun, after, before, compute_dtype):
+    if (
+        within
+        or skipped_by_candidate(inputs[2], after, before)
+        or _within(rerun, after, before, compute_dtype)
+    ):
         return (), ({}, {}, {})  # every element within the rule, or a step the candidate skipped: no record
     checked = update_leaves(t, rerun, after, before, compute_dtype)
     if all(e.ok for e in checked[0]):
