@@ -171,6 +171,18 @@ class Form:
         return out
 
 
+def _slice_there(update: bool, still: bool) -> str:
+    """What a slice form says of the slices that differ (live and replayed): the candidate's update (``update``)
+    or gradient there is exactly 0 (``still``), or differs."""
+    what = "update" if update else "gradient"
+    cause = "frozen, or its gradient zeroed" if update else "zeroed, or left out of the step's gradient"
+    return (
+        f"the candidate's {what} there is exactly 0 ({cause})"
+        if still
+        else f"the candidate's {what} there differs"
+    )
+
+
 def _on_all(n: int, noun: str = "failing leaves") -> str:
     """``"on all 3 failing leaves"``; ``"on the one failing leaf"`` for one."""
     return f"on the one {noun[:-3]}f" if n == 1 else f"on all {n} {noun}"
@@ -328,13 +340,7 @@ def _stacked_slices(f64: dict, update: bool) -> Form | None:
         return None
     idx = sorted(rows)
     still = all(not np.any(dc.reshape(size, -1)[idx]) for _, _, dc in f64.values())
-    what = "update" if update else "gradient"
-    cause = "frozen, or its gradient zeroed" if update else "zeroed, or left out of the step's gradient"
-    there = (
-        f"the candidate's {what} there is exactly 0 ({cause})"
-        if still
-        else f"the candidate's {what} there differs"
-    )
+    there = _slice_there(update, still)
     if update and all(p.startswith("opt_state") for p in f64):  # the optimizer's state, not its update
         there = _state_slices(f64, idx, size, still) or there
     which = ", ".join(map(str, idx))
@@ -1346,13 +1352,7 @@ def _sampled_slices(bad: list[LeafError], update: bool) -> Form | None:
         return None
     idx = sorted(loud)
     still = all(e.slices[i][2] for e in bad for i in idx if e.slices[i][0])
-    what = "update" if update else "gradient"
-    cause = "frozen, or its gradient zeroed" if update else "zeroed, or left out of the step's gradient"
-    there = (
-        f"the candidate's {what} there is exactly 0 ({cause})"
-        if still
-        else f"the candidate's {what} there differs"
-    )
+    there = _slice_there(update, still)
     which = ", ".join(map(str, idx))
     return Form(
         "slices",
