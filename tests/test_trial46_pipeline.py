@@ -104,7 +104,7 @@ def _body(fault):
                     total = total + jnp.where(s == STAGES - 1, mb, 0.0)
                 send = jax.lax.stop_gradient(out) if fault == "stop_grad" else out
                 state = jax.lax.ppermute(send, "stage", perm)
-            return total / MICRO
+            return total if fault == "loss_summed" else total / MICRO  # loss_summed: x MICRO
 
         loss, (gw, gb, ghk, ghb) = jax.value_and_grad(local_loss, argnums=(0, 1, 2, 3))(w, b, hk, hb)
         if fault == "no_pmean_stage0":  # stage 0 keeps its data shard's own gradient

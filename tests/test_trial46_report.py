@@ -29,6 +29,7 @@ from test_trial46_builtins import (
     Pipe as Pipeline,  # 2 annotated tanh(Linear(8, 8)) blocks over 'stage', a head
 )
 from test_trial46_builtins import loss_fn as _loss
+from test_trial46_pipeline import _body as pipeline_body
 
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
@@ -55,33 +56,8 @@ def _task():
 
 
 def _body(fault):
-    """The shard_map body: local stage parameters, the head, the local batch -> (loss, grads)."""
-
-    def body(w, b, hk, hb, x, y):
-        s = jax.lax.axis_index("stage")
-        w, b = jax.lax.pcast(w, "data", to="varying"), jax.lax.pcast(b, "data", to="varying")
-        hk, hb = (jax.lax.pcast(a, ("data", "stage"), to="varying") for a in (hk, hb))
-
-        def local_loss(w, b, hk, hb):
-            xs, ys = x.reshape(MICRO, -1, H), y.reshape(MICRO, -1, D_OUT)
-            perm = [(1, 0)] if fault == "perm_reversed" else [(0, 1)]
-            state, total = jnp.zeros_like(xs[0]), 0.0
-            for t in range(MICRO + STAGES - 1):
-                inp = jnp.where(s == 0, xs[min(t, MICRO - 1)] * (t < MICRO), state)
-                out = jnp.tanh(inp @ w[0] + b[0])
-                idx = t - (STAGES - 1)
-                if 0 <= idx < MICRO:
-                    mb = ((out @ hk + hb - ys[idx]) ** 2).mean()
-                    total = total + jnp.where(s == STAGES - 1, mb, 0.0)
-                state = jax.lax.ppermute(out, "stage", perm)
-            return total if fault == "loss_summed" else total / MICRO
-
-        loss, (gw, gb, ghk, ghb) = jax.value_and_grad(local_loss, argnums=(0, 1, 2, 3))(w, b, hk, hb)
-        gw, gb = jax.lax.pmean(gw, "data"), jax.lax.pmean(gb, "data")
-        ghk, ghb = (jax.lax.pmean(jax.lax.psum(g, "stage"), "data") for g in (ghk, ghb))
-        return jax.lax.pmean(jax.lax.psum(loss, "stage"), "data"), gw, gb, ghk, ghb
-
-    return body
+    """The shard_map body of trial 46 pipeline's GPipe step (its faults, and ``"loss_summed"``)."""
+    return pipeline_body(fault)[0]
 
 
 def make_step(fault=""):
