@@ -3,8 +3,9 @@
 1. A step the check re-ran from the reference's pre-step state after an earlier step had failed (the step loop's
    re-check of a failure at t > 0) is not the candidate's trajectory: the trial's table read ``param head.bias 1
    0.00153 FAIL`` (Adam given the reference's moments and a x 4 gradient) beside "applied parameters: matches",
-   while the replay, which re-runs nothing, read the parameters PASS. The rows now prefer the other steps, and say
-   which step was re-run.
+   while the replay, which re-runs nothing, read the parameters PASS. The rows preferred the other steps and said
+   which step was re-run; the step loop now re-runs no step after an earlier failure, so every record is the
+   trajectory's (a report built of such records still marks them).
 2. The first failing leaf follows the stage order at the first failing step (the localization's stage): the trial
    read ``grad head.kernel (step 0)`` beside a localization at the forward pass, whose loss failed at step 0.
 3. An error raised by shardcheck's own built-in step is not "the candidate step"'s.
@@ -106,26 +107,21 @@ def test_correct_pipeline_passes_with_no_rerun_rows(mesh):
 def test_rows_are_the_trajectory_not_the_rerun_step(loss_summed):
     report = loss_summed
     assert report.verdict == "FAIL"
-    # step 1 failed in the trajectory (Adam's moments are x 2 since step 0) and was re-checked from the
-    # reference's state: that record is the re-run one, steps 0 and 2 are the candidate's own
-    assert [r.synchronized for r in report.steps] == [False, True, False]
-    assert report.rerun_after_failure == (1,)
-    rerun = report.steps[1]
-    # from the reference's moments a x 2 gradient moves the parameters: the re-run step's parameters fail
-    assert any(e.kind == "param" and not e.ok for e in rerun.leaves)
+    # step 0 failed, so no later step is re-run from the reference's state: every record is the candidate's own
+    # (the trial's step 1 was one, given the reference's moments and a x 2 gradient: 'param head.bias 1 0.00153')
+    assert [r.synchronized for r in report.steps] == [False, False, False]
+    assert report.rerun_after_failure == () and report.diverged_at is None
     # Adam normalizes a constant factor away: the trajectory's parameters match at every step
-    assert all(e.ok for r in (report.steps[0], report.steps[2]) for e in r.leaves if e.kind == "param")
+    assert all(e.ok for r in report.steps for e in r.leaves if e.kind == "param")
     rows = report.worst_by_kind()
-    assert rows["param"].ok and rows["param"].step != 1
+    assert rows["param"].ok
     assert not rows["loss"].ok and rows["loss"].step == 0
     assert not rows["grad"].ok and rows["grad"].step == 0
     assert not rows["opt_state"].ok
     assert report.localization.status("parameters") == "differs"  # the optimizer state differs, 0 parameters
     assert "0 of 4 parameters" in report.localization.text()
-    text = str(report)
-    assert "rows: step 1 was re-run from the reference's pre-step state" in text
+    assert "re-run" not in str(report)
     assert report.to_dict()["worst_by_kind"]["param"]["ok"] is True
-    assert report.worst.step != 1  # the worst over every step is the trajectory's too
 
 
 def _rows(table) -> list[list[str]]:
@@ -142,13 +138,13 @@ def _caption(table) -> str:
     return out.getvalue()
 
 
-def test_the_cli_table_reads_the_trajectory_and_says_which_step_was_rerun(loss_summed):
+def test_the_cli_table_reads_the_trajectory(loss_summed):
     table = render_report(loss_summed, "setup")
     rows = {r[0]: r for r in _rows(table)}
     assert rows["param"][2] in ("0", "2") and rows["param"][-1] == "PASS"  # trial 46: "1 | 0.00153 | FAIL"
     assert rows["loss"][2] == "0" and rows["loss"][-1] == "FAIL"
-    assert not any("(re-run)" in r[2] for r in rows.values())  # every kind had a trajectory step
-    assert "rows: step 1 was re-run from the reference's pre-step state" in _caption(table)
+    assert not any("(re-run)" in r[2] for r in rows.values())  # no step re-run after the failure at step 0
+    assert "re-run" not in _caption(table)
     summary = _rows(render_summary({"candidate": loss_summed}, "setup"))
     assert summary[0][2] == "loss (step 0)"
 

@@ -1033,12 +1033,20 @@ def _steps_shaped(run: _Run, data, tolerances):
 
 
 def _run_steps(run: _Run, data, tolerances):
-    """The step loop: trajectory mode, a re-check of the first late failure, then synchronized mode."""
+    """The step loop: trajectory mode, a re-check of the first failure where it comes after step 0, then
+    synchronized mode.
+
+    Only a first failure is re-checked: the re-check tells a step that differs by itself from a trajectory that
+    drifted apart over steps that each matched. Once a step has failed, the candidate's own trajectory is known to
+    differ and a later step re-run from the reference's state answers no question of it: its leaves (Adam given
+    the reference's moments and the candidate's gradient) and its evidence are not the trajectory's (issue #36,
+    trial 46), so every later step stays the trajectory's record, explained as such."""
     records: list[StepRecord] = []
     diverged = diverged_at = reference_diverged_at = None
     rechecked = False
     for t, batch in enumerate(data):
         undecided = not all(scale_shown(records))  # the verdict reads the scale until both factors showed
+        rechecked = rechecked or (bool(records) and not records[-1].ok)  # failed before: nothing to re-check
         if diverged_at is None:
             # the reference's state before the step, for a re-check; the task's reference step donates nothing
             keep = not rechecked
