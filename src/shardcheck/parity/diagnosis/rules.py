@@ -1795,8 +1795,8 @@ def clip_coefficient(ctx: DiagnosisContext) -> Finding:
 def clip_per_shard(ctx: DiagnosisContext) -> Finding:
     """``clip_per_shard``: the returned gradients are the mean of each shard's own gradient clipped to the task's
     ``optax.clip_by_global_norm`` norm (the harness's ``clip_per_shard`` hypothesis, rerun from the reference's
-    pre-step state; a replay's from the recording's, where the replay's own pre-step state is it: step 0 or a
-    state hashed equal): the clip applied per shard, before the all-reduce (trial 39: the gradients failed with
+    pre-step state; a replay's from its own, the recording's at step 0 or where hashed equal): the clip applied per
+    shard, before the all-reduce (trial 39: the gradients failed with
     per-leaf ratios below 1 that vary, "no simple form", and the clip was never named)."""
     if "clip_per_shard" not in ctx.reproduced:
         return None
@@ -1809,12 +1809,16 @@ def clip_per_shard(ctx: DiagnosisContext) -> Finding:
         spread = (
             f" ({worst.path}'s elementwise ratio runs from {lo:.3g} to {hi:.3g}, 10th-90th percentile{of})"
         )
-    # a replay reruns it from the pre-step state it shares with the recording (step 0, or hashed equal)
-    start = (
-        "the recording's pre-step state, the replay's own"
-        if ctx.first.replayed
-        else "the reference's pre-step state"
-    )
+    # a replay reruns it from its own pre-step state: the recording's at step 0 or where hashed equal, else the
+    # candidate's own (its returned gradients are read at the parameters it computed them at)
+    start = "the reference's pre-step state"
+    if ctx.first.replayed:
+        shared = ctx.first.step == 0 or ctx.first.identical_start
+        start = (
+            "the recording's pre-step state, the replay's own"
+            if shared
+            else "the replay's own pre-step state"
+        )
     # a (loss_sum, weight) loss: each shard's own mean gradient clipped, then averaged plainly or by each shard's
     # weight over the batch's (trial 44: re-weighted by its token count before the psum); either fits the rule
     mean = (

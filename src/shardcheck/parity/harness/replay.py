@@ -266,7 +266,7 @@ def with_optimizer_rerun(
     record = next(r for r in report.steps if r.step == where.step)
     # the recording's shard count where the replay was given a mesh alone: the per-shard-mean hypothesis's S
     found = _rerun_at(record, candidate, task, mesh, num_shards or report.num_shards, name, fn)
-    counted = _weight_counted(record, task)
+    counted = {**_weight_counted(record, task), **_batch_keys(record, task)}
     if (found is None or (found[0] is None and not found[1])) and not counted:
         return report
     rerun, matches, arrays, fields = (None, (), None, {}) if found is None else found
@@ -329,6 +329,18 @@ def _weight_counted(record, task: Task) -> dict:
     return {} if count is None else {"weight_count": count}
 
 
+def _batch_keys(record, task: Task) -> dict:
+    """``{"batch_keys": keys}`` of ``record``'s batch (:func:`~shardcheck.parity.diagnosis.evidence.batch_keys`:
+    a mapping's keys beside its inputs and labels, what ``forward_differs`` says the loss reads), as a live check
+    sets them at every step; ``{}`` where there are none or the record has them."""
+    from shardcheck.parity.diagnosis.evidence import batch_keys
+
+    if record.batch_keys or not 0 <= record.step < len(task.batches):
+        return {}
+    keys = batch_keys(task.batches[record.step])
+    return {"batch_keys": keys} if keys else {}
+
+
 def _without_refuted_drift(diagnoses: tuple, steps: tuple, num_shards) -> tuple:
     """``diagnoses`` where a ``drift`` ("state not carried between steps") said before the optimizer rerun is
     refuted by it (the rerun at that step differs: the step is faulty from equal inputs, ``DiagnosisContext.
@@ -363,12 +375,6 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
 
     from shardcheck.mesh import auto_typed
     from shardcheck.parity.comparison.live import flatten_state
-    from shardcheck.parity.diagnosis.hypotheses import (
-        clipped_per_shard,
-        loss_per_shard,
-        recording_loss_differs,
-    )
-    from shardcheck.parity.diagnosis.token_split import token_loss_value, token_split
     from shardcheck.parity.harness.candidates import run_step
     from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero, task_decay
     from shardcheck.parity.harness.recorded import _start
@@ -392,25 +398,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     # and optimizer and shardcheck's own programs take as a GSPMD step's (trial 38)
     params, rest, state, grads, after = auto_typed((params, rest, state, grads, after))
     before = (graphdef, params, rest, state)
-    matches, per_shard = _per_shard_match(record, task, num_shards, before, data[t], after, grads)
-    fields = {} if per_shard is None else {"per_shard_factor": per_shard}
-    split = token_split(mesh, data[t]) if loss_weight(task, 0) is not None else None
-    if not matches and (t == 0 or record.identical_start):  # from the recording's state: its loss, per shard?
-        found = recording_loss_differs(task.loss_fn, graphdef, params, rest, data[t], record)
-        if found is not None:  # the replayed step returns this task's loss; the recording does not
-            fields["task_loss"] = found
-        elif loss_per_shard(task.loss_fn, num_shards, graphdef, params, rest, data[t], record):
-            matches = ("per_shard_loss_value",)
-        elif token_loss_value(task.loss_fn, split, graphdef, params, rest, data[t], record):
-            matches = (
-                "per_shard_mean_value",
-            )  # a context-parallel step's per-block means, as live (trial 45)
-            fields["token_split"] = split
-        elif clipped_per_shard(task.loss_fn, task.optimizer, num_shards, before[:3], data[t], record, grads):
-            matches = ("clip_per_shard",)  # each shard's gradient clipped before the mean, as live
-    if not matches and _bf16_reduction(record, task, num_shards, before, data[t], grads):
-        matches = ("bf16_reduction",)  # off by a bfloat16 all-reduce's rounding, as live (trial 43)
-    matches += _scale_blind(record, task, num_shards, params, state, grads)
+    matches, fields = _hypotheses(record, task, num_shards, mesh, before, data[t], after, grads)
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
         return None, matches, None, fields
@@ -419,11 +407,117 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
         for p, o in ((params, state), rerun, after)
     )
     quiet = near_zero(grads, record.atol)  # the live check allows them one by one, so the rerun does too
-    compared = _compared(record, rerun, after, (params, state), quiet=quiet)
+    compared = _compared(
+        record, rerun, after, (params, state), _rerun_allowance(task, params, state, grads, record), quiet
+    )
     # the learning rate the task's optimizer applied at this step: its state after the rerun holds it (an
     # inject_hyperparams state), or its schedule at the count before the step (issue #36)
     lr = known_lr(rerun[1], task.optimizer, params)
     return compared, matches, (*arrays, lr, quiet, task_decay(task.optimizer, params)), fields
+
+
+def _hypotheses(
+    record, task: Task, num_shards, mesh, before, batch, after, grads
+) -> tuple[tuple[str, ...], dict]:
+    """``(matches, fields)`` of ``record``'s step, the live check's hypotheses
+    (:func:`~shardcheck.parity.diagnosis.hypotheses._explained`) rerun from the candidate's own pre-step state
+    ``before = (graphdef, params, rest, opt_state)`` on ``batch``, its state ``after`` the step and its returned
+    ``grads``: the mean of per-shard means (:func:`_per_shard_match`); where that state is the recording's (step
+    0, or hashed equal) what reads the recording's loss (the task's loss, per shard, per token block); at any step
+    each shard's gradient clipped before the mean (it reads the candidate's own gradients at its own state:
+    ``clip_per_shard``), a bfloat16 reduction, a step blind to the gradients' scale, and, where none of these
+    matched, the mean of micro-batches' means (:func:`_micro_match`, ``micro_means``), as live at every step (a
+    fault from step 1 or 2 on was named otherwise than live: issue #36)."""
+    from shardcheck.parity.diagnosis.hypotheses import (
+        clipped_per_shard,
+        loss_per_shard,
+        recording_loss_differs,
+    )
+    from shardcheck.parity.diagnosis.token_split import token_loss_value, token_split
+
+    graphdef, params, rest, state = before
+    matches, per_shard = _per_shard_match(record, task, num_shards, before, batch, after, grads)
+    fields: dict = {} if per_shard is None else {"per_shard_factor": per_shard}
+    split = token_split(mesh, batch) if loss_weight(task, 0) is not None else None
+    if not matches and (record.step == 0 or record.identical_start):  # the recording's state: its loss?
+        found = recording_loss_differs(task.loss_fn, graphdef, params, rest, batch, record)
+        if found is not None:  # the replayed step returns this task's loss; the recording does not
+            fields["task_loss"] = found
+        elif loss_per_shard(task.loss_fn, num_shards, graphdef, params, rest, batch, record):
+            matches = ("per_shard_loss_value",)
+        elif token_loss_value(task.loss_fn, split, graphdef, params, rest, batch, record):
+            matches = (
+                "per_shard_mean_value",
+            )  # a context-parallel step's per-block means, as live (trial 45)
+            fields["token_split"] = split
+    clip = not matches and "task_loss" not in fields
+    if clip and clipped_per_shard(task.loss_fn, task.optimizer, num_shards, before[:3], batch, record, grads):
+        matches = ("clip_per_shard",)  # each shard's gradient clipped before the mean, as live
+    if not matches and _bf16_reduction(record, task, num_shards, before, batch, grads):
+        matches = ("bf16_reduction",)  # off by a bfloat16 all-reduce's rounding, as live (trial 43)
+    matches += _scale_blind(record, task, num_shards, params, state, grads)
+    micro = (
+        None
+        if set(matches) - {"scale_blind"}
+        else _micro_match(record, task, num_shards, before, batch, after, grads)
+    )
+    if micro is not None:
+        matches, fields["micro_means"] = (*matches, "per_micro_mean"), micro
+    return matches, fields
+
+
+def _micro_match(
+    record, task: Task, num_shards, before, batch, after, grads
+) -> tuple[int, tuple[float, ...]] | None:
+    """``(k, weights)`` where the candidate's state ``after`` the step is the task optimizer's step from its own
+    state ``before`` (``(graphdef, params, rest, opt_state)``) on the mean of k micro-batches' own means (the
+    batch's k blocks of rows, each its loss sum over its own weight, of unequal weights ``weights``), within
+    the record's tolerances widened by that step's rounding, while the full batch's step from the same state
+    differs; its returned ``grads`` (where given, and some fails) that gradient within the gradient
+    tolerances. The live check's hypothesis (:func:`~shardcheck.parity.diagnosis.hypotheses._micro_batch_means`,
+    over :data:`~shardcheck.parity.diagnosis.hypotheses.MICRO_BATCHES`, k other than the shard count), from the
+    replay's own state. ``None`` otherwise, and for a mean loss."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.diagnosis.hypotheses import (
+        MICRO_BATCHES,
+        _scaled_params,
+        fitted_factor,
+        hypothesis_rounding,
+        per_shard_mean_grads,
+        shard_weights,
+    )
+
+    if loss_weight(task, 0) is None:
+        return None
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    if grads is not None and tolerance and all(e.ok for e in record.leaves if e.kind == "grad"):
+        return None  # the gradients match: not a gradient the micro-batches' means give
+    graphdef, params, rest, state = before
+    leaves = jax.tree.leaves(batch)
+    rows = leaves[0].shape[0] if leaves and getattr(leaves[0], "ndim", 0) else 0
+    tx, cand = task.optimizer, None if grads is None else flatten_state(nnx.as_pure(grads))
+    for k in MICRO_BATCHES:
+        if k == num_shards or rows < 2 * k or rows % k:
+            continue
+        weights = shard_weights(task.loss_fn, k, graphdef, params, rest, batch)
+        if weights is None or max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights):
+            continue  # equal micro-batches: their means averaged are the full batch's mean
+        mean, full = (per_shard_mean_grads(task.loss_fn, s, graphdef, params, rest, batch) for s in (k, 1))
+        if mean is None or full is None:
+            continue
+        if cand is not None and tolerance:
+            c = fitted_factor(cand, flatten_state(mean), tolerance)
+            if c is None or abs(c - 1.0) > 1e-3:
+                continue
+        alt = _scaled_params(tx, params, state, mean, 1.0)
+        rounding = hypothesis_rounding(tx, mean, state, params, record.rtol, record.atol)
+        near = _compared(record, alt, after, (params, state), rounding)
+        apart = _compared(record, alt, _scaled_params(tx, params, state, full, 1.0), (params, state))
+        if all(e.ok for e in near) and not all(e.ok for e in apart):
+            return k, tuple(float(w) for w in weights)
+    return None
 
 
 def _bf16_reduction(record, task: Task, num_shards, before, batch, grads) -> bool:
@@ -615,6 +709,31 @@ def _recorded_excess(record, compared) -> tuple[dict, dict]:
         if np.isfinite(extra) and extra > 0:
             out[e.kind == "opt_state"][e.path] = extra
     return out
+
+
+def _rerun_allowance(task: Task, params, state, grads, record) -> tuple[dict, dict] | None:
+    """``({param path: array}, {opt_state path: array})``: the gradient's tolerance ``atol + rtol max|g|`` (the
+    record's) propagated through the task's optimizer update from the candidate's pre-step ``(params, state)`` at
+    its returned ``grads`` (:func:`~shardcheck.parity.diagnosis.hypotheses.hypothesis_rounding`), the allowance a
+    live check's optimizer rerun holds each element to (``run.allowance``, ``run.state_allowance``: its applied
+    parameters' own). Without it a replay's rerun held the elements whose gradient lies a few ``atol`` from 0,
+    whose Adam update the gradient's tolerance moves by up to ``lr``, to ``atol + rtol max|x|`` alone (trial 47, a
+    clip by each slice's own norm: "the optimizer's update from equal inputs: differs (8 of 38 parameters" beside
+    live's 0 of 38, every error at such an element). ``None`` where the step returns no gradients or the
+    optimizer needs more than ``(grads, state, params)``."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state
+    from shardcheck.parity.diagnosis.hypotheses import hypothesis_rounding
+    from shardcheck.parity.harness.optimizer_rerun import _rebuild
+
+    grads = None if grads is None else _rebuild(params, flatten_state(nnx.as_pure(grads)))
+    if grads is None:
+        return None
+    try:
+        return hypothesis_rounding(task.optimizer, grads, state, params, record.rtol, record.atol)
+    except (TypeError, ValueError):  # a transformation that needs more than (grads, state, params)
+        return None
 
 
 def _compared(record, rerun, after, before, rounding=None, quiet=None) -> tuple:
