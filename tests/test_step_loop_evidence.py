@@ -7,15 +7,22 @@
    fault at step 0 alone re-ran step 1 as matching, so the report read ``diverged_at`` 1 and every later step as
    passing. Now no step is re-run after an earlier failure; a fault that starts at step 2 is still re-checked
    there and localized "from the reference's pre-step state".
+2. ``optax.apply_if_finite``'s skip (its ``notfinite_count`` and ``total_notfinite`` count the step, its inner
+   state and the parameters as they were) is the candidate's own at the update check, as a loss-scale check's
+   skip (every leaf as it was) is since trial 48: it was not (``skipped_by_candidate`` False) and passed only
+   because the task's optimizer, rerun on the NaN gradients, skipped again. At a step the reference skipped the
+   optimizer is no longer rerun; a step that updates where the reference skipped still FAILs with the skip named.
 
 The task: an MLP 8 -> 16 -> 4 (tanh), mean squared error, Adam(1e-2), 4 batches of 8 rows; the candidates are
-user steps on one device whose loss is x 4 from a given step on (or at that step alone).
+user steps on one device whose loss is x 4 from a given step on (or at that step alone). For 2: the MLP with a
+ReLU under ``apply_if_finite(adam)``, 3 of those batches, a row of 3e38 in batch 1.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -118,3 +125,100 @@ def test_a_fault_from_step_2_is_re_checked_there_and_localized_from_the_referenc
     assert (loc.step, loc.stage, loc.synchronized) == (2, "forward", True)
     assert loc.text().startswith("First difference at step 2 (run from the reference's pre-step state)")
     assert loc.form is not None and loc.form.factor == pytest.approx(FACTOR, rel=1e-3)
+
+
+# 2. optax.apply_if_finite's skip at the update check
+
+SKIPPED = 1  # the step whose batch holds a label of inf: the loss and every gradient not finite
+
+
+class ReluMLP(MLP):
+    def __call__(self, x):
+        return self.head(nnx.relu(self.l1(x)))
+
+
+@functools.cache
+def _overflow_task() -> shardcheck.Task:
+    """A ReLU MLP under ``apply_if_finite(adam)``, 3 batches, a row of 3e38 in batch 1: its hidden units overflow
+    to inf, its outputs are NaN (inf - inf), so are the loss and every gradient; the reference skips the step."""
+    batches = [dict(b) for b in _task().batches[:3]]
+    x = batches[SKIPPED]["x"].copy()
+    x[0, :] = 3.0e38
+    batches[SKIPPED]["x"] = x
+    tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
+    return shardcheck.Task(model=ReluMLP, optimizer=tx, loss_fn=loss_fn, batches=batches, name="overflow-mlp")
+
+
+@nnx.jit
+def _plain(model, optimizer, batch):
+    """The correct step: the task's optimizer (apply_if_finite) skips the step itself."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+@nnx.jit
+def _zeroed(model, optimizer, batch):
+    """Its gradients that are not finite zeroed: apply_if_finite sees finite ones and Adam steps where the
+    reference skipped."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0.0), grads)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+def _skip_states():
+    """apply_if_finite(adam)'s flat ``(params, opt_state)`` before and after a step on gradients that are not
+    finite, the gradients, and the state a step that applied zeroed gradients leaves."""
+    from shardcheck.parity.comparison.live import flatten_state
+
+    tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
+    params = {"w": jnp.arange(3.0), "b": jnp.ones(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([1.0, jnp.nan, 2.0]), "b": jnp.ones(2)}
+    _, skipped = tx.update(grads, state, params)
+    zero = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0.0), grads)
+    _, stepped = tx.update(zero, state, params)
+    flat = flatten_state(params)
+    return grads, (flat, flatten_state(state)), (flat, flatten_state(skipped)), (flat, flatten_state(stepped))
+
+
+def test_apply_if_finite_s_skip_is_the_candidate_s_own():
+    from shardcheck.parity.harness.optimizer_rerun import skipped_by_candidate
+
+    grads, before, skipped, stepped = _skip_states()
+    assert int(skipped[1]["notfinite_count"]) == 1 and not bool(skipped[1]["last_finite"])
+    # its counters count the skip, its inner state and the parameters are as they were: a skip (was False)
+    assert skipped_by_candidate(grads, skipped, before)
+    assert skipped_by_candidate(grads, before, before)  # a loss-scale check's skip: every leaf as it was
+    # Adam stepped on zeroed gradients (its moments and count moved), a count of two, its inner count moved
+    assert not skipped_by_candidate(grads, stepped, before)
+    twice = (skipped[0], {**skipped[1], "notfinite_count": skipped[1]["notfinite_count"] + 1})
+    assert not skipped_by_candidate(grads, twice, before)
+    moved = (skipped[0], {**skipped[1], "inner_state.0.count": stepped[1]["inner_state.0.count"]})
+    assert not skipped_by_candidate(grads, moved, before)
+    assert not skipped_by_candidate(jax.tree.map(jnp.nan_to_num, grads), skipped, before)  # finite gradients
+
+
+def test_a_step_apply_if_finite_skipped_passes_without_the_optimizer_rerun(monkeypatch):
+    from shardcheck.parity.harness import optimizer_rerun
+
+    reruns = []
+    rerun_within = optimizer_rerun._rerun_within
+    monkeypatch.setattr(optimizer_rerun, "_rerun_within", lambda *a: reruns.append(a) or rerun_within(*a))
+    report = check_parity(_plain, _overflow_task())
+    assert report.verdict == "PASS" and report.ok, report.diagnosis
+    assert [r.skipped for r in report.steps] == [False, True, False]
+    assert [r.update_checked for r in report.steps] == [True, True, True]
+    assert len(reruns) == 2  # steps 0 and 2: the skipped step is the candidate's own, not rerun
+    assert report.codes == ("parity", "skipped_step")
+
+
+def test_a_step_that_updates_where_the_reference_skipped_fails_with_the_skip_named():
+    report = check_parity(_zeroed, _overflow_task())
+    assert report.verdict == "FAIL" and report.steps[0].ok and not report.steps[SKIPPED].ok
+    counters = {e.path: e for e in report.steps[SKIPPED].leaves if e.kind == "counter"}
+    assert not counters["notfinite_count"].ok and counters["notfinite_count"].counts == (1, 0)
+    note = next(d for d in report.diagnoses if d.code == "skipped_step").message
+    assert "it applied an update where the reference skipped one" in note
+    assert report.localization.step == SKIPPED

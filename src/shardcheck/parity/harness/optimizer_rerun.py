@@ -202,14 +202,15 @@ def optimizer_rerun(
 
 
 def update_check(
-    run: _Run, t: int, snapshots, cand_grads, after
+    run: _Run, t: int, snapshots, cand_grads, after, skipped: bool = False
 ) -> tuple[tuple[LeafError, ...], tuple] | None:
     """The candidate's state after the step against the task's optimizer rerun on its own gradients and state
     before it, at the optimizer's own rounding (:func:`checked_update`): the check of a step that passed its
     tolerances, which a fault of the update free of drift (a weight decay on leaves the mask leaves out, an lr a
     few percent off) may do while it accumulates below them.
 
-    Args: as :func:`optimizer_rerun`, without tolerances.
+    Args: as :func:`optimizer_rerun`, without tolerances; ``skipped``: the reference skipped the step
+    (``StepRecord.skipped``), so a skip of the candidate's own is looked for before the rerun.
 
     Returns:
         :func:`checked_update`'s ``(leaves, arrays)``; ``None`` where the rerun cannot run (:func:`optimizer_rerun`)
@@ -222,7 +223,7 @@ def update_check(
         return None
     _, cand_params0, _, cand_state0 = snapshots
     sides = (after.cand_params, after.cand_state), (cand_params0, cand_state0)
-    return checked_update(t, run.ref_opt.tx, inputs, *sides, run.precision.compute_dtype)
+    return checked_update(t, run.ref_opt.tx, inputs, *sides, run.precision.compute_dtype, skipped)
 
 
 # The update check brings the state to the host (its rerun and comparison run on host copies): at every step where
@@ -239,7 +240,7 @@ def checks_step(t: int, state) -> bool:
     return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) <= UPDATE_CHECK_BYTES
 
 
-def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
+def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype, skipped: bool = False):
     """The update check of one step: ``tx`` rerun on ``inputs`` (``(params, opt_state, grads)``, the candidate's
     before the step) against its state ``after`` it (:func:`update_leaves`). Where a leaf fails, it is decided
     again with each element's sensitivity to the gradient moving by
@@ -248,8 +249,13 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
     computed in another order than the one it applied (the accumulation strategy's mean of the micro-batches and
     ``optax.MultiSteps``' running mean), and Adam turns the last bits of an element at rounding level into a
     change of its update far beyond them. A step the candidate skipped (:func:`skipped_by_candidate`) is its own
-    and passes: the task's optimizer is not rerun on gradients the step never applied. Returns ``(leaves,
-    arrays)``, or ``None`` where ``tx`` needs more than ``(grads, state, params)``."""
+    and passes: the task's optimizer is not rerun on gradients the step never applied. ``skipped``: the reference
+    skipped the step (its gradients not finite, its parameters left as they were), so the candidate's skip is
+    looked for first and the optimizer not rerun where it is found (elsewhere a skip is looked for only where the
+    rerun's rule fails). Returns ``(leaves, arrays)``, or ``None`` where ``tx`` needs more than ``(grads, state,
+    params)``."""
+    if skipped and skipped_by_candidate(inputs[2], after, before):
+        return (), ({}, {}, {})  # both sides skipped: an optax.apply_if_finite rerun would only skip it again
     found = _rerun_within(tx, inputs, after, compute_dtype)
     if found is None:
         return None
@@ -279,18 +285,37 @@ def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype):
 def skipped_by_candidate(grads, after, before) -> bool:
     """Whether a step is one the candidate skipped: its gradients (a pytree of arrays) hold a value that is not
     finite, and its parameters and optimizer state ``after`` the step (flat ``(params, opt_state)``, ``{path:
-    array}`` each) are bitwise ``before``'s (a loss-scale check's skip, ``optax.apply_if_finite``'s). Rerunning the
-    task's plain optimizer on such gradients gives NaN where the step applied nothing (issue #36 trial 48: a
-    replay read "the optimizer gives other values for param head.bias and 11 more (max abs err nan > nan" at a
-    bitwise-identical run)."""
+    array}`` each) are bitwise ``before``'s (a loss-scale check's skip), but for ``optax.apply_if_finite``'s count
+    of the skip (:func:`_left_or_counted`: its ``notfinite_count`` and ``total_notfinite`` one more, its
+    ``last_finite`` false, its inner state as it was; whether the counts are the reference's, the counters'
+    comparison decides). Rerunning the task's plain optimizer on such gradients gives NaN where the step applied
+    nothing (issue #36 trial 48: a replay read "the optimizer gives other values for param head.bias and 11 more
+    (max abs err nan > nan" at a bitwise-identical run)."""
     if _all_finite(grads):
         return False
     for now, was in zip(after, before, strict=True):
         if now.keys() != was.keys():
             return False
-        if not all(np.array_equal(to_host(now[p]), to_host(was[p]), equal_nan=_inexact(now[p])) for p in now):
+        if not all(_left_or_counted(p, to_host(now[p]), to_host(was[p])) for p in now):
             return False
     return True
+
+
+# optax.apply_if_finite's state (ApplyIfFiniteState): the counters a step it skips adds one to, and its flag
+_SKIP_COUNTERS = ("notfinite_count", "total_notfinite")
+_SKIP_FLAG = "last_finite"
+
+
+def _left_or_counted(path: str, now, was) -> bool:
+    """Whether a leaf (``path`` dotted, ``now``/``was`` host arrays) is as it was before a skipped step, bitwise
+    (NaN equal to NaN), or is ``optax.apply_if_finite``'s count of the skip: ``notfinite_count`` and
+    ``total_notfinite`` one more than before, ``last_finite`` false."""
+    if np.array_equal(now, was, equal_nan=_inexact(now)):
+        return True
+    name = path.rsplit(".", 1)[-1]
+    if name in _SKIP_COUNTERS:
+        return now.shape == was.shape and bool(np.all(now.astype(np.int64) == was.astype(np.int64) + 1))
+    return name == _SKIP_FLAG and now.shape == was.shape and not bool(np.any(now))
 
 
 def _inexact(a) -> bool:
@@ -737,7 +762,7 @@ def update_checked(run: _Run, record: StepRecord, snapshots, stepped, after) -> 
     """A passing ``record`` with the :func:`update_check` (the optimizer rerun on the candidate's own inputs at the
     optimizer's own rounding) and its form as ``optimizer_rerun`` / ``forms`` where it fails, which fails the
     record; ``record`` unchanged otherwise (the check passes or cannot run)."""
-    checked = update_check(run, record.step, snapshots, stepped[3], after)
+    checked = update_check(run, record.step, snapshots, stepped[3], after, record.skipped)
     if checked is None:
         return record
     if all(e.ok for e in checked[0]):
