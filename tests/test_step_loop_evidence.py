@@ -12,6 +12,10 @@
    skip (every leaf as it was) is since trial 48: it was not (``skipped_by_candidate`` False) and passed only
    because the task's optimizer, rerun on the NaN gradients, skipped again. At a step the reference skipped the
    optimizer is no longer rerun; a step that updates where the reference skipped still FAILs with the skip named.
+3. A context-parallel step that divides each device's loss and gradient by its own block's token count is named
+   ``normalization`` from the loss value (trial 45); the sentence said "its gradients too" without a check. The
+   returned gradients are now compared with the gradient of the mean of per-block means, leaf by leaf, and the
+   sentence says which bear the cause out (trial 45's own task: ``tests/test_trial45_context.py``).
 
 The task: an MLP 8 -> 16 -> 4 (tanh), mean squared error, Adam(1e-2), 4 batches of 8 rows; the candidates are
 user steps on one device whose loss is x 4 from a given step on (or at that step alone). For 2: the MLP with a
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import require_devices
 from flax import nnx
 
 import shardcheck
@@ -222,3 +227,62 @@ def test_a_step_that_updates_where_the_reference_skipped_fails_with_the_skip_nam
     note = next(d for d in report.diagnoses if d.code == "skipped_step").message
     assert "it applied an update where the reference skipped one" in note
     assert report.localization.step == SKIPPED
+
+
+# 3. a per-block token normalization named from the loss value: what its gradients say (trial 45)
+
+
+@pytest.fixture(scope="module")
+def cp_mesh():
+    from shardcheck import make_mesh
+
+    return make_mesh({"data": 2, "seq": 2})
+
+
+@require_devices(4)
+def test_a_per_block_normalization_says_which_gradients_bear_it_out(cp_mesh):
+    """Trial 45's context-parallel LM (``tests/test_trial45_context.py``): each device divides its gradient and
+    its loss by its own block's token count. The loss names the cause; the sentence said "its gradients too",
+    never checked. Now the leaves only a device's own block's tokens reach (the head, the queries' kernel) are
+    the gradient of the mean of per-block means; those the other blocks' tokens reach through the gathered keys
+    and values are not."""
+    from test_trial45_context import _task as cp_task
+    from test_trial45_context import make_step as cp_step
+
+    report = check_parity(cp_step("per_shard_mean"), cp_task(), mesh=cp_mesh, steps=1)
+    first = report.steps[0]
+    assert first.matches == ("per_shard_mean_value",)
+    agree, differ = first.token_grads
+    assert agree == ("head.bias", "head.kernel", "q.kernel")
+    assert differ == ("embed.embedding", "k.kernel", "pos", "v.kernel")
+    said = next(d.message for d in report.diagnoses if d.code == "normalization")
+    assert (
+        "divided its loss sum by its own token count before the shards were averaged. Its gradients bear it out "
+        "on 3 of 7 leaves, that mean's gradient within tolerance (head.bias, head.kernel, q.kernel); the other 4 "
+        "(embed.embedding, k.kernel, pos, v.kernel) are not, as where each device divided a gradient that holds "
+        "the terms the other blocks' tokens send back" in said
+    )
+    assert "its gradients too" not in said
+    # the loss divided before the gradient: the whole step reproduced, no reading from the loss value
+    whole = check_parity(cp_step("loss_divided"), cp_task(), mesh=cp_mesh, steps=1)
+    assert whole.steps[0].matches == ("per_shard_mean",) and whole.steps[0].token_grads is None
+    said = next(d.message for d in whole.diagnoses if d.code == "normalization")
+    assert said.startswith(
+        "At step 0 the step reproduces the mean of per-shard means (parameters and optimizer"
+    )
+
+
+def test_the_per_block_sentence_says_what_the_gradients_show():
+    from shardcheck.parity.diagnosis.rules import _per_block_gradients
+
+    assert _per_block_gradients(None) == (
+        "That cause is read from the loss value alone (no gradient was compared with that mean's)."
+    )
+    assert _per_block_gradients((("a", "b"), ())) == (
+        "Its gradients bear it out: all 2 gradient leaves are that mean's gradient, within tolerance."
+    )
+    none = _per_block_gradients(((), ("a", "b", "c")))
+    assert none.startswith(
+        "That cause is read from the loss value alone: none of the 3 gradient leaves is the gradient of that "
+        "mean of per-block means"
+    )

@@ -238,6 +238,10 @@ class StepRecord:
         token_split: where the mean of per-shard means reproduced is that of the rows x tokens blocks a step
             placing the batch over every mesh axis gives (a context-parallel step: ``P('data', 'seq')``), that
             split (:class:`~shardcheck.parity.diagnosis.token_split.TokenSplit`); ``None`` for the row split.
+        token_grads: where only the loss value names that split's per-shard means (``per_shard_mean_value``) and
+            the step returned gradients, ``(agree, differ)``: the gradient leaves that are, within their
+            tolerances, the gradient of the mean of those per-shard means, and those that are not
+            (:func:`~shardcheck.parity.diagnosis.token_split.token_grads_agree`); ``None`` otherwise.
         weight_count: a failing step of a ``(loss_sum, weight)`` loss: ``(N, noun)``, the count a step that divides
             by a count in place of the weight would divide by (``"rows"``: the batch's rows, where some rows weigh
             0; ``"entries of batch['mask']"``), from
@@ -309,6 +313,7 @@ class StepRecord:
     loss_weight: float | None = None
     per_shard_factor: float | None = None
     token_split: Any = None
+    token_grads: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     weight_count: tuple[int, str] | None = None
     replayed: bool = False
     identical_start: bool = False

@@ -22,6 +22,7 @@ from shardcheck.parity.diagnosis.evidence import StepRecord
 from shardcheck.parity.diagnosis.rules import _gradient_factor
 from shardcheck.parity.diagnosis.token_split import (
     TokenSplit,
+    token_grads_agree,
     token_loss_value,
     token_shard_grads,
     token_shard_weights,
@@ -482,10 +483,10 @@ def _explained(
     matches, per_shard, split = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
     if not matches and _loss_per_shard(run, pre, batch, record):
         matches = ("per_shard_loss_value",)
+    token_grads = None
     if not matches and run.weighted:  # the loss value of a rows x tokens split's per-shard means (trial 45)
         split = token_split(run.kwargs.get("mesh"), batch)
-        args = (pre.graphdef, pre.params, pre.rest, batch, record)
-        matches = ("per_shard_mean_value",) if token_loss_value(run.task.loss_fn, split, *args) else ()
+        matches, token_grads = _token_value(run, pre, batch, record, split, cand_grads)
     if not matches and _clipped_per_shard(run, pre, batch, record, cand_grads):
         matches = ("clip_per_shard",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
@@ -517,11 +518,27 @@ def _explained(
         token_split=split
         if set(matches) & {"per_shard_mean", "per_shard_loss", "per_shard_mean_value"}
         else None,
+        token_grads=token_grads,
         weight_count=weight_count(batch, weight),
         shard_weights=shards,
         micro_means=micro,
         global_clip=clip_norm_of(run.ref_opt.tx),  # a clip whose coefficient reads every gradient (trial 44)
     )
+
+
+def _token_value(
+    run: _Run, pre: _PreStep, batch, record: StepRecord, split, cand_grads
+) -> tuple[tuple, tuple | None]:
+    """``(("per_shard_mean_value",), token_grads)`` where the loss the step returned is the mean of ``split``'s
+    per-shard means (:func:`~shardcheck.parity.diagnosis.token_split.token_loss_value`), ``token_grads`` the
+    returned gradient leaves that are that mean's gradient and those that are not
+    (:func:`~shardcheck.parity.diagnosis.token_split.token_grads_agree`: the loss alone names the cause, the
+    gradients bear it out or not; trial 45); ``((), None)`` where the loss is not that mean."""
+    args = (pre.graphdef, pre.params, pre.rest, batch)
+    if not token_loss_value(run.task.loss_fn, split, *args, record):
+        return (), None
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    return ("per_shard_mean_value",), token_grads_agree(run.task.loss_fn, split, *args, cand_grads, tolerance)
 
 
 # the micro-batch counts tried where a step accumulates by hand (trial 40: 2 micro-batches on data=2 x fsdp=2)

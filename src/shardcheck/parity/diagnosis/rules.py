@@ -1879,11 +1879,41 @@ def _per_block_value(first: StepRecord) -> str:
     return (
         f"At step {first.step} the loss the step returns ({first.candidate_loss:.7g}) is the mean of the "
         f"{first.token_split.shards} shards' own means, where the full batch's is {first.loss:.7g}: "
-        f"{_each_shard(first)} divided its loss sum by its own token count before the shards were averaged "
-        "(its gradients too, by no one factor where each device divided a gradient that holds the terms the other "
-        "blocks' tokens send back, e.g. through the gathered keys and values, by its own count). With uneven token counts per "
+        f"{_each_shard(first)} divided its loss sum by its own token count before the shards were averaged. "
+        f"{_per_block_gradients(first.token_grads)} With uneven token counts per "
         "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
         "every axis the tokens are split over, then divide once (docs/reduction_cases.md C4-C6)."
+    )
+
+
+# a gradient each device divides by its own count after the all-gather's transpose brought it other blocks' terms
+_SENT_BACK = (
+    "each device divided a gradient that holds the terms the other blocks' tokens send back (through the "
+    "gathered keys and values, e.g.) by its own count"
+)
+
+
+def _per_block_gradients(token_grads: tuple[tuple[str, ...], tuple[str, ...]] | None) -> str:
+    """What the returned gradients say of a per-block normalization named from the loss value
+    (``StepRecord.token_grads``: the leaves that are the gradient of the mean of per-block means and those that
+    are not; trial 45's were never checked, and the sentence said "its gradients too")."""
+    if token_grads is None:
+        return "That cause is read from the loss value alone (no gradient was compared with that mean's)."
+    agree, differ = token_grads
+    n = len(agree) + len(differ)
+    if not differ:
+        return (
+            f"Its gradients bear it out: all {n} gradient leaves are that mean's gradient, within tolerance."
+        )
+    if not agree:
+        return (
+            f"That cause is read from the loss value alone: none of the {n} gradient leaves is the gradient of "
+            f"that mean of per-block means (as where {_SENT_BACK}, which shardcheck does not rebuild)."
+        )
+    return (
+        f"Its gradients bear it out on {len(agree)} of {n} leaves, that mean's gradient within tolerance "
+        f"({_listed_names(agree)}); the other {len(differ)} ({_listed_names(differ)}) are not, as where "
+        f"{_SENT_BACK} (the leaves those tokens reach)."
     )
 
 

@@ -111,6 +111,35 @@ def _token_grads(loss_fn, graphdef, params, rest, batch, masks):
     return jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, masks))
 
 
+def token_grads_agree(
+    loss_fn, split: TokenSplit, graphdef, params, rest, batch, cand_grads, tolerance: dict
+) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """``(agree, differ)``: the gradient leaves (dotted paths, sorted) where the candidate's returned gradients
+    ``cand_grads`` (a tree like ``params``) are, within ``tolerance`` (``{path: allowed abs err}``, the record's
+    gradient tolerances), the gradient of the mean of ``split``'s per-shard means (:func:`token_shard_grads`),
+    and where they are not; ``None`` where no gradients were returned or that gradient cannot be computed. A
+    context-parallel step that divides each device's gradient by its own block's count (trial 45) gives it on
+    the leaves whose gradient holds the device's own block's terms only (the head, the embeddings' rows it
+    reads), not on those the other blocks' tokens send terms back to (the keys' and values' kernels, through
+    the all-gather's transpose)."""
+    from shardcheck.parity.comparison.live import flatten_state
+
+    if cand_grads is None or not tolerance:
+        return None
+    grads = token_shard_grads(loss_fn, split, graphdef, params, rest, batch)
+    if grads is None:
+        return None
+    cand, hyp = flatten_state(nnx.as_pure(cand_grads)), flatten_state(grads)
+    agree, differ = [], []
+    for path, tol in sorted(tolerance.items()):
+        if path not in cand or path not in hyp:
+            continue
+        c, h = np.asarray(cand[path], np.float64), np.asarray(hyp[path], np.float64)
+        close = c.shape == h.shape and float(np.max(np.abs(c - h), initial=0.0)) <= tol
+        (agree if close else differ).append(path)
+    return tuple(agree), tuple(differ)
+
+
 def token_shard_weights(
     loss_fn, split: TokenSplit, graphdef, params, rest, batch
 ) -> tuple[float, ...] | None:
