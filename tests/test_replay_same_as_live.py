@@ -4,6 +4,10 @@
 Each test records the correct step (``record_run``), then checks a faulty candidate live and against the
 recording, and asserts both sides' codes and sentences:
 
+- an L2 term added to the gradients (``g + wd * p``) is read as one by the replay as live, with the same numbers
+  (the replay's records, ratios at 8 samples, read "no simple form"; the replay now fits the candidate's
+  gradients against the task's own at its pre-step parameters, as live);
+
 - a fault that begins at step 1 is named as live: the mean of 2 micro-batches' own means (``micro_batch_means``,
   was ``forward_differs`` replayed), the loss reading a dict batch otherwise (``forward_differs`` with the batch's
   keys, which the replay's record lacked), each shard's gradient clipped before the mean after a step 0 within
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -189,3 +194,54 @@ def test_a_clip_per_shard_from_step_1_after_a_step_within_rounding_is_named_repl
     assert "rerun from the replay's own pre-step state: each shard's local gradient" in said
     assert "rerun from the reference's pre-step state" in _said(live, "clip_per_shard")
     assert check_parity(_clipped_from(99), task, reference=recording, mesh=mesh).ok
+
+
+# ------------------------------------------------------------------------ an L2 term added to the gradients
+
+WD = 0.05
+
+
+def _mlp_task(opt) -> shardcheck.Task:
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))
+        for _ in range(2)
+    ]
+    return shardcheck.Task(
+        model=lambda: MLP(nnx.Rngs(0)), optimizer=opt, loss_fn=mse_batch_loss, batches=batches
+    )
+
+
+def _l2_step(wd: float):
+    """The task's step, ``wd * param`` added to every gradient before the update."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(mse_batch_loss)(model, batch)
+        grads = jax.tree.map(lambda g, p: g + wd * p, grads, nnx.state(model, nnx.Param))
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+def test_an_l2_term_in_the_gradients_is_read_as_one_replayed_as_live():
+    """Before: live "an L2 / weight-decay term ... c = 0.05", replayed "no simple form read from the records of the 2
+    failing leaves; grad l1.kernel's elementwise ratio runs from -2.926 to 3.127". The correct step replays as a
+    PASS (plain SGD)."""
+    task = _mlp_task(optax.sgd(0.1))
+    recording = record_run(task, _l2_step(0.0))
+    assert check_parity(_l2_step(0.0), task, reference=recording).ok
+    live = check_parity(_l2_step(WD), task)
+    replayed = check_parity(_l2_step(WD), task, reference=recording)
+    forms = [r.localization.form for r in (live, replayed)]
+    assert [(r.localization.step, r.localization.stage) for r in (live, replayed)] == [(0, "gradients")] * 2
+    assert forms[0].kind == forms[1].kind == "offset" and forms[1].sentence == forms[0].sentence
+    assert forms[0].coefficient == pytest.approx(WD, rel=1e-4) and forms[1].coefficient == pytest.approx(
+        forms[0].coefficient, rel=1e-6
+    )
+    assert forms[1].sentence.startswith(
+        "an L2 / weight-decay term c x the parameter added to the gradients, c = 0.05 (the difference is 0.05 x "
+        "the parameter on every element on all 2 failing leaves"
+    )  # the kernels: the biases start at 0
+    assert live.codes[0] == replayed.codes[0], (live.codes, replayed.codes)

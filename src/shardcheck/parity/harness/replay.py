@@ -399,6 +399,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     params, rest, state, grads, after = auto_typed((params, rest, state, grads, after))
     before = (graphdef, params, rest, state)
     matches, fields = _hypotheses(record, task, num_shards, mesh, before, data[t], after, grads)
+    fields.update(_gradient_form(record, task, before, data[t], grads))
     rerun = _rerun_from(task, params, state, grads)
     if rerun is None:
         return None, matches, None, fields
@@ -414,6 +415,49 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     # inject_hyperparams state), or its schedule at the count before the step (issue #36)
     lr = known_lr(rerun[1], task.optimizer, params)
     return compared, matches, (*arrays, lr, quiet, task_decay(task.optimizer, params)), fields
+
+
+def _gradient_form(record, task: Task, before, batch, grads) -> dict:
+    """``{"forms": (("gradients", Form),)}`` where ``record`` is localized at its gradients, whose records read
+    no simple form (:func:`~shardcheck.parity.diagnosis.form.form_from_leaves`: ratios at the recorded samples),
+    while the candidate's returned ``grads`` differ from the task's gradient at the candidate's own pre-step
+    state ``before = (graphdef, params, rest, opt_state)`` (equal inputs, as the optimizer rerun reads them) by
+    an additive form: :func:`~shardcheck.parity.diagnosis.form.fit_form` on the failing leaves' arrays, as live
+    (:func:`~shardcheck.parity.harness.optimizer_rerun.stage_forms`), of kind ``offset`` (an L2 term ``c * param``
+    added to the gradients, a constant), which no ratio shows (issue #36: ``g + 0.05 p`` replayed read "no simple
+    form ... ratio runs from -2.926 to 3.127" where live read the L2 term, c = 0.05). ``{}`` otherwise."""
+    from flax import nnx
+
+    from shardcheck.parity.comparison.live import flatten_state, is_int, to_host
+    from shardcheck.parity.diagnosis.form import fit_form
+    from shardcheck.parity.diagnosis.localization import localize
+    from shardcheck.parity.harness.optimizer_rerun import leaf_tolerances
+    from shardcheck.parity.tolerance.allowances import _grads_at
+
+    found = localize([record])
+    if grads is None or found is None or found.stage != "gradients" or found.form is None:
+        return {}
+    if found.form.kind != "none":
+        return {}
+    graphdef, params, rest, _ = before
+    try:
+        ref = flatten_state(nnx.as_pure(_grads_at(task.loss_fn, graphdef, params, rest, batch)))
+    except (TypeError, ValueError):  # a loss that needs the step's mesh or inputs: nothing to fit
+        return {}
+    cand, plain = flatten_state(nnx.as_pure(grads)), flatten_state(params)
+    bad = [e.path for e in record.leaves if e.kind == "grad" and not e.ok]
+    bad = [p for p in bad if p in ref and p in cand and p in plain and not is_int(cand[p])]
+    if not bad:
+        return {}
+    form = fit_form(
+        {},
+        {p: to_host(ref[p]) for p in bad},
+        {p: to_host(cand[p]) for p in bad},
+        update=False,
+        tol=leaf_tolerances([e for e in record.leaves if e.kind == "grad"]),
+        params={p: to_host(plain[p]) for p in bad},
+    )
+    return {"forms": (("gradients", form),)} if form.kind == "offset" else {}
 
 
 def _hypotheses(
