@@ -1,0 +1,96 @@
+"""Issue #36, trial 47 (ZeRO-1/2 by hand): sentences of the report that its own records contradicted.
+
+1. A clip by each slice's own norm, replayed, read "the optimizer's update from equal inputs: differs (8 of 38
+   parameters ...)" beside "the applied parameters ...: differs (0 of 38 parameters ...)", and live read 0 of 38
+   in both rows. Every error of the 8 lay at an element whose gradient is a few ``atol`` from 0, which Adam's
+   ``g / (sqrt(v) + eps)`` moves by up to ``lr`` when the gradient moves within its tolerance: the live rerun
+   allows each element that (the applied parameters' own propagated allowance), the replay's rerun allowed
+   ``atol + rtol max|x|`` alone. It now allows what live allows, and says so beside the digests' row.
+
+The task: test_trial47_zero's MLP and ZeRO step (each device's slice of one flat buffer updated by adamw, the
+moments split over 'data', the slices all-gathered) on batches whose first input feature is 1e-3 of the others:
+the first row of ``up.kernel`` gets gradients a few ``atol`` from 0 (4 fake CPU devices).
+"""
+
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from test_trial47_zero import LR, MAXNORM, MLP, WD, S, _loss, make_step
+
+import shardcheck
+from shardcheck import check_parity, make_mesh, record_run
+
+PROPAGATED = "allowed as live the gradient's tolerance propagated through the update"
+
+
+def _task():
+    """test_trial47_zero's task, its first input feature scaled by 1e-3 (gradients near rounding level)."""
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(2):
+        x = rng.normal(size=(8, 8)).astype(np.float32)
+        x[:, 0] *= 1e-3
+        batches.append({"x": x, "y": rng.normal(size=(8, 2)).astype(np.float32)})
+    tx = optax.chain(optax.clip_by_global_norm(MAXNORM), optax.adamw(LR, weight_decay=WD))
+    return shardcheck.Task(
+        model=lambda: MLP(nnx.Rngs(0)), optimizer=tx, loss_fn=_loss, batches=batches, name="zero_small_x0"
+    )
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh({"data": S})
+
+
+@pytest.fixture(scope="module")
+def recording(mesh):
+    return record_run(_task(), make_step(), mesh=mesh)
+
+
+def _stage(report, stage):
+    return next(s for s in report.localization.stages if s.stage == stage)
+
+
+def _failing(result, kind):
+    return next(failing for k, _, failing in result.kinds if k == kind)
+
+
+def _no_parameter_differs(report):
+    """The local clip's report: localized at the optimizer's update from equal inputs, whose rerun and applied
+    rows each count no parameter and all 12 optimizer-state leaves as differing."""
+    assert report.verdict == "FAIL" and report.localization.stage == "optimizer"
+    rerun, applied = _stage(report, "optimizer"), _stage(report, "parameters")
+    assert (_failing(rerun, "param"), _failing(applied, "param")) == (0, 0), str(report)
+    assert _failing(rerun, "opt_state") == _failing(applied, "opt_state") == 12
+    return rerun
+
+
+@require_devices(4)
+def test_a_replayed_rerun_allows_what_the_live_rerun_allows(mesh, recording):
+    """The local clip replayed: the optimizer's update from equal inputs and the applied parameters both differ
+    in no parameter (the optimizer state carries the fault), and the rerun row says what it allows that the
+    digests' row does not (before: 1 of 6 parameters differed in the rerun row alone)."""
+    rerun = _no_parameter_differs(
+        check_parity(make_step("local_norm"), _task(), mesh=mesh, reference=recording)
+    )
+    assert PROPAGATED in rerun.note
+
+
+@require_devices(4)
+def test_the_live_rerun_counts_the_same(mesh):
+    """The local clip live: the same counts, and no such note (both rows hold the one allowance)."""
+    rerun = _no_parameter_differs(check_parity(make_step("local_norm"), _task(), mesh=mesh))
+    assert PROPAGATED not in rerun.note
+
+
+@require_devices(4)
+def test_a_replayed_rerun_still_fails_an_update_applied_otherwise(mesh, recording):
+    """The other side: a decay applied again after the gather moves the kernels and the LayerNorm scale by
+    c*lr*p, far above the propagated allowance: the replay's rerun fails those 3 parameters."""
+    report = check_parity(make_step("wd_twice"), _task(), mesh=mesh, reference=recording)
+    rerun = _stage(report, "optimizer")
+    assert report.verdict == "FAIL" and report.localization.stage == "optimizer"
+    assert _failing(rerun, "param") == 3 and _failing(rerun, "opt_state") == 0
+    assert rerun.worst.path == "ln.scale" and rerun.worst.max_abs_err > rerun.worst.tolerance
