@@ -258,7 +258,8 @@ def test_factors_that_differ_by_leaf_group_are_a_local_clip_norm():
     found = diagnose([_record({"a.kernel": 1.7, "a.bias": 1.7, "b.kernel": 2.2, "b.bias": 1.0})], 2)
     assert found[0].code == "local_clip_norm", found
     message = found[0].message
-    assert "x1: b.bias; x1.7: a.bias, a.kernel; x2.2: b.kernel" in message
+    # b.bias's moment matches (x1): a factor of 1 is no group (issue #36, trial 47's "x1: blocks.1.down.kernel")
+    assert "(Adam's first moments: x1.7: a.bias, a.kernel; x2.2: b.kernel)" in message
     assert found[0].leaf == "param b.kernel"
     # a factor below 1 is no clip by a smaller (local) norm: the generic finding stays, naming the optimizer state
     # as the first stage that differs (the gradients match: not "only the loss matches", issue #36)

@@ -6,10 +6,14 @@
    ``g / (sqrt(v) + eps)`` moves by up to ``lr`` when the gradient moves within its tolerance: the live rerun
    allows each element that (the applied parameters' own propagated allowance), the replay's rerun allowed
    ``atol + rtol max|x|`` alone. It now allows what live allows, and says so beside the digests' row.
+3. The same clip, live, listed "x1: blocks.1.down.kernel" among the local clip's factors: a leaf split between two
+   devices' slices carries two factors and is left out, but its parameter's update (Adam's: blind to the
+   gradient's scale) stood in for its moments. Such a parameter carries no factor, and a factor of 1 is no group.
 
 The task: test_trial47_zero's MLP and ZeRO step (each device's slice of one flat buffer updated by adamw, the
 moments split over 'data', the slices all-gathered) on batches whose first input feature is 1e-3 of the others:
-the first row of ``up.kernel`` gets gradients a few ``atol`` from 0 (4 fake CPU devices).
+the first row of ``up.kernel`` gets gradients a few ``atol`` from 0 (4 fake CPU devices); for 3, planted records
+of that step (which leaf straddles two slices depends on the layout: trial 47's transformer, too slow here).
 """
 
 import numpy as np
@@ -21,6 +25,8 @@ from test_trial47_zero import LR, MAXNORM, MLP, WD, S, _loss, make_step
 
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
+from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.rules import diagnose
 
 PROPAGATED = "allowed as live the gradient's tolerance propagated through the update"
 
@@ -94,3 +100,35 @@ def test_a_replayed_rerun_still_fails_an_update_applied_otherwise(mesh, recordin
     assert report.verdict == "FAIL" and report.localization.stage == "optimizer"
     assert _failing(rerun, "param") == 3 and _failing(rerun, "opt_state") == 0
     assert rerun.worst.path == "ln.scale" and rerun.worst.max_abs_err > rerun.worst.tolerance
+
+
+def _moments(mu: dict[str, tuple[float, float, float]]) -> StepRecord:
+    """Step 0 of a step whose gradients match and whose Adam first moment of each leaf is x ``mu[leaf]`` (median,
+    10th and 90th percentile of its elementwise ratio), its parameter's update at the reference's (Adam's update
+    is blind to the gradient's scale)."""
+    leaves = [LeafError(0, "loss", "loss", 0.0, 0.0, 1e-6, True, 1.0)]
+    for path, (f, lo, hi) in mu.items():
+        err = abs(f - 1) * 0.1
+        leaves += [
+            LeafError(0, "grad", path, 0.0, 0.0, 1e-6, True, 1.0),
+            LeafError(0, "opt_state", f"1.0.mu.{path}", err, err, 1e-6, err <= 1e-6, f, 0.1, (lo, hi)),
+            LeafError(0, "param", path, 1e-4, 1e-3, 1e-5, False, 1.0001, 0.1, (1.0, 1.0002)),
+        ]
+    return StepRecord(0, 1e-5, 1e-6, 2.3, 2.3, tuple(leaves), 1, 1)
+
+
+def test_a_leaf_split_between_two_slices_is_no_factor_1_group():
+    """3. A leaf split between two devices' slices (its moment x1.7 on one part, x2.2 on the other) is left out of
+    the local clip's groups; its parameter's update, at the reference's under Adam, no longer stands in for it
+    as a group "x1" (trial 47 live: "x1: blocks.1.down.kernel"). The other side: the two groups stay named, and
+    with one group left no local clip is read."""
+    whole = {"a.kernel": (1.7, 1.7, 1.7), "a.bias": (1.7, 1.7, 1.7), "b.kernel": (2.2, 2.2, 2.2)}
+    found = diagnose([_moments({**whole, "c.kernel": (1.9, 1.7, 2.2)})], S)
+    assert found[0].code == "local_clip_norm", found
+    assert (
+        "(Adam's first moments: x1.7: a.bias, a.kernel; x2.2: b.kernel), every factor >= 1"
+        in found[0].message
+    )
+    assert "x1:" not in found[0].message and "c.kernel" not in found[0].message
+    one = {"a.kernel": (1.7, 1.7, 1.7), "a.bias": (1.7, 1.7, 1.7), "c.kernel": (1.9, 1.7, 2.2)}
+    assert "local_clip_norm" not in [d.code for d in diagnose([_moments(one)], S)]
