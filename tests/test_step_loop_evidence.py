@@ -5,8 +5,10 @@
    loop re-ran step 1 too, and that re-run stood for step 1: under Adam a loss x 4 from step 0 on moved the
    re-run's parameters (the reference's moments, a x 4 gradient) while the trajectory's matched (trial 46), and a
    fault at step 0 alone re-ran step 1 as matching, so the report read ``diverged_at`` 1 and every later step as
-   passing. Now no step is re-run after an earlier failure; a fault that starts at step 2 is still re-checked
-   there and localized "from the reference's pre-step state".
+   passing. Now the trajectory's record stands for every step after an earlier failure; the re-run is kept beside
+   it (``StepRecord.rerun``), evidence of the step from equal inputs only (trial 16's factor at another batch's
+   weight, said "run from the reference's state"). A fault that starts at step 2 is still re-checked there and
+   localized "from the reference's pre-step state".
 2. ``optax.apply_if_finite``'s skip (its ``notfinite_count`` and ``total_notfinite`` count the step, its inner
    state and the parameters as they were) is the candidate's own at the update check, as a loss-scale check's
    skip (every leaf as it was) is since trial 48: it was not (``skipped_by_candidate`` False) and passed only
@@ -90,15 +92,18 @@ def test_the_correct_step_passes_with_every_record_its_own():
     assert [r.synchronized for r in report.steps] == [False] * 4 and report.diverged_at is None
 
 
-def test_a_fault_from_step_0_is_not_re_run_at_a_later_step():
+def test_a_fault_from_step_0_keeps_the_trajectory_s_record_at_a_later_step():
     report = check_parity(_scaled_from(0), _task())
     assert report.verdict == "FAIL" and "scaled" in report.codes
-    # no step re-run from the reference's state: step 1 had been, and stood for the trajectory's step 1
+    # every record is the trajectory's: step 1, re-run from the reference's state, had stood for step 1
     assert [r.synchronized for r in report.steps] == [False] * 4
     assert [r.ok for r in report.steps] == [False] * 4 and report.rerun_after_failure == ()
     # Adam normalizes the constant factor away along the candidate's own trajectory: its parameters match at
-    # every step (the re-run, from the reference's moments with a x 4 gradient, moved them)
+    # every step; the re-run, from the reference's moments with a x 4 gradient, moved them, and is kept beside
     assert all(e.ok for r in report.steps for e in _params(r))
+    rerun = report.steps[1].rerun
+    assert rerun.synchronized and rerun.step == 1 and any(not e.ok for e in _params(rerun))
+    assert [r.rerun is None for r in report.steps] == [True, False, True, True]
     loc = report.localization
     assert (loc.step, loc.stage, loc.synchronized) == (0, "forward", False)
     assert loc.form is not None and loc.form.factor == pytest.approx(FACTOR, rel=1e-3)
@@ -114,6 +119,9 @@ def test_a_fault_at_step_0_alone_reads_the_later_steps_from_the_trajectory():
     assert report.diverged_at is None and "diverged_trajectory" not in report.codes
     assert [r.synchronized for r in report.steps] == [False] * 4
     assert all(e.ok for e in _params(report.steps[0]))  # the moments took the factor; the update did not yet
+    assert report.steps[
+        1
+    ].rerun.ok  # from equal inputs its step 1 is the reference's: kept beside, not for it
     assert all(any(not e.ok for e in _params(r)) for r in report.steps[1:])
     assert report.worst_by_kind()["param"].step > 0 and not report.worst_by_kind()["param"].ok
 

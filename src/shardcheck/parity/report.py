@@ -286,12 +286,13 @@ class ParityReport:
     def rerun_after_failure(self) -> tuple[int, ...]:
         """The steps the check re-ran from the reference's pre-step state (``StepRecord.synchronized``) after an
         earlier step had already failed, while the steps before and after it are the candidate's own trajectory.
-        The step loop re-checks only a first failure after step 0 (which stands for step t where no step failed
-        before it), so a live check's report holds none; a report built of records that hold one (by hand, or by
-        an older step loop that re-checked a failure after step 0 had failed) has them set apart. Their leaves
-        are not that trajectory's (trial 46: an Adam step whose loss is x 4 leaves its parameters as the
-        reference's, but step 1, re-run with the reference's moments and a x 4 gradient, moved a bias 0.00153
-        off), so the tables rank them after every other step's (:meth:`worst_by_kind`, :attr:`worst`). ``()`` where no step failed before a re-run one, or the trajectories diverged
+        The step loop's re-check of its first failure after step 0 stands for step t only where no step failed
+        before it (else it is kept beside the trajectory's record, ``StepRecord.rerun``), so a live check's report
+        holds none; a report built of records that hold one (by hand, or by an older step loop) has them set
+        apart. Their leaves are not that trajectory's (trial 46: an Adam step whose loss is x 4 leaves its
+        parameters as the reference's, but step 1, re-run with the reference's moments and a x 4 gradient, moved a
+        bias 0.00153 off), so the tables rank them after every other step's (:meth:`worst_by_kind`,
+        :attr:`worst`). ``()`` where no step failed before a re-run one, or the trajectories diverged
         (:attr:`diverged_at`: every step from there on is re-run)."""
         if self.diverged_at is not None:
             return ()

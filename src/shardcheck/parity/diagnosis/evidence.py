@@ -238,6 +238,10 @@ class StepRecord:
         token_split: where the mean of per-shard means reproduced is that of the rows x tokens blocks a step
             placing the batch over every mesh axis gives (a context-parallel step: ``P('data', 'seq')``), that
             split (:class:`~shardcheck.parity.diagnosis.token_split.TokenSplit`); ``None`` for the row split.
+        rerun: a trajectory's failing step after an earlier failure, that step re-run from the reference's
+            pre-step state (a :class:`StepRecord`, ``synchronized``): evidence of the step from equal inputs (a
+            factor another batch's weight tells apart), never the trajectory's (its leaves are not compared in the
+            table, the localization or the verdict; issue #36, trial 46); ``None`` otherwise.
         token_grads: where only the loss value names that split's per-shard means (``per_shard_mean_value``) and
             the step returned gradients, ``(agree, differ)``: the gradient leaves that are, within their
             tolerances, the gradient of the mean of those per-shard means, and those that are not
@@ -314,6 +318,7 @@ class StepRecord:
     per_shard_factor: float | None = None
     token_split: Any = None
     token_grads: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    rerun: Any = None
     weight_count: tuple[int, str] | None = None
     replayed: bool = False
     identical_start: bool = False

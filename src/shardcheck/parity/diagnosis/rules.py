@@ -1670,13 +1670,8 @@ def _weight_or_shard_factor(ctx: DiagnosisContext, named: tuple[str, str]) -> Di
     weight = weight_phrase(f, first.loss_weight)
     if weight is None:
         return None
-    for r in ctx.records:
-        if (
-            r is first
-            or not r.from_reference_state
-            or r.step == first.step
-            or r.loss_weight == first.loss_weight
-        ):
+    for r in _from_reference_state(ctx.records):
+        if r is first or r.step == first.step or r.loss_weight == first.loss_weight:
             continue
         g = _step_factor(r)
         if g is None:
@@ -1990,6 +1985,17 @@ def _step_factor(record: StepRecord) -> float | None:
     return f
 
 
+def _from_reference_state(records) -> list[StepRecord]:
+    """The steps of ``records`` run from the reference's pre-step state, in order: a re-check that stands for its
+    step, a replay's step started from the recorded state, and a step re-run after an earlier failure beside the
+    trajectory's record (``StepRecord.rerun``): evidence of the step from equal inputs at another batch, said as
+    "run from the reference's state", never the trajectory's."""
+    out = []
+    for r in records:
+        out += [x for x in (r.rerun, r) if x is not None and x.from_reference_state]
+    return out
+
+
 def _weight_reading(ctx: DiagnosisContext) -> tuple[str, str] | None:
     """``(reading, support)`` where the first failing step's gradient factor is its loss weight over its count
     (:func:`_weight_ratio`): ``reading`` ``"divided"`` or ``"multiplied"``, or ``"both"`` where the factor is
@@ -2005,8 +2011,8 @@ def _weight_reading(ctx: DiagnosisContext) -> tuple[str, str] | None:
         return None
     if ctx.named_factor is None:
         return reading, ""
-    for r in ctx.records:
-        if r is first or not r.from_reference_state or r.step == first.step:
+    for r in _from_reference_state(ctx.records):
+        if r is first or r.step == first.step:
             continue
         g = _step_factor(r)
         if g is None:

@@ -1033,20 +1033,14 @@ def _steps_shaped(run: _Run, data, tolerances):
 
 
 def _run_steps(run: _Run, data, tolerances):
-    """The step loop: trajectory mode, a re-check of the first failure where it comes after step 0, then
-    synchronized mode.
-
-    Only a first failure is re-checked: the re-check tells a step that differs by itself from a trajectory that
-    drifted apart over steps that each matched. Once a step has failed, the candidate's own trajectory is known to
-    differ and a later step re-run from the reference's state answers no question of it: its leaves (Adam given
-    the reference's moments and the candidate's gradient) and its evidence are not the trajectory's (issue #36,
-    trial 46), so every later step stays the trajectory's record, explained as such."""
+    """The step loop: trajectory mode, a re-check of the first failure after step 0 (:func:`_rechecked`), then
+    synchronized mode."""
     records: list[StepRecord] = []
     diverged = diverged_at = reference_diverged_at = None
-    rechecked = False
+    rechecked = failed = False
     for t, batch in enumerate(data):
         undecided = not all(scale_shown(records))  # the verdict reads the scale until both factors showed
-        rechecked = rechecked or (bool(records) and not records[-1].ok)  # failed before: nothing to re-check
+        failed = failed or (bool(records) and not records[-1].ok)  # then the trajectory's record stands
         if diverged_at is None:
             # the reference's state before the step, for a re-check; the task's reference step donates nothing
             keep = not rechecked
@@ -1059,26 +1053,18 @@ def _run_steps(run: _Run, data, tolerances):
             r_tol, a_tol, _ = tolerances(batch, t)
             recheck = t > 0 and not rechecked  # a failure here is re-checked from identical state first
             record, finite = _compare_step(
-                run, t, batch, r_tol, a_tol, explain=not recheck, check_scale=undecided
+                run, t, batch, r_tol, a_tol, explain=failed or not recheck, check_scale=undecided
             )
             if not finite:
                 reference_diverged_at = t
                 break
             if not record.ok and recheck:
                 rechecked = True
-                r0, a0, _ = tolerances(batch, 0)
-                rerun = run.synchronized(*pre, carried)
-                synced, _ = _compare_step(
-                    rerun, t, batch, r0, a0, completed=1, synced=True, check_scale=undecided
+                flags = (failed, undecided)
+                record, diverged, carried = _rechecked(
+                    run, (t, batch), record, pre, carried, tolerances, flags
                 )
-                carried = _carried_counters(rerun)
-                if synced.ok:
-                    diverged, diverged_at, record = record, t, synced
-                elif ignores_optimizer_state(run, *pre, t, batch):  # state not carried between steps (drift)
-                    record = _explained_trajectory(run, record, synced, pre, batch, r_tol, a_tol)
-                else:  # the step itself differs from identical state: it stands for step t with all its
-                    # evidence (the hypotheses, the optimizer rerun, the forms, the module probe), as at step 0
-                    record = synced
+                diverged_at = None if diverged is None else t
         else:
             # After diverged_trajectory: each step starts the candidate from a copy of the reference's state.
             r_tol, a_tol, _ = tolerances(batch, 0)
@@ -1099,6 +1085,38 @@ def _run_steps(run: _Run, data, tolerances):
             carried = _carried_counters(rerun)
         records.append(record)
     return records, diverged, diverged_at, reference_diverged_at
+
+
+def _rechecked(run: _Run, step: tuple, record: StepRecord, pre, carried, tolerances, flags: tuple):
+    """The re-check of a failing step t > 0 (``step``: ``(t, batch)``; ``record``: the trajectory's): the step
+    re-run from the reference's pre-step state ``pre`` (with the candidate's own ``carried`` counters), compared
+    at the step-0 tolerance; ``flags``: ``(failed, undecided)``, whether an earlier step failed and whether the
+    scale evidence is still read (``_compare_step``'s ``check_scale``). Returns ``(record, diverged, carried)``:
+    the record that stands for step t, the trajectory's record where the re-run matched (the trajectories
+    diverged there), else ``None``, and the re-run's counters.
+
+    It tells a step that differs by itself from trajectories that drifted apart over steps that each matched:
+    where no step failed before it, the re-run stands for step t with its whole evidence (the hypotheses, the
+    optimizer rerun, the forms, the module probe), as at step 0; where it matches, the trajectories diverged;
+    where the candidate ignores the optimizer state it is given, the trajectory's record stays (``drift``).
+    Where an earlier step failed, the trajectory is known to differ and the re-run says nothing of it (Adam given
+    the reference's moments and the candidate's gradient moved a parameter the trajectory's step left as the
+    reference's: issue #36, trial 46): the trajectory's record stands, the re-run beside it (``StepRecord.rerun``),
+    evidence of the step from equal inputs only (a factor another batch's weight tells apart, said as run from
+    the reference's state)."""
+    (t, batch), (failed, undecided) = step, flags
+    r0, a0, _ = tolerances(batch, 0)
+    rerun = run.synchronized(*pre, carried)
+    synced, _ = _compare_step(rerun, t, batch, r0, a0, completed=1, synced=True, check_scale=undecided)
+    carried = _carried_counters(rerun)
+    if failed:
+        return dataclasses.replace(record, rerun=synced), None, carried
+    if synced.ok:
+        return synced, record, carried
+    if ignores_optimizer_state(run, *pre, t, batch):  # state not carried between steps (drift)
+        r_tol, a_tol, _ = tolerances(batch, t)
+        return _explained_trajectory(run, record, synced, pre, batch, r_tol, a_tol), None, carried
+    return synced, None, carried
 
 
 def _carried_counters(run: _Run) -> dict | None:
