@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ANNOTATED = f"{ROOT / 'examples' / 'annotated_lm.py'}:task"
 TINY = ["--task", "tiny-lm", "--steps", "3"]
 
+# One pytest-xdist worker runs this file (``--dist loadgroup``, pyproject.toml): its recordings and replays of the
+# same tasks compile the same programs, which that worker's compilation cache (tests/conftest.py) then loads.
+pytestmark = pytest.mark.xdist_group("record")
+
 STEPS = textwrap.dedent(
     """
     import jax

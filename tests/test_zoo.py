@@ -38,7 +38,12 @@ pytest_plugins = ["pytester"]
 
 
 MODULES = {path.stem: zoo_module(path) for path in FILES}
-zoo = pytest.mark.parametrize("name", sorted(MODULES))
+# Each model's tests run on one pytest-xdist worker (``--dist loadgroup``, pyproject.toml): they compile the same
+# programs (its reference step, the built-ins on its mesh), which the worker's compilation cache (tests/conftest.py)
+# then loads in the model's later tests instead of compiling them again on the other worker.
+zoo = pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in sorted(MODULES)]
+)
 needs_devices = require_devices(MAX_DEVICES)
 
 
@@ -109,6 +114,7 @@ def _assert_every_builtin_passes(code: int, report: dict, expected: tuple[str, .
 
 
 @needs_devices
+@pytest.mark.xdist_group("rng_lm")
 def test_every_builtin_on_a_model_holding_rng_streams(tmp_path):
     """Regression (fixed in db54fe6): with a model holding RNG keys (Dropout and MultiHeadAttention built with
     ``rngs``), the shared reference compared starting states through NumPy and ``verify`` of every built-in
