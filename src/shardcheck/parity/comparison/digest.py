@@ -47,8 +47,12 @@ trial 14); that gradient is then allowed ``2 N`` (``N`` the largest so far: each
 optimizer moments ``2 N``, and the elementwise peaks are not read (an element of a large leaf is small by chance).
 The loss's tolerance adds what that allowance can move it by, ``sum ||g||_1 a <= sum
 sqrt(size) ||g||_2 a`` (first order, as the harness's ``drift``; ``size * atol_t * a`` of a leaf only part of whose
-gradient is at rounding level: only those elements, each ``|g| <= atol_t``, may differ by it). Parameters or
-moments stored below float32 add one rounding of their own per step (``eps * max|r|``), as the harness does.
+gradient is at rounding level: only those elements, each ``|g| <= atol_t``, may differ by it), and the rest of the
+live check's loss drift, ``sum |g_t| A_{t-1}`` with ``A`` the gradient's tolerance propagated through the task's
+optimizer over the steps before t, which the replayed run measures on its own steps (``meta["loss_drift"]``,
+:class:`~shardcheck.parity.tolerance.loss_drift.LossDrift`): the live check's rule, so that a loss it allows after
+the first step the replay allows too (under SGD a replay had allowed 1.78e-05 where live allowed 2.72e-05).
+Parameters or moments stored below float32 add one rounding of their own per step (``eps * max|r|``), as the harness does.
 
 What a digest cannot do is re-run a step from identical state (the harness re-checks a late failure that way):
 a first failure at step t > 0 may be rounding divergence through a non-smooth op, and the report says so, unless
@@ -749,6 +753,15 @@ def _grow_allowance(pair: _Pair, bounds: _Bounds, t: int, atol: float) -> float:
     return drift
 
 
+def _live_drift(pair: _Pair, t: int) -> float:
+    """The live check's loss drift at step t as the replayed run measured it on its own steps (``meta["loss_drift"]``,
+    :class:`~shardcheck.parity.tolerance.loss_drift.LossDrift`: the gradient's tolerance propagated through the
+    task's optimizer, accumulated over the steps before t, times ``|g_t|``), which the loss's tolerance adds as a
+    live check's does; 0 where the replay kept none (a run recorded before it was kept)."""
+    kept = pair.replayed.meta.get("loss_drift") or ()
+    return float(kept[t]) if 0 <= t < len(kept) and math.isfinite(kept[t]) else 0.0
+
+
 def _at_rounding_level(pair: _Pair, bounds: _Bounds, t: int, param: str, g: _Leaf, atol: float) -> bool:
     """Whether ``param``'s gradient ``g`` is at rounding level at step t (module docstring), recorded in ``bounds``
     (``whole``, ``quiet``, ``noise``). At low-precision compute, where a run measured the task's gradient in
@@ -833,7 +846,7 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
     """Every recorded leaf at point t (``-1``: the initial state, at step 0's tolerance)."""
     rtol, atol = bounds.derived(pair.recording.meta, t)
     bounds.quiet = set()
-    drift = _grow_allowance(pair, bounds, t, atol) if t >= 0 else 0.0
+    drift = _grow_allowance(pair, bounds, t, atol) + _live_drift(pair, t) if t >= 0 else 0.0
     if t >= 0:
         # named as the live check names them (its at_rounding: the whole gradient within atol of 0); a leaf only
         # some of whose elements are (a fused qkv bias's key third, a kernel's element small by chance) keeps its

@@ -69,6 +69,7 @@ from shardcheck.parity.harness.true_gradients import (
 )
 from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
+from shardcheck.parity.tolerance.loss_drift import LossDrift
 from shardcheck.parity.tolerance.precision import Precision, float32_compute, traced_compute_dtype
 from shardcheck.parity.tolerance.propagation import normalized_leaves
 from shardcheck.steps import STRATEGIES, Candidate
@@ -542,7 +543,10 @@ def record_run(
             a compute dtype coarser than float32, at every step each parameter's true gradient's ``max|g|``
             with every layer computing in float32 (``"true32"``: within ``atol_t`` of 0, its gradient is at
             rounding level) and its gradient's compute noise (``"noise"``, the live check's measure, what such a
-            gradient is compared within: :func:`~shardcheck.parity.harness.true_gradients.rounding_noise`).
+            gradient is compared within: :func:`~shardcheck.parity.harness.true_gradients.rounding_noise`); and
+            the live check's loss drift of each step from the run's own gradients and state
+            (``meta["loss_drift"]``, :class:`~shardcheck.parity.tolerance.loss_drift.LossDrift`), which the
+            digest comparison adds to the loss's tolerance.
         update_checks: a list to collect the update check of the steps in (a replay passes one): at each step
             until one fails it, the task's optimizer rerun on the gradients the step returned and its state
             before the step, against its state after it, at the optimizer's own rounding
@@ -590,6 +594,7 @@ def record_run(
     rows, truth, least, noise, replicas = [], {}, {}, {}, []
     returned = isinstance(candidate, str)  # a registered strategy returns the gradients it applied
     peaks = Peaks() if true_gradients else None
+    drift = LossDrift(task.optimizer) if true_gradients else None  # the live check's loss drift, by step
     initial = digest(first, {})
     for t, batch in enumerate(data):
         before = {f"param {p}": a for p, a in device_snapshot(nnx.state(model, nnx.Param)).items()}
@@ -599,7 +604,7 @@ def record_run(
         if true_gradients and _coarse(compute):  # what tells a gradient at rounding level at low precision
             noise[t] = rounding_noise(task.loss_fn, model, batch, jnp.dtype(compute))
         stepped = (fn, cand, model, optimizer, batch, kwargs, t)
-        loss, grads = _checked_step(stepped, task, compute, update_checks)  # the harness's step call
+        loss, grads = _checked_step(stepped, task, compute, update_checks, drift)  # the harness's step call
         returned = grads is not None
         if returned:
             truth.pop(t, None)
@@ -610,9 +615,9 @@ def record_run(
         rows.append(digest(leaves, before))
         replicas.append(replica_evidence(leaves))  # each step's copies compared across this process's devices
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
-    recording.meta.update(matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
+    recording.meta.update(touched, matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
     recording.meta.update(normalized=normalized_params(task, model), replicas=replicas)
-    recording.meta.update(touched)
+    recording.meta.update({} if drift is None else {"loss_drift": drift.values})
     _keep_gradients(recording.meta, len(data), truth, least, noise)
     return recording
 
@@ -639,20 +644,27 @@ def _check_name(name) -> None:
         )
 
 
-def _checked_step(stepped: tuple, task: Task, compute, update_checks: list | None):
+def _checked_step(
+    stepped: tuple, task: Task, compute, update_checks: list | None, drift: LossDrift | None = None
+):
     """``(loss, grads)`` of the harness's step call (``stepped``: :func:`run_step`'s arguments), with the update
     check of the step appended to ``update_checks`` where it fails, until one has, at the steps
     :func:`~shardcheck.parity.harness.optimizer_rerun.checks_step` checks (the state is copied before those only)
-    (:func:`~shardcheck.parity.harness.optimizer_rerun.recorded_update_check`; ``None``: not checked)."""
+    (:func:`~shardcheck.parity.harness.optimizer_rerun.recorded_update_check`; ``None``: not checked), and the
+    step's loss drift added to ``drift`` (:class:`~shardcheck.parity.tolerance.loss_drift.LossDrift`, from the
+    state before the step and the gradients it returned; ``None``: not taken)."""
     fn, cand, model, optimizer, batch, kwargs, t = stepped
     checking = (
         update_checks is not None and not update_checks and checks_step(t, nnx.state((model, optimizer)))
     )
-    pre = pre_update(model, optimizer, cand.view_optimizer) if checking else None
+    copied = checking or drift is not None
+    pre = pre_update(model, optimizer, cand.view_optimizer) if copied else None
     loss, grads = run_step(fn, cand, model, optimizer, batch, kwargs, t)
     if checking:
         failed = recorded_update_check(t, task, pre, grads, model, optimizer, cand.view_optimizer, compute)
         update_checks += [failed] if failed is not None else []
+    if drift is not None:
+        drift.step(t, task.terms(batch), pre, grads)
     return loss, grads
 
 
