@@ -6,6 +6,9 @@
    ``g / (sqrt(v) + eps)`` moves by up to ``lr`` when the gradient moves within its tolerance: the live rerun
    allows each element that (the applied parameters' own propagated allowance), the replay's rerun allowed
    ``atol + rtol max|x|`` alone. It now allows what live allows, and says so beside the digests' row.
+2. A decay applied twice read "every failing leaf is an embedding or kernel or scale; every bias, pos matches":
+   the biases and pos match only because c*lr*max|p| (3e-05 x some 3e-03, 0.06) is below their tolerance; a leaf
+   the fitted decay cannot move beyond its tolerance is no evidence that it spares it, and is said so.
 3. The same clip, live, listed "x1: blocks.1.down.kernel" among the local clip's factors: a leaf split between two
    devices' slices carries two factors and is left out, but its parameter's update (Adam's: blind to the
    gradient's scale) stood in for its moments. Such a parameter carries no factor, and a factor of 1 is no group.
@@ -19,13 +22,15 @@ of that step (which leaf straddles two slices depends on the layout: trial 47's 
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, said
 from flax import nnx
 from test_trial47_zero import LR, MAXNORM, MLP, WD, S, _loss, make_step
 
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
+from shardcheck.parity.diagnosis.form import Form
+from shardcheck.parity.diagnosis.localization import decay_said, decay_unseen
 from shardcheck.parity.diagnosis.rules import diagnose
 
 PROPAGATED = "allowed as live the gradient's tolerance propagated through the update"
@@ -91,11 +96,17 @@ def test_the_live_rerun_counts_the_same(mesh):
     assert PROPAGATED not in rerun.note
 
 
+@pytest.fixture(scope="module")
+def decayed_twice(mesh, recording):
+    """The decay applied again after the gather, replayed."""
+    return check_parity(make_step("wd_twice"), _task(), mesh=mesh, reference=recording)
+
+
 @require_devices(4)
-def test_a_replayed_rerun_still_fails_an_update_applied_otherwise(mesh, recording):
+def test_a_replayed_rerun_still_fails_an_update_applied_otherwise(decayed_twice):
     """The other side: a decay applied again after the gather moves the kernels and the LayerNorm scale by
     c*lr*p, far above the propagated allowance: the replay's rerun fails those 3 parameters."""
-    report = check_parity(make_step("wd_twice"), _task(), mesh=mesh, reference=recording)
+    report = decayed_twice
     rerun = _stage(report, "optimizer")
     assert report.verdict == "FAIL" and report.localization.stage == "optimizer"
     assert _failing(rerun, "param") == 3 and _failing(rerun, "opt_state") == 0
@@ -132,3 +143,45 @@ def test_a_leaf_split_between_two_slices_is_no_factor_1_group():
     assert "x1:" not in found[0].message and "c.kernel" not in found[0].message
     one = {"a.kernel": (1.7, 1.7, 1.7), "a.bias": (1.7, 1.7, 1.7), "c.kernel": (1.9, 1.7, 2.2)}
     assert "local_clip_norm" not in [d.code for d in diagnose([_moments(one)], S)]
+
+
+SMALL = "every bias matches but is too small for the decay to show (c*lr*max|param| within tolerance"
+
+
+@require_devices(4)
+def test_biases_too_small_for_the_decay_are_no_evidence_that_it_spares_them(decayed_twice):
+    """2. The decay applied twice (c*lr = 1e-4) moves a bias of some 1e-2 after its first update by 1e-6, within
+    its tolerance (1.1e-6): the group and the localized finding no longer set "every bias matches" against the
+    failing kernels and scale as what the fault spares (trial 47: "every bias, pos matches")."""
+    report = decayed_twice
+    form = report.localization.form
+    assert form.kind == "decay" and form.term == pytest.approx(LR * WD, rel=0.02)
+    group = report.localization.group
+    assert group.startswith(f"every failing leaf is a kernel or scale; {SMALL}"), group
+    assert SMALL in said(report, "localized") and "every bias matches." not in str(report)
+
+
+def _param(path: str, size: float, tolerance: float, ok: bool = True) -> LeafError:
+    """A parameter leaf whose reference's largest element is ``size`` (its error 1% of it)."""
+    return LeafError(0, "param", path, 0.01 * size, 0.01, tolerance, ok, 1.0, 0.01)
+
+
+def test_a_leaf_large_enough_for_the_decay_stays_its_evidence():
+    """The other side: a matching leaf whose decay term (c*lr*max|p|) exceeds its tolerance is evidence that the
+    decay spares it, and stays the group's contrast; only the small one is set aside, named, and the group read
+    again without it; a form other than a decay sets none aside."""
+    decay = Form("decay", "", coefficient=0.01, term=1e-4)
+    leaves = [
+        _param("a.kernel", 1.0, 1e-5, ok=False),
+        _param("a.bias", 1e-2, 1e-5),
+        _param("b.bias", 1.0, 1e-5),
+    ]
+    assert decay_unseen(decay, leaves) == ["a.bias"]
+    assert decay_unseen(Form("factor", "", factor=2.0), leaves) == []
+    group = "every failing leaf is a kernel; every bias matches"
+    assert decay_said(group, [], True, lambda: "unused") == group
+    mixed = decay_said(group, ["a.bias"], True, lambda: "only a.kernel differs; every other leaf matches")
+    assert mixed == (
+        "only a.kernel differs; every other leaf matches; a.bias: too small for the decay to show (c*lr*max|param| "
+        "within tolerance: no evidence either way)"
+    )

@@ -154,6 +154,9 @@ class Form:
             ``state_decay``: ``|c|``), else ``None``.
         groups: ``per_group``: ``((factor, (paths...)), ...)``, else ``()``.
         leaves: how many leaves the fit read.
+        term: ``decay``: ``|c*lr|``, the fitted share of each parameter's value the difference is (a leaf whose
+            ``term * max|param|`` is within its tolerance cannot show it, :func:`~shardcheck.parity.diagnosis.
+            localization.decay_unseen`), else ``None``.
     """
 
     kind: str
@@ -163,6 +166,7 @@ class Form:
     coefficient: float | None = None
     groups: tuple[tuple[float, tuple[str, ...]], ...] = ()
     leaves: int = 0
+    term: float | None = None
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of the fields."""
@@ -1137,6 +1141,7 @@ def _decay(f64: dict, lr: float | None, task_decay: float | None = None) -> Form
         "too)",
         coefficient=abs(coef),
         leaves=n,
+        term=abs(a),
     )
 
 

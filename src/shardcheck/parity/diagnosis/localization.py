@@ -66,6 +66,7 @@ from shardcheck.parity.diagnosis.module_outputs import ModuleFinding
 from shardcheck.parity.diagnosis.topology import (
     PIPELINE_AXIS_NAMES,
     downstream_note,
+    name_leaves,
     pipeline_axes,
     replicas_root,
 )
@@ -615,10 +616,7 @@ def localize(
         form = dict(record.forms).get("replicas") or _digested_replicas_form(record)
     else:
         bad = [e for e in leaves if not e.ok]
-        params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
-        quiet = rounding_params((*record.rounding_level, *record.unresolved))
-        applied = {e.path for e in record.leaves if e.kind == "param" and not e.ok}
-        group = _group(bad, leaves, facts or {}, params, quiet, applied)
+        group = _stage_group(bad, leaves, record, facts or {})
         later = [
             e for e in record.leaves if not e.ok and e.kind in ("param", "opt_state", "counter", "state")
         ]
@@ -636,6 +634,7 @@ def localize(
                 form, bad, by_stage["gradients"], reduced=_forward_reading(record), later=later
             )
         form = _unreadable_form(bad) or _state_form(bad, record, records, num_shards) or form
+        group = _decay_group(group, form, bad, leaves, record, facts or {})
     form = _zero_on_copies(form, record, by_stage, facts, mesh_shape)  # one copy's zero
     form = _bias_correction_factor(form, record)
     written = step_state(bad, record) if first.stage == "parameters" else ""
@@ -649,6 +648,65 @@ def localize(
     return Localization(
         record.step, first.stage, results, group, form, synchronized, module, live, bool(started), written
     )
+
+
+TOO_SMALL = "too small for the decay to show"
+"""What the group says of matching parameters a fitted decay term could not move beyond their tolerance."""
+
+
+def decay_unseen(form: Form | None, leaves: Sequence[LeafError]) -> list[str]:
+    """The matching parameter leaves of ``leaves`` that a ``decay`` ``form`` could not show: its term applied to
+    the leaf, ``form.term * max|param|`` (``max|param|`` the reference's, ``max_abs_err / max_rel_err``), is within
+    the leaf's tolerance, so that their matching is no evidence that the decay spares them (trial 47: "every
+    bias, pos matches" of a decay applied twice, c*lr = 3e-05, to biases of some 3e-03 and a pos of some 0.06).
+    ``[]`` for another form; a leaf whose error is 0 (its size unknown) is kept as evidence."""
+    if form is None or form.kind != "decay" or not form.term:
+        return []
+    out = []
+    for e in leaves:
+        if e.kind != "param" or not e.ok or not e.max_abs_err > 0 or not 0 < e.max_rel_err < math.inf:
+            continue
+        if form.term * e.max_abs_err / e.max_rel_err <= e.tolerance:
+            out.append(e.path)
+    return sorted(out)
+
+
+def _stage_group(bad: list[LeafError], leaves: list[LeafError], record: StepRecord, facts) -> str:
+    """:func:`_group` of a stage's failing leaves ``bad`` among its ``leaves``, with ``record``'s parameters,
+    its rounding-level ones and those that differ in the applied update."""
+    params = {e.path: e.shape for e in record.leaves if e.kind == "param"}
+    quiet = rounding_params((*record.rounding_level, *record.unresolved))
+    applied = {e.path for e in record.leaves if e.kind == "param" and not e.ok}
+    return _group(bad, leaves, facts, params, quiet, applied)
+
+
+def _decay_group(group: str, form, bad, leaves, record: StepRecord, facts) -> str:
+    """``group`` with the matching parameters a decay ``form`` could not show (:func:`decay_unseen`) no longer
+    its contrast (:func:`decay_said`, the group read again without them by :func:`_stage_group`)."""
+    unseen = decay_unseen(form, leaves)
+    rest = [e for e in leaves if not (e.kind == "param" and e.path in unseen)]
+    quiet = rounding_params((*record.rounding_level, *record.unresolved))  # set aside by the group's reading
+    others = any(e.kind == "param" and e.ok and e.path not in quiet for e in rest)
+    return decay_said(group, unseen, others, lambda: _stage_group(bad, rest, record, facts))
+
+
+def decay_said(group: str, unseen: Sequence[str], others: bool, regroup) -> str:
+    """A group sentence ``group`` whose matching parameters ``unseen`` a decay could not show
+    (:func:`decay_unseen`): where other parameters still match (``others``), the group read without them
+    (``regroup()``) and they named as too small for it to show; where they are every matching parameter, the
+    group's own contrast (``"every bias, pos matches"``) said to be too small for it to show. ``group`` where
+    ``unseen`` is empty."""
+    if not unseen:
+        return group
+    why = f"{TOO_SMALL} (c*lr*max|param| within tolerance: no evidence either way)"
+    parts = group.split("; ")
+    contrast = next(
+        (i for i, p in enumerate(parts[1:], 1) if p.endswith(" matches") and "of this stage" not in p), None
+    )
+    if others or contrast is None:
+        return f"{regroup()}; {name_leaves(unseen)}: {why}"
+    parts[contrast] = f"{parts[contrast]} but is {why}"
+    return "; ".join(parts)
 
 
 def _zero_on_copies(form, record: StepRecord, by_stage, facts, mesh_shape) -> Form | None:

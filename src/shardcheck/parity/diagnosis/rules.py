@@ -55,6 +55,7 @@ in order, with their codes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -2479,6 +2480,8 @@ def localized(ctx: DiagnosisContext) -> Finding:
             {e.path: e.shape for e in bad}, good, params, ctx.facts, names=names, quiet=quiet
         )
         group = _as_localized(ctx.first, kind, group, ctx.facts)
+        regroup = functools.partial(state_property, params=params, facts=ctx.facts, names=names, quiet=quiet)
+        group = _decay_unseen(ctx.first, of_kind, group, regroup, quiet)
         agree = ["the loss", *matched]
         verb_ = "matches" if len(agree) == 1 else "match"
         agree = words_and(agree)
@@ -2500,6 +2503,25 @@ def localized(ctx: DiagnosisContext) -> Finding:
             worst.name,
         )
     return None
+
+
+def _decay_unseen(record: StepRecord, of_kind: list[LeafError], group: str, regroup, quiet) -> str:
+    """``group`` (the failing and matching leaves of one kind) with the matching parameters that the
+    localization's decay form could not show no longer its contrast
+    (:func:`~shardcheck.parity.diagnosis.localization.decay_said`; ``regroup(failing, matching)``, the
+    :func:`state_property` that read ``group``, reads it again without them; ``quiet``: the rounding-level
+    parameters, which it sets aside), as the localization's group says it (trial 47: "every bias, pos matches"
+    of a decay too small on them to show)."""
+    from shardcheck.parity.diagnosis.localization import TOO_SMALL, decay_said, decay_unseen, localize
+
+    found = localize([record])
+    unseen = decay_unseen(None if found is None else found.form, of_kind)
+    if not unseen or TOO_SMALL in group:  # none, or the localization's group (_as_localized) says it
+        return group
+    failing = {e.path: e.shape for e in of_kind if not e.ok}
+    good = {e.path: e.shape for e in of_kind if e.ok and e.path not in unseen}
+    others = any(p not in quiet for p in good)
+    return decay_said(group, unseen, others, lambda: regroup(failing, good))
 
 
 # the localization's stages whose group may stand for the failing leaves of a kind (the replicas' group reads
