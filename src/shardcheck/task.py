@@ -152,16 +152,7 @@ class Task:
         Raises:
             TypeError: as :meth:`new_model`.
         """
-        cached = _INITIAL_STATE.get(self)
-        if cached is None:
-            model = self.new_model(fn)
-            pair = (model, self.new_optimizer(model))
-            graphdef, state = nnx.split(pair)
-            if sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) > CACHED_STATE_BYTES:
-                return pair
-            cached = _INITIAL_STATE[self] = (graphdef, state)
-        graphdef, state = cached
-        return nnx.merge(graphdef, copy_arrays(state))
+        return initial_states(self, fn, 1)[0]
 
     def terms(self, batch: Batch) -> int:
         """The reduction length of one batch: :attr:`reduction_size`, or the size of its largest leaf."""
@@ -175,6 +166,27 @@ CACHED_STATE_BYTES = 64 * 2**20
 checks after the first: a larger model is built afresh each time rather than held twice."""
 
 _INITIAL_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def initial_states(task: Task, fn: str, n: int) -> list[tuple[nnx.Module, nnx.Optimizer]]:
+    """``n`` independent fresh ``(model, optimizer)`` pairs of ``task`` (:meth:`Task.initial_state`, ``n``
+    times): where the task keeps its initial state, ``n`` new graphs over copies of its arrays made by one
+    ``jax.device_put`` (a check's setup takes three: its probes', the reference's and the candidate's; copying the
+    first twice traversed its graph twice, issue #35); else one built afresh and ``n - 1`` copies of it.
+
+    Raises:
+        TypeError: as :meth:`Task.new_model`.
+    """
+    cached = _INITIAL_STATE.get(task)
+    if cached is None:
+        model = task.new_model(fn)
+        pair = (model, task.new_optimizer(model))
+        graphdef, state = nnx.split(pair)
+        if sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) > CACHED_STATE_BYTES:
+            return [pair, *(nnx.merge(graphdef, copy_arrays(state)) for _ in range(n - 1))]
+        cached = _INITIAL_STATE[task] = (graphdef, state)
+    graphdef, state = cached
+    return [nnx.merge(graphdef, copied) for copied in copy_arrays([state] * n)]
 
 
 def abstract_training_state(fn: str, task: Task) -> tuple[nnx.Module, nnx.Optimizer]:

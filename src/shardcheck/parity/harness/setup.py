@@ -30,7 +30,7 @@ from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs
 from shardcheck.steps.sharded_init import sharded_training_state
-from shardcheck.task import Task, check_divisible, check_model, draws_refusal
+from shardcheck.task import Task, check_divisible, check_model, draws_refusal, initial_states
 
 
 def _check_tolerances(fn, rtol, atol):
@@ -97,26 +97,24 @@ def _setup(
 ):
     """Validate everything and build the run; nothing runs and nothing of the caller's changes."""
     ref_strategy, ref_mesh, ref_name = reference_strategy(fn, reference, task, num_shards, mesh)
-    model, optimizer, data = _initial(fn, task, reference, steps, initial_state, ref_mesh)
+    model, optimizer, data, copies = _initial(fn, task, reference, steps, initial_state, ref_mesh)
     cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
-    updated: list[str] = []  # the non-parameter state the forward pass writes (a counter)
-    drawn: list[str] = []  # the RNG streams it draws from (a VAE's eps, Dropout)
-    weighted = check_model(fn, model, task.loss_fn, data[0], updated=updated, drawn=drawn, batch_stats=True)
+    # the task's own initial model and first batch: probed once a task
+    cached = initial_state is None and ref_strategy is None
+    # the non-parameter state the forward pass writes (a counter), the RNG streams it draws from (a VAE's eps,
+    # Dropout), and whether the loss is weighted
+    updated, drawn, weighted = _admitted(fn, task, model, data[0], cached)
     _check_weights_accepted(fn, cand, data)
     _check_strategy(fn, candidate, cand, model, optimizer, mesh, data, weighted)
     _check_state_carried(fn, candidate, updated, drawn, model)
     if ref_strategy is not None:
         _check_strategy(fn, reference, ref_strategy, model, optimizer, ref_mesh, data, weighted)
         _check_state_carried(fn, reference, updated, drawn, model)
-    ref_model, ref_opt = copy_state(model, optimizer)
-    cand_model, cand_opt = copy_state(model, optimizer)
+    (ref_model, ref_opt), (cand_model, cand_opt) = copies or [copy_state(model, optimizer) for _ in range(2)]
     if cand.make_optimizer is not None:
         cand_opt = cand.make_optimizer(cand_model, cand_opt)
         _check_view(fn, cand, optimizer, cand_opt)
     kwargs = {"mesh": mesh} if cand.pass_mesh else {}
-    cached = (
-        initial_state is None and ref_strategy is None
-    )  # the task's own initial model: probed once a task
     policy, precision = _precision(fn, task, model, data[0], mesh, dtypes, cached)
     # the model's structure is fixed over the run: its float32-compute graph is built once
     graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
@@ -217,8 +215,9 @@ def reference_strategy(fn, reference, task, num_shards, mesh) -> tuple[Candidate
 def _initial(fn, task, reference, steps, initial_state, ref_mesh=None):
     """The run's initial ``(model, optimizer)`` (``initial_state``, else fresh from the task: created directly
     in the reference strategy's placement on ``ref_mesh`` when the reference is a mesh strategy,
-    :func:`~shardcheck.steps.sharded_init.sharded_training_state`) and its batches, after the task and the
-    reference are checked."""
+    :func:`~shardcheck.steps.sharded_init.sharded_training_state`), its batches, after the task and the
+    reference are checked, and, for the task's own fresh state on one device, the reference's and the
+    candidate's copies of it (:func:`~shardcheck.task.initial_states`; else ``None``: the caller copies)."""
     if not isinstance(task, Task):
         raise TypeError(
             f"{fn}: task must be a shardcheck.Task (or, in the (model, optimizer, batches) form, an nnx.Module), got "
@@ -227,13 +226,14 @@ def _initial(fn, task, reference, steps, initial_state, ref_mesh=None):
     if reference is not None and not isinstance(reference, str):
         check_reference(fn, reference)
         check_step_signature(fn, "reference", reference, 3, False)
+    copies = None
     if initial_state is None and ref_mesh is not None:
         model, optimizer = sharded_training_state(fn, task, reference, ref_mesh)
     elif initial_state is None:
-        model, optimizer = task.initial_state(fn)
+        (model, optimizer), *copies = initial_states(task, fn, 3)
     else:
         model, optimizer = initial_state
-    return model, optimizer, _task_batches(fn, task, steps)
+    return model, optimizer, _task_batches(fn, task, steps), copies
 
 
 # The strategies that run the full-batch forward pass once a step (the single-device step, and GSPMD's jit of
@@ -283,6 +283,23 @@ def _memo(task: Task, key: tuple, cached: bool, build):
     if key not in memo:
         memo[key] = build()
     return memo[key]
+
+
+def _admitted(fn, task: Task, model, batch, cached: bool) -> tuple[list[str], list[str], bool]:
+    """``(updated, drawn, weighted)`` of :func:`~shardcheck.task.check_model` on ``model`` and ``batch`` (the
+    non-parameter state the forward pass writes, the RNG streams it draws from, whether the loss is weighted),
+    once per task where ``cached`` (the task's own initial model and first batch: its clone, the loss traced and
+    run, the state read before and after took ~10 ms of a warm check's setup, issue #35). What it raises is raised
+    at every check: a refusal is never kept."""
+
+    def build():
+        updated: list[str] = []
+        drawn: list[str] = []
+        weighted = check_model(fn, model, task.loss_fn, batch, updated=updated, drawn=drawn, batch_stats=True)
+        return tuple(updated), tuple(drawn), weighted
+
+    updated, drawn, weighted = _memo(task, ("admitted",), cached, build)
+    return list(updated), list(drawn), weighted
 
 
 def _coupled(task: Task, model, batch, s: int, compute_eps: float, in_float32: bool, cached: bool):
