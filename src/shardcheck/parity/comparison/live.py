@@ -30,6 +30,8 @@ def flatten_state(tree: PyTree) -> dict[str, Any]:
 
 def to_host(a) -> np.ndarray:
     """A leaf as a NumPy array; arrays spread over several processes are gathered first."""
+    if isinstance(a, jax.Array) and a.is_fully_addressable:  # gather_to_host's own path, without its tree map
+        return np.asarray(a)  # (a check reads about 300 leaves a step: 30 -> 12 us each, issue #35)
     return np.asarray(gather_to_host(a))
 
 
