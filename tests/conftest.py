@@ -69,6 +69,28 @@ from shardcheck.cli import CLI_GC_THRESHOLD  # noqa: E402
 gc.set_threshold(*CLI_GC_THRESHOLD)
 gc.freeze()
 
+# A worker keeps every program its tests compiled: JAX's jit caches hold each new task's loss function (a static
+# argument of the steps) and its executables, about 135 MB a tiny-lm task checked with dp and accumulation, so a
+# worker grew past 12 GB and two of them filled the 24 GB machine (the suite stalled, swapping). After a test that
+# leaves the worker above WORKER_MEMORY_BYTES, the caches are cleared (jax.clear_caches: later tests load their
+# programs from the worker's compilation cache above). The same 12 checks in one process: 843 -> 2338 MB kept,
+# 858 -> 936 MB with the caches cleared after each.
+WORKER_MEMORY_BYTES = 4 * 2**30
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:  # (Linux) resident pages
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _bounded_worker_memory():
+    yield
+    if sys.platform.startswith("linux") and _resident_bytes() > WORKER_MEMORY_BYTES:
+        jax.clear_caches()
+        gc.collect()
+
+
 # Jit compilation makes the first example of each shape slow: no per-example deadline.
 settings.register_profile("shardcheck", deadline=None, max_examples=15, derandomize=True)
 settings.load_profile("shardcheck")
