@@ -10,6 +10,7 @@ MLP 4 -> 8 -> 3, S=4: hidden kernel (4, 8) = 128 B -> (1, 8) = 32 B; hidden bias
 out kernel (8, 3) = 96 B -> (2, 3) = 24 B; out bias (3,) = 12 B whole. Parameters 268 B whole, 76 B sharded.
 """
 
+import gc
 import math
 
 import jax
@@ -198,6 +199,7 @@ def test_deep_mlp_splits_the_first_dimension_that_divides():
 
 
 def test_abstract_4096_by_8_layers_without_allocating():
+    gc.collect()  # earlier tests' garbage holding arrays, freed now rather than by a collection in between
     live_before = len(jax.live_arrays())
     model = make_memory_model(4096, 4096, hidden=4096, layers=8, abstract=True)
     assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(nnx.state(model)))
@@ -208,6 +210,7 @@ def test_abstract_4096_by_8_layers_without_allocating():
     assert fsdp.total_bytes == 268_501_000 and fsdp.param_count == 8 * per_layer
     one = estimate_memory(model, "adam", num_shards=8, strategy="replicated")
     assert one.total_bytes == 4 * whole + 8 == 2_148_007_944
+    gc.collect()
     assert len(jax.live_arrays()) == live_before
 
 
@@ -384,12 +387,14 @@ def test_tiny_lm_task_estimate_by_hand():
         "zero2": (whole, split, adam_split),
         "fsdp": (split, split, adam_split),
     }
+    gc.collect()  # earlier tests' garbage holding arrays, freed now rather than by a collection in between
     live_before = len(jax.live_arrays())
     for strategy in STRATEGIES:
         est = estimate_memory(task, num_shards=4, strategy=strategy)
         check(est, *expected[strategy])
         assert est.param_count == 31_501 and est.model_state_bytes == 0
         assert est.num_devices == (1 if strategy == "replicated" else 4)
+    gc.collect()
     assert len(jax.live_arrays()) == live_before  # shapes only: the model was never allocated
     fsdp = estimate_memory(task, num_shards=4, strategy="fsdp")
     leaves = {(leaf.category, leaf.path): leaf for leaf in fsdp.leaves}

@@ -99,11 +99,11 @@ def _check_every_1(report, counters: str) -> None:
 
 def test_a_multisteps_applying_every_step_against_the_tasks_2_is_said_with_its_counters_live():
     task = _task()
-    # the trajectory's own counters: step 1 (re-run from the reference's state after its failure) is left out
+    # the trajectory's own counters at every step (no step is re-run from the reference's state after step 0 failed)
     _check_every_1(
         check_parity(_own(1), task),
-        "1, 3 and 4 after steps 0, 2 and 3, the reference's 0, 1 and 2; its mini_step (steps accumulated since) "
-        "is 0, 0 and 0, the reference's 1, 1 and 0.",
+        "1, 2, 3 and 4 after steps 0, 1, 2 and 3, the reference's 0, 1, 1 and 2; its mini_step (steps accumulated "
+        "since) is 0, 0, 0 and 0, the reference's 1, 0, 1 and 0.",
     )
     # the other side: the task's own every_k_schedule passes
     assert check_parity(_own(2), task).ok
