@@ -97,6 +97,33 @@ def _bounded_worker_memory():
             pass
 
 
+SHARED_SCOPES = ("module", "class", "package", "session")
+
+
+def _shared_fixture_group(item: pytest.Item) -> str | None:
+    """The ``xdist_group`` of a test that uses a fixture its own module defines with a scope wider than the test
+    (a check run once and read by several tests), with the fixture's parameter where it has one; ``None`` for
+    any other test. One worker then computes each such fixture once: spread by ``--dist load``, a module's tests
+    ran on both workers and each built the fixture (tests/test_scan_rng_diagnosis.py's 23 s setup, twice)."""
+    module = item.nodeid.split("::")[0]
+    names = sorted(
+        name
+        for name, defs in item._fixtureinfo.name2fixturedefs.items()
+        if any(d.scope in SHARED_SCOPES and (d.baseid or "") == module for d in defs)
+    )
+    if not names:
+        return None
+    indices = getattr(getattr(item, "callspec", None), "indices", {})
+    # no brackets: pytest-xdist reads a node id's group only after its last "]"
+    return module + "".join(f":{n}={indices[n]}" for n in names if n in indices)
+
+
+def pytest_itemcollected(item):  # as each test is collected: pytest-xdist's worker reads the groups after
+    group = None if item.get_closest_marker("xdist_group") else _shared_fixture_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 # Jit compilation makes the first example of each shape slow: no per-example deadline.
 settings.register_profile("shardcheck", deadline=None, max_examples=15, derandomize=True)
 settings.load_profile("shardcheck")
