@@ -124,6 +124,13 @@ def pytest_itemcollected(item):  # as each test is collected: pytest-xdist's wor
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The grouped tests first (stable): pytest-xdist hands out work in collection order, one group or test at a
+    time, so the groups (a zoo model's tests, test_record's: up to minutes each) start while single tests fill in
+    after them, and the run does not end with one worker on test_zoo's last model while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
 # Jit compilation makes the first example of each shape slow: no per-example deadline.
 settings.register_profile("shardcheck", deadline=None, max_examples=15, derandomize=True)
 settings.load_profile("shardcheck")
