@@ -309,7 +309,8 @@ def test_verify_reference_gspmd_under_launch(tmp_path):
 
 
 class _TwoLayer(nnx.Module):
-    """A body annotated over 'model' and an unannotated head (which a gspmd reference places as its own)."""
+    """A body annotated over 'model' and an unannotated head (which a gspmd reference keeps whole, as the
+    annotations alone place it, and an fsdp reference splits over 'data' by the FSDP rule)."""
 
     def __init__(self, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
@@ -361,24 +362,47 @@ def _replicated_step(reduce_head: bool):
     return step
 
 
+HEAD_STATE = {
+    "param head.bias",
+    "param head.kernel",
+    "opt_state 0.mu.head.bias",
+    "opt_state 0.mu.head.kernel",
+    "opt_state 0.nu.head.bias",
+    "opt_state 0.nu.head.kernel",
+}
+"""The unannotated head's leaves whose copies differ along 'data' (the head left unreduced)."""
+
+
 @require_devices(4)
-def test_gradient_copies_that_differ_are_seen_against_a_gspmd_reference():
+@pytest.mark.parametrize(
+    "reference,evidence",
+    [("fsdp", {"grad head.bias", "grad head.kernel"}), ("gspmd", HEAD_STATE)],
+)
+def test_gradient_copies_that_differ_are_seen_against_a_same_mesh_reference(reference, evidence):
     """Trial 33: a head whose gradients were left unreduced over 'data' read "the replicas: agree" against a
-    gspmd reference, whose placement splits the head (its update mixes the devices' copies into one consistent
-    parameter); the returned gradients' own copies differ, and are now the replica evidence. A correct step
-    passes."""
+    reference whose placement splits the head (then gspmd's, now fsdp's: the FSDP rule splits the unannotated head
+    over 'data'), whose update mixes the devices' copies into one consistent parameter; the returned gradients'
+    own copies differ, and are the replica evidence. gspmd keeps the unannotated head whole (the annotations
+    alone, as the Flax NNX guide places it), as the step does, so the head's parameters and Adam moments keep
+    the copies that differ and are the evidence themselves. A correct step passes against either."""
     import functools
 
     mesh = make_mesh({"data": 2, "model": 2})
     good = check_parity(
-        functools.partial(_replicated_step(True), mesh=mesh), _two_layer_task(), mesh=mesh, reference="gspmd"
+        functools.partial(_replicated_step(True), mesh=mesh),
+        _two_layer_task(),
+        mesh=mesh,
+        reference=reference,
     )
     assert good.ok, good.summary()
     bad = check_parity(
-        functools.partial(_replicated_step(False), mesh=mesh), _two_layer_task(), mesh=mesh, reference="gspmd"
+        functools.partial(_replicated_step(False), mesh=mesh),
+        _two_layer_task(),
+        mesh=mesh,
+        reference=reference,
     )
     first = bad.steps[0]
-    assert not bad.ok and {"grad head.bias", "grad head.kernel"} <= set(first.replica_mismatches)
+    assert not bad.ok and set(first.replica_mismatches) == evidence, first.replica_mismatches
     assert first.replica_axes == ("data",)
     assert bad.localization.status("replicas") == "differs"
     assert {"wrong_axis_reduction", "replicas_differ"} <= {d.code for d in bad.diagnoses}

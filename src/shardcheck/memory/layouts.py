@@ -23,8 +23,9 @@ any mesh of named axes may be given, as a ``jax.sharding.Mesh`` or, for an estim
 ``replicated``, ``dp`` and ``fsdp`` stand for the registry's placements ``"single"``, ``"replicated"`` and
 ``"fsdp"`` (:data:`shardcheck.partitioning.LAYOUTS`); ``zero1`` and ``zero2`` are memory-only: no registered
 strategy runs them, so their step is defined here. Beside the layouts, a mesh also takes ``"gspmd"`` (the
-registry's GSPMD step, placed as ``fsdp`` but, on a model with annotations, by its annotations alone: an
-unannotated leaf replicated, as jax and flax place it) and, for an estimate, ``"placed"``: the real shardings of a state a
+registry's GSPMD step, placed as that step places it, ``state_specs("gspmd")``: like ``fsdp`` on a model without
+annotations, by the annotations alone on a model with some, an unannotated leaf replicated, as the Flax NNX
+guide's ``nnx.get_named_sharding`` places it) and, for an estimate, ``"placed"``: the real shardings of a state a
 step already placed.
 """
 
@@ -38,6 +39,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from shardcheck import _validate
+from shardcheck._catalog import xla_partitioned
 from shardcheck.mesh import FSDP_AXIS, abstract_mesh, batch_axes
 from shardcheck.partitioning import LAYOUTS, STRATEGIES
 from shardcheck.steps._core import params_value_and_grad
@@ -47,8 +49,8 @@ SHARDED_CATEGORIES = {name: layout.splits for name, layout in LAYOUTS.items()}
 """Which categories each layout splits over the mesh (ZeRO stages 1, 2, 3; Rajbhandari et al. 2020)."""
 
 MESH_STRATEGIES = (*STRATEGIES, "gspmd", "placed")
-"""What an estimate places: the memory layouts, the registry's ``gspmd`` step (placed like ``fsdp``, but
-on a model with annotations by the annotations alone: :func:`layout_shardings`), and ``"placed"``:
+"""What an estimate places: the memory layouts, the registry's ``gspmd`` step (placed as that step places it:
+like ``fsdp``, but on a model with annotations by the annotations alone: :func:`layout_shardings`), and ``"placed"``:
 the real shardings of an already placed state (measurable: all but ``"placed"``)."""
 
 
@@ -123,10 +125,11 @@ def layout_shardings(
     """The sharding of every ``(model, optimizer)`` state leaf and of every gradient under ``strategy`` on ``mesh``.
 
     ``"replicated"`` and ``"dp"``: everything replicated; ``"fsdp"``: the specs of
-    :func:`shardcheck.steps.sharded.state_specs` (annotations, else the FSDP rule); ``"gspmd"``: on a model that
-    annotates any leaf (:func:`annotated`), the annotations alone (an unannotated leaf and its optimizer state and
-    gradient replicated, as a GSPMD step that places ``nnx.get_named_sharding`` of its state holds them; trial 43),
-    on a model without annotations the FSDP rule, as ``"fsdp"``; ``"zero1"`` / ``"zero2"``:
+    :func:`shardcheck.steps.sharded.state_specs` (annotations, else the FSDP rule); ``"gspmd"``: the specs the
+    registry's gspmd step places its state by (``state_specs("gspmd")``): on a model that annotates any leaf
+    (:func:`annotated`) the annotations alone (an unannotated leaf and its optimizer state and gradient replicated,
+    as a GSPMD step that places ``nnx.get_named_sharding`` of its state holds them; trial 43), on a model without
+    annotations the FSDP rule, as ``"fsdp"``; ``"zero1"`` / ``"zero2"``:
     those specs for the categories the layout splits (:data:`SHARDED_CATEGORIES`), replicated otherwise;
     ``"placed"``: each array's own ``sharding`` (a gradient takes its parameter's). ``mesh`` may be abstract.
 
@@ -139,7 +142,7 @@ def layout_shardings(
         ValueError: an annotation the mesh cannot honour (:func:`~shardcheck.steps.sharded.state_specs`),
             ``"placed"`` with abstract arrays.
     """
-    from shardcheck.steps.sharded import _annotation, flat_leaves, state_specs
+    from shardcheck.steps.sharded import flat_leaves, state_specs
 
     flat = flat_leaves(nnx.state((model, optimizer)))
     is_param = [isinstance(var, nnx.Param) and str(path[0]) == "0" for path, var in flat]
@@ -147,18 +150,10 @@ def layout_shardings(
         shardings = _placed_shardings(fn, flat)
         return shardings, [s for s, p in zip(shardings, is_param, strict=True) if p]
     splits = SHARDED_CATEGORIES.get(strategy, frozenset(SHARDED_CATEGORIES["fsdp"]))
-    specs, param_specs = state_specs("fsdp" if splits else "dp", model, optimizer, mesh, fn=fn)
+    # gspmd: the registry's own placement (on an annotated model the annotations alone), the one its step holds
+    placement = strategy if strategy in xla_partitioned() else ("fsdp" if splits else "dp")
+    specs, param_specs = state_specs(placement, model, optimizer, mesh, fn=fn)
     whole = PartitionSpec()
-    if strategy == "gspmd" and annotated(model):  # the annotations alone: unannotated leaves replicated
-        specs = [
-            spec if _annotation(var) is not None else whole
-            for (_, var), spec in zip(flat, specs, strict=True)
-        ]
-        param_flat = flat_leaves(nnx.state(model, nnx.Param))
-        param_specs = [
-            spec if _annotation(var) is not None else whole
-            for (_, var), spec in zip(param_flat, param_specs, strict=True)
-        ]
     state = [
         NamedSharding(mesh, spec if category_and_path(path, var)[0] in splits else whole)
         for (path, var), spec in zip(flat, specs, strict=True)
@@ -171,10 +166,10 @@ def annotated(model) -> bool:
     """Whether ``model`` annotates any Variable (``nnx.with_partitioning`` / ``sharding=`` metadata, an all-``None``
     annotation included): then ``"gspmd"`` places its state by the annotations alone, as a GSPMD step that puts
     ``nnx.get_named_sharding`` of the state does (an unannotated leaf replicated); concrete and abstract models
-    alike (only metadata is read)."""
-    from shardcheck.steps.sharded import _annotation
+    alike (only metadata is read). :func:`shardcheck.steps.sharded.annotated`, the registry's own test."""
+    from shardcheck.steps.sharded import annotated as registry_annotated
 
-    return any(_annotation(var) is not None for _, var in nnx.to_flat_state(nnx.state(model)))
+    return registry_annotated(model)
 
 
 def _data_spec(mesh) -> PartitionSpec:

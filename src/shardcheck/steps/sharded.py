@@ -8,8 +8,13 @@ and ``fsdp``, or every axis of a mesh with neither), replicates it over the mode
 * ``fsdp`` and ``gspmd``: a leaf the model annotates (``nnx.with_partitioning`` / ``out_sharding`` metadata, read
   with ``nnx.get_partition_spec``; the optimizer's state inherits its parameter's annotation) is placed as
   annotated (an optimizer-state leaf shaped otherwise than its parameter, such as Adafactor's factored rank-1
-  moments, keeps only the entries that fit it: see :func:`fit_inherited_spec`); an unannotated leaf is split over the FSDP axis (:func:`shardcheck.mesh.fsdp_axis`) along its first
-  divisible dimension (:func:`~shardcheck.partitioning.fsdp_partition_spec`) and replicated over the other axes.
+  moments, keeps only the entries that fit it: see :func:`fit_inherited_spec`); under ``fsdp`` an unannotated leaf
+  is split over the FSDP axis (:func:`shardcheck.mesh.fsdp_axis`) along its first divisible dimension
+  (:func:`~shardcheck.partitioning.fsdp_partition_spec`) and replicated over the other axes (the FSDP rule);
+* ``gspmd`` on a model that annotates any Variable (:func:`annotated`): the annotations alone, an unannotated leaf
+  (a bias or LayerNorm scale left without ``nnx.with_partitioning``) replicated with its optimizer state and
+  gradient, as ``nnx.get_partition_spec`` / ``nnx.get_named_sharding`` place it in the Flax NNX guide "Scale up
+  on multiple devices"; on a model without annotations, the FSDP rule, as ``fsdp``.
 
 ``dp`` and ``fsdp`` compute the gradients in one ``jax.shard_map`` with explicit collectives: each parameter is
 ``all_gather``-ed (tiled) over the axes its spec splits it on (and so is the model's other state, such as the
@@ -47,7 +52,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardcheck import distributed
-from shardcheck._catalog import STRATEGY_SPECS
+from shardcheck._catalog import STRATEGY_SPECS, xla_partitioned
 from shardcheck._tree import path_str
 from shardcheck.mesh import batch_axes, fsdp_axis, model_axes
 from shardcheck.partitioning import fsdp_partition_spec
@@ -397,6 +402,13 @@ def fit_inherited_spec(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def annotated(model) -> bool:
+    """Whether ``model`` annotates any Variable (``nnx.with_partitioning`` / ``sharding=`` metadata, an all-``None``
+    annotation included): then ``gspmd`` places its state by the annotations alone (:func:`state_specs`).
+    Concrete and abstract (``nnx.eval_shape``) models alike: only metadata is read."""
+    return any(_annotation(var) is not None for _, var in nnx.to_flat_state(nnx.state(model)))
+
+
 def state_specs(
     strategy: str, model, optimizer, mesh: Mesh, *, min_size: int = 0, fn: str = "state_specs"
 ) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
@@ -405,11 +417,15 @@ def state_specs(
     Works on concrete and abstract (``nnx.eval_shape``) models alike: only shapes and metadata are read.
 
     Args:
-        strategy: ``"dp"`` (every leaf replicated), ``"fsdp"`` or ``"gspmd"`` (annotations, else the FSDP rule).
+        strategy: ``"dp"`` (every leaf replicated), ``"fsdp"`` (annotations, else the FSDP rule) or ``"gspmd"``
+            (on a model that annotates any Variable, :func:`annotated`, the annotations alone: an unannotated leaf,
+            its optimizer state and gradient replicated, ``P()``, as ``nnx.get_partition_spec`` /
+            ``nnx.get_named_sharding`` place it in the Flax NNX sharding guide; on a model without annotations
+            the FSDP rule, as ``"fsdp"``).
         model: the ``nnx.Module``; optimizer: its ``nnx.Optimizer`` (its state leaves carry their parameter's
             annotation, as ``nnx.Optimizer`` copies it).
         mesh: the mesh.
-        min_size: unannotated leaves with fewer elements stay replicated.
+        min_size: leaves with fewer elements that the FSDP rule places stay replicated.
 
     Returns:
         ``(specs, param_specs)``: one spec per leaf of ``jax.tree.leaves(nnx.state((model, optimizer)))``, and
@@ -419,22 +435,21 @@ def state_specs(
         ValueError: an annotation naming an axis the mesh lacks, or a parameter's (model leaf's) own annotation
             with more entries than the leaf's rank or splitting a dimension unevenly (the leaf and the axis are
             named; an optimizer-state leaf's inherited annotation is fitted instead, :func:`fit_inherited_spec`);
-            an unannotated leaf under FSDP on a
-            several-axis mesh without an ``"fsdp"`` axis.
+            an unannotated leaf placed by the FSDP rule on a several-axis mesh without an ``"fsdp"`` axis.
     """
+    alone = strategy in xla_partitioned() and annotated(model)  # gspmd: the annotations alone
 
     def spec_of(path, var):
         shape = tuple(np.shape(var.get_value() if isinstance(var, nnx.Variable) else var))
         if STRATEGY_SPECS[strategy].placement == "replicated":  # dp, multiprocess
             return PartitionSpec()
-        annotated = _annotation(var)
-        if annotated is not None:
+        if _annotation(var) is not None:
             name, spec = path_str(path), nnx.get_partition_spec(var).get_value()
             if path[0] == "optimizer":  # inherited from its parameter, whose own annotation is checked
                 _check_axes(fn, name, spec, mesh)
                 return fit_inherited_spec(spec, shape, mesh)
             return _check_annotation(fn, name, spec, shape, mesh)
-        if not shape:  # a scalar (the optimizer's step counters) stays whole on any mesh
+        if alone or not shape:  # unannotated beside annotations; a scalar (a step counter) on any mesh
             return PartitionSpec()
         axis = fsdp_axis(mesh)
         return fsdp_partition_spec(shape, int(mesh.shape[axis]), axis, min_size=min_size)
