@@ -114,6 +114,16 @@ def _rerun_inputs(run: _Run, snapshots, cand_grads):
     :func:`optimizer_rerun`)."""
     if cand_grads is None or run.reference is not None:
         return None
+    kept = run.rerun_inputs  # the same step's, asked again (verifies_update, then update_check)
+    if kept is not None and kept[0] is snapshots and kept[1] is cand_grads:
+        return kept[2]
+    inputs = _built_inputs(run, snapshots, cand_grads)
+    run.rerun_inputs = (snapshots, cand_grads, inputs)
+    return inputs
+
+
+def _built_inputs(run: _Run, snapshots, cand_grads):
+    """:func:`_rerun_inputs`, built."""
     like_params, like_state = _layouts(run)
     _, cand_params0, _, cand_state0 = snapshots
     params = _rebuild(like_params, cand_params0)
@@ -129,7 +139,7 @@ def verifies_update(run: _Run, t: int, snapshots, cand_grads, after) -> bool:
     inputs the task's optimizer takes (:func:`_rerun_inputs`: the candidate's gradients returned, its optimizer
     state by the reference's paths, no user's reference step), an optimizer that reruns on ``(grads, state,
     params)`` alone (traced once per check: ``run.rerunnable``). Arguments as :func:`update_check`."""
-    if not checks_step(t, (after.cand_params, after.cand_state)):
+    if not _checks(run, t, after):
         return False
     inputs = _rerun_inputs(run, snapshots, cand_grads)
     if inputs is None:
@@ -216,7 +226,7 @@ def update_check(
         :func:`checked_update`'s ``(leaves, arrays)``; ``None`` where the rerun cannot run (:func:`optimizer_rerun`)
         or the step is not checked (:func:`checks_step`).
     """
-    if not checks_step(t, (after.cand_params, after.cand_state)):
+    if not _checks(run, t, after):
         return None
     inputs = _rerun_inputs(run, snapshots, cand_grads)
     if inputs is None:
@@ -238,6 +248,20 @@ def checks_step(t: int, state) -> bool:
     if t == 0:
         return True
     return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state)) <= UPDATE_CHECK_BYTES
+
+
+def _checks(run: _Run, t: int, after) -> bool:
+    """:func:`checks_step` of the candidate's state ``after`` step ``t`` (an ``_After``), its bytes counted once
+    per check where the steps update in place (their shapes fixed: ``run.checks_every_step``; the count read
+    every leaf twice a step, issue #35)."""
+    if t == 0:
+        return True
+    if run.in_place and run.checks_every_step is not None:
+        return run.checks_every_step
+    every = checks_step(t, (after.cand_params, after.cand_state))
+    if run.in_place:
+        run.checks_every_step = every
+    return every
 
 
 def checked_update(t: int, tx, inputs: tuple, after, before, compute_dtype, skipped: bool = False):

@@ -252,6 +252,11 @@ class _Run:
     layouts: tuple | None = None
     # whether the task's optimizer reruns on (grads, state, params) alone (optimizer_rerun.verifies_update), once
     rerunnable: bool | None = None
+    # the update check's inputs of the step being compared, with what they were built from (optimizer_rerun's
+    # _rerun_inputs: asked twice a step), and, where the steps update in place (the shapes fixed), whether the
+    # candidate's state is small enough for the check at every step (optimizer_rerun.checks_step), once per check
+    rerun_inputs: tuple | None = None
+    checks_every_step: bool | None = None
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
@@ -289,6 +294,7 @@ class _Run:
             last=None,
             deferred=None,
             found={},
+            rerun_inputs=None,
         )
 
 
