@@ -66,6 +66,10 @@ class Candidate:
             program on the same values.
         builtin: one of shardcheck's own strategies (built from its name by the parity harness): an error it
             raises is said as a limitation or a bug of shardcheck's step, not the user's candidate's.
+        donates: whether ``step`` may donate the arrays of the state it is given (a mesh step does: they are
+            invalid after it). ``False`` (a step that leaves them as they are, writing new arrays into the
+            Variables) lets the parity harness read the candidate's state before a step from those arrays,
+            without copying them first.
     """
 
     name: str
@@ -77,6 +81,7 @@ class Candidate:
     pass_mesh: bool = False
     program: tuple[Callable[..., Any], tuple] | None = None
     builtin: bool = False
+    donates: bool = True
 
 
 def shard_value_and_grad(loss_fn: LossFn, model: nnx.Module, batch, *, update_state: bool = False):

@@ -245,4 +245,5 @@ def accumulation_candidate(loss_fn: LossFn, num_micro_batches: int) -> Candidate
         view_optimizer=view,
         extra_checks=extra,
         program=(_accumulated_jit, (loss_fn, k)),
+        donates=False,  # its program donates nothing: the state before a step stays valid after it
     )
