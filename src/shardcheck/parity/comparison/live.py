@@ -118,6 +118,10 @@ def leaf_error(
     (the propagated sensitivity of a normalizing optimizer's update; ``shardcheck.parity.harness.check``).
     ``before_*``: the leaf before the step, to report the ratio of the changes rather than of the values.
     """
+    if allowance is None and before_ref is None:
+        zeros = _both_zeros(step, kind, path, ref, cand, rtol, atol)
+        if zeros is not None:
+            return zeros
     r = np.asarray(ref, dtype=np.float64)
     c = np.asarray(cand, dtype=np.float64)
     scale = float(np.max(np.abs(r), initial=0.0))
@@ -132,12 +136,15 @@ def leaf_error(
     nan = bool(np.isnan(diff).any())
     max_abs = math.nan if nan else float(np.max(diff, initial=0.0))
     rel = (max_abs / scale) if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    extra = (
-        np.zeros_like(r) if allowance is None else np.broadcast_to(np.asarray(allowance, np.float64), r.shape)
-    )
-    allowed = base + extra
-    ok = (not nan) and bool(np.all(diff <= allowed))
-    tol = base + float(np.max(extra, initial=0.0))
+    if allowance is None:  # the rule with an allowance of zeros (base + 0 at every element), no array of them
+        allowed = base + 0.0
+        ok = (not nan) and bool(np.all(diff <= allowed))
+        tol = base + 0.0
+    else:
+        extra = np.broadcast_to(np.asarray(allowance, np.float64), r.shape)
+        allowed = base + extra
+        ok = (not nan) and bool(np.all(diff <= allowed))
+        tol = base + float(np.max(extra, initial=0.0))
     if not nan and allowance is not None and diff.size:
         # report the tolerance the verdict used: max_abs_err / worst elementwise badness (err > tol <=> FAIL)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -152,6 +159,17 @@ def leaf_error(
     ratio, spread = _ratio_stats(dr, dc)
     zeros = before_ref is None and scale == 0 and max_abs == 0  # both sides all zeros
     return LeafError(step, kind, path, max_abs, rel, tol, ok, ratio, change, spread, r.shape, zeros=zeros)
+
+
+def _both_zeros(step, kind, path, ref, cand, rtol, atol) -> LeafError | None:
+    """:func:`leaf_error`'s record (without allowance or before-state) of two all-zero leaves of one shape, read
+    in their own NumPy dtypes, without the float64 copies (an emptied accumulator, compared at every step of an
+    accumulation check, issue #35); ``None`` otherwise, or where a dtype is not NumPy's bool, int or float."""
+    r, c = np.asarray(ref), np.asarray(cand)
+    if r.dtype.kind not in "biuf" or c.dtype.kind not in "biuf" or r.shape != c.shape or r.any() or c.any():
+        return None
+    base = atol + rtol * 0.0  # max |ref| of zeros
+    return LeafError(step, kind, path, 0.0, 0.0, base + 0.0, True, None, None, None, r.shape, zeros=True)
 
 
 def counter_error(step, path, ref, cand) -> LeafError:
