@@ -412,8 +412,11 @@ def resolve(fn: str, requested, loss_fn, model, batch, mesh) -> tuple[str, str, 
         ValueError: ``requested`` names no policy (:func:`check_policy`).
     """
     requested = check_policy(fn, requested)
-    ref_platforms = platforms_of(devices_of(model, None))
-    platforms = ref_platforms | platforms_of(devices_of(model, mesh))
+    ref_devices = devices_of(model, None)
+    # without a mesh the candidate's devices are the reference's (the model's graph traversed once, #35)
+    platforms = ref_platforms = platforms_of(ref_devices)
+    if mesh is not None:
+        platforms = ref_platforms | platforms_of(devices_of(model, mesh))
     ref_policy = backend_default(loss_fn, model, batch, ref_platforms)
     if requested is None:
         policy = backend_default(loss_fn, model, batch, platforms)
