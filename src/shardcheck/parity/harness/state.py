@@ -177,7 +177,21 @@ class _PreStep:
         # the values now: the Variables are the model's own, and a forward pass that writes its state (a carried
         # hidden state, a counter) writes them in place during the step (trial 12: the hypotheses read the
         # post-step carry)
-        return _PreStep(found.graphdef, params, nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state))
+        return _PreStep(found.graphdef, params, nnx.as_pure(rest), _opt_values(run, optimizer))
+
+
+def _opt_values(run: _Run, optimizer: nnx.Optimizer) -> PyTree:
+    """``nnx.as_pure(optimizer.opt_state)`` for a run whose steps update in place: its Variables found once
+    (``run.found["pre_opt"]``, while ``opt_state`` is the same object) and their values read (no tree map over
+    the optimizer's state a step, issue #35)."""
+    opt_state = optimizer.opt_state
+    entry = run.found.get("pre_opt")
+    if entry is None or entry.obj is not opt_state:
+        entry = _Found.of(opt_state, opt_state)
+        if entry is None:  # (not seen: a leaf that is not one Variable of one array)
+            return nnx.as_pure(opt_state)
+        run.found["pre_opt"] = entry
+    return jax.tree.unflatten(entry.treedef, entry.values())
 
 
 @dataclasses.dataclass
