@@ -154,6 +154,10 @@ def _mesh_type(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(str(err).removeprefix(f"--mesh {text!r}: ")) from None
 
 
+MATMUL_PRECISIONS = ("float32", "tf32", "bfloat16", "highest", "tensorfloat32")
+"""``--matmul-precision``'s choices: shardcheck's policies and JAX's names of the same precisions ('highest' is
+float32, 'tensorfloat32' tf32; :data:`shardcheck.parity.tolerance.matmul.JAX_NAMES`), JAX-free for the parser."""
+
 POSITIVE_FIXES = {
     "steps": "pass --steps 1 or more (at most the task's number of batches: a task file's default is all of them)",
     "batch_size": "pass --batch-size 1 or more (a multiple of the batch shards)",

@@ -7,6 +7,7 @@ import sys
 
 from shardcheck._catalog import COMPARED, DEFAULT_STRATEGY, REFERENCE, SUMMARIES
 from shardcheck.cli._common import (
+    MATMUL_PRECISIONS,
     HelpFormatter,
     add_mesh_argument,
     add_platform_argument,
@@ -92,10 +93,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--matmul-precision",
         default=None,
-        choices=("float32", "tf32", "bfloat16"),
+        choices=MATMUL_PRECISIONS,
         help="the precision of the run's float32 matmuls, stored in the recording (default: what the backend "
-        "uses: tf32 on a GPU, bfloat16 on a TPU, float32 on a CPU); verify --against compares within the "
-        "looser of the recording's and the replay's",
+        "uses: tf32 on a GPU, bfloat16 on a TPU, float32 on a CPU; JAX's 'tensorfloat32' and 'highest' are "
+        "tf32 and float32); verify --against compares within the looser of the recording's and the replay's",
     )
     p.add_argument("--out", required=True, metavar="PATH.npz", help="the recording to write")
     p.set_defaults(func=main, early_problem=_early_problem)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from shardcheck._catalog import CANDIDATES, COMPARED, REFERENCE, STRATEGY_SPECS
 from shardcheck.cli._common import (
+    MATMUL_PRECISIONS,
     HelpFormatter,
     add_mesh_argument,
     add_platform_argument,
@@ -150,10 +151,11 @@ def _add_check_arguments(p) -> None:
     p.add_argument(
         "--matmul-precision",
         default=None,
-        choices=("float32", "tf32", "bfloat16"),
-        help="the precision of the steps' float32 matmuls, for the tolerance: tf32 (a GPU's default), bfloat16 "
-        "(one pass: a TPU's default), float32 (a CPU, or 'highest') (default: what the backend uses for the steps; "
-        "the report names it)",
+        choices=MATMUL_PRECISIONS,
+        help="the precision of the steps' float32 matmuls, for the tolerance: tf32 (a GPU's default; JAX's "
+        "'tensorfloat32'), bfloat16 (one pass: a TPU's default), float32 (a CPU; JAX's 'highest') (default: what "
+        "the backend uses for the steps; the report names it, and says so when the stated one is coarser than "
+        "the backend's own: the tolerances are then the stated one's)",
     )
     p.add_argument(
         "--json", default=None, metavar="PATH|-", help="also write the reports as JSON ('-': stdout)"

@@ -87,20 +87,32 @@ def coarsest(*policies: str | None) -> str:
     return min(named, key=lambda p: MANTISSA[p]) if named else "float32"
 
 
+JAX_NAMES = {"highest": "float32", "tensorfloat32": "tf32"}
+"""``jax_default_matmul_precision``'s names of the same precisions as a policy (its ``"bfloat16"`` and ``"float32"``
+are the policies' own names); its ``"default"`` and ``"high"`` depend on the backend, so they name no policy."""
+
+
 def check_policy(fn: str, value) -> str | None:
-    """``value`` as a policy name (``None`` passes through).
+    """``value`` as a policy name (``None`` passes through): one of :data:`POLICIES`, or JAX's name of the same
+    precision (:data:`JAX_NAMES`: ``"highest"`` -> ``"float32"``, ``"tensorfloat32"`` -> ``"tf32"``), any case.
 
     Raises:
-        ValueError: ``value`` names none of :data:`POLICIES`.
+        ValueError: ``value`` names none of these (``"default"`` and ``"high"`` included: they depend on the
+            backend); the message lists what is accepted.
     """
     if value is None:
         return None
-    if not isinstance(value, str) or value.lower() not in MANTISSA:
+    key = value.lower() if isinstance(value, str) else None
+    if key in JAX_NAMES:
+        return JAX_NAMES[key]
+    if key not in MANTISSA:
+        jax_names = ", ".join(f"{name!r} ({policy})" for name, policy in JAX_NAMES.items())
         raise ValueError(
             f"{fn}: matmul_precision={value!r} is not a matmul precision; pass None (what the backend uses), "
-            f"{', '.join(repr(p) for p in POLICIES)}"
+            f"{', '.join(repr(p) for p in POLICIES)}, or JAX's {jax_names} ('default' and 'high' depend on the "
+            "backend: pass None, or the precision it computes)"
         )
-    return value.lower()
+    return key
 
 
 def _platform_family(platform: str) -> str:
@@ -424,4 +436,18 @@ def resolve(fn: str, requested, loss_fn, model, batch, mesh) -> tuple[str, str, 
         source = f"the backend's ({names}) for this step"
     else:
         policy, source = requested, "set by the caller"
+        if MANTISSA[requested] < MANTISSA[ref_policy]:  # trial 49: tf32 on a CPU loosened the tolerances silently
+            own = ref_policy if platforms == ref_platforms else backend_default(loss_fn, model, batch, platforms)
+            if MANTISSA[requested] < MANTISSA[own]:
+                source = coarser_source(requested, own, platforms)
     return policy, source, "float32" if ref_policy == policy else policy
+
+
+def coarser_source(requested: str, own: str, platforms) -> str:
+    """The source of a stated policy coarser than the backends' own (``"set by the caller; coarser than the
+    backend's own (float32 on cpu): the tolerances are tf32's"``): the report's and ``--json``'s words for why the
+    tolerances are wider than the backend's computation needs. ``platforms``: ``{(platform, capability)}``."""
+    names = "/".join(sorted({_platform_family(p) for p, _ in platforms}))
+    return (
+        f"set by the caller; coarser than the backend's own ({own} on {names}): the tolerances are {requested}'s"
+    )
