@@ -14,12 +14,13 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceKind:
-    """A named accelerator's memory: the vendor's figure, in bytes.
+    """A named accelerator's memory, in bytes.
 
     Attributes:
         name: the key (``"h100"``).
-        label: in words (``"NVIDIA H100 SXM 80 GB"``).
-        memory_bytes: the memory per device, as the vendor states it (GiB as 2**30, GB as 10**9).
+        label: in words, with the figure used (``"NVIDIA H100 80GB HBM3, 81,559 MiB"``).
+        memory_bytes: the memory per device, bytes: a GPU's total as its driver reports it (``nvidia-smi``'s
+            ``memory.total``, MiB as 2**20 bytes), a TPU's HBM as Google states it (GiB as 2**30).
         source: where the number comes from.
     """
 
@@ -29,23 +30,38 @@ class DeviceKind:
     source: str
 
 
-GiB, GB = 2**30, 10**9
+MiB, GiB, GB = 2**20, 2**30, 10**9
+_SMI = "nvidia-smi's memory.total"
 DEVICE_KINDS: dict[str, DeviceKind] = {
     kind.name: kind
     for kind in (
         DeviceKind(
-            "h100", "NVIDIA H100 80 GB", 80 * GiB, "NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3"
+            "h100",
+            "NVIDIA H100 80GB HBM3, 81,559 MiB",
+            81_559 * MiB,
+            f"{_SMI} on an H100 SXM; the datasheet's 80 GB HBM3",
         ),
         DeviceKind(
-            "h200", "NVIDIA H200 141 GB", 141 * GB, "NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e"
+            "h200",
+            "NVIDIA H200, 143,771 MiB",
+            143_771 * MiB,
+            f"{_SMI} on the H200 benchmarks/gpu_results.json was measured on; the datasheet's 141 GB HBM3e",
         ),
         DeviceKind(
-            "a100-40gb", "NVIDIA A100 40 GB", 40 * GiB, "NVIDIA A100 Tensor Core GPU datasheet: 40 GB HBM2"
+            "a100-40gb",
+            "NVIDIA A100 40GB, 40,960 MiB",
+            40_960 * MiB,
+            f"{_SMI} on an A100 SXM4 40GB; the datasheet's 40 GB HBM2",
         ),
         DeviceKind(
-            "a100-80gb", "NVIDIA A100 80 GB", 80 * GiB, "NVIDIA A100 Tensor Core GPU datasheet: 80 GB HBM2e"
+            "a100-80gb",
+            "NVIDIA A100 80GB, 81,920 MiB",
+            81_920 * MiB,
+            f"{_SMI} on an A100 SXM4 80GB; the datasheet's 80 GB HBM2e",
         ),
-        DeviceKind("l4", "NVIDIA L4 24 GB", 24 * GiB, "NVIDIA L4 Tensor Core GPU datasheet: 24 GB GDDR6"),
+        DeviceKind(
+            "l4", "NVIDIA L4, 23,034 MiB", 23_034 * MiB, f"{_SMI} on an L4; the datasheet's 24 GB GDDR6"
+        ),
         DeviceKind(
             "tpu-v4", "Google TPU v4 32 GiB", 32 * GiB, "Google Cloud TPU v4 documentation: 32 GiB HBM2"
         ),
@@ -57,8 +73,13 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         ),
     )
 }
-"""Named device kinds for ``--device-memory``; the memory is the vendor's nominal figure per device (what a
-program can really use is somewhat less: the runtime and, on GPU, the CUDA context keep some)."""
+"""Named device kinds for ``--device-memory``. A GPU's figure is the memory its driver reports (``nvidia-smi
+--query-gpu=memory.total``, in MiB: H100 80GB HBM3 81,559 MiB = 85,520,809,984 B; A100 80GB 81,920 MiB and 40GB
+40,960 MiB; L4 23,034 MiB = 24,152,899,584 B; H200 143,771 MiB = 150,754,820,096 B, the figure recorded with the
+measurements in benchmarks/gpu_results.json), not the datasheet's round number, whose GB (10**9: H200 141 GB,
+L4 24 GB) and GiB readings differ by up to 7%; a TPU's is Google's HBM in GiB. What a program can really use is
+somewhat less: the runtime and, on GPU, the CUDA context keep some. The GPU target configs
+(``gpu_targets/*.txtpb``, ``device_memory_size``) carry the same bytes."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib": 2**10, "mib": 2**20}
 _UNITS.update({"gib": GiB, "tib": 2**40, "k": 10**3, "m": 10**6, "g": GB, "t": 10**12})
