@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -280,6 +282,19 @@ def first_probe_sizes(mesh: jax.sharding.Mesh, strategy: str = "fsdp") -> list[i
     return [n, 2 * n]
 
 
+MAX_ROWS_PER_SHARD = 2**16
+"""The most rows per batch shard :func:`largest_batch_that_fits` compiles by default (65,536: a global batch of
+``n * 65,536`` rows). Without a cap a small model's line through its first two peaks predicted 10^7-10^9 rows
+for a 16 GiB device, and XLA compiled batches of that size for minutes, constant-folding per-row arrays (trial
+49: an MLP with LayerNorm was killed after 120 s, "largest batch that fits: 386933968"). A cap that fits is
+reported as a lower bound ("at least", :func:`search_bounds`)."""
+
+SEARCH_SECONDS = 60.0
+"""The CLI's wall-time budget of the largest-batch search after the report's compile, seconds: a round (one or
+two compiles) starts only while the time spent so far plus the last round's time is within it (issue #35 asks for
+an answer within a minute); an answer cut short is a bound, said so (:func:`search_bounds`)."""
+
+
 def largest_batch_that_fits(
     task: Task,
     mesh: jax.sharding.Mesh,
@@ -288,23 +303,27 @@ def largest_batch_that_fits(
     strategy: str = "fsdp",
     max_compiles: int = 8,
     known: dict[int, int] | None = None,
+    max_batch_size: int | None = None,
+    time_budget_s: float | None = None,
+    progress: Callable[[list[int], float], None] | None = None,
 ) -> tuple[int, dict[int, int]]:
     """The largest global batch whose step fits ``device_memory_bytes`` per device, found by compiling it.
 
     Batches are multiples of ``n``, the mesh's batch shards (:func:`shardcheck.mesh.data_shards`; one row per
-    shard at least; ``n = 1`` for ``"replicated"``). The step is compiled ahead of time
-    (:func:`compile_ahead_of_time`) at ``n`` and ``2n``. A step's peak grows about linearly with the batch (the
-    state is fixed; activations and the batch grow by the row), so the line through the two largest fitting
-    peaks predicts the largest fitting multiple of ``n``; it is compiled with the next multiple above it. Once a
-    size fails, the line through the largest fitting and the smallest failing peak predicts again (regula falsi
-    over multiples of ``n``), until the two are ``n`` apart; the two sizes of each round compile at once
-    (:func:`compile_batch_sizes`: XLA compiles outside the GIL, the abstract state is traced once), the size above
-    left out when it could only confirm a failure, at most ``max_compiles`` compiles in all (``known`` peaks are
-    not compiled again: the CLI compiles :func:`first_probe_sizes` beside the report's own size and passes them).
-    The answer is exact within the sizes tried: every size up to it that was compiled fits, and the next
-    multiple of ``n`` above it was compiled and does not fit, unless the compile budget ran out first (then it
-    is a lower bound). The 1b tiny-lm for an H100 target (deviceless) takes 5 compiles in three rounds beside
-    the report's own (tests/test_memory_aot.py replays its peaks).
+    shard at least; ``n = 1`` for ``"replicated"``), up to ``max_batch_size``. The step is compiled ahead of time
+    (:func:`compile_ahead_of_time`) at ``n`` and ``2n``. A step's peak is affine in the batch for a fixed program
+    shape (the state is fixed; activations and the batch grow by the row), so the line through the two largest
+    fitting peaks predicts the largest fitting multiple of ``n``; it is compiled with the next multiple above it
+    (the cap alone, where the line crosses above the cap). Once a size fails, the line through the largest fitting
+    and the smallest failing peak predicts again (regula falsi over multiples of ``n``), until the two are ``n``
+    apart; the two sizes of each round compile at once (:func:`compile_batch_sizes`: XLA compiles outside the GIL,
+    the abstract state is traced once), the size above left out when it could only confirm a failure, at most
+    ``max_compiles`` compiles in all (``known`` peaks are not compiled again: the CLI compiles
+    :func:`first_probe_sizes` beside the report's own size and passes them). The answer is exact within the
+    sizes tried where the next multiple of ``n`` above it was compiled and does not fit; it is a lower bound where
+    the cap fits, or the compile or time budget ran out first (:func:`search_bounds` tells which). The 1b tiny-lm
+    for an H100 target (deviceless) takes 5 compiles in three rounds beside the report's own
+    (tests/test_memory_aot.py replays its peaks).
 
     Args:
         task, mesh, strategy: as :func:`compile_ahead_of_time` (``mesh`` may be a target GPU's,
@@ -313,6 +332,11 @@ def largest_batch_that_fits(
         max_compiles: the most compiles, >= 1.
         known: ``{batch_size: peak_bytes}`` already compiled for this task, mesh and strategy (e.g. the
             report's own compile), reused.
+        max_batch_size: the largest global batch compiled (rows), rounded down to a multiple of ``n``, at least
+            ``n``; default ``n *`` :data:`MAX_ROWS_PER_SHARD`.
+        time_budget_s: wall seconds; a round starts only while the seconds spent plus the last round's are
+            within it (the first round always runs). None: no time limit.
+        progress: called before each round that compiles, with its sizes and the seconds spent so far.
 
     Returns:
         ``(batch_size, peaks)``: the largest fitting batch (0 when even ``n`` rows do not fit: the state alone,
@@ -325,38 +349,66 @@ def largest_batch_that_fits(
     fn = "largest_batch_that_fits"
     _validate.check_int(fn, "max_compiles", max_compiles, example="max_compiles=8")
     n = 1 if one_device(strategy) else data_shards(mesh)
+    cap = max(n, (max_batch_size or n * MAX_ROWS_PER_SHARD) // n * n)
     known = dict(known or {})
     peaks: dict[int, int] = {}
-    compiles = 0
+    clock = {"start": time.monotonic(), "round": 0.0, "compiles": 0}
 
     def compile_all(sizes: list[int]) -> None:
         """The peaks of ``sizes`` not known yet, two compiled at once (XLA compiles outside the GIL)."""
-        nonlocal compiles
-        todo = [b for b in dict.fromkeys(sizes) if b not in peaks and b not in known][
-            : max_compiles - compiles
-        ]
+        todo = [b for b in dict.fromkeys(sizes) if b not in peaks and b not in known]
+        todo = todo[: max_compiles - clock["compiles"]]
         peaks.update({b: known[b] for b in sizes if b in known})
         if todo:
+            began = time.monotonic()
+            if progress is not None:
+                progress(todo, began - clock["start"])
             found = compile_batch_sizes(task, mesh, todo, strategy=strategy)
             peaks.update({b: found[b].peak_bytes for b in todo})
-        compiles += len(todo)
-
-    def fits(b: int) -> bool:
-        compile_all([b])
-        return peaks[b] <= device_memory_bytes
+            clock["round"] = time.monotonic() - began
+        clock["compiles"] += len(todo)
 
     def budget() -> bool:
-        return compiles < max_compiles
+        spent = time.monotonic() - clock["start"]
+        in_time = time_budget_s is None or spent + clock["round"] <= time_budget_s
+        return clock["compiles"] < max_compiles and in_time
 
-    compile_all(first_probe_sizes(mesh, strategy) if max_compiles > 1 else [n])
-    if not fits(n):
+    compile_all([b for b in first_probe_sizes(mesh, strategy) if b <= cap] if max_compiles > 1 else [n])
+    compile_all([n])
+    if peaks[n] > device_memory_bytes:
         return 0, {n: peaks[n]}
     while True:
         good = max(b for b, p in peaks.items() if p <= device_memory_bytes)
         bad = min((b for b, p in peaks.items() if p > device_memory_bytes and b > good), default=None)
-        if (bad is not None and bad - good <= n) or not budget():
+        if (bad is not None and bad - good <= n) or good >= cap or not budget():
             return good, peaks
-        compile_all(_next_sizes(peaks, good, bad, n, device_memory_bytes))
+        sizes = [min(b, cap) for b in _next_sizes(peaks, good, bad, n, device_memory_bytes)]
+        compile_all([b for b in dict.fromkeys(sizes) if b not in peaks])
+
+
+def search_bounds(largest: int, peaks: dict[int, int], device_memory_bytes: int, step: int) -> dict:
+    """Whether :func:`largest_batch_that_fits`'s answer is exact or a lower bound, for the report and ``--json``.
+
+    Args:
+        largest, peaks: its answer (rows) and ``{batch_size: peak_bytes}``.
+        device_memory_bytes: the memory it searched for, bytes.
+        step: ``n``, the batch shards (:func:`first_probe_sizes`'s first size).
+
+    Returns:
+        ``{"largest_batch_size": largest, "largest_batch_is_lower_bound": bool, "smallest_failing_batch_size":
+        int | None}``: a lower bound unless ``largest`` is 0 or ``largest + step`` was compiled and does not fit
+        (every size compiled fits: the cap or the budget stopped the search; or the budget stopped it between a
+        fitting and a failing size more than ``step`` apart); the smallest compiled size above ``largest`` that
+        does not fit, None where none was compiled.
+    """
+    failing = [b for b, p in peaks.items() if p > device_memory_bytes and b > largest]
+    above = peaks.get(largest + step)
+    exact = largest == 0 or (above is not None and above > device_memory_bytes)
+    return {
+        "largest_batch_size": largest,
+        "largest_batch_is_lower_bound": not exact,
+        "smallest_failing_batch_size": min(failing, default=None),
+    }
 
 
 def _next_sizes(peaks: dict[int, int], good: int, bad: int | None, n: int, memory: int) -> list[int]:

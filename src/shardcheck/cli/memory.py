@@ -506,16 +506,39 @@ def render_fit(strategy, verdict, largest, peaks, batch_size) -> str:
     tried = ", ".join(f"{b}: {_beside(p, limit)}" for b, p in sorted(peaks.items()))
     if any(human_bytes(p) == human_bytes(limit) for p in peaks.values()):
         tried += f"; the limit {limit:,} B"
-    if not largest:
-        best = "no batch fits (even one row per device)"
-    elif all(p <= verdict.device_memory_bytes for p in peaks.values()):
-        best = f"largest batch that fits: at least {largest} (every size compiled fits; the search stopped there)"
-    else:
-        best = f"largest batch that fits: {largest}"
+    best = _largest_text(largest, peaks, limit)
     return (
         f"{strategy}, batch {batch_size}: {word} on {verdict.device}: peak {human_bytes(verdict.peak_bytes)} of "
         f"{human_bytes(verdict.device_memory_bytes)}, {headroom}; largest parts: {parts}. {best} (peaks compiled: "
         f"{tried})"
+    )
+
+
+def _largest_text(largest: int, peaks: dict[int, int], limit: int) -> str:
+    """The largest batch in words: exact, or a lower bound said so (the cap, or the search's budget, stopped it;
+    :func:`shardcheck.ahead_of_time.search_bounds`, with ``n`` the smallest size compiled)."""
+    from shardcheck.ahead_of_time import MAX_ROWS_PER_SHARD, search_bounds
+
+    if not largest:
+        return "no batch fits (even one row per device)"
+    step = min(peaks)
+    bounds = search_bounds(largest, peaks, limit, step)
+    if not bounds["largest_batch_is_lower_bound"]:
+        return f"largest batch that fits: {largest}"
+    failing = bounds["smallest_failing_batch_size"]
+    if failing is not None:
+        return (
+            f"largest batch that fits: at least {largest}, fewer than {failing} (the search's time or compile "
+            "budget ran out between them)"
+        )
+    if largest >= step * MAX_ROWS_PER_SHARD:
+        return (
+            f"largest batch that fits: at least {largest}, the largest searched (every size compiled fits; the "
+            f"search compiles at most {MAX_ROWS_PER_SHARD:,} rows per batch shard)"
+        )
+    return (
+        f"largest batch that fits: at least {largest} (every size compiled fits; the search's time or compile "
+        "budget ran out)"
     )
 
 
@@ -609,7 +632,7 @@ def main_mesh(args) -> int:
         configure_devices(max(size, args.devices or 0))
     except ValueError as e:
         return _fail(f"{name}: {e}")
-    from shardcheck import ahead_of_time, device_memory, memory
+    from shardcheck import memory
     from shardcheck.cli._common import mesh_from_args
 
     strategy = args.strategy or DEFAULT_STRATEGY
@@ -626,14 +649,7 @@ def main_mesh(args) -> int:
         measured = {}
         if args.measure:
             measured = {s: memory.measure_memory(task, strategy=s, mesh=run_mesh) for s in strategies}
-        fits = {}
-        if device is not None:
-            for s in strategies:
-                known = {b: m.peak_bytes for b, m in compiled[s].items()}
-                largest, peaks = ahead_of_time.largest_batch_that_fits(
-                    task, mesh, device[0], strategy=s, known=known
-                )
-                fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
+        fits = _fits(task, mesh, compiled, aot, device) if device is not None else {}
     except (ValueError, TypeError) as e:  # the library's messages, named by the command (trial 12)
         return _fail(re.sub(r"^(estimate_memory|measure_memory): ", f"{name}: ", str(e)))
     except Exception as e:  # the user's loss_fn raising while the step is lowered: bad input, not a crash
@@ -645,6 +661,41 @@ def main_mesh(args) -> int:
         )
     args.shards = mesh.size
     return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
+
+
+def _fits(task, mesh, compiled, aot, device) -> dict:
+    """Each strategy's ``(verdict, largest batch, peaks)``: the largest-batch search within
+    :data:`shardcheck.ahead_of_time.SEARCH_SECONDS`, its progress on stderr, the compiles already made reused."""
+    from shardcheck import ahead_of_time, device_memory
+
+    fits = {}
+    for s in compiled:
+        largest, peaks = ahead_of_time.largest_batch_that_fits(
+            task,
+            mesh,
+            device[0],
+            strategy=s,
+            known={b: m.peak_bytes for b, m in compiled[s].items()},
+            time_budget_s=ahead_of_time.SEARCH_SECONDS,
+            progress=_search_progress(s),
+        )
+        fits[s] = (device_memory.fit_verdict(aot[s], device[0], device[1]), largest, peaks)
+    return fits
+
+
+def _search_progress(strategy: str):
+    """The largest-batch search's progress line on stderr, one a round: the sizes it compiles and the seconds so
+    far (trial 49: minutes of silence; stdout, and --json's document, stay as they were)."""
+
+    def report(sizes: list[int], seconds: float) -> None:
+        print(
+            f"shardcheck memory: {strategy}: largest-batch search compiling batch "
+            f"{', '.join(str(b) for b in sizes)} ({seconds:.0f} s so far)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return report
 
 
 def _compiled(name: str, task, mesh, strategy, batch, device) -> dict:
@@ -910,10 +961,13 @@ def _strategy_json(est, measured=None, aot=None, fit=None, *, task=None) -> dict
     if aot is not None:
         entry["ahead_of_time"] = aot.to_json()
     if fit is not None:
+        from shardcheck.ahead_of_time import search_bounds
+
         verdict, largest, peaks = fit
+        step = min(peaks) if peaks else 1  # n, the batch shards: the search compiles it first
         entry["device_memory"] = {
             **verdict.to_json(),
-            "largest_batch_size": largest,
+            **search_bounds(largest, peaks, verdict.device_memory_bytes, step),
             "peak_bytes_by_batch_size": {str(b): p for b, p in sorted(peaks.items())},
         }
     return entry
