@@ -114,7 +114,7 @@ def test_cli_refuses_a_target_it_cannot_compile_for(capsys):
 @pytest.mark.parametrize(
     "target, device_memory, kind",
     [(None, "H100", "h100"), (None, "a100_80gb", "a100-80gb"), (None, "80GiB", None), (None, "tpu-v5e", None)]
-    + [("L4", None, "l4"), ("h200", "h100", "h200"), (None, None, None)],
+    + [("L4", None, "l4"), ("h200", "80GiB", "h200"), ("h200", "H200", "h200"), (None, None, None)],
 )
 def test_which_gpu_the_step_is_compiled_for(target, device_memory, kind):
     """``--target``, else a GPU kind named by ``--device-memory``; a size or a TPU kind compiles on XLA:CPU."""
@@ -123,6 +123,16 @@ def test_which_gpu_the_step_is_compiled_for(target, device_memory, kind):
     from shardcheck.cli.memory import _gpu_target_kind
 
     assert _gpu_target_kind(Namespace(target=target, device_memory=device_memory)) == kind
+
+
+def test_a_device_memory_kind_other_than_the_target_is_refused():
+    """Trial 49: ``--device-memory h100 --target h200`` gave the H100's fit and never mentioned the H200."""
+    from argparse import Namespace
+
+    from shardcheck.cli.memory import _gpu_target_kind
+
+    with pytest.raises(ValueError, match="--device-memory h100 and --target h200 name different devices"):
+        _gpu_target_kind(Namespace(target="h200", device_memory="h100"))
 
 
 def test_target_needs_a_mesh(capsys):

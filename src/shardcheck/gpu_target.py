@@ -102,6 +102,41 @@ def prepare_environment(environ: MutableMapping[str, str] = os.environ) -> None:
     environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
+CUDA_DRIVER = "libcuda.so.1"
+"""The CUDA driver library; a machine where it cannot be loaded has no GPU the CUDA plugin could use."""
+
+
+def cuda_driver_loadable() -> bool:
+    """Whether the CUDA driver (:data:`CUDA_DRIVER`) loads in this process (on a GPU host the plugin loads it
+    anyway); False on a CPU-only machine."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(CUDA_DRIVER)
+    except OSError:
+        return False
+    return True
+
+
+def quiet_without_cuda(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Keep the CUDA plugin's start-up traceback off a CPU-only machine; call before JAX starts its backends.
+
+    With the plugin installed (``shardcheck[gpu-aot]``) and no CUDA driver, JAX's plugin discovery logs ~25
+    lines ("Jax plugin configuration error ... Unable to load CUDA. Is it installed?") in every process. Here
+    :func:`prepare_environment` runs instead: the plugin registers without its CUDA version check, finds no
+    device, and JAX's default backend stays ``cpu``, as without the plugin. On a GPU host (the driver loads),
+    with ``JAX_PLATFORMS`` set, or without the plugin nothing changes: the plugin still checks CUDA's versions
+    and the GPU is JAX's default backend.
+
+    Returns:
+        Whether the environment was prepared (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK`` set when it was not).
+    """
+    if environ.get("JAX_PLATFORMS", "").strip() or not plugin_installed() or cuda_driver_loadable():
+        return False
+    prepare_environment(environ)
+    return True
+
+
 def plugin_version() -> str | None:
     """The installed ``jax-cuda12-plugin``'s version (from its metadata: nothing imported), or None."""
     from importlib import metadata

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(_command_in(argv))  # only the module of the subcommand that runs
     args = parser.parse_args(argv)
     command = f"shardcheck {args.command}"
+    from shardcheck.gpu_target import quiet_without_cuda
+
+    quiet_without_cuda()  # before JAX starts: no CUDA plugin traceback on a CPU-only machine (trial 49)
     try:  # before any work: an output that cannot be written is refused now, not after the computation
         check_outputs_apart(command, args)  # first: an output over an input is named as such
         for flag in OUTPUT_FLAGS:

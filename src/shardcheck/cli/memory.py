@@ -16,6 +16,7 @@ the real step is compiled ahead of time on abstract inputs for ``--batch-size`` 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 
@@ -154,8 +155,9 @@ def _add_mesh_arguments(p) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="global batch of the ahead-of-time compile with --mesh, a multiple of the mesh size (shapes only: "
-        "never allocated; default: the task's first batch, rounded up to a multiple of the mesh size)",
+        help="global batch of the ahead-of-time compile with --mesh, of any task (a task file's too), a multiple "
+        "of the mesh size (shapes only: never allocated; default: the task's first batch, rounded up to a "
+        "multiple of the mesh size)",
     )
     p.add_argument(
         "--device-memory",
@@ -183,7 +185,8 @@ def _add_output_arguments(p) -> None:
         type=int,
         default=None,
         metavar="B",
-        help="batch size of the measured step (default: 8 per shard; with a built-in --task: the task's)",
+        help="batch size of the measured step (default: 8 per shard; with a built-in --task: the task's; not with "
+        "a task file, which brings its own batches)",
     )
     p.add_argument(
         "--devices",
@@ -265,6 +268,34 @@ def _check_arguments(args) -> str | None:
         )
     if args.mesh is None and args.strategy in MESH_ONLY:
         return f"{name}: --strategy {args.strategy} needs --mesh (e.g. --mesh data=2,fsdp=4)"
+    return _device_count_problem(args)
+
+
+def _device_count_problem(args) -> str | None:
+    """The problem of a ``--devices`` that the device count set elsewhere contradicts, or None: with ``--mesh``
+    the mesh's size (as ``verify`` refuses it), with ``--measure`` the shard count ``--shards`` (the measured
+    mesh is fsdp=S); trial 49: both were ignored, or the fix named only one side."""
+    name = "shardcheck memory"
+    if args.devices is None:
+        return None
+    if args.mesh is not None:
+        from shardcheck._mesh_text import parse_mesh  # JAX-free; a malformed --mesh is refused later
+
+        try:
+            size = math.prod(parse_mesh(args.mesh).values())
+        except ValueError:
+            return None
+        if args.devices != size:
+            return (
+                f"{name}: --mesh {args.mesh} has {size} devices but --devices {args.devices} was given; they "
+                "must agree (drop --devices: --mesh sets it)"
+            )
+        return None
+    if args.measure and args.shards is not None and args.devices != args.shards:
+        return (
+            f"{name}: --shards {args.shards} and --devices {args.devices} disagree: --measure runs each strategy "
+            f"on S = --shards devices; pass the same number to both (or drop --devices: it defaults to --shards)"
+        )
     return None
 
 
@@ -349,7 +380,6 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         return 0  # under `shardcheck launch` every process computed the same figures; process 0 alone reports
     console = console_for(args)
     console.print(render_table(args, estimates, task, mesh))
-    choice = getattr(args, "device_choice", None)  # None: nothing ran on a device (estimates only)
     if aot:
         console.print(render_aot(estimates, aot))
         note = next(iter(aot.values())).backend_note
@@ -393,15 +423,53 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         style="dim",
         highlight=False,
     )
-    if choice is not None:
-        console.print(choice.line(), highlight=False)
+    devices = _print_devices(console, args, mesh)
     document = report_json(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
     if rule is not None:
         document["strategies"][DEFAULT_STRATEGY]["unannotated_split"] = rule
-    write_json(document | ({} if choice is None else {"devices": choice.to_dict()}), args.json)
+    write_json(document | devices, args.json)
     if args.plot:
         memory_plot(estimates, measured, args.plot, title=_title(args, task, mesh), aot=aot)
     return 0
+
+
+def _print_devices(console, args, mesh) -> dict:
+    """Print the report's ``devices:`` line; return ``--json``'s ``{"devices": {...}}`` (``{}`` when nothing ran
+    or compiled on devices: the estimates alone).
+
+    The devices a step ran or compiled on (``args.device_choice``); for a deviceless compile (``--target``, a GPU
+    ``--device-memory``, the plugin installed) the compile-only GPU devices: ``"devices: 4 x gpu, compiled for
+    h100 (XLA:GPU, deviceless: ...)"`` and ``"devices"`` with ``deviceless: true`` and ``target``, and beside a
+    ``--measure`` mesh, a ``compiled for:`` line and ``"compiled_for"`` (trial 49: ``--target`` had neither).
+    """
+    out = {}
+    choice = getattr(args, "device_choice", None)  # None: nothing ran on a device
+    if choice is not None:
+        console.print(choice.line(), highlight=False)
+        out["devices"] = choice.to_dict()
+    compiler = getattr(args, "compiler", None) or {}
+    if compiler.get("deviceless") and mesh is not None:
+        import jax
+
+        kind = compiler["target"]
+        why = f"compiled for {kind} (XLA:GPU, deviceless: compile-only devices of the jax CUDA plugin; nothing ran)"
+        devices = {
+            "platform": "gpu",
+            "device_kind": str(mesh.devices.flat[0].device_kind),
+            "count": int(mesh.size),
+            "fake": False,
+            "host_platform": jax.default_backend(),
+            "host_count": jax.device_count(),
+            "requested": None,
+            "single_device": None,
+            "why": why,
+            "deviceless": True,
+            "target": kind,
+        }
+        word = "compiled for:" if choice is not None else "devices:"
+        console.print(f"{word} {mesh.size} x gpu, {why}", highlight=False)
+        out["compiled_for" if choice is not None else "devices"] = devices
+    return out
 
 
 def _rule_splits(estimates, task, mesh, shards) -> dict | None:
@@ -604,6 +672,13 @@ def _mesh_arguments(args):
         raise ValueError(
             f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
         )
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.batch is not None and args.task not in BUILTIN_TASKS:  # trial 49: the refusal named --batch-size
+        raise ValueError(
+            f"{name}: --batch applies to a built-in --task only; a task file brings its own batches (--batch-size "
+            "sets the global batch of the ahead-of-time compile, for a task file too)"
+        )
     return axes, device
 
 
@@ -735,10 +810,13 @@ def _gpu_target_kind(args) -> str | None:
     """The GPU the ``--mesh`` step is compiled for: ``--target``, else a GPU kind named by ``--device-memory``.
 
     Raises:
-        ValueError: ``--target`` names no GPU shardcheck can compile for.
+        ValueError: ``--target`` names no GPU shardcheck can compile for; ``--device-memory`` names another device
+            kind than ``--target`` (trial 49: the report gave the h100 verdict and never mentioned --target h200).
     """
+    from shardcheck.device_memory import DEVICE_KINDS
     from shardcheck.gpu_target import GPU_TARGETS
 
+    memory_kind = (args.device_memory or "").strip().lower().replace("_", "-").replace(" ", "")
     if args.target is not None:
         key = args.target.strip().lower().replace("_", "-")
         if key not in GPU_TARGETS:
@@ -746,9 +824,14 @@ def _gpu_target_kind(args) -> str | None:
                 f"--target {args.target!r} is not a GPU shardcheck can compile for; use one of "
                 f"{', '.join(GPU_TARGETS)} (TPU kinds size with --device-memory, compiled by XLA:CPU)"
             )
+        if memory_kind in DEVICE_KINDS and memory_kind != key:
+            raise ValueError(
+                f"--device-memory {args.device_memory} and --target {args.target} name different devices; name "
+                f"one: --device-memory {key} (compiles for {key} and gives its fit), or --target {key} with "
+                "--device-memory as a size (e.g. 80GiB)"
+            )
         return key
-    key = (args.device_memory or "").strip().lower().replace("_", "-").replace(" ", "")
-    return key if key in GPU_TARGETS else None
+    return memory_kind if memory_kind in GPU_TARGETS else None
 
 
 def _compiler(kind: str | None, deviceless: bool) -> dict:
