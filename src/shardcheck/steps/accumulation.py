@@ -186,12 +186,16 @@ def _wrapped_optimizer(model: nnx.Module, optimizer: nnx.Optimizer, k: int) -> n
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
 
+    # MultiSteps accumulates in its private accumulator_dtype (float32 by default: bfloat16 parameters' gradients
+    # are summed in float32; None: each parameter's dtype), as zeros_like(params, dtype=...) in its init
+    accumulator_dtype = getattr(multi, "_accumulator_dtype", jnp.float32)
+
     def init(params):  # optax.MultiSteps.init's state (its skip_state: the default skip function's ())
         return optax.MultiStepsState(
             mini_step=jnp.zeros([], dtype=jnp.int32),
             gradient_step=jnp.zeros([], dtype=jnp.int32),
             inner_opt_state=inner,
-            acc_grads=optax.tree.zeros_like(params),
+            acc_grads=optax.tree.zeros_like(params, dtype=accumulator_dtype),
             skip_state=(),
         )
 
