@@ -251,7 +251,9 @@ def test_a_correct_step_at_a_coarse_precision_passes_under_it_and_fails_under_fl
     assert report.matmul_precision == policy and f"matmuls {policy}: gradients + 4" in report.tolerance_rule
     assert report.to_dict()["matmul_precision"] == policy
     coarser = f"coarser than the backend's own (float32 on cpu): the tolerances are {policy}'s"  # trial 49
-    assert f"matmul precision assumed: {policy} (set by the caller; {coarser})" in " ".join(str(report).split())
+    assert f"matmul precision assumed: {policy} (set by the caller; {coarser})" in " ".join(
+        str(report).split()
+    )
     assert report.to_dict()["matmul_precision_source"] == f"set by the caller; {coarser}"
     wrong = check_parity(candidate, lm(), mesh=mesh, num_shards=2)  # the CPU's own: float32
     assert wrong.verdict == "FAIL" and wrong.matmul_precision == "float32", str(wrong)

@@ -51,7 +51,9 @@ task = shardcheck.Task(
 
 def _with_plugin(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python ARGV`` with the plugin's folder on ``PYTHONPATH`` and no JAX platform or CUDA check settings."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+    }
     folder = _plugin_folder()
     if folder:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH", "")) if p)
@@ -70,11 +72,29 @@ def _err(capsys) -> str:
 @pytest.mark.parametrize(
     ("installed", "driver", "environ", "prepared", "after"),
     [
-        (True, False, {}, True, {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}),  # a CPU-only machine with the plugin
+        (
+            True,
+            False,
+            {},
+            True,
+            {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"},
+        ),  # a CPU-only machine with the plugin
         (True, True, {}, False, {}),  # a GPU host: the plugin checks CUDA's versions as it always did
-        (True, False, {"JAX_PLATFORMS": "cpu"}, False, {"JAX_PLATFORMS": "cpu"}),  # JAX skips the plugin's check
+        (
+            True,
+            False,
+            {"JAX_PLATFORMS": "cpu"},
+            False,
+            {"JAX_PLATFORMS": "cpu"},
+        ),  # JAX skips the plugin's check
         (False, False, {}, False, {}),  # no plugin: nothing to quiet
-        (True, False, {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "0"}, True, {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "0"}),
+        (
+            True,
+            False,
+            {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "0"},
+            True,
+            {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "0"},
+        ),
     ],
 )
 def test_quiet_without_cuda_prepares_only_a_machine_without_the_driver(
@@ -191,11 +211,27 @@ def test_memory_takes_agreeing_flags(capsys):
     """The other way: the same kind twice, and --devices equal to the mesh's or the shards' count, run."""
     assert main(["memory", "--in", "64", "--out", "64", "--shards", "2", "--measure", "--devices", "2"]) == 0
     assert "devices: 2 x cpu" in capsys.readouterr().out
-    assert main(["memory", "--in", "64", "--out", "64", "--shards", "4", "--devices", "2"]) == 0  # nothing runs
+    assert (
+        main(["memory", "--in", "64", "--out", "64", "--shards", "4", "--devices", "2"]) == 0
+    )  # nothing runs
     capsys.readouterr()
     if gpu_target.plugin_installed():
-        pytest.skip("the plugin is installed in this environment: --target compiles deviceless (tested below)")
-    args = ["memory", "--size", "tiny", "--mesh", "fsdp=2", "--devices", "2", "--strategy", "fsdp", "--json", "-"]
+        pytest.skip(
+            "the plugin is installed in this environment: --target compiles deviceless (tested below)"
+        )
+    args = [
+        "memory",
+        "--size",
+        "tiny",
+        "--mesh",
+        "fsdp=2",
+        "--devices",
+        "2",
+        "--strategy",
+        "fsdp",
+        "--json",
+        "-",
+    ]
     assert main([*args, "--device-memory", "H100", "--target", "h100"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["compiler"]["target"] == "h100" and report["compiler"]["name"] == "XLA:CPU"
@@ -229,7 +265,9 @@ def test_verify_takes_highest_as_float32_and_says_so_in_help(capsys):
     with pytest.raises(SystemExit):
         main(["verify", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "tf32 (a GPU's default; JAX's 'tensorfloat32')" in text and "float32 (a CPU; JAX's 'highest')" in text
+    assert (
+        "tf32 (a GPU's default; JAX's 'tensorfloat32')" in text and "float32 (a CPU; JAX's 'highest')" in text
+    )
     with pytest.raises(SystemExit):
         main(["verify", "--matmul-precision", "high"])
     assert "invalid choice: 'high'" in capsys.readouterr().err
@@ -238,7 +276,9 @@ def test_verify_takes_highest_as_float32_and_says_so_in_help(capsys):
 # ---------------------------------------------------------------------------------- 5. coarser than the backend
 
 
-COARSER_ON_CPU = "set by the caller; coarser than the backend's own (float32 on cpu): the tolerances are tf32's"
+COARSER_ON_CPU = (
+    "set by the caller; coarser than the backend's own (float32 on cpu): the tolerances are tf32's"
+)
 
 
 @require_devices(2)
@@ -258,7 +298,9 @@ def test_resolve_names_a_coarser_precision_only_where_the_backend_computes_finer
     call = (task.loss_fn, task.model(), task.batches[0], None)
     assert matmul.resolve("check_parity", "tf32", *call) == ("tf32", COARSER_ON_CPU, "tf32")
     assert matmul.resolve("check_parity", "float32", *call) == ("float32", "set by the caller", "float32")
-    monkeypatch.setattr(matmul, "platforms_of", lambda devices: {("gpu", "9.0")})  # a GPU computes tf32 itself
+    monkeypatch.setattr(
+        matmul, "platforms_of", lambda devices: {("gpu", "9.0")}
+    )  # a GPU computes tf32 itself
     assert matmul.resolve("check_parity", "tf32", *call) == ("tf32", "set by the caller", "float32")
     bf16 = "set by the caller; coarser than the backend's own (tf32 on gpu): the tolerances are bfloat16's"
     assert matmul.resolve("check_parity", "bfloat16", *call) == ("bfloat16", bf16, "bfloat16")

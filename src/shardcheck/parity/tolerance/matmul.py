@@ -436,8 +436,14 @@ def resolve(fn: str, requested, loss_fn, model, batch, mesh) -> tuple[str, str, 
         source = f"the backend's ({names}) for this step"
     else:
         policy, source = requested, "set by the caller"
-        if MANTISSA[requested] < MANTISSA[ref_policy]:  # trial 49: tf32 on a CPU loosened the tolerances silently
-            own = ref_policy if platforms == ref_platforms else backend_default(loss_fn, model, batch, platforms)
+        if (
+            MANTISSA[requested] < MANTISSA[ref_policy]
+        ):  # trial 49: tf32 on a CPU loosened the tolerances silently
+            own = (
+                ref_policy
+                if platforms == ref_platforms
+                else backend_default(loss_fn, model, batch, platforms)
+            )
             if MANTISSA[requested] < MANTISSA[own]:
                 source = coarser_source(requested, own, platforms)
     return policy, source, "float32" if ref_policy == policy else policy
@@ -448,6 +454,4 @@ def coarser_source(requested: str, own: str, platforms) -> str:
     backend's own (float32 on cpu): the tolerances are tf32's"``): the report's and ``--json``'s words for why the
     tolerances are wider than the backend's computation needs. ``platforms``: ``{(platform, capability)}``."""
     names = "/".join(sorted({_platform_family(p) for p, _ in platforms}))
-    return (
-        f"set by the caller; coarser than the backend's own ({own} on {names}): the tolerances are {requested}'s"
-    )
+    return f"set by the caller; coarser than the backend's own ({own} on {names}): the tolerances are {requested}'s"
