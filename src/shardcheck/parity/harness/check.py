@@ -495,6 +495,7 @@ def _against_the_bound_first(args: tuple, bounds, exact: bool):
         try:
             compared = _compare_leaves(*args, True)
             allowances.keep(run)
+            run.rerun_inputs = None  # the update check's inputs, kept within the comparison: not in the peak
             return compared
         except Undecided:
             pass
@@ -502,6 +503,7 @@ def _against_the_bound_first(args: tuple, bounds, exact: bool):
     compared = _compare_leaves(*args, False)
     if tried and all(e.ok for e in compared[0]) and not compared[4]:
         allowances.fell_short(run)  # the bound did not clear a step that passes
+    run.rerun_inputs = None
     return compared
 
 

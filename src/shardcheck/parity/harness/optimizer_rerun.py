@@ -787,6 +787,7 @@ def update_checked(run: _Run, record: StepRecord, snapshots, stepped, after) -> 
     optimizer's own rounding) and its form as ``optimizer_rerun`` / ``forms`` where it fails, which fails the
     record; ``record`` unchanged otherwise (the check passes or cannot run)."""
     checked = update_check(run, record.step, snapshots, stepped[3], after, record.skipped)
+    run.rerun_inputs = None  # not kept into the next step (its peak per device)
     if checked is None:
         return record
     if all(e.ok for e in checked[0]):
