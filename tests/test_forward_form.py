@@ -195,3 +195,115 @@ def test_a_lone_loss_factor_is_a_factor_where_the_later_moments_carry_it_or_its_
         "(10th-90th percentile), median 3"
     )
     _said(loc, records)
+
+
+def test_moments_carrying_the_loss_factor_under_a_normalized_update_are_a_factor_the_parameters_excused():
+    """Trial 49: a sum for a mean (x16) in a user's step under Adam (``eps=1e-2``, no gradients returned): the
+    moments x16 and x256, the parameters off by no factor (Adam's update moves only through its epsilon). It read
+    "the later stages that differ do not carry 16" beside "optimizer moments are 16 x the reference's"; now a
+    factor 16 whose moments carry it and whose parameters are said as a normalized update's. Without a second
+    moment (momentum's update is the moment's scale) the same parameters are no excuse: no factor is claimed."""
+    loss = _leaf("loss", "loss", 16.0, ok=False)
+    mu = _leaf("opt_state", "0.mu.a.kernel", 16.0, ok=False)
+    nu = LeafError(
+        0, "opt_state", "0.nu.a.kernel", 255.0, 255.0, TOL, False, 256.0, None, (255.9, 256.1), (4,)
+    )
+    param = LeafError(0, "param", "b.kernel", 0.2, 0.2, TOL, False, 1.1, None, (1.03, 2.2), (4,))
+    records = [_record(loss, [], [mu, nu, param])]
+    loc = localize(records)
+    assert (loc.stage, loc.form.kind, loc.form.factor) == ("forward", "factor", 16.0)
+    assert loc.form.sentence.endswith(
+        "; the 2 optimizer-state leaves that differ carry it (1 x 16, 1 x 256: a second moment carries its "
+        "square): by them the gradients were 16 x too; the 1 parameter leaf that differs carries no factor 16, as "
+        "Adam's step, normalized by its second moment, is not scaled by the gradients' factor and moves only "
+        "through its epsilon"
+    )
+    assert "do not carry" not in loc.text()
+    _said(loc, records)
+    # momentum (no second moment): its update is the moment's scale, so a parameter off by no factor is not excused
+    records = [_record(loss, [], [mu, param])]
+    loc = localize(records)
+    assert (loc.form.kind, loc.form.factor) == ("none", None)
+    assert "(the gradients were not observed, and 1 of the 2 later leaves that differ does not carry 16)" in (
+        loc.form.sentence
+    )
+    # the widest spread said is the leaf that does not carry it, never the second moment (256 to 256 read as "no
+    # constant factor" by its absolute width)
+    assert loc.form.sentence.endswith(
+        "; of the later stages, b.kernel has no constant factor: its elementwise ratio runs from 1.03 to 2.2 "
+        "(10th-90th percentile), median 1.1"
+    )
+    _said(loc, records)
+
+
+def test_a_later_leaf_off_by_another_constant_factor_is_said_as_that_factor_not_as_no_constant_factor():
+    """A later leaf that does not carry the loss's factor but is one factor across (x3 against a loss x16) is said as
+    its factor; "none of" where no later leaf carries it."""
+    loss = _leaf("loss", "loss", 16.0, ok=False)
+    records = [_record(loss, [], [_leaf("opt_state", "0.mu.a.kernel", 3.0, ok=False)])]
+    loc = localize(records)
+    assert (loc.form.kind, loc.form.factor) == ("none", None)
+    assert "(the gradients were not observed, and the later leaf that differs does not carry 16)" in (
+        loc.form.sentence
+    )
+    assert loc.form.sentence.endswith(
+        "; of the later stages, 0.mu.a.kernel is 3 x the reference's on every element"
+    )
+    _said(loc, records)
+
+
+def _mlp_sum_task():
+    """Trial 49's user: an MLP under Adam (``eps=1e-2``) and a step that sums its squared errors where the task's loss
+    takes their mean (B = 16), returning only the loss."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from shardcheck import Task
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.linear1 = nnx.Linear(8, 16, rngs=rngs)
+            self.linear2 = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear2(nnx.relu(self.linear1(x)))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16,)).astype(np.float32))
+    task = Task(lambda: MLP(nnx.Rngs(0)), optax.adam(1e-2, eps=1e-2), loss_fn, [batch], name="mlp")
+
+    @nnx.jit
+    def summed(model, optimizer, batch):
+        x, y = batch
+        loss, grads = nnx.value_and_grad(lambda m: jnp.sum((m(x)[:, 0] - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return task, lambda model, optimizer, batch: summed(model, optimizer, batch)
+
+
+@require_devices(2)
+def test_a_sum_for_a_mean_under_adam_with_no_gradients_returned_is_a_factor_its_moments_carry():
+    """Live, the trial's step: FAIL, a factor 16 whose moments carry it (16, 256) and whose parameters, moved by
+    Adam's epsilon only, are said so; no sentence says the later stages do not carry it."""
+    task, step = _mlp_sum_task()
+    report = check_parity(step, task, num_shards=2, steps=1)
+    loc = report.localization
+    assert report.verdict == "FAIL" and (loc.stage, loc.form.kind, loc.form.factor) == (
+        "forward",
+        "factor",
+        16.0,
+    )
+    assert (
+        "the 8 optimizer-state leaves that differ carry it (4 x 16, 4 x 256: a second moment carries its square): by "
+        "them the gradients were 16 x too; the 4 parameter leaves that differ carry no factor 16"
+        in loc.form.sentence
+    )
+    assert "do not carry" not in report.diagnosis and "no constant factor" not in report.diagnosis
+    assert contradiction(loc.text(), report.steps) is None

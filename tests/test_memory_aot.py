@@ -369,7 +369,8 @@ def test_largest_batch_that_fits_by_compiling():
         ("80GB", 80 * 10**9),
         ("16e9", 16 * 10**9),
         ("1.5 gib", 3 * 2**29),
-        ("512", 512),
+        ("512B", 512),
+        ("1048576", 2**20),
         ("h100", 81_559 * 2**20),  # nvidia-smi memory.total, MiB (trial 49: not 80 GiB)
         ("H200", 143_771 * 2**20),
         ("a100-40gb", 40 * 2**30),
@@ -390,6 +391,9 @@ def test_device_memory_sizes_and_kinds(text, expected):
         ("a100", r"did you mean a100-40gb or a100-80gb\?"),
         ("h900", r"device kind: h100, h200, a100-40gb"),
         ("0.1", r"less than one byte"),
+        # trial 49: a bare 80 meant 80 GB, read as 80 B; refused with the unit to add
+        ("80", r"'80' is a bare number, read as 80 bytes: .*give its unit: --device-memory 80GiB or 80GB \(or 80B"),
+        ("1048575", r"read as 1,048,575 bytes"),
         ("", r"is neither a size nor a known device kind"),
     ],
 )

@@ -444,6 +444,23 @@ def _summed_loss_only(model, optimizer, x, y):
     return loss / 2
 
 
+def test_tolerances_a_user_set_too_wide_are_said_as_theirs_not_as_the_precision():
+    """Trial 49: ``--rtol 10 --atol 10`` on a sum for a mean (x2) passed as a weak check whose advice was "Run the
+    check in float32" and "pass rtol=" (the run was float32 and rtol was passed). The weak check now names the
+    tolerances set beside the derived ones and the fix, to lower them; derived tolerances keep the precision's
+    advice (``test_a_too_small_update_cannot_be_verified_unless_accepted``)."""
+    model = make_model("linear", 3, 2, seed=1)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    report = check_parity(_summed_loss_only, model, optimizer, BATCHES[:1], num_shards=2, rtol=10, atol=10)
+    assert report.verdict == "PASS (weak check accepted)"
+    weak = report.weak_accepted
+    assert weak.startswith("Cannot verify with the tolerances set (rtol=10, atol=10; derived: rtol=")
+    assert "Lower rtol/atol, or leave them derived" in weak and "float32" not in weak
+    assert "lower it where you set it (rtol=, verify --rtol)" in report.diagnosis
+    # the derived tolerance shows the same fault
+    assert check_parity(_summed_loss_only, model, optimizer, BATCHES[:1], num_shards=2).codes[0] == "summed"
+
+
 def test_a_sum_for_a_mean_under_a_binding_clip_passes_only_as_an_accepted_weak_check():
     """From the trial: under a global-norm clip that binds, g and 2 g give one update, so a loss-only step with a
     sum for a mean matches the reference in every parameter. CANNOT VERIFY; with accept_weak the report passes and

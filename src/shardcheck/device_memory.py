@@ -85,19 +85,26 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib"
 _UNITS.update({"gib": GiB, "tib": 2**40, "k": 10**3, "m": 10**6, "g": GB, "t": 10**12})
 
 
+BARE_MIN = 2**20
+"""The least a bare number (no unit) given as a device's memory may be, in bytes: 1 MiB. Below it a number is a
+size whose unit was left out (``80`` for 80 GB), refused by :func:`parse_device_memory`."""
+
+
 def parse_device_memory(text: str) -> tuple[int, str]:
     """``"80GiB"`` -> ``(85899345920, "80 GiB")``; ``"80GB"``, ``"16e9"``, ``"h100"``, ``"a100-40gb"`` likewise.
 
     A size is a number (``80``, ``16e9``, ``1.5``) and an optional unit: ``B``, ``KB``/``MB``/``GB``/``TB``
-    (powers of 10) or ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 2), case-insensitive; a bare number is bytes.
+    (powers of 10) or ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 2), case-insensitive; a bare number is bytes,
+    and must be at least :data:`BARE_MIN` (1 MiB): ``80`` is refused, not read as 80 B (trial 49: ``--device-memory
+    80`` meant 80 GB and read as 80 B, "does not fit"); ``80B`` is 80 bytes.
     A name is a key of :data:`DEVICE_KINDS` (case-insensitive).
 
     Returns:
         ``(bytes, label)``.
 
     Raises:
-        ValueError: an unknown name, a malformed size, or a size < 1 byte (the message lists the forms and the
-            named kinds).
+        ValueError: an unknown name, a malformed size, a size < 1 byte, or a bare number below 1 MiB (the message
+            lists the forms and the named kinds; of a bare number, the same number with a unit).
     """
     import re
 
@@ -118,6 +125,12 @@ def parse_device_memory(text: str) -> tuple[int, str]:
     value = float(match.group(1)) * _UNITS[match.group(2)]
     if value < 1:
         raise ValueError(f"--device-memory {raw!r} is less than one byte; use {form}")
+    if not match.group(2) and value < BARE_MIN:
+        number = match.group(1)
+        raise ValueError(
+            f"--device-memory {raw!r} is a bare number, read as {int(value):,} bytes: less than any device holds; "
+            f"give its unit: --device-memory {number}GiB or {number}GB (or {number}B for bytes)"
+        )
     return int(value), f"{raw} ({int(value):,} B)"
 
 

@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
             "001). With --measure, each strategy's step is compiled on that mesh and XLA's per-device memory "
             "analysis and the live state arrays are shown beside the estimate. With --task, the task's own model and optimizer are "
             "sized (from nnx.eval_shape: nothing is allocated) and --measure compiles the task's step on its "
-            "first batch."
+            "first batch. Exit status: 0, or 1 when --device-memory is given and a strategy's compiled step does "
+            "not fit it (the report is printed and written all the same); 2 on bad input."
         ),
         formatter_class=HelpFormatter,
     )
@@ -430,7 +431,8 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
     write_json(document | devices, args.json)
     if args.plot:
         memory_plot(estimates, measured, args.plot, title=_title(args, task, mesh), aot=aot)
-    return 0
+    # a script asking "does it fit" reads the exit status (trial 49: "does not fit" exited 0)
+    return 1 if any(not verdict.fits for verdict, _, _ in (fits or {}).values()) else 0
 
 
 def _print_devices(console, args, mesh) -> dict:

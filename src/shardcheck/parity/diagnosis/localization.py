@@ -1157,44 +1157,109 @@ def _loss_alone(bad: list[LeafError], later: list[LeafError]) -> str:
     )
 
 
-def _later_agree(f: float, later: list[LeafError]) -> bool:
-    """Whether every failing leaf of the stages after the forward pass carries the loss's factor ``f``, one factor
-    across its elements (a loss factor with no gradient observed is then more than one scalar's ratio): ``f`` x
-    the reference's, or ``f**2`` for an optimizer-state leaf (a second moment, Adam's ``nu``, is a running mean
-    of squared gradients: a loss x4 writes it x16, while Adam's update, normalized by it, matches; the zoo's
-    conv ``count_pmeaned``); ``True`` where none fails."""
+def _carries(f: float, e: LeafError) -> bool:
+    """Whether the failing later leaf ``e`` carries the loss's factor ``f``, one factor across its elements: ``f``
+    x the reference's, or ``f**2`` for an optimizer-state leaf (a second moment, Adam's ``nu``, is a running mean
+    of squared gradients: a loss x4 writes it x16)."""
     from shardcheck.parity.diagnosis.evidence import RATIO_RTOL, one_factor_across
 
-    def carries(e: LeafError) -> bool:
-        factors = (f, f * f) if e.kind == "opt_state" else (f,)
-        return any(abs(e.ratio - k) <= RATIO_RTOL * abs(k) for k in factors)
+    factors = (f, f * f) if e.kind == "opt_state" else (f,)
+    return (
+        e.ratio is not None
+        and one_factor_across(e)
+        and any(abs(e.ratio - k) <= RATIO_RTOL * abs(k) for k in factors)
+    )
 
-    return all(e.ratio is not None and one_factor_across(e) and carries(e) for e in later)
+
+def _squared(f: float, e: LeafError) -> bool:
+    """Whether ``e``, a leaf that :func:`_carries` ``f``, carries its square (a second moment)."""
+    return e.kind == "opt_state" and abs(e.ratio - f) > abs(e.ratio - f * f)
+
+
+def _normalized(f: float, later: list[LeafError]) -> bool:
+    """Whether the failing later leaves are those of an update normalized by its second moment, under gradients
+    ``f`` x the reference's: every failing optimizer-state leaf carries ``f`` or its square, one of them the
+    square (Adam's ``nu``), and the rest are parameters. Such an update, ``mu / (sqrt(nu) + eps)``, is not scaled
+    by the gradients' factor: it moves only through its epsilon, by no one factor (trial 49: a sum for a mean
+    under Adam, ``eps=1e-2``, read "the later stages that differ do not carry 16" beside "optimizer moments are
+    16 x the reference's")."""
+    moments = [e for e in later if e.kind == "opt_state"]
+    return (
+        bool(moments)
+        and all(_carries(f, e) for e in moments)
+        and any(_squared(f, e) for e in moments)
+        and all(e.kind in ("opt_state", "param") for e in later)
+    )
+
+
+def _later_agree(f: float, later: list[LeafError]) -> bool:
+    """Whether the failing leaves of the stages after the forward pass carry the loss's factor ``f`` (a loss factor
+    with no gradient observed is then more than one scalar's ratio): every one of them :func:`_carries` it, or
+    the optimizer state carries it and only the parameters of an update normalized by it do not
+    (:func:`_normalized`); ``True`` where none fails."""
+    return all(_carries(f, e) for e in later) or _normalized(f, later)
 
 
 def _later_carry(f: float, later: list[LeafError]) -> str:
     """``"; the 4 leaves of the later stages that differ carry it (2 x 4, 2 x 16: a second moment carries its
     square)"``: what the failing later leaves, which :func:`_later_agree` found to carry the loss's factor ``f``,
-    show of it; ``""`` where none fails."""
-    if not later:
+    show of it, and the parameters of a normalized update that do not (:func:`_normalized`); ``""`` where none
+    fails."""
+    carrying = [e for e in later if _carries(f, e)]
+    if not carrying:
         return ""
-    squared = sum(1 for e in later if abs(e.ratio - f) > abs(e.ratio - f * f))
-    carried = f"{len(later) - squared} x {f:.4g}" + (f", {squared} x {f * f:.4g}" if squared else "")
+    squared = sum(1 for e in carrying if _squared(f, e))
+    carried = f"{len(carrying) - squared} x {f:.4g}" + (f", {squared} x {f * f:.4g}" if squared else "")
     square = ": a second moment carries its square" if squared else ""
-    return f"; the {len(later)} leaves of the later stages that differ carry it ({carried}{square})"
+    if len(carrying) == len(later):
+        return f"; the {len(later)} leaves of the later stages that differ carry it ({carried}{square})"
+    params = len(later) - len(carrying)
+    leaves = (
+        "1 parameter leaf that differs carries"
+        if params == 1
+        else f"{params} parameter leaves that differ carry"
+    )
+    return (
+        f"; the {len(carrying)} optimizer-state leaves that differ carry it ({carried}{square}): by them the gradients "
+        f"were {f:.4g} x too; the {leaves} no factor {f:.4g}, as Adam's step, "
+        "normalized by its second moment, is not scaled by the gradients' factor and moves only through "
+        "its epsilon"
+    )
 
 
-def _widest_later(later: list[LeafError]) -> str:
-    """``"; of the later stages, 0.mu.kernel's elementwise ratio runs from 0.8 to 1.3 (10th-90th percentile),
-    median 1.02"``: the failing later leaf whose ratio spreads widest, what a loss read as one scalar's ratio
-    leaves to be read (:func:`forward_form`); ``""`` where no later leaf has a spread."""
-    from shardcheck.parity.diagnosis.evidence import spread_phrase
+def _not_carried(f: float, later: list[LeafError]) -> str:
+    """``"3 of the 7 later leaves that differ do not carry 16"`` (``"none of the 4 later leaves that differ
+    carries 16"``): the later leaves that, against :func:`_later_agree`, do not carry the loss's factor ``f``."""
+    missing = sum(1 for e in later if not _carries(f, e))
+    if missing == len(later):
+        return (
+            f"the later leaf that differs does not carry {f:.4g}"
+            if missing == 1
+            else (f"none of the {missing} later leaves that differ carries {f:.4g}")
+        )
+    return f"{missing} of the {len(later)} later leaves that differ " + (
+        f"does not carry {f:.4g}" if missing == 1 else f"do not carry {f:.4g}"
+    )
 
-    spread = [e for e in later if e.spread is not None and e.ratio is not None]
-    if not spread:
-        return ""
-    widest = max(spread, key=lambda e: e.spread[1] - e.spread[0])
-    return f"; of the later stages, {widest.path} has {spread_phrase(widest)}"
+
+def _widest_later(f: float, later: list[LeafError]) -> str:
+    """``"; of the later stages, 0.mu.kernel has no constant factor: its elementwise ratio runs from 0.8 to 1.3
+    (10th-90th percentile), median 1.02"``: of the failing later leaves that do not carry the loss's factor ``f``
+    (:func:`_carries`), the one whose ratio spreads widest relative to its median, what a loss read as one
+    scalar's ratio leaves to be read (:func:`forward_form`); of one whose ratio is one factor across it, that
+    factor (``"0.mu.kernel is 3 x the reference's on every element"``); ``""`` where none has a ratio."""
+    from shardcheck.parity.diagnosis.evidence import one_factor_across, spread_phrase
+
+    seen = [e for e in later if e.ratio is not None and not _carries(f, e)]
+    spread = [e for e in seen if e.spread is not None and not one_factor_across(e)]
+    if spread:
+        widest = max(spread, key=lambda e: (e.spread[1] - e.spread[0]) / max(abs(e.ratio), 1e-30))
+        return f"; of the later stages, {widest.path} has {spread_phrase(widest)}"
+    if seen:
+        return (
+            f"; of the later stages, {seen[0].path} is {seen[0].ratio:.4g} x the reference's on every element"
+        )
+    return ""
 
 
 def forward_form(
@@ -1254,14 +1319,13 @@ def forward_form(
             form,
             kind="none",
             sentence=f"the loss at equal parameters is {f:.4g} x the reference's, the ratio of one scalar: no "
-            "factor is read from it (the gradients were not observed, and the later stages that differ do not "
-            f"carry {f:.4g}); "
+            f"factor is read from it (the gradients were not observed, and {_not_carried(f, later or [])}); "
             + (
                 reduced
                 or "its scale, its normalization or one of its terms differs, or it is combined another "
                 "way (a mean of micro-batch or shard means)"
             )
-            + _widest_later(later or []),
+            + _widest_later(f, later or []),
             factor=None,
             spread=None,
         )

@@ -2934,8 +2934,9 @@ def loose_tolerance(ctx: DiagnosisContext) -> Finding:
         return None
     return Diagnosis(
         "weak_check",
-        f"The tolerance rtol={ctx.records[0].rtol:.3g} is too loose to tell a x2 or x1/2 error from rounding (a "
-        "low-precision dtype or a huge batch); pass rtol=, or check the step in float32.",
+        f"The tolerance rtol={ctx.records[0].rtol:.3g} is too loose to tell a x2 or x1/2 error from rounding: "
+        "lower it where you set it (rtol=, verify --rtol); where it was derived (a low-precision dtype or a huge "
+        "batch), check the step in float32.",
     )
 
 

@@ -105,11 +105,14 @@ ACCEPTED = "accepted as a weak check (accept_weak=True, verify --accept-weak, or
 
 
 def unresolvable(
-    records, num_shards: int | None, precision: Precision, *, accepted: bool = False
+    records, num_shards: int | None, precision: Precision, *, accepted: bool = False, user_set: str = ""
 ) -> str | None:
     """Why the steps cannot tell the step from one whose gradient is off by S (a sum for a mean) or by 1/S (a
     mean taken twice), or ``None``. The text ends with how to accept the weak check, or (``accepted``: the user
-    accepted it or set the tolerance) says that it was accepted.
+    accepted it or set the tolerance) says that it was accepted. ``user_set``: the tolerances the user set and
+    those derived, ``"rtol=10, atol=10; derived: rtol=2.4e-06, atol=1e-06"`` (``""``: derived): too wide
+    tolerances are then said as theirs, with the fix to lower them, never "run the check in float32" of a float32
+    run (trial 49).
 
     Decided by the hypothesis itself (``StepRecord.scale_evidence``): from each step's pre-step state, would the
     compared leaves (the gradients when returned; else the parameters and optimizer state after the reference's
@@ -165,6 +168,11 @@ def unresolvable(
     leaves = (
         "the returned gradients, parameters, optimizer state" if returned else "parameters, optimizer state"
     )
+    if user_set:
+        return (
+            f"Cannot verify with the tolerances set ({user_set}): in no step would {which} move a compared leaf "
+            f"({leaves}) beyond them, so such an error would pass. Lower rtol/atol, or leave them derived; {accept}"
+        )
     fix = "" if returned else "Return the gradients from the step ({'loss': loss, 'grads': grads}), "
     return (
         f"Cannot verify at this precision ({precision.describe()}): in no step would {which} move a compared "

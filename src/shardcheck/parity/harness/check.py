@@ -917,9 +917,17 @@ def check_parity(
     else:
         rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
     accepted = accept_weak or rtol is not None or atol is not None
-    weak = unresolvable(outcome[0], run.cand.num_shards, run.precision, accepted=accepted)
+    user_set = "" if rtol is None and atol is None else _user_set(rtol, atol, derived[2])
+    weak = unresolvable(outcome[0], run.cand.num_shards, run.precision, accepted=accepted, user_set=user_set)
     report = _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
     return recheck.at_highest(report, matmul.devices_of(run.ref_model, mesh), call)
+
+
+def _user_set(rtol: float | None, atol: float | None, derived) -> str:
+    """``"rtol=10, atol=10; derived: rtol=2.4e-06, atol=1e-06"``: the tolerances a user set, beside those derived
+    for the last step (``derived``: a ``derive_tolerance`` result), for :func:`unresolvable`'s text."""
+    given = ", ".join(f"{k}={v:g}" for k, v in (("rtol", rtol), ("atol", atol)) if v is not None)
+    return f"{given}; derived: rtol={derived.rtol:.2g}, atol={derived.atol:.2g}"
 
 
 def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], mesh) -> ParityReport:
