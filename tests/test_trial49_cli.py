@@ -332,3 +332,23 @@ def test_memory_target_names_the_gpu_it_compiled_for():
     text = _with_plugin("-m", "shardcheck", "memory", *args)
     assert f"devices: 2 x gpu, {why}" in " ".join(text.stdout.split())
     assert "Traceback" not in text.stderr
+
+
+# ---------------------------------------------------------------------------------- 7. one device: no reduction
+
+
+@require_devices(2)
+def test_verify_on_one_device_notes_that_no_reduction_was_exercised(capsys):
+    """Trial 49: ``verify --devices 1`` passed every strategy at S=1 without a word that nothing was split: no
+    collective ran, and a sum for a mean (x S = x1) could not show. Now a note and ``reduction_exercised: false``;
+    on 2 devices neither the note nor ``false``."""
+    args = ["verify", "--strategies", "dp", "--steps", "1", "--json", "-"]
+    assert main([*args, "--devices", "1"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["reduction_exercised"] is False
+    err = " ".join(out.err.split())
+    assert "note: S=1, one device: every strategy ran unsplit, so no all-reduce" in err
+    assert "pass --devices 2 or more" in err
+    assert main([*args, "--devices", "2"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["reduction_exercised"] is True and "S=1, one device" not in out.err

@@ -849,6 +849,9 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
     refused = [r for r in reports.values() if isinstance(r, ErrorRow) and r.refused]
     if refused:  # one message for every refusal, below the summary (trial 27: 4 times on stderr, and 4 cells)
         _note(_refusals_message(reports))
+    single = _one_device(args, num_shards)
+    if single:
+        _note(SINGLE_DEVICE_NOTE)
     optimizer = args.optimizer or ("sgd" if args.task is None else None)
     lr = None if optimizer is None else (DEFAULT_LR[optimizer] if args.lr is None else args.lr)
     document = {
@@ -867,10 +870,26 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         "process_count": jax.process_count(),
         "devices": device_choice(args).to_dict(),
         "strategies": {name: r.to_dict() for name, r in reports.items()},
+        "reduction_exercised": not single,
     }
     # what every strategy was compared with (the report's own name for it: "gspmd on data=2,model=4")
     document.update(reference=next(iter(done.values())).reference if done else args.reference)
     write_json(document, args.json)
+
+
+SINGLE_DEVICE_NOTE = (
+    "S=1, one device: every strategy ran unsplit, so no all-reduce, all-gather or reduce-scatter was exercised and "
+    "a shard-count error (a sum for a mean: x S, here x1) cannot show; to check the sharding, pass --devices 2 or "
+    "more (fake CPU devices where the host has fewer accelerators)"
+)
+"""What ``verify`` notes of a check on one device (trial 49: a PASS at S=1 said nothing of it)."""
+
+
+def _one_device(args, num_shards: int) -> bool:
+    """Whether the check ran on one device: one shard, and no ``--mesh`` larger than 1 (``--mesh data=1,model=8``
+    is tensor parallel over 8: its reductions over ``model`` are exercised)."""
+    mesh = getattr(args, "mesh", None) or {}
+    return num_shards == 1 and math.prod(mesh.values()) == 1
 
 
 def _sizes_text(batches, listed: int = 6) -> str:
