@@ -297,7 +297,9 @@ def test_mesh_compiles_ahead_of_time_and_gives_a_fit_verdict(capsys):
     """digits on --mesh fsdp=4 (the rule over the fsdp axis: the by-hand figures of S=4 above), compiled for 64
     rows (the task's batch: 64 images of 64 float32 pixels, 64 int32 labels)."""
     args = ["--task", "digits", "--mesh", "fsdp=4", "--device-memory", "7KiB", "--batch-size", "64"]
-    assert main(["memory", *args, "--json", "-"]) == 1  # does not fit: exit 1, the report written all the same
+    assert (
+        main(["memory", *args, "--json", "-"]) == 1
+    )  # does not fit: exit 1, the report written all the same
     out = capsys.readouterr()
     report = json.loads(out.out)
     assert report["mesh"] == {"fsdp": 4} and report["num_shards"] == 4

@@ -392,7 +392,10 @@ def test_device_memory_sizes_and_kinds(text, expected):
         ("h900", r"device kind: h100, h200, a100-40gb"),
         ("0.1", r"less than one byte"),
         # trial 49: a bare 80 meant 80 GB, read as 80 B; refused with the unit to add
-        ("80", r"'80' is a bare number, read as 80 bytes: .*give its unit: --device-memory 80GiB or 80GB \(or 80B"),
+        (
+            "80",
+            r"'80' is a bare number, read as 80 bytes: .*give its unit: --device-memory 80GiB or 80GB \(or 80B",
+        ),
         ("1048575", r"read as 1,048,575 bytes"),
         ("", r"is neither a size nor a known device kind"),
     ],

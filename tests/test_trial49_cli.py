@@ -352,3 +352,40 @@ def test_verify_on_one_device_notes_that_no_reduction_was_exercised(capsys):
     assert main([*args, "--devices", "2"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out)["reduction_exercised"] is True and "S=1, one device" not in out.err
+
+
+# ---------------------------------------------------------------------------------- 8. the extra on a CPU machine
+
+
+def test_the_cuda_plugin_alone_without_a_driver_is_no_accelerator(monkeypatch):
+    """Trial 49: with the gpu-aot extra installed on a CPU-only machine, ``accelerator_installed()`` was True, so
+    the command line kept XLA:CPU's compile flags and the collective watchdog off. The CUDA plugin alone counts
+    only where the CUDA driver loads; another plugin, or JAX_PLATFORMS naming an accelerator, still counts."""
+    from shardcheck.cli import _xla
+
+    env = {}
+    monkeypatch.setattr(_xla, "installed_plugins", lambda: frozenset({"xla_cuda12"}))
+    monkeypatch.setattr(gpu_target, "cuda_driver_loadable", lambda: False)
+    assert _xla.accelerator_installed(env) is False  # so the CPU compile flags and the watchdog apply
+    assert _xla.accelerator_installed({"JAX_PLATFORMS": "cuda"}) is True
+    monkeypatch.setattr(gpu_target, "cuda_driver_loadable", lambda: True)  # a GPU host
+    assert _xla.accelerator_installed({}) is True and _xla.use_cpu_compile_flags({}) is False
+    assert _xla.accelerator_installed({"JAX_PLATFORMS": "cpu"}) is False
+    monkeypatch.setattr(gpu_target, "cuda_driver_loadable", lambda: False)
+    monkeypatch.setattr(_xla, "installed_plugins", lambda: frozenset({"xla_cuda12", "xla_rocm"}))
+    assert _xla.accelerator_installed({}) is True
+
+
+@needs_plugin
+def test_the_installed_extra_is_found_as_the_cuda_plugin_and_no_accelerator_here():
+    """The extra's own folder (``.ci/gpu-aot``): its plugin is found by name, and where the CUDA driver does not
+    load (CI's CPU-only machine) it is no accelerator."""
+    code = (
+        "from shardcheck.cli._xla import accelerator_installed, installed_plugins; "
+        "print(sorted(installed_plugins()), accelerator_installed())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(_plugin_folder())}
+    env.pop("JAX_PLATFORMS", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    expected = gpu_target.cuda_driver_loadable()  # False on CI's CPU-only machine; a GPU host has the driver
+    assert done.stdout.strip() == f"['xla_cuda12'] {expected}", done.stderr

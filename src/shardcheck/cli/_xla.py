@@ -47,16 +47,43 @@ _ACCELERATOR_PLATFORMS = ("cuda", "gpu", "rocm", "tpu")
 
 
 def accelerator_installed(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Whether JAX may find an accelerator: ``JAX_PLATFORMS`` asks for one, or (unless it says ``cpu``) a PJRT
-    plugin (``jax_plugins`` entry points or namespace package, as JAX discovers them) or libtpu is installed."""
+    """Whether JAX may find an accelerator: ``JAX_PLATFORMS`` asks for one, or (unless it says ``cpu``) libtpu or a
+    PJRT plugin is installed (``jax_plugins`` entry points or namespace package, as JAX discovers them), except the
+    CUDA plugin alone on a machine whose CUDA driver does not load: the ``gpu-aot`` extra on a CPU-only machine,
+    which compiles for GPU targets but runs on the CPU (trial 49: it kept the CPU compile flags and the watchdog
+    off there)."""
     platforms = environ.get("JAX_PLATFORMS", "").lower()
     if any(p in platforms for p in _ACCELERATOR_PLATFORMS):
         return True
     if platforms.strip() == "cpu":
         return False
-    if importlib.metadata.entry_points(group="jax_plugins"):
+    if importlib.util.find_spec("libtpu") is not None:
         return True
-    return any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "libtpu"))
+    plugins = installed_plugins()
+    if plugins and plugins <= CUDA_PLUGINS:
+        from shardcheck.gpu_target import cuda_driver_loadable
+
+        return cuda_driver_loadable()
+    return bool(plugins)
+
+
+CUDA_PLUGINS = frozenset({"xla_cuda12", "xla_cuda13", "cuda", "cuda12", "cuda13"})
+"""The names JAX's CUDA PJRT plugins register under (``jax_plugins`` entry points and namespace modules)."""
+
+
+def installed_plugins() -> frozenset[str]:
+    """The names of the installed PJRT plugins, as JAX discovers them: ``jax_plugins`` entry points and the
+    modules of the ``jax_plugins`` namespace package (found, not imported)."""
+    import pkgutil
+
+    names = {ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")}
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        names |= {m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))}
+    return frozenset(names)
 
 
 def _backends_started() -> bool:
