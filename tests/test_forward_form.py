@@ -307,3 +307,20 @@ def test_a_sum_for_a_mean_under_adam_with_no_gradients_returned_is_a_factor_its_
     )
     assert "do not carry" not in report.diagnosis and "no constant factor" not in report.diagnosis
     assert contradiction(loc.text(), report.steps) is None
+
+
+def test_a_loss_factor_within_a_factors_width_of_one_is_not_counted_as_carried_by_the_later_leaves():
+    """The FAIL audit's zoo conv (a loss 1.001 x, no gradients returned): "12 of the 16 later leaves that differ do
+    not carry 1.001" counted as carrying it the leaves whose ratio is within 2% of 1, i.e. that match; now said as
+    what it is."""
+    loss = _leaf("loss", "loss", 1.001, ok=False)
+    near = _leaf("opt_state", "0.mu.a.kernel", 1.0005, ok=False)
+    spread = LeafError(0, "opt_state", "0.nu.a.kernel", 2.0, 2.0, TOL, False, 0.9, None, (0.5, 1.8), (4,))
+    records = [_record(loss, [], [near, spread])]
+    loc = localize(records)
+    assert (loc.form.kind, loc.form.factor) == ("none", None)
+    assert (
+        "(the gradients were not observed, and no later leaf can show a factor this close to 1 (1.001))"
+        in (loc.form.sentence)
+    )
+    _said(loc, records)

@@ -1229,7 +1229,13 @@ def _later_carry(f: float, later: list[LeafError]) -> str:
 
 def _not_carried(f: float, later: list[LeafError]) -> str:
     """``"3 of the 7 later leaves that differ do not carry 16"`` (``"none of the 4 later leaves that differ
-    carries 16"``): the later leaves that, against :func:`_later_agree`, do not carry the loss's factor ``f``."""
+    carries 16"``): the later leaves that, against :func:`_later_agree`, do not carry the loss's factor ``f``; of
+    an ``f`` within ``RATIO_RTOL`` of 1 (a loss 1.001 x), that no leaf can show it (a leaf "carrying" 1.001 within
+    the 2% a factor is read to is one that matches: counting such leaves said nothing)."""
+    from shardcheck.parity.diagnosis.evidence import RATIO_RTOL
+
+    if abs(f - 1) <= RATIO_RTOL:  # within a factor's own width of 1: a leaf "carrying" it is one that matches
+        return f"no later leaf can show a factor this close to 1 ({f:.4g})"
     missing = sum(1 for e in later if not _carries(f, e))
     if missing == len(later):
         return (
