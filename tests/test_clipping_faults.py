@@ -229,8 +229,9 @@ def test_a_norm_counted_once_per_replica_is_still_clip_norm(s):
 # ----------------------------------------------------------------------------- the rules on planted records
 
 
-def _record(mu: dict[str, float], grads_ok: bool = True) -> StepRecord:
-    """Step 0 of a step whose gradients match (ratio 1) and whose Adam first moments are x ``mu[leaf]``."""
+def _record(mu: dict[str, float], grads_ok: bool = True, clip: float | None = 1.0) -> StepRecord:
+    """Step 0 of a step whose gradients match (ratio 1) and whose Adam first moments are x ``mu[leaf]``, under an
+    optimizer whose global-norm clip is ``clip`` (``None``: it holds none)."""
     leaves = []
     for path, f in mu.items():
         leaves.append(LeafError(0, "grad", path, 0.0 if grads_ok else 1.0, 0.0, 1e-6, grads_ok, 1.0))
@@ -238,7 +239,7 @@ def _record(mu: dict[str, float], grads_ok: bool = True) -> StepRecord:
         leaves.append(LeafError(0, "opt_state", f"1.0.mu.{path}", err, err, 1e-6, err <= 1e-6, f, 0.1))
         leaves.append(LeafError(0, "param", path, 1e-4, 1e-3, 1e-5, False, 1.0001, 0.1))
     leaves.append(LeafError(0, "loss", "loss", 0.0, 0.0, 1e-6, True, 1.0))
-    return StepRecord(0, 1e-5, 1e-6, 2.3, 2.3, tuple(leaves), 1, 1)
+    return StepRecord(0, 1e-5, 1e-6, 2.3, 2.3, tuple(leaves), 1, 1, global_clip=clip)
 
 
 def test_a_uniform_factor_with_matching_gradients_is_a_clip_coefficient():
@@ -250,8 +251,16 @@ def test_a_uniform_factor_with_matching_gradients_is_a_clip_coefficient():
     for f, r in ((1 / math.sqrt(2), 2), (0.5, 4)):
         found = diagnose([_record({"a.kernel": f, "b.kernel": f})], 4)
         assert found[0].code == "clip_norm" and f"sqrt({r})" in found[0].message, found
-    # x S: the optimizer was given a sum while the returned gradients are the mean
-    assert diagnose([_record({"a.kernel": 4.0, "b.kernel": 4.0})], 4)[0].code == "summed"
+    # x S: the optimizer was given a sum while the returned gradients are the mean, or another factor S
+    found = diagnose([_record({"a.kernel": 4.0, "b.kernel": 4.0})], 4)[0]
+    assert (
+        found.code == "summed"
+        and "or another factor 4 applied to the gradients after they were" in found.message
+    )
+    # no clip in the optimizer (trial 50): no clip coefficient to blame, the gradients scaled after they were returned
+    found = diagnose([_record({"a.kernel": 1.0256, "b.kernel": 1.0256}, clip=None)], 4)[0]
+    assert found.code == "applied_scale" and "(the task's optimizer holds no clip)" in found.message
+    assert "clipping coefficient" not in found.message
 
 
 def test_factors_that_differ_by_leaf_group_are_a_local_clip_norm():

@@ -600,6 +600,12 @@ class DiagnosisContext:
         if first is not None and _reduction_refuted(first):
             reproduced = tuple(m for m in reproduced if m != "bf16_reduction")
         scaled = {"times_S": num_shards, "times_1/S": 1 / num_shards if num_shards else None}
+        # where the exposed gradients all match, a factor applied after them is read from the state
+        # (_applied_factors): the rerun on S g also reproduces any factor a binding clip maps to the same update
+        # (trial 50: a gradient x2 under a clip that binds read "4 x ... summed" on data=4, "2 x" on data=2)
+        exposed = [] if first is None else [e for e in first.leaves if e.kind == "grad"]
+        if exposed and all(e.ok for e in exposed):
+            scaled = {}
         for name, f in scaled.items():
             if name in matches and f:
                 # the harness reran the reference's optimizer on the scaled gradient: the factor itself, where
@@ -1784,11 +1790,33 @@ def clip_coefficient(ctx: DiagnosisContext) -> Finding:
         return Diagnosis(
             code,
             f"At step {step} the exposed gradients match the reference's, but {ctx.applied_evidence} are "
-            f"{f:.4g} x the reference's: the gradient the optimizer was given is not the one returned: {phrase}.",
+            f"{f:.4g} x the reference's: the gradient the optimizer was given is not the one returned: {phrase}; "
+            f"or another factor {f:.4g} applied to the gradients after they were returned (a learning rate "
+            "folded into them, a loss scale not undone).",
             ctx.worst_name,
+        )
+    # no clip in the task's optimizer: no clip coefficient to blame (a replay reads the clip with its optimizer
+    # rerun, replay.with_optimizer_rerun; without that rerun it is not known, and the clip's reading stands)
+    known = not ctx.first.replayed or ctx.first.optimizer_rerun is not None
+    if ctx.first.global_clip is None and known:
+        return Diagnosis(
+            "applied_scale", applied_scale_message(step, f, ctx.applied_evidence), ctx.worst_name
         )
     return Diagnosis(
         "clip_coefficient", clip_coefficient_message(step, f, ctx.applied_evidence), ctx.worst_name
+    )
+
+
+def applied_scale_message(step: int, f: float, evidence: str) -> str:
+    """The ``applied_scale`` message: the exposed gradients match, the optimizer's gradient is x ``f`` on every
+    leaf, and the task's optimizer holds no global-norm clip (trial 50: a gradient applied x2 read "the clipping
+    coefficient differing from the global norm's by 2" of an optimizer with no clip)."""
+    return (
+        f"At step {step} the exposed gradients match the reference's, but {evidence} are {f:.4g} x the reference's "
+        f"on every leaf: the optimizer was given the gradients {f:.4g} x, scaled after the ones returned (the "
+        "task's optimizer holds no clip): a factor applied between the gradients and optimizer.update, such as a "
+        "learning rate folded into them, a loss scale not undone, or a second reduction of the returned "
+        "gradients. Give the optimizer the gradients the step returns."
     )
 
 
@@ -2161,10 +2189,15 @@ def scaled(ctx: DiagnosisContext) -> Finding:
         return _factor_finding(ctx, "scaled", None)
     loss = [e for e in ctx.first.leaves if e.kind == "loss"]
     # a factor of the exposed gradients is upstream of the optimizer: no learning rate scales them
+    # nor one of the optimizer's state: its moments and traces are written from the gradients, before any
+    # learning rate (trial 50: "optimizer moments are 2 x ... (a wrong loss normalization or learning rate?)"
+    # beside a form saying "not a learning rate")
     cause = (
         "a wrong loss normalization?"
         if ctx.evidence == "gradients"
         else "a wrong loss normalization or learning rate?"
+        if ctx.evidence == "parameter updates"
+        else "a wrong loss normalization, or the gradients scaled before the optimizer?"
     )
     if loss and all(e.ok for e in loss) and ctx.evidence == "gradients":  # downstream of a matching loss
         cause = "the loss matches: a scale of the gradients after it, in their reduction or applied to them?"
@@ -3308,6 +3341,8 @@ def diagnose(
     - ``summed`` / ``averaged_twice``: a gradient factor of S (S^2) or 1/S (1/S^2) at the first failing step,
       read from the gradients, moments or updates; ``clip_norm``: a factor 1/sqrt(R), R a replica count.
     - ``replicated_reduced``: some leaves' factor is a replica count R while every other leaf matches.
+    - ``applied_scale``: as ``clip_coefficient``, where the task's optimizer holds no global-norm clip: the
+      gradients were scaled after they were returned, before the optimizer.
     - ``clip_coefficient``: the exposed gradients match while the optimizer's state shows the gradient it was
       given x f on every leaf, f not 1, a power of S or 1/sqrt(R) (named as above where it is): a clip
       coefficient from a norm that was not the global one (a mean of per-rank norms, a partial norm).

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardcheck.parity.comparison.digest import QUIET, with_divergence_note
+from shardcheck.parity.diagnosis.hypotheses import clip_norm_of
 from shardcheck.parity.harness.non_finite import diverged_report, first_non_finite, truncated
 from shardcheck.parity.harness.optimizer_rerun import optimizer_form
 from shardcheck.parity.harness.recorded import Recording, check_replayable, load_recording, record_run
@@ -270,7 +271,12 @@ def with_optimizer_rerun(
     if (found is None or (found[0] is None and not found[1])) and not counted:
         return report
     rerun, matches, arrays, fields = (None, (), None, {}) if found is None else found
-    with_rerun = dataclasses.replace(record, matches=record.matches + matches, **counted, **fields)
+    # the task's clip, as a live check's failing step records it (hypotheses.clip_norm_of): a rule that blames a
+    # clip coefficient reads whether the optimizer holds one
+    clip = clip_norm_of(task.optimizer)
+    with_rerun = dataclasses.replace(
+        record, matches=record.matches + matches, global_clip=clip, **counted, **fields
+    )
     if rerun is not None:
         with_rerun = dataclasses.replace(with_rerun, optimizer_rerun=rerun)
         forms = optimizer_form(with_rerun, arrays)

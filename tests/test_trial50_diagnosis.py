@@ -1,0 +1,121 @@
+"""Trial 50: a user's step that gives its optimizer the gradients x2 while it returns the right ones.
+
+1. Under a clip that binds (``clip_by_global_norm``, then SGD with momentum), the rerun of the reference's optimizer
+   on S g reproduced the candidate's state (any factor past the clip's threshold does), so the step read "the
+   gradients ... are 2 x the reference's: the gradient reduction summed instead of averaged" on ``data=2`` and
+   "4 x ... (x4: a sum over 4 shards)" on ``data=4``: a cause the matching gradients refute, and a factor that
+   followed the mesh. Now the factor is read from the state, the same on both meshes, and no reduction is blamed.
+2. Without a clip, the same step read "the clipping coefficient differing from the global norm's by 2 ... Clip by
+   the norm of the whole gradient": advice about a clip the optimizer does not hold. Now ``applied_scale``, live
+   and replayed.
+3. Returning no gradients, "momentum trace are 2 x ... (a wrong loss normalization or learning rate?)" beside a
+   form saying "not a learning rate": a trace is written from the gradients, before any learning rate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from flax import nnx
+
+from shardcheck import Task, check_parity, make_mesh
+from shardcheck.parity.diagnosis.localization import contradiction
+from shardcheck.parity.harness.recorded import record_run
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.linear1 = nnx.Linear(6, 16, rngs=rngs)
+        self.linear2 = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.linear1(x)))[:, 0]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def _task(clip: float | None) -> Task:
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(16, 6)).astype(np.float32), 3 * rng.normal(size=(16,)).astype(np.float32))
+        for _ in range(2)
+    ]
+    sgd = optax.sgd(0.05, momentum=0.9)
+    tx = sgd if clip is None else optax.chain(optax.clip_by_global_norm(clip), sgd)
+    return Task(lambda: MLP(nnx.Rngs(0)), tx, loss_fn, batches, name="mlp")
+
+
+@nnx.jit
+def _doubled(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, jax.tree.map(lambda g: 2.0 * g, grads))  # the user's "learning rate x2"
+    return loss, grads
+
+
+def doubled(model, optimizer, batch):
+    loss, grads = _doubled(model, optimizer, batch)
+    return {"loss": loss, "grads": grads}
+
+
+def doubled_loss_only(model, optimizer, batch):
+    return _doubled(model, optimizer, batch)[0]
+
+
+def _text(report) -> str:
+    return " ".join(report.diagnosis.split())
+
+
+@require_devices(4)
+def test_a_gradient_applied_x2_under_a_binding_clip_is_no_reduction_and_no_mesh_factor():
+    plain = _task(clip=None)
+    norm = float(optax.global_norm(nnx.grad(loss_fn)(plain.model(), plain.batches[0])))
+    # the trial's case: the clip binds on 2 g, not on g (on both, the update would be the same: a PASS); every
+    # factor past 1.5 then gives one update, S's among them
+    task = _task(clip=1.5 * norm)
+    reports = [check_parity(doubled, task, mesh=make_mesh({"data": s}), steps=1) for s in (2, 4)]
+    for report in reports:
+        text = _text(report)
+        assert report.verdict == "FAIL" and report.codes[0] == "clip_coefficient", text
+        assert "summed" not in report.codes and "sum over" not in text
+        assert "the exposed gradients match the reference's, but momentum trace are 1.5 x" in text
+    assert _text(reports[0]) == _text(reports[1]).replace("data=4", "data=2")  # the mesh's size says nothing
+
+
+@require_devices(4)
+def test_a_gradient_applied_x2_without_a_clip_is_an_applied_scale_live_and_replayed():
+    task = _task(clip=None)
+    mesh = make_mesh({"data": 4})
+    live = check_parity(doubled, task, mesh=mesh, steps=1)
+    recording = record_run(task, "fsdp", mesh=mesh, steps=1)
+    replayed = check_parity(doubled, task, mesh=mesh, reference=recording)
+    for report in (live, replayed):
+        text = _text(report)
+        assert report.verdict == "FAIL" and report.codes[0] == "applied_scale", text
+        assert (
+            "the exposed gradients match the reference's, but momentum trace are 2 x the reference's on every "
+            "leaf: the optimizer was given the gradients 2 x, scaled after the ones returned (the task's "
+            "optimizer holds no clip)" in text
+        )
+        assert "clip" not in text.replace("holds no clip", "")
+        assert contradiction(report.localization.text(), report.steps) is None
+    # the other side: a clip that does not bind leaves the factor 2 the optimizer's and the clip is named
+    clipped = check_parity(doubled, _task(clip=1e6), mesh=mesh, steps=1)
+    assert clipped.codes[0] == "clip_coefficient" and "momentum trace are 2 x" in _text(clipped)
+
+
+@require_devices(4)
+@pytest.mark.parametrize("clip", [None, 1e6])
+def test_a_factor_read_from_the_momentum_trace_is_not_said_to_be_a_learning_rate(clip):
+    report = check_parity(doubled_loss_only, _task(clip), mesh=make_mesh({"data": 4}), steps=1)
+    text = _text(report)
+    assert report.verdict == "FAIL" and "scaled" in report.codes, text
+    assert "momentum trace are 2 x the reference's" in text
+    assert "(a wrong loss normalization, or the gradients scaled before the optimizer?)" in text
+    assert "or learning rate?" not in text
