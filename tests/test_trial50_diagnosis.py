@@ -119,3 +119,65 @@ def test_a_factor_read_from_the_momentum_trace_is_not_said_to_be_a_learning_rate
     assert "momentum trace are 2 x the reference's" in text
     assert "(a wrong loss normalization, or the gradients scaled before the optimizer?)" in text
     assert "or learning rate?" not in text
+
+
+# ------------------------------------------------------------------- 4. a psum of per-shard means, loss only
+
+
+def masked_loss(model, batch):
+    """The masked squared error's sum and its count: a ``(loss_sum, weight)`` loss (rows of weight 0 padding)."""
+    err = (model(batch["x"]) - batch["y"]) ** 2 * batch["mask"]
+    return jnp.sum(err), jnp.sum(batch["mask"])
+
+
+def _masked_task() -> Task:
+    rng = np.random.default_rng(1)
+    mask = np.ones(16, np.float32)
+    mask[[1, 2, 3, 6, 9]] = 0  # the 4 shards of 4 rows hold 1, 3, 3 and 4 rows that count
+    batch = {
+        "x": rng.normal(size=(16, 6)).astype(np.float32),
+        "y": rng.normal(size=(16,)).astype(np.float32),
+        "mask": mask,
+    }
+    return Task(lambda: MLP(nnx.Rngs(0)), optax.adam(1e-2), masked_loss, [batch], name="masked")
+
+
+def _psum_of_means(returns_grads: bool):
+    from jax.sharding import PartitionSpec as P
+
+    def step(model, optimizer, batch, mesh):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def body(p, b):
+            p = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
+            (total, count), g = jax.value_and_grad(
+                lambda p: masked_loss(nnx.merge(graphdef, p), b), has_aux=True
+            )(p)
+            g = jax.tree.map(lambda x: jax.lax.psum(x / count, "data"), g)  # each shard's mean, summed
+            return jax.lax.pmean(total / count, "data"), g
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+        loss, grads = jax.jit(mapped)(params, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads} if returns_grads else loss
+
+    return step
+
+
+@require_devices(4)
+def test_a_psum_of_per_shard_means_is_named_with_or_without_the_gradients_returned():
+    """Trial 50: with its gradients the step was named ``normalization`` (x4, a sum over S=4 shards); returning
+    only its loss it read "not a single reduced step ... computed another way". Now named both ways, and the
+    sentence of the loss-only step does not speak of returned gradients."""
+    mesh, task = make_mesh({"data": 4}), _masked_task()
+    with_grads = check_parity(_psum_of_means(True), task, mesh=mesh, steps=1)
+    loss_only = check_parity(_psum_of_means(False), task, mesh=mesh, steps=1)
+    for report in (with_grads, loss_only):
+        text = _text(report)
+        assert report.verdict == "FAIL" and report.codes[0] == "normalization", text
+        assert "the shards' means were summed (a psum where a pmean was due), not averaged: x4" in text
+    assert "At step 0 the returned gradients are 4 x the mean of per-shard means" in _text(with_grads)
+    assert (
+        "At step 0 the parameters and optimizer state are the optimizer's step on 4 x the mean of per-shard means "
+        "(the step returned no gradients)" in _text(loss_only)
+    )

@@ -333,11 +333,12 @@ def _per_shard_tried(
     c = None if grads is None else _per_shard_factor(record, grads, cand_grads, reference_grads)
     if c is None:
         return None
-    tx = run.ref_opt.tx
-    alt = _scaled_params(tx, pre.params, pre.opt_state, grads, c)
-    scaled = jax.tree.map(lambda g: (g * c).astype(g.dtype), grads)
-    rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
-    if not _reproduces(run, *alt, rtol, atol, rounding):
+    # a step that returns no gradients shows no c: the per-shard means averaged (c = 1), else summed (c = S; trial
+    # 50: a psum of per-shard means under Adam, named with its gradients returned, read "not a single reduced
+    # step" without them)
+    tried = (c, float(s)) if cand_grads is None and s > 1 else (c,)
+    c = next((k for k in tried if _per_shard_reproduces(run, pre, grads, k, rtol, atol)), None)
+    if c is None:
         return None
     if split is None:
         weights = shard_weights(loss_fn, s, *args)
@@ -345,6 +346,16 @@ def _per_shard_tried(
         weights = token_shard_weights(loss_fn, split, *args)
     equal = weights is not None and max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
     return "per_shard_loss" if equal else "per_shard_mean", None if abs(c - 1.0) <= 1e-3 else c
+
+
+def _per_shard_reproduces(run: _Run, pre: _PreStep, grads, c: float, rtol, atol) -> bool:
+    """Whether the reference's optimizer on ``c`` x the per-shard means' ``grads``, from ``pre``, reproduces the
+    candidate's parameters and optimizer state (within the hypothesis's rounding)."""
+    tx = run.ref_opt.tx
+    alt = _scaled_params(tx, pre.params, pre.opt_state, grads, c)
+    scaled = jax.tree.map(lambda g: (g * c).astype(g.dtype), grads)
+    rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
+    return _reproduces(run, *alt, rtol, atol, rounding)
 
 
 def _per_shard_factor(record: StepRecord, grads, cand_grads, reference_grads) -> float | None:

@@ -1982,9 +1982,16 @@ def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
         if ctx.first.scale_blind
         else ""
     )
+    returned = any(e.kind == "grad" for e in ctx.first.leaves)
+    seen = (
+        f"the returned gradients are {c:.4g} x the mean of per-shard means, and the parameters and optimizer "
+        "state are the optimizer's step on them"
+        if returned
+        else f"the parameters and optimizer state are the optimizer's step on {c:.4g} x the mean of per-shard "
+        "means (the step returned no gradients)"
+    )
     return (
-        f"At step {ctx.first.step} the returned gradients are {c:.4g} x the mean of per-shard means, and the "
-        f"parameters and optimizer state are the optimizer's step on them: {_each_shard(ctx.first)} divided its "
+        f"At step {ctx.first.step} {seen}: {_each_shard(ctx.first)} divided its "
         f"loss sum by its own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
         "then divide once (docs/reduction_cases.md C4-C6)."
     )
