@@ -181,3 +181,22 @@ def test_a_psum_of_per_shard_means_is_named_with_or_without_the_gradients_return
         "At step 0 the parameters and optimizer state are the optimizer's step on 4 x the mean of per-shard means "
         "(the step returned no gradients)" in _text(loss_only)
     )
+
+
+# ------------------------------------------------------------------- 5. gradients returned under another name
+
+
+def test_gradients_returned_under_another_key_are_refused_naming_it_and_metrics_are_not():
+    """Trial 50: ``{"loss": loss, "gradients": grads}`` was read as a step returning no gradients (CANNOT VERIFY,
+    "Return the gradients from the step"); now refused naming the key. A metric beside the loss is still fine."""
+    from shardcheck.parity.harness.candidates import unpack
+
+    loss, grads = jnp.float32(1.0), {"w": jnp.ones(2)}
+    with pytest.raises(
+        TypeError,
+        match=r"returned a mapping with 'gradients' but no 'grads' at step 3: .*"
+        r"return them as \{'loss': loss, 'grads': grads\}",
+    ):
+        unpack({"loss": loss, "gradients": grads}, step=3)
+    assert unpack({"loss": loss, "accuracy": jnp.float32(0.5)}) == (loss, None)
+    assert unpack({"loss": loss, "grads": grads, "grad": grads})[1] is grads

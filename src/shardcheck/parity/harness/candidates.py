@@ -156,12 +156,18 @@ def _is_scalar_like(out) -> bool:
     return isinstance(out, jax.Array | np.ndarray | np.generic | float | int) and np.ndim(out) == 0
 
 
+GRADS_NAMES = frozenset({"gradients", "gradient", "grad", "g", "grads_tree"})
+"""Keys of a returned mapping that name gradients under another name than ``'grads'``: refused by
+:func:`unpack` where ``'grads'`` is absent (other keys, metrics such as ``'accuracy'``, are ignored)."""
+
+
 def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity") -> tuple:
     """``(loss, grads)`` from a step's return value; ``fn`` is the public function named in an error.
 
     Raises:
         TypeError: ``out`` is not a scalar loss, ``None``, or a mapping / object with ``loss`` (itself a scalar
-            or ``None``).
+            or ``None``); a mapping that holds gradients under another name (:data:`GRADS_NAMES`, e.g.
+            ``'gradients'``) and no ``'grads'``.
     """
     if out is None:
         return None, None
@@ -176,6 +182,12 @@ def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity")
             raise TypeError(
                 f"{fn}: the {who} step returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
                 f"at step {step}; {rule}"
+            )
+        near = sorted(k for k in map(str, out) if k in GRADS_NAMES)
+        if "grads" not in out and near:  # trial 50: {"loss", "gradients"} read as a step that returned none
+            raise TypeError(
+                f"{fn}: the {who} step returned a mapping with {near[0]!r} but no 'grads' at step {step}: its "
+                f"gradients would not be compared; return them as {{'loss': loss, 'grads': grads}}"
             )
         loss, grads = out.get("loss"), out.get("grads")
     elif hasattr(out, "loss") and not isinstance(out, str | bytes | np.ndarray | jax.Array):
