@@ -200,3 +200,40 @@ def test_gradients_returned_under_another_key_are_refused_naming_it_and_metrics_
         unpack({"loss": loss, "gradients": grads}, step=3)
     assert unpack({"loss": loss, "accuracy": jnp.float32(0.5)}) == (loss, None)
     assert unpack({"loss": loss, "grads": grads, "grad": grads})[1] is grads
+
+
+# ------------------------------------------------------------------- 6. a gradient zeroed for one leaf
+
+
+def _zeroed_bias(model, optimizer, batch):
+    loss, grads = _zeroed_bias_step(model, optimizer, batch)
+    return loss
+
+
+@nnx.jit
+def _zeroed_bias_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    grads["linear2"]["bias"][...] = jnp.zeros_like(
+        grads["linear2"]["bias"][...]
+    )  # the user's dropped gradient
+    optimizer.update(model, grads)
+    return loss, grads
+
+
+def test_a_zeroed_gradient_whose_moments_stayed_is_not_said_to_be_a_learning_rate_of_0():
+    """Trial 50: one bias's gradient zeroed under Adam (no gradients returned): "a zero update ... a learning rate of
+    0 at this step (a schedule read one step early)" beside Adam's moments of that bias left at 0, which no
+    learning rate does. Now the gradient of 0 (or a step that skipped the leaf) is the reading; the other side, a
+    parameter alone left as it was while its moments moved, keeps the learning rate's reading
+    (tests/test_trial47_zero.py)."""
+    task = Task(lambda: MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, _task(None).batches, name="mlp")
+    report = check_parity(_zeroed_bias, task, num_shards=2, steps=1)
+    form = report.localization.form
+    assert report.verdict == "FAIL" and form.kind == "zero", report.diagnosis
+    assert (
+        "the optimizer's moments of these parameters were left as they were too, which no learning rate does"
+        in (form.sentence)
+    )
+    assert "their gradient was 0 at this step (dropped, zeroed or never reduced into them)" in form.sentence
+    assert "a learning rate of 0" not in form.sentence
+    assert contradiction(report.localization.text(), report.steps) is None

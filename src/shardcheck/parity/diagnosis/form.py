@@ -72,6 +72,25 @@ ZERO_MEANING = (
     "the candidate's update is zero: a learning rate of 0 at this step (a schedule read one step early), or an "
     "update computed and not applied"
 )
+# ... and where optimizer moments are among the leaves left as they were: no learning rate leaves a moment as it was
+# (it is written from the gradient first), so the gradient was 0 or the step skipped these leaves (trial 50: a
+# gradient zeroed for one bias read "a learning rate of 0 at this step" beside its unchanged Adam moments)
+ZERO_STATE_MEANING = (
+    "the optimizer's moments of these parameters were left as they were too, which no learning rate does (they "
+    "are written from the gradient, before any learning rate): their gradient was 0 at this step (dropped, zeroed "
+    "or never reduced into them), or the optimizer's step skipped them (a mask, optax.set_to_zero)"
+)
+MOMENT_FIELDS = frozenset({"mu", "nu", "trace", "ema"})
+"""optax's state fields written from the gradient (first and second moments, traces, EMAs)."""
+
+
+def zero_meaning(paths) -> str:
+    """:data:`ZERO_STATE_MEANING` where some of ``paths`` (leaf paths, ``"opt_state 0.mu.w"`` or ``"0.mu.w"``)
+    names an optimizer moment (:data:`MOMENT_FIELDS`), else :data:`ZERO_MEANING`."""
+    moments = any(MOMENT_FIELDS & set(str(p).replace(" ", ".").split(".")) for p in paths)
+    return ZERO_STATE_MEANING if moments else ZERO_MEANING
+
+
 # what a zero on the copies compared means where the copies of a replicated leaf differ along some axes and the
 # gradients differ or were not observed ({example}: ZERO_PIPELINE_EXAMPLE on a pipeline's stage axis, else "")
 ZERO_ON_COPIES = (
@@ -699,7 +718,7 @@ def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
         return Form(
             "zero",
             f"a zero update: the candidate left these {n} leaves as they were (change at most {top_c:.3g}; the "
-            f"reference moved them by up to {top_r:.3g}): {ZERO_MEANING}",
+            f"reference moved them by up to {top_r:.3g}): {zero_meaning(f64)}",
             factor=0.0,
             leaves=n,
         )
@@ -1309,7 +1328,8 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
         )
     if all(e.ratio == 0 for e in ratios):
         said = (
-            f"a zero update: the candidate left these {n} leaves as they were: {ZERO_MEANING}"
+            f"a zero update: the candidate left these {n} leaves as they were: "
+            f"{zero_meaning(e.path if e.kind != 'opt_state' else f'opt_state {e.path}' for e in ratios)}"
             if update
             else f"zero values: the candidate's {n_leaves(n)} are 0 at the compared samples: these values are zero"
         )
