@@ -132,7 +132,9 @@ def test_the_codes_docstring_lists_the_codes_table_and_every_code_the_source_emi
     code a ``Diagnosis("...")`` of the source gives is in the table (``model_state``, ``cannot_verify``,
     ``low_precision_reduction`` and a replay's ``initial_state``, ``structure``, ``settings_differ`` were not)."""
     table = _table_codes()
-    assert len(table) == 46 and {"target_sync", "clip_per_shard", "forward_differs"} <= set(table)
+    assert len(table) == 47 and {"target_sync", "clip_per_shard", "forward_differs", "applied_scale"} <= set(
+        table
+    )
     doc = Diagnosis.__doc__.split("code:", 1)[1].split("message:", 1)[0]
     assert re.findall(r"``([a-z0-9_]+)``", doc) == table
     src = Path(shardcheck.__file__).parent

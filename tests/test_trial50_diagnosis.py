@@ -237,3 +237,27 @@ def test_a_zeroed_gradient_whose_moments_stayed_is_not_said_to_be_a_learning_rat
     assert "their gradient was 0 at this step (dropped, zeroed or never reduced into them)" in form.sentence
     assert "a learning rate of 0" not in form.sentence
     assert contradiction(report.localization.text(), report.steps) is None
+
+
+# ------------------------------------------------------------------- 7. "no simple form" that names "1 to 1"
+
+
+def test_no_simple_form_names_the_leaves_factors_where_each_leaf_is_one_factor():
+    """Trial 50 (a missing pcast, loss only): "no simple form ...; head.bias's elementwise ratio runs from 1 to 1"
+    named the leaf of the widest absolute spread, itself constant. The spread is now read relative to the ratio's
+    size; where every leaf is one factor across it, the leaves' factors are said. A leaf whose ratio spreads is
+    still named with its range."""
+    from shardcheck.parity.diagnosis.form import _no_form
+
+    rng = np.random.default_rng(0)
+    dr = {p: rng.normal(size=64) for p in ("mu.a", "nu.a", "b")}
+    zero = np.zeros(64)
+    f64 = {"mu.a": (zero, dr["mu.a"], 4 * dr["mu.a"]), "nu.a": (zero, dr["nu.a"], 16 * dr["nu.a"])}
+    f64["b"] = (zero, dr["b"], dr["b"] * (1 + 1e-5 * rng.normal(size=64)))
+    form = _no_form(f64)
+    assert form.sentence.endswith(
+        "fits the 3 leaves; each leaf's ratio is one factor across it, the leaves' factors differ: x4 (1 leaf), "
+        "x16 (1 leaf), x1 (1 leaf)"
+    )
+    f64["b"] = (zero, dr["b"], dr["b"] * rng.uniform(0.5, 2.0, size=64))
+    assert "; b's elementwise ratio runs from 0." in _no_form(f64).sentence

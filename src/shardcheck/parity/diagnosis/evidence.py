@@ -377,7 +377,7 @@ class Diagnosis:
             ``drift``,
             ``diverged_trajectory``, ``non_finite``, ``reference_diverged``, ``skipped_step``, ``weak_check``,
             ``cannot_verify``, ``normalization``, ``micro_batch_means``, ``weight_count``, ``rounding_level``,
-            ``clip_norm``, ``clip_coefficient``, ``applied_scale``, ``clip_per_shard``, ``low_precision_reduction``,
+            ``clip_norm``, ``applied_scale``, ``clip_coefficient``, ``clip_per_shard``, ``low_precision_reduction``,
             ``local_clip_norm``, ``wrong_axis_reduction``, ``local_normalization``, ``replicated_reduced``,
             ``expert_scaling``, ``initial_state``, ``structure`` or ``settings_differ``.
         message: the sentence shown to the user.

@@ -1237,15 +1237,25 @@ def _no_form(f64: dict, source: str = "") -> Form:
     """No simple form, naming the leaf of the widest elementwise ratio spread; ``source``: what the ratio is
     read against, said beside its percentiles (``"the reference's update from equal inputs"``: a
     replay's report also gives a ratio read over its recorded samples, trial 43)."""
-    worst, worst_stats = None, None
-    for p, (_, dr, dc) in f64.items():
-        s = _ratio_stats(dr, dc)
-        if s is not None and (worst_stats is None or s[2] - s[1] > worst_stats[2] - worst_stats[1]):
-            worst, worst_stats = p, s
+    stats = {p: s for p, (_, dr, dc) in f64.items() if (s := _ratio_stats(dr, dc)) is not None}
+
+    def width(s):  # relative to the ratio's size: 255.9..256.1 is one factor, 0.9..1.1 is not (trial 49)
+        return (s[2] - s[1]) / max(abs(s[0]), abs(s[1]), abs(s[2]), 1e-30)
+
+    # the widest of the leaves whose ratio is no one factor (a constant leaf's 255.9..256.1 is no spread to show)
+    spread = [p for p in stats if width(stats[p]) > FIT_RTOL] or list(stats)
+    worst = max(spread, key=lambda p: stats[p][2] - stats[p][1], default=None)
+    worst_stats = None if worst is None else stats[worst]
     if worst is None:
         tail = ""
     elif worst_stats == (0.0, 0.0, 0.0):  # no spread: a leaf left exactly as it was, no range to say
         tail = f"; {worst} was left exactly as it was by the candidate (its change 0 on every element)"
+    elif (
+        width(worst_stats) <= FIT_RTOL
+    ):  # each leaf one factor, the leaves' factors apart (trial 50: "1 to 1")
+        tail = "; each leaf's ratio is one factor across it, the leaves' factors differ: " + _factor_counts(
+            stats
+        )
     else:
         tail = (
             f"; {worst}'s elementwise ratio runs from {worst_stats[1]:.4g} to {worst_stats[2]:.4g} (10th-90th "
@@ -1256,6 +1266,17 @@ def _no_form(f64: dict, source: str = "") -> Form:
         f"no simple form: no zero update, sign flip, constant factor or decay term fits the {n_leaves(len(f64))}{tail}",
         leaves=len(f64),
     )
+
+
+def _factor_counts(stats: Mapping[str, tuple[float, float, float]], listed: int = 4) -> str:
+    """``"x4 (18 leaves), x16 (18 leaves), x1 (1 leaf)"``: the leaves' median ratios (``stats``: ``{path: (median,
+    p10, p90)}``) by their 4-digit value, most leaves first, the first ``listed``."""
+    counts: dict[str, int] = {}
+    for m, _, _ in stats.values():
+        counts[f"{m + 0.0:.4g}"] = counts.get(f"{m + 0.0:.4g}", 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    said = ", ".join(f"x{k} ({n_leaves(n)})" for k, n in ranked[:listed])
+    return said + (f" and {len(ranked) - listed} more factors" if len(ranked) > listed else "")
 
 
 def zero_on_copies(
