@@ -199,7 +199,7 @@ def test_a_spec_naming_a_float_says_what_a_step_is_and_the_file_s_steps(tmp_path
     )
     err = " ".join(capsys.readouterr().err.split())
     assert (
-        f"'{f}:SMOOTH' names a float, not a callable step; a step is a function step(model, optimizer, "
+        f"'{f}:SMOOTH' names a float, not a step; a step is a function step(model, optimizer, "
         in err
     )
     assert f"did you mean {f}:gspmd_step (the file's functions that take a step's arguments)?" in err

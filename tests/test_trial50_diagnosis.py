@@ -261,3 +261,27 @@ def test_no_simple_form_names_the_leaves_factors_where_each_leaf_is_one_factor()
     )
     f64["b"] = (zero, dr["b"], dr["b"] * rng.uniform(0.5, 2.0, size=64))
     assert "; b's elementwise ratio runs from 0." in _no_form(f64).sentence
+
+
+# ------------------------------------------------------------------- 8. the command line's words
+
+
+def test_a_class_given_as_the_candidate_is_refused_as_a_class_and_record_help_names_no_reference(
+    tmp_path, capsys
+):
+    """Trial 50: ``--candidate FILE:MLP`` (the model's class) ran and failed as "candidate step raised TypeError:
+    MLP.__init__() got an unexpected keyword argument 'mesh'"; ``record --help`` said "with --reference gspmd",
+    a flag record does not have."""
+    from shardcheck.cli import main
+
+    f = tmp_path / "user.py"
+    f.write_text("class MLP:\n    def __init__(self, rngs):\n        pass\n")
+    assert main(["verify", "--task", "diabetes", "--devices", "2", "--candidate", f"{f}:MLP"]) == 2
+    assert f"'{f}:MLP' names the class MLP, not a step; a step is a function" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["record", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--reference" not in text
+        and "with a mesh strategy (--strategy, default fsdp) its state is created" in text
+    )

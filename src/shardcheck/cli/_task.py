@@ -33,8 +33,9 @@ def add_task_arguments(p, *, optimizer_default_help: str) -> None:
     add_optimizer_options(p)
 
 
-def add_size_argument(p) -> None:
-    """``--size``: a named size of the tiny-lm task (:mod:`shardcheck.tasks.sizes`), implying ``--task tiny-lm``."""
+def add_size_argument(p, *, sharded_by: str = "--reference gspmd") -> None:
+    """``--size``: a named size of the tiny-lm task (:mod:`shardcheck.tasks.sizes`), implying ``--task tiny-lm``;
+    ``sharded_by``: what of the command creates its state sharded (``record`` has no ``--reference``: trial 50)."""
     from shardcheck._catalog import TINY_LM_SIZES
 
     p.add_argument(
@@ -42,7 +43,7 @@ def add_size_argument(p) -> None:
         default=None,
         choices=TINY_LM_SIZES,
         help="a named size of the tiny-lm task (implies --task tiny-lm): tiny, small, 125m, 350m, 1b; with "
-        "--reference gspmd its state is created sharded, never whole on one device",
+        f"{sharded_by} its state is created sharded, never whole on one device",
     )
 
 

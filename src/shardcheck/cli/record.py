@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     add_task_arguments(p, optimizer_default_help="the optax optimizer (default: sgd; a built-in task's own)")
-    add_size_argument(p)
+    add_size_argument(p, sharded_by="a mesh strategy (--strategy, default fsdp)")
     add_precision_arguments(p, harness=True)
     p.add_argument(
         "--strategy",

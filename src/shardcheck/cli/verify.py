@@ -322,9 +322,10 @@ def load_candidate(spec: str, *, task_form: bool = True):
     func = import_attr(fn, spec, "FUNC")
     if isinstance(func, Candidate):
         return _checked_candidate(fn, spec, func, task_form)
-    if not callable(func):
+    if not callable(func) or isinstance(func, type):  # a class is callable, and constructing it is no step
+        what = f"the class {func.__name__}" if isinstance(func, type) else f"a {type(func).__name__}"
         raise ValueError(
-            f"{fn}: {spec!r} names a {type(func).__name__}, not a callable step; a step is a function "
+            f"{fn}: {spec!r} names {what}, not a step; a step is a function "
             + (
                 "step(model, optimizer, batch) or step(model, optimizer, batch, mesh)"
                 if task_form
