@@ -285,3 +285,21 @@ def test_a_class_given_as_the_candidate_is_refused_as_a_class_and_record_help_na
         "--reference" not in text
         and "with a mesh strategy (--strategy, default fsdp) its state is created" in text
     )
+
+
+def test_a_loss_computed_per_shard_on_equal_shards_is_no_normalization():
+    """Trial 50: per-shard batch statistics (BatchNorm in a shard_map step) read "the loss is normalized another way
+    across the shards (the normalization named below)" beside the ``per_shard_loss`` finding; a per-shard mean of
+    unequal shards keeps the normalization's words."""
+    from shardcheck.parity.diagnosis.evidence import StepRecord
+    from shardcheck.parity.diagnosis.localization import reduced_reading
+
+    def record(*matches):
+        return StepRecord(0, 1e-5, 1e-6, 1.0, 1.0, (), 1, 1, matches=matches)
+
+    assert reduced_reading(record("per_shard_loss")) == (
+        "the loss is computed on each shard's rows alone and averaged (the per-shard loss named below)"
+    )
+    assert reduced_reading(record("per_shard_mean")) == (
+        "the loss is normalized another way across the shards (the normalization named below)"
+    )

@@ -1085,6 +1085,11 @@ NORMALIZED_AS = (
 )
 
 
+PER_SHARD_LOSS = frozenset({"per_shard_loss", "per_shard_loss_value"})
+"""The hypotheses of :data:`NORMALIZED_AS` that reproduce a loss computed per shard on shards of equal weight: no
+normalization, a loss whose rows are coupled (``per_shard_loss`` finding)."""
+
+
 def reduced_reading(record: StepRecord) -> str:
     """What a forward stage whose gradients differ by no one factor is, where the record names a reduction:
     ``"the loss is normalized another way across the shards (the normalization named below)"`` where the step
@@ -1092,7 +1097,12 @@ def reduced_reading(record: StepRecord) -> str:
     ``"the loss or its gradients are reduced another way across the shards (the reduction named below)"`` where
     replicated copies differ; ``""`` otherwise (trial 44: a loss 0.9985 x the reference's through a per-shard
     normalization read "the forward pass computes another function of the parameters")."""
-    if set(record.matches) & set(NORMALIZED_AS) or record.per_shard_factor or record.micro_means:
+    matched = set(record.matches) & set(NORMALIZED_AS)
+    if matched and matched <= PER_SHARD_LOSS and not record.per_shard_factor and not record.micro_means:
+        # shards of equal weight: no normalization differs, the loss of each shard's rows alone does (batch
+        # statistics or dropout draws per shard; trial 50 read "the normalization named below" beside it)
+        return "the loss is computed on each shard's rows alone and averaged (the per-shard loss named below)"
+    if matched or record.per_shard_factor or record.micro_means:
         return "the loss is normalized another way across the shards (the normalization named below)"
     if record.replica_mismatches:
         return (
