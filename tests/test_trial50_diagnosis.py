@@ -303,3 +303,24 @@ def test_a_loss_computed_per_shard_on_equal_shards_is_no_normalization():
     assert reduced_reading(record("per_shard_mean")) == (
         "the loss is normalized another way across the shards (the normalization named below)"
     )
+
+
+@require_devices(4)
+def test_a_replay_on_another_mesh_names_the_mesh_alone(tmp_path):
+    """Trial 50: a replay on another mesh said "(it records task '/tmp/.../tblock.py:task', this run's is 'task')",
+    the same task spelled otherwise, beside the mesh that was the cause; a missing file named ``Recording.save``,
+    which the README never shows."""
+    import dataclasses
+
+    task = _task(None)
+    path = tmp_path / "run.npz"
+    record_run(task, "dp", mesh=make_mesh({"data": 4}), steps=1).save(path)
+    renamed = dataclasses.replace(task, name="renamed")
+    with pytest.raises(ValueError) as err:
+        check_parity(doubled, renamed, mesh=make_mesh({"data": 2}), reference=str(path))
+    assert "was recorded on mesh data=4 (S=4), not data=2 (S=2); replay it with" in str(err.value)
+    assert "renamed" not in str(err.value)
+    with pytest.raises(
+        ValueError, match=r"pass the \.npz file shardcheck record --out or record_run\(\.\.\.\)\.save"
+    ):
+        check_parity(doubled, task, mesh=make_mesh({"data": 2}), reference=str(tmp_path / "nope.npz"))

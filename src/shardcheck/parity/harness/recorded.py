@@ -795,8 +795,9 @@ def _read_npz(fn: str, path, shown: str) -> dict[str, np.ndarray]:
         )
     if not Path(path).is_file():
         raise ValueError(
-            f"{fn}: {shown} does not exist or is not a file; pass the file "
-            f"{'shardcheck record' if _cli(fn) else 'Recording.save'} wrote"
+            f"{fn}: {shown} does not exist or is not a file; pass the .npz file "
+            f"{'shardcheck record --out' if _cli(fn) else 'shardcheck record --out or record_run(...).save(path)'} "
+            "wrote"
         )
     if not zipfile.is_zipfile(path):
         with open(path, "rb") as f:
@@ -1101,12 +1102,13 @@ def check_replayable(
                 f"{_flag(fn, '--seed', 'seed')}, data set or task file; replay with the recorded data, or record "
                 "again"
             )
-    _check_mesh(fn, path, meta, mesh, num_shards, named)
+    _check_mesh(fn, path, meta, mesh, num_shards)
 
 
-def _check_mesh(fn: str, path, meta: Mapping, mesh, num_shards: int, named: str) -> None:
+def _check_mesh(fn: str, path, meta: Mapping, mesh, num_shards: int) -> None:
     """Refuse a replay on another shard count S or another mesh than the recording's (:func:`check_replayable`'s
-    last refusal: the task is the recorded one, so the flag it names can make the run replay)."""
+    last refusal: the task is the recorded one, so the flag it names can make the run replay, and a task's other
+    spelling is not said: trial 50 read it as the cause)."""
     axes = None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}
     # a run without a mesh (a single-device strategy) compares with a mesh's at the same S; two meshes must agree
     if num_shards == meta["num_shards"] and not (axes and meta["mesh"] and axes != meta["mesh"]):
@@ -1119,7 +1121,7 @@ def _check_mesh(fn: str, path, meta: Mapping, mesh, num_shards: int, named: str)
     else:
         flag = _flag(fn, f"--devices {meta['num_shards']}", f"num_shards={meta['num_shards']}")
     raise ValueError(
-        f"{fn}: {path} was recorded on mesh {was}, not {now}{named}; replay it with {flag}, or record again"
+        f"{fn}: {path} was recorded on mesh {was}, not {now}; replay it with {flag}, or record again"
     )
 
 
