@@ -725,8 +725,8 @@ def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
     if not update and top_c == 0:  # values (gradients): zero only where they are, not where they are small
         return Form(
             "zero",
-            f"zero values: the candidate's {n_leaves(n)} are 0 (the reference's up to {top_r:.3g}): these values "
-            "are zero",
+            f"zero values: the candidate's {n_leaves(n)} {'is' if n == 1 else 'are'} 0 (the reference's up to "
+            f"{top_r:.3g}): these values are zero",
             factor=0.0,
             leaves=n,
         )
@@ -1352,7 +1352,8 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
             f"a zero update: the candidate left these {n} leaves as they were: "
             f"{zero_meaning(e.path if e.kind != 'opt_state' else f'opt_state {e.path}' for e in ratios)}"
             if update
-            else f"zero values: the candidate's {n_leaves(n)} are 0 at the compared samples: these values are zero"
+            else f"zero values: the candidate's {n_leaves(n)} {'is' if n == 1 else 'are'} 0 at the compared samples: these "
+            "values are zero"
         )
         return Form("zero", said, factor=0.0, leaves=n)
     stats = {e.path: (e.ratio, *(e.spread or (e.ratio, e.ratio))) for e in ratios}

@@ -867,14 +867,14 @@ def non_finite(ctx: DiagnosisContext) -> Finding:
         return Diagnosis(
             "non_finite",
             f"At step {t} the reference's loss and gradients are not finite too, and its optimizer skipped the step "
-            f"(its parameters as they were); the candidate's step applied them: NaN or infinity, first in {shown} "
-            f"({len(bad)} leaves in all). Skip the update where the gradients are not finite, as the reference "
+            f"(its parameters as they were); the candidate's step applied them: NaN or infinity, first in {shown}"
+            f"{_in_all(len(bad))}. Skip the update where the gradients are not finite, as the reference "
             "does (optax.apply_if_finite around the optimizer, or the loss-scale check of its step).",
             bad[0].name,
         )
     return Diagnosis(
         "non_finite",
-        f"{head}: NaN or infinity, first in {shown} ({len(bad)} leaves in all). The candidate's step computes a "
+        f"{head}: NaN or infinity, first in {shown}{_in_all(len(bad))}. The candidate's step computes a "
         "NaN or an infinity the reference's step does not (a log, a division or a square root of 0, an "
         "overflow in a lower precision, a softmax over a fully masked row, an uninitialized buffer); rerun the "
         "candidate's step with jax.config.update('jax_debug_nans', True) to stop at the operation that makes it.",
@@ -2171,6 +2171,12 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
         "order; reduce in float32 (cast the gradients to float32 before the psum / reduce-scatter).",
         ctx.worst_name,
     )
+
+
+def _in_all(n: int) -> str:
+    """``" (3 leaves in all)"``; ``""`` of one leaf, which the list before it names alone (trial 50: "first in
+    loss (1 leaves in all)")."""
+    return "" if n == 1 else f" ({n} leaves in all)"
 
 
 def _reduction_refuted(record: StepRecord) -> bool:
