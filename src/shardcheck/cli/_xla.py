@@ -81,8 +81,11 @@ def installed_plugins() -> frozenset[str]:
         spec = importlib.util.find_spec("jax_plugins")
     except (ImportError, ValueError):
         spec = None
-    if spec is not None and spec.submodule_search_locations:
-        names |= {m.name for m in pkgutil.iter_modules(list(spec.submodule_search_locations))}
+    locations = getattr(spec, "submodule_search_locations", None)
+    if spec is not None and not locations:  # a jax_plugins whose modules cannot be listed: an unknown plugin
+        names.add("jax_plugins")
+    if locations:
+        names |= {m.name for m in pkgutil.iter_modules(list(locations))}
     return frozenset(names)
 
 

@@ -912,15 +912,22 @@ def check_parity(
     with compare.on_devices(run.ref_strategy is not None):  # a sharded check compares where its leaves live
         outcome = _steps_shaped(run, data, tolerances)
     derived = tolerances(data[0], max(len(outcome[0]) - 1, 0))
-    if rtol is None and atol is None:
-        rule = derived[2].rule + _precision_rule(run.precision)
-    else:
-        rule = f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
+    rule = _rule_text(rtol, atol, derived, run.precision)
     accepted = accept_weak or rtol is not None or atol is not None
     user_set = "" if rtol is None and atol is None else _user_set(rtol, atol, derived[2])
     weak = unresolvable(outcome[0], run.cand.num_shards, run.precision, accepted=accepted, user_set=user_set)
     report = _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
     return recheck.at_highest(report, matmul.devices_of(run.ref_model, mesh), call)
+
+
+def _rule_text(rtol: float | None, atol: float | None, derived: tuple, precision) -> str:
+    """The report's tolerance rule: the derivation's (``derived``: ``(rtol, atol, derive_tolerance result)`` of the
+    last step) with the precision policy's, or the tolerances a user set."""
+    if rtol is None and atol is None:
+        return derived[2].rule + _precision_rule(precision)
+    return (
+        f"rtol={derived[0]:g}, atol={derived[1]:g} (user-set where given, else derived; fixed for every step)"
+    )
 
 
 def _user_set(rtol: float | None, atol: float | None, derived) -> str:
