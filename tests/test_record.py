@@ -639,8 +639,9 @@ def test_first_moments_off_by_s_name_a_sum_for_a_mean_without_gradients(identica
     comparison = compare_run(_only(recorded, without), _only(scaled, without))
     # the live check's rule reads the moments' factor (sqrt of the second's) when no gradient is compared
     assert comparison.codes[0] == "summed", comparison.cause
-    assert "optimizer moments are 2 x the reference's: the gradient reduction summed instead of averaged" in (
-        comparison.cause
+    assert (
+        "optimizer moments are 2 x the reference's (its second moments 4 x: the square): the gradient reduction "
+        "summed instead of averaged" in comparison.cause
     )
 
 

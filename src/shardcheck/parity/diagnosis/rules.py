@@ -1609,9 +1609,21 @@ def _factor_finding(ctx: DiagnosisContext, code: str, phrase: str | None) -> Dia
         )
     return Diagnosis(
         code,
-        f"At step {ctx.first.step}, {scoped} are {ctx.factor:.4g} x the reference's: {phrase}.{hidden}",
+        f"At step {ctx.first.step}, {scoped} are {ctx.factor:.4g} x the reference's{_squared_said(ctx, scoped)}: "
+        f"{phrase}.{hidden}",
         ctx.worst_name,
     )
+
+
+def _squared_said(ctx: DiagnosisContext, scoped: str) -> str:
+    """``" (its second moments 16 x: the square)"`` where the factor was read from optimizer moments of which the
+    second (Adam's ``nu``) fail: they carry the factor's square, which "optimizer moments are 4 x" did not say
+    (trial 50); ``""`` otherwise."""
+    if scoped != "optimizer moments" or not any(
+        e.kind == "opt_state" and _moment(e.path) == "second" for e in ctx.bad
+    ):
+        return ""
+    return f" (its second moments {ctx.factor**2:.4g} x: the square)"
 
 
 def _one_number_said(ctx: DiagnosisContext, one: LeafError, phrase: str | None) -> str:
