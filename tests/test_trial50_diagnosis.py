@@ -84,7 +84,7 @@ def test_a_gradient_applied_x2_under_a_binding_clip_is_no_reduction_and_no_mesh_
         text = _text(report)
         assert report.verdict == "FAIL" and report.codes[0] == "clip_coefficient", text
         assert "summed" not in report.codes and "sum over" not in text
-        assert "the exposed gradients match the reference's, but momentum trace are 1.5 x" in text
+        assert "the exposed gradients match the reference's, but momentum traces are 1.5 x" in text
     assert _text(reports[0]) == _text(reports[1]).replace("data=4", "data=2")  # the mesh's size says nothing
 
 
@@ -99,7 +99,7 @@ def test_a_gradient_applied_x2_without_a_clip_is_an_applied_scale_live_and_repla
         text = _text(report)
         assert report.verdict == "FAIL" and report.codes[0] == "applied_scale", text
         assert (
-            "the exposed gradients match the reference's, but momentum trace are 2 x the reference's on every "
+            "the exposed gradients match the reference's, but momentum traces are 2 x the reference's on every "
             "leaf: the optimizer was given the gradients 2 x, scaled after the ones returned (the task's "
             "optimizer holds no clip)" in text
         )
@@ -107,7 +107,7 @@ def test_a_gradient_applied_x2_without_a_clip_is_an_applied_scale_live_and_repla
         assert contradiction(report.localization.text(), report.steps) is None
     # the other side: a clip that does not bind leaves the factor 2 the optimizer's and the clip is named
     clipped = check_parity(doubled, _task(clip=1e6), mesh=mesh, steps=1)
-    assert clipped.codes[0] == "clip_coefficient" and "momentum trace are 2 x" in _text(clipped)
+    assert clipped.codes[0] == "clip_coefficient" and "momentum traces are 2 x" in _text(clipped)
 
 
 @require_devices(4)
@@ -116,7 +116,7 @@ def test_a_factor_read_from_the_momentum_trace_is_not_said_to_be_a_learning_rate
     report = check_parity(doubled_loss_only, _task(clip), mesh=make_mesh({"data": 4}), steps=1)
     text = _text(report)
     assert report.verdict == "FAIL" and "scaled" in report.codes, text
-    assert "momentum trace are 2 x the reference's" in text
+    assert "momentum traces are 2 x the reference's" in text
     assert "(a wrong loss normalization, or the gradients scaled before the optimizer?)" in text
     assert "or learning rate?" not in text
 

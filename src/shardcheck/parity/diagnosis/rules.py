@@ -264,7 +264,7 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         f = _consensus(moments)
         if f is not None:
             adam = any(m in f".{e.path}." for e in state for m in (".mu.", ".nu."))
-            return f, "optimizer moments" if second or adam else "momentum trace"
+            return f, "optimizer moments" if second or adam else "momentum traces"
         return None, ""
     params = _sharp([e for e in leaves if e.kind == "param"])
     if not all(constant_ratio(e) for e in params if not e.ok):
@@ -716,7 +716,7 @@ class DiagnosisContext:
 _EVIDENCE_KINDS = {
     "gradients": "grad",
     "optimizer moments": "opt_state",
-    "momentum trace": "opt_state",
+    "momentum traces": "opt_state",
     "parameter updates": "param",
 }
 
