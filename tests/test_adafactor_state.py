@@ -193,7 +193,7 @@ def test_a_second_moments_factor_is_not_a_gradient_factor():
     f, evidence, _ = applied(["0.mu.a", "0.mu.b"])
     assert f == pytest.approx(0.933) and evidence == "Adam's first moments"
     f, evidence, _ = applied(["0.trace.a", "0.trace.b"])
-    assert f == pytest.approx(0.933) and evidence == "momentum trace"
+    assert f == pytest.approx(0.933) and evidence == "momentum traces"
 
 
 def test_adafactor_decay_rate_fault_names_no_clip():
