@@ -237,6 +237,11 @@ def test_a_zeroed_gradient_whose_moments_stayed_is_not_said_to_be_a_learning_rat
     assert "their gradient was 0 at this step (dropped, zeroed or never reduced into them)" in form.sentence
     assert "a learning rate of 0" not in form.sentence
     assert contradiction(report.localization.text(), report.steps) is None
+    # only an optimizer-state path is a moment: a parameter named mu (a VAE's mean layer) keeps the learning rate
+    from shardcheck.parity.diagnosis.form import ZERO_MEANING, ZERO_STATE_MEANING, zero_meaning
+
+    assert zero_meaning(["mu.kernel", "encoder.nu.bias"]) == ZERO_MEANING
+    assert zero_meaning(["mu.kernel", "opt_state 0.mu.mu.kernel"]) == ZERO_STATE_MEANING
 
 
 # ------------------------------------------------------------------- 7. "no simple form" that names "1 to 1"

@@ -80,15 +80,27 @@ ZERO_STATE_MEANING = (
     "are written from the gradient, before any learning rate): their gradient was 0 at this step (dropped, zeroed "
     "or never reduced into them), or the optimizer's step skipped them (a mask, optax.set_to_zero)"
 )
-MOMENT_FIELDS = frozenset({"mu", "nu", "trace", "ema"})
-"""optax's state fields written from the gradient (first and second moments, traces, EMAs)."""
+# optax's state fields linear in the gradient (Adam's, Lion's mu; momentum's trace; an EMA's ema) and Adam's
+# second moment nu (its square); any other field (Adafactor's factored v_row, v_col, v) reads no gradient factor
+FIRST_MOMENTS = ("mu", "trace", "ema")
+SECOND_MOMENTS = ("nu",)
+
+
+def moment(path: str) -> str | None:
+    """``"first"`` where an optimizer-state path names a field linear in the gradient (:data:`FIRST_MOMENTS`),
+    ``"second"`` where it names Adam's ``nu``, else ``None``."""
+    parts = set(path.split("."))
+    if parts & set(SECOND_MOMENTS):
+        return "second"
+    return "first" if parts & set(FIRST_MOMENTS) else None
 
 
 def zero_meaning(paths) -> str:
-    """:data:`ZERO_STATE_MEANING` where some of ``paths`` (leaf paths, ``"opt_state 0.mu.w"`` or ``"0.mu.w"``)
-    names an optimizer moment (:data:`MOMENT_FIELDS`), else :data:`ZERO_MEANING`."""
-    moments = any(MOMENT_FIELDS & set(str(p).replace(" ", ".").split(".")) for p in paths)
-    return ZERO_STATE_MEANING if moments else ZERO_MEANING
+    """:data:`ZERO_STATE_MEANING` where some of ``paths`` names an optimizer moment (an optimizer-state path,
+    ``"opt_state 0.mu.w"``, whose field :func:`moment` reads; a parameter path is never one, a VAE's ``mu`` layer
+    included), else :data:`ZERO_MEANING`."""
+    state = [str(p).removeprefix("opt_state ") for p in paths if str(p).startswith("opt_state ")]
+    return ZERO_STATE_MEANING if any(moment(p) for p in state) else ZERO_MEANING
 
 
 # what a zero on the copies compared means where the copies of a replicated leaf differ along some axes and the
@@ -1250,12 +1262,8 @@ def _no_form(f64: dict, source: str = "") -> Form:
         tail = ""
     elif worst_stats == (0.0, 0.0, 0.0):  # no spread: a leaf left exactly as it was, no range to say
         tail = f"; {worst} was left exactly as it was by the candidate (its change 0 on every element)"
-    elif (
-        width(worst_stats) <= FIT_RTOL
-    ):  # each leaf one factor, the leaves' factors apart (trial 50: "1 to 1")
-        tail = "; each leaf's ratio is one factor across it, the leaves' factors differ: " + _factor_counts(
-            stats
-        )
+    elif width(worst_stats) <= FIT_RTOL:  # every leaf one factor, the factors apart (trial 50: "1 to 1")
+        tail = f"; each leaf's ratio is one factor across it, the leaves' factors differ: {_factor_counts(stats)}"
     else:
         tail = (
             f"; {worst}'s elementwise ratio runs from {worst_stats[1]:.4g} to {worst_stats[2]:.4g} (10th-90th "

@@ -91,6 +91,9 @@ from shardcheck.parity.diagnosis.form import (
     weight_phrase,
     zero_on_copies_said,
 )
+from shardcheck.parity.diagnosis.form import (
+    moment as _moment,
+)
 from shardcheck.parity.diagnosis.grouping import (
     NO_PROPERTY,
     LeafFacts,
@@ -271,21 +274,6 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
         return None, ""
     f = _consensus([e.ratio for e in params])
     return (f, "parameter updates") if f is not None else (None, "")
-
-
-# optax's state fields linear in the gradient (Adam's, Lion's mu; momentum's trace; an EMA's ema) and Adam's
-# second moment nu (its square); any other field (Adafactor's factored v_row, v_col, v) reads no gradient factor
-FIRST_MOMENTS = ("mu", "trace", "ema")
-SECOND_MOMENTS = ("nu",)
-
-
-def _moment(path: str) -> str | None:
-    """``"first"`` where an optimizer-state path names a field linear in the gradient (:data:`FIRST_MOMENTS`),
-    ``"second"`` where it names Adam's ``nu``, else ``None``."""
-    parts = set(path.split("."))
-    if parts & set(SECOND_MOMENTS):
-        return "second"
-    return "first" if parts & set(FIRST_MOMENTS) else None
 
 
 def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[float | None, str]:

@@ -156,7 +156,7 @@ def _is_scalar_like(out) -> bool:
     return isinstance(out, jax.Array | np.ndarray | np.generic | float | int) and np.ndim(out) == 0
 
 
-GRADS_NAMES = frozenset({"gradients", "gradient", "grad", "g", "grads_tree"})
+GRADS_NAMES = frozenset({"gradients", "gradient", "grad"})
 """Keys of a returned mapping that name gradients under another name than ``'grads'``: refused by
 :func:`unpack` where ``'grads'`` is absent (other keys, metrics such as ``'accuracy'``, are ignored)."""
 
