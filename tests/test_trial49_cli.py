@@ -310,11 +310,11 @@ def test_resolve_names_a_coarser_precision_only_where_the_backend_computes_finer
 
 
 @needs_plugin
-def test_memory_target_names_the_gpu_it_compiled_for():
+def test_memory_target_names_the_gpu_it_compiled_for(tmp_path):
     args = ["--size", "tiny", "--mesh", "fsdp=2", "--target", "h100", "--strategy", "fsdp"]
-    out = _with_plugin("-m", "shardcheck", "memory", *args, "--json", "-")
+    out = _with_plugin("-m", "shardcheck", "memory", *args, "--json", str(tmp_path / "m.json"))
     assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = json.loads((tmp_path / "m.json").read_text())
     why = "compiled for h100 (XLA:GPU, deviceless: compile-only devices of the jax CUDA plugin; nothing ran)"
     assert report["devices"] == {
         "platform": "gpu",
@@ -329,9 +329,8 @@ def test_memory_target_names_the_gpu_it_compiled_for():
         "deviceless": True,
         "target": "h100",
     }
-    text = _with_plugin("-m", "shardcheck", "memory", *args)
-    assert f"devices: 2 x gpu, {why}" in " ".join(text.stdout.split())
-    assert "Traceback" not in text.stderr
+    assert f"devices: 2 x gpu, {why}" in " ".join(out.stdout.split())  # the report, beside the JSON file
+    assert "Traceback" not in out.stderr
 
 
 # ---------------------------------------------------------------------------------- 7. one device: no reduction

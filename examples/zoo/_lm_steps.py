@@ -7,6 +7,8 @@ Every model's loss is ``shardcheck.tasks.tiny_lm.lm_loss``: ``(sum of the cross-
 their count)``; the batch is split over the mesh axes ``data`` and ``fsdp``.
 """
 
+import functools
+
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -43,6 +45,7 @@ def shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum,
     ``grads_over`` and divided by the token count reduced with ``count``. The right choice: psum both over every
     batch axis. ``own_count``: each shard divides by its own token count before the reduction."""
 
+    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program, compiled once per mesh
     def faulty_step(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -58,7 +61,7 @@ def shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum,
         mapped = jax.shard_map(
             body, mesh=mesh, in_specs=(P(), P(), P(BATCH_AXES)), out_specs=P(), check_vma=False
         )
-        loss, grads = jax.jit(mapped)(params, rest, batch)
+        loss, grads = mapped(params, rest, batch)
         optimizer.update(model, grads)
         return {"loss": loss, "grads": grads}
 

@@ -85,6 +85,7 @@ task = shardcheck.Task(
 def _make_step(*, reduce_axes=AXES, count_over=jax.lax.psum, per_shard_mean=False, check_vma=True):
     """The user's step; the keywords plant its faults (the defaults are the correct step)."""
 
+    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program, compiled once per mesh
     def user_step(model, optimizer, batch, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
         params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -104,7 +105,7 @@ def _make_step(*, reduce_axes=AXES, count_over=jax.lax.psum, per_shard_mean=Fals
         mapped = jax.shard_map(
             body, mesh=mesh, in_specs=(P(), P(AXES)), out_specs=(P(), P()), check_vma=check_vma
         )
-        loss, grads = jax.jit(mapped)(params, batch)
+        loss, grads = mapped(params, batch)
         optimizer.update(model, grads)
         return loss
 

@@ -21,6 +21,8 @@ experts over ``data`` (the expert group's tokens are already in their gradient),
 token count.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +121,7 @@ def _reduce(grads, specs, count_local, *, expert_count_axes=TOKENS, replicated_a
 
 
 def _make_step(check_vma=True, **reduce_kw):
+    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program, compiled once per mesh
     def user_step(model, optimizer, batch, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
         specs = nnx.get_partition_spec(params)
@@ -138,7 +141,7 @@ def _make_step(check_vma=True, **reduce_kw):
         mapped = jax.shard_map(
             body, mesh=mesh, in_specs=(specs, P(TOKENS)), out_specs=(P(), specs), check_vma=check_vma
         )
-        loss, grads = jax.jit(mapped)(params, batch)
+        loss, grads = mapped(params, batch)
         optimizer.update(model, grads)
         return loss
 
