@@ -20,6 +20,7 @@ from test_task_parity import per_shard_optimizer_step, reduce_in, user_dp_step
 
 import shardcheck
 from shardcheck import check_parity
+from shardcheck.parity import shared_reference
 from shardcheck.parity.tolerance.precision import (
     COMPUTE_SAFETY,
     Precision,
@@ -231,8 +232,9 @@ def planted(fault, num_shards):
 @pytest.mark.parametrize("num_shards", [2, 8])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_the_mlp_passes_every_strategy_under_both_policies(policy, num_shards):
-    for strategy in EVERY_STRATEGY:
-        report = check_parity(strategy, digits(policy), num_shards=num_shards)
+    with shared_reference():  # one reference run for every strategy, as one verify runs them
+        reports = {s: check_parity(s, digits(policy), num_shards=num_shards) for s in EVERY_STRATEGY}
+    for strategy, report in reports.items():
         assert report.verdict == "PASS", (strategy, str(report))
         assert report.cannot_verify is None
 
@@ -246,8 +248,12 @@ def test_planted_faults_fail_on_the_mlp_under_both_policies(policy, num_shards):
         "mean_twice": ("averaged_twice", "averaged twice"),
         "stepped": ("step_counter", f"stepped {num_shards} times per step"),
     }
+    with shared_reference():  # one reference run for every fault: each report is its own check's, bit for bit
+        reports = {
+            f: check_parity(planted(f, num_shards), digits(policy), num_shards=num_shards) for f in expected
+        }
     for fault, (code, phrase) in expected.items():
-        report = check_parity(planted(fault, num_shards), digits(policy), num_shards=num_shards)
+        report = reports[fault]
         assert report.verdict == "FAIL", (fault, str(report))
         assert code in report.codes, (fault, str(report))
         assert phrase in " ".join(report.diagnosis.split()), (fault, report.diagnosis)
@@ -271,8 +277,9 @@ FAULT_GRID = [cell for cell in GRID if cell not in PASS_GRID]
 @require_devices(8)
 @pytest.mark.parametrize(("policy", "num_shards"), PASS_GRID)
 def test_the_tiny_lm_passes_every_strategy_under_both_policies(policy, num_shards):
-    for strategy in EVERY_STRATEGY:
-        report = check_parity(strategy, lm_under(policy), num_shards=num_shards)
+    with shared_reference():
+        reports = {s: check_parity(s, lm_under(policy), num_shards=num_shards) for s in EVERY_STRATEGY}
+    for strategy, report in reports.items():
         assert report.verdict == "PASS", (strategy, str(report))
         assert report.cannot_verify is None
         if strategy == "dp":
@@ -291,8 +298,10 @@ def test_planted_faults_fail_on_the_tiny_lm_under_both_policies(policy, num_shar
         per_shard_optimizer_step: ("step_counter", f"stepped {num_shards} times per step"),
     }
     mesh = shardcheck.make_mesh(num_shards)
+    with shared_reference():
+        reports = {s: check_parity(s, lm_under(policy), mesh=mesh, num_shards=num_shards) for s in expected}
     for step, (code, phrase) in expected.items():
-        report = check_parity(step, lm_under(policy), mesh=mesh, num_shards=num_shards)
+        report = reports[step]
         assert report.verdict == "FAIL", (code, str(report))
         assert code in report.codes, (code, str(report))
         assert phrase in " ".join(report.diagnosis.split()), (code, report.diagnosis)
@@ -305,10 +314,12 @@ def test_a_bf16_all_reduce_under_bf16_compute_is_not_told_apart():
     named as a fault in a float32-compute model (tests/test_task_parity.py), PASSes here, in either shard
     order (docs/parity.md, "A bfloat16 gradient all-reduce")."""
     mesh = shardcheck.make_mesh(8)
-    for reverse in (False, True):
-        report = check_parity(
-            reduce_in(jnp.bfloat16, reverse), lm_under("bf16_compute"), mesh=mesh, num_shards=8
-        )
+    with shared_reference():
+        reports = [
+            check_parity(reduce_in(jnp.bfloat16, r), lm_under("bf16_compute"), mesh=mesh, num_shards=8)
+            for r in (False, True)
+        ]
+    for report in reports:
         assert report.verdict == "PASS" and "low_precision_reduction" not in report.codes, str(report)
 
 

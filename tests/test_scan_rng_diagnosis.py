@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import Task, check_parity, make_mesh
+from shardcheck.parity import shared_reference
 
 V, D, T, L, S = 32, 16, 8, 2, 8
 
@@ -131,9 +132,12 @@ def reports():
     require_devices(S)
     mesh = make_mesh(S)
     runs = [(True, correct), (True, summed), (True, loss_off_1pct), (False, loss_off_1pct)]
-    return {
-        (scan, step.__name__): check_parity(step, _task(scan), mesh=mesh, num_shards=S) for scan, step in runs
-    }
+    tasks = {scan: _task(scan) for scan in (True, False)}
+    with shared_reference():  # one reference run per model: each report is its own check's, bit for bit
+        return {
+            (scan, step.__name__): check_parity(step, tasks[scan], mesh=mesh, num_shards=S)
+            for scan, step in runs
+        }
 
 
 def test_a_correct_step_on_the_scanned_rng_model_passes(reports):

@@ -239,6 +239,17 @@ def test_memory_takes_agreeing_flags(capsys):
     assert report["devices"]["platform"] == "cpu" and "deviceless" not in report["devices"]
 
 
+def test_a_negative_value_after_its_option_gets_the_options_own_message(capsys):
+    """Trial 50: ``--device-memory -5GB`` got argparse's "expected one argument" (it read -5GB as an option);
+    the value now reaches the option's own check, as ``--device-memory=-5GB`` did."""
+    for flags in (["--device-memory", "-5GB"], ["--device-memory=-5GB"]):
+        assert main(["memory", "--task", "tiny-lm", "--size", "tiny", "--mesh", "fsdp=4", *flags]) == 2
+        assert _err(capsys).startswith(
+            "error: shardcheck memory: --device-memory '-5GB' is neither a size nor a known device kind; use a "
+            "size such as 80GiB"
+        )
+
+
 # ---------------------------------------------------------------------------------- 4. JAX's precision names
 
 

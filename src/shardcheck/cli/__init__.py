@@ -16,6 +16,7 @@ import gc
 import importlib
 import math
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Iterable, Sequence
@@ -70,6 +71,20 @@ def _command_in(argv: Sequence[str]) -> tuple[str, ...]:
     return (command,) if command in SUMMARIES else ()
 
 
+def _negative_values_joined(argv: Sequence[str]) -> list[str]:
+    """``argv`` with an option's value that starts with ``-`` and a digit joined to it (``--device-memory -5GB``
+    -> ``--device-memory=-5GB``): argparse reads such a value as an option and says only "expected one argument",
+    where the option's own check names the value and the fix (trial 50). A bare negative number (``-5``) argparse
+    already reads as a value; ``--lr -0.1`` is joined the same way."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 # Collect the youngest generation after 50,000 net allocations instead of CPython's 700: importing JAX, Flax and
 # optax and tracing the steps allocate millions of objects that live until the process ends, and the default
 # spends about 0.4 s of a 3 s `shardcheck verify` in 400 collections (gc.callbacks); this leaves 5.
@@ -93,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     own_process = argv is None
     if own_process:
         gc.set_threshold(*CLI_GC_THRESHOLD)
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _negative_values_joined(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_in(argv))  # only the module of the subcommand that runs
     args = parser.parse_args(argv)
     command = f"shardcheck {args.command}"
