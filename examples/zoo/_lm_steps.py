@@ -45,8 +45,8 @@ def shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum,
     ``grads_over`` and divided by the token count reduced with ``count``. The right choice: psum both over every
     batch axis. ``own_count``: each shard divides by its own token count before the reduction."""
 
-    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program, compiled once per mesh
-    def faulty_step(model, optimizer, batch, mesh):
+    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program
+    def train(model, optimizer, batch, mesh):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def body(params, rest, batch):
@@ -64,5 +64,10 @@ def shard_map_step(grads_over=BATCH_AXES, count=jax.lax.psum, mean=jax.lax.psum,
         loss, grads = mapped(params, rest, batch)
         optimizer.update(model, grads)
         return {"loss": loss, "grads": grads}
+
+    def faulty_step(model, optimizer, batch, mesh):
+        state = nnx.state((model, optimizer))  # replicated before the step: one compile per mesh, every step
+        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+        return train(model, optimizer, batch, mesh)
 
     return faulty_step

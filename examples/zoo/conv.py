@@ -85,10 +85,9 @@ task = shardcheck.Task(
 def _make_step(*, reduce_axes=AXES, count_over=jax.lax.psum, per_shard_mean=False, check_vma=True):
     """The user's step; the keywords plant its faults (the defaults are the correct step)."""
 
-    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program, compiled once per mesh
-    def user_step(model, optimizer, batch, mesh):
+    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program
+    def train(model, optimizer, batch, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
-        params = jax.device_put(params, NamedSharding(mesh, P()))
 
         def body(p, b):
             p = jax.tree.map(lambda a: jax.lax.pcast(a, AXES, to="varying"), p)  # local gradients (C2)
@@ -108,6 +107,11 @@ def _make_step(*, reduce_axes=AXES, count_over=jax.lax.psum, per_shard_mean=Fals
         loss, grads = mapped(params, batch)
         optimizer.update(model, grads)
         return loss
+
+    def user_step(model, optimizer, batch, mesh):
+        state = nnx.state((model, optimizer))  # replicated before the step: one compile per mesh, every step
+        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+        return train(model, optimizer, batch, mesh)
 
     return user_step
 

@@ -121,11 +121,10 @@ def _reduce(grads, specs, count_local, *, expert_count_axes=TOKENS, replicated_a
 
 
 def _make_step(check_vma=True, **reduce_kw):
-    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program, compiled once per mesh
-    def user_step(model, optimizer, batch, mesh):
+    @functools.partial(nnx.jit, static_argnums=3)  # the whole step one program
+    def train(model, optimizer, batch, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
         specs = nnx.get_partition_spec(params)
-        params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
 
         def body(p, b):
             # every local gradient stays local (no implicit psum, docs/reduction_cases.md C2): reduced below
@@ -144,6 +143,11 @@ def _make_step(check_vma=True, **reduce_kw):
         loss, grads = mapped(params, batch)
         optimizer.update(model, grads)
         return loss
+
+    def user_step(model, optimizer, batch, mesh):
+        state = nnx.state((model, optimizer))  # placed as annotated before the step: one compile per mesh
+        nnx.update((model, optimizer), jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+        return train(model, optimizer, batch, mesh)
 
     return user_step
 
