@@ -250,6 +250,23 @@ def test_a_negative_value_after_its_option_gets_the_options_own_message(capsys):
         )
 
 
+def test_a_command_after_a_bare_double_dash_is_passed_on_as_written():
+    """``shardcheck launch ... -- COMMAND``: the command's own arguments are not joined (its parser may not read
+    ``--flag=value``); before the ``--`` they are."""
+    from shardcheck.cli import _negative_values_joined
+
+    argv = ["launch", "--processes", "-2", "--", "python", "check.py", "--threshold", "-1e-3"]
+    assert _negative_values_joined(argv) == [
+        "launch",
+        "--processes=-2",
+        "--",
+        "python",
+        "check.py",
+        "--threshold",
+        "-1e-3",
+    ]
+
+
 # ---------------------------------------------------------------------------------- 4. JAX's precision names
 
 

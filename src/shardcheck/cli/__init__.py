@@ -75,14 +75,16 @@ def _negative_values_joined(argv: Sequence[str]) -> list[str]:
     """``argv`` with an option's value that starts with ``-`` and a digit joined to it (``--device-memory -5GB``
     -> ``--device-memory=-5GB``): argparse reads such a value as an option and says only "expected one argument",
     where the option's own check names the value and the fix (trial 50). A bare negative number (``-5``) argparse
-    already reads as a value; ``--lr -0.1`` is joined the same way."""
+    already reads as a value; ``--lr -0.1`` is joined the same way. Nothing after a bare ``--`` is changed: that
+    is the command ``shardcheck launch`` runs, whose own parser reads it."""
+    end = argv.index("--") if "--" in argv else len(argv)
     out: list[str] = []
-    for arg in argv:
+    for arg in argv[:end]:
         if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", arg):
             out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)
-    return out
+    return [*out, *argv[end:]]
 
 
 # Collect the youngest generation after 50,000 net allocations instead of CPython's 700: importing JAX, Flax and
