@@ -321,3 +321,61 @@ def test_only_the_cli_process_raises_the_gc_threshold(monkeypatch, capsys):
     finally:
         gc.set_threshold(*before)
     assert capsys.readouterr().out.startswith("shardcheck ")
+
+
+# ------------------------------------------------------------------------------------- entries written whole
+
+
+@pytest.fixture
+def jax_put(monkeypatch):
+    """JAX's ``LRUCache`` class, its ``put`` restored after the test (the patch is process-wide)."""
+    from jax._src import lru_cache
+
+    monkeypatch.setattr(lru_cache.LRUCache, "put", lru_cache.LRUCache.put)
+    return lru_cache.LRUCache
+
+
+def test_an_entry_is_renamed_into_place_whole_with_the_permissions_jax_gives(tmp_path, jax_put, monkeypatch):
+    """Another process reading the folder finds no entry or the whole one: the bytes are written beside it and
+    renamed onto its name, never written in place (docs/known_issues.md: a worker read one half written)."""
+    from shardcheck.cli._cache import whole_cache_entries
+
+    plain = jax_put(str(tmp_path / "jax"), max_size=-1)
+    plain.put("k1", b"x" * 1000)  # JAX's own write, for its permissions
+    assert whole_cache_entries()
+    wrapped = jax_put.put
+    assert getattr(wrapped, "whole_entries", False)
+    assert whole_cache_entries() and jax_put.put is wrapped  # idempotent: wrapped once
+    renamed = []
+    replace = os.replace
+
+    def watched(src, dst):
+        src, dst = Path(src), Path(dst)
+        renamed.append((src.parent == dst.parent, src.name.startswith(f".{dst.name}."), src.read_bytes()))
+        assert not dst.exists()  # nothing stood under the entry's name before the rename
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", watched)
+    cache = jax_put(str(tmp_path / "ours"), max_size=-1)
+    value = bytes(range(256)) * 40
+    cache.put("k1", value)
+    assert renamed == [(True, True, value)]
+    assert cache.get("k1") == value
+    cache.put("k1", b"another")  # as JAX: an entry already written is kept
+    assert cache.get("k1") == value and len(renamed) == 1
+    assert [p.name for p in (tmp_path / "ours").iterdir()] == ["k1-cache"]  # no temporary file left
+    mode = (tmp_path / "jax" / "k1-cache").stat().st_mode & 0o777
+    assert (tmp_path / "ours" / "k1-cache").stat().st_mode & 0o777 == mode
+    with pytest.raises(ValueError, match="key cannot be empty"):  # JAX's own refusal
+        cache.put("", value)
+
+
+def test_a_size_limited_cache_is_left_to_jaxs_locked_writes(tmp_path, jax_put, monkeypatch):
+    from shardcheck.cli._cache import whole_cache_entries
+
+    pytest.importorskip("filelock")
+    whole_cache_entries()
+    monkeypatch.setattr(os, "replace", lambda *a: pytest.fail("a size-limited cache's entry was renamed"))
+    cache = jax_put(str(tmp_path / "limited"), max_size=10_000)
+    cache.put("k2", b"y" * 100)
+    assert cache.get("k2") == b"y" * 100

@@ -14,10 +14,12 @@ Nothing here imports JAX until :func:`enable_compilation_cache` runs, so buildin
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 ENV_CACHE = "SHARDCHECK_COMPILATION_CACHE"
 """Environment variable: a folder for the caches, or ``off`` / ``0`` / ``false`` / ``no`` to turn them off."""
@@ -66,9 +68,10 @@ def _writable_folder(path: Path) -> None:
 def enable_compilation_cache(environ: Mapping[str, str] = os.environ) -> str | None:
     """Point JAX's persistent compilation cache at the command line's cache folder; returns it, or None if off.
 
-    Every compiled computation is cached (no minimum compile time or entry size). Must run before the first
-    compilation of the process; it does not start a JAX backend, so ``jax_num_cpu_devices`` can still be set
-    afterwards. A folder that cannot be created or written prints one warning line on stderr and the command
+    Every compiled computation is cached (no minimum compile time or entry size), each entry written whole
+    (:func:`whole_cache_entries`: processes sharing the folder never read one half written). Must run before the
+    first compilation of the process; it does not start a JAX backend, so ``jax_num_cpu_devices`` can still be
+    set afterwards. A folder that cannot be created or written prints one warning line on stderr and the command
     goes on without the cache. Without ``SHARDCHECK_COMPILATION_CACHE``, a cache folder JAX was already given
     (``JAX_COMPILATION_CACHE_DIR``) is used as it is, with JAX's own thresholds.
     """
@@ -92,9 +95,65 @@ def enable_compilation_cache(environ: Mapping[str, str] = os.environ) -> str | N
         )
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
+    whole_cache_entries()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return str(path)
+
+
+def whole_entry_put(put: Callable[[Any, str, bytes], None]) -> Callable[[Any, str, bytes], None]:
+    """JAX's ``LRUCache.put`` (``put``), writing each entry whole: into a temporary file beside it, then renamed
+    onto the entry's name (``os.replace``, atomic within one file system), with the permissions JAX's own write
+    gives (``0o666`` less the umask).
+
+    Without a size limit (``jax_compilation_cache_max_size`` -1, the default) JAX's put takes no lock and writes
+    the entry in place (``write_bytes``, jax 0.10.2), so another process reading the same folder (a ``launch``
+    worker) can find it half written and load a truncated executable (docs/known_issues.md). With the returned
+    put a reader finds no entry or a whole one, and two writers of one entry each rename a whole copy onto it. A
+    cache with a size limit (JAX then locks every read and write itself) or in a folder that is not local (a
+    ``gs://`` URL) is written by ``put``, as JAX writes it; so is an empty key (JAX's ValueError).
+    """
+
+    def put_whole(self, key: str, value: bytes) -> None:
+        folder = str(getattr(self, "path", ""))
+        if getattr(self, "eviction_enabled", True) or not key or "://" in folder:
+            return put(self, key, value)
+        entry = Path(folder) / f"{key}{_JAX_ENTRY_SUFFIX}"
+        if entry.exists():  # as JAX: an entry already written is kept
+            return None
+        part = entry.with_name(f".{entry.name}.{secrets.token_hex(8)}.part")
+        with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            f.write(value)
+        os.replace(part, entry)
+        return None
+
+    put_whole.whole_entries = True
+    return put_whole
+
+
+_JAX_ENTRY_SUFFIX = "-cache"
+"""The suffix of an entry's file name in JAX's cache folder (``jax._src.lru_cache._CACHE_SUFFIX``)."""
+
+
+def whole_cache_entries() -> bool:
+    """Make this process's JAX write its persistent cache's entries whole (:func:`whole_entry_put` in place of
+    ``jax._src.lru_cache.LRUCache.put``); the command line calls it when it turns the cache on. Idempotent.
+
+    Returns:
+        True when entries are written whole (now or already); False when this JAX's cache is not the one
+        described (no ``LRUCache.put``, another entry suffix): its entries are then written as JAX writes them.
+    """
+    try:
+        from jax._src import lru_cache
+    except ImportError:
+        return False
+    cls = getattr(lru_cache, "LRUCache", None)
+    put = getattr(cls, "put", None)
+    if put is None or getattr(lru_cache, "_CACHE_SUFFIX", None) != _JAX_ENTRY_SUFFIX:
+        return False
+    if not getattr(put, "whole_entries", False):
+        cls.put = whole_entry_put(put)
+    return True
 
 
 def dataset_cache_dir(environ: Mapping[str, str] = os.environ) -> Path | None:
