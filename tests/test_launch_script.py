@@ -61,7 +61,7 @@ def test_a_planted_fault_in_the_script_exits_1_with_the_diagnosis(my_check):
     assert re.search(r"launch: process [01] \(pid \d+\) exited with status 1", run.err)
     for rank in (0, 1):  # every process reached the same verdict
         assert (
-            f"[p{rank}] shardcheck.parity.report.ParityError: parity FAIL for strategy 'my_step'" in run.err
+            f"[p{rank}] shardcheck.parity.report.ParityError: parity FAIL for step 'my_step'" in run.err
         )
         assert (
             f"[p{rank}]   [summed] At step 0, parameter updates are 4 x the reference's: the gradient "

@@ -485,7 +485,7 @@ def test_a_sum_for_a_mean_under_a_binding_clip_passes_only_as_an_accepted_weak_c
         accepted.weak_accepted,
     )
     text = str(accepted)
-    assert text.startswith("parity PASS (weak check accepted) for strategy")
+    assert text.startswith("parity PASS (weak check accepted) for step '_summed_loss_only'")
     assert f"weak check accepted: {accepted.weak_accepted}" in text
     # a check that can tell a factor S apart (the gradients are returned) is a plain PASS, accepted or not
     shown = check_parity("simulation", model, optimizer, BATCHES[:2], num_shards=2, accept_weak=True)
@@ -606,6 +606,7 @@ def test_report_fields_and_json():
     assert d["worst_leaf"] == report.worst_leaf and d["max_abs_err"] == report.max_abs_err
     assert set(d["worst_by_kind"]) == {"loss", "grad", "param", "opt_state", "counter"}
     assert report.strategy == "mine" and str(report).startswith("parity PASS for strategy 'mine'")
+    assert report.builtin is True
     paths = {e.path for e in report.steps[0].leaves}
     assert {"hidden.kernel", "out.bias", "0.mu.hidden.kernel", "0.nu.out.bias", "0.count", "step"} <= paths
     for e in report.steps[0].leaves:
@@ -896,7 +897,7 @@ def test_a_relu_flip_is_a_diverged_trajectory_not_a_failure():
     assert f"diverged at step {t}" in msg and "ReLU" in msg and "from identical state" in msg
     assert f"every step from {t} on ({n - t} step(s))" in msg and "compare fewer steps" in msg
     assert report.diagnoses[0].leaf == "param b"
-    assert str(report).startswith(f"parity PASS (per step) for strategy 'rounded_step' over {n} step(s)")
+    assert str(report).startswith(f"parity PASS (per step) for step 'rounded_step' over {n} step(s)")
     d = report.to_dict()
     assert (
         d["verdict"] == "PASS (per step)" and d["diverged_at"] == t and d["per_step"][n - 1]["synchronized"]

@@ -88,7 +88,7 @@ def test_a_planted_fault_in_the_example_fails_with_the_diagnosis(pytester):
     result.assert_outcomes(failed=1, deselected=2)
     result.stdout.fnmatch_lines(
         [
-            "*ParityError: parity FAIL for strategy 'data_parallel_step'*",
+            "*ParityError: parity FAIL for step 'data_parallel_step'*",
             "*summed instead of averaged (x4*",
         ]
     )

@@ -63,6 +63,8 @@ class ParityReport:
 
     Attributes:
         strategy: the candidate's name.
+        builtin: whether the candidate is one of shardcheck's built-in strategies (True) or the user's own step
+            (False); ``None`` for a report not made by a live check (a replay).
         ok: parity holds: every leaf of every step within tolerance, replicas consistent.
         steps: one :class:`StepRecord` per step.
         diagnoses: the findings, most important first (``parity`` alone when ``ok`` and nothing to note).
@@ -133,6 +135,7 @@ class ParityReport:
     precision_recheck: str | None = None
     devices: dict[str, str] = dataclasses.field(default_factory=dict)
     localization: Localization | None = None
+    builtin: bool | None = None
     replay: Any = None
 
     @property
@@ -444,7 +447,8 @@ class ParityReport:
     def __str__(self) -> str:
         verdict = self.verdict
         against = "" if self.reference == "reference" else f" against {self.reference}"
-        lines = [f"parity {verdict} for strategy {self.strategy!r}{against} over {len(self.steps)} step(s)"]
+        kind = "step" if self.builtin is False else "strategy"  # a user's step named 'step' is not a strategy
+        lines = [f"parity {verdict} for {kind} {self.strategy!r}{against} over {len(self.steps)} step(s)"]
         worst = self.worst
         first = None if self.ok else self.first_worst
         if first is not None:  # a failure's headline: where it is localized (the summary table's leaf)

@@ -964,6 +964,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]
     return ParityReport(
         strategy=run.cand.name,
+        builtin=run.cand.builtin,
         ok=bool(records)
         and all(r.ok for r in records)
         and diverged_at is None
