@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shardcheck._tree import path_str
+from shardcheck._tree import copy_arrays, path_str
 from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
 from shardcheck.parity.diagnosis.form import Form, fit_form
@@ -446,10 +446,9 @@ def update_leaves(
 def pre_update(model, optimizer, view) -> tuple:
     """``(params, opt_state)``: copies of a candidate's parameters and optimizer state (its ``view``,
     ``Candidate.view_optimizer``, or the optimizer's own) before a step, for :func:`recorded_update_check` (the
-    step may donate them)."""
+    step may donate them; copied by the runtime, :func:`~shardcheck._tree.copy_arrays`: no program per leaf)."""
     view = view or _default_view
-    params = jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param)))
-    return params, jax.tree.map(jnp.copy, nnx.as_pure(view(optimizer)[0]))
+    return copy_arrays((nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(view(optimizer)[0])))
 
 
 def recorded_update_check(t: int, task, pre: tuple, grads, model, optimizer, view, compute_dtype):

@@ -379,6 +379,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     ``None`` where the candidate's optimizer state is not the task's by path."""
     from flax import nnx
 
+    from shardcheck._tree import copy_arrays
     from shardcheck.mesh import auto_typed
     from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.parity.harness.candidates import run_step
@@ -393,9 +394,9 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     for s in range(t):
         run_step(fn, cand, model, optimizer, data[s], kwargs, s)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = jax.tree.map(jnp.copy, nnx.as_pure((params, rest)))  # the step may donate them
+    params, rest = copy_arrays(nnx.as_pure((params, rest)))  # the step may donate them
     like = jax.eval_shape(task.optimizer.init, params)  # the task's optimizer state, by path
-    state = _rebuild(like, flatten_state(jax.tree.map(jnp.copy, nnx.as_pure(view(optimizer)[0]))))
+    state = _rebuild(like, flatten_state(copy_arrays(nnx.as_pure(view(optimizer)[0]))))
     _, grads = run_step(fn, cand, model, optimizer, data[t], kwargs, t)
     if state is None:
         return None
