@@ -8,6 +8,7 @@ what it replaces, bit for bit.
 """
 
 import collections
+import contextlib
 import logging
 import re
 from unittest import mock
@@ -152,13 +153,8 @@ def test_accumulated_compiles_once_per_tree():
     assert _accumulate._cache_size() == 1
 
 
-@require_devices(2)
-@pytest.mark.parametrize("strategy", ["accumulation", "simulation", "dp", "fsdp", "gspmd"])
-def test_a_second_check_of_a_task_compiles_nothing(strategy):
-    """#35: one trace and compile per task and strategy. The accumulation step compiled again on every check (a
-    new optax.MultiSteps in its optimizer's graphdef each time: 1 program and about 4 s of a warm tiny-lm check);
-    every built-in's second check now loads no program, the persistent cache's included (the event counts those
-    too)."""
+def _mlp_task(steps: int):
+    """A small MLP regression task (4 -> 8 -> 2, Adam, batches of 8 rows): ``steps`` copies of one batch."""
     from flax import nnx
 
     import shardcheck
@@ -166,13 +162,27 @@ def test_a_second_check_of_a_task_compiles_nothing(strategy):
     from shardcheck.models import MLP
 
     rng = np.random.default_rng(0)
-    batches = [(rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))] * 2
-    task = shardcheck.Task(
+    batches = [
+        (rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))
+    ] * steps
+    return shardcheck.Task(
         model=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(0)),
         optimizer=optax.adam(1e-2),
         loss_fn=mse_batch_loss,
         batches=batches,
     )
+
+
+@require_devices(2)
+@pytest.mark.parametrize("strategy", ["accumulation", "simulation", "dp", "fsdp", "gspmd"])
+def test_a_second_check_of_a_task_compiles_nothing(strategy):
+    """#35: one trace and compile per task and strategy. The accumulation step compiled again on every check (a
+    new optax.MultiSteps in its optimizer's graphdef each time: 1 program and about 4 s of a warm tiny-lm check);
+    every built-in's second check now loads no program, the persistent cache's included (the event counts those
+    too)."""
+    import shardcheck
+
+    task = _mlp_task(2)
     before = _compiles()
     first = shardcheck.check_parity(strategy, task, num_shards=2)
     assert first.verdict == "PASS" and _compiles() > before, str(first)
@@ -197,36 +207,34 @@ class _CompileNames(logging.Handler):
             self.names.append(found.group(1))
 
 
+@contextlib.contextmanager
+def _compiled_names():
+    """The names of the programs JAX compiles inside the ``with`` block, a list filled as they compile."""
+    handler, logger = _CompileNames(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    saved = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield handler.names
+    finally:
+        jax.config.update("jax_log_compiles", saved)
+        logger.removeHandler(handler)
+
+
 def _cold_check_programs(strategy: str, num_shards: int, **kwargs) -> collections.Counter:
     """``{program name: compilations}`` of one ``check_parity`` of a small MLP task after ``jax.clear_caches()``,
     the task's own construction (model, optimizer) compiled before counting."""
     from flax import nnx
 
     import shardcheck
-    from shardcheck.losses import mse_batch_loss
-    from shardcheck.models import MLP
 
-    rng = np.random.default_rng(0)
-    batches = [(rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))] * 3
-    task = shardcheck.Task(
-        model=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(0)),
-        optimizer=optax.adam(1e-2),
-        loss_fn=mse_batch_loss,
-        batches=batches,
-    )
+    task = _mlp_task(3)
     jax.clear_caches()
     nnx.Optimizer(task.model(), task.optimizer, wrt=nnx.Param)  # the user's eager construction, not counted
-    handler, logger = _CompileNames(), logging.getLogger("jax")
-    logger.addHandler(handler)
-    saved = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
-    try:
+    with _compiled_names() as names:
         report = shardcheck.check_parity(strategy, task, num_shards=num_shards, **kwargs)
-    finally:
-        jax.config.update("jax_log_compiles", saved)
-        logger.removeHandler(handler)
     assert report.verdict == "PASS", str(report)
-    return collections.Counter(handler.names)
+    return collections.Counter(names)
 
 
 # the steps themselves: the reference's and the candidate's (not the check's own)
@@ -300,19 +308,10 @@ def test_a_replayed_users_step_copies_its_state_without_a_program_per_leaf():
     from flax import nnx
     from jax.sharding import Mesh
 
-    import shardcheck
     from shardcheck.losses import mse_batch_loss
-    from shardcheck.models import MLP
     from shardcheck.parity.harness import recorded
 
-    rng = np.random.default_rng(0)
-    batches = [(rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32))] * 2
-    task = shardcheck.Task(
-        model=lambda: MLP(4, 8, 2, rngs=nnx.Rngs(0)),
-        optimizer=optax.adam(1e-2),
-        loss_fn=mse_batch_loss,
-        batches=batches,
-    )
+    task = _mlp_task(2)
 
     @nnx.jit
     def train(model, optimizer, batch):
@@ -326,16 +325,13 @@ def test_a_replayed_users_step_copies_its_state_without_a_program_per_leaf():
         return train(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))))
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    handler, logger = _CompileNames(), logging.getLogger("jax")
-    logger.addHandler(handler)
-    saved = jax.config.jax_log_compiles
-    jax.config.update("jax_log_compiles", True)
     checks: list = []
-    try:
-        with mock.patch.object(recorded, "pre_update", wraps=recorded.pre_update) as copied:
-            recorded.record_run(task, step, mesh=mesh, steps=2, update_checks=checks)
-    finally:
-        jax.config.update("jax_log_compiles", saved)
-        logger.removeHandler(handler)
-    assert copied.call_count == 2 and checks == []  # both steps' states copied and their updates checked: passed
-    assert "copy" not in handler.names, collections.Counter(handler.names)
+    with (
+        _compiled_names() as names,
+        mock.patch.object(recorded, "pre_update", wraps=recorded.pre_update) as copied,
+    ):
+        recorded.record_run(task, step, mesh=mesh, steps=2, update_checks=checks)
+    assert (
+        copied.call_count == 2 and checks == []
+    )  # both steps' states copied and their updates checked: passed
+    assert "copy" not in names, collections.Counter(names)
