@@ -2,7 +2,8 @@
 
 A passing row read "grad blocks.linear.bias | 2.09e-07 | 1.08 | 1.35e-06 | PASS" (a bias before a BatchNorm,
 whose true gradient is 0): a relative error of 108% beside PASS. Such a leaf's relative error says nothing; the
-row now reads ``1.08 (ref ~ 0)`` and the table's caption says why, in the strategy's table and the summary.
+row now reads ``1.08 (|ref| <= allowed)`` and one line says why, in the strategy's table, the summary and
+``str(report)``; ``--json``'s ``worst_by_kind`` entries say it as ``reference_within_tolerance``.
 """
 
 import io
@@ -11,9 +12,9 @@ import math
 import pytest
 from rich.console import Console
 
-from shardcheck.cli.verify import ROUNDING_MARK, ROUNDING_NOTE, at_rounding, render_report, render_summary
+from shardcheck.cli.verify import render_report, render_summary
 from shardcheck.parity.diagnosis.evidence import LeafError, StepRecord
-from shardcheck.parity.report import ParityReport
+from shardcheck.parity.report import ROUNDING_MARK, ROUNDING_NOTE, ParityReport
 
 
 def _leaf(kind, path, abs_err, rel, tol, **fields):
@@ -48,12 +49,13 @@ def _text(table) -> str:
 def test_a_relative_error_is_marked_where_the_reference_is_within_its_allowed_error_of_0(
     abs_err, rel, tol, marked
 ):
-    assert at_rounding(_leaf("grad", "b", abs_err, rel, tol)) is marked
+    assert _leaf("grad", "b", abs_err, rel, tol).reference_within_tolerance is marked
 
 
 def test_a_leaf_with_no_difference_of_its_own_is_not_marked():
-    assert not at_rounding(_leaf("opt_state", "0.mu.b", math.inf, math.inf, 1e-6, missing=True))
-    assert not at_rounding(_leaf("param", "b", math.inf, math.inf, 1e-6, cand_shape=(3,)))
+    assert not _leaf("opt_state", "0.mu.b", math.inf, math.inf, 1e-6, missing=True).reference_within_tolerance
+    assert not _leaf("param", "b", math.inf, math.inf, 1e-6, cand_shape=(3,)).reference_within_tolerance
+    assert not _leaf("counter", "step", 1.0, 1.0, 1.0, dtypes=("int32", "float32")).reference_within_tolerance
 
 
 def test_the_tables_mark_the_row_and_say_why_once():
@@ -61,7 +63,7 @@ def test_the_tables_mark_the_row_and_say_why_once():
     kernel = _leaf("param", "blocks.linear.kernel", 2e-8, 6e-8, 1e-5)
     report = _report(bias, kernel)
     text = " ".join(_text(render_report(report, "setup")).split())
-    assert "│ grad │ blocks.linear.bias │ 0 │ 2.09e-07 │ 1.08 (ref ~ 0) │ 1.35e-06 │ PASS │" in text
+    assert f"│ grad │ blocks.linear.bias │ 0 │ 2.09e-07 │ 1.08{ROUNDING_MARK} │ 1.35e-06 │ PASS │" in text
     assert "│ param │ blocks.linear.kernel │ 0 │ 2e-08 │ 6e-08 │ 1e-05 │ PASS │" in text
     assert text.count(ROUNDING_MARK) == 2 and " ".join(ROUNDING_NOTE.split()) in text  # the row and the note
     summary = " ".join(_text(render_summary({"dp": report}, "setup")).split())
@@ -73,3 +75,19 @@ def test_the_tables_mark_the_row_and_say_why_once():
     plain = _report(kernel)
     assert ROUNDING_MARK not in _text(render_report(plain, "setup"))
     assert ROUNDING_MARK not in _text(render_summary({"dp": plain}, "setup"))
+
+
+def test_the_reports_text_and_json_say_it_too():
+    bias = _leaf("grad", "blocks.linear.bias", 2.09e-7, 1.08, 1.35e-6)
+    kernel = _leaf("param", "blocks.linear.kernel", 2e-8, 6e-8, 1e-5)
+    text = str(_report(bias, kernel))
+    assert (
+        f"worst leaf: grad blocks.linear.bias at step 0: max abs err 2.09e-07, rel 1.08{ROUNDING_MARK},"
+        in text
+    )
+    assert f"rel 1.08{ROUNDING_MARK} tol 1.35e-06" in " ".join(text.split())
+    assert text.count(ROUNDING_NOTE) == 1 and ROUNDING_MARK not in text.split("param")[1].split("\n")[0]
+    kinds = _report(bias, kernel).to_dict()["worst_by_kind"]
+    assert kinds["grad"]["reference_within_tolerance"] is True
+    assert kinds["param"]["reference_within_tolerance"] is False
+    assert ROUNDING_NOTE not in str(_report(kernel))

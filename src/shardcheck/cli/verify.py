@@ -962,7 +962,7 @@ def render_report(report, setup: str, against: str | None = None):
     renderer) adds whether it is bitwise identical, the digests' evidence and what a recording cannot tell."""
     from rich.table import Table
 
-    from shardcheck.parity.report import RERUN_MARK, rerun_note
+    from shardcheck.parity.report import RERUN_MARK, ROUNDING_MARK, ROUNDING_NOTE, rerun_note
 
     replay = report.replay
     title = f"shardcheck verify {report.strategy}" + (f" against {against}" if against else "")
@@ -993,38 +993,14 @@ def render_report(report, setup: str, against: str | None = None):
     for kind, e in rows.items():
         cell = step_cell(e.step) + (RERUN_MARK if e.step in rerun else "")
         abs_cell, rel_cell, tol_cell = error_cells(e)
-        rel_cell += ROUNDING_MARK if at_rounding(e) else ""
+        rel_cell += ROUNDING_MARK if e.reference_within_tolerance else ""
         table.add_row(kind, e.path, cell, abs_cell, rel_cell, tol_cell, _verdict(e.ok))
-    if any(at_rounding(e) for e in rows.values()):
+    if any(e.reference_within_tolerance for e in rows.values()):
         table.caption += f"\n{ROUNDING_NOTE}"
     replicas = report.replica_failure
     if replicas is not None:  # no leaf's error shows it: each device's copy may be within tolerance
         table.add_row("replicas", _replica_cell(replicas), str(replicas.step), "-", "-", "-", _verdict(False))
     return table
-
-
-ROUNDING_MARK = " (ref ~ 0)"
-"""Beside a relative error whose reference leaf is itself within its allowed error of 0 (:func:`at_rounding`)."""
-
-ROUNDING_NOTE = (
-    f"rel err{ROUNDING_MARK}: the reference's leaf lies within its allowed abs err of 0 (max |reference| <= "
-    "allowed abs err), so its relative error says nothing; its abs err against the allowed abs err decides"
-)
-"""The caption line of a table that shows :data:`ROUNDING_MARK` (trial 50 read a PASS row's "1.08" as alarming)."""
-
-
-def at_rounding(e) -> bool:
-    """Whether the reference leaf of ``e`` (a :class:`~shardcheck.parity.diagnosis.evidence.LeafError`) is within
-    its tolerance of 0: ``max |reference| = max_abs_err / max_rel_err <= tolerance`` (``max_rel_err`` inf: the
-    reference is all 0). False where nothing differs (``max_rel_err`` 0), for exact leaves (tolerance 0) and for
-    a leaf with no difference or tolerance of its own (:func:`error_cells`'s ``"-"``)."""
-    abs_err, rel, tol = e.max_abs_err, e.max_rel_err, e.tolerance
-    if (
-        not (math.isfinite(abs_err) and math.isfinite(tol) and tol > 0 and rel > 0)
-        or error_cells(e)[2] == "-"
-    ):
-        return False
-    return math.isinf(rel) or abs_err / rel <= tol
 
 
 def error_cells(e) -> tuple[str, str, str]:
@@ -1075,6 +1051,8 @@ def render_summary(reports, setup: str):
     from rich.table import Table
 
     failing = any(r.verdict == "FAIL" for r in reports.values())  # an ErrorRow's: ERROR or REFUSED
+    from shardcheck.parity.report import ROUNDING_NOTE
+
     rounding = [ROUNDING_NOTE] if any(_worst_at_rounding(r) for r in reports.values()) else []
     caption = "\n".join([setup, SUMMARY_CAPTION, *rounding] if failing else [setup, *rounding])
     table = Table(title="shardcheck verify: summary", caption=caption)
@@ -1107,6 +1085,8 @@ def _worst_cells(report) -> tuple[str, str, str, str]:
         name = f"{name} (step {worst.step})"
     if worst is not None and error_cells(worst)[2] == "-":  # no difference, no tolerance: said as what it is
         return (name, *error_cells(worst))
+    from shardcheck.parity.report import ROUNDING_MARK
+
     return (
         name,
         f"{0.0 if worst is None else worst.max_abs_err:.3g}",
@@ -1117,8 +1097,9 @@ def _worst_cells(report) -> tuple[str, str, str, str]:
 
 
 def _worst_at_rounding(report) -> bool:
-    """Whether the summary row of ``report`` (:func:`_worst_cells`) shows a leaf :func:`at_rounding`."""
+    """Whether the summary row of ``report`` (:func:`_worst_cells`) shows a leaf whose reference is within its
+    tolerance (``LeafError.reference_within_tolerance``)."""
     if isinstance(report, ErrorRow) or report.only_replicas_fail:
         return False
     worst = getattr(report, "first_worst", report.worst)
-    return worst is not None and at_rounding(worst)
+    return worst is not None and worst.reference_within_tolerance

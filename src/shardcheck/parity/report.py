@@ -402,6 +402,7 @@ class ParityReport:
                     "max_rel_err": e.max_rel_err,
                     "tolerance": e.tolerance,
                     "ok": e.ok,
+                    "reference_within_tolerance": e.reference_within_tolerance,
                 }
                 for kind, e in self.worst_by_kind().items()
             },
@@ -451,23 +452,31 @@ class ParityReport:
         lines = [f"parity {verdict} for {kind} {self.strategy!r}{against} over {len(self.steps)} step(s)"]
         worst = self.worst
         first = None if self.ok else self.first_worst
+        marked = []  # the leaves said with ROUNDING_MARK
+
+        def rel(e) -> str:
+            marked.append(e.reference_within_tolerance)
+            return f"{e.max_rel_err:.3g}{ROUNDING_MARK if marked[-1] else ''}"
+
         if first is not None:  # a failure's headline: where it is localized (the summary table's leaf)
             lines.append(
                 f"  first failing leaf: {first.name} at step {first.step}: max abs err {first.max_abs_err:.3g}, "
-                f"rel {first.max_rel_err:.3g}, tolerance {first.tolerance:.3g}"
+                f"rel {rel(first)}, tolerance {first.tolerance:.3g}"
             )
         if worst is not None and (first is None or worst != first):
             lines.append(
                 f"  worst leaf{' over every step' if first is not None else ''}: {worst.name} at step "
-                f"{worst.step}: max abs err {worst.max_abs_err:.3g}, rel {worst.max_rel_err:.3g}, tolerance "
+                f"{worst.step}: max abs err {worst.max_abs_err:.3g}, rel {rel(worst)}, tolerance "
                 f"{worst.tolerance:.3g}"
             )
         rerun = self.rerun_after_failure
         for kind, e in self.worst_by_kind().items():
             lines.append(
-                f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {e.max_rel_err:<10.3g} "
+                f"  {kind:<9} {e.path:<24} abs {e.max_abs_err:<10.3g} rel {rel(e):<10} "
                 f"tol {e.tolerance:<10.3g} {'ok' if e.ok else 'FAIL'}{RERUN_MARK if e.step in rerun else ''}"
             )
+        if any(marked):
+            lines.append(f"  {ROUNDING_NOTE}")
         if rerun:
             lines.append(f"  rows: {rerun_note(rerun)}")
         replicas = self.replica_failure
@@ -511,6 +520,17 @@ class ParityReport:
 
 # a table row read from a step re-run from the reference's state after an earlier failure
 RERUN_MARK = " (re-run)"
+
+ROUNDING_MARK = " (|ref| <= allowed)"
+"""Beside the relative error of a leaf whose reference is within its tolerance
+(``LeafError.reference_within_tolerance``): in ``str(report)`` and the command line's tables."""
+
+ROUNDING_NOTE = (
+    f"rel err{ROUNDING_MARK}: the reference leaf's largest element is itself within the allowed abs err (a leaf at "
+    "rounding level, or one whose elements at rounding level widen its allowance), so its relative error says "
+    "nothing; its abs err against the allowed abs err decides"
+)
+"""The line said once below what shows :data:`ROUNDING_MARK`."""
 
 
 def rerun_note(steps: tuple[int, ...]) -> str:

@@ -142,6 +142,21 @@ class LeafError:
         return self.kind if self.kind == "loss" else f"{self.kind} {self.path}"
 
     @property
+    def reference_within_tolerance(self) -> bool:
+        """Whether the reference leaf's largest element is itself within the allowed error, ``max |reference| =
+        max_abs_err / max_rel_err <= tolerance`` (``max_rel_err`` inf: the reference is all 0): a leaf at rounding
+        level, or one whose elements at rounding level widen its allowance, whose relative error then says
+        nothing (trial 50 read a passing row's relative error of 1.08 as alarming). False where nothing differs
+        (``max_rel_err`` 0), for exact leaves (tolerance 0) and for a leaf with no difference of its own (in one
+        run only, shaped otherwise, a counter of another dtype)."""
+        abs_err, rel, tol = self.max_abs_err, self.max_rel_err, self.tolerance
+        if self.missing or self.dtypes is not None or not (math.isfinite(abs_err) and math.isfinite(tol)):
+            return False
+        if tol <= 0 or not rel > 0:
+            return False
+        return math.isinf(rel) or abs_err / rel <= tol
+
+    @property
     def badness(self) -> float:
         """``max_abs_err / tolerance``: above 1 fails; used to rank leaves."""
         if math.isnan(self.max_abs_err):
