@@ -254,7 +254,7 @@ def test_a_raising_or_garbage_candidate_exits_2(steps_file, capsys):
     assert "shardcheck verify: the candidate step raised ValueError: planted failure at step 0" in err
     assert main([*args, "--candidate", f"{steps_file}:garbage"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "the candidate 'candidate' step returned str at step 0; it must return the scalar" in err
+    assert "the candidate step 'candidate' returned str at step 0; it must return the scalar" in err
 
 
 def test_a_candidate_error_repeats_no_line_and_stays_short():

@@ -332,7 +332,7 @@ def test_load_task_errors(tmp_path):
         load_task(f"{odd}:task_on")
     with pytest.raises(ValueError, match=r"has no attribute 'xyzzy' \(spec .*\); public names"):
         load_task(f"{odd}:xyzzy")
-    with pytest.raises(TypeError, match=r"load_task: '.*odd\.py:task_one' names a int, not a Task"):
+    with pytest.raises(TypeError, match=r"load_task: '.*odd\.py:task_one' names an int, not a Task"):
         load_task(f"{odd}:task_one")
     with pytest.raises(
         TypeError,

@@ -268,3 +268,11 @@ def test_bad_steps_a_missing_file_and_a_malformed_mesh_are_refused_before_jax(tm
     # the other side: good arguments go on to load JAX and the task (here to --steps 2 of 1 batch, refused there)
     out, err = _cli_in_fresh_process(tmp_path, "verify", *task, "--mesh", "data=2", "--steps", "5")
     assert out == "2 True" and err
+
+
+def test_a_spec_naming_an_int_says_an_int(tmp_path, capsys):
+    """Trial 51 read "names a int, not a step"."""
+    f = tmp_path / "net_task.py"
+    f.write_text(TASK_FILE.replace("ANNOTATED_FLAG", "True") + "\nLAYERS = 2\n")
+    assert main(["verify", "--task", f"{f}:task", "--candidate", f"{f}:LAYERS", "--mesh", "data=2,fsdp=2"]) == 2
+    assert f"'{f}:LAYERS' names an int, not a step; a step is a function" in " ".join(capsys.readouterr().err.split())

@@ -295,8 +295,10 @@ def load_reference(spec: str):
     fn = "shardcheck verify: --reference"
     step = import_attr(fn, spec, "FUNC")
     if isinstance(step, Candidate) or not callable(step):
+        from shardcheck.parity.diagnosis.grouping import article
+
         raise ValueError(
-            f"{fn}: {spec!r} names a {type(step).__name__}; pass a function (model, optimizer, batch) that "
+            f"{fn}: {spec!r} names {article(type(step).__name__)}; pass a function (model, optimizer, batch) that "
             "steps the model and optimizer in place on one device"
         )
     return step
@@ -323,7 +325,9 @@ def load_candidate(spec: str, *, task_form: bool = True):
     if isinstance(func, Candidate):
         return _checked_candidate(fn, spec, func, task_form)
     if not callable(func) or isinstance(func, type):  # a class is callable, and constructing it is no step
-        what = f"the class {func.__name__}" if isinstance(func, type) else f"a {type(func).__name__}"
+        from shardcheck.parity.diagnosis.grouping import article
+
+        what = f"the class {func.__name__}" if isinstance(func, type) else article(type(func).__name__)
         raise ValueError(
             f"{fn}: {spec!r} names {what}, not a step; a step is a function "
             + (

@@ -240,8 +240,10 @@ def _resolve_attr(spec: str, source: str, module, attr: str) -> Task:
     if isinstance(obj, Task):
         return obj
     if not callable(obj):
+        from shardcheck.parity.diagnosis.grouping import article
+
         raise TypeError(
-            f"load_task: {spec!r} names a {type(obj).__name__}, not a Task; ATTR must be a shardcheck.task.Task or "
+            f"load_task: {spec!r} names {article(type(obj).__name__)}, not a Task; ATTR must be a shardcheck.task.Task or "
             "a zero-argument callable returning one"
         )
     try:

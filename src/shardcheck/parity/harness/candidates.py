@@ -161,7 +161,7 @@ GRADS_NAMES = frozenset({"gradients", "gradient", "grad"})
 :func:`unpack` where ``'grads'`` is absent (other keys, metrics such as ``'accuracy'``, are ignored)."""
 
 
-def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity") -> tuple:
+def unpack(out, who: str = "the candidate step", step: int = 0, fn: str = "check_parity") -> tuple:
     """``(loss, grads)`` from a step's return value; ``fn`` is the public function named in an error.
 
     Raises:
@@ -180,13 +180,13 @@ def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity")
     if isinstance(out, Mapping):
         if "loss" not in out:
             raise TypeError(
-                f"{fn}: the {who} step returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
+                f"{fn}: {who} returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
                 f"at step {step}; {rule}"
             )
         near = sorted(k for k in map(str, out) if k in GRADS_NAMES)
         if "grads" not in out and near:  # trial 50: {"loss", "gradients"} read as a step that returned none
             raise TypeError(
-                f"{fn}: the {who} step returned a mapping with {near[0]!r} but no 'grads' at step {step}: its "
+                f"{fn}: {who} returned a mapping with {near[0]!r} but no 'grads' at step {step}: its "
                 f"gradients would not be compared; return them as {{'loss': loss, 'grads': grads}}"
             )
         loss, grads = out.get("loss"), out.get("grads")
@@ -194,10 +194,10 @@ def unpack(out, who: str = "candidate", step: int = 0, fn: str = "check_parity")
         loss, grads = out.loss, getattr(out, "grads", None)
     else:
         shape = f" of shape {np.shape(out)}" if hasattr(out, "shape") else ""
-        raise TypeError(f"{fn}: the {who} step returned {type(out).__name__}{shape} at step {step}; {rule}")
+        raise TypeError(f"{fn}: {who} returned {type(out).__name__}{shape} at step {step}; {rule}")
     if loss is not None and not _is_scalar_like(loss):
         raise TypeError(
-            f"{fn}: the {who} step returned loss of type {type(loss).__name__}"
+            f"{fn}: {who} returned loss of type {type(loss).__name__}"
             f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}"
         )
     return loss, grads
@@ -553,5 +553,5 @@ def run_step(
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
         raise CandidateError(f"{fn}: {_raised(cand, err, t, cause)}: {err}", t, hint) from err
-    who = f"candidate {cand.name!r}" if fn == "check_parity" else repr(cand.name)
+    who = f"the candidate step {cand.name!r}" if fn == "check_parity" else f"the {cand.name!r} step"
     return unpack(out, who, t, fn=fn)

@@ -222,7 +222,7 @@ def _step_user_reference(run: _Run, pre, batch, rtol: float, atol: float):
     bounds (the tolerances from ``rtol``/``atol``, as before)."""
     low = run.precision.compute_eps > 0
     split = split_gradients(run, pre, batch) if low else None  # before the step, from the pre-step state
-    loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "reference")
+    loss, grads = unpack(run.reference(run.ref_model, run.ref_opt, batch), "the reference step")
     if not low:
         return loss, grads, pre, None
     about = _reference_grads(run.task.loss_fn, pre, batch) if grads is None else grads
