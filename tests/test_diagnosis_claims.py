@@ -699,4 +699,26 @@ def test_an_infinite_error_of_a_missing_leaf_is_not_called_a_nan():
         leaves=(dataclasses.replace(loss, max_abs_err=float("inf"), ok=False), missing),
     )
     found = rules.diagnose([lost])[0]
-    assert found.code == "non_finite" and "first in loss. " in found.message and "leaves in all" not in found.message
+    assert (
+        found.code == "non_finite"
+        and "first in loss. " in found.message
+        and "leaves in all" not in found.message
+    )
+
+
+def test_copies_of_every_parameter_are_counted_as_parameters_leaves():
+    """Trial 51: a replay whose every parameter's copies differed said "Group: all 6 leaves differ" and, after "the
+    optimizer state differs (9 of 12 leaves)", "All 6 leaves differ": read as a contradiction. The replicas stage
+    counts parameters (a state leaf read as its parameter's), and now says so."""
+    shape = {p: (4,) if p.endswith("bias") else (4, 4) for p in PARAMS}  # 1-D and 2-D: no shared ndim
+    params = [_leaf("param", p, False, shape=shape[p]) for p in PARAMS]
+    state = [
+        _leaf("opt_state", f"0.{m}.{p}", m == "nu", shape=shape[p]) for m in ("mu", "nu") for p in PARAMS
+    ]
+    record = _record([_leaf("loss", "loss", True, shape=()), *params, *state])
+    differ = tuple(f"param {p}" for p in PARAMS) + tuple(f"opt_state 0.mu.{p}" for p in PARAMS)
+    record = dataclasses.replace(record, replica_mismatches=differ, replica_axes=("fsdp",))
+    assert localize([record]).group == f"the copies of all {len(PARAMS)} parameters' leaves differ"
+    # a stage's group of one kind names the kind: "all 4 parameter leaves differ", not "all 4 leaves"
+    only_params = _record([_leaf("loss", "loss", True, shape=()), *params])
+    assert localize([only_params]).group.startswith(f"all {len(PARAMS)} parameter leaves differ")

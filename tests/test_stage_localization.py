@@ -260,7 +260,7 @@ def test_a_learning_rate_schedule_one_step_ahead_under_accumulation_is_the_optim
     assert loc.stage == "optimizer" and loc.status("gradients") == "matches"
     assert loc.form.kind == "factor" and loc.form.factor == pytest.approx(0.5, rel=1e-3)
     # every parameter but the attention key bias, whose gradient is rounding noise; the optimizer state matches
-    assert loc.group.startswith("all 22 leaves but blocks.0.attn.key.bias differ")
+    assert loc.group.startswith("all 22 parameter leaves but blocks.0.attn.key.bias differ")
     assert "every optimizer-state leaf of this stage matches" in loc.group
     # replayed: the key bias's rerun update (of a rounding-level gradient) within the digests' allowance, as live
     assert _replayed_as_live(loc, cand, task, "accumulation", num_shards=4).form.sentence == loc.form.sentence

@@ -884,6 +884,9 @@ def _replicas_group(record: StepRecord, facts: Mapping[str, LeafFacts] | None) -
     group = shared_property(failing, matching, facts).replace(
         "every failing leaf", "every leaf whose copies differ"
     )
+    # counted by parameter: "all 6 leaves differ" beside the optimizer state's "9 of 12 leaves" read as a
+    # contradiction (trial 51)
+    group = re.sub(r"^all (\d+) leaves differ$", r"the copies of all \1 parameters' leaves differ", group)
     return re.sub(
         r"\bmatch(es)?\b",
         lambda m: "has copies that agree" if m.group(1) else "have copies that agree",
@@ -926,6 +929,9 @@ def _group(
     sentence = state_property(failing, matching, params or {}, facts, names, quiet, applied)
     if len(bad) == 1 and not matching:  # one leaf of its kind: named ("all 1 leaves differ" said nothing)
         sentence = f"only {bad[0].name} differs"
+    if len(kinds) == 1:  # counted as leaves of their kind (trial 51: "all 6 leaves differ" of the parameters,
+        (kind,) = kinds  # beside "the optimizer state differs (9 of 12 leaves)", read as a contradiction)
+        sentence = re.sub(r"^all (\d+) leaves\b", rf"all \1 {GROUP_WORDS.get(kind, kind)} leaves", sentence)
     if len(kinds) > 1 and NO_PROPERTY in sentence:  # mixed kinds: what each kind's failing leaves share
         sentence = "; and ".join(
             f"{GROUP_WORDS[k]} leaves: "
