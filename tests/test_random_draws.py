@@ -317,3 +317,30 @@ def test_refusals_of_a_drawing_model_group_by_reason_and_give_their_fix_once():
     )
     one = _refusals_message({"dp": rows["dp"], "gspmd": object()})  # one refusal: its fix in its place
     assert one.count(fix) == 1 and "For all of them" not in one
+
+
+def test_refusals_that_share_a_consequence_say_it_once():
+    """Trial 51: a BatchNorm model's refusal note repeated its batch statistics clause for every group of
+    strategies (one stderr line of 1,900 characters). A tail the reasons share after ", so" is said once."""
+    from shardcheck.cli.verify import ErrorRow, _refusals_message
+
+    stats = (
+        "its batch statistics (nnx.BatchStat: BatchNorm) would be computed over part of the batch, not the full batch "
+        "(docs/reduction_cases.md C7): a GSPMD step computes the full batch's; check it with gspmd or your own step"
+    )
+    how = {
+        "simulation": "once per shard",
+        "dp": "per device in jax.shard_map",
+        "accumulation": "once per micro-batch",
+    }
+    rows = {
+        name: ErrorRow(
+            name, "", "ValueError", f"it writes state, and it runs {runs}, so {stats}", None, True, True
+        )
+        for name, runs in how.items()
+    }
+    rows["gspmd"] = object()  # a row that ran
+    said = _refusals_message(rows)
+    assert said.count("refused this task") == 3 and said.count("its batch statistics") == 1
+    assert "and it runs once per micro-batch. For all of them: its batch statistics (nnx.BatchStat" in said
+    assert "it runs per device in jax.shard_map; the built-in strategy 'accumulation' refused" in said

@@ -611,16 +611,25 @@ def _refusal_reason(label: str, whole: str) -> str:
     return re.sub(rf"(?<![\w'=-]){re.escape(label)}(?![\w'=-])", "it", text)  # not in "--mesh fsdp=4"
 
 
-def _shared_advice(reasons: list[str]) -> str:
-    """The longest last sentences every one of several ``reasons`` ends with (the fix they all give: "Check it
-    with a GSPMD step ..."), ``""`` where they share none or there is one reason."""
+SHARED_TAILS = (". ", ", so ")
+"""Where the reasons of several refusals may part from a tail they share, said once after them: a sentence (the
+fix they all give), else a consequence (``", so its batch statistics ... would be computed over part of the
+batch ...``, the same after each strategy's own way of running the forward pass: trial 51 read it three times in
+one line of 1,900 characters)."""
+
+
+def _shared_advice(reasons: list[str]) -> tuple[str, str]:
+    """``(separator, tail)``: the longest tail every one of several ``reasons`` ends with, starting after a
+    :data:`SHARED_TAILS` separator (a sentence first, else a ", so" clause), and that separator; ``("", "")``
+    where they share none or there is one reason."""
     if len(reasons) < 2:
-        return ""
+        return "", ""
     first = reasons[0]
-    for i in range(len(first)):  # the earliest sentence start gives the longest shared tail
-        if first.startswith(". ", i) and all(r.endswith(first[i:]) for r in reasons[1:]):
-            return first[i + 2 :]
-    return ""
+    for sep in SHARED_TAILS:
+        for i in range(len(first)):  # the earliest separator gives the longest shared tail
+            if first.startswith(sep, i) and all(r.endswith(first[i:]) for r in reasons[1:]):
+                return sep, first[i + len(sep) :]
+    return "", ""
 
 
 def _refusals_message(reports) -> str:
@@ -634,12 +643,12 @@ def _refusals_message(reports) -> str:
         if isinstance(r, ErrorRow) and r.refused:
             groups.setdefault(r.reason, []).append(r.strategy)
     parts = []
-    advice = _shared_advice(list(groups))
+    sep, advice = _shared_advice(list(groups))
     for reason, names in groups.items():
         which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {words_and(map(repr, names))}"
-        said = reason.removesuffix(f". {advice}") if advice else reason
+        said = reason.removesuffix(f"{sep}{advice}") if advice else reason
         parts.append(f"the built-in {which} refused this task: {said}")
-    if advice:  # the fix every refusal gives, said once after them
+    if advice:  # the fix, or the consequence, every refusal gives, said once after them
         parts[-1] += f". For all of them: {advice[:1].lower()}{advice[1:]}"
     one = sum(map(len, groups.values())) == 1
     others = [
