@@ -276,3 +276,12 @@ def test_a_spec_naming_an_int_says_an_int(tmp_path, capsys):
     f.write_text(TASK_FILE.replace("ANNOTATED_FLAG", "True") + "\nLAYERS = 2\n")
     assert main(["verify", "--task", f"{f}:task", "--candidate", f"{f}:LAYERS", "--mesh", "data=2,fsdp=2"]) == 2
     assert f"'{f}:LAYERS' names an int, not a step; a step is a function" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_task_file_that_cannot_give_its_task_is_named_by_its_flag(tmp_path, capsys):
+    """Trial 51: "error: load_task: calling empty() of ... raised ValueError" named no flag."""
+    f = tmp_path / "broken.py"
+    f.write_text("def empty():\n    raise ValueError('no batches yet')\n")
+    assert main(["verify", "--task", f"{f}:empty", "--devices", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"error: --task {f}:empty: load_task: calling empty() of ") and "no batches yet" in err

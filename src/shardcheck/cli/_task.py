@@ -281,4 +281,7 @@ def _task_file(args, optimizer, batch_size):
                 f"--task {args.task}: {flag} {value} applies to the built-in tasks only ({why}); drop {flag}, or "
                 "change the task file"
             )
-    return load_task(args.task)
+    try:
+        return load_task(args.task)
+    except (TypeError, ValueError) as err:  # the flag named first (trial 51: "error: load_task: ..." named none)
+        raise type(err)(f"--task {args.task}: {err}") from err
