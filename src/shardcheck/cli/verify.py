@@ -1104,7 +1104,7 @@ def _worst_cells(report) -> tuple[str, str, str, str]:
         name,
         f"{0.0 if worst is None else worst.max_abs_err:.3g}",
         f"{0.0 if worst is None else worst.max_rel_err:.3g}"
-        + (ROUNDING_MARK if _worst_at_rounding(report) else ""),
+        + (ROUNDING_MARK if worst is not None and worst.reference_within_tolerance else ""),
         "-" if worst is None else f"{worst.tolerance:.3g}",
     )
 
