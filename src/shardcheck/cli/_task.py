@@ -283,8 +283,5 @@ def _task_file(args, optimizer, batch_size):
             )
     try:
         return load_task(args.task)
-    except (
-        TypeError,
-        ValueError,
-    ) as err:  # the flag named first (trial 51: "error: load_task: ..." named none)
+    except (TypeError, ValueError) as err:  # the flag named first (trial 51: "load_task: ..." named none)
         raise (TypeError if isinstance(err, TypeError) else ValueError)(f"--task {args.task}: {err}") from err
