@@ -150,18 +150,19 @@ def check_equal_shards(fn: str, batch: int, num_shards: int, *, hint: str = "use
     check_divisible(fn, batch, num_shards, fix=hint)
 
 
-def check_lr(fn: str, lr) -> float:
-    """``lr`` must be a finite positive real number. Returns it as ``float``."""
+def check_lr(fn: str, lr, *, name: str = "lr", example: str = "lr=0.1") -> float:
+    """``lr`` must be a finite positive real number. Returns it as ``float``. ``name`` and ``example``: how the
+    message names the value and its fix (the command line's ``"--lr"`` and ``"--lr 0.1"``)."""
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise TypeError(
-            f"{fn}: lr must be a finite positive number, got {lr!r} ({type(lr).__name__}); pass e.g. lr=0.1"
+            f"{fn}: {name} must be a finite positive number, got {lr!r} ({type(lr).__name__}); pass e.g. {example}"
         )
     if not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"{fn}: lr must be a finite positive number, got {lr!r}; pass e.g. lr=0.1")
+        raise ValueError(f"{fn}: {name} must be a finite positive number, got {lr!r}; pass e.g. {example}")
     if lr > float(np.finfo(np.float32).max):
         raise ValueError(
-            f"{fn}: lr={lr!r} overflows float32 (largest {float(np.finfo(np.float32).max):.3g}), where the update "
-            "is computed; pass e.g. lr=0.1"
+            f"{fn}: {name}={lr!r} overflows float32 (largest {float(np.finfo(np.float32).max):.3g}), where the "
+            f"update is computed; pass e.g. {example}"
         )
     return float(lr)
 

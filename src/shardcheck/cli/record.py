@@ -140,7 +140,7 @@ def _check_args(args) -> tuple[str | None, int]:
             raise ValueError(problem)
     _validate.check_seed("shardcheck record: --seed", args.seed)
     if args.lr is not None:
-        _validate.check_lr("shardcheck record: --lr", args.lr)
+        _validate.check_lr("shardcheck record", args.lr, name="--lr", example="--lr 0.1")
     if _both_given(args):
         raise ValueError(_both_given(args))
     configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)

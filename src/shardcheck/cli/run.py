@@ -101,7 +101,9 @@ def add_parser(sub) -> None:
 
 
 def _fail(console, message: str) -> int:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return 2
 
 
@@ -144,7 +146,9 @@ def _seed_form_setup(args) -> tuple[tuple[str, ...], bool]:
             raise ValueError(f"shardcheck run: --{flag.replace('_', '-')} applies to a built-in --task only")
     if args.lr is None:
         args.lr = 0.1
-    from shardcheck import distributed, runner
+    from shardcheck import _validate, distributed, runner
+
+    _validate.check_lr("shardcheck run", args.lr, name="--lr", example="--lr 0.1")
 
     seed_form = runner.xy_strategies()
     if args.strategy != "all" and args.strategy not in seed_form:
@@ -217,9 +221,11 @@ def main_task(args, err) -> int:
         )
     if args.strategy == BASELINE:
         return _fail(err, f"{name}: with --task the baseline is the registered strategy {REFERENCE!r}")
-    from shardcheck import distributed
+    from shardcheck import _validate, distributed
 
     try:
+        if args.lr is not None:
+            _validate.check_lr(name, args.lr, name="--lr", example="--lr 0.1")
         apply_mesh(name, args, "shards")
     except ValueError as e:
         return _fail(err, str(e))

@@ -467,7 +467,7 @@ def _check_args(args) -> tuple[list[str], int]:
             f"shardcheck verify: --seed must be an int in [0, 2**31), got {args.seed}; pass e.g. --seed 0"
         ) from err
     if args.lr is not None:
-        _validate.check_lr("shardcheck verify: --lr", args.lr)
+        _validate.check_lr("shardcheck verify", args.lr, name="--lr", example="--lr 0.1")
     for flag in ("rtol", "atol"):  # before any step, --against's replay included
         value = getattr(args, flag)
         if value is not None and not 0 <= value < math.inf:
