@@ -177,6 +177,32 @@ def test_candidate_with_a_wrong_signature_exits_2(steps_file, capsys):
     assert "it must take (model, optimizer, x, y)" in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.parametrize(
+    "source, said",
+    [
+        (
+            "def step(model, optimizer, *, batch):\n    return 0.0\n",
+            "step takes (model, optimizer, *, batch); it must take (model, optimizer, batch) or (model, "
+            "optimizer, batch, mesh) and update model and optimizer in place (batch after the '*' cannot be passed "
+            "by position: drop the '*')",
+        ),
+        (
+            "def step(model, optimizer):\n    return 0.0\n",
+            "step takes (model, optimizer); it must take (model, optimizer, batch) or (model, optimizer, batch, "
+            "mesh) and update model and optimizer in place",
+        ),
+    ],
+)
+def test_a_task_step_with_a_wrong_signature_is_shown_its_own(source, said, tmp_path, capsys):
+    """Trial 51: a step with a keyword-only ``batch`` was reported as taking "(model, optimizer)"."""
+    path = tmp_path / "steps.py"
+    path.write_text(source)
+    argv = ["verify", "--task", "tiny-lm", "--strategies", "none", "--candidate", f"{path}:step"]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err == f"error: shardcheck verify: --candidate: {said}", err
+
+
 def test_mlp_momentum_linnerud_passes(capsys):
     args = ["verify", "--model", "mlp", "--hidden", "4", "--optimizer", "momentum", "--dataset", "linnerud"]
     assert main([*args, "--steps", "3", "--batch-size", "4", "--strategies", "accumulation"]) == 0

@@ -350,9 +350,15 @@ def load_candidate(spec: str, *, task_form: bool = True):
     if len(required) > least + 1 or (
         len(positional) < least and not any(p.kind is p.VAR_POSITIONAL for p in params)
     ):
+        keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+        note = (
+            f" ({', '.join(keyword_only)} after the '*' cannot be passed by position: drop the '*')"
+            if keyword_only and len(positional) + len(keyword_only) >= least
+            else ""
+        )
         raise ValueError(
-            f"{fn}: {getattr(func, '__name__', spec)} takes ({', '.join(p.name for p in positional)}); it must take "
-            f"{form} and update model and optimizer in place"
+            f"{fn}: {getattr(func, '__name__', spec)} takes {inspect.signature(func)}; it must take "
+            f"{form} and update model and optimizer in place{note}"
         )
     return func
 
