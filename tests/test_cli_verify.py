@@ -283,6 +283,24 @@ def test_a_raising_or_garbage_candidate_exits_2(steps_file, capsys):
     assert "the candidate step 'candidate' returned str at step 0; it must return the scalar" in err
 
 
+def test_a_candidate_returning_garbage_gets_an_error_row_beside_the_others(steps_file, tmp_path, capsys):
+    """Trial 51: a step returning a tuple exited 2 with one line, no table and no --json, while a step that raised
+    (or returned gradients that cannot be compared) got its ERROR row beside the other strategies' rows."""
+    out = tmp_path / "v.json"
+    argv = ["verify", "--devices", "2", "--steps", "1", "--batch-size", "8", "--strategies", "dp"]
+    assert main([*argv, "--candidate", f"{steps_file}:garbage", "--json", str(out)]) == 2
+    rows = json.loads(out.read_text())["strategies"]
+    assert rows["dp"]["verdict"] == "PASS"
+    said = (
+        "the candidate step 'candidate' returned str at step 0; it must return the scalar pre-update loss, None, "
+        "or an object or mapping with 'loss' (a scalar) and optionally 'grads'"
+    )
+    assert (rows["candidate"]["verdict"], rows["candidate"]["codes"]) == ("ERROR", ["error"])
+    assert rows["candidate"]["error"] == dict(type="TypeError", message=said, step=0, builtin=False, refused=False)
+    assert rows["candidate"]["diagnosis"] == f"shardcheck verify: {said}"
+    assert f"error: shardcheck verify: {said}" in capsys.readouterr().err
+
+
 def test_a_candidate_error_repeats_no_line_and_stays_short():
     from shardcheck.cli.verify import _short
 

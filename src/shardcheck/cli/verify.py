@@ -561,6 +561,12 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
             return ErrorRow(
                 label, message, type(err.__cause__).__name__, reason_line(err.__cause__), None, False
             )
+        from shardcheck.parity.harness.candidates import StepReturnError
+
+        if isinstance(err, StepReturnError):  # the step ran; what it returned cannot be read (trial 51)
+            message = library_to_flags(str(err), "verify", args=args)
+            reason = reason_line(TypeError(str(err).split(": ", 1)[-1]))  # without check_parity's name
+            return ErrorRow(label, message, "TypeError", reason, err.step, False)
         if not wrapped:
             return None
         return ErrorRow(

@@ -161,13 +161,23 @@ GRADS_NAMES = frozenset({"gradients", "gradient", "grad"})
 :func:`unpack` where ``'grads'`` is absent (other keys, metrics such as ``'accuracy'``, are ignored)."""
 
 
+class StepReturnError(TypeError):
+    """A step ran and returned what :func:`unpack` cannot read; ``step`` is the 0-based step. A ``TypeError``
+    (what :func:`~shardcheck.check_parity` raises for it), told apart so that ``shardcheck verify`` gives the
+    candidate an ERROR row, as for a step that raised, and prints the other rows (trial 51)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 def unpack(out, who: str = "the candidate step", step: int = 0, fn: str = "check_parity") -> tuple:
     """``(loss, grads)`` from a step's return value; ``fn`` is the public function named in an error.
 
     Raises:
-        TypeError: ``out`` is not a scalar loss, ``None``, or a mapping / object with ``loss`` (itself a scalar
-            or ``None``); a mapping that holds gradients under another name (:data:`GRADS_NAMES`, e.g.
-            ``'gradients'``) and no ``'grads'``.
+        StepReturnError: (a ``TypeError``) ``out`` is not a scalar loss, ``None``, or a mapping / object with
+            ``loss`` (itself a scalar or ``None``); a mapping that holds gradients under another name
+            (:data:`GRADS_NAMES`, e.g. ``'gradients'``) and no ``'grads'``.
     """
     if out is None:
         return None, None
@@ -179,26 +189,31 @@ def unpack(out, who: str = "the candidate step", step: int = 0, fn: str = "check
     )
     if isinstance(out, Mapping):
         if "loss" not in out:
-            raise TypeError(
+            raise StepReturnError(
                 f"{fn}: {who} returned a mapping without 'loss' (keys {sorted(map(str, out))}) "
-                f"at step {step}; {rule}"
+                f"at step {step}; {rule}",
+                step,
             )
         near = sorted(k for k in map(str, out) if k in GRADS_NAMES)
         if "grads" not in out and near:  # trial 50: {"loss", "gradients"} read as a step that returned none
-            raise TypeError(
+            raise StepReturnError(
                 f"{fn}: {who} returned a mapping with {near[0]!r} but no 'grads' at step {step}: its "
-                f"gradients would not be compared; return them as {{'loss': loss, 'grads': grads}}"
+                f"gradients would not be compared; return them as {{'loss': loss, 'grads': grads}}",
+                step,
             )
         loss, grads = out.get("loss"), out.get("grads")
     elif hasattr(out, "loss") and not isinstance(out, str | bytes | np.ndarray | jax.Array):
         loss, grads = out.loss, getattr(out, "grads", None)
     else:
         shape = f" of shape {np.shape(out)}" if hasattr(out, "shape") else ""
-        raise TypeError(f"{fn}: {who} returned {type(out).__name__}{shape} at step {step}; {rule}")
+        raise StepReturnError(
+            f"{fn}: {who} returned {type(out).__name__}{shape} at step {step}; {rule}", step
+        )
     if loss is not None and not _is_scalar_like(loss):
-        raise TypeError(
+        raise StepReturnError(
             f"{fn}: {who} returned loss of type {type(loss).__name__}"
-            f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}"
+            f"{f' and shape {np.shape(loss)}' if hasattr(loss, 'shape') else ''} at step {step}; {rule}",
+            step,
         )
     return loss, grads
 
