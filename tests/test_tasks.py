@@ -263,6 +263,37 @@ def _write(tmp_path: Path, text: str, name: str = "bad_task.py") -> str:
     return str(path)
 
 
+def test_a_missing_name_lists_the_files_tasks_or_functions_first_and_no_modules(tmp_path):
+    """Trial 51: the list of a file's public names began with the modules it imported (jax, nnx, optax)."""
+    from shardcheck.cli.verify import load_candidate
+
+    path = _write(
+        tmp_path,
+        """
+        import jax
+        import optax
+        from shardcheck.tasks import load_task
+        LR = 0.1
+        task = load_task("diabetes")
+        def step(model, optimizer, batch):
+            return None
+        """,
+        "mine.py",
+    )
+    with pytest.raises(ValueError) as info:
+        load_task(f"{path}:taks")
+    assert str(info.value).endswith(
+        "did you mean 'task'? its tasks: task; other public names: LR, load_task, step; name one of them after "
+        "':', or define taks = shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...) in the file"
+    ), info.value
+    with pytest.raises(ValueError) as info:
+        load_candidate(f"{path}:stepp")
+    assert str(info.value).endswith(
+        "did you mean 'step'? its functions: load_task, step; other public names: LR, task; name one of them "
+        "after ':', or define it in the file"
+    ), info.value
+
+
 def test_load_task_errors(tmp_path):
     names = ", ".join(BUILTIN_TASKS)
     with pytest.raises(

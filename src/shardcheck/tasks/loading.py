@@ -15,6 +15,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import types
 from pathlib import Path
 
 import optax
@@ -212,12 +213,25 @@ def _import_module(spec: str, module_name: str, fn: str = "load_task"):
         ) from err
 
 
-def _public_names(module) -> str:
-    names = sorted(n for n in vars(module) if not n.startswith("_"))
-    if not names:
-        return "no public names"
-    shown = ", ".join(names[:30]) + (f", ... ({len(names) - 30} more)" if len(names) > 30 else "")
-    return f"public names: {shown}"
+def _public_names(module, wanted: str = "task") -> str:
+    """The module's public names for an error: its Tasks (``wanted="task"``) or functions (``"step"``) first,
+    then the rest; the modules it imported (``jax``, ``nnx``) left out."""
+    public = {
+        n: v for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)
+    }
+    if wanted == "task":
+        label, best = "tasks", sorted(n for n, v in public.items() if isinstance(v, Task))
+    else:
+        label, best = (
+            "functions",
+            sorted(n for n, v in public.items() if callable(v) and not isinstance(v, type)),
+        )
+    rest = sorted(set(public) - set(best))
+    shown = ", ".join(rest[:30]) + (f", ... ({len(rest) - 30} more)" if len(rest) > 30 else "")
+    parts = [f"its {label}: {', '.join(best)}"] if best else []
+    if rest:
+        parts.append(f"{'other ' if best else ''}public names: {shown}")
+    return "; ".join(parts) or "no public names"
 
 
 def _did_you_mean(obj, name: str) -> str:
@@ -374,7 +388,7 @@ def import_attr(fn: str, spec: str, what: str = "ATTR"):
         if not hasattr(obj, part):
             raise ValueError(
                 f"{fn}: {target!r} has no attribute {attr!r} (spec {spec!r}); {_did_you_mean(obj, part)}"
-                f"{_public_names(module)}; name one "
+                f"{_public_names(module, 'step')}; name one "
                 "of them after ':', or define it in the file"
             )
         obj = getattr(obj, part)
