@@ -109,3 +109,22 @@ def test_the_command_line_names_no_strategy_literally():
             if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
         ]
     assert found == []
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["verify", "--tsk", "tiny-lm"], "unrecognized arguments: --tsk tiny-lm; did you mean --task?"),
+        (
+            ["verify", "--task", "tiny-lm", "--stratgies=dp", "--mech", "fsdp=4"],
+            "unrecognized arguments: --stratgies=dp --mech fsdp=4; did you mean --strategies or --mesh?",
+        ),
+        (["train", "--zzz"], "unrecognized arguments: --zzz"),
+    ],
+)
+def test_a_misspelt_option_is_told_the_subcommands_closest(argv, said, capsys):
+    """Trial 51: ``--tsk`` got argparse's "unrecognized arguments" alone (it suggests only from Python 3.14)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"shardcheck: error: {said}"

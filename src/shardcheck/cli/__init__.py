@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import gc
 import importlib
 import math
@@ -60,6 +61,25 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
             p = sub.choices[name]
             p.epilog = f"{p.epilog.rstrip('. ')}. {note}" if p.epilog else note
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, whose error for an unrecognized option names the subcommand's closest one
+    ("unrecognized arguments: --tsk tiny-lm; did you mean --task?": argparse suggests only from Python 3.14)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        chosen = parser._subparsers._group_actions[0].choices[args.command]  # the subcommand's own parser
+        flags = [
+            flag for action in chosen._actions for flag in action.option_strings if flag.startswith("--")
+        ]
+        guesses = [
+            close[0]
+            for arg in unknown
+            if arg.startswith("--") and (close := difflib.get_close_matches(arg.split("=")[0], flags, n=1))
+        ]
+        hint = f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def _command_in(argv: Sequence[str]) -> tuple[str, ...]:
@@ -112,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.set_threshold(*CLI_GC_THRESHOLD)
     argv = _negative_values_joined(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_in(argv))  # only the module of the subcommand that runs
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     command = f"shardcheck {args.command}"
     from shardcheck.gpu_target import quiet_without_cuda
 
