@@ -40,7 +40,7 @@ def assert_lockstep_agrees(report: TrainReport):
     """Both loss curves agree within the step's tolerance at every step; the drift never exceeds its own."""
     for s in report.steps:
         assert abs(s.loss_sharded - s.loss_baseline) <= s.loss_tolerance, s
-        assert s.max_abs_param_diff <= s.drift_tolerance, s
+        assert s.held_param_diff <= s.drift_tolerance, s
     assert report.loss_curves_agree and report.first_exceeded_step is None
     # epoch-end evaluations: both runs on the same splits
     for r in report.epoch_records:
@@ -337,7 +337,7 @@ def assert_task_lockstep(report, num_steps: int):
     for s in report.steps:
         assert abs(s.loss_sharded - s.loss_baseline) <= s.loss_tolerance, s
         assert s.drift_within and not s.drift_exceeded, s
-        assert s.max_abs_param_diff <= s.drift_tolerance, s
+        assert s.held_param_diff <= s.drift_tolerance, s
     assert report.loss_curves_agree and report.first_exceeded_step is None
 
 
@@ -365,13 +365,26 @@ def test_train_task_tiny_lm_agrees_at_every_step(lm_task, strategy, placement):
 
 
 @require_devices(4)
-def test_train_task_adam_noise_on_a_zero_gradient_is_allowed_not_ignored(lm_task):
-    """The key biases' gradients are 0 up to rounding; Adam turns that noise into updates of ~lr * 0.2."""
+def test_train_task_adam_noise_on_a_zero_gradient_is_left_out_and_counted(lm_task):
+    """The key biases' gradients are 0 up to rounding; Adam turns that noise into updates of ~lr * 0.2, differently
+    in the two runs, and compounds them over the steps (trial 52: a bias before a BatchNorm drifted past the
+    accumulated sensitivity at step 2 of a correct GSPMD run). Those elements are left out of the verdict and
+    counted; every other element is held to a tolerance the noise no longer widens."""
     report = train_task(lm_task, "dp", num_shards=4)
-    drift = report.max_abs_param_diff
-    plain = train_lib.step_tolerance(16 * 32, 1, 1)
-    assert drift > 10 * (plain.atol + plain.rtol * 2.0)  # far above the plain rule ...
-    assert not report.first_exceeded_step  # ... within the optimizer's sensitivity, as parity allows
+    plain = train_lib.step_tolerance(16 * 32, 3, 1)
+    assert report.max_abs_param_diff > 10 * (
+        plain.atol + plain.rtol * 2.0
+    )  # the noise: far above the rule ...
+    last = report.last_step
+    assert last.rounding_level_elements >= 2 * 32  # ... in elements that include both layers' key biases,
+    assert not report.first_exceeded_step  # left out; the others held to a tolerance below lr
+    lr = DEFAULT_LR["adam"]
+    assert (
+        max(s.held_param_diff for s in report.steps)
+        <= last.drift_tolerance
+        < lr
+        < report.max_abs_param_diff * 10
+    )
 
 
 def test_train_task_digits_accumulation_over_two_epochs():

@@ -193,11 +193,15 @@ def run_task(
 
     batch = task.batches[0]
     initial = task.new_model(fn)
-    drawn: list[str] = []  # the RNG streams the forward pass draws: only a GSPMD step draws the full batch's
-    weighted = check_model(fn, initial, task.loss_fn, batch, drawn=drawn)
+    # the state the forward pass writes (BatchNorm's running statistics) and the RNG streams it draws: only a
+    # GSPMD step computes and draws the full batch's (trial 52: a BatchNorm model was refused for gspmd too)
+    updated: list[str] = []
+    drawn: list[str] = []
+    weighted = check_model(fn, initial, task.loss_fn, batch, updated=updated, drawn=drawn, batch_stats=True)
     if len(names) > 1:
         check_divisible(fn, batch, num_shards, weighted=weighted)
-    plan, skipped = _plan(fn, task, (initial, drawn), names, num_shards, mesh, named=strategies is not None)
+    forward = (initial, updated, drawn)
+    plan, skipped = _plan(fn, task, forward, names, num_shards, mesh, named=strategies is not None)
     outcomes: dict[str, StepOutcome] = {}
     base = None  # the reference's (params, grads) on the host
     for name, strategy, step_mesh in plan:
@@ -226,15 +230,16 @@ def run_task(
 def _plan(fn, task: Task, model, names, num_shards: int, mesh, *, named: bool):
     """``([(name, strategy, mesh or None)], {skipped name: reason})``: each strategy's check run first (a named
     strategy's refusal raises, an unnamed one is skipped), one mesh shared by the mesh strategies. ``model``:
-    ``(initial model, the RNG streams its forward pass draws)``: a strategy that runs it per shard is refused."""
+    ``(initial model, the non-parameter state its forward pass writes, the RNG streams it draws)``: a strategy
+    that runs it per shard is refused."""
     from shardcheck.parity.harness.setup import _check_state_carried
 
     plan, skipped, shared_mesh = [], {}, None
-    initial, drawn = model
+    initial, updated, drawn = model
     for name in names:
         strategy = STRATEGIES[name]
         try:
-            _check_state_carried(fn, name, [], drawn, initial)
+            _check_state_carried(fn, name, updated, drawn, initial)
             if strategy.check is not None:
                 strategy.check(fn, initial, task.new_optimizer(copy_state(initial)))
         except ValueError as err:

@@ -256,14 +256,36 @@ def main_task(args, err) -> int:
 
     if not distributed.is_main_process():
         return 0
+    from rich.markup import escape
+
     console = console_for(args)
     console.print(render_task_table(report))
-    for skipped, reason in report.skipped.items():
-        console.print(f"[dim]skipped {skipped}: {reason}[/]", highlight=False)
+    for line in skipped_lines(report.skipped):
+        console.print(f"[dim]{escape(line)}[/]", highlight=False, soft_wrap=True)
     console.print(device_choice(args).line(), highlight=False)
     document = task_report_json(report, args.seed if args.task in BUILTIN_TASKS else None)
     write_json(document | {"devices": device_choice(args).to_dict()}, args.json)
     return 0
+
+
+def skipped_lines(skipped: dict[str, str]) -> list[str]:
+    """The lines naming the strategies ``run --task`` skipped (``{name: reason}``): the strategies that share a
+    reason on one line, a consequence or fix they all share said once after them (trial 52: a BatchNorm model's
+    reason, 400 characters, was printed five times)."""
+    from shardcheck.cli.verify import _refusal_reason, _shared_advice
+    from shardcheck.parity.diagnosis.grouping import words_and
+
+    groups: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        groups.setdefault(_refusal_reason(name, reason), []).append(name)
+    sep, advice = _shared_advice(list(groups))
+    lines = [
+        f"skipped {words_and(names)}: {reason.removesuffix(f'{sep}{advice}') if advice else reason}"
+        for reason, names in groups.items()
+    ]
+    if advice:
+        lines.append(f"for all of them: {advice[:1].lower()}{advice[1:]}")
+    return lines
 
 
 def task_report_json(report, seed) -> dict:
