@@ -205,7 +205,9 @@ def test_train_stays_within_tolerance(name, capsys):
     if name == "counter":
         assert main(argv) == 2
         err = " ".join(capsys.readouterr().err.split())
-        assert "error: fsdp: cannot run this model: its forward pass writes non-parameter state (calls)" in err
+        assert (
+            "error: fsdp: cannot run this model: its forward pass writes non-parameter state (calls)" in err
+        )
         argv += ["--strategy", "gspmd"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
