@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
+from conftest import said as said_of
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -273,6 +274,38 @@ def test_batchnorm_passes_under_a_gspmd_step_live_and_replayed_and_fails_unsynce
     unsynced = check_parity(_unsynced_step, task, mesh=mesh)
     assert not unsynced.ok and unsynced.localization.stage == "forward"
     assert not next(e for e in unsynced.steps[0].leaves if e.kind == "loss").ok
+    # trial 52: the finding of a loss computed per shard names the BatchNorm first, and how to sync it
+    said = said_of(unsynced, "per_shard_loss")
+    assert said.startswith(
+        "The model's BatchNorm normalizes with the batch's own statistics (bn.mean, bn.var: nnx.BatchStat, "
+        "training mode), and at step 0 the loss the step returns ("
+    ), said
+    assert (
+        "nnx.BatchNorm(..., axis_name='data')" in said and "Otherwise a term of the loss that couples" in said
+    )
+
+
+def test_the_batch_statistics_clause_goes_to_the_per_shard_loss_finding_alone():
+    from shardcheck.parity.diagnosis.batch_stats import with_batch_stats
+    from shardcheck.parity.diagnosis.rules import Diagnosis
+
+    coupled = (
+        "At step 0 the loss is the shards': a term of the loss that couples the rows was computed per shard."
+    )
+    findings = [
+        Diagnosis("replicas_differ", "copies differ", "x"),
+        Diagnosis("per_shard_loss", coupled, "loss"),
+    ]
+    assert with_batch_stats(findings, ()) == findings
+    first, second = with_batch_stats(findings, ("bn.mean",))
+    assert first == findings[0]
+    assert second.message.startswith(
+        "The model's BatchNorm normalizes with the batch's own statistics (bn.mean: nnx.BatchStat, training mode), "
+        "and at step 0 the loss is the shards': what a BatchNorm run per shard computes"
+    )
+    assert second.message.endswith(
+        " Otherwise a term of the loss that couples the rows was computed per shard."
+    )
 
 
 @require_devices(2)

@@ -535,6 +535,14 @@ def check_model(
     return check_loss_output(fn, out)
 
 
+def written_batch_stats(model: nnx.Module, updated) -> tuple[str, ...]:
+    """The dotted paths of ``updated`` (:func:`check_model`'s: the state its forward pass writes) that hold
+    ``nnx.BatchStat`` variables: a BatchNorm in training mode (``("bn.mean", "bn.var")``), which normalizes with
+    the batch's own mean and variance."""
+    stats = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.BatchStat))}
+    return tuple(p for p in updated if p in stats)
+
+
 def _rng_counts(model: nnx.Module) -> dict[str, np.ndarray]:
     """``{dotted path: count}`` of the model's RNG streams (``rngs.noise.count``)."""
     return {

@@ -67,6 +67,7 @@ from shardcheck.parity.comparison.model_state import (
     model_state_leaves,
 )
 from shardcheck.parity.comparison.rng_counts import rng_count_leaves
+from shardcheck.parity.diagnosis.batch_stats import with_batch_stats
 from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord, batch_keys
 from shardcheck.parity.diagnosis.hypotheses import _explained
@@ -959,6 +960,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
+    findings = with_batch_stats(findings, run.batch_stats)
     findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once
     if weak is not None:
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]

@@ -30,7 +30,14 @@ from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded import mesh_step, state_specs
 from shardcheck.steps.sharded_init import sharded_training_state
-from shardcheck.task import Task, check_divisible, check_model, draws_refusal, initial_states
+from shardcheck.task import (
+    Task,
+    check_divisible,
+    check_model,
+    draws_refusal,
+    initial_states,
+    written_batch_stats,
+)
 
 
 def _check_tolerances(fn, rtol, atol):
@@ -152,6 +159,7 @@ def _setup(
         # the task's step and the registered strategies write their new state into the Variables in place
         in_place=isinstance(candidate, str) and (reference is None or isinstance(reference, str)),
         draws=tuple(drawn),
+        batch_stats=written_batch_stats(model, updated),
         # at low-precision compute the tolerance measures a correct split's rounding on the loss run per shard:
         # no correct split where the loss couples the rows (trial 13: CLIP's local negatives made it 4x too wide)
         rows_coupled=coupled,

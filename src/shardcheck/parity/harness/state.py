@@ -230,6 +230,8 @@ class _Run:
     reference_name: str = "reference"
     # the RNG streams the model's forward pass draws from (task.check_model's drawn: "rngs.noise"), for the report
     draws: tuple[str, ...] = ()
+    # the batch statistics the forward pass writes (nnx.BatchStat in training mode: "bn.mean"), for the report
+    batch_stats: tuple[str, ...] = ()
     # what the devices hold, sampled during a check on the candidate's mesh (parity.footprint.Footprint), or None
     footprint: Any = None
     # the accumulations whose sensitivity pass is deferred (parity.allowances._Deferred), or None
