@@ -344,3 +344,60 @@ def test_refusals_that_share_a_consequence_say_it_once():
     assert said.count("refused this task") == 3 and said.count("its batch statistics") == 1
     assert "and it runs once per micro-batch. For all of them: its batch statistics (nnx.BatchStat" in said
     assert "it runs per device in jax.shard_map; the built-in strategy 'accumulation' refused" in said
+
+
+class Dropped(nnx.Module):
+    """A Linear then Dropout at ``rate``, its stream ``drop.rngs``."""
+
+    def __init__(self, rate: float):
+        self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(rate, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.drop(self.lin(x))
+
+
+def _dropped_task(rate: float) -> Task:
+    return Task(model=lambda: Dropped(rate), optimizer=optax.adam(1e-2), loss_fn=loss_fn, batches=BATCHES)
+
+
+def _step_running(switch):
+    """The single-device step, its model switched by ``switch(model, on)`` for the forward pass only."""
+
+    def step(model, optimizer, batch):
+        switch(model, True)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        switch(model, False)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+@require_devices(2)
+def test_a_step_drawing_what_the_task_does_not_and_the_reverse_are_told_as_draws():
+    """Trial 52: Dropout on in the step (rate 0.5) while the task's is 0 read "the step must write it as one
+    forward pass over the full batch does" (and its count was not compared at all); the task's Dropout at 0.5 and
+    the step's model in eval mode read "the forward pass's writes were dropped or undone"."""
+
+    def rate_on(model, on):
+        model.drop.rate = 0.5 if on else 0.0
+
+    def eval_mode(model, on):
+        model.eval() if on else model.train()
+
+    mesh = make_mesh(2)
+    on = check_parity(_step_running(rate_on), _dropped_task(0.0), mesh=mesh, steps=1)
+    assert (on.verdict, on.diagnoses[0].code) == ("FAIL", "model_state")
+    assert on.diagnoses[0].message.startswith(
+        "The step draws random numbers that the single-device step does not: the count of the RNG stream "
+        "drop.rngs moved in the step's model and not in the task's, whose forward pass draws nothing from it"
+    )
+    off = check_parity(_step_running(eval_mode), _dropped_task(0.5), mesh=mesh, steps=1)
+    assert (off.verdict, off.diagnoses[0].code) == ("FAIL", "model_state")
+    assert off.diagnoses[0].message.startswith(
+        "The count of the RNG stream drop.rngs, which the task's forward pass draws from, did not move in the "
+        "step's model: the step ran the model without its draws (model.eval(), deterministic=True"
+    )
+    same = check_parity(_step_running(lambda m, on: None), _dropped_task(0.0), mesh=mesh, steps=1)
+    assert same.ok and not any(e.kind == "counter" and "drop" in e.path for e in same.steps[0].leaves)

@@ -12,7 +12,10 @@ with its own Dropout stream) holds one count per member, shape ``(E,)``; the cou
 the leaf reports the member whose count differs most.
 
 Only the streams the forward pass draws from (:func:`shardcheck.task.check_model`'s ``drawn``) are compared: the
-count of a stream nothing draws from (``params``, or Dropout at rate 0) is the model's, moved by no step.
+count of a stream nothing draws from (``params``, or Dropout at rate 0) is the model's, moved by no correct step.
+A step that moves one all the same draws numbers the single-device step does not (Dropout at a nonzero rate in
+the step, a model the task runs deterministic run in training mode): :func:`moved_count_leaves` reports such a
+count, and only then, so a check that passes compares the same leaves as before (trial 52).
 """
 
 from __future__ import annotations
@@ -64,3 +67,22 @@ def rng_count_leaves(
         return []
     ref, cand = rng_counts(ref_model, streams), rng_counts(cand_model, streams)
     return [_count_error(step, f"{PREFIX}{s}.count", ref[s], cand[s]) for s in ref if s in cand]
+
+
+def all_streams(model: nnx.Module) -> tuple[str, ...]:
+    """The dotted paths of every RNG stream of ``model`` (``("dropout.rngs", "rngs.noise")``), drawn or not."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.RngCount))
+    return tuple(".".join(map(str, p)).removesuffix(".count") for p, _ in flat)
+
+
+def moved_count_leaves(
+    step: int, ref_model: nnx.Module, cand_model: nnx.Module, streams: Sequence[str]
+) -> list[LeafError]:
+    """The failing ``counter model.<stream>.count`` leaves of ``streams`` (the streams the task's forward pass
+    does not draw from) whose count the candidate's step moved away from the reference's; ``[]`` where none
+    did (and without reading the model where there are no such streams)."""
+    if not streams:
+        return []
+    ref, cand = rng_counts(ref_model, streams), rng_counts(cand_model, streams)
+    errors = [_count_error(step, f"{PREFIX}{s}.count", ref[s], cand[s]) for s in ref if s in cand]
+    return [e for e in errors if not e.ok]

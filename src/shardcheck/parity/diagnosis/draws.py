@@ -104,3 +104,50 @@ def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = (), finding: s
         f"each row's index, carried in the batch) or carry the noise in the batch{_lost(counts)}."
         + (f" Otherwise {coupled[0].lower()}{coupled[1:]}" if coupled else "")
     )
+
+
+def _count_path(stream: str) -> str:
+    return f"model.{stream}.count"
+
+
+def with_count_readings(
+    findings: Sequence[Diagnosis], drawn: Sequence[str], undrawn: Sequence[str]
+) -> list[Diagnosis]:
+    """``findings`` with a ``model_state`` finding on an RNG stream's count told as draws (trial 52: Dropout on in
+    the step and not in the task read "the step must write it as one forward pass over the full batch does"; the
+    reverse, the step's model in eval mode, read "the forward pass's writes were dropped or undone"):
+
+    * a stream the task's forward pass does not draw from (``undrawn``) whose count the step moved: the step
+      draws numbers the single-device step does not;
+    * a stream it draws from (``drawn``) whose count the step left as it was: the step ran the model without
+      its draws, or dropped the count's write.
+    """
+    moved = {_count_path(s): s for s in undrawn}
+    kept = {_count_path(s): s for s in drawn}
+    out = []
+    for d in findings:
+        path = (d.leaf or "").removeprefix("counter ")
+        if d.code == "model_state" and path in moved:
+            d = dataclasses.replace(
+                d,
+                message=(
+                    f"The step draws random numbers that the single-device step does not: the count of the RNG "
+                    f"stream {moved[path]} moved in the step's model and not in the task's, whose forward pass draws "
+                    "nothing from it (Dropout at rate 0, or deterministic). A nonzero dropout rate, "
+                    "deterministic=False or model.train() in the step computes another loss: run the model in the "
+                    "step as the task's loss runs it."
+                ),
+            )
+        elif d.code == "model_state" and path in kept and "left it as it was" in d.message:
+            d = dataclasses.replace(
+                d,
+                message=(
+                    f"The count of the RNG stream {kept[path]}, which the task's forward pass draws from, did not "
+                    "move in the step's model: the step ran the model without its draws (model.eval(), "
+                    "deterministic=True, a dropout rate of 0), which computes another loss, or dropped the "
+                    "count's write (jax.grad of a function of nnx.split parts discards it: return and nnx.update "
+                    "the state, or use nnx.value_and_grad). Run the model in the step as the task's loss runs it."
+                ),
+            )
+        out.append(d)
+    return out

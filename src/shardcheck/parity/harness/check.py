@@ -66,9 +66,9 @@ from shardcheck.parity.comparison.model_state import (
     model_state,
     model_state_leaves,
 )
-from shardcheck.parity.comparison.rng_counts import rng_count_leaves
+from shardcheck.parity.comparison.rng_counts import moved_count_leaves, rng_count_leaves
 from shardcheck.parity.diagnosis.batch_stats import with_batch_stats
-from shardcheck.parity.diagnosis.draws import with_draws
+from shardcheck.parity.diagnosis.draws import with_count_readings, with_draws
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord, batch_keys
 from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -551,6 +551,7 @@ def _compare_leaves(
         mismatches += [f"state {PREFIX}{p}" for p in state if p in differ]
     leaves += _extra_checks(run, t, completed, rtol, atol)
     leaves += rng_count_leaves(t, run.ref_model, run.cand_model, run.draws)  # the streams drawn from
+    leaves += moved_count_leaves(t, run.ref_model, run.cand_model, run.undrawn)  # the others, where moved
     # every float leaf of the step: the first pass clears what it can, the second pass decides the rest
     decided = [e for e in leaves if not isinstance(e, LeafInput)]
     full = t == 0 or skipped or not all(e.ok for e in decided) or bool(mismatches or opt_mismatches)
@@ -959,6 +960,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)
+    findings = with_count_readings(findings, run.draws, run.undrawn)  # before the draws' clause is added
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
     findings = with_batch_stats(findings, run.batch_stats)
     findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once

@@ -19,6 +19,7 @@ from shardcheck import _validate
 from shardcheck._catalog import REFERENCE
 from shardcheck._tree import copy_state
 from shardcheck.mesh import check_mesh, data_shards
+from shardcheck.parity.comparison.rng_counts import all_streams
 from shardcheck.parity.harness.candidates import as_candidate, check_step_signature
 from shardcheck.parity.harness.row_coupling import check_rows_separable, coupled_rows, float32_model
 from shardcheck.parity.harness.state import _Run
@@ -160,6 +161,7 @@ def _setup(
         in_place=isinstance(candidate, str) and (reference is None or isinstance(reference, str)),
         draws=tuple(drawn),
         batch_stats=written_batch_stats(model, updated),
+        undrawn=tuple(s for s in all_streams(model) if s not in drawn),
         # at low-precision compute the tolerance measures a correct split's rounding on the loss run per shard:
         # no correct split where the loss couples the rows (trial 13: CLIP's local negatives made it 4x too wide)
         rows_coupled=coupled,

@@ -232,6 +232,8 @@ class _Run:
     draws: tuple[str, ...] = ()
     # the batch statistics the forward pass writes (nnx.BatchStat in training mode: "bn.mean"), for the report
     batch_stats: tuple[str, ...] = ()
+    # the RNG streams the task's forward pass does not draw from: a count the candidate moves there is reported
+    undrawn: tuple[str, ...] = ()
     # what the devices hold, sampled during a check on the candidate's mesh (parity.footprint.Footprint), or None
     footprint: Any = None
     # the accumulations whose sensitivity pass is deferred (parity.allowances._Deferred), or None
