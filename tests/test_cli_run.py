@@ -189,6 +189,20 @@ def test_output_under_a_file_refused(tmp_path, capsys):
     assert "which is a file, not a folder" in capsys.readouterr().err.replace("\n", " ")
 
 
+def test_an_output_in_a_folder_that_does_not_exist_is_written_with_a_note(tmp_path, capsys):
+    """Trial 52: ``record --out /typo/dir/run.npz`` created the folder silently. It is still created (as before),
+    and a note on stderr names it, before any work; an existing folder gets no note."""
+    out = tmp_path / "new" / "sub" / "r.json"
+    assert main(["run", "--strategy", "baseline", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        f"note: shardcheck run: --json {out}: the folder {out.parent} does not exist; it is created for the file"
+    )
+    assert json.loads(out.read_text())["results"]["baseline"]["loss"] > 0
+    assert main(["run", "--strategy", "baseline", "--json", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "name,content,msg",
     [

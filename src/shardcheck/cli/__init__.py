@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before any work: an output that cannot be written is refused now, not after the computation
         check_outputs_apart(command, args)  # first: an output over an input is named as such
         for flag in OUTPUT_FLAGS:
-            check_output_path(command, flag, getattr(args, flag, None))
+            note = check_output_path(command, flag, getattr(args, flag, None))
+            if note is not None:
+                print(f"note: {note}", file=sys.stderr)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

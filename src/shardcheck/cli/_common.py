@@ -398,18 +398,22 @@ def _is_json(path: Path) -> bool:
     return True
 
 
-def check_output_path(command: str, flag: str, path: str | None) -> None:
+def check_output_path(command: str, flag: str, path: str | None) -> str | None:
     """Refuse, before any work, an output path that cannot be written.
 
     ``-`` (stdout) and None pass. Missing parent folders are created when the file is written; the nearest
     existing ancestor must be a folder this process can create files in (tried with a temp file).
+
+    Returns:
+        A note naming the folder that will be created, where the path's folder does not exist (trial 52: a
+        typo in ``--out``'s folder made a new folder silently), else None.
 
     Raises:
         ValueError: the path is a folder, lies under a file, or its folder is not writable; a ``--json`` path
             holding a file that is not JSON (never overwritten).
     """
     if path is None or path == "-":
-        return
+        return None
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{command}: --{flag} {path} is a folder; pass a file path")
@@ -430,6 +434,11 @@ def check_output_path(command: str, flag: str, path: str | None) -> None:
         raise ValueError(
             f"{command}: --{flag} {path} cannot be written: {err.strerror} in {ancestor}"
         ) from None
+    if ancestor == target.parent:
+        return None
+    return (
+        f"{command}: --{flag} {path}: the folder {target.parent} does not exist; it is created for the file"
+    )
 
 
 def console_for(args) -> Console:
