@@ -287,6 +287,9 @@ def test_a_missing_name_lists_the_files_tasks_or_functions_first_and_no_modules(
         "':', or define taks = shardcheck.Task(model=..., optimizer=..., loss_fn=..., batches=...) in the file"
     ), info.value
     with pytest.raises(ValueError) as info:
+        load_task(f"{path}:jaxx")  # trial 52: ':nope' in a file importing numpy as np was asked about 'np'
+    assert "did you mean" not in str(info.value)
+    with pytest.raises(ValueError) as info:
         load_candidate(f"{path}:stepp")
     assert str(info.value).endswith(
         "did you mean 'step'? its functions: load_task, step; other public names: LR, task; name one of them "

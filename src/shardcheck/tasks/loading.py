@@ -236,7 +236,12 @@ def _public_names(module, wanted: str = "task") -> str:
 
 def _did_you_mean(obj, name: str) -> str:
     """``"did you mean 'task'? "`` for the public attribute of ``obj`` closest to a misspelt ``name``, else ``""``."""
-    close = difflib.get_close_matches(name, [n for n in dir(obj) if not n.startswith("_")], n=1, cutoff=0.6)
+    names = [
+        n
+        for n in dir(obj)
+        if not n.startswith("_") and not isinstance(getattr(obj, n, None), types.ModuleType)
+    ]  # not the modules it imported (trial 52: ':nope' was asked "did you mean 'np'?")
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}? " if close else ""
 
 
