@@ -1,5 +1,6 @@
 """``shardcheck run``, through the installed entry point and in-process."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -321,3 +322,46 @@ def test_task_one_strategy_and_options(capsys):
 def test_bad_task_arguments_exit_2(capsys, args, msg):
     assert main(["run", *args]) == 2
     assert msg in " ".join(capsys.readouterr().err.split())
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+
+
+def test_the_main_job_ends_with_a_verdict_from_the_parity_rule(capsys):
+    """Trial 52: ``shardcheck run`` printed the numbers and no verdict. It says PASS (exit 0) where every
+    computation's parameters lie within ``atol + rtol * max|params_baseline|`` of the baseline's after the step,
+    with ``atol = eps * sqrt(B * K)`` and ``rtol = 16 * atol`` (B * K = 442 diabetes rows, one output)."""
+    assert main(["run", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    eps = float(np.finfo(np.float32).eps)
+    atol = eps * np.sqrt(442.0)
+    scale = max(float(np.max(np.abs(v))) for v in report["results"]["baseline"]["params"].values())
+    assert report["ok"] is True
+    assert report["allowed_abs_param_diff"] == pytest.approx(atol + 16 * atol * scale, rel=1e-6)
+    worst = max(r["max_abs_param_diff_vs_baseline"] for r in report["results"].values())
+    assert worst <= report["allowed_abs_param_diff"] / 10  # a correct split: far within
+    assert "PASS: every computation's parameters after the step are within " in " ".join(captured.err.split())
+
+
+def test_a_computation_beyond_the_tolerance_is_a_fail_and_exits_1(monkeypatch, capsys):
+    import shardcheck.seeds
+    from shardcheck.cli.run import run_verdict
+
+    real = shardcheck.seeds.run_strategies
+
+    def summed(*args, **kwargs):  # fsdp's parameters moved by a planted 1e-3 (a summed gradient moves 0.1)
+        report = real(*args, **kwargs)
+        fsdp = report.outcomes["fsdp"]
+        report.outcomes["fsdp"] = dataclasses.replace(fsdp, max_abs_param_diff_vs_baseline=1e-3)
+        return report
+
+    monkeypatch.setattr(shardcheck.seeds, "run_strategies", summed)
+    assert main(["run", "--json", "-"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ok"] is False
+    said = " ".join(captured.err.split())
+    assert "FAIL: fsdp differs from the baseline's parameters by more than " in said
+    assert "(worst fsdp: 0.001; atol + rtol*max|params| after one step with n = 442 x 1 reduced terms" in said
+    alone = real(np.ones((4, 1)), np.ones((4, 1)), num_shards=1, strategies=("baseline",))
+    assert run_verdict(alone, 4) is None  # the baseline alone: nothing to judge
