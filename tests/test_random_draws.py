@@ -401,3 +401,24 @@ def test_a_step_drawing_what_the_task_does_not_and_the_reverse_are_told_as_draws
     )
     same = check_parity(_step_running(lambda m, on: None), _dropped_task(0.0), mesh=mesh, steps=1)
     assert same.ok and not any(e.kind == "counter" and "drop" in e.path for e in same.steps[0].leaves)
+
+
+@require_devices(2)
+def test_values_gone_non_finite_after_the_first_failure_are_said_once():
+    """Trial 52: a fault named at step 0 went on to NaN at step 2; every table row showed nan, no sentence said so.
+    Here a gradient x2 at step 0 (summed, S = 2), then NaN gradients at step 1."""
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        t = int(optimizer.step[...])
+        grads = jax.tree.map(lambda g: g * (2.0 if t == 0 else jnp.nan), grads)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    report = check_parity(step, _dropped_task(0.0), mesh=make_mesh(2))
+    assert [d.code for d in report.diagnoses] == ["summed", "non_finite"]
+    said = report.diagnoses[-1].message
+    assert said.startswith("From step 1 the candidate holds NaN or infinite values (first in grad lin.")
+    assert said.endswith(
+        "what the failure at step 0 led to, or another fault of the step; fix the first failure first."
+    )

@@ -86,6 +86,7 @@ from shardcheck.parity.comparison.state_digest import (
 from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.evidence import converted_counter
 from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
+from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, diagnose
 from shardcheck.parity.diagnosis.skipped import with_skipped
@@ -1601,6 +1602,7 @@ def _diagnoses(
         where = localize(values) if failing is not None else None
         findings = with_draws(findings, where and where.stage, draws, failing)
     findings = with_skipped(findings, values)  # a step the recorded run's optimizer skipped, said once
+    findings = with_later_non_finite(findings, values)  # NaN after the first failure, said once
     if structural:  # the value records lack those leaves: a stage they fill would read as matching
         findings = [d for d in findings if d.code != "localized"]
     if first is None:

@@ -71,6 +71,7 @@ from shardcheck.parity.diagnosis.batch_stats import with_batch_stats
 from shardcheck.parity.diagnosis.draws import with_count_readings, with_draws
 from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord, batch_keys
 from shardcheck.parity.diagnosis.hypotheses import _explained
+from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.replica_form import copy_scales
 from shardcheck.parity.diagnosis.rules import diagnose
@@ -964,6 +965,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
     findings = with_batch_stats(findings, run.batch_stats)
     findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once
+    findings = with_later_non_finite(findings, records)  # NaN after the first failure, said once
     if weak is not None:
         findings = [Diagnosis("cannot_verify", weak), *[d for d in findings if d.code != "parity"]]
     return ParityReport(
