@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import require_devices, said
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -422,3 +422,32 @@ def test_values_gone_non_finite_after_the_first_failure_are_said_once():
     assert said.endswith(
         "what the failure at step 0 led to, or another fault of the step; fix the first failure first."
     )
+
+
+@require_devices(2)
+def test_a_replay_whose_task_optimizer_changed_says_so_first():
+    """Trial 52: a task file's learning rate doubled since its recording replayed as a FAIL that said "the
+    optimizer's update from equal inputs: matches", then "the update was applied differently". A recording keeps
+    its optimizer's update of a probe gradient (``meta["optimizer"]``); a replay whose task's optimizer updates
+    otherwise says so first. A recording without it (made before) compares as before."""
+    from shardcheck.parity.harness.recorded import record_run
+
+    def adam(lr):
+        return Task(model=lambda: Dropped(0.0), optimizer=optax.adam(lr), loss_fn=loss_fn, batches=BATCHES)
+
+    mesh = make_mesh(2)
+    recording = record_run(adam(1e-2), "gspmd", mesh=mesh)
+    assert set(recording.meta["optimizer"]) == {"advances", "lin.bias", "lin.kernel"}
+    assert recording.meta["optimizer"]["advances"] == 0.0 and recording.meta["optimizer"]["lin.bias"] > 0
+    assert check_parity("gspmd", adam(1e-2), mesh=mesh, reference=recording).ok
+    doubled = check_parity("gspmd", adam(2e-2), mesh=mesh, reference=recording)
+    assert doubled.verdict == "FAIL" and doubled.diagnoses[0].code == "settings_differ"
+    assert doubled.diagnoses[0].message.startswith(
+        "The task's optimizer is not the recording's: its update of a probe gradient at param lin."
+    )
+    assert "is 2 x the recorded one (another learning rate, schedule or transformation)" in said(
+        doubled, "settings_differ"
+    )
+    del recording.meta["optimizer"]
+    older = check_parity("gspmd", adam(2e-2), mesh=mesh, reference=recording)
+    assert older.verdict == "FAIL" and "settings_differ" not in [d.code for d in older.diagnoses]

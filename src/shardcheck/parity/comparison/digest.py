@@ -92,7 +92,7 @@ from shardcheck.parity.diagnosis.rules import Diagnosis, LeafError, StepRecord, 
 from shardcheck.parity.diagnosis.skipped import with_skipped
 from shardcheck.parity.diagnosis.topology import replicas_root
 from shardcheck.parity.harness import true_gradients
-from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, settings_diff
+from shardcheck.parity.harness.recorded import KINDS, Digests, Recording, optimizer_change, settings_diff
 from shardcheck.parity.harness.setup import _check_tolerances
 from shardcheck.parity.report import ParityReport
 from shardcheck.parity.tolerance import matmul
@@ -1569,6 +1569,21 @@ def _drift_after_structure(
     ]
 
 
+def _optimizer_changed(was: Mapping, now: Mapping) -> Diagnosis | None:
+    """The ``settings_differ`` finding of a replay whose task's optimizer updates a probe gradient otherwise than
+    the recorded run's (:func:`~shardcheck.parity.harness.recorded.optimizer_change`: a task file's learning rate
+    changed since it was recorded, trial 52), else ``None``."""
+    change = optimizer_change(was.get("optimizer"), now.get("optimizer") or {})
+    if change is None:
+        return None
+    return Diagnosis(
+        "settings_differ",
+        f"The task's optimizer is not the recording's: {change} (another learning rate, schedule or "
+        "transformation), so the updates differ from the recorded ones whatever the step does, and the "
+        "optimizer's rerun below is this task's. Replay with the recorded run's optimizer, or record again.",
+    )
+
+
 def _diagnoses(
     recording: Recording,
     replayed: Recording,
@@ -1619,6 +1634,8 @@ def _diagnoses(
         ahead = not values or any(e.evidence != "sharding" for e in at_t)
         findings = [found, *findings] if ahead else [*findings, found]
     differ = [d for d in _settings_differ(was, now) if not d.endswith(SAME_ARITHMETIC)]
+    changed = None if differ else _optimizer_changed(was, now)
+    findings = findings if changed is None else [changed, *findings]  # the likely cause, said first
     if differ:
         findings.append(
             Diagnosis(

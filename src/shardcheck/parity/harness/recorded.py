@@ -71,7 +71,7 @@ from shardcheck.parity.harness.true_gradients import keep as keep_true_gradients
 from shardcheck.parity.tolerance import matmul
 from shardcheck.parity.tolerance.loss_drift import LossDrift
 from shardcheck.parity.tolerance.precision import Precision, float32_compute, traced_compute_dtype
-from shardcheck.parity.tolerance.propagation import normalized_leaves
+from shardcheck.parity.tolerance.propagation import normalized_leaves, update_signature
 from shardcheck.steps import STRATEGIES, Candidate
 from shardcheck.steps.registry import mesh_for
 from shardcheck.steps.sharded_init import sharded_training_state
@@ -616,7 +616,7 @@ def record_run(
         replicas.append(replica_evidence(leaves))  # each step's copies compared across this process's devices
     recording = _recording(fn, task, data, candidate, cand, mesh, (initial, rows, shapes, indices), settings)
     recording.meta.update(touched, matmul_precision=policy, compute_dtype=compute, drawn=list(drawn))
-    recording.meta.update(normalized=normalized_params(task, model), replicas=replicas)
+    recording.meta.update(_optimizer_facts(task, model), replicas=replicas)
     recording.meta.update({} if drift is None else {"loss_drift": drift.values})
     _keep_gradients(recording.meta, len(data), truth, least, noise)
     return recording
@@ -716,6 +716,56 @@ def normalized_params(task: Task, model: nnx.Module) -> list[str]:
         return sorted(normalized_leaves(task.optimizer, stand_in))
 
     return list(_memo(task, key, True, probe))
+
+
+def _optimizer_facts(task: Task, model: nnx.Module) -> dict:
+    """What a recording keeps of the task's optimizer: the parameters whose update it normalizes
+    (``meta["normalized"]``) and its update of a probe gradient (``meta["optimizer"]``)."""
+    return {"normalized": normalized_params(task, model), "optimizer": optimizer_signature(task, model)}
+
+
+def optimizer_signature(task: Task, model: nnx.Module) -> dict[str, float]:
+    """The task's optimizer's :func:`~shardcheck.parity.tolerance.propagation.update_signature` on stand-ins of
+    the parameters (each dimension cut to 4 at most, as :func:`normalized_params`; ``model`` real or abstract):
+    kept in a recording (``meta["optimizer"]``) and compared by a replay before any step. Probed once per task."""
+    shapes = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(tuple(min(int(d), 4) for d in a.shape), a.dtype),
+        nnx.state(model, nnx.Param),
+    )
+    key = ("optimizer", jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
+
+    def probe():
+        stand_in = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
+        return update_signature(task.optimizer, stand_in)
+
+    return dict(_memo(task, key, True, probe))
+
+
+OPTIMIZER_RTOL = 1e-3
+"""How far two runs' :func:`optimizer_signature` sizes may differ, relative, and be the same optimizer: far above
+float32 rounding of one update on another machine, far below a changed learning rate."""
+
+
+def optimizer_change(was: Mapping | None, now: Mapping) -> str | None:
+    """How the recorded optimizer signature ``was`` differs from this run's ``now``: the parameter whose probe
+    update differs most and the ratio, or ``None`` where they agree (or the recording keeps none)."""
+    if not was:
+        return None
+    if was.get("advances") != now.get("advances"):
+        return (
+            f"its first nonzero update comes after {int(was['advances'])} zero-gradient step(s), this task's after "
+            f"{int(now['advances'])} (another warm-up or schedule)"
+        )
+    far = {
+        p: (w, now[p])
+        for p, w in was.items()
+        if p != "advances" and p in now and abs(now[p] - w) > OPTIMIZER_RTOL * max(abs(w), abs(now[p]))
+    }
+    if not far:
+        return None
+    p, (w, n) = max(far.items(), key=lambda kv: abs(kv[1][1] - kv[1][0]) / max(abs(kv[1][0]), abs(kv[1][1])))
+    ratio = f"{n / w:.4g} x the recorded one" if w else f"{n:.3g} where the recorded one is 0"
+    return f"its update of a probe gradient at param {p} is {ratio}"
 
 
 def _check_settings(fn: str, settings) -> dict:

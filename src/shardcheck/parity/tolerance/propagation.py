@@ -146,6 +146,26 @@ def grad_delta(grads, extra, rtol, atol, scale):
 PROBE_GRADIENT, PROBE_SCALE = 1e-2, 1e-3
 
 
+def update_signature(tx, params) -> dict[str, float]:
+    """What a recording keeps of its optimizer: per parameter (dotted paths, as ``flatten_state`` names them), the
+    size of ``tx``'s update of the probe gradient (:func:`normalized_leaves`'s ``+-PROBE_GRADIENT``, less the
+    update at 0) from ``tx.init(params)``, or from the state after the first of up to :data:`PROBE_ADVANCES`
+    zero-gradient updates where one moves (a warm-up's learning rate of 0 at step 0), that count under
+    ``"advances"``. Another learning rate, schedule or transformation gives other sizes (trial 52: a replay of a
+    task whose lr had doubled FAILed with "the optimizer's update from equal inputs: matches").
+    """
+    from shardcheck.parity.comparison.live import flatten_state
+
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for k in range(PROBE_ADVANCES + 1):
+        full = {p: float(v) for p, v in flatten_state(_probe(tx, params, state)[0]).items()}
+        if any(v > 0 for v in full.values()) or k == PROBE_ADVANCES:
+            return {"advances": float(k), **full}
+        state = _advance(tx, zeros, state, params)
+    raise AssertionError("unreachable")
+
+
 def normalized_leaves(tx, params) -> frozenset[str]:
     """The parameters (dotted paths, as ``flatten_state`` names them) whose update ``tx`` normalizes: scaling the
     gradient down by :data:`PROBE_SCALE` leaves the update's gradient-driven part at least a tenth as large (Adam,
