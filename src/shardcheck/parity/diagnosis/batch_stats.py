@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from shardcheck.parity.diagnosis.draws import COUPLED
+from shardcheck.parity.diagnosis.draws import measured_and_coupled
 from shardcheck.parity.diagnosis.rules import Diagnosis
 
 
@@ -15,14 +15,7 @@ def per_shard_batch_stats(stats: Sequence[str], finding: str) -> str:
     """The message of a ``per_shard_loss`` finding (``finding``: its own) where the forward pass writes batch
     statistics (``stats``: ``nnx.BatchStat`` paths): what was measured, then the BatchNorm as its likely cause and
     its fixes, then the row-coupling reading for a loss that couples the rows itself."""
-    cut = finding.find(COUPLED)
-    measured = finding[:cut].removesuffix(": ") if cut > 0 and finding[:cut].endswith(": ") else ""
-    coupled = finding[len(measured) :].lstrip(": ") if measured else finding
-    said = (
-        f"{measured[0].lower()}{measured[1:]}"
-        if measured
-        else "the step's loss is the one computed per shard"
-    )
+    said, coupled = measured_and_coupled(finding)
     return (
         f"The model's BatchNorm normalizes with the batch's own statistics ({', '.join(stats)}: nnx.BatchStat, "
         f"training mode), and {said}: what a BatchNorm run per shard computes, each shard normalizing with its own "

@@ -79,13 +79,10 @@ def _what(draws: Sequence[str]) -> str:
     return f"{named}: Dropout at a nonzero rate" if any("drop" in d.lower() for d in draws) else named
 
 
-def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = (), finding: str = "") -> str:
-    """The message of a ``per_shard_loss`` finding (``finding``: its own) where the model draws (``draws``): the
-    loss computed over each shard's rows is also what a forward pass run per shard gives when every shard draws
-    with the same key, so the draws lead, with how to check the rest of the step (the draws off, or the reference's
-    keys), and the row-coupling reading follows for a loss that does couple the rows (trial 35: a VAE whose shards
-    drew the same noise read only "a term of the loss that couples the rows ... was computed per shard"; trial 42:
-    an ensemble with Dropout at rate 0.1 and a mean cross-entropy, which couples no rows, read it first)."""
+def measured_and_coupled(finding: str) -> tuple[str, str]:
+    """A ``per_shard_loss`` finding's message in two: what was measured, as a clause that follows "and" (``"the
+    step's loss is the one computed per shard"`` where the message says nothing measured), and its reading of a
+    term that couples the rows (from :data:`COUPLED` on), so that a likelier cause can be said between them."""
     cut = finding.find(COUPLED)
     measured = finding[:cut].removesuffix(": ") if cut > 0 and finding[:cut].endswith(": ") else ""
     coupled = finding[len(measured) :].lstrip(": ") if measured else finding
@@ -94,6 +91,17 @@ def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = (), finding: s
         if measured
         else "the step's loss is the one computed per shard"
     )
+    return said, coupled
+
+
+def per_shard_draws(draws: Sequence[str], counts: Sequence[str] = (), finding: str = "") -> str:
+    """The message of a ``per_shard_loss`` finding (``finding``: its own) where the model draws (``draws``): the
+    loss computed over each shard's rows is also what a forward pass run per shard gives when every shard draws
+    with the same key, so the draws lead, with how to check the rest of the step (the draws off, or the reference's
+    keys), and the row-coupling reading follows for a loss that does couple the rows (trial 35: a VAE whose shards
+    drew the same noise read only "a term of the loss that couples the rows ... was computed per shard"; trial 42:
+    an ensemble with Dropout at rate 0.1 and a mean cross-entropy, which couples no rows, read it first)."""
+    said, coupled = measured_and_coupled(finding)
     return (
         f"The model draws random numbers in its forward pass ({_what(draws)}), and {said}: what a forward pass run "
         "per shard computes, every shard drawing from the same key (each shard's rows get other numbers than the "
