@@ -435,7 +435,7 @@ def _drift_line(report) -> str:
     """The summary's drift: the largest over the run, of the elements held to the tolerance where some were left
     out (their gradient at rounding level: :attr:`shardcheck.training.TrainStep.rounding_level_elements`)."""
     last = report.steps[-1]
-    left_out = getattr(last, "rounding_level_elements", 0)
+    left_out = last.rounding_level_elements
     if not left_out:
         return (
             f"max |params_sharded - params_baseline| = {report.max_abs_param_diff:.3g} over the run "

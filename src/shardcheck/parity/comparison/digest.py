@@ -1573,7 +1573,7 @@ def _optimizer_changed(was: Mapping, now: Mapping) -> Diagnosis | None:
     """The ``settings_differ`` finding of a replay whose task's optimizer updates a probe gradient otherwise than
     the recorded run's (:func:`~shardcheck.parity.harness.recorded.optimizer_change`: a task file's learning rate
     changed since it was recorded, trial 52), else ``None``."""
-    change = optimizer_change(was.get("optimizer"), now.get("optimizer") or {})
+    change = optimizer_change(was.get("optimizer"), now.get("optimizer"))
     if change is None:
         return None
     return Diagnosis(

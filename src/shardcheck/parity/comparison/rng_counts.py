@@ -81,8 +81,4 @@ def moved_count_leaves(
     """The failing ``counter model.<stream>.count`` leaves of ``streams`` (the streams the task's forward pass
     does not draw from) whose count the candidate's step moved away from the reference's; ``[]`` where none
     did (and without reading the model where there are no such streams)."""
-    if not streams:
-        return []
-    ref, cand = rng_counts(ref_model, streams), rng_counts(cand_model, streams)
-    errors = [_count_error(step, f"{PREFIX}{s}.count", ref[s], cand[s]) for s in ref if s in cand]
-    return [e for e in errors if not e.ok]
+    return [e for e in rng_count_leaves(step, ref_model, cand_model, streams) if not e.ok]

@@ -21,6 +21,7 @@ comparison's records are the live check's, diagnosed by the same rules.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -705,17 +706,19 @@ def normalized_params(task: Task, model: nnx.Module) -> list[str]:
     the model's state): where some of a leaf's gradient is rounding noise, a replay allows those elements an
     lr-sized update only under such an optimizer (``meta["normalized"]``). Probed once per task and stand-in
     structure (a warm accumulation check of the tiny-lm spent ~35 ms of ~450 in the probe, at every check)."""
+    return list(_probed(task, model, "normalized", lambda tx, p: sorted(normalized_leaves(tx, p))))
+
+
+def _probed(task: Task, model: nnx.Module, name: str, probe):
+    """``probe(task.optimizer, stand_in)`` on stand-ins of ``model``'s parameters (ones, each dimension cut to 4
+    at most; ``model`` real or abstract), once per task, ``name`` and stand-in structure."""
     shapes = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(tuple(min(int(d), 4) for d in np.shape(a)), a.dtype),
+        lambda a: jax.ShapeDtypeStruct(tuple(min(int(d), 4) for d in a.shape), a.dtype),
         nnx.state(model, nnx.Param),
     )
-    key = ("normalized", jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
-
-    def probe():
-        stand_in = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
-        return sorted(normalized_leaves(task.optimizer, stand_in))
-
-    return list(_memo(task, key, True, probe))
+    key = (name, jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
+    stand_in = functools.partial(jax.tree.map, lambda s: jnp.ones(s.shape, s.dtype), shapes)
+    return _memo(task, key, True, lambda: probe(task.optimizer, stand_in()))
 
 
 def _optimizer_facts(task: Task, model: nnx.Module) -> dict:
@@ -726,19 +729,9 @@ def _optimizer_facts(task: Task, model: nnx.Module) -> dict:
 
 def optimizer_signature(task: Task, model: nnx.Module) -> dict[str, float]:
     """The task's optimizer's :func:`~shardcheck.parity.tolerance.propagation.update_signature` on stand-ins of
-    the parameters (each dimension cut to 4 at most, as :func:`normalized_params`; ``model`` real or abstract):
-    kept in a recording (``meta["optimizer"]``) and compared by a replay before any step. Probed once per task."""
-    shapes = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(tuple(min(int(d), 4) for d in a.shape), a.dtype),
-        nnx.state(model, nnx.Param),
-    )
-    key = ("optimizer", jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes)))
-
-    def probe():
-        stand_in = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
-        return update_signature(task.optimizer, stand_in)
-
-    return dict(_memo(task, key, True, probe))
+    the parameters (as :func:`normalized_params`): kept in a recording (``meta["optimizer"]``) and compared with
+    the replay's by its diagnosis (:func:`optimizer_change`). Probed once per task."""
+    return dict(_probed(task, model, "optimizer", update_signature))
 
 
 OPTIMIZER_RTOL = 1e-3
@@ -746,10 +739,11 @@ OPTIMIZER_RTOL = 1e-3
 float32 rounding of one update on another machine, far below a changed learning rate."""
 
 
-def optimizer_change(was: Mapping | None, now: Mapping) -> str | None:
+def optimizer_change(was: Mapping | None, now: Mapping | None) -> str | None:
     """How the recorded optimizer signature ``was`` differs from this run's ``now``: the parameter whose probe
-    update differs most and the ratio, or ``None`` where they agree (or the recording keeps none)."""
-    if not was:
+    update differs most and the ratio, or ``None`` where they agree (or either run keeps none: a recording made
+    before the signature was kept)."""
+    if not was or not now:
         return None
     if was.get("advances") != now.get("advances"):
         return (
