@@ -95,6 +95,26 @@ def test_an_update_where_the_reference_makes_none_is_said_as_a_learning_rate_of_
     )
 
 
+def test_a_decay_by_hand_where_the_reference_makes_no_update_is_said_as_a_decay_term():
+    """Trial 53: a decay ``p - 5e-5 * p`` applied to every leaf after ``optimizer.update``, at a warm-up's lr-0
+    first step, read only "a zero update in the reference alone ... parameters the task's optimizer freezes"; the
+    candidate's change is -c*param with one c, and the form now says so, with c. A change of no such form (noise)
+    is said as before."""
+    rng = np.random.default_rng(0)
+    before = {"w": rng.normal(size=(4, 4)), "b": rng.normal(size=4)}
+    decayed = {k: v - 5e-5 * v for k, v in before.items()}
+    form = fit_form(before, dict(before), decayed)
+    assert form.kind == "reference_zero"
+    assert (
+        "by -c*param with c = 5e-05 on every one of them: a decay term the candidate applies" in form.sentence
+    )
+    assert "else parameters the task's optimizer freezes" in form.sentence
+    noise = {k: v + 0.01 * rng.normal(size=v.shape) for k, v in before.items()}
+    assert "-c*param" not in fit_form(before, dict(before), noise).sentence
+    grown = {k: v + 5e-5 * v for k, v in before.items()}  # c < 0: no decay
+    assert "-c*param" not in fit_form(before, dict(before), grown).sentence
+
+
 # ------------------------------------------------------------------------------------ a factor on some gradients
 
 
@@ -499,7 +519,11 @@ def test_an_optimizer_stepped_k_times_for_k_other_than_the_shard_count_is_not_sa
     assert "stepped 2 times per step" in said and "once per micro-batch of an accumulation loop" in said
     assert "once per shard (S=" not in said
     four = dataclasses.replace(record, candidate_step_count=4)
-    assert "once per shard (S=4)" in {d.code: d.message for d in rules.diagnose([four], 4)}["step_counter"]
+    said = {d.code: d.message for d in rules.diagnose([four], 4)}["step_counter"]
+    assert (
+        "once per shard (S=4) instead of once after the reduction, or once per micro-batch of a 4-micro-batch"
+        in (said)
+    )  # trial 53: 2 micro-batches on S = 2 read "once per shard" alone
 
 
 def test_small_gradients_are_not_called_zero_and_matching_parameters_are_not_only_the_loss():

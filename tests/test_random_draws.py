@@ -141,8 +141,9 @@ def test_a_step_that_does_not_write_the_rng_count_back_fails_on_the_count():
     assert loss.ok and loss.max_abs_err < 1e-6
     assert report.localization.stage == "forward" and report.codes[0] != "diverged_trajectory"
     assert (
-        "(the same key on every shard) differs here; one that leaves a stream's count as it was (counter "
-        "model.rngs.noise.count) draws this step's numbers again at the next." in report.diagnoses[0].message
+        "each row must get the numbers it gets in the full batch); one that leaves a stream's count as it was "
+        "(counter model.rngs.noise.count) draws this step's numbers again at the next. Check the rest of the step "
+        "with the draws off" in report.diagnoses[0].message
     ), report.diagnoses[0].message
 
 
@@ -155,9 +156,62 @@ def test_a_shard_map_step_drawing_the_same_key_on_every_shard_fails_at_the_forwa
     assert loss.max_abs_err > 100 * loss.tolerance
     text = report.diagnoses[0].message
     assert (
-        "The model draws random numbers in its forward pass (rngs.noise): a step that draws other numbers than "
-        "the full batch's (the same key on every shard) differs here" in text
+        "The forward pass differs, and the model draws random numbers in it (rngs.noise): a step that draws other "
+        "numbers than the full batch's differs here (a forward pass per shard that draws from the same key on "
+        "every shard, or from a key folded with the shard's index" in text
     ), text
+    assert (
+        "draw by the global row index (jax.random.fold_in of each row's index, carried in the batch)" in text
+    )
+
+
+def folded_key_step(model, optimizer, batch, mesh):
+    """Data parallel in ``jax.shard_map``, each shard drawing from the key folded with its index (the usual
+    recipe), the stream's count written back: other numbers than the full batch's, and no count that differs."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def body(p, rest, b):
+        index = jax.lax.axis_index("data")
+        rest = jax.tree.map(
+            lambda x: jax.random.fold_in(x, index) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+            rest,
+        )
+
+        def local(p):
+            m = nnx.merge(graphdef, p, rest, copy=True)
+            return loss_fn(m, b), nnx.state(m, nnx.RngCount)
+
+        (loss, counts), grads = jax.value_and_grad(local, has_aux=True)(p)
+        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data"), counts
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False
+    )
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    loss, grads, counts = jax.jit(mapped)(params, rest, batch)
+    nnx.update(model, counts)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+@require_devices(2)
+def test_keys_folded_with_the_shard_index_lead_the_finding_with_the_draws():
+    """Trial 53: keys folded per shard (fold_in of the shard's index) read a 10-line forward finding that listed
+    masks and positions, then "(the same key on every shard)", false for this step, and no fix; the draws now lead
+    the finding, with both ways of drawing other numbers and the global-row-index fix."""
+    report = check_parity(folded_key_step, TASK, mesh=make_mesh(2), steps=1)
+    assert not report.ok and report.localization.stage == "forward", str(report)
+    counts = [e for e in report.steps[0].leaves if e.name == "counter model.rngs.noise.count"]
+    assert [e.ok for e in counts] == [True]  # the count was written back: the draws alone differ
+    lead = report.diagnoses[0]
+    assert lead.code in ("forward_differs", "update_differs", "loss_differs"), str(report)
+    assert lead.message.startswith(
+        "The forward pass differs, and the model draws random numbers in it (rngs.noise): a step that draws other "
+        "numbers than the full batch's differs here (a forward pass per shard that draws from the same key on "
+        "every shard, or from a key folded with the shard's index: each row must get the numbers it gets in the "
+        "full batch). Check the rest of the step with the draws off"
+    ), lead.message
+    assert report.diagnosis_lines[0].startswith(f"[{lead.code}] The forward pass differs")  # printed first
 
 
 @require_devices(2)
@@ -229,9 +283,7 @@ def test_a_replay_compares_the_rng_counts_and_names_the_draws_as_live():
             in loc.text()
         )
         assert "a learning rate of 0" not in loc.form.sentence
-        assert (
-            "The model draws random numbers in its forward pass (rngs.noise)" in report.diagnoses[0].message
-        )
+        assert "the model draws random numbers in it (rngs.noise)" in report.diagnoses[0].message
 
 
 def test_the_draws_are_named_only_beside_a_finding_that_names_no_cause():
@@ -247,8 +299,12 @@ def test_the_draws_are_named_only_beside_a_finding_that_names_no_cause():
     generic = [Diagnosis("update_differs", "The loss differs.", "loss")]
     (said,) = with_draws(generic, "forward", ("rngs.augment",), None)
     assert said.message == (
-        "The loss differs. The model draws random numbers in its forward pass (rngs.augment): a step that draws "
-        "other numbers than the full batch's (the same key on every shard) differs here."
+        "The forward pass differs, and the model draws random numbers in it (rngs.augment): a step that draws "
+        "other numbers than the full batch's differs here (a forward pass per shard that draws from the same key "
+        "on every shard, or from a key folded with the shard's index: each row must get the numbers it gets in "
+        "the full batch). Check the rest of the step with the draws off (Dropout at rate 0, or "
+        "deterministic=True), or draw by the global row index (jax.random.fold_in of each row's index, carried in "
+        "the batch). The loss differs."
     )
     assert with_draws(generic, "gradients", ("rngs.augment",), None) == generic
 
@@ -304,12 +360,17 @@ def test_refusals_of_a_drawing_model_group_by_reason_and_give_their_fix_once():
         )
     rows["gspmd"] = object()  # a row that ran
     said = _refusals_message(rows)
-    assert said.count("refused this task") == 3 and said.count(fix[6:]) == 1
-    assert (
-        "the built-in strategies 'dp' and 'fsdp' refused this task: cannot run this model: it draws, and it runs"
-        in said
-    )
-    assert "which it cannot see. For all of them: check it with a GSPMD step" in said
+    assert said.count("refused this task") == 1 and said.count(fix[6:]) == 1
+    # the head they share said once, then each group's own part on a line of its own (trial 53: one line of
+    # 1,800 characters), then the tail they share
+    assert said.startswith(
+        "shardcheck verify: the built-in strategies 'simulation', 'dp', 'fsdp' and 'accumulation' refused this "
+        "task: cannot run this model: it draws, and\n  - 'simulation': it runs the forward pass once per shard, "
+        "which it cannot see;\n  - 'dp' and 'fsdp': it runs the forward pass per device in jax.shard_map, which it "
+        "cannot see;\n  - 'accumulation': it runs the forward pass once per micro-batch, which it cannot see.\n"
+        "For all of them: check it with a GSPMD step"
+    ), said
+    assert said.count("it draws") == 1
     assert "dp runs" not in said and "which simulation cannot see" not in said
     assert (
         _refusal_reason("fsdp", "fsdp: fsdp splits it; try --mesh fsdp=4")
@@ -341,9 +402,12 @@ def test_refusals_that_share_a_consequence_say_it_once():
     }
     rows["gspmd"] = object()  # a row that ran
     said = _refusals_message(rows)
-    assert said.count("refused this task") == 3 and said.count("its batch statistics") == 1
-    assert "and it runs once per micro-batch. For all of them: its batch statistics (nnx.BatchStat" in said
-    assert "it runs per device in jax.shard_map; the built-in strategy 'accumulation' refused" in said
+    assert said.count("refused this task") == 1 and said.count("its batch statistics") == 1
+    assert said.count("it writes state") == 1
+    assert (
+        "\n  - 'accumulation': it runs once per micro-batch.\nFor all of them: its batch statistics (" in said
+    )
+    assert "\n  - 'dp': it runs per device in jax.shard_map;\n" in said
 
 
 class Dropped(nnx.Module):

@@ -237,6 +237,10 @@ def test_the_annotation_hint_is_said_only_beside_an_error_about_it():
     for unrelated in (trace, replication, cond):
         assert _annotation_cause(unrelated, model, mesh) == "", unrelated
     assert _traced_hint(trace).startswith("a Flax object made outside the function the step traces")
+    assert (  # trial 53: the step split outside and merged inside jax.shard_map, then captured it in jax.grad
+        "a model merged inside jax.shard_map and captured by the function jax.grad / jax.value_and_grad "
+        "differentiates" in _traced_hint(trace)
+    )
     assert _traced_hint(replication).startswith(
         "the step's jax.shard_map returns as replicated over 'data' (out_specs[0] P()) a value computed per device"
     )

@@ -28,11 +28,16 @@ def _lost(counts: Sequence[str]) -> str:
 
 
 def draws_clause(draws: Sequence[str], counts: Sequence[str] = ()) -> str:
-    """The sentence naming the streams drawn (``("rngs.noise",)``) as a possible cause of a forward difference;
-    ``counts``: the names of the stream count leaves that differ (``counter model.rngs.noise.count``)."""
+    """The sentence naming the streams drawn (``("rngs.noise",)``) as a possible cause of a forward difference,
+    with the two ways a step draws other numbers and how to check the rest of the step; ``counts``: the names of
+    the stream count leaves that differ (``counter model.rngs.noise.count``)."""
     return (
-        f"The model draws random numbers in its forward pass ({', '.join(draws)}): a step that draws other numbers "
-        f"than the full batch's (the same key on every shard) differs here{_lost(counts)}."
+        f"The forward pass differs, and the model draws random numbers in it ({_what(draws)}): a step that draws "
+        "other numbers than the full batch's differs here (a forward pass per shard that draws from the same key "
+        "on every shard, or from a key folded with the shard's index: each row must get the numbers it gets in "
+        f"the full batch){_lost(counts)}. Check the rest of the step with the draws off (Dropout at rate 0, or "
+        "deterministic=True), or draw by the global row index (jax.random.fold_in of each row's index, carried in "
+        "the batch)."
     )
 
 
@@ -44,7 +49,8 @@ count differs); a finding that names one (``normalization``, ``scaled``, ...) is
 def with_draws(
     findings: Sequence[Diagnosis], stage: str | None, draws: Sequence[str], record: StepRecord | None
 ) -> list[Diagnosis]:
-    """``findings`` with :func:`draws_clause` added to the first one's message where the model draws (``draws``,
+    """``findings`` with :func:`draws_clause` said with the first one's message (before it where it names no
+    cause, :data:`UNNAMED`; after it where it names one) where the model draws (``draws``,
     the streams, non-empty), the first stage that differs is the forward pass (``stage``) and the first finding
     names no cause (:data:`UNNAMED`) or a stream's count differs; else as they are.
     ``record``: the first failing step's, whose failing stream counts the clause names."""
@@ -63,10 +69,11 @@ def with_draws(
         not counts and first.code not in UNNAMED
     ):  # a cause is named (trial 19: a normalization, a x0.5469 scale)
         return findings
-    return [
-        dataclasses.replace(first, message=f"{first.message} {draws_clause(draws, counts)}"),
-        *findings[1:],
-    ]
+    clause = draws_clause(draws, counts)
+    said = (  # before a finding that names no cause (trial 53: after a 10-line list of masks and positions)
+        f"{clause} {first.message}" if first.code in UNNAMED else f"{first.message} {clause}"
+    )
+    return [dataclasses.replace(first, message=said), *findings[1:]]
 
 
 COUPLED = "a term of the loss that couples the rows"

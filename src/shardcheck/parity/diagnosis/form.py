@@ -320,7 +320,7 @@ def fit_form(
         b = np.asarray(before[p], np.float64) if p in before else np.zeros_like(c)
         f64[p] = (b, np.asarray(ref_after[p], np.float64) - b, c - b)
     fit, aside = _without_quiet(f64, quiet or {})
-    form = _zero_or_flip(fit, update)
+    form = _zero_or_flip(fit, update, _quiet_at_zero(f64, quiet) if quiet else f64)
     form = form or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
     form = form or _factor(fit, optimizer_stage, update, tol or {})
     if form is not None and form.kind == "none" and update:  # a ratio around 1: a small term, maybe a decay
@@ -718,12 +718,15 @@ def shape_form(shapes: Mapping[str, tuple[tuple, tuple]], missing: Sequence[str]
     )
 
 
-def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
+def _zero_or_flip(f64: dict, update: bool = True, whole: dict | None = None) -> Form | None:
+    """A zero update on one side (``reference_zero``, ``zero``) or a sign flip of ``f64``'s changes; ``whole``:
+    every element with those at rounding level zeroed before and after (:func:`_quiet_at_zero`), where a decay
+    term of the candidate alone is fitted (``f64`` itself where not given)."""
     n = len(f64)
     top_r = max(float(np.max(np.abs(dr), initial=0.0)) for _, dr, _ in f64.values())
     top_c = max(float(np.max(np.abs(dc), initial=0.0)) for _, _, dc in f64.values())
     if update and top_c > 0 and top_r <= ZERO_RTOL * top_c:
-        return _reference_zero(n, top_r, top_c)
+        return _reference_zero(n, top_r, top_c, _decay_alone(f64 if whole is None else whole))
     if top_r == 0:
         return None
     if update and top_c <= ZERO_RTOL * top_r:
@@ -754,14 +757,36 @@ def _zero_or_flip(f64: dict, update: bool = True) -> Form | None:
     return None
 
 
-def _reference_zero(n: int, top_r: float, top_c: float | None) -> Form:
+def _reference_zero(n: int, top_r: float, top_c: float | None, decay: float | None = None) -> Form:
     moved = "" if top_c is None else f" by up to {top_c:.3g}"
+    meaning = REFERENCE_ZERO_MEANING
+    if decay is not None:  # trial 53: a decay by hand after optimizer.update, at a warm-up's lr-0 first step
+        moved += (
+            f", by -c*param with c = {decay:.4g} on every one of them: a decay term the candidate applies where "
+            "the reference's update is 0 (a weight decay applied outside the task's optimizer, by hand after "
+            "optimizer.update, or to leaves its mask leaves out)"
+        )
+        meaning = f"else {meaning}"
     return Form(
         "reference_zero",
         f"a zero update in the reference alone: the reference left these {n_leaves(n)} as they were (change at "
-        f"most {top_r:.3g}) and the candidate moved them{moved}: {REFERENCE_ZERO_MEANING}",
+        f"most {top_r:.3g}) and the candidate moved them{moved}: {meaning}",
         leaves=n,
     )
+
+
+def _decay_alone(f64: dict) -> float | None:
+    """Where the candidate's change of every leaf is ``-c*param`` (``param`` its value before the step) with one
+    ``c > 0`` to within :data:`FIT_RTOL` of the change's size, ``c`` (least squares over every element); else
+    ``None``. ``f64``: ``{path: (before, reference change, candidate change)}``."""
+    before = np.concatenate([np.ravel(b) for b, _, _ in f64.values()])
+    change = np.concatenate([np.ravel(dc) for _, _, dc in f64.values()])
+    scale = float(np.dot(before, before))
+    if scale == 0 or not np.all(np.isfinite(change)):
+        return None
+    c = -float(np.dot(before, change)) / scale
+    residual = float(np.max(np.abs(change + c * before)))
+    return c if c > 0 and residual <= FIT_RTOL * float(np.max(np.abs(change))) else None
 
 
 def _state_form(bad: list[LeafError]) -> Form:

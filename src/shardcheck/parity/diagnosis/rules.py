@@ -1383,8 +1383,10 @@ def step_counter(ctx: DiagnosisContext) -> Finding:
     if per_step and got % expected == 0:
         k = got // expected
         where = (
-            f"once per shard (S={ctx.num_shards}) instead of once after the reduction"
-            if k == ctx.num_shards
+            f"once per shard (S={ctx.num_shards}) instead of once after the reduction, or once per micro-batch of a "
+            f"{k}-micro-batch accumulation loop instead of once on the accumulated gradient (optax.MultiSteps "
+            "applies it once)"
+            if k == ctx.num_shards  # trial 53: 2 micro-batches on S = 2 read "once per shard" alone
             else f"{k} times a step: once per micro-batch of an accumulation loop, or per shard of a group of {k}, "
             "instead of once on the accumulated, reduced gradient (optax.MultiSteps applies it once)"
         )
