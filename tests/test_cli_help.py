@@ -123,8 +123,11 @@ def test_the_command_line_names_no_strategy_literally():
     ],
 )
 def test_a_misspelt_option_is_told_the_subcommands_closest(argv, said, capsys):
-    """Trial 51: ``--tsk`` got argparse's "unrecognized arguments" alone (it suggests only from Python 3.14)."""
+    """Trial 51: ``--tsk`` got argparse's "unrecognized arguments" alone (it suggests only from Python 3.14);
+    trial 53: below the top-level usage, not the subcommand's."""
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"shardcheck: error: {said}"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == f"shardcheck {argv[0]}: error: {said}"
+    assert lines[0].startswith(f"usage: shardcheck {argv[0]} [-h]"), lines[0]

@@ -289,6 +289,10 @@ def test_task_tiny_lm_fsdp_writes_json_log_and_plot(tmp_path, capsys):
         "never",
     ):
         assert word in text
+    # the placement in words, the JSON's key as it was (trial 53: gspmd's read "state placement: fsdp")
+    assert "state placement: split by the model's annotations, else over the fsdp axis" in " ".join(
+        text.split()
+    )
     report = json.loads(out.read_text())
     assert (report["task"], report["strategy"], report["num_shards"], report["placement"]) == (
         "tiny-lm",

@@ -107,8 +107,18 @@ def test_planted_wrong_candidate_fails_with_its_diagnosis(steps_file, tmp_path, 
     assert "summed instead of averaged (x4" in bad["diagnosis"]
     assert bad["worst_leaf"] and bad["max_abs_err"] > bad["tolerance"]
     assert bad["worst_by_kind"]["param"]["ok"] is False and bad["worst_by_kind"]["loss"]["step"] > 0
-    out = " ".join(capsys.readouterr().out.split())
+    printed = capsys.readouterr().out
+    out = " ".join(printed.split())
     assert "shardcheck verify candidate: FAIL" in out
+    # the cause first, each finding on its own line under its code, then the localization (trial 53: line 17 of 22)
+    candidate = printed[printed.index("shardcheck verify candidate: FAIL") :]
+    tagged = [line for line in candidate.splitlines() if line.startswith("[")]
+    assert tagged[0].startswith("[summed] At step 0, ") and tagged[1].startswith(
+        "[localization] First difference"
+    )
+    assert (
+        bad["diagnosis"].startswith("At step 0, ") and " Localization: First difference" in bad["diagnosis"]
+    )
     # the JSON names the summary's leaf too (trial 36: the text's first failing leaf, the JSON's worst overall)
     assert bad["first_failing_step"] == 0 and f"{bad['first_failing_leaf']} (step 0)" in out
     # and its numbers, the summary row's (trial 40: they differed from max_abs_err, the worst over every step)
@@ -296,7 +306,9 @@ def test_a_candidate_returning_garbage_gets_an_error_row_beside_the_others(steps
         "or an object or mapping with 'loss' (a scalar) and optionally 'grads'"
     )
     assert (rows["candidate"]["verdict"], rows["candidate"]["codes"]) == ("ERROR", ["error"])
-    assert rows["candidate"]["error"] == dict(type="TypeError", message=said, step=0, builtin=False, refused=False)
+    assert rows["candidate"]["error"] == dict(
+        type="TypeError", message=said, step=0, builtin=False, refused=False
+    )
     assert rows["candidate"]["diagnosis"] == f"shardcheck verify: {said}"
     assert f"error: shardcheck verify: {said}" in capsys.readouterr().err
 

@@ -169,10 +169,16 @@ def _loc(report):
     loc = report.localization
     assert loc is not None and loc.stage is not None
     text = str(report)
-    # the localization is printed first in the diagnosis, before the catalog's findings
-    assert text.index("[localization]") < min(text.index(f"[{d.code}]") for d in report.diagnoses)
+    # the leading finding first, then the localization, then the other findings (trial 53: the cause first)
+    lead, *others = report.diagnoses
+    assert text.index(f"[{lead.code}]") < text.index("[localization]")
+    assert all(text.index("[localization]") < text.index(f"[{d.code}]") for d in others)
+    assert report.diagnosis_lines[:2] == (
+        f"[{lead.code}] {report.findings[0][1]}",
+        f"[localization] {loc.text()}",  # a cause that names no form leaves "no simple form" as it is
+    )
     assert report.to_dict()["localization"]["stage"] == loc.stage
-    assert report.diagnosis.startswith(f"Localization: {loc.text()}")  # what the command line prints first
+    assert report.diagnosis.startswith(f"{report.findings[0][1]} Localization: {loc.text()}")  # as the CLI's
     return loc
 
 

@@ -208,6 +208,12 @@ def test_a_clip_applied_to_each_shards_gradient_is_named(mesh):
     msg = report.diagnoses[0].message
     assert msg.startswith("At step 0 the gradients differ (")
     assert "a clip applied per shard (before the all-reduce)" in msg
+    assert (
+        report.localization.form.kind == "none"
+    )  # trial 53: "no simple form" below the finding that names it
+    (where,) = [text for tag, text in report.findings if tag == "localization"]
+    assert "Form: no simple form that the fit reads ([clip_per_shard] names it): no zero update" in where
+    assert report.diagnosis_lines[0].startswith("[clip_per_shard] At step 0 the gradients differ")
     assert check_parity(make_step(), task, mesh=mesh, reference=ref_step).ok
     summed = check_parity(make_step("psum"), task, mesh=mesh, reference=ref_step)
     assert not summed.ok and "clip_per_shard" not in summed.codes

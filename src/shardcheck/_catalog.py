@@ -38,6 +38,14 @@ class StrategySpec:
     explicit_collectives: bool = dataclasses.field(default=False, kw_only=True)
 
 
+PLACEMENT_WORDS = {
+    "single": "one device",
+    "replicated": "replicated",
+    "fsdp": "split by the model's annotations, else over the fsdp axis",
+}
+"""A strategy's ``placement`` (:attr:`StrategySpec.placement`) in the summary's words (trial 53:
+``train --strategy gspmd`` read "state placement: fsdp")."""
+
 REFERENCE = "reference"
 """The registry's baseline: every other strategy is compared with its step."""
 

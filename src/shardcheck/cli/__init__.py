@@ -78,7 +78,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
             if arg.startswith("--") and (close := difflib.get_close_matches(arg.split("=")[0], flags, n=1))
         ]
         hint = f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        chosen.error(
+            f"unrecognized arguments: {' '.join(unknown)}{hint}"
+        )  # the subcommand's usage (trial 53)
     return args
 
 

@@ -255,6 +255,27 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
     return _task_file(args, optimizer, batch_size)
 
 
+def check_lr_flag(fn: str, args) -> None:
+    """Refuse a bad ``--lr`` before any work: beside a task file, that the flag applies to the built-in tasks only
+    (said first: trial 53 was told "--lr must be a finite positive number ...; pass e.g. --lr 0.1", then, with
+    0.1, that a task file takes no --lr); else a value :func:`shardcheck._validate.check_lr` refuses.
+
+    Raises:
+        ValueError: as said, naming ``fn`` (``"shardcheck verify"``) and the flag.
+    """
+    from shardcheck import _validate
+    from shardcheck.tasks import BUILTIN_TASKS
+
+    if args.lr is None:
+        return
+    task = getattr(args, "task", None)
+    if task is not None and task not in BUILTIN_TASKS:
+        raise ValueError(
+            f"--task {task}: --lr applies to the built-in tasks only; a task file sets its own optimizer and batches"
+        )
+    _validate.check_lr(fn, args.lr, name="--lr", example="--lr 0.1")
+
+
 def _task_file(args, optimizer, batch_size):
     """The task of a task file (``--task FILE.py:ATTR`` / ``MODULE:ATTR``), after refusing the flags that only the
     built-in tasks read: an optimizer, a rate, a batch size, a seed, a dataset, a model shape (trial 36: ``--seed

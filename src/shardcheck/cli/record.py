@@ -139,8 +139,9 @@ def _check_args(args) -> tuple[str | None, int]:
         if problem is not None:
             raise ValueError(problem)
     _validate.check_seed("shardcheck record: --seed", args.seed)
-    if args.lr is not None:
-        _validate.check_lr("shardcheck record", args.lr, name="--lr", example="--lr 0.1")
+    from shardcheck.cli._task import check_lr_flag
+
+    check_lr_flag("shardcheck record", args)
     if _both_given(args):
         raise ValueError(_both_given(args))
     configure_devices(args.devices if args.devices is not None or distributed.is_multiprocess() else 2)

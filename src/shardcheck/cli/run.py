@@ -23,7 +23,7 @@ from shardcheck.cli._common import (
     device_choice,
     write_json,
 )
-from shardcheck.cli._task import add_precision_arguments
+from shardcheck.cli._task import add_precision_arguments, check_lr_flag
 
 STRATEGY_CHOICES = ("all", BASELINE, *STRATEGIES)
 TASK_HELP = (
@@ -273,11 +273,10 @@ def main_task(args, err) -> int:
         )
     if args.strategy == BASELINE:
         return _fail(err, f"{name}: with --task the baseline is the registered strategy {REFERENCE!r}")
-    from shardcheck import _validate, distributed
+    from shardcheck import distributed
 
     try:
-        if args.lr is not None:
-            _validate.check_lr(name, args.lr, name="--lr", example="--lr 0.1")
+        check_lr_flag(name, args)
         apply_mesh(name, args, "shards")
     except ValueError as e:
         return _fail(err, str(e))

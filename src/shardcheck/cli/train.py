@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from shardcheck._catalog import COMPARED as TRAIN_STRATEGIES
-from shardcheck._catalog import DEFAULT_STRATEGY
+from shardcheck._catalog import DEFAULT_STRATEGY, PLACEMENT_WORDS
 from shardcheck.cli._common import (
     TRAIN_FLAGS,
     HelpFormatter,
@@ -530,7 +530,8 @@ def render_task_table(report):
     )
     steps = (
         f"B={report.batch_size}, {report.epochs} epochs x {report.steps_per_epoch} batches = {report.num_steps} "
-        f"steps; state placement: {report.placement} (losses measured before each step's update)"
+        f"steps; state placement: {PLACEMENT_WORDS.get(report.placement, report.placement)} (losses measured before "
+        "each step's update)"
     )
     return Group(table, _summary(report, [("steps", steps)]))
 

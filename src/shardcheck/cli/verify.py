@@ -472,8 +472,9 @@ def _check_args(args) -> tuple[list[str], int]:
         raise ValueError(
             f"shardcheck verify: --seed must be an int in [0, 2**31), got {args.seed}; pass e.g. --seed 0"
         ) from err
-    if args.lr is not None:
-        _validate.check_lr("shardcheck verify", args.lr, name="--lr", example="--lr 0.1")
+    from shardcheck.cli._task import check_lr_flag
+
+    check_lr_flag("shardcheck verify", args)
     for flag in ("rtol", "atol"):  # before any step, --against's replay included
         value = getattr(args, flag)
         if value is not None and not 0 <= value < math.inf:
@@ -623,52 +624,94 @@ def _refusal_reason(label: str, whole: str) -> str:
     return re.sub(rf"(?<![\w'=-]){re.escape(label)}(?![\w'=-])", "it", text)  # not in "--mesh fsdp=4"
 
 
-SHARED_TAILS = (". ", ", so ")
+SHARED_TAILS = (". ", ", so ", ": ")
 """Where the reasons of several refusals may part from a tail they share, said once after them: a sentence (the
-fix they all give), else a consequence (``", so its batch statistics ... would be computed over part of the
-batch ...``, the same after each strategy's own way of running the forward pass: trial 51 read it three times in
-one line of 1,900 characters)."""
+fix they all give), a consequence (``", so its batch statistics ... would be computed over part of the batch
+...``, the same after each strategy's own way of running the forward pass: trial 51 read it three times in one
+line of 1,900 characters) or what follows a colon (``": that gives the full batch's numbers only where ..."``,
+trial 53)."""
+
+SHARED_HEAD = ", and "
+"""Where the reasons of several refusals may part from a head they share, said once before them (``"cannot run
+this model: model ViT draws random numbers in its forward pass (...)"``, then each strategy's way of running it:
+trial 53 read the head four times in one line of 1,800 characters)."""
 
 
 def _shared_advice(reasons: list[str]) -> tuple[str, str]:
     """``(separator, tail)``: the longest tail every one of several ``reasons`` ends with, starting after a
-    :data:`SHARED_TAILS` separator (a sentence first, else a ", so" clause), and that separator; ``("", "")``
-    where they share none or there is one reason."""
+    :data:`SHARED_TAILS` separator, and that separator; ``("", "")`` where they share none or there is one
+    reason."""
     if len(reasons) < 2:
         return "", ""
     first = reasons[0]
-    for sep in SHARED_TAILS:
-        for i in range(len(first)):  # the earliest separator gives the longest shared tail
+    for i in range(len(first)):  # the earliest separator gives the longest shared tail
+        for sep in SHARED_TAILS:
             if first.startswith(sep, i) and all(r.endswith(first[i:]) for r in reasons[1:]):
                 return sep, first[i + len(sep) :]
     return "", ""
 
 
-def _refusals_message(reports) -> str:
-    """One message for the built-in strategies of ``reports`` (label -> report or :class:`ErrorRow`) that refused
-    the task by a documented limitation (:attr:`ErrorRow.refused`), grouped by their reason: each reason said
-    once, with the strategies it names, and the ``--strategies`` that runs the other built-ins alone."""
+def _shared_head(reasons: list[str]) -> str:
+    """The longest head every one of several ``reasons`` starts with, ending at a :data:`SHARED_HEAD` that each
+    of them has there; ``""`` where they share none or there is one reason."""
+    if len(reasons) < 2:
+        return ""
+    first, head = reasons[0], ""
+    i = first.find(SHARED_HEAD)
+    while i > 0:
+        if all(r.startswith(first[: i + len(SHARED_HEAD)]) for r in reasons[1:]):
+            head = first[:i]
+        i = first.find(SHARED_HEAD, i + 1)
+    return head
+
+
+def _refusals_said(groups: dict[str, list[str]]) -> tuple[str, str]:
+    """``(text, end)`` of the refusals ``groups`` (``{reason: the strategies that gave it}``): each reason said
+    once with the strategies it names; a head several reasons share (:func:`_shared_head`) said once before
+    them, each group's own part on a line of its own, and a tail they share (:func:`_shared_advice`) once after
+    them; ``end``: what joins the next sentence (a new line after the lines, else a space)."""
     from shardcheck.parity.diagnosis.grouping import words_and
 
+    sep, advice = _shared_advice(list(groups))
+    head = _shared_head(list(groups))
+
+    def own(reason: str) -> str:  # a group's part: its reason without the shared head and tail
+        said = reason.removesuffix(f"{sep}{advice}") if advice else reason
+        return said.removeprefix(f"{head}{SHARED_HEAD}") if head else said
+
+    def which(names: list[str]) -> str:
+        return f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {words_and(map(repr, names))}"
+
+    end = "\n" if head else " "
+    if head:
+        every = [n for names in groups.values() for n in names]
+        lines = ";".join(f"\n  - {words_and(map(repr, names))}: {own(r)}" for r, names in groups.items())
+        text = f"the built-in {which(every)} refused this task: {head}{SHARED_HEAD.rstrip()}{lines}"
+    else:
+        text = "; ".join(
+            f"the built-in {which(names)} refused this task: {own(r)}" for r, names in groups.items()
+        )
+    if advice:  # the fix, or the consequence, every refusal gives, said once after them
+        text += f".{end}For all of them: {advice[:1].lower()}{advice[1:]}"
+    return text, end
+
+
+def _refusals_message(reports) -> str:
+    """One message for the built-in strategies of ``reports`` (label -> report or :class:`ErrorRow`) that refused
+    the task by a documented limitation (:attr:`ErrorRow.refused`), grouped by their reason (:func:`_refusals_said`),
+    and the ``--strategies`` that runs the other built-ins alone."""
     groups: dict[str, list[str]] = {}
     for r in reports.values():
         if isinstance(r, ErrorRow) and r.refused:
             groups.setdefault(r.reason, []).append(r.strategy)
-    parts = []
-    sep, advice = _shared_advice(list(groups))
-    for reason, names in groups.items():
-        which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {words_and(map(repr, names))}"
-        said = reason.removesuffix(f"{sep}{advice}") if advice else reason
-        parts.append(f"the built-in {which} refused this task: {said}")
-    if advice:  # the fix, or the consequence, every refusal gives, said once after them
-        parts[-1] += f". For all of them: {advice[:1].lower()}{advice[1:]}"
+    text, end = _refusals_said(groups)
     one = sum(map(len, groups.values())) == 1
     others = [
         k for k, r in reports.items() if k != "candidate" and not (isinstance(r, ErrorRow) and r.refused)
     ]
     rest = ",".join(others) or "none"
     which, it = ("that strategy", "it") if one else ("those strategies", "them")
-    head = f"shardcheck verify: {'; '.join(parts)}. A documented limitation of {which} on this task"
+    head = f"shardcheck verify: {text}.{end}A documented limitation of {which} on this task"
     if all(isinstance(r, ErrorRow) and r.refused for r in reports.values()):  # nothing was checked: exit 2
         return (
             f"{head}, and no other row checked it (exit status 2): pass --strategies gspmd or a --candidate"
@@ -985,6 +1028,7 @@ def render_report(report, setup: str, against: str | None = None):
     """One strategy's table: the worst leaf of each compared kind, with its error, tolerance and verdict; the
     diagnosis below. A replay against a recording (``against``: its path; ``report.replay``, the same
     renderer) adds whether it is bitwise identical, the digests' evidence and what a recording cannot tell."""
+    from rich.markup import escape
     from rich.table import Table
 
     from shardcheck.parity.report import RERUN_MARK, ROUNDING_MARK, ROUNDING_NOTE, rerun_note
@@ -992,7 +1036,10 @@ def render_report(report, setup: str, against: str | None = None):
     replay = report.replay
     title = f"shardcheck verify {report.strategy}" + (f" against {against}" if against else "")
     bitwise = " (bitwise identical)" if replay is not None and replay.bitwise else ""
-    caption = [setup, report.diagnosis]
+    caption = [
+        setup,
+        *(escape(line) for line in report.diagnosis_lines),
+    ]  # the cause first, one finding a line
     if report.weak_accepted is not None:
         caption.append(f"weak check accepted: {report.weak_accepted}")
     if report.scale_evidence and all(r.ok for r in report.steps):  # as the report's own text says it

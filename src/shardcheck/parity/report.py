@@ -252,20 +252,47 @@ class ParityReport:
         return tuple(d.code for d in self.diagnoses)
 
     @property
-    def diagnosis(self) -> str:
-        """The localization's text first (a failing run's), then all findings' messages, joined into one
-        paragraph: what the command line prints below its table. A finding that repeats the localization's
-        form sentence says it once, in the localization (trial 47: a decay's form printed twice in a row)."""
-        first = [] if self.localization is None else [f"Localization: {self.localization.text()}"]
+    def findings(self) -> tuple[tuple[str, str], ...]:
+        """``(tag, text)`` of what the report explains, in the order every rendering says it: the leading finding
+        (the first of :attr:`diagnoses`, most important first, unless it is a note such as ``rounding_level``),
+        then a failing run's localization (tag ``"localization"``), then the other findings. The cause comes
+        first (trial 53: ``summed``'s "gradients are 4 x the reference's" was line 17 of a 22-line paragraph that
+        opened with the localization). A finding that repeats the localization's form sentence says it once, in
+        the localization (trial 47: a decay's form printed twice in a row); a localization whose form is "no simple
+        form" below a leading finding that names the cause says that the finding names it (trial 53: "no simple
+        form" below ``clip_per_shard``'s "a clip applied per shard")."""
         form = None if self.localization is None else self.localization.form
         said = f"Form: {form.sentence}." if form is not None else None
         messages = [
-            d.message.replace(said, "Form: the localization's, above.")
-            if said and first and said in first[0]
-            else d.message
+            (d.code, d.message.replace(said, "Form: the localization's.") if said else d.message)
             for d in self.diagnoses
         ]
-        return " ".join([*first, *messages])
+        if self.localization is None:
+            return tuple(messages)
+        lead = 1 if messages and messages[0][0] not in NOTE_CODES else 0
+        where = self.localization.text()
+        if lead and form is not None and form.kind == "none" and messages[0][0] in FORM_NAMING:
+            where = where.replace(  # trial 53: "no simple form" below a clip_per_shard that names the form
+                "Form: no simple form:",
+                f"Form: no simple form that the fit reads ([{messages[0][0]}] names it):",
+                1,
+            )
+        return (*messages[:lead], ("localization", where), *messages[lead:])
+
+    @property
+    def diagnosis(self) -> str:
+        """:attr:`findings` joined into one paragraph, the localization's text after ``"Localization: "``
+        (``verify --json``'s ``diagnosis``)."""
+        return " ".join(
+            f"Localization: {text}" if tag == "localization" else text for tag, text in self.findings
+        )
+
+    @property
+    def diagnosis_lines(self) -> tuple[str, ...]:
+        """:attr:`findings` one per line, each after its tag: ``"[summed] At step 0, gradients are 4 x ..."``,
+        ``"[localization] First difference at step 0: ..."``: what the command line prints below its table and
+        ``str(report)`` at its end."""
+        return tuple(f"[{tag}] {text}" for tag, text in self.findings)
 
     @property
     def replica_failure(self) -> ReplicaFailure | None:
@@ -482,10 +509,7 @@ class ParityReport:
         replicas = self.replica_failure
         if replicas is not None:
             lines.append(f"  {'replicas':<9} {replicas.leaf} at step {replicas.step}: {replicas.text()} FAIL")
-        if self.localization is not None:  # first in the diagnosis: the catalog's rules explain on top of it
-            lines.append(f"  [localization] {self.localization.text()}")
-        for d in self.diagnoses:
-            lines.append(f"  [{d.code}] {d.message}")
+        lines += [f"  {line}" for line in self.diagnosis_lines]
         if self.weak_accepted is not None:
             lines.append(f"  weak check accepted: {self.weak_accepted}")
         if self.scale_evidence and all(r.ok for r in self.steps):  # a failing run has found its error
@@ -524,6 +548,27 @@ RERUN_MARK = " (re-run)"
 ROUNDING_MARK = " (|ref| <= allowed)"
 """Beside the relative error of a leaf whose reference is within its tolerance
 (``LeafError.reference_within_tolerance``): in ``str(report)`` and the command line's tables."""
+
+FORM_NAMING = frozenset(
+    {
+        "clip_per_shard",
+        "local_clip_norm",
+        "clip_norm",
+        "clip_coefficient",
+        "normalization",
+        "local_normalization",
+        "micro_batch_means",
+        "weight_count",
+        "low_precision_reduction",
+    }
+)
+"""The codes of findings that name the computation a difference with no simple form comes from (a clip per
+shard, another normalization, a reduction at low precision): a failing run's localization whose form is "no
+simple form" says that the leading one names it (:attr:`ParityReport.findings`)."""
+
+NOTE_CODES = frozenset({"rounding_level"})
+"""The codes of findings that note how leaves were compared, not why a run failed: never said before a failing
+run's localization (:attr:`ParityReport.findings`)."""
 
 ROUNDING_NOTE = (
     f"rel err{ROUNDING_MARK}: the reference leaf's largest element is itself within the allowed abs err (a leaf at "
