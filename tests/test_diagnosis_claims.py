@@ -746,3 +746,27 @@ def test_copies_of_every_parameter_are_counted_as_parameters_leaves():
     # a stage's group of one kind names the kind: "all 4 parameter leaves differ", not "all 4 leaves"
     only_params = _record([_leaf("loss", "loss", True, shape=()), *params])
     assert localize([only_params]).group.startswith(f"all {len(PARAMS)} parameter leaves differ")
+
+
+def test_a_loss_near_one_over_s_but_not_within_its_tolerance_is_one_shards_unreduced_loss():
+    """Trial 54: a tensor-parallel step returned shard 0's ``local_sum / global_count`` (never psum-ed over
+    ``data``), 4.2027 against 8.2717 (0.5081 x), and read "the loss was averaged twice (or divided by S=2 twice):
+    x1/2". One number divided by S once too often is 1/S to its rounding; 0.5081 is not, and is now said as one
+    shard's part of the loss. An exact 1/2 is still a loss averaged twice."""
+    loss = LeafError(0, "loss", "loss", 4.069, 0.492, 1e-5, False, None, None, None, ())
+    grads = _leaf("grad", "w", True)
+    for candidate, said in (
+        (4.202737, "near 1/2 but not 1/2 within the loss's tolerance (0.0669 > 1e-05)"),
+        (8.271729 / 2, "the loss was averaged twice (or divided by S=2 twice): x1/2"),
+    ):
+        record = StepRecord(0, 1e-5, 1e-7, 8.271729, candidate, (loss, grads, *COUNTERS_MATCH), 1, 1)
+        message = {d.code: d.message for d in rules.diagnose([record], 2)}["loss_differs"]
+        assert said in message, message
+    near = {
+        d.code: d.message for d in rules.diagnose([dataclasses.replace(record, candidate_loss=4.202737)], 2)
+    }
+    assert (
+        "one shard's part of the loss returned without its reduction over the batch shards"
+        in near["loss_differs"]
+    )
+    assert "averaged twice" not in near["loss_differs"]

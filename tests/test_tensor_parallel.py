@@ -356,14 +356,15 @@ def megatron_step(fault=None):
     device holds its slice of the split leaves, the row-parallel partial sums psum-ed over 'model' (check_vma
     inserts the all-reduce of the column-parallel inputs' gradients), the gradients psum-ed over 'data' and
     divided by the token count. ``fault``: "no_psum" (the row-parallel outputs not psum-ed; the user turned
-    check_vma off to make the step trace), "bias_first" (the replicated biases added before the psum),
-    "pmean_as_psum", "replicated_over_model"."""
+    check_vma off to make the step trace), "psum_data" (psum-ed over 'data' in place of 'model', check_vma off),
+    "bias_first" (the replicated biases added before the psum), "pmean_as_psum", "replicated_over_model"."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
         specs = nnx.get_partition_spec(params)
         params = jax.device_put(params, nnx.get_named_sharding(params, mesh))
-        reduce = (lambda y: y) if fault == "no_psum" else (lambda y: jax.lax.psum(y, "model"))
+        axis = {"no_psum": None, "psum_data": "data"}.get(fault, "model")  # psum_data: over the wrong axis
+        reduce = (lambda y: y) if axis is None else (lambda y: jax.lax.psum(y, axis))
 
         def body(p, b):
             p = jax.tree.map(
@@ -381,7 +382,11 @@ def megatron_step(fault=None):
             return jax.lax.psum(total, "data") / count, jax.tree.unflatten(jax.tree.structure(g), reduced)
 
         mapped = jax.shard_map(
-            body, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=fault != "no_psum"
+            body,
+            mesh=mesh,
+            in_specs=(specs, P("data")),
+            out_specs=(P(), specs),
+            check_vma=fault not in ("no_psum", "psum_data"),
         )
         loss, grads = jax.jit(mapped)(params, batch)
         optimizer.update(model, grads)
@@ -398,14 +403,21 @@ def test_a_megatron_style_step_passes():
 
 
 @require_devices(8)
-def test_a_missing_psum_over_model_is_named_with_the_affected_leaves():
-    report = check_parity(megatron_step("no_psum"), _megatron_task(), mesh=make_mesh(TP_MESH))
+@pytest.mark.parametrize("fault", ["no_psum", "psum_data"])
+def test_a_missing_psum_over_model_is_named_with_the_affected_leaves(fault):
+    """The row-parallel outputs not psum-ed, or psum-ed over 'data' in place of 'model' (trial 54: that one read
+    word for word the missing psum, never naming a psum over the wrong axis)."""
+    report = check_parity(megatron_step(fault), _megatron_task(), mesh=make_mesh(TP_MESH))
     assert report.verdict == "FAIL"
     assert report.codes[0] == "wrong_axis_reduction", report.diagnoses
     message = report.diagnoses[0].message
     assert "differ along mesh axis 'model' and agree along 'data'" in message
     assert "by its name 'model' splits the model, not the batch" in message
-    assert "the row-parallel layer's output was not psum-ed over 'model'" in message
+    assert (
+        "the row-parallel layer's output was not psum-ed over 'model' (Megatron's g: y = jax.lax.psum(h @ w, "
+        "'model') + b), or was psum-ed over 'data' in its place (a psum over a batch axis adds other rows' partial "
+        "results)" in message
+    )
     assert "Affected: the " in message and "block.down.bias" in message
     assert "though the batch is split over every axis" not in message
 

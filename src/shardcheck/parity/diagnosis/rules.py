@@ -2329,17 +2329,58 @@ def _constant_loss_ratio(ctx: DiagnosisContext) -> tuple[float, int] | None:
     return (f, steps) if steps >= 2 else None
 
 
+def _inexact_shard_ratio(record: StepRecord, ratio: float, num_shards: int | None) -> str | None:
+    """Where the returned loss is near 1/S or S x the reference's (``ratio``, within :data:`RATIO_RTOL`) but
+    further from that exact multiple than the loss's tolerance, the cause a loss divided (or summed) over the
+    shards once too often cannot be: one number off by a shard count is that count to the loss's rounding; near
+    1/S it is one shard's part of the loss, not reduced over the batch shards. ``None`` where it is exact, or S
+    is unknown or 1."""
+    if not num_shards or num_shards < 2:
+        return None
+    loss = next((e for e in record.leaves if e.kind == "loss"), None)
+    exact = min((num_shards, 1 / num_shards), key=lambda f: abs(ratio - f))
+    if loss is None or abs(record.candidate_loss - exact * record.loss) <= loss.tolerance:
+        return None
+    what = f"1/{num_shards}" if exact < 1 else f"{num_shards}"
+    reading = (
+        f"one shard's part of the loss returned without its reduction over the batch shards (its own rows' sum "
+        f"over the full batch's count, or its own mean over S={num_shards}: about 1/{num_shards} of the whole, "
+        "exactly so only where the shards' losses are equal); psum (or pmean) the loss over the batch axes before "
+        "returning it"
+        if exact < 1
+        else "a sum of the shards' losses that are not each the full batch's mean (another normalization per "
+        "shard), or one shard's loss scaled by the shard count"
+    )
+    return (
+        f"It is {ratio:.4g} x the reference's: near {what} but not {what} within the loss's tolerance "
+        f"({abs(record.candidate_loss - exact * record.loss):.3g} > {loss.tolerance:.3g}), as a loss divided or "
+        f"summed over the shards once too often would be: {reading}."
+    )
+
+
+def _loss_ratio(record: StepRecord, num_shards: int | None) -> tuple[float | None, tuple | None, str | None]:
+    """``(ratio, named, near)`` of a returned loss against the reference's: their ratio (``None`` without a
+    loss), the shard-count factor it names (:func:`_name_factor`), and :func:`_inexact_shard_ratio`'s reading
+    where it is near a shard count's factor and not that factor to the loss's rounding (``named`` then ``None``:
+    trial 54's 0.5081 x had read "averaged twice: x1/2")."""
+    if record.candidate_loss is None or not record.loss:
+        return None, None, None
+    ratio = record.candidate_loss / record.loss
+    named = _name_factor(ratio, num_shards)
+    near = _inexact_shard_ratio(record, ratio, num_shards) if named is not None else None
+    return ratio, None if near is not None else named, near
+
+
 def loss_differs(ctx: DiagnosisContext) -> Finding:
     """``loss_differs``: only the returned loss is out of tolerance at the first failing step."""
     if ctx.bad_kinds != {"loss"}:
         return None
     first = ctx.first
-    cause = (
+    ratio, named, near = _loss_ratio(first, ctx.num_shards)
+    cause = near or (
         "The candidate does not return the full-batch pre-update loss (a post-update loss, one shard's loss, or "
         "an unweighted mean?)."
     )
-    ratio = first.candidate_loss / first.loss if first.candidate_loss is not None and first.loss else None
-    named = None if ratio is None else _name_factor(ratio, ctx.num_shards)
     if named is not None and named[0] in ("summed", "averaged_twice"):
         cause = f"It is {ratio:.4g} x the reference's: the loss {named[1].removeprefix('the gradient ')}."
     later = _later_update_failure(ctx)
@@ -2364,7 +2405,9 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
             f"{first.step}'s parameters (a clipped or thresholded term whose active rows agree there, such as "
             "PPO's clip epsilon or a hinge margin), not only the loss returned."
         )
-    elif named is None and not first.scale_hidden and (constant := _constant_loss_ratio(ctx)) is not None:
+    elif (
+        near is None and named is None and not first.scale_hidden and (constant := _constant_loss_ratio(ctx))
+    ):
         f, steps = constant
         cause = (
             f"It is {f:.4g} x the reference's at every one of the {steps} steps compared (within the loss's "
@@ -2373,7 +2416,7 @@ def loss_differs(ctx: DiagnosisContext) -> Finding:
             f"scaled by {f:.4g} apart from the one differentiated (multiplied by a count or a constant after "
             "jax.grad, or on a copy that is only returned)."
         )
-    elif named is None:
+    elif near is None and named is None:
         cause += (
             " Or the loss differs where its gradient does not at these parameters (a clipped or thresholded term "
             "whose active rows agree here, such as PPO's clip epsilon): a later step tells."
