@@ -345,8 +345,20 @@ def test_named_size_estimate(capsys):
         ),
         (
             ["--task", "tiny-lm", "--mesh", "fsdp=4", "--batch-size", "6"],
-            "batch_size=6 does not split into the mesh's 4 batch shards",
+            "--batch-size 6 does not split into the 4 batch shards of the mesh fsdp=4; pass a multiple of 4, e.g. "
+            "--batch-size 8",
         ),
+        # trial 54: a flag error said as "the fsdp step does not compile for this task: ValueError: ..."; the
+        # Linear / MLP flags beside --task and --mesh named the device count, or (--hidden) were ignored
+        (
+            ["--task", "tiny-lm", "--mesh", "data=2,model=2", "--batch-size", "3"],
+            "--batch-size 3 does not split into the 2 batch shards of the mesh data=2,model=2",
+        ),
+        (
+            ["--task", "tiny-lm", "--mesh", "fsdp=4", "--in", "4"],
+            "--in sizes the Linear / MLP model; with --task",
+        ),
+        (["--task", "tiny-lm", "--mesh", "fsdp=4", "--hidden", "8"], "--hidden sizes the Linear / MLP model"),
         (["--task", "tiny-lm", "--mesh", "fsdp=4", "--shards", "4"], "--shards does not apply with --mesh"),
         (["--task", "digits", "--size", "1b"], "--size is a size of the tiny-lm task"),
         (["--task", "tiny-lm", "--strategy", "gspmd"], "--strategy gspmd needs --mesh"),

@@ -398,6 +398,14 @@ def test_device_memory_sizes_and_kinds(text, expected):
         ),
         ("1048575", r"read as 1,048,575 bytes"),
         ("", r"is neither a size nor a known device kind"),
+        # trial 54: 1e400 (infinite as a float) raised OverflowError; 1e30 was taken; -5GB read as no size
+        (
+            "1e400",
+            r"'1e400' is more than any device holds \(the most accepted is 1 PiB, 1,125,899,906,842,624 B\)",
+        ),
+        ("1e30", r"'1e30' is more than any device holds"),
+        ("2PiB", r"neither a size"),  # no PiB unit: said as before
+        ("-5GB", r"'-5GB' is negative: a device's memory is a positive size; use a size such as 80GiB"),
     ],
 )
 def test_device_memory_refused_with_the_fix(text, match):

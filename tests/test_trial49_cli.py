@@ -245,8 +245,8 @@ def test_a_negative_value_after_its_option_gets_the_options_own_message(capsys):
     for flags in (["--device-memory", "-5GB"], ["--device-memory=-5GB"]):
         assert main(["memory", "--task", "tiny-lm", "--size", "tiny", "--mesh", "fsdp=4", *flags]) == 2
         assert _err(capsys).startswith(
-            "error: shardcheck memory: --device-memory '-5GB' is neither a size nor a known device kind; use a "
-            "size such as 80GiB"
+            "error: shardcheck memory: --device-memory '-5GB' is negative: a device's memory is a positive size; "
+            "use a size such as 80GiB"
         )
 
 

@@ -90,6 +90,11 @@ BARE_MIN = 2**20
 size whose unit was left out (``80`` for 80 GB), refused by :func:`parse_device_memory`."""
 
 
+MAX_BYTES = 2**50
+"""The most a size given as a device's memory may be, in bytes: 1 PiB, thousands of times any accelerator's; above
+it a size is a typo (``1e30``, ``1e400``, which is infinite as a float), refused by :func:`parse_device_memory`."""
+
+
 def parse_device_memory(text: str) -> tuple[int, str]:
     """``"80GiB"`` -> ``(85899345920, "80 GiB")``; ``"80GB"``, ``"16e9"``, ``"h100"``, ``"a100-40gb"`` likewise.
 
@@ -103,8 +108,9 @@ def parse_device_memory(text: str) -> tuple[int, str]:
         ``(bytes, label)``.
 
     Raises:
-        ValueError: an unknown name, a malformed size, a size < 1 byte, or a bare number below 1 MiB (the message
-            lists the forms and the named kinds; of a bare number, the same number with a unit).
+        ValueError: an unknown name, a malformed size, a negative size, a size < 1 byte or above
+            :data:`MAX_BYTES` (1 PiB), or a bare number below 1 MiB (the message lists the forms and the named
+            kinds; of a bare number, the same number with a unit).
     """
     import re
 
@@ -116,6 +122,10 @@ def parse_device_memory(text: str) -> tuple[int, str]:
         kind = DEVICE_KINDS[key]
         return kind.memory_bytes, f"{kind.label} ({kind.source})"
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", key)
+    if key.startswith("-"):  # trial 54: "-5GB" read "neither a size nor a known device kind"
+        raise ValueError(
+            f"--device-memory {raw!r} is negative: a device's memory is a positive size; use {form}"
+        )
     if match is None or match.group(2) not in _UNITS:
         near = [k for k in DEVICE_KINDS if k.split("-")[0] in key]
         hint = f" (did you mean {' or '.join(near)}?)" if near else ""
@@ -123,6 +133,11 @@ def parse_device_memory(text: str) -> tuple[int, str]:
             f"--device-memory {raw!r} is neither a size nor a known device kind{hint}; use {form}"
         )
     value = float(match.group(1)) * _UNITS[match.group(2)]
+    if not value <= MAX_BYTES:  # 1e400 is inf: int() of it raised OverflowError (trial 54)
+        raise ValueError(
+            f"--device-memory {raw!r} is more than any device holds (the most accepted is 1 PiB, {MAX_BYTES:,} B); "
+            f"use {form}"
+        )
     if value < 1:
         raise ValueError(f"--device-memory {raw!r} is less than one byte; use {form}")
     if not match.group(2) and value < BARE_MIN:

@@ -157,8 +157,8 @@ def _add_mesh_arguments(p) -> None:
         default=None,
         metavar="N",
         help="global batch of the ahead-of-time compile with --mesh, of any task (a task file's too), a multiple "
-        "of the mesh size (shapes only: never allocated; default: the task's first batch, rounded up to a "
-        "multiple of the mesh size)",
+        "of the mesh's batch shards (data=2,model=2 has 2; shapes only: never allocated; default: the task's first "
+        "batch, rounded up to a multiple of the mesh size)",
     )
     p.add_argument(
         "--device-memory",
@@ -300,12 +300,33 @@ def _device_count_problem(args) -> str | None:
     return None
 
 
+def _model_flags_problem(args) -> str | None:
+    """The problem of a flag that sizes the Linear / MLP model (``--in``, ``--out``, ``--hidden``, ``--layers``,
+    ``--dtype``) beside ``--task``, with or without ``--mesh``, or None (trial 54: with ``--mesh``, ``--in`` read
+    "the mesh sets the device count" and ``--hidden`` was ignored)."""
+    name = "shardcheck memory"
+    for flag, dest in (
+        ("in", "in_features"),
+        ("out", "out_features"),
+        ("hidden", "hidden"),
+        ("layers", "layers"),
+    ):
+        if getattr(args, dest) is not None:
+            return f"{name}: --{flag} sizes the Linear / MLP model; with --task the task's own model is sized"
+    if args.dtype is not None:
+        return f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
+    return None
+
+
 def main(args) -> int:
     problem = _check_arguments(args)
     if problem is not None:
         return _fail(problem)
     if args.size is not None:
         args.task = "tiny-lm"
+    problem = _model_flags_problem(args) if args.task is not None else None
+    if problem is not None:
+        return _fail(problem)
     if args.mesh is not None:
         return main_mesh(args)
     args.strategy = "all" if args.strategy is None else args.strategy
@@ -644,6 +665,25 @@ def _build_task(args):
     return task_from_args(_task_args(args), default_optimizer="adam", batch_size=args.batch, steps=1)
 
 
+def _check_batch_size(name: str, batch: int | None, mesh) -> None:
+    """Refuse a ``--batch-size`` that does not split into the mesh's batch shards
+    (:func:`shardcheck.mesh.data_shards`), before anything compiles (trial 54: ``--batch-size 3`` on data=2,
+    model=2 read "the fsdp step does not compile for this task: ValueError: compile_batch_sizes: ...").
+
+    Raises:
+        ValueError: naming the flag, the value, the batch shards and a multiple that splits.
+    """
+    from shardcheck.mesh import data_shards
+
+    n = data_shards(mesh)
+    if batch is not None and batch % n:
+        axes = ",".join(f"{a}={k}" for a, k in mesh.shape.items())
+        raise ValueError(
+            f"{name}: --batch-size {batch} does not split into the {n} batch shards of the mesh {axes}; pass a "
+            f"multiple of {n}, e.g. --batch-size {-(-batch // n) * n}"
+        )
+
+
 def _task_batch_size(task) -> int:
     from shardcheck.task import batch_size
 
@@ -720,6 +760,7 @@ def main_mesh(args) -> int:
         mesh = gpu_target.target_mesh(kind, axes) if deviceless else run_mesh
         task = _build_task(args)
         batch = args.batch_size or _default_batch_size(task, mesh.size)
+        _check_batch_size(name, args.batch_size, mesh)
         estimates = {s: memory.estimate_memory(task, mesh=mesh, strategy=s) for s in strategies}
         compiled = {s: _compiled(name, task, mesh, s, batch, device) for s in strategies}
         aot = {s: compiled[s][batch] for s in strategies}
@@ -850,8 +891,8 @@ def _compiler(kind: str | None, deviceless: bool) -> dict:
             + f"{kind}.txtpb): the target's own fusion, scheduling and buffer assignment; "
             "nothing ran",
         }
-    if kind is not None:
-        reason = gpu_target.unavailable_reason()
+    if kind is not None:  # the install hint said once, in the note (trial 54 read it twice in one line)
+        reason = gpu_target.unavailable_reason().replace(f" ({gpu_target.install_hint()})", "")
         return {
             "name": "XLA:CPU",
             "target": kind,
@@ -875,20 +916,6 @@ def _raised_in(err: BaseException, fn) -> bool:
 def main_task(args) -> int:
     """``shardcheck memory --task SPEC``: the estimate (and with --measure, the compiled step) of a task."""
     name = "shardcheck memory"
-    for flag, dest in (
-        ("in", "in_features"),
-        ("out", "out_features"),
-        ("hidden", "hidden"),
-        ("layers", "layers"),
-    ):
-        if getattr(args, dest) is not None:
-            return _fail(
-                f"{name}: --{flag} sizes the Linear / MLP model; with --task the task's own model is sized"
-            )
-    if args.dtype is not None:
-        return _fail(
-            f"{name}: --dtype casts the Linear / MLP model; with --task the task's own dtypes are counted"
-        )
     from shardcheck.tasks import BUILTIN_TASKS
 
     if args.batch is not None and args.task not in BUILTIN_TASKS:
