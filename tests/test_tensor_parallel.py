@@ -7,6 +7,7 @@ built-in strategy runs such a task and PASSes.
 """
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -351,13 +352,14 @@ def _grad_reduction(fault, g, spec, count):
     return jax.lax.psum(g, "data") / count
 
 
-def megatron_step(fault=None):
+def megatron_step(fault=None, grads_returned=False):
     """A user's tensor-parallel step: the state placed by its annotations, one jax.shard_map in which each
     device holds its slice of the split leaves, the row-parallel partial sums psum-ed over 'model' (check_vma
     inserts the all-reduce of the column-parallel inputs' gradients), the gradients psum-ed over 'data' and
     divided by the token count. ``fault``: "no_psum" (the row-parallel outputs not psum-ed; the user turned
     check_vma off to make the step trace), "psum_data" (psum-ed over 'data' in place of 'model', check_vma off),
-    "bias_first" (the replicated biases added before the psum), "pmean_as_psum", "replicated_over_model"."""
+    "bias_first" (the replicated biases added before the psum), "pmean_as_psum", "replicated_over_model".
+    ``grads_returned``: the step returns its gradients beside the loss."""
 
     def step(model, optimizer, batch, mesh):
         graphdef, params = nnx.split(model, nnx.Param)
@@ -390,6 +392,8 @@ def megatron_step(fault=None):
         )
         loss, grads = jax.jit(mapped)(params, batch)
         optimizer.update(model, grads)
+        if grads_returned:
+            return {"loss": loss, "grads": grads}
         return loss  # only its loss: the harness reads the update from the state
 
     return step
@@ -436,6 +440,41 @@ def test_a_replicated_bias_added_before_the_psum_is_named_per_leaf():
     ratios = {e.path: e.ratio for e in report.steps[0].leaves if e.kind == "opt_state" and ".mu." in e.path}
     np.testing.assert_allclose(ratios["0.mu.block.down.bias"], 4.0, rtol=1e-4)
     np.testing.assert_allclose(ratios["0.mu.block.up.bias"], 1.0, rtol=1e-4)
+
+
+def _nonzero_bias_task():
+    """The Megatron task with its row-parallel biases away from 0, as a check started from a checkpoint has them."""
+
+    def model():
+        m = MegatronLM(nnx.Rngs(0))
+        m.block.out_bias[...] = jnp.linspace(-0.05, 0.05, D)
+        m.block.down.bias[...] = jnp.linspace(0.05, -0.05, D)
+        return m
+
+    task = _megatron_task()
+    return Task(
+        model=model, optimizer=task.optimizer, loss_fn=task.loss_fn, batches=task.batches, name=task.name
+    )
+
+
+@require_devices(8)
+def test_a_replicated_bias_added_before_the_psum_is_named_where_it_is_not_zero():
+    """Trial 54: with the biases away from 0 the bias added before the psum moves the loss (the forward stage
+    differs first, no factor on the whole), and the finding read only a list of masks and positions; a replicated
+    bias of a module split over 'model' whose gradient is about 4 x (the axis's size) now leads it. The correct
+    step still passes."""
+    task = _nonzero_bias_task()
+    assert check_parity(megatron_step(), task, mesh=make_mesh(TP_MESH)).ok
+    report = check_parity(megatron_step("bias_first", grads_returned=True), task, mesh=make_mesh(TP_MESH))
+    assert report.verdict == "FAIL" and report.localization.stage == "forward", str(report)
+    lead = report.diagnoses[0]
+    assert lead.code == "forward_differs", report.codes
+    assert re.match(
+        r"The gradient of block\.(out_bias|down\.bias), a bias replicated over 'model' in a module split over it "
+        r"\(block(\.down)?\), is [34]\.\d+ x the reference's \(median\), about the size of mesh axis 'model' \(4\): "
+        r"a row-parallel layer's replicated bias added before the psum over 'model' counts once per shard",
+        lead.message,
+    ), lead.message
 
 
 @require_devices(8)

@@ -107,6 +107,7 @@ from shardcheck.parity.diagnosis.grouping import (
 from shardcheck.parity.diagnosis.multisteps import every_k_differs, reference_mini_step
 from shardcheck.parity.diagnosis.topology import (
     _param_of,
+    axis_roles,
     clip_coefficient_message,
     clip_factors,
     factor_groups,
@@ -2728,7 +2729,8 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
     if _forward_only(first):
         return Diagnosis(
             "forward_differs",
-            f"{_what_differs(first)} from the reference at step {first.step}"
+            _bias_before_psum(ctx)
+            + f"{_what_differs(first)} from the reference at step {first.step}"
             + first.start_said
             + f" ({ctx.detail}){matched}. "
             + _forward_sentence(first)
@@ -2745,6 +2747,39 @@ def update_differs(ctx: DiagnosisContext) -> Finding:
         + ("" if _module_found(first) else _forward_hint(ctx, _modules_cleared(first))),
         ctx.worst_name,
     )
+
+
+BIAS_FACTOR_RTOL = 0.1
+"""How far a replicated bias's median gradient ratio may sit from a model axis's size M for
+:func:`_bias_before_psum` to read it as the bias added M times: the gradient is M x the one at the shifted output,
+whose own difference from the reference's is that of the loss."""
+
+
+def _bias_before_psum(ctx: DiagnosisContext) -> str:
+    """The sentence that leads a ``forward_differs`` finding where a replicated bias of a module split over a model
+    axis of size M has a gradient about M x the reference's (median within :data:`BIAS_FACTOR_RTOL`): added before
+    the psum over that axis it counts M times, in the output (the loss differs, where the bias is not 0) and in
+    its gradient (trial 54: with the biases at normal(0.02) the step read only a list of masks and positions;
+    at zero init, whose loss matches, ``replicated_reduced`` names it); ``""`` where none, or the leaves' placements
+    are not known (a replay)."""
+    facts = ctx.facts or {}
+    _, model = axis_roles(ctx.mesh_shape)
+    sizes = {a: int(dict(ctx.mesh_shape)[a]) for a in model if int(dict(ctx.mesh_shape)[a]) > 1}
+    for e in ctx.bad:
+        fact, module = facts.get(e.path), e.path.rpartition(".")[0]
+        if e.kind != "grad" or not e.path.endswith("bias") or fact is None or fact.axes or e.ratio is None:
+            continue
+        for axis, m in sizes.items():
+            split = any(axis in f.axes for p, f in facts.items() if p.rpartition(".")[0] == module and f.axes)
+            if split and _close(e.ratio, m, BIAS_FACTOR_RTOL):
+                return (
+                    f"The gradient of {e.path}, a bias replicated over {axis!r} in a module split over it "
+                    f"({module or 'the model'}), is {e.ratio:.4g} x the reference's (median), about the size of "
+                    f"mesh axis {axis!r} ({m}): a row-parallel layer's replicated bias added before the psum over "
+                    f"{axis!r} counts once per shard, {m} times in the output (so the loss differs) and in its "
+                    f"gradient; add it after the reduction (y = jax.lax.psum(h @ w, {axis!r}) + b). "
+                )
+    return ""
 
 
 def _forward_only(record: StepRecord) -> bool:
