@@ -369,6 +369,14 @@ def test_bad_mesh_options_exit_2(args, match, capsys):
     assert match in " ".join(capsys.readouterr().err.split())
 
 
+def test_no_batch_that_fits_is_said_per_batch_shard():
+    """Trial 54: "no batch fits (even one row per device)" on data=2,model=2, where the smallest size compiled
+    was one row per batch shard (2 rows on 4 devices)."""
+    from shardcheck.cli.memory import _largest_text
+
+    assert _largest_text(0, {2: 2**40}, 2**30) == "no batch fits (even one row per batch shard)"
+
+
 def test_a_fit_and_a_miss_that_round_to_the_limit_read_apart():
     """Trial 10: the largest-batch search printed "745336: 80.00 GiB, 745340: 80.00 GiB", calling the first a
     fit and the second not; peaks that print as the limit are given in exact bytes, with the limit."""

@@ -611,7 +611,7 @@ def _largest_text(largest: int, peaks: dict[int, int], limit: int) -> str:
     from shardcheck.ahead_of_time import MAX_ROWS_PER_SHARD, search_bounds
 
     if not largest:
-        return "no batch fits (even one row per device)"
+        return "no batch fits (even one row per batch shard)"  # trial 54: "per device" on data=2,model=2
     step = min(peaks)
     bounds = search_bounds(largest, peaks, limit, step)
     if not bounds["largest_batch_is_lower_bound"]:
