@@ -143,6 +143,16 @@ def test_even_split_of_seed_001_beside_the_real_layout():
     assert est.params_bytes - est.even_split_params_bytes == 18  # the bias: 24 B whole, 6 B if it divided
     assert "18 B per device above the even split" in est.even_split_note
     assert "bias (6,) replicated" in est.even_split_note
+    # the largest replicated leaves first, before "and N more" (trial 54: an 8 KiB embedding left out of the four)
+    from shardcheck.memory.estimate import LeafMemory, _above_even_split
+
+    def leaf(path, shape, reason):
+        size = 4 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        return LeafMemory(path, "params", shape, "float32", "P()", shape, False, reason, size, size)
+
+    leaves = [leaf(f"ln{i}.scale", (24,), "not divisible") for i in range(5)]
+    leaves.insert(3, leaf("embed.embedding", (64, 32), "tied"))
+    assert _above_even_split(leaves, 4)[0].startswith("embed.embedding (64, 32) replicated (tied): +6,144 B")
     even = estimate_memory(abstract("linear", 8, 8), "sgd", num_shards=4, strategy="fsdp")
     assert even.params_bytes == even.even_split_params_bytes == 72
     assert even.even_split_note.startswith("equal to the even split")
