@@ -361,6 +361,10 @@ def test_named_size_estimate(capsys):
         (["--task", "tiny-lm", "--mesh", "fsdp=4", "--hidden", "8"], "--hidden sizes the Linear / MLP model"),
         (["--task", "tiny-lm", "--mesh", "fsdp=4", "--shards", "4"], "--shards does not apply with --mesh"),
         (["--task", "digits", "--size", "1b"], "--size is a size of the tiny-lm task"),
+        (
+            ["--task", "tiny-lm", "--plot", "out/x.txt"],
+            "--plot 'out/x.txt' must end in .png; for example --plot",
+        ),
         (["--task", "tiny-lm", "--strategy", "gspmd"], "--strategy gspmd needs --mesh"),
     ],
 )

@@ -246,6 +246,8 @@ def _check_arguments(args) -> str | None:
         value = getattr(args, dest)
         if value is not None and value < 1:
             return f"{name}: --{flag} must be a positive int, got {value}"
+    if args.plot is not None and args.plot.lower().rpartition(".")[2] != "png":  # trial 54: x.txt got a PNG
+        return f"{name}: --plot {args.plot!r} must end in .png; for example --plot memory.png"
     from shardcheck._io import spec_file_problem  # before JAX and the task file (trial 43)
 
     missing = spec_file_problem("load_task", args.task, "task") if args.task is not None else None
