@@ -472,7 +472,9 @@ def test_a_replicated_bias_added_before_the_psum_is_named_where_it_is_not_zero()
     assert re.match(
         r"The gradient of block\.(out_bias|down\.bias), a bias replicated over 'model' in a module split over it "
         r"\(block(\.down)?\), is [34]\.\d+ x the reference's \(median\), about the size of mesh axis 'model' \(4\): "
-        r"a row-parallel layer's replicated bias added before the psum over 'model' counts once per shard",
+        r"a parameter added before the psum over 'model' counts once per shard: each of the 4 shards adds it to "
+        r"its partial sum \(a row-parallel layer's replicated bias: add it after the reduction, y = "
+        r"jax\.lax\.psum\(h @ w, 'model'\) \+ b\); so it counts 4 times in the output \(the loss differs\)",
         lead.message,
     ), lead.message
 

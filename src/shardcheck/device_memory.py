@@ -121,11 +121,11 @@ def parse_device_memory(text: str) -> tuple[int, str]:
     if key in DEVICE_KINDS:
         kind = DEVICE_KINDS[key]
         return kind.memory_bytes, f"{kind.label} ({kind.source})"
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", key)
     if key.startswith("-"):  # trial 54: "-5GB" read "neither a size nor a known device kind"
         raise ValueError(
             f"--device-memory {raw!r} is negative: a device's memory is a positive size; use {form}"
         )
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", key)
     if match is None or match.group(2) not in _UNITS:
         near = [k for k in DEVICE_KINDS if k.split("-")[0] in key]
         hint = f" (did you mean {' or '.join(near)}?)" if near else ""

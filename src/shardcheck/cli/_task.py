@@ -255,6 +255,10 @@ def task_from_args(args, *, default_optimizer: str, batch_size: int | None, step
     return _task_file(args, optimizer, batch_size)
 
 
+BUILTIN_ONLY = "applies to the built-in tasks only; a task file sets its own optimizer and batches"
+"""Why a flag that sets the optimizer or the batches is refused beside a task file."""
+
+
 def check_lr_flag(fn: str, args) -> None:
     """Refuse a bad ``--lr`` before any work: beside a task file, that the flag applies to the built-in tasks only
     (said first: trial 53 was told "--lr must be a finite positive number ...; pass e.g. --lr 0.1", then, with
@@ -270,9 +274,7 @@ def check_lr_flag(fn: str, args) -> None:
         return
     task = getattr(args, "task", None)
     if task is not None and task not in BUILTIN_TASKS:
-        raise ValueError(
-            f"--task {task}: --lr applies to the built-in tasks only; a task file sets its own optimizer and batches"
-        )
+        raise ValueError(f"--task {task}: --lr {BUILTIN_ONLY}")
     _validate.check_lr(fn, args.lr, name="--lr", example="--lr 0.1")
 
 
@@ -286,10 +288,7 @@ def _task_file(args, optimizer, batch_size):
     flags += [(f"--{k.replace('_', '-')}", v) for k, v in _optimizer_options(args).items()]
     for flag, value in flags:
         if value is not None:
-            raise ValueError(
-                f"--task {args.task}: {flag} applies to the built-in tasks only; a task file sets its own optimizer "
-                "and batches"
-            )
+            raise ValueError(f"--task {args.task}: {flag} {BUILTIN_ONLY}")
     given = [
         ("--seed", getattr(args, "seed", 0), 0, "its model's nnx.Rngs seed its parameters"),
         ("--dataset", getattr(args, "dataset", "diabetes"), "diabetes", "it brings its own batches"),

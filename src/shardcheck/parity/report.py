@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from shardcheck.parity.diagnosis.evidence import KINDS, Diagnosis, LeafError, StepRecord
+from shardcheck.parity.diagnosis.form import NO_SIMPLE_FORM
 from shardcheck.parity.diagnosis.localization import Localization
 from shardcheck.parity.diagnosis.topology import downstream_note, replicas_root
 
@@ -273,8 +274,8 @@ class ParityReport:
         where = self.localization.text()
         if lead and form is not None and form.kind == "none" and messages[0][0] in FORM_NAMING:
             where = where.replace(  # trial 53: "no simple form" below a clip_per_shard that names the form
-                "Form: no simple form:",
-                f"Form: no simple form that the fit reads ([{messages[0][0]}] names it):",
+                f"Form: {NO_SIMPLE_FORM}:",
+                f"Form: {NO_SIMPLE_FORM} that the fit reads ([{messages[0][0]}] names it):",
                 1,
             )
         return (*messages[:lead], ("localization", where), *messages[lead:])

@@ -63,6 +63,9 @@ from shardcheck.parity.diagnosis.grouping import common_prefix, n_leaves, words_
 # an elementwise ratio, a sign flip or a decay term fits when its spread (10th-90th percentile) or residual is
 # within this fraction of its size
 FIT_RTOL = 0.02
+# how a form of kind "none" opens where no elementwise form fits (ParityReport.findings points past it to a finding
+# that names the computation)
+NO_SIMPLE_FORM = "no simple form"
 # a leaf "did not move" when its change is below this fraction of the reference's
 ZERO_RTOL = 1e-3
 # elements whose reference change is below this fraction of the leaf's largest carry no ratio
@@ -726,7 +729,8 @@ def _zero_or_flip(f64: dict, update: bool = True, whole: dict | None = None) -> 
     top_r = max(float(np.max(np.abs(dr), initial=0.0)) for _, dr, _ in f64.values())
     top_c = max(float(np.max(np.abs(dc), initial=0.0)) for _, _, dc in f64.values())
     if update and top_c > 0 and top_r <= ZERO_RTOL * top_c:
-        return _reference_zero(n, top_r, top_c, _decay_alone(f64 if whole is None else whole))
+        fitted = _decay_fit(f64 if whole is None else whole, after=False)  # dc - dr = a * param, dr ~ 0
+        return _reference_zero(n, top_r, top_c, -fitted[0] if fitted is not None and fitted[0] < 0 else None)
     if top_r == 0:
         return None
     if update and top_c <= ZERO_RTOL * top_r:
@@ -775,20 +779,6 @@ def _reference_zero(n: int, top_r: float, top_c: float | None, decay: float | No
     )
 
 
-def _decay_alone(f64: dict) -> float | None:
-    """Where the candidate's change of every leaf is ``-c*param`` (``param`` its value before the step) with one
-    ``c > 0`` to within :data:`FIT_RTOL` of the change's size, ``c`` (least squares over every element); else
-    ``None``. ``f64``: ``{path: (before, reference change, candidate change)}``."""
-    before = np.concatenate([np.ravel(b) for b, _, _ in f64.values()])
-    change = np.concatenate([np.ravel(dc) for _, _, dc in f64.values()])
-    scale = float(np.dot(before, before))
-    if scale == 0 or not np.all(np.isfinite(change)):
-        return None
-    c = -float(np.dot(before, change)) / scale
-    residual = float(np.max(np.abs(change + c * before)))
-    return c if c > 0 and residual <= FIT_RTOL * float(np.max(np.abs(change))) else None
-
-
 def _state_form(bad: list[LeafError]) -> Form:
     """The form of failing non-parameter floating state (``state model.<path>``,
     :mod:`shardcheck.parity.comparison.model_state`): moved where the reference's step leaves it (a frozen weight
@@ -831,7 +821,7 @@ def _state_form(bad: list[LeafError]) -> Form:
             leaves=n,
         )
     return Form(
-        "none", f"no simple form: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n
+        "none", f"{NO_SIMPLE_FORM}: {what} of non-parameter state differ (max abs err {top:.3g})", leaves=n
     )
 
 
@@ -1296,7 +1286,7 @@ def _no_form(f64: dict, source: str = "") -> Form:
         )
     return Form(
         "none",
-        f"no simple form: no zero update, sign flip, constant factor or decay term fits the {n_leaves(len(f64))}{tail}",
+        f"{NO_SIMPLE_FORM}: no zero update, sign flip, constant factor or decay term fits the {n_leaves(len(f64))}{tail}",
         leaves=len(f64),
     )
 

@@ -107,6 +107,7 @@ from shardcheck.parity.diagnosis.grouping import (
 from shardcheck.parity.diagnosis.multisteps import every_k_differs, reference_mini_step
 from shardcheck.parity.diagnosis.topology import (
     _param_of,
+    added_before_psum,
     axis_roles,
     clip_coefficient_message,
     clip_factors,
@@ -2762,9 +2763,8 @@ def _bias_before_psum(ctx: DiagnosisContext) -> str:
     its gradient (trial 54: with the biases at normal(0.02) the step read only a list of masks and positions;
     at zero init, whose loss matches, ``replicated_reduced`` names it); ``""`` where none, or the leaves' placements
     are not known (a replay)."""
-    facts = ctx.facts or {}
-    _, model = axis_roles(ctx.mesh_shape)
-    sizes = {a: int(dict(ctx.mesh_shape)[a]) for a in model if int(dict(ctx.mesh_shape)[a]) > 1}
+    facts, shape = ctx.facts or {}, dict(ctx.mesh_shape or {})
+    sizes = {a: int(shape[a]) for a in axis_roles(shape)[1] if int(shape[a]) > 1}
     for e in ctx.bad:
         fact, module = facts.get(e.path), e.path.rpartition(".")[0]
         if e.kind != "grad" or not e.path.endswith("bias") or fact is None or fact.axes or e.ratio is None:
@@ -2775,9 +2775,8 @@ def _bias_before_psum(ctx: DiagnosisContext) -> str:
                 return (
                     f"The gradient of {e.path}, a bias replicated over {axis!r} in a module split over it "
                     f"({module or 'the model'}), is {e.ratio:.4g} x the reference's (median), about the size of "
-                    f"mesh axis {axis!r} ({m}): a row-parallel layer's replicated bias added before the psum over "
-                    f"{axis!r} counts once per shard, {m} times in the output (so the loss differs) and in its "
-                    f"gradient; add it after the reduction (y = jax.lax.psum(h @ w, {axis!r}) + b). "
+                    f"mesh axis {axis!r} ({m}): {added_before_psum((axis,), m)}; so it counts {m} times in the "
+                    "output (the loss differs) and in its gradient. "
                 )
     return ""
 

@@ -535,8 +535,8 @@ def _model_missed(head: str, on_model: Sequence[str], batch: Sequence[str], affe
         f"and replicated over {m}); if so, its devices hold partial results of a tensor-parallel layer that were "
         f"never summed: the row-parallel layer's output was not psum-ed over {m} (Megatron's g: y = "
         f"jax.lax.psum(h @ w, {on_model[0]!r}) + b), or was psum-ed over {_axes_text(batch)} in its place (a "
-        "psum over a batch axis adds other rows' partial results), or the gradient of a column-parallel layer's input was not "
-        f"all-reduced over {m} (Megatron's f; jax.shard_map inserts it with check_vma=True, not with "
+        "psum over a batch axis adds other rows' partial results), or the gradient of a column-parallel layer's "
+        f"input was not all-reduced over {m} (Megatron's f; jax.shard_map inserts it with check_vma=True, not with "
         f"check_vma=False); or, if the step splits the batch or the sequence over {m} too (the rows or the "
         f"tokens: data or sequence parallelism over {m}), the gradients were not psum-ed over {m}.{affected}"
     )
@@ -594,6 +594,17 @@ def _expert_message(head: str, right: int, r: int, m: str) -> str:
     )
 
 
+def added_before_psum(axes: Sequence[str], r: int) -> str:
+    """The reading of a parameter added to a row-parallel layer's partial sums before their psum over the model
+    ``axes`` of size ``r``: it counts once per shard (said by ``replicated_reduced`` and, where the bias is not 0
+    and moves the loss, by ``forward_differs``)."""
+    return (
+        f"a parameter added before the psum over {_axes_text(axes)} counts once per shard: each of the {r} shards "
+        f"adds it to its partial sum (a row-parallel layer's replicated bias: add it after the reduction, y = "
+        f"jax.lax.psum(h @ w, {axes[0]!r}) + b)"
+    )
+
+
 def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int, mesh_shape) -> str:
     """The ``replicated_reduced`` message: the gradients of ``off`` are x``r``, the other ``right`` match (a
     factor of the batch shards S would scale those too: not offered beside them)."""
@@ -618,11 +629,7 @@ def replicated_reduced_message(step: int, off: Sequence[str], right: int, r: int
         f"it {r} times (keep one: a step that splits the tokens over {m}, as sequence parallelism does, needs "
         "exactly one)"
     )
-    before = (
-        f"a parameter added before the psum over {m} counts once per shard: each of the {r} shards adds it to its "
-        f"partial sum (a row-parallel layer's replicated bias: add it after the reduction, y = jax.lax.psum(h @ w, "
-        f"{axes[0]!r}) + b)"
-    )
+    before = added_before_psum(axes, r)
     # biases alone: the bias added before the reduction first; otherwise the double reduction
     first, second = (before, twice) if all(n.endswith("bias") for n in off) else (twice, before)
     return (
