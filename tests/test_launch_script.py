@@ -58,7 +58,8 @@ def test_a_users_script_passes_its_own_step_across_two_processes(my_check):
 def test_a_planted_fault_in_the_script_exits_1_with_the_diagnosis(my_check):
     run = run_script(my_check, "sum")
     assert run.proc.returncode == 1, run.err
-    assert re.search(r"launch: process [01] \(pid \d+\) exited with status 1", run.err)
+    assert re.search(r"launch: all 2 processes exited with status 1 after \d+\.\d s: the command's own", run.err)
+    assert "stopped the other" not in run.err  # a verdict, not a crash
     for rank in (0, 1):  # every process reached the same verdict
         assert (
             f"[p{rank}] shardcheck.parity.report.ParityError: parity FAIL for step 'my_step'" in run.err

@@ -29,6 +29,9 @@ EXIT_TIMEOUT = 124
 KILL_GRACE_S = 1.0
 #: Output lines of a failed worker repeated in the launcher's error message.
 TAIL_LINES = 20
+# How long the other workers get to end after one exits with a status of its own (not a signal): a command that
+# ends the same way in every process (a FAIL verdict, exit 1; bad input, exit 2) is its result, not a crash.
+AGREE_GRACE_S = 10.0
 
 _WORKER = "import sys; from shardcheck.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -126,9 +129,10 @@ def launch(
     ``--json -``, process 0's stdout passes through unprefixed and the others' stdout goes to ``stderr``, so
     ``stdout`` carries exactly one JSON document.
 
-    Faults: when a worker exits non-zero or is killed, or the run outlives ``timeout_s``, every worker's
-    process group gets SIGTERM, then SIGKILL after ``KILL_GRACE_S`` seconds, and ``stderr`` gets a message
-    naming the process, how it ended and its last ``TAIL_LINES`` output lines. On Linux workers also get
+    Faults: when a worker is killed, or exits non-zero and the others do not all end with the same status within
+    ``AGREE_GRACE_S`` seconds, or the run outlives ``timeout_s``, every live worker's process group gets
+    SIGTERM, then SIGKILL after ``KILL_GRACE_S`` seconds, and ``stderr`` gets a message naming the process, how
+    it ended and its last ``TAIL_LINES`` output lines. On Linux workers also get
     SIGKILL if the launcher itself dies. When process 0 reports that its coordinator could not bind the port,
     the run starts again on another free port.
 
@@ -145,7 +149,9 @@ def launch(
 
     Returns:
         0 when every worker exits 0; ``EXIT_TIMEOUT`` (124) on timeout; else the first failed worker's exit
-        status, or 128 + N when signal N killed it.
+        status, or 128 + N when signal N killed it. A status that every worker exits with within
+        ``AGREE_GRACE_S`` seconds of the first (a FAIL verdict, 1, in every process) is said in one line, as the
+        command's own result, and no worker is stopped.
 
     Raises:
         ValueError: ``argv`` is empty or names no subcommand or command; ``processes``, ``devices_per_process`` or ``max_attempts`` < 1;
@@ -283,6 +289,11 @@ def _supervise(workers: list[_Worker], timeout_s: float, start: float, address: 
             status = statuses[failed.rank]
             if failed.rank == 0 and _could_not_bind(status, failed):
                 return distributed.EXIT_COORDINATOR_BIND_FAILED
+            if status > 0:
+                statuses = _wait_all(workers, min(deadline, time.monotonic() + AGREE_GRACE_S))
+                if all(s == status for s in statuses):
+                    _report_agreement(err, lock, workers, status, time.monotonic() - start)
+                    return status
             running = sum(s is None for s in statuses)
             _stop(workers)
             message = (
@@ -303,6 +314,26 @@ def _supervise(workers: list[_Worker], timeout_s: float, start: float, address: 
             _report(err, lock, message, running[0])
             return EXIT_TIMEOUT
         time.sleep(0.05)
+
+
+def _wait_all(workers: Sequence[_Worker], until: float) -> list[int | None]:
+    """Every worker's exit status once all have ended or ``until`` (a ``time.monotonic()``) has passed."""
+    while any(w.proc.poll() is None for w in workers) and time.monotonic() < until:
+        time.sleep(0.05)
+    return [w.proc.poll() for w in workers]
+
+
+def _report_agreement(err: TextIO, lock, workers: Sequence[_Worker], status: int, elapsed_s: float) -> None:
+    """Every worker exited with the same ``status``: the command's own result, said in one line."""
+    for w in workers:  # every line of output is out before the launcher's last word
+        for thread in w.threads:
+            thread.join(timeout=5.0)
+    with lock:
+        err.write(
+            f"launch: all {len(workers)} processes exited with status {status} after {elapsed_s:.1f} s: the "
+            "command's own result in every process, not a crash (the reason is in the output above)\n"
+        )
+        err.flush()
 
 
 def _report(err: TextIO, lock: threading.Lock, message: str, worker: _Worker) -> None:

@@ -17,7 +17,8 @@ def add_parser(subparsers) -> None:
             "(coordinator on 127.0.0.1 and a free port, gloo CPU collectives) into one mesh of P*N devices, "
             "and run the shardcheck subcommand after '--' in every one (or any command: -- python my_check.py, -- pytest; "
             "a script joins with shardcheck.distributed.initialize_from_env()); process 0 prints the result. If a "
-            "process fails or the timeout passes, all are stopped. On a cluster, set SHARDCHECK_COORDINATOR, "
+            "process fails alone or the timeout passes, all are stopped; a status that every process exits with "
+            "(1 for verify's FAIL) is the command's own result, said in one line. On a cluster, set SHARDCHECK_COORDINATOR, "
             "SHARDCHECK_NUM_PROCESSES and SHARDCHECK_PROCESS_ID instead (docs/distributed.md). Exit status: 0 "
             "only if every process exits 0; 124 on timeout."
         ),

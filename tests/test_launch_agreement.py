@@ -1,0 +1,83 @@
+"""``launch``: a status every process exits with is the command's result; one process's alone is a fault.
+
+A FAIL verdict exits 1 in every process of a launched ``verify``: the launcher says so in one line, stops
+nobody and exits 1. A process that ends alone (its peers blocked or ending otherwise) is a fault: the others are
+stopped and its last lines repeated. The workers here are plain Python (no JAX), so each test takes a second.
+"""
+
+import io
+import re
+import sys
+
+import pytest
+
+from shardcheck import distributed, launcher
+
+# process 0 and process 1 each run the branch of their rank
+TWO_WAYS = (
+    "import os, sys, time\n"
+    "rank = int(os.environ['{env}'])\n"
+    "print(f'rank {{rank}} ends', flush=True)\n"
+    "{body}\n"
+)
+
+
+def launched(body: str, tmp_path, grace_s: float | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    """Launch ``body`` as 2 processes; their exit status, stdout and stderr."""
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_WAYS.format(env=distributed.ENV_PROCESS_ID, body=body))
+    if grace_s is not None:
+        monkeypatch.setattr(launcher, "AGREE_GRACE_S", grace_s)
+    out, err = io.StringIO(), io.StringIO()
+    status = launcher.launch(["python", str(script)], 2, 1, timeout_s=60, stdout=out, stderr=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_the_same_status_in_every_process_is_the_commands_result_in_one_line(tmp_path):
+    # process 1 fails first; process 0 follows 0.5 s later with the same status, as verify's FAIL does
+    status, out, err = launched("time.sleep(0.5 if rank == 0 else 0.0); sys.exit(1)", tmp_path)
+    assert status == 1
+    last = err.splitlines()[-1]
+    assert re.fullmatch(
+        r"launch: all 2 processes exited with status 1 after \d+\.\d s: the command's own result in every "
+        r"process, not a crash \(the reason is in the output above\)",
+        last,
+    ), err
+    assert "stopped the other" not in err and "Last output" not in err
+    assert sorted(out.splitlines()) == [
+        "[p0] rank 0 ends",
+        "[p1] rank 1 ends",
+    ]  # every line out before the last
+
+
+def test_a_process_that_exits_alone_is_a_fault_and_the_others_are_stopped(tmp_path, monkeypatch):
+    status, out, err = launched("sys.exit(3) if rank == 1 else time.sleep(60)", tmp_path, 0.5, monkeypatch)
+    assert status == 3
+    assert re.search(
+        r"launch: process 1 \(pid \d+\) exited with status 3 after \d+\.\d s; stopped the other 1 running "
+        r"process\(es\)\. Last output of process 1:\n  \[p1\] rank 1 ends\n",
+        err,
+    ), err
+    assert "all 2 processes" not in err
+
+
+def test_different_statuses_are_a_fault_of_the_first(tmp_path):
+    status, out, err = launched(
+        "time.sleep(0.5 if rank == 0 else 0.0); sys.exit(2 if rank == 0 else 1)", tmp_path
+    )
+    assert status == 1
+    assert re.search(
+        r"launch: process 1 \(pid \d+\) exited with status 1 after \d+\.\d s; stopped the other 0 ", err
+    ), err
+    assert "all 2 processes" not in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and process groups as on Linux")
+def test_a_killed_process_is_a_fault_at_once_even_if_the_others_follow(tmp_path):
+    # the grace is for statuses the command chose, not for signals: no waiting on the others
+    status, out, err = launched(
+        "os.kill(os.getpid(), 9) if rank == 1 else (time.sleep(0.5), sys.exit(137))", tmp_path
+    )
+    assert status == 128 + 9
+    assert re.search(r"launch: process 1 \(pid \d+\) was killed by signal SIGKILL", err), err
+    assert "all 2 processes" not in err
