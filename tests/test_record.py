@@ -1168,6 +1168,22 @@ def test_a_corrupted_recording_is_named_damaged_and_settings_that_differ_are_nam
     )
 
 
+def test_settings_a_task_file_leaves_to_itself_read_as_its_own_not_as_a_default():
+    from shardcheck.parity.harness.recorded import settings_diff
+
+    built_in = {"optimizer": "adam", "lr": 0.001, "batch_size": 8, "seed": 0}
+    task_file = {"optimizer": None, "lr": None, "batch_size": None, "seed": 0}  # run_settings of a task file
+    assert settings_diff(built_in, task_file) == [
+        "optimizer 'adam' -> the task file's own",
+        "lr 0.001 -> the task file's own",
+        "batch_size 8 -> default",
+    ]
+    assert settings_diff(task_file, built_in, skip=("lr",)) == [
+        "optimizer the task file's own -> 'adam'",
+        "batch_size default -> 8",
+    ]
+
+
 def test_record_help_and_refusals_before_any_step(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["record", "--help"])

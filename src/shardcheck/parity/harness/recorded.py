@@ -1052,14 +1052,17 @@ def optimizer_difference(recorded: list, now: list) -> str | None:
 def settings_diff(was: Mapping | None, now: Mapping | None, skip: tuple[str, ...] = ()) -> list[str]:
     """``["optimizer 'adam' -> 'sgd'", "batch_size 8 -> default", ...]``: the settings both runs record
     (``record_run(settings=)``) with different values, in the recorded order, less ``skip`` (``None``, a setting
-    left at its default, reads ``default``)."""
+    left at its default, reads ``default``; an optimizer or ``lr`` of ``None``, which only a task file's run
+    records, reads ``the task file's own``)."""
     was, now = was or {}, now or {}
 
-    def shown(v):
-        return "default" if v is None else repr(v)
+    def shown(k, v):
+        if v is None:
+            return "the task file's own" if k in ("optimizer", "lr") else "default"
+        return repr(v)
 
     return [
-        f"{k} {shown(was[k])} -> {shown(now[k])}"
+        f"{k} {shown(k, was[k])} -> {shown(k, now[k])}"
         for k in was
         if k in now and k not in skip and was[k] != now[k]
     ]
