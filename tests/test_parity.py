@@ -297,6 +297,8 @@ def test_shard_map_c2_trap_is_diagnosed_as_a_sum():
     model, optimizer = fresh("linear", "momentum")
     report = check_parity(_c2_trap_step(make_mesh(4)), model, optimizer, BATCHES[:2], num_shards=4)
     assert report.codes[0] == "summed" and "x4" in report.diagnosis
+    # the cause, read from the step's own program: its pmean reduces a gradient autodiff already summed
+    assert "a gradient that jax.grad had already summed over 'data'" in report.diagnoses[0].message
 
 
 def test_only_a_wrong_loss_is_reported_as_such():

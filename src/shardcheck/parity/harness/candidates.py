@@ -575,3 +575,24 @@ def run_step(
         raise CandidateError(f"{fn}: {_raised(cand, err, t, cause)}: {err}", t, hint) from err
     who = f"the candidate step {cand.name!r}" if fn == "check_parity" else f"the {cand.name!r} step"
     return unpack(out, who, t, fn=fn)
+
+
+def step_jaxpr(cand: Candidate, model, optimizer, batch, kwargs: Mapping):
+    """One abstract trace of the user's step ``cand.step(model, optimizer, batch, **kwargs)`` on copies of
+    ``(model, optimizer)`` (``jax.make_jaxpr``: nothing computed, neither side changed), as a ``ClosedJaxpr``;
+    ``None`` for a built-in strategy, a candidate that makes its own optimizer, or a step that does not trace
+    (one that reads a value on the host: ``float(loss)``)."""
+    if cand.builtin or cand.make_optimizer is not None:
+        return None
+    graphdef, state = nnx.split((model, optimizer))
+
+    def pure(state):
+        m, o = nnx.merge(graphdef, state, copy=True)
+        cand.step(m, o, batch, **kwargs)
+        return nnx.state((m, o))
+
+    try:
+        return jax.make_jaxpr(pure)(state)
+    except Exception:  # noqa: BLE001  (a step that cannot be traced abstractly: nothing read from it)
+        return None
+

@@ -74,6 +74,7 @@ from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.replica_form import copy_scales
+from shardcheck.parity.diagnosis.resummed import resummed_axes, with_resummed
 from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.scale_evidence import (
     _scale_evidence,
@@ -83,7 +84,7 @@ from shardcheck.parity.diagnosis.scale_evidence import (
 )
 from shardcheck.parity.diagnosis.skipped import with_skipped
 from shardcheck.parity.diagnosis.topology import mismatch_axes
-from shardcheck.parity.harness.candidates import run_step, unpack
+from shardcheck.parity.harness.candidates import run_step, step_jaxpr, unpack
 from shardcheck.parity.harness.footprint import Footprint, allocator_peak_bytes, state_bytes
 from shardcheck.parity.harness.leaf_facts import leaf_facts
 from shardcheck.parity.harness.module_probe import module_evidence
@@ -958,6 +959,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         facts=facts,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
+    findings = with_resummed(findings, _resummed(run, findings), run.cand.num_shards)
     shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)
@@ -994,6 +996,16 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         localization=localization,
         **_footprint_fields(run),
     )
+
+
+def _resummed(run: _Run, findings) -> tuple[str, ...]:
+    """The axes over which the user's step reduces a gradient its autodiff already summed
+    (:func:`~shardcheck.parity.diagnosis.resummed.resummed_axes`), read from one abstract trace of the step where
+    the leading finding is ``summed``; else ``()`` (no trace)."""
+    if not findings or findings[0].code != "summed":
+        return ()
+    jaxpr = step_jaxpr(run.cand, run.cand_model, run.cand_opt, run.task.batches[0], run.kwargs)
+    return () if jaxpr is None else resummed_axes(jaxpr)
 
 
 def _sides_devices(run: _Run, mesh) -> dict[str, str]:

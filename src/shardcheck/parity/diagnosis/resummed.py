@@ -1,0 +1,125 @@
+"""A gradient reduced over an axis that autodiff had already summed it over: read from the step's own program.
+
+Inside ``jax.shard_map`` with ``check_vma=True`` (the default), an input that does not vary over a mesh axis (a
+replicated ``P()`` parameter) is cast to varying (``pvary``) where it meets a value that does (a batch shard).
+The transpose of that cast is a ``psum``: the gradient of each shard's own loss with respect to the replicated
+input comes out already summed over the axis (JAX's ``shard_map`` docs, "Efficient transposition of
+replication-checked code"). A step written as for ``pmap`` or ``check_vma=False``, ``pmean(grad(local_loss))``,
+then reduces a summed gradient: its ``pmean`` keeps the sum (x S), a ``psum`` sums it again (x S^2).
+
+:func:`resummed_axes` finds that in a jaxpr of the step (``jax.make_jaxpr``: nothing computed): a ``psum`` the
+step wrote, over an axis, of a value computed from a ``psum`` that autodiff's transpose made over the same axis.
+:func:`with_resummed` says it with the ``summed`` finding it explains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.extend import core
+
+from shardcheck.parity.diagnosis.evidence import Diagnosis
+
+REDUCTIONS = ("psum", "psum_invariant")
+"""A ``psum`` (and so a ``pmean``, a ``psum`` and a division) as a jaxpr writes it, with and without
+``check_vma``."""
+
+
+def _var(v) -> bool:
+    """A variable of a jaxpr (a ``Literal`` is a constant: nothing carried)."""
+    return isinstance(v, core.Var) and not isinstance(v, core.Literal)
+
+
+def _made_by_autodiff(eqn) -> bool:
+    """An equation that a transpose (``jax.grad``'s backward pass) wrote, by its name stack."""
+    return "transpose" in str(eqn.source_info.name_stack)
+
+
+def _axes(eqn) -> frozenset[str]:
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    return frozenset(a for a in (axes if isinstance(axes, tuple | list) else (axes,)) if isinstance(a, str))
+
+
+def _inner(params) -> list:
+    """The jaxprs nested in an equation's parameters (a ``jit``'s, a ``shard_map``'s body, a ``scan``'s, a
+    ``cond``'s branches), each as a ``Jaxpr``."""
+    out = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, core.ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, core.Jaxpr):
+                out.append(v)
+    return out
+
+
+def _walk(jaxpr, summed: dict, found: set, transposed: bool = False) -> dict:
+    """Carry ``summed`` (``{var: axes autodiff summed it over}``) forward through ``jaxpr``; add to ``found`` the
+    axes of every reduction the step wrote over a value so summed. Returns the summed outputs, by position.
+    ``transposed``: ``jaxpr`` is nested in an equation a transpose wrote (a scan body's backward pass, whose own
+    equations' name stacks start afresh)."""
+    for eqn in jaxpr.eqns:
+        seen = frozenset().union(*(summed.get(v, frozenset()) for v in eqn.invars if _var(v)))
+        name = eqn.primitive.name
+        by_autodiff = transposed or _made_by_autodiff(eqn)
+        if name in REDUCTIONS and by_autodiff:
+            seen = seen | _axes(eqn)
+        elif name in REDUCTIONS and seen & _axes(eqn):
+            found.update(seen & _axes(eqn))
+        for inner in _inner(eqn.params):
+            # a nested program's inputs line up with the equation's last ones (a cond's index comes first)
+            ins = list(eqn.invars)[len(eqn.invars) - len(inner.invars) :] if inner.invars else []
+            carried = {
+                iv: summed[v] for iv, v in zip(inner.invars, ins, strict=False) if _var(v) and v in summed
+            }
+            outs = _walk(inner, carried, found, by_autodiff)
+            if len(inner.outvars) == len(eqn.outvars):
+                for i, axes in outs.items():
+                    summed[eqn.outvars[i]] = summed.get(eqn.outvars[i], frozenset()) | axes
+            elif outs:
+                seen = seen | frozenset().union(*outs.values())
+        if seen:
+            for v in eqn.outvars:
+                summed[v] = summed.get(v, frozenset()) | seen
+    return {i: summed[v] for i, v in enumerate(jaxpr.outvars) if _var(v) and v in summed}
+
+
+def resummed_axes(jaxpr) -> tuple[str, ...]:
+    """The mesh axes over which ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr`` of a training step) reduces a value
+    that its own autodiff had already summed over them (module docstring), sorted; ``()`` where it does not."""
+    found: set[str] = set()
+    _walk(getattr(jaxpr, "jaxpr", jaxpr), {}, found)
+    return tuple(sorted(found))
+
+
+def resummed_clause(axes: Sequence[str], num_shards: int | None) -> str:
+    """The sentence that names the cause: the step's reduction over ``axes`` of a gradient that autodiff summed
+    over them; ``num_shards``: S, the factor a pmean leaves (``None``: said as S)."""
+    over = " and ".join(repr(a) for a in axes)
+    code = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+    s = f"{num_shards}" if num_shards else "S"
+    square = f"{num_shards * num_shards}" if num_shards else "S^2"
+    return (
+        f"The step reduces over {over} a gradient that jax.grad had already summed over {over}: inside "
+        "jax.shard_map (check_vma=True, the default) the gradient of each shard's loss with respect to a replicated "
+        "(P()) input comes out summed over the axes the loss varies on (JAX's psum, where it transposes the "
+        f"implicit pvary), so a pmean after it keeps the sum (x{s}) and a psum sums it again (x{square}). "
+        f"Differentiate the mean loss (jax.lax.pmean(loss, {code}) inside the function jax.grad takes) and reduce "
+        f"nothing after it, or keep the pmean and cast the parameters to varying before jax.grad "
+        f"(jax.lax.pcast(params, {code}, to='varying')), so that each shard's gradient stays its own "
+        "(docs/reduction_cases.md C2)."
+    )
+
+
+def with_resummed(
+    findings: Sequence[Diagnosis], axes: Sequence[str], num_shards: int | None
+) -> list[Diagnosis]:
+    """``findings`` with :func:`resummed_clause` after the first one's message where that is ``summed`` and the
+    step's program reduces an autodiff-summed gradient over ``axes`` (non-empty); else as they are."""
+    findings = list(findings)
+    if not axes or not findings or findings[0].code != "summed":
+        return findings
+    first = findings[0]
+    said = f"{first.message} {resummed_clause(axes, num_shards)}"
+    return [dataclasses.replace(first, message=said), *findings[1:]]
