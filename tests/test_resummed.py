@@ -171,3 +171,18 @@ def test_the_right_steps_pass_and_a_plain_psum_for_a_pmean_is_not_told_of_autodi
     ).diagnoses[0]
     assert lead.code == "summed" and "summed instead of averaged (x4" in lead.message
     assert "jax.grad had already summed" not in lead.message
+
+
+def test_the_flax_way_nnx_shard_map_and_nnx_value_and_grad_is_read_alike(linnerud):
+    def step(model, optimizer, batch, mesh):
+        @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+        def body(model, optimizer, batch):
+            x, y = batch
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, jax.lax.pmean(grads, "data"))
+            return jax.lax.pmean(loss, "data")
+
+        return body(model, optimizer, batch)
+
+    lead = check_parity(step, linnerud, mesh=make_mesh(4), steps=1).diagnoses[0]
+    assert lead.code == "summed" and lead.message.endswith(resummed_clause(("data",), 4))
