@@ -77,10 +77,11 @@ def test_run_says_a_reason_the_skipped_strategies_share_once():
         f"strategy {name!r})"
         for name, runs in how.items()
     }
-    assert skipped_lines(skipped) == [
-        "skipped simulation: cannot run this model, and it runs the forward pass once per shard",
-        "skipped dp and fsdp: cannot run this model, and it runs the forward pass per device",
-        "skipped accumulation: cannot run this model, and it runs the forward pass once per micro",
+    assert skipped_lines(skipped) == [  # the head they share once too (as verify says its refusals)
+        "skipped simulation, dp, fsdp and accumulation: cannot run this model, and",
+        "  - simulation: it runs the forward pass once per shard",
+        "  - dp and fsdp: it runs the forward pass per device",
+        "  - accumulation: it runs the forward pass once per micro",
         f"for all of them: {stats}",
     ]
     assert skipped_lines({"dp": f"dp: dp cannot, so {stats} (run_task, strategy 'dp')"}) == [

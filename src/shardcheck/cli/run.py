@@ -322,18 +322,21 @@ def main_task(args, err) -> int:
 def skipped_lines(skipped: dict[str, str]) -> list[str]:
     """The lines naming the strategies ``run --task`` skipped (``{name: reason}``): the strategies that share a
     reason on one line, a consequence or fix they all share said once after them (trial 52: a BatchNorm model's
-    reason, 400 characters, was printed five times)."""
-    from shardcheck.cli.verify import _refusal_reason, _shared_advice
+    reason, 400 characters, was printed five times), a head they all share once before them, as ``verify``
+    says its refusals."""
+    from shardcheck.cli.verify import SHARED_HEAD, _own_parts, _refusal_reason
     from shardcheck.parity.diagnosis.grouping import words_and
 
     groups: dict[str, list[str]] = {}
     for name, reason in skipped.items():
         groups.setdefault(_refusal_reason(name, reason), []).append(name)
-    sep, advice = _shared_advice(list(groups))
-    lines = [
-        f"skipped {words_and(names)}: {reason.removesuffix(f'{sep}{advice}') if advice else reason}"
-        for reason, names in groups.items()
-    ]
+    own, head, advice = _own_parts(list(groups))
+    if head:
+        every = [n for names in groups.values() for n in names]
+        lines = [f"skipped {words_and(every)}: {head}{SHARED_HEAD.rstrip()}"]
+        lines += [f"  - {words_and(names)}: {own(reason)}" for reason, names in groups.items()]
+    else:
+        lines = [f"skipped {words_and(names)}: {own(reason)}" for reason, names in groups.items()]
     if advice:
         lines.append(f"for all of them: {advice[:1].lower()}{advice[1:]}")
     return lines

@@ -7,6 +7,7 @@ import difflib
 import inspect
 import math
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shardcheck._catalog import CANDIDATES, COMPARED, REFERENCE, STRATEGY_SPECS
@@ -665,6 +666,19 @@ def _shared_head(reasons: list[str]) -> str:
     return head
 
 
+def _own_parts(reasons: list[str]) -> tuple[Callable[[str], str], str, str]:
+    """``(own, head, advice)`` of several refusal ``reasons``: the head they share (:func:`_shared_head`), the
+    tail they share (:func:`_shared_advice`), and ``own(reason)``, a reason without either."""
+    sep, advice = _shared_advice(reasons)
+    head = _shared_head(reasons)
+
+    def own(reason: str) -> str:
+        said = reason.removesuffix(f"{sep}{advice}") if advice else reason
+        return said.removeprefix(f"{head}{SHARED_HEAD}") if head else said
+
+    return own, head, advice
+
+
 def _refusals_said(groups: dict[str, list[str]]) -> tuple[str, str]:
     """``(text, end)`` of the refusals ``groups`` (``{reason: the strategies that gave it}``): each reason said
     once with the strategies it names; a head several reasons share (:func:`_shared_head`) said once before
@@ -672,12 +686,7 @@ def _refusals_said(groups: dict[str, list[str]]) -> tuple[str, str]:
     them; ``end``: what joins the next sentence (a new line after the lines, else a space)."""
     from shardcheck.parity.diagnosis.grouping import words_and
 
-    sep, advice = _shared_advice(list(groups))
-    head = _shared_head(list(groups))
-
-    def own(reason: str) -> str:  # a group's part: its reason without the shared head and tail
-        said = reason.removesuffix(f"{sep}{advice}") if advice else reason
-        return said.removeprefix(f"{head}{SHARED_HEAD}") if head else said
+    own, head, advice = _own_parts(list(groups))
 
     def which(names: list[str]) -> str:
         return f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {words_and(map(repr, names))}"
