@@ -119,6 +119,11 @@ def test_a_reference_step_of_ones_own_compares_the_ema(task_file, capsys):
         ),
         ("{file}:no_such_step", "has no attribute 'no_such_step'"),
         ("{file}:task", "names a Task; pass a function (model, optimizer, batch)"),
+        (  # trial 55: a step that takes a mesh was told "or (model, optimizer, batch, mesh) with mesh= given"
+            "{file}:step",
+            "it must take (model, optimizer, batch) and update model and optimizer in place: a reference step "
+            "runs on one device, with no mesh (a step that takes a mesh is a candidate)",
+        ),
     ],
 )
 def test_a_bad_reference_step_is_refused(task_file, capsys, reference, message):

@@ -81,3 +81,33 @@ def test_a_killed_process_is_a_fault_at_once_even_if_the_others_follow(tmp_path)
     assert status == 128 + 9
     assert re.search(r"launch: process 1 \(pid \d+\) was killed by signal SIGKILL", err), err
     assert "all 2 processes" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["--processes", "0", "--devices-per-process", "2"],
+            "--processes 0 must be a positive int; pass e.g. --processes 2",
+        ),
+        (
+            ["--processes", "2", "--devices-per-process", "-1"],
+            "--devices-per-process -1 must be a positive int; pass e.g. --devices-per-process 2",
+        ),
+        (
+            ["--processes", "2", "--devices-per-process", "1", "--timeout", "nan"],
+            "--timeout nan must be a positive number of seconds; pass e.g. --timeout 120",
+        ),
+        (
+            ["--processes", "2", "--devices-per-process", "1", "--port", "70000"],
+            "--port 70000 must be in [1, 65535]; leave it out for a free port",
+        ),
+    ],
+)
+def test_launchs_own_flags_are_refused_by_their_flag_before_any_process_starts(flags, said, capsys):
+    # trial 55: --processes 0 read "processes=0 must be a positive int", the library's argument, not the flag
+    from shardcheck.cli import main
+
+    assert main(["launch", *flags, "--", "run"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"shardcheck launch: {said}\n"

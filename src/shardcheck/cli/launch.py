@@ -61,6 +61,10 @@ def run(args) -> int:
     if argv[0] == "launch":
         print("shardcheck launch: cannot launch 'launch' itself; give the subcommand to run", file=sys.stderr)
         return 2
+    problem = _flag_problem(args)
+    if problem:
+        print(f"shardcheck launch: {problem}", file=sys.stderr)
+        return 2
     try:
         return launcher.launch(argv, args.processes, args.devices_per_process, args.timeout, port=args.port)
     except ValueError as err:
@@ -69,3 +73,20 @@ def run(args) -> int:
     except KeyboardInterrupt:  # the workers were stopped on the way out
         print("shardcheck launch: interrupted; every worker was stopped", file=sys.stderr)
         return 130
+
+
+def _flag_problem(args) -> str | None:
+    """The first of ``launch``'s own flags that is out of range, said by its flag (trial 55: ``--processes 0``
+    read "processes=0 must be a positive int", the library's words); ``None`` where all are in range."""
+    for flag, value, example in (
+        ("--processes", args.processes, "2"),
+        ("--devices-per-process", args.devices_per_process, "2"),
+    ):
+        if value < 1:
+            return f"{flag} {value} must be a positive int; pass e.g. {flag} {example}"
+    if not args.timeout > 0:  # NaN too
+        return f"--timeout {args.timeout:g} must be a positive number of seconds; pass e.g. --timeout 120"
+    if args.port is not None and not 1 <= args.port <= 65535:
+        return f"--port {args.port} must be in [1, 65535]; leave it out for a free port"
+    return None
+

@@ -48,10 +48,15 @@ def check_step_signature(fn: str, label: str, step: Callable, arity: int, with_m
     except TypeError as err:
         name = getattr(step, "__name__", type(step).__name__)
         args = "model, optimizer, batch" if arity == 3 else "model, optimizer, x, y"
+        forms = (  # a reference runs on one device: no mesh is ever given it (trial 55)
+            f"({args}) and update model and optimizer in place: a reference step runs on one device, with no mesh "
+            "(a step that takes a mesh is a candidate)"
+            if label == "reference"
+            else f"({args}), or ({args}, mesh) with mesh= given, and update model and optimizer in place"
+        )
         raise TypeError(
             f"{fn}: {label} {name}{sig} cannot be called as {label}({args}{', mesh=mesh' if with_mesh else ''}) "
-            f"({err}); it must take ({args}), or ({args}, mesh) with mesh= given, and update model and optimizer "
-            "in place"
+            f"({err}); it must take {forms}"
         ) from None
 
 
