@@ -17,7 +17,13 @@ from jax.sharding import PartitionSpec as P
 from shardcheck import check_parity
 from shardcheck.mesh import make_mesh
 from shardcheck.parity.diagnosis.evidence import Diagnosis
-from shardcheck.parity.diagnosis.resummed import resummed_axes, resummed_clause, with_resummed
+from shardcheck.parity.diagnosis.resummed import (
+    applied_clause,
+    read_step,
+    resummed_axes,
+    resummed_clause,
+    with_resummed,
+)
 from shardcheck.tasks import load_task
 
 pytestmark = require_devices(4)
@@ -99,10 +105,15 @@ def test_the_clause_names_the_axes_the_factors_and_the_fix():
     assert "over 'data' and 'fsdp'" in two and "jax.lax.pmean(loss, ('data', 'fsdp'))" in two
     assert "(xS)" in two and "(xS^2)" in two
     summed = [Diagnosis("summed", "x4."), Diagnosis("localized", "y")]
-    assert [d.message for d in with_resummed(summed, ("data",), 4)] == [f"x4. {clause}", "y"]
-    assert with_resummed(summed, (), 4) == summed  # not found: as it was
+    assert [d.message for d in with_resummed(summed, (("data",), ("data",)), (4, 4))] == [
+        f"x4. {clause}",
+        "y",
+    ]
+    applied = applied_clause(("data",), 4)
+    assert [d.message for d in with_resummed(summed, ((), ("data",)), (None, 4))] == [f"x4. {applied}", "y"]
+    assert with_resummed(summed, ((), ()), (None, None)) == summed  # nothing read: as it was
     other = [Diagnosis("scaled", "x0.5."), *summed[1:]]
-    assert with_resummed(other, ("data",), 4) == other  # only a summed finding is explained so
+    assert with_resummed(other, (("data",), ()), (4, None)) == other  # only a summed finding is explained so
 
 
 # --------------------------------------------------------------------------- a check of the user's own step
@@ -186,3 +197,34 @@ def test_the_flax_way_nnx_shard_map_and_nnx_value_and_grad_is_read_alike(linneru
 
     lead = check_parity(step, linnerud, mesh=make_mesh(4), steps=1).diagnoses[0]
     assert lead.code == "summed" and lead.message.endswith(resummed_clause(("data",), 4))
+
+
+def test_s_counting_micro_batches_too_names_the_axis_and_the_axis_factors(linnerud):
+    # trial 55: num_shards=4 on a data=2 mesh (S counting 2 micro-batches a device) and a pmean after an autodiff
+    # sum, x2, read "a constant factor that is not a shard count"; the clause's factors are the axis's, not S's
+    step = _shard_map_step(lambda g: jax.lax.pmean(g, "data"))
+    lead = check_parity(step, linnerud, mesh=make_mesh(2), num_shards=4, steps=1).diagnoses[0]
+    assert lead.code == "summed"
+    assert (
+        "x2, the size of mesh axis 'data': the gradient was summed over 'data' once too often" in lead.message
+    )
+    assert lead.message.endswith(resummed_clause(("data",), 2))
+    assert "keeps the sum (x2) and a psum sums it again (x4)" in lead.message
+
+
+def test_a_forgotten_pmean_of_an_autodiff_summed_gradient_is_named_so(linnerud):
+    # trial 55: no reduction after jax.grad under check_vma=True read "summed instead of averaged" alone; the
+    # step's program shows the sum autodiff made reaching the update
+    step = _shard_map_step(lambda g: g)
+    lead = check_parity(step, linnerud, mesh=make_mesh(4), steps=1).diagnoses[0]
+    assert lead.code == "summed" and "summed instead of averaged (x4: a sum over 4 shards)" in lead.message
+    assert lead.message.endswith(applied_clause(("data",), 4))
+    assert "jax.grad had already summed" not in lead.message
+
+
+def test_the_program_reading_says_which_sum_reaches_the_outputs():
+    # (reduced again, applied): a pmean after autodiff's sum is both; the right step's gradient is autodiff's sum
+    assert read_step(_program(pmean_after_grad)) == (("data",), ("data",))
+    assert read_step(_program(grad_of_the_mean)) == ((), ("data",))
+    assert read_step(_program(lambda w, x: jax.grad(_local_loss)(w, x))) == ((), ("data",))
+    assert read_step(_program(psum_after_grad, check_vma=False)) == ((), ())

@@ -366,6 +366,8 @@ def test_a_bf16_gradient_all_reduce_is_named_and_a_float32_one_passes(reverse):
     assert bad.verdict == "FAIL" and bad.codes[0] == "low_precision_reduction", str(bad)
     message = " ".join(bad.diagnosis.split())
     assert "the gradients were likely all-reduced in bfloat16" in message and "reduce in float32" in message
+    # trial 55: a correct step whose matmuls ran TF32, checked at float32, read this alone; the other reading
+    assert "TF32 on a GPU, where the step runs so, is checked with --matmul-precision tf32" in message
     good = check_parity(reduce_in(jnp.float32, reverse), lm(steps=2), mesh=mesh, num_shards=8)
     assert good.ok, str(good)
 

@@ -78,7 +78,7 @@ def _per_shard_grads(loss_fn, num_shards, graphdef, per_row, params, rest, batch
             # outer jit's trace, and an nnx transform inside the model (nnx.scan over stacked layers holding an
             # RNG count) would raise "Cannot extract graph node from different trace level" (issue #34)
             total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), shard)
-            return total / weight
+            return total if weight is None else total / weight  # a mean loss: the shard's own mean
 
         return jax.grad(mean)(params)
 
@@ -139,10 +139,17 @@ def per_shard_clipped_forms(loss_fn, num_shards: int, max_norm: float, graphdef,
     the clipped shard gradients, and under a ``(loss_sum, weight)`` loss also their mean weighted by each shard's
     weight over the batch's (``sum_s (w_s / W) clip(g_s)``: a step that clips its token-weighted mean gradient and
     re-weights it by its token count before the psum, trial 44's packed-sequence LM). A tuple of one or two trees;
-    ``None`` where the shards do not trace (a state shaped by the full batch)."""
+    ``None`` where the shards do not trace (a state shaped by the full batch), or where no shard's norm exceeds
+    ``max_norm``: a clip that binds on no shard changes nothing, and a step whose gradients are the mean of the
+    shards' unclipped ones differs for another reason (trial 55: a load-balancing term computed per shard, with a
+    clip of 1.0 on shard norms of at most 0.68, read "a clip applied per shard")."""
     try:
-        clipped, weights = _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch)
+        clipped, weights, binds = _per_shard_clipped(
+            loss_fn, num_shards, max_norm, graphdef, params, rest, batch
+        )
     except (TypeError, ValueError):
+        return None
+    if not bool(binds):
         return None
     mean = jax.tree.map(lambda g: jnp.mean(g, axis=0), clipped)
     if weights is None:
@@ -158,7 +165,7 @@ def per_shard_clipped_forms(loss_fn, num_shards: int, max_norm: float, graphdef,
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, batch):
     """Each shard's own gradient clipped to ``max_norm``, stacked ``[num_shards, ...]``, and the shards' weights
-    ``[num_shards]`` (``None`` for a scalar loss)."""
+    ``[num_shards]`` (``None`` for a scalar loss), and whether any shard's norm exceeds ``max_norm``."""
     xs, at = shards_with_state(batch, rest, num_shards, False)
 
     def shard_grad(x):
@@ -172,12 +179,12 @@ def _per_shard_clipped(loss_fn, num_shards, max_norm, graphdef, params, rest, ba
         g, weight = jax.grad(mean, has_aux=True)(params)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
         scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-30))
-        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), g), weight
+        return jax.tree.map(lambda x: (x * scale).astype(x.dtype), g), weight, norm > max_norm
 
-    clipped, weights = jax.lax.map(shard_grad, xs)
+    clipped, weights, binds = jax.lax.map(shard_grad, xs)
     shard, rest_s = at(jax.tree.map(lambda a: a[0], xs))
     weighted = loss_terms(loss_fn, nnx.merge(graphdef, params, rest_s, copy=True), shard)[1] is not None
-    return clipped, (weights if weighted else None)
+    return clipped, (weights if weighted else None), jnp.any(binds)
 
 
 def _clipped_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord, cand_grads) -> bool:
@@ -340,11 +347,18 @@ def _per_shard_tried(
     c = next((k for k in tried if _per_shard_reproduces(run, pre, grads, k, rtol, atol)), None)
     if c is None:
         return None
+    if not run.weighted and c != 1.0:  # a mean loss's shard means are the full batch's unless a term couples the
+        # rows: a step that is also c x the reference's gradient is a plain factor, for the factor rules to name
+        alt = _scaled_params(run.ref_opt.tx, pre.params, pre.opt_state, reference_grads(), c)
+        if _reproduces(run, *alt, rtol, atol):
+            return None
     if split is None:
         weights = shard_weights(loss_fn, s, *args)
     else:
         weights = token_shard_weights(loss_fn, split, *args)
-    equal = weights is not None and max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
+    equal = not run.weighted or (
+        weights is not None and max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights)
+    )
     return "per_shard_loss" if equal else "per_shard_mean", None if abs(c - 1.0) <= 1e-3 else c
 
 
@@ -494,6 +508,10 @@ def _explained(
     matches, per_shard, split = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
     if not matches and _loss_per_shard(run, pre, batch, record):
         matches = ("per_shard_loss_value",)
+    if not matches and not run.weighted:  # a mean loss's shard means: the full batch's unless a term couples
+        # the rows (trial 55: a load-balancing term over each shard's routing read "a clip applied per shard")
+        tried = _per_shard_tried(run, pre, batch, rtol, atol, record, reference_grads, cand_grads, None)
+        matches, per_shard = ((), None) if tried is None else ((tried[0],), tried[1])
     token_grads = None
     if not matches and run.weighted:  # the loss value of a rows x tokens split's per-shard means (trial 45)
         split = token_split(run.kwargs.get("mesh"), batch)
@@ -625,7 +643,7 @@ def loss_per_shard(loss_fn, num_shards, graphdef, params, rest, batch, record: S
     if loss is None or loss.ok or record.candidate_loss is None or not num_shards or num_shards < 2:
         return False
     try:
-        full, combined, _, _ = _full_and_combined(loss_fn, num_shards, graphdef, False, params, rest, batch)
+        full, combined, *_ = _full_and_combined(loss_fn, num_shards, graphdef, False, params, rest, batch)
     except (TypeError, ValueError):  # a state shaped by the full batch: no per-shard loss to compare
         return False
     full, combined = float(full), float(combined)

@@ -88,14 +88,21 @@ def _walk(jaxpr, summed: dict, found: set, transposed: bool = False) -> dict:
 def resummed_axes(jaxpr) -> tuple[str, ...]:
     """The mesh axes over which ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr`` of a training step) reduces a value
     that its own autodiff had already summed over them (module docstring), sorted; ``()`` where it does not."""
+    return read_step(jaxpr)[0]
+
+
+def read_step(jaxpr) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(resummed, applied)`` of a training step's ``jaxpr``: :func:`resummed_axes`, and the axes over which a
+    ``psum`` that autodiff made reaches the step's outputs (its new state: a gradient summed over them, applied as
+    it came), each sorted."""
     found: set[str] = set()
-    _walk(getattr(jaxpr, "jaxpr", jaxpr), {}, found)
-    return tuple(sorted(found))
+    outs = _walk(getattr(jaxpr, "jaxpr", jaxpr), {}, found)
+    return tuple(sorted(found)), tuple(sorted(frozenset().union(*outs.values())))
 
 
 def resummed_clause(axes: Sequence[str], num_shards: int | None) -> str:
     """The sentence that names the cause: the step's reduction over ``axes`` of a gradient that autodiff summed
-    over them; ``num_shards``: S, the factor a pmean leaves (``None``: said as S)."""
+    over them; ``num_shards``: the devices over ``axes`` in all, the factor a pmean leaves (``None``: said as S)."""
     over = " and ".join(repr(a) for a in axes)
     code = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
     s = f"{num_shards}" if num_shards else "S"
@@ -112,14 +119,36 @@ def resummed_clause(axes: Sequence[str], num_shards: int | None) -> str:
     )
 
 
+def applied_clause(axes: Sequence[str], num_shards: int | None) -> str:
+    """The sentence for a summed step whose applied gradient autodiff summed over ``axes`` and that reduces it no
+    further (a pmean forgotten, or a loss psum-ed): where the differentiated loss is each shard's own, that sum is
+    the factor. ``num_shards``: the devices over ``axes`` in all (``None``: said as S)."""
+    over = " and ".join(repr(a) for a in axes)
+    code = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+    s = f"{num_shards}" if num_shards else "S"
+    return (
+        f"The gradient the step applies is one jax.grad summed over {over} itself: inside jax.shard_map "
+        "(check_vma=True, the default) the gradient of each shard's loss with respect to a replicated (P()) input "
+        "comes out summed over the axes the loss varies on (JAX's psum, where it transposes the implicit pvary), "
+        f"so where the loss it differentiates is each shard's own (or a psum of them), that sum is the x{s}. "
+        f"Differentiate the mean loss (jax.lax.pmean(loss, {code}) inside the function jax.grad takes), or divide "
+        f"the gradient by {s} (docs/reduction_cases.md C2)."
+    )
+
+
 def with_resummed(
-    findings: Sequence[Diagnosis], axes: Sequence[str], num_shards: int | None
+    findings: Sequence[Diagnosis],
+    read: tuple[tuple[str, ...], tuple[str, ...]],
+    sizes: tuple[int | None, ...],
 ) -> list[Diagnosis]:
-    """``findings`` with :func:`resummed_clause` after the first one's message where that is ``summed`` and the
-    step's program reduces an autodiff-summed gradient over ``axes`` (non-empty); else as they are."""
+    """``findings`` with the cause the step's program shows after the first one's message, where that is
+    ``summed``: :func:`resummed_clause` where it reduces an autodiff-summed gradient again, else
+    :func:`applied_clause` where it applies one; else as they are. ``read``: :func:`read_step`'s ``(resummed,
+    applied)``; ``sizes``: the devices over each of them in all."""
     findings = list(findings)
-    if not axes or not findings or findings[0].code != "summed":
+    if not findings or findings[0].code != "summed" or not any(read):
         return findings
     first = findings[0]
-    said = f"{first.message} {resummed_clause(axes, num_shards)}"
+    clause = resummed_clause(read[0], sizes[0]) if read[0] else applied_clause(read[1], sizes[1])
+    said = f"{first.message} {clause}"
     return [dataclasses.replace(first, message=said), *findings[1:]]

@@ -340,8 +340,10 @@ def _axis_factor(
 ) -> tuple[str, str] | None:
     """A factor that is the size of one mesh axis of several (not S itself): a sum over that axis once too often
     (trial 15: replicated biases psum-ed over 'fsdp' after their psum over 'data' and 'fsdp', x2 on data=2,fsdp=2,
-    read "not a shard count"), or a mean over it once too often; ``None`` otherwise."""
-    if not mesh_shape or len(mesh_shape) < 2:
+    read "not a shard count"), or a mean over it once too often; ``None`` otherwise. One axis counts too where
+    S is not its size (trial 55: ``num_shards=4`` on a ``data=2`` mesh, S counting micro-batches, and a psum for
+    a pmean, x2, read "not a shard count")."""
+    if not mesh_shape:
         return None
     for size in sorted(set(mesh_shape.values())):
         if size < 2 or size == num_shards:
@@ -1962,24 +1964,7 @@ def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
     (``StepRecord.per_shard_factor``): c = S, the per-shard means summed (a psum where a pmean was due); 1/S,
     averaged and divided by S again; another c, said as it is. Over a rows x tokens split (``token_split``), c
     the size of the token axes: the blocks' means summed over them, averaged over the batch axes."""
-    s, split = ctx.num_shards, ctx.first.token_split
-    if split is not None:
-        s = split.shards
-    if split is not None and _close(c, split.blocks):
-        axes = " x ".join(repr(a) for a in split.token_axes)
-        how = (
-            f"the per-block means were summed over {axes} (a psum) where their mean (or a sum divided by the "
-            f"global count) was due: x{split.blocks}, the size of {axes}"
-        )
-    elif s and _close(c, s):
-        how = (
-            f"the shards' means were summed (a psum where a pmean was due), not averaged: x{s}, a sum over "
-            f"S={s} shards"
-        )
-    elif s and _close(c, 1 / s):
-        how = f"the shards' means were averaged and divided by S={s} again: x1/{s}"
-    else:
-        how = f"the shards' means were combined with a factor {c:.4g}, not averaged"
+    how = _shards_combined(ctx, c)
     hidden = (
         f" The optimizer's update hides the x{c:.4g} (global-norm clipping that binds rescales the gradient): "
         "its state matches that step on the per-shard means all the same."
@@ -1999,6 +1984,30 @@ def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
         f"loss sum by its own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
         "then divide once (docs/reduction_cases.md C4-C6)."
     )
+
+
+def _shards_combined(ctx: DiagnosisContext, c: float) -> str:
+    """How the shards' means were combined where the step is ``c`` x their mean, c not 1: summed (c = S),
+    averaged and divided again (1/S), summed over a rows x tokens split's token axes, or another factor."""
+    s, split = ctx.num_shards, ctx.first.token_split
+    if split is not None:
+        s = split.shards
+    if split is not None and _close(c, split.blocks):
+        axes = " x ".join(repr(a) for a in split.token_axes)
+        how = (
+            f"the per-block means were summed over {axes} (a psum) where their mean (or a sum divided by the "
+            f"global count) was due: x{split.blocks}, the size of {axes}"
+        )
+    elif s and _close(c, s):
+        how = (
+            f"the shards' means were summed (a psum where a pmean was due), not averaged: x{s}, a sum over "
+            f"S={s} shards"
+        )
+    elif s and _close(c, 1 / s):
+        how = f"the shards' means were averaged and divided by S={s} again: x1/{s}"
+    else:
+        how = f"the shards' means were combined with a factor {c:.4g}, not averaged"
+    return how
 
 
 def _weight_ratio(record: StepRecord, f: float) -> str | None:
@@ -2142,13 +2151,19 @@ def per_shard_loss(ctx: DiagnosisContext) -> Finding:
         )
     if "per_shard_loss" not in ctx.reproduced:
         return None
+    c = ctx.first.per_shard_factor  # trial 55: the shards' losses summed too (a psum), read as averaged
+    how = (
+        "averaged (parameters and optimizer state), while"
+        if c is None
+        else f"combined at {c:.4g} x their mean (parameters and optimizer state): {_shards_combined(ctx, c)}; and"
+    )
     return Diagnosis(
         "per_shard_loss",
-        f"At step {ctx.first.step} the step reproduces the loss computed per shard and averaged (parameters and "
-        "optimizer state), while the shards carry equal weights, so no normalization differs: a term of the loss "
-        "that couples the rows of the batch was computed over each shard's rows (an auxiliary load-balancing loss "
-        "over each shard's routing, a statistic or a contrastive term of the shard only). Compute it over the "
-        "whole batch: psum what it needs across the shards (the routing counts, the embeddings) first.",
+        f"At step {ctx.first.step} the step reproduces the loss computed per shard and {how} the shards carry "
+        "equal weights, so no normalization differs: a term of the loss that couples the rows of the batch was "
+        "computed over each shard's rows (an auxiliary load-balancing loss over each shard's routing, a statistic "
+        "or a contrastive term of the shard only). Compute it over the whole batch: psum what it needs across the "
+        "shards (the routing counts, the embeddings) first.",
         ctx.worst_name,
     )
 
@@ -2170,8 +2185,9 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
         f"At step {ctx.first.step} {what} from the reference by about bfloat16's rounding of the "
         "shard gradients (within 2 eps_bf16 sqrt(S) sum_s |g_s|), not by a factor, while the model computes its "
         "gradients in float32: the gradients were likely all-reduced in bfloat16 (read from the error's size "
-        "alone: another change that small, such as a small term of the loss computed another way, reads the "
-        "same). A bfloat16 sum of many shards rounds small contributions away and depends on the reduction "
+        "alone: another change that small reads the same, such as a small term of the loss computed another way, "
+        "or matmuls that round their operands more than the tolerance assumed: TF32 on a GPU, where the step runs "
+        "so, is checked with --matmul-precision tf32, matmul_precision='tf32' in Python). A bfloat16 sum of many shards rounds small contributions away and depends on the reduction "
         "order; reduce in float32 (cast the gradients to float32 before the psum / reduce-scatter).",
         ctx.worst_name,
     )

@@ -74,7 +74,7 @@ from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.replica_form import copy_scales
-from shardcheck.parity.diagnosis.resummed import resummed_axes, with_resummed
+from shardcheck.parity.diagnosis.resummed import read_step, with_resummed
 from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.scale_evidence import (
     _scale_evidence,
@@ -959,7 +959,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         facts=facts,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
-    findings = with_resummed(findings, _resummed(run, findings), run.cand.num_shards)
+    findings = with_resummed(findings, *_resummed(run, findings, mesh))
     shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)
@@ -998,14 +998,20 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     )
 
 
-def _resummed(run: _Run, findings) -> tuple[str, ...]:
-    """The axes over which the user's step reduces a gradient its autodiff already summed
-    (:func:`~shardcheck.parity.diagnosis.resummed.resummed_axes`), read from one abstract trace of the step where
-    the leading finding is ``summed``; else ``()`` (no trace)."""
+def _resummed(run: _Run, findings, mesh) -> tuple[tuple, tuple]:
+    """``((resummed, applied), sizes)``: :func:`~shardcheck.parity.diagnosis.resummed.read_step` of one abstract
+    trace of the user's step, where the leading finding is ``summed``, and the devices over each set of axes in
+    all on ``mesh`` (else S); ``(((), ()), (None, None))`` otherwise (nothing traced)."""
     if not findings or findings[0].code != "summed":
-        return ()
+        return ((), ()), (None, None)
     jaxpr = step_jaxpr(run.cand, run.cand_model, run.cand_opt, run.task.batches[0], run.kwargs)
-    return () if jaxpr is None else resummed_axes(jaxpr)
+    read = ((), ()) if jaxpr is None else read_step(jaxpr)
+
+    def devices(axes):
+        sizes = [int(mesh.shape[a]) for a in axes if mesh is not None and a in mesh.shape]
+        return math.prod(sizes) if axes and len(sizes) == len(axes) else run.cand.num_shards
+
+    return read, (devices(read[0]), devices(read[1]))
 
 
 def _sides_devices(run: _Run, mesh) -> dict[str, str]:
