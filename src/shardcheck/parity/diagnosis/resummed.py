@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from jax.extend import core
 
 from shardcheck.parity.diagnosis.evidence import Diagnosis
+from shardcheck.parity.tolerance.matmul import nested_jaxprs
 
 REDUCTIONS = ("psum", "psum_invariant")
 """A ``psum`` (and so a ``pmean``, a ``psum`` and a division) as a jaxpr writes it, with and without
@@ -41,19 +42,6 @@ def _axes(eqn) -> frozenset[str]:
     return frozenset(a for a in (axes if isinstance(axes, tuple | list) else (axes,)) if isinstance(a, str))
 
 
-def _inner(params) -> list:
-    """The jaxprs nested in an equation's parameters (a ``jit``'s, a ``shard_map``'s body, a ``scan``'s, a
-    ``cond``'s branches), each as a ``Jaxpr``."""
-    out = []
-    for value in params.values():
-        for v in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(v, core.ClosedJaxpr):
-                out.append(v.jaxpr)
-            elif isinstance(v, core.Jaxpr):
-                out.append(v)
-    return out
-
-
 def _walk(jaxpr, summed: dict, found: set, transposed: bool = False) -> dict:
     """Carry ``summed`` (``{var: axes autodiff summed it over}``) forward through ``jaxpr``; add to ``found`` the
     axes of every reduction the step wrote over a value so summed. Returns the summed outputs, by position.
@@ -67,7 +55,7 @@ def _walk(jaxpr, summed: dict, found: set, transposed: bool = False) -> dict:
             seen = seen | _axes(eqn)
         elif name in REDUCTIONS and seen & _axes(eqn):
             found.update(seen & _axes(eqn))
-        for inner in _inner(eqn.params):
+        for inner in nested_jaxprs(eqn.params):
             # a nested program's inputs line up with the equation's last ones (a cond's index comes first)
             ins = list(eqn.invars)[len(eqn.invars) - len(inner.invars) :] if inner.invars else []
             carried = {

@@ -164,7 +164,9 @@ def _level(precision) -> str:
     return "default"
 
 
-def _subjaxprs(params) -> list:
+def nested_jaxprs(params) -> list:
+    """The jaxprs nested in an equation's ``params`` (a ``jit``'s, a ``shard_map``'s body, a ``scan``'s, a
+    ``cond``'s branches), each as a ``Jaxpr``."""
     out = []
     for value in params.values():
         for v in value if isinstance(value, tuple | list) else (value,):
@@ -183,7 +185,7 @@ def matmul_precisions(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _MATMULS:
             found.append(eqn.params.get("precision"))
-        for sub in _subjaxprs(eqn.params):
+        for sub in nested_jaxprs(eqn.params):
             found.extend(matmul_precisions(sub))
     return found
 
@@ -201,7 +203,7 @@ def matmul_operand_dtypes(jaxpr) -> list:
                 for v in eqn.invars
                 if jnp.issubdtype(getattr(v.aval, "dtype", None), jnp.floating)
             ]
-        for sub in _subjaxprs(eqn.params):
+        for sub in nested_jaxprs(eqn.params):
             found.extend(matmul_operand_dtypes(sub))
     return found
 
@@ -259,7 +261,7 @@ def _rounded_matmul(primitive, params: dict, mantissa: int | None):
 
 def _has_matmul(jaxpr) -> bool:
     return any(
-        eqn.primitive.name in _MATMULS or any(_has_matmul(s) for s in _subjaxprs(eqn.params))
+        eqn.primitive.name in _MATMULS or any(_has_matmul(s) for s in nested_jaxprs(eqn.params))
         for eqn in jaxpr.eqns
     )
 
@@ -290,7 +292,7 @@ def _apply(eqn, invals, mantissa):
     floating = all(jnp.issubdtype(v.dtype, jnp.floating) for v in invals[:2])
     if name in _MATMULS and floating:
         return _rounded_matmul(eqn.primitive, eqn.params, mantissa)(*invals)
-    subs = _subjaxprs(eqn.params)
+    subs = nested_jaxprs(eqn.params)
     if not any(_has_matmul(s) for s in subs):
         return _bind(eqn.primitive, invals, eqn.params)
     if name in _INLINE:
