@@ -91,3 +91,21 @@ def test_the_reports_text_and_json_say_it_too():
     assert kinds["grad"]["reference_within_tolerance"] is True
     assert kinds["param"]["reference_within_tolerance"] is False
     assert ROUNDING_NOTE not in str(_report(kernel))
+
+
+def test_a_long_note_a_run_said_for_an_earlier_strategy_is_said_once():
+    # tiny-lm's 6-line rounding_level note and the 3-line footnote had been printed in full under every strategy
+    import dataclasses
+
+    bias = _leaf("grad", "blocks.linear.bias", 2.09e-7, 1.08, 1.35e-6)
+    dp = _report(bias)
+    fsdp = dataclasses.replace(dp, strategy="fsdp")
+    said: dict[str, str] = {}
+    first = " ".join(_text(render_report(dp, "setup", said=said)).split())
+    second = " ".join(_text(render_report(fsdp, "setup", said=said)).split())
+    assert " ".join(ROUNDING_NOTE.split()) in first
+    assert f"rel err{ROUNDING_MARK}: the same as for dp, above" in second
+    assert " ".join(ROUNDING_NOTE.split()) not in second
+    assert second.count("setup") == 1  # the setup line, short, is said under every table
+    alone = " ".join(_text(render_report(fsdp, "setup")).split())  # without a run's record: all of it
+    assert " ".join(ROUNDING_NOTE.split()) in alone

@@ -917,11 +917,12 @@ def _print(args, task, reports, num_shards: int, ok: bool) -> None:
         first = next(iter(done.values()))
         setup += f", matmul precision {first.matmul_precision} ({first.matmul_precision_source})"
     setup += _dtype_policy_text(args) or (_model_dtype_text(next(iter(done.values()))) if done else "")
+    said: dict[str, str] = {}  # a long note the run's tables share, said once
     for report in reports.values():
         if isinstance(report, ErrorRow) and not report.refused:  # on stderr, as a candidate that raised was
             _fail(report.message)
         elif not isinstance(report, ErrorRow):
-            console.print(render_report(report, setup))
+            console.print(render_report(report, setup, said=said))
     console.print(render_summary(reports, setup))
     console.print(device_choice(args).line(), highlight=False)
     refused = [r for r in reports.values() if isinstance(r, ErrorRow) and r.refused]
@@ -1033,10 +1034,29 @@ def _verdict(ok: bool | str) -> str:
     return "[bold green]PASS[/]" if ok else "[bold red]FAIL[/]"
 
 
-def render_report(report, setup: str, against: str | None = None):
+# A caption line this long that an earlier strategy's table of the same run said word for word is said as "the same
+# as for dp, above" (tiny-lm's 6-line rounding_level note and 3-line footnote had been said in full once a strategy).
+ONCE_CHARS = 100
+
+
+def _once(line: str, strategy: str, said: dict[str, str] | None) -> str:
+    """``line`` of ``strategy``'s caption, or, where an earlier table said it (``said``: ``{line: strategy}``, kept
+    across one run's tables; ``None``: every line as it is), its tag (``[rounding_level]``, ``rel err ...:``) and
+    "the same as for X, above"."""
+    if said is None or len(line) < ONCE_CHARS:
+        return line
+    if line not in said:
+        said[line] = strategy
+        return line
+    end = line.find("]") + 1 if line.startswith(("[", "\\[")) else line.find(":") + 1
+    return f"{line[:end]} the same as for {said[line]}, above"
+
+
+def render_report(report, setup: str, against: str | None = None, said: dict[str, str] | None = None):
     """One strategy's table: the worst leaf of each compared kind, with its error, tolerance and verdict; the
     diagnosis below. A replay against a recording (``against``: its path; ``report.replay``, the same
-    renderer) adds whether it is bitwise identical, the digests' evidence and what a recording cannot tell."""
+    renderer) adds whether it is bitwise identical, the digests' evidence and what a recording cannot tell.
+    ``said``: the long caption lines earlier tables of the run said, each said once (:func:`_once`)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -1058,9 +1078,11 @@ def render_report(report, setup: str, against: str | None = None):
     rerun = getattr(report, "rerun_after_failure", ())  # steps re-run from the reference's state
     if rerun:  # trial 46: a re-run step's parameter read as the trajectory's, beside "parameters: matches"
         caption.append(f"rows: {rerun_note(rerun)}")
+    if any(e.reference_within_tolerance for e in report.worst_by_kind().values()):
+        caption.append(ROUNDING_NOTE)
     table = Table(
         title=f"{title}: {_verdict(report.verdict)}{bitwise}",
-        caption="\n".join(caption),
+        caption="\n".join([caption[0], *(_once(line, report.strategy, said) for line in caption[1:])]),
         caption_justify="left",
     )
     table.add_column("compared")
@@ -1076,8 +1098,6 @@ def render_report(report, setup: str, against: str | None = None):
         abs_cell, rel_cell, tol_cell = error_cells(e)
         rel_cell += ROUNDING_MARK if e.reference_within_tolerance else ""
         table.add_row(kind, e.path, cell, abs_cell, rel_cell, tol_cell, _verdict(e.ok))
-    if any(e.reference_within_tolerance for e in rows.values()):
-        table.caption += f"\n{ROUNDING_NOTE}"
     replicas = report.replica_failure
     if replicas is not None:  # no leaf's error shows it: each device's copy may be within tolerance
         table.add_row("replicas", _replica_cell(replicas), str(replicas.step), "-", "-", "-", _verdict(False))
