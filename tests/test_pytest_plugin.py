@@ -5,6 +5,7 @@ fake devices as written (its 8-device case skipped with the reason), and fails w
 is planted in its step.
 """
 
+import io
 import re
 import subprocess
 import sys
@@ -162,3 +163,34 @@ def test_too_few_devices_skip_or_under_ci_fail_loudly(pytester, monkeypatch, ci)
         assert f"shardcheck pytest plugin (CI is set, so no skip): {why}" in " ".join(
             result.stdout.str().split()
         )
+
+
+@pytest.mark.multiprocess
+def test_the_documented_example_under_launch_spans_both_processes(tmp_path, monkeypatch):
+    """Trial 56: under ``shardcheck launch -- python -m pytest`` (a conftest joining the run), the mesh fixture
+    raised each process to 8 devices and put every mesh on process 0: process 1 crashed ("Array has no
+    addressable shards") and process 0 passed an 8-device mesh on a 4-device run. Now the launcher's devices are
+    the run's: the 4-device meshes span both processes and pass in each, the 8-device one is skipped with why."""
+    from shardcheck import launcher
+
+    (tmp_path / "test_my_step.py").write_text(documented_example())
+    (tmp_path / "conftest.py").write_text(
+        "import shardcheck.distributed\n\nshardcheck.distributed.initialize_from_env()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CI", raising=False)  # a skip, not a CI failure, is what is asserted
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["python", "-m", "pytest", "-q", "-rs", "-p", "no:randomly", *NO_XDIST, "test_my_step.py"]
+    status = launcher.launch(argv, 2, 2, timeout_s=240, stdout=out, stderr=err)
+    text = out.getvalue()
+    assert status == 0, text + err.getvalue()
+    for rank in (0, 1):  # every process checks its part of every mesh it can build
+        assert re.search(rf"\[p{rank}\] 2 passed, 1 skipped", text), text
+        assert (
+            f"[p{rank}] SKIPPED [1]" in text
+            and "the mesh data=2 x fsdp=4 needs 8 devices, 4 available; a mesh of a multi-process run takes the "
+            "same number of devices from each of its 2 processes (4 in all)"
+            in text
+        )
+    assert "no addressable shards" not in text + err.getvalue()

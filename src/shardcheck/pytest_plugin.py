@@ -20,6 +20,10 @@ asks for devices.
 * ``shardcheck_mesh``: a factory fixture, ``shardcheck_mesh(4)`` (a 1-D ``"data"`` mesh of 4 devices) or
   ``shardcheck_mesh({"data": 2, "fsdp": 4})`` (those axes, in that order), built by
   :func:`shardcheck.make_mesh` (``AxisType.Auto`` axes) on the selected devices.
+* Under ``shardcheck launch -- python -m pytest`` (each worker's ``conftest.py`` joining the run with
+  :func:`shardcheck.distributed.initialize_from_env`), the launcher's devices per process are the run's: the
+  plugin creates none (trial 56: each process raised to 8 devices, every mesh fell on process 0, and process 1
+  crashed), and a mesh takes the same number of devices from every process, or the test is skipped.
 
 ``docs/testing.md`` has a complete example test file.
 """
@@ -71,11 +75,24 @@ def requested_devices(config: pytest.Config) -> int | None:
     return None
 
 
+def _launched() -> bool:
+    """Whether this is a worker of a multi-process run (``shardcheck launch``'s ``SHARDCHECK_NUM_PROCESSES`` > 1,
+    or JAX's distributed runtime joined): its devices per process are the launcher's, not the plugin's to set."""
+    import jax
+
+    from shardcheck.distributed import ENV_NUM_PROCESSES
+
+    return os.environ.get(ENV_NUM_PROCESSES, "1").strip() not in ("", "1") or jax.distributed.is_initialized()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     n = requested_devices(config)
     if n is None:
         return
     import jax
+
+    if _launched():  # the launcher's --devices-per-process are the run's
+        return
 
     _thread_pool(n)
     try:
@@ -107,7 +124,7 @@ def _create_devices(needed: int) -> None:
     started (``jax_num_cpu_devices`` cannot change after that: then nothing happens)."""
     import jax
 
-    if jax.config.jax_num_cpu_devices >= needed:
+    if jax.config.jax_num_cpu_devices >= needed or _launched():
         return
     _thread_pool(max(needed, DEFAULT_FAKE_DEVICES))
     try:
@@ -126,19 +143,44 @@ def _devices_or_skip(config: pytest.Config, needed: int, what: str) -> list:
     given = requested_devices(config)
     if given is None:
         _create_devices(needed)
-    try:
-        return list(select_devices(needed, what=what, fn="shardcheck pytest plugin").devices)
-    except ValueError:
-        available = len(jax.devices("cpu"))
+    if jax.process_count() > 1:
+        spanning = _across_processes(needed)
+        if spanning is not None:
+            return spanning
+        available = len(jax.devices())
+    else:
+        try:
+            return list(select_devices(needed, what=what, fn="shardcheck pytest plugin").devices)
+        except ValueError:
+            available = len(jax.devices("cpu"))
     fix = f"run pytest {OPTION} {needed}"
     if given is None:  # the plugin would have created them: JAX had started before the first fixture asked
         fix += " (JAX started before this test asked, so the plugin could not create them)"
     if jax.process_count() > 1:
-        fix = "launch more processes or devices per process"
+        fix = (
+            f"a mesh of a multi-process run takes the same number of devices from each of its "
+            f"{jax.process_count()} processes ({available} in all); launch more processes or devices per process"
+        )
     message = f"{what} needs {needed} devices, {available} available; {fix}"
     if in_ci():
         pytest.fail(f"shardcheck pytest plugin (CI is set, so no skip): {message}", pytrace=False)
     pytest.skip(message)
+
+
+def _across_processes(needed: int) -> list | None:
+    """``needed`` devices of a multi-process run, the same number from every process (process 0's first, in
+    ``jax.devices()`` order): a mesh each process holds its part of; ``None`` where ``needed`` does not split
+    evenly over the processes or some process has too few."""
+    import jax
+
+    count = jax.process_count()
+    per, extra = divmod(needed, count)
+    if extra or not per:
+        return None
+    by_process = [[d for d in jax.devices() if d.process_index == i] for i in range(count)]
+    if any(len(devices) < per for devices in by_process):
+        return None
+    return [d for devices in by_process for d in devices[:per]]
 
 
 @pytest.fixture
