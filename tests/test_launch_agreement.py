@@ -111,3 +111,19 @@ def test_launchs_own_flags_are_refused_by_their_flag_before_any_process_starts(f
     assert main(["launch", *flags, "--", "run"]) == 2
     err = capsys.readouterr().err
     assert err == f"shardcheck launch: {said}\n"
+
+
+@pytest.mark.multiprocess
+def test_a_launched_run_with_too_few_devices_is_told_to_launch_more_not_to_pass_devices():
+    # trial 56: under launch, "pass --devices 8" was advised, and --devices 8 repeated the same refusal
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["verify", "--task", "linnerud", "--mesh", "data=8", "--strategies", "dp"]
+    assert launcher.launch(argv, 2, 2, timeout_s=120, stdout=out, stderr=err) == 2
+    text = err.getvalue()
+    for rank in (0, 1):
+        assert (
+            f"[p{rank}] error: shardcheck verify: the mesh data=8 needs 8 devices, but 4 CPU device(s) exist; launch "
+            "more devices: shardcheck launch --processes P --devices-per-process N with P x N = 8" in text
+        ), text
+    assert "pass --devices" not in text
+    assert text.splitlines()[-1].startswith("launch: all 2 processes exited with status 2")

@@ -280,12 +280,20 @@ def select_for(command: str, args, num_devices: int):
         if axes
         else f"a mesh of {num_devices} devices"
     )
+    from shardcheck.distributed import is_multiprocess
+
+    fix = "pass --devices {n} (fake CPU devices are created before JAX starts)"
+    if is_multiprocess():  # trial 56: under launch, --devices repeated the same refusal
+        fix = (
+            "launch more devices: shardcheck launch --processes P --devices-per-process N with P x N = {n} "
+            "(--devices does not apply in a launched run)"
+        )
     choice = select_devices(
         num_devices,
         platform=getattr(args, "platform", None),
         what=what,
         fn=command,
-        fake_fix="pass --devices {n} (fake CPU devices are created before JAX starts)",
+        fake_fix=fix,
         platform_flag="--platform ",
     )
     use_platform_of(choice)
