@@ -188,6 +188,12 @@ def test_pipeline_axis_by_name_or_by_stacked_leaves():
     assert pipeline_axes({"data": 2, "layers": 2}, stacked) == ("layers",)
     split_rows = {"mlp.kernel": LeafFacts(shape=(8, 16), axes=("model",))}  # a layer split, not stacked
     assert pipeline_axes({"data": 2, "model": 2}, split_rows) == ()
+    # trial 56: 2 stacked layers whose kernels are split along their hidden dimension over model=2 are a
+    # tensor-parallel layer, not a pipeline's stages; stacked and split along the layers, they are stages
+    tensor_parallel = {"blocks.mlp.up": LeafFacts(shape=(2, 8, 16), axes=("model",), dims=(2,))}
+    assert pipeline_axes({"data": 2, "model": 2}, tensor_parallel) == ()
+    staged = {"blocks.mlp.up": LeafFacts(shape=(2, 8, 16), axes=("model",), dims=(0,))}
+    assert pipeline_axes({"data": 2, "model": 2}, staged) == ("model",)
     tp = missed_axes_message(0, ["param head.bias"], ("model",), {"data": 2, "model": 2})
     assert "Megatron's g" in tp and PIPELINE not in tp
     pp = missed_axes_message(0, ["param head.bias"], ("stage",), {"data": 2, "stage": 2})

@@ -34,6 +34,8 @@ class LeafFacts:
             read from where its state keeps the leaf), ``None`` where not known or not grouped.
         module: the class name of the module that holds the leaf (``"BatchNorm"``, ``"Linear"``), ``None``
             where not known.
+        dims: the dimensions its placement splits, in order (``(2,)`` for a stacked ``(layers, d, h)`` kernel
+            split along ``h``), ``None`` where not known.
     """
 
     shape: tuple[int, ...] | None = None
@@ -44,6 +46,7 @@ class LeafFacts:
     uses: tuple[str, ...] | None = None
     group: str | None = None
     module: str | None = None
+    dims: tuple[int, ...] | None = None
 
 
 def leaf_name(path: str) -> str:

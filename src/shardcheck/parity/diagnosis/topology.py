@@ -558,7 +558,13 @@ def pipeline_axes(mesh_shape, facts=None) -> tuple[str, ...]:
     for a in model:
         split = [f for f in (facts or {}).values() if getattr(f, "axes", ()) == (a,) and f.shape]
         if a not in named and int(shape[a]) > 1 and split:
-            if all(len(f.shape) >= 2 and f.shape[0] == int(shape[a]) for f in split):
+            # split along the leading dimension (where the placement is known): a stacked (layers, d, h) kernel
+            # split along h over 'model' is tensor parallelism, whatever its layer count (trial 56: 2 layers on
+            # model=2 read "a pipeline's stages")
+            if all(
+                len(f.shape) >= 2 and f.shape[0] == int(shape[a]) and getattr(f, "dims", None) in (None, (0,))
+                for f in split
+            ):
                 stacked.append(a)
     return named + tuple(stacked)
 

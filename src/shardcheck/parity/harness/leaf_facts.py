@@ -135,6 +135,7 @@ def _facts(model: nnx.Module, task) -> dict[str, LeafFacts]:
             uses.get(path),
             groups.get(path),
             modules.get(path),
+            tuple(i for i, entry in enumerate(spec or ()) if entry is not None),
         )
     return out
 
