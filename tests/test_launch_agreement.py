@@ -88,11 +88,11 @@ def test_a_killed_process_is_a_fault_at_once_even_if_the_others_follow(tmp_path)
     [
         (
             ["--processes", "0", "--devices-per-process", "2"],
-            "--processes 0 must be a positive int; pass e.g. --processes 2",
+            "--processes must be a positive int, got 0; pass --processes 1 or more",
         ),
         (
             ["--processes", "2", "--devices-per-process", "-1"],
-            "--devices-per-process -1 must be a positive int; pass e.g. --devices-per-process 2",
+            "--devices-per-process must be a positive int, got -1; pass --devices-per-process 1 or more",
         ),
         (
             ["--processes", "2", "--devices-per-process", "1", "--timeout", "nan"],

@@ -20,7 +20,6 @@ from shardcheck.parity.diagnosis.evidence import Diagnosis
 from shardcheck.parity.diagnosis.resummed import (
     applied_clause,
     read_step,
-    resummed_axes,
     resummed_clause,
     with_resummed,
 )
@@ -82,16 +81,16 @@ def layers_in_a_scan(w, x):  # the replicated weight meets the batch inside a la
 def test_the_program_reading_finds_a_reduction_of_an_autodiff_summed_gradient_and_nothing_else(
     body, expected
 ):
-    assert resummed_axes(_program(body)) == expected
+    assert read_step(_program(body))[0] == expected
 
 
 def test_without_check_vma_autodiff_sums_nothing_and_nothing_is_found():
-    assert resummed_axes(_program(psum_after_grad, check_vma=False)) == ()
-    assert resummed_axes(_program(pmean_after_grad, check_vma=False)) == ()
+    assert read_step(_program(psum_after_grad, check_vma=False))[0] == ()
+    assert read_step(_program(pmean_after_grad, check_vma=False))[0] == ()
 
 
 def test_a_step_jitted_around_its_shard_map_is_read_through_the_jit():
-    assert resummed_axes(_program(pmean_after_grad, wrap=jax.jit)) == ("data",)
+    assert read_step(_program(pmean_after_grad, wrap=jax.jit))[0] == ("data",)
 
 
 def test_the_clause_names_the_axes_the_factors_and_the_fix():

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from shardcheck import launcher
+from shardcheck.cli._common import positive_problem
 
 
 def add_parser(subparsers) -> None:
@@ -63,7 +64,7 @@ def run(args) -> int:
         return 2
     problem = _flag_problem(args)
     if problem:
-        print(f"shardcheck launch: {problem}", file=sys.stderr)
+        print(problem, file=sys.stderr)
         return 2
     try:
         return launcher.launch(argv, args.processes, args.devices_per_process, args.timeout, port=args.port)
@@ -78,15 +79,15 @@ def run(args) -> int:
 def _flag_problem(args) -> str | None:
     """The first of ``launch``'s own flags that is out of range, said by its flag (trial 55: ``--processes 0``
     read "processes=0 must be a positive int", the library's words); ``None`` where all are in range."""
-    for flag, value, example in (
-        ("--processes", args.processes, "2"),
-        ("--devices-per-process", args.devices_per_process, "2"),
-    ):
-        if value < 1:
-            return f"{flag} {value} must be a positive int; pass e.g. {flag} {example}"
+    for flag in ("processes", "devices_per_process"):
+        problem = positive_problem("shardcheck launch", flag, getattr(args, flag))
+        if problem:
+            return problem
     if not args.timeout > 0:  # NaN too
-        return f"--timeout {args.timeout:g} must be a positive number of seconds; pass e.g. --timeout 120"
+        return (
+            f"shardcheck launch: --timeout {args.timeout:g} must be a positive number of seconds; pass e.g. "
+            "--timeout 120"
+        )
     if args.port is not None and not 1 <= args.port <= 65535:
-        return f"--port {args.port} must be in [1, 65535]; leave it out for a free port"
+        return f"shardcheck launch: --port {args.port} must be in [1, 65535]; leave it out for a free port"
     return None
-

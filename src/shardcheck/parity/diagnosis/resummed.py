@@ -7,7 +7,7 @@ input comes out already summed over the axis (JAX's ``shard_map`` docs, "Efficie
 replication-checked code"). A step written as for ``pmap`` or ``check_vma=False``, ``pmean(grad(local_loss))``,
 then reduces a summed gradient: its ``pmean`` keeps the sum (x S), a ``psum`` sums it again (x S^2).
 
-:func:`resummed_axes` finds that in a jaxpr of the step (``jax.make_jaxpr``: nothing computed): a ``psum`` the
+:func:`read_step` finds that in a jaxpr of the step (``jax.make_jaxpr``: nothing computed): a ``psum`` the
 step wrote, over an axis, of a value computed from a ``psum`` that autodiff's transpose made over the same axis.
 :func:`with_resummed` says it with the ``summed`` finding it explains.
 """
@@ -73,37 +73,43 @@ def _walk(jaxpr, summed: dict, found: set, transposed: bool = False) -> dict:
     return {i: summed[v] for i, v in enumerate(jaxpr.outvars) if _var(v) and v in summed}
 
 
-def resummed_axes(jaxpr) -> tuple[str, ...]:
-    """The mesh axes over which ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr`` of a training step) reduces a value
-    that its own autodiff had already summed over them (module docstring), sorted; ``()`` where it does not."""
-    return read_step(jaxpr)[0]
-
-
 def read_step(jaxpr) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(resummed, applied)`` of a training step's ``jaxpr``: :func:`resummed_axes`, and the axes over which a
-    ``psum`` that autodiff made reaches the step's outputs (its new state: a gradient summed over them, applied as
-    it came), each sorted."""
+    """``(resummed, applied)`` of a training step's ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``): the mesh axes over
+    which it reduces a value that its own autodiff had already summed over them (module docstring), and the axes
+    over which a ``psum`` that autodiff made reaches its outputs (its new state: a gradient summed over them,
+    applied as it came), each sorted; ``()`` where there are none."""
     found: set[str] = set()
     outs = _walk(getattr(jaxpr, "jaxpr", jaxpr), {}, found)
     return tuple(sorted(found)), tuple(sorted(frozenset().union(*outs.values())))
 
 
+MECHANISM = (
+    "inside jax.shard_map (check_vma=True, the default) the gradient of each shard's loss with respect to a "
+    "replicated (P()) input comes out summed over the axes the loss varies on (JAX's psum, where it transposes the "
+    "implicit pvary)"
+)
+"""Why autodiff sums such a gradient: the sentence both clauses share."""
+
+
+def _named(axes: Sequence[str], num_shards: int | None) -> tuple[str, str, str]:
+    """``(over, code, s)``: ``axes`` in words (``'data' and 'fsdp'``), as ``jax.lax`` takes them (``'data'``,
+    ``('data', 'fsdp')``), and their devices in all (``num_shards``; ``"S"`` where ``None``)."""
+    over = " and ".join(repr(a) for a in axes)
+    code = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
+    return over, code, f"{num_shards}" if num_shards else "S"
+
+
 def resummed_clause(axes: Sequence[str], num_shards: int | None) -> str:
     """The sentence that names the cause: the step's reduction over ``axes`` of a gradient that autodiff summed
     over them; ``num_shards``: the devices over ``axes`` in all, the factor a pmean leaves (``None``: said as S)."""
-    over = " and ".join(repr(a) for a in axes)
-    code = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
-    s = f"{num_shards}" if num_shards else "S"
+    over, code, s = _named(axes, num_shards)
     square = f"{num_shards * num_shards}" if num_shards else "S^2"
     return (
-        f"The step reduces over {over} a gradient that jax.grad had already summed over {over}: inside "
-        "jax.shard_map (check_vma=True, the default) the gradient of each shard's loss with respect to a replicated "
-        "(P()) input comes out summed over the axes the loss varies on (JAX's psum, where it transposes the "
-        f"implicit pvary), so a pmean after it keeps the sum (x{s}) and a psum sums it again (x{square}). "
-        f"Differentiate the mean loss (jax.lax.pmean(loss, {code}) inside the function jax.grad takes) and reduce "
-        f"nothing after it, or keep the pmean and cast the parameters to varying before jax.grad "
-        f"(jax.lax.pcast(params, {code}, to='varying')), so that each shard's gradient stays its own "
-        "(docs/reduction_cases.md C2)."
+        f"The step reduces over {over} a gradient that jax.grad had already summed over {over}: {MECHANISM}, so a "
+        f"pmean after it keeps the sum (x{s}) and a psum sums it again (x{square}). Differentiate the mean loss "
+        f"(jax.lax.pmean(loss, {code}) inside the function jax.grad takes) and reduce nothing after it, or keep the "
+        f"pmean and cast the parameters to varying before jax.grad (jax.lax.pcast(params, {code}, to='varying')), "
+        "so that each shard's gradient stays its own (docs/reduction_cases.md C2)."
     )
 
 
@@ -111,16 +117,12 @@ def applied_clause(axes: Sequence[str], num_shards: int | None) -> str:
     """The sentence for a summed step whose applied gradient autodiff summed over ``axes`` and that reduces it no
     further (a pmean forgotten, or a loss psum-ed): where the differentiated loss is each shard's own, that sum is
     the factor. ``num_shards``: the devices over ``axes`` in all (``None``: said as S)."""
-    over = " and ".join(repr(a) for a in axes)
-    code = repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
-    s = f"{num_shards}" if num_shards else "S"
+    over, code, s = _named(axes, num_shards)
     return (
-        f"The gradient the step applies is one jax.grad summed over {over} itself: inside jax.shard_map "
-        "(check_vma=True, the default) the gradient of each shard's loss with respect to a replicated (P()) input "
-        "comes out summed over the axes the loss varies on (JAX's psum, where it transposes the implicit pvary), "
-        f"so where the loss it differentiates is each shard's own (or a psum of them), that sum is the x{s}. "
-        f"Differentiate the mean loss (jax.lax.pmean(loss, {code}) inside the function jax.grad takes), or divide "
-        f"the gradient by {s} (docs/reduction_cases.md C2)."
+        f"The gradient the step applies is one jax.grad summed over {over} itself: {MECHANISM}, so where the loss "
+        f"it differentiates is each shard's own (or a psum of them), that sum is the x{s}. Differentiate the mean "
+        f"loss (jax.lax.pmean(loss, {code}) inside the function jax.grad takes), or divide the gradient by {s} "
+        "(docs/reduction_cases.md C2)."
     )
 
 

@@ -1994,20 +1994,18 @@ def _shards_combined(ctx: DiagnosisContext, c: float) -> str:
         s = split.shards
     if split is not None and _close(c, split.blocks):
         axes = " x ".join(repr(a) for a in split.token_axes)
-        how = (
+        return (
             f"the per-block means were summed over {axes} (a psum) where their mean (or a sum divided by the "
             f"global count) was due: x{split.blocks}, the size of {axes}"
         )
-    elif s and _close(c, s):
-        how = (
+    if s and _close(c, s):
+        return (
             f"the shards' means were summed (a psum where a pmean was due), not averaged: x{s}, a sum over "
             f"S={s} shards"
         )
-    elif s and _close(c, 1 / s):
-        how = f"the shards' means were averaged and divided by S={s} again: x1/{s}"
-    else:
-        how = f"the shards' means were combined with a factor {c:.4g}, not averaged"
-    return how
+    if s and _close(c, 1 / s):
+        return f"the shards' means were averaged and divided by S={s} again: x1/{s}"
+    return f"the shards' means were combined with a factor {c:.4g}, not averaged"
 
 
 def _weight_ratio(record: StepRecord, f: float) -> str | None:
