@@ -402,6 +402,10 @@ def _check_task_run(fn, task, strategy, num_shards, mesh, epochs, callback, eval
     _check_state_carried(fn, chosen.name, updated, drawn, model)
     for batch in task.batches:
         check_divisible(fn, batch, num_shards, weighted=weighted)
+    if chosen.placement == "fsdp":  # the annotations and the mesh's axes must fit, named as this call's error
+        from shardcheck.steps.sharded import state_specs
+
+        state_specs(chosen.name, model, optimizer, mesh, fn=fn)
     pair = _lockstep(fn, chosen, task.loss_fn, model, optimizer, num_shards, mesh)
     return _Run(task, pair, num_shards, epochs, weighted, evaluate, epoch_batches, callback)
 

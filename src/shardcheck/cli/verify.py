@@ -186,7 +186,8 @@ class ErrorRow:
         message: the whole one-paragraph message printed on stderr (a candidate's as before: "the candidate step
             raised ...").
         error_type: the exception's class name (the step's own exception when the check wrapped it).
-        reason: the exception's first line.
+        reason: the exception's first line; a candidate's error whose likely cause shardcheck named (a hint:
+            an annotation naming an axis the mesh lacks), that cause.
         step: the 0-based step at which the step raised, or ``None`` when it raised before any step.
         builtin: a built-in strategy (a limitation or a bug of shardcheck's step), not the user's step.
         refused: a built-in strategy that refused the task by a documented limitation (``RowCouplingError``: the
@@ -571,9 +572,22 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
             return ErrorRow(label, message, "TypeError", reason, err.step, False)
         if not wrapped:
             return None
-        return ErrorRow(
-            label, _candidate_message(args, err), type(cause).__name__, reason_line(cause), step, False
+        # the likely cause shardcheck named (an annotation naming an axis the mesh lacks), not JAX's own words
+        # ("Resource axis: fsdp of P('fsdp', None, None) is not found in mesh", trial 56)
+        reason = reason_line(ValueError(err.hint.split("; ")[0])) if err.hint else reason_line(cause)
+        return ErrorRow(label, _candidate_message(args, err), type(cause).__name__, reason, step, False)
+    from shardcheck.parity.harness.setup import StrategyRefusal
+
+    if (
+        isinstance(err, StrategyRefusal) and err.strategy == label
+    ):  # this strategy's placement alone (trial 56)
+        whole = library_to_flags(str(err), "verify", args=args).removeprefix("shardcheck verify: ")
+        message = (
+            f"shardcheck verify: the built-in strategy {label!r} cannot place this task on this mesh: {whole}; "
+            f"the other rows stand (or leave {label} out with --strategies)"
         )
+        cell = reason_line(ValueError(whole.split("; ")[0]))  # the cause; the fix is in the message
+        return ErrorRow(label, message, "ValueError", cell, None, True)
     if not wrapped and isinstance(err, (ValueError, TypeError)) and str(err).startswith("check_parity"):
         return None
     whole = reason_line(cause, limit=FULL_REASON)  # the message says it whole: its fix comes last
