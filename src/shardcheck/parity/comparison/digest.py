@@ -1939,7 +1939,7 @@ DIVERGENCE = "a recording cannot re-run that step from identical state"
 REFUTING_FORMS = ("zero", "reference_zero", "sign_flip", "decay")
 """Forms of a stage's difference that no rounding divergence makes, on any number of leaves."""
 
-FACTOR_FORMS = ("factor", "per_group", "clip", "extra_step")
+FACTOR_FORMS = ("factor", "per_group", "moments", "clip", "extra_step")
 """Forms of one constant factor (per group) across each leaf: no rounding divergence makes one on several
 leaves (a single leaf's ratio, the loss's, is a number, not a form)."""
 

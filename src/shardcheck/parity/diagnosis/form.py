@@ -12,6 +12,9 @@ step: the reference's value before and after the step and the candidate's after 
 - ``one_number``: the failing set is one leaf of one element (0-D, or shape ``(1,)``): its ratio, a decay term
   ``c*param`` and an offset all fit one number equally, so no form is claimed; each is said with its number
   (:func:`one_number_form`). Several such leaves that share one factor still read as a factor;
+- ``moments`` (an update): Adam's moments from a gradient ``c`` times the reference's: every failing first
+  moment ``c`` times the reference's change, every second moment ``c**2`` times, any other failing leaf a
+  parameter whose update moved as the reference's (the normalized update cancels ``c`` but for ``eps``);
 - ``factor``: ``dc = f dr`` with ``f`` constant across every leaf (its elementwise ratio's 10th-90th percentile
   within :data:`FIT_RTOL` of its median, or, given the leaves' tolerances, the residual ``|dc - f dr|`` within
   ``SPREAD_TOLS (1 + |f|) tol`` on every element: :func:`factor_within`; never one median alone) and one ``f`` over all the leaves (a factor
@@ -153,6 +156,7 @@ FORMS = (
     "one_number",
     "factor",
     "per_group",
+    "moments",
     "clip",
     "extra_step",
     "decay",
@@ -325,6 +329,7 @@ def fit_form(
     fit, aside = _without_quiet(f64, quiet or {})
     form = _zero_or_flip(fit, update, _quiet_at_zero(f64, quiet) if quiet else f64)
     form = form or _one_number(f64, {p: shapes[p][0] for p in paths}, lr, update, params or {})
+    form = form or (_moments(fit, tol or {}) if update else None)
     form = form or _factor(fit, optimizer_stage, update, tol or {})
     if form is not None and form.kind == "none" and update:  # a ratio around 1: a small term, maybe a decay
         form = _decay_fitted(f64, quiet, lr, task_decay) or _offset(f64) or form
@@ -954,6 +959,79 @@ def _factor(f64: dict, optimizer_stage: bool, update: bool, tol: Mapping[str, fl
     return _per_group(factors, stats, n, basis)
 
 
+# a normalized update "moved as the reference's" where its ratio's median lies within this of 1 (Adam's eps term)
+NORMALIZED_RTOL = 0.1
+
+
+def _moments(f64: dict, tol: Mapping[str, float]) -> Form | None:
+    """Adam's moments from a gradient ``c`` times the reference's (``moments``, :func:`_moments_form`), read from
+    the arrays: each moment's factor within its tolerance (:func:`factor_within`), each other leaf's median
+    update ratio; ``None`` where some moment holds no one factor or another leaf is optimizer state.
+
+    Trial 56: a sum for a mean of the gradients (not returned) under Adam read "no simple form ... x4 (19
+    leaves), x16 (19 leaves)" where the rules said x4 and a divide-twice step read "a constant factor per group"."""
+    state = {p: m for p in f64 if p.startswith("opt_state ") and (m := moment(p)) is not None}
+    rest = [p for p in f64 if p not in state]
+    if any(p.startswith("opt_state ") for p in rest):
+        return None
+    stats = {p: factor_within(f64[p][1], f64[p][2], tol.get(p)) for p in state}
+    moved = [_ratio_stats(f64[p][1], f64[p][2]) for p in rest]
+    if any(s is None for s in [*stats.values(), *moved]):
+        return None
+    return _moments_form({p: (state[p], stats[p]) for p in state}, [m for m, _, _ in moved], len(f64))
+
+
+def _moments_form(moments: Mapping[str, tuple[str, tuple]], moved: Sequence[float], n: int) -> Form | None:
+    """``moments``: ``{path: ("first" | "second", (factor, p10, p90))}`` of the failing optimizer moments;
+    ``moved``: the other failing leaves' (parameters') median update ratios. The form where every first moment's
+    factor is one ``c`` told from 1, every second moment's ``c**2`` (the square) and every parameter's update moved
+    as the reference's within :data:`NORMALIZED_RTOL` (Adam's ``mu / (sqrt(nu) + eps)`` cancels ``c`` but for
+    ``eps``); else ``None``."""
+    first = [s for m, s in moments.values() if m == "first"]
+    second = [s for m, s in moments.values() if m == "second"]
+    if not first or not second:
+        return None
+    c = float(np.median([f for f, _, _ in first]))
+    if abs(c - 1) <= RATIO_RTOL or not all(abs(f - c) <= RATIO_RTOL * abs(c) for f, _, _ in first):
+        return None
+    if not all(abs(f - c * c) <= 2 * RATIO_RTOL * c * c for f, _, _ in second):
+        return None
+    if any(abs(m - 1) > NORMALIZED_RTOL for m in moved):
+        return None
+    ratios = sorted({f"{m:.4g}" for m in moved}, key=float)
+    params = (
+        f"; the parameters that differ ({n_leaves(len(moved))}) moved as the reference's (median update ratio "
+        f"{ratios[0] if len(ratios) == 1 else f'{ratios[0]}..{ratios[-1]}'}): Adam's update mu / (sqrt(nu) + "
+        "eps) cancels a gradient's scale but for eps"
+        if moved
+        else ""
+    )
+    spreads = [s for _, s in moments.values()]
+    return Form(
+        "moments",
+        f"the optimizer's first moments are {c:.4g} x the reference's ({n_leaves(len(first))}) and its second "
+        f"moments {c * c:.4g} x ({n_leaves(len(second))}, the square): the gradient the optimizer read was "
+        f"{c:.4g} x the reference's{params}",
+        c,
+        (min(s[1] for s in spreads), max(s[2] for s in spreads)),
+        leaves=n,
+    )
+
+
+def _moments_record(bad: list[LeafError]) -> Form | None:
+    """:func:`_moments_form` from the records alone (a replay): each moment's ratio constant across its samples
+    (``one_factor_across``), each parameter's ratio as recorded."""
+    state = {e.path: moment(f"opt_state {e.path}") for e in bad if e.kind == "opt_state"}
+    rest = [e for e in bad if e.kind != "opt_state"]
+    if None in state.values() or any(e.kind != "param" or e.ratio is None for e in rest):
+        return None
+    moments = [e for e in bad if e.kind == "opt_state"]
+    if not all(e.ratio is not None and one_factor_across(e) for e in moments):
+        return None
+    stats = {e.path: (state[e.path], (e.ratio, *(e.spread or (e.ratio, e.ratio)))) for e in moments}
+    return _moments_form(stats, [e.ratio for e in rest], len(bad))
+
+
 def _around_one(f: float, spread: tuple[float, float], n: int, basis: str) -> Form:
     """A ratio whose spread holds 1 (``0.9958..1.005``): no factor, a difference of each element by up to the
     spread's distance from 1 (a reduction rounded another way, or a slightly different computation), never a
@@ -1345,6 +1423,8 @@ def form_from_leaves(bad: list[LeafError], *, update: bool = True, optimizer_sta
     one = _one_number_record(bad)
     if one is not None:  # one number: no form (a loss or a counter is read by the forward stage)
         return one
+    if update and (moments := _moments_record(bad)) is not None:
+        return moments
     ratios = [e for e in bad if e.ratio is not None and math.isfinite(e.ratio)]
     n = len(bad)
     unsampled = [e for e in ratios if e.samples == 0]
