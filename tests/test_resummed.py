@@ -227,3 +227,23 @@ def test_the_program_reading_says_which_sum_reaches_the_outputs():
     assert read_step(_program(grad_of_the_mean)) == ((), ("data",))
     assert read_step(_program(lambda w, x: jax.grad(_local_loss)(w, x))) == ((), ("data",))
     assert read_step(_program(psum_after_grad, check_vma=False)) == ((), ())
+
+
+def test_a_replay_names_the_autodiff_sum_as_the_live_check_does(linnerud):
+    """Trial 56: a replay's summed lacked the program's reading (the replay runs the user's step too, so it can
+    trace it). The pmap-style port against a recording of the right step: the same clause as live; the step
+    without check_vma, a plain psum for a pmean: summed, and nothing said of autodiff."""
+    from shardcheck.parity.harness.recorded import record_run
+
+    mesh = make_mesh(4)
+    recording = record_run(linnerud, _shard_map_step(lambda g: g, loss_mean=True), mesh=mesh, steps=2)
+    port = _shard_map_step(lambda g: jax.lax.pmean(g, "data"))
+    replayed, live = (
+        check_parity(port, linnerud, mesh=mesh, steps=2, **r) for r in ({"reference": recording}, {})
+    )
+    assert replayed.diagnoses[0].code == live.diagnoses[0].code == "summed"
+    assert replayed.diagnoses[0].message.endswith(resummed_clause(("data",), 4))
+    assert resummed_clause(("data",), 4) in replayed.replay.cause
+    plain = _shard_map_step(lambda g: jax.lax.psum(g, "data"), check_vma=False)
+    lead = check_parity(plain, linnerud, mesh=mesh, steps=1, reference=recording).diagnoses[0]
+    assert lead.code == "summed" and "jax.grad had already summed" not in lead.message

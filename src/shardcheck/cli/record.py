@@ -365,6 +365,7 @@ def verify_against(args, task, runs, num_shards: int, mesh, recording) -> int:
             compute_dtype=precision_overrides(args).get("compute_dtype"),
             pin_placement=args.pin_placement,
             shown=f"--against {args.against}",
+            accept_weak=args.accept_weak,
             **where,
         )
     ok = all(r.ok for r in reports.values())

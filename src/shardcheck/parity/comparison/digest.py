@@ -85,6 +85,7 @@ from shardcheck.parity.comparison.state_digest import (
 )
 from shardcheck.parity.diagnosis.draws import with_draws
 from shardcheck.parity.diagnosis.evidence import converted_counter
+from shardcheck.parity.diagnosis.form import moment
 from shardcheck.parity.diagnosis.grouping import LeafFacts, n_leaves
 from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
@@ -526,6 +527,11 @@ class _Bounds:
     # samples above rounding are held to (_sample_base), the one its record states (as a live check's elementwise
     # allowance states the tolerance its worst element was held to)
     resolved: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)
+    # by step, each compared leaf's (name, recorded max|x|, its tolerance, recorded update size, the update's
+    # tolerance or None): what a gradient off by S or 1/S would have moved (_scale_evidence)
+    scale: dict[int, list[tuple[str, float, float, float, float | None]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def compute_allowance(self, name: str, r: _Leaf, t: int) -> float:
         """A leaf's allowance for the two runs' low-precision compute at step t (0 in float32, at the initial
@@ -880,6 +886,8 @@ def _compare_point(pair: _Pair, bounds: _Bounds, t: int) -> list[DigestError]:
         if state is not None:
             out.append(state)
             continue
+        if t >= 0:
+            bounds.scale.setdefault(t, []).append((name, r.max, base, r.update, update_base))
         out.append(
             _leaf_error(
                 t, name, r, c, base, update_base, pair, _sample_base(pair, bounds, t, name, base, atol)
@@ -989,8 +997,9 @@ def compare_run(
     identical" (trial 37); nor is a replay of a recording whose own copies differed (a note says so). A replayed
     run recorded before its copies were compared says in its notes that it compared none (``REPLICAS_UNSEEN``).
     Not measured by a digest, and so never read by a rule for a replay: the reruns of the known faulty reductions
-    (``matches``), the re-check of a late failure from identical state (``synchronized``) and the scale
-    evidence.
+    (``matches``) and the re-check of a late failure from identical state (``synchronized``). The scale evidence
+    is read from the digests (:func:`_scale_evidence`: which recorded leaves a gradient off by S or 1/S would
+    have moved beyond their tolerance), for the replay's verdict (``check_against_recording``).
 
     To compare a candidate step with a recording, ``check_parity(candidate, task, reference=recording)`` (or
     ``verify --against FILE``) replays it and returns this comparison's :meth:`RunComparison.report`; this
@@ -1447,8 +1456,9 @@ def _records(
     recorded run is the reference, the replay the candidate; the initial state's record (step -1) only where
     it differs; ``identical_start`` where the state before a step t > 0 hashed as the recording's (and its copies
     agreed); ``replica_mismatches`` and ``replica_axes`` from the replay's own comparison of its copies
-    (``replicas``: its ``meta["replicas"]``, :func:`_replicas_at`). Not measured by a digest, so left at their
-    defaults: ``matches``, ``synchronized``, ``scale_evidence``."""
+    (``replicas``: its ``meta["replicas"]``, :func:`_replicas_at`); ``scale_evidence`` from the digests
+    (:func:`_scale_evidence`). Not measured by a digest, so left at their defaults: ``matches``,
+    ``synchronized``."""
     meta = pair.recording.meta
     written = written_paths(meta, pair.replayed.meta)  # the forward pass's writes, as a live record's
     forward_writes = None if written is None else frozenset("model." + p for p in written)
@@ -1491,9 +1501,43 @@ def _records(
                 replica_axes=axes,
                 forward_writes=forward_writes,
                 loss_counters=counters,
+                scale_evidence=_scale_evidence(bounds.scale.get(t, ()), meta.get("num_shards"))
+                if t >= 0
+                else None,
             )
         )
     return tuple(out)
+
+
+def _scale_evidence(
+    leaves: Sequence[tuple], num_shards: int | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The compared leaves of one step whose recorded digest a gradient times S, and times 1/S, would move beyond
+    the tolerance it was held to: the live check's ``StepRecord.scale_evidence``, from the digests alone
+    (``leaves``: :attr:`_Bounds.scale`'s entries of the step). A gradient's or a first moment's ``max|x|``
+    (linear in the gradient) moves by ``|c - 1| max|x|``, a second moment's by ``|c^2 - 1| max|x|``, and a
+    parameter's update size by ``|c - 1|`` of it only where the optimizer keeps no moment (plain SGD: Adam's
+    update is normalized, Lion's a sign). S is 2 where unknown (trial 57: a TF32 recording's tolerance, rtol
+    1.41, let a sum for a mean and a mean taken twice replay as a PASS)."""
+    s = float(num_shards) if num_shards and num_shards > 1 else 2.0
+    moments = any(name.startswith("opt_state ") and moment(name) for name, *_ in leaves)
+    shown = []
+    for c in (s, 1.0 / s):
+        hit = []
+        for name, top, allowed, update, update_allowed in leaves:
+            kind, field = name.split(" ", 1)[0], moment(name) if name.startswith("opt_state ") else None
+            if kind == "grad" or field == "first":
+                change = abs(c - 1.0) * top
+            elif field == "second":
+                change = abs(c * c - 1.0) * top
+            elif kind == "param" and not moments and update_allowed is not None:
+                change, allowed = abs(c - 1.0) * update, update_allowed
+            else:
+                continue
+            if math.isfinite(change) and change > allowed:
+                hit.append(name)
+        shown.append(tuple(hit))
+    return shown[0], shown[1]
 
 
 def _resolved_record(leaf: LeafError, bounds: _Bounds) -> LeafError:

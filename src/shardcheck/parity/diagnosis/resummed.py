@@ -15,6 +15,7 @@ step wrote, over an axis, of a value computed from a ``psum`` that autodiff's tr
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from jax.extend import core
@@ -124,6 +125,19 @@ def applied_clause(axes: Sequence[str], num_shards: int | None) -> str:
         f"loss (jax.lax.pmean(loss, {code}) inside the function jax.grad takes), or divide the gradient by {s} "
         "(docs/reduction_cases.md C2)."
     )
+
+
+def read_program(jaxpr, mesh, num_shards: int | None):
+    """``((resummed, applied), sizes)``: :func:`read_step` of ``jaxpr`` (one abstract trace of the user's step,
+    :func:`~shardcheck.parity.harness.candidates.step_jaxpr`; ``None``: nothing read) and the devices over each
+    set of axes in all on ``mesh`` (else ``num_shards``, S)."""
+    read = ((), ()) if jaxpr is None else read_step(jaxpr)
+
+    def devices(axes):
+        sizes = [int(mesh.shape[a]) for a in axes if mesh is not None and a in mesh.shape]
+        return math.prod(sizes) if axes and len(sizes) == len(axes) else num_shards
+
+    return read, (devices(read[0]), devices(read[1]))
 
 
 def with_resummed(

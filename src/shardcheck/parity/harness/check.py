@@ -74,7 +74,7 @@ from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.replica_form import copy_scales
-from shardcheck.parity.diagnosis.resummed import read_step, with_resummed
+from shardcheck.parity.diagnosis.resummed import read_program, with_resummed
 from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.scale_evidence import (
     _scale_evidence,
@@ -999,19 +999,12 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
 
 
 def _resummed(run: _Run, findings, mesh) -> tuple[tuple, tuple]:
-    """``((resummed, applied), sizes)``: :func:`~shardcheck.parity.diagnosis.resummed.read_step` of one abstract
-    trace of the user's step, where the leading finding is ``summed``, and the devices over each set of axes in
-    all on ``mesh`` (else S); ``(((), ()), (None, None))`` otherwise (nothing traced)."""
+    """:func:`~shardcheck.parity.diagnosis.resummed.read_program` of one abstract trace of the user's step, where
+    the leading finding is ``summed``; ``(((), ()), (None, None))`` otherwise (nothing traced)."""
     if not findings or findings[0].code != "summed":
         return ((), ()), (None, None)
     jaxpr = step_jaxpr(run.cand, run.cand_model, run.cand_opt, run.task.batches[0], run.kwargs)
-    read = ((), ()) if jaxpr is None else read_step(jaxpr)
-
-    def devices(axes):
-        sizes = [int(mesh.shape[a]) for a in axes if mesh is not None and a in mesh.shape]
-        return math.prod(sizes) if axes and len(sizes) == len(axes) else run.cand.num_shards
-
-    return read, (devices(read[0]), devices(read[1]))
+    return read_program(jaxpr, mesh, run.cand.num_shards)
 
 
 def _sides_devices(run: _Run, mesh) -> dict[str, str]:
