@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import matplotlib.image
@@ -84,7 +85,19 @@ def test_fsdp_adam_on_diabetes_writes_plot_log_and_json(tmp_path, capsys):
 
     rows = read_log(log)
     assert len(rows) == report["num_steps"]  # one row per step
-    assert list(rows[0]) == ["step", "epoch", "loss_baseline", "loss_sharded", "max_abs_param_diff"]
+    assert list(rows[0]) == [
+        "step",
+        "epoch",
+        "loss_baseline",
+        "loss_sharded",
+        "max_abs_param_diff",
+        "max_abs_held_diff",
+        "drift_tolerance",
+        "drift_exceeded",
+    ]
+    # the verdict's columns: the held drift within its tolerance on every row of a correct run
+    assert all(float(r["max_abs_held_diff"]) <= float(r["drift_tolerance"]) for r in rows)
+    assert {r["drift_exceeded"] for r in rows} == {"0"}
     assert [int(r["step"]) for r in rows] == list(range(1, 31))
     assert max(float(r["max_abs_param_diff"]) for r in rows) == pytest.approx(final["max_abs_param_diff"])
     assert_log_agrees(rows, 64)
@@ -409,3 +422,57 @@ def test_help_offers_the_registry_strategies_and_task(capsys):
     assert "--task" in text and "--steps" in text
     trainable = [name for name in STRATEGIES if name != "reference"]
     assert "{" + ",".join(trainable) + "}" in text  # --strategy's choices: the registry's, in its order
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--clip-norm", "0.01"], "--clip-norm"),
+        (["--warmup-steps", "3"], "--warmup-steps"),
+        (["--schedule", "cosine"], "--schedule"),
+        (["--optimizer", "adamw", "--weight-decay", "0.5"], "--weight-decay"),
+    ],
+)
+def test_optimizer_flags_without_a_task_are_refused_not_ignored(flags, flag, capsys):
+    """Trial 57: without --task, train ran the seeds' regression step with the plain optimizer and ignored these
+    flags (the final loss equal to the last bit, exit 0). They are refused before any step (exit 2), naming the
+    built-in task that takes them; with --task diabetes the flag takes effect (another loss than without it)."""
+    base = ["train", "--strategy", "simulation", "--devices", "2", "--epochs", "2", "--optimizer", "sgd"]
+    assert main([*base, *flags]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(
+        f"error: shardcheck train: {flag} applies with --task only (it configures the task's optimizer); without "
+        "--task, train runs the seeds' regression step with --optimizer and --lr alone: pass --task diabetes (or "
+        f"linnerud, the built-in data sets as tasks) with {flag}, or drop it"
+    ), err
+    if flag != "--clip-norm":
+        return
+    losses = []
+    for extra in ([], flags):
+        assert main([*base, "--task", "diabetes", *extra, "--json", "-"]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["final"]["loss_baseline"])
+    assert losses[0] != losses[1]
+
+
+@pytest.mark.parametrize("task", [None, "diabetes"])
+def test_a_diverging_baseline_stops_the_run_and_says_so(task, tmp_path, capsys):
+    """Trial 57: --lr 1e6 took the baseline to NaN; the report said "drift exceeded tolerance first at step 6"
+    (exit 0) with numpy warnings. Now the run stops at the first non-finite baseline step: exit 2, one line naming
+    it with the optimizer, the learning rate and the fix, nothing written, no warning; a finite run is unchanged."""
+    argv = ["train", "--strategy", "simulation", "--devices", "2", "--epochs", "2", "--optimizer", "sgd"]
+    argv += [] if task is None else ["--task", task]
+    log = tmp_path / "log.csv"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail the test
+        assert main([*argv, "--lr", "1e6", "--log", str(log)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "error: shardcheck train: the single-device baseline diverged (a non-finite loss or parameters at step "
+        in err
+    )
+    assert (
+        "with --optimizer sgd --lr 1e+06; no verdict about the sharded run, and nothing written; lower --lr (default 0.1)"
+        in err
+    )
+    assert not log.exists()
+    assert main([*argv, "--lr", "0.01", "--log", str(log)]) == 0 and log.exists()

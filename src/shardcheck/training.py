@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -95,6 +96,11 @@ class TrainStep:
         return abs(self.loss_sharded - self.loss_baseline) <= self.loss_tolerance
 
     @property
+    def baseline_diverged(self) -> bool:
+        """The baseline's loss or its parameters after the update are not finite (its tolerances then are not)."""
+        return not (math.isfinite(self.loss_baseline) and math.isfinite(self.drift_tolerance))
+
+    @property
     def drift_exceeded(self) -> bool:
         """``max_abs_param_diff > drift_tolerance`` (or, with ``drift_within``, some element beyond its own)."""
         if self.drift_within is not None:
@@ -151,6 +157,12 @@ class StepSummary:
     def loss_curves_agree(self) -> bool:
         """True when the two per-step loss curves agree within tolerance at every step."""
         return all(s.loss_agrees for s in self.steps)
+
+    @property
+    def baseline_diverged_at(self) -> int | None:
+        """The first step at which the single-device baseline went non-finite (its loss, or its parameters after
+        the update), where the run stopped: no verdict about the sharded run; ``None`` when it stayed finite."""
+        return next((s.step for s in self.steps if s.baseline_diverged), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,8 +478,11 @@ def _run_epochs(fn: str, run: _Run) -> tuple[tuple[TrainStep, ...], tuple[Evalua
         for i, batch in enumerate(batches):
             t = len(steps) + 1
             tol = step_tolerance(run.task.terms(batch), 1, t, dtype)
-            record, allowance = _task_step(run.pair, batch, t, epoch, tol, allowance)
+            with np.errstate(invalid="ignore", over="ignore"):  # a baseline gone non-finite: said, not warned
+                record, allowance = _task_step(run.pair, batch, t, epoch, tol, allowance)
             steps.append(record)
+            if record.baseline_diverged:  # no verdict from here (trial 57: NaN read as drift, exit 0)
+                return tuple(steps), tuple(evaluations)
             epoch_end = _evaluation(run, epoch, t) if i == len(batches) - 1 else None
             if epoch_end is not None:
                 evaluations.append(epoch_end)
@@ -583,7 +598,8 @@ def train_task(
             epoch holds as many batches as the task, checked as the task's are when it is drawn.
 
     Returns:
-        A :class:`TaskTrainReport`.
+        A :class:`TaskTrainReport`; where the baseline's loss or parameters go non-finite, the run stops after
+        that step (``baseline_diverged_at``: no verdict from there).
 
     Raises:
         TypeError: ``task`` not a Task; a malformed ``loss_fn`` output; ``callback`` or ``epoch_batches`` not
