@@ -307,3 +307,56 @@ def test_lr_that_overflows_float32_is_refused():
 def test_make_tx_validates(kwargs, err, msg):
     with pytest.raises(err, match=f"^make_tx: .*{msg}"):
         shardcheck.make_tx(**kwargs)
+
+
+class _WithInteger(nnx.Module):
+    """A Linear beside a second leaf of ``dtype``: an nnx.Param, or a Variable of its own (``kind``)."""
+
+    def __init__(self, dtype, kind=nnx.Param):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.n = kind(jnp.arange(2).astype(dtype))
+
+    def __call__(self, x):
+        return self.lin(x) + self.n[...].astype(jnp.float32)
+
+
+class _Count(nnx.Variable):
+    pass
+
+
+def _integer_task(dtype, kind=nnx.Param):
+    x = np.linspace(-1, 1, 48, dtype=np.float32).reshape(16, 3)
+    return shardcheck.Task(
+        model=lambda: _WithInteger(dtype, kind),
+        optimizer=optax.adam(1e-2),
+        loss_fn=lambda m, b: jnp.mean(m(b) ** 2),
+        batches=[x],
+        name="integer",
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_an_integer_param_is_refused_by_name_before_any_step(dtype, tmp_path, capsys):
+    """Trial 57: an int32 nnx.Param read as "a limitation or a bug of shardcheck's simulation step" with JAX's
+    "grad requires real- or complex-valued inputs", on every row. It is the model's: refused by the leaf, its
+    dtype and the fix (TypeError in Python, exit 2 on the command line); the same leaf as an nnx.Variable of its
+    own is state, not a parameter, and the check passes."""
+    name = jnp.dtype(dtype).name
+    said = (
+        f"model _WithInteger's parameter 'n' is an nnx.Param of dtype {name}; gradients need floating parameters: "
+        "keep integer or bool state in an nnx.Variable of its own (e.g. class Count(nnx.Variable): ...), or make "
+        "it a float Param"
+    )
+    with pytest.raises(TypeError) as raised:
+        shardcheck.check_parity("simulation", _integer_task(dtype), num_shards=2)
+    assert str(raised.value) == f"check_parity: {said}"
+    path = tmp_path / "integer_task.py"
+    path.write_text(
+        "import jax.numpy as jnp\nfrom test_bad_input import _integer_task\n"
+        f"task = _integer_task(jnp.{'int32' if dtype is jnp.int32 else 'bool_'})\n"
+    )
+    from shardcheck.cli import main
+
+    assert main(["verify", "--task", f"{path}:task", "--strategies", "simulation", "--devices", "2"]) == 2
+    assert " ".join(capsys.readouterr().err.split()) == f"error: shardcheck verify: {said}"
+    assert shardcheck.check_parity("simulation", _integer_task(dtype, _Count), num_shards=2).ok

@@ -449,3 +449,17 @@ def test_an_annotated_layout_on_a_mesh_without_fsdp_is_labelled_by_its_annotatio
     assert main(["memory", "--task", "digits", "--mesh", "fsdp=4"]) == 0
     out = capsys.readouterr().out
     assert "│ fsdp     │" in out and "annotations:" not in out
+
+
+@require_devices(2)
+@pytest.mark.parametrize("measure", [True, False])
+def test_measured_figures_on_cpu_devices_say_they_are_xla_cpus(measure, capsys):
+    """Trial 57: --measure without --mesh printed XLA:CPU's temp and peak with no word of whose they are (the
+    --mesh path names its backend). Now a backend line says so and where a GPU's own figures come from; an
+    estimate alone, which compiles nothing, has no such line."""
+    argv = ["memory", "--in", "4", "--out", "3", "--shards", "2", "--devices", "2"]
+    assert main([*argv, *(["--measure"] if measure else [])]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    said = "backend: cpu: the measured step was compiled by XLA:CPU on fake CPU devices:"
+    assert (said in out) is measure
+    assert ("a GPU's own figures: --mesh with --target KIND (XLA:GPU, deviceless; docs/memory.md)" in out) is measure

@@ -34,8 +34,10 @@ BACKEND_NOTE = {
         "accelerator's (GPU and TPU compilers fuse, schedule and pad differently: expect the same order of "
         "magnitude, not the same bytes)"
     ),
-    "gpu": "compiled by XLA:GPU for this GPU: the figures are the target's own",
-    "tpu": "compiled by XLA:TPU for this TPU: the figures are the target's own (layouts padded to tiles)",
+    "gpu": "compiled by XLA:GPU for this GPU model (on the GPU, or deviceless from its target description: "
+    "no GPU needed): the figures are the target's own",
+    "tpu": "compiled by XLA:TPU for this TPU model (on the TPU, or deviceless where libtpu compiles without one): "
+    "the figures are the target's own (layouts padded to tiles)",
 }
 """What the compiled figures mean, by the backend (``jax.Device.platform``) that compiled them."""
 

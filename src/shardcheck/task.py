@@ -479,6 +479,21 @@ def _raw(a):
     return a
 
 
+def _check_param_dtypes(fn: str, model: nnx.Module) -> None:
+    """Every ``nnx.Param`` of ``model`` is floating (or complex): ``jax.grad`` differentiates no integer or bool
+    leaf, so neither side's step could run (trial 57: an int32 Param read as a bug of every built-in strategy,
+    with JAX's "grad requires real- or complex-valued inputs")."""
+    for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        dtype = np.dtype(getattr(leaf.get_value(), "dtype", np.float32))
+        if not (np.issubdtype(dtype, np.inexact) or dtype.name == "bfloat16"):
+            name = ".".join(str(p) for p in path)
+            raise TypeError(
+                f"{fn}: model {type(model).__name__}'s parameter {name!r} is an nnx.Param of dtype {dtype.name}; "
+                "gradients need floating parameters: keep integer or bool state in an nnx.Variable of its own "
+                "(e.g. class Count(nnx.Variable): ...), or make it a float Param"
+            )
+
+
 def check_model(
     fn: str,
     model: nnx.Module,
@@ -506,13 +521,15 @@ def check_model(
     (:func:`draws_refusal`). Without ``drawn`` (a caller whose steps all run per shard) such a model is refused.
 
     Raises:
-        TypeError: ``model`` not an ``nnx.Module``; a malformed loss output.
+        TypeError: ``model`` not an ``nnx.Module``; an ``nnx.Param`` that is not floating (an integer or
+            bool one: no gradient); a malformed loss output.
         ValueError: BatchStat variables (without ``batch_stats``); RNG streams drawn in the forward pass when ``drawn`` is not given; a
             non-finite loss at step 0; a ``loss_fn`` that raises anything but a TypeError (named in the message;
             a stream the model's ``nnx.Rngs`` lacks is said to be fixed in the model factory).
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"{fn}: model must be an nnx.Module, got {type(model).__name__}")
+    _check_param_dtypes(fn, model)
     if not batch_stats and jax.tree.leaves(nnx.state(model, nnx.BatchStat)):
         raise ValueError(
             f"{fn}: model {type(model).__name__} is refused because it holds nnx.BatchStat variables (e.g. "

@@ -425,6 +425,16 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
             )
     if measured:
         console.print(render_measured(estimates, measured))
+        choice = getattr(args, "device_choice", None)
+        # the --mesh path says it beside its ahead-of-time table
+        if not aot and choice is not None and choice.platform == "cpu":
+            from shardcheck.ahead_of_time import BACKEND_NOTE
+
+            console.print(
+                f"[bold]backend[/]: cpu: the measured step was {BACKEND_NOTE['cpu']}; a GPU's own figures: --mesh with "
+                "--target KIND (XLA:GPU, deviceless; docs/memory.md)",
+                highlight=False,
+            )
     for s, (verdict, largest, peaks) in (fits or {}).items():
         console.print(render_fit(s, verdict, largest, peaks, aot[s].batch_size), highlight=False)
     for s in PARAMS_SPLIT:
@@ -944,8 +954,10 @@ def main_task(args) -> int:
             return _fail(problem)
         try:  # on the mesh the estimate placed on, {"fsdp": S}: the task's annotations hold in both
             measured = memory.measure_task_strategies(task, num_shards=args.shards, strategies=strategies)
-        except (ValueError, TypeError) as e:
-            return _fail(str(e))
+        except (ValueError, TypeError) as e:  # the library's message, named by the command (trial 57)
+            return _fail(
+                re.sub(r"^(measure_task_strategies|measure_memory): ", "shardcheck memory: ", str(e))
+            )
     return _report(args, estimates, measured, task)
 
 
@@ -1141,8 +1153,8 @@ def memory_plot(estimates, measured, path, *, title: str = "", aot=None) -> None
     """A stacked bar per strategy (params, optimizer incl. step counter, grads) in MiB, written to ``path``.
 
     A model's variables other than ``nnx.Param`` (RNG keys and counts, usually none) are drawn with the params.
-    With ``aot`` (``--mesh``) the compiled step's temporaries are stacked on top (they include the gradients, so
-    the bar then counts the gradients twice; the compiled peak is in the table and the JSON).
+    With ``aot`` (``--mesh``) the compiled step's temporaries are stacked on top in place of the gradients: they
+    include them (trial 57: stacked on the gradients, the bar rose above XLA's measured peak).
 
     With measurements, a marker shows the measured live state per device and a bar outline XLA's peak
     (argument + output - alias + temp).
@@ -1159,10 +1171,14 @@ def memory_plot(estimates, measured, path, *, title: str = "", aot=None) -> None
     parts = {  # persistent state first, so the measured-state marker sits on the top of its segment
         "params": [(estimates[n].params_bytes + estimates[n].model_state_bytes) / mib for n in names],
         "optimizer + step": [(estimates[n].optimizer_bytes + estimates[n].step_bytes) / mib for n in names],
-        "grads": [estimates[n].grads_bytes / mib for n in names],
     }
-    if aot:  # the compiled step's temporaries (activations, gradients, collective buffers) on top
-        parts["temporaries (compiled)"] = [aot[n].temp_bytes / mib if n in aot else 0.0 for n in names]
+    # the compiled step's temporaries (activations, gradients, collective buffers): the gradients among them
+    if aot:
+        parts["temporaries, grads included (compiled)"] = [
+            aot[n].temp_bytes / mib if n in aot else estimates[n].grads_bytes / mib for n in names
+        ]
+    else:
+        parts["grads"] = [estimates[n].grads_bytes / mib for n in names]
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
     bottom = [0.0] * len(names)
     for label, values in parts.items():
