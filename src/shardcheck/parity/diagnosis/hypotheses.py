@@ -504,6 +504,8 @@ def _explained(
     are after the step. ``cand_grads``: the gradients the candidate returned at this step, or ``None``; the
     record's loss weight and its count (``StepRecord.loss_weight``, ``StepRecord.weight_count``) under a
     ``(loss_sum, weight)`` loss."""
+    from shardcheck.parity.diagnosis.shard_subset import shard_subset
+
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
     matches, per_shard, split = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
     if not matches and _loss_per_shard(run, pre, batch, record):
@@ -520,6 +522,8 @@ def _explained(
         matches = ("clip_per_shard",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
+    # no catalog reduction: some shards' gradient only (trial 57)
+    subset = None if matches else shard_subset(run, pre, batch, record, rtol, atol, cand_grads)
     if {e.kind for e in record.leaves if not e.ok} == {"grad"}:
         # only the exposed gradients fail: a fault the optimizer hides (blind to the gradient's scale) or
         # gradients that were not the ones applied
@@ -551,6 +555,7 @@ def _explained(
         weight_count=weight_count(batch, weight),
         shard_weights=shards,
         micro_means=micro,
+        shard_subset=subset,
         global_clip=clip_norm_of(run.ref_opt.tx),  # a clip whose coefficient reads every gradient (trial 44)
     )
 

@@ -82,6 +82,7 @@ from shardcheck.parity.diagnosis.scale_evidence import (
     scale_shown,
     unresolvable,
 )
+from shardcheck.parity.diagnosis.shard_subset import with_shard_subset
 from shardcheck.parity.diagnosis.skipped import with_skipped
 from shardcheck.parity.diagnosis.topology import mismatch_axes
 from shardcheck.parity.harness.candidates import run_step, step_jaxpr, unpack
@@ -960,6 +961,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
     findings = with_resummed(findings, *_resummed(run, findings, mesh))
+    findings = with_shard_subset(findings, records, run.weighted)
     shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)

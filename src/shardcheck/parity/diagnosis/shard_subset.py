@@ -1,0 +1,145 @@
+"""A reduction that left batch shards out: the update is the optimizer's step on some shards' gradient only.
+
+A data-parallel step whose psum masks a device's gradient (``jnp.where(axis_index == k, 0, g)``), broadcasts one
+device's gradient in place of the all-reduce, or reduces over a subset of the devices, applies the gradient of
+some of the S batch shards. Trial 57's "only shard 0's gradient" read "Only the loss matches ... no constant
+factor", and "the last shard left out" (divided by S, or by S - 1) "no simple form".
+
+:func:`shard_subset` tries, at the first failing step and from the reference's pre-step state, every shard alone
+and every shard but one, divided as the full batch's gradient is (by S; a ``(loss_sum, weight)`` loss by the
+batch's total weight) or by the kept shards' own count (weight): where the candidate's returned gradients are that
+gradient, or its parameters and optimizer state are the reference optimizer's step on it, the record says which
+(``StepRecord.shard_subset``), and :func:`with_shard_subset` says it first in the leading finding where that is a
+generic one (``localized``, ``loss_only``, ``update_differs``, ``forward_differs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardcheck.parity.comparison.live import flatten_state
+from shardcheck.parity.diagnosis.evidence import Diagnosis, StepRecord
+from shardcheck.parity.diagnosis.grouping import words_and
+from shardcheck.task import loss_terms, shards_with_state
+
+GENERIC = ("localized", "loss_only", "update_differs", "forward_differs")
+"""The leading findings that name no cause: the shards' reading is said first in them."""
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _shard_terms(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
+    """Each of the S shards' gradient of its loss sum (a mean loss: of its own mean) and its weight (1 for a mean
+    loss), stacked along a leading axis of S."""
+    xs, at = shards_with_state(batch, rest, num_shards, per_row)
+
+    def shard(x):
+        part, rest_s = at(x)
+
+        def total(p):
+            value, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), part)
+            return value, jnp.asarray(1.0 if weight is None else weight, jnp.float32)
+
+        return jax.grad(total, has_aux=True)(params)
+
+    return jax.lax.map(shard, xs)
+
+
+def subsets(num_shards: int) -> list[tuple[int, ...]]:
+    """Every shard alone, then every shard but one (S >= 2; each subset once)."""
+    alone = [(j,) for j in range(num_shards)]
+    but_one = [tuple(i for i in range(num_shards) if i != j) for j in range(num_shards)]
+    return list(dict.fromkeys(alone + but_one))
+
+
+def _combined(stack, weights, kept: tuple[int, ...], own: bool):
+    """The kept shards' gradient, divided by the full batch's count (weight) or by their own (``own``)."""
+    mask = np.zeros(len(weights), np.float32)
+    mask[list(kept)] = 1.0
+    denominator = float(np.sum(weights * mask) if own else np.sum(weights))
+    return jax.tree.map(lambda g: (jnp.tensordot(mask, g, axes=1) / denominator).astype(g.dtype), stack)
+
+
+def _terms(run, pre, batch):
+    """:func:`_shard_terms` of the task's loss at ``pre``, with each shard's rows of a per-row state where the
+    whole state does not trace; ``None`` where neither does."""
+    args = (run.task.loss_fn, run.cand.num_shards, pre.graphdef)
+    for per_row in (False, True):
+        try:
+            stack, weights = _shard_terms(*args, per_row, pre.params, pre.rest, batch)
+        except (TypeError, ValueError):  # a shape error at trace time: a state shaped by the full batch
+            continue
+        return stack, np.asarray(weights, np.float64)
+    return None
+
+
+def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=None):
+    """``(kept, S, own)`` where the candidate's step is the reference optimizer's on the gradient of the shards
+    ``kept`` only (:func:`subsets`), divided by the full batch's count (``own`` False) or their own (``own``
+    True): its returned gradients that gradient (within the record's gradient tolerances), and its parameters
+    and optimizer state that step's (within the hypothesis's rounding); ``None`` where none does, on one shard,
+    on a loss that couples the rows, or against a reference step of the user's."""
+    from shardcheck.parity.diagnosis.hypotheses import (
+        _reproduces,
+        _scaled_params,
+        fitted_factor,
+        hypothesis_rounding,
+    )
+
+    s = run.cand.num_shards or 1
+    terms = None if s < 2 or run.reference is not None or run.rows_coupled else _terms(run, pre, batch)
+    if terms is None:
+        return None
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    cand = flatten_state(nnx.as_pure(cand_grads)) if cand_grads is not None and tolerance else None
+    tx = run.ref_opt.tx
+    for kept in subsets(s):
+        for own in (False, True):
+            grads = _combined(*terms, kept, own)
+            if cand is not None:
+                c = fitted_factor(cand, flatten_state(grads), tolerance)
+                if c is None or abs(c - 1.0) > 1e-3:
+                    continue
+            rounding = hypothesis_rounding(tx, grads, pre.opt_state, pre.params, rtol, atol)
+            if _reproduces(
+                run, *_scaled_params(tx, pre.params, pre.opt_state, grads, 1.0), rtol, atol, rounding
+            ):
+                return kept, s, own
+    return None
+
+
+def subset_clause(subset: tuple[tuple[int, ...], int, bool], weighted: bool) -> str:
+    """The reading in words: which shards, divided by what, the likely mistakes and the fix."""
+    kept, s, own = subset
+    left = [i for i in range(s) if i not in kept]
+    full = "the batch's total weight" if weighted else f"S = {s}"
+    if len(kept) == 1:
+        which = f"shard {kept[0]}'s gradient alone (of {s} batch shards)"
+        divided = f"in place of the mean over all {s}" if own else f"divided by {full}"
+    else:
+        which = f"the gradient of shards {words_and(kept)} of {s} only (shard {words_and(left)} left out)"
+        mine = "those shards' own weight" if weighted else f"their own count, {len(kept)}"
+        divided = f"divided by {mine}" if own else f"divided by {full}, as the full batch's"
+    return (
+        f"the step applied the optimizer's update to {which}, {divided}: a reduction that left shards out (a "
+        "psum whose input masks a device's gradient, one device's gradient broadcast in place of the all-reduce, "
+        "or a reduction over a subset of the devices); reduce every shard's gradient (jax.lax.pmean over every "
+        "batch axis, or a psum of the loss sums and the weights, divided once)."
+    )
+
+
+def with_shard_subset(findings, records, weighted: bool) -> list[Diagnosis]:
+    """``findings`` with :func:`subset_clause` said first in the leading finding where that names no cause
+    (:data:`GENERIC`) and the first failing record carries a ``shard_subset``; else as they are."""
+    findings = list(findings)
+    first = next((r for r in records if not r.ok), None)
+    if not findings or first is None or first.shard_subset is None or findings[0].code not in GENERIC:
+        return findings
+    lead = findings[0]
+    said = f"At step {first.step} {subset_clause(first.shard_subset, weighted)} {lead.message}"
+    return [dataclasses.replace(lead, message=said), *findings[1:]]
