@@ -102,3 +102,19 @@ def test_against_a_float32_recording_the_digests_show_both_factors(task, mesh, f
         assert scale_shown(report.steps) == (True, True)
         return
     assert report.verdict == "FAIL" and report.codes[0] == code, str(report)
+
+
+@require_devices(S)
+def test_a_tf32_run_recorded_as_float32_names_the_recordings_precision(task, mesh):
+    """Trial 57 B4: a TF32 run recorded without --matmul-precision, replayed with the right float32 step, FAILs
+    (the recording claims float32) as a bfloat16 all-reduce, its other reading a live flag that changes nothing
+    of a recording. The reading now names the recording's own precision and how to record it."""
+    recording = record_run(task, candidate(mesh, "tf32"), mesh=mesh)  # claims float32
+    report = check_parity(candidate(mesh), task, reference=recording, mesh=mesh)
+    assert report.verdict == "FAIL" and report.codes[0] == "low_precision_reduction", str(report)
+    said = report.diagnoses[0].message
+    assert (
+        "a recording whose matmuls rounded their operands more than it says: a GPU's TF32 run recorded as float32"
+        in said
+    )
+    assert "record --matmul-precision tf32" in said and "is checked with --matmul-precision tf32" not in said

@@ -2178,14 +2178,23 @@ def low_precision_reduction(ctx: DiagnosisContext) -> Finding:
     # optimizer's update from equal inputs: matches"); the update where it alone shows the difference
     grads = any(e.kind == "grad" and not e.ok for e in ctx.first.leaves)
     what = "the gradients differ" if grads else "the update differs"
+    # a replay's other side is a recording: its run's matmuls may have rounded (trial 57: a GPU's TF32 run
+    # recorded as float32 read as a bfloat16 all-reduce, the fix a live flag that changes nothing of the recording)
+    matmuls = (
+        "or a recording whose matmuls rounded their operands more than it says: a GPU's TF32 run recorded as "
+        "float32, which record --matmul-precision tf32 (record_run(..., matmul_precision='tf32')) records so that "
+        "a replay compares within TF32's rounding"
+        if ctx.first.replayed
+        else "or matmuls that round their operands more than the tolerance assumed: TF32 on a GPU, where the step "
+        "runs so, is checked with --matmul-precision tf32, matmul_precision='tf32' in Python"
+    )
     return Diagnosis(
         "low_precision_reduction",
         f"At step {ctx.first.step} {what} from the reference by about bfloat16's rounding of the "
         "shard gradients (within 2 eps_bf16 sqrt(S) sum_s |g_s|), not by a factor, while the model computes its "
         "gradients in float32: the gradients were likely all-reduced in bfloat16 (read from the error's size "
-        "alone: another change that small reads the same, such as a small term of the loss computed another way, "
-        "or matmuls that round their operands more than the tolerance assumed: TF32 on a GPU, where the step runs "
-        "so, is checked with --matmul-precision tf32, matmul_precision='tf32' in Python). A bfloat16 sum of many shards rounds small contributions away and depends on the reduction "
+        f"alone: another change that small reads the same, such as a small term of the loss computed another way, "
+        f"{matmuls}). A bfloat16 sum of many shards rounds small contributions away and depends on the reduction "
         "order; reduce in float32 (cast the gradients to float32 before the psum / reduce-scatter).",
         ctx.worst_name,
     )
