@@ -82,9 +82,9 @@ def test_against_a_tf32_recording_no_step_passes_unless_the_weak_check_is_accept
     assert report.verdict == "CANNOT VERIFY" and report.codes[0] == "cannot_verify", str(report)
     assert scale_shown(report.steps) == (False, False)
     assert report.cannot_verify.startswith(
-        "Cannot verify against this recording: in no replayed step would a gradient times 4 or times 1/4 (a sum "
-        "for a mean, a mean taken twice) move a recorded leaf beyond its tolerance, so such an error would pass: "
-        "its tolerance assumes tf32 matmul rounding"
+        "Cannot verify against this recording: in no replayed step would a x4 or x1/4 error (a sum for a mean, a "
+        "mean taken twice) move a recorded leaf beyond its tolerance, so such an error would pass: its tolerance "
+        "assumes tf32 matmul rounding"
     )
     accepted = check_parity(candidate(mesh), task, reference=recording, mesh=mesh, accept_weak=True)
     assert accepted.verdict == "PASS (weak check accepted)" and accepted.weak_accepted.startswith(

@@ -104,6 +104,20 @@ ACCEPT = "pass accept_weak=True (verify --accept-weak) to accept the weak check.
 ACCEPTED = "accepted as a weak check (accept_weak=True, verify --accept-weak, or a user-set rtol/atol)."
 
 
+def unseen_factors(shown: tuple[bool, bool], num_shards: int | None) -> tuple[str, str]:
+    """``(times, which)`` in words of the factors that ``shown`` (:func:`scale_shown`) says no step showed:
+    ``("times 4 or times 1/4", "a x4 or x1/4 error (a sum for a mean, a mean taken twice)")``."""
+    s = int(scale_factors(num_shards)[0])
+    return {
+        (False, False): (
+            f"times {s} or times 1/{s}",
+            f"a x{s} or x1/{s} error (a sum for a mean, a mean taken twice)",
+        ),
+        (True, False): (f"times 1/{s}", f"a x1/{s} error (a mean taken twice; a x{s} one would have failed)"),
+        (False, True): (f"times {s}", f"a x{s} error (a sum for a mean; a x1/{s} one would have failed)"),
+    }[shown]
+
+
 def unresolvable(
     records, num_shards: int | None, precision: Precision, *, accepted: bool = False, user_set: str = ""
 ) -> str | None:
@@ -127,15 +141,7 @@ def unresolvable(
     shown = scale_shown(records)
     if all(shown):
         return None
-    s = int(scale_factors(num_shards)[0])
-    times, which = {
-        (False, False): (
-            f"times {s} or times 1/{s}",
-            f"a x{s} or x1/{s} error (a sum for a mean, a mean taken twice)",
-        ),
-        (True, False): (f"times 1/{s}", f"a x1/{s} error (a mean taken twice; a x{s} one would have failed)"),
-        (False, True): (f"times {s}", f"a x{s} error (a sum for a mean; a x1/{s} one would have failed)"),
-    }[shown]
+    times, which = unseen_factors(shown, num_shards)
     accept = ACCEPTED if accepted else ACCEPT
     # a step that returned its gradients is never told to return them (trial 12: bfloat16, gradients compared)
     returned = any(e.kind == "grad" for r in records for e in r.leaves)

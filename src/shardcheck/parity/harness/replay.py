@@ -179,17 +179,12 @@ def _weak(report: ParityReport, accept_weak: bool, derived: bool) -> ParityRepor
     terms (rtol 1.41 on a 1280-term step), under which a sum for a mean and a mean taken twice replayed as a
     PASS with a note."""
     from shardcheck.parity.diagnosis.evidence import Diagnosis
-    from shardcheck.parity.diagnosis.scale_evidence import ACCEPT, ACCEPTED, scale_factors, scale_shown
+    from shardcheck.parity.diagnosis.scale_evidence import ACCEPT, ACCEPTED, scale_shown, unseen_factors
 
-    replay = report.replay
-    if not report.ok or not derived or replay is None or replay.bitwise or all(scale_shown(report.steps)):
+    replay, shown = report.replay, scale_shown(report.steps)
+    if not report.ok or not derived or replay is None or replay.bitwise or all(shown):
         return report
-    s = int(scale_factors(report.num_shards)[0])
-    which = {
-        (False, False): f"times {s} or times 1/{s} (a sum for a mean, a mean taken twice)",
-        (True, False): f"times 1/{s} (a mean taken twice)",
-        (False, True): f"times {s} (a sum for a mean)",
-    }[scale_shown(report.steps)]
+    which = unseen_factors(shown, report.num_shards)[1]
     coarse = replay.matmul_precision != "float32"
     why = (
         f"its tolerance assumes {replay.matmul_precision} matmul rounding on every one of a step's terms (the "
@@ -202,8 +197,8 @@ def _weak(report: ParityReport, accept_weak: bool, derived: bool) -> ParityRepor
         "which the parameters did not move). Record more steps or raise the learning rate"
     )
     said = (
-        f"Cannot verify against this recording: in no replayed step would a gradient {which} move a recorded "
-        f"leaf beyond its tolerance, so such an error would pass: {why}; "
+        f"Cannot verify against this recording: in no replayed step would {which} move a recorded leaf beyond "
+        f"its tolerance, so such an error would pass: {why}; "
     )
     if accept_weak:
         return dataclasses.replace(report, weak_accepted=said + ACCEPTED)
