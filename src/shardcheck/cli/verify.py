@@ -578,9 +578,8 @@ def _error_row(args, label: str, err: Exception) -> ErrorRow | None:
         return ErrorRow(label, _candidate_message(args, err), type(cause).__name__, reason, step, False)
     from shardcheck.parity.harness.setup import StrategyRefusal
 
-    if (
-        isinstance(err, StrategyRefusal) and err.strategy == label
-    ):  # this strategy's placement alone (trial 56)
+    # this strategy's placement alone: its own row, the others stand (trial 56)
+    if isinstance(err, StrategyRefusal) and err.strategy == label:
         whole = library_to_flags(str(err), "verify", args=args).removeprefix("shardcheck verify: ")
         message = (
             f"shardcheck verify: the built-in strategy {label!r} cannot place this task on this mesh: {whole}; "

@@ -461,9 +461,9 @@ def _other_transformation(theirs: set[str], mine: set[str]) -> str:
 
 
 class StrategyRefusal(ValueError):
-    """A built-in strategy's own check refused the task's model, optimizer or mesh (its placement: an annotation
-    naming an axis the mesh lacks, a dimension its axes do not split evenly): that strategy's alone, where the
-    other strategies may still check the task (``shardcheck verify`` gives it its row; trial 56).
+    """A built-in strategy cannot place the task's state on the mesh (an annotation naming an axis the mesh lacks,
+    a dimension its axes do not split evenly): that strategy's alone, where the strategies that replicate the
+    state may still check the task (``shardcheck verify`` gives it its row; trial 56).
 
     Attributes:
         strategy: the refusing strategy's registered name.
@@ -475,21 +475,21 @@ class StrategyRefusal(ValueError):
 
 
 def _check_strategy(fn, candidate, cand: Candidate, model, optimizer, mesh, data, weighted: bool) -> None:
-    """A named strategy's own checks of the model and optimizer, and of its placement (a refusal is a
-    :class:`StrategyRefusal`); the batches of a registered strategy must split into S equal shards. (A user's
+    """A named strategy's own checks of the model and optimizer, and of its placement (a refusal of the
+    placement is a :class:`StrategyRefusal`); the batches of a registered strategy must split into S equal shards. (A user's
     step may ignore the model's annotations: where they name an axis the mesh lacks, its error says so if it
     raises: :func:`~shardcheck.parity.harness.candidates.run_step`.)"""
     named = isinstance(candidate, str)
     if named:
         strategy = STRATEGIES[candidate]
-        placed = mesh_for(fn, strategy, cand.num_shards, mesh) if strategy.placement == "fsdp" else None
-        try:
-            if strategy.check is not None:
-                strategy.check(fn, model, optimizer)
-            if placed is not None:  # the annotations and the mesh's axes must fit (no state is changed)
+        if strategy.check is not None:
+            strategy.check(fn, model, optimizer)
+        if strategy.placement == "fsdp":  # the annotations and the mesh's axes must fit (no state is changed)
+            placed = mesh_for(fn, strategy, cand.num_shards, mesh)
+            try:
                 state_specs(candidate, model, optimizer, placed, fn=fn)
-        except ValueError as err:
-            raise StrategyRefusal(str(err), candidate) from err
+            except ValueError as err:
+                raise StrategyRefusal(str(err), candidate) from err
     if cand.num_shards is not None and (named or cand.name in STRATEGIES):
         for batch in data:
             check_divisible(fn, batch, cand.num_shards, weighted=weighted)
