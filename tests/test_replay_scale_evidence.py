@@ -10,6 +10,9 @@ still FAILs the faulty steps by name and PASSes the right one.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import optax
 import pytest
 from conftest import require_devices
@@ -118,3 +121,50 @@ def test_a_tf32_run_recorded_as_float32_names_the_recordings_precision(task, mes
         in said
     )
     assert "record --matmul-precision tf32" in said and "is checked with --matmul-precision tf32" not in said
+
+
+def gradient_scaled(mesh, factor):
+    """A loss-only dp step whose gradient is ``factor`` x the reference's while its loss is the reference's
+    (``loss + (factor - 1) (loss - stop_gradient(loss))``): a sum for a mean that a binding clip hides."""
+
+    def scaled(m, b):
+        value = loss_fn(m, b)
+        return value + (factor - 1.0) * (value - jax.lax.stop_gradient(value))
+
+    def step(model, optimizer, batch):
+        return mesh_step("dp", scaled, model, optimizer, batch, mesh, with_grads=False)
+
+    return Candidate(f"dp x{factor:g} loss only", step, S)
+
+
+@require_devices(S)
+@pytest.mark.parametrize("clip", [1e-3, None], ids=["binding clip", "no clip"])
+def test_a_binding_clip_hides_a_sum_for_a_mean_from_a_replay_as_from_a_live_check(task, mesh, clip):
+    """Trial 58: under a clip that binds at every step a loss-only step x4 replayed as a PASS (exit 0), where the
+    live check is CANNOT VERIFY. The replay reads what the optimizer takes of x4 at its own gradient norm (1, both
+    clipped): CANNOT VERIFY, the clip named with the fix; without the clip the x4 FAILs both ways."""
+    tx = optax.adam(1e-3) if clip is None else optax.chain(optax.clip_by_global_norm(clip), optax.adam(1e-3))
+    clipped = dataclasses.replace(task, optimizer=tx)
+    recording = record_run(clipped, gradient_scaled(mesh, 1.0), mesh=mesh)
+    assert recording.meta["global_clip"] == clip
+    live = check_parity(gradient_scaled(mesh, S), clipped, mesh=mesh)
+    replayed = check_parity(gradient_scaled(mesh, S), clipped, reference=recording, mesh=mesh)
+    if clip is None:
+        assert live.verdict == replayed.verdict == "FAIL", (str(live), str(replayed))
+        return
+    assert live.verdict == replayed.verdict == "CANNOT VERIFY", (str(live), str(replayed))
+    assert "the task's optimizer clips the gradient's global norm to 0.001, which, where it binds" in (
+        replayed.cannot_verify
+    )
+
+
+@require_devices(S)
+def test_tolerances_the_user_set_accept_a_weak_replay_as_live(task, mesh):
+    """Trial 58: --rtol 10 read "PASS (weak check accepted)" live and a plain "PASS" replayed; both accept it."""
+    recording = record_run(task, candidate(mesh), mesh=mesh)
+    live, replayed = (
+        check_parity(candidate(mesh, factor=S), task, mesh=mesh, rtol=10.0, **r)
+        for r in ({}, {"reference": recording})
+    )
+    assert live.verdict == replayed.verdict == "PASS (weak check accepted)", (str(live), str(replayed))
+    assert "the tolerances set (rtol=10) are wider than a factor's change" in replayed.weak_accepted

@@ -425,16 +425,8 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
             )
     if measured:
         console.print(render_measured(estimates, measured))
-        choice = getattr(args, "device_choice", None)
-        # the --mesh path says it beside its ahead-of-time table
-        if not aot and choice is not None and choice.platform == "cpu":
-            from shardcheck.ahead_of_time import BACKEND_NOTE
-
-            console.print(
-                f"[bold]backend[/]: cpu: the measured step was {BACKEND_NOTE['cpu']}; a GPU's own figures: --mesh with "
-                "--target KIND (XLA:GPU, deviceless; docs/memory.md)",
-                highlight=False,
-            )
+        if not aot:  # the --mesh path says it beside its ahead-of-time table
+            _measured_backend(console, args)
     for s, (verdict, largest, peaks) in (fits or {}).items():
         console.print(render_fit(s, verdict, largest, peaks, aot[s].batch_size), highlight=False)
     for s in PARAMS_SPLIT:
@@ -466,6 +458,20 @@ def _report(args, estimates, measured, task=None, *, aot=None, fits=None, mesh=N
         memory_plot(estimates, measured, args.plot, title=_title(args, task, mesh), aot=aot)
     # a script asking "does it fit" reads the exit status (trial 49: "does not fit" exited 0)
     return 1 if any(not verdict.fits for verdict, _, _ in (fits or {}).values()) else 0
+
+
+def _measured_backend(console, args) -> None:
+    """On CPU devices, a line saying that the measured step's temp and peak are XLA:CPU's, and where a GPU's own
+    figures come from (trial 57: --measure without --mesh said nothing of whose figures they were)."""
+    from shardcheck.ahead_of_time import BACKEND_NOTE
+
+    choice = getattr(args, "device_choice", None)
+    if choice is not None and choice.platform == "cpu":
+        console.print(
+            f"[bold]backend[/]: cpu: the measured step was {BACKEND_NOTE['cpu']}; a GPU's own figures: --mesh with "
+            "--target KIND (XLA:GPU, deviceless; docs/memory.md)",
+            highlight=False,
+        )
 
 
 def _print_devices(console, args, mesh) -> dict:

@@ -1501,7 +1501,7 @@ def _records(
                 replica_axes=axes,
                 forward_writes=forward_writes,
                 loss_counters=counters,
-                scale_evidence=_scale_evidence(bounds.scale.get(t, ()), meta.get("num_shards"))
+                scale_evidence=_scale_evidence(bounds.scale.get(t, ()), _factors(pair, t))
                 if t >= 0
                 else None,
             )
@@ -1509,29 +1509,52 @@ def _records(
     return tuple(out)
 
 
+def _factors(pair: _Pair, t: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((S, 1/S), (S', 1/S'))``: the factors of a sum for a mean and a mean taken twice (S the recording's
+    ``num_shards``, 2 where unknown), and what the optimizer reads of them at step t. Under the task's global-norm
+    clip (``meta["global_clip"]``, max norm M) that is the ratio of the clipped gradients at the replay's own
+    gradient norm n (the task's gradient before the step, ``meta["true_gradients"]``): ``clip(c g) = g min(c,
+    M / n)``, so ``c' = min(c, M / n) / min(1, M / n)``, 1 where the clip binds on both (trial 58: under a
+    binding clip a sum for a mean replayed as a PASS, where the live check is CANNOT VERIFY); 1 where the norm is
+    not known (a step that returned its gradients: they are compared themselves)."""
+    num_shards = pair.recording.meta.get("num_shards")
+    s = float(num_shards) if num_shards and num_shards > 1 else 2.0
+    clip = pair.replayed.meta.get("global_clip") or pair.recording.meta.get("global_clip")
+    if not clip:
+        return (s, 1.0 / s), (s, 1.0 / s)
+    params = [n.removeprefix("param ") for n in pair.recording.names if n.startswith("param ")]
+    norms = [true_gradients.read(pair.replayed.meta, t, p) for p in params]
+    if not norms or any(x is None for x in norms):
+        return (s, 1.0 / s), (1.0, 1.0)
+    ceiling = float(clip) / max(math.sqrt(sum(x[1] ** 2 for x in norms)), 1e-30)  # M / n
+    return (s, 1.0 / s), tuple(min(c, ceiling) / min(1.0, ceiling) for c in (s, 1.0 / s))
+
+
 def _scale_evidence(
-    leaves: Sequence[tuple], num_shards: int | None
+    leaves: Sequence[tuple], factors: tuple[tuple[float, float], tuple[float, float]]
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The compared leaves of one step whose recorded digest a gradient times S, and times 1/S, would move beyond
     the tolerance it was held to: the live check's ``StepRecord.scale_evidence``, from the digests alone
-    (``leaves``: :attr:`_Bounds.scale`'s entries of the step). A gradient's or a first moment's ``max|x|``
-    (linear in the gradient) moves by ``|c - 1| max|x|``, a second moment's by ``|c^2 - 1| max|x|``, and a
-    parameter's update size by ``|c - 1|`` of it only where the optimizer keeps no moment (plain SGD: Adam's
-    update is normalized, Lion's a sign). S is 2 where unknown (trial 57: a TF32 recording's tolerance, rtol
-    1.41, let a sum for a mean and a mean taken twice replay as a PASS)."""
-    s = float(num_shards) if num_shards and num_shards > 1 else 2.0
+    (``leaves``: :attr:`_Bounds.scale`'s entries of the step; ``factors``: :func:`_factors`, the gradient's and
+    what the optimizer reads of it). A gradient's ``max|x|`` moves by ``|c - 1| max|x|``; a first moment's
+    (linear in what the optimizer reads) by ``|c' - 1| max|x|``, a second moment's by ``|c'^2 - 1| max|x|``, and
+    a parameter's update size by ``|c' - 1|`` of it only where the optimizer keeps no moment (plain SGD: Adam's
+    update is normalized, Lion's a sign). Trial 57: a TF32 recording's tolerance, rtol 1.41, let a sum for a mean
+    and a mean taken twice replay as a PASS."""
     moments = any(name.startswith("opt_state ") and moment(name) for name, *_ in leaves)
     shown = []
-    for c in (s, 1.0 / s):
+    for c, read in zip(*factors, strict=True):
         hit = []
         for name, top, allowed, update, update_allowed in leaves:
             kind, field = name.split(" ", 1)[0], moment(name) if name.startswith("opt_state ") else None
-            if kind == "grad" or field == "first":
+            if kind == "grad":
                 change = abs(c - 1.0) * top
+            elif field == "first":
+                change = abs(read - 1.0) * top
             elif field == "second":
-                change = abs(c * c - 1.0) * top
+                change = abs(read * read - 1.0) * top
             elif kind == "param" and not moments and update_allowed is not None:
-                change, allowed = abs(c - 1.0) * update, update_allowed
+                change, allowed = abs(read - 1.0) * update, update_allowed
             else:
                 continue
             if math.isfinite(change) and change > allowed:

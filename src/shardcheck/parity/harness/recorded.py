@@ -723,8 +723,16 @@ def _probed(task: Task, model: nnx.Module, name: str, probe):
 
 def _optimizer_facts(task: Task, model: nnx.Module) -> dict:
     """What a recording keeps of the task's optimizer: the parameters whose update it normalizes
-    (``meta["normalized"]``) and its update of a probe gradient (``meta["optimizer"]``)."""
-    return {"normalized": normalized_params(task, model), "optimizer": optimizer_signature(task, model)}
+    (``meta["normalized"]``), its update of a probe gradient (``meta["optimizer"]``) and the ``max_norm`` of its
+    ``optax.clip_by_global_norm`` (``meta["global_clip"]``, ``None`` without one: what a replay's scale evidence
+    reads, a binding clip mapping g and S g to one update)."""
+    from shardcheck.parity.diagnosis.hypotheses import clip_norm_of
+
+    return {
+        "normalized": normalized_params(task, model),
+        "optimizer": optimizer_signature(task, model),
+        "global_clip": clip_norm_of(task.optimizer),
+    }
 
 
 def optimizer_signature(task: Task, model: nnx.Module) -> dict[str, float]:

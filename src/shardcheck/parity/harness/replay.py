@@ -107,7 +107,7 @@ def check_against_recording(
             ``"reference"``).
         accept_weak: accept a replay in which no recorded leaf would have shown a gradient off by S or by 1/S
             (``PASS (weak check accepted)``); default: such a replay is ``CANNOT VERIFY`` (:func:`_weak`), as a
-            live check is. Moot where the user set ``rtol`` / ``atol``.
+            live check is. Tolerances the user set (``rtol``, ``atol``) accept it too, as live.
         **unsupported: ``check_parity`` options of :data:`UNSUPPORTED`: refused unless None.
 
     Returns:
@@ -164,16 +164,16 @@ def check_against_recording(
     where["name"] = name
     report = with_optimizer_rerun(comparison.report(), candidate, task, rules=rules, **where)
     report = with_update_check(report, checked[0] if checked else None, task, rules)
-    report = _weak(
-        _with_program(report, candidate, task, **where), accept_weak, rtol is None and atol is None
-    )
+    report = _weak(_with_program(report, candidate, task, **where), task, accept_weak, rtol, atol)
     return report if diverged is None else diverged_report(report, diverged, recording, replayed)
 
 
-def _weak(report: ParityReport, accept_weak: bool, derived: bool) -> ParityReport:
-    """A passing, not bitwise identical replay under derived tolerances in which no recorded leaf of any step
-    would have shown a gradient off by S or by 1/S (``StepRecord.scale_evidence``, from the digests) as
-    ``CANNOT VERIFY`` (``accept_weak``: ``PASS (weak check accepted)``), as a live check's; else as it is.
+def _weak(report: ParityReport, task: Task, accept_weak: bool, rtol, atol) -> ParityReport:
+    """A passing replay (bitwise identical or not) in which no recorded leaf of any step would have shown a gradient
+    off by S or by 1/S (``StepRecord.scale_evidence``, from the digests; under the task's global-norm clip, what
+    the optimizer reads of it) as ``CANNOT VERIFY``, its text the cause (a coarser matmul precision, a binding
+    clip with no gradients returned, or updates too small) and the fix; ``accept_weak``, or tolerances the user
+    set (``rtol``, ``atol``), accept it: ``PASS (weak check accepted)``, as a live check's; else as it is.
 
     Trial 57: a TF32 recording replayed in float32 compares within TF32's eps over the derived rule's sqrt(B*K)
     terms (rtol 1.41 on a 1280-term step), under which a sum for a mean and a mean taken twice replayed as a
@@ -182,25 +182,39 @@ def _weak(report: ParityReport, accept_weak: bool, derived: bool) -> ParityRepor
     from shardcheck.parity.diagnosis.scale_evidence import ACCEPT, ACCEPTED, scale_shown, unseen_factors
 
     replay, shown = report.replay, scale_shown(report.steps)
-    if not report.ok or not derived or replay is None or replay.bitwise or all(shown):
+    # a bitwise identical replay too: a binding clip maps g and S g to the same bits (trial 58)
+    if not report.ok or replay is None or all(shown):
         return report
     which = unseen_factors(shown, report.num_shards)[1]
-    coarse = replay.matmul_precision != "float32"
-    why = (
-        f"its tolerance assumes {replay.matmul_precision} matmul rounding on every one of a step's terms (the "
-        "looser of the two runs' precisions), wider than a factor's change of the recorded digests. Record and "
-        "replay both with float32 matmuls (jax_default_matmul_precision='highest' on a GPU), or check the step "
-        "live against the task's reference (verify without --against), where a coarser precision's rounding is "
-        "measured, not assumed"
-        if coarse
-        else "the recorded digests change too little for their tolerances (a tiny learning rate, or steps at "
-        "which the parameters did not move). Record more steps or raise the learning rate"
-    )
+    clip = clip_norm_of(task.optimizer)
+    returned = any(e.kind == "grad" for r in report.steps for e in r.leaves)
+    given = ", ".join(f"{k}={v:g}" for k, v in (("rtol", rtol), ("atol", atol)) if v is not None)
+    if given:  # the user's own tolerances: accepted, as live (trial 58: --rtol 10 replayed as a plain PASS)
+        why = f"the tolerances set ({given}) are wider than a factor's change of the recorded digests. Lower them"
+    elif replay.matmul_precision != "float32":
+        why = (
+            f"its tolerance assumes {replay.matmul_precision} matmul rounding on every one of a step's terms (the "
+            "looser of the two runs' precisions), wider than a factor's change of the recorded digests. Record and "
+            "replay both with float32 matmuls (jax_default_matmul_precision='highest' on a GPU), or check the "
+            "step live against the task's reference (verify without --against), where a coarser precision's "
+            "rounding is measured, not assumed"
+        )
+    elif clip is not None and not returned:
+        why = (
+            f"the task's optimizer clips the gradient's global norm to {clip:g}, which, where it binds, maps the "
+            "gradient and S times it to one update, and the step returned no gradients. Return them from the "
+            "step ({'loss': loss, 'grads': grads}), or record with a clipping norm above the gradients' norm"
+        )
+    else:
+        why = (
+            "the recorded digests change too little for their tolerances (a tiny learning rate, or steps at which "
+            "the parameters did not move). Record more steps or raise the learning rate"
+        )
     said = (
         f"Cannot verify against this recording: in no replayed step would {which} move a recorded leaf beyond "
         f"its tolerance, so such an error would pass: {why}; "
     )
-    if accept_weak:
+    if accept_weak or given:
         return dataclasses.replace(report, weak_accepted=said + ACCEPTED)
     findings = (
         Diagnosis("cannot_verify", said + ACCEPT),
