@@ -129,6 +129,18 @@ def library_to_flags(
     return message
 
 
+def lr_setting(args, name: str | None, task_name: str) -> tuple[str, str]:
+    """``(setting, default)`` of a run that diverged, in the command line's words: ``("with --optimizer sgd --lr
+    1e+06", " (default 0.1)")`` for the optimizer ``name`` (``None``: a task file's own, ``("on task 'x'", " (or the
+    task's learning rate)")``), for the message's "lower --lr{default}"."""
+    from shardcheck.optimizers import DEFAULT_LR
+
+    if name is None:
+        return f"on task {task_name!r}", " (or the task's learning rate)"
+    lr = DEFAULT_LR[name] if args.lr is None else args.lr
+    return f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
+
+
 def reason_line(err: BaseException, limit: int = 400) -> str:
     """An exception's reason on one line: its first non-empty line, joined with the next ones while a line ends
     with ``:`` (JAX's "scan body function carry input and carry output must have equal types, but they differ:"

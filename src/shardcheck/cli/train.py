@@ -157,7 +157,8 @@ def _check_args(args) -> str | None:
     if args.task is None and args.steps is not None:
         return f"{fn}: --steps applies with --task only; without it a run takes --epochs x (training rows // B) steps"
     tuned = _optimizer_flags(args)
-    if args.task is None and tuned:  # trial 57: without --task they were ignored, the run the plain optimizer's
+    # trial 57: without --task they were ignored, the run the plain optimizer's
+    if args.task is None and tuned:
         return (
             f"{fn}: {tuned[0]} applies with --task only (it configures the task's optimizer); without --task, train "
             "runs the seeds' regression step with --optimizer and --lr alone: pass --task diabetes (or linnerud, "
@@ -293,14 +294,10 @@ def _first_batches(task, steps: int):
 
 def _diverged(args, step: int) -> str:
     """The message of a run whose baseline went non-finite at ``step`` (1-based): its settings and the fix."""
-    from shardcheck.optimizers import DEFAULT_LR
+    from shardcheck.cli._common import lr_setting
 
     name = args.optimizer or (DATASET_DEFAULTS["optimizer"] if args.task is None else None)
-    if name is None:
-        setting, default = f"on task {args.task!r}", " (or the task's learning rate)"
-    else:
-        lr = DEFAULT_LR[name] if args.lr is None else args.lr
-        setting, default = f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
+    setting, default = lr_setting(args, name, args.task)
     return (
         f"shardcheck train: the single-device baseline diverged (a non-finite loss or parameters at step {step}) "
         f"{setting}; no verdict about the sharded run, and nothing written; lower --lr{default}"

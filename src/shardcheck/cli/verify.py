@@ -776,14 +776,9 @@ def _diverged_message(args, task, reports) -> str | None:
     diverged = next((r for r in done if r.reference_diverged_at is not None), None)
     if diverged is None:
         return None
-    from shardcheck.optimizers import DEFAULT_LR
+    from shardcheck.cli._common import lr_setting
 
-    name = args.optimizer or ("sgd" if args.task is None else None)
-    if name is None:
-        setting, default = f"on task {task.name!r}", " (or the task's learning rate)"
-    else:
-        lr = DEFAULT_LR[name] if args.lr is None else args.lr
-        setting, default = f"with --optimizer {name} --lr {lr:g}", f" (default {DEFAULT_LR[name]:g})"
+    setting, default = lr_setting(args, args.optimizer or ("sgd" if args.task is None else None), task.name)
     return (
         f"shardcheck verify: the reference run diverged (non-finite loss or parameters at step "
         f"{diverged.reference_diverged_at}) {setting}; no verdict about the candidates; lower --lr{default} "
