@@ -80,6 +80,17 @@ def test_parity():
     assert diagnose([]) == []
 
 
+def test_a_pass_on_one_device_says_no_reduction_ran():
+    """Trial 57 D: a 1-device check passed without saying that no collective ran; a mesh of several devices (a
+    tensor-parallel data=1 x model=4 included: its reductions over ``model`` ran) says nothing of it."""
+    said = "S=1 on one device: no all-reduce, all-gather or reduce-scatter ran"
+    assert said in diagnose(_passing(2), 1)[0].message
+    assert said in diagnose(_passing(2), 1, mesh_shape={"data": 1})[0].message
+    assert said not in diagnose(_passing(2), 1, mesh_shape={"data": 1, "model": 4})[0].message
+    assert said not in diagnose(_passing(2), 4)[0].message
+    assert said not in diagnose(_passing(2))[0].message  # S not known
+
+
 def test_reference_diverged():
     out = diagnose(_passing(2), reference_diverged_at=2)
     assert _codes(out) == ["reference_diverged"]

@@ -8,6 +8,7 @@ the gradients are not observed the message is the one it was.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -180,4 +181,25 @@ def test_after_the_gradients_the_message_blames_no_gradient():
     message = missed_axes_message(0, LEAVES, ("model",), MESH, True, unreduced=("a.kernel",))
     assert "the copies parted after the gradients" in message and message.endswith(
         f"Affected: {', '.join(LEAVES)}."
+    )
+
+
+def test_a_loss_that_differs_beside_unreduced_copies_names_the_reduction_before_the_mask():
+    """Trial 58 C3: after ``wrong_axis_reduction``, the ``forward_differs`` paragraph put "a mask ..." first and
+    the reduction last; it now names the reduction first (mend it first), the loss's inputs after. Without copies
+    that differ, the inputs are said alone."""
+    from shardcheck.parity.diagnosis.rules import _forward_sentence
+
+    leaves = (LeafError(0, "loss", "loss", 1.0, 0.0, 1e-6, False),)
+    parted = StepRecord(
+        0, 1e-5, 1e-6, 1.0, 1.0, leaves, 1, 1, replica_mismatches=LEAVES, batch_keys=("mask",)
+    )
+    said = _forward_sentence(parted)
+    first = said.index("first the loss and its gradients reduced another way across the shards")
+    assert first < said.index("a mask (e.g. attention") and "the reduction named above; mend it first" in said
+    alone = _forward_sentence(dataclasses.replace(parted, replica_mismatches=()))
+    assert "reduced another way across the shards" not in alone
+    assert "computed another way at equal parameters: a mask (e.g. attention" in alone
+    assert alone.endswith(
+        "the batch holds 'mask' beside its inputs and labels: check how the step's loss reads each."
     )

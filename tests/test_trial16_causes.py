@@ -77,7 +77,7 @@ def _grads(fault: str, model, batch):
     shards' own means summed), ``means`` (averaged), ``rows`` (the sum over the row count), ``twice`` (the mean
     divided by S again)."""
     total, weight = _loss(model, batch)
-    if fault in ("summed", "means"):
+    if fault in ("summed", "means", "means_twice"):
         shards = jax.tree.map(lambda a: a.reshape((S, N // S) + a.shape[1:]), batch)
 
         def shard_mean(m, i):
@@ -85,7 +85,7 @@ def _grads(fault: str, model, batch):
             return t / w
 
         parts = [nnx.grad(functools.partial(shard_mean, i=i))(model) for i in range(S)]
-        k = 1.0 if fault == "summed" else 1.0 / S
+        k = {"summed": 1.0, "means": 1.0 / S, "means_twice": 1.0 / S**2}[fault]
         return total / weight, jax.tree.map(lambda *g: k * sum(g), *parts)
     grads = nnx.grad(lambda m: _loss(m, batch)[0])(model)
     div = {"none": weight, "rows": float(N), "twice": weight * S}[fault]
@@ -123,11 +123,29 @@ def test_summed_per_shard_means_are_named_summed_with_their_factor():
     assert "the returned gradients are 2 x the mean of per-shard means" in said
     assert "summed (a psum where a pmean was due), not averaged: x2, a sum over S=2 shards" in said
     assert "before the shards were averaged" not in said
+    # trial 58 C5: the second fault, the psum, under its own code beside the per-shard division
+    assert report.codes[:2] == ("normalization", "summed"), report.codes
+    assert (
+        "a psum where a pmean was due): jax.lax.pmean them over the batch axes, or divide the psum by 2"
+        in said
+    )
+
+
+def test_per_shard_means_averaged_then_divided_again_are_named_with_both_codes():
+    """Trial 58 C5's other side: the per-shard means averaged and divided by S again read
+    ``normalization`` and ``averaged_twice``, each fault with its own fix."""
+    report = check_parity(_step("means_twice"), _task(clip=1e-3))
+    assert report.codes[:2] == ("normalization", "averaged_twice"), str(report)
+    assert abs(_first(report).per_shard_factor - 0.5) < 1e-3
+    said = report.diagnosis
+    assert "the shards' means were averaged and divided by S=2 again: x1/2" in said
+    assert "the shards' mean was divided by S=2 again (x1/2): divide once" in said
 
 
 def test_averaged_per_shard_means_are_still_named_averaged():
     report = check_parity(_step("means"), _task(clip=1e-3))
     assert report.codes[0] == "normalization", str(report)
+    assert "summed" not in report.codes and "averaged_twice" not in report.codes, report.codes
     assert _first(report).per_shard_factor is None
     assert (
         "each shard divided its loss sum by its own weight (token count) before the shards were averaged"

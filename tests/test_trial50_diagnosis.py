@@ -176,6 +176,7 @@ def test_a_psum_of_per_shard_means_is_named_with_or_without_the_gradients_return
         text = _text(report)
         assert report.verdict == "FAIL" and report.codes[0] == "normalization", text
         assert "the shards' means were summed (a psum where a pmean was due), not averaged: x4" in text
+        assert report.codes[:2] == ("normalization", "summed"), report.codes  # trial 58 C5
     assert "At step 0 the returned gradients are 4 x the mean of per-shard means" in _text(with_grads)
     assert (
         "At step 0 the parameters and optimizer state are the optimizer's step on 4 x the mean of per-shard means "

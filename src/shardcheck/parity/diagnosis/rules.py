@@ -31,7 +31,8 @@ in order, with their codes:
   optimizer's state shows the gradient it was given scaled by one factor (a clip by a norm not the global one).
 - :func:`local_clip_norm` (``local_clip_norm``): the exposed gradients match, the optimizer's factors differ by
   leaf group, all >= 1 (each shard clipped by its own local norm).
-- :func:`normalization` (``normalization``): the update is the mean of per-shard means (C4-C6).
+- :func:`normalization` (``normalization``, with ``summed`` / ``averaged_twice`` where it is S or 1/S times
+  that): the update is the mean of per-shard means (C4-C6).
 - :func:`per_shard_loss` (``per_shard_loss``): the same step while the shards carry equal weights: a term of the
   loss that couples the rows was computed per shard.
 - :func:`scaled` (``scaled``): the gradient factor is another constant.
@@ -802,7 +803,17 @@ def parity(ctx: DiagnosisContext) -> Finding:
     n = len({(e.kind, e.path) for r in ctx.records for e in r.leaves}) - not_compared(ctx.records)
     state = state_notes(ctx.records)  # the floating model state not compared, or compared coarsely
     text = f"Parity holds: {n} leaves over {len(ctx.records)} step(s) within tolerance."
+    if ctx.num_shards == 1 and math.prod((ctx.mesh_shape or {}).values()) <= 1:
+        text += f" {ONE_DEVICE}"
     return Diagnosis("parity", f"{text} {state}" if state else text)
+
+
+ONE_DEVICE = (
+    "S=1 on one device: no all-reduce, all-gather or reduce-scatter ran, so a shard-count error (a sum for a "
+    "mean: x S, here x1) cannot show; check on a mesh of 2 or more devices to prove the sharding."
+)
+"""What a passing check on one device says beside its parity (trial 57 D: ``check_parity`` on a 1-device mesh
+passed without a word of it; ``verify`` says it in its own note)."""
 
 
 def reference_diverged(ctx: DiagnosisContext) -> Finding:
@@ -1895,7 +1906,10 @@ def normalization(ctx: DiagnosisContext) -> Finding:
         return None
     c = ctx.first.per_shard_factor
     if c is not None:
-        return Diagnosis("normalization", _per_shard_scaled(ctx, c), ctx.worst_name)
+        return [
+            Diagnosis("normalization", _per_shard_scaled(ctx, c), ctx.worst_name),
+            *_combined_code(ctx, c),
+        ]
     return Diagnosis(
         "normalization",
         f"At step {ctx.first.step} the step reproduces the mean of per-shard means (parameters and optimizer "
@@ -1984,6 +1998,29 @@ def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
         f"loss sum by its own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
         "then divide once (docs/reduction_cases.md C4-C6)."
     )
+
+
+def _combined_code(ctx: DiagnosisContext, c: float) -> list[Diagnosis]:
+    """The second fault of a step that is ``c`` x the mean of per-shard means, under its own code: ``summed``
+    where c = S (the shards' means psum-ed), ``averaged_twice`` where c = 1/S; none otherwise, or over a rows x
+    tokens split (trial 58 C5: a psum of per-shard means was coded ``normalization`` alone, its text saying
+    both)."""
+    s = ctx.num_shards
+    if ctx.first.token_split is not None or not s or s == 1:
+        return []
+    if _close(c, s):
+        said = (
+            f"Besides each shard's own division, the shards' means were summed where their mean was due (x{s}, "
+            f"a psum where a pmean was due): jax.lax.pmean them over the batch axes, or divide the psum by {s}."
+        )
+        return [Diagnosis("summed", said, ctx.worst_name)]
+    if _close(c, 1 / s):
+        said = (
+            f"Besides each shard's own division, the shards' mean was divided by S={s} again (x1/{s}): divide "
+            "once, either the psum by the global count or nothing after the pmean."
+        )
+        return [Diagnosis("averaged_twice", said, ctx.worst_name)]
+    return []
 
 
 def _shards_combined(ctx: DiagnosisContext, c: float) -> str:
@@ -2842,18 +2879,18 @@ def _forward_sentence(record: StepRecord) -> str:
         if keys
         else ""
     )
-    return (
-        head
-        + f"the loss it returns is computed another way at equal parameters{around}: a mask (e.g. attention "
-        "across segments or documents), the positions, a term of the loss or its coefficient, its weights or "
-        f"labels, or another input the loss reads from the batch{batch}"
-        + (
-            "; or the loss and its gradients reduced another way across the shards (their copies differ: the "
-            "reduction named above)."
-            if record.replica_mismatches
-            else "."
-        )
+    inputs = (
+        "a mask (e.g. attention across segments or documents), the positions, a term of the loss or its "
+        f"coefficient, its weights or labels, or another input the loss reads from the batch{batch}."
     )
+    if record.replica_mismatches:  # trial 58 C3: the reduction named above first, the loss's inputs after it
+        return (
+            head + f"the loss it returns is computed another way at equal parameters{around}: first the loss "
+            "and its gradients reduced another way across the shards (their copies differ across devices: the "
+            "reduction named above; mend it first). Should a difference remain after that, the loss reads "
+            "something another way: " + inputs
+        )
+    return head + f"the loss it returns is computed another way at equal parameters{around}: " + inputs
 
 
 def _not_one_step(record: StepRecord) -> str:
@@ -3464,7 +3501,8 @@ def diagnose(
     - ``local_clip_norm``: the exposed gradients match while the optimizer's factors differ by leaf group, all
       >= 1: each shard clipped by its own local norm.
     - ``normalization``: the first failing step's update is the mean of per-shard means (``matches``), or the
-      returned gradients c times it (``StepRecord.per_shard_factor``: c = S, the per-shard means summed).
+      returned gradients c times it (``StepRecord.per_shard_factor``: c = S, the per-shard means summed, with
+      ``summed`` beside it; c = 1/S with ``averaged_twice``).
     - ``scaled``: another constant gradient factor (unless ``normalization`` explains the step).
     - ``update_rerun``: every compared leaf of the first failing step within tolerance, while the task's
       optimizer rerun on the candidate's own gradients and state gives another update (``StepRecord.update_only``).
