@@ -9,6 +9,7 @@ leading generic finding; a catalog fault keeps its own finding, and a correct st
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -72,24 +73,36 @@ def test_the_subsets_tried_are_each_shard_alone_and_each_left_out():
     ("subset", "weighted", "said"),
     [
         (
-            ((0,), 4, True),
+            ((0,), 4, "own"),
             False,
             "to shard 0's gradient alone (of 4 batch shards), in place of the mean over all 4:",
         ),
         (
-            ((2,), 4, False),
+            ((2,), 4, "full"),
             True,
             "to shard 2's gradient alone (of 4 batch shards), divided by the batch's total weight:",
         ),
         (
-            ((0, 1, 2), 4, False),
+            ((0, 1, 2), 4, "full"),
             False,
             "to the gradient of shards 0, 1 and 2 of 4 only (shard 3 left out), divided by S = 4, as the full batch's:",
         ),
         (
-            ((0, 2), 3, True),
+            ((0, 2), 3, "own"),
             True,
             "to the gradient of shards 0 and 2 of 3 only (shard 1 left out), divided by those shards' own weight:",
+        ),
+        (
+            ((0,), 4, "share"),
+            True,
+            "to shard 0's gradient alone (of 4 batch shards), divided by the batch's total weight and scaled x 4, "
+            "as if it weighed its share of the batch:",
+        ),
+        (
+            ((1, 2, 3), 4, "share"),
+            True,
+            "to the gradient of shards 1, 2 and 3 of 4 only (shard 0 left out), divided by the batch's total "
+            "weight and scaled x 4/3, as if they weighed their share of the batch:",
         ),
     ],
 )
@@ -139,3 +152,61 @@ def test_a_correct_step_and_a_catalog_fault_are_not_read_so(task, fault, code):
     report = check_parity(_step(fault, True), task, mesh=make_mesh({"data": S}))
     assert report.codes[0] == code, str(report)
     assert "left shards out" not in str(report)
+
+
+def _weighted_loss(model, batch):
+    """The digits cross-entropy as ``(loss_sum, weight)``, digits 0, 3, 6 and 9 weighing 0: shards weigh
+    unequally."""
+    logits = model(batch["x"]).astype(jnp.float32)
+    weight = (batch["label"] % 3 != 0).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return jnp.sum(ce * weight), jnp.sum(weight)
+
+
+def _weighted_step(fault):
+    """A shard_map step of the weighted loss: ``"correct"`` (psum the sums and the weights, divide once), or
+    ``"share0"`` (device 0's gradient sum broadcast, x S over the total weight: trial 58 C1)."""
+
+    @functools.partial(nnx.jit, static_argnums=3)
+    def train(model, optimizer, batch, mesh):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def body(params, rest, batch):
+            def total(p):
+                return _weighted_loss(nnx.merge(graphdef, p, rest), batch)
+
+            (value, weight), g = jax.value_and_grad(total, has_aux=True)(params)
+            w = jax.lax.psum(weight, AX)
+            idx, n = jax.lax.axis_index(AX), jax.lax.psum(1, AX)
+            if fault == "share0":
+                g = jax.tree.map(lambda x: jax.lax.psum(jnp.where(idx == 0, x, 0.0), AX) * n / w, g)
+            else:
+                g = jax.tree.map(lambda x: jax.lax.psum(x, AX) / w, g)
+            return jax.lax.psum(value, AX) / w, g
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AX)), out_specs=P(), check_vma=False)
+        loss, grads = mapped(params, rest, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    def step(model, optimizer, batch, mesh):
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+        return train(model, optimizer, batch, mesh)
+
+    return step
+
+
+@require_devices(S)
+def test_one_shards_gradient_rescaled_to_its_share_of_a_weighted_batch_is_named(task):
+    """Trial 58 C1: device 0's gradient sum x S over the batch's total weight read "no simple form"; it is named
+    as shard 0's gradient scaled to its share, and the correct weighted step passes."""
+    weighted = dataclasses.replace(task, loss_fn=_weighted_loss)
+    mesh = make_mesh({"data": S})
+    report = check_parity(_weighted_step("share0"), weighted, mesh=mesh)
+    assert report.verdict == "FAIL" and report.steps[0].shard_subset == ((0,), S, "share"), str(report)
+    assert report.diagnoses[0].message.startswith(
+        "At step 0 the step applied the optimizer's update to shard 0's gradient alone (of 4 batch shards), "
+        "divided by the batch's total weight and scaled x 4, as if it weighed its share of the batch:"
+    )
+    assert check_parity(_weighted_step("correct"), weighted, mesh=mesh).verdict == "PASS"

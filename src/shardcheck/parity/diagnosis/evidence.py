@@ -303,11 +303,12 @@ class StepRecord:
         batch_keys: where the step's batch is a mapping, its keys other than the model's inputs and the labels
             (``"segment_ids"``, ``"positions"``, ``"weights"``: what a loss reads beside them, a mask, positions
             or weights), in the batch's order; ``()`` otherwise (an array or tuple batch, a replay's record).
-        shard_subset: ``(kept, S, own)`` where the failing step reproduces the reference's optimizer step on the
-            gradient of the batch shards ``kept`` only (0-based, in the rows' order; every shard alone, or every
-            shard but one), divided as the full batch's (``own`` False: by S, or a weighted loss's total weight) or
-            by the kept shards' own count or weight (``own`` True): a reduction that left shards out (trial 57:
-            "only shard 0's gradient" and "the last shard left out" read "no simple form"); else ``None``.
+        shard_subset: ``(kept, S, division)`` where the failing step reproduces the reference's optimizer step on
+            the gradient of the batch shards ``kept`` only (0-based, in the rows' order; every shard alone, or
+            every shard but one), divided as the full batch's (``"full"``: by S, or a weighted loss's total
+            weight), by the kept shards' own count or weight (``"own"``), or by the total weight and scaled by S
+            over the shards kept (``"share"``): a reduction that left shards out (trial 57: "only shard 0's
+            gradient" and "the last shard left out" read "no simple form"); else ``None``.
     """
 
     step: int
@@ -350,7 +351,7 @@ class StepRecord:
     replicas_compared: tuple[int, int] | None = None
     micro_means: tuple[int, tuple[float, ...]] | None = None
     batch_keys: tuple[str, ...] = ()
-    shard_subset: tuple[tuple[int, ...], int, bool] | None = None
+    shard_subset: tuple[tuple[int, ...], int, str] | None = None
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:

@@ -7,7 +7,9 @@ factor", and "the last shard left out" (divided by S, or by S - 1) "no simple fo
 
 :func:`shard_subset` tries, at the first failing step and from the reference's pre-step state, every shard alone
 and every shard but one, divided as the full batch's gradient is (by S; a ``(loss_sum, weight)`` loss by the
-batch's total weight) or by the kept shards' own count (weight): where the candidate's returned gradients are that
+batch's total weight), by the kept shards' own count (weight), or (a loss whose shards weigh unequally) by the
+total weight and scaled by S over the shards kept, as for their share of it (trial 58 C1: device 0's gradient
+broadcast x S / W read "no simple form"): where the candidate's returned gradients are that
 gradient, or its parameters and optimizer state are the reference optimizer's step on it, the record says which
 (``StepRecord.shard_subset``), and :func:`with_shard_subset` says it first in the leading finding where that is a
 generic one (``localized``, ``loss_only``, ``update_differs``, ``forward_differs``).
@@ -57,11 +59,22 @@ def subsets(num_shards: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(alone + but_one))
 
 
-def _combined(stack, weights, kept: tuple[int, ...], own: bool):
-    """The kept shards' gradient, divided by the full batch's count (weight) or by their own (``own``)."""
+DIVISIONS = ("full", "own", "share")
+"""How the kept shards' gradient sum is divided: by the full batch's count (weight), by the kept shards' own, or
+by the full batch's and scaled by S / (shards kept), their share of it (``"share"``: tried where the shards'
+weights differ; otherwise it is ``"own"``)."""
+
+
+def _combined(stack, weights, kept: tuple[int, ...], division: str):
+    """The kept shards' gradient sum, divided as ``division`` (:data:`DIVISIONS`) says."""
     mask = np.zeros(len(weights), np.float32)
     mask[list(kept)] = 1.0
-    denominator = float(np.sum(weights * mask) if own else np.sum(weights))
+    total = float(np.sum(weights))
+    denominator = {
+        "full": total,
+        "own": float(np.sum(weights * mask)),
+        "share": total * len(kept) / len(weights),
+    }[division]
     return jax.tree.map(lambda g: (jnp.tensordot(mask, g, axes=1) / denominator).astype(g.dtype), stack)
 
 
@@ -79,9 +92,8 @@ def _terms(run, pre, batch):
 
 
 def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=None):
-    """``(kept, S, own)`` where the candidate's step is the reference optimizer's on the gradient of the shards
-    ``kept`` only (:func:`subsets`), divided by the full batch's count (``own`` False) or their own (``own``
-    True): its returned gradients that gradient (within the record's gradient tolerances), and its parameters
+    """``(kept, S, division)`` where the candidate's step is the reference optimizer's on the gradient of the
+    shards ``kept`` only (:func:`subsets`), divided as ``division`` (:data:`DIVISIONS`) says: its returned gradients that gradient (within the record's gradient tolerances), and its parameters
     and optimizer state that step's (within the hypothesis's rounding); ``None`` where none does, on one shard,
     on a loss that couples the rows, or against a reference step of the user's."""
     from shardcheck.parity.diagnosis.hypotheses import (
@@ -98,9 +110,10 @@ def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=Non
     tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
     cand = flatten_state(nnx.as_pure(cand_grads)) if cand_grads is not None and tolerance else None
     tx = run.ref_opt.tx
+    divisions = DIVISIONS if np.ptp(terms[1]) > 0 else DIVISIONS[:2]
     for kept in subsets(s):
-        for own in (False, True):
-            grads = _combined(*terms, kept, own)
+        for division in divisions:
+            grads = _combined(*terms, kept, division)
             if cand is not None:
                 c = fitted_factor(cand, flatten_state(grads), tolerance)
                 if c is None or abs(c - 1.0) > 1e-3:
@@ -109,22 +122,32 @@ def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=Non
             if _reproduces(
                 run, *_scaled_params(tx, pre.params, pre.opt_state, grads, 1.0), rtol, atol, rounding
             ):
-                return kept, s, own
+                return kept, s, division
     return None
 
 
-def subset_clause(subset: tuple[tuple[int, ...], int, bool], weighted: bool) -> str:
-    """The reading in words: which shards, divided by what, the likely mistakes and the fix."""
-    kept, s, own = subset
+def subset_clause(subset: tuple[tuple[int, ...], int, str], weighted: bool) -> str:
+    """The reading in words: which shards, divided by what (``subset``: :func:`shard_subset`'s), the likely
+    mistakes and the fix."""
+    kept, s, division = subset
     left = [i for i in range(s) if i not in kept]
     full = "the batch's total weight" if weighted else f"S = {s}"
+    share = f"x {s}" if len(kept) == 1 else f"x {s}/{len(kept)}"
     if len(kept) == 1:
         which = f"shard {kept[0]}'s gradient alone (of {s} batch shards)"
-        divided = f"in place of the mean over all {s}" if own else f"divided by {full}"
+        divided = {
+            "own": f"in place of the mean over all {s}",
+            "full": f"divided by {full}",
+            "share": f"divided by {full} and scaled {share}, as if it weighed its share of the batch",
+        }[division]
     else:
         which = f"the gradient of shards {words_and(kept)} of {s} only (shard {words_and(left)} left out)"
         mine = "those shards' own weight" if weighted else f"their own count, {len(kept)}"
-        divided = f"divided by {mine}" if own else f"divided by {full}, as the full batch's"
+        divided = {
+            "own": f"divided by {mine}",
+            "full": f"divided by {full}, as the full batch's",
+            "share": f"divided by {full} and scaled {share}, as if they weighed their share of the batch",
+        }[division]
     return (
         f"the step applied the optimizer's update to {which}, {divided}: a reduction that left shards out (a "
         "psum whose input masks a device's gradient, one device's gradient broadcast in place of the all-reduce, "
