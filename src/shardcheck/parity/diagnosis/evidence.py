@@ -309,6 +309,9 @@ class StepRecord:
             weight), by the kept shards' own count or weight (``"own"``), or by the total weight and scaled by S
             over the shards kept (``"share"``): a reduction that left shards out (trial 57: "only shard 0's
             gradient" and "the last shard left out" read "no simple form"); else ``None``.
+        shard_clip: the max norm M, fitted, where the returned gradients are each shard's own gradient clipped
+            to global norm M, then averaged, M not the task's clip norm (``"clip_per_shard"`` in ``matches``;
+            :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_shard_clip`, trial 58 C2); else ``None``.
     """
 
     step: int
@@ -352,6 +355,7 @@ class StepRecord:
     micro_means: tuple[int, tuple[float, ...]] | None = None
     batch_keys: tuple[str, ...] = ()
     shard_subset: tuple[tuple[int, ...], int, str] | None = None
+    shard_clip: float | None = None
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:

@@ -504,6 +504,7 @@ def _explained(
     are after the step. ``cand_grads``: the gradients the candidate returned at this step, or ``None``; the
     record's loss weight and its count (``StepRecord.loss_weight``, ``StepRecord.weight_count``) under a
     ``(loss_sum, weight)`` loss."""
+    from shardcheck.parity.diagnosis.shard_clip import fitted_shard_clip
     from shardcheck.parity.diagnosis.shard_subset import shard_subset
 
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
@@ -519,6 +520,10 @@ def _explained(
         split = token_split(run.kwargs.get("mesh"), batch)
         matches, token_grads = _token_value(run, pre, batch, record, split, cand_grads)
     if not matches and _clipped_per_shard(run, pre, batch, record, cand_grads):
+        matches = ("clip_per_shard",)
+    # a clip per shard at a norm of the step's own (trial 58 C2)
+    shard_clip = None if matches else fitted_shard_clip(run, pre, batch, record, cand_grads)
+    if shard_clip is not None:
         matches = ("clip_per_shard",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
@@ -556,6 +561,7 @@ def _explained(
         shard_weights=shards,
         micro_means=micro,
         shard_subset=subset,
+        shard_clip=shard_clip,
         global_clip=clip_norm_of(run.ref_opt.tx),  # a clip whose coefficient reads every gradient (trial 44)
     )
 

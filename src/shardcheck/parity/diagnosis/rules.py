@@ -1874,11 +1874,28 @@ def clip_per_shard(ctx: DiagnosisContext) -> Finding:
     return Diagnosis(
         "clip_per_shard",
         f"At step {ctx.first.step} the gradients differ{spread}: they are the mean of each shard's own gradient "
-        f"clipped to the task's global norm (rerun from {start}: each shard's local "
-        f"gradient, optax.clip_by_global_norm's norm, then {mean}), not the full batch's "
+        f"clipped to {_clip_norm_said(ctx.first)} (rerun from {start}: each shard's local "
+        f"gradient, {_clip_rule_said(ctx.first)}, then {mean}), not the full batch's "
         "gradient clipped: a clip applied per shard (before the all-reduce). Clip after the pmean, or leave the "
         "clip to the optimizer (optax.chain(optax.clip_by_global_norm(...), ...) on the all-reduced gradients).",
         worst.name,
+    )
+
+
+def _clip_norm_said(first: StepRecord) -> str:
+    """The norm ``clip_per_shard`` names: the task's, or one the step chose (``StepRecord.shard_clip``, fitted:
+    trial 58 C2), beside the task's clip norm or its lack of one."""
+    if first.shard_clip is None:
+        return "the task's global norm"
+    task = "clips nothing" if first.global_clip is None else f"clips at {first.global_clip:.4g}"
+    return f"a global norm of {first.shard_clip:.4g}, the step's own (fitted; the task's optimizer {task})"
+
+
+def _clip_rule_said(first: StepRecord) -> str:
+    return (
+        "optax.clip_by_global_norm's norm"
+        if first.shard_clip is None
+        else f"scaled by min(1, {first.shard_clip:.4g} / its global L2 norm)"
     )
 
 

@@ -1,0 +1,95 @@
+"""A clip applied to each shard's gradient at a norm of the step's own: its max norm, fitted.
+
+A data-parallel step that clips each shard's local gradient before the all-reduce, at the task's
+``optax.clip_by_global_norm`` norm, is named ``clip_per_shard`` by the hypothesis of
+:func:`~shardcheck.parity.diagnosis.hypotheses.clipped_per_shard`. A step that clips with a constant of its own
+(``g * min(1, 0.5 / norm(g))`` inside its ``jax.shard_map``, or a clip where the task has none) read "no constant
+factor ... no simple form" (trial 58 C2).
+
+With each shard's own mean gradient ``m_s`` and its global L2 norm ``n_s``, the step's gradient is, for the k
+shards whose norm exceeds the max norm M (the k largest),
+
+    g(M) = (1/S) sum_{s not clipped} m_s + M (1/S) sum_{s clipped} m_s / n_s,
+
+linear in M. :func:`fitted_shard_clip` fits M by least squares (float64) for each k = 1..S, keeps the M that
+lies where it clips exactly those k shards, and accepts it where the candidate's returned gradients are ``g(M)``
+within each leaf's tolerance. Under a ``(loss_sum, weight)`` loss the shards' means are averaged plainly, or by
+each shard's weight over the batch's, as the ``clip_per_shard`` hypothesis reads them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from shardcheck.parity.comparison.live import flatten_state, to_host
+from shardcheck.parity.diagnosis.evidence import StepRecord
+
+
+def _shard_means(run, pre, batch) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+    """``({path: [S, ...] float64}, weights [S])``: each shard's own mean gradient (its loss sum's gradient over
+    its weight), from :func:`~shardcheck.parity.diagnosis.shard_subset._terms`; ``None`` where it does not trace
+    or a shard weighs 0."""
+    from shardcheck.parity.diagnosis.shard_subset import _terms
+
+    terms = _terms(run, pre, batch)
+    if terms is None or not np.all(terms[1] > 0):
+        return None
+    stack, weights = terms
+    flat = flatten_state(nnx.as_pure(stack))
+    means = {p: np.asarray(to_host(g), np.float64) / _column(weights, g.ndim) for p, g in flat.items()}
+    return means, weights
+
+
+def _column(weights: np.ndarray, ndim: int) -> np.ndarray:
+    return weights.reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _fit(cand: dict, means: dict, coeffs: np.ndarray, norms: np.ndarray, tolerance: dict) -> float | None:
+    """The max norm M whose clip of the shards' means ``means``, combined with ``coeffs`` (the shards' shares of
+    the mean), gives ``cand`` within ``tolerance`` on every leaf, clipping exactly the shards whose norm exceeds
+    it; ``None`` where none does."""
+    order = np.argsort(-norms)
+    for k in range(1, len(norms) + 1):
+        clipped = np.zeros(len(norms), bool)
+        clipped[order[:k]] = True
+        offset = {p: np.tensordot(coeffs * ~clipped, m, axes=1) for p, m in means.items()}
+        slope = {p: np.tensordot(coeffs * clipped / norms, m, axes=1) for p, m in means.items()}
+        num = sum(float(np.sum((cand[p] - offset[p]) * slope[p])) for p in tolerance)
+        den = sum(float(np.sum(slope[p] ** 2)) for p in tolerance)
+        if den == 0.0:
+            continue
+        m = num / den
+        below = norms[order[k]] if k < len(norms) else 0.0
+        if not (below <= m < norms[order[k - 1]]):
+            continue
+        if all(np.max(np.abs(cand[p] - offset[p] - m * slope[p])) <= tolerance[p] for p in tolerance):
+            return m
+    return None
+
+
+def fitted_shard_clip(run, pre, batch, record: StepRecord, cand_grads) -> float | None:
+    """The max norm M of a global-norm clip that the candidate applied to each shard's own gradient before
+    averaging them (module docstring), where its returned gradients ``cand_grads`` are that, within the
+    record's gradient tolerances; ``None`` where they are not, with one shard, without returned gradients, on a
+    loss that couples the rows, against a reference step of the user's, or where the shards do not trace.
+    Runs one per-shard gradient computation (jitted) and ``S`` least-squares fits on the host (float64)."""
+    s = run.cand.num_shards or 1
+    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
+    if cand_grads is None or not tolerance or s < 2 or run.reference is not None or run.rows_coupled:
+        return None
+    found = _shard_means(run, pre, batch)
+    if found is None:
+        return None
+    means, weights = found
+    cand = {p: np.asarray(to_host(g), np.float64) for p, g in flatten_state(nnx.as_pure(cand_grads)).items()}
+    tolerance = {p: t for p, t in tolerance.items() if p in cand and p in means}
+    if not tolerance or any(cand[p].shape != means[p].shape[1:] for p in tolerance):
+        return None
+    norms = np.sqrt(sum(np.sum(m.reshape(s, -1) ** 2, axis=1) for m in means.values()))
+    shares = [np.full(s, 1.0 / s)] + ([weights / np.sum(weights)] if run.weighted else [])
+    for coeffs in shares:
+        m = _fit(cand, means, coeffs, norms, tolerance)
+        if m is not None:
+            return m
+    return None
