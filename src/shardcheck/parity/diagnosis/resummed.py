@@ -140,6 +140,17 @@ def read_program(jaxpr, mesh, num_shards: int | None):
     return read, (devices(read[0]), devices(read[1]))
 
 
+def with_program(findings: Sequence[Diagnosis], trace, mesh, num_shards: int | None) -> list[Diagnosis]:
+    """:func:`with_resummed` of what one abstract trace of the user's step shows, where the leading finding is
+    ``summed``; ``findings`` as they are otherwise, with nothing traced. ``trace``: a callable returning that
+    jaxpr (:func:`~shardcheck.parity.harness.candidates.step_jaxpr`), called only then. A live check and a
+    replay say it alike."""
+    findings = list(findings)
+    if not findings or findings[0].code != "summed":
+        return findings
+    return with_resummed(findings, *read_program(trace(), mesh, num_shards))
+
+
 def with_resummed(
     findings: Sequence[Diagnosis],
     read: tuple[tuple[str, ...], tuple[str, ...]],

@@ -74,7 +74,7 @@ from shardcheck.parity.diagnosis.hypotheses import _explained
 from shardcheck.parity.diagnosis.later import with_later_non_finite
 from shardcheck.parity.diagnosis.localization import consistent, localize
 from shardcheck.parity.diagnosis.replica_form import copy_scales
-from shardcheck.parity.diagnosis.resummed import read_program, with_resummed
+from shardcheck.parity.diagnosis.resummed import with_program
 from shardcheck.parity.diagnosis.rules import diagnose
 from shardcheck.parity.diagnosis.scale_evidence import (
     _scale_evidence,
@@ -960,7 +960,7 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
         facts=facts,
     )
     findings = consistent(findings, records)  # no sentence that the records contradict
-    findings = with_resummed(findings, *_resummed(run, findings, mesh))
+    findings = with_program(findings, functools.partial(_step_jaxpr, run), mesh, run.cand.num_shards)
     findings = with_shard_subset(findings, records, run.weighted)
     shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
@@ -1000,13 +1000,10 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     )
 
 
-def _resummed(run: _Run, findings, mesh) -> tuple[tuple, tuple]:
-    """:func:`~shardcheck.parity.diagnosis.resummed.read_program` of one abstract trace of the user's step, where
-    the leading finding is ``summed``; ``(((), ()), (None, None))`` otherwise (nothing traced)."""
-    if not findings or findings[0].code != "summed":
-        return ((), ()), (None, None)
-    jaxpr = step_jaxpr(run.cand, run.cand_model, run.cand_opt, run.task.batches[0], run.kwargs)
-    return read_program(jaxpr, mesh, run.cand.num_shards)
+def _step_jaxpr(run: _Run):
+    """One abstract trace of the user's step on the run's first batch
+    (:func:`~shardcheck.parity.harness.candidates.step_jaxpr`)."""
+    return step_jaxpr(run.cand, run.cand_model, run.cand_opt, run.task.batches[0], run.kwargs)
 
 
 def _sides_devices(run: _Run, mesh) -> dict[str, str]:

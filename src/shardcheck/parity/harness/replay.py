@@ -227,17 +227,19 @@ def _with_program(report: ParityReport, candidate, task: Task, *, mesh, num_shar
     """``report`` whose leading finding is ``summed``, with what one abstract trace of the user's step shows
     (:func:`~shardcheck.parity.diagnosis.resummed.with_resummed`: a gradient autodiff summed, reduced again), as
     a live check says it; else as it is (trial 56: a replay's ``summed`` lacked it)."""
-    from shardcheck.parity.diagnosis.resummed import read_program, with_resummed
+    from shardcheck.parity.diagnosis.resummed import with_program
     from shardcheck.parity.harness.candidates import as_candidate, step_jaxpr
 
     if not report.diagnoses or report.diagnoses[0].code != "summed":
         return report
     cand = as_candidate(fn, candidate, task, num_shards, mesh, name)
-    model = task.new_model()
-    jaxpr = step_jaxpr(
-        cand, model, task.new_optimizer(model), task.batches[0], {"mesh": mesh} if cand.pass_mesh else {}
-    )
-    found = tuple(with_resummed(report.diagnoses, *read_program(jaxpr, mesh, cand.num_shards)))
+
+    def trace():
+        model = task.new_model()
+        kwargs = {"mesh": mesh} if cand.pass_mesh else {}
+        return step_jaxpr(cand, model, task.new_optimizer(model), task.batches[0], kwargs)
+
+    found = tuple(with_program(report.diagnoses, trace, mesh, cand.num_shards))
     if found == report.diagnoses:
         return report
     cause = " ".join(d.message for d in found if d.code not in QUIET)
