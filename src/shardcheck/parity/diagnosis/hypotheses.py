@@ -19,6 +19,7 @@ from flax import nnx
 from shardcheck.parity.comparison import live as compare
 from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
 from shardcheck.parity.diagnosis.evidence import StepRecord
+from shardcheck.parity.diagnosis.per_shard import per_shard_mean_grads
 from shardcheck.parity.diagnosis.rules import _gradient_factor
 from shardcheck.parity.diagnosis.token_split import (
     TokenSplit,
@@ -48,41 +49,6 @@ def _per_shard_mean_params(loss_fn, num_shards, graphdef, tx, params, rest, opt_
     traces neither way."""
     grads = per_shard_mean_grads(loss_fn, num_shards, graphdef, params, rest, batch)
     return None if grads is None else _scaled_params(tx, params, opt_state, grads, 1.0)
-
-
-def per_shard_mean_grads(loss_fn, num_shards: int, graphdef, params, rest, batch):
-    """The gradient of the mean of per-shard means (each of the ``num_shards`` shards of ``batch`` divides its
-    ``loss_sum`` by its own weight; the S quotients' gradients averaged), a tree like ``params``; each shard with
-    the whole non-parameter state ``rest``, or where the model does not trace so (a per-row carried state) its rows
-    of it (:func:`~shardcheck.task.shards_with_state`); ``None`` where it traces neither way."""
-    for per_row in (False, True):
-        try:
-            return _per_shard_grads(loss_fn, num_shards, graphdef, per_row, params, rest, batch)
-        except (
-            TypeError,
-            ValueError,
-        ):  # a shape error at trace time: a state shaped by the full batch
-            continue
-    return None
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _per_shard_grads(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
-    xs, at = shards_with_state(batch, rest, num_shards, per_row)
-
-    def shard_grad(x):
-        shard, rest_s = at(x)
-
-        def mean(p):
-            # new Variables (copy=True): merged from ``rest`` as it is, the model's Variables would belong to the
-            # outer jit's trace, and an nnx transform inside the model (nnx.scan over stacked layers holding an
-            # RNG count) would raise "Cannot extract graph node from different trace level" (issue #34)
-            total, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), shard)
-            return total if weight is None else total / weight  # a mean loss: the shard's own mean
-
-        return jax.grad(mean)(params)
-
-    return jax.tree.map(lambda g: jnp.mean(g, axis=0), jax.lax.map(shard_grad, xs))
 
 
 def clip_norm_of(tx, depth: int = 8) -> float | None:

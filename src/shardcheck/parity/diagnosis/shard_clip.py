@@ -24,15 +24,14 @@ from flax import nnx
 
 from shardcheck.parity.comparison.live import flatten_state, to_host
 from shardcheck.parity.diagnosis.evidence import StepRecord
+from shardcheck.parity.diagnosis.per_shard import shard_terms
 
 
 def _shard_means(run, pre, batch) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
     """``({path: [S, ...] float64}, weights [S])``: each shard's own mean gradient (its loss sum's gradient over
-    its weight), from :func:`~shardcheck.parity.diagnosis.shard_subset._terms`; ``None`` where it does not trace
-    or a shard weighs 0."""
-    from shardcheck.parity.diagnosis.shard_subset import _terms
-
-    terms = _terms(run, pre, batch)
+    its weight), from :func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`; ``None`` where it does not
+    trace or a shard weighs 0."""
+    terms = shard_terms(run.task.loss_fn, run.cand.num_shards, pre.graphdef, pre.params, pre.rest, batch)
     if terms is None or not np.all(terms[1] > 0):
         return None
     stack, weights = terms

@@ -18,7 +18,6 @@ generic one (``localized``, ``loss_only``, ``update_differs``, ``forward_differs
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,28 +27,10 @@ from flax import nnx
 from shardcheck.parity.comparison.live import flatten_state
 from shardcheck.parity.diagnosis.evidence import Diagnosis, StepRecord
 from shardcheck.parity.diagnosis.grouping import words_and
-from shardcheck.task import loss_terms, shards_with_state
+from shardcheck.parity.diagnosis.per_shard import shard_terms
 
 GENERIC = ("localized", "loss_only", "update_differs", "forward_differs")
 """The leading findings that name no cause: the shards' reading is said first in them."""
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _shard_terms(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
-    """Each of the S shards' gradient of its loss sum (a mean loss: of its own mean) and its weight (1 for a mean
-    loss), stacked along a leading axis of S."""
-    xs, at = shards_with_state(batch, rest, num_shards, per_row)
-
-    def shard(x):
-        part, rest_s = at(x)
-
-        def total(p):
-            value, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), part)
-            return value, jnp.asarray(1.0 if weight is None else weight, jnp.float32)
-
-        return jax.grad(total, has_aux=True)(params)
-
-    return jax.lax.map(shard, xs)
 
 
 def subsets(num_shards: int) -> list[tuple[int, ...]]:
@@ -79,16 +60,8 @@ def _combined(stack, weights, kept: tuple[int, ...], division: str):
 
 
 def _terms(run, pre, batch):
-    """:func:`_shard_terms` of the task's loss at ``pre``, with each shard's rows of a per-row state where the
-    whole state does not trace; ``None`` where neither does."""
-    args = (run.task.loss_fn, run.cand.num_shards, pre.graphdef)
-    for per_row in (False, True):
-        try:
-            stack, weights = _shard_terms(*args, per_row, pre.params, pre.rest, batch)
-        except (TypeError, ValueError):  # a shape error at trace time: a state shaped by the full batch
-            continue
-        return stack, np.asarray(weights, np.float64)
-    return None
+    """:func:`~shardcheck.parity.diagnosis.per_shard.shard_terms` of the task's loss at ``pre``."""
+    return shard_terms(run.task.loss_fn, run.cand.num_shards, pre.graphdef, pre.params, pre.rest, batch)
 
 
 def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=None):

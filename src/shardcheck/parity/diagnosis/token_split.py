@@ -2,7 +2,7 @@
 
 A context-parallel step places the batch ``P('data', 'seq')``: each device holds a block of rows and a block of
 positions, and a ``(loss_sum, weight)`` loss divided per device by its own token count averages means of
-``data x seq`` blocks, not of row shards. The row split of :func:`~shardcheck.parity.diagnosis.hypotheses.
+``data x seq`` blocks, not of row shards. The row split of :func:`~shardcheck.parity.diagnosis.per_shard.
 per_shard_mean_grads` then reproduces nothing; this split does. Each block's ``(loss_sum, weight)`` is read from
 the whole batch's forward pass with the batch's floating ``(B, T)`` leaves (its per-token weights or mask) zeroed
 outside the block, so the positions, the causal mask and the keys of earlier blocks are the full sequence's, as a

@@ -614,9 +614,9 @@ def _micro_match(
         _scaled_params,
         fitted_factor,
         hypothesis_rounding,
-        per_shard_mean_grads,
         shard_weights,
     )
+    from shardcheck.parity.diagnosis.per_shard import per_shard_mean_grads
 
     if loss_weight(task, 0) is None:
         return None
@@ -774,8 +774,8 @@ def _per_shard_match(
         equal_shard_weights,
         fitted_factor,
         hypothesis_rounding,
-        per_shard_mean_grads,
     )
+    from shardcheck.parity.diagnosis.per_shard import per_shard_mean_grads
 
     if not num_shards or num_shards < 2 or loss_weight(task, 0) is None:
         return (), None
