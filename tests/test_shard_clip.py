@@ -31,10 +31,6 @@ AX = ("data",)
 S = 4
 
 
-def _global_norm(tree):
-    return jnp.sqrt(sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree.leaves(tree)))
-
-
 def _step(clip, fault="pmean"):
     """A data-parallel shard_map step that clips each shard's gradient to global norm ``clip`` (``None``: no
     clip) before its ``fault`` reduction (``"pmean"``, or ``"psum"``: a sum for a mean)."""
@@ -46,7 +42,7 @@ def _step(clip, fault="pmean"):
         def body(params, rest, batch):
             loss, g = jax.value_and_grad(lambda p: digits_loss(nnx.merge(graphdef, p, rest), batch))(params)
             if clip is not None:
-                g = jax.tree.map(lambda x: x * jnp.minimum(1.0, clip / _global_norm(g)), g)
+                g = jax.tree.map(lambda x: x * jnp.minimum(1.0, clip / optax.tree.norm(g)), g)
             reduce = jax.lax.pmean if fault == "pmean" else jax.lax.psum
             return jax.lax.pmean(loss, AX), reduce(g, AX)
 
@@ -73,7 +69,7 @@ def _shard_norms(task) -> np.ndarray:
     model, batch = task.new_model(), task.batches[0]
     shards = jax.tree.map(lambda a: np.asarray(a).reshape((S, -1) + np.shape(a)[1:]), batch)
     norms = [
-        float(_global_norm(nnx.grad(digits_loss)(model, jax.tree.map(lambda a, i=i: a[i], shards))))
+        float(optax.tree.norm(nnx.grad(digits_loss)(model, jax.tree.map(lambda a, i=i: a[i], shards))))
         for i in range(S)
     ]
     return np.sort(norms)[::-1]

@@ -75,7 +75,7 @@ def _text(report) -> str:
 @require_devices(4)
 def test_a_gradient_applied_x2_under_a_binding_clip_is_no_reduction_and_no_mesh_factor():
     plain = _task(clip=None)
-    norm = float(optax.global_norm(nnx.grad(loss_fn)(plain.model(), plain.batches[0])))
+    norm = float(optax.tree.norm(nnx.grad(loss_fn)(plain.model(), plain.batches[0])))
     # the trial's case: the clip binds on 2 g, not on g (on both, the update would be the same: a PASS); every
     # factor past 1.5 then gives one update, S's among them
     task = _task(clip=1.5 * norm)
