@@ -250,6 +250,25 @@ def test_a_negative_value_after_its_option_gets_the_options_own_message(capsys):
         )
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["verify", "--devices", "abc"],
+            "invalid int value: 'abc'; --devices takes a whole number, e.g. --devices 4",
+        ),
+        (["train", "--lr", "fast"], "invalid float value: 'fast'; --lr takes a number, e.g. --lr 0.01"),
+        (["memory", "--batch-size", "1.5"], "--batch-size takes a whole number, e.g. --batch-size 4"),
+    ],
+)
+def test_a_value_of_another_type_is_told_what_the_option_takes(argv, said, capsys):
+    """Trial 58 D: ``--devices abc`` read argparse's bare "invalid int value: 'abc'", no fix."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(said)
+
+
 def test_a_command_after_a_bare_double_dash_is_passed_on_as_written():
     """``shardcheck launch ... -- COMMAND``: the command's own arguments are not joined (its parser may not read
     ``--flag=value``); before the ``--`` they are."""

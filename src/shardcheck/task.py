@@ -296,8 +296,8 @@ def check_divisible(fn: str, batch: Batch, num_shards: int, *, weighted: bool) -
         else "return (loss_sum, weight) from loss_fn and pad the batch to a multiple of S with weight-0 rows, "
         "so that uneven shards are reduced exactly"
     ) + (
-        " (a loss that couples the rows, such as a contrastive one scoring each row against the batch, would "
-        "still see padding rows: give it a batch size divisible by S instead)"
+        "; a loss that couples the rows, such as a contrastive one scoring each row against the batch, would "
+        "still see padding rows: give it a batch size divisible by S instead"
     )
     _validate.check_divisible(fn, b, num_shards, subject=f"batch size {b} (batch leaf {path!r})", fix=fix)
 

@@ -29,6 +29,21 @@ from shardcheck._catalog import SUMMARIES as SUMMARIES
 COMPILING = ("run", "train", "memory", "verify", "record")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands', which take its class) whose "invalid int value" and "invalid float
+    value" say what the option takes (trial 58 D: ``--devices abc`` read argparse's bare "invalid int value:
+    'abc'")."""
+
+    def error(self, message: str):
+        found = re.match(r"argument ([^:]+): invalid (int|float) value: (.*)", message)
+        if found:
+            names, kind, value = found.groups()
+            flag = names.split("/")[-1]
+            wanted = f"a whole number, e.g. {flag} 4" if kind == "int" else f"a number, e.g. {flag} 0.01"
+            message = f"argument {flag}: invalid {kind} value: {value}; {flag} takes {wanted}"
+        super().error(message)
+
+
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``shardcheck`` parser with the full parsers of ``commands`` (default: every subcommand).
 
@@ -40,7 +55,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 
     load = set(SUBCOMMANDS if commands is None else commands)
     paragraphs = ("Prove that a sharded JAX / Flax NNX training step computes the update you meant.", HELP)
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardcheck",
         description="\n\n".join(textwrap.fill(text, 78) for text in paragraphs),
         formatter_class=argparse.RawDescriptionHelpFormatter,
