@@ -289,7 +289,11 @@ def test_the_uneven_split_fix_warns_a_row_coupled_loss_of_padding():
             check_divisible("check_parity", batch, 3, weighted=weighted)
         assert "give it a batch size divisible by S instead" in str(err.value)
         said = str(err.value)  # trial 58 D: one level of parentheses, closed once
-        assert said.endswith("divisible by S instead)") and "))" not in said and said.count("(") == said.count(")")
+        assert (
+            said.endswith("divisible by S instead)")
+            and "))" not in said
+            and said.count("(") == said.count(")")
+        )
     check_divisible("check_parity", batch, 4, weighted=False)  # 16 rows split in 4: no error
 
 
