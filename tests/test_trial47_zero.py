@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 import shardcheck
 from shardcheck import check_parity, make_mesh, record_run
 from shardcheck.parity.diagnosis.form import fit_form
-from shardcheck.parity.harness.candidates import _traced_hint
+from shardcheck.parity.harness.candidates import SAME_LINES_KEPT, _traced_hint, jax_text
 from shardcheck.parity.harness.optimizer_rerun import task_decay
 from shardcheck.parity.report import CandidateError
 
@@ -271,11 +271,34 @@ def test_a_clip_by_each_slice_s_own_norm_is_named_live_and_replayed(mesh, record
         assert "psum the squared norms" in said(report, "local_clip_norm")
 
 
+def test_jax_text_cuts_a_run_of_lines_alike_and_keeps_the_rest():
+    bullets = [
+        f"  * out_specs[1]['layer{i}']['kernel'] is P() which implies it is replicated" for i in range(50)
+    ]
+    err = ValueError(
+        "\n".join(["shard_map applied to the function 'body' was given out_specs ...", *bullets, "end"])
+    )
+    lines = jax_text(err).splitlines()
+    assert lines == [
+        "shard_map applied to the function 'body' was given out_specs ...",
+        *bullets[:SAME_LINES_KEPT],
+        f"... and {50 - SAME_LINES_KEPT} more lines like these",
+        "end",
+    ]
+    short = ValueError("\n".join(bullets[:4]))  # four alike: one more than kept is said as it is
+    assert jax_text(short) == str(short)
+
+
 @require_devices(4)
 def test_a_gathered_value_returned_as_replicated_under_check_vma_is_the_all_gather_s():
     with pytest.raises(CandidateError) as raised:
         check_parity(make_step("gather_vma"), _task(), mesh=make_mesh({"data": S}), steps=1)
     hint = raised.value.hint
+    # JAX's own text after the hint, with its one bullet per leaf cut to three (trial 58 D: about 50 of them)
+    said = str(raised.value)
+    bullets = [line for line in said.splitlines() if "which implies that the corresponding output" in line]
+    assert 1 <= len(bullets) <= SAME_LINES_KEPT, said
+    assert "more lines like these" in said or len(bullets) < SAME_LINES_KEPT
     assert hint.startswith(
         "the step's jax.shard_map returns as replicated over 'data' (out_specs[1] P()) a value "
         "its function builds with jax.lax.all_gather"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import re
 from collections.abc import Callable, Mapping
 
@@ -492,6 +493,25 @@ def _traced_hint(err: Exception) -> str:
 
 _MAPPED = re.compile(r"shard_map applied to the function '(\w+)'")
 
+SAME_LINES_KEPT = 3
+"""How many of a run of lines alike (one per leaf: ``out_specs[...]['kernel'] is P() which implies ...``)
+:func:`jax_text` keeps before saying how many more there are."""
+
+
+_ALIKE = re.compile(r"\[[^\]]*\]|'[^']*'|\d+")
+
+
+def jax_text(err: Exception) -> str:
+    """``str(err)`` with each run of consecutive lines that differ only in their brackets, quotes and numbers cut
+    to its first :data:`SAME_LINES_KEPT` and ``"... and N more lines like these"`` (trial 58 D: ``jax.shard_map``'s
+    replication error repeated one bullet per leaf, about 50, after shardcheck's hint)."""
+    out: list[str] = []
+    for _, alike in itertools.groupby(str(err).split("\n"), key=lambda line: _ALIKE.sub("", line)):
+        run = list(alike)
+        more = len(run) - SAME_LINES_KEPT
+        out += run if more <= 1 else [*run[:SAME_LINES_KEPT], f"... and {more} more lines like these"]
+    return "\n".join(out)
+
 
 def _gathers(err: Exception) -> bool:
     """Whether the function ``err`` (``jax.shard_map``'s replication error) names, found among the locals of the
@@ -577,7 +597,7 @@ def run_step(
             hint = f"{hint}; and {split}" if hint else split
         # the likely cause first: a JAX error's own text can run to several lines
         cause = f" ({hint})" if hint else ""
-        raise CandidateError(f"{fn}: {_raised(cand, err, t, cause)}: {err}", t, hint) from err
+        raise CandidateError(f"{fn}: {_raised(cand, err, t, cause)}: {jax_text(err)}", t, hint) from err
     who = f"the candidate step {cand.name!r}" if fn == "check_parity" else f"the {cand.name!r} step"
     return unpack(out, who, t, fn=fn)
 
@@ -600,4 +620,3 @@ def step_jaxpr(cand: Candidate, model, optimizer, batch, kwargs: Mapping):
         return jax.make_jaxpr(pure)(state)
     except Exception:  # noqa: BLE001  (a step that cannot be traced abstractly: nothing read from it)
         return None
-
