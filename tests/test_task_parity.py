@@ -311,6 +311,17 @@ def test_task_bad_input_is_named():
     ):
         check_parity(lambda model: None, Task(**good, loss_fn=loss, batches=[batch]), num_shards=2)
 
+    # trial 58 D: a step of parameters swapped was called with the model as its batch, and read never_stepped
+    def swapped(batch, model, optimizer):
+        return None
+
+    with pytest.raises(
+        TypeError,
+        match=r"candidate swapped\(batch, model, optimizer\) names its parameters \(batch, model, optimizer\), "
+        r"but a step is called as candidate\(model, optimizer, batch\), positionally; reorder its parameters",
+    ):
+        check_parity(swapped, Task(**good, loss_fn=loss, batches=[batch]), num_shards=2)
+
 
 # ---------------------------------------------------------------------------- a bfloat16 gradient all-reduce
 

@@ -59,6 +59,29 @@ def check_step_signature(fn: str, label: str, step: Callable, arity: int, with_m
             f"{fn}: {label} {name}{sig} cannot be called as {label}({args}{', mesh=mesh' if with_mesh else ''}) "
             f"({err}); it must take {forms}"
         ) from None
+    _check_order(fn, label, step, sig, arity)
+
+
+STEP_ORDER = ("model", "optimizer", "batch")
+
+
+def _check_order(fn: str, label: str, step: Callable, sig: inspect.Signature, arity: int) -> None:
+    """A 3-argument step whose first three parameters are named ``model``, ``optimizer`` and ``batch`` in another
+    order is refused naming the order it is called in (trial 58 D: ``(batch, model, optimizer)`` was called
+    with the model as its batch and read ``never_stepped``).
+
+    Raises:
+        TypeError: the names in another order.
+    """
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in sig.parameters.values() if p.kind in positional][:3]
+    if arity != 3 or sorted(names) != sorted(STEP_ORDER) or names == list(STEP_ORDER):
+        return
+    name = getattr(step, "__name__", type(step).__name__)
+    raise TypeError(
+        f"{fn}: {label} {name}{sig} names its parameters ({', '.join(names)}), but a step is called as "
+        f"{label}(model, optimizer, batch), positionally; reorder its parameters to (model, optimizer, batch)"
+    )
 
 
 def strategy_candidate(task_or_loss, name: str, *, num_shards: int, mesh=None) -> Candidate:
