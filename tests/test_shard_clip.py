@@ -33,7 +33,8 @@ S = 4
 
 def _step(clip, fault="pmean"):
     """A data-parallel shard_map step that clips each shard's gradient to global norm ``clip`` (``None``: no
-    clip) before its ``fault`` reduction (``"pmean"``, or ``"psum"``: a sum for a mean)."""
+    clip) before its ``fault`` reduction (``"pmean"``, or ``"psum"``: a sum for a mean); ``"applied_x2"``: the
+    pmean returned, twice it applied (an optimizer-side fault whose gradients match)."""
 
     @functools.partial(nnx.jit, static_argnums=3)
     def train(model, optimizer, batch, mesh):
@@ -43,12 +44,12 @@ def _step(clip, fault="pmean"):
             loss, g = jax.value_and_grad(lambda p: digits_loss(nnx.merge(graphdef, p, rest), batch))(params)
             if clip is not None:
                 g = jax.tree.map(lambda x: x * jnp.minimum(1.0, clip / optax.tree.norm(g)), g)
-            reduce = jax.lax.pmean if fault == "pmean" else jax.lax.psum
+            reduce = jax.lax.psum if fault == "psum" else jax.lax.pmean
             return jax.lax.pmean(loss, AX), reduce(g, AX)
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AX)), out_specs=P(), check_vma=False)
         loss, grads = mapped(params, rest, batch)
-        optimizer.update(model, grads)
+        optimizer.update(model, jax.tree.map(lambda g: 2 * g, grads) if fault == "applied_x2" else grads)
         return {"loss": loss, "grads": grads}
 
     def step(model, optimizer, batch, mesh):
@@ -59,8 +60,8 @@ def _step(clip, fault="pmean"):
     return step
 
 
-def _task(clip):
-    tx = optax.adam(1e-2) if clip is None else optax.chain(optax.clip_by_global_norm(clip), optax.adam(1e-2))
+def _task(clip, opt=optax.adam):
+    tx = opt(1e-2) if clip is None else optax.chain(optax.clip_by_global_norm(clip), opt(1e-2))
     return digits_task(optimizer=tx, steps=2)
 
 
@@ -106,6 +107,10 @@ def test_a_correct_step_a_clip_that_never_binds_and_a_sum_for_a_mean_are_not_rea
     assert check_parity(_step(never), task, mesh=mesh).verdict == "PASS"
     summed = check_parity(_step(None, "psum"), task, mesh=mesh)
     assert summed.codes[0] == "summed" and _first_failing(summed).shard_clip is None, str(summed)
+    # gradients that match, an update that does not (the bug reports' optimizer faults read as a clip at first)
+    applied = check_parity(_step(None, "applied_x2"), _task(None, optax.sgd), mesh=mesh)
+    assert applied.verdict == "FAIL" and "clip_per_shard" not in applied.codes, str(applied)
+    assert _first_failing(applied).shard_clip is None
 
 
 @require_devices(S)

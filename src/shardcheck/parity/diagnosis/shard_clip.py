@@ -70,13 +70,17 @@ def _fit(cand: dict, means: dict, coeffs: np.ndarray, norms: np.ndarray, toleran
 def fitted_shard_clip(run, pre, batch, record: StepRecord, cand_grads) -> float | None:
     """The max norm M of a global-norm clip that the candidate applied to each shard's own gradient before
     averaging them (module docstring), where its returned gradients ``cand_grads`` are that, within the
-    record's gradient tolerances; ``None`` where they are not, with one shard, without returned gradients, on a
-    loss that couples the rows, against a reference step of the user's, or where the shards do not trace.
+    record's gradient tolerances, and some of them fail; ``None`` where they are not, where every returned
+    gradient matches the reference's (a clip just below the largest shard norm changes the mean by less than
+    its tolerance: the bug reports' optimizer faults read as clips), with one shard, without returned gradients,
+    on a loss that couples the rows, against a reference step of the user's, or where the shards do not trace.
     Runs one per-shard gradient computation (jitted) and ``S`` least-squares fits on the host (float64)."""
     s = run.cand.num_shards or 1
-    tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
-    if cand_grads is None or not tolerance or s < 2 or run.reference is not None or run.rows_coupled:
-        return None
+    grads = [e for e in record.leaves if e.kind == "grad"]
+    tolerance = {e.path: e.tolerance for e in grads}
+    refused = s < 2 or run.reference is not None or run.rows_coupled
+    if refused or cand_grads is None or all(e.ok for e in grads):
+        return None  # gradients that match the reference's: a clip just below the largest norm would fit them
     found = _shard_means(run, pre, batch)
     if found is None:
         return None
@@ -88,6 +92,9 @@ def fitted_shard_clip(run, pre, batch, record: StepRecord, cand_grads) -> float 
     norms = np.sqrt(sum(np.sum(m.reshape(s, -1) ** 2, axis=1) for m in means.values()))
     shares = [np.full(s, 1.0 / s)] + ([weights / np.sum(weights)] if run.weighted else [])
     for coeffs in shares:
+        plain = {p: np.tensordot(coeffs, means[p], axes=1) for p in tolerance}
+        if all(np.max(np.abs(cand[p] - plain[p])) <= tolerance[p] for p in tolerance):
+            continue  # the shards' plain mean: no clip shows
         m = _fit(cand, means, coeffs, norms, tolerance)
         if m is not None:
             return m
