@@ -213,3 +213,19 @@ def train_candidate(name: str, train):
         return {"loss": loss, "grads": grads}
 
     return Candidate(name=name, step=step)
+
+
+def replicated_step(train):
+    """A user step ``step(model, optimizer, batch, mesh)`` that places the model's and the optimizer's state
+    replicated on ``mesh`` (``P()``), then returns ``train(model, optimizer, batch, mesh)``: the tests' data-parallel
+    ``jax.shard_map`` steps, whose state enters the mapped function whole."""
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def step(model, optimizer, batch, mesh):
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+        return train(model, optimizer, batch, mesh)
+
+    return step

@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from conftest import replicated_step, require_devices
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import check_parity, make_mesh
@@ -52,12 +51,7 @@ def _step(clip, fault="pmean"):
         optimizer.update(model, jax.tree.map(lambda g: 2 * g, grads) if fault == "applied_x2" else grads)
         return {"loss": loss, "grads": grads}
 
-    def step(model, optimizer, batch, mesh):
-        state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
-        return train(model, optimizer, batch, mesh)
-
-    return step
+    return replicated_step(train)
 
 
 def _task(clip, opt=optax.adam):

@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import require_devices
+from conftest import replicated_step, require_devices
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardcheck import check_parity, make_mesh
@@ -56,12 +55,7 @@ def _step(fault, returns_grads):
         optimizer.update(model, grads)
         return {"loss": loss, "grads": grads} if returns_grads else loss
 
-    def step(model, optimizer, batch, mesh):
-        state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
-        return train(model, optimizer, batch, mesh)
-
-    return step
+    return replicated_step(train)
 
 
 def test_the_subsets_tried_are_each_shard_alone_and_each_left_out():
@@ -189,12 +183,7 @@ def _weighted_step(fault):
         optimizer.update(model, grads)
         return {"loss": loss, "grads": grads}
 
-    def step(model, optimizer, batch, mesh):
-        state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
-        return train(model, optimizer, batch, mesh)
-
-    return step
+    return replicated_step(train)
 
 
 @require_devices(S)
