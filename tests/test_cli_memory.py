@@ -273,13 +273,32 @@ def test_task_estimate_digits_by_hand(capsys):
         (["--task", "shardcheck.tasks:tiny_lm_task", "--batch", "8"], "--batch applies to a built-in --task"),
         (
             ["--task", "tiny-lm", "--measure", "--shards", "3", "--devices", "3"],
-            "is not divisible by num_shards=3",
+            "is not divisible by the 3 batch shards of mesh axes 'fsdp'",
+        ),
+        (  # trial 59: the batch shards, not every device (it read "num_shards=6")
+            ["--task", "tiny-lm", "--measure", "--mesh", "data=3,model=2"],
+            "is not divisible by the 3 batch shards of mesh axes 'data'; equal shards are required (valid batch "
+            "shard counts for this batch: 1, 2, 4, 8, 16;",
         ),
     ],
 )
 def test_bad_task_exits_2(args, match, capsys):
     assert main(["memory", *args]) == 2
     assert match in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_measured_batch_splits_over_the_batch_axes_not_every_device():
+    """Trial 59: ``--mesh data=2,model=2,tensor=3 --measure`` read "num_shards=12 is more shards than examples"
+    for a batch of 8 rows, which the mesh splits in 2."""
+    import numpy as np
+
+    from shardcheck import make_mesh
+    from shardcheck.memory.measure import _check_batch_shards
+
+    batch, two = {"x": np.zeros((8, 3), np.float32)}, {"x": np.zeros((2, 3), np.float32)}
+    _check_batch_shards("measure_memory", batch, make_mesh({"data": 2, "model": 2, "tensor": 2}), False)
+    with pytest.raises(ValueError, match="more shards than examples"):
+        _check_batch_shards("measure_memory", two, make_mesh({"data": 4, "model": 2}), False)
 
 
 def test_in_and_out_still_required_without_a_task(capsys):

@@ -275,11 +275,21 @@ def batch_size(batch: Batch) -> int:
     return int(jax.tree.leaves(batch)[0].shape[0])
 
 
-def check_divisible(fn: str, batch: Batch, num_shards: int, *, weighted: bool) -> None:
+def check_divisible(
+    fn: str,
+    batch: Batch,
+    num_shards: int,
+    *,
+    weighted: bool,
+    by: str | None = None,
+    counts: str = "num_shards",
+) -> None:
     """``batch`` must split into ``num_shards`` equal, non-empty shards along its leading axis.
 
     A scalar mean loss (``weighted=False``) also needs equal shards for the mean of the shard means to be the
-    full-batch mean; a ``(sum, weight)`` loss needs them only because a device mesh splits arrays evenly.
+    full-batch mean; a ``(sum, weight)`` loss needs them only because a device mesh splits arrays evenly. ``by``
+    and ``counts``: what S counts and the name of the valid values listed, in the caller's terms
+    (:func:`shardcheck._validate.check_divisible`).
 
     Raises:
         ValueError: more shards than rows, or B not divisible by S: the one message of
@@ -299,7 +309,8 @@ def check_divisible(fn: str, batch: Batch, num_shards: int, *, weighted: bool) -
         "; a loss that couples the rows, such as a contrastive one scoring each row against the batch, would "
         "still see padding rows: give it a batch size divisible by S instead"
     )
-    _validate.check_divisible(fn, b, num_shards, subject=f"batch size {b} (batch leaf {path!r})", fix=fix)
+    subject = f"batch size {b} (batch leaf {path!r})"
+    _validate.check_divisible(fn, b, num_shards, subject=subject, fix=fix, by=by, counts=counts)
 
 
 def batch_shape_hint(batches) -> str:

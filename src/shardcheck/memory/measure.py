@@ -146,18 +146,30 @@ def _task_mesh(fn: str, mesh, axis_name: str) -> jax.sharding.Mesh:
 def _check_task(fn, task: Task, strategy, mesh, model, optimizer, weighted) -> None:
     """The task's model and first batch fit the strategy and mesh (raises before any state changes)."""
     from shardcheck.steps.registry import STRATEGIES as REGISTRY
-    from shardcheck.task import check_divisible, check_model
+    from shardcheck.task import check_model
 
     batch = task.batches[0]
     # the loss's output checked on batch 0; random draws and batch statistics change no byte: accepted
     if weighted is None:
         weighted = check_model(fn, model, task.loss_fn, batch, drawn=[], batch_stats=True)
     if not one_device(strategy):
-        check_divisible(fn, batch, mesh.size, weighted=weighted)
+        _check_batch_shards(fn, batch, mesh, weighted)
     layout = LAYOUTS.get(strategy)
     registered = REGISTRY.get(layout.strategy if layout is not None else strategy)
     if registered is not None and registered.check is not None:
         registered.check(fn, model, optimizer)
+
+
+def _check_batch_shards(fn: str, batch, mesh, weighted: bool) -> None:
+    """``batch`` splits evenly over the mesh's batch axes (:func:`~shardcheck.mesh.data_shards`), not over every
+    device (trial 59: ``--mesh data=2,model=2,tensor=3`` read "num_shards=12 is more shards than examples")."""
+    from shardcheck.mesh import batch_axes, data_shards
+    from shardcheck.task import check_divisible
+
+    s = data_shards(mesh)
+    axes = " x ".join(repr(a) for a in batch_axes(mesh))
+    by = f"the {s} batch shards of mesh axes {axes}"
+    check_divisible(fn, batch, s, weighted=weighted, by=by, counts="batch shard counts")
 
 
 def _measure_task(fn, task: Task, strategy, mesh, weighted=None) -> MemoryMeasurement:
@@ -301,7 +313,7 @@ def _measure_step(fn: str, step, task: Task, mesh, strategy: str) -> MemoryMeasu
     """:func:`measure_step`, its errors naming ``fn``: the function the user called (``measure_memory(step, task,
     mesh)`` is measured here too; trial 38's refusal named measure_step)."""
     from shardcheck.parity.harness.candidates import accepts, check_step_signature
-    from shardcheck.task import check_divisible, check_model
+    from shardcheck.task import check_model
 
     if not isinstance(task, Task):
         raise TypeError(f"{fn}: task must be a shardcheck.Task, got {type(task).__name__}")
@@ -322,7 +334,7 @@ def _measure_step(fn: str, step, task: Task, mesh, strategy: str) -> MemoryMeasu
     batch = task.batches[0]
     # random draws and batch statistics change no byte of the step's memory
     weighted = check_model(fn, model, task.loss_fn, batch, drawn=[], batch_stats=True)
-    check_divisible(fn, batch, mesh.size, weighted=weighted)
+    _check_batch_shards(fn, batch, mesh, weighted)
     if strategy != "placed":
         estimate = estimate_memory(task, mesh=mesh, strategy=strategy)
     batch = jax.device_put(batch, data_sharding(mesh))
