@@ -386,7 +386,7 @@ def _check_evaluate(fn: str, evaluate) -> tuple[tuple[str, Batch], ...]:
 
 def _check_task_run(fn, task, strategy, num_shards, mesh, epochs, callback, evaluate, epoch_batches) -> _Run:
     """Validate a :func:`train_task` call and build its lock-step pair; nothing runs."""
-    from shardcheck.parity.harness.setup import _check_state_carried
+    from shardcheck.parity.harness.setup import _check_state_carried, refuse_rows_coupled
     from shardcheck.task import check_model
 
     if not isinstance(task, Task):
@@ -414,6 +414,7 @@ def _check_task_run(fn, task, strategy, num_shards, mesh, epochs, callback, eval
     _check_state_carried(fn, chosen.name, updated, drawn, model)
     for batch in task.batches:
         check_divisible(fn, batch, num_shards, weighted=weighted)
+    refuse_rows_coupled(fn, chosen.name, task, model, num_shards)  # as verify refuses it
     if chosen.placement == "fsdp":  # the annotations and the mesh's axes must fit, named as this call's error
         from shardcheck.steps.sharded import state_specs
 

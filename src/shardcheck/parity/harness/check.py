@@ -92,7 +92,8 @@ from shardcheck.parity.harness.module_probe import module_evidence
 from shardcheck.parity.harness.optimizer_rerun import localization_evidence, update_checked, verifies_update
 from shardcheck.parity.harness.reference_trajectory import trajectory_for
 from shardcheck.parity.harness.replay import against_recording, is_recording
-from shardcheck.parity.harness.setup import _setup, check_options
+from shardcheck.parity.harness.row_coupling import refuse_late_coupling
+from shardcheck.parity.harness.setup import FULL_BATCH_FORWARD, _setup, check_options
 from shardcheck.parity.harness.state import StepFn, _After, _kept_state, _PreStep, _Run, stepped_in_place
 from shardcheck.parity.harness.state_reset import ignores_optimizer_state
 from shardcheck.parity.report import CandidateError, ParityError, ParityReport
@@ -874,7 +875,10 @@ def check_parity(
             ``rtol``/``atol``; ``matmul_precision`` not one of ``None``, ``"float32"``, ``"tf32"``,
             ``"bfloat16"``; a ``leaf_tolerance`` key that names no leaf, or a value (or a callable's result)
             that is not a pair of numbers >= 0, or a callable that raises; ``num_shards`` > 1 that no product of
-            the mesh's axis sizes divides (3 on ``data=4``). All checked before any step runs.
+            the mesh's axis sizes divides (3 on ``data=4``). All checked before any step runs; but for one
+            (``RowCouplingError``, a ValueError): a named strategy that computes the loss per shard whose check
+            FAILs as ``per_shard_loss`` first, the loss coupling the rows at a later step, which the probe of the
+            first batch at the initial parameters did not see.
         CandidateError: the candidate raised during a step (the original error is its ``__cause__``), or returned
             gradients whose leaves are not the model's parameters' (naming the missing and extra leaf paths).
     """
@@ -922,6 +926,8 @@ def check_parity(
     user_set = "" if rtol is None and atol is None else _user_set(rtol, atol, derived[2])
     weak = unresolvable(outcome[0], run.cand.num_shards, run.precision, accepted=accepted, user_set=user_set)
     report = _report(run, outcome, rule, (None, weak) if accepted else (weak, None), mesh)
+    if isinstance(candidate, str) and candidate not in FULL_BATCH_FORWARD:  # a built-in per-shard loss
+        refuse_late_coupling("check_parity", candidate, report, run.cand.num_shards)
     return recheck.at_highest(report, matmul.devices_of(run.ref_model, mesh), call)
 
 

@@ -233,10 +233,49 @@ def check_rows_separable(
         f"{strategy}: cannot compute this task's loss: on the first batch the full-batch loss{computed} is "
         f"{coupling.full:.7g}, and its {num_shards} shards' losses combined (each shard's loss over its own rows, "
         f"sum_s loss_sum_s / sum_s weight_s) give {coupling.combined:.7g}{grad}: the loss couples the rows of a "
-        "batch (a contrastive loss that scores each row against the whole batch, an auxiliary loss over the whole "
-        "batch's routing, a normalization over the batch) or is a scalar mean over unequal masks (return "
-        "(loss_sum, weight) instead), so a step that computes it per shard computes another loss. Check it with "
-        "a GSPMD step (strategy gspmd, or your own step jitted over sharded inputs: it computes the full batch's "
-        "loss however the rows are split), or with a step of your own that gathers what the loss needs "
-        f"(jax.lax.all_gather of the embeddings, psum of the routing counts) ({fn}, strategy {strategy!r})"
+        f"batch ({COUPLINGS}) or is a scalar mean over unequal masks (return (loss_sum, weight) instead), so a "
+        f"step that computes it per shard computes another loss. {CHECK_IT_SO} ({fn}, strategy {strategy!r})"
+    )
+
+
+COUPLINGS = (
+    "a contrastive loss that scores each row against the whole batch, an auxiliary loss over the whole batch's "
+    "routing, an expert capacity over the whole batch's tokens that drops those past it, a normalization over "
+    "the batch"
+)
+"""The losses that couple the rows of a batch, as the refusals name them (trial 59: a capacity-limited router
+was not among them)."""
+
+CHECK_IT_SO = (
+    "Check it with a GSPMD step (strategy gspmd, or your own step jitted over sharded inputs: it computes the full "
+    "batch's loss however the rows are split), or with a step of your own that gathers what the loss needs "
+    "(jax.lax.all_gather of the embeddings, psum of the routing counts)"
+)
+"""What checks a task whose loss couples the rows, as the refusals say it."""
+
+
+def refuse_late_coupling(fn: str, strategy: str, report, num_shards: int | None) -> None:
+    """Refuse ``strategy`` (a built-in that computes the loss per shard) where its check ``report`` (a
+    :class:`~shardcheck.ParityReport`) FAILs as ``per_shard_loss`` first: the loss couples the rows at a later
+    step, at that step's parameters or batch, where the probe of the first batch at the initial parameters found
+    none (trial 59: a capacity-limited MoE router that drops no token at first read FAIL for simulation, dp,
+    fsdp and accumulation at step 1, the advice addressed to a step the user did not write).
+
+    Raises:
+        RowCouplingError: naming the step, both losses and what works.
+    """
+    if not report.codes or report.codes[0] != "per_shard_loss":
+        return
+    first = next(r for r in report.steps if not r.ok)
+    combined = (
+        ""
+        if first.candidate_loss is None
+        else f", and its shards' losses combined give {first.candidate_loss:.7g}"
+    )
+    raise RowCouplingError(
+        f"{strategy}: cannot compute this task's loss: at step {first.step} the full-batch loss is "
+        f"{first.loss:.7g}{combined} ({num_shards or 'S'} shards, each its loss over its own rows): the loss couples "
+        f"the rows of a batch at that step's parameters or batch, though it did not on the first batch at the "
+        f"initial ones ({COUPLINGS}), so a step that computes it per shard computes another loss. {CHECK_IT_SO} "
+        f"({fn}, strategy {strategy!r})"
     )

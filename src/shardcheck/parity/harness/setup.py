@@ -365,6 +365,24 @@ def _rows_coupled(
     return noise_s > 1 and _coupled(task, probe, batch, noise_s, eps, in_float32, cached) is not None
 
 
+def refuse_rows_coupled(fn: str, strategy: str, task: Task, model, num_shards: int) -> None:
+    """The refusal a check gives a named strategy that computes the loss per shard where the task's loss
+    couples the rows of its first batch, for a caller that runs no check (``train``: trial 59 ran fsdp on a
+    load-balancing loss over the whole batch and read "drift exceeded tolerance" as a sharding bug), probed as
+    a check probes it (in float32 where the model computes in a lower precision).
+
+    Raises:
+        RowCouplingError: as :func:`~shardcheck.parity.harness.row_coupling.check_rows_separable`.
+    """
+    if strategy in FULL_BATCH_FORWARD or num_shards < 2:
+        return
+    batch = task.batches[0]
+    precision = _precision(fn, task, model, batch, None, {}, cached=False)[1]
+    graphdef32 = float32_compute(*nnx.split(model, nnx.Param, ...)) if precision.compute_eps > 0 else None
+    built = Candidate(strategy, lambda *a: None, num_shards=num_shards)
+    _rows_coupled(fn, (strategy,), (built,), model, graphdef32, task, batch, False, precision.compute_eps)
+
+
 def _check_rows(
     fn,
     strategy,
