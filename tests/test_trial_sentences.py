@@ -148,6 +148,24 @@ def test_a_factor_at_one_shard_is_no_sum_over_shards():
     assert _name_factor(4.0, None)[0] == "summed"
 
 
+def test_a_square_of_s_also_reads_as_a_micro_batch_count_of_the_steps_own():
+    """Trial 59: 4 micro-batches summed on data=2 (no reduction in the step) read "sum-reduced twice (x4 = 2^2)"
+    alone, and divided by 4 twice "divided by S=2 three times"; both readings are said now, S^2's first."""
+    from shardcheck.parity.diagnosis.rules import _name_factor
+
+    code, said = _name_factor(4.0, 2)
+    assert code == "summed" and said == (
+        "the gradient was sum-reduced twice (x4 = 2^2; docs/reduction_cases.md C3), or scaled by a count of 4 of "
+        "the step's own, such as 4 micro-batches summed where their mean was meant"
+    )
+    code, said = _name_factor(0.25, 2)
+    assert code == "averaged_twice" and said == (
+        "the gradient was divided by S=2 three times (x1/4), or divided once too often by a count of 4 of the "
+        "step's own, such as 4 micro-batches (their sum divided by the micro-batch count twice)"
+    )
+    assert "micro-batch" not in _name_factor(2.0, 2)[1]  # x S: a sum over the shards
+
+
 def test_a_ratio_around_one_names_a_small_term_too():
     """Trial 11: a weight decay of 1e-2 left out (about 1.3 tolerances) read only as values rounded another way."""
     from shardcheck.parity.diagnosis.form import _around_one

@@ -393,13 +393,21 @@ def _name_factor(
                 "averaged_twice",
                 f"the gradient was averaged twice (or divided by S={s} twice): x1/{s}{_pmean_for_psum(s, mesh_shape)}",
             )
+        # or a count of the step's own that happens to be S^2 (trial 59: 4 micro-batches summed, not averaged, on
+        # data=2 read "sum-reduced twice" alone, in a step with no reduction at all)
+        own = f"a count of {s * s} of the step's own, such as {s * s} micro-batches"
         if _close(f, s * s):
             return (
                 "summed",
-                f"the gradient was sum-reduced twice (x{s * s} = {s}^2; docs/reduction_cases.md C3)",
+                f"the gradient was sum-reduced twice (x{s * s} = {s}^2; docs/reduction_cases.md C3), or scaled by "
+                f"{own} summed where their mean was meant",
             )
         if _close(f, 1 / (s * s)):
-            return "averaged_twice", f"the gradient was divided by S={s} three times (x1/{s * s})"
+            return (
+                "averaged_twice",
+                f"the gradient was divided by S={s} three times (x1/{s * s}), or divided once too often by {own} "
+                "(their sum divided by the micro-batch count twice)",
+            )
     on_axis = _axis_factor(f, num_shards, mesh_shape)
     if on_axis is not None:
         return on_axis
