@@ -105,8 +105,15 @@ def test_the_clause_says_which_shards_and_what_divided_them(subset, weighted, sa
     assert clause.startswith(
         f"the step applied the optimizer's update {said} a reduction that left shards out"
     )
+    assert (
+        "reduce every shard's gradient (jax.lax.pmean over every batch axis, or a psum of the loss sums and the "
+        "weights, divided once)." in clause
+    )
+    # trial 59 A3: micro-batches of consecutive rows give the same numbers as shards
     assert clause.endswith(
-        "reduce every shard's gradient (jax.lax.pmean over every batch axis, or a psum of the loss sums and the weights, divided once)."
+        f"In a step that accumulates {subset[1]} micro-batches of consecutive rows the numbers are the same: there, "
+        "the update took those micro-batches' gradient only (a loop that stops early, a gradient overwritten where "
+        "it was to be added)."
     )
 
 

@@ -146,6 +146,11 @@ def test_averaged_per_shard_means_are_still_named_averaged():
     report = check_parity(_step("means"), _task(clip=1e-3))
     assert report.codes[0] == "normalization", str(report)
     assert "summed" not in report.codes and "averaged_twice" not in report.codes, report.codes
+    # trial 59 A3: S micro-batches of consecutive rows give the same numbers, said beside the shards' reading
+    assert report.diagnoses[0].message.endswith(
+        "In a step that accumulates 2 micro-batches of consecutive rows the numbers are the same: there, each "
+        "micro-batch divided by its own count; accumulate the loss sums and the counts, then divide once."
+    )
     assert _first(report).per_shard_factor is None
     assert (
         "each shard divided its loss sum by its own weight (token count) before the shards were averaged"

@@ -1941,8 +1941,21 @@ def normalization(ctx: DiagnosisContext) -> Finding:
         f"state): {_each_shard(ctx.first)} divided its loss "
         "sum by its own weight (token count) before the shards were averaged. With uneven token counts per "
         "shard that weighs the tokens of short shards more; psum the loss sums and the token counts across "
-        "shards, then divide once (docs/reduction_cases.md C4-C6).",
+        "shards, then divide once (docs/reduction_cases.md C4-C6)." + _as_micro_batches(ctx),
         ctx.worst_name,
+    )
+
+
+def _as_micro_batches(ctx: DiagnosisContext) -> str:
+    """The same reading of a step that accumulates S micro-batches of consecutive rows, which the numbers cannot
+    tell from S shards (trial 59: a step averaging its 2 micro-batches' own means on data=2 read "each shard
+    divided its loss sum by its own weight" alone); ``""`` over a rows x tokens split or one shard."""
+    s = ctx.num_shards
+    if ctx.first.token_split is not None or not s or s < 2:
+        return ""
+    return (
+        f" In a step that accumulates {s} micro-batches of consecutive rows the numbers are the same: there, each "
+        "micro-batch divided by its own count; accumulate the loss sums and the counts, then divide once."
     )
 
 
@@ -2021,7 +2034,7 @@ def _per_shard_scaled(ctx: DiagnosisContext, c: float) -> str:
     return (
         f"At step {ctx.first.step} {seen}: {_each_shard(ctx.first)} divided its "
         f"loss sum by its own weight (token count), and {how}.{hidden} psum the loss sums and the token counts across shards, "
-        "then divide once (docs/reduction_cases.md C4-C6)."
+        "then divide once (docs/reduction_cases.md C4-C6)." + _as_micro_batches(ctx)
     )
 
 

@@ -125,7 +125,9 @@ def subset_clause(subset: tuple[tuple[int, ...], int, str], weighted: bool) -> s
         f"the step applied the optimizer's update to {which}, {divided}: a reduction that left shards out (a "
         "psum whose input masks a device's gradient, one device's gradient broadcast in place of the all-reduce, "
         "or a reduction over a subset of the devices); reduce every shard's gradient (jax.lax.pmean over every "
-        "batch axis, or a psum of the loss sums and the weights, divided once)."
+        f"batch axis, or a psum of the loss sums and the weights, divided once). In a step that accumulates {s} "
+        "micro-batches of consecutive rows the numbers are the same: there, the update took those micro-batches' "
+        "gradient only (a loop that stops early, a gradient overwritten where it was to be added)."
     )
 
 
