@@ -910,6 +910,22 @@ def test_a_pinned_placement_fails_naming_the_leaves_that_moved(placement_runs):
         compare_run(recorded, moved, pin_placement="yes")
 
 
+def test_a_user_steps_leaves_left_on_one_device_are_said_as_such():
+    """Trial 59: a pinned replay of a user step that placed its model, not the optimizer state shardcheck made
+    unplaced, read "29 leaves changed sharding: P() -> single device" as if the step moved them."""
+    from shardcheck.parity.comparison.digest import _left_unplaced
+
+    moved = [
+        ("opt_state 0.mu.w", "P()", "single device"),
+        ("opt_state 0.mu.b", "P('model',)", "single device"),
+    ]
+    said = _left_unplaced(moved, {"run_kind": "candidate"})
+    assert said.startswith(". shardcheck gives a user step its model and optimizer unplaced, on one device")
+    assert "jax.device_put of nnx.state((model, optimizer)) with your shardings" in said
+    assert _left_unplaced(moved, {"run_kind": "strategy"}) == ""  # a built-in places its state itself
+    assert _left_unplaced([*moved, ("param w", "P()", "P('fsdp',)")], {"run_kind": "candidate"}) == ""
+
+
 @require_devices(2)
 @pytest.mark.parametrize("pin", [False, True])
 def test_a_value_fault_beside_a_placement_change_fails_either_way(placement_runs, pin):

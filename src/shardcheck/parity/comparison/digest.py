@@ -1211,6 +1211,19 @@ def _twin(name: str) -> str | None:
     return None if other is None or path.startswith("model.") or path == "step" else f"{other} {path}"
 
 
+def _left_unplaced(moved: list[tuple[str, str, str]], now: Mapping) -> str:
+    """Where every moved leaf of a user step's replay is on one device: why (trial 59: an optimizer's state left
+    where shardcheck made it, read as the step moving it), else ``""``."""
+    if now.get("run_kind") != "candidate" or any(replayed != "single device" for _, _, replayed in moved):
+        return ""
+    return (
+        ". shardcheck gives a user step its model and optimizer unplaced, on one device, and these leaves stayed "
+        "there: the step places some of the state it is given but not these (an optimizer made before its model "
+        "was placed holds its state where the model was). Place every leaf in the step (jax.device_put of "
+        "nnx.state((model, optimizer)) with your shardings), or compare the values alone (no --pin-placement)"
+    )
+
+
 def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping) -> str:
     """A leaf missing, or a changed shape, dtype or sharding (another mesh named as such)."""
     e, more = structural[0], len(structural) - 1
@@ -1230,7 +1243,7 @@ def _structural_cause(structural: list[DigestError], was: Mapping, now: Mapping)
         moved = [(x.name, str(x.recorded), str(x.replayed)) for x in structural]
         return (
             f"the placement is pinned (--pin-placement, pin_placement=True) and {n_leaves(len(moved))} changed "
-            f"sharding: {_placement_list(moved)}"
+            f"sharding: {_placement_list(moved)}{_left_unplaced(moved, now)}"
         )
     return f"{e.name}: changed {e.evidence} {e.recorded} -> {e.replayed}{tail}"
 
