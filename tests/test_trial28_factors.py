@@ -83,6 +83,40 @@ def test_one_slice_of_a_stacked_leaf_is_named():
     assert fit_form(one, {k: ref[k] for k in one}, {k: frozen[k] for k in one}).kind == "partial"
 
 
+def test_one_shards_block_of_stacked_experts_scaled_is_named_with_its_factor():
+    """Trial 59: model rank 1's experts (slices 2, 3 of 4, split over 'model') with their gradients x2 read
+    "only slices 2, 3 ... layers stacked by nnx.scan ... the candidate's gradient there differs"; the block one
+    shard holds and the factor are said. Slices that are no aligned block name no shard."""
+    import numpy as np
+
+    from shardcheck.parity.diagnosis.form import fit_form
+
+    rng = np.random.default_rng(0)
+    before = {"moe.w_in": rng.normal(size=(4, 3, 5)), "moe.b_in": rng.normal(size=(4, 5))}
+    ref = {p: b - 1e-3 * rng.normal(size=b.shape) for p, b in before.items()}
+
+    def scaled(rows):
+        return {
+            p: np.concatenate([(r - before[p])[i : i + 1] * (2.0 if i in rows else 1.0) for i in range(4)])
+            + before[p]
+            for p, r in ref.items()
+        }
+
+    form = fit_form(before, ref, scaled({2, 3}))
+    assert form.kind == "slices" and form.sentence == (
+        "only slices 2, 3 of the leading axis (size 4: layers stacked by nnx.scan or nnx.vmap) differ on all 2 "
+        "failing leaves (the block shard 1 of 2 holds where this axis is split 2 ways over a mesh axis, as experts "
+        "over 'model' are: that device's slices); every other slice matches: the candidate's update there is 2 x "
+        "the reference's"
+    )
+    odd = fit_form(before, ref, scaled({1, 2}))  # not an aligned block
+    assert (
+        odd.kind == "slices"
+        and "shard" not in odd.sentence
+        and odd.sentence.endswith("is 2 x the reference's")
+    )
+
+
 def test_a_factor_far_from_one_names_a_loss_scale():
     """Trial 29: gradients unscaled after the clip (x0.0002252) read only as a count's mistake."""
     from shardcheck.parity.diagnosis.rules import _loss_scale_reading
