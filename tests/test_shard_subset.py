@@ -67,33 +67,33 @@ def test_the_subsets_tried_are_each_shard_alone_and_each_left_out():
     ("subset", "weighted", "said"),
     [
         (
-            ((0,), 4, "own"),
+            ((0,), 4, "own", "shards"),
             False,
             "to shard 0's gradient alone (of 4 batch shards), in place of the mean over all 4:",
         ),
         (
-            ((2,), 4, "full"),
+            ((2,), 4, "full", "shards"),
             True,
             "to shard 2's gradient alone (of 4 batch shards), divided by the batch's total weight:",
         ),
         (
-            ((0, 1, 2), 4, "full"),
+            ((0, 1, 2), 4, "full", "shards"),
             False,
             "to the gradient of shards 0, 1 and 2 of 4 only (shard 3 left out), divided by S = 4, as the full batch's:",
         ),
         (
-            ((0, 2), 3, "own"),
+            ((0, 2), 3, "own", "shards"),
             True,
             "to the gradient of shards 0 and 2 of 3 only (shard 1 left out), divided by those shards' own weight:",
         ),
         (
-            ((0,), 4, "share"),
+            ((0,), 4, "share", "shards"),
             True,
             "to shard 0's gradient alone (of 4 batch shards), divided by the batch's total weight and scaled x 4, "
             "as if it weighed its share of the batch:",
         ),
         (
-            ((1, 2, 3), 4, "share"),
+            ((1, 2, 3), 4, "share", "shards"),
             True,
             "to the gradient of shards 1, 2 and 3 of 4 only (shard 0 left out), divided by the batch's total "
             "weight and scaled x 4/3, as if they weighed their share of the batch:",
@@ -200,7 +200,7 @@ def test_one_shards_gradient_rescaled_to_its_share_of_a_weighted_batch_is_named(
     weighted = dataclasses.replace(task, loss_fn=_weighted_loss)
     mesh = make_mesh({"data": S})
     report = check_parity(_weighted_step("share0"), weighted, mesh=mesh)
-    assert report.verdict == "FAIL" and report.steps[0].shard_subset == ((0,), S, "share"), str(report)
+    assert report.verdict == "FAIL" and report.steps[0].shard_subset == ((0,), S, "share", "shards"), str(report)
     assert report.diagnoses[0].message.startswith(
         "At step 0 the step applied the optimizer's update to shard 0's gradient alone (of 4 batch shards), "
         "divided by the batch's total weight and scaled x 4, as if it weighed its share of the batch:"

@@ -303,12 +303,14 @@ class StepRecord:
         batch_keys: where the step's batch is a mapping, its keys other than the model's inputs and the labels
             (``"segment_ids"``, ``"positions"``, ``"weights"``: what a loss reads beside them, a mask, positions
             or weights), in the batch's order; ``()`` otherwise (an array or tuple batch, a replay's record).
-        shard_subset: ``(kept, S, division)`` where the failing step reproduces the reference's optimizer step on
-            the gradient of the batch shards ``kept`` only (0-based, in the rows' order; every shard alone, or
-            every shard but one), divided as the full batch's (``"full"``: by S, or a weighted loss's total
-            weight), by the kept shards' own count or weight (``"own"``), or by the total weight and scaled by S
-            over the shards kept (``"share"``): a reduction that left shards out (trial 57: "only shard 0's
-            gradient" and "the last shard left out" read "no simple form"); else ``None``.
+        shard_subset: ``(kept, S, division, "shards")`` where the failing step reproduces the reference's
+            optimizer step on the gradient of the batch shards ``kept`` only (0-based, in the rows' order; every
+            shard alone, or every shard but one), divided as the full batch's (``"full"``: by S, or a weighted
+            loss's total weight), by the kept shards' own count or weight (``"own"``), or by the total weight and
+            scaled by S over the shards kept (``"share"``): a reduction that left shards out (trial 57: "only
+            shard 0's gradient" and "the last shard left out" read "no simple form"); ``(kept, k, division,
+            layout)`` the same of k micro-batches of ``layout`` (``"blocks"``, ``"strided"``: an accumulation that
+            left micro-batches out, trial 59); else ``None``.
         shard_clip: the max norm M, fitted, where the returned gradients are each shard's own gradient clipped
             to global norm M, then averaged, M not the task's clip norm (``"clip_per_shard"`` in ``matches``;
             :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_shard_clip`, trial 58 C2); else ``None``.
@@ -354,7 +356,7 @@ class StepRecord:
     replicas_compared: tuple[int, int] | None = None
     micro_means: tuple[int, tuple[float, ...]] | None = None
     batch_keys: tuple[str, ...] = ()
-    shard_subset: tuple[tuple[int, ...], int, str] | None = None
+    shard_subset: tuple[tuple[int, ...], int, str, str] | None = None
     shard_clip: float | None = None
 
     @property

@@ -65,10 +65,29 @@ def _terms(run, pre, batch):
 
 
 def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=None):
-    """``(kept, S, division)`` where the candidate's step is the reference optimizer's on the gradient of the
-    shards ``kept`` only (:func:`subsets`), divided as ``division`` (:data:`DIVISIONS`) says: its returned gradients that gradient (within the record's gradient tolerances), and its parameters
-    and optimizer state that step's (within the hypothesis's rounding); ``None`` where none does, on one shard,
-    on a loss that couples the rows, or against a reference step of the user's."""
+    """``(kept, S, division, "shards")`` where the candidate's step is the reference optimizer's on the gradient
+    of the shards ``kept`` only (:func:`subsets`), divided as ``division`` (:data:`DIVISIONS`) says: its returned
+    gradients that gradient (within the record's gradient tolerances), and its parameters and optimizer state that
+    step's (within the hypothesis's rounding); else the same of micro-batches
+    (:func:`~shardcheck.parity.diagnosis.micro_subset.micro_subset`, ``(kept, k, division, layout)``); ``None``
+    where none does, on a loss that couples the rows, or against a reference step of the user's (on one shard,
+    micro-batches only)."""
+    from shardcheck.parity.diagnosis.micro_subset import micro_subset
+
+    s = run.cand.num_shards or 1
+    if run.reference is not None or run.rows_coupled:
+        return None
+    terms = None if s < 2 else _terms(run, pre, batch)
+    found = None if terms is None else first_subset(run, pre, record, rtol, atol, cand_grads, terms)
+    if found is not None:
+        return (*found, "shards")
+    return micro_subset(run, pre, batch, record, rtol, atol, cand_grads)
+
+
+def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms):
+    """``(kept, n, division)``: the first of :func:`subsets` of the n parts whose gradient sums and weights
+    ``terms`` holds (``(stack, weights)``, :func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`), and of
+    :data:`DIVISIONS`, that the candidate reproduces; ``None`` where none does."""
     from shardcheck.parity.diagnosis.hypotheses import (
         _reproduces,
         _scaled_params,
@@ -76,15 +95,12 @@ def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=Non
         hypothesis_rounding,
     )
 
-    s = run.cand.num_shards or 1
-    terms = None if s < 2 or run.reference is not None or run.rows_coupled else _terms(run, pre, batch)
-    if terms is None:
-        return None
     tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
     cand = flatten_state(nnx.as_pure(cand_grads)) if cand_grads is not None and tolerance else None
     tx = run.ref_opt.tx
     divisions = DIVISIONS if np.ptp(terms[1]) > 0 else DIVISIONS[:2]
-    for kept in subsets(s):
+    n = len(terms[1])
+    for kept in subsets(n):
         for division in divisions:
             grads = _combined(*terms, kept, division)
             if cand is not None:
@@ -95,14 +111,18 @@ def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=Non
             if _reproduces(
                 run, *_scaled_params(tx, pre.params, pre.opt_state, grads, 1.0), rtol, atol, rounding
             ):
-                return kept, s, division
+                return kept, n, division
     return None
 
 
-def subset_clause(subset: tuple[tuple[int, ...], int, str], weighted: bool) -> str:
+def subset_clause(subset: tuple[tuple[int, ...], int, str, str], weighted: bool) -> str:
     """The reading in words: which shards, divided by what (``subset``: :func:`shard_subset`'s), the likely
-    mistakes and the fix."""
-    kept, s, division = subset
+    mistakes and the fix; of micro-batches, :func:`~shardcheck.parity.diagnosis.micro_subset.micro_clause`."""
+    kept, s, division, parts = subset
+    if parts != "shards":
+        from shardcheck.parity.diagnosis.micro_subset import micro_clause
+
+        return micro_clause(subset, weighted)
     left = [i for i in range(s) if i not in kept]
     full = "the batch's total weight" if weighted else f"S = {s}"
     share = f"x {s}" if len(kept) == 1 else f"x {s}/{len(kept)}"
