@@ -93,3 +93,44 @@ def test_an_accumulation_that_left_micro_batches_out_is_named(task, layout, retu
 @pytest.mark.parametrize("layout", ["blocks", "strided"])
 def test_a_correct_accumulation_passes(task, layout):
     assert check_parity(_step("correct", layout), task).verdict == "PASS"
+
+
+def _weighted_loss(model, batch):
+    """The digits cross-entropy as ``(loss_sum, weight)``, digits 0, 3, 6 and 9 weighing 0."""
+    logits = model(batch["x"])
+    weight = (batch["label"] % 3 != 0).astype(logits.dtype)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return (ce * weight).sum(), weight.sum()
+
+
+@functools.cache
+def _means_step(layout):
+    """The mean of the 4 micro-batches' own means (each its loss sum over its own weight), micro-batches of
+    ``layout``: trial 59's strided accumulation read forward_differs."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        def mean(m, mb):
+            total, weight = _weighted_loss(m, mb)
+            return total / weight
+
+        parts = [nnx.value_and_grad(mean)(model, _micro(batch, i, layout)) for i in range(K)]
+        loss = sum(v for v, _ in parts) / K
+        grads = jax.tree.map(lambda *g: sum(g) / K, *[g for _, g in parts])
+        optimizer.update(model, grads)
+        return {"loss": loss, "grads": grads}
+
+    return step
+
+
+@pytest.mark.parametrize("layout", ["blocks", "strided"])
+def test_micro_batch_means_are_named_with_their_layout(task, layout):
+    import dataclasses
+
+    weighted = dataclasses.replace(task, loss_fn=_weighted_loss)
+    report = check_parity(_means_step(layout), weighted)
+    assert report.codes[0] == "micro_batch_means", str(report)
+    first = next(r for r in report.steps if not r.ok)
+    assert first.micro_means[0] == K and first.micro_means[2] == layout
+    rows = "the batch's rows in 4 blocks" if layout == "blocks" else "rows i::4, every 4th row"
+    assert f"the mean of the 4 micro-batches' own means ({rows}, loss weights " in report.diagnoses[0].message

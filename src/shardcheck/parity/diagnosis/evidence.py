@@ -296,10 +296,12 @@ class StepRecord:
             step had their copies compared across how many devices (a live check's parameters and optimizer
             state; a replay's recorded ``meta["replicas"]``); ``None`` where none was (one device, no replicated
             leaf, or a recording made before the count was kept).
-        micro_means: ``(k, weights)`` where the failing step reproduces the step whose gradient averages the
-            means of k micro-batches of unequal weights (``weights``, each micro-batch's own loss weight, in
-            order) under a ``(loss_sum, weight)`` loss: an accumulation that averaged the micro-batches' means
-            where their sums over the total weight were meant (``"per_micro_mean"`` in ``matches``); else ``None``.
+        micro_means: ``(k, weights, layout)`` where the failing step reproduces the step whose gradient averages
+            the means of k micro-batches of unequal weights (``weights``, each micro-batch's own loss weight, in
+            order; ``layout``: ``"blocks"`` of consecutive rows or ``"strided"``, rows i::k; a replay's ``(k,
+            weights)`` are blocks) under a ``(loss_sum, weight)`` loss: an accumulation that averaged the
+            micro-batches' means where their sums over the total weight were meant (``"per_micro_mean"`` in
+            ``matches``); else ``None``.
         batch_keys: where the step's batch is a mapping, its keys other than the model's inputs and the labels
             (``"segment_ids"``, ``"positions"``, ``"weights"``: what a loss reads beside them, a mask, positions
             or weights), in the batch's order; ``()`` otherwise (an array or tuple batch, a replay's record).
@@ -354,7 +356,7 @@ class StepRecord:
     replica_scales: tuple[float, ...] | None = None
     shard_weights: tuple[float, ...] | None = None
     replicas_compared: tuple[int, int] | None = None
-    micro_means: tuple[int, tuple[float, ...]] | None = None
+    micro_means: tuple | None = None
     batch_keys: tuple[str, ...] = ()
     shard_subset: tuple[tuple[int, ...], int, str, str] | None = None
     shard_clip: float | None = None

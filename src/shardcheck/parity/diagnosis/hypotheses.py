@@ -553,9 +553,10 @@ MICRO_BATCHES = (2, 4, 8)
 
 def _micro_batch_means(
     run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads
-) -> tuple[int, tuple[float, ...]] | None:
-    """``(k, weights)`` where the candidate's step is the one whose gradient averages the means of k micro-batches
-    (the batch's k blocks of rows, each its loss sum over its own weight) under a ``(loss_sum, weight)`` loss whose
+) -> tuple[int, tuple[float, ...], str] | None:
+    """``(k, weights, layout)`` where the candidate's step is the one whose gradient averages the means of k
+    micro-batches (the batch's k blocks of rows or its rows i::k, :func:`_micro_layouts`; each its loss sum over
+    its own weight) under a ``(loss_sum, weight)`` loss whose
     micro-batches carry unequal weights (``weights``, the k micro-batches' own, in order): an accumulation by hand
     that averaged the micro-batches' means where their sums over the total weight were meant (trial 40: uneven
     padding over 2 micro-batches on 4 shards). k is tried over :data:`MICRO_BATCHES`, dividing the batch's rows,
@@ -573,13 +574,11 @@ def _micro_batch_means(
     loss_fn = rounded_loss(run.task.loss_fn, run.precision.matmul) if emulated else run.task.loss_fn
     tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
     cand = None if cand_grads is None else flatten_state(nnx.as_pure(cand_grads))
-    for k in MICRO_BATCHES:
-        if k == run.cand.num_shards or rows < 2 * k or rows % k:
-            continue
-        weights = shard_weights(loss_fn, k, pre.graphdef, pre.params, pre.rest, batch)
+    for k, layout, micro in _micro_layouts(batch, rows, run.cand.num_shards):
+        weights = shard_weights(loss_fn, k, pre.graphdef, pre.params, pre.rest, micro)
         if weights is None or max(weights) - min(weights) <= 1e-6 * max(abs(w) for w in weights):
             continue  # equal micro-batches: their means averaged are the full batch's mean
-        grads = per_shard_mean_grads(loss_fn, k, pre.graphdef, pre.params, pre.rest, batch)
+        grads = per_shard_mean_grads(loss_fn, k, pre.graphdef, pre.params, pre.rest, micro)
         if grads is None:
             continue
         if cand is not None and tolerance:
@@ -590,8 +589,22 @@ def _micro_batch_means(
         alt = _scaled_params(tx, pre.params, pre.opt_state, grads, 1.0)
         rounding = hypothesis_rounding(tx, grads, pre.opt_state, pre.params, rtol, atol)
         if _reproduces(run, *alt, rtol, atol, rounding):
-            return k, weights
+            return k, weights, layout
     return None
+
+
+def _micro_layouts(batch, rows: int, num_shards: int | None):
+    """``(k, layout, batch)`` for each k of :data:`MICRO_BATCHES` dividing ``rows`` (at least 2 rows a micro-batch): the
+    batch as it is, its k blocks of consecutive rows the micro-batches (not for k = S, the per-shard means' own),
+    then with rows i::k gathered in order, its k blocks the strided micro-batches (trial 59: a step averaging the
+    means of rows i::k read forward_differs)."""
+    for k in MICRO_BATCHES:
+        if rows < 2 * k or rows % k:
+            continue
+        if k != num_shards:
+            yield k, "blocks", batch
+        order = np.argsort(np.arange(rows) % k, kind="stable")
+        yield k, "strided", jax.tree.map(lambda a, order=order: a[order], batch)
 
 
 def _loss_per_shard(run: _Run, pre: _PreStep, batch, record: StepRecord) -> bool:

@@ -2355,13 +2355,14 @@ def micro_batch_means(ctx: DiagnosisContext) -> Finding:
     first = ctx.first
     if first is None or "per_micro_mean" not in ctx.reproduced or first.micro_means is None:
         return None
-    k, weights = first.micro_means
+    k, weights, *layout = first.micro_means  # a replay's: (k, weights), blocks
     shown = ", ".join(f"{w:.6g}" for w in weights)
+    rows = f"rows i::{k}, every {k}th row" if layout == ["strided"] else f"the batch's rows in {k} blocks"
     return Diagnosis(
         "micro_batch_means",
         f"At step {first.step} the step reproduces the micro-batches' means averaged (each normalized by its own "
         f"count) where their sums over the total count were meant: its update is the optimizer's step on the mean "
-        f"of the {k} micro-batches' own means (the batch's rows in {k} blocks, loss weights {shown}), not on the "
+        f"of the {k} micro-batches' own means ({rows}, loss weights {shown}), not on the "
         "full batch's sum over its total weight. With uneven counts that weighs the rows of the lighter "
         "micro-batches more; add the micro-batches' loss sums and their counts, then divide once by the total "
         "count (docs/reduction_cases.md C4-C6).",

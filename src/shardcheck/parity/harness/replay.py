@@ -597,9 +597,9 @@ def _hypotheses(
 
 def _micro_match(
     record, task: Task, num_shards, before, batch, after, grads
-) -> tuple[int, tuple[float, ...]] | None:
-    """``(k, weights)`` where the candidate's state ``after`` the step is the task optimizer's step from its own
-    state ``before`` (``(graphdef, params, rest, opt_state)``) on the mean of k micro-batches' own means (the
+) -> tuple[int, tuple[float, ...], str] | None:
+    """``(k, weights, "blocks")`` where the candidate's state ``after`` the step is the task optimizer's step from
+    its own state ``before`` (``(graphdef, params, rest, opt_state)``) on the mean of k micro-batches' own means (the
     batch's k blocks of rows, each its loss sum over its own weight, of unequal weights ``weights``), within
     the record's tolerances widened by that step's rounding, while the full batch's step from the same state
     differs; its returned ``grads`` (where given, and some fails) that gradient within the gradient
@@ -645,7 +645,7 @@ def _micro_match(
         near = _compared(record, alt, after, (params, state), rounding)
         apart = _compared(record, alt, _scaled_params(tx, params, state, full, 1.0), (params, state))
         if all(e.ok for e in near) and not all(e.ok for e in apart):
-            return k, tuple(float(w) for w in weights)
+            return k, tuple(float(w) for w in weights), "blocks"
     return None
 
 
