@@ -43,35 +43,45 @@ def members(rows: int, k: int, layout: str) -> np.ndarray:
     return m
 
 
-def micro_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads):
-    """``(kept, k, division, layout)`` where the candidate's step is the reference optimizer's on the gradient of
-    the micro-batches ``kept`` only, of k micro-batches of ``layout``, divided as ``division`` says (the module
-    docstring); ``None`` where none does, on a batch above :data:`MAX_ROWS` rows, or where the rows do not trace
-    one by one. The k blocks of a shard's size are the shard subsets' own, not tried again."""
-    from shardcheck.parity.diagnosis.hypotheses import MICRO_BATCHES
-    from shardcheck.parity.diagnosis.shard_subset import first_subset
-
+def row_terms(run, pre, batch):
+    """Each row's gradient of its loss and its weight (:func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`
+    over the B rows) at the reference's pre-step state; ``None`` above :data:`MAX_ROWS` rows or where the rows do
+    not trace one by one. The shards' and the micro-batches' sums are read from it (:func:`grouped`): one
+    compiled program for both."""
     rows = batch_size(batch)
     if rows > MAX_ROWS:
         return None
-    terms = shard_terms(run.task.loss_fn, rows, pre.graphdef, pre.params, pre.rest, batch)
-    if terms is None:
-        return None
+    return shard_terms(run.task.loss_fn, rows, pre.graphdef, pre.params, pre.rest, batch)
+
+
+def grouped(terms, m: np.ndarray):
+    """``terms`` (``(stack, weights)`` over rows) summed into the groups of ``m`` (``[k, rows]``, 0 or 1)."""
     stack, weights = terms
-    s = run.cand.num_shards or 1
+
+    def summed(g):
+        return jnp.tensordot(jnp.asarray(m), g.astype(jnp.float32), axes=1).astype(g.dtype)
+
+    return jax.tree.map(summed, stack), m.astype(np.float64) @ weights
+
+
+def micro_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, rows):
+    """``(kept, k, division, layout)`` where the candidate's step is the reference optimizer's on the gradient of
+    the micro-batches ``kept`` only, of k micro-batches of ``layout``, divided as ``division`` says (the module
+    docstring), read from ``rows`` (:func:`row_terms`); ``None`` where none does. The k blocks of a shard's size
+    are the shard subsets' own, not tried again."""
+    from shardcheck.parity.diagnosis.hypotheses import MICRO_BATCHES
+    from shardcheck.parity.diagnosis.shard_subset import first_subset
+
+    n, s = len(rows[1]), run.cand.num_shards or 1
     for k in MICRO_BATCHES:
-        if rows % k or rows < 2 * k:
+        if n % k or n < 2 * k:
             continue
         for layout in LAYOUTS:
             if layout == "blocks" and k == s:
                 continue
-            m = members(rows, k, layout)
-
-            def summed(g, m=m):
-                return jnp.tensordot(jnp.asarray(m), g.astype(jnp.float32), axes=1).astype(g.dtype)
-
-            micro = (jax.tree.map(summed, stack), m.astype(np.float64) @ weights)
-            found = first_subset(run, pre, record, rtol, atol, cand_grads, micro)
+            found = first_subset(
+                run, pre, record, rtol, atol, cand_grads, grouped(rows, members(n, k, layout))
+            )
             if found is not None:
                 return (*found, layout)
     return None

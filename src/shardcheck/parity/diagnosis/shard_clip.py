@@ -29,9 +29,17 @@ from shardcheck.parity.diagnosis.per_shard import shard_terms
 
 def _shard_means(run, pre, batch) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
     """``({path: [S, ...] float64}, weights [S])``: each shard's own mean gradient (its loss sum's gradient over
-    its weight), from :func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`; ``None`` where it does not
-    trace or a shard weighs 0."""
-    terms = shard_terms(run.task.loss_fn, run.cand.num_shards, pre.graphdef, pre.params, pre.rest, batch)
+    its weight), summed from each row's (:func:`~shardcheck.parity.diagnosis.micro_subset.row_terms`, the program
+    the shard subsets read too), else from :func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`; ``None``
+    where it does not trace or a shard weighs 0."""
+    from shardcheck.parity.diagnosis.micro_subset import grouped, members, row_terms
+
+    s = run.cand.num_shards
+    rows = row_terms(run, pre, batch)
+    if rows is not None:
+        terms = grouped(rows, members(len(rows[1]), s, "blocks"))
+    else:
+        terms = shard_terms(run.task.loss_fn, s, pre.graphdef, pre.params, pre.rest, batch)
     if terms is None or not np.all(terms[1] > 0):
         return None
     stack, weights = terms

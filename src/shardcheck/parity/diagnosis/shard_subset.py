@@ -72,16 +72,22 @@ def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=Non
     (:func:`~shardcheck.parity.diagnosis.micro_subset.micro_subset`, ``(kept, k, division, layout)``); ``None``
     where none does, on a loss that couples the rows, or against a reference step of the user's (on one shard,
     micro-batches only)."""
-    from shardcheck.parity.diagnosis.micro_subset import micro_subset
+    from shardcheck.parity.diagnosis.micro_subset import grouped, members, micro_subset, row_terms
 
     s = run.cand.num_shards or 1
     if run.reference is not None or run.rows_coupled:
         return None
-    terms = None if s < 2 else _terms(run, pre, batch)
+    rows = row_terms(run, pre, batch)  # the shards' sums read from the rows', one program for both
+    if s < 2:
+        terms = None
+    elif rows is not None:
+        terms = grouped(rows, members(len(rows[1]), s, "blocks"))
+    else:
+        terms = _terms(run, pre, batch)
     found = None if terms is None else first_subset(run, pre, record, rtol, atol, cand_grads, terms)
     if found is not None:
         return (*found, "shards")
-    return micro_subset(run, pre, batch, record, rtol, atol, cand_grads)
+    return None if rows is None else micro_subset(run, pre, record, rtol, atol, cand_grads, rows)
 
 
 def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms):
