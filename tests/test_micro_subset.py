@@ -134,3 +134,10 @@ def test_micro_batch_means_are_named_with_their_layout(task, layout):
     assert first.micro_means[0] == K and first.micro_means[2] == layout
     rows = "the batch's rows in 4 blocks" if layout == "blocks" else "rows i::4, every 4th row"
     assert f"the mean of the 4 micro-batches' own means ({rows}, loss weights " in report.diagnoses[0].message
+
+
+def test_the_micro_batch_subsets_tried_are_the_ends():
+    from shardcheck.parity.diagnosis.micro_subset import ends
+
+    assert ends(4) == [(3,), (0,), (0, 1, 2), (1, 2, 3)]
+    assert ends(2) == [(1,), (0,)]  # all but one of two: the other alone

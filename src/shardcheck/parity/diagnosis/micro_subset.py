@@ -9,8 +9,8 @@ Where no shard subset fits (:func:`~shardcheck.parity.diagnosis.shard_subset.sha
 computes each row's gradient of its loss once, at the reference's pre-step state
 (:func:`~shardcheck.parity.diagnosis.per_shard.shard_terms` over the B rows, for a batch of at most
 :data:`MAX_ROWS`), sums them into the k micro-batches of each :data:`LAYOUTS` (k in
-:data:`~shardcheck.parity.diagnosis.hypotheses.MICRO_BATCHES` dividing B), and tries every micro-batch alone and
-every one but one as the shard subsets are tried
+:data:`~shardcheck.parity.diagnosis.hypotheses.MICRO_BATCHES` dividing B), and tries the first and the last alone and
+all but the first or the last (:func:`ends`) as the shard subsets are tried
 (:func:`~shardcheck.parity.diagnosis.shard_subset.first_subset`).
 """
 
@@ -64,6 +64,14 @@ def grouped(terms, m: np.ndarray):
     return jax.tree.map(summed, stack), m.astype(np.float64) @ weights
 
 
+def ends(k: int) -> list[tuple[int, ...]]:
+    """The micro-batch subsets tried: the last alone (an accumulator overwritten), the first alone, all but the
+    last (a loop stopped early), all but the first; not every subset, as for shards (up to 2k optimizer reruns
+    a layout and k, where a step returns no gradients to fit)."""
+    every = tuple(range(k))
+    return list(dict.fromkeys([(k - 1,), (0,), every[:-1], every[1:]]))
+
+
 def micro_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, rows):
     """``(kept, k, division, layout)`` where the candidate's step is the reference optimizer's on the gradient of
     the micro-batches ``kept`` only, of k micro-batches of ``layout``, divided as ``division`` says (the module
@@ -79,9 +87,8 @@ def micro_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, rows):
         for layout in LAYOUTS:
             if layout == "blocks" and k == s:
                 continue
-            found = first_subset(
-                run, pre, record, rtol, atol, cand_grads, grouped(rows, members(n, k, layout))
-            )
+            micro = grouped(rows, members(n, k, layout))
+            found = first_subset(run, pre, record, rtol, atol, cand_grads, micro, ends(k))
             if found is not None:
                 return (*found, layout)
     return None

@@ -90,10 +90,10 @@ def shard_subset(run, pre, batch, record: StepRecord, rtol, atol, cand_grads=Non
     return None if rows is None else micro_subset(run, pre, record, rtol, atol, cand_grads, rows)
 
 
-def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms):
-    """``(kept, n, division)``: the first of :func:`subsets` of the n parts whose gradient sums and weights
-    ``terms`` holds (``(stack, weights)``, :func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`), and of
-    :data:`DIVISIONS`, that the candidate reproduces; ``None`` where none does."""
+def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms, tried=None):
+    """``(kept, n, division)``: the first of ``tried`` (default :func:`subsets`) of the n parts whose gradient sums
+    and weights ``terms`` holds (``(stack, weights)``, :func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`),
+    and of :data:`DIVISIONS`, that the candidate reproduces; ``None`` where none does."""
     from shardcheck.parity.diagnosis.hypotheses import (
         _reproduces,
         _scaled_params,
@@ -106,7 +106,7 @@ def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms):
     tx = run.ref_opt.tx
     divisions = DIVISIONS if np.ptp(terms[1]) > 0 else DIVISIONS[:2]
     n = len(terms[1])
-    for kept in subsets(n):
+    for kept in subsets(n) if tried is None else tried:
         for division in divisions:
             grads = _combined(*terms, kept, division)
             if cand is not None:
