@@ -17,7 +17,6 @@ all but the first or the last (:func:`ends`) as the shard subsets are tried
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from shardcheck.parity.diagnosis.evidence import StepRecord
@@ -51,17 +50,21 @@ def row_terms(run, pre, batch):
     rows = batch_size(batch)
     if rows > MAX_ROWS:
         return None
-    return shard_terms(run.task.loss_fn, rows, pre.graphdef, pre.params, pre.rest, batch)
+    terms = shard_terms(run.task.loss_fn, rows, pre.graphdef, pre.params, pre.rest, batch)
+    return None if terms is None else (jax.tree.map(np.asarray, terms[0]), terms[1])
 
 
 def grouped(terms, m: np.ndarray):
-    """``terms`` (``(stack, weights)`` over rows) summed into the groups of ``m`` (``[k, rows]``, 0 or 1)."""
+    """``terms`` (``(stack, weights)`` over rows) summed into the groups of ``m`` (``[k, rows]``, 0 or 1), on the
+    host (float64 sums in the stack's dtype)."""
     stack, weights = terms
+    m = m.astype(np.float64)
 
     def summed(g):
-        return jnp.tensordot(jnp.asarray(m), g.astype(jnp.float32), axes=1).astype(g.dtype)
+        g = np.asarray(g)
+        return np.tensordot(m, g.astype(np.float64), axes=1).astype(g.dtype)
 
-    return jax.tree.map(summed, stack), m.astype(np.float64) @ weights
+    return jax.tree.map(summed, stack), m @ weights
 
 
 def ends(k: int) -> list[tuple[int, ...]]:

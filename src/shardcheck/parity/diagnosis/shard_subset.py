@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -47,8 +46,10 @@ weights differ; otherwise it is ``"own"``)."""
 
 
 def _combined(stack, weights, kept: tuple[int, ...], division: str):
-    """The kept shards' gradient sum, divided as ``division`` (:data:`DIVISIONS`) says."""
-    mask = np.zeros(len(weights), np.float32)
+    """The kept shards' gradient sum, divided as ``division`` (:data:`DIVISIONS`) says, on the host (``stack``:
+    NumPy arrays, summed in float64 and returned in their dtype: a few hundred eager device ops a failing check
+    took seconds); ``None`` where the kept shards weigh 0 and their own weight divides."""
+    mask = np.zeros(len(weights), np.float64)
     mask[list(kept)] = 1.0
     total = float(np.sum(weights))
     denominator = {
@@ -56,7 +57,9 @@ def _combined(stack, weights, kept: tuple[int, ...], division: str):
         "own": float(np.sum(weights * mask)),
         "share": total * len(kept) / len(weights),
     }[division]
-    return jax.tree.map(lambda g: (jnp.tensordot(mask, g, axes=1) / denominator).astype(g.dtype), stack)
+    if denominator == 0.0:  # kept parts that weigh nothing: no such mean
+        return None
+    return jax.tree.map(lambda g: (np.tensordot(mask, g, axes=1) / denominator).astype(g.dtype), stack)
 
 
 def _terms(run, pre, batch):
@@ -104,11 +107,14 @@ def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms, tr
     tolerance = {e.path: e.tolerance for e in record.leaves if e.kind == "grad"}
     cand = flatten_state(nnx.as_pure(cand_grads)) if cand_grads is not None and tolerance else None
     tx = run.ref_opt.tx
+    terms = (jax.tree.map(np.asarray, terms[0]), terms[1])  # on the host once
     divisions = DIVISIONS if np.ptp(terms[1]) > 0 else DIVISIONS[:2]
     n = len(terms[1])
     for kept in subsets(n) if tried is None else tried:
         for division in divisions:
             grads = _combined(*terms, kept, division)
+            if grads is None:
+                continue
             if cand is not None:
                 c = fitted_factor(cand, flatten_state(grads), tolerance)
                 if c is None or abs(c - 1.0) > 1e-3:
