@@ -18,10 +18,10 @@ from flax import nnx
 from shardcheck.task import loss_terms, shards_with_state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _stacked(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
-    """Each of the S shards' gradient of its loss sum (a mean loss: of its own mean) and its weight (1 for a mean
-    loss), stacked along a leading axis of S."""
+def _map_shards(loss_fn, num_shards, graphdef, per_row, params, rest, batch, divided: bool):
+    """Each of the S shards' gradient of its loss sum (``divided``: of its loss sum over its weight, the quotient
+    differentiated, as a step that divides per shard computes it) and its weight (1 for a mean loss, whose "sum"
+    is the shard's own mean), stacked along a leading axis of S; traced inside the jitted callers."""
     xs, at = shards_with_state(batch, rest, num_shards, per_row)
 
     def shard(x):
@@ -32,11 +32,27 @@ def _stacked(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
             # outer jit's trace, and an nnx transform inside the model (nnx.scan over stacked layers holding an
             # RNG count) would raise "Cannot extract graph node from different trace level" (issue #34)
             value, weight = loss_terms(loss_fn, nnx.merge(graphdef, p, rest_s, copy=True), part)
+            value = value if weight is None or not divided else value / weight
             return value, jnp.asarray(1.0 if weight is None else weight, jnp.float32)
 
         return jax.grad(total, has_aux=True)(params)
 
     return jax.lax.map(shard, xs)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _stacked(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
+    return _map_shards(loss_fn, num_shards, graphdef, per_row, params, rest, batch, False)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _mean_of_means(loss_fn, num_shards, graphdef, per_row, params, rest, batch):
+    """The S shards' own mean gradients (each the gradient of its loss sum over its weight), averaged: the
+    division inside the gradient, as the steps whose normalization it stands for compute it (a low-precision
+    model's hypothesis is compared within its own rounding: divided after the gradient, trial 18's bfloat16
+    normalization was no longer reproduced)."""
+    grads, _ = _map_shards(loss_fn, num_shards, graphdef, per_row, params, rest, batch, True)
+    return jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
 
 
 def shard_terms(loss_fn, num_shards: int, graphdef, params, rest, batch):
@@ -55,21 +71,14 @@ def shard_terms(loss_fn, num_shards: int, graphdef, params, rest, batch):
     return None
 
 
-@jax.jit
-def _mean_of_means(stack, weights):
-    def mean(g):
-        w = weights.reshape((-1,) + (1,) * (g.ndim - 1))
-        return jnp.mean(g.astype(jnp.float32) / w, axis=0).astype(g.dtype)
-
-    return jax.tree.map(mean, stack)
-
-
 def per_shard_mean_grads(loss_fn, num_shards: int, graphdef, params, rest, batch):
     """The gradient of the mean of per-shard means (each of the ``num_shards`` shards of ``batch`` divides its
-    ``loss_sum`` by its own weight; the S quotients' gradients averaged, in float32), a tree like ``params``, from
-    :func:`shard_terms`; ``None`` where that does not trace."""
-    terms = shard_terms(loss_fn, num_shards, graphdef, params, rest, batch)
-    if terms is None:
-        return None
-    stack, weights = terms
-    return _mean_of_means(stack, jnp.asarray(weights, jnp.float32))
+    ``loss_sum`` by its own weight; the S quotients' gradients averaged), a tree like ``params``; each shard with
+    the whole non-parameter state ``rest``, or where the model does not trace so (a per-row carried state) its rows
+    of it; ``None`` where it traces neither way."""
+    for per_row in (False, True):
+        try:
+            return _mean_of_means(loss_fn, num_shards, graphdef, per_row, params, rest, batch)
+        except (TypeError, ValueError):  # a shape error at trace time: a state shaped by the full batch
+            continue
+    return None
