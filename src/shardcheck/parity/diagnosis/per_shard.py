@@ -1,9 +1,11 @@
 """Each batch shard's own gradient: the one engine of the hypotheses that read the shards one by one.
 
-The mean of per-shard means (``normalization``, C4-C6), a micro-batch's own mean (``per_micro_mean``), some shards'
-gradient only (:mod:`~shardcheck.parity.diagnosis.shard_subset`) and a clip at a norm of the step's own
-(:mod:`~shardcheck.parity.diagnosis.shard_clip`) all start from the S shards' gradients of their loss sums and
-their weights, at the reference's pre-step state: :func:`shard_terms` computes them in one compiled program.
+The mean of per-shard means (``normalization``, C4-C6) and a micro-batch's own mean (``per_micro_mean``) differentiate
+each shard's loss over its weight (:func:`per_shard_mean_grads`: the quotient's gradient, as the steps they stand for
+compute it); some shards' gradient only (:mod:`~shardcheck.parity.diagnosis.shard_subset`), some micro-batches'
+(:mod:`~shardcheck.parity.diagnosis.micro_subset`) and a clip at a norm of the step's own
+(:mod:`~shardcheck.parity.diagnosis.shard_clip`) read the shards' (or rows') gradients of their loss sums and their
+weights (:func:`shard_terms`). Both map one shard function over the shards, at the reference's pre-step state.
 """
 
 from __future__ import annotations
