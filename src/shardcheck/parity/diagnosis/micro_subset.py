@@ -102,27 +102,22 @@ def micro_clause(subset: tuple[tuple[int, ...], int, str, str], weighted: bool) 
     fix."""
     kept, k, division, layout = subset
     rows = "consecutive rows" if layout == "blocks" else f"rows i::{k}, every {k}th row"
+    from shardcheck.parity.diagnosis.shard_subset import divided_words
+
     left = [i for i in range(k) if i not in kept]
     full = "the batch's total weight" if weighted else f"k = {k}"
-    share = f"x {k}" if len(kept) == 1 else f"x {k}/{len(kept)}"
     if len(kept) == 1:
         which = f"micro-batch {kept[0]}'s gradient alone (of {k} micro-batches of {rows})"
-        divided = {
-            "own": f"in place of the mean over all {k}",
-            "full": f"divided by {full}, as the accumulated sum is",
-            "share": f"divided by {full} and scaled {share}, as if it weighed its share of the batch",
-        }[division]
+        said = ", as the accumulated sum is"
+        divided = divided_words(kept, k, division, full=full, mine="", full_said=said)
     else:
         which = (
             f"the gradient of micro-batches {words_and(kept)} of {k} only (micro-batch {words_and(left)} left "
             f"out; micro-batches of {rows})"
         )
         mine = "those micro-batches' own weight" if weighted else f"their own count, {len(kept)}"
-        divided = {
-            "own": f"divided by {mine}",
-            "full": f"divided by {full}, as the full accumulation's",
-            "share": f"divided by {full} and scaled {share}, as if they weighed their share of the batch",
-        }[division]
+        said = ", as the full accumulation's"
+        divided = divided_words(kept, k, division, full=full, mine=mine, full_said=said)
     return (
         f"the step applied the optimizer's update to {which}, {divided}: an accumulation that left micro-batches "
         "out (an accumulator overwritten where it was to be added to, which keeps the last micro-batch's gradient; "

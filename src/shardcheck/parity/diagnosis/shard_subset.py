@@ -127,6 +127,22 @@ def first_subset(run, pre, record: StepRecord, rtol, atol, cand_grads, terms, tr
     return None
 
 
+def divided_words(
+    kept: tuple[int, ...], n: int, division: str, *, full: str, mine: str, full_said: str
+) -> str:
+    """How the kept parts (of n shards or micro-batches) were divided, in words: ``division`` of
+    :data:`DIVISIONS`, ``full`` the whole's count or weight, ``mine`` the kept parts' own (several kept),
+    ``full_said`` what follows the whole's."""
+    one = len(kept) == 1
+    share = f"x {n}" if one else f"x {n}/{len(kept)}"
+    them = ("it", "its") if one else ("they", "their")
+    return {
+        "own": f"in place of the mean over all {n}" if one else f"divided by {mine}",
+        "full": f"divided by {full}{full_said}",
+        "share": f"divided by {full} and scaled {share}, as if {them[0]} weighed {them[1]} share of the batch",
+    }[division]
+
+
 def subset_clause(subset: tuple[tuple[int, ...], int, str, str], weighted: bool) -> str:
     """The reading in words: which shards, divided by what (``subset``: :func:`shard_subset`'s), the likely
     mistakes and the fix; of micro-batches, :func:`~shardcheck.parity.diagnosis.micro_subset.micro_clause`."""
@@ -137,22 +153,13 @@ def subset_clause(subset: tuple[tuple[int, ...], int, str, str], weighted: bool)
         return micro_clause(subset, weighted)
     left = [i for i in range(s) if i not in kept]
     full = "the batch's total weight" if weighted else f"S = {s}"
-    share = f"x {s}" if len(kept) == 1 else f"x {s}/{len(kept)}"
     if len(kept) == 1:
         which = f"shard {kept[0]}'s gradient alone (of {s} batch shards)"
-        divided = {
-            "own": f"in place of the mean over all {s}",
-            "full": f"divided by {full}",
-            "share": f"divided by {full} and scaled {share}, as if it weighed its share of the batch",
-        }[division]
+        divided = divided_words(kept, s, division, full=full, mine="", full_said="")
     else:
         which = f"the gradient of shards {words_and(kept)} of {s} only (shard {words_and(left)} left out)"
         mine = "those shards' own weight" if weighted else f"their own count, {len(kept)}"
-        divided = {
-            "own": f"divided by {mine}",
-            "full": f"divided by {full}, as the full batch's",
-            "share": f"divided by {full} and scaled {share}, as if they weighed their share of the batch",
-        }[division]
+        divided = divided_words(kept, s, division, full=full, mine=mine, full_said=", as the full batch's")
     return (
         f"the step applied the optimizer's update to {which}, {divided}: a reduction that left shards out (a "
         "psum whose input masks a device's gradient, one device's gradient broadcast in place of the all-reduce, "
