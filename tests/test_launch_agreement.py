@@ -61,10 +61,20 @@ def test_a_process_that_exits_alone_is_a_fault_and_the_others_are_stopped(tmp_pa
     assert "all 2 processes" not in err
 
 
-def test_different_statuses_are_a_fault_of_the_first(tmp_path):
-    status, out, err = launched(
-        "time.sleep(0.5 if rank == 0 else 0.0); sys.exit(2 if rank == 0 else 1)", tmp_path
+def _after_rank_1(tmp_path, rank_1: str, rank_0: str) -> str:
+    """A body in which rank 1 runs ``rank_1`` and rank 0 runs ``rank_0`` 0.5 s after rank 1 got there, however
+    late either process started (a fixed 0.5 s head start lost to a slow start under a loaded CI machine: rank 0
+    ended first, and its status was read as the fault)."""
+    flag = tmp_path / "rank1"
+    return (
+        f"(open({str(flag)!r}, 'w').close(), {rank_1}) if rank == 1 else "
+        f"([time.sleep(0.05) for _ in iter(lambda: os.path.exists({str(flag)!r}), True)], time.sleep(0.5), "
+        f"{rank_0})"
     )
+
+
+def test_different_statuses_are_a_fault_of_the_first(tmp_path):
+    status, out, err = launched(_after_rank_1(tmp_path, "sys.exit(1)", "sys.exit(2)"), tmp_path)
     assert status == 1
     assert re.search(
         r"launch: process 1 \(pid \d+\) exited with status 1 after \d+\.\d s; stopped the other 0 ", err
@@ -75,9 +85,7 @@ def test_different_statuses_are_a_fault_of_the_first(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and process groups as on Linux")
 def test_a_killed_process_is_a_fault_at_once_even_if_the_others_follow(tmp_path):
     # the grace is for statuses the command chose, not for signals: no waiting on the others
-    status, out, err = launched(
-        "os.kill(os.getpid(), 9) if rank == 1 else (time.sleep(0.5), sys.exit(137))", tmp_path
-    )
+    status, out, err = launched(_after_rank_1(tmp_path, "os.kill(os.getpid(), 9)", "sys.exit(137)"), tmp_path)
     assert status == 128 + 9
     assert re.search(r"launch: process 1 \(pid \d+\) was killed by signal SIGKILL", err), err
     assert "all 2 processes" not in err
