@@ -110,6 +110,30 @@ def test_device_statistics_equal_float64_numpy(r, noise, r0, special, where, shi
     _same(items)
 
 
+@given(
+    r=_leaves(special=True),
+    c=_leaves(special=True),
+    near=st.booleans(),
+    allowance=st.sampled_from(["none", "scalar", "array"]),
+    where=st.integers(0, SHAPE[0] * SHAPE[1] - 1),
+    shift=st.sampled_from([-1, 0, 1]),
+)
+def test_within_is_leaf_errors_verdict(r, c, near, allowance, where, shift):
+    """``within`` (the hypotheses' comparison) decides as ``leaf_error(...).ok``: NaN, inf, subnormal elements,
+    all zeros, and an allowance that puts one element at its threshold, one float64 ulp either side."""
+    rtol, atol = 1e-6, 1e-7
+    c = (r + np.float32(1e-6) * c).astype(np.float32) if near else c
+    diff = np.abs(c.astype(np.float64) - r.astype(np.float64))
+    with np.errstate(invalid="ignore", over="ignore"):
+        edge = float(diff.flat[where]) - (atol + rtol * float(np.max(np.abs(r.astype(np.float64)))))
+    edge = max(np.nextafter(edge, np.inf * shift) if shift else edge, 0.0) if math.isfinite(edge) else 0.0
+    extra = {"none": None, "scalar": edge, "array": np.full(SHAPE, edge)}[allowance]
+    for ref, cand in ((r, c), (c, r), (r, r), (np.zeros(SHAPE), np.zeros(SHAPE))):
+        expected = leaf_error(0, "param", "w", ref, cand, rtol, atol, allowance=extra).ok
+        assert compare.within(ref, cand, rtol, atol, extra) == expected
+    assert not compare.within(r, c[:2], rtol, atol)  # shapes that differ fail, as leaf_error's
+
+
 def test_the_threshold_is_decided_in_float64():
     """An error a few float64 ulps either side of its float32-rounded threshold: the verdict is float64's."""
     r = np.linspace(-1, 1, 64, dtype=np.float32).reshape(SHAPE)

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from shardcheck.parity.comparison import live as compare
-from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, leaf_error, to_host
+from shardcheck.parity.comparison.live import flatten_state, host_tree, is_int, to_host
 from shardcheck.parity.diagnosis.evidence import StepRecord
 from shardcheck.parity.diagnosis.per_shard import per_shard_mean_grads
 from shardcheck.parity.diagnosis.rules import _gradient_factor
@@ -388,39 +388,49 @@ def _reproduces(run: _Run, alt_params, alt_state, rtol, atol, rounding=None) -> 
     tolerances and allowances, and the reference's do not (host copies: a failing step only). ``rounding``:
     ``(params, opt_state)`` allowances ``{path: array}`` of the alternative's own rounding
     (:func:`hypothesis_rounding`), added to the candidate's side only (the reference must differ beyond the usual
-    allowance)."""
-    view = run.cand.view_optimizer or _default_view
+    allowance). Stops at the first leaf the alternative does not reproduce."""
     own = ({}, {}) if rounding is None else rounding
-    sides = {  # kind: (the alternative, the candidate, the reference, the allowance, the tolerance factor, own)
+    against_ref = []  # (the reference's leaf, the alternative's, rtol, atol, allowance), read once all reproduce
+    for (cand, ref, allowance, factor), alt, extra in zip(
+        _host_sides(run).values(), (alt_params, alt_state), own, strict=True
+    ):
+        r_tol, a_tol = factor * rtol, factor * atol
+        for p, a in flatten_state(alt).items():
+            if p not in cand or p not in ref or is_int(a):
+                continue
+            a, allow = to_host(a), allowance.get(p)
+            widened = allow if p not in extra else extra[p] + (0.0 if allow is None else allow)
+            if not compare.within(a, cand[p], r_tol, a_tol, widened):
+                return False
+            against_ref.append((ref[p], a, r_tol, a_tol, allow))
+    return any(not compare.within(*leaves) for leaves in against_ref)
+
+
+def _host_sides(run: _Run) -> dict[str, tuple]:
+    """``{kind: (the candidate's, the reference's, the allowance, the tolerance factor)}`` for ``"param"`` and
+    ``"opt_state"``: both sides after the step, and the allowances, as host copies ``{path: array}``. Kept in
+    ``run.host_sides`` while :func:`_explained` tries its hypotheses (the models do not change there: a failing
+    check read them afresh for each of up to ~100 hypotheses, ~20 ms each)."""
+    if run.host_sides:
+        return run.host_sides
+    view = run.cand.view_optimizer or _default_view
+    sides = {
         "param": (
-            alt_params,
-            nnx.state(run.cand_model, nnx.Param),
-            nnx.state(run.ref_model, nnx.Param),
-            run.allowance,
+            host_tree(nnx.state(run.cand_model, nnx.Param)),
+            host_tree(nnx.state(run.ref_model, nnx.Param)),
+            {p: to_host(a) for p, a in run.allowance.items() if a is not None},
             1.0,
-            own[0],
         ),
         "opt_state": (
-            alt_state,
-            view(run.cand_opt)[0],
-            _opt_state(run.ref_opt),
-            run.state_allowance,
+            host_tree(view(run.cand_opt)[0]),
+            host_tree(_opt_state(run.ref_opt)),
+            {p: to_host(a) for p, a in run.state_allowance.items() if a is not None},
             MOMENT_FACTOR,
-            own[1],
         ),
     }
-    reproduced, differs = True, False
-    for kind, (alt, cand, ref, allowance, factor, extra) in sides.items():
-        alt, cand, ref = host_tree(alt), host_tree(cand), host_tree(ref)
-        for p in alt:
-            if p not in cand or p not in ref or is_int(alt[p]):
-                continue
-            allow = None if allowance.get(p) is None else to_host(allowance[p])
-            widened = allow if p not in extra else extra[p] + (0.0 if allow is None else allow)
-            r_tol, a_tol = factor * rtol, factor * atol
-            reproduced &= leaf_error(0, kind, p, alt[p], cand[p], r_tol, a_tol, allowance=widened).ok
-            differs |= not leaf_error(0, kind, p, ref[p], alt[p], r_tol, a_tol, allowance=allow).ok
-    return reproduced and differs
+    if run.host_sides is not None:
+        run.host_sides.update(sides)
+    return sides
 
 
 def _low_precision_reduction(
@@ -463,6 +473,17 @@ def _low_precision_reduction(
 
 
 def _explained(
+    run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads=None
+) -> StepRecord:
+    """:func:`_hypotheses_tried`, with both sides' host copies read once for all of them (:func:`_host_sides`)."""
+    run.host_sides = {}
+    try:
+        return _hypotheses_tried(run, pre, batch, record, rtol, atol, cand_grads)
+    finally:
+        run.host_sides = None
+
+
+def _hypotheses_tried(
     run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads=None
 ) -> StepRecord:
     """A failing record with the faulty reductions the candidate reproduces (``StepRecord.matches``,

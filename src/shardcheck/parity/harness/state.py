@@ -260,6 +260,9 @@ class _Run:
     # without), and those paths alone (model_state.loss_counters, once per check)
     counters_before: tuple | None = None
     counters_touched: frozenset | None = None
+    # both sides' parameters and optimizer state after a failing step, host copies, while its hypotheses are tried
+    # (parity.diagnosis.hypotheses._host_sides: a dict, filled at the first read); None otherwise
+    host_sides: dict | None = None
     # the task's loss couples the rows of a batch (parity.harness.row_coupling, probed at low-precision compute
     # only): its loss run per shard is another loss, so no split of it measures a correct step's rounding
     rows_coupled: bool = False
