@@ -408,29 +408,28 @@ def _reproduces(run: _Run, alt_params, alt_state, rtol, atol, rounding=None) -> 
 
 def _host_sides(run: _Run) -> dict[str, tuple]:
     """``{kind: (the candidate's, the reference's, the allowance, the tolerance factor)}`` for ``"param"`` and
-    ``"opt_state"``: both sides after the step, and the allowances, as host copies ``{path: array}``. Kept in
-    ``run.host_sides`` while :func:`_explained` tries its hypotheses (the models do not change there: a failing
-    check read them afresh for each of up to ~100 hypotheses, ~20 ms each)."""
-    if run.host_sides:
-        return run.host_sides
-    view = run.cand.view_optimizer or _default_view
-    sides = {
-        "param": (
-            host_tree(nnx.state(run.cand_model, nnx.Param)),
-            host_tree(nnx.state(run.ref_model, nnx.Param)),
-            {p: to_host(a) for p, a in run.allowance.items() if a is not None},
-            1.0,
-        ),
-        "opt_state": (
-            host_tree(view(run.cand_opt)[0]),
-            host_tree(_opt_state(run.ref_opt)),
-            {p: to_host(a) for p, a in run.state_allowance.items() if a is not None},
-            MOMENT_FACTOR,
-        ),
-    }
-    if run.host_sides is not None:
-        run.host_sides.update(sides)
-    return sides
+    ``"opt_state"``: both sides after the step, and the allowances, as host copies ``{path: array}``; read once
+    while :func:`_explained` tries its hypotheses (``_Run.read_once``: the models do not change there, and a
+    failing check read them afresh for each of up to ~100 hypotheses, ~20 ms each)."""
+
+    def read():
+        view = run.cand.view_optimizer or _default_view
+        return {
+            "param": (
+                host_tree(nnx.state(run.cand_model, nnx.Param)),
+                host_tree(nnx.state(run.ref_model, nnx.Param)),
+                {p: to_host(a) for p, a in run.allowance.items() if a is not None},
+                1.0,
+            ),
+            "opt_state": (
+                host_tree(view(run.cand_opt)[0]),
+                host_tree(_opt_state(run.ref_opt)),
+                {p: to_host(a) for p, a in run.state_allowance.items() if a is not None},
+                MOMENT_FACTOR,
+            ),
+        }
+
+    return run.read_once("sides", read)
 
 
 def _low_precision_reduction(
@@ -475,12 +474,13 @@ def _low_precision_reduction(
 def _explained(
     run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads=None
 ) -> StepRecord:
-    """:func:`_hypotheses_tried`, with both sides' host copies read once for all of them (:func:`_host_sides`)."""
-    run.host_sides = {}
+    """:func:`_hypotheses_tried`, with what several hypotheses read (both sides' host copies, :func:`_host_sides`;
+    each row's gradient, :func:`~shardcheck.parity.diagnosis.micro_subset.row_terms`) read once for all."""
+    run.step_reads = {}
     try:
         return _hypotheses_tried(run, pre, batch, record, rtol, atol, cand_grads)
     finally:
-        run.host_sides = None
+        run.step_reads = None
 
 
 def _hypotheses_tried(

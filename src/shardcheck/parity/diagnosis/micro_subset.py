@@ -45,13 +45,18 @@ def members(rows: int, k: int, layout: str) -> np.ndarray:
 def row_terms(run, pre, batch):
     """Each row's gradient of its loss and its weight (:func:`~shardcheck.parity.diagnosis.per_shard.shard_terms`
     over the B rows) at the reference's pre-step state; ``None`` above :data:`MAX_ROWS` rows or where the rows do
-    not trace one by one. The shards' and the micro-batches' sums are read from it (:func:`grouped`): one
-    compiled program for both."""
-    rows = batch_size(batch)
-    if rows > MAX_ROWS:
-        return None
-    terms = shard_terms(run.task.loss_fn, rows, pre.graphdef, pre.params, pre.rest, batch)
-    return None if terms is None else (jax.tree.map(np.asarray, terms[0]), terms[1])
+    not trace one by one. The shards' and the micro-batches' sums are read from it (:func:`grouped`), and the
+    fitted clip's shard means (:mod:`~shardcheck.parity.diagnosis.shard_clip`): computed once a failing step
+    (``_Run.read_once``)."""
+
+    def read():
+        rows = batch_size(batch)
+        if rows > MAX_ROWS:
+            return None
+        terms = shard_terms(run.task.loss_fn, rows, pre.graphdef, pre.params, pre.rest, batch)
+        return None if terms is None else (jax.tree.map(np.asarray, terms[0]), terms[1])
+
+    return run.read_once("rows", read)
 
 
 def grouped(terms, m: np.ndarray):

@@ -260,9 +260,9 @@ class _Run:
     # without), and those paths alone (model_state.loss_counters, once per check)
     counters_before: tuple | None = None
     counters_touched: frozenset | None = None
-    # both sides' parameters and optimizer state after a failing step, host copies, while its hypotheses are tried
-    # (parity.diagnosis.hypotheses._host_sides: a dict, filled at the first read); None otherwise
-    host_sides: dict | None = None
+    # what a failing step's hypotheses read more than once (both sides' host copies, each row's gradient), while
+    # they are tried (parity.diagnosis.hypotheses._explained: {key: value}, filled at each first read; read_once)
+    step_reads: dict | None = None
     # the task's loss couples the rows of a batch (parity.harness.row_coupling, probed at low-precision compute
     # only): its loss run per shard is another loss, so no split of it measures a correct step's rounding
     rows_coupled: bool = False
@@ -278,6 +278,15 @@ class _Run:
     # candidate's state is small enough for the check at every step (optimizer_rerun.checks_step), once per check
     rerun_inputs: tuple | None = None
     checks_every_step: bool | None = None
+
+    def read_once(self, key: str, build):
+        """``build()``, once while a failing step's hypotheses are tried (``step_reads`` is a dict), else at each
+        call."""
+        if self.step_reads is None:
+            return build()
+        if key not in self.step_reads:
+            self.step_reads[key] = build()
+        return self.step_reads[key]
 
     def tol(self, kind: str, path: str, rtol: float, atol: float) -> tuple[float, float]:
         """The leaf's ``(rtol, atol)``: the user's per-leaf override when one applies, else the derived ones."""
