@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from shardcheck.cli._cache import whole_cache_entries
 from shardcheck.cli._xla import use_cpu_thread_pool, with_cpu_compile_flags
 
 # Compile time is most of the suite's time, and XLA:CPU's defaults are tuned for running programs, not compiling
@@ -36,21 +37,20 @@ import jax  # noqa: E402  (XLA reads XLA_FLAGS when its first backend starts)
 os.environ.setdefault("SHARDCHECK_COMPILATION_CACHE", "off")
 
 # One fresh folder per test session (the pytest-xdist workers inherit this variable from the controller, which
-# creates the folder and removes it at exit), and in it one folder per worker: a program one test compiled loads
-# in any later test of that worker. Many tests compile the same programs (a task's reference step, the harness's
-# sensitivity pass for a new but equal optax transformation), which JAX's in-memory caches cannot see are equal.
-# Not one folder for all workers: JAX writes an entry in place, unlocked (jax._src.lru_cache.LRUCache.put without
-# a size limit), so a worker could read another's entry half written and segfault deserializing it
+# creates the folder and removes it at exit), shared by the workers and the processes their tests start: a program
+# one test compiled loads in any later test, on either worker. Many tests compile the same programs (a task's
+# reference step, the harness's sensitivity pass for a new but equal optax transformation), which JAX's in-memory
+# caches cannot see are equal. JAX's key of a program includes the folder (its GPU autotune folder, beneath it), so
+# a folder per worker shared nothing. Each entry is written whole (shardcheck.cli._cache.whole_cache_entries, as
+# the command line writes them): JAX writes an entry in place, unlocked (jax._src.lru_cache.LRUCache.put without a
+# size limit), and a worker read another's entry half written and segfaulted deserializing it
 # (docs/known_issues.md). SHARDCHECK_TEST_XLA_CACHE=off compiles everything afresh.
 SESSION_CACHE = "SHARDCHECK_TEST_XLA_CACHE"
 if SESSION_CACHE not in os.environ:
     os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="shardcheck-tests-xla-")
     atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
 if os.environ[SESSION_CACHE] != "off":
-    # the worker's own folder, for this process and the processes its tests start (they run while it waits)
-    os.environ[SESSION_CACHE] = os.path.join(
-        os.environ[SESSION_CACHE], os.environ.get("PYTEST_XDIST_WORKER", "main")
-    )
+    whole_cache_entries()
     jax.config.update("jax_compilation_cache_dir", os.environ[SESSION_CACHE])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
