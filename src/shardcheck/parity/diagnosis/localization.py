@@ -1375,8 +1375,8 @@ def _loss_factor_why(f: float, grads: list[LeafError], scaled: float | None, red
             f"every gradient that can show it is {scaled:.4g} x too: the whole loss is scaled, its normalization "
             "differs (a sum for a mean, another count or divisor, a loss scale not undone)"
         )
-    elif scaled is None and _near_factor(grads, f) is not None:
-        lo, hi = _near_factor(grads, f)
+    elif scaled is None and near_factor(grads, f) is not None:
+        lo, hi = near_factor(grads, f)
         why = (
             f"every failing gradient's median ratio is near {f:.4g} ({lo:.4g}..{hi:.4g}), though not constant "
             "across its elements (the compute's rounding spreads them): the whole loss is likely scaled, its "
@@ -1400,7 +1400,7 @@ NEAR_FACTOR = 0.1
 MIN_SCALE = 0.25
 
 
-def _near_factor(grads: list[LeafError], f: float) -> tuple[float, float] | None:
+def near_factor(grads: list[LeafError], f: float) -> tuple[float, float] | None:
     """``(least, most)`` median ratio of the failing gradient leaves where every one lies within :data:`NEAR_FACTOR`
     x ``|f - 1|`` of the loss's factor ``f`` (at least :data:`MIN_SCALE` from 1) and no matching one would show ``f``
     (:func:`~shardcheck.parity.diagnosis.evidence.would_show`); else ``None``. Under bfloat16 compute a loss

@@ -233,24 +233,19 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     gradient); second moments (``nu``: proportional to its square, so the square root is taken); parameter
     updates (proportional to the gradient for SGD and momentum, nearly scale-invariant for Adam).
     """
-    # leaves whose gradient is rounding noise (record.unresolved) carry no ratio of the reduction
-    noise = tuple("." + p.split(" ", 1)[-1] for p in record.unresolved)
-    # ... nor do leaves whose reference change is below their tolerance (a key bias under SGD: lr * noise)
-    leaves = [
-        e
-        for e in record.leaves
-        if (not noise or not f".{e.path}".endswith(noise))
-        and (e.reference_change is None or e.reference_change > e.tolerance)
-    ]
+    leaves = _voting(record)
     # a gradient leaf within its tolerance while others are off by a factor is near zero (an attention key
     # bias's rounding noise): its ratio is no evidence, so the failing leaves alone vote when any fail; nor is a
     # leaf's whose reference gradient lies within its tolerance of 0, even when it fails (that noise times S)
-    grads = [e for e in leaves if e.kind == "grad" and not _within_tolerance_of_zero(e)]
+    grads = _voting_grads(record)
     failing = [e for e in grads if not e.ok]
     if not all(constant_ratio(e) for e in failing or grads):
         return None, ""  # a leaf's ratio is no one factor: no factor is claimed (LeafError.spread)
     if not all(one_factor_across(e) for e in failing if e.badness > SHARP):
-        return None, ""  # a leaf off by far more than rounding, its ratio spread past 2%: no factor either
+        # a leaf off by far more than rounding, its ratio spread past 2%: no factor either, unless the loss
+        # itself carries one that every failing gradient's median shows (_loss_led_factor)
+        f = _loss_led_factor(record, grads)
+        return (f, "gradients") if f is not None else (None, "")
     f = _consensus([e.ratio for e in failing or grads])
     if f is not None:
         return f, "gradients"
@@ -279,12 +274,51 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     return (f, "parameter updates") if f is not None else (None, "")
 
 
+def _voting(record: StepRecord) -> list[LeafError]:
+    """The leaves whose ratio can read a factor: not rounding noise (``record.unresolved``) and, where known, a
+    reference change above the tolerance (a key bias under SGD moves by lr * noise)."""
+    noise = tuple("." + p.split(" ", 1)[-1] for p in record.unresolved)
+    return [
+        e
+        for e in record.leaves
+        if (not noise or not f".{e.path}".endswith(noise))
+        and (e.reference_change is None or e.reference_change > e.tolerance)
+    ]
+
+
+def _voting_grads(record: StepRecord) -> list[LeafError]:
+    """The gradient leaves of :func:`_voting` whose reference is not within its tolerance of 0."""
+    return [e for e in _voting(record) if e.kind == "grad" and not _within_tolerance_of_zero(e)]
+
+
+def _loss_led_factor(record: StepRecord, grads: list[LeafError]) -> float | None:
+    """The loss's own ratio f where the loss the step returned at equal parameters (step 0, or a step run from
+    the reference's state) fails as f x the reference's and every failing gradient's median ratio lies near f
+    (:func:`~shardcheck.parity.diagnosis.localization.near_factor`, the localization's reading), though some
+    leaf's elements spread past 2%: low-precision compute's rounding (trial 60: under bfloat16 compute, a loss
+    and its gradients averaged over 'data' where their sum was due spread fc2.bias's ratios to 0.48..0.504 at 11
+    x its tolerance, and the step read forward_differs, blaming the model's dropout, where float32 read
+    ``scaled``); ``None`` otherwise."""
+    from shardcheck.parity.diagnosis.localization import near_factor
+
+    losses = [e for e in record.leaves if e.kind == "loss"]
+    at_equal = record.step == 0 or record.from_reference_state
+    if not at_equal or not losses or all(e.ok for e in losses) or not record.loss:
+        return None
+    if record.candidate_loss is None:
+        return None
+    f = record.candidate_loss / record.loss
+    return f if near_factor(grads, f) is not None else None
+
+
 def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[float | None, str]:
     """The gradient factor as the form fitted on the failing gradients' arrays says it, where one was fitted
     (``StepRecord.forms["gradients"]``, :func:`~shardcheck.parity.diagnosis.form.fit_form`: every element within
     its tolerance of one factor): its factor where it found one, none where it found none (a rule never claims a
     constant factor the form refutes); without arrays (a replay), none where the failing gradients' records allow
     no form of one factor (:func:`~shardcheck.parity.diagnosis.form.form_from_leaves`)."""
+    if f is not None and f == _loss_led_factor(record, _voting_grads(record)):
+        return f, evidence  # the loss's own factor, which every failing gradient's median shows
     form = dict(record.forms).get("gradients")
     noise = {
         u.split(" ", 1)[-1] for u in record.unresolved
