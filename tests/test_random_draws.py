@@ -12,6 +12,8 @@ is said to be fixed in the model factory.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -307,6 +309,31 @@ def test_the_draws_are_named_only_beside_a_finding_that_names_no_cause():
         "the batch). The loss differs."
     )
     assert with_draws(generic, "gradients", ("rngs.augment",), None) == generic
+
+
+def test_the_draws_are_not_named_where_the_steps_before_matched_with_them():
+    """Trial 60: a mean of per-shard means matched at steps 0-2 (equal shards) and first differed at the padded
+    batch's step 3, and its forward_differs was led by "a step that draws other numbers than the full batch's
+    differs here": a step drawing other numbers differs from step 0, so after matching steps the draws are not
+    named, unless a stream's count differs (its numbers drawn again at the next step)."""
+    from shardcheck.parity.diagnosis.draws import with_draws
+    from shardcheck.parity.diagnosis.evidence import Diagnosis, LeafError, StepRecord
+
+    generic = [Diagnosis("forward_differs", "The loss differs.", "loss")]
+    loss = LeafError(3, "loss", "loss", 0.07, 0.03, 2e-4, False, 1.03)
+    count = LeafError(3, "counter", "model.drop.rngs.count", 1.0, 0.25, 0.0, False, 0.75)
+
+    def at(step, *leaves):
+        return StepRecord(
+            step, leaves=leaves, rtol=1e-5, atol=1e-6, loss=2.4, candidate_loss=2.47, step_count=step + 1,
+            candidate_step_count=step + 1,
+        )  # fmt: skip
+
+    assert with_draws(generic, "forward", ("drop.rngs",), at(3, loss)) == generic
+    (said,) = with_draws(generic, "forward", ("drop.rngs",), at(0, dataclasses.replace(loss, step=0)))
+    assert said.message.startswith("The forward pass differs, and the model draws random numbers in it")
+    (said,) = with_draws(generic, "forward", ("drop.rngs",), at(3, loss, count))
+    assert "(counter model.drop.rngs.count) draws this step's numbers again at the next" in said.message
 
 
 def test_a_loss_per_shard_of_a_model_that_draws_names_the_draws_per_shard():

@@ -52,7 +52,8 @@ def with_draws(
     """``findings`` with :func:`draws_clause` said with the first one's message (before it where it names no
     cause, :data:`UNNAMED`; after it where it names one) where the model draws (``draws``,
     the streams, non-empty), the first stage that differs is the forward pass (``stage``) and the first finding
-    names no cause (:data:`UNNAMED`) or a stream's count differs; else as they are.
+    names no cause (:data:`UNNAMED`) or a stream's count differs; else as they are, and where no stream's count
+    differs at a first failing step after step 0 (the steps before it matched with their draws).
     ``record``: the first failing step's, whose failing stream counts the clause names."""
     findings = list(findings)
     if not draws or stage != "forward" or not findings:
@@ -68,6 +69,11 @@ def with_draws(
     if (
         not counts and first.code not in UNNAMED
     ):  # a cause is named (trial 19: a normalization, a x0.5469 scale)
+        return findings
+    if not counts and record is not None and record.step > 0:
+        # the steps before matched, drawing as the full batch draws (a step drawing other numbers differs from
+        # step 0): the draws are not why (trial 60: a mean of per-shard means, first off at the padded batch's
+        # step 3, was told its dropout may be the cause)
         return findings
     clause = draws_clause(draws, counts)
     said = (  # before a finding that names no cause (trial 53: after a 10-line list of masks and positions)
