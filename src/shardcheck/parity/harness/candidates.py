@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import itertools
 import re
+import traceback
 from collections.abc import Callable, Mapping
 
 import jax
@@ -388,6 +389,25 @@ def _named_axis(err: Exception) -> tuple[str, str | None] | None:
     return None if found is None else (found.group(1), None)
 
 
+def _batch_key_hint(err: Exception, batch) -> str:
+    """Where a step raised ``KeyError`` on a key its batch (a mapping) lacks, from a line that does not read the
+    mesh or an axis: that key and the batch's own keys; else ``""`` (trial 60: ``batch["image"]`` on a batch of
+    ``x``, ``label``, ``mask`` read as "the step names mesh axis 'image' ... give the mesh that axis")."""
+    if not (isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str)):
+        return ""
+    if not isinstance(batch, Mapping) or err.args[0] in batch:
+        return ""
+    frames = traceback.extract_tb(err.__traceback__)
+    line = (frames[-1].line or "") if frames else ""
+    if "mesh" in line or "axis" in line:  # the step's own mesh.shape['data'] (trial 25): _mesh_axis_hint's
+        return ""
+    keys = ", ".join(sorted(repr(k) for k in batch))
+    return (
+        f"the step reads key {err.args[0]!r}, which the batch lacks (its keys: {keys}): read the batch by the "
+        "keys the task's batches hold, or give them that key"
+    )
+
+
 def _mesh_axis_hint(err: Exception, mesh, model=None) -> str:
     """Where a step's error names an axis the mesh lacks (:func:`_named_axis`), that axis, the spec the error
     names it in and the fix in words, then, where ``model``'s annotations also name axes the mesh lacks, the
@@ -610,6 +630,7 @@ def run_step(
             hint
             or _varying_hint(err)
             or _traced_hint(err)
+            or _batch_key_hint(err, batch)
             or _mesh_axis_hint(err, kwargs.get("mesh"), model)
             or _annotation_cause(err, model, kwargs.get("mesh"))
         )

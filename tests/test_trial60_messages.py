@@ -1,0 +1,61 @@
+"""Trial 60's messages: advice that could not work, and wording that named another thing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import require_devices
+
+import shardcheck
+from shardcheck.parity.harness.candidates import _batch_key_hint, _mesh_axis_hint
+
+
+def _raised(fn):
+    try:
+        fn()
+    except KeyError as err:
+        return err
+    raise AssertionError("no KeyError")
+
+
+BATCH = {"x": np.zeros((4, 2)), "label": np.zeros(4), "mask": np.ones(4)}
+
+
+@require_devices(2)
+def test_a_mistyped_batch_key_is_told_the_batchs_keys_not_a_mesh_axis():
+    """Trial 60 D1: ``batch["image"]`` on a batch of x, label, mask read "the step names mesh axis 'image' ...
+    give the mesh that axis (--mesh image=2"; a lookup of the mesh's shape keeps the mesh's hint (trial 25)."""
+    mesh = shardcheck.make_mesh({"data": 2})
+    typo = _raised(lambda: BATCH["image"])
+    assert _batch_key_hint(typo, BATCH) == (
+        "the step reads key 'image', which the batch lacks (its keys: 'label', 'mask', 'x'): read the batch by the "
+        "keys the task's batches hold, or give them that key"
+    )
+    axis = _raised(lambda: mesh.shape["fsdp"])  # the step's own mesh.shape['fsdp']
+    assert _batch_key_hint(axis, BATCH) == ""
+    assert _mesh_axis_hint(axis, mesh).startswith("the step names mesh axis 'fsdp'")
+    assert _batch_key_hint(_raised(lambda: {}["x"]), BATCH) == ""  # a key the batch holds
+    assert _batch_key_hint(_raised(lambda: {}[3]), BATCH) == ""
+
+
+@require_devices(2)
+def test_a_step_reading_a_key_its_batch_lacks_is_refused_with_the_batchs_keys():
+    import optax
+    from flax import nnx
+
+    def make_model():
+        return nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"])[:, 0] - batch["label"]) ** 2).mean()
+
+    task = shardcheck.Task(make_model, optax.sgd(0.1), loss_fn, [BATCH], name="typo")
+
+    def step(model, optimizer, batch):
+        return loss_fn(model, {"x": batch["image"], "label": batch["label"]})
+
+    with pytest.raises(shardcheck.CandidateError) as raised:
+        shardcheck.check_parity(step, task, mesh=shardcheck.make_mesh({"data": 2}))
+    said = str(raised.value)
+    assert "the step reads key 'image', which the batch lacks (its keys: 'label', 'mask', 'x')" in said
+    assert "mesh axis" not in said
