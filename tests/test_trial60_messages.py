@@ -59,3 +59,29 @@ def test_a_step_reading_a_key_its_batch_lacks_is_refused_with_the_batchs_keys():
     said = str(raised.value)
     assert "the step reads key 'image', which the batch lacks (its keys: 'label', 'mask', 'x')" in said
     assert "mesh axis" not in said
+
+
+def test_a_task_model_whose_batchnorm_names_a_mesh_axis_is_told_where_the_axis_belongs():
+    """Trial 60 C2: nnx.BatchNorm(..., axis_name="data") built into the task's model read "the task's loss_fn
+    raised NameError ... fix the loss function (a batch key or a model attribute it names?)"."""
+    import optax
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(2, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, axis_name="data", rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.fc(x))
+
+    def loss_fn(model, batch):
+        return (model(batch["x"]) ** 2).mean()
+
+    task = shardcheck.Task(lambda: Net(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, [BATCH], name="bn")
+    with pytest.raises(ValueError) as raised:
+        shardcheck.check_parity("gspmd", task, num_shards=1)
+    said = str(raised.value)
+    assert "a layer of the model names mesh axis 'data' (e.g. nnx.BatchNorm(..., axis_name='data'))" in said
+    assert "build the task's model without axis_name, and set it in your own step" in said
+    assert "fix the loss function" not in said

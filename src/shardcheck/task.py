@@ -599,6 +599,20 @@ def _run_loss(fn: str, loss_fn, model: nnx.Module, batch):
 
 
 def _loss_raised(fn: str, err: Exception) -> ValueError:
+    """The loss's error, naming ``fn`` and the fix: where it is JAX's unbound axis name (a layer of the model
+    that names a mesh axis, such as ``nnx.BatchNorm(..., axis_name="data")``), that the task's model runs on one
+    device, outside any ``shard_map``, and where the axis belongs (trial 60: "fix the loss function (a batch key
+    or a model attribute it names?)")."""
+    unbound = re.search(r"unbound axis name: (\w+)", str(err))
+    if unbound is not None:
+        axis = unbound[1]
+        return ValueError(
+            f"{fn}: the task's loss_fn raised {type(err).__name__} on batch 0: a layer of the model names mesh axis "
+            f"{axis!r} (e.g. nnx.BatchNorm(..., axis_name={axis!r})), and the task's model runs on one device, "
+            f"outside any shard_map, where no axis is bound (the single-device reference, and the GSPMD steps, "
+            f"run it so); build the task's model without axis_name, and set it in your own step, inside its "
+            f"jax.shard_map (model.bn.axis_name = {axis!r} before the forward pass): ({err})"
+        )
     return ValueError(
         f"{fn}: the task's loss_fn raised {type(err).__name__} on batch 0: {err}; fix the loss function (a batch "
         "key or a model attribute it names?) and run again"

@@ -791,10 +791,9 @@ def main_mesh(args) -> int:
     except Exception as e:  # the user's loss_fn raising while the step is lowered: bad input, not a crash
         if not _raised_in(e, getattr(task, "loss_fn", None)):
             raise
-        return _fail(
-            f"{name}: the task's loss_fn raised {type(e).__name__} on batch 0: {e}; fix the loss function (a "
-            "batch key or a model attribute it names?) and run again"
-        )
+        from shardcheck.task import _loss_raised
+
+        return _fail(str(_loss_raised(name, e)))
     args.shards = mesh.size
     return _report(args, estimates, measured, task, aot=aot, fits=fits, mesh=mesh)
 
