@@ -475,6 +475,8 @@ def test_a_sum_for_a_mean_under_a_binding_clip_passes_only_as_an_accepted_weak_c
     report = check_parity(_summed_loss_only, model, optimizer, BATCHES[:2], num_shards=2)
     assert report.verdict == "CANNOT VERIFY" and report.weak_accepted is None
     assert report.cannot_verify.startswith("Cannot verify the gradient's scale")
+    # no leaf failed: none is named failing (trial 60: "first failing leaf: param ..." of a leaf marked ok)
+    assert report.first_failing_leaf is None and "first failing leaf" not in str(report)
     accepted = check_parity(_summed_loss_only, model, optimizer, BATCHES[:2], num_shards=2, accept_weak=True)
     assert accepted.ok and accepted.step_ok and accepted.cannot_verify is None
     assert accepted.verdict == "PASS (weak check accepted)"

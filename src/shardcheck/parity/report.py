@@ -233,9 +233,11 @@ class ParityReport:
     def first_failing_leaf(self) -> str | None:
         """Where the report fails (not :attr:`ok`), :attr:`first_worst`'s name: the worst failing leaf of the
         first failing step, e.g. ``"param blocks.1.v.kernel"`` (the summary table's leaf and ``verify --json``'s
-        ``first_failing_leaf``; its step is ``first_worst.step``); ``None`` where it passes."""
+        ``first_failing_leaf``; its step is ``first_worst.step``); ``None`` where it passes, and where no leaf
+        failed (CANNOT VERIFY, NO VERDICT: trial 60's loss-only step read "first failing leaf" of a leaf marked
+        ok)."""
         first = None if self.ok else self.first_worst
-        return None if first is None else first.name
+        return None if first is None or first.ok else first.name  # CANNOT VERIFY: nothing failed (trial 60)
 
     @property
     def max_abs_err(self) -> float:
@@ -480,6 +482,8 @@ class ParityReport:
         lines = [f"parity {verdict} for {kind} {self.strategy!r}{against} over {len(self.steps)} step(s)"]
         worst = self.worst
         first = None if self.ok else self.first_worst
+        # nothing failed (CANNOT VERIFY, NO VERDICT): no failing leaf (trial 60)
+        first = None if first is not None and first.ok else first
         marked = []  # the leaves said with ROUNDING_MARK
 
         def rel(e) -> str:
