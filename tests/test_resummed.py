@@ -67,9 +67,26 @@ def layers_in_a_scan(w, x):  # the replicated weight meets the batch inside a la
     return jax.lax.pmean(jax.grad(loss)(w), "data")
 
 
+def _synced_norm_loss(w, x):  # BatchNorm's way with axis_name: the batch's mean pmean-ed over 'data'
+    h = x @ w
+    mean = jax.lax.pmean(jnp.mean(h, axis=0), "data")
+    return jnp.mean((h - mean) ** 2)
+
+
+def synced_norm_varying_params(w, x):  # trial 60: parameters cast to varying, each shard's gradient its own
+    w = jax.lax.pcast(w, "data", to="varying")
+    return jax.lax.psum(jax.grad(_synced_norm_loss)(w, x), "data")
+
+
+def synced_norm_replicated_params(w, x):  # replicated: autodiff sums the gradient, then it is pmean-ed
+    return jax.lax.pmean(jax.grad(_synced_norm_loss)(w, x), "data")
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
+        (synced_norm_varying_params, ()),
+        (synced_norm_replicated_params, ("data",)),
         (pmean_after_grad, ("data",)),
         (psum_after_grad, ("data",)),
         (reduced_in_a_branch, ("data",)),

@@ -8,7 +8,8 @@ replication-checked code"). A step written as for ``pmap`` or ``check_vma=False`
 then reduces a summed gradient: its ``pmean`` keeps the sum (x S), a ``psum`` sums it again (x S^2).
 
 :func:`read_step` finds that in a jaxpr of the step (``jax.make_jaxpr``: nothing computed): a ``psum`` the
-step wrote, over an axis, of a value computed from a ``psum`` that autodiff's transpose made over the same axis.
+step wrote, over an axis, of a value computed from a ``psum`` that autodiff's transpose made over the same axis
+(and not cast back to varying over it by autodiff since: the transpose of a ``psum`` the forward pass wrote).
 :func:`with_resummed` says it with the ``summed`` finding it explains.
 """
 
@@ -26,6 +27,11 @@ from shardcheck.parity.tolerance.matmul import nested_jaxprs
 REDUCTIONS = ("psum", "psum_invariant")
 """A ``psum`` (and so a ``pmean``, a ``psum`` and a division) as a jaxpr writes it, with and without
 ``check_vma``."""
+
+
+BROADCASTS = ("pvary", "pbroadcast")
+"""The cast of a value invariant over an axis to varying over it, as a jaxpr writes it (the transpose of a
+``psum``)."""
 
 
 def _var(v) -> bool:
@@ -54,6 +60,12 @@ def _walk(jaxpr, summed: dict, found: set, transposed: bool = False) -> dict:
         by_autodiff = transposed or _made_by_autodiff(eqn)
         if name in REDUCTIONS and by_autodiff:
             seen = seen | _axes(eqn)
+        elif name in BROADCASTS and by_autodiff:
+            # a summed value cast back to varying (the transpose of a psum the forward pass wrote: BatchNorm's
+            # pmean of its batch statistics over axis_name) feeds each shard's own gradient: no longer a sum
+            # over those axes (trial 60: a shard_map step syncing BatchNorm over 'data', its parameters cast to
+            # varying, read "reduces over 'data' a gradient that jax.grad had already summed")
+            seen = seen - _axes(eqn)
         elif name in REDUCTIONS and seen & _axes(eqn):
             found.update(seen & _axes(eqn))
         for inner in nested_jaxprs(eqn.params):
