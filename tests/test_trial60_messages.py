@@ -85,3 +85,36 @@ def test_a_task_model_whose_batchnorm_names_a_mesh_axis_is_told_where_the_axis_b
     assert "a layer of the model names mesh axis 'data' (e.g. nnx.BatchNorm(..., axis_name='data'))" in said
     assert "build the task's model without axis_name, and set it in your own step" in said
     assert "fix the loss function" not in said
+
+
+def test_a_function_with_a_required_keyword_of_its_own_is_not_suggested_as_a_step():
+    """Trial 60 C7: --candidate file.py:NOT_CALLABLE suggested kw_only(model, optimizer, batch, *, mesh, extra),
+    which cannot be called as a step; a keyword-only mesh is one the harness passes."""
+    from shardcheck.cli.verify import _takes_step_arguments
+
+    def kw_only(model, optimizer, batch, *, mesh, extra):
+        return 0.0
+
+    def mesh_by_keyword(model, optimizer, batch, *, mesh):
+        return 0.0
+
+    def extra_with_default(model, optimizer, batch, *, scale=1.0):
+        return 0.0
+
+    assert not _takes_step_arguments(kw_only, task_form=True)
+    assert _takes_step_arguments(mesh_by_keyword, task_form=True)
+    assert _takes_step_arguments(extra_with_default, task_form=True)
+
+
+def test_replicas_of_a_parameter_average_are_said_as_such():
+    """Trial 60 C7: an EMA of the parameters taken of each device's copies read only "a statistic or moving
+    average of the batch"."""
+    from shardcheck.parity.diagnosis.evidence import StepRecord
+    from shardcheck.parity.diagnosis.rules import DiagnosisContext, replicas_differ
+
+    record = StepRecord(
+        0, leaves=(), rtol=1e-5, atol=1e-6, loss=1.0, candidate_loss=1.0, step_count=1, candidate_step_count=1,
+        replica_mismatches=("state ema_fc2.kernel",),
+    )  # fmt: skip
+    said = replicas_differ(DiagnosisContext.build([record], 2)).message
+    assert "an average of the parameters, such as an EMA, taken of each device's own copies" in said

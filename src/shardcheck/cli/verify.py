@@ -378,11 +378,15 @@ def _positional(func) -> tuple[list, list, list] | None:
 
 def _takes_step_arguments(func, task_form: bool) -> bool:
     """Whether ``func``'s positional parameters read as a step's: 3 or 4 required (``(model, optimizer, batch[,
-    mesh])``; one more for the regression form's ``x, y``), the first two naming a model or an optimizer."""
+    mesh])``; one more for the regression form's ``x, y``), the first two naming a model or an optimizer, and no
+    keyword-only parameter without a default (trial 60: ``kw_only(model, optimizer, batch, *, mesh, extra)`` was
+    suggested, and cannot be called as a step)."""
     read = _positional(func)
     if read is None:
         return False
-    _, positional, required = read
+    params, positional, required = read
+    if any(p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name != "mesh" for p in params):
+        return False
     least = 3 if task_form else 4
     names = " ".join(p.name.lower() for p in positional[:2])
     return least <= len(required) <= least + 1 and ("model" in names or "opt" in names)

@@ -939,8 +939,9 @@ def replicas_differ(ctx: DiagnosisContext) -> Finding:
             f"Replicas differ across devices: the model's state {leaf.removeprefix('state ')} holds different "
             f"values on different devices after step {r.step} ({n_leaves(len(r.replica_mismatches))}), though its "
             "sharding says replicated, while every parameter's and optimizer-state leaf's copies agree: the step "
-            "writes it from each device's own rows (a statistic or moving average of the batch not reduced over "
-            "the batch axes: pmean it before writing) or on some devices only.",
+            "writes it from each device's own rows or values (a statistic or moving average of the batch not "
+            "reduced over the batch axes: pmean it before writing; an average of the parameters, such as an EMA, "
+            "taken of each device's own copies before they were synchronized) or on some devices only.",
             leaf,
         )
     return Diagnosis(
