@@ -70,6 +70,8 @@ def with_draws(
         not counts and first.code not in UNNAMED
     ):  # a cause is named (trial 19: a normalization, a x0.5469 scale)
         return findings
+    if DROPPED in first.message:  # the count's own reading (with_count_readings): the loss matched
+        return findings
     if not counts and record is not None and record.step > 0:
         # the steps before matched, drawing as the full batch draws (a step drawing other numbers differs from
         # step 0): the draws are not why (trial 60: a mean of per-shard means, first off at the padded batch's
@@ -132,7 +134,10 @@ def _count_path(stream: str) -> str:
 
 
 def with_count_readings(
-    findings: Sequence[Diagnosis], drawn: Sequence[str], undrawn: Sequence[str]
+    findings: Sequence[Diagnosis],
+    drawn: Sequence[str],
+    undrawn: Sequence[str],
+    record: StepRecord | None = None,
 ) -> list[Diagnosis]:
     """``findings`` with a ``model_state`` finding on an RNG stream's count told as draws (trial 52: Dropout on in
     the step and not in the task read "the step must write it as one forward pass over the full batch does"; the
@@ -141,7 +146,9 @@ def with_count_readings(
     * a stream the task's forward pass does not draw from (``undrawn``) whose count the step moved: the step
       draws numbers the single-device step does not;
     * a stream it draws from (``drawn``) whose count the step left as it was: the step ran the model without
-      its draws, or dropped the count's write.
+      its draws, or dropped the count's write; where the first failing step's loss (``record``) matches, only
+      the latter, with the model's state that differs there too (trial 60: jax.grad of nnx.split parts dropped a
+      Dropout count's and BatchNorm's writes, and the statistics were named only as the worst leaf).
     """
     moved = {_count_path(s): s for s in undrawn}
     kept = {_count_path(s): s for s in drawn}
@@ -159,6 +166,10 @@ def with_count_readings(
                     "step as the task's loss runs it."
                 ),
             )
+        elif (
+            d.code == "model_state" and path in kept and "left it as it was" in d.message and _loss_ok(record)
+        ):
+            d = dataclasses.replace(d, message=_writes_dropped(kept[path], record))
         elif d.code == "model_state" and path in kept and "left it as it was" in d.message:
             d = dataclasses.replace(
                 d,
@@ -172,3 +183,31 @@ def with_count_readings(
             )
         out.append(d)
     return out
+
+
+DROPPED = "did not move in the step's model, though the loss the step returns"
+"""What :func:`_writes_dropped`'s reading says (a count left as it was beside a matching loss)."""
+
+
+def _loss_ok(record: StepRecord | None) -> bool:
+    """Whether ``record`` holds a loss leaf and every one matches."""
+    losses = [] if record is None else [e for e in record.leaves if e.kind == "loss"]
+    return bool(losses) and all(e.ok for e in losses)
+
+
+def _writes_dropped(stream: str, record: StepRecord) -> str:
+    """A kept count's reading where the step's loss matches: it ran the model with its draws, and dropped what
+    the forward pass writes (the count, and the model's state that differs at that step too)."""
+    state = sorted(e.path.removeprefix("model.") for e in record.leaves if e.kind == "state" and not e.ok)
+    also = (
+        f", and the model's state {', '.join(state)}, which the forward pass writes too, differs"
+        if state
+        else ""
+    )
+    return (
+        f"The count of the RNG stream {stream}, which the task's forward pass draws from, {DROPPED} at step "
+        f"{record.step} matches the reference's (it ran the "
+        f"model with its draws){also}: the step dropped what its forward pass writes (jax.grad of a function of "
+        "nnx.split parts discards it: return and nnx.update the state, or use nnx.value_and_grad). A count left as "
+        "it was draws this step's numbers again at the next step."
+    )

@@ -971,7 +971,8 @@ def _report(run: _Run, outcome, rule: str, weak: tuple[str | None, str | None], 
     shape = None if mesh is None else {k: int(v) for k, v in mesh.shape.items()}
     localization = localize(records, facts=facts, num_shards=run.cand.num_shards, mesh_shape=shape)
     first = next((r for r in records if not r.ok), None)
-    findings = with_count_readings(findings, run.draws, run.undrawn)  # before the draws' clause is added
+    # before the draws' clause is added
+    findings = with_count_readings(findings, run.draws, run.undrawn, first)
     findings = with_draws(findings, localization and localization.stage, run.draws, first)
     findings = with_batch_stats(findings, run.batch_stats)
     findings = with_skipped(findings, records)  # a step the reference's optimizer skipped, said once
