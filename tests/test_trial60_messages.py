@@ -118,3 +118,51 @@ def test_replicas_of_a_parameter_average_are_said_as_such():
     )  # fmt: skip
     said = replicas_differ(DiagnosisContext.build([record], 2)).message
     assert "an average of the parameters, such as an EMA, taken of each device's own copies" in said
+
+
+@require_devices(2)
+def test_a_nan_loss_beside_a_correct_update_under_a_zero_warm_up_is_non_finite_from_step_0():
+    """Trial 60 D2: a step returning a NaN loss beside a correct update, under a warm-up whose learning rate is 0
+    at step 0. Step 0 (the parameters stood still) read as a step ``apply_if_finite`` skipped, so ``record``
+    refused the run at step 1 and advised ``--steps 1``, whose recording held that NaN loss. The run went
+    non-finite at step 0, with no step before it to record; a genuine skip stays recorded
+    (tests/test_trial29_skipped_step.py)."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from shardcheck.parity.comparison.digest import skipped_steps
+    from shardcheck.parity.harness.non_finite import first_non_finite, refusal
+    from shardcheck.parity.harness.recorded import record_run
+
+    def make_model():
+        return nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"])[:, 0] - batch["label"]) ** 2).mean()
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.normal(size=(4, 2)).astype(np.float32), "label": rng.normal(size=4)} for _ in range(3)
+    ]
+    warm_up = optax.linear_schedule(0.0, 0.1, transition_steps=2)  # lr 0 at step 0
+    task = shardcheck.Task(make_model, optax.adam(warm_up), loss_fn, batches, name="warm-up")
+
+    @nnx.jit
+    def nan_loss(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return jnp.float32(jnp.nan) + 0 * loss
+
+    step = shardcheck.Candidate(name="nan_loss", step=nan_loss, num_shards=2)
+    recording = record_run(task, step, num_shards=2)
+    # read alone, step 0 looks like a skip: the parameters stood still
+    assert skipped_steps(recording) == (0,)
+    found = first_non_finite(recording)
+    assert (found.step, found.names) == (0, ("loss",))
+    assert first_non_finite(recording, steps=1) == found  # a replay of step 0 alone is told so too
+    said = refusal("shardcheck record", found, "run.npz")
+    assert said.startswith(
+        "shardcheck record: the recorded run went non-finite (NaN or infinity) at step 0, in loss"
+    )
+    assert said.endswith("a learning rate too high); no finite step comes before it to record.")

@@ -227,7 +227,16 @@ def _counter_phrase(fail: LeafError) -> str:
 
 
 def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
-    """The factor by which the candidate's gradient differs from the reference's at this step, and the evidence.
+    """The factor by which the candidate's gradient differs from the reference's at this step, and the evidence
+    (:func:`_gradient_reading` without its provenance)."""
+    f, evidence, _ = _gradient_reading(record)
+    return f, evidence
+
+
+def _gradient_reading(record: StepRecord) -> tuple[float | None, str, bool]:
+    """``(factor, evidence, loss_led)``: the factor by which the candidate's gradient differs from the
+    reference's at this step, the evidence, and whether the factor is the loss's own (:func:`_loss_led_factor`,
+    read where the gradients' elements spread too far to read one).
 
     Evidence in order of directness: exposed gradients; first moments / momentum traces (proportional to the
     gradient); second moments (``nu``: proportional to its square, so the square root is taken); parameter
@@ -237,16 +246,22 @@ def _gradient_factor(record: StepRecord) -> tuple[float | None, str]:
     # a gradient leaf within its tolerance while others are off by a factor is near zero (an attention key
     # bias's rounding noise): its ratio is no evidence, so the failing leaves alone vote when any fail; nor is a
     # leaf's whose reference gradient lies within its tolerance of 0, even when it fails (that noise times S)
-    grads = _voting_grads(record)
+    grads = _voting_grads(leaves)
     failing = [e for e in grads if not e.ok]
     if not all(constant_ratio(e) for e in failing or grads):
-        return None, ""  # a leaf's ratio is no one factor: no factor is claimed (LeafError.spread)
+        return None, "", False  # a leaf's ratio is no one factor: no factor is claimed (LeafError.spread)
     if not all(one_factor_across(e) for e in failing if e.badness > SHARP):
         # a leaf off by far more than rounding, its ratio spread past 2%: no factor either, unless the loss
         # itself carries one that every failing gradient's median shows (_loss_led_factor)
         f = _loss_led_factor(record, grads)
-        return (f, "gradients") if f is not None else (None, "")
-    f = _consensus([e.ratio for e in failing or grads])
+        return (f, "gradients", True) if f is not None else (None, "", False)
+    return (*_factor_of_leaves(leaves, failing or grads), False)
+
+
+def _factor_of_leaves(leaves: list[LeafError], grads: list[LeafError]) -> tuple[float | None, str]:
+    """The factor the voting ``leaves`` show, read from the gradients ``grads`` first, then from the optimizer's
+    moments, then from the parameters' updates (:func:`_gradient_reading`), and its evidence."""
+    f = _consensus([e.ratio for e in grads])
     if f is not None:
         return f, "gradients"
     # a ratio's uncertainty is about tolerance / change: where some leaves moved by more than SHARP times their
@@ -286,9 +301,9 @@ def _voting(record: StepRecord) -> list[LeafError]:
     ]
 
 
-def _voting_grads(record: StepRecord) -> list[LeafError]:
-    """The gradient leaves of :func:`_voting` whose reference is not within its tolerance of 0."""
-    return [e for e in _voting(record) if e.kind == "grad" and not _within_tolerance_of_zero(e)]
+def _voting_grads(leaves: list[LeafError]) -> list[LeafError]:
+    """The gradient leaves of ``leaves`` (:func:`_voting`'s) whose reference is not within its tolerance of 0."""
+    return [e for e in leaves if e.kind == "grad" and not _within_tolerance_of_zero(e)]
 
 
 def _loss_led_factor(record: StepRecord, grads: list[LeafError]) -> float | None:
@@ -311,14 +326,17 @@ def _loss_led_factor(record: StepRecord, grads: list[LeafError]) -> float | None
     return f if near_factor(grads, f) is not None else None
 
 
-def _as_fitted(record: StepRecord, f: float | None, evidence: str) -> tuple[float | None, str]:
+def _as_fitted(
+    record: StepRecord, f: float | None, evidence: str, loss_led: bool = False
+) -> tuple[float | None, str]:
     """The gradient factor as the form fitted on the failing gradients' arrays says it, where one was fitted
     (``StepRecord.forms["gradients"]``, :func:`~shardcheck.parity.diagnosis.form.fit_form`: every element within
     its tolerance of one factor): its factor where it found one, none where it found none (a rule never claims a
     constant factor the form refutes); without arrays (a replay), none where the failing gradients' records allow
-    no form of one factor (:func:`~shardcheck.parity.diagnosis.form.form_from_leaves`)."""
-    if f is not None and f == _loss_led_factor(record, _voting_grads(record)):
-        return f, evidence  # the loss's own factor, which every failing gradient's median shows
+    no form of one factor (:func:`~shardcheck.parity.diagnosis.form.form_from_leaves`). A ``loss_led`` factor
+    (:func:`_gradient_reading`: the loss's own, which every failing gradient's median shows) stands as read."""
+    if f is not None and loss_led:
+        return f, evidence
     form = dict(record.forms).get("gradients")
     noise = {
         u.split(" ", 1)[-1] for u in record.unresolved
@@ -610,7 +628,7 @@ class DiagnosisContext:
         # blind to the gradient's scale (the harness's "scale_blind"); elsewhere they are not the ones applied
         grads_only = {e.kind for e in bad} == {"grad"} and "scale_blind" not in first.matches
         if {e.kind for e in bad} - {"loss", "counter"} and not grads_only:
-            f, ev = _as_fitted(first, *_gradient_factor(first))
+            f, ev = _as_fitted(first, *_gradient_reading(first))
             if f is not None and not _close(f, 1.0) and not _model_axis_subset(first, f, mesh_shape):
                 factor, evidence = f, ev
         # the trajectory's own counters: a synchronized re-check starts the candidate's counters (a MultiSteps'
@@ -2138,7 +2156,7 @@ def _step_factor(record: StepRecord) -> float | None:
     :func:`_gradient_factor`), or ``None``."""
     if record.ok:
         return None
-    f, _ = _as_fitted(record, *_gradient_factor(record))
+    f, _ = _as_fitted(record, *_gradient_reading(record))
     return f
 
 

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from shardcheck.parity.comparison.digest import QUIET, skipped_steps
+from shardcheck.parity.comparison.digest import KEPT_KINDS, QUIET, skipped_steps
 from shardcheck.parity.diagnosis.evidence import Diagnosis
 from shardcheck.parity.harness.recorded import Digests, Recording
 
@@ -61,14 +61,24 @@ def first_non_finite(recording: Recording, steps: int | None = None) -> NonFinit
     ``None`` where every one is finite. A step the recorded run's optimizer skipped (its loss or gradients not
     finite, every parameter and optimizer-state leaf finite: ``optax.apply_if_finite``;
     :func:`~shardcheck.parity.comparison.digest.skipped_steps`) is no divergence: it is recorded, and a replay
-    compares its loss and gradients by finiteness."""
-    kinds = np.array([n.split(" ", 1)[0] in CHECKED for n in recording.names], dtype=bool)
+    compares its loss and gradients by finiteness. Where the first step that is no skip holds a non-finite loss
+    or gradient beside finite parameters and optimizer state, the "skipped" steps just before it are the same
+    non-finite loss or gradient whose parameters stood still for another reason, and the run went non-finite at
+    the first of them (trial 60: a step returning a NaN loss beside a correct update, under a warm-up whose
+    learning rate is 0 at step 0, read as a skip there; --steps 1 then recorded that NaN)."""
+    kinds = np.array([n.split(" ", 1)[0] for n in recording.names])
     d = recording.steps
-    bad = d.present & kinds[None, :] & ~np.isfinite(d.max)
+    bad = d.present & np.isin(kinds, CHECKED)[None, :] & ~np.isfinite(d.max)
+    kept = np.isin(kinds, KEPT_KINDS)
     n = recording.num_steps if steps is None else min(steps, recording.num_steps)
-    skipped = set(skipped_steps(recording, n))
-    for t in range(n):
+    skipped = set(skipped_steps(recording))  # over every step: one after the first n may tell a skip apart
+    for t in range(recording.num_steps):
         if bad[t].any() and t not in skipped:
+            if not (bad[t] & kept).any():
+                while t - 1 in skipped:
+                    t -= 1
+            if t >= n:
+                return None
             return NonFinite(t, tuple(name for name, b in zip(recording.names, bad[t], strict=True) if b))
     return None
 
@@ -157,7 +167,7 @@ def refusal(fn: str, recorded: NonFinite, out: str, keep: str = "--steps {t}") -
     fix = (
         f", or record the {t} finite step(s) before it with {keep.format(t=t)}"
         if t > 0
-        else ": no step before it is"
+        else "; no finite step comes before it to record"
     )
     return (
         f"{fn}: the recorded run went non-finite (NaN or infinity) at step {t}, in {recorded.leaves_text()}, first "
