@@ -316,6 +316,11 @@ class StepRecord:
         shard_clip: the max norm M, fitted, where the returned gradients are each shard's own gradient clipped
             to global norm M, then averaged, M not the task's clip norm (``"clip_per_shard"`` in ``matches``;
             :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_shard_clip`, trial 58 C2); else ``None``.
+        micro_step_lr: ``((k, c, m, ratio), ...)``: the task's learning-rate schedule at micro-step counts m over
+            its value at the count c its step read, for k micro-steps a step, at a failing step
+            (:func:`~shardcheck.parity.harness.optimizer_rerun.schedule_at_micro_steps`): an update that is one of
+            these ratios x the reference's may come from a schedule counting micro-steps; ``()`` where the task
+            holds no one schedule, or unread.
     """
 
     step: int
@@ -360,6 +365,7 @@ class StepRecord:
     batch_keys: tuple[str, ...] = ()
     shard_subset: tuple[tuple[int, ...], int, str, str] | None = None
     shard_clip: float | None = None
+    micro_step_lr: tuple[tuple[int, int, int, float], ...] = ()
 
     @property
     def update_only(self) -> tuple[LeafError, ...]:

@@ -29,6 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from shardcheck.parity.diagnosis.evidence import (
+    RATIO_RTOL,
     LeafError,
     StepRecord,
     converted_counter,
@@ -1623,6 +1624,7 @@ def checked_form(
     spread = "" if form.spread is None else f" (spread {form.spread[0]:.4g}..{form.spread[1]:.4g})"
     k = round(f)
     twice = f", or the update applied {k} times" if k >= 2 and abs(f - k) <= 0.02 * k else ""
+    twice += _micro_step_schedule(f, record)
     steps = " (not an extra optimizer step: the counters match)" if _counters_match(record) else ""
     if state:  # a learning rate never moves optimizer state
         sentence = _state_factor(f, spread, bad, leaves, record) + steps
@@ -1637,6 +1639,20 @@ def checked_form(
             f"every update is {f:.4g} x the reference's{spread}: a learning rate {f:.4g} x{twice}{steps}"
         )
     return dataclasses.replace(form, kind="factor", sentence=sentence)
+
+
+def _micro_step_schedule(f: float, record: StepRecord) -> str:
+    """Where the task's learning-rate schedule read at a count of micro-steps gives the update factor ``f``
+    (``StepRecord.micro_step_lr``, within :data:`RATIO_RTOL`; the fewest micro-steps first), that reading: ``",
+    or the task's schedule read at count 2 where the step's count is 1 (lr(2) / lr(1) = 2: a schedule counting 2
+    micro-steps a step, where the task's counts optimizer steps)"``; ``""`` otherwise."""
+    for k, c, m, ratio in record.micro_step_lr:
+        if abs(ratio - f) <= RATIO_RTOL * abs(f):
+            return (
+                f", or the task's schedule read at count {m} where the step's count is {c} (lr({m}) / lr({c}) = "
+                f"{ratio:.4g}: a schedule counting {k} micro-steps a step, where the task's counts optimizer steps)"
+            )
+    return ""
 
 
 def _which(bad: list[LeafError], leaves: list[LeafError]) -> str:

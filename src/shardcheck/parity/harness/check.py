@@ -486,7 +486,12 @@ def _failing_record(run: _Run, record: StepRecord, after: _After, cand_grads) ->
     touched = run.counters_touched
     drawn = frozenset(f"{PREFIX}{d}.count" for d in run.draws)  # the streams the loss draws from: its counts
     counters = None if touched is None else frozenset(PREFIX + p for p in touched) | drawn
-    return dataclasses.replace(record, forward_writes=run.state_written, loss_counters=counters)
+    from shardcheck.parity.harness.optimizer_rerun import schedule_at_micro_steps
+
+    micro_step_lr = schedule_at_micro_steps(run.task.optimizer, after.ref_params, after.ref_state)
+    return dataclasses.replace(
+        record, forward_writes=run.state_written, loss_counters=counters, micro_step_lr=micro_step_lr
+    )
 
 
 def _against_the_bound_first(args: tuple, bounds, exact: bool):

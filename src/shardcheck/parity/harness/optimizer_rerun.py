@@ -537,11 +537,23 @@ def _tx_learning_rate(tx, params, opt_state) -> float | None:
     minus 1, or its one ``optax.scale`` (a constant learning rate); ``None`` where ``tx`` holds neither, or more
     than one of them, or the schedule's count is not in ``opt_state``."""
     found = _scales_of(tx)
-    if len(found) != 1:
+    if len(found) == 1 and found[0][0] == "constant":
+        return abs(float(np.asarray(found[0][1])))
+    read = _schedule_count(tx, params, opt_state)
+    if read is None:
         return None
-    kind, value = found[0]
-    if kind == "constant":
-        return abs(float(np.asarray(value)))
+    schedule, count = read
+    return abs(float(np.asarray(schedule(max(count - 1, 0)))))
+
+
+def _schedule_count(tx, params, opt_state) -> tuple[object, int] | None:
+    """``(schedule, count)``: the one learning-rate schedule ``tx`` holds (``scale_by_schedule``'s
+    ``step_size_fn``) and its state's count in ``opt_state`` (after the step: one more than the count the step
+    read); ``None`` where ``tx`` holds no schedule or more than one scaling, or the count is not in
+    ``opt_state``."""
+    found = _scales_of(tx)
+    if len(found) != 1 or found[0][0] != "schedule":
+        return None
     try:
         like = jax.eval_shape(tx.init, params)
     except Exception:  # noqa: BLE001 - a transformation that cannot initialize from this tree: no count to read
@@ -557,8 +569,40 @@ def _tx_learning_rate(tx, params, opt_state) -> float | None:
     keys = [f"{p}.count" if p else "count" for p in schedule_states]
     if len(keys) != 1 or keys[0] not in flat:
         return None
-    count = int(np.asarray(to_host(flat[keys[0]])).reshape(-1)[0])
-    return abs(float(np.asarray(value(max(count - 1, 0)))))
+    return found[0][1], int(np.asarray(to_host(flat[keys[0]])).reshape(-1)[0])
+
+
+MICRO_STEPS = tuple(range(2, 9))
+"""The micro-steps a step k of :func:`schedule_at_micro_steps` (a schedule counting k micro-steps a step)."""
+
+
+def schedule_at_micro_steps(tx, params, opt_state) -> tuple[tuple[int, int, int, float], ...]:
+    """``((k, c, m, lr(m) / lr(c)), ...)``: the task's learning-rate schedule read at a count of micro-steps against
+    the count ``c`` the step read (``tx``'s one schedule, :func:`_schedule_count`; ``opt_state``: the optimizer's
+    state after the step), for k in :data:`MICRO_STEPS` micro-steps a step and the two counts m a schedule that
+    counts them reads when the update is applied: ``k c`` (the schedule called with the micro-step count) and
+    ``k c + k - 1`` (a scaling outside ``optax.MultiSteps``, its count advanced at every micro-step). A candidate
+    whose update is one of these ratios x the reference's, its counters matching, may read its schedule so (trial
+    60: ``MultiSteps(adamw(lambda c: schedule(2 * c)), every_k_schedule=2)`` read "a learning rate 2 x, or the
+    update applied 2 times", 2 micro-steps unnamed). Empty where there is no one schedule with its count, or
+    ``lr(c)`` is 0 or not finite; ratios of 1 or not finite are left out."""
+    read = _schedule_count(tx, params, opt_state)
+    if read is None:
+        return ()
+    schedule, count = read
+    c = max(count - 1, 0)
+
+    def lr(n: int) -> float:
+        return abs(float(np.asarray(schedule(n))))
+
+    try:
+        base = lr(c)
+        if not (base > 0 and math.isfinite(base)):
+            return ()
+        found = [(k, m, lr(m) / base) for k in MICRO_STEPS for m in dict.fromkeys((k * c, k * c + k - 1))]
+    except Exception:  # noqa: BLE001 - a schedule that cannot be read at another count: nothing to say
+        return ()
+    return tuple((k, c, m, r) for k, m, r in found if math.isfinite(r) and abs(r - 1.0) > 1e-6)
 
 
 def _scales_of(tx) -> list[tuple[str, object]]:
@@ -580,6 +624,12 @@ def _scales_of(tx) -> list[tuple[str, object]]:
             return
         if isinstance(obj, functools.partial):
             visit((obj.func, *obj.args, *obj.keywords.values()), depth + 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None and hasattr(obj, "__func__"):
+            # a bound method (optax.MultiSteps' gradient_transformation(): its update is MultiSteps.update): the
+            # transformations its object holds (MultiSteps' inner optimizer)
+            visit(tuple(getattr(owner, "__dict__", {}).values()), depth + 1)
             return
         code = getattr(obj, "__code__", None)
         if code is None:

@@ -461,7 +461,13 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     from shardcheck.mesh import auto_typed
     from shardcheck.parity.comparison.live import flatten_state
     from shardcheck.parity.harness.candidates import run_step
-    from shardcheck.parity.harness.optimizer_rerun import _rebuild, known_lr, near_zero, task_decay
+    from shardcheck.parity.harness.optimizer_rerun import (
+        _rebuild,
+        known_lr,
+        near_zero,
+        schedule_at_micro_steps,
+        task_decay,
+    )
     from shardcheck.parity.harness.recorded import _start
     from shardcheck.parity.harness.state import _default_view
 
@@ -499,6 +505,7 @@ def _rerun_at(record, candidate, task: Task, mesh, num_shards, name, fn: str):
     # the learning rate the task's optimizer applied at this step: its state after the rerun holds it (an
     # inject_hyperparams state), or its schedule at the count before the step (issue #36)
     lr = known_lr(rerun[1], task.optimizer, params)
+    fields["micro_step_lr"] = schedule_at_micro_steps(task.optimizer, params, rerun[1])
     return compared, matches, (*arrays, lr, quiet, task_decay(task.optimizer, params)), fields
 
 
