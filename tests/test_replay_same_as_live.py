@@ -85,7 +85,7 @@ def test_micro_batch_means_from_step_1_are_named_so_replayed_as_live():
     assert live.codes[0] == replayed.codes[0] == "micro_batch_means", (live.codes, replayed.codes)
     said = "the mean of the 2 micro-batches' own means (the batch's rows in 2 blocks, loss weights 7, 2)"
     assert said in _said(live, "micro_batch_means") and said in _said(replayed, "micro_batch_means")
-    assert replayed.steps[1].micro_means == live.steps[1].micro_means == (2, (7.0, 2.0), "blocks")
+    assert replayed.steps[1].micro_means == live.steps[1].micro_means == (2, (7.0, 2.0), "blocks", 1.0)
 
 
 def _weighted_mse(model, batch, masked: bool = True):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import require_devices
 from flax import nnx
 from test_record import LINEAR_TASK as RECORDED_TASK
@@ -20,6 +21,7 @@ import shardcheck
 from shardcheck import check_parity, make_mesh
 from shardcheck.cli import main
 from shardcheck.losses import regression_batch_loss
+from shardcheck.parity.harness.recorded import record_run
 
 
 class MLP(nnx.Module):
@@ -51,12 +53,17 @@ def _weighted_task(first: int, second: int, steps: int = 3) -> shardcheck.Task:
 
 
 def _accumulating(
-    means: bool = False, first_only: bool = False, loss_factor: float = 1.0, after: bool = False
+    means: bool = False,
+    first_only: bool = False,
+    loss_factor: float = 1.0,
+    after: bool = False,
+    means_factor: float = 1.0,
 ):
     """A user step that accumulates 2 micro-batches (the batch's halves) by hand under the ``(sum, count)`` loss:
-    the sums over the total count (correct), or ``means``: each micro-batch's mean, averaged (trial 40's fault);
-    ``first_only``: the first micro-batch's mean alone; ``loss_factor``: the returned loss scaled; ``after``: the
-    loss returned taken after the update."""
+    the sums over the total count (correct), or ``means``: each micro-batch's mean, averaged (trial 40's fault),
+    times ``means_factor`` (2: summed, 1/2: divided by k twice; trial 61); ``first_only``: the first
+    micro-batch's mean alone; ``loss_factor``: the returned loss scaled; ``after``: the loss returned taken after
+    the update."""
 
     @nnx.jit
     def step(model, optimizer, batch):
@@ -65,8 +72,8 @@ def _accumulating(
         (s0, c0), g0 = outs[0]
         (s1, c1), g1 = outs[1]
         if means:
-            loss = (s0 / c0 + s1 / c1) / 2
-            grads = jax.tree.map(lambda a, b: (a / c0 + b / c1) / 2, g0, g1)
+            loss = (s0 / c0 + s1 / c1) / 2 * means_factor
+            grads = jax.tree.map(lambda a, b: (a / c0 + b / c1) / 2 * means_factor, g0, g1)
         elif first_only:
             loss, grads = s0 / c0, jax.tree.map(lambda a: a / c0, g0)
         else:
@@ -249,3 +256,36 @@ def test_an_ema_written_from_the_parameters_before_the_update_is_one_finding():
     decay = check_parity(_ema_step(0.99), task, mesh=mesh, reference=reference)
     assert not decay.ok and decay.codes == ("state_amount",), decay.codes
     assert "before the update (" not in decay.diagnoses[0].message
+
+
+@require_devices(4)
+@pytest.mark.parametrize(
+    ("factor", "said"),
+    [
+        (
+            2.0,
+            "the sum of the 2 micro-batches' own means (k = 2 x their mean: a sum where the mean was meant)",
+        ),
+        (
+            0.5,
+            "the mean of the 2 micro-batches' own means divided by k = 2 again (1/2 x their mean: divided by k "
+            "twice)",
+        ),
+    ],
+)
+def test_micro_batch_means_summed_or_divided_twice_are_named(factor, said):
+    """Trial 61: a character LM's accumulation by hand that summed its 2 micro-batches' own means (or divided
+    their sum by k twice) read forward_differs, "a mask, the positions, a term of the loss ...": the loss and
+    gradients were 2.001 x, not one factor (the micro-batches' token counts differ). Named as the micro-batches'
+    means with their factor, live and replayed; a plain factor on the correct sums is no micro-batch reading."""
+    mesh = make_mesh({"data": 4})
+    uneven = _weighted_task(7, 2)
+    live = check_parity(_accumulating(means=True, means_factor=factor), uneven, mesh=mesh)
+    assert live.codes[0] == "micro_batch_means", live.codes
+    assert said in live.diagnoses[0].message, live.diagnoses[0].message
+    recording = record_run(uneven, _accumulating(), mesh=mesh)
+    replay = check_parity(_accumulating(means=True, means_factor=factor), uneven, reference=recording)
+    assert replay.codes[0] == "micro_batch_means", replay.codes
+    assert said in replay.diagnoses[0].message
+    plain = check_parity(_accumulating(loss_factor=factor), uneven, mesh=mesh)
+    assert "micro_batch_means" not in plain.codes, plain.codes

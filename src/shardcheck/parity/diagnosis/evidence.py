@@ -296,12 +296,12 @@ class StepRecord:
             step had their copies compared across how many devices (a live check's parameters and optimizer
             state; a replay's recorded ``meta["replicas"]``); ``None`` where none was (one device, no replicated
             leaf, or a recording made before the count was kept).
-        micro_means: ``(k, weights, layout)`` where the failing step reproduces the step whose gradient averages
-            the means of k micro-batches of unequal weights (``weights``, each micro-batch's own loss weight, in
-            order; ``layout``: ``"blocks"`` of consecutive rows or ``"strided"``, rows i::k; a replay's ``(k,
-            weights)`` are blocks) under a ``(loss_sum, weight)`` loss: an accumulation that averaged the
-            micro-batches' means where their sums over the total weight were meant (``"per_micro_mean"`` in
-            ``matches``); else ``None``.
+        micro_means: ``(k, weights, layout, c)`` where the failing step reproduces the step whose gradient is c
+            times the mean of the means of k micro-batches of unequal weights (``weights``, each micro-batch's own
+            loss weight, in order; ``layout``: ``"blocks"`` of consecutive rows or ``"strided"``, rows i::k, a
+            replay's blocks; c: 1, k where they were summed, 1/k where their mean was divided by k again) under a ``(loss_sum, weight)`` loss: an
+            accumulation that averaged (or summed) the micro-batches' means where their sums over the total weight
+            were meant (``"per_micro_mean"`` in ``matches``); else ``None``.
         batch_keys: where the step's batch is a mapping, its keys other than the model's inputs and the labels
             (``"segment_ids"``, ``"positions"``, ``"weights"``: what a loss reads beside them, a mask, positions
             or weights), in the batch's order; ``()`` otherwise (an array or tuple batch, a replay's record).

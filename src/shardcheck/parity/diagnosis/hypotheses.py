@@ -574,17 +574,17 @@ MICRO_BATCHES = (2, 4, 8)
 
 def _micro_batch_means(
     run: _Run, pre: _PreStep, batch, record: StepRecord, rtol, atol, cand_grads
-) -> tuple[int, tuple[float, ...], str] | None:
-    """``(k, weights, layout)`` where the candidate's step is the one whose gradient averages the means of k
-    micro-batches (the batch's k blocks of rows or its rows i::k, :func:`_micro_layouts`; each its loss sum over
-    its own weight) under a ``(loss_sum, weight)`` loss whose
-    micro-batches carry unequal weights (``weights``, the k micro-batches' own, in order): an accumulation by hand
-    that averaged the micro-batches' means where their sums over the total weight were meant (trial 40: uneven
-    padding over 2 micro-batches on 4 shards). k is tried over :data:`MICRO_BATCHES`, dividing the batch's rows,
-    other than the shard count (the per-shard means' own hypothesis, :func:`_matches`). The candidate's returned
-    gradients (where it returns them) must be that gradient within the record's gradient tolerances, and its
-    parameters and optimizer state the optimizer's step on it (:func:`_reproduces`, the reference's differing);
-    ``None`` otherwise, and for an unweighted loss, a coupled one, or a user's reference step."""
+) -> tuple[int, tuple[float, ...], str, float] | None:
+    """``(k, weights, layout, c)`` where the candidate's step is the one whose gradient is c times the mean of the
+    means of k micro-batches (the batch's k blocks of rows or its rows i::k, :func:`_micro_layouts`; each its loss
+    sum over its own weight) under a ``(loss_sum, weight)`` loss whose micro-batches carry unequal weights
+    (``weights``, the k micro-batches' own, in order): an accumulation by hand that averaged the micro-batches'
+    means (c = 1), summed them (c = k) or divided their mean by k again (c = 1/k; trial 61) where their sums over the total weight were meant (trial 40:
+    uneven padding over 2 micro-batches on 4 shards). k is tried over :data:`MICRO_BATCHES`, dividing the batch's
+    rows, other than the shard count (the per-shard means' own hypothesis, :func:`_matches`). The candidate's
+    returned gradients (where it returns them) must be that gradient within the record's gradient tolerances, and
+    its parameters and optimizer state the optimizer's step on it (:func:`_reproduces`, the reference's
+    differing); ``None`` otherwise, and for an unweighted loss, a coupled one, or a user's reference step."""
     if not run.weighted or run.rows_coupled or run.reference is not None:
         return None
     if cand_grads is not None and all(e.ok for e in record.leaves if e.kind == "grad"):
@@ -602,15 +602,17 @@ def _micro_batch_means(
         grads = per_shard_mean_grads(loss_fn, k, pre.graphdef, pre.params, pre.rest, micro)
         if grads is None:
             continue
+        factors = (1.0, float(k), 1.0 / k)  # averaged, summed, averaged and divided by k again
         if cand is not None and tolerance:
-            c = fitted_factor(cand, flatten_state(grads), tolerance)
-            if c is None or abs(c - 1.0) > 1e-3:
-                continue
+            fitted = fitted_factor(cand, flatten_state(grads), tolerance)
+            factors = tuple(c for c in factors if fitted is not None and abs(fitted - c) <= 1e-3 * c)
         tx = run.ref_opt.tx
-        alt = _scaled_params(tx, pre.params, pre.opt_state, grads, 1.0)
-        rounding = hypothesis_rounding(tx, grads, pre.opt_state, pre.params, rtol, atol)
-        if _reproduces(run, *alt, rtol, atol, rounding):
-            return k, weights, layout
+        for c in factors:
+            scaled = jax.tree.map(lambda g, c=c: (g * c).astype(g.dtype), grads)
+            alt = _scaled_params(tx, pre.params, pre.opt_state, scaled, 1.0)
+            rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
+            if _reproduces(run, *alt, rtol, atol, rounding):
+                return k, weights, layout, c
     return None
 
 

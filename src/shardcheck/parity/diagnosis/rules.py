@@ -2408,19 +2408,30 @@ def micro_batch_means(ctx: DiagnosisContext) -> Finding:
     first = ctx.first
     if first is None or "per_micro_mean" not in ctx.reproduced or first.micro_means is None:
         return None
-    k, weights, *layout = first.micro_means  # a replay's: (k, weights), blocks
+    k, weights, layout, c = first.micro_means
     shown = ", ".join(f"{w:.6g}" for w in weights)
-    rows = f"rows i::{k}, every {k}th row" if layout == ["strided"] else f"the batch's rows in {k} blocks"
+    rows = f"rows i::{k}, every {k}th row" if layout == "strided" else f"the batch's rows in {k} blocks"
+    how, what, scale = _micro_reduction(k, c)
     return Diagnosis(
         "micro_batch_means",
-        f"At step {first.step} the step reproduces the micro-batches' means averaged (each normalized by its own "
-        f"count) where their sums over the total count were meant: its update is the optimizer's step on the mean "
-        f"of the {k} micro-batches' own means ({rows}, loss weights {shown}), not on the "
+        f"At step {first.step} the step reproduces the micro-batches' means {how} (each normalized by its own "
+        f"count) where their sums over the total count were meant: its update is the optimizer's step on the "
+        f"{what} of the {k} micro-batches' own means{scale} ({rows}, loss weights {shown}), not on the "
         "full batch's sum over its total weight. With uneven counts that weighs the rows of the lighter "
         "micro-batches more; add the micro-batches' loss sums and their counts, then divide once by the total "
         "count (docs/reduction_cases.md C4-C6).",
         ctx.worst_name,
     )
+
+
+def _micro_reduction(k: int, c: float) -> tuple[str, str, str]:
+    """How a step reduced the means of its k micro-batches, by the factor c on their mean
+    (``StepRecord.micro_means``): ``(how, what, scale)`` as :func:`micro_batch_means` says them."""
+    if abs(c - k) <= 1e-3 * k:
+        return "summed", "sum", f" (k = {k} x their mean: a sum where the mean was meant)"
+    if abs(c * k - 1.0) <= 1e-3:
+        return "averaged", "mean", f" divided by k = {k} again (1/{k} x their mean: divided by k twice)"
+    return "averaged", "mean", ""
 
 
 def update_rerun(ctx: DiagnosisContext) -> Finding:
