@@ -289,3 +289,51 @@ def test_micro_batch_means_summed_or_divided_twice_are_named(factor, said):
     assert said in replay.diagnoses[0].message
     plain = check_parity(_accumulating(loss_factor=factor), uneven, mesh=mesh)
     assert "micro_batch_means" not in plain.codes, plain.codes
+
+
+def _clipping(max_norm: float, of: str, per_micro_batch: bool = True):
+    """A user step that accumulates 2 micro-batches (the batch's halves) by hand under the ``(sum, count)`` loss
+    and clips each micro-batch's gradient (of its loss sum, ``of="sum"``, or of its mean) to global norm
+    ``max_norm`` before averaging them (trial 61's fault); ``per_micro_batch=False``: the correct sums over the
+    total count, clipped once after the accumulation."""
+
+    def clip(g):
+        return optax.clip_by_global_norm(max_norm).update(g, optax.EmptyState())[0]
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        halves = [jax.tree.map(lambda a, i=i: a[8 * i : 8 * (i + 1)], batch) for i in range(2)]
+        outs = [nnx.value_and_grad(regression_batch_loss, has_aux=True)(model, h) for h in halves]
+        (s0, c0), g0 = outs[0]
+        (s1, c1), g1 = outs[1]
+        if not per_micro_batch:
+            grads = clip(jax.tree.map(lambda a, b: (a + b) / (c0 + c1), g0, g1))
+        else:
+            if of == "mean":
+                g0, g1 = (jax.tree.map(lambda a, c=c: a / c, g) for g, c in ((g0, c0), (g1, c1)))
+            grads = jax.tree.map(lambda a, b: (a + b) / 2, clip(g0), clip(g1))
+        optimizer.update(model, grads)
+        return {"loss": (s0 + s1) / (c0 + c1), "grads": grads}
+
+    return step
+
+
+@require_devices(4)
+@pytest.mark.parametrize("of", ["sum", "mean"])
+def test_a_clip_per_micro_batch_is_named_with_its_norm(of):
+    """Trial 61: an accumulation by hand that clipped each micro-batch's gradient before adding them read
+    "localized ... no constant factor". Named as a clip per micro-batch with its fitted norm (0.05, the task
+    clipping nothing), of the micro-batch's loss sum or mean; one clip of the accumulated gradient is not."""
+    mesh = make_mesh({"data": 4})
+    uneven = _weighted_task(7, 2)
+    report = check_parity(_clipping(0.05, of), uneven, mesh=mesh)
+    assert report.codes[0] == "clip_per_shard", report.codes
+    # a clip that binds on both micro-batches clips their sums and their means alike
+    grad = "of its loss sum or its mean, which a clip that binds on each clips alike"
+    assert report.diagnoses[0].message.startswith(
+        "At step 0 the gradients differ: they are the mean over 2 micro-batches (the batch's rows in 2 blocks) of "
+        f"each micro-batch's own gradient ({grad}) scaled by min(1, 0.05 / its global L2 norm) (fitted, rerun "
+        "from the reference's pre-step state; the task's optimizer clips nothing)"
+    ), report.diagnoses[0].message
+    once = check_parity(_clipping(0.05, of, per_micro_batch=False), uneven, mesh=mesh)
+    assert not once.ok and "clip applied per micro-batch" not in str(once.diagnosis)

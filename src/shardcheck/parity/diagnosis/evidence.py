@@ -316,6 +316,10 @@ class StepRecord:
         shard_clip: the max norm M, fitted, where the returned gradients are each shard's own gradient clipped
             to global norm M, then averaged, M not the task's clip norm (``"clip_per_shard"`` in ``matches``;
             :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_shard_clip`, trial 58 C2); else ``None``.
+        micro_clip: ``(M, k, layout, of)`` where the returned gradients are the mean over k micro-batches of
+            ``layout`` of each one's own gradient (of its loss ``of`` ``"sum"``, ``"mean"`` or ``"either"``) clipped to global
+            norm M (``"clip_per_shard"`` in ``matches``;
+            :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_micro_clip`, trial 61); else ``None``.
         micro_step_lr: ``((k, c, m, ratio), ...)``: the task's learning-rate schedule at micro-step counts m over
             its value at the count c its step read, for k micro-steps a step, at a failing step
             (:func:`~shardcheck.parity.harness.optimizer_rerun.schedule_at_micro_steps`): an update that is one of
@@ -365,6 +369,7 @@ class StepRecord:
     batch_keys: tuple[str, ...] = ()
     shard_subset: tuple[tuple[int, ...], int, str, str] | None = None
     shard_clip: float | None = None
+    micro_clip: tuple[float, int, str, str] | None = None
     micro_step_lr: tuple[tuple[int, int, int, float], ...] = ()
 
     @property

@@ -491,7 +491,7 @@ def _hypotheses_tried(
     are after the step. ``cand_grads``: the gradients the candidate returned at this step, or ``None``; the
     record's loss weight and its count (``StepRecord.loss_weight``, ``StepRecord.weight_count``) under a
     ``(loss_sum, weight)`` loss."""
-    from shardcheck.parity.diagnosis.shard_clip import fitted_shard_clip
+    from shardcheck.parity.diagnosis.shard_clip import fitted_micro_clip, fitted_shard_clip
     from shardcheck.parity.diagnosis.shard_subset import shard_subset
 
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
@@ -508,9 +508,10 @@ def _hypotheses_tried(
         matches, token_grads = _token_value(run, pre, batch, record, split, cand_grads)
     if not matches and _clipped_per_shard(run, pre, batch, record, cand_grads):
         matches = ("clip_per_shard",)
-    # a clip per shard at a norm of the step's own (trial 58 C2)
+    # a clip per shard at a norm of the step's own (trial 58 C2), or per micro-batch (trial 61)
     shard_clip = None if matches else fitted_shard_clip(run, pre, batch, record, cand_grads)
-    if shard_clip is not None:
+    micro_clip = None if matches or shard_clip is not None else fitted_micro_clip(run, pre, batch, record, cand_grads)
+    if shard_clip is not None or micro_clip is not None:
         matches = ("clip_per_shard",)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
@@ -549,6 +550,7 @@ def _hypotheses_tried(
         micro_means=micro,
         shard_subset=subset,
         shard_clip=shard_clip,
+        micro_clip=micro_clip,
         global_clip=clip_norm_of(run.ref_opt.tx),  # a clip whose coefficient reads every gradient (trial 44)
     )
 

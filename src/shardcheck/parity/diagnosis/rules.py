@@ -1903,11 +1903,14 @@ def clip_per_shard(ctx: DiagnosisContext) -> Finding:
     ``optax.clip_by_global_norm`` norm (the harness's ``clip_per_shard`` hypothesis, rerun from the reference's
     pre-step state; a replay's from its own, the recording's at step 0 or where hashed equal): the clip applied per
     shard, before the all-reduce (trial 39: the gradients failed with
-    per-leaf ratios below 1 that vary, "no simple form", and the clip was never named)."""
+    per-leaf ratios below 1 that vary, "no simple form", and the clip was never named); or each micro-batch's
+    (``StepRecord.micro_clip``: :func:`_clip_per_micro_batch`)."""
     if "clip_per_shard" not in ctx.reproduced:
         return None
     grads = [e for e in ctx.bad if e.kind == "grad"]
     worst = max(grads, key=lambda e: e.badness) if grads else ctx.bad[0]
+    if ctx.first.micro_clip is not None:
+        return _clip_per_micro_batch(ctx.first, worst)
     spread = ""
     if worst.spread is not None:
         lo, hi = worst.spread
@@ -1939,6 +1942,30 @@ def clip_per_shard(ctx: DiagnosisContext) -> Finding:
         f"gradient, {_clip_rule_said(ctx.first)}, then {mean}), not the full batch's "
         "gradient clipped: a clip applied per shard (before the all-reduce). Clip after the pmean, or leave the "
         "clip to the optimizer (optax.chain(optax.clip_by_global_norm(...), ...) on the all-reduced gradients).",
+        worst.name,
+    )
+
+
+def _clip_per_micro_batch(first: StepRecord, worst: LeafError) -> Diagnosis:
+    """``clip_per_shard`` of a step that clipped each of its k micro-batches' gradients before accumulating them
+    (``StepRecord.micro_clip``, fitted; trial 61: a character LM's accumulation by hand read "no constant
+    factor")."""
+    m, k, layout, of = first.micro_clip
+    rows = f"rows i::{k}, every {k}th row" if layout == "strided" else f"the batch's rows in {k} blocks"
+    grad = {
+        "sum": "its loss sum's gradient",
+        "mean": "its mean loss's gradient",
+        "either": "of its loss sum or its mean, which a clip that binds on each clips alike",
+    }[of]
+    task = "clips nothing" if first.global_clip is None else f"clips at {first.global_clip:.4g}"
+    return Diagnosis(
+        "clip_per_shard",
+        f"At step {first.step} the gradients differ: they are the mean over {k} micro-batches ({rows}) of each "
+        f"micro-batch's own gradient ({grad}) scaled by min(1, {m:.4g} / its global L2 norm) (fitted, rerun from "
+        f"the reference's pre-step state; the task's optimizer {task}), not the full batch's gradient: a clip "
+        "applied per micro-batch, before the accumulation. Add the micro-batches' gradients (their loss sums' "
+        "gradients over the total weight), then clip once, or leave the clip to the optimizer "
+        "(optax.chain(optax.clip_by_global_norm(...), ...) on the accumulated gradient).",
         worst.name,
     )
 

@@ -107,3 +107,66 @@ def fitted_shard_clip(run, pre, batch, record: StepRecord, cand_grads) -> float 
         if m is not None:
             return m
     return None
+
+
+def fitted_micro_clip(run, pre, batch, record: StepRecord, cand_grads) -> tuple[float, int, str, str] | None:
+    """``(M, k, layout, of)`` where the candidate's returned gradients are the plain mean over k micro-batches of
+    each one's own gradient clipped to global norm M (fitted as :func:`fitted_shard_clip` fits a shard's): the
+    gradient of its loss sum (``of`` ``"sum"``) or of its mean (``"mean"``, its sum over its own weight), or
+    either (``"either"``: a clip that binds on every micro-batch clips the two alike), for the
+    k micro-batches of ``layout`` (:data:`~shardcheck.parity.diagnosis.micro_subset.LAYOUTS`; k in
+    :data:`~shardcheck.parity.diagnosis.hypotheses.MICRO_BATCHES` dividing the batch's rows, the shards' own
+    blocks left to :func:`fitted_shard_clip`): an accumulation by hand that clipped each micro-batch's gradient
+    before adding them (trial 61: "no constant factor" on a character LM). Read from each row's gradient
+    (:func:`~shardcheck.parity.diagnosis.micro_subset.row_terms`, computed once a failing step); ``None`` where
+    none fits, where every returned gradient matches, without returned gradients, on a loss that couples the
+    rows, against a reference step of the user's, or where the rows do not trace one by one."""
+    from shardcheck.parity.diagnosis.hypotheses import MICRO_BATCHES
+    from shardcheck.parity.diagnosis.micro_subset import LAYOUTS, grouped, members, row_terms
+
+    grads = [e for e in record.leaves if e.kind == "grad"]
+    if cand_grads is None or run.reference is not None or run.rows_coupled or all(e.ok for e in grads):
+        return None
+    rows = row_terms(run, pre, batch)
+    if rows is None:
+        return None
+    n, s = len(rows[1]), run.cand.num_shards
+    cand = {p: np.asarray(to_host(g), np.float64) for p, g in flatten_state(nnx.as_pure(cand_grads)).items()}
+    for k in MICRO_BATCHES:
+        if n < 2 * k or n % k:
+            continue
+        for layout in LAYOUTS:
+            if k == s and layout == "blocks":
+                continue  # the shards' own: fitted_shard_clip's
+            found = _micro_fit(cand, grouped(rows, members(n, k, layout)), grads)
+            if found is not None:
+                return found[0], k, layout, found[1]
+    return None
+
+
+def _micro_fit(cand: dict, terms, grads) -> tuple[float, str] | None:
+    """``(M, of)``: the max norm whose clip of each group's gradient sum (``of`` ``"sum"``) or mean (``"mean"``),
+    averaged plainly, gives ``cand`` within each leaf's tolerance (:func:`_fit`), where the plain mean alone does
+    not (``"either"`` where both fit); ``None`` where neither does."""
+    stack, weights = terms
+    if not np.all(weights > 0):
+        return None
+    sums = {p: np.asarray(to_host(g), np.float64) for p, g in flatten_state(nnx.as_pure(stack)).items()}
+    tolerance = {e.path: e.tolerance for e in grads if e.path in cand and e.path in sums}
+    k = len(weights)
+    if not tolerance or any(cand[p].shape != sums[p].shape[1:] for p in tolerance):
+        return None
+    coeffs = np.full(k, 1.0 / k)
+    fitted = {}
+    for of in ("sum", "mean"):
+        groups = sums if of == "sum" else {p: g / _column(weights, g.ndim) for p, g in sums.items()}
+        plain = {p: np.tensordot(coeffs, groups[p], axes=1) for p in tolerance}
+        if all(np.max(np.abs(cand[p] - plain[p])) <= tolerance[p] for p in tolerance):
+            continue  # the groups' plain mean: no clip shows
+        norms = np.sqrt(sum(np.sum(g.reshape(k, -1) ** 2, axis=1) for g in groups.values()))
+        m = _fit(cand, groups, coeffs, norms, tolerance)
+        if m is not None:
+            fitted[of] = m
+    if len(fitted) == 2:  # a clip that binds on every group: its sum and its mean clip alike
+        return fitted["sum"], "either"
+    return next(((m, of) for of, m in fitted.items()), None)
