@@ -320,6 +320,10 @@ class StepRecord:
             ``layout`` of each one's own gradient (of its loss ``of`` ``"sum"``, ``"mean"`` or ``"either"``) clipped to global
             norm M (``"clip_per_shard"`` in ``matches``;
             :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_micro_clip`, trial 61); else ``None``.
+        uses_left_out: ``(module, kept, left_out)`` where the failing gradients are one module's parameters, read
+            by several of its calls, and the returned gradients hold the terms of the calls ``kept`` alone, those
+            of ``left_out`` missing (a tied embedding's head behind a stop_gradient;
+            :func:`~shardcheck.parity.diagnosis.shared_uses.uses_left_out`, trial 61); ``()`` otherwise.
         micro_step_lr: ``((k, c, m, ratio), ...)``: the task's learning-rate schedule at micro-step counts m over
             its value at the count c its step read, for k micro-steps a step, at a failing step
             (:func:`~shardcheck.parity.harness.optimizer_rerun.schedule_at_micro_steps`): an update that is one of
@@ -370,6 +374,7 @@ class StepRecord:
     shard_subset: tuple[tuple[int, ...], int, str, str] | None = None
     shard_clip: float | None = None
     micro_clip: tuple[float, int, str, str] | None = None
+    uses_left_out: tuple = ()
     micro_step_lr: tuple[tuple[int, int, int, float], ...] = ()
 
     @property

@@ -491,8 +491,8 @@ def _hypotheses_tried(
     are after the step. ``cand_grads``: the gradients the candidate returned at this step, or ``None``; the
     record's loss weight and its count (``StepRecord.loss_weight``, ``StepRecord.weight_count``) under a
     ``(loss_sum, weight)`` loss."""
-    from shardcheck.parity.diagnosis.shard_clip import fitted_micro_clip, fitted_shard_clip
     from shardcheck.parity.diagnosis.shard_subset import shard_subset
+    from shardcheck.parity.diagnosis.shared_uses import uses_left_out
 
     reference_grads = functools.cache(lambda: nnx.as_pure(_reference_grads(run.task.loss_fn, pre, batch)))
     matches, per_shard, split = _matches(run, pre, batch, rtol, atol, record, reference_grads, cand_grads)
@@ -506,13 +506,7 @@ def _hypotheses_tried(
     if not matches and run.weighted:  # the loss value of a rows x tokens split's per-shard means (trial 45)
         split = token_split(run.kwargs.get("mesh"), batch)
         matches, token_grads = _token_value(run, pre, batch, record, split, cand_grads)
-    if not matches and _clipped_per_shard(run, pre, batch, record, cand_grads):
-        matches = ("clip_per_shard",)
-    # a clip per shard at a norm of the step's own (trial 58 C2), or per micro-batch (trial 61)
-    shard_clip = None if matches else fitted_shard_clip(run, pre, batch, record, cand_grads)
-    micro_clip = None if matches or shard_clip is not None else fitted_micro_clip(run, pre, batch, record, cand_grads)
-    if shard_clip is not None or micro_clip is not None:
-        matches = ("clip_per_shard",)
+    matches, shard_clip, micro_clip = _clips(run, pre, batch, record, cand_grads, matches)
     if not matches and _low_precision_reduction(run, pre, batch, record, rtol, atol, reference_grads):
         matches = ("bf16_reduction",)
     # no catalog reduction: some shards' gradient only (trial 57)
@@ -536,6 +530,8 @@ def _hypotheses_tried(
         if set(matches) - {"scale_blind"}
         else _micro_batch_means(run, pre, batch, record, rtol, atol, cand_grads)
     )
+    # a module's parameters read by several calls, some of whose gradient terms are missing (trial 61)
+    uses = () if matches or micro or subset else uses_left_out(run, pre, batch, record, cand_grads)
     return dataclasses.replace(
         record,
         matches=matches if micro is None else (*matches, "per_micro_mean"),
@@ -551,8 +547,25 @@ def _hypotheses_tried(
         shard_subset=subset,
         shard_clip=shard_clip,
         micro_clip=micro_clip,
+        uses_left_out=uses,
         global_clip=clip_norm_of(run.ref_opt.tx),  # a clip whose coefficient reads every gradient (trial 44)
     )
+
+
+def _clips(run: _Run, pre: _PreStep, batch, record: StepRecord, cand_grads, matches: tuple):
+    """``(matches, shard_clip, micro_clip)``: ``matches`` with ``"clip_per_shard"`` where none matched yet and the
+    step clipped each shard's gradient at the task's norm, or at a norm of its own (``shard_clip``, fitted: trial
+    58 C2), or each micro-batch's (``micro_clip``: trial 61)."""
+    from shardcheck.parity.diagnosis.shard_clip import fitted_micro_clip, fitted_shard_clip
+
+    if matches:
+        return matches, None, None
+    if _clipped_per_shard(run, pre, batch, record, cand_grads):
+        return ("clip_per_shard",), None, None
+    shard_clip = fitted_shard_clip(run, pre, batch, record, cand_grads)
+    micro_clip = None if shard_clip is not None else fitted_micro_clip(run, pre, batch, record, cand_grads)
+    found = shard_clip is not None or micro_clip is not None
+    return ("clip_per_shard",) if found else (), shard_clip, micro_clip
 
 
 def _token_value(

@@ -2779,6 +2779,8 @@ def localized(ctx: DiagnosisContext) -> Finding:
         started = _started(ctx.first, kind)
         if started:  # its change matches: the state differed before the step, not in how it was updated
             meaning, form = "it started from other values", f"{started[0].upper()}{started[1:]}."
+        if kind == "grad" and ctx.first.uses_left_out:
+            form = f"{form} {_uses_said(*ctx.first.uses_left_out)}"
         return Diagnosis(
             "localized",
             f"{head}; {noun} {verb} ({count}): {meaning}. {group[0].upper()}{group[1:]}. {form} "
@@ -2786,6 +2788,18 @@ def localized(ctx: DiagnosisContext) -> Finding:
             worst.name,
         )
     return None
+
+
+def _uses_said(module: str, kept: tuple[str, ...], left_out: tuple[str, ...]) -> str:
+    """What the gradients of a module read by several calls hold (``StepRecord.uses_left_out``)."""
+    calls = len(kept) + len(left_out)
+    return (
+        f"{module}'s parameters are read by {calls} calls in the forward pass ({words_and([*kept, *left_out])}), "
+        f"and the returned gradient is the term of {words_and(kept)} alone: the term of {words_and(left_out)} "
+        "is missing (the same parameters used again, such as a tied embedding's output head: a "
+        "jax.lax.stop_gradient on that use, or a copy of the parameters there, keeps its term out). Each use's "
+        "term must reach the gradient."
+    )
 
 
 def _decay_unseen(record: StepRecord, of_kind: list[LeafError], group: str, regroup, quiet) -> str:
