@@ -166,3 +166,25 @@ def test_a_nan_loss_beside_a_correct_update_under_a_zero_warm_up_is_non_finite_f
         "shardcheck record: the recorded run went non-finite (NaN or infinity) at step 0, in loss"
     )
     assert said.endswith("a learning rate too high); no finite step comes before it to record.")
+
+
+def test_a_device_put_refused_across_processes_is_told_place_host_tree(monkeypatch):
+    """Trial 61: under ``shardcheck launch`` (2 processes), a step that placed its model's state with
+    ``jax.device_put`` (its nnx.Rngs keys) was refused "a Sharding which represents addressable devices", and the
+    command said "fix the step". In one process the same text gets no such hint."""
+    import jax
+
+    from shardcheck.parity.harness.candidates import _process_hint
+
+    err = ValueError(
+        "device_put's second argument must be a Device or a Sharding which represents addressable devices, but "
+        "got NamedSharding(mesh=Mesh('data': 2, 'fsdp': 2), spec=P())"
+    )
+    assert _process_hint(err) == ""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    said = _process_hint(err)
+    assert said.startswith(
+        "the step places arrays with jax.device_put on a mesh that spans several processes"
+    )
+    assert "shardcheck.distributed.place_host_tree(tree, shardings)" in said
+    assert _process_hint(ValueError("another error")) == ""

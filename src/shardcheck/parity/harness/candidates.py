@@ -389,6 +389,25 @@ def _named_axis(err: Exception) -> tuple[str, str | None] | None:
     return None if found is None else (found.group(1), None)
 
 
+NOT_ADDRESSABLE = "represents addressable devices"
+"""What ``jax.device_put`` says of a sharding over other processes' devices it cannot place onto (a PRNG key
+array, an array committed to one device)."""
+
+
+def _process_hint(err: Exception) -> str:
+    """Where the step's ``jax.device_put`` was refused a sharding over other processes' devices in a run of
+    several processes (``shardcheck launch``, trial 61: a step placing its model's state, whose ``nnx.Rngs`` keys
+    device_put refuses), how to place it; ``""`` otherwise."""
+    if jax.process_count() < 2 or NOT_ADDRESSABLE not in str(err):
+        return ""
+    return (
+        "the step places arrays with jax.device_put on a mesh that spans several processes, which refuses a PRNG "
+        "key array (the model's nnx.Rngs) or an array committed to one device: place the state and the batch "
+        "with shardcheck.distributed.place_host_tree(tree, shardings), as the built-in strategies do: it "
+        "builds each process's shards from its own copy, keys included (docs/distributed.md)"
+    )
+
+
 def _batch_key_hint(err: Exception, batch) -> str:
     """Where a step raised ``KeyError`` on a key its batch (a mapping) lacks, from a line that does not read the
     mesh or an axis: that key and the batch's own keys; else ``""`` (trial 60: ``batch["image"]`` on a batch of
@@ -631,6 +650,7 @@ def run_step(
             or _varying_hint(err)
             or _traced_hint(err)
             or _batch_key_hint(err, batch)
+            or _process_hint(err)
             or _mesh_axis_hint(err, kwargs.get("mesh"), model)
             or _annotation_cause(err, model, kwargs.get("mesh"))
         )
