@@ -120,11 +120,17 @@ def test_the_command_line_names_no_strategy_literally():
             "unrecognized arguments: --stratgies=dp --mech fsdp=4; did you mean --strategies or --mesh?",
         ),
         (["train", "--zzz"], "unrecognized arguments: --zzz"),
+        (
+            ["train", "--task", "tiny-lm", "--candidate", "steps.py:step"],
+            "unrecognized arguments: --candidate steps.py:step; --candidate is an option of shardcheck record "
+            "and verify, not of train",
+        ),
     ],
 )
 def test_a_misspelt_option_is_told_the_subcommands_closest(argv, said, capsys):
     """Trial 51: ``--tsk`` got argparse's "unrecognized arguments" alone (it suggests only from Python 3.14);
-    trial 53: below the top-level usage, not the subcommand's."""
+    trial 53: below the top-level usage, not the subcommand's; trial 61: another subcommand's option
+    (``train --candidate``) was asked "did you mean --dataset?"."""
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2

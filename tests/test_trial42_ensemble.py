@@ -241,6 +241,10 @@ def test_the_annotation_hint_is_said_only_beside_an_error_about_it():
         "a model merged inside jax.shard_map and captured by the function jax.grad / jax.value_and_grad "
         "differentiates" in _traced_hint(trace)
     )
+    assert (  # trial 61: merged inside the differentiated function without a copy, a scanned model's RNG counts
+        "merge a copy inside the differentiated function (nnx.merge(graphdef, params, rest, copy=True))"
+        in _traced_hint(trace)
+    )
     assert _traced_hint(replication).startswith(
         "the step's jax.shard_map returns as replicated over 'data' (out_specs[0] P()) a value computed per device"
     )

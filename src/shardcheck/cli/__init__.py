@@ -83,20 +83,42 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     ("unrecognized arguments: --tsk tiny-lm; did you mean --task?": argparse suggests only from Python 3.14)."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        chosen = parser._subparsers._group_actions[0].choices[args.command]  # the subcommand's own parser
-        flags = [
-            flag for action in chosen._actions for flag in action.option_strings if flag.startswith("--")
-        ]
-        guesses = [
-            close[0]
-            for arg in unknown
-            if arg.startswith("--") and (close := difflib.get_close_matches(arg.split("=")[0], flags, n=1))
-        ]
-        hint = f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+        commands = parser._subparsers._group_actions[0].choices
+        chosen = commands[args.command]  # the subcommand's own parser
+        # every subcommand's options, loaded on this error only
+        every = build_parser()._subparsers._group_actions[0].choices
+        hint = _elsewhere(every, args.command, unknown) or _closest(chosen, unknown)
         chosen.error(
             f"unrecognized arguments: {' '.join(unknown)}{hint}"
         )  # the subcommand's usage (trial 53)
     return args
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+
+
+def _closest(chosen: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """``"; did you mean --task?"``: the subcommand's options closest to the unrecognized ones, or ``""``."""
+    flags = _flags(chosen)
+    guesses = [
+        close[0]
+        for arg in unknown
+        if arg.startswith("--") and (close := difflib.get_close_matches(arg.split("=")[0], flags, n=1))
+    ]
+    return f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
+
+
+def _elsewhere(commands: dict, command: str, unknown: list[str]) -> str:
+    """``"; --candidate is an option of shardcheck record and verify, not of train"``: where an unrecognized
+    option is another subcommand's (trial 61: ``train --candidate`` was asked "did you mean --dataset?"), or
+    ``""``."""
+    for arg in unknown:
+        flag = arg.split("=")[0]
+        owners = sorted(name for name, p in commands.items() if name != command and flag in _flags(p))
+        if arg.startswith("--") and owners:
+            return f"; {flag} is an option of shardcheck {' and '.join(owners)}, not of {command}"
+    return ""
 
 
 def _command_in(argv: Sequence[str]) -> tuple[str, ...]:

@@ -519,7 +519,8 @@ def _traced_hint(err: Exception) -> str:
     """Where a step's error is one of a traced step's own mistakes that reads as something else, that mistake in
     words (trial 42), else ``""``: Flax's "Cannot extract graph node from different trace level" (a model,
     optimizer or Variable made outside the ``jax.jit`` / ``jax.shard_map`` the step traces, used inside it, or
-    one trace deeper, inside the function ``jax.value_and_grad`` differentiates: trial 53), or
+    one trace deeper, inside the function ``jax.value_and_grad`` differentiates: trial 53; merged there without a
+    copy, a scanned model's RNG counts raised it again, trial 61), or
     ``jax.shard_map``'s "out_specs which require replication" (a value returned as replicated that varies over
     an axis)."""
     text = str(err)
@@ -529,9 +530,11 @@ def _traced_hint(err: Exception) -> str:
             "the model or optimizer captured by that function, not passed in; pass its state in (nnx.split "
             "outside, nnx.merge inside) or use nnx.jit / nnx.shard_map, which carry it. The same holds one trace "
             "deeper: a model merged inside jax.shard_map and captured by the function jax.grad / "
-            "jax.value_and_grad differentiates (or a jax.lax.scan body) is used in that inner trace; merge it "
-            "inside that function from the parts it is given (the parameters and the rest of the state as "
-            "arguments), or use nnx.value_and_grad"
+            "jax.value_and_grad differentiates (or a jax.lax.scan body) is used in that inner trace. Use "
+            "nnx.value_and_grad on the model merged in the body, which carries what the forward pass writes (an "
+            "RNG stream's count under Dropout or nnx.scan, a BatchNorm's statistics); with jax.value_and_grad, "
+            "merge a copy inside the differentiated function (nnx.merge(graphdef, params, rest, copy=True)) and "
+            "return the state it writes to nnx.update it after"
         )
     found = _REPLICATION.search(text)
     if found is not None and _gathers(err):
