@@ -26,11 +26,11 @@ import pytest
 from conftest import require_devices
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_trial40_readings import _weighted_task
+from test_trial40_readings import _weighted_task, micro_halves
 
 import shardcheck
 from shardcheck import Candidate, check_parity, make_mesh
-from shardcheck.losses import mse_batch_loss, regression_batch_loss
+from shardcheck.losses import mse_batch_loss
 from shardcheck.parity.harness.recorded import record_run
 
 
@@ -62,10 +62,7 @@ def _accumulating(means_from: int):
 
     @nnx.jit
     def step(model, optimizer, batch):
-        halves = [jax.tree.map(lambda a, i=i: a[8 * i : 8 * (i + 1)], batch) for i in range(2)]
-        outs = [nnx.value_and_grad(regression_batch_loss, has_aux=True)(model, h) for h in halves]
-        (s0, c0), g0 = outs[0]
-        (s1, c1), g1 = outs[1]
+        ((s0, c0), g0), ((s1, c1), g1) = micro_halves(model, batch)
         on = optimizer.step[...] >= means_from
         loss = jnp.where(on, (s0 / c0 + s1 / c1) / 2, (s0 + s1) / (c0 + c1))
         grads = jax.tree.map(lambda a, b: jnp.where(on, (a / c0 + b / c1) / 2, (a + b) / (c0 + c1)), g0, g1)

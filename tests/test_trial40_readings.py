@@ -52,6 +52,12 @@ def _weighted_task(first: int, second: int, steps: int = 3) -> shardcheck.Task:
     )
 
 
+def micro_halves(model, batch):
+    """``[((loss_sum, count), grads), ...]`` of the batch's two halves of 8 rows (traced, inside a step's jit)."""
+    halves = [jax.tree.map(lambda a, i=i: a[8 * i : 8 * (i + 1)], batch) for i in range(2)]
+    return [nnx.value_and_grad(regression_batch_loss, has_aux=True)(model, h) for h in halves]
+
+
 def _accumulating(
     means: bool = False,
     first_only: bool = False,
@@ -67,10 +73,7 @@ def _accumulating(
 
     @nnx.jit
     def step(model, optimizer, batch):
-        halves = [jax.tree.map(lambda a, i=i: a[8 * i : 8 * (i + 1)], batch) for i in range(2)]
-        outs = [nnx.value_and_grad(regression_batch_loss, has_aux=True)(model, h) for h in halves]
-        (s0, c0), g0 = outs[0]
-        (s1, c1), g1 = outs[1]
+        ((s0, c0), g0), ((s1, c1), g1) = micro_halves(model, batch)
         if means:
             loss = (s0 / c0 + s1 / c1) / 2 * means_factor
             grads = jax.tree.map(lambda a, b: (a / c0 + b / c1) / 2 * means_factor, g0, g1)
@@ -302,10 +305,7 @@ def _clipping(max_norm: float, of: str, per_micro_batch: bool = True):
 
     @nnx.jit
     def step(model, optimizer, batch):
-        halves = [jax.tree.map(lambda a, i=i: a[8 * i : 8 * (i + 1)], batch) for i in range(2)]
-        outs = [nnx.value_and_grad(regression_batch_loss, has_aux=True)(model, h) for h in halves]
-        (s0, c0), g0 = outs[0]
-        (s1, c1), g1 = outs[1]
+        ((s0, c0), g0), ((s1, c1), g1) = micro_halves(model, batch)
         if not per_micro_batch:
             grads = clip(jax.tree.map(lambda a, b: (a + b) / (c0 + c1), g0, g1))
         else:
