@@ -299,9 +299,9 @@ class StepRecord:
         micro_means: ``(k, weights, layout, c)`` where the failing step reproduces the step whose gradient is c
             times the mean of the means of k micro-batches of unequal weights (``weights``, each micro-batch's own
             loss weight, in order; ``layout``: ``"blocks"`` of consecutive rows or ``"strided"``, rows i::k, a
-            replay's blocks; c: 1, k where they were summed, 1/k where their mean was divided by k again) under a ``(loss_sum, weight)`` loss: an
-            accumulation that averaged (or summed) the micro-batches' means where their sums over the total weight
-            were meant (``"per_micro_mean"`` in ``matches``); else ``None``.
+            replay's blocks; c: 1, k where they were summed, 1/k where their mean was divided by k again) under
+            a ``(loss_sum, weight)`` loss: an accumulation that averaged (or summed) the micro-batches' means where
+            their sums over the total weight were meant (``"per_micro_mean"`` in ``matches``); else ``None``.
         batch_keys: where the step's batch is a mapping, its keys other than the model's inputs and the labels
             (``"segment_ids"``, ``"positions"``, ``"weights"``: what a loss reads beside them, a mask, positions
             or weights), in the batch's order; ``()`` otherwise (an array or tuple batch, a replay's record).
@@ -317,8 +317,8 @@ class StepRecord:
             to global norm M, then averaged, M not the task's clip norm (``"clip_per_shard"`` in ``matches``;
             :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_shard_clip`, trial 58 C2); else ``None``.
         micro_clip: ``(M, k, layout, of)`` where the returned gradients are the mean over k micro-batches of
-            ``layout`` of each one's own gradient (of its loss ``of`` ``"sum"``, ``"mean"`` or ``"either"``) clipped to global
-            norm M (``"clip_per_shard"`` in ``matches``;
+            ``layout`` of each one's own gradient (of its loss ``of`` ``"sum"``, ``"mean"`` or ``"either"``)
+            clipped to global norm M (``"clip_per_shard"`` in ``matches``;
             :func:`~shardcheck.parity.diagnosis.shard_clip.fitted_micro_clip`, trial 61); else ``None``.
         uses_left_out: ``(module, kept, left_out)`` where the failing gradients are one module's parameters, read
             by several of its calls, and the returned gradients hold the terms of the calls ``kept`` alone, those

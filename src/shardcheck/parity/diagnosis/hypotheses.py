@@ -594,8 +594,9 @@ def _micro_batch_means(
     means of k micro-batches (the batch's k blocks of rows or its rows i::k, :func:`_micro_layouts`; each its loss
     sum over its own weight) under a ``(loss_sum, weight)`` loss whose micro-batches carry unequal weights
     (``weights``, the k micro-batches' own, in order): an accumulation by hand that averaged the micro-batches'
-    means (c = 1), summed them (c = k) or divided their mean by k again (c = 1/k; trial 61) where their sums over the total weight were meant (trial 40:
-    uneven padding over 2 micro-batches on 4 shards). k is tried over :data:`MICRO_BATCHES`, dividing the batch's
+    means (c = 1), summed them (c = k) or divided their mean by k again (c = 1/k; trial 61) where their sums
+    over the total weight were meant (trial 40: uneven padding over 2 micro-batches on 4 shards). k is tried
+    over :data:`MICRO_BATCHES` (c over :func:`micro_factors`), dividing the batch's
     rows, other than the shard count (the per-shard means' own hypothesis, :func:`_matches`). The candidate's
     returned gradients (where it returns them) must be that gradient within the record's gradient tolerances, and
     its parameters and optimizer state the optimizer's step on it (:func:`_reproduces`, the reference's
@@ -617,18 +618,25 @@ def _micro_batch_means(
         grads = per_shard_mean_grads(loss_fn, k, pre.graphdef, pre.params, pre.rest, micro)
         if grads is None:
             continue
-        factors = (1.0, float(k), 1.0 / k)  # averaged, summed, averaged and divided by k again
-        if cand is not None and tolerance:
-            fitted = fitted_factor(cand, flatten_state(grads), tolerance)
-            factors = tuple(c for c in factors if fitted is not None and abs(fitted - c) <= 1e-3 * c)
         tx = run.ref_opt.tx
-        for c in factors:
-            scaled = jax.tree.map(lambda g, c=c: (g * c).astype(g.dtype), grads)
-            alt = _scaled_params(tx, pre.params, pre.opt_state, scaled, 1.0)
+        for c in micro_factors(k, cand, grads, tolerance):
+            alt = _scaled_params(tx, pre.params, pre.opt_state, grads, c)
+            scaled = grads if c == 1.0 else jax.tree.map(lambda g, c=c: (g * c).astype(g.dtype), grads)
             rounding = hypothesis_rounding(tx, scaled, pre.opt_state, pre.params, rtol, atol)
             if _reproduces(run, *alt, rtol, atol, rounding):
                 return k, weights, layout, c
     return None
+
+
+def micro_factors(k: int, cand: dict | None, grads, tolerance: dict) -> tuple[float, ...]:
+    """The factors c on the mean of k micro-batches' own means that the micro-batch hypotheses try: 1 (averaged),
+    k (summed), 1/k (averaged and divided by k again); where the step returned its gradients (``cand``, flat),
+    only the one they are, within ``tolerance`` (:func:`fitted_factor`, to 1e-3)."""
+    factors = (1.0, float(k), 1.0 / k)
+    if cand is None or not tolerance:
+        return factors
+    fitted = fitted_factor(cand, flatten_state(grads), tolerance)
+    return tuple(c for c in factors if fitted is not None and abs(fitted - c) <= 1e-3 * c)
 
 
 def _micro_layouts(batch, rows: int, num_shards: int | None):

@@ -97,16 +97,23 @@ def fitted_shard_clip(run, pre, batch, record: StepRecord, cand_grads) -> float 
     tolerance = {p: t for p, t in tolerance.items() if p in cand and p in means}
     if not tolerance or any(cand[p].shape != means[p].shape[1:] for p in tolerance):
         return None
-    norms = np.sqrt(sum(np.sum(m.reshape(s, -1) ** 2, axis=1) for m in means.values()))
     shares = [np.full(s, 1.0 / s)] + ([weights / np.sum(weights)] if run.weighted else [])
     for coeffs in shares:
-        plain = {p: np.tensordot(coeffs, means[p], axes=1) for p in tolerance}
-        if all(np.max(np.abs(cand[p] - plain[p])) <= tolerance[p] for p in tolerance):
-            continue  # the shards' plain mean: no clip shows
-        m = _fit(cand, means, coeffs, norms, tolerance)
+        m = _clip_fit(cand, means, coeffs, tolerance)
         if m is not None:
             return m
     return None
+
+
+def _clip_fit(cand: dict, groups: dict, coeffs: np.ndarray, tolerance: dict) -> float | None:
+    """:func:`_fit` of ``groups`` (``{path: [G, ...]}``, each group's gradient) combined with ``coeffs``, where
+    their plain combination alone does not give ``cand`` within ``tolerance`` (no clip shows there)."""
+    plain = {p: np.tensordot(coeffs, groups[p], axes=1) for p in tolerance}
+    if all(np.max(np.abs(cand[p] - plain[p])) <= tolerance[p] for p in tolerance):
+        return None
+    g = len(coeffs)
+    norms = np.sqrt(sum(np.sum(v.reshape(g, -1) ** 2, axis=1) for v in groups.values()))
+    return _fit(cand, groups, coeffs, norms, tolerance)
 
 
 def fitted_micro_clip(run, pre, batch, record: StepRecord, cand_grads) -> tuple[float, int, str, str] | None:
@@ -160,11 +167,7 @@ def _micro_fit(cand: dict, terms, grads) -> tuple[float, str] | None:
     fitted = {}
     for of in ("sum", "mean"):
         groups = sums if of == "sum" else {p: g / _column(weights, g.ndim) for p, g in sums.items()}
-        plain = {p: np.tensordot(coeffs, groups[p], axes=1) for p in tolerance}
-        if all(np.max(np.abs(cand[p] - plain[p])) <= tolerance[p] for p in tolerance):
-            continue  # the groups' plain mean: no clip shows
-        norms = np.sqrt(sum(np.sum(g.reshape(k, -1) ** 2, axis=1) for g in groups.values()))
-        m = _fit(cand, groups, coeffs, norms, tolerance)
+        m = _clip_fit(cand, groups, coeffs, tolerance)
         if m is not None:
             fitted[of] = m
     if len(fitted) == 2:  # a clip that binds on every group: its sum and its mean clip alike

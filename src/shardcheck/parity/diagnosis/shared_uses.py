@@ -52,8 +52,9 @@ def uses_left_out(
     terms = _call_terms(run.task.loss_fn, pre, batch, module)
     if terms is None or not 2 <= len(terms) <= MAX_CALLS:
         return ()
-    cand = flatten_state(nnx.as_pure(cand_grads))
     tolerance = {e.path: e.tolerance for e in grads if e.path.startswith(module + ".")}
+    flat = flatten_state(nnx.as_pure(cand_grads))
+    cand = {p: np.asarray(to_host(flat[p]), np.float64) for p in tolerance if p in flat}
     names = [name for name, _ in terms]
     for size in range(len(terms) - 1, 0, -1):
         for kept in itertools.combinations(range(len(terms)), size):
@@ -68,7 +69,7 @@ def _within(cand: dict, terms, kept, path: str, tolerance: float) -> bool:
     if path not in cand:
         return False
     total = sum(np.asarray(terms[i][1][name], np.float64) for i in kept)
-    return bool(np.max(np.abs(np.asarray(to_host(cand[path]), np.float64) - total)) <= tolerance)
+    return bool(np.max(np.abs(cand[path] - total)) <= tolerance)
 
 
 def _call_terms(loss_fn, pre, batch, module: str) -> list[tuple[str, dict]] | None:

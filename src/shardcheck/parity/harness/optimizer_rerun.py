@@ -539,19 +539,19 @@ def _tx_learning_rate(tx, params, opt_state) -> float | None:
     found = _scales_of(tx)
     if len(found) == 1 and found[0][0] == "constant":
         return abs(float(np.asarray(found[0][1])))
-    read = _schedule_count(tx, params, opt_state)
+    read = _schedule_count(tx, params, opt_state, found)
     if read is None:
         return None
     schedule, count = read
     return abs(float(np.asarray(schedule(max(count - 1, 0)))))
 
 
-def _schedule_count(tx, params, opt_state) -> tuple[object, int] | None:
+def _schedule_count(tx, params, opt_state, found=None) -> tuple[object, int] | None:
     """``(schedule, count)``: the one learning-rate schedule ``tx`` holds (``scale_by_schedule``'s
     ``step_size_fn``) and its state's count in ``opt_state`` (after the step: one more than the count the step
     read); ``None`` where ``tx`` holds no schedule or more than one scaling, or the count is not in
-    ``opt_state``."""
-    found = _scales_of(tx)
+    ``opt_state``. ``found``: ``tx``'s scalings where already read (:func:`_scales_of`)."""
+    found = _scales_of(tx) if found is None else found
     if len(found) != 1 or found[0][0] != "schedule":
         return None
     try:

@@ -607,8 +607,8 @@ def _micro_match(
 ) -> tuple[int, tuple[float, ...], str, float] | None:
     """``(k, weights, "blocks", c)`` where the candidate's state ``after`` the step is the task optimizer's step
     from its own state ``before`` (``(graphdef, params, rest, opt_state)``) on c times the mean of k micro-batches'
-    own means (c = 1; k: their sum; 1/k: their mean divided by k again; the batch's k blocks of rows, each its loss sum over its own weight, of
-    unequal weights ``weights``), within
+    own means (c over :func:`~shardcheck.parity.diagnosis.hypotheses.micro_factors`: 1, k, their sum, or 1/k;
+    the batch's k blocks of rows, each its loss sum over its own weight, of unequal weights ``weights``), within
     the record's tolerances widened by that step's rounding, while the full batch's step from the same state
     differs; its returned ``grads`` (where given, and some fails) that gradient within the gradient
     tolerances. The live check's hypothesis (:func:`~shardcheck.parity.diagnosis.hypotheses._micro_batch_means`,
@@ -620,8 +620,8 @@ def _micro_match(
     from shardcheck.parity.diagnosis.hypotheses import (
         MICRO_BATCHES,
         _scaled_params,
-        fitted_factor,
         hypothesis_rounding,
+        micro_factors,
         shard_weights,
     )
     from shardcheck.parity.diagnosis.per_shard import per_shard_mean_grads
@@ -644,13 +644,9 @@ def _micro_match(
         mean, full = (per_shard_mean_grads(task.loss_fn, s, graphdef, params, rest, batch) for s in (k, 1))
         if mean is None or full is None:
             continue
-        factors = (1.0, float(k), 1.0 / k)  # averaged, summed, averaged and divided by k again
-        if cand is not None and tolerance:
-            fitted = fitted_factor(cand, flatten_state(mean), tolerance)
-            factors = tuple(c for c in factors if fitted is not None and abs(fitted - c) <= 1e-3 * c)
-        for c in factors:
-            scaled = jax.tree.map(lambda g, c=c: (g * c).astype(g.dtype), mean)
-            alt = _scaled_params(tx, params, state, scaled, 1.0)
+        for c in micro_factors(k, cand, mean, tolerance):
+            alt = _scaled_params(tx, params, state, mean, c)
+            scaled = mean if c == 1.0 else jax.tree.map(lambda g, c=c: (g * c).astype(g.dtype), mean)
             rounding = hypothesis_rounding(tx, scaled, state, params, record.rtol, record.atol)
             near = _compared(record, alt, after, (params, state), rounding)
             apart = _compared(record, alt, _scaled_params(tx, params, state, full, 1.0), (params, state))
